@@ -1,0 +1,50 @@
+# The two commands: `make run` and `make test`. Everything else is what they are made of.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(abspath $(VENV))/bin
+PY     := $(BIN)/python
+export PATH := $(BIN):$(PATH)
+
+STAMP     := $(VENV)/.bootstrapped
+GEN_DIR   := service/context_engine/v1
+GEN_STAMP := $(GEN_DIR)/.generated
+PROTOS    := $(wildcard proto/context_engine/v1/*.proto)
+PIP       := $(PY) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: run test lint gen bootstrap bench clean
+
+## bootstrap: create .venv and install the pinned dependencies and the package
+$(STAMP): requirements/runtime.txt requirements/dev.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is required")'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) -r requirements/dev.txt
+	$(PIP) --no-deps --no-build-isolation -e .
+	@touch $@
+
+bootstrap: $(STAMP)
+
+## gen: generate the Python code of the contract (never committed, never linted)
+$(GEN_STAMP): $(STAMP) $(PROTOS)
+	rm -rf $(GEN_DIR) && mkdir -p $(GEN_DIR)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=service --grpc_python_out=service \
+		--mypy_out=service --mypy_grpc_out=service $(PROTOS)
+	@touch $(GEN_DIR)/__init__.py $@
+
+gen: $(GEN_STAMP)
+
+## run: serve on 127.0.0.1:50051 (metrics on 127.0.0.1:9464), embedded PostgreSQL under .data/
+run: $(GEN_STAMP)
+	$(BIN)/context-engine serve
+
+## lint: ruff, mypy --strict, buf lint
+lint: $(GEN_STAMP)
+	$(BIN)/ruff check service tests
+	$(BIN)/mypy service
+	$(BIN)/buf lint
+
+## test: lint, then the whole suite against a throwaway database
+test: lint
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) $(GEN_DIR) .mypy_cache .ruff_cache .pytest_cache .hypothesis

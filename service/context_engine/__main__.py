@@ -1,0 +1,3 @@
+from context_engine.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Adapters: PostgreSQL, tokenizers and file-backed assets behind the domain's ports."""

@@ -1,0 +1,48 @@
+"""Every SQL statement the service runs, by name."""
+
+LOCK_MIGRATIONS = "SELECT pg_advisory_lock($1)"
+UNLOCK_MIGRATIONS = "SELECT pg_advisory_unlock($1)"
+CREATE_MIGRATIONS_TABLE = """
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    version     integer     PRIMARY KEY,
+    name        text        NOT NULL,
+    applied_at  timestamptz NOT NULL DEFAULT now()
+)"""
+APPLIED_MIGRATIONS = "SELECT version, name FROM schema_migrations ORDER BY version"
+RECORD_MIGRATION = "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)"
+
+ENSURE_SESSION = """
+INSERT INTO sessions (tenant_id, session_id) VALUES ($1, $2)
+ON CONFLICT (tenant_id, session_id) DO NOTHING"""
+
+LOCK_SESSION = """
+SELECT current_epoch FROM sessions WHERE tenant_id = $1 AND session_id = $2 FOR UPDATE"""
+
+CURRENT_EPOCH = "SELECT current_epoch FROM sessions WHERE tenant_id = $1 AND session_id = $2"
+
+PLAN_COLUMNS = """tenant_id, session_id, epoch, reason, spec::text AS spec, prefix_sha256,
+    prefix_tokens, classes::text AS classes, created_at"""
+
+GET_PLAN = f"""
+SELECT {PLAN_COLUMNS} FROM plans WHERE tenant_id = $1 AND session_id = $2 AND epoch = $3"""
+
+GET_CURRENT_PLAN = """
+SELECT p.tenant_id, p.session_id, p.epoch, p.reason, p.spec::text AS spec, p.prefix_sha256,
+    p.prefix_tokens, p.classes::text AS classes, p.created_at
+FROM plans p JOIN sessions s ON s.tenant_id = p.tenant_id AND s.session_id = p.session_id
+WHERE p.tenant_id = $1 AND p.session_id = $2 AND p.epoch = s.current_epoch"""
+
+INSERT_PLAN = """
+INSERT INTO plans (tenant_id, session_id, epoch, reason, spec, prefix_sha256, prefix_tokens,
+    classes, model_id, tokenizer, tool_names, deferred_tool_names, skipped_tool_names,
+    authority_scope_hashes, builder_version, policy_version, cache_ttl)
+VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8::jsonb, $9, $10, $11, $12, $13, $14, $15, $16, $17)
+RETURNING created_at"""
+
+ADVANCE_SESSION = """
+UPDATE sessions SET current_epoch = $3, updated_at = now()
+WHERE tenant_id = $1 AND session_id = $2 AND current_epoch = $3 - 1"""
+
+INSERT_EVENT = """
+INSERT INTO context_events (tenant_id, session_id, epoch, type, payload)
+VALUES ($1, $2, $3, $4, $5::jsonb)"""

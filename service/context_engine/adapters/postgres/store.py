@@ -1,0 +1,94 @@
+"""PlanStore on PostgreSQL: one row per epoch, serialized per session by a row lock."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from context_engine.adapters.postgres import queries
+from context_engine.adapters.postgres.errors import translated
+from context_engine.domain.canonical import canonical_json
+from context_engine.domain.plan import ClassUsage, ContextPlan, PlanSpec
+from context_engine.domain.ports import Decide, pinned, plan_event
+
+
+def _plan_from_row(row: asyncpg.Record) -> ContextPlan:
+    # Parse and rebuild: the canonical form is re-derived, never the stored text.
+    spec = PlanSpec.from_canonical(json.loads(row["spec"]))
+    classes = tuple(ClassUsage(**c) for c in json.loads(row["classes"]))
+    return ContextPlan(tenant_id=row["tenant_id"], session_id=row["session_id"],
+                       epoch=row["epoch"], reason=row["reason"], spec=spec,
+                       prefix_sha256=row["prefix_sha256"], prefix_tokens=row["prefix_tokens"],
+                       classes=classes, created_at=row["created_at"])
+
+
+def _classes_json(plan: ContextPlan) -> str:
+    return canonical_json([{"class_name": c.class_name, "tokens": c.tokens, "cap": c.cap,
+                            "items": c.items, "item_cap": c.item_cap} for c in plan.classes])
+
+
+class PostgresPlanStore:
+    def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0) -> None:
+        self._pool = pool
+        self._timeout = command_timeout
+
+    async def get(self, tenant_id: str, session_id: str,
+                  epoch: int | None = None) -> ContextPlan | None:
+        async with translated():
+            if epoch is None:
+                row = await self._pool.fetchrow(queries.GET_CURRENT_PLAN, tenant_id, session_id,
+                                                timeout=self._timeout)
+            else:
+                row = await self._pool.fetchrow(queries.GET_PLAN, tenant_id, session_id, epoch,
+                                                timeout=self._timeout)
+        return None if row is None else _plan_from_row(row)
+
+    async def current_epoch(self, tenant_id: str, session_id: str) -> int | None:
+        async with translated():
+            epoch = await self._pool.fetchval(queries.CURRENT_EPOCH, tenant_id, session_id,
+                                              timeout=self._timeout)
+        return int(epoch) if epoch else None
+
+    async def pin(self, tenant_id: str, session_id: str,
+                  decide: Decide) -> tuple[ContextPlan, bool]:
+        async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
+                    conn.transaction()):
+            await conn.execute(queries.ENSURE_SESSION, tenant_id, session_id,
+                               timeout=self._timeout)
+            epoch = await conn.fetchval(queries.LOCK_SESSION, tenant_id, session_id,
+                                        timeout=self._timeout)
+            current = None
+            if epoch:
+                row = await conn.fetchrow(queries.GET_PLAN, tenant_id, session_id, epoch,
+                                          timeout=self._timeout)
+                current = _plan_from_row(row)
+            rotation = decide(current)  # may raise: the transaction rolls back
+            if rotation is None:
+                assert current is not None
+                return current, False
+            plan = pinned(tenant_id, session_id, epoch + 1, rotation)
+            created_at = await self._insert(conn, plan)
+            return replace(plan, created_at=created_at), True
+
+    async def _insert(self, conn: Any, plan: ContextPlan) -> datetime:
+        spec = plan.spec
+        created_at = await conn.fetchval(
+            queries.INSERT_PLAN, plan.tenant_id, plan.session_id, plan.epoch, plan.reason,
+            spec.canonical_json(), plan.prefix_sha256, plan.prefix_tokens, _classes_json(plan),
+            spec.model.model_id, spec.tokenizer, list(spec.tool_names),
+            list(spec.deferred_tool_names), list(spec.skipped_tool_names),
+            list(spec.authority_scope_hashes), spec.builder_version, spec.assets.version,
+            spec.cache_ttl, timeout=self._timeout)
+        status = await conn.execute(queries.ADVANCE_SESSION, plan.tenant_id, plan.session_id,
+                                    plan.epoch, timeout=self._timeout)
+        if status != "UPDATE 1":  # the row lock makes this unreachable; never skip an epoch
+            raise RuntimeError(f"session epoch did not advance to {plan.epoch}: {status}")
+        event = plan_event(plan)
+        await conn.execute(queries.INSERT_EVENT, event.tenant_id, event.session_id, event.epoch,
+                           event.type, canonical_json(event.payload), timeout=self._timeout)
+        assert isinstance(created_at, datetime)
+        return created_at

@@ -1,0 +1,1 @@
+"""The gRPC surface: proto <-> domain mapping, error mapping, servicer and server."""

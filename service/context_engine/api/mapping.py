@@ -1,0 +1,349 @@
+"""Proto <-> domain. Every malformed field becomes a BadRequest field violation; nothing is
+defaulted silently except what the contract documents (absent model_visible is true, an
+unspecified session kind is interactive)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from context_engine.domain.builder import BuildResult, Checkpoint, RuntimeMetadata, SkillBody
+from context_engine.domain.canonical import parse_json_object, session_key
+from context_engine.domain.errors import FieldViolation, InvalidInput
+from context_engine.domain.items import (
+    AssistantMessageItem,
+    ConversationItem,
+    KnowledgePassage,
+    MemoryLine,
+    ReasoningItem,
+    ToolCallItem,
+    ToolResultItem,
+    UserMessageItem,
+    WorkingFact,
+    WorkingState,
+    WorkingTask,
+)
+from context_engine.domain.model import (
+    AgentSpec,
+    MemoryItem,
+    MemorySnapshot,
+    Persona,
+    PersonaEntry,
+    SessionKind,
+    SideEffect,
+    SkillCatalogEntry,
+    ToolSpec,
+)
+from context_engine.domain.plan import ContextPlan, render_prefix
+from context_engine.domain.request import Message, PrefixBlock, Role, ToolCall, ToolDefinition
+from context_engine.domain.tools import CONTROL_TOOLS
+from context_engine.domain.trust import TrustLevel
+from context_engine.engine import ModelRequestSpec, PlanCommand
+from context_engine.v1 import context_engine_pb2 as pb
+
+MAX_ID_LENGTH = 256
+TASK_STATES = ("open", "in_progress", "blocked", "completed")
+
+TRUST_FROM_PB: dict[pb.TrustLevel.ValueType, TrustLevel] = {
+    pb.TRUST_LEVEL_PLATFORM: TrustLevel.PLATFORM,
+    pb.TRUST_LEVEL_TRUSTED_CONFIGURATION: TrustLevel.TRUSTED_CONFIGURATION,
+    pb.TRUST_LEVEL_USER: TrustLevel.USER,
+    pb.TRUST_LEVEL_MEMORY: TrustLevel.MEMORY,
+    pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED: TrustLevel.EXTERNAL_UNTRUSTED,
+}
+TRUST_TO_PB: dict[TrustLevel, pb.TrustLevel.ValueType] = {
+    v: k for k, v in TRUST_FROM_PB.items()}
+SIDE_EFFECT_FROM_PB: dict[pb.SideEffect.ValueType, SideEffect] = {
+    pb.SIDE_EFFECT_NONE: SideEffect.NONE,
+    pb.SIDE_EFFECT_WORKSPACE_READ: SideEffect.WORKSPACE_READ,
+    pb.SIDE_EFFECT_NETWORK_READ: SideEffect.NETWORK_READ,
+    pb.SIDE_EFFECT_WORKSPACE_WRITE: SideEffect.WORKSPACE_WRITE,
+    pb.SIDE_EFFECT_NETWORK_WRITE: SideEffect.NETWORK_WRITE,
+    pb.SIDE_EFFECT_EXTERNAL_ACTION: SideEffect.EXTERNAL_ACTION,
+}
+SESSION_KIND_FROM_PB: dict[pb.SessionKind.ValueType, SessionKind] = {
+    pb.SESSION_KIND_UNSPECIFIED: SessionKind.INTERACTIVE,
+    pb.SESSION_KIND_INTERACTIVE: SessionKind.INTERACTIVE,
+    pb.SESSION_KIND_SCHEDULED: SessionKind.SCHEDULED,
+    pb.SESSION_KIND_CHILD: SessionKind.CHILD,
+    pb.SESSION_KIND_EMAIL: SessionKind.EMAIL,
+}
+SESSION_KIND_TO_PB: dict[SessionKind, pb.SessionKind.ValueType] = {
+    v: k for k, v in SESSION_KIND_FROM_PB.items() if k != pb.SESSION_KIND_UNSPECIFIED}
+ROLE_TO_PB = {Role.USER: pb.ROLE_USER, Role.ASSISTANT: pb.ROLE_ASSISTANT, Role.TOOL: pb.ROLE_TOOL}
+
+
+class Violations:
+    """Collects field violations; ``raise_if_any`` raises one InvalidInput with all of them."""
+
+    def __init__(self) -> None:
+        self.items: list[FieldViolation] = []
+
+    def add(self, field: str, description: str) -> None:
+        self.items.append(FieldViolation(field, description))
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            raise InvalidInput(self.items)
+
+    def identifier(self, field: str, value: str) -> None:
+        if not value:
+            self.add(field, "must not be empty")
+        elif len(value) > MAX_ID_LENGTH:
+            self.add(field, f"is {len(value)} characters; at most {MAX_ID_LENGTH}")
+        elif value != value.strip() or any(ord(c) < 32 for c in value):
+            self.add(field, "must not contain control characters or surrounding white space")
+
+    def trust(self, field: str, value: pb.TrustLevel.ValueType) -> TrustLevel:
+        found = TRUST_FROM_PB.get(value)
+        if found is None:
+            self.add(field, f"unknown trust level {value}"
+                     + (" (unspecified)" if value == 0 else ""))
+            return TrustLevel.EXTERNAL_UNTRUSTED
+        return found
+
+    def unique(self, field: str, values: Iterable[str], what: str) -> None:
+        seen: set[str] = set()
+        for i, v in enumerate(values):
+            if v in seen:
+                self.add(f"{field}[{i}]", f"duplicate {what} {v!r}")
+            seen.add(v)
+
+
+def _tool(v: Violations, field: str, t: pb.ToolSpec) -> ToolSpec:
+    v.identifier(f"{field}.name", t.name)
+    if t.name in CONTROL_TOOLS:
+        v.add(f"{field}.name", f"{t.name!r} is a control tool the service defines itself")
+    schema = parse_json_object(t.input_schema_json)
+    if schema is None:
+        v.add(f"{field}.input_schema_json", "is not a JSON object")
+    effect = SIDE_EFFECT_FROM_PB.get(t.side_effect)
+    if effect is None:
+        v.add(f"{field}.side_effect", f"unknown side effect {t.side_effect}"
+              + (" (unspecified)" if t.side_effect == 0 else ""))
+    v.unique(f"{field}.required_scopes", t.required_scopes, "scope")
+    return ToolSpec(name=t.name, description=t.description, input_schema=schema or {},
+                    side_effect=effect or SideEffect.NONE, server=t.server,
+                    required_scopes=tuple(sorted(set(t.required_scopes))),
+                    model_visible=t.model_visible if t.HasField("model_visible") else True,
+                    session_binding=t.session_binding)
+
+
+def _positive(v: Violations, field: str, msg: pb.ModelCapabilities, name: str) -> int | None:
+    if not msg.HasField(name):  # type: ignore[arg-type]
+        return None
+    value = int(getattr(msg, name))
+    if value <= 0:
+        v.add(f"{field}.{name}", f"must be positive, got {value}")
+        return None
+    return value
+
+
+def plan_command(req: pb.PlanRequest) -> PlanCommand:
+    v = Violations()
+    v.identifier("tenant_id", req.tenant_id)
+    v.identifier("session_id", req.session_id)
+    a = req.agent
+    v.identifier("agent.agent_id", a.agent_id)
+    v.identifier("agent.version", a.version)
+    for i, name in enumerate(a.enabled_tools):
+        if not name:
+            v.add(f"agent.enabled_tools[{i}]", "must not be empty")
+    for i, name in enumerate(a.deferred_tools):
+        if not name:
+            v.add(f"agent.deferred_tools[{i}]", "must not be empty")
+    if req.persona.entries and not req.persona.revision:
+        v.add("persona.revision", "a persona with entries needs a revision")
+    v.unique("persona.entries", (e.key for e in req.persona.entries), "persona key")
+    tools = tuple(_tool(v, f"tool_catalog[{i}]", t) for i, t in enumerate(req.tool_catalog))
+    v.unique("tool_catalog", (t.name for t in req.tool_catalog), "tool name")
+    for i, scope in enumerate(req.principal_scopes):
+        if not scope:
+            v.add(f"principal_scopes[{i}]", "must not be empty")
+    v.identifier("model.model_id", req.model.model_id)
+    caps = req.model.capabilities
+    window = _positive(v, "model.capabilities", caps, "context_window")
+    reserve = _positive(v, "model.capabilities", caps, "output_reserve")
+    breakpoints = None
+    if caps.HasField("breakpoint_budget"):
+        if caps.breakpoint_budget < 0:
+            v.add("model.capabilities.breakpoint_budget", "must not be negative")
+        else:
+            breakpoints = caps.breakpoint_budget
+    kind = SESSION_KIND_FROM_PB.get(req.session.kind)
+    if kind is None:
+        v.add("session.kind", f"unknown session kind {req.session.kind}")
+    skills = []
+    for i, s in enumerate(req.skill_catalog):
+        v.identifier(f"skill_catalog[{i}].name", s.name)
+        skills.append(SkillCatalogEntry(name=s.name, description=s.description,
+                                        trust=v.trust(f"skill_catalog[{i}].trust", s.trust)))
+    v.unique("skill_catalog", (s.name for s in req.skill_catalog), "skill name")
+    snap = req.memory_snapshot
+    for i, item in enumerate(snap.items):
+        v.identifier(f"memory_snapshot.items[{i}].id", item.id)
+    v.unique("memory_snapshot.items", (i.id for i in snap.items), "memory item id")
+    if snap.watermark < 0:
+        v.add("memory_snapshot.watermark", "must not be negative")
+    v.raise_if_any()
+    return PlanCommand(
+        tenant_id=req.tenant_id, session_id=req.session_id,
+        agent=AgentSpec(agent_id=a.agent_id, version=a.version, instructions=a.instructions,
+                        enabled_tools=tuple(a.enabled_tools),
+                        deferred_tools=tuple(a.deferred_tools),
+                        enables_tool_call=a.enables_tool_call),
+        persona=Persona(revision=req.persona.revision,
+                        entries=tuple(PersonaEntry(key=e.key, text=e.text)
+                                      for e in req.persona.entries)),
+        tool_catalog=tools,
+        principal_scopes=tuple(sorted(set(req.principal_scopes))),
+        model=ModelRequestSpec(model_id=req.model.model_id, context_window=window,
+                               output_reserve=reserve, breakpoint_budget=breakpoints),
+        session_kind=kind or SessionKind.INTERACTIVE,
+        website_profile_id=req.session.website_profile_id,
+        skill_catalog=tuple(skills),
+        memory_snapshot=MemorySnapshot(
+            snapshot_id=snap.snapshot_id, recall_trace_id=snap.recall_trace_id,
+            watermark=snap.watermark,
+            items=tuple(MemoryItem(id=i.id, text=i.text) for i in snap.items)),
+    )
+
+
+def session_ids(v: Violations, tenant_id: str, session_id: str) -> None:
+    v.identifier("tenant_id", tenant_id)
+    v.identifier("session_id", session_id)
+
+
+def _item(v: Violations, field: str, it: pb.ConversationItem) -> ConversationItem | None:
+    trust = v.trust(f"{field}.trust", it.trust)
+    common = {"id": it.id, "sequence": it.sequence, "run_id": it.run_id, "item_trust": trust}
+    kind = it.WhichOneof("kind")
+    if kind == "user":
+        return UserMessageItem(text=it.user.text, **common)  # type: ignore[arg-type]
+    if kind == "assistant":
+        return AssistantMessageItem(text=it.assistant.text, **common)  # type: ignore[arg-type]
+    if kind == "tool_calls":
+        calls = tuple(ToolCall(call_id=c.call_id, name=c.name, arguments_json=c.arguments_json)
+                      for c in it.tool_calls.calls)
+        return ToolCallItem(calls=calls, **common)  # type: ignore[arg-type]
+    if kind == "tool_result":
+        r = it.tool_result
+        return ToolResultItem(call_id=r.call_id, tool_name=r.tool_name, content=r.content,
+                              artifact_ref=r.artifact_ref, **common)  # type: ignore[arg-type]
+    if kind == "reasoning":
+        return ReasoningItem(provider=it.reasoning.provider, opaque=it.reasoning.opaque,
+                             **common)  # type: ignore[arg-type]
+    v.add(f"{field}.kind", "no item kind is set")
+    return None
+
+
+def checkpoint(v: Violations, cp: pb.Checkpoint) -> Checkpoint:
+    items = [_item(v, f"checkpoint.items[{i}]", it) for i, it in enumerate(cp.items)]
+    skills = tuple(SkillBody(name=s.name, body=s.body,
+                             trust=v.trust(f"checkpoint.loaded_skills[{i}].trust", s.trust))
+                   for i, s in enumerate(cp.loaded_skills))
+    ws = cp.working_state
+    for i, t in enumerate(ws.tasks):
+        if t.state not in TASK_STATES:
+            v.add(f"checkpoint.working_state.tasks[{i}].state",
+                  f"unknown task state {t.state!r}; one of {', '.join(TASK_STATES)}")
+    facts = tuple(WorkingFact(statement=f.statement, source_event_ids=tuple(f.source_event_ids),
+                              trust=v.trust(f"checkpoint.working_state.facts[{i}].trust",
+                                            f.trust))
+                  for i, f in enumerate(ws.facts))
+    knowledge = tuple(KnowledgePassage(
+        id=p.id, source=p.source, text=p.text, rank=p.rank,
+        trust=v.trust(f"checkpoint.knowledge[{i}].trust", p.trust))
+        for i, p in enumerate(cp.knowledge))
+    v.unique("checkpoint.knowledge", (p.id for p in cp.knowledge), "passage id")
+    return Checkpoint(
+        active_run_id=cp.active_run_id,
+        items=tuple(i for i in items if i is not None),
+        loaded_skills=skills,
+        working_state=WorkingState(
+            objective=ws.objective, constraints=tuple(ws.constraints),
+            tasks=tuple(WorkingTask(id=t.id, title=t.title, state=t.state) for t in ws.tasks),
+            facts=facts, open_questions=tuple(ws.open_questions), next_action=ws.next_action),
+        recall=tuple(MemoryLine(id=r.id, text=r.text) for r in cp.recall),
+        corrections=tuple(MemoryLine(id=c.id, text=c.text) for c in cp.corrections),
+        knowledge=knowledge,
+        runtime=RuntimeMetadata(current_date=cp.runtime.current_date,
+                                principal_scopes=tuple(cp.runtime.principal_scopes),
+                                surface=cp.runtime.surface,
+                                browser_origins=tuple(cp.runtime.browser_origins)),
+    )
+
+
+def _timestamp(value: datetime | None) -> Timestamp | None:
+    if value is None:
+        return None
+    ts = Timestamp()
+    ts.FromDatetime(value)
+    return ts
+
+
+def blocks_pb(blocks: Iterable[PrefixBlock]) -> list[pb.PrefixBlock]:
+    return [pb.PrefixBlock(row=b.row, trust=TRUST_TO_PB[b.trust], text=b.text) for b in blocks]
+
+
+def tools_pb(tools: Iterable[ToolDefinition]) -> list[pb.ToolDefinition]:
+    return [pb.ToolDefinition(name=t.name, description=t.description,
+                              input_schema_json=t.input_schema_json) for t in tools]
+
+
+def plan_pb(plan: ContextPlan, *, include_prefix: bool = True) -> pb.ContextPlan:
+    spec = plan.spec
+    key = session_key(plan.tenant_id, plan.session_id)
+    out = pb.ContextPlan(
+        tenant_id=plan.tenant_id, session_id=plan.session_id, epoch=plan.epoch,
+        prefix_sha256=plan.prefix_sha256, prefix_tokens=plan.prefix_tokens,
+        prefix_classes=[pb.ClassTokens(class_name=c.class_name, tokens=c.tokens, cap=c.cap,
+                                       items=c.items, item_cap=c.item_cap)
+                        for c in plan.classes],
+        model_id=spec.model.model_id, tokenizer=f"{spec.tokenizer} x{spec.model.base_factor:g}",
+        context_window=spec.model.context_window, output_reserve=spec.model.output_reserve,
+        breakpoint_budget=spec.model.breakpoint_budget,
+        tool_names=list(spec.tool_names), deferred_tool_names=list(spec.deferred_tool_names),
+        skipped_tool_names=list(spec.skipped_tool_names),
+        tool_schema_sha256="", authority_scope_hashes=list(spec.authority_scope_hashes),
+        policy_version=spec.assets.version, builder_version=spec.builder_version,
+        cache_ttl=spec.cache_ttl, reason=plan.reason, session_key=key,
+        agent_id=spec.agent.agent_id, agent_version=spec.agent.version,
+        persona_revision=spec.persona.revision,
+        session_kind=SESSION_KIND_TO_PB[spec.session_kind],
+    )
+    created = _timestamp(plan.created_at)
+    if created is not None:
+        out.created_at.CopyFrom(created)
+    rendered = render_prefix(spec, key)
+    out.tool_schema_sha256 = rendered.tool_schema_sha256
+    if include_prefix:
+        out.prefix_blocks.extend(blocks_pb(rendered.blocks))
+        out.tools.extend(tools_pb(rendered.tools))
+    return out
+
+
+def message_pb(m: Message) -> pb.Message:
+    return pb.Message(
+        row=m.row, role=ROLE_TO_PB[m.role], trust=TRUST_TO_PB[m.trust], item_id=m.item_id,
+        text=m.text,
+        tool_calls=[pb.ToolCall(call_id=c.call_id, name=c.name, arguments_json=c.arguments_json)
+                    for c in m.tool_calls],
+        call_id=m.call_id, reasoning_provider=m.reasoning_provider,
+        reasoning_opaque=m.reasoning_opaque)
+
+
+def build_pb(result: BuildResult) -> pb.BuildResponse:
+    req = result.request
+    return pb.BuildResponse(
+        request=pb.ModelRequest(prefix_blocks=blocks_pb(req.prefix_blocks),
+                                tools=tools_pb(req.tools),
+                                messages=[message_pb(m) for m in req.messages]),
+        prefix_sha256=result.prefix_sha256, epoch=result.epoch, model_id=result.model_id,
+        session_key=result.session_key, prefix_tokens=result.prefix_tokens,
+        body_tokens=result.body_tokens, estimated_input_tokens=result.estimated_input_tokens,
+        context_window=result.context_window, output_reserve=result.output_reserve,
+        estimator_factor=result.estimator_factor, tokenizer=result.tokenizer)
+

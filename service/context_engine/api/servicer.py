@@ -1,0 +1,110 @@
+"""The ContextEngine servicer: proto in, domain call, proto out. Nothing else lives here."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+from grpc_status import rpc_status
+
+from context_engine.api import mapping
+from context_engine.api.status import internal_status, status_for
+from context_engine.domain.errors import ContextEngineError
+from context_engine.engine import Engine
+from context_engine.telemetry.logs import log
+from context_engine.telemetry.metrics import Metrics
+from context_engine.v1 import context_engine_pb2 as pb
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+@dataclass
+class CallRecord:
+    """What one RPC reports to its log line (never content)."""
+
+    tenant: str = ""
+    epoch: int = 0
+    prefix_sha256: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ContextEngineServicer(pb_grpc.ContextEngineServicer):
+    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+        self._engine = engine
+        self._metrics = metrics
+
+    async def _run(self, method: str, context: grpc.aio.ServicerContext[Any, Any],
+                   call: Callable[[CallRecord], Awaitable[Resp]]) -> Resp:
+        started = time.perf_counter()
+        record = CallRecord()
+        code = grpc.StatusCode.OK
+        try:
+            return await call(record)
+        except ContextEngineError as exc:
+            code, status = status_for(exc)
+            record.extra["reason"] = exc.reason
+        except Exception:  # an unexpected defect: logged with its type, answered INTERNAL
+            logging.getLogger("context_engine").exception("unhandled error in %s", method)
+            code, status = internal_status()
+            record.extra["reason"] = "INTERNAL"
+        finally:
+            elapsed = time.perf_counter() - started
+            self._metrics.rpc_seconds.labels(method=method, code=code.name).observe(elapsed)
+            log("rpc", logging.INFO if code is grpc.StatusCode.OK else logging.WARNING,
+                method=method, code=code.name, duration_ms=round(elapsed * 1000, 3),
+                tenant=record.tenant, epoch=record.epoch, prefix_sha256=record.prefix_sha256,
+                **record.extra)
+        # Only reached on error: abort with the rich status (ErrorInfo, BadRequest).
+        await context.abort(code, status.message,
+                            rpc_status.to_status(status).trailing_metadata)
+        raise AssertionError("unreachable: abort raises")
+
+    async def Plan(self, request: pb.PlanRequest,
+                   context: grpc.aio.ServicerContext[Any, Any]) -> pb.PlanResponse:
+        async def call(record: CallRecord) -> pb.PlanResponse:
+            record.tenant = request.tenant_id
+            cmd = mapping.plan_command(request)
+            plan, created = await self._engine.plan(cmd)
+            record.epoch, record.prefix_sha256 = plan.epoch, plan.prefix_sha256
+            record.extra["created"] = created
+            return pb.PlanResponse(plan=mapping.plan_pb(plan), created=created)
+        return await self._run("Plan", context, call)
+
+    async def GetPlan(self, request: pb.GetPlanRequest,
+                      context: grpc.aio.ServicerContext[Any, Any]) -> pb.GetPlanResponse:
+        async def call(record: CallRecord) -> pb.GetPlanResponse:
+            record.tenant = request.tenant_id
+            v = mapping.Violations()
+            mapping.session_ids(v, request.tenant_id, request.session_id)
+            v.raise_if_any()
+            plan = await self._engine.get_plan(request.tenant_id, request.session_id,
+                                               request.epoch or None)
+            record.epoch, record.prefix_sha256 = plan.epoch, plan.prefix_sha256
+            return pb.GetPlanResponse(plan=mapping.plan_pb(plan))
+        return await self._run("GetPlan", context, call)
+
+    async def Build(self, request: pb.BuildRequest,
+                    context: grpc.aio.ServicerContext[Any, Any]) -> pb.BuildResponse:
+        async def call(record: CallRecord) -> pb.BuildResponse:
+            record.tenant = request.tenant_id
+            v = mapping.Violations()
+            mapping.session_ids(v, request.tenant_id, request.session_id)
+            checkpoint = mapping.checkpoint(v, request.checkpoint)
+            factor = None
+            if request.HasField("estimator_factor"):
+                factor = request.estimator_factor
+                if not 0.5 <= factor <= 4.0:
+                    v.add("estimator_factor", f"{factor} is outside [0.5, 4.0]")
+            v.raise_if_any()
+            result = await self._engine.build(request.tenant_id, request.session_id,
+                                              request.epoch or None, checkpoint, factor)
+            record.epoch, record.prefix_sha256 = result.epoch, result.prefix_sha256
+            record.extra["estimated_input_tokens"] = result.estimated_input_tokens
+            return mapping.build_pb(result)
+        return await self._run("Build", context, call)

@@ -1,0 +1,58 @@
+"""Domain errors -> google.rpc.Status with exactly one ErrorInfo, in one table (DESIGN §2)."""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from context_engine.domain import errors as e
+
+DOMAIN = "context-engine"
+
+# The one table. Order matters only for subclasses (none share a parent today).
+CODES: tuple[tuple[type[e.ContextEngineError], grpc.StatusCode], ...] = (
+    (e.InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
+    (e.PrefixClassOverCap, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.RequiredToolUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.PinnedVersionConflict, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.BudgetExceeded, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.SessionNotFound, grpc.StatusCode.NOT_FOUND),
+    (e.PrefixHashMismatch, grpc.StatusCode.INTERNAL),
+    (e.StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (e.AssemblyError, grpc.StatusCode.INTERNAL),
+)
+
+
+def code_for(error: e.ContextEngineError) -> grpc.StatusCode:
+    for cls, code in CODES:
+        if isinstance(error, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def rich_status(code: grpc.StatusCode, message: str, reason: str,
+                metadata: dict[str, str],
+                violations: tuple[e.FieldViolation, ...] = ()) -> status_pb2.Status:
+    info = any_pb2.Any()
+    info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=metadata))
+    details = [info]
+    if violations:
+        bad = any_pb2.Any()
+        bad.Pack(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+            for v in violations]))
+        details.append(bad)
+    return status_pb2.Status(code=getattr(code_pb2, code.name), message=message,
+                             details=details)
+
+
+def status_for(error: e.ContextEngineError) -> tuple[grpc.StatusCode, status_pb2.Status]:
+    code = code_for(error)
+    violations = error.violations if isinstance(error, e.InvalidInput) else ()
+    return code, rich_status(code, str(error), error.reason, error.metadata(), violations)
+
+
+def internal_status() -> tuple[grpc.StatusCode, status_pb2.Status]:
+    code = grpc.StatusCode.INTERNAL
+    return code, rich_status(code, "internal error", "INTERNAL", {})

@@ -1,0 +1,39 @@
+"""Canonical JSON and hashing: sorted keys, no insignificant whitespace, UTF-8 (DESIGN §3)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+
+def canonical_json(value: Any) -> str:
+    """Serialize ``value`` canonically. Sets must be sorted by the caller (we reject them)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False)
+
+
+def sha256_hex(text: str | bytes) -> str:
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    return hashlib.sha256(data).hexdigest()
+
+
+def canonical_sha256(value: Any) -> str:
+    return sha256_hex(canonical_json(value))
+
+
+def session_key(tenant_id: str, session_id: str) -> str:
+    """``session-`` + first 32 hex of SHA-256 over canonical [tenant_id, session_id]."""
+    return "session-" + canonical_sha256([tenant_id, session_id])[:32]
+
+
+def parse_json_object(text: str) -> dict[str, Any] | None:
+    """Parse ``text`` as a JSON object; None if it is not valid JSON or not an object."""
+    def _reject_constant(name: str) -> Any:
+        raise ValueError(name)
+
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None

@@ -1,0 +1,151 @@
+"""Domain errors. The servicer maps each class to a gRPC status in one table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ContextEngineError(Exception):
+    """Root of every error the domain raises on purpose."""
+
+    reason: str = "CONTEXT_ENGINE_ERROR"
+
+    def metadata(self) -> dict[str, str]:
+        return {}
+
+
+@dataclass(frozen=True)
+class FieldViolation:
+    field: str
+    description: str
+
+
+class InvalidInput(ContextEngineError):
+    """Malformed input; carries one violation per offending field."""
+
+    reason = "INVALID_ARGUMENT"
+
+    def __init__(self, violations: list[FieldViolation]) -> None:
+        self.violations = tuple(violations)
+        super().__init__("; ".join(f"{v.field}: {v.description}" for v in violations))
+
+    @classmethod
+    def one(cls, field: str, description: str) -> InvalidInput:
+        return cls([FieldViolation(field, description)])
+
+    def metadata(self) -> dict[str, str]:
+        return {"fields": ",".join(v.field for v in self.violations)}
+
+
+class PrefixClassOverCap(ContextEngineError):
+    """A Region A class exceeds its cap: the session fails to open, nothing is truncated."""
+
+    reason = "PREFIX_CLASS_OVER_CAP"
+
+    def __init__(self, class_name: str, tokens: int, cap: int, *, unit: str = "tokens") -> None:
+        self.class_name = class_name
+        self.tokens = tokens
+        self.cap = cap
+        self.unit = unit
+        super().__init__(f"prefix class {class_name} is {tokens} {unit}, over its cap of {cap}")
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            "class": self.class_name,
+            "tokens" if self.unit == "tokens" else self.unit: str(self.tokens),
+            "cap": str(self.cap),
+            "unit": self.unit,
+        }
+
+
+class RequiredToolUnavailable(ContextEngineError):
+    """A tool the session requires (browser tools of a website-bound session) cannot be defined."""
+
+    reason = "REQUIRED_TOOL_UNAVAILABLE"
+
+    def __init__(self, tool_name: str, why: str) -> None:
+        self.tool_name = tool_name
+        self.why = why
+        super().__init__(f"required tool {tool_name} cannot be defined: {why}")
+
+    def metadata(self) -> dict[str, str]:
+        return {"tool": self.tool_name, "why": self.why}
+
+
+class PinnedVersionConflict(ContextEngineError):
+    """A pinned version (agent version, persona revision, policy version) arrived with
+    different content: versions pin content, so the change needs a new version."""
+
+    reason = "PINNED_VERSION_CONFLICT"
+
+    def __init__(self, what: str, version: str) -> None:
+        self.what = what
+        self.version = version
+        super().__init__(
+            f"{what} version {version!r} is pinned with different content; "
+            "publish the change under a new version")
+
+    def metadata(self) -> dict[str, str]:
+        return {"what": self.what, "version": self.version}
+
+
+class BudgetExceeded(ContextEngineError):
+    """Items that never yield do not fit; the request is never returned without them."""
+
+    reason = "BUDGET_EXCEEDED"
+
+    def __init__(self, class_name: str, tokens: int, limit: int) -> None:
+        self.class_name = class_name
+        self.tokens = tokens
+        self.limit = limit
+        super().__init__(f"{class_name} needs {tokens} tokens but only {limit} are available")
+
+    def metadata(self) -> dict[str, str]:
+        return {"class": self.class_name, "tokens": str(self.tokens), "limit": str(self.limit)}
+
+
+class SessionNotFound(ContextEngineError):
+    reason = "SESSION_NOT_FOUND"
+
+    def __init__(self, tenant_id: str, session_id: str, epoch: int | None = None) -> None:
+        self.tenant_id = tenant_id
+        self.session_id = session_id
+        self.epoch = epoch
+        what = f"epoch {epoch} of session" if epoch else "session"
+        super().__init__(f"{what} {session_id} not found")
+
+    def metadata(self) -> dict[str, str]:
+        meta = {"session_id": self.session_id}
+        if self.epoch:
+            meta["epoch"] = str(self.epoch)
+        return meta
+
+
+class PrefixHashMismatch(ContextEngineError):
+    """Re-rendering a stored plan gave different bytes than it was pinned with: a defect."""
+
+    reason = "PREFIX_HASH_MISMATCH"
+
+    def __init__(self, stored: str, rendered: str, epoch: int) -> None:
+        self.stored = stored
+        self.rendered = rendered
+        self.epoch = epoch
+        super().__init__(
+            f"epoch {epoch}: stored prefix_sha256 {stored} but re-rendered {rendered}"
+        )
+
+    def metadata(self) -> dict[str, str]:
+        return {"stored_sha256": self.stored, "rendered_sha256": self.rendered,
+                "epoch": str(self.epoch)}
+
+
+class StoreUnavailable(ContextEngineError):
+    """The database cannot be reached; the call changed nothing."""
+
+    reason = "STORE_UNAVAILABLE"
+
+
+class AssemblyError(ContextEngineError):
+    """An item type without a declared region or row reached assembly: a build failure."""
+
+    reason = "ASSEMBLY_ERROR"

@@ -1,0 +1,123 @@
+"""The token estimator port and the model catalog (DESIGN §6, spec: "The token estimator").
+
+The estimator is pure and conservative: counts come from a deterministic tokenizer, are
+multiplied by the model's base factor and the request's correction factor, and round up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from context_engine.domain.errors import InvalidInput
+from context_engine.domain.model import ModelProfile
+from context_engine.domain.request import Message
+
+# Provider chat framing per message (OpenAI cookbook: 3 per message, +1 per name; rounded up).
+MESSAGE_OVERHEAD_TOKENS = 4
+# Framing per tool definition beyond its name, description and schema JSON.
+TOOL_OVERHEAD_TOKENS = 12
+# An opaque reasoning payload is counted as if it were text of its base64 length / 4 chars.
+REASONING_BYTES_PER_TOKEN = 3
+
+
+class TokenCounter(Protocol):
+    """Counts tokens of text with one encoding. Must be a pure function of the text."""
+
+    @property
+    def name(self) -> str:
+        """The tokenizer actually used (may differ from the encoding asked for)."""
+        ...
+
+    def count(self, text: str) -> int: ...
+
+
+class TokenizerRegistry(Protocol):
+    def counter_for(self, encoding: str) -> tuple[TokenCounter, float]:
+        """The counter for ``encoding`` and an extra factor (>= 1.0) that keeps a fallback
+        tokenizer conservative; 1.0 when the encoding itself was loaded."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CatalogEntry:
+    prefix: str
+    provider: str
+    encoding: str
+    context_window: int
+    output_reserve: int
+    breakpoint_budget: int
+    base_factor: float
+
+
+class ModelCatalog:
+    """Maps model id prefixes to sizing; the longest matching prefix wins."""
+
+    def __init__(self, entries: Sequence[CatalogEntry]) -> None:
+        self._entries = sorted(entries, key=lambda e: (-len(e.prefix), e.prefix))
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> ModelCatalog:
+        return cls([CatalogEntry(**e) for e in data["models"]])
+
+    def lookup(self, model_id: str) -> CatalogEntry | None:
+        for entry in self._entries:
+            if model_id.startswith(entry.prefix):
+                return entry
+        return None
+
+    def resolve(self, model_id: str, *, context_window: int | None,
+                output_reserve: int | None, breakpoint_budget: int | None) -> ModelProfile:
+        """Fill what the caller did not give from the catalog; a model the catalog does not know
+        must come with its window."""
+        entry = self.lookup(model_id)
+        if entry is None and context_window is None:
+            raise InvalidInput.one(
+                "model.model_id",
+                f"model {model_id!r} is not in the catalog; pass capabilities.context_window")
+        window = context_window if context_window is not None else entry.context_window  # type: ignore[union-attr]
+        reserve = output_reserve if output_reserve is not None else (
+            entry.output_reserve if entry else 8192)
+        breakpoints = breakpoint_budget if breakpoint_budget is not None else (
+            entry.breakpoint_budget if entry else 4)
+        if reserve >= window:
+            raise InvalidInput.one("model.capabilities.output_reserve",
+                                   f"output reserve {reserve} leaves nothing of window {window}")
+        return ModelProfile(
+            model_id=model_id,
+            provider=entry.provider if entry else "unknown",
+            encoding=entry.encoding if entry else "cl100k_base",
+            context_window=window, output_reserve=reserve, breakpoint_budget=breakpoints,
+            # an unknown model counts conservatively, like Claude: no public tokenizer
+            base_factor=entry.base_factor if entry else 1.3,
+        )
+
+
+class TokenEstimator:
+    """Per-model, conservative, pure. ``factor`` is the calibration correction (an explicit
+    input: the response echoes it and a request may pin it)."""
+
+    def __init__(self, counter: TokenCounter, base_factor: float) -> None:
+        self._counter = counter
+        self.base_factor = base_factor
+
+    @property
+    def tokenizer(self) -> str:
+        return self._counter.name
+
+    def text(self, text: str, factor: float = 1.0) -> int:
+        if not text:
+            return 0
+        return math.ceil(self._counter.count(text) * self.base_factor * factor)
+
+    def message(self, message: Message, factor: float = 1.0) -> int:
+        raw = self._counter.count(message.text) if message.text else 0
+        for call in message.tool_calls:
+            raw += self._counter.count(call.name) + self._counter.count(call.arguments_json) + 3
+        raw += math.ceil(len(message.reasoning_opaque) / REASONING_BYTES_PER_TOKEN)
+        return math.ceil(raw * self.base_factor * factor) + MESSAGE_OVERHEAD_TOKENS
+
+    def messages(self, messages: Sequence[Message], factor: float = 1.0) -> int:
+        return sum(self.message(m, factor) for m in messages)

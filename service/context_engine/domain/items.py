@@ -1,0 +1,528 @@
+"""One item type per assembly row (spec: "Two regions and one rule").
+
+Each type declares its ``row``, ``region`` and ``trust`` as class attributes; ``trust = None``
+declares that the trust is carried per item or per entry. The base class declares none of them,
+so a type that forgets its declaration fails at assembly (``assemble``), never by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from context_engine.domain.canonical import canonical_json
+from context_engine.domain.envelope import envelope
+from context_engine.domain.errors import AssemblyError
+from context_engine.domain.model import (
+    MemorySnapshot,
+    Persona,
+    SkillCatalogEntry,
+    ToolSpec,
+)
+from context_engine.domain.request import Message, Role, ToolCall, ToolDefinition
+from context_engine.domain.trust import Region, TrustLevel, lowest
+
+_UNDECLARED = object()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RenderContext:
+    """What rendering may depend on besides the item: the session key, for envelope nonces."""
+
+    session_key: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ContextItem:
+    """Base of every assembled item. Declares no row, region or trust on purpose."""
+
+    row: ClassVar[int]
+    region: ClassVar[Region]
+    trust: ClassVar[TrustLevel | None]
+
+
+def declaration(cls: type) -> tuple[int, Region, TrustLevel | None]:
+    """The (row, region, trust) a type declares, or AssemblyError naming what is missing."""
+    row = getattr(cls, "row", _UNDECLARED)
+    region = getattr(cls, "region", _UNDECLARED)
+    trust = getattr(cls, "trust", _UNDECLARED)
+    missing = [n for n, v in (("row", row), ("region", region), ("trust", trust))
+               if v is _UNDECLARED]
+    if missing:
+        raise AssemblyError(f"{cls.__name__} declares no {', '.join(missing)}")
+    if not isinstance(region, Region) or not isinstance(row, int) or not 1 <= row <= 15:
+        raise AssemblyError(f"{cls.__name__} declares an invalid row or region")
+    if (row <= 8) != (region is Region.A):
+        raise AssemblyError(f"{cls.__name__}: row {row} is not in region {region.value}")
+    assert trust is None or isinstance(trust, TrustLevel)
+    return row, region, trust
+
+
+def assemble(items: list[ContextItem], region: Region) -> list[ContextItem]:
+    """Order ``items`` by their declared row (stable within a row); every item must declare
+    its row and region, and belong to ``region``."""
+    keyed: list[tuple[int, int, ContextItem]] = []
+    for position, item in enumerate(items):
+        row, item_region, _ = declaration(type(item))
+        if item_region is not region:
+            raise AssemblyError(
+                f"{type(item).__name__} belongs to region {item_region.value}, "
+                f"not {region.value}")
+        keyed.append((row, position, item))
+    keyed.sort(key=lambda k: (k[0], k[1]))
+    return [k[2] for k in keyed]
+
+
+# ---------------------------------------------------------------- Region A (rows 1-8)
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlatformPolicy(ContextItem):
+    row: ClassVar[int] = 1
+    region: ClassVar[Region] = Region.A
+    trust: ClassVar[TrustLevel | None] = TrustLevel.PLATFORM
+    text: str
+
+    def render(self, ctx: RenderContext) -> str:
+        return self.text
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Framing(ContextItem):
+    row: ClassVar[int] = 2
+    region: ClassVar[Region] = Region.A
+    trust: ClassVar[TrustLevel | None] = TrustLevel.PLATFORM
+    text: str
+
+    def render(self, ctx: RenderContext) -> str:
+        return self.text
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AgentInstructions(ContextItem):
+    row: ClassVar[int] = 3
+    region: ClassVar[Region] = Region.A
+    trust: ClassVar[TrustLevel | None] = TrustLevel.TRUSTED_CONFIGURATION
+    text: str
+
+    def render(self, ctx: RenderContext) -> str:
+        return self.text
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PersonaRow(ContextItem):
+    row: ClassVar[int] = 4
+    region: ClassVar[Region] = Region.A
+    trust: ClassVar[TrustLevel | None] = TrustLevel.TRUSTED_CONFIGURATION
+    persona: Persona
+
+    def render(self, ctx: RenderContext) -> str:
+        if not self.persona.entries:
+            return ""  # an empty persona renders no bytes
+        lines = ["Persona:"] + [f"- {e.key}: {e.text}" for e in self.persona.entries]
+        return "\n".join(lines)
+
+
+def model_visible_schema(schema: dict[str, object]) -> str:
+    return canonical_json(schema)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ToolDefinitions(ContextItem):
+    """Row 5 renders as the request's tool definitions, not as text."""
+
+    row: ClassVar[int] = 5
+    region: ClassVar[Region] = Region.A
+    trust: ClassVar[TrustLevel | None] = TrustLevel.TRUSTED_CONFIGURATION
+    tools: tuple[ToolSpec, ...]  # sorted by name
+
+    def definitions(self) -> tuple[ToolDefinition, ...]:
+        return tuple(ToolDefinition(name=t.name, description=t.description,
+                                    input_schema_json=model_visible_schema(t.input_schema))
+                     for t in self.tools)
+
+    def render(self, ctx: RenderContext) -> str:
+        return ""
+
+
+def first_sentence(text: str) -> str:
+    flat = " ".join(text.split())
+    for i, ch in enumerate(flat):
+        if ch in ".!?" and (i + 1 == len(flat) or flat[i + 1] == " "):
+            return flat[:i + 1]
+    return flat
+
+
+def index_entry(tool: ToolSpec) -> str:
+    """``name(required..., optional?...): first sentence`` — required parameters in the order of
+    the schema's ``required`` array, optional ones by name (jsonb keeps no key order)."""
+    props = tool.input_schema.get("properties")
+    names = sorted(props) if isinstance(props, dict) else []
+    req = tool.input_schema.get("required")
+    required = [r for r in req if isinstance(r, str)] if isinstance(req, list) else []
+    optional = [n for n in names if n not in required]
+    params = ", ".join(required + [f"{n}?" for n in optional])
+    return f"{tool.name}({params}): {first_sentence(tool.description)}"
+
+
+def entry_trust(tool: ToolSpec) -> TrustLevel:
+    """Builtin index entries are configuration; a server's description is external text."""
+    return TrustLevel.TRUSTED_CONFIGURATION if tool.builtin else TrustLevel.EXTERNAL_UNTRUSTED
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeferredToolIndex(ContextItem):
+    row: ClassVar[int] = 6
+    region: ClassVar[Region] = Region.A
+    trust: ClassVar[TrustLevel | None] = None  # per entry
+    tools: tuple[ToolSpec, ...]  # index order
+
+    def block_trust(self) -> TrustLevel:
+        return lowest([entry_trust(t) for t in self.tools], TrustLevel.TRUSTED_CONFIGURATION)
+
+    def render(self, ctx: RenderContext) -> str:
+        if not self.tools:
+            return ""  # an empty index renders no bytes
+        lines = ["Deferred tools (call them through tool.call with name and arguments):"]
+        for tool in self.tools:
+            lines.append("- " + envelope(
+                trust=entry_trust(tool), source=f"tool-index:{tool.server}", item_id=tool.name,
+                content=index_entry(tool), session_key=ctx.session_key))
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SkillCatalogRow(ContextItem):
+    row: ClassVar[int] = 7
+    region: ClassVar[Region] = Region.A
+    trust: ClassVar[TrustLevel | None] = None  # per entry
+    entries: tuple[SkillCatalogEntry, ...]
+
+    def block_trust(self) -> TrustLevel:
+        return lowest([e.trust for e in self.entries], TrustLevel.TRUSTED_CONFIGURATION)
+
+    def render(self, ctx: RenderContext) -> str:
+        if not self.entries:
+            return ""  # an empty catalog renders no bytes
+        lines = ["Skills (load one with skill.load):"]
+        for e in self.entries:
+            lines.append("- " + envelope(trust=e.trust, source="skill-catalog", item_id=e.name,
+                                         content=f"{e.name}: {e.description}",
+                                         session_key=ctx.session_key))
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemorySnapshotRow(ContextItem):
+    row: ClassVar[int] = 8
+    region: ClassVar[Region] = Region.A
+    trust: ClassVar[TrustLevel | None] = TrustLevel.MEMORY
+    snapshot: MemorySnapshot
+
+    def render(self, ctx: RenderContext) -> str:
+        if not self.snapshot.items:
+            return ""
+        body = "\n".join(f"- [{i.id}] {i.text}" for i in self.snapshot.items)
+        return "Memory at session open:\n" + envelope(
+            trust=TrustLevel.MEMORY, source="memory:snapshot",
+            item_id=self.snapshot.snapshot_id or "snapshot", content=body,
+            session_key=ctx.session_key)
+
+
+RegionAItem = (PlatformPolicy | Framing | AgentInstructions | PersonaRow | ToolDefinitions
+               | DeferredToolIndex | SkillCatalogRow | MemorySnapshotRow)
+
+
+# ---------------------------------------------------------------- Region B (rows 9-15)
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HistorySummary(ContextItem):
+    """Row 9: the compacted history summary. Platform-written: untrusted spans in it are typed
+    pointers, never paraphrase."""
+
+    row: ClassVar[int] = 9
+    region: ClassVar[Region] = Region.B
+    trust: ClassVar[TrustLevel | None] = TrustLevel.PLATFORM
+    text: str
+    replaced_through_sequence: int
+
+    def messages(self, ctx: RenderContext) -> list[Message]:
+        return [Message(row=9, role=Role.USER, trust=TrustLevel.PLATFORM,
+                        text="Summary of the earlier conversation:\n" + self.text)]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ConversationItem(ContextItem):
+    """Row 10: retained conversation items and completed active exchanges, oldest first."""
+
+    row: ClassVar[int] = 10
+    region: ClassVar[Region] = Region.B
+    trust: ClassVar[TrustLevel | None] = None  # per item
+    id: str
+    sequence: int
+    run_id: str
+    item_trust: TrustLevel
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UserMessageItem(ConversationItem):
+    text: str
+
+    def messages(self, ctx: RenderContext) -> list[Message]:
+        return [Message(row=self.row, role=Role.USER, trust=self.item_trust, item_id=self.id,
+                        text=envelope(trust=self.item_trust, source="user", item_id=self.id,
+                                      content=self.text, session_key=ctx.session_key))]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AssistantMessageItem(ConversationItem):
+    """The model's own earlier output, replayed untouched in the assistant role (providers
+    require replayed continuations verbatim); envelopes mark data handed to the model."""
+
+    text: str
+
+    def messages(self, ctx: RenderContext) -> list[Message]:
+        return [Message(row=self.row, role=Role.ASSISTANT, trust=self.item_trust,
+                        item_id=self.id, text=self.text)]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ToolCallItem(ConversationItem):
+    """One assistant step's tool calls; parallel calls share the item."""
+
+    calls: tuple[ToolCall, ...]
+
+    def messages(self, ctx: RenderContext) -> list[Message]:
+        return [Message(row=self.row, role=Role.ASSISTANT, trust=self.item_trust,
+                        item_id=self.id, tool_calls=self.calls)]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ToolResultItem(ConversationItem):
+    call_id: str
+    tool_name: str
+    content: str
+    artifact_ref: str = ""
+
+    def messages(self, ctx: RenderContext) -> list[Message]:
+        return [Message(row=self.row, role=Role.TOOL, trust=self.item_trust, item_id=self.id,
+                        call_id=self.call_id,
+                        text=envelope(trust=self.item_trust, source=f"tool:{self.tool_name}",
+                                      item_id=self.id, content=self.content,
+                                      session_key=ctx.session_key))]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReasoningItem(ConversationItem):
+    """Provider-opaque reasoning: replayed verbatim within its run, never rendered into text,
+    summarized or logged (its repr hides the payload)."""
+
+    provider: str
+    opaque: bytes
+
+    def __repr__(self) -> str:
+        return f"ReasoningItem(id={self.id!r}, run_id={self.run_id!r}, bytes={len(self.opaque)})"
+
+    def messages(self, ctx: RenderContext) -> list[Message]:
+        return [Message(row=self.row, role=Role.ASSISTANT, trust=self.item_trust,
+                        item_id=self.id, reasoning_provider=self.provider,
+                        reasoning_opaque=self.opaque)]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SkillBodyItem(ContextItem):
+    row: ClassVar[int] = 11
+    region: ClassVar[Region] = Region.B
+    trust: ClassVar[TrustLevel | None] = None  # per skill
+    name: str
+    body: str
+    skill_trust: TrustLevel
+
+    def messages(self, ctx: RenderContext) -> list[Message]:
+        text = f"Loaded skill {self.name}:\n" + envelope(
+            trust=self.skill_trust, source=f"skill:{self.name}", item_id=f"skill:{self.name}",
+            content=self.body, session_key=ctx.session_key)
+        return [Message(row=11, role=Role.USER, trust=self.skill_trust, text=text)]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkingTask:
+    id: str
+    title: str
+    state: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkingFact:
+    statement: str
+    source_event_ids: tuple[int, ...]
+    trust: TrustLevel
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkingState:
+    objective: str = ""
+    constraints: tuple[str, ...] = ()
+    tasks: tuple[WorkingTask, ...] = ()
+    facts: tuple[WorkingFact, ...] = ()
+    open_questions: tuple[str, ...] = ()
+    next_action: str = ""
+
+    @property
+    def empty(self) -> bool:
+        return not (self.objective or self.constraints or self.tasks or self.facts
+                    or self.open_questions or self.next_action)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkingStateItem(ContextItem):
+    """Row 12: platform-rendered, with per-entry trust: a fact derived from content below
+    TRUSTED_CONFIGURATION renders as an attributed claim with its source event ids."""
+
+    row: ClassVar[int] = 12
+    region: ClassVar[Region] = Region.B
+    trust: ClassVar[TrustLevel | None] = None  # per entry
+    state: WorkingState
+
+    def messages(self, ctx: RenderContext) -> list[Message]:
+        s = self.state
+        lines = ["Working state:"]
+        if s.objective:
+            lines.append(f"Objective: {s.objective}")
+        if s.constraints:
+            lines.append("Constraints:")
+            lines += [f"- {c}" for c in s.constraints]
+        open_tasks = [t for t in s.tasks if t.state != "completed"]
+        if open_tasks:
+            lines.append("Open tasks:")
+            lines += [f"- [{t.id}] ({t.state}) {t.title}" for t in open_tasks]
+        if s.facts:
+            lines.append("Established facts:")
+            for i, f in enumerate(s.facts):
+                sources = ", ".join(str(e) for e in f.source_event_ids) or "none"
+                if f.trust.enveloped:
+                    claim = envelope(trust=f.trust, source=f"events:{sources}",
+                                     item_id=f"fact-{i}", content=f.statement,
+                                     session_key=ctx.session_key)
+                    lines.append(f"- A source (events {sources}) states: {claim}")
+                else:
+                    lines.append(f"- {f.statement} (events {sources})")
+        if s.open_questions:
+            lines.append("Open questions:")
+            lines += [f"- {q}" for q in s.open_questions]
+        if s.next_action:
+            lines.append(f"Next action: {s.next_action}")
+        trust = lowest([f.trust for f in s.facts], TrustLevel.PLATFORM)
+        return [Message(row=12, role=Role.USER, trust=trust, text="\n".join(lines))]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KnowledgePassage:
+    id: str
+    source: str
+    text: str
+    rank: int
+    trust: TrustLevel
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KnowledgeItem(ContextItem):
+    """Row 13: verbatim knowledge passages, each in its own envelope; never truncated."""
+
+    row: ClassVar[int] = 13
+    region: ClassVar[Region] = Region.B
+    trust: ClassVar[TrustLevel | None] = None  # per passage
+    passages: tuple[KnowledgePassage, ...]
+
+    def messages(self, ctx: RenderContext) -> list[Message]:
+        parts = ["Knowledge passages (verbatim; cite by id):"]
+        for p in self.passages:
+            parts.append(envelope(trust=p.trust, source=f"knowledge:{p.source}", item_id=p.id,
+                                  content=p.text, session_key=ctx.session_key))
+        trust = lowest([p.trust for p in self.passages], TrustLevel.MEMORY)
+        return [Message(row=13, role=Role.USER, trust=trust, text="\n".join(parts))]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryLine:
+    id: str
+    text: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecallItem(ContextItem):
+    """Row 13: in-turn recall, recomputed per step, in its memory envelope."""
+
+    row: ClassVar[int] = 13
+    region: ClassVar[Region] = Region.B
+    trust: ClassVar[TrustLevel | None] = TrustLevel.MEMORY
+    lines: tuple[MemoryLine, ...]
+
+    def messages(self, ctx: RenderContext) -> list[Message]:
+        body = "\n".join(f"- [{ln.id}] {ln.text}" for ln in self.lines)
+        return [Message(row=13, role=Role.USER, trust=TrustLevel.MEMORY,
+                        text="Recalled for this step:\n" + envelope(
+                            trust=TrustLevel.MEMORY, source="memory:recall", item_id="recall",
+                            content=body, session_key=ctx.session_key))]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CorrectionItem(ContextItem):
+    """Row 13: correction lines that override the frozen snapshot. Never yield."""
+
+    row: ClassVar[int] = 13
+    region: ClassVar[Region] = Region.B
+    trust: ClassVar[TrustLevel | None] = TrustLevel.MEMORY
+    lines: tuple[MemoryLine, ...]
+
+    def messages(self, ctx: RenderContext) -> list[Message]:
+        body = "\n".join(f"- [{ln.id}] {ln.text}" for ln in self.lines)
+        return [Message(row=13, role=Role.USER, trust=TrustLevel.MEMORY,
+                        text="Corrections to the memory at session open (these override it):\n"
+                        + envelope(trust=TrustLevel.MEMORY, source="memory:corrections",
+                                   item_id="corrections", content=body,
+                                   session_key=ctx.session_key))]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RuntimeMetadataItem(ContextItem):
+    row: ClassVar[int] = 14
+    region: ClassVar[Region] = Region.B
+    trust: ClassVar[TrustLevel | None] = TrustLevel.PLATFORM
+    current_date: str
+    principal_scopes: tuple[str, ...]
+    surface: str
+    browser_origins: tuple[str, ...]  # only when the plan offers browser.navigate
+
+    def messages(self, ctx: RenderContext) -> list[Message]:
+        lines = ["Runtime:"]
+        if self.current_date:
+            lines.append(f"Current date: {self.current_date}")
+        if self.principal_scopes:
+            lines.append("Principal scopes: " + ", ".join(sorted(self.principal_scopes)))
+        if self.surface:
+            lines.append(f"Surface: {self.surface}")
+        if self.browser_origins:
+            lines.append("browser.navigate accepts these origins: "
+                         + ", ".join(self.browser_origins))
+        return [Message(row=14, role=Role.USER, trust=TrustLevel.PLATFORM,
+                        text="\n".join(lines))]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrailingUserInput(ContextItem):
+    """Row 15: an unanswered trailing user message (including supplemental input on resume)."""
+
+    row: ClassVar[int] = 15
+    region: ClassVar[Region] = Region.B
+    trust: ClassVar[TrustLevel | None] = TrustLevel.USER
+    message: UserMessageItem
+
+    def messages(self, ctx: RenderContext) -> list[Message]:
+        return [Message(row=15, role=m.role, trust=m.trust, item_id=m.item_id, text=m.text)
+                for m in self.message.messages(ctx)]
+
+
+RegionBItem = (HistorySummary | UserMessageItem | AssistantMessageItem | ToolCallItem
+               | ToolResultItem | ReasoningItem | SkillBodyItem | WorkingStateItem
+               | KnowledgeItem | RecallItem | CorrectionItem | RuntimeMetadataItem
+               | TrailingUserInput)

@@ -1,0 +1,360 @@
+"""Plans: the pinned inputs of Region A, their rendering, measurement and rotation decisions.
+
+A plan is rendered once per epoch; ``prefix_sha256`` covers every rendered byte plus the full
+pinned tool specifications, and ``prefix_tokens`` is measured by rendering and counting.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from context_engine.domain.canonical import canonical_json, canonical_sha256
+from context_engine.domain.errors import PinnedVersionConflict, PrefixClassOverCap
+from context_engine.domain.estimator import TOOL_OVERHEAD_TOKENS, TokenEstimator
+from context_engine.domain.items import (
+    AgentInstructions,
+    ContextItem,
+    DeferredToolIndex,
+    Framing,
+    MemorySnapshotRow,
+    PersonaRow,
+    PlatformPolicy,
+    RenderContext,
+    SkillCatalogRow,
+    ToolDefinitions,
+    assemble,
+    declaration,
+    index_entry,
+)
+from context_engine.domain.model import (
+    AgentSpec,
+    MemorySnapshot,
+    ModelProfile,
+    Persona,
+    PlanInputs,
+    PlatformAssets,
+    SessionKind,
+    SkillCatalogEntry,
+    ToolSpec,
+)
+from context_engine.domain.request import PrefixBlock, ToolDefinition
+from context_engine.domain.tools import (
+    INDEX_ITEM_CAP,
+    INDEX_TOKEN_CAP,
+    TOOL_ITEM_CAP,
+    TOOL_TOKEN_CAP,
+    authority_scope_hashes,
+    select_tools,
+)
+from context_engine.domain.trust import Region, TrustLevel
+
+BUILDER_VERSION = "context-engine-builder@1"
+PREFIX_CEILING = 22_000
+TTL_DEFAULT = "5m"
+TTL_SCHEDULED = "1h"
+
+
+class PrefixClass(enum.Enum):
+    """Region A classes and their caps (tokens, items or None)."""
+
+    PLATFORM_POLICY = ("platform_policy", 2_000, None)
+    AGENT_INSTRUCTIONS = ("agent_instructions", 4_000, None)
+    PERSONA = ("persona", 2_000, 30)
+    TOOL_DEFINITIONS = ("tool_definitions", TOOL_TOKEN_CAP, TOOL_ITEM_CAP)
+    DEFERRED_TOOL_INDEX = ("deferred_tool_index", INDEX_TOKEN_CAP, INDEX_ITEM_CAP)
+    SKILL_CATALOG = ("skill_catalog", 1_500, 20)
+    MEMORY_SNAPSHOT = ("memory_snapshot", 1_500, 40)
+
+    @property
+    def class_name(self) -> str:
+        return str(self.value[0])
+
+    @property
+    def token_cap(self) -> int:
+        return int(self.value[1])
+
+    @property
+    def item_cap(self) -> int | None:
+        cap = self.value[2]
+        return None if cap is None else int(cap)
+
+
+assert sum(c.token_cap for c in PrefixClass) == PREFIX_CEILING
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClassUsage:
+    class_name: str
+    tokens: int
+    cap: int
+    items: int
+    item_cap: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanSpec:
+    """Everything pinned on an epoch: the prefix is re-rendered from this alone."""
+
+    builder_version: str
+    assets: PlatformAssets
+    agent: AgentSpec
+    persona: Persona
+    tools: tuple[ToolSpec, ...]  # defined, sorted by name
+    deferred: tuple[ToolSpec, ...]  # index order
+    skipped_tool_names: tuple[str, ...]
+    filtered_tool_names: tuple[str, ...]
+    skill_catalog: tuple[SkillCatalogEntry, ...]
+    memory_snapshot: MemorySnapshot
+    model: ModelProfile
+    session_kind: SessionKind
+    website_profile_id: str
+    authority_scope_hashes: tuple[str, ...]
+    cache_ttl: str
+    tokenizer: str
+
+    def canonical(self) -> dict[str, Any]:
+        return {
+            "builder_version": self.builder_version,
+            "assets": {"version": self.assets.version, "policy": self.assets.policy,
+                       "framing": self.assets.framing},
+            "agent": self.agent.canonical(),
+            "persona": self.persona.canonical(),
+            "tools": [t.canonical() for t in self.tools],
+            "deferred": [t.canonical() for t in self.deferred],
+            "skipped_tool_names": list(self.skipped_tool_names),
+            "filtered_tool_names": list(self.filtered_tool_names),
+            "skill_catalog": [[e.name, e.description, e.trust.value] for e in self.skill_catalog],
+            "memory_snapshot": self.memory_snapshot.canonical(),
+            "model": self.model.canonical(),
+            "session_kind": self.session_kind.value,
+            "website_profile_id": self.website_profile_id,
+            "authority_scope_hashes": list(self.authority_scope_hashes),
+            "cache_ttl": self.cache_ttl,
+            "tokenizer": self.tokenizer,
+        }
+
+    @classmethod
+    def from_canonical(cls, d: dict[str, Any]) -> PlanSpec:
+        """Rebuild from a parsed document. Key order of the source (e.g. jsonb) is irrelevant:
+        everything hashed is re-serialized canonically."""
+        return cls(
+            builder_version=d["builder_version"],
+            assets=PlatformAssets(**d["assets"]),
+            agent=AgentSpec.from_canonical(d["agent"]),
+            persona=Persona.from_canonical(d["persona"]),
+            tools=tuple(ToolSpec.from_canonical(t) for t in d["tools"]),
+            deferred=tuple(ToolSpec.from_canonical(t) for t in d["deferred"]),
+            skipped_tool_names=tuple(d["skipped_tool_names"]),
+            filtered_tool_names=tuple(d["filtered_tool_names"]),
+            skill_catalog=tuple(SkillCatalogEntry(name=n, description=s, trust=TrustLevel(t))
+                                for n, s, t in d["skill_catalog"]),
+            memory_snapshot=MemorySnapshot.from_canonical(d["memory_snapshot"]),
+            model=ModelProfile.from_canonical(d["model"]),
+            session_kind=SessionKind(d["session_kind"]),
+            website_profile_id=d["website_profile_id"],
+            authority_scope_hashes=tuple(d["authority_scope_hashes"]),
+            cache_ttl=d["cache_ttl"],
+            tokenizer=d["tokenizer"],
+        )
+
+    def canonical_json(self) -> str:
+        return canonical_json(self.canonical())
+
+    @property
+    def tool_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tools)
+
+    @property
+    def deferred_tool_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.deferred)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RenderedPrefix:
+    blocks: tuple[PrefixBlock, ...]
+    tools: tuple[ToolDefinition, ...]
+    prefix_sha256: str
+    tool_schema_sha256: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ContextPlan:
+    """One epoch of a session: the pinned spec and what was measured from it."""
+
+    tenant_id: str
+    session_id: str
+    epoch: int
+    reason: str
+    spec: PlanSpec
+    prefix_sha256: str
+    prefix_tokens: int
+    classes: tuple[ClassUsage, ...]
+    created_at: datetime | None = None
+
+
+def prefix_items(spec: PlanSpec) -> list[ContextItem]:
+    return [
+        PlatformPolicy(text=spec.assets.policy),
+        Framing(text=spec.assets.framing),
+        AgentInstructions(text=spec.agent.instructions),
+        PersonaRow(persona=spec.persona),
+        ToolDefinitions(tools=spec.tools),
+        DeferredToolIndex(tools=spec.deferred),
+        SkillCatalogRow(entries=spec.skill_catalog),
+        MemorySnapshotRow(snapshot=spec.memory_snapshot),
+    ]
+
+
+def _block_trust(item: ContextItem) -> TrustLevel:
+    _, _, declared = declaration(type(item))
+    if declared is not None:
+        return declared
+    if isinstance(item, (DeferredToolIndex, SkillCatalogRow)):
+        return item.block_trust()
+    raise AssertionError(f"{type(item).__name__} has per-entry trust but no block trust")
+
+
+def render_prefix(spec: PlanSpec, session_key: str) -> RenderedPrefix:
+    """Render Region A. Pure; the same spec and session key always give the same bytes."""
+    ctx = RenderContext(session_key=session_key)
+    blocks: list[PrefixBlock] = []
+    tools: tuple[ToolDefinition, ...] = ()
+    for item in assemble(prefix_items(spec), Region.A):
+        if isinstance(item, ToolDefinitions):
+            tools = item.definitions()
+            continue
+        text = item.render(ctx)  # type: ignore[attr-defined]
+        if text:  # empty persona, index, catalog and snapshot render no bytes
+            blocks.append(PrefixBlock(row=declaration(type(item))[0],
+                                      trust=_block_trust(item), text=text))
+    tool_specs = [t.canonical() for t in spec.tools]
+    digest = canonical_sha256({
+        "blocks": [[b.row, b.trust.value, b.text] for b in blocks],
+        "tools": [[d.name, d.description, d.input_schema_json] for d in tools],
+        "tool_specs": tool_specs,
+        "deferred_specs": [t.canonical() for t in spec.deferred],
+    })
+    return RenderedPrefix(blocks=tuple(blocks), tools=tools, prefix_sha256=digest,
+                          tool_schema_sha256=canonical_sha256(tool_specs))
+
+
+def tool_cost(tool: ToolSpec, estimator: TokenEstimator) -> int:
+    """Conservative model-visible cost: name, description and full schema plus framing."""
+    return estimator.text(canonical_json({"name": tool.name, "description": tool.description,
+                                          "input_schema": tool.input_schema})) \
+        + TOOL_OVERHEAD_TOKENS
+
+
+def measure_prefix(spec: PlanSpec, rendered: RenderedPrefix,
+                   estimator: TokenEstimator) -> tuple[ClassUsage, ...]:
+    """Count every class by rendering and counting; fail on any cap, never truncate."""
+    by_row: dict[int, int] = {}
+    for block in rendered.blocks:
+        by_row[block.row] = by_row.get(block.row, 0) + estimator.text(block.text)
+    measured = {
+        PrefixClass.PLATFORM_POLICY: (by_row.get(1, 0) + by_row.get(2, 0), 2),
+        PrefixClass.AGENT_INSTRUCTIONS: (by_row.get(3, 0), 1),
+        PrefixClass.PERSONA: (by_row.get(4, 0), len(spec.persona.entries)),
+        PrefixClass.TOOL_DEFINITIONS: (sum(tool_cost(t, estimator) for t in spec.tools),
+                                       len(spec.tools)),
+        PrefixClass.DEFERRED_TOOL_INDEX: (by_row.get(6, 0), len(spec.deferred)),
+        PrefixClass.SKILL_CATALOG: (by_row.get(7, 0), len(spec.skill_catalog)),
+        PrefixClass.MEMORY_SNAPSHOT: (by_row.get(8, 0), len(spec.memory_snapshot.items)),
+    }
+    usage: list[ClassUsage] = []
+    for cls, (tokens, items) in measured.items():
+        if cls.item_cap is not None and items > cls.item_cap:
+            raise PrefixClassOverCap(cls.class_name, items, cls.item_cap, unit="items")
+        if tokens > cls.token_cap:
+            raise PrefixClassOverCap(cls.class_name, tokens, cls.token_cap)
+        usage.append(ClassUsage(class_name=cls.class_name, tokens=tokens, cap=cls.token_cap,
+                                items=items, item_cap=cls.item_cap or 0))
+    total = sum(u.tokens for u in usage)
+    if total > PREFIX_CEILING:  # unreachable while the caps sum to the ceiling; kept as a guard
+        raise PrefixClassOverCap("prefix", total, PREFIX_CEILING)
+    return tuple(usage)
+
+
+def make_spec(inputs: PlanInputs, estimator: TokenEstimator) -> PlanSpec:
+    """Resolve and pin a plan's inputs: tool selection, TTL, scope hashes."""
+    # Item caps that need no rendering are checked before selection does any work.
+    for cls, count in ((PrefixClass.PERSONA, len(inputs.persona.entries)),
+                       (PrefixClass.SKILL_CATALOG, len(inputs.skill_catalog)),
+                       (PrefixClass.MEMORY_SNAPSHOT, len(inputs.memory_snapshot.items))):
+        assert cls.item_cap is not None
+        if count > cls.item_cap:
+            raise PrefixClassOverCap(cls.class_name, count, cls.item_cap, unit="items")
+    selection = select_tools(
+        inputs,
+        tool_cost=lambda t: tool_cost(t, estimator),
+        index_cost=lambda t: estimator.text("- " + index_entry(t)),
+    )
+    return PlanSpec(
+        builder_version=BUILDER_VERSION,
+        assets=inputs.assets,
+        agent=inputs.agent,
+        persona=inputs.persona,
+        tools=selection.defined,
+        deferred=selection.deferred,
+        skipped_tool_names=selection.skipped_tool_names,
+        filtered_tool_names=selection.filtered_tool_names,
+        skill_catalog=inputs.skill_catalog,
+        memory_snapshot=inputs.memory_snapshot,
+        model=inputs.model,
+        session_kind=inputs.session_kind,
+        website_profile_id=inputs.website_profile_id,
+        authority_scope_hashes=authority_scope_hashes(inputs.principal_scopes),
+        cache_ttl=TTL_SCHEDULED if inputs.session_kind is SessionKind.SCHEDULED else TTL_DEFAULT,
+        tokenizer=estimator.tokenizer,
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanDraft:
+    """A plan ready to be pinned as the next epoch."""
+
+    spec: PlanSpec
+    rendered: RenderedPrefix
+    classes: tuple[ClassUsage, ...]
+
+    @property
+    def prefix_tokens(self) -> int:
+        return sum(c.tokens for c in self.classes)
+
+
+def draft_plan(inputs: PlanInputs, session_key: str, estimator: TokenEstimator) -> PlanDraft:
+    spec = make_spec(inputs, estimator)
+    rendered = render_prefix(spec, session_key)
+    return PlanDraft(spec=spec, rendered=rendered,
+                     classes=measure_prefix(spec, rendered, estimator))
+
+
+SESSION_OPENED = "session_opened"
+
+
+def rotation_reason(current: PlanSpec, new: PlanSpec) -> str | None:
+    """Why ``new`` must replace the pinned ``current`` as a new epoch, or None to keep it.
+
+    The tool set, scopes and snapshot are pinned at session open: a change to them alone
+    never rotates (revocation is enforced at call time). Pinned versions pin content.
+    """
+    if current.model.model_id != new.model.model_id:
+        return "model_changed"
+    if current.agent.version != new.agent.version or current.agent.agent_id != new.agent.agent_id:
+        return "agent_version_changed"
+    if current.agent != new.agent:
+        raise PinnedVersionConflict("agent", new.agent.version)
+    if current.persona.revision != new.persona.revision:
+        return "persona_changed"
+    if current.persona != new.persona:
+        raise PinnedVersionConflict("persona", new.persona.revision)
+    if current.assets.version != new.assets.version:
+        return "policy_changed"
+    if current.assets != new.assets:
+        raise PinnedVersionConflict("policy", new.assets.version)
+    if current.builder_version != new.builder_version:
+        return "builder_changed"
+    return None

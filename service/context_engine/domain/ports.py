@@ -1,0 +1,113 @@
+"""Ports of the domain, named after domain operations, each with an in-memory fake beside it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from context_engine.domain.plan import ContextPlan, PlanDraft
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rotation:
+    """A decision to pin ``draft`` as the session's next epoch, for ``reason``."""
+
+    reason: str
+    draft: PlanDraft
+
+
+Decide = Callable[[ContextPlan | None], Rotation | None]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ContextEvent:
+    tenant_id: str
+    session_id: str
+    epoch: int
+    type: str
+    payload: dict[str, Any]
+
+
+class PlanStore(Protocol):
+    async def get(self, tenant_id: str, session_id: str,
+                  epoch: int | None = None) -> ContextPlan | None:
+        """The given epoch's plan, or the current one when ``epoch`` is None."""
+        ...
+
+    async def current_epoch(self, tenant_id: str, session_id: str) -> int | None:
+        """The session's current epoch, or None for an unknown session."""
+        ...
+
+    async def pin(self, tenant_id: str, session_id: str,
+                  decide: Decide) -> tuple[ContextPlan, bool]:
+        """Atomically: read the session's current plan, ask ``decide``, and if it returns a
+        rotation write it as the next epoch with its event. Concurrent callers for one session
+        serialize; exactly one epoch is written per decision. Returns (plan, created)."""
+        ...
+
+
+def plan_event(plan: ContextPlan) -> ContextEvent:
+    """``context.plan.created`` for epoch 1, ``context.epoch.rotated`` after."""
+    spec = plan.spec
+    payload: dict[str, Any] = {
+        "epoch": plan.epoch,
+        "reason": plan.reason,
+        "prefix_sha256": plan.prefix_sha256,
+        "prefix_tokens": plan.prefix_tokens,
+        "model_id": spec.model.model_id,
+        "tool_names": list(spec.tool_names),
+        "deferred_tool_names": list(spec.deferred_tool_names),
+        "skipped_tool_names": list(spec.skipped_tool_names),
+        "tokenizer": spec.tokenizer,
+        "builder_version": spec.builder_version,
+        "policy_version": spec.assets.version,
+    }
+    kind = "context.plan.created" if plan.epoch == 1 else "context.epoch.rotated"
+    return ContextEvent(tenant_id=plan.tenant_id, session_id=plan.session_id, epoch=plan.epoch,
+                        type=kind, payload=payload)
+
+
+def pinned(tenant_id: str, session_id: str, epoch: int, rotation: Rotation) -> ContextPlan:
+    d = rotation.draft
+    return ContextPlan(tenant_id=tenant_id, session_id=session_id, epoch=epoch,
+                       reason=rotation.reason, spec=d.spec,
+                       prefix_sha256=d.rendered.prefix_sha256, prefix_tokens=d.prefix_tokens,
+                       classes=d.classes)
+
+
+@dataclass
+class InMemoryPlanStore:
+    """Fake PlanStore for unit tests: same contract, state asserted directly."""
+
+    plans: dict[tuple[str, str], list[ContextPlan]] = field(default_factory=dict)
+    events: list[ContextEvent] = field(default_factory=list)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def get(self, tenant_id: str, session_id: str,
+                  epoch: int | None = None) -> ContextPlan | None:
+        epochs = self.plans.get((tenant_id, session_id), [])
+        if not epochs:
+            return None
+        if epoch is None:
+            return epochs[-1]
+        return epochs[epoch - 1] if 0 < epoch <= len(epochs) else None
+
+    async def current_epoch(self, tenant_id: str, session_id: str) -> int | None:
+        epochs = self.plans.get((tenant_id, session_id))
+        return len(epochs) if epochs else None
+
+    async def pin(self, tenant_id: str, session_id: str,
+                  decide: Decide) -> tuple[ContextPlan, bool]:
+        async with self._lock:
+            epochs = self.plans.setdefault((tenant_id, session_id), [])
+            current = epochs[-1] if epochs else None
+            rotation = decide(current)
+            if rotation is None:
+                assert current is not None
+                return current, False
+            plan = pinned(tenant_id, session_id, len(epochs) + 1, rotation)
+            epochs.append(replace(plan))
+            self.events.append(plan_event(plan))
+            return plan, True

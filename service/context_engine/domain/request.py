@@ -1,0 +1,61 @@
+"""What Build returns: an ordered, provider-neutral model request."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from context_engine.domain.trust import TrustLevel
+
+
+class Role(enum.Enum):
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrefixBlock:
+    row: int
+    trust: TrustLevel
+    text: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ToolDefinition:
+    name: str
+    description: str
+    input_schema_json: str  # canonical JSON
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ToolCall:
+    call_id: str
+    name: str
+    arguments_json: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Message:
+    row: int
+    role: Role
+    trust: TrustLevel
+    text: str = ""
+    item_id: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    call_id: str = ""
+    reasoning_provider: str = ""
+    reasoning_opaque: bytes = b""
+
+    def digest_parts(self) -> list[object]:
+        """Everything the model receives, for byte-identity checks and hashing."""
+        return [self.row, self.role.value, self.trust.value, self.text, self.item_id,
+                [[c.call_id, c.name, c.arguments_json] for c in self.tool_calls],
+                self.call_id, self.reasoning_provider, self.reasoning_opaque.hex()]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelRequest:
+    prefix_blocks: tuple[PrefixBlock, ...]
+    tools: tuple[ToolDefinition, ...]
+    messages: tuple[Message, ...]

@@ -1,0 +1,158 @@
+"""Tool selection at plan time (spec: "Only history scales with the window", tool paragraphs).
+
+Authorization and environment filtering first, then definitions by rank — required browser tools
+of a website-bound session, control tools, explicitly enabled tools in first-occurrence order,
+then discovered tools reads first, by server, by name — under 30 tools / 9,000 tokens; what is
+deferred or overflows becomes a deferred index entry (40 entries / 2,000 tokens) when the agent
+enables ``tool.call``, and what fits in neither is recorded as skipped. Nothing leaves silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from context_engine.domain.canonical import sha256_hex
+from context_engine.domain.errors import PrefixClassOverCap, RequiredToolUnavailable
+from context_engine.domain.model import PlanInputs, SessionKind, ToolSpec
+
+TOOL_ITEM_CAP = 30
+TOOL_TOKEN_CAP = 9_000
+INDEX_ITEM_CAP = 40
+INDEX_TOKEN_CAP = 2_000
+
+TOOL_CALL = "tool.call"
+SKILL_LOAD = "skill.load"
+CONTROL_TOOLS = (TOOL_CALL, SKILL_LOAD)
+BROWSER_REQUIRED = ("browser.navigate", "browser.observe", "browser.act")
+WEBSITE_BINDING = "website"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ToolSelection:
+    defined: tuple[ToolSpec, ...]  # sorted by name
+    deferred: tuple[ToolSpec, ...]  # index order
+    skipped_tool_names: tuple[str, ...]  # in rank order
+    filtered_tool_names: tuple[str, ...]  # removed by visibility/authorization/environment, sorted
+    defined_tokens: int
+    index_tokens: int
+
+
+def authority_scope_hashes(scopes: Iterable[str]) -> tuple[str, ...]:
+    """Sorted SHA-256 hashes of the principal's scopes: stored outside the prompt."""
+    return tuple(sorted(sha256_hex(s) for s in set(scopes)))
+
+
+def _dedup(names: Iterable[str]) -> list[str]:
+    seen: set[str] = set()
+    out: list[str] = []
+    for n in names:
+        if n not in seen:
+            seen.add(n)
+            out.append(n)
+    return out
+
+
+def _bound(binding: str, inputs: PlanInputs) -> bool:
+    if binding == WEBSITE_BINDING:
+        return bool(inputs.website_profile_id)
+    return False  # trusted session metadata carries no other binding
+
+
+def select_tools(inputs: PlanInputs, *, tool_cost: Callable[[ToolSpec], int],
+                 index_cost: Callable[[ToolSpec], int]) -> ToolSelection:
+    if inputs.session_kind is SessionKind.EMAIL:
+        # An operational Email session pins no tools at all (its typed tasks send none).
+        return ToolSelection(defined=(), deferred=(), skipped_tool_names=(),
+                             filtered_tool_names=tuple(sorted(t.name for t in inputs.tool_catalog)),
+                             defined_tokens=0, index_tokens=0)
+
+    scopes = set(inputs.principal_scopes)
+    candidates: dict[str, ToolSpec] = {}
+    filtered: list[str] = []
+    for tool in inputs.tool_catalog:
+        if (not tool.model_visible or not set(tool.required_scopes) <= scopes
+                or (tool.session_binding and not _bound(tool.session_binding, inputs))):
+            filtered.append(tool.name)
+        else:
+            candidates[tool.name] = tool
+
+    required: list[str] = []
+    if inputs.website_profile_id:
+        for name in BROWSER_REQUIRED:
+            if name not in candidates:
+                known = {t.name for t in inputs.tool_catalog}
+                why = ("not in the tool catalog" if name not in known
+                       else "filtered out by visibility, scopes or session binding")
+                raise RequiredToolUnavailable(name, why)
+            required.append(name)
+
+    agent = inputs.agent
+    configured_deferred = (
+        [n for n in _dedup(agent.deferred_tools) if n in candidates and n not in required]
+        if agent.enables_tool_call else [])  # an agent without tool.call defers nothing
+    taken = set(required) | set(configured_deferred)
+    enabled = [n for n in _dedup(agent.enabled_tools) if n in candidates and n not in taken]
+    taken |= set(enabled)
+    discovered = sorted((n for n in candidates if n not in taken),
+                        key=lambda n: (not candidates[n].side_effect.is_read,
+                                       candidates[n].server, n))
+
+    controls: list[ToolSpec] = []
+    if inputs.skill_catalog and SKILL_LOAD in inputs.control_tools:
+        controls.append(inputs.control_tools[SKILL_LOAD])
+
+    def attempt(with_tool_call: bool) -> tuple[list[ToolSpec], list[str], int]:
+        defined: list[ToolSpec] = []
+        used = 0
+        fixed = [candidates[n] for n in required] + controls
+        if with_tool_call:
+            fixed.append(inputs.control_tools[TOOL_CALL])
+        for tool in fixed:
+            used += tool_cost(tool)
+            defined.append(tool)
+            if used > TOOL_TOKEN_CAP:
+                raise PrefixClassOverCap("tool_definitions", used, TOOL_TOKEN_CAP)
+        if len(defined) > TOOL_ITEM_CAP:
+            raise PrefixClassOverCap("tool_definitions", len(defined), TOOL_ITEM_CAP, unit="items")
+        overflow: list[str] = []
+        for name in enabled:
+            if len(defined) >= TOOL_ITEM_CAP:
+                overflow.append(name)
+                continue
+            cost = tool_cost(candidates[name])
+            if used + cost > TOOL_TOKEN_CAP:
+                # explicitly enabled capabilities fail at plan time over the token cap
+                raise PrefixClassOverCap("tool_definitions", used + cost, TOOL_TOKEN_CAP)
+            used += cost
+            defined.append(candidates[name])
+        for name in discovered:
+            cost = tool_cost(candidates[name])
+            if len(defined) < TOOL_ITEM_CAP and used + cost <= TOOL_TOKEN_CAP:
+                used += cost
+                defined.append(candidates[name])
+            else:
+                overflow.append(name)
+        return defined, overflow, used
+
+    defined, overflow, used = attempt(False)
+    deferred: list[ToolSpec] = []
+    skipped: list[str] = []
+    index_tokens = 0
+    if agent.enables_tool_call and (configured_deferred or overflow) \
+            and TOOL_CALL in inputs.control_tools:
+        defined, overflow, used = attempt(True)  # tool.call takes a definition slot
+        for name in configured_deferred + overflow:
+            cost = index_cost(candidates[name])
+            if len(deferred) < INDEX_ITEM_CAP and index_tokens + cost <= INDEX_TOKEN_CAP:
+                index_tokens += cost
+                deferred.append(candidates[name])
+            else:
+                skipped.append(name)
+    else:
+        skipped = overflow
+
+    return ToolSelection(defined=tuple(sorted(defined, key=lambda t: t.name)),
+                         deferred=tuple(deferred), skipped_tool_names=tuple(skipped),
+                         filtered_tool_names=tuple(sorted(filtered)),
+                         defined_tokens=used, index_tokens=index_tokens)
