@@ -28,7 +28,8 @@ def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> i
     return value
 
 
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
+def _float(env: Mapping[str, str], name: str, default: float,
+           minimum: float | None = None) -> float:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -36,8 +37,10 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(raw)
     except ValueError as exc:
         raise ConfigError(f"{name}={raw!r} is not a number") from exc
-    if value <= 0:
+    if minimum is None and value <= 0:
         raise ConfigError(f"{name}={value} must be positive")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name}={value} is below {minimum}")
     return value
 
 
@@ -59,6 +62,7 @@ class Config:
     model_catalog: Path = DEFAULT_CATALOG
     max_receive_bytes: int = 64 * 1024 * 1024
     grace_seconds: float = 10.0
+    drain_seconds: float = 1.0
     db_pool_size: int = 10
     db_timeout_seconds: float = 5.0
     plan_cache_size: int = 4096
@@ -77,6 +81,7 @@ class Config:
             model_catalog=Path(env.get("CE_MODEL_CATALOG") or defaults.model_catalog),
             max_receive_bytes=_int(env, "CE_MAX_RECEIVE_BYTES", defaults.max_receive_bytes, 1024),
             grace_seconds=_float(env, "CE_GRACE_SECONDS", defaults.grace_seconds),
+            drain_seconds=_float(env, "CE_DRAIN_SECONDS", defaults.drain_seconds, minimum=0.0),
             db_pool_size=_int(env, "CE_DB_POOL_SIZE", defaults.db_pool_size, 1),
             db_timeout_seconds=_float(env, "CE_DB_TIMEOUT_SECONDS", defaults.db_timeout_seconds),
             plan_cache_size=_int(env, "CE_PLAN_CACHE_SIZE", defaults.plan_cache_size, 1),

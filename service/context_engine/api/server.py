@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,10 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ContextEngine"].full_name
 
 def embedded_database_url(data_dir: Path) -> str:
     """Start (or reuse) the embedded PostgreSQL under ``data_dir``; it survives restarts."""
-    # imported lazily: only the embedded mode needs it
-    from pgserver import get_server  # type: ignore[attr-defined]
+    with warnings.catch_warnings():  # platformdirs warns about XDG_RUNTIME_DIR on import
+        warnings.simplefilter("ignore")
+        # imported lazily: only the embedded mode needs it
+        from pgserver import get_server  # type: ignore[attr-defined]
 
     pg_dir = data_dir / "pg"
     pg_dir.mkdir(parents=True, exist_ok=True)
@@ -54,9 +57,12 @@ class Running:
     metrics_port: int | None
     metrics_http: Any
 
-    async def stop(self, grace: float) -> None:
-        """Health goes NOT_SERVING first, then in-flight RPCs get ``grace`` seconds."""
+    async def stop(self, grace: float, *, drain: float = 0.0) -> None:
+        """Health goes NOT_SERVING first and stays so for ``drain`` seconds while RPCs are
+        still served (load balancers notice), then in-flight RPCs get ``grace`` seconds."""
         await self.health.enter_graceful_shutdown()
+        if drain > 0:
+            await asyncio.sleep(drain)
         await self.server.stop(grace)
         await self.pool.close()
         if self.metrics_http is not None:
@@ -125,6 +131,6 @@ async def serve(config: Config) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log("stopping", grace_seconds=config.grace_seconds)
-    await running.stop(config.grace_seconds)
+    log("stopping", drain_seconds=config.drain_seconds, grace_seconds=config.grace_seconds)
+    await running.stop(config.grace_seconds, drain=config.drain_seconds)
     log("stopped")

@@ -232,6 +232,9 @@ def render_prefix(spec: PlanSpec, session_key: str) -> RenderedPrefix:
                                       trust=_block_trust(item), text=text))
     tool_specs = [t.canonical() for t in spec.tools]
     digest = canonical_sha256({
+        # The same bytes sent to another model are another cache entry and another prefix:
+        # provider tokenization and tool serialization differ.
+        "model": [spec.model.provider, spec.model.model_id],
         "blocks": [[b.row, b.trust.value, b.text] for b in blocks],
         "tools": [[d.name, d.description, d.input_schema_json] for d in tools],
         "tool_specs": tool_specs,

@@ -1,0 +1,132 @@
+"""Shared fixtures: a throwaway PostgreSQL (embedded, unless CE_TEST_DATABASE_URL is set) and a
+real gRPC server on ephemeral ports, run in a background thread with its own event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+import warnings
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from context_engine.adapters.postgres.migrate import migrate
+from context_engine.api.server import Running, start
+from context_engine.config import Config
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="session")
+def database_url() -> Iterator[str]:
+    external = os.environ.get("CE_TEST_DATABASE_URL")
+    if external:
+        run(migrate(external, REPO / "migrations"))
+        yield external
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from pgserver import get_server
+    tmp = Path(tempfile.mkdtemp(prefix="ce-test-pg-"))
+    server = get_server(tmp / "pg", cleanup_mode="stop")
+    url = str(server.get_uri())
+    run(migrate(url, REPO / "migrations"))
+    yield url
+    server.cleanup()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+class ServerThread:
+    """A real server (the same ``start`` the CLI uses) on its own loop in a thread."""
+
+    def __init__(self, config: Config, database_url: str) -> None:
+        self.registry = CollectorRegistry()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.running: Running = self.call(start(config, database_url=database_url,
+                                                registry=self.registry))
+        self.address = f"127.0.0.1:{self.running.grpc_port}"
+
+    def call(self, coro: Any, timeout: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, grace: float = 1.0, drain: float = 0.0) -> None:
+        self.call(self.running.stop(grace, drain=drain))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_config() -> Config:
+    return replace(Config(), grpc_addr="127.0.0.1:0", metrics_addr="127.0.0.1:0",
+                   grace_seconds=1.0)
+
+
+@pytest.fixture(scope="session")
+def server(database_url: str) -> Iterator[ServerThread]:
+    srv = ServerThread(test_config(), database_url)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def channel(server: ServerThread) -> Iterator[grpc.Channel]:
+    ch = grpc.insecure_channel(server.address)
+    yield ch
+    ch.close()
+
+
+@pytest.fixture
+def stub(channel: grpc.Channel) -> pb_grpc.ContextEngineStub:
+    return pb_grpc.ContextEngineStub(channel)
+
+
+@pytest.fixture
+def ids() -> tuple[str, str]:
+    """A fresh tenant and session per test, so tests never see each other's rows."""
+    return f"tenant-{uuid.uuid4().hex[:12]}", f"session-{uuid.uuid4().hex[:12]}"
+
+
+class Db:
+    """Synchronous read/write helpers for assertions on the real database."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        conn = await asyncpg.connect(self.url)
+        try:
+            return list(await conn.fetch(sql, *args))
+        finally:
+            await conn.close()
+
+    def fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        return list(run(self._fetch(sql, *args)))
+
+    def val(self, sql: str, *args: Any) -> Any:
+        rows = self.fetch(sql, *args)
+        return rows[0][0] if rows else None
+
+    def counts(self, tenant_id: str) -> dict[str, int]:
+        return {t: int(self.val(f"SELECT count(*) FROM {t} WHERE tenant_id = $1", tenant_id))
+                for t in ("sessions", "plans", "context_events")}
+
+
+@pytest.fixture(scope="session")
+def db(database_url: str) -> Db:
+    return Db(database_url)

@@ -1,0 +1,188 @@
+"""Plan, GetPlan and Build through the real server and a real PostgreSQL."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from context_engine.v1 import context_engine_pb2 as pb
+from tests.integration.requests import build_request, failure, plan_request
+
+pytestmark = pytest.mark.integration
+
+
+def test_plan_creates_epoch_one_and_is_idempotent(stub, ids, db):
+    tenant, session = ids
+    first = stub.Plan(plan_request(tenant, session))
+    assert first.created and first.plan.epoch == 1 and first.plan.reason == "session_opened"
+    assert len(first.plan.prefix_sha256) == 64
+    assert first.plan.prefix_tokens == sum(c.tokens for c in first.plan.prefix_classes) > 0
+    again = stub.Plan(plan_request(tenant, session))
+    assert not again.created
+    assert again.plan == first.plan
+    assert db.counts(tenant) == {"sessions": 1, "plans": 1, "context_events": 1}
+    event = db.fetch("SELECT type, epoch, payload::text FROM context_events WHERE tenant_id=$1",
+                     tenant)[0]
+    assert event["type"] == "context.plan.created" and event["epoch"] == 1
+    assert first.plan.prefix_sha256 in event["payload"]
+
+
+def test_plan_pins_selection_and_records_it(stub, ids):
+    tenant, session = ids
+    plan = stub.Plan(plan_request(tenant, session)).plan
+    # enabled web.fetch, discovered clock.now, tool.call because mail.send is deferred
+    assert list(plan.tool_names) == ["clock.now", "tool.call", "web.fetch"]
+    assert list(plan.deferred_tool_names) == ["mail.send"]
+    assert [t.name for t in plan.tools] == list(plan.tool_names)
+    assert list(plan.authority_scope_hashes) == sorted(plan.authority_scope_hashes)
+    assert plan.cache_ttl == "5m" and plan.tokenizer.startswith("cl100k_base")
+    rows = [b.row for b in plan.prefix_blocks]
+    assert rows == sorted(rows) and rows[:3] == [1, 2, 3] and 6 in rows
+    index = next(b for b in plan.prefix_blocks if b.row == 6)
+    assert "mail.send(to, body): Send an email." in index.text
+
+
+def test_scheduled_sessions_get_the_one_hour_ttl(stub, ids):
+    tenant, session = ids
+    req = plan_request(tenant, session, session=pb.SessionSpec(kind=pb.SESSION_KIND_SCHEDULED))
+    assert stub.Plan(req).plan.cache_ttl == "1h"
+
+
+def test_get_plan_returns_the_stored_plan(stub, ids):
+    tenant, session = ids
+    plan = stub.Plan(plan_request(tenant, session)).plan
+    assert stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session)).plan == plan
+    assert stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session,
+                                          epoch=1)).plan == plan
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session, epoch=2))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.NOT_FOUND and f.metadata["epoch"] == "2"
+
+
+def test_unknown_session_is_not_found(stub, ids):
+    tenant, session = ids
+    for call in (lambda: stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session)),
+                 lambda: stub.Build(build_request(tenant, session))):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        f = failure(err.value)
+        assert f.code is grpc.StatusCode.NOT_FOUND
+        assert f.reason == "SESSION_NOT_FOUND" and f.domain == "context-engine"
+
+
+def test_build_returns_the_pinned_prefix_and_an_enveloped_body(stub, ids):
+    tenant, session = ids
+    plan = stub.Plan(plan_request(tenant, session)).plan
+    resp = stub.Build(build_request(tenant, session))
+    assert resp.prefix_sha256 == plan.prefix_sha256 and resp.epoch == 1
+    assert list(resp.request.prefix_blocks) == list(plan.prefix_blocks)
+    assert list(resp.request.tools) == list(plan.tools)
+    rows = [m.row for m in resp.request.messages]
+    assert rows == [10, 10, 10, 14]
+    tool_msg = resp.request.messages[2]
+    assert tool_msg.role == pb.ROLE_TOOL and tool_msg.call_id == "call-1"
+    assert tool_msg.trust == pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
+    assert tool_msg.text.startswith('<untrusted source="tool:web.fetch" id="r1" nonce="')
+    assert "&lt;/untrusted:0000>" in tool_msg.text
+    assert resp.estimated_input_tokens == resp.prefix_tokens + resp.body_tokens
+    assert resp.estimated_input_tokens <= resp.context_window - resp.output_reserve
+    assert resp.session_key.startswith("session-") and len(resp.session_key) == 40
+    # the same checkpoint builds the same bytes
+    assert stub.Build(build_request(tenant, session)) == resp
+
+
+def test_region_b_changes_never_touch_the_prefix(stub, ids):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    a = stub.Build(build_request(tenant, session, date="2026-11-29"))
+    b = stub.Build(build_request(tenant, session, date="2026-11-30",
+                                 recall=[pb.RecallLine(id="m1", text="likes tea")]))
+    assert a.prefix_sha256 == b.prefix_sha256
+    assert list(a.request.prefix_blocks) == list(b.request.prefix_blocks)
+    assert a.request.messages != b.request.messages
+
+
+def test_scope_changes_do_not_rotate_but_a_model_change_does(stub, ids, db):
+    tenant, session = ids
+    first = stub.Plan(plan_request(tenant, session)).plan
+    narrowed = stub.Plan(plan_request(tenant, session, principal_scopes=["web"]))
+    assert not narrowed.created and narrowed.plan.tool_names == first.tool_names
+    rotated = stub.Plan(plan_request(tenant, session,
+                                     model=pb.ModelSpec(model_id="gpt-4o-2024-08-06")))
+    assert rotated.created and rotated.plan.epoch == 2 and rotated.plan.reason == "model_changed"
+    assert rotated.plan.prefix_sha256 != first.prefix_sha256
+    types = [r["type"] for r in db.fetch(
+        "SELECT type FROM context_events WHERE tenant_id=$1 ORDER BY id", tenant)]
+    assert types == ["context.plan.created", "context.epoch.rotated"]
+    # Build without an epoch uses the current one; the old epoch still builds.
+    assert stub.Build(build_request(tenant, session)).epoch == 2
+    old = stub.Build(build_request(tenant, session, epoch=1))
+    assert old.epoch == 1 and old.prefix_sha256 == first.prefix_sha256
+
+
+def test_new_agent_version_rotates_and_same_version_new_content_conflicts(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    before = db.counts(tenant)
+    changed = pb.AgentSpec(agent_id="helper", version="7", instructions="Something else.",
+                           enabled_tools=["web.fetch"])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Plan(plan_request(tenant, session, agent=changed))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert f.reason == "PINNED_VERSION_CONFLICT" and f.metadata == {"what": "agent",
+                                                                    "version": "7"}
+    assert db.counts(tenant) == before
+    changed.version = "8"
+    rotated = stub.Plan(plan_request(tenant, session, agent=changed))
+    assert rotated.plan.epoch == 2 and rotated.plan.reason == "agent_version_changed"
+
+
+def test_persona_revision_rotates(stub, ids):
+    tenant, session = ids
+    p1 = pb.Persona(revision="r1", entries=[pb.PersonaEntry(key="tone", text="warm")])
+    first = stub.Plan(plan_request(tenant, session, persona=p1)).plan
+    assert any(b.row == 4 and "tone: warm" in b.text for b in first.prefix_blocks)
+    p2 = pb.Persona(revision="r2", entries=[pb.PersonaEntry(key="tone", text="brief")])
+    rotated = stub.Plan(plan_request(tenant, session, persona=p2))
+    assert rotated.created and rotated.plan.reason == "persona_changed"
+
+
+def test_prefix_class_over_cap_fails_and_writes_nothing(stub, ids, db):
+    tenant, session = ids
+    huge = pb.AgentSpec(agent_id="helper", version="1", instructions="word " * 6000)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Plan(plan_request(tenant, session, agent=huge))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert f.reason == "PREFIX_CLASS_OVER_CAP"
+    assert f.metadata["class"] == "agent_instructions" and f.metadata["cap"] == "4000"
+    assert int(f.metadata["tokens"]) > 4000
+    assert db.counts(tenant) == {"sessions": 0, "plans": 0, "context_events": 0}
+
+
+def test_unknown_model_needs_capabilities(stub, ids):
+    tenant, session = ids
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="acme-1")))
+    assert failure(err.value).violations.keys() == {"model.model_id"}
+    sized = pb.ModelSpec(model_id="acme-1", capabilities=pb.ModelCapabilities(
+        context_window=32_000))
+    plan = stub.Plan(plan_request(tenant, session, model=sized)).plan
+    assert plan.context_window == 32_000 and plan.output_reserve == 8192
+
+
+def test_whole_window_check_fails_with_budget_exceeded(stub, ids):
+    tenant, session = ids
+    small = pb.ModelSpec(model_id="acme-small", capabilities=pb.ModelCapabilities(
+        context_window=3_000, output_reserve=1_000))
+    stub.Plan(plan_request(tenant, session, model=small))
+    items = [pb.ConversationItem(id="u1", sequence=1, run_id="run-1",
+                                 trust=pb.TRUST_LEVEL_USER,
+                                 user=pb.UserMessage(text="lorem ipsum " * 2000))]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session, items=items))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.FAILED_PRECONDITION and f.reason == "BUDGET_EXCEEDED"
+    assert f.metadata["class"] == "window" and f.metadata["limit"] == "2000"
