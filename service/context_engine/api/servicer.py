@@ -13,6 +13,7 @@ from grpc_status import rpc_status
 
 from context_engine.api import mapping
 from context_engine.api.status import internal_status, status_for
+from context_engine.domain.builder import checkpoint_violations
 from context_engine.domain.errors import ContextEngineError
 from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
@@ -96,6 +97,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             v = mapping.Violations()
             mapping.session_ids(v, request.tenant_id, request.session_id)
             checkpoint = mapping.checkpoint(v, request.checkpoint)
+            v.items.extend(checkpoint_violations(checkpoint))
             factor = None
             if request.HasField("estimator_factor"):
                 factor = request.estimator_factor

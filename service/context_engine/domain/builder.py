@@ -98,6 +98,12 @@ class BuildResult:
 def validate_checkpoint(cp: Checkpoint, field: str = "checkpoint") -> None:
     """Reject malformed checkpoints with one violation per problem; an orphaned tool call or
     result is a malformed request, never a smaller one."""
+    violations = checkpoint_violations(cp, field)
+    if violations:
+        raise InvalidInput(violations)
+
+
+def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint") -> list[FieldViolation]:
     violations: list[FieldViolation] = []
     seen_ids: set[str] = set()
     open_calls: dict[str, int] = {}
@@ -152,8 +158,7 @@ def validate_checkpoint(cp: Checkpoint, field: str = "checkpoint") -> None:
         if not skill.name:
             violations.append(FieldViolation(f"{field}.loaded_skills[{i}].name",
                                              "must not be empty"))
-    if violations:
-        raise InvalidInput(violations)
+    return violations
 
 
 def split_trailing(items: Sequence[ConversationItem]) -> tuple[list[ConversationItem],

@@ -1,0 +1,72 @@
+"""Real `context-engine serve` processes for tests that need more than one, or a restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+
+class ServerProcess:
+    def __init__(self, env: dict[str, str], *, timeout: float = 90.0) -> None:
+        full_env = {**os.environ, "CE_GRACE_SECONDS": "5", "CE_DRAIN_SECONDS": "0.5", **env}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "context_engine", "serve", "--grpc-addr", "127.0.0.1:0",
+             "--metrics-addr", "127.0.0.1:0"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[dict[str, Any]] = []
+        self.raw: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        serving = self.wait_for("serving", timeout)
+        self.address = serving["grpc"]
+        self.metrics = serving["metrics"]
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def wait_for(self, event: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.proc.poll() is not None and self.lines.empty():
+                    break
+                continue
+            self.raw.append(line)
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            self.log.append(record)
+            if record.get("event") == event:
+                return dict(record)
+        raise AssertionError(f"no {event!r} line within {timeout}s; output:\n{''.join(self.raw)}")
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            while not self.lines.empty():
+                line = self.lines.get()
+                self.raw.append(line)
+                try:
+                    self.log.append(json.loads(line))
+                except ValueError:
+                    pass
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

@@ -1,0 +1,144 @@
+"""Malformed input: INVALID_ARGUMENT with BadRequest field violations, and nothing written."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from context_engine.v1 import context_engine_pb2 as pb
+from tests.integration.requests import build_request, failure, item, plan_request
+
+pytestmark = pytest.mark.integration
+
+
+def _tool(**kw):
+    base = {"name": "x.tool", "description": "A tool.", "input_schema_json": '{"type":"object"}',
+            "side_effect": pb.SIDE_EFFECT_NONE}
+    base.update(kw)
+    return pb.ToolSpec(**base)
+
+
+PLAN_CASES = {
+    "empty tenant": ({"tenant_id": ""}, "tenant_id"),
+    "empty session": ({"session_id": ""}, "session_id"),
+    "schema not an object": ({"tool_catalog": [_tool(input_schema_json="[1,2]")]},
+                             "tool_catalog[0].input_schema_json"),
+    "schema not json": ({"tool_catalog": [_tool(input_schema_json="{nope")]},
+                        "tool_catalog[0].input_schema_json"),
+    "duplicate tool": ({"tool_catalog": [_tool(), _tool()]}, "tool_catalog[1]"),
+    "reserved control tool": ({"tool_catalog": [_tool(name="tool.call")]},
+                              "tool_catalog[0].name"),
+    "unspecified side effect": ({"tool_catalog": [_tool(side_effect=0)]},
+                                "tool_catalog[0].side_effect"),
+    "unknown side effect": ({"tool_catalog": [_tool(side_effect=99)]},
+                            "tool_catalog[0].side_effect"),
+    "unknown trust in skill catalog": (
+        {"skill_catalog": [pb.SkillCatalogEntry(name="s", description="d", trust=42)]},
+        "skill_catalog[0].trust"),
+    "unspecified trust in skill catalog": (
+        {"skill_catalog": [pb.SkillCatalogEntry(name="s", description="d")]},
+        "skill_catalog[0].trust"),
+    "unsizable model": ({"model": pb.ModelSpec(model_id="mystery-model")}, "model.model_id"),
+    "negative window": ({"model": pb.ModelSpec(model_id="mystery", capabilities=pb.ModelCapabilities(
+        context_window=-5))}, "model.capabilities.context_window"),
+    "reserve eats the window": ({"model": pb.ModelSpec(model_id="m", capabilities=pb.ModelCapabilities(
+        context_window=4000, output_reserve=4000))}, "model.capabilities.output_reserve"),
+    "unknown session kind": ({"session": pb.SessionSpec(kind=17)}, "session.kind"),
+    "empty agent version": ({"agent": pb.AgentSpec(agent_id="a", instructions="x")},
+                            "agent.version"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLAN_CASES))
+def test_bad_plan_requests(stub, ids, db, case):
+    tenant, session = ids
+    overrides, field = PLAN_CASES[case]
+    req = plan_request(tenant, session)
+    for key, value in overrides.items():
+        if isinstance(value, list):
+            del getattr(req, key)[:]
+            getattr(req, key).extend(value)
+        elif isinstance(value, str):
+            setattr(req, key, value)
+        else:
+            getattr(req, key).CopyFrom(value)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Plan(req)
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT and f.reason == "INVALID_ARGUMENT"
+    assert field in f.violations, f.violations
+    assert db.counts(tenant) == {"sessions": 0, "plans": 0, "context_events": 0}
+
+
+def _call(call_id="k1", args='{"url":"u"}'):
+    return pb.ToolCalls(calls=[pb.ToolCall(call_id=call_id, name="web.fetch",
+                                           arguments_json=args)])
+
+
+def _result(call_id="k1"):
+    return pb.ToolResult(call_id=call_id, tool_name="web.fetch", content="ok")
+
+
+UT = pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
+BUILD_CASES = {
+    "duplicate item ids": ([item("a", 1, user=pb.UserMessage(text="x")),
+                            item("a", 2, user=pb.UserMessage(text="y"))], "checkpoint.items[1].id"),
+    "empty item id": ([item("", 1, user=pb.UserMessage(text="x"))], "checkpoint.items[0].id"),
+    "result whose call is absent": ([item("r", 1, UT, tool_result=_result("nope"))],
+                                    "checkpoint.items[0].tool_result.call_id"),
+    "call without result": ([item("c", 1, tool_calls=_call())], "checkpoint.items[0].tool_calls"),
+    "result before call": ([item("r", 1, UT, tool_result=_result()),
+                            item("c", 2, tool_calls=_call())],
+                           "checkpoint.items[0].tool_result.call_id"),
+    "duplicate result": ([item("c", 1, tool_calls=_call()), item("r", 2, UT, tool_result=_result()),
+                          item("r2", 3, UT, tool_result=_result())],
+                         "checkpoint.items[2].tool_result.call_id"),
+    "arguments not an object": ([item("c", 1, tool_calls=_call(args="[]")),
+                                 item("r", 2, UT, tool_result=_result())],
+                                "checkpoint.items[0].tool_calls.calls[0].arguments_json"),
+    "unknown trust": ([item("u", 1, trust=9, user=pb.UserMessage(text="x"))],
+                      "checkpoint.items[0].trust"),
+    "unspecified trust": ([item("u", 1, trust=0, user=pb.UserMessage(text="x"))],
+                          "checkpoint.items[0].trust"),
+    "no kind": ([pb.ConversationItem(id="u", sequence=1, trust=pb.TRUST_LEVEL_USER)],
+                "checkpoint.items[0].kind"),
+    "sequence goes backwards": ([item("a", 5, user=pb.UserMessage(text="x")),
+                                 item("b", 4, user=pb.UserMessage(text="y"))],
+                                "checkpoint.items[1].sequence"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BUILD_CASES))
+def test_bad_build_requests(stub, ids, db, case):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    before = db.counts(tenant)
+    items, field = BUILD_CASES[case]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session, items=items))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert field in f.violations, f.violations
+    assert db.counts(tenant) == before
+
+
+def test_every_violation_is_reported_at_once(stub, ids):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    items = [item("a", 1, trust=0, user=pb.UserMessage(text="x")),
+             item("a", 2, UT, tool_result=_result("zz"))]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session, items=items))
+    assert set(failure(err.value).violations) >= {
+        "checkpoint.items[0].trust", "checkpoint.items[1].id",
+        "checkpoint.items[1].tool_result.call_id"}
+
+
+def test_bad_estimator_factor(stub, ids):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    req = build_request(tenant, session)
+    req.estimator_factor = 0.0
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(req)
+    assert "estimator_factor" in failure(err.value).violations

@@ -1,0 +1,98 @@
+"""Health, reflection, metrics, and the prefix-hash check on a tampered plan."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from context_engine.v1 import context_engine_pb2 as pb
+from tests.integration.requests import build_request, failure, plan_request
+
+pytestmark = pytest.mark.integration
+
+
+def test_health_serving(channel):
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "context_engine.v1.ContextEngine"):
+        resp = health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_the_services(channel):
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = stub.ServerReflectionInfo(iter([
+        reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"context_engine.v1.ContextEngine", "grpc.health.v1.Health"} <= names
+
+
+def _scrape(server) -> str:
+    port = server.running.metrics_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return str(resp.read().decode())
+
+
+def _value(text: str, sample: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_metrics_are_exported_and_move(server, stub, ids):
+    tenant, session = ids
+    before = _scrape(server)
+    stub.Plan(plan_request(tenant, session))
+    stub.Build(build_request(tenant, session))
+    text = _scrape(server)
+    for name in ("context_engine_sessions_opened_total", "context_engine_epochs_total",
+                 "context_engine_prefix_hash_mismatch_total", "context_engine_prefix_tokens",
+                 "context_engine_budget_pressure_total", "context_engine_budget_exceeded_total",
+                 "context_engine_build_seconds", "context_engine_rpc_seconds"):
+        assert f"# TYPE {name.removesuffix('_total')}" in text, name
+    assert _value(text, "context_engine_sessions_opened_total") == \
+        _value(before, "context_engine_sessions_opened_total") + 1
+    sample = 'context_engine_epochs_total{reason="session_opened"}'
+    assert _value(text, sample) == _value(before, sample) + 1
+    sample = 'context_engine_rpc_seconds_count{code="OK",method="Build"}'
+    assert _value(text, sample) >= _value(before, sample) + 1
+    assert _value(text, "context_engine_build_seconds_count") >= 1
+    assert tenant not in text and session not in text  # no unbounded labels
+
+
+def test_tampered_plan_fails_build_with_both_hashes(server, stub, ids, db):
+    tenant, session = ids
+    plan = stub.Plan(plan_request(tenant, session)).plan
+    db.fetch("UPDATE plans SET spec = jsonb_set(spec, '{agent,instructions}', "
+             "'\"tampered instructions\"') WHERE tenant_id=$1", tenant)
+    before = _value(_scrape(server), "context_engine_prefix_hash_mismatch_total")
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INTERNAL and f.reason == "PREFIX_HASH_MISMATCH"
+    assert f.metadata["stored_sha256"] == plan.prefix_sha256
+    assert len(f.metadata["rendered_sha256"]) == 64
+    assert plan.prefix_sha256 in f.message and f.metadata["rendered_sha256"] in f.message
+    assert _value(_scrape(server), "context_engine_prefix_hash_mismatch_total") == before + 1
+
+
+def plan_canonical_order() -> list[str]:
+    return sorted(["assets", "model", "agent", "tools"])
+
+
+def test_reordered_jsonb_keys_do_not_change_the_hash(stub, ids, db):
+    """jsonb keeps no key order; the plan is re-serialized canonically after loading."""
+    tenant, session = ids
+    plan = stub.Plan(plan_request(tenant, session)).plan
+    stored = db.val("SELECT spec::text FROM plans WHERE tenant_id=$1", tenant)
+    # jsonb orders keys shorter-first: the stored text is not the canonical form
+    assert stored.index('"model"') < stored.index('"assets"')
+    assert plan_canonical_order().index("assets") < plan_canonical_order().index("model")
+    resp = stub.Build(build_request(tenant, session))
+    assert resp.prefix_sha256 == plan.prefix_sha256
+    got = stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session)).plan
+    assert got.prefix_sha256 == plan.prefix_sha256 and got.prefix_blocks == plan.prefix_blocks

@@ -1,0 +1,124 @@
+"""Several real server processes: concurrent Plan, restarts, embedded PostgreSQL reuse,
+graceful stop on SIGTERM."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from context_engine.v1 import context_engine_pb2 as pb
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from tests.integration.processes import ServerProcess
+from tests.integration.requests import build_request, plan_request
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def two_servers(database_url):
+    servers = [ServerProcess({"DATABASE_URL": database_url}) for _ in range(2)]
+    yield servers
+    for s in servers:
+        assert s.terminate() == 0
+
+
+def test_concurrent_plans_from_two_processes_create_exactly_one_epoch(two_servers, db):
+    stubs = [pb_grpc.ContextEngineStub(grpc.insecure_channel(s.address)) for s in two_servers]
+    tenant = f"tenant-{uuid.uuid4().hex[:10]}"
+    sessions = [f"race-{i}" for i in range(8)]
+    results: list[tuple[str, pb.PlanResponse]] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(16)
+
+    def call(stub, session):
+        try:
+            barrier.wait(10)
+            results.append((session, stub.Plan(plan_request(tenant, session), timeout=30)))
+        except BaseException as exc:  # collected and asserted below
+            errors.append(exc)
+
+    for session in sessions:
+        threads = [threading.Thread(target=call, args=(stubs[i % 2], session))
+                   for i in range(16)]
+        barrier.reset()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors
+    assert len(results) == 16 * len(sessions)
+    for session in sessions:
+        answers = [r for s, r in results if s == session]
+        assert sum(r.created for r in answers) == 1
+        assert {r.plan.epoch for r in answers} == {1}
+        assert len({r.plan.prefix_sha256 for r in answers}) == 1
+    rows = db.fetch("SELECT session_id, count(*) AS n FROM plans WHERE tenant_id=$1 "
+                    "GROUP BY session_id", tenant)
+    assert {r["session_id"]: r["n"] for r in rows} == dict.fromkeys(sessions, 1)
+    events = db.val("SELECT count(*) FROM context_events WHERE tenant_id=$1", tenant)
+    assert events == len(sessions)
+
+
+def test_plans_survive_a_restart_and_build_identically(database_url):
+    tenant, session = f"tenant-{uuid.uuid4().hex[:10]}", "restart"
+    first = ServerProcess({"DATABASE_URL": database_url})
+    stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(first.address))
+    plan = stub.Plan(plan_request(tenant, session)).plan
+    built = stub.Build(build_request(tenant, session))
+    assert first.terminate() == 0
+
+    second = ServerProcess({"DATABASE_URL": database_url})
+    try:
+        stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(second.address))
+        assert stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session)).plan == plan
+        assert stub.Build(build_request(tenant, session)) == built
+        assert not stub.Plan(plan_request(tenant, session)).created
+    finally:
+        assert second.terminate() == 0
+
+
+def test_embedded_postgres_data_is_reused_across_runs():
+    """What `make run` does twice: no DATABASE_URL, data under CE_DATA_DIR."""
+    data_dir = Path(tempfile.mkdtemp(prefix="ce-data-"))
+    env = {"DATABASE_URL": "", "CE_DATA_DIR": str(data_dir)}
+    first = ServerProcess(env)
+    serving = first.log[-1]
+    assert serving["database"] == "embedded" and serving["data_dir"] == str(data_dir)
+    stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(first.address))
+    plan = stub.Plan(plan_request("t", "s")).plan
+    assert first.terminate() == 0
+
+    second = ServerProcess(env)
+    try:
+        stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(second.address))
+        assert stub.GetPlan(pb.GetPlanRequest(tenant_id="t", session_id="s")).plan == plan
+        assert not any(r.get("event") == "migrated" for r in second.log), "migrated twice"
+    finally:
+        assert second.terminate() == 0
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def test_sigterm_drains_then_stops_gracefully(database_url):
+    server = ServerProcess({"DATABASE_URL": database_url, "CE_DRAIN_SECONDS": "2"})
+    channel = grpc.insecure_channel(server.address)
+    health = health_pb2_grpc.HealthStub(channel)
+    stub = pb_grpc.ContextEngineStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest()).status == \
+        health_pb2.HealthCheckResponse.SERVING
+    stub.Plan(plan_request("t-sig", "s"))
+    server.proc.send_signal(15)
+    server.wait_for("stopping", 10)
+    # during the drain, health says NOT_SERVING and RPCs are still answered
+    assert health.Check(health_pb2.HealthCheckRequest()).status == \
+        health_pb2.HealthCheckResponse.NOT_SERVING
+    assert stub.Build(build_request("t-sig", "s")).epoch == 1
+    assert server.terminate() == 0
+    events = [r["event"] for r in server.log]
+    assert events.index("stopping") < events.index("stopped")
