@@ -18,12 +18,11 @@ from typing import Any
 import asyncpg
 import grpc
 import pytest
-from prometheus_client import CollectorRegistry
-
 from context_engine.adapters.postgres.migrate import migrate
 from context_engine.api.server import Running, start
 from context_engine.config import Config
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from prometheus_client import CollectorRegistry
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -61,10 +62,8 @@ class ServerProcess:
             while not self.lines.empty():
                 line = self.lines.get()
                 self.raw.append(line)
-                try:
+                with contextlib.suppress(ValueError):
                     self.log.append(json.loads(line))
-                except ValueError:
-                    pass
 
     def kill(self) -> None:
         if self.proc.poll() is None:

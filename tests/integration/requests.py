@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from context_engine.v1 import context_engine_pb2 as pb
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-
-from context_engine.v1 import context_engine_pb2 as pb
 
 SCHEMA = json.dumps({"type": "object", "properties": {"url": {"type": "string"},
                                                       "timeout": {"type": "integer"}},

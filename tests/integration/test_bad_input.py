@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
 from context_engine.v1 import context_engine_pb2 as pb
+
 from tests.integration.requests import build_request, failure, item, plan_request
 
 pytestmark = pytest.mark.integration
@@ -39,10 +39,13 @@ PLAN_CASES = {
         {"skill_catalog": [pb.SkillCatalogEntry(name="s", description="d")]},
         "skill_catalog[0].trust"),
     "unsizable model": ({"model": pb.ModelSpec(model_id="mystery-model")}, "model.model_id"),
-    "negative window": ({"model": pb.ModelSpec(model_id="mystery", capabilities=pb.ModelCapabilities(
-        context_window=-5))}, "model.capabilities.context_window"),
-    "reserve eats the window": ({"model": pb.ModelSpec(model_id="m", capabilities=pb.ModelCapabilities(
-        context_window=4000, output_reserve=4000))}, "model.capabilities.output_reserve"),
+    "negative window": ({"model": pb.ModelSpec(
+        model_id="mystery", capabilities=pb.ModelCapabilities(context_window=-5))},
+        "model.capabilities.context_window"),
+    "reserve eats the window": ({"model": pb.ModelSpec(
+        model_id="m", capabilities=pb.ModelCapabilities(context_window=4000,
+                                                        output_reserve=4000))},
+        "model.capabilities.output_reserve"),
     "unknown session kind": ({"session": pb.SessionSpec(kind=17)}, "session.kind"),
     "empty agent version": ({"agent": pb.AgentSpec(agent_id="a", instructions="x")},
                             "agent.version"),

@@ -21,12 +21,19 @@ import tiktoken
 from context_engine.domain.estimator import TokenCounter
 
 FALLBACK_FACTOR = 1.10
-_BLOBS = {
-    "o200k_base": "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken",
-    "o200k_harmony": "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken",
-    "cl100k_base": "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken",
-    "p50k_base": "https://openaipublic.blob.core.windows.net/encodings/p50k_base.tiktoken",
-    "r50k_base": "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken",
+_BASE = "https://openaipublic.blob.core.windows.net/encodings/"
+# encoding -> (official file, its SHA-256 as tiktoken checks it)
+_OFFICIAL = {
+    "o200k_base": (_BASE + "o200k_base.tiktoken",
+                   "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"),
+    "o200k_harmony": (_BASE + "o200k_base.tiktoken",
+                      "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"),
+    "cl100k_base": (_BASE + "cl100k_base.tiktoken",
+                    "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"),
+    "p50k_base": (_BASE + "p50k_base.tiktoken",
+                  "94b5ca7dff4d00767bc256fdd1b27e5b17361d7b8a5f968547f9f23eb70d2069"),
+    "r50k_base": (_BASE + "r50k_base.tiktoken",
+                  "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"),
 }
 _DIGEST_CACHE_ENTRIES = 65_536
 _SHORT = 64  # below this many characters, hashing costs about what counting does
@@ -35,18 +42,29 @@ _SHORT = 64  # below this many characters, hashing costs about what counting doe
 def tiktoken_cache_dir(environ: dict[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
     if "TIKTOKEN_CACHE_DIR" in env:
-        return Path(env["TIKTOKEN_CACHE_DIR"])
+        return Path(env["TIKTOKEN_CACHE_DIR"]) if env["TIKTOKEN_CACHE_DIR"] else Path("")
     if "DATA_GYM_CACHE_DIR" in env:
-        return Path(env["DATA_GYM_CACHE_DIR"])
+        return Path(env["DATA_GYM_CACHE_DIR"]) if env["DATA_GYM_CACHE_DIR"] else Path("")
     return Path(tempfile.gettempdir()) / "data-gym-cache"
 
 
+def cache_path(encoding: str, environ: dict[str, str] | None = None) -> Path | None:
+    official = _OFFICIAL.get(encoding)
+    if official is None:
+        return None
+    directory = tiktoken_cache_dir(environ)
+    if str(directory) in ("", "."):  # tiktoken treats an empty cache dir as "no cache"
+        return None
+    return directory / hashlib.sha1(official[0].encode()).hexdigest()
+
+
 def cached_offline(encoding: str, environ: dict[str, str] | None = None) -> bool:
-    blob = _BLOBS.get(encoding)
-    if blob is None:
+    """True only when the official file is in the cache with the right hash, so that loading
+    it can never fall through to a download."""
+    path = cache_path(encoding, environ)
+    if path is None or not path.is_file():
         return False
-    key = hashlib.sha1(blob.encode()).hexdigest()
-    return (tiktoken_cache_dir(environ) / key).is_file()
+    return hashlib.sha256(path.read_bytes()).hexdigest() == _OFFICIAL[encoding][1]
 
 
 class TiktokenCounter:
