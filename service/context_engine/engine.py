@@ -72,6 +72,9 @@ class PlanCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def clear(self) -> None:
+        self._entries.clear()
+
 
 class Engine:
     def __init__(self, *, store: PlanStore, catalog: ModelCatalog, tokenizers: TokenizerRegistry,
@@ -113,6 +116,9 @@ class Engine:
 
         plan, created = await self._store.pin(cmd.tenant_id, cmd.session_id, decide)
         if created:
+            # Written just now from this very rendering: nothing to re-verify.
+            self.cache.put((plan.tenant_id, plan.session_id, plan.epoch),
+                           LoadedPlan(plan=plan, rendered=draft.rendered, session_key=key))
             if plan.epoch == 1:
                 self._metrics.sessions_opened.inc()
             self._metrics.epochs.labels(reason=plan.reason).inc()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import urllib.request
 
 import grpc
@@ -69,6 +71,7 @@ def test_tampered_plan_fails_build_with_both_hashes(server, stub, ids, db):
     plan = stub.Plan(plan_request(tenant, session)).plan
     db.fetch("UPDATE plans SET spec = jsonb_set(spec, '{agent,instructions}', "
              "'\"tampered instructions\"') WHERE tenant_id=$1", tenant)
+    server.running.engine.cache.clear()  # as a replica that has not seen this plan yet
     before = _value(_scrape(server), "context_engine_prefix_hash_mismatch_total")
     with pytest.raises(grpc.RpcError) as err:
         stub.Build(build_request(tenant, session))
@@ -96,3 +99,28 @@ def test_reordered_jsonb_keys_do_not_change_the_hash(stub, ids, db):
     assert resp.prefix_sha256 == plan.prefix_sha256
     got = stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session)).plan
     assert got.prefix_sha256 == plan.prefix_sha256 and got.prefix_blocks == plan.prefix_blocks
+
+
+def test_logs_carry_no_content_and_no_reasoning(stub, ids, caplog):
+    tenant, session = ids
+    caplog.set_level(logging.INFO, logger="context_engine")
+    stub.Plan(plan_request(tenant, session))
+    items = [
+        pb.ConversationItem(id="u1", sequence=1, run_id="run-1", trust=pb.TRUST_LEVEL_USER,
+                            user=pb.UserMessage(text="CANARY-USER-TEXT")),
+        pb.ConversationItem(id="z1", sequence=2, run_id="run-1", trust=pb.TRUST_LEVEL_USER,
+                            reasoning=pb.ReasoningItem(provider="openai",
+                                                       opaque=b"CANARY-REASONING")),
+        pb.ConversationItem(id="a1", sequence=3, run_id="run-1", trust=pb.TRUST_LEVEL_USER,
+                            assistant=pb.AssistantMessage(text="ok")),
+        pb.ConversationItem(id="u2", sequence=4, run_id="run-1", trust=pb.TRUST_LEVEL_USER,
+                            user=pb.UserMessage(text="CANARY-TRAILING")),
+    ]
+    resp = stub.Build(build_request(tenant, session, items=items))
+    assert resp.request.messages[1].reasoning_opaque == b"CANARY-REASONING"
+    assert all("CANARY-REASONING" not in m.text for m in resp.request.messages)
+    records = [r for r in caplog.records if r.name == "context_engine"]
+    assert any(getattr(r, "fields", {}).get("method") == "Build" for r in records)
+    dumped = json.dumps([getattr(r, "fields", {}) for r in records]) + caplog.text
+    for canary in ("CANARY-USER-TEXT", "CANARY-REASONING", "CANARY-TRAILING"):
+        assert canary not in dumped

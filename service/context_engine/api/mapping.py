@@ -9,8 +9,14 @@ from datetime import datetime
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from context_engine.domain.builder import BuildResult, Checkpoint, RuntimeMetadata, SkillBody
-from context_engine.domain.canonical import parse_json_object, session_key
+from context_engine.domain.builder import (
+    BuildResult,
+    Checkpoint,
+    LoadedPlan,
+    RuntimeMetadata,
+    SkillBody,
+)
+from context_engine.domain.canonical import parse_json_object
 from context_engine.domain.errors import FieldViolation, InvalidInput
 from context_engine.domain.items import (
     AssistantMessageItem,
@@ -36,7 +42,6 @@ from context_engine.domain.model import (
     SkillCatalogEntry,
     ToolSpec,
 )
-from context_engine.domain.plan import ContextPlan, render_prefix
 from context_engine.domain.request import Message, PrefixBlock, Role, ToolCall, ToolDefinition
 from context_engine.domain.tools import CONTROL_TOOLS
 from context_engine.domain.trust import TrustLevel
@@ -293,9 +298,9 @@ def tools_pb(tools: Iterable[ToolDefinition]) -> list[pb.ToolDefinition]:
                               input_schema_json=t.input_schema_json) for t in tools]
 
 
-def plan_pb(plan: ContextPlan, *, include_prefix: bool = True) -> pb.ContextPlan:
+def plan_pb(loaded: LoadedPlan) -> pb.ContextPlan:
+    plan, rendered, key = loaded.plan, loaded.rendered, loaded.session_key
     spec = plan.spec
-    key = session_key(plan.tenant_id, plan.session_id)
     out = pb.ContextPlan(
         tenant_id=plan.tenant_id, session_id=plan.session_id, epoch=plan.epoch,
         prefix_sha256=plan.prefix_sha256, prefix_tokens=plan.prefix_tokens,
@@ -307,7 +312,7 @@ def plan_pb(plan: ContextPlan, *, include_prefix: bool = True) -> pb.ContextPlan
         breakpoint_budget=spec.model.breakpoint_budget,
         tool_names=list(spec.tool_names), deferred_tool_names=list(spec.deferred_tool_names),
         skipped_tool_names=list(spec.skipped_tool_names),
-        tool_schema_sha256="", authority_scope_hashes=list(spec.authority_scope_hashes),
+        authority_scope_hashes=list(spec.authority_scope_hashes),
         policy_version=spec.assets.version, builder_version=spec.builder_version,
         cache_ttl=spec.cache_ttl, reason=plan.reason, session_key=key,
         agent_id=spec.agent.agent_id, agent_version=spec.agent.version,
@@ -317,11 +322,9 @@ def plan_pb(plan: ContextPlan, *, include_prefix: bool = True) -> pb.ContextPlan
     created = _timestamp(plan.created_at)
     if created is not None:
         out.created_at.CopyFrom(created)
-    rendered = render_prefix(spec, key)
     out.tool_schema_sha256 = rendered.tool_schema_sha256
-    if include_prefix:
-        out.prefix_blocks.extend(blocks_pb(rendered.blocks))
-        out.tools.extend(tools_pb(rendered.tools))
+    out.prefix_blocks.extend(blocks_pb(rendered.blocks))
+    out.tools.extend(tools_pb(rendered.tools))
     return out
 
 

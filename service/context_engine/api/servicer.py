@@ -74,7 +74,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             plan, created = await self._engine.plan(cmd)
             record.epoch, record.prefix_sha256 = plan.epoch, plan.prefix_sha256
             record.extra["created"] = created
-            return pb.PlanResponse(plan=mapping.plan_pb(plan), created=created)
+            loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch)
+            return pb.PlanResponse(plan=mapping.plan_pb(loaded), created=created)
         return await self._run("Plan", context, call)
 
     async def GetPlan(self, request: pb.GetPlanRequest,
@@ -84,10 +85,10 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             v = mapping.Violations()
             mapping.session_ids(v, request.tenant_id, request.session_id)
             v.raise_if_any()
-            plan = await self._engine.get_plan(request.tenant_id, request.session_id,
+            loaded = await self._engine.loaded(request.tenant_id, request.session_id,
                                                request.epoch or None)
-            record.epoch, record.prefix_sha256 = plan.epoch, plan.prefix_sha256
-            return pb.GetPlanResponse(plan=mapping.plan_pb(plan))
+            record.epoch, record.prefix_sha256 = loaded.plan.epoch, loaded.plan.prefix_sha256
+            return pb.GetPlanResponse(plan=mapping.plan_pb(loaded))
         return await self._run("GetPlan", context, call)
 
     async def Build(self, request: pb.BuildRequest,
