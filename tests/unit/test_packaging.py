@@ -9,7 +9,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
 from context_engine.cli import main
 
 REPO = Path(__file__).resolve().parents[2]

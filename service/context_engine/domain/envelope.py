@@ -22,13 +22,34 @@ TAGS: dict[TrustLevel, str] = {
 TAG_NAMES = tuple(sorted(set(TAGS.values())))
 NONCE_HEX = 16
 
-# Characters that read as "<" or "/" to a model, and characters invisible to it.
+# Characters that read as "<" or "/" to a model.
 _LT_LIKE = "<\uff1c\ufe64\u2039\u3008\u2329\u27e8\u276e\u02c2"
 _SLASH_LIKE = "/\uff0f\u2044\u2215\u29f8\u2571"
-_INVISIBLE = "\u200b\u200c\u200d\u200e\u200f\u2060\u2061\u2062\u2063\u2064\ufeff\u00ad\u180e"
 _LT_RE = re.compile(f"[{_LT_LIKE}]")
-_SKIP = set(_INVISIBLE) | {" ", "\t", "\n", "\r", "\f", "\v"}
-_LOOKAHEAD = 64
+# Rendered as nothing, or as blank, although not format characters.
+_BLANK_LETTERS = frozenset("\u034f\u115f\u1160\u3164\uffa0\u180e")
+
+
+def _invisible(ch: str) -> bool:
+    """White space, format characters (zero-width, bidi controls, tags), variation selectors
+    and blank letters: folded away when deciding whether text is a delimiter."""
+    if ch.isspace() or ch in _BLANK_LETTERS:
+        return True
+    code = ord(ch)
+    if 0xFE00 <= code <= 0xFE0F or 0xE0100 <= code <= 0xE01EF:
+        return True
+    return unicodedata.category(ch) == "Cf"
+
+
+def _could_be_tag(folded: str) -> bool | None:
+    """True once ``folded`` (slashes stripped) starts with a tag name, False once it cannot,
+    None while it is still a prefix of one."""
+    name = folded.lstrip("/")
+    if any(name.startswith(tag) for tag in TAG_NAMES):
+        return True
+    if any(tag.startswith(name) for tag in TAG_NAMES):
+        return None
+    return False
 
 
 def nonce(session_key: str, item_id: str, content: str) -> str:
@@ -37,20 +58,20 @@ def nonce(session_key: str, item_id: str, content: str) -> str:
 
 
 def _opens_delimiter(text: str, start: int) -> bool:
-    """Does the "<"-like character at ``start`` begin an envelope tag, once look-alikes,
-    invisible characters, white space and letter case are folded away?"""
-    folded: list[str] = []
-    for ch in text[start + 1:start + 1 + _LOOKAHEAD]:
-        if ch in _SKIP:
+    """Does the "<"-like character at ``start`` begin an envelope tag once look-alikes,
+    invisible characters, white space and letter case are folded away? There is no window:
+    any amount of invisible padding is skipped. Each scan stops at the first visible character
+    that settles the question, so escaping stays linear in the length of the content."""
+    folded = ""
+    for i in range(start + 1, len(text)):
+        ch = text[i]
+        if _invisible(ch):
             continue
-        norm = unicodedata.normalize("NFKC", ch).lower()
-        if ch in _SLASH_LIKE:
-            norm = "/"
-        folded.append(norm)
-        if len(folded) > 12:
-            break
-    candidate = "".join(folded).lstrip("/")
-    return any(candidate.startswith(name) for name in TAG_NAMES)
+        folded += "/" if ch in _SLASH_LIKE else unicodedata.normalize("NFKC", ch).lower()
+        verdict = _could_be_tag(folded)
+        if verdict is not None:
+            return verdict
+    return False
 
 
 def escape_content(content: str) -> str:

@@ -169,6 +169,16 @@ def entry_trust(tool: ToolSpec) -> TrustLevel:
     return TrustLevel.TRUSTED_CONFIGURATION if tool.builtin else TrustLevel.EXTERNAL_UNTRUSTED
 
 
+INDEX_HEADER = "Deferred tools (call them through tool.call with name and arguments):"
+
+
+def index_line(tool: ToolSpec, ctx: RenderContext) -> str:
+    """One rendered index entry; external entries in their own envelope."""
+    return "- " + envelope(trust=entry_trust(tool), source=f"tool-index:{tool.server}",
+                           item_id=tool.name, content=index_entry(tool),
+                           session_key=ctx.session_key)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeferredToolIndex(ContextItem):
     row: ClassVar[int] = 6
@@ -182,12 +192,7 @@ class DeferredToolIndex(ContextItem):
     def render(self, ctx: RenderContext) -> str:
         if not self.tools:
             return ""  # an empty index renders no bytes
-        lines = ["Deferred tools (call them through tool.call with name and arguments):"]
-        for tool in self.tools:
-            lines.append("- " + envelope(
-                trust=entry_trust(tool), source=f"tool-index:{tool.server}", item_id=tool.name,
-                content=index_entry(tool), session_key=ctx.session_key))
-        return "\n".join(lines)
+        return "\n".join([INDEX_HEADER] + [index_line(t, ctx) for t in self.tools])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

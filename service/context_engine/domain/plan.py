@@ -15,6 +15,7 @@ from context_engine.domain.canonical import canonical_json, canonical_sha256
 from context_engine.domain.errors import PinnedVersionConflict, PrefixClassOverCap
 from context_engine.domain.estimator import TOOL_OVERHEAD_TOKENS, TokenEstimator
 from context_engine.domain.items import (
+    INDEX_HEADER,
     AgentInstructions,
     ContextItem,
     DeferredToolIndex,
@@ -27,7 +28,7 @@ from context_engine.domain.items import (
     ToolDefinitions,
     assemble,
     declaration,
-    index_entry,
+    index_line,
 )
 from context_engine.domain.model import (
     AgentSpec,
@@ -281,7 +282,7 @@ def measure_prefix(spec: PlanSpec, rendered: RenderedPrefix,
     return tuple(usage)
 
 
-def make_spec(inputs: PlanInputs, estimator: TokenEstimator) -> PlanSpec:
+def make_spec(inputs: PlanInputs, estimator: TokenEstimator, session_key: str) -> PlanSpec:
     """Resolve and pin a plan's inputs: tool selection, TTL, scope hashes."""
     # Item caps that need no rendering are checked before selection does any work.
     for cls, count in ((PrefixClass.PERSONA, len(inputs.persona.entries)),
@@ -290,19 +291,30 @@ def make_spec(inputs: PlanInputs, estimator: TokenEstimator) -> PlanSpec:
         assert cls.item_cap is not None
         if count > cls.item_cap:
             raise PrefixClassOverCap(cls.class_name, count, cls.item_cap, unit="items")
+    ctx = RenderContext(session_key=session_key)
     selection = select_tools(
         inputs,
         tool_cost=lambda t: tool_cost(t, estimator),
-        index_cost=lambda t: estimator.text("- " + index_entry(t)),
+        # an entry as it renders (its envelope carries this session's nonce), plus its newline
+        index_cost=lambda t: estimator.text(index_line(t, ctx)) + 1,
+        index_overhead=estimator.text(INDEX_HEADER),
     )
+    # Admission summed per-entry estimates; the class is measured on the rendered block.
+    # Token merges across lines can only make the sum differ by a little: trim from the end
+    # (into skipped, in rank order) rather than fail the plan on a rounding difference.
+    deferred = list(selection.deferred)
+    skipped = list(selection.skipped_tool_names)
+    while deferred and estimator.text(
+            DeferredToolIndex(tools=tuple(deferred)).render(ctx)) > INDEX_TOKEN_CAP:
+        skipped.insert(0, deferred.pop().name)
     return PlanSpec(
         builder_version=BUILDER_VERSION,
         assets=inputs.assets,
         agent=inputs.agent,
         persona=inputs.persona,
         tools=selection.defined,
-        deferred=selection.deferred,
-        skipped_tool_names=selection.skipped_tool_names,
+        deferred=tuple(deferred),
+        skipped_tool_names=tuple(skipped),
         filtered_tool_names=selection.filtered_tool_names,
         skill_catalog=inputs.skill_catalog,
         memory_snapshot=inputs.memory_snapshot,
@@ -329,7 +341,7 @@ class PlanDraft:
 
 
 def draft_plan(inputs: PlanInputs, session_key: str, estimator: TokenEstimator) -> PlanDraft:
-    spec = make_spec(inputs, estimator)
+    spec = make_spec(inputs, estimator, session_key)
     rendered = render_prefix(spec, session_key)
     return PlanDraft(spec=spec, rendered=rendered,
                      classes=measure_prefix(spec, rendered, estimator))

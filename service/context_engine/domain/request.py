@@ -47,6 +47,11 @@ class Message:
     reasoning_provider: str = ""
     reasoning_opaque: bytes = b""
 
+    def __repr__(self) -> str:  # never print a reasoning payload or content into logs
+        return (f"Message(row={self.row}, role={self.role.value}, trust={self.trust.value}, "
+                f"item_id={self.item_id!r}, text_chars={len(self.text)}, "
+                f"tool_calls={len(self.tool_calls)}, reasoning_bytes={len(self.reasoning_opaque)})")
+
     def digest_parts(self) -> list[object]:
         """Everything the model receives, for byte-identity checks and hashing."""
         return [self.row, self.role.value, self.trust.value, self.text, self.item_id,

@@ -60,7 +60,10 @@ def _bound(binding: str, inputs: PlanInputs) -> bool:
 
 
 def select_tools(inputs: PlanInputs, *, tool_cost: Callable[[ToolSpec], int],
-                 index_cost: Callable[[ToolSpec], int]) -> ToolSelection:
+                 index_cost: Callable[[ToolSpec], int],
+                 index_overhead: int = 0) -> ToolSelection:
+    """``index_cost`` is an entry's cost as rendered; ``index_overhead`` what the index costs
+    beyond its entries (its header), reserved before any entry is admitted."""
     if inputs.session_kind is SessionKind.EMAIL:
         # An operational Email session pins no tools at all (its typed tasks send none).
         return ToolSelection(defined=(), deferred=(), skipped_tool_names=(),
@@ -88,9 +91,10 @@ def select_tools(inputs: PlanInputs, *, tool_cost: Callable[[ToolSpec], int],
             required.append(name)
 
     agent = inputs.agent
+    can_defer = agent.enables_tool_call and TOOL_CALL in inputs.control_tools
     configured_deferred = (
         [n for n in _dedup(agent.deferred_tools) if n in candidates and n not in required]
-        if agent.enables_tool_call else [])  # an agent without tool.call defers nothing
+        if can_defer else [])  # an agent without tool.call defers nothing
     taken = set(required) | set(configured_deferred)
     enabled = [n for n in _dedup(agent.enabled_tools) if n in candidates and n not in taken]
     taken |= set(enabled)
@@ -139,8 +143,8 @@ def select_tools(inputs: PlanInputs, *, tool_cost: Callable[[ToolSpec], int],
     deferred: list[ToolSpec] = []
     skipped: list[str] = []
     index_tokens = 0
-    if agent.enables_tool_call and (configured_deferred or overflow) \
-            and TOOL_CALL in inputs.control_tools:
+    if can_defer and (configured_deferred or overflow):
+        index_tokens = index_overhead
         defined, overflow, used = attempt(True)  # tool.call takes a definition slot
         for name in configured_deferred + overflow:
             cost = index_cost(candidates[name])

@@ -1,0 +1,368 @@
+"""Region A: rendering, byte stability, the persona row and the class caps (spec: "Two regions
+and one rule", "The persona row", "Authorization changes do not rewrite the prefix",
+"Only history scales with the window")."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from context_engine.domain.canonical import session_key
+from context_engine.domain.errors import PrefixClassOverCap
+from context_engine.domain.items import (
+    AgentInstructions,
+    PersonaRow,
+    RenderContext,
+    ToolDefinitions,
+    assemble,
+)
+from context_engine.domain.model import (
+    MemoryItem,
+    MemorySnapshot,
+    Persona,
+    PersonaEntry,
+    SkillCatalogEntry,
+    ToolSpec,
+)
+from context_engine.domain.plan import (
+    PREFIX_CEILING,
+    PlanSpec,
+    PrefixClass,
+    prefix_items,
+    render_prefix,
+    rotation_reason,
+)
+from context_engine.domain.trust import Region, TrustLevel
+
+from tests import factories as f
+from tests.unit import helpers as h
+
+CONF = TrustLevel.TRUSTED_CONFIGURATION
+
+
+def persona(n: int = 2, text: str = "short", revision: str = "r1") -> Persona:
+    return Persona(revision=revision,
+                   entries=tuple(PersonaEntry(key=f"k{i}", text=text) for i in range(n)))
+
+
+def skills(n: int, description: str = "Helps.",
+           trust: TrustLevel = CONF) -> tuple[SkillCatalogEntry, ...]:
+    return tuple(SkillCatalogEntry(name=f"skill-{i}", description=description, trust=trust)
+                 for i in range(n))
+
+
+def snapshot(n: int, text: str = "likes tea") -> MemorySnapshot:
+    return MemorySnapshot(snapshot_id="snap-1", watermark=3,
+                          items=tuple(MemoryItem(id=f"m{i}", text=text) for i in range(n)))
+
+
+def words(n: int) -> str:
+    return " ".join(f"word{i}" for i in range(n))
+
+
+def rows(d: object) -> list[int]:
+    return [b.row for b in d.rendered.blocks]  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------------------------- rendering
+
+def test_minimal_prefix_is_the_three_instruction_rows() -> None:
+    d = f.draft(f.inputs())
+    assert rows(d) == [1, 2, 3]
+    assert [b.trust for b in d.rendered.blocks] == [
+        TrustLevel.PLATFORM, TrustLevel.PLATFORM, CONF]
+    assert d.rendered.blocks[0].text == f.ASSETS.policy
+    assert d.rendered.blocks[1].text == f.ASSETS.framing
+    assert d.rendered.blocks[2].text == "You are a careful assistant."
+    assert d.rendered.tools == ()
+
+
+@pytest.mark.parametrize("empty", [
+    {"persona": Persona()},
+    {"persona": Persona(revision="rev-7")},
+    {"skills": ()},
+    {"snapshot": MemorySnapshot()},
+    {"snapshot": MemorySnapshot(snapshot_id="snap-9", recall_trace_id="t", watermark=5)},
+    # tool.call enabled but nothing deferred: no index, and no tool.call definition
+    {"tool_call": True},
+])
+def test_empty_optional_rows_render_no_bytes(empty: dict[str, object]) -> None:
+    base = f.draft(f.inputs())
+    d = f.draft(f.inputs(**empty))  # type: ignore[arg-type]
+    assert rows(d) == [1, 2, 3]
+    assert not any(b.row in (4, 6, 7, 8) for b in d.rendered.blocks)
+    assert d.rendered.blocks == base.rendered.blocks
+    assert d.rendered.prefix_sha256 == base.rendered.prefix_sha256
+
+
+def test_empty_persona_leaves_prefix_hash_byte_identical() -> None:
+    without = f.plan(f.inputs())
+    with_empty = f.plan(f.inputs(persona=Persona(revision="persona-rev-3")))
+    assert with_empty.prefix_sha256 == without.prefix_sha256
+    assert with_empty.prefix_tokens == without.prefix_tokens
+    usage = {c.class_name: c for c in with_empty.classes}
+    assert usage["persona"].tokens == 0 and usage["persona"].items == 0
+
+
+def test_empty_rows_render_empty_strings() -> None:
+    ctx = RenderContext(session_key=session_key("t", "s"))
+    spec = h.spec_of(f.inputs())
+    rendered = {type(i).row: i.render(ctx) for i in prefix_items(spec)}  # type: ignore[attr-defined]
+    assert rendered[4] == rendered[6] == rendered[7] == rendered[8] == ""
+    assert rendered[5] == ""  # definitions travel as tools, never as text
+
+
+def test_persona_renders_at_row_four_between_instructions_and_tools() -> None:
+    cat = (f.tool("a.read"), f.tool("mcp.srv.x", server="srv"))
+    d = f.draft(f.inputs(persona=persona(2), catalog=cat, tool_call=True,
+                         deferred=("mcp.srv.x",), skills=skills(1), snapshot=snapshot(1)))
+    assert rows(d) == [1, 2, 3, 4, 6, 7, 8]
+    block = d.rendered.blocks[3]
+    assert block.row == 4 and block.trust is CONF
+    assert block.text == "Persona:\n- k0: short\n- k1: short"
+    # trusted configuration: not enveloped
+    assert "<user" not in block.text and "<untrusted" not in block.text
+    # in assembly order the persona item sits between the instructions and the definitions
+    ordered = [type(i) for i in assemble(prefix_items(d.spec), Region.A)]
+    assert ordered.index(PersonaRow) == ordered.index(AgentInstructions) + 1
+    assert ordered.index(ToolDefinitions) == ordered.index(PersonaRow) + 1
+    assert [t.name for t in d.rendered.tools] == ["a.read", "skill.load", "tool.call"]
+
+
+def test_non_empty_persona_changes_the_prefix() -> None:
+    assert f.draft(f.inputs(persona=persona(1))).rendered.prefix_sha256 != \
+        f.draft(f.inputs()).rendered.prefix_sha256
+
+
+def test_changing_instructions_changes_prefix_hash() -> None:
+    a = f.draft(f.inputs(instructions="Be brief."))
+    b = f.draft(f.inputs(instructions="Be brief!"))
+    assert a.rendered.prefix_sha256 != b.rendered.prefix_sha256
+    assert a.rendered.blocks[:2] == b.rendered.blocks[:2]
+
+
+def test_prefix_is_deterministic_and_session_keyed() -> None:
+    i = f.inputs(snapshot=snapshot(2))
+    assert f.draft(i).rendered == f.draft(i).rendered
+    spec = f.draft(i).spec
+    assert render_prefix(spec, "k1") == render_prefix(spec, "k1")
+    # the memory envelope's nonce is derived from the session key
+    assert render_prefix(spec, "k1").prefix_sha256 != render_prefix(spec, "k2").prefix_sha256
+
+
+def test_memory_snapshot_row_is_enveloped_as_memory() -> None:
+    d = f.draft(f.inputs(snapshot=snapshot(2)))
+    block = d.rendered.blocks[-1]
+    assert block.row == 8 and block.trust is TrustLevel.MEMORY
+    env = h.only_envelope(block.text)
+    assert (env.tag, env.source, env.item_id) == ("memory", "memory:snapshot", "snap-1")
+    assert env.body == "\n- [m0] likes tea\n- [m1] likes tea\n"
+
+
+def test_skill_catalog_entries_carry_their_own_trust() -> None:
+    entries = (SkillCatalogEntry(name="ours", description="Built in.", trust=CONF),
+               SkillCatalogEntry(name="theirs", description="Installed.",
+                                 trust=TrustLevel.EXTERNAL_UNTRUSTED))
+    d = f.draft(f.inputs(skills=entries))
+    block = next(b for b in d.rendered.blocks if b.row == 7)
+    assert block.trust is TrustLevel.EXTERNAL_UNTRUSTED  # the lowest entry's trust
+    assert "- ours: Built in." in block.text.splitlines()
+    env = h.only_envelope(block.text)
+    assert (env.tag, env.item_id) == ("untrusted", "theirs")
+    assert env.body == "\ntheirs: Installed.\n"
+
+
+def test_deferred_index_builtin_entries_are_trusted_and_server_entries_untrusted() -> None:
+    cat = (f.tool("clock.now", description="Tells the time. Always UTC."),
+           f.tool("mcp.srv.search", server="srv", description="Searches. Slowly."))
+    d = f.draft(f.inputs(catalog=cat, tool_call=True, deferred=("clock.now", "mcp.srv.search")))
+    block = next(b for b in d.rendered.blocks if b.row == 6)
+    assert block.trust is TrustLevel.EXTERNAL_UNTRUSTED
+    lines = block.text.splitlines()
+    assert "- clock.now(q): Tells the time." in lines
+    env = h.only_envelope(block.text)
+    assert (env.tag, env.source, env.item_id) == ("untrusted", "tool-index:srv",
+                                                  "mcp.srv.search")
+    assert env.body == "\nmcp.srv.search(q): Searches.\n"
+
+
+def test_only_builtin_index_entries_give_a_trusted_block() -> None:
+    d = f.draft(f.inputs(catalog=(f.tool("clock.now"),), tool_call=True,
+                         deferred=("clock.now",)))
+    block = next(b for b in d.rendered.blocks if b.row == 6)
+    assert block.trust is CONF
+    assert h.parse_envelopes(block.text) == []
+
+
+# ----------------------------------------------------------------------------- scopes & hashes
+
+def _scoped(order: tuple[str, ...], name: str = "mail.send") -> ToolSpec:
+    # Built directly, bypassing the factory's sorting, to mimic a set in hash-seed order.
+    return ToolSpec(name=name, description="Sends mail. Carefully.", input_schema=f.SCHEMA,
+                    required_scopes=order)
+
+
+def test_required_scopes_serialize_sorted() -> None:
+    assert _scoped(("mail.write", "mail.admin", "mail.read")).canonical()["required_scopes"] \
+        == ["mail.admin", "mail.read", "mail.write"]
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_scope_order_does_not_change_the_prefix_hash(deferred: bool) -> None:
+    scopes = ("mail.read", "mail.admin", "mail.write")
+    kw = {"tool_call": True, "deferred": ("mail.send",)} if deferred else {}
+    prefix_hashes, schema_hashes = set(), set()
+    for order in (scopes, tuple(reversed(scopes)), tuple(sorted(scopes))):
+        d = f.draft(f.inputs(catalog=(_scoped(order),), scopes=scopes, **kw))  # type: ignore[arg-type]
+        assert (d.spec.deferred_tool_names if deferred else d.spec.tool_names) == ("mail.send",)
+        prefix_hashes.add(d.rendered.prefix_sha256)
+        schema_hashes.add(d.rendered.tool_schema_sha256)
+    assert len(prefix_hashes) == 1
+    assert len(schema_hashes) == 1
+
+
+def test_scopes_are_part_of_prefix_identity() -> None:
+    a = f.draft(f.inputs(catalog=(_scoped(("x",)),), scopes=("x", "y")))
+    b = f.draft(f.inputs(catalog=(_scoped(("x", "y")),), scopes=("x", "y")))
+    assert a.rendered.tools == b.rendered.tools
+    assert a.rendered.prefix_sha256 != b.rendered.prefix_sha256
+
+
+def test_pinned_spec_round_trips_to_the_same_prefix() -> None:
+    i = f.inputs(catalog=(_scoped(("b", "a")), f.tool("x.read")), scopes=("a", "b"),
+                 persona=persona(2), skills=skills(2), snapshot=snapshot(2))
+    d = f.draft(i)
+    doc = json.loads(d.spec.canonical_json())
+    again = PlanSpec.from_canonical(doc)
+    key = session_key(i.tenant_id, i.session_id)
+    assert render_prefix(again, key).prefix_sha256 == d.rendered.prefix_sha256
+
+
+def test_authority_scope_hashes_are_sorted_and_outside_the_prompt() -> None:
+    a = f.draft(f.inputs(scopes=("z", "a", "m")))
+    b = f.draft(f.inputs(scopes=("m", "z", "a", "a")))
+    assert a.spec.authority_scope_hashes == b.spec.authority_scope_hashes
+    assert list(a.spec.authority_scope_hashes) == sorted(a.spec.authority_scope_hashes)
+    assert a.rendered.prefix_sha256 == f.draft(f.inputs()).rendered.prefix_sha256
+
+
+def test_scope_revocation_does_not_rotate_the_epoch() -> None:
+    cat = (f.tool("mail.send", scopes=("mail",)), f.tool("x.read"))
+    current = f.draft(f.inputs(catalog=cat, scopes=("mail",))).spec
+    revoked = f.draft(f.inputs(catalog=cat, scopes=())).spec
+    assert "mail.send" in current.tool_names and "mail.send" not in revoked.tool_names
+    assert rotation_reason(current, revoked) is None
+
+
+def test_instruction_change_under_a_new_version_rotates() -> None:
+    current = f.draft(f.inputs()).spec
+    new = f.draft(f.inputs(instructions="Different.", agent_version="2")).spec
+    assert rotation_reason(current, new) == "agent_version_changed"
+    persona_edit = f.draft(f.inputs(persona=persona(1, revision="r2"))).spec
+    assert rotation_reason(current, persona_edit) == "persona_changed"
+
+
+# ----------------------------------------------------------------------------- class caps
+
+def _over(exc: pytest.ExceptionInfo[PrefixClassOverCap], cls: str, unit: str,
+          cap: int) -> int:
+    e = exc.value
+    meta = e.metadata()
+    assert meta["class"] == cls
+    assert meta["cap"] == str(cap)
+    assert meta["unit"] == unit
+    assert e.class_name == cls and e.unit == unit and e.cap == cap
+    assert int(meta[unit]) == e.tokens > cap
+    assert cls in str(e)
+    return e.tokens
+
+
+def test_class_caps_sum_to_the_prefix_ceiling() -> None:
+    caps = {c.class_name: (c.token_cap, c.item_cap) for c in PrefixClass}
+    assert caps == {
+        "platform_policy": (2_000, None), "agent_instructions": (4_000, None),
+        "persona": (2_000, 30), "tool_definitions": (9_000, 30),
+        "deferred_tool_index": (2_000, 40), "skill_catalog": (1_500, 20),
+        "memory_snapshot": (1_500, 40)}
+    assert PREFIX_CEILING == 22_000
+
+
+def test_persona_at_its_item_cap_is_accepted() -> None:
+    d = f.draft(f.inputs(persona=persona(30)))
+    assert {c.class_name: c.items for c in d.classes}["persona"] == 30
+
+
+def test_persona_over_thirty_entries_fails() -> None:
+    with pytest.raises(PrefixClassOverCap) as exc:
+        f.draft(f.inputs(persona=persona(31)))
+    assert _over(exc, "persona", "items", 30) == 31
+
+
+def test_persona_over_two_thousand_tokens_fails() -> None:
+    with pytest.raises(PrefixClassOverCap) as exc:
+        f.draft(f.inputs(persona=persona(5, text=words(400))))
+    assert _over(exc, "persona", "tokens", 2_000) > 2_000
+
+
+def test_agent_instructions_over_four_thousand_tokens_fail_not_truncate() -> None:
+    with pytest.raises(PrefixClassOverCap) as exc:
+        f.draft(f.inputs(instructions=words(1_600)))
+    _over(exc, "agent_instructions", "tokens", 4_000)
+
+
+def test_agent_instructions_under_the_cap_render_verbatim() -> None:
+    text = words(1_000)
+    d = f.draft(f.inputs(instructions=text))
+    assert d.rendered.blocks[2].text == text
+    usage = {c.class_name: c for c in d.classes}["agent_instructions"]
+    assert 0 < usage.tokens <= 4_000
+
+
+def test_skill_catalog_at_twenty_is_accepted_and_over_twenty_fails() -> None:
+    f.draft(f.inputs(skills=skills(20)))
+    with pytest.raises(PrefixClassOverCap) as exc:
+        f.draft(f.inputs(skills=skills(21)))
+    assert _over(exc, "skill_catalog", "items", 20) == 21
+
+
+def test_skill_catalog_over_fifteen_hundred_tokens_fails() -> None:
+    with pytest.raises(PrefixClassOverCap) as exc:
+        f.draft(f.inputs(skills=skills(10, description=words(150))))
+    _over(exc, "skill_catalog", "tokens", 1_500)
+
+
+def test_memory_snapshot_at_forty_is_accepted_and_over_forty_fails() -> None:
+    f.draft(f.inputs(snapshot=snapshot(40, text="x")))
+    with pytest.raises(PrefixClassOverCap) as exc:
+        f.draft(f.inputs(snapshot=snapshot(41, text="x")))
+    assert _over(exc, "memory_snapshot", "items", 40) == 41
+
+
+def test_memory_snapshot_over_fifteen_hundred_tokens_fails() -> None:
+    with pytest.raises(PrefixClassOverCap) as exc:
+        f.draft(f.inputs(snapshot=snapshot(10, text=words(150))))
+    _over(exc, "memory_snapshot", "tokens", 1_500)
+
+
+def test_usage_reports_every_class_within_its_cap() -> None:
+    d = f.draft(f.inputs(persona=persona(3), skills=skills(3), snapshot=snapshot(3),
+                         catalog=(f.tool("a.read"),)))
+    usage = {c.class_name: c for c in d.classes}
+    assert set(usage) == {c.class_name for c in PrefixClass}
+    for c in d.classes:
+        assert c.tokens <= c.cap
+    assert usage["persona"].items == 3 and usage["persona"].tokens > 0
+    # a.read plus skill.load, which a non-empty skill catalog brings along
+    assert usage["tool_definitions"].items == 2
+    assert usage["tool_definitions"].tokens == h.cost_of(f.tool("a.read")) + h.cost_of(
+        f.CONTROL_TOOLS["skill.load"])
+    assert d.prefix_tokens == sum(c.tokens for c in d.classes)
+
+
+def test_persona_revision_is_not_prompt_identity_but_content_is() -> None:
+    a = f.draft(f.inputs(persona=persona(2, revision="r1")))
+    b = f.draft(f.inputs(persona=replace(persona(2), revision="r2")))
+    assert a.rendered.prefix_sha256 == b.rendered.prefix_sha256
+    c = f.draft(f.inputs(persona=persona(2, text="other")))
+    assert c.rendered.prefix_sha256 != a.rendered.prefix_sha256
