@@ -15,8 +15,11 @@ CREATE TABLE plans (
     session_id             text        NOT NULL,
     epoch                  integer     NOT NULL CHECK (epoch >= 1),
     reason                 text        NOT NULL,
-    -- The pinned specification the prefix is re-rendered from. jsonb keeps no key order:
-    -- it is re-serialized canonically before anything is hashed.
+    -- The pinned specification the prefix is re-rendered from, as the canonical JSON text
+    -- (jsonb would reorder keys and rewrite numbers such as 1e16 or -0.0); it is parsed and
+    -- re-serialized canonically before anything is hashed. `spec` is the same document as
+    -- jsonb, for queries only.
+    spec_text              text        NOT NULL,
     spec                   jsonb       NOT NULL,
     prefix_sha256          text        NOT NULL CHECK (length(prefix_sha256) = 64),
     prefix_tokens          integer     NOT NULL CHECK (prefix_tokens >= 0),

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 
 EXPECTED = {
     "sessions": {"tenant_id", "session_id", "current_epoch", "created_at", "updated_at"},
-    "plans": {"tenant_id", "session_id", "epoch", "reason", "spec", "prefix_sha256",
+    "plans": {"tenant_id", "session_id", "epoch", "reason", "spec_text", "spec", "prefix_sha256",
               "prefix_tokens", "classes", "model_id", "tokenizer", "tool_names",
               "deferred_tool_names", "skipped_tool_names", "authority_scope_hashes",
               "builder_version", "policy_version", "cache_ttl", "created_at"},

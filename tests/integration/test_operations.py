@@ -69,8 +69,8 @@ def test_metrics_are_exported_and_move(server, stub, ids):
 def test_tampered_plan_fails_build_with_both_hashes(server, stub, ids, db):
     tenant, session = ids
     plan = stub.Plan(plan_request(tenant, session)).plan
-    db.fetch("UPDATE plans SET spec = jsonb_set(spec, '{agent,instructions}', "
-             "'\"tampered instructions\"') WHERE tenant_id=$1", tenant)
+    db.fetch("UPDATE plans SET spec_text = replace(spec_text, "
+             "'You are a helpful agent.', 'Tampered.') WHERE tenant_id=$1", tenant)
     server.running.engine.cache.clear()  # as a replica that has not seen this plan yet
     before = _value(_scrape(server), "context_engine_prefix_hash_mismatch_total")
     with pytest.raises(grpc.RpcError) as err:
@@ -124,3 +124,29 @@ def test_logs_carry_no_content_and_no_reasoning(stub, ids, caplog):
     dumped = json.dumps([getattr(r, "fields", {}) for r in records]) + caplog.text
     for canary in ("CANARY-USER-TEXT", "CANARY-REASONING", "CANARY-TRAILING"):
         assert canary not in dumped
+
+
+def test_numbers_in_schemas_survive_storage(server, stub, ids):
+    """1e16 and -0.0 are rewritten by jsonb; the plan is re-read from its canonical text."""
+    tenant, session = ids
+    schema = json.dumps({"type": "object", "properties": {
+        "n": {"type": "number", "maximum": 1e16, "default": -0.0, "multipleOf": 1.5e-07}}})
+    tool = pb.ToolSpec(name="calc.eval", description="Evaluate.", input_schema_json=schema,
+                       side_effect=pb.SIDE_EFFECT_NONE)
+    plan = stub.Plan(plan_request(tenant, session, tool_catalog=[tool])).plan
+    server.running.engine.cache.clear()  # force the read back from PostgreSQL
+    assert stub.Build(build_request(tenant, session, items=[])).prefix_sha256 == \
+        plan.prefix_sha256
+    got = stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session)).plan
+    assert got.tools == plan.tools and '"default":-0.0' in got.tools[0].input_schema_json
+
+
+def test_nul_characters_are_rejected_before_storage(stub, ids, db):
+    tenant, session = ids
+    agent = pb.AgentSpec(agent_id="a", version="1", instructions="before\x00after")
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Plan(plan_request(tenant, session, agent=agent))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "agent.instructions" in f.violations
+    assert db.counts(tenant) == {"sessions": 0, "plans": 0, "context_events": 0}

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import datetime
 
+from google.protobuf.message import Message as Message_
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from context_engine.domain.builder import (
@@ -146,8 +147,23 @@ def _positive(v: Violations, field: str, msg: pb.ModelCapabilities, name: str) -
     return value
 
 
+def _nul_fields(msg: Message_, path: str, v: Violations) -> None:
+    """PostgreSQL text and jsonb cannot hold NUL: reject it in any string before storage."""
+    for fd, value in msg.ListFields():
+        name = f"{path}.{fd.name}" if path else fd.name
+        repeated = fd.is_repeated
+        values = list(value) if repeated else [value]
+        for i, one in enumerate(values):
+            where = f"{name}[{i}]" if repeated else name
+            if isinstance(one, str) and "\x00" in one:
+                v.add(where, "must not contain NUL characters")
+            elif isinstance(one, Message_):
+                _nul_fields(one, where, v)
+
+
 def plan_command(req: pb.PlanRequest) -> PlanCommand:
     v = Violations()
+    _nul_fields(req, "", v)
     v.identifier("tenant_id", req.tenant_id)
     v.identifier("session_id", req.session_id)
     a = req.agent

@@ -20,23 +20,24 @@ SELECT current_epoch FROM sessions WHERE tenant_id = $1 AND session_id = $2 FOR 
 
 CURRENT_EPOCH = "SELECT current_epoch FROM sessions WHERE tenant_id = $1 AND session_id = $2"
 
-PLAN_COLUMNS = """tenant_id, session_id, epoch, reason, spec::text AS spec, prefix_sha256,
+PLAN_COLUMNS = """tenant_id, session_id, epoch, reason, spec_text, prefix_sha256,
     prefix_tokens, classes::text AS classes, created_at"""
 
 GET_PLAN = f"""
 SELECT {PLAN_COLUMNS} FROM plans WHERE tenant_id = $1 AND session_id = $2 AND epoch = $3"""
 
 GET_CURRENT_PLAN = """
-SELECT p.tenant_id, p.session_id, p.epoch, p.reason, p.spec::text AS spec, p.prefix_sha256,
+SELECT p.tenant_id, p.session_id, p.epoch, p.reason, p.spec_text, p.prefix_sha256,
     p.prefix_tokens, p.classes::text AS classes, p.created_at
 FROM plans p JOIN sessions s ON s.tenant_id = p.tenant_id AND s.session_id = p.session_id
 WHERE p.tenant_id = $1 AND p.session_id = $2 AND p.epoch = s.current_epoch"""
 
 INSERT_PLAN = """
-INSERT INTO plans (tenant_id, session_id, epoch, reason, spec, prefix_sha256, prefix_tokens,
-    classes, model_id, tokenizer, tool_names, deferred_tool_names, skipped_tool_names,
-    authority_scope_hashes, builder_version, policy_version, cache_ttl)
-VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8::jsonb, $9, $10, $11, $12, $13, $14, $15, $16, $17)
+INSERT INTO plans (tenant_id, session_id, epoch, reason, spec_text, spec, prefix_sha256,
+    prefix_tokens, classes, model_id, tokenizer, tool_names, deferred_tool_names,
+    skipped_tool_names, authority_scope_hashes, builder_version, policy_version, cache_ttl)
+VALUES ($1, $2, $3, $4, $5::text, $5::text::jsonb, $6, $7, $8::jsonb, $9, $10, $11, $12,
+    $13, $14, $15, $16, $17)
 RETURNING created_at"""
 
 ADVANCE_SESSION = """

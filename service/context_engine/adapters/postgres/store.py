@@ -17,8 +17,9 @@ from context_engine.domain.ports import Decide, pinned, plan_event
 
 
 def _plan_from_row(row: asyncpg.Record) -> ContextPlan:
-    # Parse and rebuild: the canonical form is re-derived, never the stored text.
-    spec = PlanSpec.from_canonical(json.loads(row["spec"]))
+    # Parse and rebuild from the canonical text (jsonb would have rewritten numbers); the
+    # canonical form is then re-derived, so stored key order can never matter.
+    spec = PlanSpec.from_canonical(json.loads(row["spec_text"]))
     classes = tuple(ClassUsage(**c) for c in json.loads(row["classes"]))
     return ContextPlan(tenant_id=row["tenant_id"], session_id=row["session_id"],
                        epoch=row["epoch"], reason=row["reason"], spec=spec,
