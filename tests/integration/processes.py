@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -21,6 +22,8 @@ class ServerProcess:
             [sys.executable, "-m", "context_engine", "serve", "--grpc-addr", "127.0.0.1:0",
              "--metrics-addr", "127.0.0.1:0"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, text=True)
+        # A failing test must not leave a server (and its embedded PostgreSQL) running.
+        atexit.register(self.kill)
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[dict[str, Any]] = []
         self.raw: list[str] = []
@@ -66,6 +69,12 @@ class ServerProcess:
                     self.log.append(json.loads(line))
 
     def kill(self) -> None:
+        """Stop the process however it is: SIGTERM first (so an embedded PostgreSQL is stopped
+        by its atexit handler), SIGKILL if it does not go."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
