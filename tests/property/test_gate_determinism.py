@@ -61,16 +61,16 @@ def test_build_twice_and_after_a_storage_round_trip_is_byte_identical(
     rnd: random.Random = data.draw(st.randoms(use_true_random=False), label="key order")
 
     loaded = load_plan(plan)
-    first = f.run_build(loaded, cp, factor)
+    first = S.build(loaded, cp, factor)
     expected = f.request_bytes(first)
 
     # The same loaded plan and checkpoint, twice: equal values, equal bytes.
-    second = f.run_build(loaded, cp, factor)
+    second = S.build(loaded, cp, factor)
     assert second == first
     assert f.request_bytes(second) == expected
 
     # An equal (not identical) checkpoint and a freshly loaded plan.
-    again = f.run_build(load_plan(plan), copy.deepcopy(cp), factor)
+    again = S.build(load_plan(plan), copy.deepcopy(cp), factor)
     assert f.request_bytes(again) == expected
     assert _numbers(again) == _numbers(first)
 
@@ -79,13 +79,13 @@ def test_build_twice_and_after_a_storage_round_trip_is_byte_identical(
     assert replanned.spec.canonical_json() == plan.spec.canonical_json()
     assert replanned.prefix_sha256 == plan.prefix_sha256
     assert replanned.classes == plan.classes
-    assert f.request_bytes(f.run_build(load_plan(replanned), cp, factor)) == expected
+    assert f.request_bytes(S.build(load_plan(replanned), cp, factor)) == expected
 
     # Database round trip: canonical JSON text, parsed back.
     stored = plan.spec.canonical_json()
     doc = json.loads(stored)
     assert PlanSpec.from_canonical(doc).canonical_json() == stored
-    via_json = f.run_build(_reloaded(plan, doc), cp, factor)
+    via_json = S.build(_reloaded(plan, doc), cp, factor)
     assert f.request_bytes(via_json) == expected
     assert _numbers(via_json) == _numbers(first)
 
@@ -93,7 +93,7 @@ def test_build_twice_and_after_a_storage_round_trip_is_byte_identical(
     shuffled = S.shuffled_keys(json.loads(stored), rnd)
     for document in (shuffled, json.loads(json.dumps(shuffled, ensure_ascii=False))):
         assert PlanSpec.from_canonical(document).canonical_json() == stored
-        via_jsonb = f.run_build(_reloaded(plan, document), cp, factor)
+        via_jsonb = S.build(_reloaded(plan, document), cp, factor)
         assert f.request_bytes(via_jsonb) == expected
         assert _numbers(via_jsonb) == _numbers(first)
 

@@ -93,8 +93,8 @@ def test_two_checkpoints_of_one_plan_share_region_a(data: st.DataObject) -> None
     names = [t.name for t in i.tool_catalog]
     one = data.draw(S.checkpoints(names), label="checkpoint one")
     two = data.draw(S.checkpoints(names), label="checkpoint two")
-    a = f.run_build(loaded, one, data.draw(S.factors, label="factor one"))
-    b = f.run_build(loaded, two, data.draw(S.factors, label="factor two"))
+    a = S.build(loaded, one, data.draw(S.factors, label="factor one"))
+    b = S.build(loaded, two, data.draw(S.factors, label="factor two"))
     _assert_same_region_a(loaded, a, b)
 
 
@@ -109,8 +109,8 @@ def test_each_region_b_input_alone_leaves_region_a_unchanged(data: st.DataObject
     fields = data.draw(st.frozensets(st.sampled_from(REGION_B_INPUTS), min_size=1,
                                      max_size=3), label="varied inputs")
     varied = _vary(base, other, fields)
-    a = f.run_build(loaded, base)
-    b = f.run_build(loaded, varied)
+    a = S.build(loaded, base)
+    b = S.build(loaded, varied)
     _assert_same_region_a(loaded, a, b)
     if "trailing_user_input" in fields:  # the variation reached the body
         assert a.request.messages != b.request.messages
@@ -127,7 +127,7 @@ def test_agent_instructions_change_the_prefix(data: st.DataObject) -> None:
     assert one.plan.prefix_sha256 != two.plan.prefix_sha256
 
     cp = data.draw(S.checkpoints([t.name for t in i.tool_catalog]), label="checkpoint")
-    a, b = f.run_build(one, cp), f.run_build(two, cp)
+    a, b = S.build(one, cp), S.build(two, cp)
     assert a.prefix_sha256 != b.prefix_sha256
     # Only row 3 moved: every other Region A byte and the whole body are unchanged.
     assert [x for x in a.request.prefix_blocks if x.row != 3] == \
@@ -155,7 +155,7 @@ def test_region_a_never_contains_the_checkpoint_date(data: st.DataObject) -> Non
     assume(date not in _caller_text(loaded))
     cp = data.draw(S.checkpoints([t.name for t in i.tool_catalog]), label="checkpoint")
     cp = dataclasses.replace(cp, runtime=dataclasses.replace(cp.runtime, current_date=date))
-    r = f.run_build(loaded, cp)
+    r = S.build(loaded, cp)
     assert date not in region_a_text(r)
     assert date not in prefix_bytes(r)
     runtime = [m for m in r.request.messages if m.row == 14]
@@ -167,8 +167,8 @@ def test_crossing_midnight_keeps_the_prefix() -> None:
     today's date (platform-policy@2026-11-29.1); the rendered prefix must not."""
     loaded = f.loaded(f.inputs(catalog=(f.tool("web.fetch"),), enabled=("web.fetch",)))
     items: list[ConversationItem] = [f.user("u1", "What day is it?", 1)]
-    before = f.run_build(loaded, f.checkpoint(items, date="2026-11-29"))
-    after = f.run_build(loaded, f.checkpoint(items, date="2026-11-30"))
+    before = S.build(loaded, f.checkpoint(items, date="2026-11-29"))
+    after = S.build(loaded, f.checkpoint(items, date="2026-11-30"))
     _assert_same_region_a(loaded, before, after)
     for r, date in ((before, "2026-11-29"), (after, "2026-11-30")):
         assert date not in region_a_text(r)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from context_engine.domain.budget import BudgetPolicy
 from context_engine.domain.builder import SkillBody, build, validate_checkpoint
 from context_engine.domain.errors import BudgetExceeded, InvalidInput
 from context_engine.domain.items import ConversationItem, ToolCallItem
@@ -154,34 +155,44 @@ def test_budget_exceeded_when_prefix_and_body_exceed_window_minus_reserve() -> N
     with pytest.raises(BudgetExceeded) as exc:
         f.run_build(lp, f.checkpoint([f.user("u1", big, 1)]))
     e = exc.value
-    assert e.class_name == "window"
-    assert e.limit == 3_000
-    assert e.tokens > 3_000
-    assert e.metadata() == {"class": "window", "tokens": str(e.tokens), "limit": "3000"}
+    # the current user message never yields: the call fails naming its class
+    assert e.class_name == "current_user_message"
+    body_budget = 3_000 - 150 - lp.plan.prefix_tokens  # reserve off first, then the 5% margin
+    assert e.limit == body_budget
+    assert e.tokens > body_budget
+    assert e.metadata() == {"class": "current_user_message", "tokens": str(e.tokens),
+                            "limit": str(body_budget), "unit": "tokens"}
 
 
 def test_window_boundary_is_exact() -> None:
+    exact = BudgetPolicy(safety_margin_ratio=0.0)
     cp = f.checkpoint([f.user("u1", "hello " * 200, 1)])
-    total = f.run_build(f.loaded(), cp).estimated_input_tokens
-    fits = f.run_build(_loaded(total + 1_000), cp)
+    lp0 = f.loaded()
+    total = build(lp0, cp, estimator=f.estimator(lp0.plan.spec.model),
+                  policy=exact).estimated_input_tokens
+    lp = _loaded(total + 1_000)
+    fits = build(lp, cp, estimator=f.estimator(lp.plan.spec.model), policy=exact)
     assert fits.estimated_input_tokens == total
     assert fits.estimated_input_tokens <= fits.context_window - fits.output_reserve
+    lp = _loaded(total + 999)
     with pytest.raises(BudgetExceeded) as exc:
-        f.run_build(_loaded(total + 999), cp)
-    assert (exc.value.tokens, exc.value.limit) == (total, total - 1)
+        build(lp, cp, estimator=f.estimator(lp.plan.spec.model), policy=exact)
+    body = total - lp.plan.prefix_tokens
+    assert (exc.value.tokens, exc.value.limit) == (body, body - 1)
 
 
 def test_prefix_alone_can_exceed_a_tiny_window() -> None:
     lp = _loaded(1_200, reserve=1_000)
     assert lp.plan.prefix_tokens > 200
-    with pytest.raises(BudgetExceeded):
+    with pytest.raises(BudgetExceeded) as exc:
         f.run_build(lp, f.checkpoint([f.user("u1", "hi", 1)]))
+    assert exc.value.class_name == "prefix"
 
 
 def test_correction_factor_counts_toward_the_window() -> None:
     cp = f.checkpoint([f.user("u1", "hello " * 400, 1)])
     total = f.run_build(f.loaded(), cp).estimated_input_tokens
-    lp = _loaded(total + 1_000)
+    lp = _loaded(total + 1_000 + total // 15)  # room for the 5% safety margin
     f.run_build(lp, cp, factor=1.0)
     with pytest.raises(BudgetExceeded):
         f.run_build(lp, cp, factor=1.5)

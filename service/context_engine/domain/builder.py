@@ -10,18 +10,37 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from context_engine.domain.budget import (
+    SKILL_BODY_ITEMS,
+    SKILL_BODY_TOKENS,
+    WORKING_STATE_TOKENS,
+    BudgetPolicy,
+    BudgetReport,
+    Pressure,
+    allocate,
+    compute_budget,
+)
 from context_engine.domain.canonical import parse_json_object, session_key
 from context_engine.domain.errors import (
+    AssemblyError,
     BudgetExceeded,
     FieldViolation,
     InvalidInput,
     PrefixHashMismatch,
 )
-from context_engine.domain.estimator import TokenEstimator
+from context_engine.domain.estimator import (
+    ATTACHMENT_BUDGET_TOKENS,
+    TokenEstimator,
+    attachment_tokens,
+)
+from context_engine.domain.excerpts import normalize_tool_results
+from context_engine.domain.history import floor_index
+from context_engine.domain.pairs import orphans
 from context_engine.domain.items import (
     ContextItem,
     ConversationItem,
     CorrectionItem,
+    HistorySummary,
     KnowledgeItem,
     KnowledgePassage,
     MemoryLine,
@@ -41,6 +60,8 @@ from context_engine.domain.items import (
 from context_engine.domain.plan import ContextPlan, RenderedPrefix, render_prefix
 from context_engine.domain.request import Message, ModelRequest
 from context_engine.domain.trust import Region, TrustLevel
+
+DEFAULT_POLICY = BudgetPolicy()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,6 +89,7 @@ class Checkpoint:
     corrections: tuple[MemoryLine, ...] = ()
     knowledge: tuple[KnowledgePassage, ...] = ()
     runtime: RuntimeMetadata = field(default_factory=RuntimeMetadata)
+    summary: HistorySummary | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,6 +115,8 @@ class BuildResult:
     output_reserve: int
     estimator_factor: float
     tokenizer: str
+    budget: BudgetReport
+    pressure: Pressure
 
 
 def validate_checkpoint(cp: Checkpoint, field: str = "checkpoint") -> None:
@@ -171,67 +195,129 @@ def split_trailing(items: Sequence[ConversationItem]) -> tuple[list[Conversation
     return list(items[:cut]), trailing
 
 
-def body_items(loaded: LoadedPlan, cp: Checkpoint) -> list[ContextItem]:
-    """Region B items before ordering. Reasoning items never cross a run boundary: only the
-    active run's are replayed."""
-    history, trailing = split_trailing(cp.items)
-    items: list[ContextItem] = [
-        i for i in history
-        if not (isinstance(i, ReasoningItem) and i.run_id != cp.active_run_id)
-    ]
-    items += [SkillBodyItem(name=s.name, body=s.body, skill_trust=s.trust)
-              for s in cp.loaded_skills]
-    if not cp.working_state.empty:
-        items.append(WorkingStateItem(state=cp.working_state))
-    if cp.knowledge:
-        items.append(KnowledgeItem(passages=tuple(sorted(cp.knowledge,
-                                                         key=lambda p: (p.rank, p.id)))))
-    if cp.recall:
-        items.append(RecallItem(lines=cp.recall))
-    if cp.corrections:
-        items.append(CorrectionItem(lines=cp.corrections))
+def active_start(history: Sequence[ConversationItem], active_run_id: str) -> int:
+    """Index of the active run's first item: its items are the suffix of the history."""
+    k = len(history)
+    while k > 0 and history[k - 1].run_id == active_run_id:
+        k -= 1
+    return k if active_run_id else len(history)
+
+
+def fresh_rows(loaded: LoadedPlan, cp: Checkpoint) -> dict[str, ContextItem]:
+    """Rows 11-14 that never yield (skills, working state, corrections, runtime metadata),
+    by class name. Knowledge and recall are allocated separately: they yield."""
+    rows: dict[str, ContextItem] = {}
     rt = cp.runtime
     offers_navigate = "browser.navigate" in loaded.plan.spec.tool_names or \
         "browser.navigate" in loaded.plan.spec.deferred_tool_names
     origins = rt.browser_origins if offers_navigate else ()
+    if not cp.working_state.empty:
+        rows["working_state"] = WorkingStateItem(state=cp.working_state)
+    if cp.corrections:
+        rows["corrections"] = CorrectionItem(lines=cp.corrections)
     if rt.current_date or rt.principal_scopes or rt.surface or origins:
-        items.append(RuntimeMetadataItem(current_date=rt.current_date,
-                                         principal_scopes=rt.principal_scopes,
-                                         surface=rt.surface, browser_origins=origins))
-    items += [TrailingUserInput(message=m) for m in trailing]
-    return items
+        rows["runtime_metadata"] = RuntimeMetadataItem(
+            current_date=rt.current_date, principal_scopes=rt.principal_scopes,
+            surface=rt.surface, browser_origins=origins)
+    return rows
 
 
-def render_body(loaded: LoadedPlan, cp: Checkpoint) -> tuple[Message, ...]:
-    ctx = RenderContext(session_key=loaded.session_key)
-    messages: list[Message] = []
-    for item in assemble(body_items(loaded, cp), Region.B):
-        messages.extend(item.messages(ctx))  # type: ignore[attr-defined]
-    return tuple(messages)
+def attachment_costs(items: Sequence[ConversationItem]) -> dict[str, int]:
+    """Per user message: its attachments' content estimate, under one request-wide budget
+    consumed in item order (labels are counted in the message text itself)."""
+    remaining = ATTACHMENT_BUDGET_TOKENS
+    out: dict[str, int] = {}
+    for item in items:
+        if isinstance(item, UserMessageItem) and item.attachments:
+            want = sum(attachment_tokens(a) for a in item.attachments)
+            out[item.id] = min(want, remaining)
+            remaining -= out[item.id]
+    return out
 
 
 def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
-          factor: float = 1.0) -> BuildResult:
-    """Assemble one model request. Pure: no clock, randomness or I/O."""
+          factor: float = 1.0, policy: BudgetPolicy = DEFAULT_POLICY) -> BuildResult:
+    """Assemble one model request under the budget. Pure: no clock, randomness or I/O."""
     validate_checkpoint(cp)
-    messages = render_body(loaded, cp)
     plan = loaded.plan
     model = plan.spec.model
-    body_tokens = estimator.messages(messages, factor)
-    total = plan.prefix_tokens + body_tokens
-    available = model.context_window - model.output_reserve
-    if total > available:
-        # Whole-window check: the output reserve is never spent on input.
-        raise BudgetExceeded("window", total, available)
+    ctx = RenderContext(session_key=loaded.session_key)
+    budget = compute_budget(window=model.context_window, output_reserve=model.output_reserve,
+                            prefix_tokens=plan.prefix_tokens, policy=policy)
+    items, legacy = normalize_tool_results(cp.items, policy.inline_maximum_bytes)
+    attach = attachment_costs(items)
+
+    def cost(item: ContextItem) -> int:
+        extra = attach.get(item.id, 0) if isinstance(item, UserMessageItem) else 0
+        if isinstance(item, TrailingUserInput):
+            extra = attach.get(item.message.id, 0)
+        return estimator.messages(item.messages(ctx), factor) + extra  # type: ignore[attr-defined]
+
+    history, trailing = split_trailing(items)
+    # Reasoning items never cross a run boundary: only the active run's are replayed.
+    kept = [(i, item) for i, item in enumerate(history)
+            if not (isinstance(item, ReasoningItem) and item.run_id != cp.active_run_id)]
+    history = [item for _, item in kept]
+    k = active_start(history, cp.active_run_id)
+    carried, active = history[:k], history[k:]
+    positions = [i for i, _ in kept[:k]]
+    floor = floor_index(carried, cp.summary.replaced_through_sequence) if cp.summary else 0
+
+    def position(i: int) -> int:
+        return positions[i] if i < len(positions) else (kept[k][0] if k < len(kept)
+                                                        else len(history))
+
+    skills = [SkillBodyItem(name=s.name, body=s.body, skill_trust=s.trust)
+              for s in cp.loaded_skills]
+    if len(skills) > SKILL_BODY_ITEMS:  # a third load fails rather than evicting
+        raise BudgetExceeded("skill_bodies", len(skills), SKILL_BODY_ITEMS, unit="items")
+    rows = fresh_rows(loaded, cp)
+    fixed = {name: cost(item) for name, item in rows.items()}
+    fixed["skill_bodies"] = sum(cost(s) for s in skills)
+    fixed["current_user_message"] = sum(cost(TrailingUserInput(message=m)) for m in trailing)
+    if cp.summary is not None:
+        fixed["summary"] = cost(cp.summary)
+    for name, cap in (("skill_bodies", SKILL_BODY_TOKENS),
+                      ("working_state", WORKING_STATE_TOKENS)):
+        if fixed.get(name, 0) > cap:  # classes that never yield fail instead
+            raise BudgetExceeded(name, fixed[name], cap)
+
+    alloc = allocate(budget=budget, prefix_tokens=plan.prefix_tokens, factor=factor,
+                     policy=policy, summary=cp.summary, carried=carried, floor=floor,
+                     active=active, fixed=fixed, knowledge=list(cp.knowledge),
+                     recall=list(cp.recall), cost=cost, legacy_tool_excerpts=legacy,
+                     position=position)
+
+    body: list[ContextItem] = []
+    if alloc.summary is not None:
+        body.append(alloc.summary)
+    body += [*alloc.history, *alloc.active, *skills, *rows.values()]
+    if alloc.knowledge:
+        body.append(KnowledgeItem(passages=alloc.knowledge))
+    if alloc.recall:
+        body.append(RecallItem(lines=alloc.recall))
+    body += [TrailingUserInput(message=m) for m in trailing]
+    messages: list[Message] = []
+    for item in assemble(body, Region.B):
+        messages.extend(item.messages(ctx))  # type: ignore[attr-defined]
+    request = ModelRequest(prefix_blocks=loaded.rendered.blocks, tools=loaded.rendered.tools,
+                           messages=tuple(messages))
+    assert_paired(request)
+    report = alloc.report
     return BuildResult(
-        request=ModelRequest(prefix_blocks=loaded.rendered.blocks, tools=loaded.rendered.tools,
-                             messages=messages),
-        prefix_sha256=loaded.rendered.prefix_sha256, epoch=plan.epoch, model_id=model.model_id,
-        session_key=loaded.session_key, prefix_tokens=plan.prefix_tokens,
-        body_tokens=body_tokens, estimated_input_tokens=total,
-        context_window=model.context_window, output_reserve=model.output_reserve,
-        estimator_factor=factor, tokenizer=estimator.tokenizer,
-    )
+        request=request, prefix_sha256=loaded.rendered.prefix_sha256, epoch=plan.epoch,
+        model_id=model.model_id, session_key=loaded.session_key,
+        prefix_tokens=plan.prefix_tokens, body_tokens=report.body_tokens,
+        estimated_input_tokens=report.estimated_total, context_window=model.context_window,
+        output_reserve=model.output_reserve, estimator_factor=factor,
+        tokenizer=estimator.tokenizer, budget=report, pressure=alloc.pressure)
+
+
+def assert_paired(request: ModelRequest) -> None:
+    """The validator: an assembled request never holds an orphaned tool call or result."""
+    found = orphans(request.messages)
+    if found:
+        raise AssemblyError(f"assembled request holds unpaired tool items: {found}")
 
 
 def load_plan(plan: ContextPlan) -> LoadedPlan:

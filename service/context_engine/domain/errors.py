@@ -90,18 +90,23 @@ class PinnedVersionConflict(ContextEngineError):
 
 
 class BudgetExceeded(ContextEngineError):
-    """Items that never yield do not fit; the request is never returned without them."""
+    """Items that never yield do not fit; the request is never returned without them.
+    ``pressure`` carries what the yield ladder did before giving up, if it ran."""
 
     reason = "BUDGET_EXCEEDED"
 
-    def __init__(self, class_name: str, tokens: int, limit: int) -> None:
+    def __init__(self, class_name: str, tokens: int, limit: int, *, unit: str = "tokens",
+                 pressure: object | None = None) -> None:
         self.class_name = class_name
         self.tokens = tokens
         self.limit = limit
-        super().__init__(f"{class_name} needs {tokens} tokens but only {limit} are available")
+        self.unit = unit
+        self.pressure = pressure
+        super().__init__(f"{class_name} needs {tokens} {unit} but only {limit} are allowed")
 
     def metadata(self) -> dict[str, str]:
-        return {"class": self.class_name, "tokens": str(self.tokens), "limit": str(self.limit)}
+        return {"class": self.class_name, "tokens" if self.unit == "tokens" else self.unit:
+                str(self.tokens), "limit": str(self.limit), "unit": self.unit}
 
 
 class SessionNotFound(ContextEngineError):

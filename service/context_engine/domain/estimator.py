@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from context_engine.domain.errors import InvalidInput
 from context_engine.domain.model import ModelProfile
-from context_engine.domain.request import Message
+from context_engine.domain.request import Attachment, AttachmentKind, Message
 
 # Provider chat framing per message (OpenAI cookbook: 3 per message, +1 per name; rounded up).
 MESSAGE_OVERHEAD_TOKENS = 4
@@ -21,6 +21,23 @@ MESSAGE_OVERHEAD_TOKENS = 4
 TOOL_OVERHEAD_TOKENS = 12
 # An opaque reasoning payload is counted as if it were text of its base64 length / 4 chars.
 REASONING_BYTES_PER_TOKEN = 3
+
+
+# Attachments (ADR-0120): the adapter sends the file, so its estimate is added to its label.
+IMAGE_TOKENS = 1_600
+PDF_PAGE_TOKENS = 2_000
+TEXT_CHARS_PER_TOKEN = 3  # conservative: real text runs ~4 characters a token
+ATTACHMENT_BUDGET_TOKENS = 100_000  # request-wide cap on attachment content estimates
+
+
+def attachment_tokens(attachment: Attachment) -> int:
+    """Fixed estimate of an attachment's content: flat per image, per PDF page, inlined
+    length of a text file."""
+    if attachment.kind is AttachmentKind.IMAGE:
+        return IMAGE_TOKENS
+    if attachment.kind is AttachmentKind.PDF:
+        return PDF_PAGE_TOKENS * max(1, attachment.pages)
+    return math.ceil(attachment.text_chars / TEXT_CHARS_PER_TOKEN)
 
 
 class TokenCounter(Protocol):

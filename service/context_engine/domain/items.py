@@ -19,7 +19,7 @@ from context_engine.domain.model import (
     SkillCatalogEntry,
     ToolSpec,
 )
-from context_engine.domain.request import Message, Role, ToolCall, ToolDefinition
+from context_engine.domain.request import Attachment, Message, Role, ToolCall, ToolDefinition
 from context_engine.domain.trust import Region, TrustLevel, lowest
 
 _UNDECLARED = object()
@@ -271,11 +271,15 @@ class ConversationItem(ContextItem):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class UserMessageItem(ConversationItem):
     text: str
+    attachments: tuple[Attachment, ...] = ()
 
     def messages(self, ctx: RenderContext) -> list[Message]:
+        text = envelope(trust=self.item_trust, source="user", item_id=self.id,
+                        content=self.text, session_key=ctx.session_key)
+        if self.attachments:  # labels are counted for every reference (ADR-0120)
+            text += "".join(f"\n{a.label()}" for a in self.attachments)
         return [Message(row=self.row, role=Role.USER, trust=self.item_trust, item_id=self.id,
-                        text=envelope(trust=self.item_trust, source="user", item_id=self.id,
-                                      content=self.text, session_key=ctx.session_key))]
+                        text=text, attachments=self.attachments)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -303,16 +307,40 @@ class ToolCallItem(ConversationItem):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ToolResultItem(ConversationItem):
+    """A tool result. ``content`` is what is rendered: the canonical content, its persisted
+    ``context_content`` excerpt, or a deterministic head/tail excerpt (see excerpts.py).
+    ``elided`` renders a typed pointer instead, inside the same envelope with the same trust."""
+
     call_id: str
     tool_name: str
     content: str
     artifact_ref: str = ""
+    event_id: int = 0
+    context_content: str = ""
+    byte_length: int = 0  # of the canonical content; 0: len(content) in UTF-8
+    elided: bool = False
+
+    @property
+    def bytes(self) -> int:
+        return self.byte_length or len(self.content.encode("utf-8"))
+
+    def reference(self) -> str:
+        if self.artifact_ref:
+            return self.artifact_ref
+        return f"event:{self.event_id}" if self.event_id else f"item:{self.id}"
+
+    def pointer(self) -> str:
+        """spec: "Untrusted content is elided, never paraphrased" — the pointer states that
+        content existed, what it was, how large, where it lives, and its trust."""
+        return (f"[elided] tool.result {self.id} ({self.item_trust.value}, {self.bytes:,} bytes)"
+                f" -> {self.reference()}")
 
     def messages(self, ctx: RenderContext) -> list[Message]:
+        content = self.pointer() if self.elided else self.content
         return [Message(row=self.row, role=Role.TOOL, trust=self.item_trust, item_id=self.id,
                         call_id=self.call_id,
                         text=envelope(trust=self.item_trust, source=f"tool:{self.tool_name}",
-                                      item_id=self.id, content=self.content,
+                                      item_id=self.id, content=content,
                                       session_key=ctx.session_key))]
 
 

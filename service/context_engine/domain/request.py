@@ -35,6 +35,27 @@ class ToolCall:
     arguments_json: str
 
 
+class AttachmentKind(enum.Enum):
+    IMAGE = "image"
+    PDF = "pdf"
+    TEXT = "text"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Attachment:
+    """A file reference in an owner-written user message. The adapter sends the file; the
+    estimator counts what it will cost (estimator.py, ADR-0120)."""
+
+    kind: AttachmentKind
+    name: str
+    ref: str
+    pages: int = 0  # PDF
+    text_chars: int = 0  # TEXT: the inlined length
+
+    def label(self) -> str:
+        return f"[attachment {self.kind.value}: {self.name}]"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Message:
     row: int
@@ -46,6 +67,7 @@ class Message:
     call_id: str = ""
     reasoning_provider: str = ""
     reasoning_opaque: bytes = b""
+    attachments: tuple[Attachment, ...] = ()
 
     def __repr__(self) -> str:  # never print a reasoning payload or content into logs
         return (f"Message(row={self.row}, role={self.role.value}, trust={self.trust.value}, "
@@ -56,7 +78,8 @@ class Message:
         """Everything the model receives, for byte-identity checks and hashing."""
         return [self.row, self.role.value, self.trust.value, self.text, self.item_id,
                 [[c.call_id, c.name, c.arguments_json] for c in self.tool_calls],
-                self.call_id, self.reasoning_provider, self.reasoning_opaque.hex()]
+                self.call_id, self.reasoning_provider, self.reasoning_opaque.hex(),
+                [[a.kind.value, a.name, a.ref, a.pages, a.text_chars] for a in self.attachments]]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,0 +1,362 @@
+"""The budget allocator and the yield ladder (spec: "The budget allocator", "Yield order under
+pressure"). Pure: the same plan, checkpoint, factor and policy give the same allocation.
+
+Capacity is ``min(model window, policy cap)``; the output reserve comes off first, then the
+safety margin, then the measured prefix. What remains is the body. Classes that never yield
+fail instead; every other class has an absolute cap except tool results (a share of the body)
+and history (the remainder). When the body does not fit, the ladder yields in a fixed order and
+no further than needed: knowledge passages drop whole, lowest-ranked first; recall trims to its
+floor; tool results become typed pointers, oldest first; then history is cut, which is the
+signal that compaction is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from context_engine.domain.errors import BudgetExceeded
+from context_engine.domain.history import select_history
+from context_engine.domain.items import (
+    ContextItem,
+    ConversationItem,
+    HistorySummary,
+    KnowledgeItem,
+    KnowledgePassage,
+    MemoryLine,
+    RecallItem,
+    ToolCallItem,
+    ToolResultItem,
+)
+
+SKILL_BODY_ITEMS = 2
+SKILL_BODY_TOKENS = 6_000
+WORKING_STATE_TOKENS = 1_000
+KNOWLEDGE_ITEMS = 3
+KNOWLEDGE_TOKENS = 3_000
+RECALL_TOKENS = 2_000
+TOOL_RESULT_SHARE = 0.25
+HISTORY_FLOOR_TOKENS = 8_000
+STEPS = ("knowledge", "recall", "tool_results", "history")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BudgetPolicy:
+    """Deployment settings of the allocator (explicit inputs of the pure build)."""
+
+    safety_margin_ratio: float = 0.05
+    policy_cap_tokens: int = 0  # 0: no policy cap below the model window
+    inline_maximum_bytes: int = 16_384
+    recall_floor_tokens: int = 500
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClassBudget:
+    class_name: str
+    cap: int  # 0: uncapped
+    used: int
+    items: int
+    yielded: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class YieldStep:
+    step: str
+    units: int
+    ids: tuple[str, ...]
+    tokens_before: int
+    tokens_after: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pressure:
+    """What the ladder did. Emitted as ``context.budget.pressure`` whenever a step ran."""
+
+    steps: tuple[YieldStep, ...]
+    fits: bool
+    tokens_before: int
+    tokens_after: int
+    body_budget: int
+    compaction_needed: bool
+    left_out_items: int
+    left_out_tokens: int
+    cut_index: int  # index into the checkpoint's items of the first retained history item
+    floor_index: int  # first item above the summary floor
+    legacy_tool_excerpts: int
+
+    @property
+    def yielded(self) -> bool:
+        return bool(self.steps)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BudgetReport:
+    total_tokens: int  # min(window, policy cap)
+    output_reserve: int
+    safety_margin_ratio: float
+    margin_tokens: int
+    prefix_tokens: int
+    body_budget: int
+    body_tokens: int
+    estimated_total: int  # prefix + body
+    estimator_factor: float
+    history_floor: int
+    classes: tuple[ClassBudget, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Budget:
+    total_tokens: int
+    output_reserve: int
+    margin_tokens: int
+    body_budget: int
+
+
+def compute_budget(*, window: int, output_reserve: int, prefix_tokens: int,
+                   policy: BudgetPolicy) -> Budget:
+    total = min(window, policy.policy_cap_tokens) if policy.policy_cap_tokens else window
+    available = total - output_reserve  # subtracted first: a request must leave room to answer
+    margin = math.ceil(max(available, 0) * policy.safety_margin_ratio)
+    body = available - margin - prefix_tokens
+    if body <= 0:
+        raise BudgetExceeded("prefix", prefix_tokens, max(available - margin, 0))
+    return Budget(total_tokens=total, output_reserve=output_reserve, margin_tokens=margin,
+                  body_budget=body)
+
+
+@dataclass
+class _Ledger:
+    """Mutable working state of one allocation (local to ``allocate``; never escapes)."""
+
+    fixed: dict[str, int]
+    knowledge: list[KnowledgePassage]
+    recall: list[MemoryLine]
+    history: list[ConversationItem]  # carried candidates above the floor
+    active: list[ConversationItem]
+    history_costs: list[int]
+    active_costs: list[int]
+    knowledge_cost: int = 0
+    recall_cost: int = 0
+    steps: dict[str, list[YieldStep]] = field(default_factory=dict)
+    cut: int = 0
+
+    def history_cost(self) -> int:
+        return sum(self.history_costs[self.cut:])
+
+    def total(self) -> int:
+        return (sum(self.fixed.values()) + sum(self.active_costs) + self.history_cost()
+                + self.knowledge_cost + self.recall_cost)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Allocation:
+    summary: HistorySummary | None
+    history: tuple[ConversationItem, ...]  # retained carried history
+    active: tuple[ConversationItem, ...]
+    knowledge: tuple[KnowledgePassage, ...]
+    recall: tuple[MemoryLine, ...]
+    report: BudgetReport
+    pressure: Pressure
+
+
+def pending_results(active: list[ConversationItem]) -> set[str]:
+    """Ids of the results of the active loop's latest call batch that the model has not
+    answered yet: never-yield, so they are never turned into pointers."""
+    pending: set[str] = set()
+    for item in reversed(active):
+        if isinstance(item, ToolResultItem):
+            pending.add(item.id)
+        elif isinstance(item, ToolCallItem):
+            return pending
+        else:
+            break
+    return set()
+
+
+def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: BudgetPolicy,
+             summary: HistorySummary | None, carried: list[ConversationItem], floor: int,
+             active: list[ConversationItem], fixed: dict[str, int],
+             knowledge: list[KnowledgePassage], recall: list[MemoryLine],
+             cost: Callable[[ContextItem], int], legacy_tool_excerpts: int,
+             position: Callable[[int], int]) -> Allocation:
+    """Fit the body into ``budget.body_budget``. ``fixed`` holds the costs of the classes that
+    never yield (current user message, working state, corrections, skill bodies, summary,
+    runtime metadata); ``carried[floor:]`` are the history candidates; ``active`` the active
+    run's items (never cut; only its completed results may become pointers). ``position``
+    maps an index into ``carried`` to an index into the checkpoint's items."""
+    B = budget.body_budget
+    knowledge = sorted(knowledge, key=lambda p: (p.rank, p.id))
+    ledger = _Ledger(fixed=dict(fixed), knowledge=knowledge, recall=list(recall),
+                     history=list(carried[floor:]), active=list(active),
+                     history_costs=[cost(i) for i in carried[floor:]],
+                     active_costs=[cost(i) for i in active])
+    block_cost = _block_costs(cost)
+    ledger.knowledge_cost = block_cost.knowledge(ledger.knowledge)
+    ledger.recall_cost = block_cost.recall(ledger.recall)
+    before = ledger.total()
+    never_pointer = pending_results(ledger.active)
+
+    def record(step: str, ids: list[str], tokens_before: int) -> None:
+        if ids:
+            ledger.steps.setdefault(step, []).append(YieldStep(
+                step=step, units=len(ids), ids=tuple(ids), tokens_before=tokens_before,
+                tokens_after=ledger.total()))
+
+    def drop_knowledge() -> str:
+        dropped = ledger.knowledge.pop()
+        ledger.knowledge_cost = block_cost.knowledge(ledger.knowledge)
+        return dropped.id
+
+    def trim_recall() -> str:
+        dropped = ledger.recall.pop()
+        ledger.recall_cost = block_cost.recall(ledger.recall)
+        return dropped.id
+
+    def results() -> list[tuple[list[ConversationItem], list[int], int]]:
+        """Pointer candidates, oldest first: carried then completed active results."""
+        out = []
+        for items, costs, start in ((ledger.history, ledger.history_costs, ledger.cut),
+                                    (ledger.active, ledger.active_costs, 0)):
+            for i in range(start, len(items)):
+                item = items[i]
+                if (isinstance(item, ToolResultItem) and not item.elided
+                        and item.id not in never_pointer):
+                    out.append((items, costs, i))
+        return out
+
+    def to_pointer() -> str | None:
+        candidates = results()
+        if not candidates:
+            return None
+        items, costs, i = candidates[0]
+        item = items[i]
+        assert isinstance(item, ToolResultItem)
+        pointed = replace(item, elided=True)
+        items[i] = pointed
+        costs[i] = cost(pointed)
+        return item.id
+
+    def tool_result_tokens() -> int:
+        return sum(c for items, costs in ((ledger.history[ledger.cut:],
+                                           ledger.history_costs[ledger.cut:]),
+                                          (ledger.active, ledger.active_costs))
+                   for item, c in zip(items, costs, strict=True)
+                   if isinstance(item, ToolResultItem))
+
+    # Class caps first: knowledge 3 passages / 3,000 tokens (dropped whole, lowest-ranked
+    # first), recall 2,000 tokens, tool results 25% of the body (oldest become pointers).
+    start, ids = ledger.total(), []
+    while ledger.knowledge and (len(ledger.knowledge) > KNOWLEDGE_ITEMS
+                                or ledger.knowledge_cost > KNOWLEDGE_TOKENS):
+        ids.append(drop_knowledge())
+    record("knowledge", ids, start)
+    start, ids = ledger.total(), []
+    while ledger.recall and ledger.recall_cost > RECALL_TOKENS:
+        ids.append(trim_recall())
+    record("recall", ids, start)
+    tool_cap = int(B * TOOL_RESULT_SHARE)
+    start, ids = ledger.total(), []
+    while tool_result_tokens() > tool_cap:
+        done = to_pointer()
+        if done is None:
+            break
+        ids.append(done)
+    record("tool_results", ids, start)
+
+    # The ladder, in order and no further than needed.
+    start, ids = ledger.total(), []
+    while ledger.total() > B and ledger.knowledge:
+        ids.append(drop_knowledge())
+    record("knowledge", ids, start)
+    start, ids = ledger.total(), []
+    while ledger.total() > B and ledger.recall and ledger.recall_cost > policy.recall_floor_tokens:
+        ids.append(trim_recall())
+    record("recall", ids, start)
+    start, ids = ledger.total(), []
+    while ledger.total() > B:
+        done = to_pointer()
+        if done is None:
+            break
+        ids.append(done)
+    record("tool_results", ids, start)
+    start = ledger.total()
+    if start > B:
+        others = start - ledger.history_cost()
+        ledger.cut = _cut(ledger.history, ledger.history_costs, B - others)
+        left = [i.id for i in ledger.history[:ledger.cut]]
+        record("history", left, start)
+    # With no history left, recall goes below its floor rather than fail the request.
+    start, ids = ledger.total(), []
+    while ledger.total() > B and ledger.recall:
+        ids.append(trim_recall())
+    record("recall", ids, start)
+
+    total = ledger.total()
+    steps = tuple(_merge(name, ledger.steps[name]) for name in STEPS if name in ledger.steps)
+    left_out_tokens = sum(ledger.history_costs[:ledger.cut])
+    pressure = Pressure(
+        steps=steps, fits=total <= B, tokens_before=before, tokens_after=total, body_budget=B,
+        compaction_needed=ledger.cut > 0, left_out_items=ledger.cut,
+        left_out_tokens=left_out_tokens, cut_index=position(floor + ledger.cut),
+        floor_index=position(floor), legacy_tool_excerpts=legacy_tool_excerpts)
+    if total > B:
+        # Only never-yield items are left: name the largest of their classes.
+        shares = {**ledger.fixed, "active_run": sum(ledger.active_costs)}
+        largest = max(sorted(shares), key=lambda k: shares[k])
+        raise BudgetExceeded(largest, total, B, pressure=pressure)
+
+    classes = (
+        ClassBudget(class_name="knowledge", cap=KNOWLEDGE_TOKENS, used=ledger.knowledge_cost,
+                    items=len(ledger.knowledge),
+                    yielded=len(knowledge) - len(ledger.knowledge)),
+        ClassBudget(class_name="recall", cap=RECALL_TOKENS, used=ledger.recall_cost,
+                    items=len(ledger.recall), yielded=len(recall) - len(ledger.recall)),
+        ClassBudget(class_name="tool_results", cap=tool_cap, used=tool_result_tokens(),
+                    items=sum(isinstance(i, ToolResultItem)
+                              for i in ledger.history[ledger.cut:] + ledger.active),
+                    yielded=sum(isinstance(i, ToolResultItem) and i.elided
+                                for i in ledger.history[ledger.cut:] + ledger.active)),
+        ClassBudget(class_name="history", cap=max(B - (total - ledger.history_cost()), 0),
+                    used=ledger.history_cost(), items=len(ledger.history) - ledger.cut,
+                    yielded=ledger.cut),
+        ClassBudget(class_name="active_run", cap=0, used=sum(ledger.active_costs),
+                    items=len(ledger.active)),
+        *(ClassBudget(class_name=name, cap=_FIXED_CAPS.get(name, 0), used=tokens, items=0)
+          for name, tokens in sorted(ledger.fixed.items())),
+    )
+    report = BudgetReport(
+        total_tokens=budget.total_tokens, output_reserve=budget.output_reserve,
+        safety_margin_ratio=policy.safety_margin_ratio, margin_tokens=budget.margin_tokens,
+        prefix_tokens=prefix_tokens, body_budget=B, body_tokens=total,
+        estimated_total=prefix_tokens + total, estimator_factor=factor,
+        history_floor=HISTORY_FLOOR_TOKENS, classes=classes)
+    return Allocation(summary=summary, history=tuple(ledger.history[ledger.cut:]),
+                      active=tuple(ledger.active), knowledge=tuple(ledger.knowledge),
+                      recall=tuple(ledger.recall), report=report, pressure=pressure)
+
+
+_FIXED_CAPS = {"skill_bodies": SKILL_BODY_TOKENS, "working_state": WORKING_STATE_TOKENS}
+
+
+def _cut(history: list[ConversationItem], costs: list[int], history_tokens: int) -> int:
+    # the summary floor was applied by the caller: every item here is a candidate
+    return select_history(history, -(2**63), max(history_tokens, 0), lambda i: costs[i])
+
+
+def _merge(step: str, parts: list[YieldStep]) -> YieldStep:
+    return YieldStep(step=step, units=sum(p.units for p in parts),
+                     ids=tuple(i for p in parts for i in p.ids),
+                     tokens_before=parts[0].tokens_before, tokens_after=parts[-1].tokens_after)
+
+
+@dataclass(frozen=True, slots=True)
+class _block_costs:
+    cost: Callable[[ContextItem], int]
+
+    def knowledge(self, passages: list[KnowledgePassage]) -> int:
+        return self.cost(KnowledgeItem(passages=tuple(passages))) if passages else 0
+
+    def recall(self, lines: list[MemoryLine]) -> int:
+        return self.cost(RecallItem(lines=tuple(lines))) if lines else 0
+

@@ -1,0 +1,52 @@
+"""Tool-result normalization before selection (spec ADR-0137, "What history selection
+retains"): a persisted ``context_content`` excerpt replaces canonical content; a legacy result
+over the inline maximum gets a deterministic head/tail excerpt that references its source.
+Trust, ids and the first artifact reference are kept; the checkpoint itself is never changed
+(items are frozen: new values are returned)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from context_engine.domain.items import ConversationItem, ToolResultItem
+
+DEFAULT_INLINE_MAXIMUM_BYTES = 16_384
+
+
+def _head(data: bytes, n: int) -> str:
+    return data[:n].decode("utf-8", errors="ignore")
+
+
+def _tail(data: bytes, n: int) -> str:
+    return data[len(data) - n:].decode("utf-8", errors="ignore") if n > 0 else ""
+
+
+def head_tail_excerpt(item: ToolResultItem, inline_maximum_bytes: int) -> str:
+    """The first two thirds and the last third of the allowance, cut on character
+    boundaries, with a marker naming what was omitted and where the whole result lives."""
+    data = item.content.encode("utf-8")
+    head_n = (inline_maximum_bytes * 2) // 3
+    tail_n = inline_maximum_bytes - head_n
+    head, tail = _head(data, head_n), _tail(data, tail_n)
+    omitted = len(data) - len(head.encode("utf-8")) - len(tail.encode("utf-8"))
+    return (f"{head}\n[... excerpt: {omitted:,} of {len(data):,} bytes omitted; "
+            f"full result: {item.reference()} ...]\n{tail}")
+
+
+def normalize_tool_results(items: Sequence[ConversationItem], inline_maximum_bytes: int
+                           ) -> tuple[tuple[ConversationItem, ...], int]:
+    """Returns the items to assemble and how many legacy results were excerpted."""
+    out: list[ConversationItem] = []
+    legacy = 0
+    for item in items:
+        if isinstance(item, ToolResultItem) and not item.elided:
+            if item.context_content:
+                item = replace(item, content=item.context_content, context_content="",
+                               byte_length=item.bytes)
+            elif len(item.content.encode("utf-8")) > inline_maximum_bytes:
+                item = replace(item, content=head_tail_excerpt(item, inline_maximum_bytes),
+                               byte_length=item.bytes)
+                legacy += 1
+        out.append(item)
+    return tuple(out), legacy
