@@ -35,7 +35,6 @@ from context_engine.domain.estimator import (
 )
 from context_engine.domain.excerpts import normalize_tool_results
 from context_engine.domain.history import floor_index
-from context_engine.domain.pairs import orphans
 from context_engine.domain.items import (
     ContextItem,
     ConversationItem,
@@ -57,6 +56,7 @@ from context_engine.domain.items import (
     WorkingStateItem,
     assemble,
 )
+from context_engine.domain.pairs import orphans
 from context_engine.domain.plan import ContextPlan, RenderedPrefix, render_prefix
 from context_engine.domain.request import Message, ModelRequest
 from context_engine.domain.trust import Region, TrustLevel
