@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from context_engine.adapters.assets import DEFAULT_ASSETS_DIR, DEFAULT_CATALOG
+from context_engine.domain.budget import BudgetPolicy
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 
@@ -67,6 +68,11 @@ class Config:
     db_timeout_seconds: float = 5.0
     plan_cache_size: int = 4096
     log_level: str = "INFO"
+    safety_margin_ratio: float = 0.05
+    policy_cap_tokens: int = 0  # 0: the model window is the only limit
+    inline_maximum_bytes: int = 16_384
+    recall_floor_tokens: int = 500
+    calibration_ttl_seconds: float = 5.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
@@ -86,11 +92,29 @@ class Config:
             db_timeout_seconds=_float(env, "CE_DB_TIMEOUT_SECONDS", defaults.db_timeout_seconds),
             plan_cache_size=_int(env, "CE_PLAN_CACHE_SIZE", defaults.plan_cache_size, 1),
             log_level=env.get("CE_LOG_LEVEL") or defaults.log_level,
+            safety_margin_ratio=_float(env, "CE_SAFETY_MARGIN_RATIO",
+                                       defaults.safety_margin_ratio, minimum=0.0),
+            policy_cap_tokens=_int(env, "CE_POLICY_CAP_TOKENS", defaults.policy_cap_tokens),
+            inline_maximum_bytes=_int(env, "CE_INLINE_MAXIMUM_BYTES",
+                                      defaults.inline_maximum_bytes, 256),
+            recall_floor_tokens=_int(env, "CE_RECALL_FLOOR_TOKENS",
+                                     defaults.recall_floor_tokens),
+            calibration_ttl_seconds=_float(env, "CE_CALIBRATION_TTL_SECONDS",
+                                           defaults.calibration_ttl_seconds, minimum=0.0),
         )
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
+        if not 0.0 <= self.safety_margin_ratio < 0.5:
+            raise ConfigError(f"CE_SAFETY_MARGIN_RATIO={self.safety_margin_ratio} is not in "
+                              "[0, 0.5)")
         split_addr(self.grpc_addr)
         if self.metrics_addr:
             split_addr(self.metrics_addr)
+
+    def budget_policy(self) -> BudgetPolicy:
+        return BudgetPolicy(safety_margin_ratio=self.safety_margin_ratio,
+                            policy_cap_tokens=self.policy_cap_tokens,
+                            inline_maximum_bytes=self.inline_maximum_bytes,
+                            recall_floor_tokens=self.recall_floor_tokens)

@@ -1,14 +1,32 @@
-"""The application service: orchestrates the pure domain, the plan store and the metrics."""
+"""The application service: orchestrates the pure domain, the stores and the metrics."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from context_engine.domain.builder import BuildResult, Checkpoint, LoadedPlan, build, load_plan
+from context_engine.domain.budget import BudgetPolicy, Pressure, compute_budget
+from context_engine.domain.builder import (
+    DEFAULT_POLICY,
+    BuildResult,
+    Checkpoint,
+    LoadedPlan,
+    build,
+    load_plan,
+)
+from context_engine.domain.calibration import Calibration, Reconciled, reconcile
 from context_engine.domain.canonical import session_key
-from context_engine.domain.errors import BudgetExceeded, PrefixHashMismatch, SessionNotFound
+from context_engine.domain.errors import (
+    BudgetExceeded,
+    PrefixHashMismatch,
+    SessionNotFound,
+    StoreUnavailable,
+    TokenizerUnavailable,
+)
 from context_engine.domain.estimator import ModelCatalog, TokenEstimator, TokenizerRegistry
 from context_engine.domain.model import (
     AgentSpec,
@@ -21,8 +39,23 @@ from context_engine.domain.model import (
     SkillCatalogEntry,
     ToolSpec,
 )
-from context_engine.domain.plan import SESSION_OPENED, ContextPlan, draft_plan, rotation_reason
-from context_engine.domain.ports import PlanStore, Rotation
+from context_engine.domain.plan import (
+    BUILDER_VERSION,
+    SESSION_OPENED,
+    ContextPlan,
+    PlanSpec,
+    draft_plan,
+    rotation_reason,
+    rotation_reason_for,
+)
+from context_engine.domain.ports import (
+    CalibrationStore,
+    ContextEvent,
+    EventLog,
+    PlanStore,
+    Rotation,
+)
+from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
 
 
@@ -47,6 +80,26 @@ class PlanCommand:
     website_profile_id: str
     skill_catalog: tuple[SkillCatalogEntry, ...]
     memory_snapshot: MemorySnapshot
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UsageReport:
+    tenant_id: str
+    session_id: str
+    epoch: int | None
+    estimated_input_tokens: int
+    estimator_factor: float
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    idempotency_key: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UsageOutcome:
+    model_id: str
+    reconciled: Reconciled
+    counted: bool
 
 
 class PlanCache:
@@ -76,23 +129,68 @@ class PlanCache:
         self._entries.clear()
 
 
+def pressure_payload(p: Pressure, epoch: int) -> dict[str, Any]:
+    """What a pressure event records: steps, sizes and ids, never content."""
+    return {
+        "epoch": epoch, "fits": p.fits, "tokens_before": p.tokens_before,
+        "tokens_after": p.tokens_after, "body_budget": p.body_budget,
+        "steps": [{"step": s.step, "units": s.units, "item_ids": list(s.ids),
+                   "tokens_before": s.tokens_before, "tokens_after": s.tokens_after}
+                  for s in p.steps],
+        "compaction_needed": p.compaction_needed, "left_out_items": p.left_out_items,
+        "left_out_tokens": p.left_out_tokens, "history_cut_index": p.cut_index,
+        "summary_floor_index": p.floor_index,
+        "legacy_tool_excerpts": p.legacy_tool_excerpts,
+    }
+
+
 class Engine:
-    def __init__(self, *, store: PlanStore, catalog: ModelCatalog, tokenizers: TokenizerRegistry,
-                 assets: PlatformAssets, control_tools: dict[str, ToolSpec], metrics: Metrics,
-                 plan_cache_size: int = 4096) -> None:
+    def __init__(self, *, store: PlanStore, events: EventLog, calibrations: CalibrationStore,
+                 catalog: ModelCatalog, tokenizers: TokenizerRegistry, assets: PlatformAssets,
+                 control_tools: dict[str, ToolSpec], metrics: Metrics,
+                 policy: BudgetPolicy = DEFAULT_POLICY, plan_cache_size: int = 4096,
+                 calibration_ttl: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._store = store
+        self._events = events
+        self._calibrations = calibrations
         self._catalog = catalog
         self._tokenizers = tokenizers
         self._assets = assets
         self._control_tools = control_tools
         self._metrics = metrics
+        self.policy = policy
         self.cache = PlanCache(plan_cache_size)
+        self._factors: dict[tuple[str, str], tuple[float, float]] = {}
+        self._calibration_ttl = calibration_ttl
+        self._clock = clock
+
+    # ------------------------------------------------------------------ estimators
 
     def estimator_for(self, model: ModelProfile) -> TokenEstimator:
+        """At Plan time: the model's encoding, or a conservative fallback (recorded)."""
         counter, extra = self._tokenizers.counter_for(model.encoding)
         return TokenEstimator(counter, round(model.base_factor * extra, 6))
 
+    def plan_estimator(self, spec: PlanSpec) -> TokenEstimator:
+        """At Build time: exactly what the plan pinned, on every replica."""
+        counter = self._tokenizers.exact(spec.encoding)
+        if counter is None:
+            raise TokenizerUnavailable(spec.encoding)
+        return TokenEstimator(counter, spec.estimator_factor, spec.tokenizer)
+
+    # ------------------------------------------------------------------ Plan
+
     async def plan(self, cmd: PlanCommand) -> tuple[ContextPlan, bool]:
+        current = await self._store.get(cmd.tenant_id, cmd.session_id)
+        if current is not None and rotation_reason_for(
+                current.spec, agent=cmd.agent, persona=cmd.persona,
+                model_id=cmd.model.model_id, assets=self._assets,
+                builder_version=BUILDER_VERSION) is None:
+            # Pinned: tools, scopes and snapshot are not even re-resolved (a revocation is
+            # enforced at call time, never by rewriting the prefix).
+            return current, False
+
         profile = self._catalog.resolve(
             cmd.model.model_id, context_window=cmd.model.context_window,
             output_reserve=cmd.model.output_reserve,
@@ -107,11 +205,14 @@ class Engine:
         key = session_key(cmd.tenant_id, cmd.session_id)
         # Drafting is pure and may fail (caps, required tools): then nothing is written.
         draft = draft_plan(inputs, key, self.estimator_for(profile))
+        # A prefix that leaves no body can never build: refuse it now, not on every Build.
+        compute_budget(window=profile.context_window, output_reserve=profile.output_reserve,
+                       prefix_tokens=draft.prefix_tokens, policy=self.policy)
 
-        def decide(current: ContextPlan | None) -> Rotation | None:
-            if current is None:
+        def decide(locked: ContextPlan | None) -> Rotation | None:
+            if locked is None:
                 return Rotation(reason=SESSION_OPENED, draft=draft)
-            reason = rotation_reason(current.spec, draft.spec)
+            reason = rotation_reason(locked.spec, draft.spec)
             return None if reason is None else Rotation(reason=reason, draft=draft)
 
         plan, created = await self._store.pin(cmd.tenant_id, cmd.session_id, decide)
@@ -149,16 +250,90 @@ class Engine:
         self.cache.put(key, loaded)
         return loaded
 
+    # ------------------------------------------------------------------ Build
+
+    async def correction_factor(self, tenant_id: str, spec: PlanSpec) -> float:
+        """The model's reconciled factor (shared in PostgreSQL), cached for a few seconds;
+        1.0 for a new model or one whose encoding changed."""
+        key = (tenant_id, spec.model.model_id)
+        now = self._clock()
+        cached = self._factors.get(key)
+        if cached is not None and cached[1] > now:
+            return cached[0]
+        try:
+            row = await self._calibrations.calibration(tenant_id, spec.model.model_id)
+        except StoreUnavailable:
+            return cached[0] if cached is not None else 1.0
+        factor = row.factor if row is not None and row.encoding == spec.encoding else 1.0
+        self._factors[key] = (factor, now + self._calibration_ttl)
+        return factor
+
     async def build(self, tenant_id: str, session_id: str, epoch: int | None,
                     checkpoint: Checkpoint, factor: float | None) -> BuildResult:
         loaded = await self.loaded(tenant_id, session_id, epoch)
-        estimator = self.estimator_for(loaded.plan.spec.model)
+        spec = loaded.plan.spec
+        estimator = self.plan_estimator(spec)
+        if factor is None:
+            factor = await self.correction_factor(tenant_id, spec)
         started = time.perf_counter()
         try:
-            result = build(loaded, checkpoint, estimator=estimator,
-                           factor=1.0 if factor is None else factor)
+            result = build(loaded, checkpoint, estimator=estimator, factor=factor,
+                           policy=self.policy)
         except BudgetExceeded as exc:
             self._metrics.budget_exceeded.labels(**{"class": exc.class_name}).inc()
+            payload: dict[str, Any] = {"epoch": loaded.plan.epoch, **exc.metadata()}
+            if isinstance(exc.pressure, Pressure):
+                self._count_pressure(exc.pressure)
+                await self._record(tenant_id, session_id, loaded.plan.epoch,
+                                   "context.budget.pressure",
+                                   pressure_payload(exc.pressure, loaded.plan.epoch))
+            await self._record(tenant_id, session_id, loaded.plan.epoch,
+                               "context.budget.exceeded", payload)
             raise
         self._metrics.build_seconds.observe(time.perf_counter() - started)
+        if result.pressure.yielded:  # a request that fits without yielding emits nothing
+            self._count_pressure(result.pressure)
+            await self._record(tenant_id, session_id, result.epoch, "context.budget.pressure",
+                               pressure_payload(result.pressure, result.epoch))
         return result
+
+    def _count_pressure(self, pressure: Pressure) -> None:
+        fits = "true" if pressure.fits else "false"
+        for step in pressure.steps:
+            self._metrics.budget_pressure.labels(step=step.step, fits=fits).inc()
+
+    async def _record(self, tenant_id: str, session_id: str, epoch: int, kind: str,
+                      payload: dict[str, Any]) -> None:
+        """Outbox writes from Build never fail the request they describe: if the database
+        is away the request is still served, and the loss is logged and counted."""
+        try:
+            await self._events.append(ContextEvent(tenant_id=tenant_id, session_id=session_id,
+                                                   epoch=epoch, type=kind, payload=payload))
+        except StoreUnavailable:
+            log("event_not_recorded", logging.WARNING, type=kind, tenant=tenant_id,
+                epoch=epoch)
+
+    # ------------------------------------------------------------------ ReportUsage
+
+    async def report_usage(self, report: UsageReport) -> UsageOutcome:
+        loaded = await self.loaded(report.tenant_id, report.session_id, report.epoch)
+        spec = loaded.plan.spec
+        model = spec.model
+
+        def apply(current: Calibration | None) -> Reconciled:
+            return reconcile(current, model_id=model.model_id, encoding=spec.encoding,
+                             estimated=report.estimated_input_tokens,
+                             actual=report.input_tokens, factor_used=report.estimator_factor)
+
+        outcome, counted = await self._calibrations.reconcile(
+            report.tenant_id, model.model_id, report.idempotency_key, apply)
+        if counted:
+            self._metrics.estimator_error_ratio.labels(model=model.family).observe(
+                outcome.error_ratio)
+            if loaded.plan.prefix_tokens:
+                self._metrics.cached_prefix_ratio.observe(
+                    min(report.cached_tokens / loaded.plan.prefix_tokens, 1.0))
+        self._metrics.estimator_correction_factor.labels(model=model.family).set(
+            outcome.calibration.factor)
+        self._factors.pop((report.tenant_id, model.model_id), None)
+        return UsageOutcome(model_id=model.model_id, reconciled=outcome, counted=counted)

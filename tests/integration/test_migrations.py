@@ -23,6 +23,9 @@ EXPECTED = {
     "context_events": {"id", "tenant_id", "session_id", "epoch", "type", "payload",
                        "created_at"},
     "schema_migrations": {"version", "name", "applied_at"},
+    "estimator_calibration": {"tenant_id", "model_id", "encoding", "factor", "reports",
+                              "updated_at"},
+    "idempotency_keys": {"tenant_id", "rpc", "key", "response", "created_at"},
 }
 
 

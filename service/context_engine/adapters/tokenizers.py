@@ -70,15 +70,20 @@ def cached_offline(encoding: str, environ: dict[str, str] | None = None) -> bool
 class TiktokenCounter:
     """A counter with a content-digest cache that can change speed only, never a count."""
 
-    def __init__(self, encoding: tiktoken.Encoding, name: str) -> None:
+    def __init__(self, encoding: tiktoken.Encoding, name: str, encoding_name: str = "") -> None:
         self._encoding = encoding
         self._name = name
+        self._encoding_name = encoding_name or name
         self._cache: OrderedDict[bytes, int] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
     def name(self) -> str:
         return self._name
+
+    @property
+    def encoding(self) -> str:
+        return self._encoding_name
 
     def count(self, text: str) -> int:
         if len(text) < _SHORT:
@@ -113,6 +118,14 @@ class TiktokenRegistry:
                 self._counters[encoding] = found
             return found
 
+    def exact(self, encoding: str) -> TokenCounter | None:
+        if encoding == "cl100k_base":
+            return self.counter_for("cl100k_base")[0]
+        if not cached_offline(encoding, self._environ):
+            return None
+        counter, extra = self.counter_for(encoding)
+        return counter if extra == 1.0 else None
+
     def _cl100k(self) -> TiktokenCounter:
         if cached_offline("cl100k_base", self._environ):
             return TiktokenCounter(tiktoken.get_encoding("cl100k_base"), "cl100k_base")
@@ -124,5 +137,5 @@ class TiktokenRegistry:
         if cached_offline(encoding, self._environ):
             return TiktokenCounter(tiktoken.get_encoding(encoding), encoding), 1.0
         base = self._cl100k()
-        return TiktokenCounter(base._encoding, f"cl100k_base(fallback for {encoding})"), \
-            FALLBACK_FACTOR
+        return TiktokenCounter(base._encoding, f"cl100k_base(fallback for {encoding})",
+                               "cl100k_base"), FALLBACK_FACTOR

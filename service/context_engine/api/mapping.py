@@ -4,12 +4,14 @@ unspecified session kind is interactive)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from datetime import datetime
 
 from google.protobuf.message import Message as Message_
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from context_engine.domain.budget import BudgetReport, Pressure
 from context_engine.domain.builder import (
     BuildResult,
     Checkpoint,
@@ -22,6 +24,7 @@ from context_engine.domain.errors import FieldViolation, InvalidInput
 from context_engine.domain.items import (
     AssistantMessageItem,
     ConversationItem,
+    HistorySummary,
     KnowledgePassage,
     MemoryLine,
     ReasoningItem,
@@ -43,13 +46,23 @@ from context_engine.domain.model import (
     SkillCatalogEntry,
     ToolSpec,
 )
-from context_engine.domain.request import Message, PrefixBlock, Role, ToolCall, ToolDefinition
+from context_engine.domain.request import (
+    Attachment,
+    AttachmentKind,
+    Message,
+    PrefixBlock,
+    Role,
+    ToolCall,
+    ToolDefinition,
+)
 from context_engine.domain.tools import CONTROL_TOOLS
 from context_engine.domain.trust import TrustLevel
-from context_engine.engine import ModelRequestSpec, PlanCommand
+from context_engine.engine import ModelRequestSpec, PlanCommand, UsageOutcome, UsageReport
 from context_engine.v1 import context_engine_pb2 as pb
 
 MAX_ID_LENGTH = 256
+MAX_EPOCH = 2**31 - 1
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 TASK_STATES = ("open", "in_progress", "blocked", "completed")
 
 TRUST_FROM_PB: dict[pb.TrustLevel.ValueType, TrustLevel] = {
@@ -102,12 +115,17 @@ class Violations:
         elif value != value.strip() or any(ord(c) < 32 for c in value):
             self.add(field, "must not contain control characters or surrounding white space")
 
-    def trust(self, field: str, value: pb.TrustLevel.ValueType) -> TrustLevel:
+    def trust(self, field: str, value: pb.TrustLevel.ValueType, *,
+              at_most: TrustLevel = TrustLevel.TRUSTED_CONFIGURATION) -> TrustLevel:
+        """PLATFORM is the service's own text: a caller can never supply it, and data such as
+        a tool result can never claim to be configuration."""
         found = TRUST_FROM_PB.get(value)
         if found is None:
             self.add(field, f"unknown trust level {value}"
                      + (" (unspecified)" if value == 0 else ""))
             return TrustLevel.EXTERNAL_UNTRUSTED
+        if found.rank > at_most.rank:
+            self.add(field, f"{found.value} is not accepted here; at most {at_most.value}")
         return found
 
     def unique(self, field: str, values: Iterable[str], what: str) -> None:
@@ -120,6 +138,8 @@ class Violations:
 
 def _tool(v: Violations, field: str, t: pb.ToolSpec) -> ToolSpec:
     v.identifier(f"{field}.name", t.name)
+    if t.name and not TOOL_NAME.fullmatch(t.name):
+        v.add(f"{field}.name", "must match [A-Za-z0-9_.-]{1,64} (what providers accept)")
     if t.name in CONTROL_TOOLS:
         v.add(f"{field}.name", f"{t.name!r} is a control tool the service defines itself")
     schema = parse_json_object(t.input_schema_json)
@@ -237,12 +257,48 @@ def session_ids(v: Violations, tenant_id: str, session_id: str) -> None:
     v.identifier("session_id", session_id)
 
 
+def epoch(v: Violations, value: int) -> int | None:
+    """0 means the current epoch."""
+    if value > MAX_EPOCH:
+        v.add("epoch", f"{value} is not an epoch (at most {MAX_EPOCH})")
+        return None
+    return value or None
+
+
+ATTACHMENT_KIND_FROM_PB: dict[pb.AttachmentKind.ValueType, AttachmentKind] = {
+    pb.ATTACHMENT_KIND_IMAGE: AttachmentKind.IMAGE,
+    pb.ATTACHMENT_KIND_PDF: AttachmentKind.PDF,
+    pb.ATTACHMENT_KIND_TEXT: AttachmentKind.TEXT,
+}
+ATTACHMENT_KIND_TO_PB = {v: k for k, v in ATTACHMENT_KIND_FROM_PB.items()}
+
+
+def _attachment(v: Violations, field: str, a: pb.Attachment) -> Attachment:
+    kind = ATTACHMENT_KIND_FROM_PB.get(a.kind)
+    if kind is None:
+        v.add(f"{field}.kind", f"unknown attachment kind {a.kind}")
+    if not a.name:
+        v.add(f"{field}.name", "must not be empty")
+    return Attachment(kind=kind or AttachmentKind.TEXT, name=a.name, ref=a.ref, pages=a.pages,
+                      text_chars=a.text_chars)
+
+
+def attachments_pb(items: Iterable[Attachment]) -> list[pb.Attachment]:
+    return [pb.Attachment(kind=ATTACHMENT_KIND_TO_PB[a.kind], name=a.name, ref=a.ref,
+                          pages=a.pages, text_chars=a.text_chars) for a in items]
+
+
 def _item(v: Violations, field: str, it: pb.ConversationItem) -> ConversationItem | None:
-    trust = v.trust(f"{field}.trust", it.trust)
-    common = {"id": it.id, "sequence": it.sequence, "run_id": it.run_id, "item_trust": trust}
     kind = it.WhichOneof("kind")
+    # a tool result is data: it can never claim to be configuration
+    ceiling = TrustLevel.USER if kind == "tool_result" else TrustLevel.TRUSTED_CONFIGURATION
+    trust = v.trust(f"{field}.trust", it.trust, at_most=ceiling)
+    common = {"id": it.id, "sequence": it.sequence, "run_id": it.run_id, "item_trust": trust}
     if kind == "user":
-        return UserMessageItem(text=it.user.text, **common)  # type: ignore[arg-type]
+        attachments = tuple(_attachment(v, f"{field}.user.attachments[{i}]", a)
+                            for i, a in enumerate(it.user.attachments))
+        return UserMessageItem(text=it.user.text, attachments=attachments,
+                               **common)  # type: ignore[arg-type]
     if kind == "assistant":
         return AssistantMessageItem(text=it.assistant.text, **common)  # type: ignore[arg-type]
     if kind == "tool_calls":
@@ -251,8 +307,12 @@ def _item(v: Violations, field: str, it: pb.ConversationItem) -> ConversationIte
         return ToolCallItem(calls=calls, **common)  # type: ignore[arg-type]
     if kind == "tool_result":
         r = it.tool_result
+        if r.event_id < 0:
+            v.add(f"{field}.tool_result.event_id", "must not be negative")
         return ToolResultItem(call_id=r.call_id, tool_name=r.tool_name, content=r.content,
-                              artifact_ref=r.artifact_ref, **common)  # type: ignore[arg-type]
+                              artifact_ref=r.artifact_ref, event_id=r.event_id,
+                              context_content=r.context_content,
+                              **common)  # type: ignore[arg-type]
     if kind == "reasoning":
         return ReasoningItem(provider=it.reasoning.provider, opaque=it.reasoning.opaque,
                              **common)  # type: ignore[arg-type]
@@ -279,7 +339,14 @@ def checkpoint(v: Violations, cp: pb.Checkpoint) -> Checkpoint:
         trust=v.trust(f"checkpoint.knowledge[{i}].trust", p.trust))
         for i, p in enumerate(cp.knowledge))
     v.unique("checkpoint.knowledge", (p.id for p in cp.knowledge), "passage id")
+    summary = None
+    if cp.HasField("summary"):
+        if cp.summary.depth > 2:
+            v.add("checkpoint.summary.depth", f"{cp.summary.depth} is over the cap of 2")
+        summary = HistorySummary(text=cp.summary.text,
+                                 replaced_through_sequence=cp.summary.replaced_through_sequence)
     return Checkpoint(
+        summary=summary,
         active_run_id=cp.active_run_id,
         items=tuple(i for i in items if i is not None),
         loaded_skills=skills,
@@ -364,5 +431,58 @@ def build_pb(result: BuildResult) -> pb.BuildResponse:
         session_key=result.session_key, prefix_tokens=result.prefix_tokens,
         body_tokens=result.body_tokens, estimated_input_tokens=result.estimated_input_tokens,
         context_window=result.context_window, output_reserve=result.output_reserve,
-        estimator_factor=result.estimator_factor, tokenizer=result.tokenizer)
+        estimator_factor=result.estimator_factor, tokenizer=result.tokenizer,
+        budget=budget_pb(result.budget), pressure=pressure_pb(result.pressure))
+
+
+def budget_pb(b: BudgetReport) -> pb.BudgetReport:
+    return pb.BudgetReport(
+        total_tokens=b.total_tokens, output_reserve=b.output_reserve,
+        safety_margin_ratio=b.safety_margin_ratio, margin_tokens=b.margin_tokens,
+        prefix_tokens=b.prefix_tokens, body_budget=b.body_budget, body_tokens=b.body_tokens,
+        estimated_total=b.estimated_total, estimator_factor=b.estimator_factor,
+        history_floor=b.history_floor,
+        classes=[pb.ClassBudget(class_name=c.class_name, cap=c.cap, used=c.used, items=c.items,
+                                yielded=c.yielded) for c in b.classes])
+
+
+def pressure_pb(p: Pressure) -> pb.Pressure:
+    return pb.Pressure(
+        steps=[pb.YieldStep(step=s.step, units=s.units, item_ids=list(s.ids),
+                            tokens_before=s.tokens_before, tokens_after=s.tokens_after)
+               for s in p.steps],
+        fits=p.fits, tokens_before=p.tokens_before, tokens_after=p.tokens_after,
+        compaction_needed=p.compaction_needed, left_out_items=p.left_out_items,
+        left_out_tokens=p.left_out_tokens, history_cut_index=p.cut_index,
+        summary_floor_index=p.floor_index, legacy_tool_excerpts=p.legacy_tool_excerpts)
+
+
+def usage_report(req: pb.ReportUsageRequest) -> UsageReport:
+    v = Violations()
+    session_ids(v, req.tenant_id, req.session_id)
+    ep = epoch(v, req.epoch)
+    v.identifier("idempotency_key", req.idempotency_key)
+    if req.estimated_input_tokens <= 0:
+        v.add("estimated_input_tokens", "must be positive")
+    if req.input_tokens <= 0:
+        v.add("input_tokens", "must be positive")
+    if req.cached_tokens > req.input_tokens:
+        v.add("cached_tokens", "cannot exceed input_tokens (which counts cached tokens too)")
+    if not 0.5 <= req.estimator_factor <= 4.0:
+        v.add("estimator_factor", f"{req.estimator_factor} is outside [0.5, 4.0]: pass the "
+              "factor Build echoed for this request")
+    v.raise_if_any()
+    return UsageReport(tenant_id=req.tenant_id, session_id=req.session_id, epoch=ep,
+                       estimated_input_tokens=req.estimated_input_tokens,
+                       estimator_factor=req.estimator_factor, input_tokens=req.input_tokens,
+                       cached_tokens=req.cached_tokens, output_tokens=req.output_tokens,
+                       idempotency_key=req.idempotency_key)
+
+
+def usage_pb(outcome: UsageOutcome) -> pb.ReportUsageResponse:
+    r = outcome.reconciled
+    return pb.ReportUsageResponse(
+        model_id=outcome.model_id, previous_factor=r.previous_factor,
+        correction_factor=r.calibration.factor, error_ratio=r.error_ratio,
+        counted=outcome.counted, reports=r.calibration.reports)
 

@@ -21,7 +21,11 @@ from context_engine.adapters.assets import (
     load_platform_assets,
 )
 from context_engine.adapters.postgres.migrate import migrate
-from context_engine.adapters.postgres.store import PostgresPlanStore
+from context_engine.adapters.postgres.store import (
+    PostgresCalibrationStore,
+    PostgresEventLog,
+    PostgresPlanStore,
+)
 from context_engine.adapters.tokenizers import TiktokenRegistry
 from context_engine.api.servicer import ContextEngineServicer
 from context_engine.config import Config, split_addr
@@ -77,8 +81,12 @@ async def start(config: Config, *, database_url: str,
     pool = await asyncpg.create_pool(database_url, min_size=1, max_size=config.db_pool_size,
                                      command_timeout=config.db_timeout_seconds)
     metrics = Metrics(registry)
+    timeout = config.db_timeout_seconds
     engine = Engine(
-        store=PostgresPlanStore(pool, command_timeout=config.db_timeout_seconds),
+        store=PostgresPlanStore(pool, command_timeout=timeout),
+        events=PostgresEventLog(pool, command_timeout=timeout),
+        calibrations=PostgresCalibrationStore(pool, command_timeout=timeout),
+        policy=config.budget_policy(), calibration_ttl=config.calibration_ttl_seconds,
         catalog=load_model_catalog(config.model_catalog),
         tokenizers=TiktokenRegistry(),
         assets=load_platform_assets(config.assets_dir),

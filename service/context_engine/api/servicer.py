@@ -84,9 +84,9 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             record.tenant = request.tenant_id
             v = mapping.Violations()
             mapping.session_ids(v, request.tenant_id, request.session_id)
+            epoch = mapping.epoch(v, request.epoch)
             v.raise_if_any()
-            loaded = await self._engine.loaded(request.tenant_id, request.session_id,
-                                               request.epoch or None)
+            loaded = await self._engine.loaded(request.tenant_id, request.session_id, epoch)
             record.epoch, record.prefix_sha256 = loaded.plan.epoch, loaded.plan.prefix_sha256
             return pb.GetPlanResponse(plan=mapping.plan_pb(loaded))
         return await self._run("GetPlan", context, call)
@@ -97,6 +97,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             record.tenant = request.tenant_id
             v = mapping.Violations()
             mapping.session_ids(v, request.tenant_id, request.session_id)
+            epoch = mapping.epoch(v, request.epoch)
             checkpoint = mapping.checkpoint(v, request.checkpoint)
             v.items.extend(checkpoint_violations(checkpoint))
             factor = None
@@ -106,8 +107,18 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                     v.add("estimator_factor", f"{factor} is outside [0.5, 4.0]")
             v.raise_if_any()
             result = await self._engine.build(request.tenant_id, request.session_id,
-                                              request.epoch or None, checkpoint, factor)
+                                              epoch, checkpoint, factor)
             record.epoch, record.prefix_sha256 = result.epoch, result.prefix_sha256
             record.extra["estimated_input_tokens"] = result.estimated_input_tokens
             return mapping.build_pb(result)
         return await self._run("Build", context, call)
+
+    async def ReportUsage(self, request: pb.ReportUsageRequest,
+                          context: grpc.aio.ServicerContext[Any, Any]
+                          ) -> pb.ReportUsageResponse:
+        async def call(record: CallRecord) -> pb.ReportUsageResponse:
+            record.tenant = request.tenant_id
+            outcome = await self._engine.report_usage(mapping.usage_report(request))
+            record.extra["counted"] = outcome.counted
+            return mapping.usage_pb(outcome)
+        return await self._run("ReportUsage", context, call)

@@ -20,6 +20,7 @@ CODES: tuple[tuple[type[e.ContextEngineError], grpc.StatusCode], ...] = (
     (e.SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (e.PrefixHashMismatch, grpc.StatusCode.INTERNAL),
     (e.StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (e.TokenizerUnavailable, grpc.StatusCode.UNAVAILABLE),
     (e.AssemblyError, grpc.StatusCode.INTERNAL),
 )
 

@@ -129,6 +129,15 @@ def validate_checkpoint(cp: Checkpoint, field: str = "checkpoint") -> None:
 
 def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint") -> list[FieldViolation]:
     violations: list[FieldViolation] = []
+    if cp.items and not cp.active_run_id:
+        violations.append(FieldViolation(f"{field}.active_run_id",
+                                         "must name the run being stepped"))
+    elif cp.items and cp.items[-1].run_id != cp.active_run_id:
+        violations.append(FieldViolation(
+            f"{field}.active_run_id",
+            f"the last item belongs to run {cp.items[-1].run_id!r}, not the active run "
+            f"{cp.active_run_id!r}: the active run's items come last"))
+    calls_by_id: dict[str, str] = {}
     seen_ids: set[str] = set()
     open_calls: dict[str, int] = {}
     answered: set[str] = set()
@@ -157,6 +166,7 @@ def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint") -> list[Fie
                                                      f"duplicate call id {call.call_id!r}"))
                 else:
                     open_calls[call.call_id] = i
+                    calls_by_id[call.call_id] = call.name
                 if not call.name:
                     violations.append(FieldViolation(f"{cpath}.name", "must not be empty"))
                 if parse_json_object(call.arguments_json) is None:
@@ -174,6 +184,12 @@ def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint") -> list[Fie
             else:
                 del open_calls[item.call_id]
                 answered.add(item.call_id)
+                called = calls_by_id[item.call_id]
+                if item.tool_name and called and item.tool_name != called:
+                    violations.append(FieldViolation(
+                        f"{path}.tool_result.tool_name",
+                        f"{item.tool_name!r} does not match the call's tool "
+                        f"{calls_by_id[item.call_id]!r}"))
     for call_id, index in sorted(open_calls.items(), key=lambda kv: kv[1]):
         violations.append(FieldViolation(
             f"{field}.items[{index}].tool_calls",
@@ -254,9 +270,11 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
         return estimator.messages(item.messages(ctx), factor) + extra  # type: ignore[attr-defined]
 
     history, trailing = split_trailing(items)
-    # Reasoning items never cross a run boundary: only the active run's are replayed.
+    # Reasoning items never cross a run boundary: only those inside the active run's trailing
+    # stretch of items are replayed, verbatim; every other one is dropped by type.
+    first_active = active_start(history, cp.active_run_id)
     kept = [(i, item) for i, item in enumerate(history)
-            if not (isinstance(item, ReasoningItem) and item.run_id != cp.active_run_id)]
+            if not (isinstance(item, ReasoningItem) and i < first_active)]
     history = [item for _, item in kept]
     k = active_start(history, cp.active_run_id)
     carried, active = history[:k], history[k:]

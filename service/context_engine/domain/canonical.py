@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any
 
 
@@ -32,8 +33,14 @@ def parse_json_object(text: str) -> dict[str, Any] | None:
     def _reject_constant(name: str) -> Any:
         raise ValueError(name)
 
+    def _finite(literal: str) -> float:
+        value = float(literal)
+        if math.isinf(value):  # e.g. 1e400: not representable, and not canonical JSON
+            raise ValueError(literal)
+        return value
+
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None

@@ -27,18 +27,20 @@ _LT_LIKE = "<\uff1c\ufe64\u2039\u3008\u2329\u27e8\u276e\u02c2"
 _SLASH_LIKE = "/\uff0f\u2044\u2215\u29f8\u2571"
 _LT_RE = re.compile(f"[{_LT_LIKE}]")
 # Rendered as nothing, or as blank, although not format characters.
-_BLANK_LETTERS = frozenset("\u034f\u115f\u1160\u3164\uffa0\u180e")
+_BLANK_LETTERS = frozenset("\u034f\u115f\u1160\u3164\uffa0\u180e\u2800")
 
 
 def _invisible(ch: str) -> bool:
-    """White space, format characters (zero-width, bidi controls, tags), variation selectors
-    and blank letters: folded away when deciding whether text is a delimiter."""
+    """White space, format characters (zero-width, bidi controls, tags), combining marks,
+    variation selectors and blank letters: folded away when deciding whether text is a
+    delimiter."""
     if ch.isspace() or ch in _BLANK_LETTERS:
         return True
     code = ord(ch)
     if 0xFE00 <= code <= 0xFE0F or 0xE0100 <= code <= 0xE01EF:
         return True
-    return unicodedata.category(ch) == "Cf"
+    # format characters, and combining marks that would decorate the next visible character
+    return unicodedata.category(ch) in ("Cf", "Mn", "Me")
 
 
 def _could_be_tag(folded: str) -> bool | None:

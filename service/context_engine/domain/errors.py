@@ -42,20 +42,30 @@ class PrefixClassOverCap(ContextEngineError):
 
     reason = "PREFIX_CLASS_OVER_CAP"
 
-    def __init__(self, class_name: str, tokens: int, cap: int, *, unit: str = "tokens") -> None:
+    def __init__(self, class_name: str, tokens: int, cap: int, *, unit: str = "tokens",
+                 measured_tokens: int | None = None, token_cap: int | None = None) -> None:
+        """``tokens`` and ``cap`` are in ``unit``; an item-cap failure also carries the class's
+        measured tokens and token cap."""
         self.class_name = class_name
         self.tokens = tokens
         self.cap = cap
         self.unit = unit
+        self.measured_tokens = measured_tokens
+        self.token_cap = token_cap
         super().__init__(f"prefix class {class_name} is {tokens} {unit}, over its cap of {cap}")
 
     def metadata(self) -> dict[str, str]:
-        return {
+        meta = {
             "class": self.class_name,
             "tokens" if self.unit == "tokens" else self.unit: str(self.tokens),
             "cap": str(self.cap),
             "unit": self.unit,
         }
+        if self.unit != "tokens" and self.measured_tokens is not None:
+            meta["tokens"] = str(self.measured_tokens)
+        if self.unit != "tokens" and self.token_cap is not None:
+            meta["token_cap"] = str(self.token_cap)
+        return meta
 
 
 class RequiredToolUnavailable(ContextEngineError):
@@ -142,6 +152,20 @@ class PrefixHashMismatch(ContextEngineError):
     def metadata(self) -> dict[str, str]:
         return {"stored_sha256": self.stored, "rendered_sha256": self.rendered,
                 "epoch": str(self.epoch)}
+
+
+class TokenizerUnavailable(ContextEngineError):
+    """The encoding a plan pinned cannot be loaded by this replica: counting with another
+    would make Build depend on where it runs."""
+
+    reason = "TOKENIZER_UNAVAILABLE"
+
+    def __init__(self, encoding: str) -> None:
+        self.encoding = encoding
+        super().__init__(f"encoding {encoding} pinned by the plan is not available here")
+
+    def metadata(self) -> dict[str, str]:
+        return {"encoding": self.encoding}
 
 
 class StoreUnavailable(ContextEngineError):

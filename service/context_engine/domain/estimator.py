@@ -45,7 +45,12 @@ class TokenCounter(Protocol):
 
     @property
     def name(self) -> str:
-        """The tokenizer actually used (may differ from the encoding asked for)."""
+        """A label of the tokenizer actually used (may name a fallback)."""
+        ...
+
+    @property
+    def encoding(self) -> str:
+        """The encoding actually loaded (e.g. cl100k_base for a fallback)."""
         ...
 
     def count(self, text: str) -> int: ...
@@ -54,7 +59,11 @@ class TokenCounter(Protocol):
 class TokenizerRegistry(Protocol):
     def counter_for(self, encoding: str) -> tuple[TokenCounter, float]:
         """The counter for ``encoding`` and an extra factor (>= 1.0) that keeps a fallback
-        tokenizer conservative; 1.0 when the encoding itself was loaded."""
+        tokenizer conservative; 1.0 when the encoding itself was loaded. Used at Plan time."""
+        ...
+
+    def exact(self, encoding: str) -> TokenCounter | None:
+        """Exactly the encoding a plan pinned, or None if it cannot be loaded here."""
         ...
 
 
@@ -109,6 +118,7 @@ class ModelCatalog:
             context_window=window, output_reserve=reserve, breakpoint_budget=breakpoints,
             # an unknown model counts conservatively, like Claude: no public tokenizer
             base_factor=entry.base_factor if entry else 1.3,
+            family=entry.prefix.rstrip("-") if entry else "unknown",
         )
 
 
@@ -116,13 +126,18 @@ class TokenEstimator:
     """Per-model, conservative, pure. ``factor`` is the calibration correction (an explicit
     input: the response echoes it and a request may pin it)."""
 
-    def __init__(self, counter: TokenCounter, base_factor: float) -> None:
+    def __init__(self, counter: TokenCounter, base_factor: float, label: str = "") -> None:
         self._counter = counter
         self.base_factor = base_factor
+        self._label = label or counter.name
 
     @property
     def tokenizer(self) -> str:
-        return self._counter.name
+        return self._label
+
+    @property
+    def encoding(self) -> str:
+        return self._counter.encoding
 
     def text(self, text: str, factor: float = 1.0) -> int:
         if not text:

@@ -154,11 +154,13 @@ class ModelProfile:
     output_reserve: int
     breakpoint_budget: int
     base_factor: float
+    family: str = "unknown"  # the catalog prefix that matched: a bounded metric label
 
     def canonical(self) -> dict[str, Any]:
         return {"model_id": self.model_id, "provider": self.provider, "encoding": self.encoding,
                 "context_window": self.context_window, "output_reserve": self.output_reserve,
-                "breakpoint_budget": self.breakpoint_budget, "base_factor": self.base_factor}
+                "breakpoint_budget": self.breakpoint_budget, "base_factor": self.base_factor,
+                "family": self.family}
 
     @classmethod
     def from_canonical(cls, d: dict[str, Any]) -> ModelProfile:

@@ -45,6 +45,7 @@ from context_engine.domain.request import PrefixBlock, ToolDefinition
 from context_engine.domain.tools import (
     INDEX_ITEM_CAP,
     INDEX_TOKEN_CAP,
+    SKILL_LOAD,
     TOOL_ITEM_CAP,
     TOOL_TOKEN_CAP,
     authority_scope_hashes,
@@ -114,7 +115,9 @@ class PlanSpec:
     website_profile_id: str
     authority_scope_hashes: tuple[str, ...]
     cache_ttl: str
-    tokenizer: str
+    tokenizer: str  # label of what measured the prefix
+    encoding: str  # the encoding actually loaded: Build counts with exactly this
+    estimator_factor: float  # the model's base factor times any fallback factor
 
     def canonical(self) -> dict[str, Any]:
         return {
@@ -135,6 +138,8 @@ class PlanSpec:
             "authority_scope_hashes": list(self.authority_scope_hashes),
             "cache_ttl": self.cache_ttl,
             "tokenizer": self.tokenizer,
+            "encoding": self.encoding,
+            "estimator_factor": self.estimator_factor,
         }
 
     @classmethod
@@ -159,6 +164,8 @@ class PlanSpec:
             authority_scope_hashes=tuple(d["authority_scope_hashes"]),
             cache_ttl=d["cache_ttl"],
             tokenizer=d["tokenizer"],
+            encoding=d["encoding"],
+            estimator_factor=d["estimator_factor"],
         )
 
     def canonical_json(self) -> str:
@@ -271,7 +278,8 @@ def measure_prefix(spec: PlanSpec, rendered: RenderedPrefix,
     usage: list[ClassUsage] = []
     for cls, (tokens, items) in measured.items():
         if cls.item_cap is not None and items > cls.item_cap:
-            raise PrefixClassOverCap(cls.class_name, items, cls.item_cap, unit="items")
+            raise PrefixClassOverCap(cls.class_name, items, cls.item_cap, unit="items",
+                                     measured_tokens=tokens, token_cap=cls.token_cap)
         if tokens > cls.token_cap:
             raise PrefixClassOverCap(cls.class_name, tokens, cls.token_cap)
         usage.append(ClassUsage(class_name=cls.class_name, tokens=tokens, cap=cls.token_cap,
@@ -284,13 +292,6 @@ def measure_prefix(spec: PlanSpec, rendered: RenderedPrefix,
 
 def make_spec(inputs: PlanInputs, estimator: TokenEstimator, session_key: str) -> PlanSpec:
     """Resolve and pin a plan's inputs: tool selection, TTL, scope hashes."""
-    # Item caps that need no rendering are checked before selection does any work.
-    for cls, count in ((PrefixClass.PERSONA, len(inputs.persona.entries)),
-                       (PrefixClass.SKILL_CATALOG, len(inputs.skill_catalog)),
-                       (PrefixClass.MEMORY_SNAPSHOT, len(inputs.memory_snapshot.items))):
-        assert cls.item_cap is not None
-        if count > cls.item_cap:
-            raise PrefixClassOverCap(cls.class_name, count, cls.item_cap, unit="items")
     ctx = RenderContext(session_key=session_key)
     selection = select_tools(
         inputs,
@@ -316,7 +317,9 @@ def make_spec(inputs: PlanInputs, estimator: TokenEstimator, session_key: str) -
         deferred=tuple(deferred),
         skipped_tool_names=tuple(skipped),
         filtered_tool_names=selection.filtered_tool_names,
-        skill_catalog=inputs.skill_catalog,
+        # the catalog is advertised only where skill.load is defined (never in email sessions)
+        skill_catalog=(inputs.skill_catalog
+                       if any(t.name == SKILL_LOAD for t in selection.defined) else ()),
         memory_snapshot=inputs.memory_snapshot,
         model=inputs.model,
         session_kind=inputs.session_kind,
@@ -324,6 +327,8 @@ def make_spec(inputs: PlanInputs, estimator: TokenEstimator, session_key: str) -
         authority_scope_hashes=authority_scope_hashes(inputs.principal_scopes),
         cache_ttl=TTL_SCHEDULED if inputs.session_kind is SessionKind.SCHEDULED else TTL_DEFAULT,
         tokenizer=estimator.tokenizer,
+        encoding=estimator.encoding,
+        estimator_factor=estimator.base_factor,
     )
 
 
@@ -351,25 +356,35 @@ SESSION_OPENED = "session_opened"
 
 
 def rotation_reason(current: PlanSpec, new: PlanSpec) -> str | None:
-    """Why ``new`` must replace the pinned ``current`` as a new epoch, or None to keep it.
+    """Why ``new`` must replace the pinned ``current`` as a new epoch, or None to keep it."""
+    return rotation_reason_for(current, agent=new.agent, persona=new.persona,
+                               model_id=new.model.model_id, assets=new.assets,
+                               builder_version=new.builder_version)
+
+
+def rotation_reason_for(current: PlanSpec, *, agent: AgentSpec, persona: Persona,
+                        model_id: str, assets: PlatformAssets,
+                        builder_version: str) -> str | None:
+    """The rotation a Plan call with these pinned identities requires, or None.
 
     The tool set, scopes and snapshot are pinned at session open: a change to them alone
-    never rotates (revocation is enforced at call time). Pinned versions pin content.
+    never rotates (revocation is enforced at call time), so they are not even looked at.
+    Pinned versions pin content: the same version with other content is a conflict.
     """
-    if current.model.model_id != new.model.model_id:
+    if current.model.model_id != model_id:
         return "model_changed"
-    if current.agent.version != new.agent.version or current.agent.agent_id != new.agent.agent_id:
+    if current.agent.version != agent.version or current.agent.agent_id != agent.agent_id:
         return "agent_version_changed"
-    if current.agent != new.agent:
-        raise PinnedVersionConflict("agent", new.agent.version)
-    if current.persona.revision != new.persona.revision:
+    if current.agent != agent:
+        raise PinnedVersionConflict("agent", agent.version)
+    if current.persona.revision != persona.revision:
         return "persona_changed"
-    if current.persona != new.persona:
-        raise PinnedVersionConflict("persona", new.persona.revision)
-    if current.assets.version != new.assets.version:
+    if current.persona != persona:
+        raise PinnedVersionConflict("persona", persona.revision)
+    if current.assets.version != assets.version:
         return "policy_changed"
-    if current.assets != new.assets:
-        raise PinnedVersionConflict("policy", new.assets.version)
-    if current.builder_version != new.builder_version:
+    if current.assets != assets:
+        raise PinnedVersionConflict("policy", assets.version)
+    if current.builder_version != builder_version:
         return "builder_changed"
     return None

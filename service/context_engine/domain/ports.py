@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from context_engine.domain.calibration import Calibration, Reconciled
 from context_engine.domain.plan import ContextPlan, PlanDraft
 
 
@@ -111,3 +112,50 @@ class InMemoryPlanStore:
             epochs.append(replace(plan))
             self.events.append(plan_event(plan))
             return plan, True
+
+
+class EventLog(Protocol):
+    async def append(self, event: ContextEvent) -> None:
+        """Append one context event to the outbox."""
+        ...
+
+
+Reconcile = Callable[[Calibration | None], Reconciled]
+
+
+class CalibrationStore(Protocol):
+    async def calibration(self, tenant_id: str, model_id: str) -> Calibration | None: ...
+
+    async def reconcile(self, tenant_id: str, model_id: str, idempotency_key: str,
+                        apply: Reconcile) -> tuple[Reconciled, bool]:
+        """Atomically apply one usage report to the model's calibration, once per key.
+        Returns the outcome and whether this call counted it (False: a retried key, whose
+        original outcome is returned)."""
+        ...
+
+
+@dataclass
+class InMemoryEventLog:
+    events: list[ContextEvent] = field(default_factory=list)
+
+    async def append(self, event: ContextEvent) -> None:
+        self.events.append(event)
+
+
+@dataclass
+class InMemoryCalibrationStore:
+    rows: dict[tuple[str, str], Calibration] = field(default_factory=dict)
+    keys: dict[tuple[str, str], Reconciled] = field(default_factory=dict)
+
+    async def calibration(self, tenant_id: str, model_id: str) -> Calibration | None:
+        return self.rows.get((tenant_id, model_id))
+
+    async def reconcile(self, tenant_id: str, model_id: str, idempotency_key: str,
+                        apply: Reconcile) -> tuple[Reconciled, bool]:
+        seen = self.keys.get((tenant_id, idempotency_key))
+        if seen is not None:
+            return seen, False
+        outcome = apply(self.rows.get((tenant_id, model_id)))
+        self.rows[(tenant_id, model_id)] = outcome.calibration
+        self.keys[(tenant_id, idempotency_key)] = outcome
+        return outcome, True

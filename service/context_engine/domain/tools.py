@@ -118,7 +118,9 @@ def select_tools(inputs: PlanInputs, *, tool_cost: Callable[[ToolSpec], int],
             if used > TOOL_TOKEN_CAP:
                 raise PrefixClassOverCap("tool_definitions", used, TOOL_TOKEN_CAP)
         if len(defined) > TOOL_ITEM_CAP:
-            raise PrefixClassOverCap("tool_definitions", len(defined), TOOL_ITEM_CAP, unit="items")
+            raise PrefixClassOverCap("tool_definitions", len(defined), TOOL_ITEM_CAP,
+                                     unit="items", measured_tokens=used,
+                                     token_cap=TOOL_TOKEN_CAP)
         overflow: list[str] = []
         for name in enabled:
             if len(defined) >= TOOL_ITEM_CAP:

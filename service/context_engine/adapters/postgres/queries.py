@@ -47,3 +47,27 @@ WHERE tenant_id = $1 AND session_id = $2 AND current_epoch = $3 - 1"""
 INSERT_EVENT = """
 INSERT INTO context_events (tenant_id, session_id, epoch, type, payload)
 VALUES ($1, $2, $3, $4, $5::jsonb)"""
+
+GET_CALIBRATION = """
+SELECT model_id, encoding, factor, reports FROM estimator_calibration
+WHERE tenant_id = $1 AND model_id = $2"""
+
+LOCK_CALIBRATION = GET_CALIBRATION + " FOR UPDATE"
+
+UPSERT_CALIBRATION = """
+INSERT INTO estimator_calibration (tenant_id, model_id, encoding, factor, reports)
+VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (tenant_id, model_id) DO UPDATE
+SET encoding = EXCLUDED.encoding, factor = EXCLUDED.factor, reports = EXCLUDED.reports,
+    updated_at = now()"""
+
+CLAIM_KEY = """
+INSERT INTO idempotency_keys (tenant_id, rpc, key, response) VALUES ($1, $2, $3, '{}'::jsonb)
+ON CONFLICT (tenant_id, rpc, key) DO NOTHING
+RETURNING key"""
+
+GET_KEY = """
+SELECT response::text FROM idempotency_keys WHERE tenant_id = $1 AND rpc = $2 AND key = $3"""
+
+SET_KEY_RESPONSE = """
+UPDATE idempotency_keys SET response = $4::jsonb WHERE tenant_id = $1 AND rpc = $2 AND key = $3"""

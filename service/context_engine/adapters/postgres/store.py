@@ -11,9 +11,10 @@ import asyncpg
 
 from context_engine.adapters.postgres import queries
 from context_engine.adapters.postgres.errors import translated
+from context_engine.domain.calibration import Calibration, Reconciled
 from context_engine.domain.canonical import canonical_json
 from context_engine.domain.plan import ClassUsage, ContextPlan, PlanSpec
-from context_engine.domain.ports import Decide, pinned, plan_event
+from context_engine.domain.ports import ContextEvent, Decide, Reconcile, pinned, plan_event
 
 
 def _plan_from_row(row: asyncpg.Record) -> ContextPlan:
@@ -93,3 +94,70 @@ class PostgresPlanStore:
                            event.type, canonical_json(event.payload), timeout=self._timeout)
         assert isinstance(created_at, datetime)
         return created_at
+
+
+class PostgresEventLog:
+    def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0) -> None:
+        self._pool = pool
+        self._timeout = command_timeout
+
+    async def append(self, event: ContextEvent) -> None:
+        async with translated():
+            await self._pool.execute(queries.INSERT_EVENT, event.tenant_id, event.session_id,
+                                     event.epoch, event.type, canonical_json(event.payload),
+                                     timeout=self._timeout)
+
+
+def _calibration(row: asyncpg.Record | None) -> Calibration | None:
+    if row is None:
+        return None
+    return Calibration(model_id=row["model_id"], encoding=row["encoding"],
+                       factor=float(row["factor"]), reports=int(row["reports"]))
+
+
+def _reconciled_json(r: Reconciled) -> str:
+    c = r.calibration
+    return canonical_json({"model_id": c.model_id, "encoding": c.encoding, "factor": c.factor,
+                           "reports": c.reports, "previous_factor": r.previous_factor,
+                           "error_ratio": r.error_ratio})
+
+
+def _reconciled_from(text: str) -> Reconciled:
+    d = json.loads(text)
+    return Reconciled(calibration=Calibration(model_id=d["model_id"], encoding=d["encoding"],
+                                              factor=d["factor"], reports=d["reports"]),
+                      previous_factor=d["previous_factor"], error_ratio=d["error_ratio"])
+
+
+class PostgresCalibrationStore:
+    RPC = "ReportUsage"
+
+    def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0) -> None:
+        self._pool = pool
+        self._timeout = command_timeout
+
+    async def calibration(self, tenant_id: str, model_id: str) -> Calibration | None:
+        async with translated():
+            row = await self._pool.fetchrow(queries.GET_CALIBRATION, tenant_id, model_id,
+                                            timeout=self._timeout)
+        return _calibration(row)
+
+    async def reconcile(self, tenant_id: str, model_id: str, idempotency_key: str,
+                        apply: Reconcile) -> tuple[Reconciled, bool]:
+        async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
+                    conn.transaction()):
+            claimed = await conn.fetchval(queries.CLAIM_KEY, tenant_id, self.RPC,
+                                          idempotency_key, timeout=self._timeout)
+            if claimed is None:  # a retry: the first report's outcome, counted once
+                stored = await conn.fetchval(queries.GET_KEY, tenant_id, self.RPC,
+                                             idempotency_key, timeout=self._timeout)
+                return _reconciled_from(stored), False
+            row = await conn.fetchrow(queries.LOCK_CALIBRATION, tenant_id, model_id,
+                                      timeout=self._timeout)
+            outcome = apply(_calibration(row))
+            c = outcome.calibration
+            await conn.execute(queries.UPSERT_CALIBRATION, tenant_id, model_id, c.encoding,
+                               c.factor, c.reports, timeout=self._timeout)
+            await conn.execute(queries.SET_KEY_RESPONSE, tenant_id, self.RPC, idempotency_key,
+                               _reconciled_json(outcome), timeout=self._timeout)
+            return outcome, True
