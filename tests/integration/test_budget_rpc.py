@@ -1,0 +1,191 @@
+"""Budget report, pressure and exceeded events, and ReportUsage through the real server."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import grpc
+import pytest
+
+from context_engine.v1 import context_engine_pb2 as pb
+from tests.integration.requests import build_request, failure, item, plan_request
+
+pytestmark = pytest.mark.integration
+
+SMALL = pb.ModelSpec(model_id="acme-16k", capabilities=pb.ModelCapabilities(
+    context_window=16_000, output_reserve=4_000))
+
+
+def long_history(n: int, size: int = 1_500) -> list[pb.ConversationItem]:
+    """Carried history of ``n`` fetches from an earlier run, then a new user message."""
+    items: list[pb.ConversationItem] = []
+    seq = 0
+    for i in range(n):
+        seq += 1
+        items.append(item(f"u{i}", seq, run="run-0", user=pb.UserMessage(text=f"question {i}")))
+        seq += 1
+        items.append(item(f"c{i}", seq, run="run-0", tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
+            call_id=f"k{i}", name="web.fetch", arguments_json='{"url":"https://e.x"}')])))
+        seq += 1
+        items.append(item(f"r{i}", seq, pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, run="run-0",
+                          tool_result=pb.ToolResult(call_id=f"k{i}", tool_name="web.fetch",
+                                                    content=f"page {i} " + "lorem ipsum " * size,
+                                                    event_id=1000 + i)))
+        seq += 1
+        items.append(item(f"a{i}", seq, run="run-0",
+                          assistant=pb.AssistantMessage(text=f"answer {i} " + "word " * 300)))
+    items.append(item("now", seq + 1, run="run-1", user=pb.UserMessage(text="and now?")))
+    return items
+
+
+def test_build_reports_the_budget(stub, ids):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    resp = stub.Build(build_request(tenant, session))
+    b = resp.budget
+    assert b.total_tokens == 200_000 and b.output_reserve == 8_192
+    assert b.margin_tokens == -(-(200_000 - 8_192) * 5 // 100)  # ceil of 5%
+    assert b.body_budget == 200_000 - 8_192 - b.margin_tokens - resp.prefix_tokens
+    assert b.estimated_total == resp.estimated_input_tokens == b.prefix_tokens + b.body_tokens
+    assert b.estimator_factor == resp.estimator_factor == 1.0
+    classes = {c.class_name: c for c in b.classes}
+    assert classes["knowledge"].cap == 3_000 and classes["recall"].cap == 2_000
+    assert classes["tool_results"].cap == int(b.body_budget * 0.25)
+    assert classes["history"].used >= 0 and b.history_floor == 8_000
+    assert not resp.pressure.steps and resp.pressure.fits and not resp.pressure.compaction_needed
+
+
+def test_overflow_yields_in_order_and_records_pressure(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=SMALL))
+    req = build_request(tenant, session, items=long_history(40))
+    req.checkpoint.active_run_id = "run-1"
+    req.checkpoint.knowledge.extend([
+        pb.KnowledgePassage(id=f"k{i}", source="doc", text="passage " * 200, rank=i,
+                            trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED) for i in range(3)])
+    resp = stub.Build(req)
+    p = resp.pressure
+    steps = [s.step for s in p.steps]
+    assert steps == [s for s in ("knowledge", "recall", "tool_results", "history") if s in steps]
+    assert steps == ["knowledge", "tool_results", "history"] and p.fits
+    assert p.compaction_needed and p.left_out_items > 0 and p.left_out_tokens > 0
+    assert resp.estimated_input_tokens <= resp.context_window - resp.output_reserve
+    kept = [m for m in resp.request.messages if m.row == 10]
+    first_kept = req.checkpoint.items[p.history_cut_index].id
+    assert kept[0].item_id == first_kept
+    pointers = [m.text for m in resp.request.messages if "[elided] tool.result" in m.text]
+    assert pointers and all(t.startswith("<untrusted ") for t in pointers)
+    assert "-> event:" in pointers[0] and "external_untrusted" in pointers[0]
+    rows = db.fetch("SELECT payload::text FROM context_events WHERE tenant_id=$1 AND "
+                    "type='context.budget.pressure'", tenant)
+    assert len(rows) == 1
+    payload = json.loads(rows[0]["payload"])
+    assert [s["step"] for s in payload["steps"]] == steps and payload["fits"] is True
+    assert "lorem" not in rows[0]["payload"]  # ids and sizes, never content
+
+
+def test_a_request_that_fits_emits_no_pressure_event(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    stub.Build(build_request(tenant, session))
+    assert db.val("SELECT count(*) FROM context_events WHERE tenant_id=$1 AND "
+                  "type LIKE 'context.budget.%'", tenant) == 0
+
+
+def test_never_yield_overflow_fails_and_records_exceeded(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=SMALL))
+    items = [item("u1", 1, user=pb.UserMessage(text="word " * 20_000))]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session, items=items))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.FAILED_PRECONDITION and f.reason == "BUDGET_EXCEEDED"
+    assert f.metadata["class"] == "current_user_message"
+    types = [r["type"] for r in db.fetch(
+        "SELECT type FROM context_events WHERE tenant_id=$1 ORDER BY id", tenant)]
+    assert types[-1] == "context.budget.exceeded"
+
+
+def test_a_third_skill_is_rejected(stub, ids):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    req = build_request(tenant, session)
+    req.checkpoint.loaded_skills.extend([
+        pb.SkillBody(name=f"s{i}", body="Do it well.", trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION)
+        for i in range(3)])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(req)
+    f = failure(err.value)
+    assert f.reason == "BUDGET_EXCEEDED" and f.metadata["class"] == "skill_bodies"
+    assert f.metadata["unit"] == "items" and f.metadata["limit"] == "2"
+
+
+def _report(tenant, session, key, estimated, actual, factor=1.0, cached=0):
+    return pb.ReportUsageRequest(tenant_id=tenant, session_id=session,
+                                 estimated_input_tokens=estimated, estimator_factor=factor,
+                                 input_tokens=actual, cached_tokens=cached, output_tokens=10,
+                                 idempotency_key=key)
+
+
+def test_report_usage_reconciles_once_per_key_and_build_uses_the_factor(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    built = stub.Build(build_request(tenant, session))
+    est = built.estimated_input_tokens
+    up = stub.ReportUsage(_report(tenant, session, "r1", est, int(est * 1.2)))
+    assert up.counted and up.previous_factor == 1.0
+    assert up.correction_factor == pytest.approx(1.2, rel=1e-3)  # up at once
+    assert up.error_ratio == pytest.approx((int(est * 1.2) - est) / int(est * 1.2))
+    again = stub.ReportUsage(_report(tenant, session, "r1", est, int(est * 1.2)))
+    assert not again.counted and again.correction_factor == up.correction_factor
+    assert db.val("SELECT reports FROM estimator_calibration WHERE tenant_id=$1", tenant) == 1
+    # every Build now uses the reconciled factor, and echoes it
+    after = stub.Build(build_request(tenant, session))
+    assert after.estimator_factor == pytest.approx(up.correction_factor)
+    assert after.body_tokens > built.body_tokens
+    # a pinned factor reproduces the original bytes and numbers
+    pinned = build_request(tenant, session)
+    pinned.estimator_factor = built.estimator_factor
+    assert stub.Build(pinned) == built
+    # down slowly
+    down = stub.ReportUsage(_report(tenant, session, "r2", est, est // 2,
+                                    factor=up.correction_factor))
+    assert 0.5 < down.correction_factor < up.correction_factor
+    assert down.correction_factor > up.correction_factor - (up.correction_factor - 0.6) * 0.5
+
+
+def test_concurrent_reports_are_each_counted_once(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    errors: list[BaseException] = []
+
+    def send(key: str) -> None:
+        try:
+            stub.ReportUsage(_report(tenant, session, key, 1000, 1100), timeout=20)
+        except BaseException as exc:  # asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=send, args=(f"key-{i % 5}",)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert db.val("SELECT reports FROM estimator_calibration WHERE tenant_id=$1", tenant) == 5
+    assert db.val("SELECT count(*) FROM idempotency_keys WHERE tenant_id=$1", tenant) == 5
+
+
+def test_bad_usage_reports(stub, ids):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    cases = {
+        "idempotency_key": _report(tenant, session, "", 10, 10),
+        "estimated_input_tokens": _report(tenant, session, "k", 0, 10),
+        "cached_tokens": _report(tenant, session, "k", 10, 10, cached=11),
+        "estimator_factor": _report(tenant, session, "k", 10, 10, factor=9.0),
+    }
+    for field, req in cases.items():
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReportUsage(req)
+        assert field in failure(err.value).violations
