@@ -13,6 +13,7 @@ signal that compaction is needed.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -140,12 +141,17 @@ class _Ledger:
     recall_cost: int = 0
     steps: dict[str, list[YieldStep]] = field(default_factory=dict)
     cut: int = 0
+    # running sums, so that every step of the ladder is O(1) and a build is linear
+    fixed_total: int = 0
+    history_total: int = 0  # of history_costs[cut:]
+    active_total: int = 0
+    results_total: int = 0  # of every retained tool result, wherever it sits
 
     def history_cost(self) -> int:
-        return sum(self.history_costs[self.cut:])
+        return self.history_total
 
     def total(self) -> int:
-        return (sum(self.fixed.values()) + sum(self.active_costs) + self.history_cost()
+        return (self.fixed_total + self.active_total + self.history_total
                 + self.knowledge_cost + self.recall_cost)
 
 
@@ -191,6 +197,13 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
                      history=list(carried[floor:]), active=list(active),
                      history_costs=[cost(i) for i in carried[floor:]],
                      active_costs=[cost(i) for i in active])
+    ledger.fixed_total = sum(ledger.fixed.values())
+    ledger.history_total = sum(ledger.history_costs)
+    ledger.active_total = sum(ledger.active_costs)
+    ledger.results_total = sum(
+        c for items, costs in ((ledger.history, ledger.history_costs),
+                               (ledger.active, ledger.active_costs))
+        for item, c in zip(items, costs, strict=True) if isinstance(item, ToolResultItem))
     block_cost = _block_costs(cost)
     ledger.knowledge_cost = block_cost.knowledge(ledger.knowledge)
     ledger.recall_cost = block_cost.recall(ledger.recall)
@@ -213,36 +226,36 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         ledger.recall_cost = block_cost.recall(ledger.recall)
         return dropped.id
 
-    def results() -> list[tuple[list[ConversationItem], list[int], int]]:
-        """Pointer candidates, oldest first: carried then completed active results."""
-        out = []
-        for items, costs, start in ((ledger.history, ledger.history_costs, ledger.cut),
-                                    (ledger.active, ledger.active_costs, 0)):
-            for i in range(start, len(items)):
-                item = items[i]
-                if (isinstance(item, ToolResultItem) and not item.elided
-                        and item.id not in never_pointer):
-                    out.append((items, costs, i))
-        return out
+    # Pointer candidates, oldest first: carried history, then completed active results.
+    queue: deque[tuple[bool, int]] = deque(
+        [(True, i) for i, item in enumerate(ledger.history)
+         if isinstance(item, ToolResultItem) and not item.elided]
+        + [(False, i) for i, item in enumerate(ledger.active)
+           if isinstance(item, ToolResultItem) and not item.elided
+           and item.id not in never_pointer])
 
     def to_pointer() -> str | None:
-        candidates = results()
-        if not candidates:
-            return None
-        items, costs, i = candidates[0]
-        item = items[i]
-        assert isinstance(item, ToolResultItem)
-        pointed = replace(item, elided=True)
-        items[i] = pointed
-        costs[i] = cost(pointed)
-        return item.id
+        while queue:
+            in_history, i = queue.popleft()
+            if in_history and i < ledger.cut:
+                continue  # already left out with its history
+            items, costs = ((ledger.history, ledger.history_costs) if in_history
+                            else (ledger.active, ledger.active_costs))
+            item = items[i]
+            assert isinstance(item, ToolResultItem)
+            pointed = replace(item, elided=True)
+            delta = cost(pointed) - costs[i]
+            items[i], costs[i] = pointed, costs[i] + delta
+            ledger.results_total += delta
+            if in_history:
+                ledger.history_total += delta
+            else:
+                ledger.active_total += delta
+            return item.id
+        return None
 
     def tool_result_tokens() -> int:
-        return sum(c for items, costs in ((ledger.history[ledger.cut:],
-                                           ledger.history_costs[ledger.cut:]),
-                                          (ledger.active, ledger.active_costs))
-                   for item, c in zip(items, costs, strict=True)
-                   if isinstance(item, ToolResultItem))
+        return ledger.results_total
 
     # Class caps first: knowledge 3 passages / 3,000 tokens (dropped whole, lowest-ranked
     # first), recall 2,000 tokens, tool results 25% of the body (oldest become pointers).
@@ -284,6 +297,11 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     if start > B:
         others = start - ledger.history_cost()
         ledger.cut = _cut(ledger.history, ledger.history_costs, B - others)
+        left_costs = ledger.history_costs[:ledger.cut]
+        ledger.history_total -= sum(left_costs)
+        ledger.results_total -= sum(
+            c for item, c in zip(ledger.history[:ledger.cut], left_costs, strict=True)
+            if isinstance(item, ToolResultItem))
         left = [i.id for i in ledger.history[:ledger.cut]]
         record("history", left, start)
     # With no history left, recall goes below its floor rather than fail the request.

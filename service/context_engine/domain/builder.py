@@ -263,11 +263,23 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     items, legacy = normalize_tool_results(cp.items, policy.inline_maximum_bytes)
     attach = attachment_costs(items)
 
+    rendered: dict[int, list[Message]] = {}  # by item identity: each item renders once
+
+    def render(item: ContextItem) -> list[Message]:
+        found = rendered.get(id(item))
+        if found is None:
+            found = item.messages(ctx)  # type: ignore[attr-defined]
+            rendered[id(item)] = found
+        return found
+
+    keep_alive: list[ContextItem] = []  # ids stay unique while their items are alive
+
     def cost(item: ContextItem) -> int:
+        keep_alive.append(item)
         extra = attach.get(item.id, 0) if isinstance(item, UserMessageItem) else 0
         if isinstance(item, TrailingUserInput):
             extra = attach.get(item.message.id, 0)
-        return estimator.messages(item.messages(ctx), factor) + extra  # type: ignore[attr-defined]
+        return estimator.messages(render(item), factor) + extra
 
     history, trailing = split_trailing(items)
     # Reasoning items never cross a run boundary: only those inside the active run's trailing
@@ -317,7 +329,7 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     body += [TrailingUserInput(message=m) for m in trailing]
     messages: list[Message] = []
     for item in assemble(body, Region.B):
-        messages.extend(item.messages(ctx))  # type: ignore[attr-defined]
+        messages.extend(render(item))
     request = ModelRequest(prefix_blocks=loaded.rendered.blocks, tools=loaded.rendered.tools,
                            messages=tuple(messages))
     assert_paired(request)

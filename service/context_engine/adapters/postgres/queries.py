@@ -52,6 +52,13 @@ GET_CALIBRATION = """
 SELECT model_id, encoding, factor, reports FROM estimator_calibration
 WHERE tenant_id = $1 AND model_id = $2"""
 
+# The row must exist before it can be locked: two first reports would otherwise both read
+# nothing and one update would be lost. A row with no reports is the default calibration.
+ENSURE_CALIBRATION = """
+INSERT INTO estimator_calibration (tenant_id, model_id, encoding, factor, reports)
+VALUES ($1, $2, '', 1.0, 0)
+ON CONFLICT (tenant_id, model_id) DO NOTHING"""
+
 LOCK_CALIBRATION = GET_CALIBRATION + " FOR UPDATE"
 
 UPSERT_CALIBRATION = """

@@ -109,7 +109,7 @@ class PostgresEventLog:
 
 
 def _calibration(row: asyncpg.Record | None) -> Calibration | None:
-    if row is None:
+    if row is None or row["reports"] == 0:  # a placeholder row is no calibration yet
         return None
     return Calibration(model_id=row["model_id"], encoding=row["encoding"],
                        factor=float(row["factor"]), reports=int(row["reports"]))
@@ -152,6 +152,8 @@ class PostgresCalibrationStore:
                 stored = await conn.fetchval(queries.GET_KEY, tenant_id, self.RPC,
                                              idempotency_key, timeout=self._timeout)
                 return _reconciled_from(stored), False
+            await conn.execute(queries.ENSURE_CALIBRATION, tenant_id, model_id,
+                               timeout=self._timeout)
             row = await conn.fetchrow(queries.LOCK_CALIBRATION, tenant_id, model_id,
                                       timeout=self._timeout)
             outcome = apply(_calibration(row))
