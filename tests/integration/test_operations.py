@@ -83,22 +83,31 @@ def test_tampered_plan_fails_build_with_both_hashes(server, stub, ids, db):
     assert _value(_scrape(server), "context_engine_prefix_hash_mismatch_total") == before + 1
 
 
-def plan_canonical_order() -> list[str]:
-    return sorted(["assets", "model", "agent", "tools"])
-
-
-def test_reordered_jsonb_keys_do_not_change_the_hash(stub, ids, db):
-    """jsonb keeps no key order; the plan is re-serialized canonically after loading."""
+def test_reordered_jsonb_keys_do_not_change_the_hash(server, stub, ids, db):
+    """jsonb keeps no key order; a stored plan text in another key order is parsed and
+    re-serialized canonically before anything is rendered or hashed."""
     tenant, session = ids
-    plan = stub.Plan(plan_request(tenant, session)).plan
-    stored = db.val("SELECT spec::text FROM plans WHERE tenant_id=$1", tenant)
-    # jsonb orders keys shorter-first: the stored text is not the canonical form
-    assert stored.index('"model"') < stored.index('"assets"')
-    assert plan_canonical_order().index("assets") < plan_canonical_order().index("model")
+    plan = stub.Plan(plan_request(tenant, session)).plan  # no floats: jsonb keeps every value
+    canonical = db.val("SELECT spec_text FROM plans WHERE tenant_id=$1", tenant)
+    db.fetch("UPDATE plans SET spec_text = spec::text WHERE tenant_id=$1", tenant)
+    stored = db.val("SELECT spec_text FROM plans WHERE tenant_id=$1", tenant)
+    # The same document, but jsonb orders keys shorter-first: not the canonical text.
+    assert json.loads(stored) == json.loads(canonical)
+    assert stored != canonical
+    assert list(json.loads(stored)) != list(json.loads(canonical))
+
+    server.running.engine.cache.clear()  # as a replica that has not seen this plan yet
     resp = stub.Build(build_request(tenant, session))
     assert resp.prefix_sha256 == plan.prefix_sha256
+    assert list(resp.request.prefix_blocks) == list(plan.prefix_blocks)
+    assert list(resp.request.tools) == list(plan.tools)
+
+    server.running.engine.cache.clear()
     got = stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session)).plan
-    assert got.prefix_sha256 == plan.prefix_sha256 and got.prefix_blocks == plan.prefix_blocks
+    assert got.prefix_sha256 == plan.prefix_sha256
+    assert got.prefix_blocks == plan.prefix_blocks and got.tools == plan.tools
+    # Reading never rewrites the row: the non-canonical text is still what is stored.
+    assert db.val("SELECT spec_text FROM plans WHERE tenant_id=$1", tenant) == stored
 
 
 def test_logs_carry_no_content_and_no_reasoning(stub, ids, caplog):

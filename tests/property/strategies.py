@@ -313,7 +313,10 @@ def conversation(draw: st.DrawFn, names: Sequence[str] = ()) -> tuple[str, tuple
         if run == runs[-1] and draw(st.booleans()):
             items.append(AssistantMessageItem(id=nid(), sequence=nseq(), run_id=run,
                                               item_trust=TrustLevel.USER, text=draw(texts())))
-    for _ in range(draw(st.integers(0, 2))):  # unanswered trailing user input
+    # Unanswered trailing user input; a new active run starts with its user message, so the
+    # active run's items always come last.
+    trailing = draw(st.integers(0 if active == runs[-1] else 1, 2))
+    for _ in range(trailing):
         items.append(UserMessageItem(id=nid(), sequence=nseq(), run_id=active,
                                      item_trust=TrustLevel.USER, text=draw(texts())))
     return active, tuple(items)

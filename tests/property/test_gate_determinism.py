@@ -3,7 +3,8 @@
 build() invoked twice on the same checkpoint produces byte-identical output, property-tested
 across generated plans and checkpoints, through the plan's canonical round trip (as stored in a
 jsonb column, whose key order is not preserved), and across interpreters with different hash
-seeds.
+seeds: both for one hand-written case and for hypothesis-generated plans and checkpoints
+replayed (same hypothesis seed) in interpreters with different PYTHONHASHSEED values.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def _numbers(r: BuildResult) -> tuple[object, ...]:
             r.estimator_factor, r.tokenizer)
 
 
+def active_run_last(cp: Checkpoint) -> bool:
+    """The contract: a non-empty checkpoint's last item belongs to its active run (Build
+    rejects any other checkpoint as malformed, which is not what this gate tests)."""
+    return not cp.items or cp.items[-1].run_id == cp.active_run_id
+
+
 def _reloaded(plan: ContextPlan, document: dict[str, Any]) -> LoadedPlan:
     """A plan as read back from storage: spec rebuilt from a parsed document, then re-rendered
     and verified against the stored prefix hash (PrefixHashMismatch on any drift)."""
@@ -56,7 +63,8 @@ def test_build_twice_and_after_a_storage_round_trip_is_byte_identical(
     i = data.draw(S.plan_inputs(), label="inputs")
     plan = S.make_plan(i)
     names = [t.name for t in i.tool_catalog]
-    cp: Checkpoint = data.draw(S.checkpoints(names), label="checkpoint")
+    cp: Checkpoint = data.draw(S.checkpoints(names).filter(active_run_last),
+                               label="checkpoint")
     factor = data.draw(S.factors, label="factor")
     rnd: random.Random = data.draw(st.randoms(use_true_random=False), label="key order")
 
@@ -263,3 +271,89 @@ def test_fixed_case_is_identical_across_interpreters_and_hash_seeds() -> None:
         assert run["request_sha256"] == local["request_sha256"], f"PYTHONHASHSEED={seed}"
         assert run["tool_names"] == local["tool_names"], f"PYTHONHASHSEED={seed}"
 
+
+
+# ------------------------------------------------------------------ generated, across interpreters
+
+# A hypothesis-driven body run in fresh interpreters with different hash seeds but the same
+# hypothesis seed (derandomize, no example database), so every interpreter draws the same
+# sequence of plan inputs and checkpoints. Each prints one JSON line for the set iteration order
+# it saw (so the test can check the hash seeds really differ), then one digest per example.
+GENERATED_CASE = r'''
+import hashlib
+import json
+
+from context_engine.domain.builder import load_plan
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests import factories as f
+from tests.property import strategies as S
+
+MAX_EXAMPLES = 40
+DIGESTS = []
+
+
+def active_run_last(cp):
+    """The contract: a non-empty checkpoint's last item belongs to its active run."""
+    return not cp.items or cp.items[-1].run_id == cp.active_run_id
+
+
+def sha256(text):
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@settings(derandomize=True, database=None, max_examples=MAX_EXAMPLES, deadline=None,
+          print_blob=False, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def generated(data):
+    i = data.draw(S.plan_inputs(), label="inputs")
+    plan = S.make_plan(i)
+    cp = data.draw(S.checkpoints([t.name for t in i.tool_catalog]).filter(active_run_last),
+                   label="checkpoint")
+    factor = data.draw(S.factors, label="factor")
+    first = S.build(load_plan(plan), cp, factor)
+    second = S.build(load_plan(plan), cp, factor)
+    assert f.request_bytes(second) == f.request_bytes(first)
+    DIGESTS.append({"request_sha256": sha256(f.request_bytes(first)),
+                    "prefix_sha256": first.prefix_sha256,
+                    "spec_sha256": sha256(plan.spec.canonical_json())})
+
+
+if __name__ == "__main__":
+    generated()
+    print(json.dumps({"set_order": list(set(S.SCOPE_POOL))}))
+    for digest in DIGESTS:
+        print(json.dumps(digest, sort_keys=True))
+'''
+
+
+def _generated_in_subprocess(seed: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONHASHSEED": seed}
+    return subprocess.Popen([sys.executable, "-c", GENERATED_CASE], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_generated_cases_are_identical_across_interpreters_and_hash_seeds() -> None:
+    procs = {seed: _generated_in_subprocess(seed) for seed in HASH_SEEDS}
+    set_orders: dict[str, list[str]] = {}
+    digests: dict[str, list[dict[str, str]]] = {}
+    for seed, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, f"PYTHONHASHSEED={seed} failed:\n{err}"
+        header, *lines = out.splitlines()
+        set_orders[seed] = json.loads(header)["set_order"]
+        digests[seed] = [json.loads(line) for line in lines]
+
+    # The hash seeds really did change set iteration order, so the comparison has teeth.
+    assert len({tuple(order) for order in set_orders.values()}) > 1
+    reference = digests[HASH_SEEDS[0]]
+    # Enough generated examples, and genuinely different ones, for the comparison to mean
+    # something.
+    assert len(reference) >= 20
+    assert len({d["prefix_sha256"] for d in reference}) >= 10
+    assert len({d["request_sha256"] for d in reference}) >= 10
+    for seed in HASH_SEEDS[1:]:
+        assert len(digests[seed]) == len(reference), f"PYTHONHASHSEED={seed}"
+        for n, (got, want) in enumerate(zip(digests[seed], reference, strict=True)):
+            assert got == want, f"PYTHONHASHSEED={seed}, example {n}"
