@@ -43,8 +43,10 @@ from context_engine.domain.plan import (
     BUILDER_VERSION,
     SESSION_OPENED,
     ContextPlan,
+    PlanDraft,
     PlanSpec,
     draft_plan,
+    redraft,
     rotation_reason,
     rotation_reason_for,
 )
@@ -80,6 +82,17 @@ class PlanCommand:
     website_profile_id: str
     skill_catalog: tuple[SkillCatalogEntry, ...]
     memory_snapshot: MemorySnapshot
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RotateCommand:
+    tenant_id: str
+    session_id: str
+    reason: str  # one of plan.ROTATION_REASONS
+    idempotency_key: str
+    drop_tools: tuple[str, ...] = ()
+    model: ModelRequestSpec | None = None
+    snapshot: MemorySnapshot | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -222,6 +235,40 @@ class Engine:
                            LoadedPlan(plan=plan, rendered=draft.rendered, session_key=key))
             if plan.epoch == 1:
                 self._metrics.sessions_opened.inc()
+            self._metrics.epochs.labels(reason=plan.reason).inc()
+            self._metrics.prefix_tokens.observe(plan.prefix_tokens)
+        return plan, created
+
+    async def rotate(self, cmd: RotateCommand) -> tuple[ContextPlan, bool]:
+        """An explicit rotation: always a new epoch (once per idempotency key), built from the
+        plan current under the session's lock, so concurrent rotations compose."""
+        profile = None
+        if cmd.model is not None:
+            profile = self._catalog.resolve(
+                cmd.model.model_id, context_window=cmd.model.context_window,
+                output_reserve=cmd.model.output_reserve,
+                breakpoint_budget=cmd.model.breakpoint_budget)
+        key = session_key(cmd.tenant_id, cmd.session_id)
+        drafts: list[PlanDraft] = []
+
+        def decide(locked: ContextPlan | None) -> Rotation:
+            if locked is None:
+                raise SessionNotFound(cmd.tenant_id, cmd.session_id)
+            estimator = (self.estimator_for(profile) if profile is not None
+                         else self.plan_estimator(locked.spec))
+            draft = redraft(locked.spec, key, estimator, drop_tools=cmd.drop_tools,
+                            model=profile, snapshot=cmd.snapshot)
+            model = draft.spec.model
+            compute_budget(window=model.context_window, output_reserve=model.output_reserve,
+                           prefix_tokens=draft.prefix_tokens, policy=self.policy)
+            drafts.append(draft)
+            return Rotation(reason=cmd.reason, draft=draft)
+
+        plan, created = await self._store.pin(cmd.tenant_id, cmd.session_id, decide,
+                                              idempotency_key=cmd.idempotency_key)
+        if created:
+            self.cache.put((plan.tenant_id, plan.session_id, plan.epoch),
+                           LoadedPlan(plan=plan, rendered=drafts[-1].rendered, session_key=key))
             self._metrics.epochs.labels(reason=plan.reason).inc()
             self._metrics.prefix_tokens.observe(plan.prefix_tokens)
         return plan, created

@@ -57,7 +57,13 @@ from context_engine.domain.request import (
 )
 from context_engine.domain.tools import CONTROL_TOOLS
 from context_engine.domain.trust import TrustLevel
-from context_engine.engine import ModelRequestSpec, PlanCommand, UsageOutcome, UsageReport
+from context_engine.engine import (
+    ModelRequestSpec,
+    PlanCommand,
+    RotateCommand,
+    UsageOutcome,
+    UsageReport,
+)
 from context_engine.v1 import context_engine_pb2 as pb
 
 MAX_ID_LENGTH = 256
@@ -486,3 +492,54 @@ def usage_pb(outcome: UsageOutcome) -> pb.ReportUsageResponse:
         correction_factor=r.calibration.factor, error_ratio=r.error_ratio,
         counted=outcome.counted, reports=r.calibration.reports)
 
+
+
+ROTATION_REASON_FROM_PB: dict[pb.RotationReason.ValueType, str] = {
+    pb.ROTATION_REASON_SECURITY_REVOCATION: "security_revocation",
+    pb.ROTATION_REASON_MODEL_ROUTED: "model_routed",
+    pb.ROTATION_REASON_SNAPSHOT_INVALIDATED: "snapshot_invalidated",
+    pb.ROTATION_REASON_OPERATOR: "operator",
+}
+
+
+def rotate_command(req: pb.RotateRequest) -> RotateCommand:
+    v = Violations()
+    session_ids(v, req.tenant_id, req.session_id)
+    v.identifier("idempotency_key", req.idempotency_key)
+    reason = ROTATION_REASON_FROM_PB.get(req.reason)
+    if reason is None:
+        v.add("reason", f"unknown rotation reason {req.reason}"
+              + (" (unspecified)" if req.reason == 0 else ""))
+    if reason == "security_revocation" and not req.drop_tools:
+        v.add("drop_tools", "a security revocation names the tools to drop")
+    if reason != "security_revocation" and req.drop_tools:
+        v.add("drop_tools", "only a security revocation drops tools")
+    v.unique("drop_tools", req.drop_tools, "tool")
+    model = None
+    if reason == "model_routed":
+        v.identifier("model.model_id", req.model.model_id)
+        caps = req.model.capabilities
+        model = ModelRequestSpec(
+            model_id=req.model.model_id,
+            context_window=_positive(v, "model.capabilities", caps, "context_window"),
+            output_reserve=_positive(v, "model.capabilities", caps, "output_reserve"),
+            breakpoint_budget=(caps.breakpoint_budget if caps.HasField("breakpoint_budget")
+                               else None))
+    elif req.HasField("model"):
+        v.add("model", "only a model_routed rotation takes a model")
+    snapshot = None
+    if reason == "snapshot_invalidated":
+        snap = req.memory_snapshot
+        v.unique("memory_snapshot.items", (i.id for i in snap.items), "memory item id")
+        snapshot = MemorySnapshot(
+            snapshot_id=snap.snapshot_id, recall_trace_id=snap.recall_trace_id,
+            watermark=snap.watermark,
+            items=tuple(MemoryItem(id=i.id, text=i.text) for i in snap.items))
+    elif req.HasField("memory_snapshot"):
+        v.add("memory_snapshot", "only a snapshot_invalidated rotation takes a snapshot")
+    _nul_fields(req, "", v)
+    v.raise_if_any()
+    assert reason is not None
+    return RotateCommand(tenant_id=req.tenant_id, session_id=req.session_id, reason=reason,
+                         idempotency_key=req.idempotency_key, drop_tools=tuple(req.drop_tools),
+                         model=model, snapshot=snapshot)

@@ -122,3 +122,14 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             record.extra["counted"] = outcome.counted
             return mapping.usage_pb(outcome)
         return await self._run("ReportUsage", context, call)
+
+    async def Rotate(self, request: pb.RotateRequest,
+                     context: grpc.aio.ServicerContext[Any, Any]) -> pb.RotateResponse:
+        async def call(record: CallRecord) -> pb.RotateResponse:
+            record.tenant = request.tenant_id
+            plan, rotated = await self._engine.rotate(mapping.rotate_command(request))
+            record.epoch, record.prefix_sha256 = plan.epoch, plan.prefix_sha256
+            record.extra["rotated"] = rotated
+            loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch)
+            return pb.RotateResponse(plan=mapping.plan_pb(loaded), rotated=rotated)
+        return await self._run("Rotate", context, call)

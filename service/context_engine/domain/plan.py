@@ -7,12 +7,17 @@ pinned tool specifications, and ``prefix_tokens`` is measured by rendering and c
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
 from context_engine.domain.canonical import canonical_json, canonical_sha256
-from context_engine.domain.errors import PinnedVersionConflict, PrefixClassOverCap
+from context_engine.domain.errors import (
+    FieldViolation,
+    InvalidInput,
+    PinnedVersionConflict,
+    PrefixClassOverCap,
+)
 from context_engine.domain.estimator import TOOL_OVERHEAD_TOKENS, TokenEstimator
 from context_engine.domain.items import (
     INDEX_HEADER,
@@ -46,6 +51,7 @@ from context_engine.domain.tools import (
     INDEX_ITEM_CAP,
     INDEX_TOKEN_CAP,
     SKILL_LOAD,
+    TOOL_CALL,
     TOOL_ITEM_CAP,
     TOOL_TOKEN_CAP,
     authority_scope_hashes,
@@ -388,3 +394,30 @@ def rotation_reason_for(current: PlanSpec, *, agent: AgentSpec, persona: Persona
     if current.builder_version != builder_version:
         return "builder_changed"
     return None
+
+
+ROTATION_REASONS = ("security_revocation", "model_routed", "snapshot_invalidated", "operator")
+
+
+def redraft(spec: PlanSpec, session_key: str, estimator: TokenEstimator, *,
+            drop_tools: tuple[str, ...] = (), model: ModelProfile | None = None,
+            snapshot: MemorySnapshot | None = None) -> PlanDraft:
+    """An explicit rotation's plan: the pinned spec with tools removed, another model or
+    another snapshot, re-rendered and re-measured (caps still fail, never truncate)."""
+    pinned_names = set(spec.tool_names) | set(spec.deferred_tool_names)
+    unknown = [n for n in drop_tools if n not in pinned_names]
+    if unknown:
+        raise InvalidInput([FieldViolation(f"drop_tools[{drop_tools.index(n)}]",
+                                           f"{n!r} is not advertised by the current plan")
+                            for n in unknown])
+    drop = set(drop_tools)
+    deferred = tuple(t for t in spec.deferred if t.name not in drop)
+    tools = tuple(t for t in spec.tools if t.name not in drop
+                  and not (t.name == TOOL_CALL and not deferred))  # nothing left to call
+    new = replace(spec, tools=tools, deferred=deferred, model=model or spec.model,
+                  memory_snapshot=spec.memory_snapshot if snapshot is None else snapshot,
+                  tokenizer=estimator.tokenizer, encoding=estimator.encoding,
+                  estimator_factor=estimator.base_factor)
+    rendered = render_prefix(new, session_key)
+    return PlanDraft(spec=new, rendered=rendered,
+                     classes=measure_prefix(new, rendered, estimator))

@@ -41,11 +41,13 @@ class PlanStore(Protocol):
         """The session's current epoch, or None for an unknown session."""
         ...
 
-    async def pin(self, tenant_id: str, session_id: str,
-                  decide: Decide) -> tuple[ContextPlan, bool]:
+    async def pin(self, tenant_id: str, session_id: str, decide: Decide, *,
+                  idempotency_key: str | None = None) -> tuple[ContextPlan, bool]:
         """Atomically: read the session's current plan, ask ``decide``, and if it returns a
         rotation write it as the next epoch with its event. Concurrent callers for one session
-        serialize; exactly one epoch is written per decision. Returns (plan, created)."""
+        serialize; exactly one epoch is written per decision. With an idempotency key, a
+        retried key decides nothing and returns the epoch its first call left current.
+        Returns (plan, created)."""
         ...
 
 
@@ -99,10 +101,14 @@ class InMemoryPlanStore:
         epochs = self.plans.get((tenant_id, session_id))
         return len(epochs) if epochs else None
 
-    async def pin(self, tenant_id: str, session_id: str,
-                  decide: Decide) -> tuple[ContextPlan, bool]:
+    keys: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    async def pin(self, tenant_id: str, session_id: str, decide: Decide, *,
+                  idempotency_key: str | None = None) -> tuple[ContextPlan, bool]:
         async with self._lock:
             epochs = self.plans.setdefault((tenant_id, session_id), [])
+            if idempotency_key is not None and (tenant_id, idempotency_key) in self.keys:
+                return epochs[self.keys[(tenant_id, idempotency_key)] - 1], False
             current = epochs[-1] if epochs else None
             rotation = decide(current)
             if rotation is None:
@@ -111,6 +117,8 @@ class InMemoryPlanStore:
             plan = pinned(tenant_id, session_id, len(epochs) + 1, rotation)
             epochs.append(replace(plan))
             self.events.append(plan_event(plan))
+            if idempotency_key is not None:
+                self.keys[(tenant_id, idempotency_key)] = plan.epoch
             return plan, True
 
 

@@ -55,10 +55,20 @@ class PostgresPlanStore:
                                               timeout=self._timeout)
         return int(epoch) if epoch else None
 
-    async def pin(self, tenant_id: str, session_id: str,
-                  decide: Decide) -> tuple[ContextPlan, bool]:
+    async def pin(self, tenant_id: str, session_id: str, decide: Decide, *,
+                  idempotency_key: str | None = None) -> tuple[ContextPlan, bool]:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
+            if idempotency_key is not None:
+                claimed = await conn.fetchval(queries.CLAIM_KEY, tenant_id, "Rotate",
+                                              idempotency_key, timeout=self._timeout)
+                if claimed is None:  # a retry: the epoch the first call left current
+                    stored = json.loads(await conn.fetchval(
+                        queries.GET_KEY, tenant_id, "Rotate", idempotency_key,
+                        timeout=self._timeout))
+                    row = await conn.fetchrow(queries.GET_PLAN, tenant_id, session_id,
+                                              stored["epoch"], timeout=self._timeout)
+                    return _plan_from_row(row), False
             await conn.execute(queries.ENSURE_SESSION, tenant_id, session_id,
                                timeout=self._timeout)
             epoch = await conn.fetchval(queries.LOCK_SESSION, tenant_id, session_id,
@@ -74,6 +84,10 @@ class PostgresPlanStore:
                 return current, False
             plan = pinned(tenant_id, session_id, epoch + 1, rotation)
             created_at = await self._insert(conn, plan)
+            if idempotency_key is not None:
+                await conn.execute(queries.SET_KEY_RESPONSE, tenant_id, "Rotate",
+                                   idempotency_key, canonical_json({"epoch": plan.epoch}),
+                                   timeout=self._timeout)
             return replace(plan, created_at=created_at), True
 
     async def _insert(self, conn: Any, plan: ContextPlan) -> datetime:

@@ -1,0 +1,135 @@
+"""Rotate: explicit, counted rotations, once per idempotency key, never skipping an epoch."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from context_engine.v1 import context_engine_pb2 as pb
+from tests.integration.requests import build_request, failure, plan_request
+
+pytestmark = pytest.mark.integration
+
+
+def rotate(tenant, session, key, reason=pb.ROTATION_REASON_OPERATOR, **kw):
+    return pb.RotateRequest(tenant_id=tenant, session_id=session, reason=reason,
+                            idempotency_key=key, **kw)
+
+
+def test_security_revocation_removes_the_tool_from_the_prompt(stub, ids, db):
+    tenant, session = ids
+    first = stub.Plan(plan_request(tenant, session)).plan
+    assert "web.fetch" in first.tool_names
+    resp = stub.Rotate(rotate(tenant, session, "rev-1", pb.ROTATION_REASON_SECURITY_REVOCATION,
+                              drop_tools=["web.fetch"]))
+    assert resp.rotated and resp.plan.epoch == 2 and resp.plan.reason == "security_revocation"
+    assert "web.fetch" not in resp.plan.tool_names
+    assert all(t.name != "web.fetch" for t in resp.plan.tools)
+    assert resp.plan.prefix_sha256 != first.prefix_sha256
+    built = stub.Build(build_request(tenant, session, items=[]))
+    assert built.epoch == 2 and built.prefix_sha256 == resp.plan.prefix_sha256
+    events = db.fetch("SELECT type, epoch, payload->>'reason' AS reason FROM context_events "
+                      "WHERE tenant_id=$1 ORDER BY id", tenant)
+    assert [(e["type"], e["epoch"], e["reason"]) for e in events] == [
+        ("context.plan.created", 1, "session_opened"),
+        ("context.epoch.rotated", 2, "security_revocation")]
+    # a later Plan with the same inputs keeps the revoked epoch: scope changes never rotate
+    assert not stub.Plan(plan_request(tenant, session)).created
+
+
+def test_dropping_the_last_deferred_tool_retires_tool_call(stub, ids):
+    tenant, session = ids
+    plan = stub.Plan(plan_request(tenant, session)).plan
+    assert list(plan.deferred_tool_names) == ["mail.send"] and "tool.call" in plan.tool_names
+    resp = stub.Rotate(rotate(tenant, session, "k", pb.ROTATION_REASON_SECURITY_REVOCATION,
+                              drop_tools=["mail.send"]))
+    assert not resp.plan.deferred_tool_names and "tool.call" not in resp.plan.tool_names
+
+
+def test_a_retried_key_rotates_once(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    first = stub.Rotate(rotate(tenant, session, "same"))
+    again = stub.Rotate(rotate(tenant, session, "same"))
+    assert first.rotated and not again.rotated
+    assert again.plan == first.plan
+    assert db.val("SELECT count(*) FROM plans WHERE tenant_id=$1", tenant) == 2
+
+
+def test_operator_rotation_keeps_the_bytes(stub, ids):
+    tenant, session = ids
+    plan = stub.Plan(plan_request(tenant, session)).plan
+    resp = stub.Rotate(rotate(tenant, session, "op"))
+    assert resp.plan.epoch == 2 and resp.plan.prefix_sha256 == plan.prefix_sha256
+    assert resp.plan.prefix_blocks == plan.prefix_blocks
+
+
+def test_model_routed_re_measures_for_the_new_model(stub, ids):
+    tenant, session = ids
+    plan = stub.Plan(plan_request(tenant, session)).plan
+    resp = stub.Rotate(rotate(tenant, session, "route", pb.ROTATION_REASON_MODEL_ROUTED,
+                              model=pb.ModelSpec(model_id="gpt-4o-2024-08-06")))
+    assert resp.plan.model_id == "gpt-4o-2024-08-06" and resp.plan.reason == "model_routed"
+    assert resp.plan.tool_names == plan.tool_names
+    assert resp.plan.prefix_tokens != plan.prefix_tokens  # Claude's factor is gone
+
+
+def test_snapshot_invalidated_replaces_the_snapshot(stub, ids):
+    tenant, session = ids
+    snap = pb.MemorySnapshot(snapshot_id="s1", recall_trace_id="t1",
+                             items=[pb.MemoryItem(id="m1", text="likes tea")])
+    plan = stub.Plan(plan_request(tenant, session, memory_snapshot=snap)).plan
+    assert any(b.row == 8 for b in plan.prefix_blocks)
+    resp = stub.Rotate(rotate(tenant, session, "snap", pb.ROTATION_REASON_SNAPSHOT_INVALIDATED))
+    assert resp.plan.reason == "snapshot_invalidated"
+    assert all(b.row != 8 for b in resp.plan.prefix_blocks)
+
+
+def test_concurrent_rotations_never_skip_or_duplicate_an_epoch(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    results, errors = [], []
+
+    def go(i: int) -> None:
+        try:
+            results.append(stub.Rotate(rotate(tenant, session, f"c{i % 6}"), timeout=30))
+        except BaseException as exc:  # asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(18)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    epochs = [r["epoch"] for r in db.fetch(
+        "SELECT epoch FROM plans WHERE tenant_id=$1 ORDER BY epoch", tenant)]
+    assert epochs == list(range(1, 8))  # epoch 1 and one per distinct key
+    assert sum(r.rotated for r in results) == 6
+
+
+def test_bad_rotations_change_nothing(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    before = db.counts(tenant)
+    cases = {
+        "drop_tools[0]": rotate(tenant, session, "x", pb.ROTATION_REASON_SECURITY_REVOCATION,
+                                drop_tools=["no.such.tool"]),
+        "drop_tools": rotate(tenant, session, "x", pb.ROTATION_REASON_SECURITY_REVOCATION),
+        "reason": rotate(tenant, session, "x", pb.ROTATION_REASON_UNSPECIFIED),
+        "idempotency_key": rotate(tenant, session, ""),
+        "model.model_id": rotate(tenant, session, "x", pb.ROTATION_REASON_MODEL_ROUTED),
+    }
+    for field, req in cases.items():
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Rotate(req)
+        f = failure(err.value)
+        assert f.code is grpc.StatusCode.INVALID_ARGUMENT and field in f.violations, field
+    assert db.counts(tenant) == before
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Rotate(rotate(tenant, "no-such-session", "y"))
+    assert failure(err.value).code is grpc.StatusCode.NOT_FOUND
+    assert db.val("SELECT count(*) FROM sessions WHERE tenant_id=$1 AND session_id=$2",
+                  tenant, "no-such-session") == 0
