@@ -6,8 +6,8 @@ import threading
 
 import grpc
 import pytest
-
 from context_engine.v1 import context_engine_pb2 as pb
+
 from tests.integration.requests import build_request, failure, plan_request
 
 pytestmark = pytest.mark.integration
