@@ -438,7 +438,10 @@ def build_pb(result: BuildResult) -> pb.BuildResponse:
         body_tokens=result.body_tokens, estimated_input_tokens=result.estimated_input_tokens,
         context_window=result.context_window, output_reserve=result.output_reserve,
         estimator_factor=result.estimator_factor, tokenizer=result.tokenizer,
-        budget=budget_pb(result.budget), pressure=pressure_pb(result.pressure))
+        budget=budget_pb(result.budget), pressure=pressure_pb(result.pressure),
+        cache_breakpoints=[pb.CacheBreakpoint(name=b.name, ttl=b.ttl, through_item=b.through_item,
+                                              through_input_item=b.through_input_item)
+                           for b in result.cache_breakpoints])
 
 
 def budget_pb(b: BudgetReport) -> pb.BudgetReport:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from context_engine.domain.breakpoints import CacheBreakpoint, history_breakpoints, select
 from context_engine.domain.budget import (
     SKILL_BODY_ITEMS,
     SKILL_BODY_TOKENS,
@@ -117,6 +118,7 @@ class BuildResult:
     tokenizer: str
     budget: BudgetReport
     pressure: Pressure
+    cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
 
 
 def validate_checkpoint(cp: Checkpoint, field: str = "checkpoint") -> None:
@@ -333,6 +335,11 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     request = ModelRequest(prefix_blocks=loaded.rendered.blocks, tools=loaded.rendered.tools,
                            messages=tuple(messages))
     assert_paired(request)
+    ttl = plan.spec.cache_ttl
+    marks = [CacheBreakpoint(name="after_system", ttl=ttl),
+             CacheBreakpoint(name="after_tools", ttl=ttl),
+             *history_breakpoints(carried=alloc.history, has_summary=alloc.summary is not None,
+                                  active=alloc.active)]
     report = alloc.report
     return BuildResult(
         request=request, prefix_sha256=loaded.rendered.prefix_sha256, epoch=plan.epoch,
@@ -340,7 +347,8 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
         prefix_tokens=plan.prefix_tokens, body_tokens=report.body_tokens,
         estimated_input_tokens=report.estimated_total, context_window=model.context_window,
         output_reserve=model.output_reserve, estimator_factor=factor,
-        tokenizer=estimator.tokenizer, budget=report, pressure=alloc.pressure)
+        tokenizer=estimator.tokenizer, budget=report, pressure=alloc.pressure,
+        cache_breakpoints=select(marks, model.breakpoint_budget))
 
 
 def assert_paired(request: ModelRequest) -> None:
