@@ -45,9 +45,9 @@ from context_engine.domain.plan import (
     ContextPlan,
     PlanDraft,
     PlanSpec,
+    admission_reason,
     draft_plan,
     redraft,
-    rotation_reason,
     rotation_reason_for,
 )
 from context_engine.domain.ports import (
@@ -82,6 +82,19 @@ class PlanCommand:
     website_profile_id: str
     skill_catalog: tuple[SkillCatalogEntry, ...]
     memory_snapshot: MemorySnapshot
+    # the run being admitted: None, or (run_id, tools_pinned or has pending calls)
+    run_id: str = ""
+    run_pinned: bool = True
+    invalidated_trace_ids: tuple[str, ...] = ()
+
+    def reason_to_rotate(self, current: PlanSpec, assets: PlatformAssets) -> str | None:
+        return rotation_reason_for(
+            current, agent=self.agent, persona=self.persona, model_id=self.model.model_id,
+            assets=assets, builder_version=BUILDER_VERSION) or admission_reason(
+            current, unpinned=bool(self.run_id) and not self.run_pinned,
+            principal_scopes=self.principal_scopes,
+            website_profile_id=self.website_profile_id,
+            invalidated_trace_ids=self.invalidated_trace_ids)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,6 +188,7 @@ class Engine:
         self.policy = policy
         self.cache = PlanCache(plan_cache_size)
         self._factors: dict[tuple[str, str], tuple[float, float]] = {}
+        self._snapshot_runs: OrderedDict[tuple[str, str, int, str], None] = OrderedDict()
         self._calibration_ttl = calibration_ttl
         self._clock = clock
 
@@ -196,10 +210,7 @@ class Engine:
 
     async def plan(self, cmd: PlanCommand) -> tuple[ContextPlan, bool]:
         current = await self._store.get(cmd.tenant_id, cmd.session_id)
-        if current is not None and rotation_reason_for(
-                current.spec, agent=cmd.agent, persona=cmd.persona,
-                model_id=cmd.model.model_id, assets=self._assets,
-                builder_version=BUILDER_VERSION) is None:
+        if current is not None and cmd.reason_to_rotate(current.spec, self._assets) is None:
             # Pinned: tools, scopes and snapshot are not even re-resolved (a revocation is
             # enforced at call time, never by rewriting the prefix).
             return current, False
@@ -225,7 +236,7 @@ class Engine:
         def decide(locked: ContextPlan | None) -> Rotation | None:
             if locked is None:
                 return Rotation(reason=SESSION_OPENED, draft=draft)
-            reason = rotation_reason(locked.spec, draft.spec)
+            reason = cmd.reason_to_rotate(locked.spec, self._assets)
             return None if reason is None else Rotation(reason=reason, draft=draft)
 
         plan, created = await self._store.pin(cmd.tenant_id, cmd.session_id, decide)
@@ -338,11 +349,37 @@ class Engine:
                                "context.budget.exceeded", payload)
             raise
         self._metrics.build_seconds.observe(time.perf_counter() - started)
+        await self._snapshot_used(loaded, checkpoint.active_run_id)
         if result.pressure.yielded:  # a request that fits without yielding emits nothing
             self._count_pressure(result.pressure)
             await self._record(tenant_id, session_id, result.epoch, "context.budget.pressure",
                                pressure_payload(result.pressure, result.epoch))
         return result
+
+    async def _snapshot_used(self, loaded: LoadedPlan, run_id: str) -> None:
+        """The first Build of a run on a plan with a non-empty snapshot binds the run to the
+        snapshot's recall trace and epoch (``context.snapshot.used``), once across replicas."""
+        plan = loaded.plan
+        snapshot = plan.spec.memory_snapshot
+        if not snapshot.items or not run_id:
+            return
+        key = (plan.tenant_id, plan.session_id, plan.epoch, run_id)
+        if key in self._snapshot_runs:
+            return
+        event = ContextEvent(tenant_id=plan.tenant_id, session_id=plan.session_id,
+                             epoch=plan.epoch, type="context.snapshot.used",
+                             payload={"run_id": run_id, "epoch": plan.epoch,
+                                      "recall_trace_id": snapshot.recall_trace_id,
+                                      "snapshot_id": snapshot.snapshot_id})
+        try:
+            await self._events.append_once(event, f"{plan.session_id}:{plan.epoch}:{run_id}")
+        except StoreUnavailable:
+            log("event_not_recorded", logging.WARNING, type=event.type, tenant=plan.tenant_id,
+                epoch=plan.epoch)
+            return
+        self._snapshot_runs[key] = None
+        while len(self._snapshot_runs) > 65_536:
+            self._snapshot_runs.popitem(last=False)
 
     def _count_pressure(self, pressure: Pressure) -> None:
         fits = "true" if pressure.fits else "false"

@@ -421,3 +421,25 @@ def redraft(spec: PlanSpec, session_key: str, estimator: TokenEstimator, *,
     rendered = render_prefix(new, session_key)
     return PlanDraft(spec=new, rendered=rendered,
                      classes=measure_prefix(new, rendered, estimator))
+
+
+def admission_reason(current: PlanSpec, *, unpinned: bool, principal_scopes: tuple[str, ...],
+                     website_profile_id: str,
+                     invalidated_trace_ids: tuple[str, ...] = ()) -> str | None:
+    """Rotations that depend on the run being admitted (spec: "Prefix epochs").
+
+    - A snapshot whose recall trace was invalidated rotates at the next Plan.
+    - Only at an unpinned admission (the run has no tool pins and no pending calls yet):
+      newly granted scopes rebuild the plan (run_authority_changed) — scope reduction alone
+      never rotates — and a changed website profile rotates (browser_profile_changed).
+    """
+    trace = current.memory_snapshot.recall_trace_id
+    if trace and trace in invalidated_trace_ids:
+        return "snapshot_invalidated"
+    if not unpinned:
+        return None
+    if set(authority_scope_hashes(principal_scopes)) - set(current.authority_scope_hashes):
+        return "run_authority_changed"
+    if website_profile_id != current.website_profile_id:
+        return "browser_profile_changed"
+    return None

@@ -127,6 +127,11 @@ class EventLog(Protocol):
         """Append one context event to the outbox."""
         ...
 
+    async def append_once(self, event: ContextEvent, key: str) -> bool:
+        """Append the event unless one with this key was already appended (by any replica).
+        Returns whether it was appended now."""
+        ...
+
 
 Reconcile = Callable[[Calibration | None], Reconciled]
 
@@ -145,9 +150,17 @@ class CalibrationStore(Protocol):
 @dataclass
 class InMemoryEventLog:
     events: list[ContextEvent] = field(default_factory=list)
+    keys: set[tuple[str, str]] = field(default_factory=set)
 
     async def append(self, event: ContextEvent) -> None:
         self.events.append(event)
+
+    async def append_once(self, event: ContextEvent, key: str) -> bool:
+        if (event.tenant_id, key) in self.keys:
+            return False
+        self.keys.add((event.tenant_id, key))
+        self.events.append(event)
+        return True
 
 
 @dataclass

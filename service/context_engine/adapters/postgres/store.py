@@ -121,6 +121,18 @@ class PostgresEventLog:
                                      event.epoch, event.type, canonical_json(event.payload),
                                      timeout=self._timeout)
 
+    async def append_once(self, event: ContextEvent, key: str) -> bool:
+        async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
+                    conn.transaction()):
+            claimed = await conn.fetchval(queries.CLAIM_KEY, event.tenant_id, event.type, key,
+                                          timeout=self._timeout)
+            if claimed is None:
+                return False
+            await conn.execute(queries.INSERT_EVENT, event.tenant_id, event.session_id,
+                               event.epoch, event.type, canonical_json(event.payload),
+                               timeout=self._timeout)
+            return True
+
 
 def _calibration(row: asyncpg.Record | None) -> Calibration | None:
     if row is None or row["reports"] == 0:  # a placeholder row is no calibration yet

@@ -1,0 +1,144 @@
+"""Plan's own rotations (authority, browser profile, invalidated snapshot), snapshot use,
+and the cache breakpoints Build places."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from context_engine.v1 import context_engine_pb2 as pb
+from tests.integration.requests import build_request, item, plan_request
+
+pytestmark = pytest.mark.integration
+
+UNPINNED = pb.RunAdmission(run_id="run-2", tools_pinned=False)
+PINNED = pb.RunAdmission(run_id="run-2", tools_pinned=True)
+
+
+def reasons(db, tenant):
+    return [r["reason"] for r in db.fetch(
+        "SELECT reason FROM plans WHERE tenant_id=$1 ORDER BY epoch", tenant)]
+
+
+def test_new_grants_rotate_only_at_an_unpinned_admission(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, principal_scopes=["web"]))
+    more = ["web", "mail", "mail.send"]
+    assert not stub.Plan(plan_request(tenant, session, principal_scopes=more,
+                                      run=PINNED)).created
+    assert not stub.Plan(plan_request(tenant, session, principal_scopes=more)).created
+    resp = stub.Plan(plan_request(tenant, session, principal_scopes=more, run=UNPINNED))
+    assert resp.created and resp.plan.reason == "run_authority_changed"
+    assert "mail.send" in resp.plan.deferred_tool_names  # the new grant is now advertised
+    # scope reduction alone never rotates, even at an unpinned admission
+    assert not stub.Plan(plan_request(tenant, session, principal_scopes=["web"],
+                                      run=UNPINNED)).created
+    assert reasons(db, tenant) == ["session_opened", "run_authority_changed"]
+
+
+def test_changed_website_profile_rotates_at_an_unpinned_admission(stub, ids, db):
+    tenant, session = ids
+    browser = [pb.ToolSpec(name=n, description=f"{n}.", input_schema_json='{"type":"object"}',
+                           side_effect=pb.SIDE_EFFECT_NETWORK_READ, session_binding="website")
+               for n in ("browser.navigate", "browser.observe", "browser.act")]
+    base = plan_request(tenant, session, session=pb.SessionSpec(website_profile_id="p1"))
+    base.tool_catalog.extend(browser)
+    first = stub.Plan(base).plan
+    assert {"browser.navigate", "browser.observe", "browser.act"} <= set(first.tool_names)
+    moved = pb.PlanRequest()
+    moved.CopyFrom(base)
+    moved.session.website_profile_id = "p2"
+    assert not stub.Plan(moved).created  # an active run keeps its pins
+    moved.run.CopyFrom(UNPINNED)
+    resp = stub.Plan(moved)
+    assert resp.created and resp.plan.reason == "browser_profile_changed"
+    assert reasons(db, tenant) == ["session_opened", "browser_profile_changed"]
+
+
+def test_invalidated_snapshot_trace_rotates_and_recalls_again(stub, ids, db):
+    tenant, session = ids
+    old = pb.MemorySnapshot(snapshot_id="s1", recall_trace_id="trace-1",
+                            items=[pb.MemoryItem(id="m1", text="likes tea")])
+    stub.Plan(plan_request(tenant, session, memory_snapshot=old))
+    new = pb.MemorySnapshot(snapshot_id="s2", recall_trace_id="trace-2",
+                            items=[pb.MemoryItem(id="m2", text="likes coffee")])
+    assert not stub.Plan(plan_request(tenant, session, memory_snapshot=new)).created
+    resp = stub.Plan(plan_request(tenant, session, memory_snapshot=new,
+                                  invalidated_recall_trace_ids=["trace-1"]))
+    assert resp.created and resp.plan.reason == "snapshot_invalidated"
+    row8 = next(b.text for b in resp.plan.prefix_blocks if b.row == 8)
+    assert "likes coffee" in row8 and "likes tea" not in row8
+
+
+def test_first_build_of_a_run_records_snapshot_use_once(server, stub, ids, db):
+    tenant, session = ids
+    snap = pb.MemorySnapshot(snapshot_id="s1", recall_trace_id="trace-9",
+                             items=[pb.MemoryItem(id="m1", text="likes tea")])
+    stub.Plan(plan_request(tenant, session, memory_snapshot=snap))
+    for _ in range(3):
+        stub.Build(build_request(tenant, session))
+    server.running.engine._snapshot_runs.clear()  # as another replica would
+    stub.Build(build_request(tenant, session))
+    rows = db.fetch("SELECT epoch, payload::text FROM context_events WHERE tenant_id=$1 "
+                    "AND type='context.snapshot.used'", tenant)
+    assert len(rows) == 1 and rows[0]["epoch"] == 1
+    payload = json.loads(rows[0]["payload"])
+    assert payload == {"run_id": "run-1", "epoch": 1, "recall_trace_id": "trace-9",
+                       "snapshot_id": "s1"}
+
+
+def test_no_snapshot_no_snapshot_event(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    stub.Build(build_request(tenant, session))
+    assert db.val("SELECT count(*) FROM context_events WHERE tenant_id=$1 AND "
+                  "type='context.snapshot.used'", tenant) == 0
+
+
+def _two_runs() -> list[pb.ConversationItem]:
+    return [
+        item("u0", 1, run="run-0", user=pb.UserMessage(text="earlier question")),
+        item("a0", 2, run="run-0", assistant=pb.AssistantMessage(text="earlier answer")),
+        item("u1", 3, user=pb.UserMessage(text="now fetch it")),
+        item("c1", 4, tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
+            call_id="k1", name="web.fetch", arguments_json='{"url":"https://e.x"}')])),
+        item("r1", 5, pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, tool_result=pb.ToolResult(
+            call_id="k1", tool_name="web.fetch", content="page")),
+        item("z1", 6, reasoning=pb.ReasoningItem(provider="openai", opaque=b"{}")),
+    ]
+
+
+def test_breakpoints_mark_the_prefix_and_the_history_window(stub, ids):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, session=pb.SessionSpec(
+        kind=pb.SESSION_KIND_SCHEDULED)))
+    resp = stub.Build(build_request(tenant, session, items=_two_runs()))
+    marks = [(b.name, b.ttl, b.through_item, b.through_input_item)
+             for b in resp.cache_breakpoints]
+    assert marks == [("after_system", "1h", "", ""), ("after_tools", "1h", "", ""),
+                     ("carried_history", "5m", "a0", "u0"),
+                     ("run", "5m", "r1", "r1")]  # stops before the replayed reasoning
+
+
+def test_fewer_breakpoints_drop_the_run_marker_first(stub, ids):
+    tenant, session = ids
+    model = pb.ModelSpec(model_id="claude-sonnet-4-5", capabilities=pb.ModelCapabilities(
+        breakpoint_budget=3))
+    stub.Plan(plan_request(tenant, session, model=model))
+    resp = stub.Build(build_request(tenant, session, items=_two_runs()))
+    assert [b.name for b in resp.cache_breakpoints] == ["after_system", "after_tools",
+                                                        "carried_history"]
+
+
+def test_markers_are_outside_the_prefix_hash(stub, ids):
+    tenant, session = ids
+    plan = stub.Plan(plan_request(tenant, session)).plan
+    a = stub.Build(build_request(tenant, session, items=_two_runs()))
+    b = stub.Build(build_request(tenant, session, items=_two_runs()[:2] + [
+        item("u9", 9, user=pb.UserMessage(text="new run"))]))
+    assert a.prefix_sha256 == b.prefix_sha256 == plan.prefix_sha256
+    # a first step of a new run: the carried marker only, and no run marker yet
+    assert [m.name for m in a.cache_breakpoints][-1] == "run"
+    assert [(m.name, m.through_item) for m in b.cache_breakpoints][2:] == [
+        ("carried_history", "a0")]
