@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from context_engine.v1 import context_engine_pb2 as pb
+
 from tests.integration.requests import build_request, item, plan_request
 
 pytestmark = pytest.mark.integration

@@ -234,6 +234,8 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
     v.unique("memory_snapshot.items", (i.id for i in snap.items), "memory item id")
     if snap.watermark < 0:
         v.add("memory_snapshot.watermark", "must not be negative")
+    if req.HasField("run"):
+        v.identifier("run.run_id", req.run.run_id)
     v.raise_if_any()
     return PlanCommand(
         tenant_id=req.tenant_id, session_id=req.session_id,
@@ -255,6 +257,10 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
             snapshot_id=snap.snapshot_id, recall_trace_id=snap.recall_trace_id,
             watermark=snap.watermark,
             items=tuple(MemoryItem(id=i.id, text=i.text) for i in snap.items)),
+        run_id=req.run.run_id if req.HasField("run") else "",
+        run_pinned=(req.run.tools_pinned or req.run.has_pending_calls) if req.HasField("run")
+        else True,
+        invalidated_trace_ids=tuple(req.invalidated_recall_trace_ids),
     )
 
 
