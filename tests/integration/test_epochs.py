@@ -135,8 +135,8 @@ def test_markers_are_outside_the_prefix_hash(stub, ids):
     tenant, session = ids
     plan = stub.Plan(plan_request(tenant, session)).plan
     a = stub.Build(build_request(tenant, session, items=_two_runs()))
-    b = stub.Build(build_request(tenant, session, items=_two_runs()[:2] + [
-        item("u9", 9, user=pb.UserMessage(text="new run"))]))
+    b = stub.Build(build_request(tenant, session, items=[
+        *_two_runs()[:2], item("u9", 9, user=pb.UserMessage(text="new run"))]))
     assert a.prefix_sha256 == b.prefix_sha256 == plan.prefix_sha256
     # a first step of a new run: the carried marker only, and no run marker yet
     assert [m.name for m in a.cache_breakpoints][-1] == "run"
