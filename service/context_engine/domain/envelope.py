@@ -76,14 +76,30 @@ def _opens_delimiter(text: str, start: int) -> bool:
     return False
 
 
+# In ASCII text there are no look-alikes and no invisible characters but white space, so the
+# general fold reduces to this (same result, one regex pass): "<", white space or slashes,
+# then a tag name, in any letter case.
+_ASCII_DELIMITER = re.compile(
+    r"<(?=[\s/]*(?:" + "|".join(TAG_NAMES) + "))", re.IGNORECASE | re.ASCII)
+# A "<" followed by an ASCII character that is not white space, "/" or the first letter of a
+# tag name cannot open a delimiter: skip the fold for it.
+_TAG_INITIALS = frozenset(c for name in TAG_NAMES for c in (name[0], name[0].upper()))
+
+
 def escape_content(content: str) -> str:
     """Neutralize every delimiter-like sequence: its "<" becomes the entity ``&lt;``."""
+    if content.isascii():
+        return _ASCII_DELIMITER.sub("&lt;", content)
     if not _LT_RE.search(content):
         return content
     out: list[str] = []
     last = 0
     for match in _LT_RE.finditer(content):
         i = match.start()
+        nxt = content[i + 1:i + 2]
+        if (nxt.isascii() and nxt and not nxt.isspace() and nxt != "/"
+                and nxt not in _TAG_INITIALS):
+            continue
         if _opens_delimiter(content, i):
             out.append(content[last:i])
             out.append("&lt;")
