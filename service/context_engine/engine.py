@@ -155,6 +155,19 @@ class PlanCache:
         self._entries.clear()
 
 
+class BoundedMemo(OrderedDict[Any, Any]):
+    """A least-recently-inserted bounded mapping for Build's render memo (speed only)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        if len(self) > self.capacity:
+            self.popitem(last=False)
+
+
 def pressure_payload(p: Pressure, epoch: int) -> dict[str, Any]:
     """What a pressure event records: steps, sizes and ids, never content."""
     return {
@@ -175,7 +188,7 @@ class Engine:
                  catalog: ModelCatalog, tokenizers: TokenizerRegistry, assets: PlatformAssets,
                  control_tools: dict[str, ToolSpec], metrics: Metrics,
                  policy: BudgetPolicy = DEFAULT_POLICY, plan_cache_size: int = 4096,
-                 calibration_ttl: float = 5.0,
+                 calibration_ttl: float = 5.0, render_memo_size: int = 100_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._store = store
         self._events = events
@@ -189,6 +202,7 @@ class Engine:
         self.cache = PlanCache(plan_cache_size)
         self._factors: dict[tuple[str, str], tuple[float, float]] = {}
         self._snapshot_runs: OrderedDict[tuple[str, str, int, str], None] = OrderedDict()
+        self.render_memo = BoundedMemo(render_memo_size)
         self._calibration_ttl = calibration_ttl
         self._clock = clock
 
@@ -336,7 +350,7 @@ class Engine:
         started = time.perf_counter()
         try:
             result = build(loaded, checkpoint, estimator=estimator, factor=factor,
-                           policy=self.policy)
+                           policy=self.policy, memo=self.render_memo)
         except BudgetExceeded as exc:
             self._metrics.budget_exceeded.labels(**{"class": exc.class_name}).inc()
             payload: dict[str, Any] = {"epoch": loaded.plan.epoch, **exc.metadata()}

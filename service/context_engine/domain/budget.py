@@ -245,6 +245,8 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
             assert isinstance(item, ToolResultItem)
             pointed = replace(item, elided=True)
             delta = cost(pointed) - costs[i]
+            if delta >= 0:
+                continue  # a pointer no smaller than its content frees nothing: keep content
             items[i], costs[i] = pointed, costs[i] + delta
             ledger.results_total += delta
             if in_history:
@@ -293,6 +295,12 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
             break
         ids.append(done)
     record("tool_results", ids, start)
+    # If everything but history is still over the body even with recall at its floor, recall
+    # goes below its floor first: history then keeps whatever room that leaves.
+    start, ids = ledger.total(), []
+    while ledger.total() - ledger.history_cost() > B and ledger.recall:
+        ids.append(trim_recall())
+    record("recall", ids, start)
     start = ledger.total()
     if start > B:
         others = start - ledger.history_cost()
@@ -304,11 +312,6 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
             if isinstance(item, ToolResultItem))
         left = [i.id for i in ledger.history[:ledger.cut]]
         record("history", left, start)
-    # With no history left, recall goes below its floor rather than fail the request.
-    start, ids = ledger.total(), []
-    while ledger.total() > B and ledger.recall:
-        ids.append(trim_recall())
-    record("recall", ids, start)
 
     total = ledger.total()
     steps = tuple(_merge(name, ledger.steps[name]) for name in STEPS if name in ledger.steps)

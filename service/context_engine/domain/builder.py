@@ -7,8 +7,9 @@ and factor always give the same bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from context_engine.domain.breakpoints import CacheBreakpoint, history_breakpoints, select
 from context_engine.domain.budget import (
@@ -253,8 +254,12 @@ def attachment_costs(items: Sequence[ConversationItem]) -> dict[str, int]:
     return out
 
 
+Rendered = tuple[tuple[Message, ...], tuple[int, ...]]
+
+
 def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
-          factor: float = 1.0, policy: BudgetPolicy = DEFAULT_POLICY) -> BuildResult:
+          factor: float = 1.0, policy: BudgetPolicy = DEFAULT_POLICY,
+          memo: MutableMapping[Any, Rendered] | None = None) -> BuildResult:
     """Assemble one model request under the budget. Pure: no clock, randomness or I/O."""
     validate_checkpoint(cp)
     plan = loaded.plan
@@ -265,23 +270,25 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     items, legacy = normalize_tool_results(cp.items, policy.inline_maximum_bytes)
     attach = attachment_costs(items)
 
-    rendered: dict[int, list[Message]] = {}  # by item identity: each item renders once
+    # Items are frozen values: (session key, encoding, item) determines the rendered messages
+    # and their raw token counts. ``memo`` (a bounded mapping the caller may keep across
+    # builds) only saves the work; without it each item still renders once per build.
+    renders: MutableMapping[Any, Rendered] = {} if memo is None else memo
 
-    def render(item: ContextItem) -> list[Message]:
-        found = rendered.get(id(item))
+    def render(item: ContextItem) -> Rendered:
+        key = (loaded.session_key, estimator.encoding, item)
+        found = renders.get(key)
         if found is None:
-            found = item.messages(ctx)  # type: ignore[attr-defined]
-            rendered[id(item)] = found
+            messages = tuple(item.messages(ctx))  # type: ignore[attr-defined]
+            found = (messages, tuple(estimator.raw(m) for m in messages))
+            renders[key] = found
         return found
 
-    keep_alive: list[ContextItem] = []  # ids stay unique while their items are alive
-
     def cost(item: ContextItem) -> int:
-        keep_alive.append(item)
         extra = attach.get(item.id, 0) if isinstance(item, UserMessageItem) else 0
         if isinstance(item, TrailingUserInput):
             extra = attach.get(item.message.id, 0)
-        return estimator.messages(render(item), factor) + extra
+        return sum(estimator.scaled(raw, factor) for raw in render(item)[1]) + extra
 
     history, trailing = split_trailing(items)
     # Reasoning items never cross a run boundary: only those inside the active run's trailing
@@ -331,7 +338,7 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     body += [TrailingUserInput(message=m) for m in trailing]
     messages: list[Message] = []
     for item in assemble(body, Region.B):
-        messages.extend(render(item))
+        messages.extend(render(item)[0])
     request = ModelRequest(prefix_blocks=loaded.rendered.blocks, tools=loaded.rendered.tools,
                            messages=tuple(messages))
     assert_paired(request)

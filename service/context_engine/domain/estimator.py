@@ -144,12 +144,19 @@ class TokenEstimator:
             return 0
         return math.ceil(self._counter.count(text) * self.base_factor * factor)
 
-    def message(self, message: Message, factor: float = 1.0) -> int:
+    def raw(self, message: Message) -> int:
+        """The tokenizer's count of everything the message sends, before any factor."""
         raw = self._counter.count(message.text) if message.text else 0
         for call in message.tool_calls:
             raw += self._counter.count(call.name) + self._counter.count(call.arguments_json) + 3
-        raw += math.ceil(len(message.reasoning_opaque) / REASONING_BYTES_PER_TOKEN)
+        return raw + math.ceil(len(message.reasoning_opaque) / REASONING_BYTES_PER_TOKEN)
+
+    def scaled(self, raw: int, factor: float = 1.0) -> int:
+        """A message's estimate from its raw count: factors applied, rounded up, framing."""
         return math.ceil(raw * self.base_factor * factor) + MESSAGE_OVERHEAD_TOKENS
+
+    def message(self, message: Message, factor: float = 1.0) -> int:
+        return self.scaled(self.raw(message), factor)
 
     def messages(self, messages: Sequence[Message], factor: float = 1.0) -> int:
         return sum(self.message(m, factor) for m in messages)
