@@ -11,6 +11,7 @@ from datetime import datetime
 from google.protobuf.message import Message as Message_
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from context_engine.domain import providers
 from context_engine.domain.budget import BudgetReport, Pressure
 from context_engine.domain.builder import (
     BuildResult,
@@ -19,7 +20,7 @@ from context_engine.domain.builder import (
     RuntimeMetadata,
     SkillBody,
 )
-from context_engine.domain.canonical import parse_json_object
+from context_engine.domain.canonical import canonical_json, parse_json_object
 from context_engine.domain.errors import FieldViolation, InvalidInput
 from context_engine.domain.items import (
     AssistantMessageItem,
@@ -433,8 +434,24 @@ def message_pb(m: Message) -> pb.Message:
         reasoning_opaque=m.reasoning_opaque)
 
 
-def build_pb(result: BuildResult) -> pb.BuildResponse:
+def requested_provider_format(v: Violations, value: pb.ProviderFormat.ValueType) -> str:
+    """The provider body Build was asked for: "" (none), or a ``providers`` format name."""
+    formats: dict[pb.ProviderFormat.ValueType, str] = {
+        pb.PROVIDER_FORMAT_UNSPECIFIED: "",
+        pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES: providers.ANTHROPIC_MESSAGES,
+        pb.PROVIDER_FORMAT_OPENAI_RESPONSES: providers.OPENAI_RESPONSES,
+    }
+    found = formats.get(value)
+    if found is None:
+        v.add("provider_format", f"unknown provider format {value}")
+        return ""
+    return found
+
+
+def build_pb(result: BuildResult, provider_format: str = "") -> pb.BuildResponse:
+    """``provider_format`` ("" for none) also renders the request as that provider's body."""
     req = result.request
+    body = canonical_json(providers.render(result, provider_format)) if provider_format else ""
     return pb.BuildResponse(
         request=pb.ModelRequest(prefix_blocks=blocks_pb(req.prefix_blocks),
                                 tools=tools_pb(req.tools),
@@ -447,7 +464,8 @@ def build_pb(result: BuildResult) -> pb.BuildResponse:
         budget=budget_pb(result.budget), pressure=pressure_pb(result.pressure),
         cache_breakpoints=[pb.CacheBreakpoint(name=b.name, ttl=b.ttl, through_item=b.through_item,
                                               through_input_item=b.through_input_item)
-                           for b in result.cache_breakpoints])
+                           for b in result.cache_breakpoints],
+        provider_body_json=body)
 
 
 def budget_pb(b: BudgetReport) -> pb.BudgetReport:

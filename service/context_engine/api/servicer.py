@@ -105,12 +105,15 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 factor = request.estimator_factor
                 if not 0.5 <= factor <= 4.0:
                     v.add("estimator_factor", f"{factor} is outside [0.5, 4.0]")
+            provider_format = mapping.requested_provider_format(v, request.provider_format)
             v.raise_if_any()
             result = await self._engine.build(request.tenant_id, request.session_id,
                                               epoch, checkpoint, factor)
             record.epoch, record.prefix_sha256 = result.epoch, result.prefix_sha256
             record.extra["estimated_input_tokens"] = result.estimated_input_tokens
-            return mapping.build_pb(result)
+            if provider_format:
+                record.extra["provider_format"] = provider_format
+            return mapping.build_pb(result, provider_format)
         return await self._run("Build", context, call)
 
     async def ReportUsage(self, request: pb.ReportUsageRequest,

@@ -1,0 +1,608 @@
+"""Provider-ready request bodies (issue 4, point 3) and their structural validators.
+
+A ``BuildResult`` rendered as an Anthropic Messages body or an OpenAI Responses body. Pure:
+standard library and domain only, no I/O. The renderers never author, summarize or reorder
+what the model reads beyond what a provider's wire format requires:
+
+- Anthropic (spec: "The history cache window"): consecutive messages of one role merge into one
+  turn; tool results move to the start of the user turn that follows their call's turn, all
+  results of a batch together; ``cache_control`` sits on the last tool (after_tools), the last
+  system block (after_system) and, for each history marker, the last cacheable block of its
+  ``through_item`` — at most four, never on thinking blocks or empty text, and no longer TTL
+  after a shorter one. Only Anthropic reasoning items are replayed, verbatim. A history that
+  opens with the model's own turn (a cut without a summary yet) gets one fixed platform line as
+  its first user turn, since Anthropic's first message must be the user's.
+- OpenAI: one input item per message and per call; ``prompt_cache_key`` is the session key
+  (spec: "Session identity and OpenAI history lookback"); only OpenAI reasoning items are
+  replayed, verbatim (the builder already limits them to the active run, ADR-0007); the
+  request is stateless (``store: false``) and asks for the encrypted reasoning back.
+
+Tool names: providers accept ``[A-Za-z0-9_-]{1,64}``; ours may contain dots. Each "." becomes
+"__" (the same mapping for definitions and for replayed calls); two names that map to one, or a
+name that cannot be mapped, fail the render with :class:`ProviderFormatError`.
+
+Attachments travel as the text labels the builder already put in their message; sending the
+files themselves is the provider adapter's job (request.py), so no file block is rendered here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from context_engine.domain.breakpoints import DEFAULT_TTL, PRIORITY, SUMMARY_ITEM
+from context_engine.domain.builder import BuildResult
+from context_engine.domain.canonical import parse_json_object
+from context_engine.domain.errors import AssemblyError, FieldViolation, InvalidInput
+from context_engine.domain.request import Message, Role
+
+ANTHROPIC_MESSAGES = "anthropic_messages"
+OPENAI_RESPONSES = "openai_responses"
+FORMATS = (ANTHROPIC_MESSAGES, OPENAI_RESPONSES)
+
+PROVIDER_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_BREAKPOINTS = 4  # Anthropic: a fifth cache_control is a 400
+LONG_TTL = "1h"
+TTL_RANK = {"1h": 2, "5m": 1}
+# Anthropic's first message must be a user turn. When the retained history starts with the
+# model's own turn (a history cut without a summary yet), this fixed platform line opens it.
+LEADING_USER_TEXT = "(Earlier conversation omitted.)"
+UNCACHEABLE_BLOCKS = frozenset({"thinking", "redacted_thinking"})
+ANTHROPIC_REASONING = UNCACHEABLE_BLOCKS  # what an Anthropic reasoning item may replay
+OPENAI_REASONING = frozenset({"reasoning"})
+OPENAI_INCLUDE = ("reasoning.encrypted_content",)
+
+JSON = dict[str, Any]
+
+
+class ProviderFormatError(InvalidInput):
+    """The request cannot be rendered in the asked provider format (tool names that collide
+    or cannot be mapped, a reasoning payload that is not a JSON object)."""
+
+    reason = "PROVIDER_FORMAT_UNRENDERABLE"
+
+    def __init__(self, provider_format: str, violations: list[FieldViolation]) -> None:
+        self.provider_format = provider_format
+        super().__init__(violations)
+
+    def metadata(self) -> dict[str, str]:
+        return {**super().metadata(), "provider_format": self.provider_format}
+
+
+# ----------------------------------------------------------------------------- tool names
+
+def provider_tool_name(name: str) -> str:
+    """Our tool name as providers accept it: "." becomes "__"."""
+    return name.replace(".", "__")
+
+
+def provider_tool_names(names: Iterable[str], provider_format: str = "") -> dict[str, str]:
+    """Our name -> provider name for every distinct name; a collision or an unmappable name is
+    a :class:`ProviderFormatError`. The map is one-to-one, so an adapter inverts it to read the
+    model's calls back."""
+    mapped: dict[str, str] = {}
+    owners: dict[str, list[str]] = {}
+    for name in names:
+        if name not in mapped:
+            mapped[name] = provider_tool_name(name)
+            owners.setdefault(mapped[name], []).append(name)
+    violations: list[FieldViolation] = []
+    for ours, theirs in mapped.items():
+        if PROVIDER_TOOL_NAME.fullmatch(theirs) is None:
+            violations.append(FieldViolation(
+                "provider_format", f"tool name {ours!r} maps to {theirs!r}, which is not "
+                "1-64 characters of [A-Za-z0-9_-]"))
+    for theirs, ours_list in owners.items():
+        if len(ours_list) > 1:
+            violations.append(FieldViolation(
+                "provider_format", "tool names " + ", ".join(repr(n) for n in sorted(ours_list))
+                + f" all map to the provider name {theirs!r}"))
+    if violations:
+        raise ProviderFormatError(provider_format, violations)
+    return mapped
+
+
+def _tool_names(result: BuildResult, provider_format: str) -> dict[str, str]:
+    req = result.request
+    names = [t.name for t in req.tools]
+    names += [c.name for m in req.messages for c in m.tool_calls]
+    return provider_tool_names(names, provider_format)
+
+
+def _payload(m: Message, provider_format: str, types: frozenset[str]) -> JSON:
+    """A reasoning item's opaque payload: the provider's own JSON object, replayed verbatim.
+    Only reasoning types pass: a reasoning item never smuggles in a call or a message."""
+    try:
+        value = parse_json_object(m.reasoning_opaque.decode("utf-8"))
+    except UnicodeDecodeError:
+        value = None
+    if value is None or value.get("type") not in types:
+        raise ProviderFormatError(provider_format, [FieldViolation(
+            "checkpoint.items", f"reasoning item {m.item_id!r} ({m.reasoning_provider}) is not "
+            f"a JSON object of type {' or '.join(sorted(types))}: it cannot be replayed")])
+    return value
+
+
+def _schema(text: str) -> JSON:
+    value = parse_json_object(text)
+    if value is None:  # tool schemas are canonical JSON objects by construction
+        raise AssemblyError("a tool definition's input schema is not a JSON object")
+    return value
+
+
+# ----------------------------------------------------------------------------- Anthropic
+
+def _cache_control(ttl: str) -> JSON:
+    return {"type": "ephemeral", "ttl": LONG_TTL} if ttl == LONG_TTL else {"type": "ephemeral"}
+
+
+def _cacheable(block: JSON) -> bool:
+    if block.get("type") in UNCACHEABLE_BLOCKS:
+        return False
+    return not (block.get("type") == "text" and not block.get("text"))
+
+
+@dataclass(slots=True)
+class _Turn:
+    role: str
+    results: list[JSON]  # tool_result blocks: always first in a user turn
+    blocks: list[JSON]
+    call_ids: set[str]
+
+    def content(self) -> list[JSON]:
+        return [*self.results, *self.blocks]
+
+
+def _message_key(m: Message) -> str:
+    return SUMMARY_ITEM if m.row == 9 else m.item_id
+
+
+def anthropic_messages(result: BuildResult) -> JSON:
+    """The request as an Anthropic Messages API body (see the module docstring)."""
+    fmt = ANTHROPIC_MESSAGES
+    names = _tool_names(result, fmt)
+    req = result.request
+    tools: list[JSON] = []
+    for t in req.tools:
+        tool: JSON = {"name": names[t.name], "input_schema": _schema(t.input_schema_json)}
+        if t.description:
+            tool["description"] = t.description
+        tools.append(tool)
+    system: list[JSON] = [{"type": "text", "text": b.text} for b in req.prefix_blocks if b.text]
+
+    turns: list[_Turn] = []
+    by_key: dict[str, list[int]] = {}  # item key -> ids of its blocks
+
+    def add(role: str, block: JSON, key: str, *, result_of: str = "") -> None:
+        if result_of:
+            # Anthropic: a result sits in the user turn right after its call's turn.
+            at = next((i for i, t in enumerate(turns)
+                       if t.role == "assistant" and result_of in t.call_ids), None)
+            if at is None:
+                raise AssemblyError(f"tool result for {result_of!r} has no earlier call")
+            if at + 1 == len(turns):
+                turns.append(_Turn(role="user", results=[], blocks=[], call_ids=set()))
+            turns[at + 1].results.append(block)
+        else:
+            if not turns or turns[-1].role != role:
+                turns.append(_Turn(role=role, results=[], blocks=[], call_ids=set()))
+            turns[-1].blocks.append(block)
+            if block.get("type") == "tool_use":
+                turns[-1].call_ids.add(str(block["id"]))
+        if key:
+            by_key.setdefault(key, []).append(id(block))
+
+    for m in req.messages:
+        key = _message_key(m)
+        if m.role is Role.TOOL:
+            add("user", {"type": "tool_result", "tool_use_id": m.call_id, "content": m.text},
+                key, result_of=m.call_id)
+            continue
+        role = "user" if m.role is Role.USER else "assistant"
+        if m.reasoning_provider:
+            if m.reasoning_provider == "anthropic":
+                add(role, _payload(m, fmt, ANTHROPIC_REASONING), key)
+            continue  # another provider's reasoning means nothing here
+        if m.text:
+            add(role, {"type": "text", "text": m.text}, key)
+        for c in m.tool_calls:
+            add(role, {"type": "tool_use", "id": c.call_id, "name": names[c.name],
+                       "input": parse_json_object(c.arguments_json) or {}}, key)
+    if not turns or turns[0].role != "user":
+        turns.insert(0, _Turn(role="user", results=[],
+                              blocks=[{"type": "text", "text": LEADING_USER_TEXT}],
+                              call_ids=set()))
+    messages: list[JSON] = [{"role": t.role, "content": t.content()} for t in turns]
+
+    # Breakpoints: (priority, position in request order, block, ttl).
+    flat = [b for t in turns for b in t.content()]
+    position = {id(b): i for i, b in enumerate(flat)}
+    placed: list[tuple[int, tuple[int, int], JSON, str]] = []
+    for mark in result.cache_breakpoints:
+        rank = PRIORITY.index(mark.name) if mark.name in PRIORITY else len(PRIORITY)
+        if mark.name == "after_tools":
+            if tools:
+                placed.append((rank, (0, len(tools) - 1), tools[-1], mark.ttl))
+        elif mark.name == "after_system":
+            if system:
+                placed.append((rank, (1, len(system) - 1), system[-1], mark.ttl))
+        elif mark.through_item:
+            block = _history_block(flat, position, by_key.get(mark.through_item, []))
+            if block is not None:
+                placed.append((rank, (2, position[id(block)]), block, mark.ttl))
+    seen: set[int] = set()
+    kept: list[tuple[int, tuple[int, int], JSON, str]] = []
+    for entry in sorted(placed, key=lambda p: p[0]):  # by priority: a 5th never lands
+        if id(entry[2]) not in seen and len(kept) < MAX_BREAKPOINTS:
+            seen.add(id(entry[2]))
+            kept.append(entry)
+    floor = LONG_TTL
+    for _, _, block, asked in sorted(kept, key=lambda p: p[1]):  # request order
+        ttl = LONG_TTL if asked == LONG_TTL else DEFAULT_TTL
+        if TTL_RANK[ttl] > TTL_RANK[floor]:
+            ttl = floor  # never a longer TTL after a shorter one
+        floor = ttl
+        block["cache_control"] = _cache_control(ttl)
+
+    body: JSON = {"model": result.model_id, "max_tokens": result.output_reserve,
+                  "system": system, "messages": messages}
+    if tools:
+        body["tools"] = tools
+    return body
+
+
+def _history_block(flat: Sequence[JSON], position: Mapping[int, int],
+                   block_ids: Sequence[int]) -> JSON | None:
+    """The last cacheable block of a marker's item; when the item has none (only thinking),
+    the last cacheable block before it, so the cached prefix never reaches past the item."""
+    if not block_ids:
+        return None
+    last = max(position[b] for b in block_ids)
+    own = {position[b] for b in block_ids}
+    for i in range(last, -1, -1):
+        if i in own and _cacheable(flat[i]):
+            return flat[i]
+    first = min(own)
+    for i in range(first - 1, -1, -1):
+        if _cacheable(flat[i]):
+            return flat[i]
+    return None
+
+
+# ----------------------------------------------------------------------------- OpenAI
+
+def openai_responses(result: BuildResult) -> JSON:
+    """The request as an OpenAI Responses API body (see the module docstring)."""
+    fmt = OPENAI_RESPONSES
+    names = _tool_names(result, fmt)
+    req = result.request
+    items: list[JSON] = []
+    for m in req.messages:
+        if m.role is Role.TOOL:
+            items.append({"type": "function_call_output", "call_id": m.call_id,
+                          "output": m.text})
+            continue
+        if m.reasoning_provider:
+            if m.reasoning_provider == "openai":
+                items.append(_payload(m, fmt, OPENAI_REASONING))
+            continue
+        if m.text:
+            if m.role is Role.USER:
+                part: JSON = {"type": "input_text", "text": m.text}
+            else:
+                part = {"type": "output_text", "text": m.text, "annotations": []}
+            items.append({"type": "message", "role": m.role.value, "content": [part]})
+        for c in m.tool_calls:
+            items.append({"type": "function_call", "call_id": c.call_id,
+                          "name": names[c.name], "arguments": c.arguments_json})
+    tools: list[JSON] = []
+    for t in req.tools:
+        tool: JSON = {"type": "function", "name": names[t.name],
+                      "parameters": _schema(t.input_schema_json), "strict": False}
+        if t.description:
+            tool["description"] = t.description
+        tools.append(tool)
+    body: JSON = {
+        "model": result.model_id,
+        "instructions": "\n\n".join(b.text for b in req.prefix_blocks if b.text),
+        "input": items,
+        "prompt_cache_key": result.session_key,
+        "max_output_tokens": result.output_reserve,
+        "store": False,
+        "include": list(OPENAI_INCLUDE),
+    }
+    if tools:
+        body["tools"] = tools
+    return body
+
+
+RENDERERS = {ANTHROPIC_MESSAGES: anthropic_messages, OPENAI_RESPONSES: openai_responses}
+
+
+def render(result: BuildResult, provider_format: str) -> JSON:
+    """Render and validate: a body our own validator rejects is a defect, never returned."""
+    renderer = RENDERERS.get(provider_format)
+    if renderer is None:
+        raise InvalidInput.one("provider_format", f"unknown provider format {provider_format!r}")
+    body = renderer(result)
+    problems = validate(body, provider_format)
+    if problems:
+        raise AssemblyError(f"rendered {provider_format} body is invalid: {problems}")
+    return body
+
+
+# ----------------------------------------------------------------------------- validators
+
+def validate(body: Mapping[str, Any], provider_format: str) -> list[str]:
+    if provider_format == ANTHROPIC_MESSAGES:
+        return validate_anthropic(body)
+    if provider_format == OPENAI_RESPONSES:
+        return validate_openai(body)
+    return [f"unknown provider format {provider_format!r}"]
+
+
+def _tool_defs(tools: object, name_key: str, problems: list[str]) -> list[JSON]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        problems.append("tools: not a list")
+        return []
+    seen: set[str] = set()
+    out: list[JSON] = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            problems.append(f"tools[{i}]: not an object")
+            continue
+        out.append(t)
+        name = t.get(name_key)
+        if not isinstance(name, str) or PROVIDER_TOOL_NAME.fullmatch(name) is None:
+            problems.append(f"tools[{i}].name: {name!r} is not 1-64 characters of "
+                            "[A-Za-z0-9_-]")
+        elif name in seen:
+            problems.append(f"tools[{i}].name: duplicate {name!r}")
+        else:
+            seen.add(name)
+    return out
+
+
+def _blocks(content: object) -> list[JSON] | None:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if isinstance(content, list) and all(isinstance(b, dict) for b in content):
+        return list(content)
+    return None
+
+
+def validate_anthropic(body: Mapping[str, Any]) -> list[str]:
+    """Structural problems of an Anthropic Messages body; empty when it is valid."""
+    problems: list[str] = []
+    if not isinstance(body.get("model"), str) or not body.get("model"):
+        problems.append("model: must be a non-empty string")
+    max_tokens = body.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        problems.append("max_tokens: must be a positive integer")
+    tools = _tool_defs(body.get("tools"), "name", problems)
+    for i, t in enumerate(tools):
+        schema = t.get("input_schema")
+        if not isinstance(schema, dict) or schema.get("type") != "object":
+            problems.append(f"tools[{i}].input_schema: must be a JSON schema of type object")
+    system_blocks = _blocks(body.get("system", []))
+    if system_blocks is None:
+        problems.append("system: must be a string or a list of text blocks")
+        system_blocks = []
+    for i, b in enumerate(system_blocks):
+        if b.get("type") != "text" or not isinstance(b.get("text"), str) or not b["text"]:
+            problems.append(f"system[{i}]: must be a non-empty text block")
+
+    # Breakpoints, in request order: tools -> system -> messages.
+    marked: list[tuple[str, JSON]] = []
+    if isinstance(body.get("cache_control"), dict):
+        marked.append(("cache_control", body["cache_control"]))
+    marked += [(f"tools[{i}]", t) for i, t in enumerate(tools)]
+    marked += [(f"system[{i}]", b) for i, b in enumerate(system_blocks)]
+
+    messages = body.get("messages")
+    turns: list[tuple[str, list[JSON]]] = []
+    if not isinstance(messages, list) or not messages:
+        problems.append("messages: must be a non-empty list")
+        messages = []
+    for i, m in enumerate(messages):
+        blocks = _blocks(m.get("content")) if isinstance(m, dict) else None
+        role = m.get("role") if isinstance(m, dict) else None
+        if blocks is None or role not in ("user", "assistant"):
+            problems.append(f"messages[{i}]: must have role user or assistant and content")
+            turns.append(("", []))
+            continue
+        turns.append((str(role), blocks))
+        if not blocks:
+            problems.append(f"messages[{i}].content: must not be empty")
+        marked += [(f"messages[{i}].content[{j}]", b) for j, b in enumerate(blocks)]
+    if turns and turns[0][0] != "user":
+        problems.append("messages[0]: the first message must have the user role")
+    for i in range(1, len(turns)):
+        if turns[i][0] and turns[i][0] == turns[i - 1][0]:
+            problems.append(f"messages[{i}]: two {turns[i][0]} turns in a row; roles alternate")
+
+    problems += _anthropic_pairs(turns)
+    problems += _anthropic_blocks(turns)
+    problems += _anthropic_breakpoints(marked)
+    return problems
+
+
+def _anthropic_blocks(turns: Sequence[tuple[str, list[JSON]]]) -> list[str]:
+    problems: list[str] = []
+    allowed = {"user": {"text", "image", "document", "tool_result", "search_result"},
+               "assistant": {"text", "tool_use", "thinking", "redacted_thinking"}}
+    for i, (role, blocks) in enumerate(turns):
+        for j, b in enumerate(blocks):
+            kind = b.get("type")
+            where = f"messages[{i}].content[{j}]"
+            if role and kind not in allowed[role]:
+                problems.append(f"{where}: a {kind!r} block is not allowed in a {role} turn")
+            if kind == "text" and (not isinstance(b.get("text"), str) or not b["text"]):
+                problems.append(f"{where}: text blocks must not be empty")
+            if kind == "tool_use":
+                name = b.get("name")
+                if not isinstance(name, str) or PROVIDER_TOOL_NAME.fullmatch(name) is None:
+                    problems.append(f"{where}.name: {name!r} is not a valid tool name")
+                if not isinstance(b.get("input"), dict):
+                    problems.append(f"{where}.input: must be an object")
+    return problems
+
+
+def _anthropic_pairs(turns: Sequence[tuple[str, list[JSON]]]) -> list[str]:
+    """Every tool_use is answered in the next user turn, results first; every tool_result
+    answers a tool_use of the turn right before it; no id twice."""
+    problems: list[str] = []
+    used: set[str] = set()
+    for i, (role, blocks) in enumerate(turns):
+        calls = [str(b.get("id", "")) for b in blocks if b.get("type") == "tool_use"]
+        results = [str(b.get("tool_use_id", "")) for b in blocks
+                   if b.get("type") == "tool_result"]
+        for c in calls:
+            if not c:
+                problems.append(f"messages[{i}]: a tool_use without an id")
+            elif c in used:
+                problems.append(f"messages[{i}]: tool_use id {c!r} used twice")
+            used.add(c)
+        if results:
+            kinds = [b.get("type") for b in blocks]
+            first_other = next((k for k, t in enumerate(kinds) if t != "tool_result"),
+                               len(kinds))
+            if "tool_result" in kinds[first_other:]:
+                problems.append(f"messages[{i}]: tool_result blocks must come before any "
+                                "other content of the turn")
+            before = turns[i - 1] if i > 0 else ("", [])
+            called = {str(b.get("id", "")) for b in before[1] if b.get("type") == "tool_use"}
+            if role != "user" or before[0] != "assistant":
+                problems.append(f"messages[{i}]: tool_result blocks belong in the user turn "
+                                "right after the tool_use turn")
+            seen: set[str] = set()
+            for r in results:
+                if r in seen:
+                    problems.append(f"messages[{i}]: tool_use {r!r} answered twice")
+                seen.add(r)
+                if r not in called:
+                    problems.append(f"messages[{i}]: tool_result {r!r} answers no tool_use "
+                                    "of the previous turn")
+        if calls:
+            after = turns[i + 1] if i + 1 < len(turns) else ("", [])
+            answered = {str(b.get("tool_use_id", "")) for b in after[1]
+                        if b.get("type") == "tool_result"}
+            for c in calls:
+                if c and (after[0] != "user" or c not in answered):
+                    problems.append(f"messages[{i}]: tool_use {c!r} has no tool_result in "
+                                    "the next user turn")
+    return problems
+
+
+def _anthropic_breakpoints(marked: Sequence[tuple[str, JSON]]) -> list[str]:
+    problems: list[str] = []
+    count = 0
+    shortest: str | None = None
+    for where, block in marked:
+        cc = block.get("cache_control")
+        if cc is None:
+            continue
+        count += 1
+        if not isinstance(cc, dict) or cc.get("type") != "ephemeral":
+            problems.append(f"{where}.cache_control: must be {{\"type\": \"ephemeral\"}}")
+            continue
+        ttl = cc.get("ttl", DEFAULT_TTL)
+        if ttl not in TTL_RANK:
+            problems.append(f"{where}.cache_control.ttl: {ttl!r} is not 5m or 1h")
+            continue
+        if where.startswith("messages") and not _cacheable(block):
+            problems.append(f"{where}: cache_control is not allowed on a "
+                            f"{block.get('type')!r} block or empty text")
+        if shortest is not None and TTL_RANK[ttl] > TTL_RANK[shortest]:
+            problems.append(f"{where}: a {ttl} breakpoint after a {shortest} one; longer TTLs "
+                            "must come first")
+        if shortest is None or TTL_RANK[ttl] < TTL_RANK[shortest]:
+            shortest = ttl
+    if count > MAX_BREAKPOINTS:
+        problems.append(f"{count} cache_control breakpoints; at most {MAX_BREAKPOINTS}")
+    return problems
+
+
+def validate_openai(body: Mapping[str, Any]) -> list[str]:
+    """Structural problems of an OpenAI Responses body; empty when it is valid."""
+    problems: list[str] = []
+    if not isinstance(body.get("model"), str) or not body.get("model"):
+        problems.append("model: must be a non-empty string")
+    if "instructions" in body and not isinstance(body["instructions"], str):
+        problems.append("instructions: must be a string")
+    limit = body.get("max_output_tokens")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
+                              or limit < 1):
+        problems.append("max_output_tokens: must be a positive integer")
+    key = body.get("prompt_cache_key")
+    if key is not None and (not isinstance(key, str) or not key):
+        problems.append("prompt_cache_key: must be a non-empty string")
+    for i, t in enumerate(_tool_defs(body.get("tools"), "name", problems)):
+        if t.get("type") != "function":
+            problems.append(f"tools[{i}].type: must be 'function'")
+        if not isinstance(t.get("parameters"), dict):
+            problems.append(f"tools[{i}].parameters: must be a JSON schema object")
+    items = body.get("input")
+    if not isinstance(items, list):
+        return [*problems, "input: must be a list of items"]
+    content_types = {"user": {"input_text", "input_image", "input_file"},
+                     "system": {"input_text"}, "developer": {"input_text"},
+                     "assistant": {"output_text", "refusal"}}
+    called: dict[str, int] = {}
+    answered: set[str] = set()
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            problems.append(f"{where}: not an object")
+            continue
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            parts = item.get("content")
+            if role not in content_types:
+                problems.append(f"{where}.role: {role!r} is not a message role")
+            elif isinstance(parts, list):
+                for j, p in enumerate(parts):
+                    ptype = p.get("type") if isinstance(p, dict) else None
+                    if ptype not in content_types[str(role)]:
+                        problems.append(f"{where}.content[{j}]: a {ptype!r} part is not "
+                                        f"allowed in a {role} message")
+            elif not isinstance(parts, str):
+                problems.append(f"{where}.content: must be a string or a list of parts")
+        elif kind == "function_call":
+            call_id = item.get("call_id")
+            name = item.get("name")
+            if not isinstance(call_id, str) or not call_id:
+                problems.append(f"{where}.call_id: must be a non-empty string")
+            elif call_id in called:
+                problems.append(f"{where}.call_id: {call_id!r} called twice")
+            else:
+                called[call_id] = i
+            if not isinstance(name, str) or PROVIDER_TOOL_NAME.fullmatch(name) is None:
+                problems.append(f"{where}.name: {name!r} is not a valid tool name")
+            args = item.get("arguments")
+            if not isinstance(args, str) or parse_json_object(args) is None:
+                problems.append(f"{where}.arguments: must be JSON object text")
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or call_id not in called:
+                problems.append(f"{where}: output for {call_id!r} without an earlier "
+                                "function_call")
+            elif call_id in answered:
+                problems.append(f"{where}: {call_id!r} answered twice")
+            else:
+                answered.add(call_id)
+            if not isinstance(item.get("output"), (str, list)):
+                problems.append(f"{where}.output: must be a string or a list of parts")
+        elif not isinstance(kind, str):
+            problems.append(f"{where}.type: must be a string")
+    for call_id, i in called.items():
+        if call_id not in answered:
+            problems.append(f"input[{i}]: function_call {call_id!r} has no "
+                            "function_call_output")
+    return problems
+

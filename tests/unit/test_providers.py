@@ -1,0 +1,478 @@
+"""Provider-ready bodies (issue 4, point 3): the Anthropic Messages and OpenAI Responses
+renderings of a BuildResult, their breakpoints, tool-name mapping and structural validators."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from context_engine.api import mapping
+from context_engine.domain import providers as p
+from context_engine.domain.breakpoints import CacheBreakpoint
+from context_engine.domain.builder import BuildResult
+from context_engine.domain.errors import AssemblyError, InvalidInput
+from context_engine.domain.items import (
+    AssistantMessageItem,
+    ConversationItem,
+    HistorySummary,
+    ReasoningItem,
+)
+from context_engine.domain.model import SessionKind
+from context_engine.domain.trust import TrustLevel
+
+from tests import factories as f
+
+THINKING = {"type": "thinking", "thinking": "Compare both pages.", "signature": "c2lnbmF0dXJl"}
+OPENAI_REASONING = {"type": "reasoning", "id": "rs_1", "summary": [],
+                    "encrypted_content": "gAAAAB-opaque"}
+CATALOG = (f.tool("web.fetch"), f.tool("clock_now", description="The current time."))
+
+
+def assistant(item_id: str, text: str, seq: int, run: str = "run-1") -> AssistantMessageItem:
+    return AssistantMessageItem(id=item_id, sequence=seq, run_id=run,
+                                item_trust=TrustLevel.TRUSTED_CONFIGURATION, text=text)
+
+
+def reasoning(item_id: str, seq: int, provider: str, payload: dict[str, Any] | bytes,
+              run: str = "run-1") -> ReasoningItem:
+    opaque = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return ReasoningItem(id=item_id, sequence=seq, run_id=run,
+                         item_trust=TrustLevel.TRUSTED_CONFIGURATION, provider=provider,
+                         opaque=opaque)
+
+
+def built(items: list[ConversationItem], *, kind: SessionKind = SessionKind.INTERACTIVE,
+          budget: int | None = None, catalog: tuple[Any, ...] = CATALOG,
+          model_id: str = "claude-sonnet-4-5", **fields: Any) -> BuildResult:
+    caps = {} if budget is None else {"breakpoint_budget": budget}
+    i = f.inputs(enabled=tuple(t.name for t in catalog), catalog=catalog, kind=kind,
+                 model_profile=f.model(model_id, **caps))
+    return f.run_build(f.loaded(i), f.checkpoint(items, **fields))
+
+
+def two_runs() -> list[ConversationItem]:
+    """A carried run (one call) and an active run with parallel calls and reasoning."""
+    return [
+        f.user("u0", "Check the weather.", 1, run="run-0"),
+        f.call("c0", 2, "k0", run="run-0"),
+        f.result("r0", 3, "k0", "Sunny.", run="run-0"),
+        assistant("a0", "It is sunny.", 4, run="run-0"),
+        f.user("u1", "Compare two pages.", 5),
+        reasoning("th1", 6, "anthropic", THINKING),
+        reasoning("rs1", 7, "openai", OPENAI_REASONING),
+        f.call("c1", 8, "k1", "k2"),
+        f.result("r1", 9, "k1", "Page one."),
+        f.result("r2", 10, "k2", "Page two."),
+    ]
+
+
+def marked(body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(where, cache_control) for every breakpoint, in request order."""
+    out = [(f"tools[{i}]", t["cache_control"]) for i, t in enumerate(body.get("tools", []))
+           if "cache_control" in t]
+    out += [(f"system[{i}]", b["cache_control"]) for i, b in enumerate(body["system"])
+            if "cache_control" in b]
+    for i, m in enumerate(body["messages"]):
+        out += [(f"messages[{i}].content[{j}]", b["cache_control"])
+                for j, b in enumerate(m["content"]) if "cache_control" in b]
+    return out
+
+
+def block_texts(turn: dict[str, Any]) -> list[str]:
+    return [b.get("text") or b.get("content") or b["type"] for b in turn["content"]]
+
+
+# ----------------------------------------------------------------------------- Anthropic
+
+def test_anthropic_top_level_tools_and_system() -> None:
+    r = built(two_runs())
+    body = p.anthropic_messages(r)
+    assert body["model"] == r.model_id == "claude-sonnet-4-5"
+    assert body["max_tokens"] == r.output_reserve
+    assert [b["text"] for b in body["system"]] == [b.text for b in r.request.prefix_blocks]
+    assert all(b["type"] == "text" for b in body["system"])
+    assert [t["name"] for t in body["tools"]] == ["clock_now", "web__fetch"]
+    for tool, definition in zip(body["tools"], r.request.tools, strict=True):
+        assert tool["input_schema"] == json.loads(definition.input_schema_json)
+        assert tool["description"] == definition.description
+    assert p.validate_anthropic(body) == []
+
+
+def test_anthropic_turns_merge_and_alternate() -> None:
+    body = p.anthropic_messages(built(two_runs()))
+    roles = [m["role"] for m in body["messages"]]
+    assert roles == ["user", "assistant", "user", "assistant", "user", "assistant", "user"]
+    # a0 (assistant) and u1 (user) are separate turns; the last user turn carries the results
+    # of the parallel batch first, then the fresh runtime row.
+    last = body["messages"][-1]["content"]
+    assert [b["type"] for b in last] == ["tool_result", "tool_result", "text"]
+    assert last[2]["text"].startswith("Runtime:")
+
+
+def test_anthropic_parallel_calls_share_a_turn_and_their_results_the_next() -> None:
+    body = p.anthropic_messages(built(two_runs()))
+    calls = body["messages"][-2]["content"]
+    uses = [b for b in calls if b["type"] == "tool_use"]
+    assert [(u["id"], u["name"], u["input"]) for u in uses] == [
+        ("k1", "web__fetch", {"q": "k1"}), ("k2", "web__fetch", {"q": "k2"})]
+    results = body["messages"][-1]["content"][:2]
+    assert [b["tool_use_id"] for b in results] == ["k1", "k2"]
+    assert "Page one." in results[0]["content"] and "Page two." in results[1]["content"]
+
+
+def test_anthropic_results_come_first_and_follow_their_calls_turn() -> None:
+    items: list[ConversationItem] = [
+        f.user("u1", "Go.", 1),
+        f.call("c1", 2, "k1"),
+        f.user("u2", "Also check the other one.", 3),  # arrived while k1 ran
+        f.call("c2", 4, "k2"),
+        f.result("r1", 5, "k1", "One."),
+        f.result("r2", 6, "k2", "Two."),
+    ]
+    body = p.anthropic_messages(built(items))
+    kinds = [[b["type"] for b in m["content"]] for m in body["messages"]]
+    assert kinds == [["text"], ["tool_use"], ["tool_result", "text"], ["tool_use"],
+                     ["tool_result", "text"]]
+    assert body["messages"][2]["content"][0]["tool_use_id"] == "k1"
+    assert body["messages"][4]["content"][0]["tool_use_id"] == "k2"
+    assert p.validate_anthropic(body) == []
+
+
+def test_anthropic_pointer_results_stay_paired() -> None:
+    pointer = replace(f.result("r1", 3, "k1", "x" * 5000), elided=True,
+                      artifact_ref="artifact://results/r1")
+    body = p.anthropic_messages(built([f.user("u1", "Fetch.", 1), f.call("c1", 2, "k1"),
+                                       pointer]))
+    result = body["messages"][-1]["content"][0]
+    assert result["type"] == "tool_result" and result["tool_use_id"] == "k1"
+    assert "[elided] tool.result r1" in result["content"]
+    assert "artifact://results/r1" in result["content"] and "x" * 100 not in result["content"]
+    assert p.validate_anthropic(body) == []
+
+
+def test_anthropic_reasoning_is_replayed_verbatim_and_other_providers_are_omitted() -> None:
+    body = p.anthropic_messages(built(two_runs()))
+    calls = body["messages"][-2]["content"]
+    assert calls[0] == THINKING  # decoded from the opaque payload, untouched, first
+    assert [b["type"] for b in calls] == ["thinking", "tool_use", "tool_use"]
+    assert "encrypted_content" not in json.dumps(body)  # the OpenAI item is not sent
+
+
+def test_reasoning_of_an_earlier_run_reaches_neither_provider() -> None:
+    items: list[ConversationItem] = [
+        f.user("u0", "Hi.", 1, run="run-0"),
+        reasoning("th0", 2, "anthropic", THINKING, run="run-0"),
+        reasoning("rs0", 3, "openai", OPENAI_REASONING, run="run-0"),
+        assistant("a0", "Hello.", 4, run="run-0"),
+        f.user("u1", "Again.", 5),
+    ]
+    r = built(items)
+    assert "thinking" not in json.dumps(p.anthropic_messages(r))
+    assert all(i.get("type") != "reasoning" for i in p.openai_responses(r)["input"])
+
+
+@pytest.mark.parametrize(("provider", "payload"), [
+    ("anthropic", b"\xff not json"),
+    ("anthropic", b'["thinking"]'),
+    ("anthropic", json.dumps({"type": "tool_use", "id": "x", "name": "n", "input": {}}).encode()),
+    ("openai", json.dumps({"type": "function_call", "call_id": "x"}).encode()),
+])
+def test_an_unreplayable_reasoning_payload_is_a_clear_error(provider: str,
+                                                            payload: bytes) -> None:
+    items: list[ConversationItem] = [f.user("u1", "Go.", 1),
+                                     reasoning("th1", 2, provider, payload),
+                                     f.call("c1", 3, "k1"), f.result("r1", 4, "k1", "ok")]
+    render = p.anthropic_messages if provider == "anthropic" else p.openai_responses
+    fmt = p.ANTHROPIC_MESSAGES if provider == "anthropic" else p.OPENAI_RESPONSES
+    with pytest.raises(p.ProviderFormatError) as err:
+        render(built(items))
+    assert "'th1'" in str(err.value) and "cannot be replayed" in str(err.value)
+    assert isinstance(err.value, InvalidInput)
+    assert err.value.metadata()["provider_format"] == fmt
+
+
+def test_a_history_that_opens_with_the_models_turn_gets_a_leading_user_turn() -> None:
+    items: list[ConversationItem] = [assistant("a0", "Earlier answer.", 1, run="run-0"),
+                                     f.user("u1", "Next.", 2)]
+    body = p.anthropic_messages(built(items))
+    assert body["messages"][0] == {"role": "user", "content": [
+        {"type": "text", "text": p.LEADING_USER_TEXT}]}
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user"]
+    assert p.validate_anthropic(body) == []
+
+
+# ----------------------------------------------------------------------------- breakpoints
+
+def test_breakpoints_with_a_one_hour_plan_and_a_budget_of_four() -> None:
+    r = built(two_runs(), kind=SessionKind.SCHEDULED, budget=4)
+    assert [(b.name, b.ttl) for b in r.cache_breakpoints] == [
+        ("after_system", "1h"), ("after_tools", "1h"), ("carried_history", "5m"),
+        ("run", "5m")]
+    body = p.anthropic_messages(r)
+    hour = {"type": "ephemeral", "ttl": "1h"}
+    five = {"type": "ephemeral"}
+    assert marked(body) == [("tools[1]", hour), (f"system[{len(body['system']) - 1}]", hour),
+                            ("messages[3].content[0]", five),  # a0: the carried history
+                            ("messages[4].content[0]", five)]  # u1: the run, before reasoning
+    assert body["messages"][3]["content"][0]["text"] == "It is sunny."
+    assert "u1" in body["messages"][4]["content"][0]["text"]
+    assert p.validate_anthropic(body) == []
+
+
+@pytest.mark.parametrize(("budget", "names"), [
+    (3, ["after_system", "after_tools", "carried_history"]),
+    (2, ["after_system", "after_tools"]),
+])
+def test_smaller_budgets_drop_the_run_marker_first(budget: int, names: list[str]) -> None:
+    r = built(two_runs(), kind=SessionKind.SCHEDULED, budget=budget)
+    assert [b.name for b in r.cache_breakpoints] == names
+    body = p.anthropic_messages(r)
+    found = marked(body)
+    assert len(found) == budget
+    assert [cc.get("ttl") for _, cc in found] == ["1h", "1h", None][:budget]
+    assert p.validate_anthropic(body) == []
+
+
+def test_the_summary_marker_sits_on_the_summary() -> None:
+    items: list[ConversationItem] = [f.user("u0", "Old.", 1, run="run-0"),
+                                     f.user("u1", "New.", 2), f.call("c1", 3, "k1"),
+                                     f.result("r1", 4, "k1", "Done.")]
+    r = built(items, summary=HistorySummary(text="We talked.", replaced_through_sequence=1))
+    assert [b.through_item for b in r.cache_breakpoints][2:] == ["@summary", "r1"]
+    body = p.anthropic_messages(r)
+    first = body["messages"][0]["content"]
+    assert first[0]["text"].startswith("Summary of the earlier conversation")
+    assert first[0]["cache_control"] == {"type": "ephemeral"}
+    assert "cache_control" not in first[1]  # u1
+    last = body["messages"][-1]["content"]
+    assert last[0]["type"] == "tool_result"
+    assert last[0]["cache_control"] == {"type": "ephemeral"}  # r1, the run marker
+    assert "cache_control" not in last[1]  # the fresh runtime row
+    assert p.validate_anthropic(body) == []
+
+
+def test_a_marker_never_lands_on_thinking_nor_past_its_item() -> None:
+    r = built(two_runs())
+    # a hand-made marker through the thinking block falls back to the block before it
+    r = replace(r, cache_breakpoints=(
+        CacheBreakpoint(name="run", ttl="5m", through_item="th1"),
+        CacheBreakpoint(name="carried_history", ttl="5m", through_item="missing")))
+    body = p.anthropic_messages(r)
+    assert [w for w, _ in marked(body)] == ["messages[4].content[0]"]  # u1's text
+    assert "cache_control" not in body["messages"][5]["content"][0]
+    assert p.validate_anthropic(body) == []
+
+
+def test_at_most_four_breakpoints_and_never_longer_after_shorter() -> None:
+    r = built(two_runs(), kind=SessionKind.SCHEDULED)
+    extra = (*r.cache_breakpoints,
+             CacheBreakpoint(name="extra", ttl="5m", through_item="r2"),
+             CacheBreakpoint(name="run", ttl="1h", through_item="c1"))
+    body = p.anthropic_messages(replace(r, cache_breakpoints=extra))
+    found = marked(body)
+    assert len(found) == 4
+    assert [cc.get("ttl", "5m") for _, cc in found] == ["1h", "1h", "5m", "5m"]
+    assert p.validate_anthropic(body) == []
+
+
+def test_without_tools_after_tools_has_no_block() -> None:
+    r = built([f.user("u1", "Hi.", 1)], catalog=())
+    body = p.anthropic_messages(r)
+    assert "tools" not in body
+    assert [w for w, _ in marked(body)] == [f"system[{len(body['system']) - 1}]"]
+
+
+# ----------------------------------------------------------------------------- OpenAI
+
+def test_openai_body() -> None:
+    r = built(two_runs(), model_id="gpt-5")
+    body = p.openai_responses(r)
+    assert body["model"] == "gpt-5"
+    assert body["instructions"] == "\n\n".join(b.text for b in r.request.prefix_blocks)
+    assert body["prompt_cache_key"] == r.session_key
+    assert body["max_output_tokens"] == r.output_reserve
+    assert body["store"] is False and body["include"] == ["reasoning.encrypted_content"]
+    assert body["tools"] == [
+        {"type": "function", "name": "clock_now", "description": "The current time.",
+         "parameters": f.SCHEMA, "strict": False},
+        {"type": "function", "name": "web__fetch",
+         "description": "Does web.fetch. More detail here.", "parameters": f.SCHEMA,
+         "strict": False}]
+    kinds = [(i["type"], i.get("role") or i.get("call_id")) for i in body["input"]]
+    assert kinds == [
+        ("message", "user"), ("function_call", "k0"), ("function_call_output", "k0"),
+        ("message", "assistant"), ("message", "user"), ("reasoning", None),
+        ("function_call", "k1"), ("function_call", "k2"),
+        ("function_call_output", "k1"), ("function_call_output", "k2"),
+        ("message", "user")]
+    assert body["input"][3]["content"] == [
+        {"type": "output_text", "text": "It is sunny.", "annotations": []}]
+    assert body["input"][0]["content"][0]["type"] == "input_text"
+    assert body["input"][5] == OPENAI_REASONING  # verbatim; the Anthropic block is omitted
+    calls = {c.call_id: c for m in r.request.messages for c in m.tool_calls}
+    for item in body["input"]:
+        if item["type"] == "function_call":
+            assert item["arguments"] == calls[item["call_id"]].arguments_json  # verbatim
+            assert item["name"] == "web__fetch"
+    assert "cache_control" not in json.dumps(body)
+    assert p.validate_openai(body) == []
+
+
+def test_openai_pointer_results() -> None:
+    pointer = replace(f.result("r1", 3, "k1", "y" * 4000), elided=True)
+    body = p.openai_responses(built([f.user("u1", "Fetch.", 1), f.call("c1", 2, "k1"),
+                                     pointer], model_id="gpt-5"))
+    out = body["input"][2]
+    assert out["type"] == "function_call_output" and out["call_id"] == "k1"
+    assert "[elided] tool.result r1" in out["output"]
+    assert p.validate_openai(body) == []
+
+
+# ----------------------------------------------------------------------------- tool names
+
+def test_tool_names_map_dots_deterministically() -> None:
+    assert p.provider_tool_name("browser.navigate") == "browser__navigate"
+    assert p.provider_tool_names(["a.b", "c-d", "a.b"]) == {"a.b": "a__b", "c-d": "c-d"}
+
+
+def test_colliding_tool_names_are_rejected_clearly() -> None:
+    r = built([f.user("u1", "Hi.", 1)], catalog=(f.tool("a.b"), f.tool("a__b")))
+    for render in (p.anthropic_messages, p.openai_responses):
+        with pytest.raises(p.ProviderFormatError) as err:
+            render(r)
+        assert "'a.b', 'a__b'" in str(err.value) and "'a__b'" in str(err.value)
+        assert err.value.violations[0].field == "provider_format"
+
+
+def test_a_replayed_call_colliding_with_a_definition_is_rejected() -> None:
+    r = built([f.user("u1", "Hi.", 1), f.call("c1", 2, "k1", name="web__fetch"),
+               f.result("r1", 3, "k1", "page", name="web__fetch")])
+    with pytest.raises(p.ProviderFormatError) as err:
+        p.openai_responses(r)
+    assert "'web.fetch', 'web__fetch'" in str(err.value)
+
+
+def test_a_name_too_long_once_mapped_is_rejected() -> None:
+    name = "a." * 31 + "b"  # 63 characters; 94 once mapped
+    with pytest.raises(p.ProviderFormatError, match="1-64 characters"):
+        p.provider_tool_names([name])
+
+
+# ----------------------------------------------------------------------------- validators
+
+def anthropic_valid() -> dict[str, Any]:
+    body = p.anthropic_messages(built(two_runs(), kind=SessionKind.SCHEDULED))
+    assert p.validate_anthropic(body) == []
+    return body
+
+
+def openai_valid() -> dict[str, Any]:
+    body = p.openai_responses(built(two_runs(), model_id="gpt-5"))
+    assert p.validate_openai(body) == []
+    return body
+
+
+def test_validator_counts_breakpoints() -> None:
+    body = anthropic_valid()
+    body["messages"][0]["content"][0]["cache_control"] = {"type": "ephemeral"}
+    assert any("5 cache_control breakpoints" in e for e in p.validate_anthropic(body))
+
+
+def test_validator_checks_ttl_order() -> None:
+    body = anthropic_valid()
+    body["messages"][4]["content"][0]["cache_control"] = {"type": "ephemeral", "ttl": "1h"}
+    assert any("longer TTLs must come first" in e for e in p.validate_anthropic(body))
+
+
+def test_validator_rejects_cache_control_on_thinking() -> None:
+    body = anthropic_valid()
+    body["messages"][5]["content"][0]["cache_control"] = {"type": "ephemeral"}
+    assert any("'thinking' block" in e for e in p.validate_anthropic(body))
+
+
+def test_validator_catches_an_unanswered_tool_use() -> None:
+    body = anthropic_valid()
+    del body["messages"][-1]["content"][1]  # k2's result
+    errors = p.validate_anthropic(body)
+    assert any("'k2' has no tool_result" in e for e in errors)
+
+
+def test_validator_catches_a_result_outside_the_next_turn() -> None:
+    body = anthropic_valid()
+    moved = body["messages"][-1]["content"].pop(0)
+    body["messages"][0]["content"].insert(0, moved)
+    errors = p.validate_anthropic(body)
+    assert any("'k1' has no tool_result" in e for e in errors)
+    assert any("tool_result 'k1' answers no tool_use" in e for e in errors)
+
+
+def test_validator_wants_results_before_other_content() -> None:
+    body = anthropic_valid()
+    last = body["messages"][-1]["content"]
+    last.append(last.pop(0))
+    assert any("must come before" in e for e in p.validate_anthropic(body))
+
+
+def test_validator_checks_roles() -> None:
+    body = anthropic_valid()
+    first = body["messages"].pop(0)
+    errors = p.validate_anthropic(body)
+    assert any("first message must have the user role" in e for e in errors)
+    body["messages"].insert(0, first)
+    body["messages"].insert(0, copy.deepcopy(first))
+    assert any("two user turns in a row" in e for e in p.validate_anthropic(body))
+
+
+def test_validator_checks_tool_names() -> None:
+    body = anthropic_valid()
+    body["tools"][1]["name"] = "web.fetch"
+    body["messages"][-2]["content"][1]["name"] = "web.fetch"
+    errors = p.validate_anthropic(body)
+    assert any(e.startswith("tools[1].name") for e in errors)
+    assert any(".name: 'web.fetch' is not a valid tool name" in e for e in errors)
+    body["tools"][1]["name"] = "clock_now"
+    assert any("duplicate 'clock_now'" in e for e in p.validate_anthropic(body))
+
+
+def test_openai_validator_pairs_calls_and_outputs() -> None:
+    body = openai_valid()
+    items = body["input"]
+    out = items.pop(9)  # k2's output
+    assert any("'k2' has no function_call_output" in e for e in p.validate_openai(body))
+    items.insert(1, out)  # now before its call
+    errors = p.validate_openai(body)
+    assert any("output for 'k2' without an earlier function_call" in e for e in errors)
+
+
+def test_openai_validator_checks_names_arguments_and_content() -> None:
+    body = openai_valid()
+    body["tools"][0]["name"] = "clock.now"
+    body["input"][1]["arguments"] = "not json"
+    body["input"][3]["content"][0]["type"] = "input_text"  # an assistant never sends input
+    errors = p.validate_openai(body)
+    assert any(e.startswith("tools[0].name") for e in errors)
+    assert any("arguments: must be JSON object text" in e for e in errors)
+    assert any("'input_text' part is not allowed in a assistant message" in e for e in errors)
+
+
+def test_render_validates_and_rejects_unknown_formats() -> None:
+    r = built(two_runs())
+    assert p.render(r, p.ANTHROPIC_MESSAGES) == p.anthropic_messages(r)
+    assert p.render(r, p.OPENAI_RESPONSES) == p.openai_responses(r)
+    with pytest.raises(InvalidInput):
+        p.render(r, "gemini")
+    broken = replace(r, model_id="")
+    with pytest.raises(AssemblyError, match="model"):
+        p.render(broken, p.OPENAI_RESPONSES)
+
+
+def test_build_pb_returns_the_canonical_body_only_when_asked() -> None:
+    r = built(two_runs())
+    assert mapping.build_pb(r).provider_body_json == ""
+    text = mapping.build_pb(r, p.ANTHROPIC_MESSAGES).provider_body_json
+    assert json.loads(text) == p.anthropic_messages(r)
+    assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"),
+                              ensure_ascii=False)
