@@ -49,8 +49,10 @@ test: lint
 ## bench: Build over loopback gRPC (cold, warm) beside one raw tiktoken pass and langchain-core
 ## trim_messages on seeded 50/200/1,000-item conversations; prints the table, writes
 ## tests/bench/results.md (issue 3, point 10). Not part of `make test`.
+## bench: Build vs one raw tiktoken pass and trim_messages; cached ratios vs a naive assembly
 bench: $(GEN_STAMP)
 	$(PY) -m tests.bench.build_bench
+	$(PY) -m tests.bench.cache_bench
 
 clean:
 	rm -rf $(VENV) $(GEN_DIR) .mypy_cache .ruff_cache .pytest_cache .hypothesis
