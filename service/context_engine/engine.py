@@ -48,6 +48,7 @@ from context_engine.domain.plan import (
     admission_reason,
     draft_plan,
     redraft,
+    render_prefix,
     rotation_reason_for,
 )
 from context_engine.domain.ports import (
@@ -227,6 +228,9 @@ class Engine:
         if current is not None and cmd.reason_to_rotate(current.spec, self._assets) is None:
             # Pinned: tools, scopes and snapshot are not even re-resolved (a revocation is
             # enforced at call time, never by rewriting the prefix).
+            loaded = await self.loaded(cmd.tenant_id, cmd.session_id, current.epoch)
+            if loaded.legacy:
+                return await self._canonicalize(loaded)
             return current, False
 
         profile = self._catalog.resolve(
@@ -262,6 +266,25 @@ class Engine:
                 self._metrics.sessions_opened.inc()
             self._metrics.epochs.labels(reason=plan.reason).inc()
             self._metrics.prefix_tokens.observe(plan.prefix_tokens)
+        return plan, created
+
+    async def _canonicalize(self, loaded: LoadedPlan) -> tuple[ContextPlan, bool]:
+        """prefix_hash_canonicalized: the same plan appended as a new epoch under its canonical
+        hash. Nothing is rebuilt (a run may be parked on an approval) and the provider gets
+        the same bytes, so nothing is re-cached."""
+        stale = loaded.plan
+
+        def decide(locked: ContextPlan | None) -> Rotation | None:
+            if locked is None or locked.epoch != stale.epoch:
+                return None  # another replica already moved the session on
+            draft = PlanDraft(spec=locked.spec,
+                              rendered=render_prefix(locked.spec, loaded.session_key),
+                              classes=locked.classes)
+            return Rotation(reason="prefix_hash_canonicalized", draft=draft)
+
+        plan, created = await self._store.pin(stale.tenant_id, stale.session_id, decide)
+        if created:
+            self._metrics.epochs.labels(reason=plan.reason).inc()
         return plan, created
 
     async def rotate(self, cmd: RotateCommand) -> tuple[ContextPlan, bool]:

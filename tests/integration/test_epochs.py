@@ -142,3 +142,35 @@ def test_markers_are_outside_the_prefix_hash(stub, ids):
     assert [m.name for m in a.cache_breakpoints][-1] == "run"
     assert [(m.name, m.through_item) for m in b.cache_breakpoints][2:] == [
         ("carried_history", "a0")]
+
+
+def test_a_legacy_hash_is_served_then_canonicalized_once(server, stub, ids, db):
+    """A plan whose hash covered scope sets in its writer's order (before canonical
+    serialization) renders the same bytes: Build serves it, and the next Plan appends the same
+    plan as a new epoch under its canonical hash, reason prefix_hash_canonicalized."""
+    from context_engine.domain.canonical import canonical_json, session_key
+    from context_engine.domain.plan import PlanSpec, render_prefix
+
+    tenant, session = ids
+    plan = stub.Plan(plan_request(tenant, session)).plan
+    document = json.loads(db.val("SELECT spec_text FROM plans WHERE tenant_id=$1", tenant))
+    mail = next(t for t in document["deferred"] if t["name"] == "mail.send")
+    assert mail["required_scopes"] == ["mail", "mail.send"]
+    mail["required_scopes"] = ["mail.send", "mail"]  # the order a legacy writer's set had
+    spec = PlanSpec.from_canonical(document)
+    legacy_hash = render_prefix(spec, session_key(tenant, session),
+                                recorded=document).prefix_sha256
+    assert legacy_hash != plan.prefix_sha256
+    db.fetch("UPDATE plans SET spec_text=$2, prefix_sha256=$3 WHERE tenant_id=$1", tenant,
+             canonical_json(document), legacy_hash)
+    server.running.engine.cache.clear()
+
+    served = stub.Build(build_request(tenant, session))
+    assert served.epoch == 1 and served.prefix_sha256 == legacy_hash
+    resp = stub.Plan(plan_request(tenant, session))
+    assert resp.created and resp.plan.epoch == 2
+    assert resp.plan.reason == "prefix_hash_canonicalized"
+    assert resp.plan.prefix_sha256 == plan.prefix_sha256  # canonical again
+    assert resp.plan.prefix_blocks == plan.prefix_blocks and resp.plan.tools == plan.tools
+    assert not stub.Plan(plan_request(tenant, session)).created
+    assert reasons(db, tenant) == ["session_opened", "prefix_hash_canonicalized"]

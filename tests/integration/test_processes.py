@@ -66,6 +66,35 @@ def test_concurrent_plans_from_two_processes_create_exactly_one_epoch(two_server
     assert events == len(sessions)
 
 
+def test_concurrent_rotations_from_two_processes_never_skip_or_duplicate(two_servers, db):
+    stubs = [pb_grpc.ContextEngineStub(grpc.insecure_channel(s.address)) for s in two_servers]
+    tenant = f"tenant-{uuid.uuid4().hex[:10]}"
+    stubs[0].Plan(plan_request(tenant, "rotating"))
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(12)
+
+    def go(i: int) -> None:
+        try:
+            barrier.wait(10)
+            stubs[i % 2].Rotate(pb.RotateRequest(
+                tenant_id=tenant, session_id="rotating", reason=pb.ROTATION_REASON_OPERATOR,
+                idempotency_key=f"key-{i % 4}"), timeout=30)
+        except BaseException as exc:  # asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    epochs = [r["epoch"] for r in db.fetch(
+        "SELECT epoch FROM plans WHERE tenant_id=$1 ORDER BY epoch", tenant)]
+    assert epochs == [1, 2, 3, 4, 5]  # one per distinct key, none skipped or repeated
+    assert db.val("SELECT count(*) FROM context_events WHERE tenant_id=$1 AND "
+                  "type='context.epoch.rotated'", tenant) == 4
+
+
 def test_plans_survive_a_restart_and_build_identically(database_url):
     tenant, session = f"tenant-{uuid.uuid4().hex[:10]}", "restart"
     first = ServerProcess({"DATABASE_URL": database_url})

@@ -101,6 +101,7 @@ class LoadedPlan:
     plan: ContextPlan
     rendered: RenderedPrefix
     session_key: str
+    legacy: bool = False  # verified under its recorded (non-canonical) hash
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -366,9 +367,17 @@ def assert_paired(request: ModelRequest) -> None:
 
 
 def load_plan(plan: ContextPlan) -> LoadedPlan:
-    """Re-render a stored plan's prefix and verify it against the hash it was pinned with."""
+    """Re-render a stored plan's prefix and verify it against the hash it was pinned with.
+
+    A legacy plan whose hash covered its tool specifications as recorded (scope sets in the
+    writer's hash-seed order) renders the same bytes: it is served under its recorded hash
+    and marked ``legacy``, and the next Plan canonicalizes it (prefix_hash_canonicalized)."""
     key = session_key(plan.tenant_id, plan.session_id)
     rendered = render_prefix(plan.spec, key)
-    if rendered.prefix_sha256 != plan.prefix_sha256:
-        raise PrefixHashMismatch(plan.prefix_sha256, rendered.prefix_sha256, plan.epoch)
-    return LoadedPlan(plan=plan, rendered=rendered, session_key=key)
+    if rendered.prefix_sha256 == plan.prefix_sha256:
+        return LoadedPlan(plan=plan, rendered=rendered, session_key=key)
+    if plan.recorded is not None:
+        legacy = render_prefix(plan.spec, key, recorded=plan.recorded)
+        if legacy.prefix_sha256 == plan.prefix_sha256:
+            return LoadedPlan(plan=plan, rendered=legacy, session_key=key, legacy=True)
+    raise PrefixHashMismatch(plan.prefix_sha256, rendered.prefix_sha256, plan.epoch)

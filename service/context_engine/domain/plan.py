@@ -207,6 +207,8 @@ class ContextPlan:
     prefix_tokens: int
     classes: tuple[ClassUsage, ...]
     created_at: datetime | None = None
+    # the stored document as parsed, when loaded from storage (legacy hash recognition)
+    recorded: dict[str, Any] | None = None
 
 
 def prefix_items(spec: PlanSpec) -> list[ContextItem]:
@@ -231,8 +233,13 @@ def _block_trust(item: ContextItem) -> TrustLevel:
     raise AssertionError(f"{type(item).__name__} has per-entry trust but no block trust")
 
 
-def render_prefix(spec: PlanSpec, session_key: str) -> RenderedPrefix:
-    """Render Region A. Pure; the same spec and session key always give the same bytes."""
+def render_prefix(spec: PlanSpec, session_key: str, *,
+                  recorded: dict[str, Any] | None = None) -> RenderedPrefix:
+    """Render Region A. Pure; the same spec and session key always give the same bytes.
+
+    ``recorded`` is a stored plan document: its tool specifications then enter the hash as
+    they were recorded (a legacy plan may hold scope sets in its writer's iteration order),
+    which is how a legacy hash is recognised. The rendered bytes are the same either way."""
     ctx = RenderContext(session_key=session_key)
     blocks: list[PrefixBlock] = []
     tools: tuple[ToolDefinition, ...] = ()
@@ -244,7 +251,9 @@ def render_prefix(spec: PlanSpec, session_key: str) -> RenderedPrefix:
         if text:  # empty persona, index, catalog and snapshot render no bytes
             blocks.append(PrefixBlock(row=declaration(type(item))[0],
                                       trust=_block_trust(item), text=text))
-    tool_specs = [t.canonical() for t in spec.tools]
+    tool_specs = [t.canonical() for t in spec.tools] if recorded is None else recorded["tools"]
+    deferred_specs = ([t.canonical() for t in spec.deferred] if recorded is None
+                      else recorded["deferred"])
     digest = canonical_sha256({
         # The same bytes sent to another model are another cache entry and another prefix:
         # provider tokenization and tool serialization differ.
@@ -252,7 +261,7 @@ def render_prefix(spec: PlanSpec, session_key: str) -> RenderedPrefix:
         "blocks": [[b.row, b.trust.value, b.text] for b in blocks],
         "tools": [[d.name, d.description, d.input_schema_json] for d in tools],
         "tool_specs": tool_specs,
-        "deferred_specs": [t.canonical() for t in spec.deferred],
+        "deferred_specs": deferred_specs,
     })
     return RenderedPrefix(blocks=tuple(blocks), tools=tools, prefix_sha256=digest,
                           tool_schema_sha256=canonical_sha256(tool_specs))

@@ -20,12 +20,13 @@ from context_engine.domain.ports import ContextEvent, Decide, Reconcile, pinned,
 def _plan_from_row(row: asyncpg.Record) -> ContextPlan:
     # Parse and rebuild from the canonical text (jsonb would have rewritten numbers); the
     # canonical form is then re-derived, so stored key order can never matter.
-    spec = PlanSpec.from_canonical(json.loads(row["spec_text"]))
+    document = json.loads(row["spec_text"])
+    spec = PlanSpec.from_canonical(document)
     classes = tuple(ClassUsage(**c) for c in json.loads(row["classes"]))
     return ContextPlan(tenant_id=row["tenant_id"], session_id=row["session_id"],
                        epoch=row["epoch"], reason=row["reason"], spec=spec,
                        prefix_sha256=row["prefix_sha256"], prefix_tokens=row["prefix_tokens"],
-                       classes=classes, created_at=row["created_at"])
+                       classes=classes, created_at=row["created_at"], recorded=document)
 
 
 def _classes_json(plan: ContextPlan) -> str:
