@@ -193,7 +193,7 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     maps an index into ``carried`` to an index into the checkpoint's items."""
     B = budget.body_budget
     knowledge = sorted(knowledge, key=lambda p: (p.rank, p.id))
-    ledger = _Ledger(fixed=dict(fixed), knowledge=knowledge, recall=list(recall),
+    ledger = _Ledger(fixed=dict(fixed), knowledge=list(knowledge), recall=list(recall),
                      history=list(carried[floor:]), active=list(active),
                      history_costs=[cost(i) for i in carried[floor:]],
                      active_costs=[cost(i) for i in active])

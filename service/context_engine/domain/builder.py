@@ -141,6 +141,16 @@ def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint") -> list[Fie
             f"{field}.active_run_id",
             f"the last item belongs to run {cp.items[-1].run_id!r}, not the active run "
             f"{cp.active_run_id!r}: the active run's items come last"))
+    if cp.summary is not None and cp.items and cp.active_run_id:
+        first_active = next((item for item in cp.items if item.run_id == cp.active_run_id),
+                            None)
+        if first_active is not None and \
+                cp.summary.replaced_through_sequence >= first_active.sequence:
+            violations.append(FieldViolation(
+                f"{field}.summary.replaced_through_sequence",
+                f"{cp.summary.replaced_through_sequence} covers items of the active run "
+                f"(from sequence {first_active.sequence}); compaction replaces only what came "
+                "before it"))
     calls_by_id: dict[str, str] = {}
     seen_ids: set[str] = set()
     open_calls: dict[str, int] = {}
@@ -244,10 +254,12 @@ def fresh_rows(loaded: LoadedPlan, cp: Checkpoint) -> dict[str, ContextItem]:
 
 def attachment_costs(items: Sequence[ConversationItem]) -> dict[str, int]:
     """Per user message: its attachments' content estimate, under one request-wide budget
-    consumed in item order (labels are counted in the message text itself)."""
+    consumed newest first — what history keeps is a suffix, so a kept attachment is never
+    counted at less than its estimate because an older one spent the budget (labels are
+    counted in the message text itself)."""
     remaining = ATTACHMENT_BUDGET_TOKENS
     out: dict[str, int] = {}
-    for item in items:
+    for item in reversed(items):
         if isinstance(item, UserMessageItem) and item.attachments:
             want = sum(attachment_tokens(a) for a in item.attachments)
             out[item.id] = min(want, remaining)
@@ -269,7 +281,6 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     budget = compute_budget(window=model.context_window, output_reserve=model.output_reserve,
                             prefix_tokens=plan.prefix_tokens, policy=policy)
     items, legacy = normalize_tool_results(cp.items, policy.inline_maximum_bytes)
-    attach = attachment_costs(items)
 
     # Items are frozen values: (session key, encoding, item) determines the rendered messages
     # and their raw token counts. ``memo`` (a bounded mapping the caller may keep across
@@ -302,10 +313,14 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     carried, active = history[:k], history[k:]
     positions = [i for i, _ in kept[:k]]
     floor = floor_index(carried, cp.summary.replaced_through_sequence) if cp.summary else 0
+    # only what can be sent spends the attachment budget (not what the summary replaced)
+    attach = attachment_costs([*carried[floor:], *active, *trailing])
 
     def position(i: int) -> int:
-        return positions[i] if i < len(positions) else (kept[k][0] if k < len(kept)
-                                                        else len(history))
+        """An index into ``carried`` as an index into the checkpoint's items."""
+        if i < len(positions):
+            return positions[i]
+        return kept[k][0] if k < len(kept) else len(items) - len(trailing)
 
     skills = [SkillBodyItem(name=s.name, body=s.body, skill_trust=s.trust)
               for s in cp.loaded_skills]

@@ -30,8 +30,11 @@ def head_tail_excerpt(item: ToolResultItem, inline_maximum_bytes: int) -> str:
     tail_n = inline_maximum_bytes - head_n
     head, tail = _head(data, head_n), _tail(data, tail_n)
     omitted = len(data) - len(head.encode("utf-8")) - len(tail.encode("utf-8"))
+    where = f"event:{item.event_id}" if item.event_id else f"item:{item.id}"
+    if item.artifact_ref:
+        where += f", {item.artifact_ref}"
     return (f"{head}\n[... excerpt: {omitted:,} of {len(data):,} bytes omitted; "
-            f"full result: {item.reference()} ...]\n{tail}")
+            f"full result: {where} ...]\n{tail}")
 
 
 def normalize_tool_results(items: Sequence[ConversationItem], inline_maximum_bytes: int

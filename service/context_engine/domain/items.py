@@ -551,7 +551,8 @@ class TrailingUserInput(ContextItem):
     message: UserMessageItem
 
     def messages(self, ctx: RenderContext) -> list[Message]:
-        return [Message(row=15, role=m.role, trust=m.trust, item_id=m.item_id, text=m.text)
+        return [Message(row=15, role=m.role, trust=m.trust, item_id=m.item_id, text=m.text,
+                        attachments=m.attachments)
                 for m in self.message.messages(ctx)]
 
 

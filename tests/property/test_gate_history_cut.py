@@ -1,0 +1,284 @@
+"""Hard gate: history-cut determinism (spec: "What history selection retains", "Hard gates").
+
+``select_history(items, summary_floor, history_tokens, cost)`` returns one index; the retained
+set ``items[cut:]`` must be a contiguous suffix that fits ``history_tokens``, never reaches at
+or below the summary floor (an event *sequence*, compared with each item's sequence), never
+holds half of a tool pair (parallel calls share one call item and are one unit with all their
+results), is the largest such suffix, and is identical across two calls on the same input.
+
+Every property is checked against an oracle written here from the spec's wording, sharing no
+code with ``history.py``: valid cut positions are the indices no call/result pair straddles,
+and the expected cut is the smallest valid index above the floor whose suffix fits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+from context_engine.domain.history import select_history
+from context_engine.domain.items import (
+    AssistantMessageItem,
+    ConversationItem,
+    ReasoningItem,
+    RenderContext,
+    ToolCallItem,
+    ToolResultItem,
+    UserMessageItem,
+)
+from context_engine.domain.request import ToolCall
+from context_engine.domain.trust import TrustLevel
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests import factories as f
+
+pytestmark = pytest.mark.gate_history_cut
+
+GATE_SETTINGS = settings(max_examples=100, deadline=None,
+                         suppress_health_check=[HealthCheck.too_slow,
+                                                HealthCheck.data_too_large])
+
+WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "omega",
+         "{\"k\": 1}", "<div>", "</div>", "ok", "42")
+
+
+def words(n: int, seed: int) -> str:
+    return " ".join(WORDS[(seed + 7 * i) % len(WORDS)] for i in range(n))
+
+
+@dataclass(frozen=True)
+class History:
+    items: tuple[ConversationItem, ...]
+    costs: tuple[int, ...]  # an arbitrary cost per item (huge for huge results)
+
+
+@st.composite
+def histories(draw: st.DrawFn, *, max_blocks: int = 14) -> History:
+    """User and assistant messages, reasoning, and tool-call items with 1-3 parallel calls
+    followed by all their results (in any order); sequences are non-decreasing (equal
+    sequences allowed, including inside a pair); some results are huge."""
+    item_no = itertools.count(1)
+    call_no = itertools.count(1)
+    seq = draw(st.integers(0, 50))
+    items: list[ConversationItem] = []
+    costs: list[int] = []
+
+    def nseq() -> int:
+        nonlocal seq
+        seq += draw(st.sampled_from((0, 1, 1, 2, 5)))
+        return seq
+
+    def small() -> int:
+        return draw(st.integers(0, 400))
+
+    for _ in range(draw(st.integers(0, max_blocks))):
+        kind = draw(st.sampled_from(("user", "assistant", "reasoning", "tools", "tools",
+                                     "tools")))
+        run = draw(st.sampled_from(("run-1", "run-2")))
+        if kind == "user":
+            items.append(UserMessageItem(id=f"i{next(item_no)}", sequence=nseq(), run_id=run,
+                                         item_trust=TrustLevel.USER,
+                                         text=words(draw(st.integers(0, 30)), len(items))))
+            costs.append(small())
+        elif kind == "assistant":
+            items.append(AssistantMessageItem(id=f"i{next(item_no)}", sequence=nseq(),
+                                              run_id=run, item_trust=TrustLevel.USER,
+                                              text=words(draw(st.integers(0, 30)), len(items))))
+            costs.append(small())
+        elif kind == "reasoning":
+            items.append(ReasoningItem(id=f"i{next(item_no)}", sequence=nseq(), run_id=run,
+                                       item_trust=TrustLevel.USER, provider="anthropic",
+                                       opaque=bytes(draw(st.integers(0, 60)))))
+            costs.append(small())
+        else:
+            calls = tuple(ToolCall(call_id=f"call_{next(call_no)}", name="web.fetch",
+                                   arguments_json=json.dumps({"q": len(items)}))
+                          for _ in range(draw(st.integers(1, 3))))
+            items.append(ToolCallItem(id=f"i{next(item_no)}", sequence=nseq(), run_id=run,
+                                      item_trust=TrustLevel.USER, calls=calls))
+            costs.append(small())
+            for c in draw(st.permutations(calls)):
+                huge = draw(st.integers(0, 4)) == 0
+                n = draw(st.integers(2_000, 60_000)) if huge else draw(st.integers(0, 300))
+                items.append(ToolResultItem(
+                    id=f"i{next(item_no)}", sequence=nseq(), run_id=run,
+                    item_trust=draw(st.sampled_from((TrustLevel.EXTERNAL_UNTRUSTED,
+                                                     TrustLevel.USER))),
+                    call_id=c.call_id, tool_name=c.name,
+                    content=words(n // 8 if huge else n // 4, len(items))))
+                costs.append(n)
+    return History(items=tuple(items), costs=tuple(costs))
+
+
+@st.composite
+def floors(draw: st.DrawFn, items: Sequence[ConversationItem]) -> int:
+    """0 (no summary), a sequence some item carries (often), or anything around them."""
+    seqs = [i.sequence for i in items]
+    lo, hi = (min(seqs) - 3, max(seqs) + 3) if seqs else (-3, 3)
+    return draw(st.one_of(st.just(0), st.sampled_from(seqs) if seqs else st.just(0),
+                          st.integers(lo, hi)))
+
+
+@st.composite
+def budgets(draw: st.DrawFn, costs: Sequence[int]) -> int:
+    """Anything from nothing to more than everything, often near a suffix boundary."""
+    total = sum(costs)
+    suffix_sums = [sum(costs[k:]) for k in range(len(costs) + 1)]
+    return draw(st.one_of(st.integers(0, total + 10),
+                          st.sampled_from(suffix_sums).flatmap(
+                              lambda s: st.integers(max(s - 2, 0), s + 2)),
+                          st.just(0), st.just(total)))
+
+
+# --------------------------------------------------------------------------- the oracle
+
+def pair_spans(items: Sequence[ConversationItem]) -> list[tuple[int, int]]:
+    """(call index, result index) for every call and each of its results."""
+    where_called: dict[str, int] = {}
+    spans: list[tuple[int, int]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, ToolCallItem):
+            for call in item.calls:
+                where_called[call.call_id] = i
+        elif isinstance(item, ToolResultItem):
+            spans.append((where_called[item.call_id], i))
+    return spans
+
+
+def valid_cuts(items: Sequence[ConversationItem]) -> list[int]:
+    """Indices c such that no call/result pair has its call before c and its result at or
+    after c (the only boundaries a suffix may start at)."""
+    spans = pair_spans(items)
+    return [c for c in range(len(items) + 1)
+            if not any(call < c <= res for call, res in spans)]
+
+
+def first_above_floor(items: Sequence[ConversationItem], floor: int) -> int:
+    """Index of the first item whose sequence is above the floor (sequences are
+    non-decreasing, so everything before it is at or below the floor)."""
+    return next((i for i, item in enumerate(items) if item.sequence > floor), len(items))
+
+
+def expected_cut(items: Sequence[ConversationItem], floor: int, budget: int,
+                 costs: Sequence[int]) -> int:
+    lowest = first_above_floor(items, floor)
+    return min(c for c in valid_cuts(items)
+               if c >= lowest and sum(costs[c:]) <= budget)
+
+
+def orphans_in(items: Sequence[ConversationItem]) -> list[str]:
+    """Call ids in ``items`` whose call or one of whose results is missing from ``items``."""
+    called = {c.call_id for i in items if isinstance(i, ToolCallItem) for c in i.calls}
+    answered = [i.call_id for i in items if isinstance(i, ToolResultItem)]
+    return sorted((called ^ set(answered)) | {a for a in answered if answered.count(a) > 1})
+
+
+def check_cut(items: Sequence[ConversationItem], floor: int, budget: int,
+              costs: Sequence[int]) -> int:
+    calls: list[int] = []
+
+    def cost(i: int) -> int:
+        calls.append(i)
+        return costs[i]
+
+    cut = select_history(items, floor, budget, cost)
+    n = len(items)
+
+    # An index, so the retained set is the contiguous suffix items[cut:].
+    assert isinstance(cut, int) and not isinstance(cut, bool)
+    assert 0 <= cut <= n
+    assert all(0 <= i < n for i in calls), "cost() was asked about an index out of range"
+    # Fits.
+    assert sum(costs[cut:]) <= budget
+    # Never at or below the summary floor (sequence compared with sequence).
+    assert all(item.sequence > floor for item in items[cut:]), \
+        f"retained an item at or below the floor {floor}"
+    # Never half a pair.
+    assert orphans_in(items[cut:]) == [], f"cut {cut} splits a tool pair"
+    # Largest: the previous whole unit would not fit or would cross the floor.
+    if cut > 0:
+        previous = max(c for c in valid_cuts(items) if c < cut)
+        crosses_floor = any(item.sequence <= floor for item in items[previous:cut])
+        assert crosses_floor or sum(costs[previous:]) > budget, (
+            f"cut {cut} is not the largest suffix: items[{previous}:] also fits "
+            f"({sum(costs[previous:])} <= {budget}) above the floor")
+    assert cut == expected_cut(items, floor, budget, costs)
+    # Identical across two calls (and with an equal, separately built cost function).
+    assert select_history(items, floor, budget, cost) == cut
+    again = list(costs)
+    assert select_history(tuple(items), floor, budget, lambda i: again[i]) == cut
+    return cut
+
+
+# --------------------------------------------------------------------------- properties
+
+@GATE_SETTINGS
+@given(data=st.data())
+def test_cut_is_the_largest_fitting_pair_safe_suffix_above_the_floor(
+        data: st.DataObject) -> None:
+    h = data.draw(histories(), label="history")
+    floor = data.draw(floors(h.items), label="summary floor")
+    budget = data.draw(budgets(h.costs), label="history_tokens")
+    check_cut(h.items, floor, budget, h.costs)
+
+
+_MODEL = f.model("gpt-4o", context_window=128_000)
+_EST = f.estimator(_MODEL)
+_CTX = RenderContext(session_key="tenant-a/session-1")
+
+
+@settings(max_examples=50, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_cut_with_the_real_estimator_is_stable(data: st.DataObject) -> None:
+    """The same gate with costs from the per-model estimator over the rendered items, the way
+    the allocator calls it (the estimator is pure: the same numbers on every call)."""
+    h = data.draw(histories(max_blocks=10), label="history")
+    costs = tuple(_EST.messages(item.messages(_CTX)) for item in h.items)  # type: ignore[attr-defined]
+    assert costs == tuple(_EST.messages(item.messages(_CTX))  # type: ignore[attr-defined]
+                          for item in h.items)
+    floor = data.draw(floors(h.items), label="summary floor")
+    budget = data.draw(budgets(costs), label="history_tokens")
+    check_cut(h.items, floor, budget, costs)
+
+
+# --------------------------------------------------------------------------- worked examples
+
+def _call(item_id: str, seq: int, *ids: str) -> ToolCallItem:
+    return f.call(item_id, seq, *ids)
+
+
+def _result(item_id: str, seq: int, call_id: str) -> ToolResultItem:
+    return f.result(item_id, seq, call_id, "r")
+
+
+def test_a_cut_inside_parallel_calls_moves_later_past_all_their_results() -> None:
+    items = [f.user("u", "q", 1), _call("c", 2, "a", "b", "c"), _result("ra", 3, "a"),
+             _result("rb", 4, "b"), _result("rc", 5, "c"), f.user("u2", "next", 6)]
+    costs = [10, 10, 10, 10, 10, 10]
+    # 35 tokens would admit "rb" onwards by count alone; the unit is c..rc (40), so only u2.
+    assert check_cut(items, 0, 35, costs) == 5
+    assert check_cut(items, 0, 50, costs) == 1
+    assert check_cut(items, 0, 60, costs) == 0
+
+
+def test_the_floor_is_a_sequence_and_a_floor_inside_a_pair_excludes_the_pair() -> None:
+    # Equal sequences inside the pair: floor 3 covers the call and one result but not the other.
+    items = [f.user("u", "q", 1), _call("c", 3, "a", "b"), _result("ra", 3, "a"),
+             _result("rb", 4, "b"), f.user("u2", "next", 9)]
+    costs = [1, 1, 1, 1, 1]
+    assert check_cut(items, 3, 100, costs) == 4
+    # A floor below every sequence admits everything; one above admits nothing.
+    assert check_cut(items, 0, 100, costs) == 0
+    assert check_cut(items, 9, 100, costs) == 5
+
+
+def test_zero_budget_and_empty_history() -> None:
+    assert check_cut([], 0, 0, []) == 0
+    items = [f.user("u", "q", 1)]
+    assert check_cut(items, 0, 0, [5]) == 1
+    assert check_cut(items, 0, 0, [0]) == 0

@@ -1,0 +1,519 @@
+"""Hard gate: tool-pair integrity (spec: "Yield order under pressure", "Failure modes and
+defenses", "Hard gates").
+
+No assembled request, under any yield path (knowledge dropped, recall trimmed, tool results
+turned into pointers, history cut, a summary floor inside a pair), holds an unpaired tool call
+or tool result; a request built by hand with an orphan is rejected by the validator.
+
+The generator here (``pressured_cases``, also used by the budget gate) draws plans with small
+windows (16k to 1M, output reserves and policy caps) and checkpoints with parallel calls, huge
+results, reasoning, summaries, knowledge, recall and pending results of the active loop, sized
+against the window so that every rung of the yield ladder runs. The pairing check is written
+here, independently of ``pairs.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import pytest
+from context_engine.domain import pairs
+from context_engine.domain.budget import BudgetPolicy
+from context_engine.domain.builder import (
+    BuildResult,
+    Checkpoint,
+    LoadedPlan,
+    RuntimeMetadata,
+    SkillBody,
+    assert_paired,
+    build,
+)
+from context_engine.domain.errors import AssemblyError, BudgetExceeded
+from context_engine.domain.items import (
+    AssistantMessageItem,
+    ContextItem,
+    ConversationItem,
+    HistorySummary,
+    KnowledgeItem,
+    KnowledgePassage,
+    MemoryLine,
+    ReasoningItem,
+    RecallItem,
+    RenderContext,
+    ToolCallItem,
+    ToolResultItem,
+    TrailingUserInput,
+    UserMessageItem,
+    WorkingState,
+)
+from context_engine.domain.request import Message, ModelRequest, Role, ToolCall
+from context_engine.domain.trust import TrustLevel
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from tests import factories as f
+
+pytestmark = pytest.mark.gate_tool_pairs
+
+GATE_SETTINGS = settings(max_examples=100, deadline=None,
+                         suppress_health_check=[HealthCheck.too_slow,
+                                                HealthCheck.data_too_large,
+                                                HealthCheck.filter_too_much])
+
+# Classes the builder may name when it fails instead of dropping something: the never-yield
+# rows of Region B (spec table and "Four things never yield") and the active run's items.
+NEVER_YIELD = frozenset({"current_user_message", "working_state", "corrections",
+                         "skill_bodies", "summary", "runtime_metadata", "active_run"})
+
+MODEL_IDS = ("claude-sonnet-4-5", "gpt-4o")
+WINDOWS = (16_000, 16_000, 20_000, 24_000, 32_000, 48_000, 64_000, 128_000, 200_000,
+           1_000_000)
+WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "omega",
+         "ok", "42", "{\"id\": 7,", "\"name\":", "<td>", "</td>", "null}", "the", "result")
+
+
+def words(n: int, seed: int) -> str:
+    """About ``n`` words of JSON/HTML-ish text, deterministic in ``seed``."""
+    return " ".join(WORDS[(seed + 7 * i + i // 5) % len(WORDS)] for i in range(max(n, 0)))
+
+
+@functools.cache
+def loaded_for(model_id: str, window: int, reserve: int | None) -> LoadedPlan:
+    caps = {"context_window": window}
+    if reserve is not None:
+        caps["output_reserve"] = reserve
+    return f.loaded(f.inputs(model_profile=f.model(model_id, **caps)))
+
+
+# --------------------------------------------------------------------------- the case
+
+@dataclass(frozen=True)
+class Case:
+    loaded: LoadedPlan
+    cp: Checkpoint
+    policy: BudgetPolicy
+    factor: float
+
+    @property
+    def estimator(self):  # type: ignore[no-untyped-def]
+        return f.estimator(self.loaded.plan.spec.model)
+
+    def build(self) -> BuildResult:
+        return build(self.loaded, self.cp, estimator=self.estimator, factor=self.factor,
+                     policy=self.policy)
+
+
+@dataclass(frozen=True)
+class Split:
+    """The checkpoint's items as the spec divides them (computed here, not by the builder)."""
+
+    trailing: tuple[UserMessageItem, ...]  # unanswered trailing user input: never yields
+    carried: tuple[ConversationItem, ...]  # history candidates (older runs' reasoning removed)
+    active: tuple[ConversationItem, ...]  # the active run's items: never cut
+    pending: frozenset[str]  # ids of results of the active loop's latest, unanswered batch
+    floor: int  # index into carried of the first candidate above the summary floor
+
+
+def split(cp: Checkpoint) -> Split:
+    items = list(cp.items)
+    t = len(items)
+    while t > 0 and isinstance(items[t - 1], UserMessageItem):
+        t -= 1
+    trailing = tuple(i for i in items[t:] if isinstance(i, UserMessageItem))
+    rest = items[:t]
+    a = len(rest)
+    while a > 0 and rest[a - 1].run_id == cp.active_run_id:
+        a -= 1
+    carried = tuple(i for i in rest[:a] if not isinstance(i, ReasoningItem))
+    active = tuple(rest[a:])
+    pending: set[str] = set()
+    for item in reversed(active):
+        if isinstance(item, ToolResultItem):
+            pending.add(item.id)
+            continue
+        if not isinstance(item, ToolCallItem):
+            pending = set()
+        break
+    else:
+        pending = set()
+    floor = 0
+    if cp.summary is not None:
+        rts = cp.summary.replaced_through_sequence
+        floor = next((k for k, i in enumerate(carried) if i.sequence > rts), len(carried))
+        where_called = {c.call_id: k for k, i in enumerate(carried)
+                        if isinstance(i, ToolCallItem) for c in i.calls}
+        moved = True
+        while moved:  # never start inside a pair: move past it
+            moved = False
+            for k, i in enumerate(carried):
+                if (isinstance(i, ToolResultItem) and k >= floor
+                        and where_called.get(i.call_id, k) < floor):
+                    floor, moved = k + 1, True
+    return Split(trailing=trailing, carried=carried, active=active,
+                 pending=frozenset(pending), floor=floor)
+
+
+# --------------------------------------------------------------------------- generator
+
+@st.composite
+def pressured_cases(draw: st.DrawFn, *, recall_floor: int | None = None,
+                    allow_failures: bool = True) -> Case:
+    model_id = draw(st.sampled_from(MODEL_IDS), label="model")
+    window = draw(st.sampled_from(WINDOWS), label="window")
+    reserve = draw(st.sampled_from((None, 1_024, 4_096, 8_192)), label="output reserve")
+    cap = draw(st.sampled_from((0, 0, 0, 20_000, 40_000)), label="policy cap")
+    policy = BudgetPolicy(
+        safety_margin_ratio=draw(st.sampled_from((0.05, 0.05, 0.0, 0.1))),
+        policy_cap_tokens=cap,
+        inline_maximum_bytes=draw(st.sampled_from((16_384, 16_384, 4_096, 65_536))),
+        recall_floor_tokens=(recall_floor if recall_floor is not None
+                             else draw(st.sampled_from((500, 500, 0, 200)))))
+    default_reserve = f.model(model_id).output_reserve
+    if reserve is None and default_reserve * 2 > window:
+        reserve = 4_096
+    lp = loaded_for(model_id, window, reserve)
+    model = lp.plan.spec.model
+    capacity = min(window, cap or window) - model.output_reserve
+    # Content is sized against what can fit (bounded, to keep the 1M window fast): a 1M
+    # window without a policy cap mostly exercises the path where nothing yields.
+    scale = max(min(capacity, 60_000), 2_000)
+
+    def size(lo: float, hi: float) -> int:
+        return int(scale * draw(st.floats(lo, hi)))
+
+    item_no = itertools.count(1)
+    call_no = itertools.count(1)
+    seq = draw(st.integers(1, 100))
+
+    def nid() -> str:
+        return f"item-{next(item_no)}"
+
+    def nseq() -> int:
+        nonlocal seq
+        seq += draw(st.sampled_from((0, 1, 1, 2)))
+        return seq
+
+    def text(label: str) -> str:
+        kind = draw(st.sampled_from(("tiny", "small", "medium", "large", "large")), label=label)
+        n = {"tiny": draw(st.integers(0, 6)), "small": draw(st.integers(5, 60)),
+             "medium": size(0.005, 0.05), "large": size(0.05, 0.35)}[kind]
+        return words(n, next(item_no))
+
+    items: list[ConversationItem] = []
+    runs = [f"run-{k}" for k in range(1, draw(st.integers(1, 4)) + 1)]
+    new_active = draw(st.integers(0, 4)) == 0
+    active = f"run-{len(runs) + 1}" if new_active else runs[-1]
+    for run in runs:
+        items.append(UserMessageItem(id=nid(), sequence=nseq(), run_id=run,
+                                     item_trust=TrustLevel.USER, text=text("user")))
+        for _ in range(draw(st.integers(0, 6))):
+            kind = draw(st.sampled_from(("assistant", "reasoning", "tools", "tools", "tools")))
+            if kind == "assistant":
+                items.append(AssistantMessageItem(id=nid(), sequence=nseq(), run_id=run,
+                                                  item_trust=TrustLevel.USER,
+                                                  text=text("assistant")))
+            elif kind == "reasoning":
+                items.append(ReasoningItem(id=nid(), sequence=nseq(), run_id=run,
+                                           item_trust=TrustLevel.USER, provider="anthropic",
+                                           opaque=bytes(range(256)) * draw(st.integers(0, 8))))
+            else:
+                calls = tuple(ToolCall(call_id=f"call_{next(call_no)}",
+                                       name=draw(st.sampled_from(("web.fetch", "files.read"))),
+                                       arguments_json=json.dumps({"q": seq}))
+                              for _ in range(draw(st.integers(1, 3))))
+                items.append(ToolCallItem(id=nid(), sequence=nseq(), run_id=run,
+                                          item_trust=TrustLevel.USER, calls=calls))
+                for c in draw(st.permutations(calls)):
+                    kind = draw(st.sampled_from(("tiny", "small", "medium", "huge", "huge")))
+                    n = {"tiny": draw(st.integers(0, 4)), "small": draw(st.integers(5, 80)),
+                         "medium": size(0.01, 0.08), "huge": size(0.08, 0.6)}[kind]
+                    content = words(n, next(item_no))
+                    excerpt = words(draw(st.integers(3, 40)), 1) if draw(
+                        st.integers(0, 5)) == 0 else ""
+                    items.append(ToolResultItem(
+                        id=nid(), sequence=nseq(), run_id=run,
+                        item_trust=draw(st.sampled_from((TrustLevel.EXTERNAL_UNTRUSTED,
+                                                         TrustLevel.EXTERNAL_UNTRUSTED,
+                                                         TrustLevel.USER, TrustLevel.MEMORY))),
+                        call_id=c.call_id, tool_name=c.name, content=content,
+                        context_content=excerpt,
+                        event_id=draw(st.sampled_from((0, 1000 + seq))),
+                        artifact_ref=draw(st.sampled_from(("", f"artifact://r/{seq}")))))
+        if run == runs[-1] and not new_active and draw(st.integers(0, 3)) == 0:
+            items.append(AssistantMessageItem(id=nid(), sequence=nseq(), run_id=run,
+                                              item_trust=TrustLevel.USER, text=text("answer")))
+    n_trailing = draw(st.integers(1 if new_active else 0, 2))
+    for _ in range(n_trailing):
+        big = allow_failures and draw(st.integers(0, 14)) == 7
+        body = words(size(0.5, 1.3), 3) if big else text("trailing")
+        items.append(UserMessageItem(id=nid(), sequence=nseq(), run_id=active,
+                                     item_trust=TrustLevel.USER, text=body))
+
+    summary = None
+    if draw(st.integers(0, 2)) == 0:
+        # A summary replaces only what came before the active run (the service rejects a
+        # floor that covers the active run's items).
+        seqs = [i.sequence for i in items]
+        first_active = min(i.sequence for i in items if i.run_id == active)
+        summary = HistorySummary(text=words(draw(st.integers(5, 200)), 5),
+                                 replaced_through_sequence=draw(st.integers(
+                                     min(seqs) - 1, max(min(seqs) - 1, first_active - 1))))
+    ranks = st.integers(0, 6)
+    knowledge = tuple(KnowledgePassage(id=f"kp-{k}", source="handbook",
+                                       text=words(draw(st.integers(10, 1_400)), k),
+                                       rank=draw(ranks), trust=TrustLevel.EXTERNAL_UNTRUSTED)
+                      for k in range(draw(st.integers(0, 5))))
+    recall = tuple(MemoryLine(id=f"m-{k}", text=words(draw(st.integers(3, 700)), k))
+                   for k in range(draw(st.integers(0, 6))))
+    corrections = tuple(MemoryLine(id=f"c-{k}", text=words(draw(st.integers(3, 40)), k))
+                        for k in range(draw(st.integers(0, 2))))
+    ws_words = draw(st.sampled_from((0, 0, 20, 200)))
+    if allow_failures and draw(st.integers(0, 29)) == 13:
+        ws_words = 1_200  # over the working-state class's 1,000 tokens
+    working_state = WorkingState(objective=words(ws_words, 9)) if ws_words else WorkingState()
+    n_skills = draw(st.sampled_from((0, 0, 1, 2)))
+    if allow_failures and draw(st.integers(0, 39)) == 17:
+        n_skills = 3  # a third loaded skill fails rather than evicting
+    skills = tuple(SkillBody(name=f"skill-{k}", body=words(draw(st.integers(5, 400)), k),
+                             trust=TrustLevel.TRUSTED_CONFIGURATION) for k in range(n_skills))
+    cp = Checkpoint(active_run_id=active, items=tuple(items), loaded_skills=skills,
+                    working_state=working_state, recall=recall, corrections=corrections,
+                    knowledge=knowledge, runtime=RuntimeMetadata(current_date="2026-11-29"),
+                    summary=summary)
+    return Case(loaded=lp, cp=cp, policy=policy,
+                factor=draw(st.sampled_from((1.0, 1.0, 1.1, 1.37)), label="factor"))
+
+
+# --------------------------------------------------------------------------- the check
+
+def check_paired(messages: Sequence[Message]) -> None:
+    """Independent of ``pairs.orphans``: every tool message answers a call made in an earlier
+    assistant message, every call has exactly one result, and a batch's results follow it
+    directly (what both providers require)."""
+    made: dict[str, int] = {}
+    answered: Counter[str] = Counter()
+    for k, m in enumerate(messages):
+        if m.role is Role.TOOL:
+            assert m.call_id in made and made[m.call_id] < k, \
+                f"message {k} answers {m.call_id!r}, which no earlier message called"
+            assert not m.tool_calls
+            answered[m.call_id] += 1
+        for call in m.tool_calls:
+            assert m.role is Role.ASSISTANT
+            assert call.call_id not in made, f"{call.call_id!r} called twice"
+            made[call.call_id] = k
+    assert set(answered) == set(made), \
+        f"calls without results: {sorted(set(made) - set(answered))}"
+    assert all(n == 1 for n in answered.values()), f"answered twice: {answered}"
+    for k, m in enumerate(messages):
+        if m.tool_calls:
+            following = [x.call_id for x in messages[k + 1:k + 1 + len(m.tool_calls)]
+                         if x.role is Role.TOOL]
+            assert sorted(following) == sorted(c.call_id for c in m.tool_calls), \
+                f"the results of message {k} do not directly follow it"
+
+
+def steps_of(r: BuildResult) -> tuple[str, ...]:
+    return tuple(s.step for s in r.pressure.steps)
+
+
+def build_or_fail_on_a_never_yield_class(case: Case) -> BuildResult | None:
+    try:
+        return case.build()
+    except BudgetExceeded as e:
+        assert e.class_name in NEVER_YIELD, f"failed naming a class that yields: {e}"
+        event(f"budget exceeded: {e.class_name}")
+        return None
+
+
+@GATE_SETTINGS
+@given(case=pressured_cases())
+def test_no_assembled_request_holds_an_unpaired_call_or_result(case: Case) -> None:
+    r = build_or_fail_on_a_never_yield_class(case)
+    if r is None:
+        return
+    for step in steps_of(r):
+        event(f"yielded: {step}")
+    assert pairs.orphans(r.request.messages) == []
+    check_paired(r.request.messages)
+    # Every call made in a retained history item or in the active run is in the request, and
+    # so are all of its results (units are kept or left out whole).
+    s = split(case.cp)
+    sent = {m.item_id for m in r.request.messages}
+    for item in s.active:
+        assert item.id in sent, f"active item {item.id} is missing"
+
+
+# --------------------------------------------------------------------------- each yield path
+
+RUNGS = ("knowledge", "recall", "tool_results", "history")
+
+
+def _batch(k: int, seq: int, run: str, content: str) -> list[ConversationItem]:
+    """A parallel batch of three calls, answered out of order."""
+    ids = (f"call_{k}a", f"call_{k}b", f"call_{k}c")
+    out: list[ConversationItem] = [f.call(f"c{k}", seq, *ids, run=run)]
+    for j, cid in enumerate(reversed(ids)):
+        out.append(f.result(f"r{k}{j}", seq + 1, cid, content + f" #{j}", run=run))
+    return out
+
+
+def _sized_words(target: int, cost: Callable[[str], int]) -> str:
+    """The shortest ``words(n)`` text whose cost reaches ``target`` tokens."""
+    lo, hi = 0, max(target, 1) * 2
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cost(words(mid, 4)) >= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return words(lo, 4)
+
+
+def synthetic_overflow(depth: int, *, knowledge: bool = True, recall: bool = True,
+                       summary_through: int | None = None, recall_floor: int = 0) -> Case:
+    """A deterministic 16k-window request whose overflow reaches exactly ``depth`` rungs of
+    the ladder (0: fits; 4: the history is cut), with every class under its own cap so that
+    only the ladder yields. The trailing user message is sized to put the body where wanted:
+    inside the knowledge passages' cost, then the recall's, then the pointers' savings, then
+    beyond them all. ``recall_floor`` is the policy's recall floor (the recall rung stops
+    there)."""
+    lp = loaded_for("gpt-4o", 16_000, 4_096)
+    est = f.estimator(lp.plan.spec.model)
+    ctx = RenderContext(session_key=lp.session_key)
+    policy = BudgetPolicy(recall_floor_tokens=recall_floor)
+    result_text = words(80, 1)  # ~250 tokens each: all stay under 25% of the body
+    items: list[ConversationItem] = [f.user("u0", "first question", 1, run="run-0")]
+    items += _batch(1, 2, "run-0", result_text)
+    items += [AssistantMessageItem(id="a0", sequence=4, run_id="run-0",
+                                   item_trust=TrustLevel.USER, text=words(300, 2)),
+              f.user("u1", "second question", 5, run="run-1")]
+    items += _batch(2, 6, "run-1", result_text)
+    items += [AssistantMessageItem(id="a1", sequence=8, run_id="run-1",
+                                   item_trust=TrustLevel.USER, text=words(200, 3)),
+              f.user("u2", "third question", 9, run="run-2")]
+    items += _batch(3, 10, "run-2", result_text)  # completed in the active run
+    items += [AssistantMessageItem(id="a2", sequence=12, run_id="run-2",
+                                   item_trust=TrustLevel.USER, text="checking more")]
+    items += _batch(4, 13, "run-2", "fine")  # the active loop's pending batch
+    passages = tuple(KnowledgePassage(id=f"k{j}", source="kb", text=words(250, j), rank=j,
+                                      trust=TrustLevel.EXTERNAL_UNTRUSTED)
+                     for j in range(3)) if knowledge else ()
+    lines = tuple(MemoryLine(id=f"m{j}", text=words(165, j)) for j in range(3)) \
+        if recall else ()
+    summary = (HistorySummary(text="Earlier: greetings.", replaced_through_sequence=summary_through)
+               if summary_through is not None else None)
+
+    def case(trailing: str) -> Case:
+        cp = f.checkpoint([*items, f.user("u9", trailing, 20, run="run-2")], run="run-2",
+                          knowledge=passages, recall=lines, summary=summary)
+        return Case(loaded=lp, cp=cp, policy=policy, factor=1.0)
+
+    probe = case("hi").build()
+    assert probe.pressure.steps == (), f"the synthetic request must fit: {probe.pressure}"
+    budget = probe.budget.body_budget
+
+    def cost(item: ContextItem) -> int:
+        return est.messages(item.messages(ctx))  # type: ignore[attr-defined]
+
+    k_cost = cost(KnowledgeItem(passages=passages)) if passages else 0
+    kept = list(lines)
+    while kept and cost(RecallItem(lines=tuple(kept))) > recall_floor:
+        kept.pop()
+    r_cost = ((cost(RecallItem(lines=lines)) if lines else 0)
+              - (cost(RecallItem(lines=tuple(kept))) if kept else 0))
+    s = split(case("hi").cp)
+    savings = sum(cost(i) - cost(replace(i, elided=True))
+                  for i in (*s.carried[s.floor:], *s.active)
+                  if isinstance(i, ToolResultItem) and i.id not in s.pending)
+    history = sum(cost(replace(i, elided=True) if isinstance(i, ToolResultItem) else i)
+                  for i in s.carried[s.floor:])
+    edges = [0, k_cost, k_cost + r_cost, k_cost + r_cost + savings,
+             k_cost + r_cost + savings + history]
+    # the middle of each rung: the history rung leaves about half of the history out
+    over = -200 if depth == 0 else (edges[depth - 1] + edges[depth]) // 2
+    hi_cost = cost(TrailingUserInput(message=f.user("u9", "hi", 20, run="run-2")))
+    target = budget - probe.body_tokens + hi_cost + over
+    trailing = _sized_words(target, lambda t: cost(TrailingUserInput(
+        message=f.user("u9", t, 20, run="run-2"))))
+    return case(trailing)
+
+
+PATHS = [(depth, k, r) for depth in range(5) for k, r in ((True, True), (False, False))
+         if not (depth in (1, 2) and not k)]
+
+
+@pytest.mark.parametrize(("depth", "knowledge", "recall"), PATHS)
+def test_every_yield_path_keeps_pairs_whole(depth: int, knowledge: bool, recall: bool) -> None:
+    r = synthetic_overflow(depth, knowledge=knowledge, recall=recall).build()
+    ran = steps_of(r)
+    rungs = [s for s in RUNGS[:depth] if (s != "knowledge" or knowledge)
+             and (s != "recall" or recall)]
+    assert list(ran) == rungs
+    assert pairs.orphans(r.request.messages) == []
+    check_paired(r.request.messages)
+    texts = {m.item_id: m.text for m in r.request.messages}
+    for rid in ("r40", "r41", "r42"):  # the pending batch: whole, never a pointer
+        assert rid in texts and "[elided]" not in texts[rid]
+
+
+def test_a_summary_floor_inside_a_parallel_batch_leaves_the_whole_batch_out() -> None:
+    # The batch c1 spans sequences 2-3; the floor 2 covers the call but not its results.
+    for depth in (0, 4):
+        r = synthetic_overflow(depth, summary_through=2).build()
+        sent = [m.item_id for m in r.request.messages]
+        for item_id in ("u0", "c1", "r10", "r11", "r12"):
+            assert item_id not in sent
+        check_paired(r.request.messages)
+        assert pairs.orphans(r.request.messages) == []
+
+
+# --------------------------------------------------------------------------- the validator
+
+def _req(*messages: Message) -> ModelRequest:
+    return ModelRequest(prefix_blocks=(), tools=(), messages=messages)
+
+
+def _calls(*ids: str) -> Message:
+    return Message(row=10, role=Role.ASSISTANT, trust=TrustLevel.USER, item_id="c",
+                   tool_calls=tuple(ToolCall(call_id=i, name="web.fetch",
+                                             arguments_json="{}") for i in ids))
+
+
+def _result_msg(call_id: str) -> Message:
+    return Message(row=10, role=Role.TOOL, trust=TrustLevel.EXTERNAL_UNTRUSTED,
+                   item_id=f"r-{call_id}", call_id=call_id, text="data")
+
+
+_USER = Message(row=15, role=Role.USER, trust=TrustLevel.USER, item_id="u", text="hi")
+
+ORPHANS = {
+    "call without a result": _req(_calls("a", "b"), _result_msg("a"), _USER),
+    "result without a call": _req(_result_msg("z"), _USER),
+    "result before its call": _req(_result_msg("a"), _calls("a"), _USER),
+    "call answered twice": _req(_calls("a"), _result_msg("a"), _result_msg("a"), _USER),
+    "call id made twice": _req(_calls("a"), _result_msg("a"), _calls("a"), _result_msg("a")),
+    "only a result left of a parallel batch": _req(_result_msg("b"), _USER),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ORPHANS))
+def test_the_validator_rejects_a_hand_built_request_with_an_orphan(kind: str) -> None:
+    request = ORPHANS[kind]
+    assert pairs.orphans(request.messages) != []
+    with pytest.raises(AssertionError):
+        check_paired(request.messages)  # the independent check agrees
+    with pytest.raises(AssemblyError, match="unpaired"):
+        assert_paired(request)
+
+
+def test_the_validator_accepts_a_well_formed_request() -> None:
+    request = _req(_calls("a", "b"), _result_msg("b"), _result_msg("a"), _USER)
+    assert pairs.orphans(request.messages) == []
+    check_paired(request.messages)
+    assert_paired(request)

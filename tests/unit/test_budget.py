@@ -1,0 +1,700 @@
+"""The budget allocator, class caps, never-yield classes, tool-result pointers and excerpts,
+the summary floor, attachments and estimator reconciliation, by example (spec: "The budget
+allocator" through "The token estimator"; issue 3, acceptance 1-8)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from context_engine.domain import calibration
+from context_engine.domain.budget import (
+    HISTORY_FLOOR_TOKENS,
+    BudgetPolicy,
+    Pressure,
+    compute_budget,
+)
+from context_engine.domain.builder import BuildResult, LoadedPlan, SkillBody, build
+from context_engine.domain.calibration import Calibration, reconcile
+from context_engine.domain.errors import BudgetExceeded
+from context_engine.domain.estimator import (
+    ATTACHMENT_BUDGET_TOKENS,
+    IMAGE_TOKENS,
+    MESSAGE_OVERHEAD_TOKENS,
+    PDF_PAGE_TOKENS,
+    TokenEstimator,
+    attachment_tokens,
+)
+from context_engine.domain.excerpts import head_tail_excerpt, normalize_tool_results
+from context_engine.domain.items import (
+    AssistantMessageItem,
+    ConversationItem,
+    HistorySummary,
+    KnowledgePassage,
+    MemoryLine,
+    ReasoningItem,
+    RenderContext,
+    ToolResultItem,
+    UserMessageItem,
+    WorkingState,
+)
+from context_engine.domain.request import Attachment, AttachmentKind, Message, Role
+from context_engine.domain.trust import TrustLevel
+
+from tests import factories as f
+from tests.unit import helpers as h
+
+WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "omega",
+         "ok", "42", "{\"id\": 7,", "<td>", "</td>", "the", "result")
+
+
+def words(n: int, seed: int = 0) -> str:
+    return " ".join(WORDS[(seed + 7 * i + i // 5) % len(WORDS)] for i in range(n))
+
+
+_PLANS: dict[tuple[str, int, int | None], LoadedPlan] = {}
+
+
+def plan(model_id: str = "gpt-4o", window: int = 16_000, reserve: int | None = 4_096
+         ) -> LoadedPlan:
+    key = (model_id, window, reserve)
+    if key not in _PLANS:
+        caps = {"context_window": window}
+        if reserve is not None:
+            caps["output_reserve"] = reserve
+        _PLANS[key] = f.loaded(f.inputs(model_profile=f.model(model_id, **caps)))
+    return _PLANS[key]
+
+
+def run(lp: LoadedPlan, items: list[ConversationItem], *, run_id: str = "run-1",
+        policy: BudgetPolicy | None = None, factor: float = 1.0, **fields: Any) -> BuildResult:
+    cp = f.checkpoint(items, run=run_id, **fields)
+    return build(lp, cp, estimator=f.estimator(lp.plan.spec.model), factor=factor,
+                 policy=policy or BudgetPolicy())
+
+
+def cost_of(lp: LoadedPlan, item: Any, factor: float = 1.0) -> int:
+    ctx = RenderContext(session_key=lp.session_key)
+    return f.estimator(lp.plan.spec.model).messages(item.messages(ctx), factor)
+
+
+def recount(lp: LoadedPlan, r: BuildResult, factor: float = 1.0) -> int:
+    est = f.estimator(lp.plan.spec.model)
+    return sum(est.message(m, factor) for m in r.request.messages)
+
+
+def assistant(item_id: str, text: str, seq: int, run_id: str = "run-0") -> AssistantMessageItem:
+    return AssistantMessageItem(id=item_id, sequence=seq, run_id=run_id,
+                                item_trust=TrustLevel.USER, text=text)
+
+
+def klass(r: BuildResult, name: str) -> Any:
+    return next(c for c in r.budget.classes if c.class_name == name)
+
+
+def by_id(r: BuildResult) -> dict[str, Message]:
+    return {m.item_id: m for m in r.request.messages if m.item_id}
+
+
+def body(m: Message) -> str:
+    """The content of a message's one envelope, as the content was given (the envelope puts
+    it on its own lines)."""
+    text = h.unescape(h.only_envelope(m.text).body)
+    assert text.startswith("\n") and text.endswith("\n")
+    return text[1:-1]
+
+
+def last_user(text: str = "and now?", seq: int = 100, **kw: Any) -> UserMessageItem:
+    return f.user("u-last", text, seq, run="run-1", **kw)
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+def test_budget_arithmetic_reserve_first_then_margin_then_prefix() -> None:
+    b = compute_budget(window=200_000, output_reserve=8_192, prefix_tokens=1_000,
+                       policy=BudgetPolicy())
+    assert b.total_tokens == 200_000
+    assert b.output_reserve == 8_192
+    # the 5% margin is taken of what is left after the reserve, rounded up
+    assert b.margin_tokens == math.ceil((200_000 - 8_192) * 0.05) == 9_591
+    assert b.body_budget == 200_000 - 8_192 - 9_591 - 1_000
+
+
+@pytest.mark.parametrize(("window", "cap", "total"), [
+    (200_000, 0, 200_000), (200_000, 50_000, 50_000), (32_000, 50_000, 32_000),
+    (1_000_000, 128_000, 128_000)])
+def test_capacity_is_the_smaller_of_window_and_policy_cap(window: int, cap: int,
+                                                          total: int) -> None:
+    b = compute_budget(window=window, output_reserve=8_192, prefix_tokens=500,
+                       policy=BudgetPolicy(policy_cap_tokens=cap))
+    assert b.total_tokens == total
+    assert b.body_budget == total - 8_192 - math.ceil((total - 8_192) * 0.05) - 500
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.05, 0.1, 0.2])
+def test_the_safety_margin_is_configurable(ratio: float) -> None:
+    b = compute_budget(window=100_000, output_reserve=10_000, prefix_tokens=0,
+                       policy=BudgetPolicy(safety_margin_ratio=ratio))
+    assert b.margin_tokens == math.ceil(90_000 * ratio)
+    assert b.body_budget == 90_000 - b.margin_tokens
+
+
+def test_a_prefix_that_leaves_no_body_fails() -> None:
+    with pytest.raises(BudgetExceeded) as info:
+        compute_budget(window=16_000, output_reserve=8_000, prefix_tokens=7_700,
+                       policy=BudgetPolicy())
+    assert info.value.class_name == "prefix"
+
+
+@pytest.mark.parametrize(("model_id", "reserve"), [("claude-sonnet-4-5", 8_192),
+                                                   ("gpt-4o", 16_384)])
+def test_build_reports_the_budget_with_the_models_default_reserve(model_id: str,
+                                                                  reserve: int) -> None:
+    lp = plan(model_id, 128_000, None)
+    r = run(lp, [last_user()], factor=1.25)
+    b = r.budget
+    assert r.output_reserve == b.output_reserve == reserve
+    assert b.total_tokens == 128_000
+    assert b.margin_tokens == math.ceil((128_000 - reserve) * 0.05)
+    assert b.body_budget == 128_000 - reserve - b.margin_tokens - lp.plan.prefix_tokens
+    assert b.prefix_tokens == r.prefix_tokens == lp.plan.prefix_tokens
+    assert b.estimated_total == r.estimated_input_tokens == r.prefix_tokens + r.body_tokens
+    assert b.body_tokens == r.body_tokens == recount(lp, r, 1.25)
+    assert b.estimator_factor == r.estimator_factor == 1.25
+    assert b.safety_margin_ratio == 0.05
+    assert b.history_floor == HISTORY_FLOOR_TOKENS == 8_000
+    names = {c.class_name for c in b.classes}
+    assert {"knowledge", "recall", "tool_results", "history", "current_user_message"} <= names
+    assert klass(r, "knowledge").cap == 3_000 and klass(r, "recall").cap == 2_000
+    assert klass(r, "tool_results").cap == int(b.body_budget * 0.25)
+    assert klass(r, "current_user_message").used == r.body_tokens - klass(
+        r, "runtime_metadata").used
+
+
+def test_a_pinned_factor_scales_the_body_and_is_echoed() -> None:
+    lp = plan()
+    items = [f.user("u0", words(300), 1, run="run-0"), assistant("a0", words(300, 1), 2),
+             last_user(words(50, 2))]
+    plain, scaled = run(lp, items), run(lp, items, factor=1.5)
+    assert scaled.estimator_factor == 1.5 and plain.estimator_factor == 1.0
+    assert scaled.body_tokens > plain.body_tokens
+    assert scaled.body_tokens == recount(lp, scaled, 1.5)
+    assert scaled.prefix_tokens == plain.prefix_tokens  # the prefix is measured exactly
+
+
+# ----------------------------------------------------------------------------- class caps
+
+def passage(pid: str, n: int, rank: int) -> KnowledgePassage:
+    return KnowledgePassage(id=pid, source="handbook", text=words(n, rank) + f" [{pid}]",
+                            rank=rank, trust=TrustLevel.EXTERNAL_UNTRUSTED)
+
+
+def knowledge_text(r: BuildResult) -> str:
+    return "".join(m.text for m in r.request.messages
+                   if m.text.startswith("Knowledge passages"))
+
+
+def test_knowledge_keeps_at_most_three_passages_dropping_the_lowest_ranked_whole() -> None:
+    lp = plan("claude-sonnet-4-5", 200_000, None)
+    ps = (passage("p4", 50, 4), passage("p1", 50, 1), passage("p3", 50, 3),
+          passage("p2", 50, 2), passage("p0", 50, 0))
+    r = run(lp, [last_user()], knowledge=ps)
+    text = knowledge_text(r)
+    kept = [p for p in ps if f'id="{p.id}"' in text]
+    assert sorted(p.id for p in kept) == ["p0", "p1", "p2"]
+    for p in kept:
+        assert p.text in text  # verbatim, never truncated
+    step = next(s for s in r.pressure.steps if s.step == "knowledge")
+    assert step.ids == ("p4", "p3")
+    assert klass(r, "knowledge").items == 3
+
+
+def test_the_knowledge_class_reports_how_many_passages_yielded() -> None:
+    lp = plan("claude-sonnet-4-5", 200_000, None)
+    ps = tuple(passage(f"p{k}", 50, k) for k in range(5))
+    r = run(lp, [last_user()], knowledge=ps)
+    assert klass(r, "knowledge").items == 3
+    assert klass(r, "knowledge").yielded == 2
+
+
+def test_knowledge_over_3000_tokens_drops_whole_passages_never_truncates() -> None:
+    lp = plan("claude-sonnet-4-5", 200_000, None)
+    ps = (passage("a", 500, 0), passage("b", 500, 1), passage("c", 500, 2))
+    r = run(lp, [last_user()], knowledge=ps)
+    used = klass(r, "knowledge").used
+    assert 0 < used <= 3_000
+    text = knowledge_text(r)
+    for p in ps:
+        present = f'id="{p.id}"' in text
+        assert present == (p.text in text), f"passage {p.id} was cut, not dropped"
+    kept = [p.id for p in ps if f'id="{p.id}"' in text]
+    assert kept == ["a", "b"]  # the lowest-ranked passage went, whole
+    step = next(s for s in r.pressure.steps if s.step == "knowledge")
+    assert step.ids == ("c",)
+
+
+def test_recall_is_capped_at_2000_tokens_trimmed_from_the_end() -> None:
+    lp = plan("claude-sonnet-4-5", 200_000, None)
+    lines = tuple(MemoryLine(id=f"m{k}", text=words(300, k)) for k in range(6))
+    r = run(lp, [last_user()], recall=lines)
+    rec = klass(r, "recall")
+    assert 0 < rec.used <= 2_000 and rec.items + rec.yielded == 6 and rec.yielded > 0
+    text = "".join(m.text for m in r.request.messages if m.text.startswith("Recalled"))
+    assert all(f"[m{k}] " in text for k in range(rec.items))
+    assert not any(f"[m{k}] " in text for k in range(rec.items, 6))
+
+
+def test_tool_results_over_a_quarter_of_the_body_become_pointers_oldest_first() -> None:
+    lp = plan()  # 16k window: a body of about 10.8k tokens, 2.7k for tool results
+    items: list[ConversationItem] = [f.user("u0", "fetch four pages", 1, run="run-0")]
+    for k in range(4):
+        items += [f.call(f"c{k}", 2 + 2 * k, f"x{k}", run="run-0"),
+                  f.result(f"r{k}", 3 + 2 * k, f"x{k}", words(400, k), run="run-0")]
+    items += [assistant("a0", "done", 20), last_user()]
+    r = run(lp, items)
+    B = r.budget.body_budget
+    tool = klass(r, "tool_results")
+    assert tool.cap == int(B * 0.25)
+    assert tool.used <= tool.cap
+    msgs = by_id(r)
+    elided = [k for k in range(4) if "[elided]" in msgs[f"r{k}"].text]
+    assert elided == list(range(len(elided))) and 0 < len(elided) < 4  # oldest first
+    # no further than the cap needs: restoring the newest pointer would exceed it
+    newest = next(i for i in items if i.id == f"r{elided[-1]}")
+    assert isinstance(newest, ToolResultItem)
+    assert tool.used - cost_of(lp, replace(newest, elided=True)) + cost_of(lp, newest) \
+        > tool.cap
+    assert r.body_tokens <= B and not r.pressure.compaction_needed
+
+
+def test_a_pointer_keeps_trust_envelope_bytes_event_and_artifact() -> None:
+    content = "x" * 4_214
+    item = ToolResultItem(id="8f21", sequence=3, run_id="run-0",
+                          item_trust=TrustLevel.EXTERNAL_UNTRUSTED, call_id="x0",
+                          tool_name="web.fetch", content=content, artifact_ref="artifact:a/9d02",
+                          event_id=77)
+    assert replace(item, elided=True).pointer() == \
+        "[elided] tool.result 8f21 (external_untrusted, 4,214 bytes) -> artifact:a/9d02"
+    no_artifact = replace(item, artifact_ref="", item_trust=TrustLevel.USER)
+    assert no_artifact.pointer() == "[elided] tool.result 8f21 (user, 4,214 bytes) -> event:77"
+    # the byte count is of the canonical content, also when an excerpt is rendered
+    excerpted = replace(item, content="short", context_content="", byte_length=4_214)
+    assert "(external_untrusted, 4,214 bytes)" in excerpted.pointer()
+
+    ctx = RenderContext(session_key="tenant-a/session-1")
+    [m] = replace(item, elided=True).messages(ctx)
+    assert m.role is Role.TOOL and m.call_id == "x0" and m.item_id == "8f21"
+    assert m.trust is TrustLevel.EXTERNAL_UNTRUSTED
+    env = h.only_envelope(m.text)
+    assert env.tag == "untrusted" and env.source == "tool:web.fetch" and env.item_id == "8f21"
+    assert body(m) == replace(item, elided=True).pointer()
+
+
+def test_pointers_in_a_build_keep_each_results_trust_and_reference() -> None:
+    lp = plan()
+    trusts = (TrustLevel.EXTERNAL_UNTRUSTED, TrustLevel.USER, TrustLevel.MEMORY)
+    items: list[ConversationItem] = [f.user("u0", "go", 1, run="run-0"),
+                                     f.call("c0", 2, "x0", "x1", "x2", run="run-0")]
+    for k, trust in enumerate(trusts):
+        items.append(replace(f.result(f"r{k}", 3, f"x{k}", words(900, k), run="run-0",
+                                      trust=trust),
+                             event_id=500 + k, artifact_ref="artifact://big/1" if k == 2 else ""))
+    items += [assistant("a0", "ok", 4), last_user()]
+    r = run(lp, items)
+    msgs = by_id(r)
+    pointed = [k for k in range(3) if "[elided]" in msgs[f"r{k}"].text]
+    assert pointed
+    for k in pointed:
+        m, original = msgs[f"r{k}"], items[2 + k]
+        assert isinstance(original, ToolResultItem)
+        assert m.trust is trusts[k] and m.call_id == f"x{k}"
+        ref = "artifact://big/1" if k == 2 else f"event:{500 + k}"
+        size = len(original.content.encode())
+        assert body(m) == (
+            f"[elided] tool.result r{k} ({trusts[k].value}, {size:,} bytes) -> {ref}")
+
+
+def _pending_case(pending_words: int) -> list[ConversationItem]:
+    return [f.user("u1", "look these up", 1),
+            f.call("c0", 2, "x0", "x1"),
+            f.result("r0", 3, "x0", words(900, 1)), f.result("r1", 3, "x1", words(900, 2)),
+            assistant("a1", "and two more", 4, run_id="run-1"),
+            f.call("c1", 5, "x2", "x3"),
+            f.result("r2", 6, "x2", words(pending_words, 3)),
+            f.result("r3", 6, "x3", words(pending_words, 4))]
+
+
+def test_pending_results_of_the_active_loop_never_become_pointers() -> None:
+    lp = plan()
+    r = run(lp, _pending_case(900))
+    msgs = by_id(r)
+    assert "[elided]" not in msgs["r2"].text and "[elided]" not in msgs["r3"].text
+    # completed results of the same run did yield, oldest first
+    assert "[elided]" in msgs["r0"].text
+    assert klass(r, "tool_results").used > klass(r, "tool_results").cap  # pending are kept
+
+
+def test_pending_results_that_alone_do_not_fit_fail_naming_the_active_run() -> None:
+    with pytest.raises(BudgetExceeded) as info:
+        run(plan(), _pending_case(6_000), policy=BudgetPolicy(inline_maximum_bytes=10**6))
+    assert info.value.class_name == "active_run"
+    assert info.value.metadata()["class"] == "active_run"
+
+
+# ----------------------------------------------------------------------------- never-yield
+
+def skill(name: str, n: int) -> SkillBody:
+    return SkillBody(name=name, body=words(n), trust=TrustLevel.TRUSTED_CONFIGURATION)
+
+
+def test_a_third_loaded_skill_fails_rather_than_evicting() -> None:
+    lp = plan("claude-sonnet-4-5", 200_000, None)
+    assert run(lp, [last_user()], loaded_skills=(skill("a", 10), skill("b", 10)))
+    with pytest.raises(BudgetExceeded) as info:
+        run(lp, [last_user()], loaded_skills=(skill("a", 10), skill("b", 10), skill("c", 10)))
+    assert info.value.class_name == "skill_bodies"
+    assert info.value.unit == "items" and info.value.limit == 2
+    assert info.value.metadata() == {"class": "skill_bodies", "items": "3", "limit": "2",
+                                     "unit": "items"}
+
+
+def test_skill_bodies_over_6000_tokens_fail() -> None:
+    lp = plan("claude-sonnet-4-5", 200_000, None)
+    with pytest.raises(BudgetExceeded) as info:
+        run(lp, [last_user()], loaded_skills=(skill("a", 1_800), skill("b", 1_800)))
+    assert info.value.class_name == "skill_bodies" and info.value.limit == 6_000
+    assert info.value.tokens > 6_000
+
+
+def test_a_working_state_over_1000_tokens_fails() -> None:
+    lp = plan("claude-sonnet-4-5", 200_000, None)
+    ok = run(lp, [last_user()], working_state=WorkingState(objective=words(200)))
+    assert klass(ok, "working_state").used <= 1_000 and klass(ok, "working_state").cap == 1_000
+    with pytest.raises(BudgetExceeded) as info:
+        run(lp, [last_user()], working_state=WorkingState(objective=words(800)))
+    assert info.value.class_name == "working_state" and info.value.limit == 1_000
+
+
+def test_a_current_user_message_larger_than_the_body_fails_never_returns_without_it() -> None:
+    lp = plan()
+    items = [f.user("u0", words(100), 1, run="run-0"), assistant("a0", words(100), 2),
+             last_user(words(6_000))]
+    with pytest.raises(BudgetExceeded) as info:
+        run(lp, items, knowledge=(passage("k", 100, 0),),
+            recall=(MemoryLine(id="m", text="likes tea"),))
+    e = info.value
+    assert e.class_name == "current_user_message" and e.tokens > e.limit
+    pressure = e.pressure  # what the ladder did first
+    assert isinstance(pressure, Pressure) and not pressure.fits
+    assert {s.step for s in pressure.steps} >= {"knowledge", "recall", "history"}
+
+
+# ----------------------------------------------------------------------------- summary floor
+
+def floor_items() -> list[ConversationItem]:
+    return [f.user("u0", "old", 1, run="run-0"), assistant("a0", "old answer", 2),
+            f.call("c0", 3, "x0", run="run-0"), f.result("r0", 4, "x0", "data", run="run-0"),
+            f.user("u1", "newer", 5, run="run-0"), assistant("a1", "newer answer", 6),
+            last_user(seq=7)]
+
+
+@pytest.mark.parametrize(("through", "first_kept"), [(0, 0), (2, 2), (3, 4), (4, 4), (6, 6)])
+def test_items_at_or_below_the_summary_floor_are_never_rendered(through: int,
+                                                                first_kept: int) -> None:
+    items = floor_items()
+    summary = HistorySummary(text="They said hello.", replaced_through_sequence=through)
+    r = run(plan(), items, summary=summary)
+    sent = [m.item_id for m in r.request.messages if m.row == 10]
+    assert sent == [i.id for i in items[first_kept:6]]
+    assert [m.row for m in r.request.messages][:1] == [9]
+    assert r.request.messages[0].text.endswith("They said hello.")
+    assert r.pressure.floor_index == first_kept == r.pressure.cut_index
+    assert not r.pressure.compaction_needed and r.pressure.left_out_items == 0
+
+
+def test_history_cut_reports_compaction_and_what_was_left_out() -> None:
+    lp = plan()
+    items: list[ConversationItem] = [f.user("u0", "covered", 1, run="run-0")]
+    seq = 2
+    for k in range(6):
+        items += [f.user(f"q{k}", words(400, k), seq, run="run-0"),
+                  assistant(f"a{k}", words(400, k + 1), seq + 1)]
+        seq += 2
+    items.append(last_user(words(2_000), seq=seq))
+    summary = HistorySummary(text="Greetings.", replaced_through_sequence=1)
+    r = run(lp, items, summary=summary)
+    p = r.pressure
+    assert p.compaction_needed and p.fits and r.body_tokens <= r.budget.body_budget
+    sent = [m.item_id for m in r.request.messages if m.row == 10]
+    carried = [i for i in items[1:-1]]
+    left = carried[:len(carried) - len(sent)]
+    assert sent == [i.id for i in carried[len(left):]]
+    assert p.left_out_items == len(left) > 0
+    assert p.left_out_tokens == sum(cost_of(lp, i) for i in left)
+    assert p.floor_index == 1 and p.cut_index == 1 + len(left)
+    assert "u0" not in sent
+    # the report's history class agrees
+    hist = klass(r, "history")
+    assert hist.yielded == len(left) and hist.used == sum(cost_of(lp, i)
+                                                          for i in carried[len(left):])
+    # and the next unit would not have fit
+    assert r.body_tokens + cost_of(lp, left[-1]) > r.budget.body_budget
+
+
+def test_a_request_that_fits_reports_no_pressure() -> None:
+    r = run(plan(), floor_items())
+    p = r.pressure
+    assert p.steps == () and not p.yielded and p.fits and not p.compaction_needed
+    assert p.tokens_before == p.tokens_after == r.body_tokens
+    assert p.left_out_items == p.left_out_tokens == 0 and p.legacy_tool_excerpts == 0
+
+
+def test_floor_and_cut_indexes_count_dropped_reasoning_items() -> None:
+    items: list[ConversationItem] = [
+        f.user("u0", "q", 1, run="run-0"),
+        ReasoningItem(id="rs", sequence=2, run_id="run-0", item_trust=TrustLevel.USER,
+                      provider="openai", opaque=b"x" * 10),
+        assistant("a0", "answer", 3),
+        f.user("u9", "next", 4, run="run-1")]
+    r = run(plan(), items, summary=HistorySummary(text="s", replaced_through_sequence=3))
+    assert [m.item_id for m in r.request.messages if m.row == 10] == []
+    # the first item above the floor (sequence 3) is u9, at index 3 of checkpoint.items
+    assert r.pressure.floor_index == 3
+    assert r.pressure.cut_index == 3
+
+
+# ----------------------------------------------------------------------------- excerpts
+
+def legacy(content: str, **kw: Any) -> ToolResultItem:
+    fields: dict[str, Any] = {"id": "r0", "sequence": 3, "run_id": "run-0",
+                              "item_trust": TrustLevel.EXTERNAL_UNTRUSTED, "call_id": "x0",
+                              "tool_name": "web.fetch", "content": content, "event_id": 42}
+    fields.update(kw)
+    return ToolResultItem(**fields)
+
+
+def test_a_result_over_the_inline_maximum_gets_a_head_tail_excerpt_naming_its_event() -> None:
+    content = "A" * 10_000 + "B" * 10_000 + "C" * 10_000
+    item = legacy(content)
+    [out], n = normalize_tool_results([item], 16_384)
+    assert n == 1 and isinstance(out, ToolResultItem)
+    head, tail = 16_384 * 2 // 3, 16_384 - 16_384 * 2 // 3
+    assert out.content == ("A" * 10_000 + "B" * (head - 10_000)
+                           + f"\n[... excerpt: {30_000 - head - tail:,} of 30,000 bytes omitted; "
+                           "full result: event:42 ...]\n" + "C" * tail)
+    assert out.item_trust is TrustLevel.EXTERNAL_UNTRUSTED and out.id == "r0"
+    assert out.call_id == "x0" and out.bytes == 30_000 and not out.elided
+    assert item.content == content  # the input is never changed
+    # deterministic
+    assert normalize_tool_results([item], 16_384) == normalize_tool_results([item], 16_384)
+
+
+def test_excerpts_cut_on_character_boundaries() -> None:
+    content = "\u00e9\u6f22\U0001f642" * 3_000  # 2, 3 and 4 bytes
+    out = head_tail_excerpt(legacy(content), 1_000)
+    assert "\ufffd" not in out
+    head, rest = out.split("\n[... excerpt: ", 1)
+    tail = rest.split("...]\n", 1)[1]
+    assert len(head.encode()) <= 666 and len(tail.encode()) <= 334
+    assert content.startswith(head) and content.endswith(tail)
+
+
+def test_results_within_the_inline_maximum_are_unchanged() -> None:
+    item = legacy("x" * 16_384)
+    assert normalize_tool_results([item], 16_384) == ((item,), 0)
+
+
+def test_context_content_is_used_instead_of_content_and_is_not_a_legacy_excerpt() -> None:
+    item = legacy("full canonical " * 5_000, context_content="the persisted excerpt")
+    [out], n = normalize_tool_results([item], 16_384)
+    assert n == 0 and isinstance(out, ToolResultItem)
+    assert out.content == "the persisted excerpt" and out.context_content == ""
+    assert out.bytes == len(item.content.encode())  # a pointer still names the full size
+
+
+def test_build_renders_excerpts_with_their_trust_and_counts_legacy_ones() -> None:
+    lp = plan("claude-sonnet-4-5", 200_000, None)
+    big = "<html>" + "row " * 10_000 + "</html>"
+    items: list[ConversationItem] = [
+        f.user("u0", "go", 1, run="run-0"), f.call("c0", 2, "x0", "x1", "x2", run="run-0"),
+        legacy(big, id="r0", call_id="x0", item_trust=TrustLevel.EXTERNAL_UNTRUSTED),
+        legacy(big, id="r1", call_id="x1", item_trust=TrustLevel.USER,
+               context_content="persisted excerpt"),
+        legacy("small", id="r2", call_id="x2"), assistant("a0", "ok", 4), last_user()]
+    r = run(lp, items)
+    msgs = by_id(r)
+    assert r.pressure.legacy_tool_excerpts == 1
+    r0 = body(msgs["r0"])
+    assert "full result: event:42 ...]" in r0 and r0.startswith("<html>row")
+    assert r0.endswith("row </html>") and len(r0.encode()) < len(big.encode())
+    assert msgs["r0"].trust is TrustLevel.EXTERNAL_UNTRUSTED
+    assert h.only_envelope(msgs["r0"].text).tag == "untrusted"
+    assert body(msgs["r1"]) == "persisted excerpt"
+    assert msgs["r1"].trust is TrustLevel.USER
+    assert body(msgs["r2"]) == "small"
+    assert "row row row" not in msgs["r1"].text
+    assert r.body_tokens == recount(lp, r)
+
+
+def test_an_excerpt_keeps_the_artifact_reference_on_the_item() -> None:
+    item = legacy("z" * 40_000, artifact_ref="artifact://store/9")
+    [out], _ = normalize_tool_results([item], 16_384)
+    assert isinstance(out, ToolResultItem) and out.artifact_ref == "artifact://store/9"
+    assert replace(out, elided=True).pointer().endswith("-> artifact://store/9")
+
+
+def test_an_excerpt_of_a_result_with_an_artifact_still_references_its_event() -> None:
+    out = head_tail_excerpt(legacy("z" * 40_000, artifact_ref="artifact://store/9"), 16_384)
+    assert "event:42" in out
+
+
+# ----------------------------------------------------------------------------- attachments
+
+def img(name: str = "a.png") -> Attachment:
+    return Attachment(kind=AttachmentKind.IMAGE, name=name, ref=f"blob:{name}")
+
+
+def pdf(pages: int, name: str = "doc.pdf") -> Attachment:
+    return Attachment(kind=AttachmentKind.PDF, name=name, ref=f"blob:{name}", pages=pages)
+
+
+def txt(chars: int, name: str = "notes.txt") -> Attachment:
+    return Attachment(kind=AttachmentKind.TEXT, name=name, ref=f"blob:{name}",
+                      text_chars=chars)
+
+
+def test_attachment_estimates_image_flat_pdf_per_page_text_by_length() -> None:
+    assert attachment_tokens(img()) == IMAGE_TOKENS == 1_600
+    assert attachment_tokens(pdf(7)) == 7 * PDF_PAGE_TOKENS == 14_000
+    assert attachment_tokens(pdf(0)) == PDF_PAGE_TOKENS  # at least one page
+    assert attachment_tokens(txt(3_001)) == 1_001  # rounded up
+    assert attachment_tokens(txt(0)) == 0
+
+
+def with_attachments(*atts: Attachment, item_id: str = "u-last", seq: int = 100,
+                     run_id: str = "run-1") -> UserMessageItem:
+    return UserMessageItem(id=item_id, sequence=seq, run_id=run_id, item_trust=TrustLevel.USER,
+                           text="see attached", attachments=atts)
+
+
+def test_attachments_are_counted_on_top_of_their_labels() -> None:
+    lp = plan("claude-sonnet-4-5", 200_000, None)
+    atts = (img(), pdf(3), txt(900))
+    r = run(lp, [with_attachments(*atts)])
+    [m] = [m for m in r.request.messages if m.row == 15]
+    for a in atts:
+        assert f"[attachment {a.kind.value}: {a.name}]" in m.text  # labels are in the text
+    assert r.body_tokens == recount(lp, r) + 1_600 + 6_000 + 300
+
+
+def test_attachment_content_is_capped_request_wide() -> None:
+    lp = plan("claude-sonnet-4-5", 400_000, None)
+    older = with_attachments(pdf(40, "a.pdf"), item_id="u0", seq=1, run_id="run-0")
+    items: list[ConversationItem] = [older, assistant("a0", "read it", 2),
+                                     with_attachments(pdf(40, "b.pdf"), img())]
+    r = run(lp, items)
+    assert r.body_tokens == recount(lp, r) + ATTACHMENT_BUDGET_TOKENS
+    assert "[attachment pdf: b.pdf]" in r.request.messages[-1].text
+
+
+def test_the_trailing_user_message_carries_its_attachments() -> None:
+    atts = (img(), pdf(2))
+    r = run(plan("claude-sonnet-4-5", 200_000, None), [with_attachments(*atts)])
+    assert r.request.messages[-1].item_id == "u-last"
+    assert r.request.messages[-1].attachments == atts
+
+
+def test_attachments_not_in_the_request_do_not_consume_the_request_wide_budget() -> None:
+    lp = plan("claude-sonnet-4-5", 400_000, None)
+    items: list[ConversationItem] = [
+        with_attachments(pdf(60, "old.pdf"), item_id="u0", seq=1, run_id="run-0"),
+        assistant("a0", "done", 2),
+        with_attachments(img("kept.png"), item_id="u1", seq=3, run_id="run-1"),
+        assistant("a1", "seen", 4, run_id="run-1"),
+        f.user("u9", "and now?", 5, run="run-2")]
+    r = run(lp, items, run_id="run-2",
+            summary=HistorySummary(text="s", replaced_through_sequence=2))
+    sent = {m.item_id: m for m in r.request.messages}
+    assert "u0" not in sent and sent["u1"].attachments == (img("kept.png"),)
+    assert r.body_tokens == recount(lp, r) + IMAGE_TOKENS
+
+
+# ----------------------------------------------------------------------------- estimator
+
+class _Chars:
+    name = encoding = "chars"
+
+    def count(self, text: str) -> int:
+        return len(text)
+
+
+def test_the_estimator_rounds_up_and_counts_framing() -> None:
+    est = TokenEstimator(_Chars(), 1.3)
+    m = Message(row=10, role=Role.USER, trust=TrustLevel.USER, text="abc")
+    assert est.message(m) == math.ceil(3 * 1.3) + MESSAGE_OVERHEAD_TOKENS == 8
+    assert est.message(m, 1.01) == math.ceil(3 * 1.3 * 1.01) + MESSAGE_OVERHEAD_TOKENS
+    empty = Message(row=10, role=Role.ASSISTANT, trust=TrustLevel.USER)
+    assert est.message(empty) == MESSAGE_OVERHEAD_TOKENS
+    assert est.message(m) == est.message(m)  # pure
+
+
+# ----------------------------------------------------------------------------- calibration
+
+def rec(current: Calibration | None, estimated: int, actual: int, *, factor_used: float = 1.0,
+        encoding: str = "o200k_base", model_id: str = "gpt-4o") -> calibration.Reconciled:
+    return reconcile(current, model_id=model_id, encoding=encoding, estimated=estimated,
+                     actual=actual, factor_used=factor_used)
+
+
+def test_an_under_count_moves_the_factor_up_at_once() -> None:
+    r = rec(None, 1_000, 1_200)
+    assert r.calibration.factor == pytest.approx(1.2)
+    assert r.previous_factor == 1.0 and r.calibration.reports == 1
+    assert r.error_ratio == pytest.approx((1_200 - 1_000) / 1_200)  # signed: positive = under
+
+
+def test_an_over_count_moves_the_factor_down_slowly_and_converges() -> None:
+    r = rec(None, 1_000, 800)
+    assert r.calibration.factor == pytest.approx(1.0 - 0.2 * calibration.DOWN_RATE)
+    assert r.error_ratio == pytest.approx(-0.25)
+    current = r.calibration
+    for _ in range(30):  # the same reality, reported with the factor then in use
+        current = rec(current, round(800 * current.factor / 0.8), 800,
+                      factor_used=current.factor).calibration
+    assert current.factor == pytest.approx(0.8, abs=1e-3)
+    assert current.reports == 31
+
+
+def test_up_after_down_is_immediate() -> None:
+    down = rec(None, 1_000, 500).calibration
+    assert down.factor < 1.0
+    up = rec(down, 1_000, 1_500, factor_used=down.factor).calibration
+    assert up.factor == pytest.approx(down.factor * 1.5, abs=1e-6)
+
+
+def test_the_factor_resets_when_the_encoding_or_model_changes() -> None:
+    high = rec(None, 1_000, 2_000).calibration
+    assert high.factor == pytest.approx(2.0) and high.reports == 1
+    other = rec(high, 1_000, 1_000, encoding="cl100k_base").calibration
+    assert other.factor == pytest.approx(1.0) and other.reports == 1
+    assert other.encoding == "cl100k_base"
+    moved = rec(high, 1_000, 1_000, model_id="gpt-4.1").calibration
+    assert moved.factor == pytest.approx(1.0) and moved.reports == 1
+
+
+def test_the_factor_is_clamped() -> None:
+    assert rec(None, 100, 10_000).calibration.factor == calibration.MAX_FACTOR == 4.0
+    low = None
+    for _ in range(60):
+        low = rec(low, 10_000, 100).calibration
+    assert low is not None and low.factor == pytest.approx(calibration.MIN_FACTOR, abs=1e-3)
+    assert low.factor >= calibration.MIN_FACTOR == 0.5
+
+
+def test_a_report_without_an_estimate_keeps_the_factor() -> None:
+    current = Calibration(model_id="gpt-4o", encoding="o200k_base", factor=1.3, reports=4)
+    r = rec(current, 0, 900)
+    assert r.calibration.factor == 1.3 and r.calibration.reports == 5
+    assert rec(current, 100, 0).error_ratio == 0.0
