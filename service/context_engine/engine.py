@@ -19,7 +19,7 @@ from context_engine.domain.builder import (
     load_plan,
 )
 from context_engine.domain.calibration import Calibration, Reconciled, reconcile
-from context_engine.domain.canonical import session_key
+from context_engine.domain.canonical import canonical_sha256, session_key
 from context_engine.domain.errors import (
     BudgetExceeded,
     PrefixHashMismatch,
@@ -312,8 +312,15 @@ class Engine:
             drafts.append(draft)
             return Rotation(reason=cmd.reason, draft=draft)
 
+        fingerprint = canonical_sha256([
+            cmd.session_id, cmd.reason, sorted(cmd.drop_tools),
+            None if cmd.model is None else [cmd.model.model_id, cmd.model.context_window,
+                                            cmd.model.output_reserve,
+                                            cmd.model.breakpoint_budget],
+            None if cmd.snapshot is None else cmd.snapshot.canonical()])
         plan, created = await self._store.pin(cmd.tenant_id, cmd.session_id, decide,
-                                              idempotency_key=cmd.idempotency_key)
+                                              idempotency_key=cmd.idempotency_key,
+                                              fingerprint=fingerprint)
         if created:
             self.cache.put((plan.tenant_id, plan.session_id, plan.epoch),
                            LoadedPlan(plan=plan, rendered=drafts[-1].rendered, session_key=key))
@@ -444,10 +451,15 @@ class Engine:
         def apply(current: Calibration | None) -> Reconciled:
             return reconcile(current, model_id=model.model_id, encoding=spec.encoding,
                              estimated=report.estimated_input_tokens,
-                             actual=report.input_tokens, factor_used=report.estimator_factor)
+                             actual=report.input_tokens, factor_used=report.estimator_factor,
+                             fixed=loaded.plan.prefix_tokens)
 
+        fingerprint = canonical_sha256([
+            report.session_id, loaded.plan.epoch, report.estimated_input_tokens,
+            report.estimator_factor, report.input_tokens, report.cached_tokens,
+            report.output_tokens])
         outcome, counted = await self._calibrations.reconcile(
-            report.tenant_id, model.model_id, report.idempotency_key, apply)
+            report.tenant_id, model.model_id, report.idempotency_key, apply, fingerprint)
         if counted:
             self._metrics.estimator_error_ratio.labels(model=model.family).observe(
                 outcome.error_ratio)

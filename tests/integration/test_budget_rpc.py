@@ -133,9 +133,12 @@ def test_report_usage_reconciles_once_per_key_and_build_uses_the_factor(stub, id
     stub.Plan(plan_request(tenant, session))
     built = stub.Build(build_request(tenant, session))
     est = built.estimated_input_tokens
-    up = stub.ReportUsage(_report(tenant, session, "r1", est, int(est * 1.2)))
+    actual = int(est * 1.2)
+    up = stub.ReportUsage(_report(tenant, session, "r1", est, actual))
     assert up.counted and up.previous_factor == 1.0
-    assert up.correction_factor == pytest.approx(1.2, rel=1e-3)  # up at once
+    # the prefix is measured exactly and never scaled: the body absorbs the whole error
+    prefix = built.prefix_tokens
+    assert up.correction_factor == pytest.approx((actual - prefix) / (est - prefix), rel=1e-3)
     assert up.error_ratio == pytest.approx((int(est * 1.2) - est) / int(est * 1.2))
     again = stub.ReportUsage(_report(tenant, session, "r1", est, int(est * 1.2)))
     assert not again.counted and again.correction_factor == up.correction_factor
@@ -144,6 +147,8 @@ def test_report_usage_reconciles_once_per_key_and_build_uses_the_factor(stub, id
     after = stub.Build(build_request(tenant, session))
     assert after.estimator_factor == pytest.approx(up.correction_factor)
     assert after.body_tokens > built.body_tokens
+    # corrected at once: no longer under-counted (up to the rounding of each message)
+    assert after.estimated_input_tokens >= actual - len(after.request.messages)
     # a pinned factor reproduces the original bytes and numbers
     pinned = build_request(tenant, session)
     pinned.estimator_factor = built.estimator_factor
@@ -153,6 +158,19 @@ def test_report_usage_reconciles_once_per_key_and_build_uses_the_factor(stub, id
                                     factor=up.correction_factor))
     assert 0.5 < down.correction_factor < up.correction_factor
     assert down.correction_factor > up.correction_factor - (up.correction_factor - 0.6) * 0.5
+
+
+def test_an_idempotency_key_cannot_be_reused_for_another_request(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    stub.Plan(plan_request(tenant, "other"))
+    stub.ReportUsage(_report(tenant, session, "k", 1000, 1100))
+    for req in (_report(tenant, session, "k", 1000, 1300), _report(tenant, "other", "k", 1000,
+                                                                    1100)):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReportUsage(req)
+        assert "idempotency_key" in failure(err.value).violations
+    assert db.val("SELECT reports FROM estimator_calibration WHERE tenant_id=$1", tenant) == 1
 
 
 def test_concurrent_reports_are_each_counted_once(stub, ids, db):

@@ -174,3 +174,20 @@ def test_a_legacy_hash_is_served_then_canonicalized_once(server, stub, ids, db):
     assert resp.plan.prefix_blocks == plan.prefix_blocks and resp.plan.tools == plan.tools
     assert not stub.Plan(plan_request(tenant, session)).created
     assert reasons(db, tenant) == ["session_opened", "prefix_hash_canonicalized"]
+
+
+def test_a_legacy_plan_without_scope_hashes_rebuilds_once(server, stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    document = json.loads(db.val("SELECT spec_text FROM plans WHERE tenant_id=$1", tenant))
+    del document["authority_scope_hashes"]  # written before the field existed
+    from context_engine.domain.canonical import canonical_json
+
+    db.fetch("UPDATE plans SET spec_text=$2 WHERE tenant_id=$1", tenant, canonical_json(document))
+    server.running.engine.cache.clear()
+    assert stub.Build(build_request(tenant, session)).epoch == 1  # still serves
+    assert not stub.Plan(plan_request(tenant, session, run=PINNED)).created
+    resp = stub.Plan(plan_request(tenant, session, run=UNPINNED))
+    assert resp.created and resp.plan.reason == "run_authority_changed"
+    assert len(resp.plan.authority_scope_hashes) == 3
+    assert not stub.Plan(plan_request(tenant, session, run=UNPINNED)).created  # once

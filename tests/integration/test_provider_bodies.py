@@ -162,20 +162,16 @@ def test_an_unknown_format_is_a_field_violation(stub, ids):
     assert f.code is grpc.StatusCode.INVALID_ARGUMENT and "provider_format" in f.violations
 
 
-def test_colliding_tool_names_fail_the_render_clearly(stub, ids):
+def test_colliding_tool_names_are_refused_at_plan(stub, ids, db):
     tenant, session = ids
     schema = '{"type":"object","properties":{}}'
-    stub.Plan(plan_request(tenant, session, tool_catalog=[
-        pb.ToolSpec(name="clock.now", description="Now.", input_schema_json=schema,
-                    side_effect=pb.SIDE_EFFECT_NONE),
-        pb.ToolSpec(name="clock__now", description="Now too.", input_schema_json=schema,
-                    side_effect=pb.SIDE_EFFECT_NONE)],
-        agent=pb.AgentSpec(agent_id="helper", version="1", instructions="Help.",
-                           enabled_tools=["clock.now", "clock__now"])))
     with pytest.raises(grpc.RpcError) as err:
-        stub.Build(build(tenant, session, [], pb.PROVIDER_FORMAT_OPENAI_RESPONSES))
+        stub.Plan(plan_request(tenant, session, tool_catalog=[
+            pb.ToolSpec(name="clock.now", description="Now.", input_schema_json=schema,
+                        side_effect=pb.SIDE_EFFECT_NONE),
+            pb.ToolSpec(name="clock__now", description="Now too.", input_schema_json=schema,
+                        side_effect=pb.SIDE_EFFECT_NONE)]))
     f = failure(err.value)
     assert f.code is grpc.StatusCode.INVALID_ARGUMENT
-    assert f.reason == "PROVIDER_FORMAT_UNRENDERABLE"
-    assert f.metadata["provider_format"] == "openai_responses"
-    assert "'clock.now', 'clock__now'" in f.violations["provider_format"]
+    assert "'clock__now' and 'clock.now'" in f.violations["tool_catalog[1].name"]
+    assert db.counts(tenant) == {"sessions": 0, "plans": 0, "context_events": 0}

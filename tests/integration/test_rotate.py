@@ -58,6 +58,21 @@ def test_a_retried_key_rotates_once(stub, ids, db):
     assert db.val("SELECT count(*) FROM plans WHERE tenant_id=$1", tenant) == 2
 
 
+def test_a_rotation_key_cannot_be_reused_for_another_request(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    stub.Plan(plan_request(tenant, "other"))
+    stub.Rotate(rotate(tenant, session, "k1"))
+    for req in (rotate(tenant, "other", "k1"),
+                rotate(tenant, session, "k1", pb.ROTATION_REASON_SECURITY_REVOCATION,
+                       drop_tools=["web.fetch"])):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Rotate(req)
+        f = failure(err.value)
+        assert f.code is grpc.StatusCode.INVALID_ARGUMENT and "idempotency_key" in f.violations
+    assert db.val("SELECT count(*) FROM plans WHERE tenant_id=$1", tenant) == 3
+
+
 def test_operator_rotation_keeps_the_bytes(stub, ids):
     tenant, session = ids
     plan = stub.Plan(plan_request(tenant, session)).plan

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import pytest
-from context_engine.domain.budget import STEPS, BudgetPolicy, Pressure
+from context_engine.domain.budget import HISTORY_FLOOR_TOKENS, STEPS, BudgetPolicy, Pressure
 from context_engine.domain.builder import BuildResult
 from context_engine.domain.errors import BudgetExceeded
 from context_engine.domain.excerpts import normalize_tool_results
@@ -366,11 +366,17 @@ def check_no_further_than_needed(ladder: Ladder) -> None:
     if lad.ladder_pointers:
         undone = lad.body(lad.knowledge_final, lad.recall_rung, lad.pointers[:-1], 0)
         assert undone > B, f"tool result {lad.pointers[-1]} became a pointer though it fits"
-    if lad.below_floor:  # with no history at all, the last line would still not fit
+    if lad.below_floor:
+        # Recall goes below its floor only to leave history its own floor (8,000 tokens, or
+        # all of it if less): with the last such line back, that room would be missing.
         last_line = lad.below_floor[-1]
-        undone = lad.body(lad.knowledge_final, [*lad.recall_final, last_line], lad.pointers,
-                          len(lad.carried))
-        assert undone > B, f"recall line {last_line.id} went below the floor though it fits"
+        without_history = lad.body(lad.knowledge_final, [*lad.recall_final, last_line],
+                                    lad.pointers, len(lad.carried))
+        history = (lad.body(lad.knowledge_final, lad.recall_final, lad.pointers, 0)
+                   - lad.body(lad.knowledge_final, lad.recall_final, lad.pointers,
+                              len(lad.carried)))
+        assert without_history > B - min(HISTORY_FLOOR_TOKENS, history), \
+            f"recall line {last_line.id} went below its floor though history had its floor"
     if lad.cut:
         start = previous_unit_start(lad.carried, lad.cut)
         undone = lad.body(lad.knowledge_final, lad.recall_final, lad.pointers, start)

@@ -276,7 +276,7 @@ def test_a_pointer_keeps_trust_envelope_bytes_event_and_artifact() -> None:
                           tool_name="web.fetch", content=content, artifact_ref="artifact:a/9d02",
                           event_id=77)
     assert replace(item, elided=True).pointer() == \
-        "[elided] tool.result 8f21 (external_untrusted, 4,214 bytes) -> artifact:a/9d02"
+        "[elided] tool.result 8f21 (external_untrusted, 4,214 bytes) -> artifact:a/9d02 (event:77)"
     no_artifact = replace(item, artifact_ref="", item_trust=TrustLevel.USER)
     assert no_artifact.pointer() == "[elided] tool.result 8f21 (user, 4,214 bytes) -> event:77"
     # the byte count is of the canonical content, also when an excerpt is rendered
@@ -542,7 +542,7 @@ def test_an_excerpt_keeps_the_artifact_reference_on_the_item() -> None:
     item = legacy("z" * 40_000, artifact_ref="artifact://store/9")
     [out], _ = normalize_tool_results([item], 16_384)
     assert isinstance(out, ToolResultItem) and out.artifact_ref == "artifact://store/9"
-    assert replace(out, elided=True).pointer().endswith("-> artifact://store/9")
+    assert replace(out, elided=True).pointer().endswith("-> artifact://store/9 (event:42)")
 
 
 def test_an_excerpt_of_a_result_with_an_artifact_still_references_its_event() -> None:

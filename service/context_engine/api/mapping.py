@@ -47,6 +47,7 @@ from context_engine.domain.model import (
     SkillCatalogEntry,
     ToolSpec,
 )
+from context_engine.domain.providers import provider_tool_name
 from context_engine.domain.request import (
     Attachment,
     AttachmentKind,
@@ -152,6 +153,9 @@ def _tool(v: Violations, field: str, t: pb.ToolSpec) -> ToolSpec:
     schema = parse_json_object(t.input_schema_json)
     if schema is None:
         v.add(f"{field}.input_schema_json", "is not a JSON object")
+    elif schema.get("type") != "object":
+        v.add(f"{field}.input_schema_json",
+              'must describe an object ("type": "object"): providers take tool input as one')
     effect = SIDE_EFFECT_FROM_PB.get(t.side_effect)
     if effect is None:
         v.add(f"{field}.side_effect", f"unknown side effect {t.side_effect}"
@@ -207,6 +211,13 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
     v.unique("persona.entries", (e.key for e in req.persona.entries), "persona key")
     tools = tuple(_tool(v, f"tool_catalog[{i}]", t) for i, t in enumerate(req.tool_catalog))
     v.unique("tool_catalog", (t.name for t in req.tool_catalog), "tool name")
+    # providers accept [A-Za-z0-9_-] only: two names that map to one would be unrenderable
+    mapped: dict[str, str] = {}
+    for i, t in enumerate(req.tool_catalog):
+        other = mapped.setdefault(provider_tool_name(t.name), t.name)
+        if other != t.name:
+            v.add(f"tool_catalog[{i}].name", f"{t.name!r} and {other!r} are the same tool "
+                  f"name to a provider ({provider_tool_name(t.name)!r})")
     for i, scope in enumerate(req.principal_scopes):
         if not scope:
             v.add(f"principal_scopes[{i}]", "must not be empty")
@@ -307,6 +318,10 @@ def _item(v: Violations, field: str, it: pb.ConversationItem) -> ConversationIte
     ceiling = TrustLevel.USER if kind == "tool_result" else TrustLevel.TRUSTED_CONFIGURATION
     trust = v.trust(f"{field}.trust", it.trust, at_most=ceiling)
     common = {"id": it.id, "sequence": it.sequence, "run_id": it.run_id, "item_trust": trust}
+    for name, value in (("id", it.id), ("run_id", it.run_id)):
+        if any(ord(c) < 32 for c in value) or len(value) > MAX_ID_LENGTH:
+            v.add(f"{field}.{name}", f"must be at most {MAX_ID_LENGTH} characters without "
+                  "control characters")
     if kind == "user":
         attachments = tuple(_attachment(v, f"{field}.user.attachments[{i}]", a)
                             for i, a in enumerate(it.user.attachments))
@@ -334,6 +349,9 @@ def _item(v: Violations, field: str, it: pb.ConversationItem) -> ConversationIte
 
 
 def checkpoint(v: Violations, cp: pb.Checkpoint) -> Checkpoint:
+    if any(ord(c) < 32 for c in cp.active_run_id) or len(cp.active_run_id) > MAX_ID_LENGTH:
+        v.add("checkpoint.active_run_id", f"must be at most {MAX_ID_LENGTH} characters "
+              "without control characters")
     items = [_item(v, f"checkpoint.items[{i}]", it) for i, it in enumerate(cp.items)]
     skills = tuple(SkillBody(name=s.name, body=s.body,
                              trust=v.trust(f"checkpoint.loaded_skills[{i}].trust", s.trust))
@@ -408,7 +426,7 @@ def plan_pb(loaded: LoadedPlan) -> pb.ContextPlan:
         breakpoint_budget=spec.model.breakpoint_budget,
         tool_names=list(spec.tool_names), deferred_tool_names=list(spec.deferred_tool_names),
         skipped_tool_names=list(spec.skipped_tool_names),
-        authority_scope_hashes=list(spec.authority_scope_hashes),
+        authority_scope_hashes=list(spec.authority_scope_hashes or ()),
         policy_version=spec.assets.version, builder_version=spec.builder_version,
         cache_ttl=spec.cache_ttl, reason=plan.reason, session_key=key,
         agent_id=spec.agent.agent_id, agent_version=spec.agent.version,

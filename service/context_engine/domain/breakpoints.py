@@ -55,10 +55,15 @@ def history_breakpoints(*, carried: Sequence[ConversationItem], has_summary: boo
     elif has_summary:
         marks.append(CacheBreakpoint(name="carried_history", ttl=DEFAULT_TTL,
                                      through_item=SUMMARY_ITEM))
-    # The next step no longer carries this turn's reasoning items (only the latest turn's
-    # are replayed), so the run's repeated prefix ends before the first of them.
-    end = next((i for i, item in enumerate(active) if isinstance(item, ReasoningItem)),
-               len(active))
+    # The runtime replays only the latest turn's reasoning items, so the next step no longer
+    # carries them: the run's repeated prefix ends before the last stretch of reasoning.
+    end = len(active)
+    last = max((i for i, item in enumerate(active) if isinstance(item, ReasoningItem)),
+               default=-1)
+    if last >= 0:
+        end = last
+        while end > 0 and isinstance(active[end - 1], ReasoningItem):
+            end -= 1
     if end > 0:
         everything = [*carried, *active[:end]]
         marks.append(CacheBreakpoint(name="run", ttl=DEFAULT_TTL,

@@ -295,12 +295,14 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
             break
         ids.append(done)
     record("tool_results", ids, start)
-    # If everything but history is still over the body even with recall at its floor, recall
-    # goes below its floor first: history then keeps whatever room that leaves.
-    start, ids = ledger.total(), []
-    while ledger.total() - ledger.history_cost() > B and ledger.recall:
-        ids.append(trim_recall())
-    record("recall", ids, start)
+    # History's floor (8,000 tokens, or all of it if less) outranks recall's floor: when the
+    # room left for history is below it, recall goes below its own floor first.
+    if ledger.total() > B:
+        start, ids = ledger.total(), []
+        floor_tokens = min(HISTORY_FLOOR_TOKENS, ledger.history_cost())
+        while ledger.recall and ledger.total() - ledger.history_cost() > B - floor_tokens:
+            ids.append(trim_recall())
+        record("recall", ids, start)
     start = ledger.total()
     if start > B:
         others = start - ledger.history_cost()

@@ -152,6 +152,7 @@ def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint") -> list[Fie
                 f"(from sequence {first_active.sequence}); compaction replaces only what came "
                 "before it"))
     calls_by_id: dict[str, str] = {}
+    runs_by_call: dict[str, str] = {}
     seen_ids: set[str] = set()
     open_calls: dict[str, int] = {}
     answered: set[str] = set()
@@ -181,6 +182,7 @@ def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint") -> list[Fie
                 else:
                     open_calls[call.call_id] = i
                     calls_by_id[call.call_id] = call.name
+                    runs_by_call[call.call_id] = item.run_id
                 if not call.name:
                     violations.append(FieldViolation(f"{cpath}.name", "must not be empty"))
                 if parse_json_object(call.arguments_json) is None:
@@ -198,6 +200,12 @@ def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint") -> list[Fie
             else:
                 del open_calls[item.call_id]
                 answered.add(item.call_id)
+                if runs_by_call[item.call_id] != item.run_id:
+                    violations.append(FieldViolation(
+                        f"{path}.run_id",
+                        f"the result of call {item.call_id!r} belongs to run {item.run_id!r} "
+                        f"but its call to run {runs_by_call[item.call_id]!r}: a tool pair "
+                        "never spans two runs"))
                 called = calls_by_id[item.call_id]
                 if item.tool_name and called and item.tool_name != called:
                     violations.append(FieldViolation(

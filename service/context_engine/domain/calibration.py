@@ -27,12 +27,17 @@ class Reconciled:
 
 
 def reconcile(current: Calibration | None, *, model_id: str, encoding: str, estimated: int,
-              actual: int, factor_used: float) -> Reconciled:
-    """``estimated`` was computed with ``factor_used``; the factor that would have matched is
-    ``factor_used * actual / estimated``."""
+              actual: int, factor_used: float, fixed: int = 0) -> Reconciled:
+    """``estimated`` was computed with ``factor_used`` applied to everything but ``fixed``
+    tokens (the prefix, measured once at plan time and never scaled). The body's factor that
+    would have matched is ``factor_used * (actual - fixed) / (estimated - fixed)``: the body
+    absorbs the whole error, so one report corrects an under-count at once."""
     if current is None or current.encoding != encoding or current.model_id != model_id:
         current = Calibration(model_id=model_id, encoding=encoding)
-    target = factor_used * actual / estimated if estimated > 0 else current.factor
+    body_estimated = estimated - fixed
+    body_actual = max(actual - fixed, 1)
+    target = (factor_used * body_actual / body_estimated if body_estimated > 0
+              else current.factor)
     target = min(max(target, MIN_FACTOR), MAX_FACTOR)
     if target > current.factor:
         factor = target

@@ -152,8 +152,10 @@ class TokenEstimator:
         return raw + math.ceil(len(message.reasoning_opaque) / REASONING_BYTES_PER_TOKEN)
 
     def scaled(self, raw: int, factor: float = 1.0) -> int:
-        """A message's estimate from its raw count: factors applied, rounded up, framing."""
-        return math.ceil(raw * self.base_factor * factor) + MESSAGE_OVERHEAD_TOKENS
+        """A message's estimate from its raw count: the base factor on the count, the
+        correction factor on all of it (framing included: the body scales as a whole, which
+        is what reconciliation measures), rounded up."""
+        return math.ceil((raw * self.base_factor + MESSAGE_OVERHEAD_TOKENS) * factor)
 
     def message(self, message: Message, factor: float = 1.0) -> int:
         return self.scaled(self.raw(message), factor)

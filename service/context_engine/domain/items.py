@@ -325,9 +325,11 @@ class ToolResultItem(ConversationItem):
         return self.byte_length or len(self.content.encode("utf-8"))
 
     def reference(self) -> str:
+        """Where the whole result lives: its artifact and its event, when known."""
+        event = f"event:{self.event_id}" if self.event_id else ""
         if self.artifact_ref:
-            return self.artifact_ref
-        return f"event:{self.event_id}" if self.event_id else f"item:{self.id}"
+            return f"{self.artifact_ref} ({event})" if event else self.artifact_ref
+        return event or f"item:{self.id}"
 
     def pointer(self) -> str:
         """spec: "Untrusted content is elided, never paraphrased" — the pointer states that

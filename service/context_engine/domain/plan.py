@@ -119,7 +119,7 @@ class PlanSpec:
     model: ModelProfile
     session_kind: SessionKind
     website_profile_id: str
-    authority_scope_hashes: tuple[str, ...]
+    authority_scope_hashes: tuple[str, ...] | None  # None: a legacy plan from before them
     cache_ttl: str
     tokenizer: str  # label of what measured the prefix
     encoding: str  # the encoding actually loaded: Build counts with exactly this
@@ -141,7 +141,8 @@ class PlanSpec:
             "model": self.model.canonical(),
             "session_kind": self.session_kind.value,
             "website_profile_id": self.website_profile_id,
-            "authority_scope_hashes": list(self.authority_scope_hashes),
+            "authority_scope_hashes": (None if self.authority_scope_hashes is None
+                                       else list(self.authority_scope_hashes)),
             "cache_ttl": self.cache_ttl,
             "tokenizer": self.tokenizer,
             "encoding": self.encoding,
@@ -167,7 +168,8 @@ class PlanSpec:
             model=ModelProfile.from_canonical(d["model"]),
             session_kind=SessionKind(d["session_kind"]),
             website_profile_id=d["website_profile_id"],
-            authority_scope_hashes=tuple(d["authority_scope_hashes"]),
+            authority_scope_hashes=(None if d.get("authority_scope_hashes") is None
+                                    else tuple(d["authority_scope_hashes"])),
             cache_ttl=d["cache_ttl"],
             tokenizer=d["tokenizer"],
             encoding=d["encoding"],
@@ -447,6 +449,8 @@ def admission_reason(current: PlanSpec, *, unpinned: bool, principal_scopes: tup
         return "snapshot_invalidated"
     if not unpinned:
         return None
+    if current.authority_scope_hashes is None:  # a legacy plan rebuilds once
+        return "run_authority_changed"
     if set(authority_scope_hashes(principal_scopes)) - set(current.authority_scope_hashes):
         return "run_authority_changed"
     if website_profile_id != current.website_profile_id:

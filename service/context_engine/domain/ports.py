@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from context_engine.domain.calibration import Calibration, Reconciled
+from context_engine.domain.errors import InvalidInput
 from context_engine.domain.plan import ContextPlan, PlanDraft
 
 
@@ -42,13 +43,20 @@ class PlanStore(Protocol):
         ...
 
     async def pin(self, tenant_id: str, session_id: str, decide: Decide, *,
-                  idempotency_key: str | None = None) -> tuple[ContextPlan, bool]:
+                  idempotency_key: str | None = None,
+                  fingerprint: str = "") -> tuple[ContextPlan, bool]:
         """Atomically: read the session's current plan, ask ``decide``, and if it returns a
         rotation write it as the next epoch with its event. Concurrent callers for one session
         serialize; exactly one epoch is written per decision. With an idempotency key, a
-        retried key decides nothing and returns the epoch its first call left current.
+        retried key decides nothing and returns the epoch its first call left current; a key
+        reused for another session or another request (``fingerprint``) is InvalidInput.
         Returns (plan, created)."""
         ...
+
+
+def key_reused() -> InvalidInput:
+    return InvalidInput.one("idempotency_key", "was already used for another request; a retry "
+                            "must repeat its request exactly")
 
 
 def plan_event(plan: ContextPlan) -> ContextEvent:
@@ -101,14 +109,18 @@ class InMemoryPlanStore:
         epochs = self.plans.get((tenant_id, session_id))
         return len(epochs) if epochs else None
 
-    keys: dict[tuple[str, str], int] = field(default_factory=dict)
+    keys: dict[tuple[str, str], tuple[str, str, int]] = field(default_factory=dict)
 
     async def pin(self, tenant_id: str, session_id: str, decide: Decide, *,
-                  idempotency_key: str | None = None) -> tuple[ContextPlan, bool]:
+                  idempotency_key: str | None = None,
+                  fingerprint: str = "") -> tuple[ContextPlan, bool]:
         async with self._lock:
             epochs = self.plans.setdefault((tenant_id, session_id), [])
             if idempotency_key is not None and (tenant_id, idempotency_key) in self.keys:
-                return epochs[self.keys[(tenant_id, idempotency_key)] - 1], False
+                session, fp, epoch = self.keys[(tenant_id, idempotency_key)]
+                if (session, fp) != (session_id, fingerprint):
+                    raise key_reused()
+                return epochs[epoch - 1], False
             current = epochs[-1] if epochs else None
             rotation = decide(current)
             if rotation is None:
@@ -118,7 +130,7 @@ class InMemoryPlanStore:
             epochs.append(replace(plan))
             self.events.append(plan_event(plan))
             if idempotency_key is not None:
-                self.keys[(tenant_id, idempotency_key)] = plan.epoch
+                self.keys[(tenant_id, idempotency_key)] = (session_id, fingerprint, plan.epoch)
             return plan, True
 
 
@@ -140,7 +152,7 @@ class CalibrationStore(Protocol):
     async def calibration(self, tenant_id: str, model_id: str) -> Calibration | None: ...
 
     async def reconcile(self, tenant_id: str, model_id: str, idempotency_key: str,
-                        apply: Reconcile) -> tuple[Reconciled, bool]:
+                        apply: Reconcile, fingerprint: str = "") -> tuple[Reconciled, bool]:
         """Atomically apply one usage report to the model's calibration, once per key.
         Returns the outcome and whether this call counted it (False: a retried key, whose
         original outcome is returned)."""
@@ -166,17 +178,19 @@ class InMemoryEventLog:
 @dataclass
 class InMemoryCalibrationStore:
     rows: dict[tuple[str, str], Calibration] = field(default_factory=dict)
-    keys: dict[tuple[str, str], Reconciled] = field(default_factory=dict)
+    keys: dict[tuple[str, str], tuple[str, Reconciled]] = field(default_factory=dict)
 
     async def calibration(self, tenant_id: str, model_id: str) -> Calibration | None:
         return self.rows.get((tenant_id, model_id))
 
     async def reconcile(self, tenant_id: str, model_id: str, idempotency_key: str,
-                        apply: Reconcile) -> tuple[Reconciled, bool]:
+                        apply: Reconcile, fingerprint: str = "") -> tuple[Reconciled, bool]:
         seen = self.keys.get((tenant_id, idempotency_key))
         if seen is not None:
-            return seen, False
+            if seen[0] != fingerprint:
+                raise key_reused()
+            return seen[1], False
         outcome = apply(self.rows.get((tenant_id, model_id)))
         self.rows[(tenant_id, model_id)] = outcome.calibration
-        self.keys[(tenant_id, idempotency_key)] = outcome
+        self.keys[(tenant_id, idempotency_key)] = (fingerprint, outcome)
         return outcome, True

@@ -14,7 +14,14 @@ from context_engine.adapters.postgres.errors import translated
 from context_engine.domain.calibration import Calibration, Reconciled
 from context_engine.domain.canonical import canonical_json
 from context_engine.domain.plan import ClassUsage, ContextPlan, PlanSpec
-from context_engine.domain.ports import ContextEvent, Decide, Reconcile, pinned, plan_event
+from context_engine.domain.ports import (
+    ContextEvent,
+    Decide,
+    Reconcile,
+    key_reused,
+    pinned,
+    plan_event,
+)
 
 
 def _plan_from_row(row: asyncpg.Record) -> ContextPlan:
@@ -57,7 +64,8 @@ class PostgresPlanStore:
         return int(epoch) if epoch else None
 
     async def pin(self, tenant_id: str, session_id: str, decide: Decide, *,
-                  idempotency_key: str | None = None) -> tuple[ContextPlan, bool]:
+                  idempotency_key: str | None = None,
+                  fingerprint: str = "") -> tuple[ContextPlan, bool]:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
             if idempotency_key is not None:
@@ -67,6 +75,9 @@ class PostgresPlanStore:
                     stored = json.loads(await conn.fetchval(
                         queries.GET_KEY, tenant_id, "Rotate", idempotency_key,
                         timeout=self._timeout))
+                    if (stored.get("session_id"), stored.get("fingerprint")) != (
+                            session_id, fingerprint):
+                        raise key_reused()
                     row = await conn.fetchrow(queries.GET_PLAN, tenant_id, session_id,
                                               stored["epoch"], timeout=self._timeout)
                     return _plan_from_row(row), False
@@ -87,7 +98,9 @@ class PostgresPlanStore:
             created_at = await self._insert(conn, plan)
             if idempotency_key is not None:
                 await conn.execute(queries.SET_KEY_RESPONSE, tenant_id, "Rotate",
-                                   idempotency_key, canonical_json({"epoch": plan.epoch}),
+                                   idempotency_key,
+                                   canonical_json({"epoch": plan.epoch, "session_id": session_id,
+                                                   "fingerprint": fingerprint}),
                                    timeout=self._timeout)
             return replace(plan, created_at=created_at), True
 
@@ -98,7 +111,7 @@ class PostgresPlanStore:
             spec.canonical_json(), plan.prefix_sha256, plan.prefix_tokens, _classes_json(plan),
             spec.model.model_id, spec.tokenizer, list(spec.tool_names),
             list(spec.deferred_tool_names), list(spec.skipped_tool_names),
-            list(spec.authority_scope_hashes), spec.builder_version, spec.assets.version,
+            list(spec.authority_scope_hashes or ()), spec.builder_version, spec.assets.version,
             spec.cache_ttl, timeout=self._timeout)
         status = await conn.execute(queries.ADVANCE_SESSION, plan.tenant_id, plan.session_id,
                                     plan.epoch, timeout=self._timeout)
@@ -142,11 +155,11 @@ def _calibration(row: asyncpg.Record | None) -> Calibration | None:
                        factor=float(row["factor"]), reports=int(row["reports"]))
 
 
-def _reconciled_json(r: Reconciled) -> str:
+def _reconciled_json(r: Reconciled, fingerprint: str) -> str:
     c = r.calibration
     return canonical_json({"model_id": c.model_id, "encoding": c.encoding, "factor": c.factor,
                            "reports": c.reports, "previous_factor": r.previous_factor,
-                           "error_ratio": r.error_ratio})
+                           "error_ratio": r.error_ratio, "fingerprint": fingerprint})
 
 
 def _reconciled_from(text: str) -> Reconciled:
@@ -170,7 +183,7 @@ class PostgresCalibrationStore:
         return _calibration(row)
 
     async def reconcile(self, tenant_id: str, model_id: str, idempotency_key: str,
-                        apply: Reconcile) -> tuple[Reconciled, bool]:
+                        apply: Reconcile, fingerprint: str = "") -> tuple[Reconciled, bool]:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
             claimed = await conn.fetchval(queries.CLAIM_KEY, tenant_id, self.RPC,
@@ -178,6 +191,8 @@ class PostgresCalibrationStore:
             if claimed is None:  # a retry: the first report's outcome, counted once
                 stored = await conn.fetchval(queries.GET_KEY, tenant_id, self.RPC,
                                              idempotency_key, timeout=self._timeout)
+                if json.loads(stored).get("fingerprint") != fingerprint:
+                    raise key_reused()
                 return _reconciled_from(stored), False
             await conn.execute(queries.ENSURE_CALIBRATION, tenant_id, model_id,
                                timeout=self._timeout)
@@ -188,5 +203,5 @@ class PostgresCalibrationStore:
             await conn.execute(queries.UPSERT_CALIBRATION, tenant_id, model_id, c.encoding,
                                c.factor, c.reports, timeout=self._timeout)
             await conn.execute(queries.SET_KEY_RESPONSE, tenant_id, self.RPC, idempotency_key,
-                               _reconciled_json(outcome), timeout=self._timeout)
+                               _reconciled_json(outcome, fingerprint), timeout=self._timeout)
             return outcome, True
