@@ -371,7 +371,8 @@ class Engine:
         return factor
 
     async def build(self, tenant_id: str, session_id: str, epoch: int | None,
-                    checkpoint: Checkpoint, factor: float | None) -> BuildResult:
+                    checkpoint: Checkpoint, factor: float | None, *,
+                    validated: bool = False) -> BuildResult:
         loaded = await self.loaded(tenant_id, session_id, epoch)
         spec = loaded.plan.spec
         estimator = self.plan_estimator(spec)
@@ -380,7 +381,7 @@ class Engine:
         started = time.perf_counter()
         try:
             result = build(loaded, checkpoint, estimator=estimator, factor=factor,
-                           policy=self.policy, memo=self.render_memo)
+                           policy=self.policy, memo=self.render_memo, validated=validated)
         except BudgetExceeded as exc:
             self._metrics.budget_exceeded.labels(**{"class": exc.class_name}).inc()
             payload: dict[str, Any] = {"epoch": loaded.plan.epoch, **exc.metadata()}

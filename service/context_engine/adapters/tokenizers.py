@@ -14,6 +14,7 @@ import os
 import tempfile
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 import tiktoken
@@ -37,6 +38,14 @@ _OFFICIAL = {
 }
 _DIGEST_CACHE_ENTRIES = 65_536
 _SHORT = 64  # below this many characters, hashing costs about what counting does
+
+
+_THREADS = max(2, min(4, os.cpu_count() or 2))
+_BATCH_MIN = 16  # below this, threads cost more than they save
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def tiktoken_cache_dir(environ: dict[str, str] | None = None) -> Path:
@@ -85,10 +94,35 @@ class TiktokenCounter:
     def encoding(self) -> str:
         return self._encoding_name
 
+    def count_many(self, texts: Sequence[str]) -> list[int]:
+        """Counts of many texts, the long uncached ones encoded together on several threads
+        (tiktoken releases the GIL). The same numbers as ``count``; only faster."""
+        counts: list[int | None] = [None] * len(texts)
+        todo: list[tuple[int, bytes, str]] = []
+        with self._lock:
+            for i, text in enumerate(texts):
+                if len(text) < _SHORT:
+                    continue
+                key = _digest(text)
+                hit = self._cache.get(key)
+                if hit is None:
+                    todo.append((i, key, text))
+                else:
+                    counts[i] = hit
+        if len(todo) >= _BATCH_MIN:
+            encoded = self._encoding.encode_ordinary_batch([t for _, _, t in todo],
+                                                           num_threads=_THREADS)
+            with self._lock:
+                for (i, key, _), tokens in zip(todo, encoded, strict=True):
+                    counts[i] = self._cache[key] = len(tokens)
+                while len(self._cache) > _DIGEST_CACHE_ENTRIES:
+                    self._cache.popitem(last=False)
+        return [c if c is not None else self.count(t) for c, t in zip(counts, texts, strict=True)]
+
     def count(self, text: str) -> int:
         if len(text) < _SHORT:
             return len(self._encoding.encode_ordinary(text))
-        key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        key = _digest(text)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:

@@ -108,7 +108,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             provider_format = mapping.requested_provider_format(v, request.provider_format)
             v.raise_if_any()
             result = await self._engine.build(request.tenant_id, request.session_id,
-                                              epoch, checkpoint, factor)
+                                              epoch, checkpoint, factor,
+                                              validated=True)
             record.epoch, record.prefix_sha256 = result.epoch, result.prefix_sha256
             record.extra["estimated_input_tokens"] = result.estimated_input_tokens
             if provider_format:
