@@ -47,9 +47,8 @@ test: lint
 	$(PY) -m pytest
 
 ## bench: Build over loopback gRPC (cold, warm) beside one raw tiktoken pass and langchain-core
-## trim_messages on seeded 50/200/1,000-item conversations; prints the table, writes
-## tests/bench/results.md (issue 3, point 10). Not part of `make test`.
-## bench: Build vs one raw tiktoken pass and trim_messages; cached ratios vs a naive assembly
+## trim_messages on seeded 50/200/1,000-item conversations (writes tests/bench/results.md), then
+## the cached prefix ratio and cached input share beside a naive assembly. Not in `make test`.
 bench: $(GEN_STAMP)
 	$(PY) -m tests.bench.build_bench
 	$(PY) -m tests.bench.cache_bench

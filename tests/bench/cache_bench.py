@@ -1,4 +1,4 @@
-"""Cache bench (issue 4, point 4): the scripted session's cache figures under the fake provider,
+"""Cache bench: the scripted session's cache figures under the fake provider,
 for the engine's assembly and for a naive one.
 
 One scripted session (the fifty-turn session of the prefix-stability gate, see

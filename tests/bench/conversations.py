@@ -1,4 +1,4 @@
-"""Seeded agent conversations for the benchmark (issue 3, acceptance point 10).
+"""Seeded agent conversations for the benchmark.
 
 A conversation is a list of turns; every turn is one run: a user message, tool steps (an
 assistant tool-call item with one call or several parallel calls, then one result item per

@@ -1,5 +1,5 @@
 """Hard gate: prefix stability (spec: "Enforcement is a test, not a convention", "Prefix
-epochs", "The history cache window"; issue 4, point 5).
+epochs", "The history cache window").
 
 The spec's scripted fifty-turn session, end to end against the real server and PostgreSQL: a
 runtime-like driver (tests/support/runtime.py) runs 50 turns with tool loops (parallel calls

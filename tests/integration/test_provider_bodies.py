@@ -1,4 +1,4 @@
-"""Provider-ready bodies through the real server, handed to the official SDKs (issue 4, point 3).
+"""Provider-ready bodies through the real server, handed to the official SDKs.
 
 Build returns ``provider_body_json``; the parsed body goes to ``anthropic``'s
 ``messages.create`` and ``openai``'s ``responses.create`` unchanged. Those SDK versions send

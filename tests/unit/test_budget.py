@@ -1,6 +1,6 @@
 """The budget allocator, class caps, never-yield classes, tool-result pointers and excerpts,
 the summary floor, attachments and estimator reconciliation, by example (spec: "The budget
-allocator" through "The token estimator"; issue 3, acceptance 1-8)."""
+allocator" through "The token estimator")."""
 
 from __future__ import annotations
 

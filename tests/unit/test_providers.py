@@ -1,4 +1,4 @@
-"""Provider-ready bodies (issue 4, point 3): the Anthropic Messages and OpenAI Responses
+"""Provider-ready bodies: the Anthropic Messages and OpenAI Responses
 renderings of a BuildResult, their breakpoints, tool-name mapping and structural validators."""
 
 from __future__ import annotations

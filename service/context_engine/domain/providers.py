@@ -1,4 +1,4 @@
-"""Provider-ready request bodies (issue 4, point 3) and their structural validators.
+"""Provider-ready request bodies and their structural validators.
 
 A ``BuildResult`` rendered as an Anthropic Messages body or an OpenAI Responses body. Pure:
 standard library and domain only, no I/O. The renderers never author, summarize or reorder
