@@ -9,8 +9,8 @@ One run, side by side, for each case:
   Engine, so an empty plan cache and a new TiktokenRegistry whose digest caches are empty;
   the plan is read back from PostgreSQL and re-verified). Each sample restarts the server;
   the median is reported. Before the timed call the new server answers a health check and one
-  small Build of another session, so connection set-up and first-call costs of the process are not counted.
-  tiktoken's BPE tables are loaded once per process (as for the raw pass).
+  small Build of another session, so connection set-up and first-call costs of the process
+  are not counted. tiktoken's BPE tables are loaded once per process (as for the raw pass).
 * Build warm: the median of repeated Builds of the same checkpoint on that server.
 * raw tiktoken: one ``encode_ordinary`` pass (cl100k_base) over the conversation's content
   (message texts, tool names and arguments, tool results), single-threaded; median of passes.
