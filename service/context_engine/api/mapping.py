@@ -71,6 +71,7 @@ from context_engine.v1 import context_engine_pb2 as pb
 MAX_ID_LENGTH = 256
 MAX_EPOCH = 2**31 - 1
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_CONTROL = re.compile(r"[\x00-\x1f]")
 TASK_STATES = ("open", "in_progress", "blocked", "completed")
 
 TRUST_FROM_PB: dict[pb.TrustLevel.ValueType, TrustLevel] = {
@@ -319,7 +320,7 @@ def _item(v: Violations, field: str, it: pb.ConversationItem) -> ConversationIte
     trust = v.trust(f"{field}.trust", it.trust, at_most=ceiling)
     common = {"id": it.id, "sequence": it.sequence, "run_id": it.run_id, "item_trust": trust}
     for name, value in (("id", it.id), ("run_id", it.run_id)):
-        if any(ord(c) < 32 for c in value) or len(value) > MAX_ID_LENGTH:
+        if len(value) > MAX_ID_LENGTH or _CONTROL.search(value):
             v.add(f"{field}.{name}", f"must be at most {MAX_ID_LENGTH} characters without "
                   "control characters")
     if kind == "user":
@@ -349,7 +350,7 @@ def _item(v: Violations, field: str, it: pb.ConversationItem) -> ConversationIte
 
 
 def checkpoint(v: Violations, cp: pb.Checkpoint) -> Checkpoint:
-    if any(ord(c) < 32 for c in cp.active_run_id) or len(cp.active_run_id) > MAX_ID_LENGTH:
+    if len(cp.active_run_id) > MAX_ID_LENGTH or _CONTROL.search(cp.active_run_id):
         v.add("checkpoint.active_run_id", f"must be at most {MAX_ID_LENGTH} characters "
               "without control characters")
     items = [_item(v, f"checkpoint.items[{i}]", it) for i, it in enumerate(cp.items)]
