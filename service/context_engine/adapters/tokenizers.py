@@ -14,7 +14,6 @@ import os
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
 from pathlib import Path
 
 import tiktoken
@@ -40,8 +39,6 @@ _DIGEST_CACHE_ENTRIES = 65_536
 _SHORT = 64  # below this many characters, hashing costs about what counting does
 
 
-_THREADS = max(2, min(4, os.cpu_count() or 2))
-_BATCH_MIN = 16  # below this, threads cost more than they save
 
 
 def _digest(text: str) -> bytes:
@@ -93,31 +90,6 @@ class TiktokenCounter:
     @property
     def encoding(self) -> str:
         return self._encoding_name
-
-    def count_many(self, texts: Sequence[str]) -> list[int]:
-        """Counts of many texts, the long uncached ones encoded together on several threads
-        (tiktoken releases the GIL). The same numbers as ``count``; only faster."""
-        counts: list[int | None] = [None] * len(texts)
-        todo: list[tuple[int, bytes, str]] = []
-        with self._lock:
-            for i, text in enumerate(texts):
-                if len(text) < _SHORT:
-                    continue
-                key = _digest(text)
-                hit = self._cache.get(key)
-                if hit is None:
-                    todo.append((i, key, text))
-                else:
-                    counts[i] = hit
-        if len(todo) >= _BATCH_MIN:
-            encoded = self._encoding.encode_ordinary_batch([t for _, _, t in todo],
-                                                           num_threads=_THREADS)
-            with self._lock:
-                for (i, key, _), tokens in zip(todo, encoded, strict=True):
-                    counts[i] = self._cache[key] = len(tokens)
-                while len(self._cache) > _DIGEST_CACHE_ENTRIES:
-                    self._cache.popitem(last=False)
-        return [c if c is not None else self.count(t) for c, t in zip(counts, texts, strict=True)]
 
     def count(self, text: str) -> int:
         if len(text) < _SHORT:

@@ -348,17 +348,6 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
         if fixed.get(name, 0) > cap:  # classes that never yield fail instead
             raise BudgetExceeded(name, fixed[name], cap)
 
-    # Render and count every history and active item up front, in one bulk pass (the counter
-    # may use several threads); the allocator then only looks numbers up. Speed only.
-    pending = [one for one in (*carried[floor:], *active)
-               if (loaded.session_key, estimator.encoding, one) not in renders]
-    if pending:
-        rendered_all = [tuple(one.messages(ctx)) for one in pending]  # type: ignore[attr-defined]
-        flat = [m for msgs in rendered_all for m in msgs]
-        raws = iter(estimator.raw_many(flat))
-        for one, msgs in zip(pending, rendered_all, strict=True):
-            renders[(loaded.session_key, estimator.encoding, one)] = (
-                msgs, tuple(next(raws) for _ in msgs))
     alloc = allocate(budget=budget, prefix_tokens=plan.prefix_tokens, factor=factor,
                      policy=policy, summary=cp.summary, carried=carried, floor=floor,
                      active=active, fixed=fixed, knowledge=list(cp.knowledge),

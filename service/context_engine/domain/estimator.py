@@ -144,23 +144,6 @@ class TokenEstimator:
             return 0
         return math.ceil(self._counter.count(text) * self.base_factor * factor)
 
-    def raw_many(self, messages: Sequence[Message]) -> list[int]:
-        """``raw`` of many messages at once: the counter may count their texts in bulk
-        (several threads); the numbers are the same as one by one."""
-        count_many = getattr(self._counter, "count_many", None)
-        if count_many is None:
-            return [self.raw(m) for m in messages]
-        texts = [m.text for m in messages]
-        counts = count_many(texts)
-        out = []
-        for m, n in zip(messages, counts, strict=True):
-            raw = n if m.text else 0
-            for call in m.tool_calls:
-                raw += (self._counter.count(call.name)
-                        + self._counter.count(call.arguments_json) + 3)
-            out.append(raw + math.ceil(len(m.reasoning_opaque) / REASONING_BYTES_PER_TOKEN))
-        return out
-
     def raw(self, message: Message) -> int:
         """The tokenizer's count of everything the message sends, before any factor."""
         raw = self._counter.count(message.text) if message.text else 0
