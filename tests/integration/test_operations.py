@@ -54,7 +54,10 @@ def test_metrics_are_exported_and_move(server, stub, ids):
     for name in ("context_engine_sessions_opened_total", "context_engine_epochs_total",
                  "context_engine_prefix_hash_mismatch_total", "context_engine_prefix_tokens",
                  "context_engine_budget_pressure_total", "context_engine_budget_exceeded_total",
-                 "context_engine_build_seconds", "context_engine_rpc_seconds"):
+                 "context_engine_build_seconds", "context_engine_rpc_seconds",
+                 "context_engine_estimator_error_ratio",
+                 "context_engine_estimator_correction_factor",
+                 "context_engine_cached_prefix_ratio"):
         assert f"# TYPE {name.removesuffix('_total')}" in text, name
     assert _value(text, "context_engine_sessions_opened_total") == \
         _value(before, "context_engine_sessions_opened_total") + 1
