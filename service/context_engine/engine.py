@@ -28,6 +28,7 @@ from context_engine.domain.errors import (
     TokenizerUnavailable,
 )
 from context_engine.domain.estimator import ModelCatalog, TokenEstimator, TokenizerRegistry
+from context_engine.domain.items import RenderContext, WorkingState, WorkingStateItem
 from context_engine.domain.model import (
     AgentSpec,
     MemorySnapshot,
@@ -57,6 +58,15 @@ from context_engine.domain.ports import (
     EventLog,
     PlanStore,
     Rotation,
+)
+from context_engine.domain.working_state import (
+    Carried,
+    Changes,
+    LogEvent,
+    Measure,
+    Transition,
+    apply_update,
+    replay,
 )
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
@@ -127,6 +137,26 @@ class UsageOutcome:
     model_id: str
     reconciled: Reconciled
     counted: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkingStateCommand:
+    tenant_id: str
+    session_id: str
+    run_id: str
+    current: WorkingState
+    sequence: int
+    transition: Transition
+    factor: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CarryCommand:
+    tenant_id: str
+    session_id: str
+    seed_event_sequence: int
+    events: tuple[LogEvent, ...]
+    factor: float | None = None
 
 
 class PlanCache:
@@ -471,3 +501,37 @@ class Engine:
             outcome.calibration.factor)
         self._factors.pop((report.tenant_id, model.model_id), None)
         return UsageOutcome(model_id=model.model_id, reconciled=outcome, counted=counted)
+
+    # ------------------------------------------------------------------ working state
+
+    async def _working_state_measure(self, loaded: LoadedPlan, factor: float | None) -> Measure:
+        """The block's tokens exactly as Build counts them against its 1,000-token class: the
+        plan's estimator, the session key's envelopes, the (pinned or reconciled) factor."""
+        estimator = self.plan_estimator(loaded.plan.spec)
+        if factor is None:
+            factor = await self.correction_factor(loaded.plan.tenant_id, loaded.plan.spec)
+        ctx = RenderContext(session_key=loaded.session_key)
+        used = factor
+
+        def measure(state: WorkingState) -> int:
+            return estimator.messages(WorkingStateItem(state=state).messages(ctx), used)
+        return measure
+
+    async def update_working_state(self, cmd: WorkingStateCommand
+                                   ) -> tuple[WorkingState, Changes]:
+        """One typed transition (pure), then ``context.working_state.updated`` — best effort,
+        like Build's events: the transition is the caller's to checkpoint."""
+        loaded = await self.loaded(cmd.tenant_id, cmd.session_id, None)
+        measure = await self._working_state_measure(loaded, cmd.factor)
+        state, changes = apply_update(cmd.current, cmd.transition, run_id=cmd.run_id,
+                                      sequence=cmd.sequence, measure=measure)
+        await self._record(cmd.tenant_id, cmd.session_id, loaded.plan.epoch,
+                           "context.working_state.updated",
+                           {"run_id": cmd.run_id, "sequence": cmd.sequence,
+                            "epoch": loaded.plan.epoch, **changes.summary()})
+        return state, changes
+
+    async def carry_working_state(self, cmd: CarryCommand) -> Carried:
+        loaded = await self.loaded(cmd.tenant_id, cmd.session_id, None)
+        measure = await self._working_state_measure(loaded, cmd.factor)
+        return replay(cmd.events, cmd.seed_event_sequence, measure=measure)

@@ -25,6 +25,7 @@ from context_engine.domain.errors import FieldViolation, InvalidInput
 from context_engine.domain.items import (
     AssistantMessageItem,
     ConversationItem,
+    EntryOrigin,
     HistorySummary,
     KnowledgePassage,
     MemoryLine,
@@ -59,12 +60,24 @@ from context_engine.domain.request import (
 )
 from context_engine.domain.tools import CONTROL_TOOLS
 from context_engine.domain.trust import TrustLevel
+from context_engine.domain.working_state import (
+    AskUser,
+    Changes,
+    LogEvent,
+    ToolOutcome,
+    Transition,
+    Update,
+    UserAnswer,
+    UserObjective,
+)
 from context_engine.engine import (
+    CarryCommand,
     ModelRequestSpec,
     PlanCommand,
     RotateCommand,
     UsageOutcome,
     UsageReport,
+    WorkingStateCommand,
 )
 from context_engine.v1 import context_engine_pb2 as pb
 
@@ -357,15 +370,7 @@ def checkpoint(v: Violations, cp: pb.Checkpoint) -> Checkpoint:
     skills = tuple(SkillBody(name=s.name, body=s.body,
                              trust=v.trust(f"checkpoint.loaded_skills[{i}].trust", s.trust))
                    for i, s in enumerate(cp.loaded_skills))
-    ws = cp.working_state
-    for i, t in enumerate(ws.tasks):
-        if t.state not in TASK_STATES:
-            v.add(f"checkpoint.working_state.tasks[{i}].state",
-                  f"unknown task state {t.state!r}; one of {', '.join(TASK_STATES)}")
-    facts = tuple(WorkingFact(statement=f.statement, source_event_ids=tuple(f.source_event_ids),
-                              trust=v.trust(f"checkpoint.working_state.facts[{i}].trust",
-                                            f.trust))
-                  for i, f in enumerate(ws.facts))
+    state = working_state(v, "checkpoint.working_state", cp.working_state)
     knowledge = tuple(KnowledgePassage(
         id=p.id, source=p.source, text=p.text, rank=p.rank,
         trust=v.trust(f"checkpoint.knowledge[{i}].trust", p.trust))
@@ -382,10 +387,7 @@ def checkpoint(v: Violations, cp: pb.Checkpoint) -> Checkpoint:
         active_run_id=cp.active_run_id,
         items=tuple(i for i in items if i is not None),
         loaded_skills=skills,
-        working_state=WorkingState(
-            objective=ws.objective, constraints=tuple(ws.constraints),
-            tasks=tuple(WorkingTask(id=t.id, title=t.title, state=t.state) for t in ws.tasks),
-            facts=facts, open_questions=tuple(ws.open_questions), next_action=ws.next_action),
+        working_state=state,
         recall=tuple(MemoryLine(id=r.id, text=r.text) for r in cp.recall),
         corrections=tuple(MemoryLine(id=c.id, text=c.text) for c in cp.corrections),
         knowledge=knowledge,
@@ -394,6 +396,177 @@ def checkpoint(v: Violations, cp: pb.Checkpoint) -> Checkpoint:
                                 surface=cp.runtime.surface,
                                 browser_origins=tuple(cp.runtime.browser_origins)),
     )
+
+
+def working_state(v: Violations, field: str, ws: pb.WorkingState) -> WorkingState:
+    """A caller's working state (a checkpoint's, or the current one of UpdateWorkingState)."""
+    for i, t in enumerate(ws.tasks):
+        if t.state not in TASK_STATES:
+            v.add(f"{field}.tasks[{i}].state",
+                  f"unknown task state {t.state!r}; one of {', '.join(TASK_STATES)}")
+    facts = tuple(WorkingFact(statement=f.statement, source_event_ids=tuple(f.source_event_ids),
+                              trust=v.trust(f"{field}.facts[{i}].trust", f.trust),
+                              sequence=f.sequence, run_id=f.run_id)
+                  for i, f in enumerate(ws.facts))
+    if ws.question_origins and len(ws.question_origins) != len(ws.open_questions):
+        v.add(f"{field}.question_origins", f"has {len(ws.question_origins)} entries for "
+              f"{len(ws.open_questions)} open questions; one per question or none")
+    return WorkingState(
+        objective=ws.objective, constraints=tuple(ws.constraints),
+        tasks=tuple(WorkingTask(id=t.id, title=t.title, state=t.state, sequence=t.sequence,
+                                run_id=t.run_id) for t in ws.tasks),
+        facts=facts, open_questions=tuple(ws.open_questions), next_action=ws.next_action,
+        superseded_objectives=tuple(ws.superseded_objectives),
+        question_origins=tuple(EntryOrigin(sequence=o.sequence, run_id=o.run_id)
+                               for o in ws.question_origins))
+
+
+def working_state_pb(s: WorkingState) -> pb.WorkingState:
+    return pb.WorkingState(
+        objective=s.objective, constraints=list(s.constraints),
+        tasks=[pb.WorkingTask(id=t.id, title=t.title, state=t.state, sequence=t.sequence,
+                              run_id=t.run_id) for t in s.tasks],
+        facts=[pb.WorkingFact(statement=f.statement, source_event_ids=list(f.source_event_ids),
+                              trust=TRUST_TO_PB[f.trust], sequence=f.sequence,
+                              run_id=f.run_id) for f in s.facts],
+        open_questions=list(s.open_questions), next_action=s.next_action,
+        superseded_objectives=list(s.superseded_objectives),
+        question_origins=[pb.EntryOrigin(sequence=o.sequence, run_id=o.run_id)
+                          for o in s.question_origins])
+
+
+OUTCOME_FROM_PB: dict[pb.ToolOutcomeKind.ValueType, str] = {
+    pb.TOOL_OUTCOME_KIND_STARTED: "started",
+    pb.TOOL_OUTCOME_KIND_SUCCEEDED: "succeeded",
+    pb.TOOL_OUTCOME_KIND_FAILED: "failed",
+}
+
+
+def _text(v: Violations, field: str, value: str) -> None:
+    if not value.strip():
+        v.add(field, "must not be empty")
+
+
+def _update(v: Violations, field: str, u: pb.WorkingStateUpdate) -> Update:
+    if u.HasField("objective"):
+        _text(v, f"{field}.objective", u.objective)
+    for i, c in enumerate(u.add_constraints):
+        _text(v, f"{field}.add_constraints[{i}]", c)
+    tasks = []
+    for i, t in enumerate(u.upsert_tasks):
+        where = f"{field}.upsert_tasks[{i}]"
+        v.identifier(f"{where}.id", t.id)
+        if t.state not in TASK_STATES:
+            v.add(f"{where}.state",
+                  f"unknown task state {t.state!r}; one of {', '.join(TASK_STATES)}")
+        if t.sequence or t.run_id:
+            v.add(where, "sequence and run_id are provenance the service sets; leave them unset")
+        tasks.append(WorkingTask(id=t.id, title=t.title, state=t.state))
+    v.unique(f"{field}.upsert_tasks", (t.id for t in u.upsert_tasks), "task id")
+    facts = []
+    for i, f in enumerate(u.add_facts):
+        where = f"{field}.add_facts[{i}]"
+        _text(v, f"{where}.statement", f.statement)
+        # a fact is data derived from its source events: never configuration
+        trust = v.trust(f"{where}.trust", f.trust, at_most=TrustLevel.USER)
+        for k, e in enumerate(f.source_event_ids):
+            if e <= 0:
+                v.add(f"{where}.source_event_ids[{k}]", f"{e} is not an event id")
+        if f.sequence or f.run_id:
+            v.add(where, "sequence and run_id are provenance the service sets; leave them unset")
+        facts.append(WorkingFact(statement=f.statement,
+                                 source_event_ids=tuple(f.source_event_ids), trust=trust))
+    for i, q in enumerate(u.resolve_questions):
+        _text(v, f"{field}.resolve_questions[{i}]", q)
+    return Update(objective=u.objective if u.HasField("objective") else None,
+                  add_constraints=tuple(u.add_constraints), upsert_tasks=tuple(tasks),
+                  add_facts=tuple(facts), resolve_questions=tuple(u.resolve_questions),
+                  next_action=u.next_action if u.HasField("next_action") else None)
+
+
+def transition(v: Violations, field: str, t: pb.WorkingStateTransition) -> Transition | None:
+    kind = t.WhichOneof("kind")
+    if kind == "update":
+        return _update(v, f"{field}.update", t.update)
+    if kind == "tool_outcome":
+        v.identifier(f"{field}.tool_outcome.task_id", t.tool_outcome.task_id)
+        outcome = OUTCOME_FROM_PB.get(t.tool_outcome.outcome)
+        if outcome is None:
+            v.add(f"{field}.tool_outcome.outcome",
+                  f"unknown tool outcome {t.tool_outcome.outcome}"
+                  + (" (unspecified)" if t.tool_outcome.outcome == 0 else ""))
+            return None
+        return ToolOutcome(task_id=t.tool_outcome.task_id, outcome=outcome)
+    if kind == "ask_user":
+        _text(v, f"{field}.ask_user.question", t.ask_user.question)
+        return AskUser(question=t.ask_user.question)
+    if kind == "answer":
+        _text(v, f"{field}.answer.question", t.answer.question)
+        return UserAnswer(question=t.answer.question)
+    if kind == "user_objective":
+        _text(v, f"{field}.user_objective.objective", t.user_objective.objective)
+        return UserObjective(objective=t.user_objective.objective)
+    v.add(f"{field}.kind", "no transition kind is set")
+    return None
+
+
+def _factor(v: Violations, present: bool, factor: float) -> float | None:
+    if not present:
+        return None
+    if not 0.5 <= factor <= 4.0:
+        v.add("estimator_factor", f"{factor} is outside [0.5, 4.0]")
+    return factor
+
+
+def update_working_state_command(req: pb.UpdateWorkingStateRequest) -> WorkingStateCommand:
+    v = Violations()
+    _nul_fields(req, "", v)
+    session_ids(v, req.tenant_id, req.session_id)
+    v.identifier("run_id", req.run_id)
+    if req.sequence <= 0:
+        v.add("sequence", "must be the positive session event sequence of the transition")
+    current = working_state(v, "current", req.current)
+    found = transition(v, "transition", req.transition)
+    factor = _factor(v, req.HasField("estimator_factor"), req.estimator_factor)
+    v.raise_if_any()
+    assert found is not None
+    return WorkingStateCommand(tenant_id=req.tenant_id, session_id=req.session_id,
+                               run_id=req.run_id, current=current, sequence=req.sequence,
+                               transition=found, factor=factor)
+
+
+def carry_command(req: pb.CarryWorkingStateRequest) -> CarryCommand:
+    v = Violations()
+    _nul_fields(req, "", v)
+    session_ids(v, req.tenant_id, req.session_id)
+    if req.seed_event_sequence <= 0:
+        v.add("seed_event_sequence", "must be the positive sequence of the run's seed event")
+    events: list[LogEvent] = []
+    for i, e in enumerate(req.events):
+        where = f"events[{i}]"
+        if e.sequence <= 0:
+            v.add(f"{where}.sequence", "must be a positive session event sequence")
+        v.identifier(f"{where}.run_id", e.run_id)
+        found = transition(v, f"{where}.transition", e.transition)
+        if found is not None:
+            events.append(LogEvent(sequence=e.sequence, run_id=e.run_id, transition=found))
+    v.unique("events", (str(e.sequence) for e in req.events), "event sequence")
+    factor = _factor(v, req.HasField("estimator_factor"), req.estimator_factor)
+    v.raise_if_any()
+    return CarryCommand(tenant_id=req.tenant_id, session_id=req.session_id,
+                        seed_event_sequence=req.seed_event_sequence, events=tuple(events),
+                        factor=factor)
+
+
+def change_pb(c: Changes) -> pb.WorkingStateChange:
+    return pb.WorkingStateChange(
+        transition=c.transition, objective_changed=c.objective_changed,
+        objective_superseded=c.objective_superseded, constraints_added=c.constraints_added,
+        tasks_upserted=list(c.tasks_upserted), tasks_evicted=list(c.tasks_evicted),
+        facts_added=c.facts_added, facts_evicted=c.facts_evicted,
+        questions_added=c.questions_added, questions_resolved=c.questions_resolved,
+        questions_evicted=c.questions_evicted, next_action_changed=c.next_action_changed,
+        tokens=c.tokens)
 
 
 def _timestamp(value: datetime | None) -> Timestamp | None:

@@ -137,3 +137,29 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch)
             return pb.RotateResponse(plan=mapping.plan_pb(loaded), rotated=rotated)
         return await self._run("Rotate", context, call)
+
+    async def UpdateWorkingState(self, request: pb.UpdateWorkingStateRequest,
+                                 context: grpc.aio.ServicerContext[Any, Any]
+                                 ) -> pb.UpdateWorkingStateResponse:
+        async def call(record: CallRecord) -> pb.UpdateWorkingStateResponse:
+            record.tenant = request.tenant_id
+            cmd = mapping.update_working_state_command(request)
+            state, changes = await self._engine.update_working_state(cmd)
+            record.extra["transition"] = changes.transition
+            record.extra["working_state_tokens"] = changes.tokens
+            return pb.UpdateWorkingStateResponse(state=mapping.working_state_pb(state),
+                                                 change=mapping.change_pb(changes))
+        return await self._run("UpdateWorkingState", context, call)
+
+    async def CarryWorkingState(self, request: pb.CarryWorkingStateRequest,
+                                context: grpc.aio.ServicerContext[Any, Any]
+                                ) -> pb.CarryWorkingStateResponse:
+        async def call(record: CallRecord) -> pb.CarryWorkingStateResponse:
+            record.tenant = request.tenant_id
+            carried = await self._engine.carry_working_state(mapping.carry_command(request))
+            record.extra["events_applied"] = carried.applied
+            record.extra["events_skipped"] = carried.skipped
+            return pb.CarryWorkingStateResponse(
+                state=mapping.working_state_pb(carried.state), events_applied=carried.applied,
+                events_skipped=carried.skipped, tokens=carried.tokens)
+        return await self._run("CarryWorkingState", context, call)

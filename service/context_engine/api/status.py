@@ -17,6 +17,7 @@ CODES: tuple[tuple[type[e.ContextEngineError], grpc.StatusCode], ...] = (
     (e.RequiredToolUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
     (e.PinnedVersionConflict, grpc.StatusCode.FAILED_PRECONDITION),
     (e.BudgetExceeded, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.ConstraintCapReached, grpc.StatusCode.FAILED_PRECONDITION),
     (e.SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (e.PrefixHashMismatch, grpc.StatusCode.INTERNAL),
     (e.StoreUnavailable, grpc.StatusCode.UNAVAILABLE),

@@ -178,3 +178,21 @@ class AssemblyError(ContextEngineError):
     """An item type without a declared region or row reached assembly: a build failure."""
 
     reason = "ASSEMBLY_ERROR"
+
+
+class ConstraintCapReached(ContextEngineError):
+    """add_constraints at the cap: constraints never evict, so the call fails (the agent can
+    surface it) rather than silently dropping the oldest."""
+
+    reason = "CONSTRAINT_CAP_REACHED"
+
+    def __init__(self, constraints: int, adding: int, cap: int) -> None:
+        self.constraints = constraints
+        self.adding = adding
+        self.cap = cap
+        super().__init__(f"working state holds {constraints} constraints; adding {adding} "
+                         f"would pass the cap of {cap} (constraints never evict)")
+
+    def metadata(self) -> dict[str, str]:
+        return {"constraints": str(self.constraints), "adding": str(self.adding),
+                "cap": str(self.cap)}

@@ -384,6 +384,9 @@ class WorkingTask:
     id: str
     title: str
     state: str
+    # provenance (working_state.py): the sequence of its last transition and the run of it
+    sequence: int = 0
+    run_id: str = ""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -391,6 +394,17 @@ class WorkingFact:
     statement: str
     source_event_ids: tuple[int, ...]
     trust: TrustLevel
+    # provenance (working_state.py): the sequence it was established at and the run of it
+    sequence: int = 0
+    run_id: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EntryOrigin:
+    """Where a working-state entry came from: its event sequence (its age) and run."""
+
+    sequence: int = 0
+    run_id: str = ""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -401,6 +415,10 @@ class WorkingState:
     facts: tuple[WorkingFact, ...] = ()
     open_questions: tuple[str, ...] = ()
     next_action: str = ""
+    # earlier objectives, oldest first: an objective is superseded, never silently replaced
+    superseded_objectives: tuple[str, ...] = ()
+    # one per open question, same order; empty for a state written without provenance
+    question_origins: tuple[EntryOrigin, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -423,6 +441,8 @@ class WorkingStateItem(ContextItem):
         lines = ["Working state:"]
         if s.objective:
             lines.append(f"Objective: {s.objective}")
+        if s.superseded_objectives:
+            lines.append(f"Superseded objective: {s.superseded_objectives[-1]}")
         if s.constraints:
             lines.append("Constraints:")
             lines += [f"- {c}" for c in s.constraints]

@@ -1,0 +1,385 @@
+"""Working state as typed transitions (spec: "Working state" through "Working state is
+bounded").
+
+The model writes working state only through the ``context.update_working_state`` control tool
+(``Update``); the runtime writes only what it observes (``ToolOutcome``, ``AskUser``,
+``UserAnswer``, ``UserObjective``). ``apply_update`` applies one transition with the caps and
+eviction order; ``carry`` computes the next run's state from the session log by the per-field
+carry rules. Both are pure: no clock, no randomness, the token measure is an explicit input.
+
+Provenance: every task, fact and open question carries the event sequence that wrote it (its
+age) and its run. An entry from an earlier run is *stale*. Eviction takes completed tasks
+first, then stale entries, then current ones, oldest first within each; constraints never
+evict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from context_engine.domain.budget import WORKING_STATE_TOKENS
+from context_engine.domain.errors import BudgetExceeded, ConstraintCapReached, InvalidInput
+from context_engine.domain.items import EntryOrigin, WorkingFact, WorkingState, WorkingTask
+from context_engine.domain.trust import lowest
+
+MAX_CONSTRAINTS = 20
+MAX_OPEN_TASKS = 30  # bounds every task entry: completed ones are evicted first
+MAX_FACTS = 40
+MAX_OPEN_QUESTIONS = 20
+MAX_SUPERSEDED_OBJECTIVES = 5
+TASK_STATES = ("open", "in_progress", "blocked", "completed")
+OUTCOME_STATES = {"started": "in_progress", "succeeded": "completed", "failed": "blocked"}
+
+Measure = Callable[[WorkingState], int]
+
+
+# ---------------------------------------------------------------- transitions
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Update:
+    """One ``context.update_working_state`` tool input. ``None`` leaves a field as it is."""
+
+    objective: str | None = None
+    add_constraints: tuple[str, ...] = ()
+    upsert_tasks: tuple[WorkingTask, ...] = ()
+    add_facts: tuple[WorkingFact, ...] = ()
+    resolve_questions: tuple[str, ...] = ()
+    next_action: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ToolOutcome:
+    """Runtime: the tool call serving ``task_id`` started, succeeded or failed."""
+
+    task_id: str
+    outcome: str  # one of OUTCOME_STATES
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AskUser:
+    """Runtime: ``conversation.ask_user`` fired; the question is open until answered."""
+
+    question: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UserAnswer:
+    """Runtime: the user answered the open question with this exact text."""
+
+    question: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UserObjective:
+    """Runtime: a user message stated an objective; a different one supersedes the current."""
+
+    objective: str
+
+
+Transition = Update | ToolOutcome | AskUser | UserAnswer | UserObjective
+
+TRANSITION_NAMES: dict[type, str] = {
+    Update: "update", ToolOutcome: "tool_outcome", AskUser: "ask_user", UserAnswer: "answer",
+    UserObjective: "user_objective"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Changes:
+    """What one transition changed: counts and ids, never text."""
+
+    transition: str
+    objective_changed: bool = False
+    objective_superseded: bool = False
+    constraints_added: int = 0
+    tasks_upserted: tuple[str, ...] = ()
+    tasks_evicted: tuple[str, ...] = ()
+    facts_added: int = 0
+    facts_evicted: int = 0
+    questions_added: int = 0
+    questions_resolved: int = 0
+    questions_evicted: int = 0
+    next_action_changed: bool = False
+    tokens: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        """The ``context.working_state.updated`` payload fields (no statement, no title)."""
+        return {
+            "transition": self.transition, "objective_changed": self.objective_changed,
+            "objective_superseded": self.objective_superseded,
+            "constraints_added": self.constraints_added,
+            "tasks_upserted": list(self.tasks_upserted),
+            "tasks_evicted": list(self.tasks_evicted), "facts_added": self.facts_added,
+            "facts_evicted": self.facts_evicted, "questions_added": self.questions_added,
+            "questions_resolved": self.questions_resolved,
+            "questions_evicted": self.questions_evicted,
+            "next_action_changed": self.next_action_changed, "tokens": self.tokens,
+        }
+
+
+@dataclass(kw_only=True, slots=True)
+class _Draft:
+    """The mutable copy one transition works on (local to ``apply_update``)."""
+
+    objective: str
+    superseded: list[str]
+    constraints: list[str]
+    tasks: list[WorkingTask]
+    facts: list[WorkingFact]
+    questions: list[tuple[str, EntryOrigin]]
+    next_action: str
+    counts: dict[str, int] = field(default_factory=dict)
+    upserted: list[str] = field(default_factory=list)
+    evicted_tasks: list[str] = field(default_factory=list)
+    flags: set[str] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, s: WorkingState) -> _Draft:
+        origins = (list(s.question_origins) if len(s.question_origins) == len(s.open_questions)
+                   else [EntryOrigin() for _ in s.open_questions])
+        return cls(objective=s.objective, superseded=list(s.superseded_objectives),
+                   constraints=list(s.constraints), tasks=list(s.tasks), facts=list(s.facts),
+                   questions=list(zip(s.open_questions, origins, strict=True)),
+                   next_action=s.next_action)
+
+    def state(self) -> WorkingState:
+        return WorkingState(
+            objective=self.objective, constraints=tuple(self.constraints),
+            tasks=tuple(self.tasks), facts=tuple(self.facts),
+            open_questions=tuple(q for q, _ in self.questions), next_action=self.next_action,
+            superseded_objectives=tuple(self.superseded),
+            question_origins=tuple(o for _, o in self.questions))
+
+    def bump(self, name: str, n: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + n
+
+    # ---------------------------------------------------------------- field rules
+
+    def set_objective(self, objective: str) -> None:
+        """Superseded, not silently replaced: the previous objective is kept on record."""
+        if not objective or objective == self.objective:
+            return
+        if self.objective:
+            self.superseded = [o for o in self.superseded if o != self.objective]
+            self.superseded.append(self.objective)
+            del self.superseded[:-MAX_SUPERSEDED_OBJECTIVES]
+            self.flags.add("objective_superseded")
+        self.objective = objective
+        self.flags.add("objective_changed")
+
+    def add_constraints(self, constraints: Sequence[str]) -> None:
+        """Append-only; at the cap the whole call fails, nothing is dropped."""
+        new: list[str] = []
+        for c in constraints:
+            if c and c not in self.constraints and c not in new:
+                new.append(c)
+        if len(self.constraints) + len(new) > MAX_CONSTRAINTS:
+            raise ConstraintCapReached(len(self.constraints), len(new), MAX_CONSTRAINTS)
+        self.constraints += new
+        self.bump("constraints_added", len(new))
+
+    def upsert_task(self, task: WorkingTask, index: int, run_id: str, sequence: int) -> None:
+        if task.state not in TASK_STATES:
+            raise InvalidInput.one(f"update.upsert_tasks[{index}].state",
+                                   f"unknown task state {task.state!r}")
+        for i, t in enumerate(self.tasks):
+            if t.id == task.id:
+                self.tasks[i] = WorkingTask(id=t.id, title=task.title or t.title,
+                                            state=task.state, sequence=sequence, run_id=run_id)
+                break
+        else:
+            if not task.title:
+                raise InvalidInput.one(f"update.upsert_tasks[{index}].title",
+                                       f"a new task ({task.id!r}) needs a title")
+            self.tasks.append(WorkingTask(id=task.id, title=task.title, state=task.state,
+                                          sequence=sequence, run_id=run_id))
+        if task.id not in self.upserted:
+            self.upserted.append(task.id)
+
+    def add_fact(self, fact: WorkingFact, run_id: str, sequence: int) -> None:
+        """One entry per statement. Restating it unions its sources and keeps the lowest
+        trust: a fact can be corroborated, never laundered into a higher trust."""
+        ids = tuple(sorted(set(fact.source_event_ids)))
+        for i, f in enumerate(self.facts):
+            if f.statement == fact.statement:
+                merged = replace(f, source_event_ids=tuple(sorted(set(f.source_event_ids)
+                                                                  | set(ids))),
+                                 trust=lowest([f.trust, fact.trust], f.trust))
+                if merged != f:
+                    self.facts[i] = merged
+                    self.bump("facts_added")
+                return
+        self.facts.append(WorkingFact(statement=fact.statement, source_event_ids=ids,
+                                      trust=fact.trust, sequence=sequence, run_id=run_id))
+        self.bump("facts_added")
+
+    def open_question(self, question: str, run_id: str, sequence: int) -> None:
+        if question and all(q != question for q, _ in self.questions):
+            self.questions.append((question, EntryOrigin(sequence=sequence, run_id=run_id)))
+            self.bump("questions_added")
+
+    def resolve_question(self, question: str) -> None:
+        kept = [(q, o) for q, o in self.questions if q != question]
+        self.bump("questions_resolved", len(self.questions) - len(kept))
+        self.questions = kept
+
+    def set_next_action(self, next_action: str) -> None:
+        if next_action != self.next_action:
+            self.next_action = next_action
+            self.flags.add("next_action_changed")
+
+    # ---------------------------------------------------------------- bounds
+
+    def _candidates(self, run_id: str) -> list[tuple[tuple[int, int, int, int], str, int]]:
+        """Evictable entries with their eviction key: completed tasks, then stale entries,
+        then current ones; oldest first; ties by kind and position."""
+        out: list[tuple[tuple[int, int, int, int], str, int]] = []
+        for i, t in enumerate(self.tasks):
+            rank = 0 if t.state == "completed" else (1 if t.run_id != run_id else 2)
+            out.append(((rank, t.sequence, 0, i), "task", i))
+        for i, f in enumerate(self.facts):
+            out.append(((1 if f.run_id != run_id else 2, f.sequence, 1, i), "fact", i))
+        for i, (_, o) in enumerate(self.questions):
+            out.append(((1 if o.run_id != run_id else 2, o.sequence, 2, i), "question", i))
+        return out
+
+    def _evict(self, kind: str, index: int) -> None:
+        if kind == "task":
+            self.evicted_tasks.append(self.tasks.pop(index).id)
+        elif kind == "fact":
+            del self.facts[index]
+            self.bump("facts_evicted")
+        else:
+            del self.questions[index]
+            self.bump("questions_evicted")
+
+    def _evict_first(self, run_id: str, kind: str | None = None) -> bool:
+        candidates = [c for c in self._candidates(run_id) if kind is None or c[1] == kind]
+        if not candidates:
+            return False
+        _, which, index = min(candidates)
+        self._evict(which, index)
+        return True
+
+    def bound(self, run_id: str, measure: Measure | None, token_cap: int) -> int:
+        """Apply the entry caps, then the token ceiling; returns the block's tokens."""
+        while len(self.tasks) > MAX_OPEN_TASKS:
+            self._evict_first(run_id, "task")
+        while len(self.facts) > MAX_FACTS:
+            self._evict_first(run_id, "fact")
+        while len(self.questions) > MAX_OPEN_QUESTIONS:
+            self._evict_first(run_id, "question")
+        if measure is None:
+            return 0
+        tokens = measure(self.state())
+        while tokens > token_cap:
+            if not self._evict_first(run_id):
+                # objective, constraints and next action alone are over the ceiling
+                raise BudgetExceeded("working_state", tokens, token_cap)
+            tokens = measure(self.state())
+        return tokens
+
+
+def apply_update(state: WorkingState, transition: Transition, *, run_id: str, sequence: int,
+                 measure: Measure | None = None,
+                 token_cap: int = WORKING_STATE_TOKENS) -> tuple[WorkingState, Changes]:
+    """Apply one transition, written at event ``sequence`` by run ``run_id``. ``measure``
+    estimates the rendered block's tokens (the plan's estimator); without it only the entry
+    caps apply. Raises ConstraintCapReached, InvalidInput (a new task without a title, an
+    unknown task or outcome) or BudgetExceeded; a failed transition changes nothing."""
+    d = _Draft.of(state)
+    if isinstance(transition, Update):
+        if transition.objective is not None:
+            d.set_objective(transition.objective)
+        d.add_constraints(transition.add_constraints)
+        for i, task in enumerate(transition.upsert_tasks):
+            d.upsert_task(task, i, run_id, sequence)
+        for fact in transition.add_facts:
+            d.add_fact(fact, run_id, sequence)
+        for question in transition.resolve_questions:
+            d.resolve_question(question)
+        if transition.next_action is not None:
+            d.set_next_action(transition.next_action)
+    elif isinstance(transition, ToolOutcome):
+        target = OUTCOME_STATES.get(transition.outcome)
+        if target is None:
+            raise InvalidInput.one("transition.tool_outcome.outcome",
+                                   f"unknown outcome {transition.outcome!r}")
+        current = next((t for t in d.tasks if t.id == transition.task_id), None)
+        if current is None:
+            raise InvalidInput.one("transition.tool_outcome.task_id",
+                                   f"no task {transition.task_id!r} in the working state")
+        d.upsert_task(WorkingTask(id=current.id, title="", state=target), 0, run_id, sequence)
+    elif isinstance(transition, AskUser):
+        d.open_question(transition.question, run_id, sequence)
+    elif isinstance(transition, UserAnswer):
+        d.resolve_question(transition.question)
+    else:
+        d.set_objective(transition.objective)
+    tokens = d.bound(run_id, measure, token_cap)
+    changes = Changes(
+        transition=TRANSITION_NAMES[type(transition)],
+        objective_changed="objective_changed" in d.flags,
+        objective_superseded="objective_superseded" in d.flags,
+        constraints_added=d.counts.get("constraints_added", 0),
+        tasks_upserted=tuple(d.upserted), tasks_evicted=tuple(d.evicted_tasks),
+        facts_added=d.counts.get("facts_added", 0),
+        facts_evicted=d.counts.get("facts_evicted", 0),
+        questions_added=d.counts.get("questions_added", 0),
+        questions_resolved=d.counts.get("questions_resolved", 0),
+        questions_evicted=d.counts.get("questions_evicted", 0),
+        next_action_changed="next_action_changed" in d.flags, tokens=tokens)
+    return d.state(), changes
+
+
+# ---------------------------------------------------------------- carry
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LogEvent:
+    """One session log event relevant to working state."""
+
+    sequence: int
+    run_id: str
+    transition: Transition
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Carried:
+    state: WorkingState
+    applied: int
+    skipped: int
+    tokens: int
+
+
+def replay(events: Sequence[LogEvent], seed_event_sequence: int, *,
+           measure: Measure | None = None, token_cap: int = WORKING_STATE_TOKENS) -> Carried:
+    """``carry`` with its counts: events applied, and events skipped because their transition
+    failed when made (a failed call changed nothing then, so it changes nothing now)."""
+    state = WorkingState()
+    applied = skipped = 0
+    ordered = sorted((e for e in events if e.sequence < seed_event_sequence),
+                     key=lambda e: e.sequence)
+    for e in ordered:
+        try:
+            state, _ = apply_update(state, e.transition, run_id=e.run_id, sequence=e.sequence,
+                                    measure=measure, token_cap=token_cap)
+        except (ConstraintCapReached, InvalidInput, BudgetExceeded):
+            skipped += 1
+            continue
+        applied += 1
+    # The turn boundary: completed tasks drop (they stay in the log), next_action resets;
+    # objective (with its superseded record), constraints, facts with their provenance and
+    # unanswered questions carry.
+    state = replace(state, tasks=tuple(t for t in state.tasks if t.state != "completed"),
+                    next_action="")
+    tokens = measure(state) if measure is not None and not state.empty else 0
+    return Carried(state=state, applied=applied, skipped=skipped, tokens=tokens)
+
+
+def carry(events: Sequence[LogEvent], seed_event_sequence: int, *,
+          measure: Measure | None = None, token_cap: int = WORKING_STATE_TOKENS) -> WorkingState:
+    """The next run's working state, computed from the session's log events strictly below
+    the run's seed event sequence (never copied from the previous checkpoint)."""
+    return replay(events, seed_event_sequence, measure=measure, token_cap=token_cap).state

@@ -1,0 +1,222 @@
+"""Working state: typed transitions, caps, eviction order, the constraint cap, carry rules."""
+
+from __future__ import annotations
+
+import pytest
+from context_engine.domain.budget import WORKING_STATE_TOKENS
+from context_engine.domain.errors import BudgetExceeded, ConstraintCapReached, InvalidInput
+from context_engine.domain.items import (
+    RenderContext,
+    WorkingFact,
+    WorkingState,
+    WorkingStateItem,
+    WorkingTask,
+)
+from context_engine.domain.trust import TrustLevel
+from context_engine.domain.working_state import (
+    MAX_CONSTRAINTS,
+    MAX_FACTS,
+    MAX_OPEN_QUESTIONS,
+    MAX_OPEN_TASKS,
+    AskUser,
+    LogEvent,
+    ToolOutcome,
+    Update,
+    UserAnswer,
+    UserObjective,
+    apply_update,
+    carry,
+    replay,
+)
+
+CTX = RenderContext(session_key="k" * 16)
+
+
+def words_measure(state: WorkingState) -> int:
+    """A deterministic stand-in for the plan's estimator: one token per word."""
+    (msg,) = WorkingStateItem(state=state).messages(CTX)
+    return len(msg.text.split())
+
+
+def task(tid: str, state: str = "open", title: str = "do it") -> WorkingTask:
+    return WorkingTask(id=tid, title=title, state=state)
+
+
+def fact(text: str, trust: TrustLevel = TrustLevel.USER, *ids: int) -> WorkingFact:
+    return WorkingFact(statement=text, source_event_ids=ids or (1,), trust=trust)
+
+
+def test_update_applies_every_field_with_provenance():
+    state, ch = apply_update(WorkingState(), Update(
+        objective="Book travel", add_constraints=("economy only",),
+        upsert_tasks=(task("t1"),), add_facts=(fact("budget is 500", TrustLevel.USER, 4),),
+        next_action="search flights"), run_id="r1", sequence=10)
+    assert state.objective == "Book travel" and state.constraints == ("economy only",)
+    assert state.tasks == (WorkingTask(id="t1", title="do it", state="open", sequence=10,
+                                       run_id="r1"),)
+    assert state.facts[0].sequence == 10 and state.facts[0].run_id == "r1"
+    assert state.next_action == "search flights"
+    assert ch.transition == "update" and ch.objective_changed and not ch.objective_superseded
+    assert ch.constraints_added == 1 and ch.tasks_upserted == ("t1",) and ch.facts_added == 1
+    assert ch.next_action_changed
+
+
+def test_objective_is_superseded_not_replaced():
+    s, _ = apply_update(WorkingState(), UserObjective(objective="A"), run_id="r1", sequence=1)
+    s, ch = apply_update(s, Update(objective="B"), run_id="r1", sequence=2)
+    assert s.objective == "B" and s.superseded_objectives == ("A",) and ch.objective_superseded
+    (msg,) = WorkingStateItem(state=s).messages(CTX)
+    assert "Objective: B" in msg.text and "Superseded objective: A" in msg.text
+    same, ch = apply_update(s, UserObjective(objective="B"), run_id="r1", sequence=3)
+    assert same == s and not ch.objective_changed
+
+
+def test_upsert_keeps_title_and_new_task_needs_one():
+    s, _ = apply_update(WorkingState(), Update(upsert_tasks=(task("t1"),)), run_id="r", sequence=1)
+    s, _ = apply_update(s, Update(upsert_tasks=(task("t1", "blocked", title=""),)),
+                        run_id="r", sequence=2)
+    assert s.tasks[0].title == "do it" and s.tasks[0].state == "blocked"
+    assert s.tasks[0].sequence == 2
+    with pytest.raises(InvalidInput) as err:
+        apply_update(s, Update(upsert_tasks=(task("t2", title=""),)), run_id="r", sequence=3)
+    assert err.value.violations[0].field == "update.upsert_tasks[0].title"
+
+
+def test_runtime_transitions():
+    s, _ = apply_update(WorkingState(), Update(upsert_tasks=(task("t1"),)), run_id="r", sequence=1)
+    s, ch = apply_update(s, ToolOutcome(task_id="t1", outcome="started"), run_id="r", sequence=2)
+    assert s.tasks[0].state == "in_progress" and ch.transition == "tool_outcome"
+    s, _ = apply_update(s, ToolOutcome(task_id="t1", outcome="failed"), run_id="r", sequence=3)
+    assert s.tasks[0].state == "blocked"
+    s, _ = apply_update(s, ToolOutcome(task_id="t1", outcome="succeeded"), run_id="r",
+                        sequence=4)
+    assert s.tasks[0].state == "completed"
+    with pytest.raises(InvalidInput):
+        apply_update(s, ToolOutcome(task_id="nope", outcome="failed"), run_id="r", sequence=5)
+    s, ch = apply_update(s, AskUser(question="Which date?"), run_id="r", sequence=6)
+    assert s.open_questions == ("Which date?",) and ch.questions_added == 1
+    assert s.question_origins[0].sequence == 6
+    s, ch = apply_update(s, UserAnswer(question="Which date?"), run_id="r", sequence=7)
+    assert s.open_questions == () and s.question_origins == () and ch.questions_resolved == 1
+
+
+def test_facts_merge_sources_and_never_raise_trust():
+    s, _ = apply_update(WorkingState(), Update(add_facts=(
+        fact("price is 5", TrustLevel.EXTERNAL_UNTRUSTED, 9),)), run_id="r", sequence=1)
+    s, ch = apply_update(s, Update(add_facts=(fact("price is 5", TrustLevel.USER, 3),)),
+                         run_id="r", sequence=2)
+    (f,) = s.facts
+    assert f.trust is TrustLevel.EXTERNAL_UNTRUSTED and f.source_event_ids == (3, 9)
+    assert f.sequence == 1 and ch.facts_added == 1
+
+
+def test_constraints_never_evict_and_fail_at_the_cap():
+    full = WorkingState(constraints=tuple(f"c{i}" for i in range(MAX_CONSTRAINTS)))
+    same, ch = apply_update(full, Update(add_constraints=("c0",)), run_id="r", sequence=1)
+    assert same.constraints == full.constraints and ch.constraints_added == 0
+    with pytest.raises(ConstraintCapReached) as err:
+        apply_update(full, Update(add_constraints=("new",), objective="x"), run_id="r",
+                     sequence=1)
+    assert err.value.reason == "CONSTRAINT_CAP_REACHED"
+    assert err.value.metadata() == {"constraints": "20", "adding": "1", "cap": "20"}
+
+
+def test_task_cap_evicts_completed_then_stale_then_oldest():
+    old = tuple(WorkingTask(id=f"old{i}", title="t", state="open", sequence=i, run_id="r0")
+                for i in range(10))
+    done = tuple(WorkingTask(id=f"done{i}", title="t", state="completed", sequence=100 + i,
+                             run_id="r1") for i in range(5))
+    cur = tuple(WorkingTask(id=f"cur{i}", title="t", state="open", sequence=200 + i,
+                            run_id="r1") for i in range(MAX_OPEN_TASKS - 15))
+    start = WorkingState(tasks=old + done + cur)
+    assert len(start.tasks) == MAX_OPEN_TASKS
+    new = tuple(task(f"new{i}") for i in range(7))
+    s, ch = apply_update(start, Update(upsert_tasks=new), run_id="r1", sequence=300)
+    assert len(s.tasks) == MAX_OPEN_TASKS
+    assert ch.tasks_evicted == ("done0", "done1", "done2", "done3", "done4", "old0", "old1")
+    assert all(f"new{i}" in {t.id for t in s.tasks} for i in range(7))
+
+
+def test_fact_and_question_caps_evict_stale_first_by_age():
+    facts = tuple(WorkingFact(statement=f"f{i}", source_event_ids=(1,), trust=TrustLevel.USER,
+                              sequence=50 - i, run_id="r1" if i % 2 else "r0")
+                  for i in range(MAX_FACTS))
+    s, ch = apply_update(WorkingState(facts=facts), Update(add_facts=(fact("new"),)),
+                         run_id="r1", sequence=99)
+    assert len(s.facts) == MAX_FACTS and ch.facts_evicted == 1
+    # the oldest of the stale (run r0) ones: even i, lowest sequence -> i = 38
+    assert "f38" not in {f.statement for f in s.facts}
+    qs = WorkingState()
+    for i in range(MAX_OPEN_QUESTIONS + 2):
+        qs, _ = apply_update(qs, AskUser(question=f"q{i}"), run_id="r1", sequence=i + 1)
+    assert qs.open_questions == tuple(f"q{i}" for i in range(2, MAX_OPEN_QUESTIONS + 2))
+
+
+def test_token_ceiling_evicts_and_fails_when_nothing_is_left():
+    big = " ".join(["word"] * 100)
+    s = WorkingState()
+    for i in range(15):
+        s, ch = apply_update(s, Update(add_facts=(fact(f"{i} {big}"),)), run_id="r",
+                             sequence=i + 1, measure=words_measure)
+    assert words_measure(s) <= WORKING_STATE_TOKENS and ch.facts_evicted >= 1
+    assert ch.tokens == words_measure(s)
+    assert s.facts[-1].statement.startswith("14 ")  # newest kept, oldest gone
+    with pytest.raises(BudgetExceeded):
+        apply_update(WorkingState(), Update(objective=" ".join(["w"] * 1_200)), run_id="r",
+                     sequence=1, measure=words_measure)
+
+
+def test_changes_summary_carries_no_text():
+    _, ch = apply_update(WorkingState(), Update(
+        add_facts=(fact("SECRET fact"),), upsert_tasks=(task("t1", title="SECRET title"),),
+        objective="SECRET goal"), run_id="r", sequence=1)
+    assert "SECRET" not in repr(ch.summary())
+
+
+def log() -> list[LogEvent]:
+    return [
+        LogEvent(sequence=1, run_id="r1", transition=UserObjective(objective="Plan a trip")),
+        LogEvent(sequence=2, run_id="r1", transition=Update(
+            add_constraints=("no red-eyes",), upsert_tasks=(task("t1"), task("t2")),
+            add_facts=(fact("page says 5 EUR", TrustLevel.EXTERNAL_UNTRUSTED, 2),),
+            next_action="fetch prices")),
+        LogEvent(sequence=3, run_id="r1", transition=ToolOutcome(task_id="t1",
+                                                                 outcome="succeeded")),
+        LogEvent(sequence=4, run_id="r1", transition=AskUser(question="Which city?")),
+        LogEvent(sequence=5, run_id="r1", transition=AskUser(question="Which month?")),
+        LogEvent(sequence=6, run_id="r2", transition=UserAnswer(question="Which city?")),
+        LogEvent(sequence=7, run_id="r2",
+                 transition=UserObjective(objective="Plan a trip to Rome")),
+        LogEvent(sequence=9, run_id="r3", transition=Update(add_constraints=("late",))),
+    ]
+
+
+def test_carry_rules_over_the_log():
+    s = carry(log(), 8)
+    assert s.objective == "Plan a trip to Rome" and s.superseded_objectives == ("Plan a trip",)
+    assert s.constraints == ("no red-eyes",)  # seq 9 is at/after the seed: not carried
+    assert [t.id for t in s.tasks] == ["t2"]  # completed t1 dropped
+    (f,) = s.facts
+    assert (f.trust, f.source_event_ids, f.sequence, f.run_id) == (
+        TrustLevel.EXTERNAL_UNTRUSTED, (2,), 2, "r1")
+    assert s.open_questions == ("Which month?",) and s.question_origins[0].sequence == 5
+    assert s.next_action == ""
+
+
+def test_carry_is_deterministic_and_skips_failed_transitions():
+    events = log()
+    assert carry(events, 8) == carry(list(reversed(events)), 8)
+    over = [LogEvent(sequence=i + 1, run_id="r1",
+                     transition=Update(add_constraints=(f"c{i}",)))
+            for i in range(MAX_CONSTRAINTS + 1)]
+    carried = replay(over, 100)
+    assert len(carried.state.constraints) == MAX_CONSTRAINTS
+    assert (carried.applied, carried.skipped) == (MAX_CONSTRAINTS, 1)
+    assert carry([], 5) == WorkingState()
+
+
+def test_carried_untrusted_fact_renders_as_attributed_claim():
+    s = carry(log(), 8)
+    (msg,) = WorkingStateItem(state=s).messages(CTX)
+    assert "A source (events 2) states: <untrusted" in msg.text
+    assert msg.trust is TrustLevel.EXTERNAL_UNTRUSTED
