@@ -23,7 +23,25 @@ TAG_NAMES = tuple(sorted(set(TAGS.values())))
 NONCE_HEX = 16
 
 # Characters that read as "<" or "/" to a model.
-_LT_LIKE = "<\uff1c\ufe64\u2039\u3008\u2329\u27e8\u276e\u02c2"
+_LT_LIKE = ("<\uff1c\ufe64\u2039\u3008\u2329\u27e8\u276e\u02c2\u1438\u276c\u29fc\u2770"
+            "\u3014\u27ea\u2991\u2993\u29d8\u1445\u2264\u227a")
+# Letters from other scripts that read as the Latin letters of the tag names (a subset of
+# Unicode's confusables, enough for "untrusted", "user" and "memory" in every case).
+_CONFUSABLE = str.maketrans({
+    # Cyrillic
+    "\u0430": "a", "\u0435": "e", "\u043e": "o", "\u0440": "p", "\u0441": "c",
+    "\u0443": "y", "\u0445": "x", "\u0455": "s", "\u0456": "i", "\u0457": "i",
+    "\u043c": "m", "\u0442": "t", "\u0433": "r", "\u04bb": "h", "\u0501": "d",
+    # Greek
+    "\u03c5": "u", "\u03bf": "o", "\u03bd": "v", "\u03c4": "t", "\u03b5": "e",
+    "\u03c1": "p", "\u03bc": "m", "\u03b9": "i",
+    # Armenian
+    "\u057d": "u", "\u0578": "n", "\u057c": "n", "\u0585": "o", "\u057a": "n",
+    # Latin small capitals and other look-alikes
+    "\u1d1c": "u", "\u0274": "n", "\u1d1b": "t", "\u0280": "r", "\ua731": "s",
+    "\u1d07": "e", "\u1d05": "d", "\u1d0d": "m", "\u1d0f": "o", "\u028f": "y",
+    "\u0131": "i", "\u0261": "g", "\u01b4": "y", "\u13e7": "d",
+})
 _SLASH_LIKE = "/\uff0f\u2044\u2215\u29f8\u2571"
 _LT_RE = re.compile(f"[{_LT_LIKE}]")
 # Rendered as nothing, or as blank, although not format characters.
@@ -69,7 +87,8 @@ def _opens_delimiter(text: str, start: int) -> bool:
         ch = text[i]
         if _invisible(ch):
             continue
-        folded += "/" if ch in _SLASH_LIKE else unicodedata.normalize("NFKC", ch).lower()
+        folded += ("/" if ch in _SLASH_LIKE
+                   else unicodedata.normalize("NFKC", ch).lower().translate(_CONFUSABLE))
         verdict = _could_be_tag(folded)
         if verdict is not None:
             return verdict
