@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from context_engine.adapters.assets import DEFAULT_ASSETS_DIR, DEFAULT_CATALOG
@@ -73,6 +73,11 @@ class Config:
     inline_maximum_bytes: int = 16_384
     recall_floor_tokens: int = 500
     calibration_ttl_seconds: float = 5.0
+    # Compaction's summarizer: unset URL means the deterministic structured summarizer.
+    summarizer_url: str = ""
+    summarizer_model: str = ""
+    summarizer_api_key: str = field(default="", repr=False)  # never printed
+    summarizer_timeout_seconds: float = 20.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
@@ -101,6 +106,11 @@ class Config:
                                      defaults.recall_floor_tokens),
             calibration_ttl_seconds=_float(env, "CE_CALIBRATION_TTL_SECONDS",
                                            defaults.calibration_ttl_seconds, minimum=0.0),
+            summarizer_url=env.get("CE_SUMMARIZER_URL") or "",
+            summarizer_model=env.get("CE_SUMMARIZER_MODEL") or "",
+            summarizer_api_key=env.get("CE_SUMMARIZER_API_KEY") or "",
+            summarizer_timeout_seconds=_float(env, "CE_SUMMARIZER_TIMEOUT_SECONDS",
+                                              defaults.summarizer_timeout_seconds),
         )
         cfg.validate()
         return cfg
@@ -110,6 +120,10 @@ class Config:
             raise ConfigError(f"CE_SAFETY_MARGIN_RATIO={self.safety_margin_ratio} is not in "
                               "[0, 0.5)")
         split_addr(self.grpc_addr)
+        if self.summarizer_url and not self.summarizer_model:
+            raise ConfigError("CE_SUMMARIZER_URL is set without CE_SUMMARIZER_MODEL")
+        if self.summarizer_url and not self.summarizer_url.startswith(("http://", "https://")):
+            raise ConfigError(f"CE_SUMMARIZER_URL={self.summarizer_url!r} is not an http(s) URL")
         if self.metrics_addr:
             split_addr(self.metrics_addr)
 

@@ -20,6 +20,15 @@ from context_engine.domain.builder import (
 )
 from context_engine.domain.calibration import Calibration, Reconciled, reconcile
 from context_engine.domain.canonical import canonical_sha256, session_key
+from context_engine.domain.compaction import (
+    DEFAULT_SUMMARY_TOKENS,
+    CompactionResult,
+    CurrentSummary,
+    StructuredSummarizer,
+    Summarizer,
+    Target,
+    compact,
+)
 from context_engine.domain.errors import (
     BudgetExceeded,
     PrefixHashMismatch,
@@ -54,10 +63,13 @@ from context_engine.domain.plan import (
 )
 from context_engine.domain.ports import (
     CalibrationStore,
+    CompactionStore,
     ContextEvent,
     EventLog,
+    InMemoryCompactionStore,
     PlanStore,
     Rotation,
+    check_stored,
 )
 from context_engine.domain.working_state import (
     Carried,
@@ -159,6 +171,27 @@ class CarryCommand:
     factor: float | None = None
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CompactCommand:
+    tenant_id: str
+    session_id: str
+    checkpoint: Checkpoint
+    current: CurrentSummary | None
+    target: Target
+    reason: str
+    idempotency_key: str
+    fingerprint: str
+    max_summary_tokens: int = DEFAULT_SUMMARY_TOKENS
+    factor: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CompactOutcome:
+    result: CompactionResult
+    compacted: bool
+    epoch: int
+
+
 class PlanCache:
     """Verified plans by (tenant, session, epoch). Plans are immutable per epoch, so a hit can
     change only how long a call takes, never what it returns."""
@@ -220,8 +253,12 @@ class Engine:
                  control_tools: dict[str, ToolSpec], metrics: Metrics,
                  policy: BudgetPolicy = DEFAULT_POLICY, plan_cache_size: int = 4096,
                  calibration_ttl: float = 5.0, render_memo_size: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 compactions: CompactionStore | None = None,
+                 summarizer: Summarizer | None = None) -> None:
         self._store = store
+        self._compactions: CompactionStore = compactions or InMemoryCompactionStore()
+        self._summarizer: Summarizer = summarizer or StructuredSummarizer()
         self._events = events
         self._calibrations = calibrations
         self._catalog = catalog
@@ -535,3 +572,51 @@ class Engine:
         loaded = await self.loaded(cmd.tenant_id, cmd.session_id, None)
         measure = await self._working_state_measure(loaded, cmd.factor)
         return replay(cmd.events, cmd.seed_event_sequence, measure=measure)
+
+    # ------------------------------------------------------------------ Compact
+
+    async def compact(self, cmd: CompactCommand) -> CompactOutcome:
+        """A write, never part of Build: a retried key returns its stored result before any
+        summarizer call; a summarizer failure raises before anything is stored."""
+        loaded = await self.loaded(cmd.tenant_id, cmd.session_id, None)
+        epoch = loaded.plan.epoch
+        seen = await self._compactions.stored(cmd.tenant_id, cmd.idempotency_key)
+        if seen is not None:
+            return CompactOutcome(result=check_stored(seen, cmd.session_id, cmd.fingerprint),
+                                  compacted=False, epoch=epoch)
+        estimator = self.plan_estimator(loaded.plan.spec)
+        factor = cmd.factor
+        if factor is None:
+            factor = await self.correction_factor(cmd.tenant_id, loaded.plan.spec)
+        used = factor
+
+        def measure(messages: Any) -> int:
+            return estimator.messages(list(messages), used)
+
+        state = cmd.checkpoint.working_state
+        result = await compact(
+            cmd.checkpoint.items, cmd.current, active_run_id=cmd.checkpoint.active_run_id,
+            target=cmd.target, reason=cmd.reason, summarizer=self._summarizer,
+            measure=measure, ctx=RenderContext(session_key=loaded.session_key),
+            constraints=state.constraints, goal=state.objective,
+            open_questions=state.open_questions, max_summary_tokens=cmd.max_summary_tokens)
+        previous = len(cmd.current.elided) if cmd.current is not None else 0
+        event = ContextEvent(
+            tenant_id=cmd.tenant_id, session_id=cmd.session_id, epoch=epoch,
+            type="context.compacted",
+            payload={"epoch": epoch, "reason": cmd.reason, "depth": result.depth,
+                     "replaced_through_sequence": result.replaced_through_sequence,
+                     "source_event_ids": list(result.source_event_ids),
+                     "replaced_items": len(result.replaced_item_ids),
+                     "elided": [s.item_id for s in result.elided],
+                     "constraints": len(result.constraints),
+                     "tokens_before": result.tokens_before,
+                     "tokens_after": result.tokens_after,
+                     "compactor_version": result.compactor_version,
+                     "summarizer_version": result.summarizer_version})
+        stored, created = await self._compactions.save(
+            cmd.tenant_id, cmd.session_id, cmd.idempotency_key, cmd.fingerprint, result, event)
+        if created:
+            self._metrics.compactions.labels(depth=str(stored.depth)).inc()
+            self._metrics.elided_spans.inc(max(0, len(stored.elided) - previous))
+        return CompactOutcome(result=stored, compacted=created, epoch=epoch)

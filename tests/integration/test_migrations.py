@@ -26,6 +26,8 @@ EXPECTED = {
     "estimator_calibration": {"tenant_id", "model_id", "encoding", "factor", "reports",
                               "updated_at"},
     "idempotency_keys": {"tenant_id", "rpc", "key", "response", "created_at"},
+    "compactions": {"tenant_id", "idempotency_key", "session_id", "fingerprint", "depth",
+                    "replaced_through_sequence", "compactor_version", "result", "created_at"},
 }
 
 

@@ -4,6 +4,7 @@ unspecified session kind is interactive)."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable
 from datetime import datetime
@@ -19,8 +20,16 @@ from context_engine.domain.builder import (
     LoadedPlan,
     RuntimeMetadata,
     SkillBody,
+    checkpoint_violations,
 )
 from context_engine.domain.canonical import canonical_json, parse_json_object
+from context_engine.domain.compaction import (
+    DEFAULT_SUMMARY_TOKENS,
+    CompactionResult,
+    CurrentSummary,
+    ElidedSpan,
+    Target,
+)
 from context_engine.domain.errors import FieldViolation, InvalidInput
 from context_engine.domain.items import (
     AssistantMessageItem,
@@ -72,6 +81,8 @@ from context_engine.domain.working_state import (
 )
 from context_engine.engine import (
     CarryCommand,
+    CompactCommand,
+    CompactOutcome,
     ModelRequestSpec,
     PlanCommand,
     RotateCommand,
@@ -762,3 +773,90 @@ def rotate_command(req: pb.RotateRequest) -> RotateCommand:
     return RotateCommand(tenant_id=req.tenant_id, session_id=req.session_id, reason=reason,
                          idempotency_key=req.idempotency_key, drop_tools=tuple(req.drop_tools),
                          model=model, snapshot=snapshot)
+
+
+ELIDED_KINDS = ("tool.result", "user.message", "assistant.message")
+MAX_SUMMARY_TOKENS = 32_000
+
+
+def _elided(v: Violations, field: str, e: pb.ElidedSpan) -> ElidedSpan:
+    # a pointer stands for data: its label can never claim configuration
+    trust = v.trust(f"{field}.trust_level", e.trust_level, at_most=TrustLevel.USER)
+    if e.kind not in ELIDED_KINDS:
+        v.add(f"{field}.kind", f"{e.kind!r} is not one of {', '.join(ELIDED_KINDS)}")
+    return ElidedSpan(item_id=e.item_id, trust_level=trust, byte_length=e.byte_length,
+                      artifact_ref=e.artifact_ref or None, event_id=e.event_id, kind=e.kind)
+
+
+def current_summary(v: Violations, s: pb.Summary) -> CurrentSummary:
+    field = "checkpoint.summary"
+    if s.replaced_through_sequence < 0:
+        v.add(f"{field}.replaced_through_sequence", "must not be negative")
+    if s.depth == 0 and (s.text or s.source_event_ids):
+        v.add(f"{field}.depth", "a summary written by Compact has depth 1 or 2")
+    return CurrentSummary(
+        text=s.text, replaced_through_sequence=s.replaced_through_sequence,
+        source_event_ids=tuple(s.source_event_ids), depth=s.depth,
+        constraints=tuple(s.constraints),
+        elided=tuple(_elided(v, f"{field}.elided[{i}]", e) for i, e in enumerate(s.elided)))
+
+
+def fingerprint(req: pb.CompactRequest) -> str:
+    """The request without its key, byte-exact: a retry must repeat its request exactly."""
+    copy = pb.CompactRequest()
+    copy.CopyFrom(req)
+    copy.idempotency_key = ""
+    return hashlib.sha256(copy.SerializeToString(deterministic=True)).hexdigest()
+
+
+def compact_command(req: pb.CompactRequest) -> CompactCommand:
+    v = Violations()
+    _nul_fields(req, "", v)
+    session_ids(v, req.tenant_id, req.session_id)
+    v.identifier("idempotency_key", req.idempotency_key)
+    v.identifier("reason", req.reason)
+    cp = checkpoint(v, req.checkpoint)
+    v.items.extend(checkpoint_violations(cp))
+    current = (current_summary(v, req.checkpoint.summary)
+               if req.checkpoint.HasField("summary") else None)
+    which = req.WhichOneof("target")
+    target = Target()
+    if which is None:
+        v.add("target", "name tokens_to_free or replace_through_sequence")
+    elif which == "tokens_to_free":
+        if req.tokens_to_free == 0:
+            v.add("tokens_to_free", "must be positive")
+        target = Target(tokens_to_free=req.tokens_to_free)
+    else:
+        if req.replace_through_sequence <= 0:
+            v.add("replace_through_sequence", "must be a positive event sequence")
+        target = Target(replace_through=req.replace_through_sequence)
+    cap = DEFAULT_SUMMARY_TOKENS
+    if req.HasField("max_summary_tokens"):
+        cap = req.max_summary_tokens
+        if not 1 <= cap <= MAX_SUMMARY_TOKENS:
+            v.add("max_summary_tokens", f"{cap} is outside [1, {MAX_SUMMARY_TOKENS}]")
+    factor = _factor(v, req.HasField("estimator_factor"), req.estimator_factor)
+    v.raise_if_any()
+    return CompactCommand(tenant_id=req.tenant_id, session_id=req.session_id, checkpoint=cp,
+                          current=current, target=target, reason=req.reason,
+                          idempotency_key=req.idempotency_key, fingerprint=fingerprint(req),
+                          max_summary_tokens=cap, factor=factor)
+
+
+def summary_pb(r: CompactionResult) -> pb.Summary:
+    return pb.Summary(
+        text=r.summary, replaced_through_sequence=r.replaced_through_sequence,
+        source_event_ids=list(r.source_event_ids), depth=r.depth,
+        constraints=list(r.constraints),
+        elided=[pb.ElidedSpan(item_id=s.item_id, trust_level=TRUST_TO_PB[s.trust_level],
+                              byte_length=s.byte_length, artifact_ref=s.artifact_ref or "",
+                              event_id=s.event_id, kind=s.kind) for s in r.elided])
+
+
+def compact_pb(outcome: CompactOutcome) -> pb.CompactResponse:
+    r = outcome.result
+    return pb.CompactResponse(
+        summary=summary_pb(r), tokens_before=r.tokens_before, tokens_after=r.tokens_after,
+        compactor_version=r.compactor_version, summarizer_version=r.summarizer_version,
+        replaced_item_ids=list(r.replaced_item_ids), compacted=outcome.compacted)

@@ -23,12 +23,15 @@ from context_engine.adapters.assets import (
 from context_engine.adapters.postgres.migrate import migrate
 from context_engine.adapters.postgres.store import (
     PostgresCalibrationStore,
+    PostgresCompactionStore,
     PostgresEventLog,
     PostgresPlanStore,
 )
+from context_engine.adapters.summarizer import OpenAISummarizer, load_prompt
 from context_engine.adapters.tokenizers import TiktokenRegistry
 from context_engine.api.servicer import ContextEngineServicer
 from context_engine.config import Config, split_addr
+from context_engine.domain.compaction import StructuredSummarizer, Summarizer
 from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
@@ -73,6 +76,16 @@ class Running:
             self.metrics_http.shutdown()
 
 
+def summarizer_for(config: Config) -> Summarizer:
+    """The LLM summarizer when CE_SUMMARIZER_URL is set; the deterministic one otherwise."""
+    if config.summarizer_url:
+        return OpenAISummarizer(url=config.summarizer_url, model=config.summarizer_model,
+                                api_key=config.summarizer_api_key,
+                                timeout=config.summarizer_timeout_seconds,
+                                prompt=load_prompt(config.assets_dir))
+    return StructuredSummarizer()
+
+
 async def start(config: Config, *, database_url: str,
                 registry: CollectorRegistry = REGISTRY) -> Running:
     applied = await migrate(database_url, config.migrations_dir)
@@ -91,7 +104,9 @@ async def start(config: Config, *, database_url: str,
         tokenizers=TiktokenRegistry(),
         assets=load_platform_assets(config.assets_dir),
         control_tools=load_control_tools(config.assets_dir),
-        metrics=metrics, plan_cache_size=config.plan_cache_size)
+        metrics=metrics, plan_cache_size=config.plan_cache_size,
+        compactions=PostgresCompactionStore(pool, command_timeout=timeout),
+        summarizer=summarizer_for(config))
 
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", config.max_receive_bytes),

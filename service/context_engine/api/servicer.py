@@ -163,3 +163,15 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 state=mapping.working_state_pb(carried.state), events_applied=carried.applied,
                 events_skipped=carried.skipped, tokens=carried.tokens)
         return await self._run("CarryWorkingState", context, call)
+
+    async def Compact(self, request: pb.CompactRequest,
+                      context: grpc.aio.ServicerContext[Any, Any]) -> pb.CompactResponse:
+        async def call(record: CallRecord) -> pb.CompactResponse:
+            record.tenant = request.tenant_id
+            outcome = await self._engine.compact(mapping.compact_command(request))
+            record.epoch = outcome.epoch
+            record.extra["compacted"] = outcome.compacted
+            record.extra["depth"] = outcome.result.depth
+            record.extra["elided"] = len(outcome.result.elided)
+            return mapping.compact_pb(outcome)
+        return await self._run("Compact", context, call)

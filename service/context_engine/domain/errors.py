@@ -196,3 +196,49 @@ class ConstraintCapReached(ContextEngineError):
     def metadata(self) -> dict[str, str]:
         return {"constraints": str(self.constraints), "adding": str(self.adding),
                 "cap": str(self.cap)}
+
+
+class CompactionDepthExceeded(ContextEngineError):
+    """A third compaction: summaries merge once (depth 2) and never again, because a summary of
+    a summary of a summary can no longer be checked against what happened. The run has
+    outgrown its window: escalate to a child run with its own budget, or hand off."""
+
+    reason = "COMPACTION_DEPTH_EXCEEDED"
+
+    def __init__(self, depth: int, cap: int = 2) -> None:
+        self.depth = depth
+        self.cap = cap
+        super().__init__(f"the checkpoint's summary is at depth {depth}, the cap of {cap}: "
+                         "escalate to a child run (or hand off) instead of compacting again")
+
+    def metadata(self) -> dict[str, str]:
+        return {"depth": str(self.depth), "cap": str(self.cap),
+                "advice": "escalate_to_child_run"}
+
+
+class NothingToCompact(ContextEngineError):
+    """The target names no whole unit of carried history above the summary floor (the active
+    run's items are never compacted)."""
+
+    reason = "NOTHING_TO_COMPACT"
+
+    def __init__(self, floor: int) -> None:
+        self.floor = floor
+        super().__init__(f"no carried history above the summary floor ({floor}) matches the "
+                         "target; the active run's items are never compacted")
+
+    def metadata(self) -> dict[str, str]:
+        return {"summary_floor": str(self.floor)}
+
+
+class SummarizerUnavailable(ContextEngineError):
+    """The summarizer's model endpoint failed (5xx, timeout, unreachable): nothing stored."""
+
+    reason = "SUMMARIZER_UNAVAILABLE"
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+        super().__init__(f"the summarizer is unavailable: {why}; nothing was stored")
+
+    def metadata(self) -> dict[str, str]:
+        return {"why": self.why}

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from context_engine.domain.calibration import Calibration, Reconciled
+from context_engine.domain.compaction import CompactionResult
 from context_engine.domain.errors import InvalidInput
 from context_engine.domain.plan import ContextPlan, PlanDraft
 
@@ -194,3 +195,51 @@ class InMemoryCalibrationStore:
         self.rows[(tenant_id, model_id)] = outcome.calibration
         self.keys[(tenant_id, idempotency_key)] = (fingerprint, outcome)
         return outcome, True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StoredCompaction:
+    session_id: str
+    fingerprint: str
+    result: CompactionResult
+
+
+class CompactionStore(Protocol):
+    async def stored(self, tenant_id: str, idempotency_key: str) -> StoredCompaction | None:
+        """The compaction a key already made, if any."""
+        ...
+
+    async def save(self, tenant_id: str, session_id: str, idempotency_key: str,
+                   fingerprint: str, result: CompactionResult,
+                   event: ContextEvent) -> tuple[CompactionResult, bool]:
+        """Atomically store the compaction with its ``context.compacted`` event, once per key.
+        A key already used returns its stored result (False); a key reused for another
+        session or request (``fingerprint``) is InvalidInput."""
+        ...
+
+
+def check_stored(stored: StoredCompaction, session_id: str,
+                 fingerprint: str) -> CompactionResult:
+    if (stored.session_id, stored.fingerprint) != (session_id, fingerprint):
+        raise key_reused()
+    return stored.result
+
+
+@dataclass
+class InMemoryCompactionStore:
+    rows: dict[tuple[str, str], StoredCompaction] = field(default_factory=dict)
+    events: list[ContextEvent] = field(default_factory=list)
+
+    async def stored(self, tenant_id: str, idempotency_key: str) -> StoredCompaction | None:
+        return self.rows.get((tenant_id, idempotency_key))
+
+    async def save(self, tenant_id: str, session_id: str, idempotency_key: str,
+                   fingerprint: str, result: CompactionResult,
+                   event: ContextEvent) -> tuple[CompactionResult, bool]:
+        seen = self.rows.get((tenant_id, idempotency_key))
+        if seen is not None:
+            return check_stored(seen, session_id, fingerprint), False
+        self.rows[(tenant_id, idempotency_key)] = StoredCompaction(
+            session_id=session_id, fingerprint=fingerprint, result=result)
+        self.events.append(event)
+        return result, True

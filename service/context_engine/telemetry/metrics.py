@@ -51,3 +51,10 @@ class Metrics:
             "context_engine_cached_prefix_ratio",
             "Cached input tokens against the plan's prefix tokens, per reported request.",
             buckets=_RATIO, registry=registry)
+        self.compactions = Counter(
+            "context_engine_compactions", "Compactions stored, by the depth of the summary.",
+            ["depth"], registry=registry)
+        self.elided_spans = Counter(
+            "context_engine_elided_spans",
+            "Untrusted spans newly replaced by typed pointers in stored compactions.",
+            registry=registry)

@@ -78,3 +78,14 @@ SELECT response::text FROM idempotency_keys WHERE tenant_id = $1 AND rpc = $2 AN
 
 SET_KEY_RESPONSE = """
 UPDATE idempotency_keys SET response = $4::jsonb WHERE tenant_id = $1 AND rpc = $2 AND key = $3"""
+
+CLAIM_COMPACTION = """
+INSERT INTO compactions (tenant_id, idempotency_key, session_id, fingerprint, depth,
+    replaced_through_sequence, compactor_version, result)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb)
+ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+RETURNING idempotency_key"""
+
+GET_COMPACTION = """
+SELECT session_id, fingerprint, result::text AS result FROM compactions
+WHERE tenant_id = $1 AND idempotency_key = $2"""

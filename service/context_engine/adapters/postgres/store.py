@@ -13,11 +13,18 @@ from context_engine.adapters.postgres import queries
 from context_engine.adapters.postgres.errors import translated
 from context_engine.domain.calibration import Calibration, Reconciled
 from context_engine.domain.canonical import canonical_json
+from context_engine.domain.compaction import (
+    CompactionResult,
+    result_document,
+    result_from_document,
+)
 from context_engine.domain.plan import ClassUsage, ContextPlan, PlanSpec
 from context_engine.domain.ports import (
     ContextEvent,
     Decide,
     Reconcile,
+    StoredCompaction,
+    check_stored,
     key_reused,
     pinned,
     plan_event,
@@ -205,3 +212,38 @@ class PostgresCalibrationStore:
             await conn.execute(queries.SET_KEY_RESPONSE, tenant_id, self.RPC, idempotency_key,
                                _reconciled_json(outcome, fingerprint), timeout=self._timeout)
             return outcome, True
+
+
+def _stored_compaction(row: asyncpg.Record) -> StoredCompaction:
+    return StoredCompaction(session_id=row["session_id"], fingerprint=row["fingerprint"],
+                            result=result_from_document(json.loads(row["result"])))
+
+
+class PostgresCompactionStore:
+    def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0) -> None:
+        self._pool = pool
+        self._timeout = command_timeout
+
+    async def stored(self, tenant_id: str, idempotency_key: str) -> StoredCompaction | None:
+        async with translated():
+            row = await self._pool.fetchrow(queries.GET_COMPACTION, tenant_id, idempotency_key,
+                                            timeout=self._timeout)
+        return None if row is None else _stored_compaction(row)
+
+    async def save(self, tenant_id: str, session_id: str, idempotency_key: str,
+                   fingerprint: str, result: CompactionResult,
+                   event: ContextEvent) -> tuple[CompactionResult, bool]:
+        async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
+                    conn.transaction()):
+            claimed = await conn.fetchval(
+                queries.CLAIM_COMPACTION, tenant_id, idempotency_key, session_id, fingerprint,
+                result.depth, result.replaced_through_sequence, result.compactor_version,
+                canonical_json(result_document(result)), timeout=self._timeout)
+            if claimed is None:  # a concurrent retry stored it first
+                row = await conn.fetchrow(queries.GET_COMPACTION, tenant_id, idempotency_key,
+                                          timeout=self._timeout)
+                return check_stored(_stored_compaction(row), session_id, fingerprint), False
+            await conn.execute(queries.INSERT_EVENT, event.tenant_id, event.session_id,
+                               event.epoch, event.type, canonical_json(event.payload),
+                               timeout=self._timeout)
+            return result, True

@@ -1,0 +1,138 @@
+"""Hard gate: compaction fidelity (spec: "Summaries are bounded and monotone", issue 5 point 6).
+
+How constraints reach the compactor: the caller passes its working state's constraints (the
+Compact RPC reads ``checkpoint.working_state.constraints``), and a summary carries the ones it
+retained (``Summary.constraints``), so a merge sees both. Over generated conversations:
+
+* after a compaction and after a depth-2 merge, every constraint set before it is present, in
+  the result and verbatim in the summary text;
+* every summary's source ids are a subset of the event sequences of the items replaced so far;
+* each elided pointer keeps the trust label of the item it stands for, and no untrusted text
+  reaches the summary;
+* Build on the checkpoint carrying the summary never renders a replaced item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
+from context_engine.domain.builder import Checkpoint, RuntimeMetadata
+from context_engine.domain.compaction import (
+    CompactionResult,
+    CurrentSummary,
+    StructuredSummarizer,
+    Target,
+    compact,
+)
+from context_engine.domain.errors import NothingToCompact
+from context_engine.domain.items import (
+    AssistantMessageItem,
+    ConversationItem,
+    HistorySummary,
+    RenderContext,
+    ToolResultItem,
+    UserMessageItem,
+)
+from context_engine.domain.request import Message
+from context_engine.domain.trust import TrustLevel
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from tests import factories as f
+from tests.property.strategies import conversation
+
+pytestmark = pytest.mark.gate_compaction_fidelity
+
+LOADED = f.loaded()
+ESTIMATOR = f.estimator(LOADED.plan.spec.model)
+CTX = RenderContext(session_key=LOADED.session_key)
+MARK = "UNTRUSTED-MARK-"
+
+constraint_sets = st.lists(st.text(alphabet="abcdefghij -", min_size=1, max_size=30)
+                           .map(lambda c: c.strip() or "c"), max_size=5)
+
+
+def measure(messages: Sequence[Message]) -> int:
+    return ESTIMATOR.messages(list(messages), 1.0)
+
+
+def marked(items: Sequence[ConversationItem]) -> tuple[ConversationItem, ...]:
+    """Tag every tool result and every span below USER with a unique marker."""
+    out: list[ConversationItem] = []
+    for it in items:
+        if isinstance(it, ToolResultItem):
+            it = replace(it, content=f"{MARK}{it.id} {it.content}")
+        elif isinstance(it, UserMessageItem | AssistantMessageItem) and (
+                it.item_trust.rank < TrustLevel.USER.rank):
+            it = replace(it, text=f"{MARK}{it.id} {it.text}")
+        out.append(it)
+    return tuple(out)
+
+
+def summary_of(r: CompactionResult) -> CurrentSummary:
+    return CurrentSummary(text=r.summary, replaced_through_sequence=r.replaced_through_sequence,
+                          source_event_ids=r.source_event_ids, depth=r.depth,
+                          constraints=r.constraints, elided=r.elided)
+
+
+def run_compact(items: Sequence[ConversationItem], active: str,
+                current: CurrentSummary | None, constraints: Sequence[str],
+                target: Target) -> CompactionResult:
+    return asyncio.run(compact(items, current, active_run_id=active, target=target,
+                               reason="gate", summarizer=StructuredSummarizer(),
+                               measure=measure, ctx=CTX, constraints=constraints))
+
+
+def check(r: CompactionResult, items: Sequence[ConversationItem], replaced_so_far: set[str],
+          constraints_before: set[str], active: str) -> None:
+    by_id = {it.id: it for it in items}
+    assert constraints_before <= set(r.constraints)
+    for c in constraints_before:
+        assert f"- {c}" in r.summary
+    sequences = {by_id[i].sequence for i in replaced_so_far}
+    assert set(r.source_event_ids) <= sequences
+    for span in r.elided:
+        assert span.trust_level is by_id[span.item_id].item_trust
+        assert f"({span.trust_level.value}, " in span.pointer() and span.pointer() in r.summary
+    assert MARK not in r.summary
+    cp = Checkpoint(active_run_id=active, items=tuple(items),
+                    runtime=RuntimeMetadata(current_date="2026-11-29"),
+                    summary=HistorySummary(text=r.summary,
+                                           replaced_through_sequence=r.replaced_through_sequence))
+    built = f.run_build(LOADED, cp)
+    rendered = {m.item_id for m in built.request.messages if m.item_id}
+    assert not rendered & replaced_so_far
+    assert all(by_id[i].run_id != active for i in replaced_so_far)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conv=conversation(), first=constraint_sets, second=constraint_sets,
+       split=st.integers(0, 40), tokens=st.integers(1, 400))
+def test_compaction_and_merge_keep_constraints_provenance_and_labels(
+        conv, first, second, split, tokens):
+    active, raw = conv
+    items = marked(raw)
+    carried = [it for it in items if it.run_id != active]
+    assume(carried)
+    through = carried[min(split, len(carried) - 1)].sequence
+    try:
+        one = run_compact(items, active, None, first, Target(replace_through=through))
+    except NothingToCompact:
+        return
+    replaced = set(one.replaced_item_ids)
+    assert one.depth == 1
+    check(one, items, replaced, set(first), active)
+    try:
+        two = run_compact(items, active, summary_of(one), second,
+                          Target(tokens_to_free=tokens))
+    except NothingToCompact:
+        return
+    assert two.depth == 2
+    assert not replaced & set(two.replaced_item_ids)
+    replaced |= set(two.replaced_item_ids)
+    check(two, items, replaced, set(first) | set(second), active)
+    assert set(one.source_event_ids) <= set(two.source_event_ids)
+    assert {s.item_id for s in one.elided} <= {s.item_id for s in two.elided}

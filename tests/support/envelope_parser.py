@@ -1,0 +1,141 @@
+"""An independent reader of rendered envelopes, for the trust gate.
+
+Shares no code with ``context_engine.domain.envelope``: it reads the rendered text back the way a
+strict parser and a lenient reader (a model) would.
+
+* Strict reading: every opening ``<tag source=".." id=".." nonce="N">`` is closed by the FIRST
+  literal ``</tag:N>`` after it; openings inside a body are not envelopes.
+* Lenient reading: a body, folded the way a model might read it (NFKC, case, invisible and
+  blank characters, combining marks, look-alikes of ``<`` and ``/``), must contain nothing that
+  reads as an envelope tag: no ``<tag``, ``</tag`` for any envelope tag name.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+
+TAG_NAMES = ("memory", "untrusted", "user")
+
+OPENING_RE = re.compile(
+    r'<(?P<tag>user|memory|untrusted) source="(?P<source>[^"]*)" id="(?P<id>[^"]*)" '
+    r'nonce="(?P<nonce>[0-9a-f]+)">')
+
+# Look-alikes of "<" a reader may take for it (NFKC covers fullwidth and small forms too, but
+# listing them keeps the reader independent of normalization details).
+LT_LIKE = frozenset("<\uff1c\ufe64\u2039\u3008\u2329\u27e8\u276e\u02c2")
+# Further confusables of "<" (Unicode confusables.txt, angle-bracket ornaments): outside the
+# service's fold list, read only with ``confusables=True`` (a documented finding).
+LT_CONFUSABLES_EXTRA = frozenset("\u1438\u16b2\U0001d236\u276c\u29fc")
+SLASH_LIKE = frozenset("/\uff0f\u2044\u2215\u29f8\u2571")
+BLANK_LETTERS = frozenset("\u034f\u115f\u1160\u3164\uffa0\u180e\u2800")
+# Latin look-alikes of the letters of the tag names (Cyrillic, Greek, Armenian).
+LETTER_HOMOGLYPHS = {
+    "\u0435": "e", "\u0455": "s", "\u043e": "o", "\u0443": "y", "\u0440": "p",
+    "\u057d": "u", "\u03c5": "u", "\u0578": "n", "\u03bf": "o", "\u0433": "r",
+    "\u0442": "t", "\u043c": "m", "\u0501": "d",
+}
+
+
+def invisible(ch: str) -> bool:
+    if ch.isspace() or ch in BLANK_LETTERS:
+        return True
+    code = ord(ch)
+    if 0xFE00 <= code <= 0xFE0F or 0xE0100 <= code <= 0xE01EF:
+        return True
+    return unicodedata.category(ch) in ("Cf", "Mn", "Me")
+
+
+def fold(text: str, *, confusables: bool = False) -> str:
+    """A model's view of ``text``: invisible characters dropped, look-alikes mapped, NFKC,
+    case-folded. ``confusables`` also maps rarer confusables and letter homoglyphs."""
+    out: list[str] = []
+    lt = LT_LIKE | LT_CONFUSABLES_EXTRA if confusables else LT_LIKE
+    for ch in text:
+        if invisible(ch):
+            continue
+        if ch in lt:
+            out.append("<")
+        elif ch in SLASH_LIKE:
+            out.append("/")
+        elif confusables and ch in LETTER_HOMOGLYPHS:
+            out.append(LETTER_HOMOGLYPHS[ch])
+        else:
+            out.append(unicodedata.normalize("NFKC", ch).casefold())
+    return "".join(out)
+
+
+_TAGLIKE = re.compile(r"<\s*/*\s*(?:" + "|".join(TAG_NAMES) + ")")
+
+
+def taglike(body: str, *, confusables: bool = False) -> list[str]:
+    """Every sequence in ``body`` a lenient reader takes for an envelope tag (opening or
+    closing, any nonce)."""
+    return _TAGLIKE.findall(fold(body, confusables=confusables))
+
+
+@dataclass(frozen=True)
+class Envelope:
+    tag: str
+    source: str
+    item_id: str
+    nonce: str
+    start: int
+    body_start: int
+    body_end: int
+    end: int
+
+    def body(self, text: str) -> str:
+        return text[self.body_start:self.body_end]
+
+
+class EnvelopeError(AssertionError):
+    pass
+
+
+def parse(text: str) -> list[Envelope]:
+    """Strict reading: top-level envelopes, each closed at its FIRST literal closing marker.
+    Raises if an envelope is never closed or its closing marker occurs again later."""
+    found: list[Envelope] = []
+    pos = 0
+    while True:
+        m = OPENING_RE.search(text, pos)
+        if m is None:
+            break
+        marker = f"</{m['tag']}:{m['nonce']}>"
+        close = text.find(marker, m.end())
+        if close < 0:
+            raise EnvelopeError(f"envelope {m['id']!r} at {m.start()} is never closed")
+        found.append(Envelope(tag=m["tag"], source=m["source"], item_id=m["id"],
+                              nonce=m["nonce"], start=m.start(), body_start=m.end(),
+                              body_end=close, end=close + len(marker)))
+        pos = close + len(marker)
+    for e in found:
+        marker = f"</{e.tag}:{e.nonce}>"
+        if text.count(marker) != 1:
+            raise EnvelopeError(f"closing marker {marker!r} occurs {text.count(marker)} times")
+    return found
+
+
+def check_text(text: str, canaries: list[str], *, confusables: bool = False) -> list[Envelope]:
+    """Assert every canary occurrence lies strictly inside an envelope body, every envelope is
+    closed exactly once, and no body reads (leniently) as containing a tag. Returns the
+    envelopes."""
+    envs = parse(text)
+    for canary in canaries:
+        start = text.find(canary)
+        while start >= 0:
+            end = start + len(canary)
+            if not any(e.body_start <= start and end <= e.body_end for e in envs):
+                raise EnvelopeError(
+                    f"canary {canary!r} at {start} lies outside every envelope: "
+                    f"{text[max(0, start - 120):end + 20]!r}")
+            start = text.find(canary, end)
+    for e in envs:
+        body = e.body(text)
+        hits = taglike(body, confusables=confusables)
+        if hits:
+            raise EnvelopeError(f"envelope {e.item_id!r} body reads as containing tags {hits}: "
+                                f"{body[:300]!r}")
+    return envs
