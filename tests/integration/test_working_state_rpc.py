@@ -71,6 +71,21 @@ def test_constraint_cap_is_failed_precondition(stub, ids, db):
     assert events(db, tenant) == []
 
 
+def test_a_current_state_over_its_caps_is_invalid(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    over = pb.WorkingState(constraints=[f"constraint {i}" for i in range(25)],
+                           tasks=[pb.WorkingTask(id="t1", title="a", state="open"),
+                                  pb.WorkingTask(id="t1", title="b", state="open")])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdateWorkingState(update_request(tenant, session, pb.WorkingStateTransition(
+            update=pb.WorkingStateUpdate(next_action="go")), current=over))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert {"current.constraints", "current.tasks[1]"} <= set(f.violations)
+    assert events(db, tenant) == []
+
+
 def test_bad_input_is_invalid_argument_with_violations_and_writes_nothing(stub, ids, db):
     tenant, session = ids
     stub.Plan(plan_request(tenant, session))

@@ -11,6 +11,7 @@ UNAVAILABLE); the compaction then stores nothing.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -82,7 +83,8 @@ class OpenAISummarizer:
                 return data
         except urllib.error.HTTPError as exc:
             raise SummarizerUnavailable(f"HTTP {exc.code}") from None
-        except (TimeoutError, urllib.error.URLError, OSError) as exc:
+        except (TimeoutError, urllib.error.URLError, OSError,
+                http.client.HTTPException) as exc:  # e.g. BadStatusLine, IncompleteRead
             raise SummarizerUnavailable(type(exc).__name__) from None
 
     async def summarize(self, data: SummaryInput, max_chars: int) -> Summarized:

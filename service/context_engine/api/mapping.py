@@ -13,6 +13,7 @@ from google.protobuf.message import Message as Message_
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from context_engine.domain import providers
+from context_engine.domain import working_state as ws_rules
 from context_engine.domain.budget import BudgetReport, Pressure
 from context_engine.domain.builder import (
     BuildResult,
@@ -355,10 +356,17 @@ def _item(v: Violations, field: str, it: pb.ConversationItem) -> ConversationIte
     if kind == "assistant":
         return AssistantMessageItem(text=it.assistant.text, **common)  # type: ignore[arg-type]
     if kind == "tool_calls":
+        for j, c in enumerate(it.tool_calls.calls):
+            if c.name and not TOOL_NAME.fullmatch(c.name):
+                v.add(f"{field}.tool_calls.calls[{j}].name",
+                      "must match [A-Za-z0-9_.-]{1,64} (what providers accept)")
+            _reference(v, f"{field}.tool_calls.calls[{j}].call_id", c.call_id)
         calls = tuple(ToolCall(call_id=c.call_id, name=c.name, arguments_json=c.arguments_json)
                       for c in it.tool_calls.calls)
         return ToolCallItem(calls=calls, **common)  # type: ignore[arg-type]
     if kind == "tool_result":
+        _reference(v, f"{field}.tool_result.artifact_ref", it.tool_result.artifact_ref)
+        _reference(v, f"{field}.tool_result.call_id", it.tool_result.call_id)
         r = it.tool_result
         if r.event_id < 0:
             v.add(f"{field}.tool_result.event_id", "must not be negative")
@@ -537,6 +545,17 @@ def update_working_state_command(req: pb.UpdateWorkingStateRequest) -> WorkingSt
     if req.sequence <= 0:
         v.add("sequence", "must be the positive session event sequence of the transition")
     current = working_state(v, "current", req.current)
+    # the state the caller holds must itself be within the caps: an over-cap state would
+    # make every later transition fail for a reason the transition did not cause
+    for name, count, cap in (
+            ("constraints", len(current.constraints), ws_rules.MAX_CONSTRAINTS),
+            ("tasks", sum(t.state != "completed" for t in current.tasks),
+             ws_rules.MAX_OPEN_TASKS),
+            ("facts", len(current.facts), ws_rules.MAX_FACTS),
+            ("open_questions", len(current.open_questions), ws_rules.MAX_OPEN_QUESTIONS)):
+        if count > cap:
+            v.add(f"current.{name}", f"holds {count}, over the cap of {cap}")
+    v.unique("current.tasks", (t.id for t in current.tasks), "task id")
     found = transition(v, "transition", req.transition)
     factor = _factor(v, req.HasField("estimator_factor"), req.estimator_factor)
     v.raise_if_any()
@@ -779,7 +798,16 @@ ELIDED_KINDS = ("tool.result", "user.message", "assistant.message")
 MAX_SUMMARY_TOKENS = 32_000
 
 
+def _reference(v: Violations, field: str, value: str) -> None:
+    """Ids and references are rendered into platform text (pointers, summaries): one line,
+    bounded, no control characters."""
+    if len(value) > MAX_ID_LENGTH or _CONTROL.search(value):
+        v.add(field, f"must be at most {MAX_ID_LENGTH} characters without control characters")
+
+
 def _elided(v: Violations, field: str, e: pb.ElidedSpan) -> ElidedSpan:
+    _reference(v, f"{field}.item_id", e.item_id)
+    _reference(v, f"{field}.artifact_ref", e.artifact_ref)
     # a pointer stands for data: its label can never claim configuration
     trust = v.trust(f"{field}.trust_level", e.trust_level, at_most=TrustLevel.USER)
     if e.kind not in ELIDED_KINDS:
@@ -817,8 +845,12 @@ def compact_command(req: pb.CompactRequest) -> CompactCommand:
     v.identifier("reason", req.reason)
     cp = checkpoint(v, req.checkpoint)
     v.items.extend(checkpoint_violations(cp))
-    current = (current_summary(v, req.checkpoint.summary)
-               if req.checkpoint.HasField("summary") else None)
+    given = req.checkpoint.summary
+    # an empty summary (a runtime that always sets the field) is no summary at all
+    present = req.checkpoint.HasField("summary") and bool(
+        given.text or given.source_event_ids or given.depth or given.constraints
+        or given.elided or given.replaced_through_sequence)
+    current = current_summary(v, given) if present else None
     which = req.WhichOneof("target")
     target = Target()
     if which is None:

@@ -53,6 +53,7 @@ from context_engine.domain.items import (
     ToolCallItem,
     ToolResultItem,
     UserMessageItem,
+    one_line,
 )
 from context_engine.domain.request import Message
 from context_engine.domain.trust import TrustLevel
@@ -88,8 +89,8 @@ class ElidedSpan:
             ref = f"{self.artifact_ref} ({event})" if event else self.artifact_ref
         else:
             ref = event or f"item:{self.item_id}"
-        return (f"[elided] {self.kind} {self.item_id} ({self.trust_level.value}, "
-                f"{self.byte_length:,} bytes) -> {ref}")
+        return one_line(f"[elided] {self.kind} {self.item_id} ({self.trust_level.value}, "
+                        f"{self.byte_length:,} bytes) -> {ref}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -7,6 +7,7 @@ so a type that forgets its declaration fails at assembly (``assemble``), never b
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -23,6 +24,13 @@ from context_engine.domain.request import Attachment, Message, Role, ToolCall, T
 from context_engine.domain.trust import Region, TrustLevel, lowest
 
 _UNDECLARED = object()
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """Platform text built from caller-supplied ids stays on one line (a backstop: ids with
+    control characters are rejected at the boundary)."""
+    return _CONTROL.sub(" ", text)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -334,8 +342,8 @@ class ToolResultItem(ConversationItem):
     def pointer(self) -> str:
         """spec: "Untrusted content is elided, never paraphrased" — the pointer states that
         content existed, what it was, how large, where it lives, and its trust."""
-        return (f"[elided] tool.result {self.id} ({self.item_trust.value}, {self.bytes:,} bytes)"
-                f" -> {self.reference()}")
+        return one_line(f"[elided] tool.result {self.id} ({self.item_trust.value}, "
+                        f"{self.bytes:,} bytes) -> {self.reference()}")
 
     def messages(self, ctx: RenderContext) -> list[Message]:
         content = self.pointer() if self.elided else self.content
