@@ -42,15 +42,13 @@ import os
 import platform
 import pstats
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -67,6 +65,7 @@ from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from tests.bench.common import deadline
 from tests.bench.conversations import (
     SYSTEM_PROMPT,
     TOOL_SPECS,
@@ -305,23 +304,6 @@ def trim_ms(enc: tiktoken.Encoding, conv: Conversation, max_tokens: int,
 
 
 # ---------------------------------------------------------------- the run
-
-class Deadline(Exception):
-    pass
-
-
-@contextmanager
-def deadline(seconds: int) -> Iterator[None]:
-    def expire(signum: int, frame: Any) -> None:
-        raise Deadline(f"the benchmark ran past its {seconds} s deadline")
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
 
 def machine() -> str:
     cpu = platform.processor() or platform.machine()

@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no fork() notices from pgserver's pg_ctl
 
+from tests.bench.common import Deadline, deadline
 from tests.support.cache_sim import CacheUsage
 from tests.support.runtime import (
     RequestRecord,
@@ -49,24 +48,6 @@ from tests.support.runtime import (
 DEADLINE_SECONDS = 120
 WRITE_COST = 1.25  # 5-minute cache writes, of base input
 READ_COST = 0.1
-
-
-class Deadline(Exception):
-    pass
-
-
-@contextmanager
-def deadline(seconds: int) -> Iterator[None]:
-    def expire(signum: int, frame: Any) -> None:
-        raise Deadline(f"the cache bench did not finish within {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def relative_cost(usages: list[CacheUsage]) -> float:
@@ -139,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     script = replace(SessionScript(), seed=args.seed, turns=args.turns)
     try:
-        with deadline(DEADLINE_SECONDS):
+        with deadline(DEADLINE_SECONDS, "the cache bench"):
             return run(script)
     except Deadline as exc:
         print(exc, file=sys.stderr)
