@@ -31,6 +31,8 @@ from context_engine.domain.compaction import (
 )
 from context_engine.domain.errors import (
     BudgetExceeded,
+    FieldViolation,
+    InvalidInput,
     PrefixHashMismatch,
     SessionNotFound,
     StoreUnavailable,
@@ -515,6 +517,16 @@ class Engine:
         loaded = await self.loaded(report.tenant_id, report.session_id, report.epoch)
         spec = loaded.plan.spec
         model = spec.model
+        # No request of this plan can hold more than the model's window: a report that says so
+        # is not usage of it, and one such outlier would throw the shared factor to its cap.
+        too_big = [FieldViolation(name, f"{value} is over the model's window of "
+                                        f"{model.context_window}")
+                   for name, value in (("input_tokens", report.input_tokens),
+                                       ("estimated_input_tokens",
+                                        report.estimated_input_tokens))
+                   if value > model.context_window]
+        if too_big:
+            raise InvalidInput(too_big)
 
         def apply(current: Calibration | None) -> Reconciled:
             return reconcile(current, model_id=model.model_id, encoding=spec.encoding,

@@ -202,6 +202,8 @@ def test_bad_usage_reports(stub, ids):
         "estimated_input_tokens": _report(tenant, session, "k", 0, 10),
         "cached_tokens": _report(tenant, session, "k", 10, 10, cached=11),
         "estimator_factor": _report(tenant, session, "k", 10, 10, factor=9.0),
+        # more than the model's window (200,000) is not usage of this plan
+        "input_tokens": _report(tenant, session, "k", 1_000, 4_000_000_000),
     }
     for field, req in cases.items():
         with pytest.raises(grpc.RpcError) as err:
