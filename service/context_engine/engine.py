@@ -57,6 +57,7 @@ from context_engine.domain.plan import (
     ContextPlan,
     PlanDraft,
     PlanSpec,
+    RenderedPrefix,
     admission_reason,
     draft_plan,
     redraft,
@@ -328,32 +329,35 @@ class Engine:
 
         plan, created = await self._store.pin(cmd.tenant_id, cmd.session_id, decide)
         if created:
-            # Written just now from this very rendering: nothing to re-verify.
-            self.cache.put((plan.tenant_id, plan.session_id, plan.epoch),
-                           LoadedPlan(plan=plan, rendered=draft.rendered, session_key=key))
-            if plan.epoch == 1:
-                self._metrics.sessions_opened.inc()
-            self._metrics.epochs.labels(reason=plan.reason).inc()
-            self._metrics.prefix_tokens.observe(plan.prefix_tokens)
+            self._pinned(plan, draft.rendered, key)
         return plan, created
+
+    def _pinned(self, plan: ContextPlan, rendered: RenderedPrefix, key: str) -> None:
+        """A new epoch was written from ``rendered``: cache it (nothing to re-verify, it was
+        rendered just now) and count it."""
+        self.cache.put((plan.tenant_id, plan.session_id, plan.epoch),
+                       LoadedPlan(plan=plan, rendered=rendered, session_key=key))
+        if plan.epoch == 1:
+            self._metrics.sessions_opened.inc()
+        self._metrics.epochs.labels(reason=plan.reason).inc()
+        self._metrics.prefix_tokens.observe(plan.prefix_tokens)
 
     async def _canonicalize(self, loaded: LoadedPlan) -> tuple[ContextPlan, bool]:
         """prefix_hash_canonicalized: the same plan appended as a new epoch under its canonical
         hash. Nothing is rebuilt (a run may be parked on an approval) and the provider gets
         the same bytes, so nothing is re-cached."""
         stale = loaded.plan
+        rendered = render_prefix(stale.spec, loaded.session_key)
 
         def decide(locked: ContextPlan | None) -> Rotation | None:
             if locked is None or locked.epoch != stale.epoch:
                 return None  # another replica already moved the session on
-            draft = PlanDraft(spec=locked.spec,
-                              rendered=render_prefix(locked.spec, loaded.session_key),
-                              classes=locked.classes)
+            draft = PlanDraft(spec=locked.spec, rendered=rendered, classes=locked.classes)
             return Rotation(reason="prefix_hash_canonicalized", draft=draft)
 
         plan, created = await self._store.pin(stale.tenant_id, stale.session_id, decide)
         if created:
-            self._metrics.epochs.labels(reason=plan.reason).inc()
+            self._pinned(plan, rendered, loaded.session_key)
         return plan, created
 
     async def rotate(self, cmd: RotateCommand) -> tuple[ContextPlan, bool]:
@@ -391,10 +395,7 @@ class Engine:
                                               idempotency_key=cmd.idempotency_key,
                                               fingerprint=fingerprint)
         if created:
-            self.cache.put((plan.tenant_id, plan.session_id, plan.epoch),
-                           LoadedPlan(plan=plan, rendered=drafts[-1].rendered, session_key=key))
-            self._metrics.epochs.labels(reason=plan.reason).inc()
-            self._metrics.prefix_tokens.observe(plan.prefix_tokens)
+            self._pinned(plan, drafts[-1].rendered, key)
         return plan, created
 
     async def get_plan(self, tenant_id: str, session_id: str, epoch: int | None) -> ContextPlan:
