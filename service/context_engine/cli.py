@@ -18,7 +18,14 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--grpc-addr", help="host:port (env CE_GRPC_ADDR; port 0 picks one)")
     serve_p.add_argument("--metrics-addr", help="host:port, empty to disable (CE_METRICS_ADDR)")
     sub.add_parser("migrate", help="apply pending migrations and exit")
+    health_p = sub.add_parser("health", help="probe a running server's grpc.health.v1 "
+                                             "(exit 0 when SERVING)")
+    from context_engine import healthcheck
+
+    healthcheck.add_arguments(health_p)
     args = parser.parse_args(argv)
+    if args.command == "health":  # a probe: it needs only the listen address, never the database
+        return healthcheck.run(args, os.environ)
 
     try:
         config = Config.from_env(os.environ)
