@@ -1,0 +1,131 @@
+"""Backpressure and request-shape limits, enforced before a request reaches the servicer.
+
+* Concurrency: at most ``max_concurrent`` ContextEngine RPCs run in one process; the next one is
+  answered ``RESOURCE_EXHAUSTED`` (reason ``TOO_MANY_CONCURRENT_RPCS``) at once instead of
+  queueing without bound, so a client's retry or another replica takes it.
+* Shape: no repeated field of a request (at the top level or inside its singular messages, e.g.
+  ``checkpoint.items``) may hold more than ``max_items`` elements, and no element of one may
+  serialize to more than ``max_item_bytes`` (reasons ``TOO_MANY_ITEMS``, ``ITEM_TOO_LARGE``).
+* The whole message is capped by gRPC itself (``grpc.max_receive_message_length``), which
+  answers ``RESOURCE_EXHAUSTED`` before any handler runs.
+
+Health and reflection are never limited: probes must get through a saturated server.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+from grpc_status import rpc_status
+
+from context_engine.api.status import rich_status
+from context_engine.telemetry.logs import log
+from context_engine.telemetry.metrics import Metrics
+
+SERVICE_PREFIX = "/context_engine.v1.ContextEngine/"
+_MAX_DEPTH = 3  # PlanRequest.memory_snapshot.items, BuildRequest.checkpoint.items, ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_concurrent: int
+    max_items: int
+    max_item_bytes: int
+
+
+@dataclass(frozen=True)
+class Violation:
+    reason: str
+    field: str
+    size: int
+    limit: int
+
+    def message(self) -> str:
+        if self.reason == "TOO_MANY_ITEMS":
+            return f"{self.field} holds {self.size} elements, over the limit of {self.limit}"
+        return f"{self.field} is {self.size} bytes, over the per-item limit of {self.limit}"
+
+
+def shape_violation(message: Message, limits: Limits, path: str = "",
+                    depth: int = 0) -> Violation | None:
+    """The first repeated field over ``max_items`` or element over ``max_item_bytes``."""
+    for field, value in message.ListFields():
+        name = f"{path}{field.name}"
+        if field.is_repeated:
+            if len(value) > limits.max_items:
+                return Violation("TOO_MANY_ITEMS", name, len(value), limits.max_items)
+            if field.type == FieldDescriptor.TYPE_MESSAGE:
+                for index, element in enumerate(value):
+                    size = element.ByteSize()
+                    if size > limits.max_item_bytes:
+                        return Violation("ITEM_TOO_LARGE", f"{name}[{index}]", size,
+                                         limits.max_item_bytes)
+            elif field.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES):
+                for index, element in enumerate(value):
+                    size = len(element.encode()) if isinstance(element, str) else len(element)
+                    if size > limits.max_item_bytes:
+                        return Violation("ITEM_TOO_LARGE", f"{name}[{index}]", size,
+                                         limits.max_item_bytes)
+        elif field.type == FieldDescriptor.TYPE_MESSAGE and depth < _MAX_DEPTH:
+            found = shape_violation(value, limits, f"{name}.", depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+class LimitsInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, limits: Limits, metrics: Metrics) -> None:
+        self._limits = limits
+        self._metrics = metrics
+        self.in_flight = 0
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails],
+                                     Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if (handler is None or handler.unary_unary is None
+                or not method.startswith(SERVICE_PREFIX)):
+            return handler
+        inner: Callable[..., Awaitable[Any]] = handler.unary_unary
+        name = method[len(SERVICE_PREFIX):]
+
+        async def limited(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            if self.in_flight >= self._limits.max_concurrent:
+                await self._reject(context, name, "TOO_MANY_CONCURRENT_RPCS",
+                                   f"{self.in_flight} RPCs in flight, the limit of this "
+                                   "process; retry with backoff",
+                                   {"limit": str(self._limits.max_concurrent)})
+            if isinstance(request, Message):
+                found = shape_violation(request, self._limits)
+                if found is not None:
+                    await self._reject(context, name, found.reason, found.message(),
+                                       {"field": found.field, "size": str(found.size),
+                                        "limit": str(found.limit)})
+            self.in_flight += 1
+            try:
+                return await inner(request, context)
+            finally:
+                self.in_flight -= 1
+
+        return grpc.unary_unary_rpc_method_handler(
+            limited, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+    async def _reject(self, context: grpc.aio.ServicerContext[Any, Any], method: str,
+                      reason: str, message: str, metadata: dict[str, str]) -> None:
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+        self._metrics.rpc_seconds.labels(method=method, code=code.name).observe(0.0)
+        log("rpc", logging.WARNING, method=method, code=code.name, duration_ms=0.0,
+            reason=reason)
+        status = rich_status(code, message, reason, metadata)
+        await context.abort(code, message,
+                            rpc_status.to_status(status).trailing_metadata)

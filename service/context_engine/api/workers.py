@@ -1,0 +1,203 @@
+"""Several serving processes on one port (``serve --workers N``).
+
+One Python process uses one core, so the supervisor starts N worker processes that each run
+the whole server (``serve --workers 1``) bound to the same port with ``SO_REUSEPORT``; the
+kernel spreads connections over them. The supervisor itself serves no RPC. It:
+
+* resolves the database (starting the embedded PostgreSQL when ``DATABASE_URL`` is unset) and
+  applies migrations once, before any worker starts;
+* reserves the port (a port of 0 is resolved here, so every worker binds the same one);
+* serves ``/metrics`` for all workers from prometheus_client's multiprocess directory;
+* restarts a worker that dies, and on SIGTERM/SIGINT forwards SIGTERM to every worker, each
+  of which drains (health NOT_SERVING first) and finishes its in-flight RPCs within the grace
+  period, then stops the embedded database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from context_engine.config import Config, split_addr
+from context_engine.telemetry.logs import log
+
+WORKER_ENV = "CE_WORKER_ID"
+RESTART_BACKOFF_SECONDS = 1.0
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A bound (not listening) SO_REUSEPORT socket holding the port for the workers."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+@dataclass
+class Worker:
+    index: int
+    proc: subprocess.Popen[bytes]
+    started: float = field(default_factory=time.monotonic)
+
+
+class Supervisor:
+    def __init__(self, config: Config, *, count: int, database_url: str,
+                 extra_args: list[str]) -> None:
+        self.config = config
+        self.count = count
+        self.database_url = database_url
+        self.extra_args = extra_args
+        self.host, port = split_addr(config.grpc_addr)
+        self.socket = reserve_port(self.host, port)
+        self.port = int(self.socket.getsockname()[1])
+        self.metrics_dir = Path(tempfile.mkdtemp(prefix="context-engine-metrics-"))
+        self.workers: dict[int, Worker] = {}
+        self.stopping = False
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def _spawn(self, index: int) -> Worker:
+        env = {
+            **os.environ,
+            WORKER_ENV: str(index),
+            "DATABASE_URL": self.database_url,
+            "CE_GRPC_ADDR": self.address,
+            "CE_METRICS_ADDR": "",
+            "CE_WORKERS": "1",
+            "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "context_engine", "serve", "--workers", "1",
+             *self.extra_args], env=env)
+        return Worker(index=index, proc=proc)
+
+    def start_metrics(self) -> Any:
+        if not self.config.metrics_addr:
+            return None
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir)
+        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(self.metrics_dir))  # type: ignore[no-untyped-call]
+        host, port = split_addr(self.config.metrics_addr)
+        server, _ = start_http_server(port, addr=host, registry=registry)
+        return server
+
+    async def wait_serving(self, timeout: float) -> bool:
+        """True once the shared port answers health SERVING."""
+        deadline = time.monotonic() + timeout
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if any(w.proc.poll() is not None for w in self.workers.values()):
+                    return False
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return True
+                await asyncio.sleep(0.2)
+        return False
+
+    async def run(self, *, embedded: bool) -> int:
+        metrics_http = self.start_metrics()
+        for index in range(self.count):
+            self.workers[index] = self._spawn(index)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            if not await self.wait_serving(timeout=120.0):
+                log("workers_failed_to_start", workers=self.count)
+                await self._stop_workers()
+                return 1
+            metrics_port = (int(metrics_http.server_port) if metrics_http is not None
+                            else None)
+            log("serving", grpc=self.address,
+                metrics=(f"{split_addr(self.config.metrics_addr)[0]}:{metrics_port}"
+                         if metrics_port is not None else None),
+                workers=self.count, pids=[w.proc.pid for w in self.workers.values()],
+                database="embedded" if embedded else "external",
+                data_dir=str(self.config.data_dir) if embedded else None)
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=0.5)
+                self._restart_dead()
+            log("stopping", workers=self.count, drain_seconds=self.config.drain_seconds,
+                grace_seconds=self.config.grace_seconds)
+            await self._stop_workers()
+            log("stopped")
+            return 0
+        finally:
+            if metrics_http is not None:
+                metrics_http.shutdown()
+            self.socket.close()
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+    def _restart_dead(self) -> None:
+        for index, worker in list(self.workers.items()):
+            code = worker.proc.poll()
+            if code is None or self.stopping:
+                continue
+            self._mark_dead(worker)
+            log("worker_exited", worker=index, pid=worker.proc.pid, code=code)
+            if time.monotonic() - worker.started < RESTART_BACKOFF_SECONDS:
+                time.sleep(RESTART_BACKOFF_SECONDS)
+            self.workers[index] = self._spawn(index)
+
+    def _mark_dead(self, worker: Worker) -> None:
+        if self.config.metrics_addr:
+            from prometheus_client.multiprocess import mark_process_dead
+
+            mark_process_dead(worker.proc.pid, str(self.metrics_dir))  # type: ignore[no-untyped-call]
+
+    async def _stop_workers(self) -> None:
+        self.stopping = True
+        for worker in self.workers.values():
+            if worker.proc.poll() is None:
+                worker.proc.send_signal(signal.SIGTERM)
+        limit = time.monotonic() + self.config.drain_seconds + self.config.grace_seconds + 10
+        while time.monotonic() < limit and any(
+                w.proc.poll() is None for w in self.workers.values()):
+            await asyncio.sleep(0.1)
+        for worker in self.workers.values():
+            if worker.proc.poll() is None:
+                log("worker_killed", worker=worker.index, pid=worker.proc.pid)
+                worker.proc.kill()
+                worker.proc.wait()
+
+
+async def supervise(config: Config, count: int, extra_args: list[str]) -> int:
+    from context_engine.adapters.postgres.migrate import migrate
+    from context_engine.api.server import embedded_database_url
+
+    database_url = config.database_url
+    embedded = database_url is None
+    if database_url is None:
+        database_url = await asyncio.to_thread(embedded_database_url, config.data_dir)
+    applied = await migrate(database_url, config.migrations_dir)
+    if applied:
+        log("migrated", applied=applied)
+    supervisor = Supervisor(config, count=count, database_url=database_url,
+                            extra_args=extra_args)
+    return await supervisor.run(embedded=embedded)
