@@ -42,8 +42,10 @@ lint: $(GEN_STAMP)
 	$(BIN)/mypy service
 	$(BIN)/buf lint
 
-## test: lint, then the whole suite against a throwaway database
+## test: lint, promtool (installed if missing, for the rules tests), then the whole suite
+## against a throwaway database
 test: lint
+	scripts/ensure-promtool
 	$(PY) -m pytest
 
 ## bench: Build over loopback gRPC (cold, warm) beside one raw tiktoken pass and langchain-core
