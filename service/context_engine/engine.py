@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.trace import NoOpTracer, Tracer
+
 from context_engine.domain.budget import BudgetPolicy, Pressure, compute_budget
 from context_engine.domain.builder import (
     DEFAULT_POLICY,
@@ -85,6 +87,7 @@ from context_engine.domain.working_state import (
 )
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
+from context_engine.telemetry.tracing import child
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -235,6 +238,31 @@ class BoundedMemo(OrderedDict[Any, Any]):
             self.popitem(last=False)
 
 
+def derived_spans(tracer: Tracer, pressure: Pressure, at: int,
+                  history: tuple[int, int] | None) -> None:
+    """History selection and the yield ladder run inside the pure build, which keeps no clock:
+    their spans are recorded from its result as zero-length children at ``at`` (ns) carrying
+    what was decided. ``history``: (tokens, items) the history class kept, when known."""
+    attrs: dict[str, Any] = {
+        "context_engine.derived": True,
+        "context_engine.history.cut_index": pressure.cut_index,
+        "context_engine.history.floor_index": pressure.floor_index,
+        "context_engine.history.left_out_items": pressure.left_out_items,
+        "context_engine.history.left_out_tokens": pressure.left_out_tokens,
+        "context_engine.compaction_needed": pressure.compaction_needed}
+    if history is not None:
+        attrs["context_engine.history.tokens"], attrs["context_engine.history.items"] = history
+    tracer.start_span("context_engine.history_selection", start_time=at,
+                      attributes=attrs).end(end_time=at)
+    for step in pressure.steps:
+        tracer.start_span("context_engine.yield", start_time=at, attributes={
+            "context_engine.derived": True, "context_engine.yield.step": step.step,
+            "context_engine.yield.units": step.units,
+            "context_engine.yield.tokens_before": step.tokens_before,
+            "context_engine.yield.tokens_after": step.tokens_after,
+            "context_engine.yield.fits": pressure.fits}).end(end_time=at)
+
+
 def pressure_payload(p: Pressure, epoch: int) -> dict[str, Any]:
     """What a pressure event records: steps, sizes and ids, never content."""
     return {
@@ -258,7 +286,9 @@ class Engine:
                  calibration_ttl: float = 5.0, render_memo_size: int = 100_000,
                  clock: Callable[[], float] = time.monotonic,
                  compactions: CompactionStore | None = None,
-                 summarizer: Summarizer | None = None) -> None:
+                 summarizer: Summarizer | None = None,
+                 tracer: Tracer | None = None) -> None:
+        self._tracer: Tracer = tracer or NoOpTracer()
         self._store = store
         self._compactions: CompactionStore = compactions or InMemoryCompactionStore()
         self._summarizer: Summarizer = summarizer or StructuredSummarizer()
@@ -316,7 +346,9 @@ class Engine:
             assets=self._assets, control_tools=self._control_tools)
         key = session_key(cmd.tenant_id, cmd.session_id)
         # Drafting is pure and may fail (caps, required tools): then nothing is written.
-        draft = draft_plan(inputs, key, self.estimator_for(profile))
+        with child(self._tracer, "context_engine.plan.render",
+                   attributes={"context_engine.render.source": "draft"}):
+            draft = draft_plan(inputs, key, self.estimator_for(profile))
         # A prefix that leaves no body can never build: refuse it now, not on every Build.
         compute_budget(window=profile.context_window, output_reserve=profile.output_reserve,
                        prefix_tokens=draft.prefix_tokens, policy=self.policy)
@@ -347,7 +379,9 @@ class Engine:
         hash. Nothing is rebuilt (a run may be parked on an approval) and the provider gets
         the same bytes, so nothing is re-cached."""
         stale = loaded.plan
-        rendered = render_prefix(stale.spec, loaded.session_key)
+        with child(self._tracer, "context_engine.plan.render",
+                   attributes={"context_engine.render.source": "canonicalize"}):
+            rendered = render_prefix(stale.spec, loaded.session_key)
 
         def decide(locked: ContextPlan | None) -> Rotation | None:
             if locked is None or locked.epoch != stale.epoch:
@@ -377,8 +411,10 @@ class Engine:
                 raise SessionNotFound(cmd.tenant_id, cmd.session_id)
             estimator = (self.estimator_for(profile) if profile is not None
                          else self.plan_estimator(locked.spec))
-            draft = redraft(locked.spec, key, estimator, drop_tools=cmd.drop_tools,
-                            model=profile, snapshot=cmd.snapshot)
+            with child(self._tracer, "context_engine.plan.render",
+                       attributes={"context_engine.render.source": "redraft"}):
+                draft = redraft(locked.spec, key, estimator, drop_tools=cmd.drop_tools,
+                                model=profile, snapshot=cmd.snapshot)
             model = draft.spec.model
             compute_budget(window=model.context_window, output_reserve=model.output_reserve,
                            prefix_tokens=draft.prefix_tokens, policy=self.policy)
@@ -415,7 +451,10 @@ class Engine:
             return hit
         plan = await self.get_plan(tenant_id, session_id, epoch)
         try:
-            loaded = load_plan(plan)
+            with child(self._tracer, "context_engine.plan.render",
+                       attributes={"context_engine.render.source": "verify",
+                                   "context_engine.epoch": plan.epoch}):
+                loaded = load_plan(plan)
         except PrefixHashMismatch:
             self._metrics.prefix_hash_mismatch.inc()
             raise
@@ -450,8 +489,26 @@ class Engine:
             factor = await self.correction_factor(tenant_id, spec)
         started = time.perf_counter()
         try:
-            result = build(loaded, checkpoint, estimator=estimator, factor=factor,
-                           policy=self.policy, memo=self.render_memo, validated=validated)
+            with child(self._tracer, "context_engine.build",
+                       attributes={"context_engine.epoch": loaded.plan.epoch,
+                                   "context_engine.estimator_factor": factor}) as span:
+                try:
+                    result = build(loaded, checkpoint, estimator=estimator, factor=factor,
+                                   policy=self.policy, memo=self.render_memo,
+                                   validated=validated)
+                except BudgetExceeded as exc:
+                    if span.is_recording():
+                        span.set_attribute("context_engine.budget_exceeded.class",
+                                           exc.class_name)
+                        if isinstance(exc.pressure, Pressure):
+                            derived_spans(self._tracer, exc.pressure, time.time_ns(), None)
+                    raise
+                if span.is_recording():
+                    span.set_attribute("context_engine.yield_steps",
+                                       [s.step for s in result.pressure.steps])
+                    history = next(((c.used, c.items) for c in result.budget.classes
+                                    if c.class_name == "history"), None)
+                    derived_spans(self._tracer, result.pressure, time.time_ns(), history)
         except BudgetExceeded as exc:
             self._metrics.budget_exceeded.labels(**{"class": exc.class_name}).inc()
             payload: dict[str, Any] = {"epoch": loaded.plan.epoch, **exc.metadata()}

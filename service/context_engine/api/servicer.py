@@ -10,19 +10,23 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_status import rpc_status
+from opentelemetry.trace import NoOpTracer, SpanKind, Tracer
 
 from context_engine.api import mapping
 from context_engine.api.status import internal_status, status_for
 from context_engine.domain.builder import checkpoint_violations
+from context_engine.domain.canonical import session_key
 from context_engine.domain.errors import ContextEngineError
 from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
+from context_engine.telemetry.tracing import caller_context, child, failed
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+SERVICE = pb.DESCRIPTOR.services_by_name["ContextEngine"].full_name
 
 
 @dataclass
@@ -33,34 +37,61 @@ class CallRecord:
     epoch: int = 0
     prefix_sha256: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    session_key: str = ""  # hashed: spans carry it instead of tenant and session ids
+    span: dict[str, Any] = field(default_factory=dict)  # span-only attributes (sizes)
+
+    def session(self, tenant_id: str, session_id: str) -> None:
+        self.tenant = tenant_id
+        if tenant_id and session_id:
+            self.session_key = session_key(tenant_id, session_id)
 
 
 class ContextEngineServicer(pb_grpc.ContextEngineServicer):
-    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+    def __init__(self, engine: Engine, metrics: Metrics, tracer: Tracer | None = None) -> None:
         self._engine = engine
         self._metrics = metrics
+        self._tracer: Tracer = tracer or NoOpTracer()
 
     async def _run(self, method: str, context: grpc.aio.ServicerContext[Any, Any],
                    call: Callable[[CallRecord], Awaitable[Resp]]) -> Resp:
         started = time.perf_counter()
         record = CallRecord()
         code = grpc.StatusCode.OK
-        try:
-            return await call(record)
-        except ContextEngineError as exc:
-            code, status = status_for(exc)
-            record.extra["reason"] = exc.reason
-        except Exception:  # an unexpected defect: logged with its type, answered INTERNAL
-            logging.getLogger("context_engine").exception("unhandled error in %s", method)
-            code, status = internal_status()
-            record.extra["reason"] = "INTERNAL"
-        finally:
-            elapsed = time.perf_counter() - started
-            self._metrics.rpc_seconds.labels(method=method, code=code.name).observe(elapsed)
-            log("rpc", logging.INFO if code is grpc.StatusCode.OK else logging.WARNING,
-                method=method, code=code.name, duration_ms=round(elapsed * 1000, 3),
-                tenant=record.tenant, epoch=record.epoch, prefix_sha256=record.prefix_sha256,
-                **record.extra)
+        # The RPC span continues the caller's trace (W3C traceparent in the metadata).
+        with self._tracer.start_as_current_span(
+                f"{SERVICE}/{method}", context=caller_context(context.invocation_metadata()),
+                kind=SpanKind.SERVER, record_exception=False, set_status_on_exception=False,
+                attributes={"rpc.system": "grpc", "rpc.service": SERVICE,
+                            "rpc.method": method}) as span:
+            try:
+                return await call(record)
+            except ContextEngineError as exc:
+                code, status = status_for(exc)
+                record.extra["reason"] = exc.reason
+            except Exception:  # an unexpected defect: logged with its type, answered INTERNAL
+                logging.getLogger("context_engine").exception("unhandled error in %s", method)
+                code, status = internal_status()
+                record.extra["reason"] = "INTERNAL"
+            finally:
+                elapsed = time.perf_counter() - started
+                self._metrics.rpc_seconds.labels(method=method, code=code.name).observe(elapsed)
+                log("rpc", logging.INFO if code is grpc.StatusCode.OK else logging.WARNING,
+                    method=method, code=code.name, duration_ms=round(elapsed * 1000, 3),
+                    tenant=record.tenant, epoch=record.epoch,
+                    prefix_sha256=record.prefix_sha256, **record.extra)
+                if span.is_recording():
+                    span.set_attribute("rpc.grpc.status_code", code.value[0])
+                    span.set_attribute("context_engine.status_code", code.name)
+                    if record.session_key:
+                        span.set_attribute("context_engine.session_key", record.session_key)
+                    if record.epoch:
+                        span.set_attribute("context_engine.epoch", record.epoch)
+                    if record.prefix_sha256:
+                        span.set_attribute("context_engine.prefix_sha256", record.prefix_sha256)
+                    for key, value in record.span.items():
+                        span.set_attribute(key, value)
+                    if code is not grpc.StatusCode.OK:
+                        failed(span, str(record.extra["reason"]))
         # Only reached on error: abort with the rich status (ErrorInfo, BadRequest).
         await context.abort(code, status.message,
                             rpc_status.to_status(status).trailing_metadata)
@@ -69,7 +100,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
     async def Plan(self, request: pb.PlanRequest,
                    context: grpc.aio.ServicerContext[Any, Any]) -> pb.PlanResponse:
         async def call(record: CallRecord) -> pb.PlanResponse:
-            record.tenant = request.tenant_id
+            record.session(request.tenant_id, request.session_id)
             cmd = mapping.plan_command(request)
             plan, created = await self._engine.plan(cmd)
             record.epoch, record.prefix_sha256 = plan.epoch, plan.prefix_sha256
@@ -81,7 +112,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
     async def GetPlan(self, request: pb.GetPlanRequest,
                       context: grpc.aio.ServicerContext[Any, Any]) -> pb.GetPlanResponse:
         async def call(record: CallRecord) -> pb.GetPlanResponse:
-            record.tenant = request.tenant_id
+            record.session(request.tenant_id, request.session_id)
             v = mapping.Violations()
             mapping.session_ids(v, request.tenant_id, request.session_id)
             epoch = mapping.epoch(v, request.epoch)
@@ -94,7 +125,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
     async def Build(self, request: pb.BuildRequest,
                     context: grpc.aio.ServicerContext[Any, Any]) -> pb.BuildResponse:
         async def call(record: CallRecord) -> pb.BuildResponse:
-            record.tenant = request.tenant_id
+            record.session(request.tenant_id, request.session_id)
             v = mapping.Violations()
             mapping.session_ids(v, request.tenant_id, request.session_id)
             epoch = mapping.epoch(v, request.epoch)
@@ -112,25 +143,37 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                                               validated=True)
             record.epoch, record.prefix_sha256 = result.epoch, result.prefix_sha256
             record.extra["estimated_input_tokens"] = result.estimated_input_tokens
+            record.extra["yield_steps"] = [s.step for s in result.pressure.steps]
+            record.span["context_engine.prefix_tokens"] = result.prefix_tokens
+            record.span["context_engine.body_tokens"] = result.body_tokens
+            record.span["context_engine.estimated_input_tokens"] = \
+                result.estimated_input_tokens
+            for c in result.budget.classes:
+                record.span[f"context_engine.tokens.{c.class_name}"] = c.used
+            record.span["context_engine.yield_steps"] = record.extra["yield_steps"]
             if provider_format:
                 record.extra["provider_format"] = provider_format
-            return mapping.build_pb(result, provider_format)
+            with child(self._tracer, "context_engine.render",
+                       attributes={"context_engine.provider_format": provider_format}):
+                return mapping.build_pb(result, provider_format)
         return await self._run("Build", context, call)
 
     async def ReportUsage(self, request: pb.ReportUsageRequest,
                           context: grpc.aio.ServicerContext[Any, Any]
                           ) -> pb.ReportUsageResponse:
         async def call(record: CallRecord) -> pb.ReportUsageResponse:
-            record.tenant = request.tenant_id
+            record.session(request.tenant_id, request.session_id)
             outcome = await self._engine.report_usage(mapping.usage_report(request))
             record.extra["counted"] = outcome.counted
+            record.span["context_engine.input_tokens"] = request.input_tokens
+            record.span["context_engine.cached_tokens"] = request.cached_tokens
             return mapping.usage_pb(outcome)
         return await self._run("ReportUsage", context, call)
 
     async def Rotate(self, request: pb.RotateRequest,
                      context: grpc.aio.ServicerContext[Any, Any]) -> pb.RotateResponse:
         async def call(record: CallRecord) -> pb.RotateResponse:
-            record.tenant = request.tenant_id
+            record.session(request.tenant_id, request.session_id)
             plan, rotated = await self._engine.rotate(mapping.rotate_command(request))
             record.epoch, record.prefix_sha256 = plan.epoch, plan.prefix_sha256
             record.extra["rotated"] = rotated
@@ -142,7 +185,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                                  context: grpc.aio.ServicerContext[Any, Any]
                                  ) -> pb.UpdateWorkingStateResponse:
         async def call(record: CallRecord) -> pb.UpdateWorkingStateResponse:
-            record.tenant = request.tenant_id
+            record.session(request.tenant_id, request.session_id)
             cmd = mapping.update_working_state_command(request)
             state, changes = await self._engine.update_working_state(cmd)
             record.extra["transition"] = changes.transition
@@ -155,7 +198,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                                 context: grpc.aio.ServicerContext[Any, Any]
                                 ) -> pb.CarryWorkingStateResponse:
         async def call(record: CallRecord) -> pb.CarryWorkingStateResponse:
-            record.tenant = request.tenant_id
+            record.session(request.tenant_id, request.session_id)
             carried = await self._engine.carry_working_state(mapping.carry_command(request))
             record.extra["events_applied"] = carried.applied
             record.extra["events_skipped"] = carried.skipped
@@ -167,7 +210,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
     async def Compact(self, request: pb.CompactRequest,
                       context: grpc.aio.ServicerContext[Any, Any]) -> pb.CompactResponse:
         async def call(record: CallRecord) -> pb.CompactResponse:
-            record.tenant = request.tenant_id
+            record.session(request.tenant_id, request.session_id)
             outcome = await self._engine.compact(mapping.compact_command(request))
             record.epoch = outcome.epoch
             record.extra["compacted"] = outcome.compacted

@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any
 
 import asyncpg
+from opentelemetry.trace import NoOpTracer, Tracer
 
 from context_engine.adapters.postgres import queries
 from context_engine.adapters.postgres.errors import translated
@@ -29,6 +30,7 @@ from context_engine.domain.ports import (
     pinned,
     plan_event,
 )
+from context_engine.telemetry.tracing import db_call
 
 
 def _plan_from_row(row: asyncpg.Record) -> ContextPlan:
@@ -49,12 +51,19 @@ def _classes_json(plan: ContextPlan) -> str:
 
 
 class PostgresPlanStore:
-    def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0,
+                 tracer: Tracer | None = None) -> None:
         self._pool = pool
         self._timeout = command_timeout
+        self._tracer = tracer or NoOpTracer()
 
     async def get(self, tenant_id: str, session_id: str,
                   epoch: int | None = None) -> ContextPlan | None:
+        with db_call(self._tracer, "plans.get"):
+            return await self._get(tenant_id, session_id, epoch)
+
+    async def _get(self, tenant_id: str, session_id: str,
+                   epoch: int | None) -> ContextPlan | None:
         async with translated():
             if epoch is None:
                 row = await self._pool.fetchrow(queries.GET_CURRENT_PLAN, tenant_id, session_id,
@@ -65,14 +74,26 @@ class PostgresPlanStore:
         return None if row is None else _plan_from_row(row)
 
     async def current_epoch(self, tenant_id: str, session_id: str) -> int | None:
-        async with translated():
-            epoch = await self._pool.fetchval(queries.CURRENT_EPOCH, tenant_id, session_id,
-                                              timeout=self._timeout)
+        with db_call(self._tracer, "sessions.current_epoch"):
+            async with translated():
+                epoch = await self._pool.fetchval(queries.CURRENT_EPOCH, tenant_id, session_id,
+                                                  timeout=self._timeout)
         return int(epoch) if epoch else None
 
     async def pin(self, tenant_id: str, session_id: str, decide: Decide, *,
                   idempotency_key: str | None = None,
                   fingerprint: str = "") -> tuple[ContextPlan, bool]:
+        with db_call(self._tracer, "plans.pin") as span:
+            plan, created = await self._pin(tenant_id, session_id, decide,
+                                            idempotency_key=idempotency_key,
+                                            fingerprint=fingerprint)
+            span.set_attribute("context_engine.epoch", plan.epoch)
+            span.set_attribute("context_engine.created", created)
+            return plan, created
+
+    async def _pin(self, tenant_id: str, session_id: str, decide: Decide, *,
+                   idempotency_key: str | None,
+                   fingerprint: str) -> tuple[ContextPlan, bool]:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
             if idempotency_key is not None:
@@ -132,17 +153,29 @@ class PostgresPlanStore:
 
 
 class PostgresEventLog:
-    def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0,
+                 tracer: Tracer | None = None) -> None:
         self._pool = pool
         self._timeout = command_timeout
+        self._tracer = tracer or NoOpTracer()
 
     async def append(self, event: ContextEvent) -> None:
+        with db_call(self._tracer, "events.append") as span:
+            span.set_attribute("context_engine.event_type", event.type)
+            await self._append(event)
+
+    async def _append(self, event: ContextEvent) -> None:
         async with translated():
             await self._pool.execute(queries.INSERT_EVENT, event.tenant_id, event.session_id,
                                      event.epoch, event.type, canonical_json(event.payload),
                                      timeout=self._timeout)
 
     async def append_once(self, event: ContextEvent, key: str) -> bool:
+        with db_call(self._tracer, "events.append_once") as span:
+            span.set_attribute("context_engine.event_type", event.type)
+            return await self._append_once(event, key)
+
+    async def _append_once(self, event: ContextEvent, key: str) -> bool:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
             claimed = await conn.fetchval(queries.CLAIM_KEY, event.tenant_id, event.type, key,
@@ -179,11 +212,17 @@ def _reconciled_from(text: str) -> Reconciled:
 class PostgresCalibrationStore:
     RPC = "ReportUsage"
 
-    def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0,
+                 tracer: Tracer | None = None) -> None:
         self._pool = pool
         self._timeout = command_timeout
+        self._tracer = tracer or NoOpTracer()
 
     async def calibration(self, tenant_id: str, model_id: str) -> Calibration | None:
+        with db_call(self._tracer, "calibrations.get"):
+            return await self._calibration(tenant_id, model_id)
+
+    async def _calibration(self, tenant_id: str, model_id: str) -> Calibration | None:
         async with translated():
             row = await self._pool.fetchrow(queries.GET_CALIBRATION, tenant_id, model_id,
                                             timeout=self._timeout)
@@ -191,6 +230,12 @@ class PostgresCalibrationStore:
 
     async def reconcile(self, tenant_id: str, model_id: str, idempotency_key: str,
                         apply: Reconcile, fingerprint: str = "") -> tuple[Reconciled, bool]:
+        with db_call(self._tracer, "calibrations.reconcile"):
+            return await self._reconcile(tenant_id, model_id, idempotency_key, apply,
+                                         fingerprint)
+
+    async def _reconcile(self, tenant_id: str, model_id: str, idempotency_key: str,
+                         apply: Reconcile, fingerprint: str) -> tuple[Reconciled, bool]:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
             claimed = await conn.fetchval(queries.CLAIM_KEY, tenant_id, self.RPC,
@@ -220,11 +265,17 @@ def _stored_compaction(row: asyncpg.Record) -> StoredCompaction:
 
 
 class PostgresCompactionStore:
-    def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0,
+                 tracer: Tracer | None = None) -> None:
         self._pool = pool
         self._timeout = command_timeout
+        self._tracer = tracer or NoOpTracer()
 
     async def stored(self, tenant_id: str, idempotency_key: str) -> StoredCompaction | None:
+        with db_call(self._tracer, "compactions.stored"):
+            return await self._stored(tenant_id, idempotency_key)
+
+    async def _stored(self, tenant_id: str, idempotency_key: str) -> StoredCompaction | None:
         async with translated():
             row = await self._pool.fetchrow(queries.GET_COMPACTION, tenant_id, idempotency_key,
                                             timeout=self._timeout)
@@ -233,6 +284,13 @@ class PostgresCompactionStore:
     async def save(self, tenant_id: str, session_id: str, idempotency_key: str,
                    fingerprint: str, result: CompactionResult,
                    event: ContextEvent) -> tuple[CompactionResult, bool]:
+        with db_call(self._tracer, "compactions.save"):
+            return await self._save(tenant_id, session_id, idempotency_key, fingerprint,
+                                    result, event)
+
+    async def _save(self, tenant_id: str, session_id: str, idempotency_key: str,
+                    fingerprint: str, result: CompactionResult,
+                    event: ContextEvent) -> tuple[CompactionResult, bool]:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
             claimed = await conn.fetchval(
