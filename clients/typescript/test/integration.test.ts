@@ -1,0 +1,150 @@
+/**
+ * Against a real context-engine server at `CE_TARGET` (e.g. `127.0.0.1:50051`, dev mode):
+ * Plan -> GetPlan -> Build -> Rotate -> Compact -> Build on the summary, with the fixed inputs
+ * of `test/fixtures/session.json`. Writes the `prefix_sha256` values and ids as JSON to
+ * `CE_RESULT_FILE` when set, so another client can compare them.
+ */
+import assert from "node:assert/strict";
+import { randomBytes } from "node:crypto";
+import * as fs from "node:fs";
+import * as path from "node:path";
+import { after, before, describe, test } from "node:test";
+
+import {
+  Checkpoint,
+  ContextEngineClient,
+  ContextEngineError,
+  GrpcStatus,
+  PACKAGE_ROOT,
+  PlanRequest,
+} from "../src";
+
+interface Fixture {
+  plan: Omit<PlanRequest, "tenantId" | "sessionId">;
+  checkpoint: Checkpoint;
+  compactThroughSequence: string;
+}
+
+const fixture = JSON.parse(fs.readFileSync(
+  path.join(PACKAGE_ROOT, "test", "fixtures", "session.json"), "utf8")) as Fixture;
+
+const HEX64 = /^[0-9a-f]{64}$/;
+const target = process.env.CE_TARGET ?? "";
+const tenantId = process.env.CE_TENANT_ID ?? `ts-tenant-${randomBytes(6).toString("hex")}`;
+const sessionId = `ts-session-${randomBytes(6).toString("hex")}`;
+
+describe("context-engine over gRPC", () => {
+  let client: ContextEngineClient;
+  const result: Record<string, unknown> = { tenantId, sessionId };
+
+  before(async () => {
+    assert.ok(target, "CE_TARGET must name a running context-engine server (host:port)");
+    client = new ContextEngineClient({ target, insecure: true, deadlineMs: 20_000 });
+    await client.waitForReady(10_000);
+  });
+
+  after(() => {
+    client?.close();
+    const file = process.env.CE_RESULT_FILE;
+    if (file) fs.writeFileSync(file, JSON.stringify(result, null, 2));
+  });
+
+  test("Plan, GetPlan, Build, Rotate, Compact keep one prefix per epoch", async () => {
+    const planned = await client.plan({ ...fixture.plan, tenantId, sessionId });
+    const plan = planned.plan;
+    assert.equal(planned.created, true);
+    assert.equal(plan.epoch, 1);
+    assert.match(plan.prefixSha256, HEX64);
+    assert.equal(plan.reason, "session_opened");
+    assert.deepEqual(plan.toolNames, ["rail.search", "tool.call", "web.fetch"]);
+    assert.deepEqual(plan.deferredToolNames, ["clock.now"]);
+    assert.ok(plan.prefixBlocks.length >= 3 && plan.prefixTokens > 0);
+    assert.equal(typeof plan.createdAt?.seconds, "string", "int64 fields arrive as strings");
+    result.plan = { epoch: plan.epoch, prefixSha256: plan.prefixSha256 };
+
+    const again = await client.plan({ ...fixture.plan, tenantId, sessionId });
+    assert.equal(again.created, false);
+    assert.equal(again.plan.prefixSha256, plan.prefixSha256);
+
+    const got = await client.getPlan({ tenantId, sessionId });
+    assert.equal(got.plan.epoch, 1);
+    assert.equal(got.plan.prefixSha256, plan.prefixSha256);
+
+    const built = await client.build({ tenantId, sessionId, checkpoint: fixture.checkpoint });
+    assert.equal(built.prefixSha256, plan.prefixSha256);
+    assert.equal(built.epoch, 1);
+    assert.ok(built.budget.bodyBudget > 0 && built.pressure.fits);
+    assert.deepEqual(built.cacheBreakpoints.slice(0, 2).map((b) => b.name),
+      ["after_system", "after_tools"]);
+    const toolMessage = built.request.messages.find((m) => m.role === "ROLE_TOOL");
+    assert.ok(toolMessage, "the rail.search result is a tool message");
+    assert.equal(toolMessage.callId, "call-1");
+    assert.match(toolMessage.text, /^<untrusted /, "an untrusted result renders in its envelope");
+    result.build = { epoch: built.epoch, prefixSha256: built.prefixSha256,
+      estimatedInputTokens: built.estimatedInputTokens };
+
+    const key = `rotate-${sessionId}`;
+    const rotated = await client.rotate({ tenantId, sessionId,
+      reason: "ROTATION_REASON_OPERATOR", idempotencyKey: key });
+    assert.equal(rotated.rotated, true);
+    assert.equal(rotated.plan.epoch, 2);
+    assert.equal(rotated.plan.reason, "operator");
+    assert.match(rotated.plan.prefixSha256, HEX64);
+    const retried = await client.rotate({ tenantId, sessionId,
+      reason: "ROTATION_REASON_OPERATOR", idempotencyKey: key });
+    assert.equal(retried.rotated, false, "a retried key rotates once");
+    assert.equal(retried.plan.epoch, 2);
+    result.rotate = { epoch: rotated.plan.epoch, prefixSha256: rotated.plan.prefixSha256 };
+
+    const compacted = await client.compact({ tenantId, sessionId, checkpoint: fixture.checkpoint,
+      replaceThroughSequence: fixture.compactThroughSequence, reason: "budget_pressure",
+      idempotencyKey: `compact-${sessionId}` });
+    assert.equal(compacted.compacted, true);
+    assert.deepEqual(compacted.replacedItemIds, ["u1", "c1", "r1", "a1"]);
+    assert.equal(compacted.summary.depth, 1);
+    assert.equal(compacted.summary.replacedThroughSequence, "4");
+    assert.deepEqual(compacted.summary.constraints, ["rail only", "confirm before booking"]);
+    assert.deepEqual(compacted.summary.elided.map((e) => [e.itemId, e.eventId]), [["r1", "3"]]);
+
+    const onSummary = await client.build({ tenantId, sessionId,
+      checkpoint: { ...fixture.checkpoint, summary: compacted.summary } });
+    assert.equal(onSummary.epoch, 2);
+    assert.equal(onSummary.prefixSha256, rotated.plan.prefixSha256);
+    const rows = onSummary.request.messages.map((m) => [m.row, m.itemId]);
+    assert.ok(rows.some(([row]) => row === 9), "the summary renders at row 9");
+    assert.ok(!rows.some(([, id]) => ["u1", "c1", "r1", "a1"].includes(id as string)));
+    result.compact = { epoch: onSummary.epoch, prefixSha256: onSummary.prefixSha256,
+      summaryDepth: compacted.summary.depth, replacedItemIds: compacted.replacedItemIds };
+  });
+
+  test("an unknown session is a ContextEngineError NOT_FOUND with its reason", async () => {
+    const missing = `ts-missing-${randomBytes(6).toString("hex")}`;
+    await assert.rejects(client.getPlan({ tenantId, sessionId: missing }), (err: unknown) => {
+      assert.ok(err instanceof ContextEngineError, `not a ContextEngineError: ${String(err)}`);
+      assert.equal(err.code, GrpcStatus.NOT_FOUND);
+      assert.equal(err.codeName, "NOT_FOUND");
+      assert.equal(err.reason, "SESSION_NOT_FOUND");
+      assert.equal(err.domain, "context-engine");
+      assert.equal(err.attempts, 1, "NOT_FOUND is never retried");
+      assert.ok(Object.values(err.metadata).includes(missing),
+        `the metadata names the session: ${JSON.stringify(err.metadata)}`);
+      result.notFound = { code: err.codeName, reason: err.reason, domain: err.domain };
+      return true;
+    });
+  });
+
+  test("malformed input lists its field violations", async () => {
+    await assert.rejects(client.build({ tenantId, sessionId, checkpoint: {
+      activeRunId: "run-1",
+      items: [
+        { id: "x1", sequence: 1, runId: "run-1", trust: "TRUST_LEVEL_USER", user: { text: "a" } },
+        { id: "x1", sequence: 2, runId: "run-1", trust: "TRUST_LEVEL_USER", user: { text: "b" } },
+      ] } }), (err: unknown) => {
+      assert.ok(err instanceof ContextEngineError);
+      assert.equal(err.code, GrpcStatus.INVALID_ARGUMENT);
+      assert.equal(err.reason, "INVALID_ARGUMENT");
+      assert.ok(err.violations.length > 0, "BadRequest field violations are parsed");
+      return true;
+    });
+  });
+});
