@@ -18,6 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--grpc-addr", help="host:port (env CE_GRPC_ADDR; port 0 picks one)")
     serve_p.add_argument("--metrics-addr", help="host:port, empty to disable (CE_METRICS_ADDR)")
     sub.add_parser("migrate", help="apply pending migrations and exit")
+    inspect_p = sub.add_parser("inspect", help="print a session's epochs and recent context "
+                                               "events (read-only)")
+    from context_engine import inspect
+
+    inspect.add_arguments(inspect_p)
     health_p = sub.add_parser("health", help="probe a running server's grpc.health.v1 "
                                              "(exit 0 when SERVING)")
     from context_engine import healthcheck
@@ -48,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "migrate":
         return asyncio.run(_migrate(config))
+    if args.command == "inspect":
+        return inspect.run(config, args)
     return 2
 
 
