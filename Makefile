@@ -9,16 +9,19 @@ STAMP     := $(VENV)/.bootstrapped
 GEN_DIR   := service/context_engine/v1
 GEN_STAMP := $(GEN_DIR)/.generated
 PROTOS    := $(wildcard proto/context_engine/v1/*.proto)
+CLIENT_PB    := clients/python/src/context_engine_client/_pb
+CLIENT_STAMP := $(CLIENT_PB)/.generated
 PIP       := $(PY) -m pip install --quiet --disable-pip-version-check
 
 .PHONY: run test lint gen bootstrap bench clean
 
 ## bootstrap: create .venv and install the pinned dependencies and the package
-$(STAMP): requirements/runtime.txt requirements/dev.txt pyproject.toml
+$(STAMP): requirements/runtime.txt requirements/dev.txt pyproject.toml clients/python/pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is required")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) -r requirements/dev.txt
 	$(PIP) --no-deps --no-build-isolation -e .
+	$(PIP) --no-deps --no-build-isolation -e clients/python
 	@touch $@
 
 bootstrap: $(STAMP)
@@ -30,16 +33,26 @@ $(GEN_STAMP): $(STAMP) $(PROTOS)
 		--mypy_out=service --mypy_grpc_out=service $(PROTOS)
 	@touch $(GEN_DIR)/__init__.py $@
 
-gen: $(GEN_STAMP)
+# The Python client's own copy of the messages (same proto file name, so both share one
+# descriptor in a process that imports both).
+$(CLIENT_STAMP): $(STAMP) $(PROTOS)
+	rm -rf $(CLIENT_PB) && mkdir -p $(CLIENT_PB)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=$(CLIENT_PB) --mypy_out=$(CLIENT_PB) $(PROTOS)
+	@touch $(CLIENT_PB)/__init__.py $(CLIENT_PB)/context_engine/__init__.py \
+		$(CLIENT_PB)/context_engine/v1/__init__.py $@
 
-## run: serve on 127.0.0.1:50051 (metrics on 127.0.0.1:9464), embedded PostgreSQL under .data/
+gen: $(GEN_STAMP) $(CLIENT_STAMP)
+
+## run: serve on 127.0.0.1:50051 in dev mode (no credentials; loopback only), metrics on
+## 127.0.0.1:9464, embedded PostgreSQL under .data/
 run: $(GEN_STAMP)
-	$(BIN)/context-engine serve
+	$(BIN)/context-engine serve --dev
 
 ## lint: ruff, mypy --strict, buf lint
-lint: $(GEN_STAMP)
-	$(BIN)/ruff check service tests
+lint: $(GEN_STAMP) $(CLIENT_STAMP)
+	$(BIN)/ruff check service tests clients/python
 	$(BIN)/mypy service
+	cd clients/python && $(BIN)/mypy
 	$(BIN)/buf lint
 
 ## test: lint, promtool (installed if missing, for the rules tests), then the whole suite
@@ -56,4 +69,4 @@ bench: $(GEN_STAMP)
 	$(PY) -m tests.bench.cache_bench
 
 clean:
-	rm -rf $(VENV) $(GEN_DIR) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(GEN_DIR) $(CLIENT_PB) .mypy_cache .ruff_cache .pytest_cache .hypothesis

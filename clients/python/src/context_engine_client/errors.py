@@ -1,0 +1,195 @@
+"""Typed errors: one root, one subclass per gRPC status code.
+
+The service answers a failed call with a ``google.rpc.Status`` in the
+``grpc-status-details-bin`` trailer: exactly one ``ErrorInfo`` (domain ``context-engine``, an
+UPPER_SNAKE_CASE reason, metadata with every dynamic value) and, for malformed input, a
+``BadRequest`` listing every bad field. Branch on :attr:`ContextEngineError.reason` and the
+class, never on the message text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
+
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FieldViolation:
+    """One bad field of a malformed request (``google.rpc.BadRequest.FieldViolation``)."""
+
+    field: str
+    description: str
+
+
+class ContextEngineError(Exception):
+    """A failed call. ``reason``, ``domain`` and ``metadata`` come from the status's
+    ``ErrorInfo`` (empty when the failure did not come from the service, e.g. a deadline);
+    ``field_violations`` from its ``BadRequest``."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None, reason: str = "",
+                 domain: str = "", metadata: Mapping[str, str] | None = None,
+                 field_violations: Sequence[FieldViolation] = ()) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.message = message
+        self.reason = reason
+        self.domain = domain
+        self.metadata: Mapping[str, str] = MappingProxyType(dict(metadata or {}))
+        self.field_violations: tuple[FieldViolation, ...] = tuple(field_violations)
+
+    def __str__(self) -> str:
+        head = f"{self.code.name}"
+        if self.reason:
+            head += f" {self.reason}"
+        return f"{head}: {self.message}" if self.message else head
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(code={self.code.name}, reason={self.reason!r}, "
+                f"message={self.message!r}, metadata={dict(self.metadata)!r})")
+
+
+class Cancelled(ContextEngineError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class Unknown(ContextEngineError):
+    code = grpc.StatusCode.UNKNOWN
+
+
+class InvalidArgument(ContextEngineError):
+    """Malformed input; ``field_violations`` lists every bad field."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class DeadlineExceeded(ContextEngineError):
+    """The call's deadline passed before the service answered."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class NotFound(ContextEngineError):
+    """An unknown session or epoch (reason ``SESSION_NOT_FOUND``)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(ContextEngineError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class PermissionDenied(ContextEngineError):
+    """The credentials do not allow this RPC, or the request names another tenant."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class ResourceExhausted(ContextEngineError):
+    """A request over the server's limits (size, items, concurrency)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class FailedPrecondition(ContextEngineError):
+    """The request is well formed but cannot be served as it is (e.g. ``BUDGET_EXCEEDED``,
+    ``PREFIX_CLASS_OVER_CAP``, ``COMPACTION_DEPTH_EXCEEDED``)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Aborted(ContextEngineError):
+    code = grpc.StatusCode.ABORTED
+
+
+class OutOfRange(ContextEngineError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class Unimplemented(ContextEngineError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class Internal(ContextEngineError):
+    code = grpc.StatusCode.INTERNAL
+
+
+class Unavailable(ContextEngineError):
+    """The service or one of its dependencies cannot answer now; nothing changed. Retried
+    already where that is safe (see the client's retry policy)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DataLoss(ContextEngineError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class Unauthenticated(ContextEngineError):
+    """No credentials, or credentials the service does not know."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+_BY_CODE: Mapping[grpc.StatusCode, type[ContextEngineError]] = {
+    cls.code: cls for cls in (
+        Cancelled, Unknown, InvalidArgument, DeadlineExceeded, NotFound, AlreadyExists,
+        PermissionDenied, ResourceExhausted, FailedPrecondition, Aborted, OutOfRange,
+        Unimplemented, Internal, Unavailable, DataLoss, Unauthenticated)
+}
+
+
+def error_class(code: grpc.StatusCode) -> type[ContextEngineError]:
+    """The subclass raised for ``code``."""
+    return _BY_CODE.get(code, ContextEngineError)
+
+
+def _details(trailing: Iterable[tuple[str, str | bytes]] | None) -> status_pb2.Status | None:
+    for key, value in trailing or ():
+        if key == STATUS_DETAILS_KEY and isinstance(value, bytes):
+            try:
+                return status_pb2.Status.FromString(value)
+            except DecodeError:
+                return None
+    return None
+
+
+def from_rpc_error(err: grpc.RpcError) -> ContextEngineError:
+    """The typed error for a failed call (``grpc.RpcError`` of a sync or an asyncio channel)."""
+    if isinstance(err, grpc.Call | grpc.aio.AioRpcError):
+        code = err.code()
+        message = err.details() or ""
+        trailing = err.trailing_metadata()
+    else:  # an RpcError that is not a call (e.g. raised before one started)
+        code, message, trailing = grpc.StatusCode.UNKNOWN, str(err), None
+    return from_status(code, message, trailing)
+
+
+def from_status(code: grpc.StatusCode, message: str,
+                trailing: Iterable[tuple[str, str | bytes]] | None) -> ContextEngineError:
+    """The typed error for a status code, its message and its trailing metadata."""
+    reason, domain = "", ""
+    metadata: dict[str, str] = {}
+    violations: list[FieldViolation] = []
+    status = _details(trailing)
+    if status is not None:
+        for detail in status.details:
+            info = error_details_pb2.ErrorInfo()
+            bad = error_details_pb2.BadRequest()
+            if detail.Unpack(info):  # False when the detail is another message type
+                if not reason:  # the service sends exactly one
+                    reason, domain, metadata = info.reason, info.domain, dict(info.metadata)
+            elif detail.Unpack(bad):
+                violations.extend(FieldViolation(field=v.field, description=v.description)
+                                  for v in bad.field_violations)
+    return error_class(code)(message, code=code, reason=reason, domain=domain,
+                             metadata=metadata, field_violations=violations)
