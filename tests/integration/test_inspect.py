@@ -202,12 +202,12 @@ def test_the_command_line_prints_both_forms(stub, ids, database_url):
 def test_it_reads_only(stub, ids, database_url, db):
     made = make_session(stub, ids)
     before = db.counts(made.tenant)
-    keys = db.val("SELECT count(*) FROM idempotency_keys")
+    keys = db.val("SELECT count(*) FROM idempotency_keys WHERE tenant_id=$1", made.tenant)
     updated = db.val("SELECT updated_at FROM sessions WHERE tenant_id=$1", made.tenant)
     for kw in ({}, {"as_json": True}, {"epoch": 1}):
         assert inspect(database_url, made, **kw)[0] == 0
     assert db.counts(made.tenant) == before
-    assert db.val("SELECT count(*) FROM idempotency_keys") == keys
+    assert db.val("SELECT count(*) FROM idempotency_keys WHERE tenant_id=$1", made.tenant) == keys
     assert db.val("SELECT updated_at FROM sessions WHERE tenant_id=$1", made.tenant) == updated
 
     async def write_through_inspects_connection() -> None:
@@ -250,3 +250,12 @@ def test_bad_arguments_exit_2(args, capsys):
         main(["inspect", *args])
     assert exited.value.code == 2
     assert "inspect" in capsys.readouterr().err
+
+
+def test_without_database_url_it_needs_an_existing_embedded_database(tmp_path, monkeypatch,
+                                                                     capsys):
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    monkeypatch.setenv("CE_DATA_DIR", str(tmp_path / "data"))
+    assert main(["inspect", "--tenant", "t", "--session", "s"]) == 1
+    assert "DATABASE_URL is not set" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()  # nothing was created
