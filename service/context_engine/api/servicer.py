@@ -138,8 +138,12 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                     v.add("estimator_factor", f"{factor} is outside [0.5, 4.0]")
             provider_format = mapping.requested_provider_format(v, request.provider_format)
             v.raise_if_any()
+            # Resolved first so a failed build still logs the epoch and prefix it ran on;
+            # the build's own lookup is then a plan-cache hit.
+            loaded = await self._engine.loaded(request.tenant_id, request.session_id, epoch)
+            record.epoch, record.prefix_sha256 = loaded.plan.epoch, loaded.plan.prefix_sha256
             result = await self._engine.build(request.tenant_id, request.session_id,
-                                              epoch, checkpoint, factor,
+                                              loaded.plan.epoch, checkpoint, factor,
                                               validated=True)
             record.epoch, record.prefix_sha256 = result.epoch, result.prefix_sha256
             record.extra["estimated_input_tokens"] = result.estimated_input_tokens

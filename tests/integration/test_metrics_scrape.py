@@ -1,0 +1,196 @@
+"""Every metric of the design (§7) scraped over HTTP from a real server after a scripted session:
+exact names, types and label sets, values that follow the script, and no label value that is a
+tenant, a session or a hash."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from context_engine.v1 import context_engine_pb2 as pb
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from tests.conftest import ServerThread
+from tests.conftest import test_config as base_config
+from tests.integration.requests import build_request, failure, item, plan_request
+from tests.integration.test_budget_rpc import SMALL, long_history
+from tests.integration.test_compact_rpc import compact_request
+
+pytestmark = pytest.mark.integration
+
+# name (as exposed, without _total/_bucket suffixes) -> (type, label names)
+DESIGN = {
+    "context_engine_sessions_opened": ("counter", set()),
+    "context_engine_epochs": ("counter", {"reason"}),
+    "context_engine_prefix_hash_mismatch": ("counter", set()),
+    "context_engine_prefix_tokens": ("histogram", set()),
+    "context_engine_budget_pressure": ("counter", {"step", "fits"}),
+    "context_engine_budget_exceeded": ("counter", {"class"}),
+    "context_engine_build_seconds": ("histogram", set()),
+    "context_engine_rpc_seconds": ("histogram", {"method", "code"}),
+    "context_engine_estimator_error_ratio": ("histogram", {"model"}),
+    "context_engine_estimator_correction_factor": ("gauge", {"model"}),
+    "context_engine_cached_prefix_ratio": ("histogram", set()),
+    "context_engine_compactions": ("counter", {"depth"}),
+    "context_engine_elided_spans": ("counter", set()),
+}
+HEX = re.compile(r"[0-9a-f]{16,}")
+
+
+@pytest.fixture(scope="module")
+def own(database_url: str) -> Iterator[ServerThread]:
+    """A server of this module's own: its registry sees only the script below."""
+    srv = ServerThread(base_config(), database_url)
+    yield srv
+    srv.stop()
+
+
+def scrape(server: ServerThread) -> dict[str, tuple[str, list[Sample]]]:
+    port = server.running.metrics_port
+    assert port is not None
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    return {f.name: (f.type, list(f.samples)) for f in text_string_to_metric_families(text)}
+
+
+def value(samples: list[Sample], suffix: str, **labels: str) -> float:
+    """The one sample named ``<family><suffix>`` whose labels are exactly ``labels``."""
+    found = [s.value for s in samples if s.name.endswith(suffix) and s.labels == labels]
+    assert len(found) == 1, (suffix, labels, [(s.name, s.labels) for s in samples])
+    return found[0]
+
+
+def test_a_scripted_session_moves_every_metric(own, ids, db):
+    tenant, session = ids
+    with grpc.insecure_channel(own.address) as channel:
+        stub = pb_grpc.ContextEngineStub(channel)
+        plan = stub.Plan(plan_request(tenant, session, model=SMALL)).plan
+        assert stub.Plan(plan_request(tenant, session, model=SMALL)).created is False
+
+        calm = stub.Build(build_request(tenant, session))
+        assert not calm.pressure.steps
+
+        req = build_request(tenant, session, items=long_history(40))
+        req.checkpoint.knowledge.extend([
+            pb.KnowledgePassage(id=f"k{i}", source="doc", text="passage " * 200, rank=i,
+                                trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED) for i in range(3)])
+        pressed = stub.Build(req)
+        steps = [s.step for s in pressed.pressure.steps]
+        assert steps == ["knowledge", "tool_results", "history"] and pressed.pressure.fits
+
+        too_big = [item("u1", 1, user=pb.UserMessage(text="word " * 20_000))]
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Build(build_request(tenant, session, items=too_big))
+        assert failure(err.value).reason == "BUDGET_EXCEEDED"
+
+        rotated = stub.Rotate(pb.RotateRequest(
+            tenant_id=tenant, session_id=session, reason=pb.ROTATION_REASON_OPERATOR,
+            idempotency_key="rotate-1")).plan
+        assert rotated.epoch == 2
+
+        cached = rotated.prefix_tokens // 2
+        usage = stub.ReportUsage(pb.ReportUsageRequest(
+            tenant_id=tenant, session_id=session, estimated_input_tokens=2_000,
+            estimator_factor=1.0, input_tokens=2_400, cached_tokens=cached, output_tokens=50,
+            idempotency_key="usage-1"))
+        assert usage.counted
+        # a retried report is counted once: no second observation
+        stub.ReportUsage(pb.ReportUsageRequest(
+            tenant_id=tenant, session_id=session, estimated_input_tokens=2_000,
+            estimator_factor=1.0, input_tokens=2_400, cached_tokens=cached, output_tokens=50,
+            idempotency_key="usage-1"))
+
+        compacted = stub.Compact(compact_request(tenant, session, "compact-1"))
+        assert compacted.compacted and compacted.summary.depth == 1
+        assert len(compacted.summary.elided) == 1
+
+        # a stored plan that no longer renders to its pinned hash
+        db.fetch("UPDATE plans SET spec_text = replace(spec_text, "
+                 "'You are a helpful agent.', 'Tampered.') WHERE tenant_id=$1 AND epoch=1",
+                 tenant)
+        own.running.engine.cache.clear()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Build(build_request(tenant, session, epoch=1))
+        assert failure(err.value).reason == "PREFIX_HASH_MISMATCH"
+
+    families = scrape(own)
+    for name, (kind, labels) in DESIGN.items():
+        assert name in families, name
+        got_kind, samples = families[name]
+        assert got_kind == kind, name
+        assert samples, name
+        for s in samples:
+            assert set(s.labels) - {"le"} == labels, (name, s.labels)
+
+    def fam(name: str) -> list[Sample]:
+        return families[name][1]
+
+    assert value(fam("context_engine_sessions_opened"), "_total") == 1
+    epochs = fam("context_engine_epochs")
+    assert value(epochs, "_total", reason="session_opened") == 1
+    assert value(epochs, "_total", reason="operator") == 1
+    assert {s.labels["reason"] for s in epochs if s.name.endswith("_total")} == \
+        {"session_opened", "operator"}
+    assert value(fam("context_engine_prefix_hash_mismatch"), "_total") == 1
+
+    prefix = fam("context_engine_prefix_tokens")
+    assert value(prefix, "_count") == 2
+    assert value(prefix, "_sum") == plan.prefix_tokens + rotated.prefix_tokens
+
+    pressure = fam("context_engine_budget_pressure")
+    for step in steps:
+        assert value(pressure, "_total", step=step, fits="true") == 1
+    assert {(s.labels["step"], s.labels["fits"]) for s in pressure
+            if s.name.endswith("_total")} == {(step, "true") for step in steps}
+    assert value(fam("context_engine_budget_exceeded"), "_total",
+                 **{"class": "current_user_message"}) == 1
+
+    # two Builds assembled a request; the failed ones did not
+    assert value(fam("context_engine_build_seconds"), "_count") == 2
+
+    rpc = fam("context_engine_rpc_seconds")
+    for method, code, n in (("Plan", "OK", 2), ("Build", "OK", 2),
+                            ("Build", "FAILED_PRECONDITION", 1), ("Build", "INTERNAL", 1),
+                            ("Rotate", "OK", 1), ("ReportUsage", "OK", 2),
+                            ("Compact", "OK", 1)):
+        assert value(rpc, "_count", method=method, code=code) == n, (method, code)
+        assert value(rpc, "_bucket", method=method, code=code, le="+Inf") == n
+
+    model = {s.labels["model"] for s in fam("context_engine_estimator_error_ratio")}
+    assert len(model) == 1
+    family = model.pop()
+    error = fam("context_engine_estimator_error_ratio")
+    assert value(error, "_count", model=family) == 1  # the retry counted nothing
+    # (a histogram with negative buckets exposes no _sum: the buckets place the one report)
+    buckets = [s for s in error if s.name.endswith("_bucket")]
+    assert buckets
+    for b in buckets:
+        assert b.value == (1 if usage.error_ratio <= float(b.labels["le"]) else 0), b
+    assert value(fam("context_engine_estimator_correction_factor"), "", model=family) == \
+        pytest.approx(usage.correction_factor)
+
+    # ReportUsage feeds the cache ratio: cached tokens against the plan's prefix tokens
+    ratio = fam("context_engine_cached_prefix_ratio")
+    assert value(ratio, "_count") == 1
+    assert value(ratio, "_sum") == pytest.approx(cached / rotated.prefix_tokens)
+    assert value(ratio, "_bucket", le="0.25") == 0
+    assert value(ratio, "_bucket", le="0.5") == 1
+
+    assert value(fam("context_engine_compactions"), "_total", depth="1") == 1
+    assert value(fam("context_engine_elided_spans"), "_total") == 1
+
+    # No label value is a tenant, a session, a hash or another unbounded value.
+    forbidden = {tenant, session, plan.prefix_sha256, rotated.prefix_sha256, calm.session_key}
+    for name, (_, samples) in families.items():
+        if not name.startswith("context_engine_"):
+            continue
+        for s in samples:
+            for label, v in s.labels.items():
+                assert v not in forbidden and not HEX.search(v), (name, label, v)
+                assert not any(f in v for f in forbidden), (name, label, v)
