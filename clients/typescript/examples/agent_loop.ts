@@ -1,0 +1,339 @@
+/**
+ * A multi-turn, tool-using agent session driven through context-engine with a deterministic
+ * fake model. Each turn is a run: the runtime admits it with Plan, then loops Build -> model ->
+ * tools until the model answers, and reports the provider's usage after every model call.
+ *
+ * It shows what a runtime sees on every request: the budget table, the pressure record, the
+ * cache markers and the prefix hash (the same for every request of an epoch). Along the way a
+ * tool returns an oversized page (excerpted, older results become pointers), history outgrows
+ * the window (Build says compaction is needed; the runtime compacts and builds again), and the
+ * session is routed to a larger model (an explicit rotation: a new epoch and a new prefix).
+ *
+ *   npm run build && CE_TARGET=127.0.0.1:50051 node dist/examples/agent_loop.js
+ *
+ * Environment: CE_TARGET (default 127.0.0.1:50051), CE_TOKEN (bearer token; none in dev mode),
+ * CE_TENANT_ID (default a fresh id), CE_SESSION_ID (default a fresh id).
+ */
+import { createHash, randomBytes } from "node:crypto";
+
+import {
+  BuildResponse,
+  Checkpoint,
+  ContextEngineClient,
+  ContextEngineError,
+  ConversationItem,
+  ModelSpec,
+  PlanRequest,
+  Summary,
+  ToolCall,
+  WorkingState,
+} from "../src";
+
+const SMALL_MODEL: ModelSpec = {
+  modelId: "acme-chat-12k",
+  capabilities: { contextWindow: 12_000, outputReserve: 2_000, breakpointBudget: 4 },
+};
+const LARGE_MODEL: ModelSpec = {
+  modelId: "acme-chat-64k",
+  capabilities: { contextWindow: 64_000, outputReserve: 8_000, breakpointBudget: 4 },
+};
+
+const SCHEMA_URL = JSON.stringify({ type: "object", properties: { url: { type: "string" } },
+  required: ["url"] });
+const SCHEMA_RAIL = JSON.stringify({ type: "object", properties: { from: { type: "string" },
+  to: { type: "string" }, date: { type: "string" } }, required: ["from", "to", "date"] });
+
+// ------------------------------------------------------------------------------ the tools
+
+/** Deterministic filler text: the same seed always gives the same words. */
+function prose(seed: string, words: number): string {
+  const vocabulary = ("platform fare connection seat reservation window aisle quiet coach " +
+    "dining car luggage transfer hotel breakfast meeting room conference station tram " +
+    "ticket refund delay schedule timetable evening morning return outbound").split(" ");
+  const out: string[] = [];
+  let state = createHash("sha256").update(seed).digest();
+  for (let i = 0; i < words; i++) {
+    if (i % 32 === 0) state = createHash("sha256").update(state).digest();
+    out.push(vocabulary[state[i % 32]! % vocabulary.length]!);
+  }
+  return out.join(" ");
+}
+
+/** The fake tools: deterministic results, sized like real pages and API answers. */
+function runTool(call: ToolCall): { content: string; artifactRef?: string } {
+  const args = JSON.parse(call.argumentsJson ?? "{}") as Record<string, string>;
+  if (call.name === "rail.search") {
+    return { content: `Connections ${args.from} -> ${args.to} on ${args.date}: ` +
+      prose(`rail:${args.from}:${args.to}:${args.date}`, 900) };
+  }
+  if (call.name === "web.fetch") {
+    const oversized = (args.url ?? "").includes("hotel-guide");
+    const words = oversized ? 12_000 : 1_400;
+    return { content: `<html><body><h1>${args.url}</h1><p>` +
+      prose(`web:${args.url}`, words) + "</p></body></html>",
+    artifactRef: `artifact:web/${createHash("sha256").update(args.url ?? "").digest("hex")
+      .slice(0, 8)}` };
+  }
+  return { content: JSON.stringify({ error: "unknown tool", name: call.name }) };
+}
+
+// ------------------------------------------------------------------------------ the model
+
+interface Turn {
+  user: string;
+  /** Batches of tool calls the model makes, one batch per step (parallel calls share one). */
+  batches: { name: string; args: Record<string, string> }[][];
+  answer: string;
+  /** Route the session to the larger model before this turn. */
+  routeToLargeModel?: boolean;
+}
+
+const TURNS: Turn[] = [
+  { user: "I need to be in Milan on 3 December for a 14:00 meeting. Find me a train from Zurich.",
+    batches: [[{ name: "rail.search", args: { from: "Zurich HB", to: "Milano Centrale",
+      date: "2026-12-03" } }]],
+    answer: "The 09:33 EC from Zurich HB arrives at 12:50, in time for 14:00 (per the rail search)." },
+  { user: "Compare two hotels near Milano Centrale.",
+    batches: [[{ name: "web.fetch", args: { url: "https://hotels.example/milano/centrale-a" } },
+      { name: "web.fetch", args: { url: "https://hotels.example/milano/centrale-b" } }]],
+    answer: "Hotel A is two minutes from the station; Hotel B has a meeting room (per their pages)." },
+  { user: "Read the city's hotel guide as well.",
+    batches: [[{ name: "web.fetch", args: { url: "https://city.example/hotel-guide" } }]],
+    answer: "The guide lists both hotels; it recommends booking before 20 November." },
+  { user: "And the way back on Friday evening?",
+    batches: [[{ name: "rail.search", args: { from: "Milano Centrale", to: "Zurich HB",
+      date: "2026-12-05" } }],
+    [{ name: "web.fetch", args: { url: "https://rail.example/milano-zurich/evening" } }]],
+    answer: "The 18:10 EC reaches Zurich HB at 21:27; the 19:10 one is often delayed." },
+  { user: "Check the return fares once more, and the lounge at Centrale.",
+    batches: [[{ name: "rail.search", args: { from: "Milano Centrale", to: "Zurich HB",
+      date: "2026-12-05" } }, { name: "web.fetch",
+      args: { url: "https://rail.example/milano-centrale/lounge" } }]],
+    answer: "Return from CHF 45 in second class; the lounge opens at 06:00 (per the station page)." },
+  { user: "Summarize the plan so I can forward it.", routeToLargeModel: true,
+    batches: [],
+    answer: "Out 3 Dec 09:33 Zurich HB -> 12:50 Milano Centrale; back 5 Dec 18:10 -> 21:27." },
+];
+
+/**
+ * The fake model: reads the request the way a model would (what answered its last calls) and
+ * returns the next step of the turn's script. Deterministic.
+ */
+function fakeModel(built: BuildResponse, turn: Turn, callPrefix: string):
+  { calls: ToolCall[] } | { text: string } {
+  const answered = new Set(built.request.messages
+    .filter((m) => m.role === "ROLE_TOOL" && m.callId.startsWith(callPrefix))
+    .map((m) => m.callId));
+  for (let b = 0; b < turn.batches.length; b++) {
+    const ids = turn.batches[b]!.map((_, c) => `${callPrefix}${b}-${c}`);
+    if (!ids.every((id) => answered.has(id))) {
+      return { calls: turn.batches[b]!.map((call, c) => ({ callId: ids[c],
+        name: call.name, argumentsJson: JSON.stringify(call.args) })) };
+    }
+  }
+  return { text: turn.answer };
+}
+
+// ------------------------------------------------------------------------------ printing
+
+function pad(value: string | number, width: number): string {
+  return String(value).padStart(width);
+}
+
+function printRequest(label: string, built: BuildResponse): void {
+  const b = built.budget;
+  const p = built.pressure;
+  console.log(`\n== ${label}`);
+  console.log(`epoch ${built.epoch} prefix_sha256 ${built.prefixSha256}`);
+  console.log(`model ${built.modelId}  estimated ${built.estimatedInputTokens} of ` +
+    `${built.contextWindow - built.outputReserve} tokens (factor ${b.estimatorFactor.toFixed(3)})`);
+  console.log(`budget total ${b.totalTokens}  reserve ${b.outputReserve}  margin ${b.marginTokens}` +
+    `  prefix ${b.prefixTokens}  body ${b.bodyTokens}/${b.bodyBudget}  history floor ` +
+    `${b.historyFloor}`);
+  console.log(`  ${"class".padEnd(24)}${pad("cap", 7)}${pad("used", 7)}${pad("items", 7)}` +
+    `${pad("yielded", 9)}`);
+  for (const c of b.classes) {
+    console.log(`  ${c.className.padEnd(24)}${pad(c.cap || "-", 7)}${pad(c.used, 7)}` +
+      `${pad(c.items, 7)}${pad(c.yielded, 9)}`);
+  }
+  const steps = p.steps.map((s) => `${s.step}(${s.units})`).join(" ") || "none";
+  console.log(`pressure steps ${steps}  fits ${p.fits}  compaction_needed ${p.compactionNeeded}` +
+    (p.compactionNeeded ? `  left_out ${p.leftOutItems} items/${p.leftOutTokens} tokens` : ""));
+  const results = built.request.messages.filter((m) => m.role === "ROLE_TOOL");
+  const excerpts = results.filter((m) => m.text.includes("bytes omitted")).length;
+  const pointers = results.filter((m) => m.text.includes("[elided] tool.result")).length;
+  console.log(`tool results ${results.length - excerpts - pointers} inline  ${excerpts} excerpted` +
+    `  ${pointers} pointers`);
+  console.log("breakpoints " + built.cacheBreakpoints.map((m) =>
+    `${m.name}(${m.ttl}${m.throughItem ? ` through ${m.throughItem}` : ""})`).join(" "));
+}
+
+// ------------------------------------------------------------------------------ the runtime
+
+async function main(): Promise<void> {
+  const target = process.env.CE_TARGET ?? "127.0.0.1:50051";
+  // A fresh tenant by default: the estimator's correction factor is learned per tenant and
+  // model, so a fresh one makes every run of this example print the same tables.
+  const tenantId = process.env.CE_TENANT_ID ?? `example-${randomBytes(6).toString("hex")}`;
+  const sessionId = process.env.CE_SESSION_ID ?? `agent-loop-${randomBytes(6).toString("hex")}`;
+  const token = process.env.CE_TOKEN;
+  const client = new ContextEngineClient({ target, insecure: true, deadlineMs: 20_000,
+    ...(token ? { token } : {}) });
+
+  const planRequest: PlanRequest = {
+    tenantId, sessionId,
+    agent: { agentId: "travel-desk", version: "4",
+      instructions: "You plan business trips. Prefer rail under 500 km, cite fares with " +
+        "their source, and never book without the traveller's confirmation.",
+      enabledTools: ["rail.search", "web.fetch"] },
+    toolCatalog: [
+      { name: "rail.search", description: "Search rail connections between two stations.",
+        inputSchemaJson: SCHEMA_RAIL, sideEffect: "SIDE_EFFECT_NETWORK_READ" },
+      { name: "web.fetch", description: "Fetch a web page. Returns its text.",
+        inputSchemaJson: SCHEMA_URL, sideEffect: "SIDE_EFFECT_NETWORK_READ" },
+    ],
+    model: SMALL_MODEL,
+    session: { kind: "SESSION_KIND_INTERACTIVE" },
+  };
+
+  const items: ConversationItem[] = [];
+  let summary: Summary | undefined;
+  let workingState: WorkingState = {
+    objective: "Get the traveller to a 14:00 meeting in Milan on 3 December and back",
+    constraints: ["rail only", "confirm before booking"],
+  };
+  let sequence = 0;
+  let requests = 0;
+  const stats = { requests: 0, compactions: 0, rotations: 0, steps: new Set<string>(),
+    epochs: new Map<number, string>(), excerpted: 0, pointers: 0 };
+
+  try {
+    for (let t = 0; t < TURNS.length; t++) {
+      const turn = TURNS[t]!;
+      const runId = `run-${t + 1}`;
+      if (turn.routeToLargeModel) {
+        const rotated = await client.rotate({ tenantId, sessionId,
+          reason: "ROTATION_REASON_MODEL_ROUTED", model: LARGE_MODEL,
+          idempotencyKey: `${sessionId}:route:${runId}` });
+        stats.rotations++;
+        console.log(`\n>> rotated to epoch ${rotated.plan.epoch} (${rotated.plan.reason}) ` +
+          `model ${rotated.plan.modelId} prefix_sha256 ${rotated.plan.prefixSha256}`);
+      } else {
+        const planned = await client.plan({ ...planRequest,
+          run: { runId, toolsPinned: false, hasPendingCalls: false } });
+        if (planned.created) {
+          console.log(`>> planned epoch ${planned.plan.epoch} (${planned.plan.reason}) ` +
+            `prefix_sha256 ${planned.plan.prefixSha256} prefix ${planned.plan.prefixTokens} tokens`);
+        }
+      }
+      items.push({ id: `u${t + 1}`, sequence: ++sequence, runId, trust: "TRUST_LEVEL_USER",
+        user: { text: turn.user } });
+
+      for (let step = 1; ; step++) {
+        const checkpoint = (): Checkpoint => ({ activeRunId: runId, items, workingState,
+          runtime: { currentDate: "2026-11-29" }, ...(summary ? { summary } : {}) });
+        let built = await client.build({ tenantId, sessionId, checkpoint: checkpoint() });
+        printRequest(`turn ${t + 1} (${runId}) step ${step}`, built);
+        for (const s of built.pressure.steps) stats.steps.add(s.step);
+        if (built.pressure.compactionNeeded && (summary?.depth ?? 0) < 2) {
+          // Free twice what was left out, so the next few steps fit without compacting again
+          // (a summary merges at most twice: depth 2 is the cap).
+          const compacted = await client.compact({ tenantId, sessionId,
+            checkpoint: checkpoint(), tokensToFree: 2 * built.pressure.leftOutTokens,
+            reason: "budget_pressure", idempotencyKey: `${sessionId}:compact:${sequence}` });
+          stats.compactions++;
+          summary = compacted.summary;
+          const replaced = new Set(compacted.replacedItemIds);
+          for (let i = items.length - 1; i >= 0; i--) {
+            if (replaced.has(items[i]!.id)) items.splice(i, 1);
+          }
+          console.log(`>> compacted ${compacted.replacedItemIds.length} items into a depth-` +
+            `${compacted.summary.depth} summary (${compacted.tokensBefore} -> ` +
+            `${compacted.tokensAfter} tokens, ${compacted.summary.elided.length} elided spans)`);
+          built = await client.build({ tenantId, sessionId, checkpoint: checkpoint() });
+          printRequest(`turn ${t + 1} (${runId}) step ${step}, rebuilt on the summary`, built);
+          for (const s of built.pressure.steps) stats.steps.add(s.step);
+        } else if (built.pressure.compactionNeeded) {
+          console.log(">> the summary is at depth 2: the cut request is sent as it is " +
+            "(a child run would carry on with more room)");
+        }
+        if (!built.pressure.fits) throw new Error("Build returned a request that does not fit");
+        requests++;
+        stats.requests = requests;
+        const seen = stats.epochs.get(built.epoch);
+        if (seen !== undefined && seen !== built.prefixSha256) {
+          throw new Error(`epoch ${built.epoch} changed its prefix: ${seen} -> ${built.prefixSha256}`);
+        }
+        stats.epochs.set(built.epoch, built.prefixSha256);
+        stats.excerpted = Math.max(stats.excerpted, built.request.messages.filter((m) =>
+          m.role === "ROLE_TOOL" && m.text.includes("bytes omitted")).length);
+        stats.pointers = Math.max(stats.pointers, built.request.messages.filter((m) =>
+          m.role === "ROLE_TOOL" && m.text.includes("[elided] tool.result")).length);
+
+        // The provider's usage: a stand-in that agrees with the estimate and reads the prefix
+        // from cache after the first request.
+        const cached = step > 1 || t > 0 ? built.prefixTokens : 0;
+        await client.reportUsage({ tenantId, sessionId, epoch: built.epoch,
+          estimatedInputTokens: built.estimatedInputTokens,
+          estimatorFactor: built.estimatorFactor,
+          inputTokens: built.estimatedInputTokens, cachedTokens: cached,
+          outputTokens: 120, idempotencyKey: `${sessionId}:usage:${requests}` });
+
+        const reply = fakeModel(built, turn, `call-${t + 1}-`);
+        if ("text" in reply) {
+          // A verbose model: the answer comes with its working notes, which is what makes
+          // carried history outgrow the window after a few turns.
+          const notes = turn.routeToLargeModel ? "" : "\n\nNotes: " + prose(reply.text, 2_000);
+          items.push({ id: `a${t + 1}`, sequence: ++sequence, runId, trust: "TRUST_LEVEL_USER",
+            assistant: { text: reply.text + notes } });
+          console.log(`<< assistant: ${reply.text}`);
+          break;
+        }
+        items.push({ id: `c${t + 1}-${step}`, sequence: ++sequence, runId,
+          trust: "TRUST_LEVEL_USER", toolCalls: { calls: reply.calls } });
+        console.log(`<< tool calls: ${reply.calls.map((c) => `${c.name} ${c.argumentsJson}`)
+          .join(", ")}`);
+        for (const call of reply.calls) {
+          const result = runTool(call);
+          const seq = ++sequence;
+          items.push({ id: `r-${call.callId}`, sequence: seq, runId,
+            trust: "TRUST_LEVEL_EXTERNAL_UNTRUSTED",
+            toolResult: { callId: call.callId, toolName: call.name, content: result.content,
+              eventId: seq, ...(result.artifactRef ? { artifactRef: result.artifactRef } : {}) } });
+          console.log(`   result ${call.callId}: ${Buffer.byteLength(result.content)} bytes`);
+        }
+      }
+      if (t === 0) {
+        // The model's context.update_working_state call after its first answer.
+        const updated = await client.updateWorkingState({ tenantId, sessionId, runId,
+          current: workingState, sequence: ++sequence, transition: { update: {
+            addFacts: [{ statement: "EC 09:33 Zurich HB -> 12:50 Milano Centrale",
+              sourceEventIds: [3], trust: "TRUST_LEVEL_USER" }],
+            nextAction: "compare hotels near Milano Centrale" } } });
+        workingState = updated.state;
+        console.log(`>> working state: ${updated.change.factsAdded} fact added, ` +
+          `${updated.change.tokens} tokens`);
+      }
+    }
+  } catch (err) {
+    if (err instanceof ContextEngineError) {
+      console.error(`context-engine error ${err.codeName} ${err.reason} ` +
+        `${JSON.stringify(err.metadata)}: ${err.details}`);
+    }
+    throw err;
+  } finally {
+    client.close();
+  }
+
+  console.log("\nRESULT " + JSON.stringify({
+    sessionId, requests: stats.requests, compactions: stats.compactions,
+    rotations: stats.rotations, pressureSteps: [...stats.steps].sort(),
+    maxExcerptedResults: stats.excerpted, maxPointers: stats.pointers,
+    epochs: Object.fromEntries(stats.epochs),
+  }));
+}
+
+main().catch((err: unknown) => {
+  console.error(err);
+  process.exitCode = 1;
+});
