@@ -1,0 +1,528 @@
+"""The Python client (clients/python): every RPC through the sync and the asyncio client
+against the real server, typed errors, deadlines, the retry policy and bearer metadata (the
+last two against a small local gRPC server that fails on purpose and records what it got)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import context_engine_client
+import grpc
+import pytest
+from context_engine_client import (
+    AsyncClient,
+    Client,
+    ContextEngineError,
+    DeadlineExceeded,
+    FieldViolation,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    pb,
+)
+from google.protobuf.message import Message
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+REPO = Path(__file__).resolve().parents[2]
+SERVICE = "context_engine.v1.ContextEngine"
+MODEL = "claude-sonnet-4-5"
+
+
+# ------------------------------------------------------------------------------ the package
+
+def test_public_names_are_pinned():
+    assert context_engine_client.__all__ == [
+        "DEFAULT_TIMEOUT", "Aborted", "AlreadyExists", "AsyncClient", "Cancelled", "Client",
+        "ContextEngineError", "DataLoss", "DeadlineExceeded", "FailedPrecondition",
+        "FieldViolation", "Internal", "InvalidArgument", "NotFound", "OutOfRange",
+        "PermissionDenied", "ResourceExhausted", "RetryPolicy", "Unauthenticated",
+        "Unavailable", "Unimplemented", "Unknown", "pb",
+    ]
+    for name in context_engine_client.__all__:
+        assert getattr(context_engine_client, name) is not None
+    errors = [getattr(context_engine_client, n) for n in context_engine_client.__all__
+              if isinstance(getattr(context_engine_client, n), type)
+              and issubclass(getattr(context_engine_client, n), ContextEngineError)]
+    # one class per non-OK status code, each under the root
+    assert sorted(e.code.name for e in errors if e is not ContextEngineError) == sorted(
+        c.name for c in grpc.StatusCode if c is not grpc.StatusCode.OK)
+
+
+def test_the_packaged_retry_policy_is_the_documented_one():
+    documented = (REPO / "clients" / "retry_service_config.json").read_bytes()
+    packaged = (resources.files("context_engine_client") / "retry_service_config.json")
+    assert packaged.read_bytes() == documented
+    config = json.loads(documented)
+    (method,) = config["methodConfig"]
+    assert sorted(n["method"] for n in method["name"]) == sorted(
+        ["Plan", "GetPlan", "Build", "UpdateWorkingState", "CarryWorkingState"])
+    assert {n["service"] for n in method["name"]} == {SERVICE}
+    assert method["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
+
+
+def test_service_and_client_messages_share_one_descriptor_in_a_process():
+    """Both generated modules register context_engine/v1/context_engine.proto in protobuf's
+    default pool; identical files share one descriptor, in either import order."""
+    for first, second in (("context_engine.v1", "context_engine_client._pb.context_engine.v1"),
+                          ("context_engine_client._pb.context_engine.v1", "context_engine.v1")):
+        code = (f"from {first} import context_engine_pb2 as a\n"
+                f"from {second} import context_engine_pb2 as b\n"
+                "assert a.DESCRIPTOR is b.DESCRIPTOR and a.PlanRequest is b.PlanRequest\n"
+                "m = b.BuildRequest(tenant_id='t')\n"
+                "assert a.BuildRequest.FromString(m.SerializeToString()) == m\n"
+                "print('ok')\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60, cwd=REPO)
+        assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_construction_checks_its_arguments():
+    with pytest.raises(ValueError, match="timeout"):
+        Client(target="127.0.0.1:1", timeout=0)
+    with pytest.raises(ValueError, match="go together"):
+        Client(target="127.0.0.1:1", client_certificate_chain=b"pem")
+    with pytest.raises(ValueError, match="token"):
+        Client(target="127.0.0.1:1", token="a\nb")
+    with pytest.raises(TypeError):
+        Client("127.0.0.1:1")  # type: ignore[misc]  # keyword-only
+    with Client(target="127.0.0.1:1") as client, pytest.raises(TypeError, match="PlanRequest"):
+        client.plan(request=pb.GetPlanRequest())
+
+
+# ------------------------------------------------------------------------------ requests
+
+def plan_request(tenant: str, session: str) -> pb.PlanRequest:
+    return pb.PlanRequest(
+        tenant_id=tenant, session_id=session,
+        agent=pb.AgentSpec(agent_id="researcher", version="1", enabled_tools=["web.fetch"],
+                           instructions="You research questions and cite your sources."),
+        tool_catalog=[pb.ToolSpec(
+            name="web.fetch", description="Fetch a web page. Returns its text.",
+            input_schema_json='{"type":"object","properties":{"url":{"type":"string"}}}',
+            side_effect=pb.SIDE_EFFECT_NETWORK_READ)],
+        model=pb.ModelSpec(model_id=MODEL),
+        session=pb.SessionSpec(kind=pb.SESSION_KIND_INTERACTIVE))
+
+
+def items() -> list[pb.ConversationItem]:
+    def item(item_id: str, seq: int, run: str, trust: int = pb.TRUST_LEVEL_USER,
+             **kind: Any) -> pb.ConversationItem:
+        return pb.ConversationItem(id=item_id, sequence=seq, run_id=run, trust=trust, **kind)
+    return [
+        item("u1", 1, "run-0", user=pb.UserMessage(text="What is example.com?")),
+        item("c1", 2, "run-0", tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
+            call_id="call-1", name="web.fetch", arguments_json='{"url":"https://example.com"}')])),
+        item("r1", 3, "run-0", pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, tool_result=pb.ToolResult(
+            call_id="call-1", tool_name="web.fetch", content="Example Domain. " * 40,
+            event_id=3)),
+        item("a1", 4, "run-0", assistant=pb.AssistantMessage(text="A demo domain.")),
+        item("u2", 5, "run-1", user=pb.UserMessage(text="And example.org?")),
+    ]
+
+
+def checkpoint() -> pb.Checkpoint:
+    return pb.Checkpoint(active_run_id="run-1", items=items(),
+                         runtime=pb.RuntimeMetadata(current_date="2026-11-29"))
+
+
+@dataclass
+class Results:
+    plan: pb.PlanResponse | None = None
+    again: pb.PlanResponse | None = None
+    got: pb.GetPlanResponse | None = None
+    built: pb.BuildResponse | None = None
+    usage: pb.ReportUsageResponse | None = None
+    updated: pb.UpdateWorkingStateResponse | None = None
+    carried: pb.CarryWorkingStateResponse | None = None
+    compacted: pb.CompactResponse | None = None
+    compacted_again: pb.CompactResponse | None = None
+    rotated: pb.RotateResponse | None = None
+    rotated_again: pb.RotateResponse | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Requests:
+    plan: pb.PlanRequest
+    get_plan: pb.GetPlanRequest
+    build: pb.BuildRequest
+    update: pb.UpdateWorkingStateRequest
+    carry: pb.CarryWorkingStateRequest
+    compact: pb.CompactRequest
+    rotate: pb.RotateRequest
+
+
+def requests(tenant: str, session: str) -> Requests:
+    def objective(seq: int, run: str, text: str) -> pb.WorkingStateEvent:
+        return pb.WorkingStateEvent(sequence=seq, run_id=run, transition=pb.WorkingStateTransition(
+            user_objective=pb.UserObjective(objective=text)))
+
+    return Requests(
+        plan=plan_request(tenant, session),
+        get_plan=pb.GetPlanRequest(tenant_id=tenant, session_id=session),
+        build=pb.BuildRequest(tenant_id=tenant, session_id=session, checkpoint=checkpoint()),
+        update=pb.UpdateWorkingStateRequest(
+            tenant_id=tenant, session_id=session, run_id="run-1", sequence=5,
+            transition=pb.WorkingStateTransition(update=pb.WorkingStateUpdate(
+                objective="Compare the two domains", add_constraints=["Cite sources"]))),
+        carry=pb.CarryWorkingStateRequest(  # the event at 12 is above the seed: not carried
+            tenant_id=tenant, session_id=session, seed_event_sequence=10,
+            events=[objective(2, "run-0", "Explain"), objective(12, "run-1", "Later")]),
+        compact=pb.CompactRequest(tenant_id=tenant, session_id=session, checkpoint=checkpoint(),
+                                  replace_through_sequence=4, reason="budget_pressure",
+                                  idempotency_key="compact-1"),
+        rotate=pb.RotateRequest(tenant_id=tenant, session_id=session,
+                                reason=pb.ROTATION_REASON_OPERATOR, idempotency_key="rotate-1"))
+
+
+def usage_request(tenant: str, session: str, built: pb.BuildResponse) -> pb.ReportUsageRequest:
+    return pb.ReportUsageRequest(
+        tenant_id=tenant, session_id=session, epoch=built.epoch,
+        estimated_input_tokens=built.estimated_input_tokens,
+        estimator_factor=built.estimator_factor, input_tokens=built.estimated_input_tokens,
+        cached_tokens=built.prefix_tokens, output_tokens=50, idempotency_key="usage-1")
+
+
+def check(r: Results, session: str) -> None:
+    assert r.plan is not None and r.again is not None and r.got is not None
+    assert r.plan.created and r.plan.plan.epoch == 1 and r.plan.plan.session_id == session
+    assert not r.again.created and r.again.plan.prefix_sha256 == r.plan.plan.prefix_sha256
+    assert r.got.plan.prefix_sha256 == r.plan.plan.prefix_sha256
+    assert [b.row for b in r.got.plan.prefix_blocks]  # the rendered prefix comes back
+    b = r.built
+    assert b is not None and b.prefix_sha256 == r.plan.plan.prefix_sha256 and b.epoch == 1
+    assert [m.item_id for m in b.request.messages if m.item_id][-1] == "u2"
+    assert {c.class_name for c in b.budget.classes} >= {"history", "tool_results"}
+    assert [m.name for m in b.cache_breakpoints][:2] == ["after_system", "after_tools"]
+    assert r.usage is not None and r.usage.counted and r.usage.reports >= 1
+    assert r.extra["usage_again"].counted is False  # the same key is counted once
+    assert r.updated is not None and r.updated.state.objective == "Compare the two domains"
+    assert list(r.updated.state.constraints) == ["Cite sources"]
+    assert r.updated.change.objective_changed and r.updated.change.constraints_added == 1
+    assert r.carried is not None and r.carried.state.objective == "Explain"
+    assert r.carried.events_applied == 1
+    c = r.compacted
+    assert c is not None and c.compacted and c.summary.replaced_through_sequence == 4
+    assert list(c.replaced_item_ids) == ["u1", "c1", "r1", "a1"]
+    assert r.compacted_again is not None and not r.compacted_again.compacted
+    assert r.compacted_again.summary == c.summary
+    assert r.rotated is not None and r.rotated.rotated and r.rotated.plan.epoch == 2
+    assert r.rotated.plan.reason == "operator"
+    assert r.rotated_again is not None and not r.rotated_again.rotated
+    assert r.rotated_again.plan.epoch == 2
+
+
+
+@pytest.mark.integration
+def test_sync_client_calls_every_rpc(server, ids):
+    tenant, session = ids
+    req = requests(tenant, session)
+    r = Results()
+    with Client(target=server.address) as engine:
+        r.plan = engine.plan(request=req.plan)
+        r.again = engine.plan(request=req.plan, timeout=5)
+        r.got = engine.get_plan(request=req.get_plan)
+        r.built = engine.build(request=req.build)
+        r.usage = engine.report_usage(request=usage_request(tenant, session, r.built))
+        r.extra["usage_again"] = engine.report_usage(
+            request=usage_request(tenant, session, r.built))
+        r.updated = engine.update_working_state(request=req.update)
+        r.carried = engine.carry_working_state(request=req.carry)
+        r.compacted = engine.compact(request=req.compact)
+        r.compacted_again = engine.compact(request=req.compact)
+        r.rotated = engine.rotate(request=req.rotate)
+        r.rotated_again = engine.rotate(request=req.rotate)
+    check(r, session)
+
+
+@pytest.mark.integration
+def test_async_client_calls_every_rpc(server, ids):
+    tenant, session = ids
+    req = requests(tenant, session)
+
+    async def scenario() -> Results:
+        r = Results()
+        async with AsyncClient(target=server.address) as engine:
+            r.plan = await engine.plan(request=req.plan)
+            r.again = await engine.plan(request=req.plan, timeout=5)
+            r.got = await engine.get_plan(request=req.get_plan)
+            r.built = await engine.build(request=req.build)
+            r.usage = await engine.report_usage(request=usage_request(tenant, session, r.built))
+            r.extra["usage_again"] = await engine.report_usage(
+                request=usage_request(tenant, session, r.built))
+            r.updated = await engine.update_working_state(
+                request=req.update)
+            r.carried = await engine.carry_working_state(
+                request=req.carry)
+            r.compacted = await engine.compact(request=req.compact)
+            r.compacted_again = await engine.compact(
+                request=req.compact)
+            r.rotated = await engine.rotate(request=req.rotate)
+            r.rotated_again = await engine.rotate(request=req.rotate)
+        return r
+
+    check(asyncio.run(scenario()), session)
+
+
+# ------------------------------------------------------------------------------ typed errors
+
+@pytest.mark.integration
+def test_unknown_session_is_not_found_with_its_error_info(server, ids):
+    tenant, session = ids
+    request = pb.GetPlanRequest(tenant_id=tenant, session_id=session)
+    with Client(target=server.address) as engine, pytest.raises(NotFound) as sync_err:
+        engine.get_plan(request=request)
+
+    async def scenario() -> None:
+        async with AsyncClient(target=server.address) as engine:
+            await engine.build(request=pb.BuildRequest(tenant_id=tenant, session_id=session,
+                                                       checkpoint=checkpoint()))
+
+    with pytest.raises(NotFound) as async_err:
+        asyncio.run(scenario())
+    for err in (sync_err.value, async_err.value):
+        assert isinstance(err, ContextEngineError) and err.code is grpc.StatusCode.NOT_FOUND
+        assert err.reason == "SESSION_NOT_FOUND" and err.domain == "context-engine"
+        assert err.metadata["session_id"] == session
+        assert isinstance(err.__cause__, grpc.RpcError)  # the driver error is chained
+
+
+@pytest.mark.integration
+def test_malformed_input_is_invalid_argument_with_every_field_violation(server, ids):
+    tenant, _ = ids
+    bad = pb.PlanRequest(tenant_id=tenant, agent=pb.AgentSpec(agent_id="a", version="1"),
+                         model=pb.ModelSpec(model_id=MODEL))
+    with Client(target=server.address) as engine, pytest.raises(InvalidArgument) as err:
+        engine.plan(request=bad)
+    assert err.value.reason == "INVALID_ARGUMENT"
+    assert FieldViolation(field="session_id", description="must not be empty") in (
+        err.value.field_violations)
+
+
+# ------------------------------------------------------------------------------ deadlines
+
+def big_checkpoint() -> pb.Checkpoint:
+    """Fresh content (nothing cached) large enough that no Build answers within 5 ms."""
+    salt = uuid.uuid4().hex
+    conversation = []
+    for i in range(150):
+        conversation.append(pb.ConversationItem(
+            id=f"u{i}", sequence=i + 1, run_id="run-0", trust=pb.TRUST_LEVEL_USER,
+            user=pb.UserMessage(text=f"{salt} question {i} " + "lorem ipsum dolor " * 400)))
+    conversation.append(pb.ConversationItem(id="now", sequence=1000, run_id="run-1",
+                                            trust=pb.TRUST_LEVEL_USER,
+                                            user=pb.UserMessage(text="and now?")))
+    return pb.Checkpoint(active_run_id="run-1", items=conversation,
+                         runtime=pb.RuntimeMetadata(current_date="2026-11-29"))
+
+
+@pytest.mark.integration
+def test_a_tiny_timeout_is_deadline_exceeded(server, ids):
+    tenant, session = ids
+    request = pb.BuildRequest(tenant_id=tenant, session_id=session, checkpoint=big_checkpoint())
+    with Client(target=server.address, timeout=30) as engine:
+        engine.plan(request=plan_request(tenant, session))
+        with pytest.raises(DeadlineExceeded) as err:
+            engine.build(request=request, timeout=0.005)
+        assert err.value.code is grpc.StatusCode.DEADLINE_EXCEEDED and err.value.reason == ""
+
+    async def scenario() -> None:
+        async with AsyncClient(target=server.address, timeout=0.005) as engine:
+            request.checkpoint.CopyFrom(big_checkpoint())
+            await engine.build(request=request)
+
+    with pytest.raises(DeadlineExceeded):
+        asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------------------ a local server
+
+@dataclass
+class Fake:
+    """A ContextEngine that fails the first ``failures`` calls of every method with ``code``
+    (and a rich status), or sleeps ``delay`` seconds; it records each call's metadata."""
+
+    failures: int = 0
+    code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+    delay: float = 0.0
+    calls: dict[str, int] = field(default_factory=dict)
+    metadata: list[dict[str, str]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+RESPONSES: dict[str, tuple[type[Message], Callable[[], Message]]] = {
+    "Plan": (pb.PlanRequest, lambda: pb.PlanResponse(plan=pb.ContextPlan(epoch=1))),
+    "GetPlan": (pb.GetPlanRequest, lambda: pb.GetPlanResponse(plan=pb.ContextPlan(epoch=1))),
+    "Build": (pb.BuildRequest, lambda: pb.BuildResponse(epoch=1)),
+    "Rotate": (pb.RotateRequest, lambda: pb.RotateResponse(rotated=True)),
+    "ReportUsage": (pb.ReportUsageRequest, lambda: pb.ReportUsageResponse(counted=True)),
+    "UpdateWorkingState": (pb.UpdateWorkingStateRequest, pb.UpdateWorkingStateResponse),
+    "CarryWorkingState": (pb.CarryWorkingStateRequest, pb.CarryWorkingStateResponse),
+    "Compact": (pb.CompactRequest, lambda: pb.CompactResponse(compacted=True)),
+}
+
+
+@dataclass(frozen=True)
+class RichStatus(grpc.Status):
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple[tuple[str, bytes], ...]
+
+
+def rich_status(code: grpc.StatusCode, reason: str) -> grpc.Status:
+    info = error_details_pb2.ErrorInfo(reason=reason, domain="context-engine",
+                                       metadata={"attempt": "failed"})
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=f"{reason} (fake)")
+    status.details.add().Pack(info)
+    return RichStatus(code=code, details=status.message,
+                   trailing_metadata=(("grpc-status-details-bin", status.SerializeToString()),))
+
+
+def handler(fake: Fake, name: str) -> grpc.RpcMethodHandler[Any, Any]:
+    request_type, response = RESPONSES[name]
+
+    def behaviour(request: Message, context: grpc.ServicerContext) -> Message:
+        with fake.lock:
+            fake.calls[name] = fake.calls.get(name, 0) + 1
+            n = fake.calls[name]
+            fake.metadata.append({k: str(v) for k, v in context.invocation_metadata()})
+        if fake.delay:
+            time.sleep(fake.delay)
+        if n <= fake.failures:
+            context.abort_with_status(rich_status(fake.code, "STORE_UNAVAILABLE"))
+        return response()
+
+    return grpc.unary_unary_rpc_method_handler(
+        behaviour, request_deserializer=request_type.FromString,
+        response_serializer=lambda m: m.SerializeToString())
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[Fake, str]]:
+    state = Fake()
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    srv.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        SERVICE, {name: handler(state, name) for name in RESPONSES})])
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    yield state, f"127.0.0.1:{port}"
+    srv.stop(0).wait(5)
+
+
+IDEMPOTENT = {
+    "Plan": lambda c: c.plan(request=pb.PlanRequest(tenant_id="t")),
+    "GetPlan": lambda c: c.get_plan(request=pb.GetPlanRequest(tenant_id="t")),
+    "Build": lambda c: c.build(request=pb.BuildRequest(tenant_id="t")),
+    "UpdateWorkingState": lambda c: c.update_working_state(
+        request=pb.UpdateWorkingStateRequest(tenant_id="t")),
+    "CarryWorkingState": lambda c: c.carry_working_state(
+        request=pb.CarryWorkingStateRequest(tenant_id="t")),
+}
+KEYED = {
+    "Rotate": lambda c, key: c.rotate(request=pb.RotateRequest(tenant_id="t",
+                                                               idempotency_key=key)),
+    "Compact": lambda c, key: c.compact(request=pb.CompactRequest(tenant_id="t",
+                                                                  idempotency_key=key)),
+    "ReportUsage": lambda c, key: c.report_usage(request=pb.ReportUsageRequest(
+        tenant_id="t", idempotency_key=key)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IDEMPOTENT))
+def test_idempotent_calls_retry_unavailable(fake, name):
+    state, target = fake
+    state.failures = 2
+    with Client(target=target) as engine:
+        IDEMPOTENT[name](engine)
+    assert state.calls[name] == 3
+
+
+@pytest.mark.parametrize("name", sorted(KEYED))
+def test_keyed_calls_retry_unavailable_only_with_a_key(fake, name):
+    state, target = fake
+    state.failures = 1
+    with Client(target=target) as engine:
+        with pytest.raises(Unavailable) as err:
+            KEYED[name](engine, "")
+        assert state.calls[name] == 1  # no key: a retry could apply the write twice
+        assert err.value.reason == "STORE_UNAVAILABLE" and err.value.metadata == {
+            "attempt": "failed"}
+        state.calls.clear()
+        state.failures = 2
+        KEYED[name](engine, "key-1")
+    assert state.calls[name] == 3
+
+
+def test_retries_are_bounded_and_only_for_unavailable(fake):
+    state, target = fake
+    state.failures = 100
+    with Client(target=target) as engine:
+        with pytest.raises(Unavailable):
+            engine.plan(request=pb.PlanRequest())
+        assert state.calls["Plan"] == 4  # maxAttempts of the policy
+        with pytest.raises(Unavailable):
+            engine.rotate(request=pb.RotateRequest(idempotency_key="k"))
+        assert state.calls["Rotate"] == 4
+        state.code = grpc.StatusCode.INTERNAL
+        with pytest.raises(Internal):
+            engine.build(request=pb.BuildRequest())
+        assert state.calls["Build"] == 1
+
+
+def test_async_client_retries_like_the_sync_one(fake):
+    state, target = fake
+    state.failures = 2
+
+    async def scenario() -> None:
+        async with AsyncClient(target=target) as engine:
+            await engine.get_plan(request=pb.GetPlanRequest())
+            await engine.compact(request=pb.CompactRequest(idempotency_key="k"))
+            with pytest.raises(Unavailable):
+                await engine.rotate(request=pb.RotateRequest())
+
+    asyncio.run(scenario())
+    assert state.calls == {"GetPlan": 3, "Compact": 3, "Rotate": 1}
+
+
+def test_a_slow_answer_is_deadline_exceeded(fake):
+    state, target = fake
+    state.delay = 0.5
+    with Client(target=target, timeout=0.05) as engine, pytest.raises(DeadlineExceeded):
+        engine.plan(request=pb.PlanRequest())
+
+    async def scenario(call: Callable[[AsyncClient], Awaitable[Any]]) -> None:
+        async with AsyncClient(target=target) as engine:
+            await call(engine)
+
+    with pytest.raises(DeadlineExceeded):
+        asyncio.run(scenario(lambda e: e.build(request=pb.BuildRequest(), timeout=0.05)))
+
+
+def test_the_bearer_token_is_sent_on_every_call(fake):
+    state, target = fake
+    with Client(target=target, token="s3cret-token") as engine:
+        engine.plan(request=pb.PlanRequest())
+        engine.rotate(request=pb.RotateRequest())
+
+    async def scenario() -> None:
+        async with AsyncClient(target=target, token="async-token") as engine:
+            await engine.build(request=pb.BuildRequest())
+        async with AsyncClient(target=target) as engine:
+            await engine.build(request=pb.BuildRequest())
+
+    asyncio.run(scenario())
+    assert [m.get("authorization") for m in state.metadata] == [
+        "Bearer s3cret-token", "Bearer s3cret-token", "Bearer async-token", None]

@@ -1,0 +1,66 @@
+"""clients/python/examples/agent_loop.py runs against the real server and shows what it
+promises: each request's budget table, its cache markers and prefix_sha256, a compaction when
+Build asks for one, and the rotation at the end."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "clients" / "python" / "examples" / "agent_loop.py"
+
+
+def test_agent_loop_example(server):
+    session = f"example-{uuid.uuid4().hex[:12]}"
+    # The factor is pinned: the model's reconciled factor is shared by every test of the run.
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--target", server.address, "--tenant", "example",
+         "--session", session, "--estimator-factor", "1.0"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+
+    plan = re.search(r"^plan: epoch 1 prefix_sha256 ([0-9a-f]{64}) (\d+) tokens", text, re.M)
+    assert plan, text
+    prefix = plan.group(1)
+
+    builds = re.findall(r"^-- (turn \d+, step \d+(?:, after compaction)?): epoch (\d+) "
+                        r"prefix_sha256 ([0-9a-f]{64})$", text, re.M)
+    labels = [b[0] for b in builds]
+    assert [lbl for lbl in labels if "after" not in lbl] == [
+        f"turn {t}, step {s}" for t in range(1, 6) for s in (1, 2)]
+    assert {(epoch, sha) for _, epoch, sha in builds} == {("1", prefix)}  # one prefix
+
+    # every request prints its budget table, one row per class with cap and use
+    tables = re.findall(r"^   class +cap +used +items +yielded$", text, re.M)
+    assert len(tables) == len(builds)
+    rows = dict(re.findall(r"^   (tool_results|history) +\d+ +(\d+) +\d+ +\d+$", text, re.M))
+    assert set(rows) == {"tool_results", "history"}
+    assert len(re.findall(r"^   current_user_message +- +\d+", text, re.M)) == len(builds)
+
+    markers = re.findall(r"^   cache markers: (.*)$", text, re.M)
+    assert len(markers) == len(builds)
+    assert all(m.startswith("after_system(5m), after_tools(5m)") for m in markers)
+    assert any(re.search(r"run\(5m through t\d+-r\d+\)", m) for m in markers)
+    assert any(re.search(r"carried_history\(5m through t\d+-answer\)", m) for m in markers)
+
+    # history had to be cut: Build said so, the loop compacted and built again
+    assert re.search(r"pressure: .*history:\d+; compaction_needed=True", text)
+    compacted = re.search(r"^== compacted: depth 1, replaced (\d+) items through sequence "
+                          r"(\d+), (\d+) elided spans, tokens (\d+) -> (\d+)$", text, re.M)
+    assert compacted, text
+    assert int(compacted.group(1)) > 0 and int(compacted.group(3)) > 0
+    assert int(compacted.group(5)) < int(compacted.group(4))
+    after = text.split("after compaction", 1)[1].split("\n-- ", 1)[0]
+    assert "compaction_needed=True" not in after
+
+    assert len(re.findall(r"^   usage reported: factor", text, re.M)) == 10
+    assert re.search(rf"^rotated: epoch 1 -> 2 \(operator\), prefix_sha256 {prefix}$", text,
+                     re.M)
