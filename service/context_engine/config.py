@@ -8,6 +8,7 @@ from pathlib import Path
 
 from context_engine.adapters.assets import DEFAULT_ASSETS_DIR, DEFAULT_CATALOG
 from context_engine.domain.budget import BudgetPolicy
+from context_engine.telemetry.tracing import otlp_requested
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 
@@ -78,6 +79,8 @@ class Config:
     summarizer_model: str = ""
     summarizer_api_key: str = field(default="", repr=False)  # never printed
     summarizer_timeout_seconds: float = 20.0
+    # Traces go over OTLP only when the standard OTEL_* variables ask for it (off by default).
+    trace_export: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
@@ -111,6 +114,7 @@ class Config:
             summarizer_api_key=env.get("CE_SUMMARIZER_API_KEY") or "",
             summarizer_timeout_seconds=_float(env, "CE_SUMMARIZER_TIMEOUT_SECONDS",
                                               defaults.summarizer_timeout_seconds),
+            trace_export=otlp_requested(env),
         )
         cfg.validate()
         return cfg

@@ -13,8 +13,10 @@ import asyncpg
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
+from context_engine import __version__
 from context_engine.adapters.assets import (
     load_control_tools,
     load_model_catalog,
@@ -35,6 +37,7 @@ from context_engine.domain.compaction import StructuredSummarizer, Summarizer
 from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
+from context_engine.telemetry.tracing import otlp_provider, tracer_for
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
@@ -63,6 +66,7 @@ class Running:
     grpc_port: int
     metrics_port: int | None
     metrics_http: Any
+    tracing: Any = None  # the OTLP tracer provider this server created, flushed at stop
 
     async def stop(self, grace: float, *, drain: float = 0.0) -> None:
         """Health goes NOT_SERVING first and stays so for ``drain`` seconds while RPCs are
@@ -74,6 +78,8 @@ class Running:
         await self.pool.close()
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # exports what is still batched
 
 
 def summarizer_for(config: Config) -> Summarizer:
@@ -87,32 +93,39 @@ def summarizer_for(config: Config) -> Summarizer:
 
 
 async def start(config: Config, *, database_url: str,
-                registry: CollectorRegistry = REGISTRY) -> Running:
+                registry: CollectorRegistry = REGISTRY,
+                tracer_provider: trace.TracerProvider | None = None) -> Running:
+    """``tracer_provider``: where spans go; without one, OTLP when the ``OTEL_*`` variables
+    ask for it (``Config.trace_export``), else nowhere (a no-op tracer)."""
     applied = await migrate(database_url, config.migrations_dir)
     if applied:
         log("migrated", applied=applied)
     pool = await asyncpg.create_pool(database_url, min_size=1, max_size=config.db_pool_size,
                                      command_timeout=config.db_timeout_seconds)
     metrics = Metrics(registry)
+    owned = otlp_provider(__version__) if tracer_provider is None and config.trace_export \
+        else None
+    tracer = tracer_for(tracer_provider or owned)
     timeout = config.db_timeout_seconds
     engine = Engine(
-        store=PostgresPlanStore(pool, command_timeout=timeout),
-        events=PostgresEventLog(pool, command_timeout=timeout),
-        calibrations=PostgresCalibrationStore(pool, command_timeout=timeout),
+        store=PostgresPlanStore(pool, command_timeout=timeout, tracer=tracer),
+        events=PostgresEventLog(pool, command_timeout=timeout, tracer=tracer),
+        calibrations=PostgresCalibrationStore(pool, command_timeout=timeout, tracer=tracer),
         policy=config.budget_policy(), calibration_ttl=config.calibration_ttl_seconds,
         catalog=load_model_catalog(config.model_catalog),
         tokenizers=TiktokenRegistry(),
         assets=load_platform_assets(config.assets_dir),
         control_tools=load_control_tools(config.assets_dir),
         metrics=metrics, plan_cache_size=config.plan_cache_size,
-        compactions=PostgresCompactionStore(pool, command_timeout=timeout),
-        summarizer=summarizer_for(config))
+        compactions=PostgresCompactionStore(pool, command_timeout=timeout, tracer=tracer),
+        summarizer=summarizer_for(config), tracer=tracer)
 
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", config.max_receive_bytes),
         ("grpc.max_send_message_length", config.max_receive_bytes),
     ])
-    pb_grpc.add_ContextEngineServicer_to_server(ContextEngineServicer(engine, metrics), server)
+    pb_grpc.add_ContextEngineServicer_to_server(ContextEngineServicer(engine, metrics, tracer),
+                                                server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -133,7 +146,8 @@ async def start(config: Config, *, database_url: str,
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return Running(server=server, health=health_servicer, pool=pool, engine=engine,
-                   grpc_port=grpc_port, metrics_port=metrics_port, metrics_http=metrics_http)
+                   grpc_port=grpc_port, metrics_port=metrics_port, metrics_http=metrics_http,
+                   tracing=owned)
 
 
 async def serve(config: Config) -> None:
