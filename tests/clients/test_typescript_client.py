@@ -1,0 +1,206 @@
+"""The TypeScript client (clients/typescript) against the real server: its Node test suite, the
+same prefix hashes as the Python stub for the same inputs, and the agent-loop example.
+
+Node.js 20+ and npm are required; a missing toolchain or a failed install fails these tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from context_engine.v1 import context_engine_pb2 as pb
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from google.protobuf import json_format
+
+from tests.conftest import REPO, ServerThread
+
+pytestmark = pytest.mark.integration
+
+PACKAGE = REPO / "clients" / "typescript"
+FIXTURE = PACKAGE / "test" / "fixtures" / "session.json"
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _run(args: list[str], *, timeout: float, env: dict[str, str] | None = None,
+         what: str) -> subprocess.CompletedProcess[str]:
+    try:
+        done = subprocess.run(args, cwd=PACKAGE, env=env, capture_output=True, text=True,
+                              timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{what} did not finish within {timeout:.0f} s: {err.stdout!r} {err.stderr!r}")
+    if done.returncode != 0:
+        pytest.fail(f"{what} failed (exit {done.returncode}):\n{done.stdout[-6000:]}\n"
+                    f"{done.stderr[-6000:]}")
+    return done
+
+
+def _stale(node_modules: Path) -> bool:
+    """npm ci records what it installed in node_modules/.package-lock.json."""
+    installed = node_modules / ".package-lock.json"
+    if not installed.exists():
+        return True
+    newest = max((PACKAGE / "package-lock.json").stat().st_mtime,
+                 (PACKAGE / "package.json").stat().st_mtime)
+    return newest > installed.stat().st_mtime
+
+
+@pytest.fixture(scope="module")
+def node() -> str:
+    """The Node toolchain, the dependencies installed from package-lock.json, the build."""
+    node_bin, npm_bin = shutil.which("node"), shutil.which("npm")
+    if node_bin is None or npm_bin is None:
+        pytest.fail("the TypeScript client needs Node.js 20+ and npm on PATH "
+                    f"(node: {node_bin}, npm: {npm_bin})")
+    version = _run([node_bin, "--version"], timeout=30, what="node --version").stdout.strip()
+    major = int(version.lstrip("v").split(".")[0])
+    assert major >= 20, f"Node.js 20+ is required, found {version}"
+    if _stale(PACKAGE / "node_modules"):
+        _run([npm_bin, "ci", "--no-audit", "--no-fund"], timeout=600,
+             what="npm ci in clients/typescript")
+    _run([npm_bin, "run", "build"], timeout=180, what="npm run build (tsc)")
+    return node_bin
+
+
+def _env(server: ServerThread, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(CE_TARGET=server.address, **extra)
+    return env
+
+
+def _fixture() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(FIXTURE.read_text())
+    return data
+
+
+def _plan_request(tenant: str, session: str) -> pb.PlanRequest:
+    req = json_format.ParseDict(_fixture()["plan"], pb.PlanRequest())
+    req.tenant_id, req.session_id = tenant, session
+    return req
+
+
+def _checkpoint() -> pb.Checkpoint:
+    return json_format.ParseDict(_fixture()["checkpoint"], pb.Checkpoint())
+
+
+def test_the_fixture_prefix_does_not_depend_on_the_session(
+        stub: pb_grpc.ContextEngineStub) -> None:
+    """The comparison below plans Node's inputs under another session id. That holds only
+    while no Region A content of the fixture is enveloped (an envelope's nonce is derived
+    from the session key): no server-provided tool, memory snapshot or untrusted skill."""
+    plan = json_format.ParseDict(_fixture()["plan"], pb.PlanRequest())
+    assert not plan.HasField("memory_snapshot") and not plan.skill_catalog
+    assert all(not tool.server for tool in plan.tool_catalog)
+    tenant = f"tenant-{uuid.uuid4().hex[:12]}"
+    hashes = {stub.Plan(_plan_request(tenant, f"s-{i}-{uuid.uuid4().hex[:8]}"),
+                        timeout=30).plan.prefix_sha256 for i in range(2)}
+    other = stub.Plan(_plan_request(f"tenant-{uuid.uuid4().hex[:12]}", "s-other"),
+                      timeout=30).plan.prefix_sha256
+    assert len(hashes) == 1 and other in hashes
+
+
+def test_node_suite_and_prefix_hashes_match_python(node: str, server: ServerThread,
+                                                   stub: pb_grpc.ContextEngineStub,
+                                                   tmp_path: Path) -> None:
+    tenant = f"tenant-{uuid.uuid4().hex[:12]}"
+    result_file = tmp_path / "result.json"
+    done = _run([node, "--test", "dist/test/integration.test.js", "dist/test/retry.test.js"],
+                timeout=120, env=_env(server, CE_RESULT_FILE=str(result_file),
+                                      CE_TENANT_ID=tenant),
+                what="node --test")
+    assert re.search(r"^# pass [1-9]\d*$", done.stdout, re.M), done.stdout[-3000:]
+    assert re.search(r"^# fail 0$", done.stdout, re.M), done.stdout[-3000:]
+    assert re.search(r"^# skipped 0$", done.stdout, re.M), done.stdout[-3000:]
+
+    node_result = json.loads(result_file.read_text())
+    assert node_result["tenantId"] == tenant
+    node_session = node_result["sessionId"]
+    assert node_result["notFound"] == {"code": "NOT_FOUND", "reason": "SESSION_NOT_FOUND",
+                                       "domain": "context-engine"}
+    for step in ("plan", "build", "rotate", "compact"):
+        assert HEX64.match(node_result[step]["prefixSha256"]), step
+
+    # The same inputs from Python, under another session id of the same tenant.
+    session = f"py-{uuid.uuid4().hex[:12]}"
+    assert session != node_session
+    plan = stub.Plan(_plan_request(tenant, session), timeout=30).plan
+    assert plan.epoch == 1
+    assert plan.prefix_sha256 == node_result["plan"]["prefixSha256"]
+
+    built = stub.Build(pb.BuildRequest(tenant_id=tenant, session_id=session,
+                                       checkpoint=_checkpoint()), timeout=30)
+    assert built.prefix_sha256 == node_result["build"]["prefixSha256"]
+    assert built.estimated_input_tokens > 0
+
+    rotated = stub.Rotate(pb.RotateRequest(tenant_id=tenant, session_id=session,
+                                           reason=pb.ROTATION_REASON_OPERATOR,
+                                           idempotency_key=f"rotate-{session}"), timeout=30)
+    assert rotated.rotated and rotated.plan.epoch == node_result["rotate"]["epoch"] == 2
+    assert rotated.plan.prefix_sha256 == node_result["rotate"]["prefixSha256"]
+
+    compacted = stub.Compact(pb.CompactRequest(
+        tenant_id=tenant, session_id=session, checkpoint=_checkpoint(),
+        replace_through_sequence=int(_fixture()["compactThroughSequence"]),
+        reason="budget_pressure", idempotency_key=f"compact-{session}"), timeout=30)
+    assert list(compacted.replaced_item_ids) == node_result["compact"]["replacedItemIds"]
+    checkpoint = _checkpoint()
+    checkpoint.summary.CopyFrom(compacted.summary)
+    on_summary = stub.Build(pb.BuildRequest(tenant_id=tenant, session_id=session,
+                                            checkpoint=checkpoint), timeout=30)
+    assert on_summary.epoch == node_result["compact"]["epoch"] == 2
+    assert on_summary.prefix_sha256 == node_result["compact"]["prefixSha256"]
+
+    # And Node's own session, read back through the Python stub.
+    for epoch, step in ((1, "plan"), (2, "rotate")):
+        got = stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=node_session,
+                                             epoch=epoch), timeout=30).plan
+        assert got.prefix_sha256 == node_result[step]["prefixSha256"]
+
+
+def test_agent_loop_example(node: str, server: ServerThread,
+                            stub: pb_grpc.ContextEngineStub) -> None:
+    tenant = f"tenant-{uuid.uuid4().hex[:12]}"
+    session = f"loop-{uuid.uuid4().hex[:12]}"
+    done = _run([node, "dist/examples/agent_loop.js"], timeout=120,
+                env=_env(server, CE_TENANT_ID=tenant, CE_SESSION_ID=session),
+                what="the agent_loop example")
+    out = done.stdout
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, out[-3000:]
+    result = json.loads(lines[0].removeprefix("RESULT "))
+    assert result["sessionId"] == session
+    assert result["requests"] >= 10
+    assert result["rotations"] == 1 and result["compactions"] >= 1
+    assert {"tool_results", "history"} <= set(result["pressureSteps"])
+    assert result["maxExcerptedResults"] >= 1 and result["maxPointers"] >= 1
+
+    # Every request prints its epoch's prefix; one hash per epoch, a new one after rotating.
+    printed: dict[int, set[str]] = {}
+    for epoch, digest in re.findall(r"^epoch (\d+) prefix_sha256 ([0-9a-f]{64})$", out, re.M):
+        printed.setdefault(int(epoch), set()).add(digest)
+    assert set(printed) == {1, 2}
+    assert all(len(hashes) == 1 for hashes in printed.values())
+    assert {e: h.pop() for e, h in printed.items()} == {int(k): v for k, v in
+                                                        result["epochs"].items()}
+    assert result["epochs"]["1"] != result["epochs"]["2"]
+    for epoch in (1, 2):
+        got = stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session, epoch=epoch),
+                           timeout=30).plan
+        assert got.prefix_sha256 == result["epochs"][str(epoch)]
+    assert got.reason == "model_routed" and got.model_id == "acme-chat-64k"
+
+    # Budget tables, cache markers and the compaction it performed.
+    assert out.count("== turn ") >= result["requests"]
+    assert re.search(r"^  tool_results\s+\d+\s+\d+", out, re.M)
+    assert re.search(r"^budget total 12000  reserve 2000 ", out, re.M)
+    assert re.search(r"^breakpoints after_system\(5m\) after_tools\(5m\) carried_history", out,
+                     re.M)
+    assert re.search(r"compaction_needed true  left_out \d+ items/\d+ tokens", out)
+    assert re.search(r"^>> compacted \d+ items into a depth-1 summary", out, re.M)
+    assert "rebuilt on the summary" in out
