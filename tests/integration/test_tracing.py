@@ -12,6 +12,7 @@ import logging
 import secrets
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent import futures
 from typing import Any
 
 import grpc
@@ -19,10 +20,16 @@ import pytest
 from context_engine.api.server import start
 from context_engine.config import Config
 from context_engine.telemetry.logs import LOGGER, JsonFormatter
-from context_engine.telemetry.tracing import caller_context, otlp_requested, tracer_for
+from context_engine.telemetry.tracing import (
+    caller_context,
+    otlp_provider,
+    otlp_requested,
+    tracer_for,
+)
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from opentelemetry import trace
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -307,3 +314,36 @@ def test_each_rpc_logs_one_json_line_without_content(stub, ids):
     assert failed_build["level"] == "warning" and failed_build["reason"] == "BUDGET_EXCEEDED"
     for secret in (TEXT, TOKEN, "lorem", "question 1", "answer 1", "word word"):
         assert secret not in text
+
+
+def test_the_otlp_provider_exports_to_a_collector(monkeypatch):
+    """``otlp_provider`` ships spans over OTLP/gRPC to the endpoint the variables name."""
+    received: list[Any] = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    collector = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), collector)
+    port = collector.add_insecure_port("127.0.0.1:0")
+    collector.start()
+    try:
+        monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+        monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+        provider = otlp_provider("9.9.9")
+        with tracer_for(provider).start_as_current_span("probe"):
+            pass
+        assert provider.force_flush(10_000)
+        provider.shutdown()
+    finally:
+        collector.stop(None)
+    spans = [(r.resource, s) for req in received for r in req.resource_spans
+             for ss in r.scope_spans for s in ss.spans]
+    assert [s.name for _, s in spans] == ["probe"]
+    resource = {a.key: a.value.string_value for a in spans[0][0].attributes}
+    assert resource["service.name"] == "context-engine"
+    assert resource["service.version"] == "9.9.9"
