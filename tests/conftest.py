@@ -26,6 +26,10 @@ from prometheus_client import CollectorRegistry
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Servers the suite starts as processes (`context-engine serve` on loopback) run in dev mode,
+# like the in-process fixture below; a test that checks credentials sets CE_DEV_MODE itself.
+os.environ.setdefault("CE_DEV_MODE", "1")
+
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
@@ -72,8 +76,9 @@ class ServerThread:
 
 
 def test_config() -> Config:
+    """Dev mode (no credentials) on loopback; auth tests start their own non-dev server."""
     return replace(Config(), grpc_addr="127.0.0.1:0", metrics_addr="127.0.0.1:0",
-                   grace_seconds=1.0)
+                   grace_seconds=1.0, dev_mode=True)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,30 @@ def _float(env: Mapping[str, str], name: str, default: float,
     return value
 
 
+def _bool(env: Mapping[str, str], name: str) -> bool:
+    raw = (env.get(name) or "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigError(f"{name}={raw!r} is not a boolean (1/0, true/false)")
+
+
+def _path(env: Mapping[str, str], name: str) -> Path | None:
+    raw = env.get(name)
+    return Path(raw) if raw else None
+
+
+def is_loopback(host: str) -> bool:
+    """True only for addresses no other machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # another host name: it may resolve to anything
+        return False
+
+
 def split_addr(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit():
@@ -81,6 +106,16 @@ class Config:
     summarizer_timeout_seconds: float = 20.0
     # Traces go over OTLP only when the standard OTEL_* variables ask for it (off by default).
     trace_export: bool = False
+    # Who may call: dev mode (no credentials, loopback only) or bearer tokens stored as SHA-256
+    # hashes in a JSON file and/or the api_tokens table.
+    dev_mode: bool = False
+    auth_tokens_file: Path | None = None
+    auth_db_tokens: bool = False
+    auth_cache_seconds: float = 30.0  # a revoked table token stops working within this
+    # TLS: a certificate and key enable it; a client CA makes it mutual (client certs required).
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
@@ -115,6 +150,14 @@ class Config:
             summarizer_timeout_seconds=_float(env, "CE_SUMMARIZER_TIMEOUT_SECONDS",
                                               defaults.summarizer_timeout_seconds),
             trace_export=otlp_requested(env),
+            dev_mode=_bool(env, "CE_DEV_MODE"),
+            auth_tokens_file=_path(env, "CE_AUTH_TOKENS_FILE"),
+            auth_db_tokens=_bool(env, "CE_AUTH_DB_TOKENS"),
+            auth_cache_seconds=_float(env, "CE_AUTH_CACHE_SECONDS",
+                                      defaults.auth_cache_seconds, minimum=0.0),
+            tls_cert_file=_path(env, "CE_TLS_CERT_FILE"),
+            tls_key_file=_path(env, "CE_TLS_KEY_FILE"),
+            tls_client_ca_file=_path(env, "CE_TLS_CLIENT_CA_FILE"),
         )
         cfg.validate()
         return cfg
@@ -130,6 +173,42 @@ class Config:
             raise ConfigError(f"CE_SUMMARIZER_URL={self.summarizer_url!r} is not an http(s) URL")
         if self.metrics_addr:
             split_addr(self.metrics_addr)
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("CE_TLS_CERT_FILE and CE_TLS_KEY_FILE must be set together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ConfigError("CE_TLS_CLIENT_CA_FILE (mutual TLS) needs CE_TLS_CERT_FILE and "
+                              "CE_TLS_KEY_FILE")
+        for name, path in (("CE_AUTH_TOKENS_FILE", self.auth_tokens_file),
+                           ("CE_TLS_CERT_FILE", self.tls_cert_file),
+                           ("CE_TLS_KEY_FILE", self.tls_key_file),
+                           ("CE_TLS_CLIENT_CA_FILE", self.tls_client_ca_file)):
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{name}={str(path)!r} is not a readable file")
+
+    def validate_serving(self) -> None:
+        """What ``serve`` needs beyond ``validate``: credentials outside dev mode, and dev mode
+        only where no one else can connect."""
+        self.validate()
+        # The host as written: gRPC binds every interface for an empty one (":50051").
+        host = self.grpc_addr.rpartition(":")[0].strip("[]")
+        tokens = self.auth_tokens_file is not None or self.auth_db_tokens
+        if self.dev_mode:
+            if not is_loopback(host):
+                raise ConfigError(f"dev mode (--dev / CE_DEV_MODE=1) accepts calls without "
+                                  f"credentials and binds only a loopback address, not "
+                                  f"{self.grpc_addr!r}")
+            if tokens:
+                raise ConfigError("dev mode (--dev / CE_DEV_MODE=1) checks no credentials but "
+                                  "CE_AUTH_TOKENS_FILE or CE_AUTH_DB_TOKENS is set: choose one")
+            return
+        if not tokens:
+            if is_loopback(host):
+                raise ConfigError("no credentials configured: run `context-engine serve --dev` "
+                                  "(CE_DEV_MODE=1) for local development, or configure tokens "
+                                  "with CE_AUTH_TOKENS_FILE and/or CE_AUTH_DB_TOKENS=1")
+            raise ConfigError(f"refusing to serve {self.grpc_addr!r} without credentials: "
+                              "configure tokens with CE_AUTH_TOKENS_FILE and/or "
+                              "CE_AUTH_DB_TOKENS=1")
 
     def budget_policy(self) -> BudgetPolicy:
         return BudgetPolicy(safety_margin_ratio=self.safety_margin_ratio,

@@ -31,6 +31,7 @@ from context_engine.adapters.postgres.store import (
 )
 from context_engine.adapters.summarizer import OpenAISummarizer, load_prompt
 from context_engine.adapters.tokenizers import TiktokenRegistry
+from context_engine.api.auth import auth_interceptor, server_credentials
 from context_engine.api.servicer import ContextEngineServicer
 from context_engine.config import Config, split_addr
 from context_engine.domain.compaction import StructuredSummarizer, Summarizer
@@ -120,7 +121,8 @@ async def start(config: Config, *, database_url: str,
         compactions=PostgresCompactionStore(pool, command_timeout=timeout, tracer=tracer),
         summarizer=summarizer_for(config), tracer=tracer)
 
-    server = grpc.aio.server(options=[
+    auth = auth_interceptor(config, pool, metrics)  # None in dev mode
+    server = grpc.aio.server(interceptors=[auth] if auth else None, options=[
         ("grpc.max_receive_message_length", config.max_receive_bytes),
         ("grpc.max_send_message_length", config.max_receive_bytes),
     ])
@@ -131,7 +133,9 @@ async def start(config: Config, *, database_url: str,
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    grpc_port = server.add_insecure_port(config.grpc_addr)
+    credentials = server_credentials(config)  # None: plaintext
+    grpc_port = (server.add_insecure_port(config.grpc_addr) if credentials is None
+                 else server.add_secure_port(config.grpc_addr, credentials))
     if grpc_port == 0:
         raise RuntimeError(f"could not bind gRPC to {config.grpc_addr}")
 

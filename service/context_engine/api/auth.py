@@ -1,0 +1,329 @@
+"""Who may call what: bearer tokens bound to one tenant and a set of RPCs, checked by a server
+interceptor before a request reaches the servicer; and the server's TLS credentials.
+
+* A token travels as ``authorization: Bearer <token>`` metadata. The server knows only its
+  SHA-256 (a tokens file, ``CE_AUTH_TOKENS_FILE``, and/or the ``api_tokens`` table when
+  ``CE_AUTH_DB_TOKENS=1``), so neither a leaked configuration nor a database dump can be
+  replayed. Hashes are compared in constant time.
+* Missing, malformed, unknown or revoked token: ``UNAUTHENTICATED``. A known token calling an RPC
+  it is not granted: ``PERMISSION_DENIED`` (``RPC_NOT_ALLOWED``). A request whose ``tenant_id``
+  is not the token's tenant: ``PERMISSION_DENIED`` (``TENANT_MISMATCH``), checked on the
+  deserialized request before the servicer reads or writes anything.
+* Health and reflection stay open: probes and tooling carry no credentials.
+* The token itself never reaches a log line, a span or an error; only its RPC and tenant do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import asyncpg
+import grpc
+from grpc_status import rpc_status
+
+from context_engine.adapters.postgres.errors import translated
+from context_engine.api.status import rich_status, status_for
+from context_engine.config import Config, ConfigError
+from context_engine.domain.errors import StoreUnavailable
+from context_engine.telemetry.logs import log
+from context_engine.telemetry.metrics import Metrics
+from context_engine.v1 import context_engine_pb2 as pb
+
+SERVICE_PREFIX = "/context_engine.v1.ContextEngine/"
+# Services every caller may reach without credentials.
+OPEN_PREFIXES = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
+ALL_RPCS = "*"
+RPC_NAMES = frozenset(pb.DESCRIPTOR.services_by_name["ContextEngine"].methods_by_name)
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+# How long an unknown token's miss is remembered: short, so a token inserted after a failed
+# attempt works soon, yet a flood of bad tokens does not become a flood of queries.
+NEGATIVE_TTL_SECONDS = 2.0
+_CACHE_ENTRIES = 10_000
+
+# The one query of the token table (hash lookup; revoked rows never match).
+LOOKUP_TOKEN = """
+SELECT token_sha256, tenant_id, rpcs FROM api_tokens
+WHERE token_sha256 = $1 AND revoked_at IS NULL"""
+
+
+def token_sha256(token: str) -> str:
+    """The hex SHA-256 of a token's UTF-8 bytes: what the server stores and compares."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Grant:
+    """What one token may do: RPCs (``*`` for all) of exactly one tenant."""
+
+    tenant_id: str
+    rpcs: frozenset[str]
+
+    def allows(self, rpc: str) -> bool:
+        return ALL_RPCS in self.rpcs or rpc in self.rpcs
+
+
+class TokenSource(Protocol):
+    async def grant(self, digest: str) -> Grant | None:
+        """The grant of the token whose SHA-256 hex is ``digest``; None if unknown/revoked."""
+        ...
+
+
+def _grant(tenant_id: Any, rpcs: Any, where: str) -> Grant:
+    if not isinstance(tenant_id, str) or not tenant_id:
+        raise ConfigError(f"{where}: tenant_id must be a non-empty string")
+    if (not isinstance(rpcs, list) or not rpcs
+            or not all(isinstance(r, str) for r in rpcs)):
+        raise ConfigError(f"{where}: rpcs must be a non-empty list of RPC names or [\"*\"]")
+    unknown = sorted(set(rpcs) - RPC_NAMES - {ALL_RPCS})
+    if unknown:  # a typo would silently grant nothing
+        raise ConfigError(f"{where}: unknown RPC names {unknown}; known: {sorted(RPC_NAMES)}")
+    return Grant(tenant_id=tenant_id, rpcs=frozenset(rpcs))
+
+
+def parse_tokens(document: Any, where: str) -> list[tuple[str, Grant]]:
+    """``[{"sha256": "<hex>", "tenant_id": "...", "rpcs": ["*"]}, ...]`` -> (digest, grant)."""
+    if not isinstance(document, list):
+        raise ConfigError(f"{where}: expected a JSON list of token entries")
+    entries: list[tuple[str, Grant]] = []
+    seen: set[str] = set()
+    for index, entry in enumerate(document):
+        at = f"{where}[{index}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{at}: expected an object with sha256, tenant_id and rpcs")
+        extra = sorted(set(entry) - {"sha256", "tenant_id", "rpcs", "description"})
+        if extra:
+            raise ConfigError(f"{at}: unknown keys {extra} (a plaintext token never belongs "
+                              "here: store its sha256)")
+        digest = entry.get("sha256")
+        if not isinstance(digest, str) or not _SHA256_HEX.match(digest.lower()):
+            raise ConfigError(f"{at}: sha256 must be 64 hex characters")
+        digest = digest.lower()
+        if digest in seen:
+            raise ConfigError(f"{at}: the same token hash appears twice")
+        seen.add(digest)
+        entries.append((digest, _grant(entry.get("tenant_id"), entry.get("rpcs"), at)))
+    return entries
+
+
+class FileTokens:
+    """Tokens from a JSON file, read once at start-up."""
+
+    def __init__(self, entries: Iterable[tuple[str, Grant]]) -> None:
+        self._entries = [(bytes.fromhex(d), g) for d, g in entries]
+
+    @classmethod
+    def load(cls, path: Path) -> FileTokens:
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"CE_AUTH_TOKENS_FILE={str(path)!r} cannot be read: "
+                              f"{exc.strerror}") from exc
+        except ValueError as exc:
+            raise ConfigError(f"CE_AUTH_TOKENS_FILE={str(path)!r} is not valid JSON") from exc
+        return cls(parse_tokens(document, "CE_AUTH_TOKENS_FILE"))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def grant(self, digest: str) -> Grant | None:
+        presented = bytes.fromhex(digest)
+        found: Grant | None = None
+        for stored, grant in self._entries:  # every entry, no early exit: constant time
+            if hmac.compare_digest(stored, presented):
+                found = grant
+        return found
+
+
+class DatabaseTokens:
+    """Tokens from the ``api_tokens`` table, cached per hash for ``ttl`` seconds: a revocation
+    (``revoked_at`` set, or the row deleted) takes effect within ``ttl`` on every replica."""
+
+    def __init__(self, pool: asyncpg.Pool, *, ttl: float, command_timeout: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._pool = pool
+        self._ttl = ttl
+        self._timeout = command_timeout
+        self._clock = clock
+        self._cache: dict[str, tuple[Grant | None, float]] = {}
+
+    async def grant(self, digest: str) -> Grant | None:
+        now = self._clock()
+        hit = self._cache.get(digest)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        async with translated():
+            row = await self._pool.fetchrow(LOOKUP_TOKEN, digest, timeout=self._timeout)
+        found = None
+        if row is not None and hmac.compare_digest(str(row["token_sha256"]), digest):
+            found = Grant(tenant_id=row["tenant_id"], rpcs=frozenset(row["rpcs"]))
+        ttl = self._ttl if found is not None else min(self._ttl, NEGATIVE_TTL_SECONDS)
+        self._cache.pop(digest, None)
+        if len(self._cache) >= _CACHE_ENTRIES:  # drop the oldest entry (insertion order)
+            self._cache.pop(next(iter(self._cache)))
+        self._cache[digest] = (found, now + ttl)
+        return found
+
+
+class Denied(Exception):
+    """An authentication or authorization failure, carried to the caller as a rich status."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str,
+                 metadata: dict[str, str]) -> None:
+        super().__init__(message)
+        self.code, self.reason, self.message, self.metadata = code, reason, message, metadata
+
+
+def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    """The token of the ``authorization: Bearer <token>`` entry; None when absent or another
+    scheme. More than one authorization entry is ambiguous and counts as none."""
+    values = [v for k, v in (metadata or ()) if k.lower() == "authorization"]
+    if len(values) != 1:
+        return None
+    value = values[0]
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    scheme, _, token = value.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token
+
+
+class Authenticator:
+    def __init__(self, sources: Sequence[TokenSource]) -> None:
+        self._sources = tuple(sources)
+
+    async def grant_for(self, rpc: str, metadata: Sequence[tuple[str, str | bytes]] | None
+                        ) -> Grant:
+        """The caller's grant for ``rpc``; raises Denied. The token is never part of it."""
+        token = bearer_token(metadata)
+        if token is None:
+            raise Denied(grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED",
+                         "missing credentials: send 'authorization: Bearer <token>' metadata",
+                         {"rpc": rpc})
+        digest = token_sha256(token)
+        grant = None
+        for source in self._sources:
+            grant = await source.grant(digest)
+            if grant is not None:
+                break
+        if grant is None:
+            raise Denied(grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED",
+                         "unknown or revoked token", {"rpc": rpc})
+        if not grant.allows(rpc):
+            raise Denied(grpc.StatusCode.PERMISSION_DENIED, "RPC_NOT_ALLOWED",
+                         f"this token may not call {rpc}",
+                         {"rpc": rpc, "tenant_id": grant.tenant_id})
+        return grant
+
+
+def check_tenant(rpc: str, request: Any, grant: Grant) -> None:
+    """The request names the token's tenant, or it is refused before anything is read."""
+    fields = getattr(getattr(request, "DESCRIPTOR", None), "fields_by_name", {})
+    requested = request.tenant_id if "tenant_id" in fields else None
+    if requested != grant.tenant_id:
+        raise Denied(grpc.StatusCode.PERMISSION_DENIED, "TENANT_MISMATCH",
+                     "the request's tenant_id is not the tenant of this token",
+                     {"rpc": rpc, "tenant_id": str(requested or ""),
+                      "token_tenant_id": grant.tenant_id})
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticates every ContextEngine RPC and binds it to the token's tenant. The handler is
+    wrapped (not the servicer changed): the tenant check needs the deserialized request."""
+
+    def __init__(self, authenticator: Authenticator, metrics: Metrics | None = None) -> None:
+        self._auth = authenticator
+        self._metrics = metrics
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails],
+                                     Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        method = handler_call_details.method
+        handler = await continuation(handler_call_details)
+        if handler is None or method.startswith(OPEN_PREFIXES):
+            return handler
+        if handler.unary_unary is None:
+            # Only unary RPCs can be tenant-checked before the servicer runs: refuse the rest
+            # (answered UNIMPLEMENTED) rather than serve them unchecked.
+            return None
+        inner: Callable[..., Awaitable[Any]] = handler.unary_unary
+        rpc = method.rsplit("/", 1)[-1]
+        metadata = tuple(handler_call_details.invocation_metadata or ())
+
+        async def authorized(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            try:
+                grant = await self._auth.grant_for(rpc, metadata)
+                check_tenant(rpc, request, grant)
+            except Denied as denied:
+                await self._abort(context, rpc, denied.code, denied.reason, denied.message,
+                                  denied.metadata)
+            except StoreUnavailable as exc:
+                code, status = status_for(exc)
+                await self._abort(context, rpc, code, exc.reason, status.message, {})
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            authorized, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+    async def _abort(self, context: grpc.aio.ServicerContext[Any, Any], rpc: str,
+                     code: grpc.StatusCode, reason: str, message: str,
+                     metadata: dict[str, str]) -> None:
+        if self._metrics is not None:
+            self._metrics.rpc_seconds.labels(method=rpc, code=code.name).observe(0.0)
+        log("rpc", logging.WARNING, method=rpc, code=code.name, duration_ms=0.0, reason=reason,
+            tenant=metadata.get("tenant_id", ""))
+        status = rich_status(code, message, reason, metadata)
+        await context.abort(code, message, rpc_status.to_status(status).trailing_metadata)
+
+
+def auth_interceptor(config: Config, pool: asyncpg.Pool,
+                     metrics: Metrics | None = None) -> AuthInterceptor | None:
+    """None in dev mode (no credentials). Otherwise an interceptor over the configured token
+    sources; with none configured every call is refused (the CLI refuses to start earlier)."""
+    if config.dev_mode:
+        return None
+    sources: list[TokenSource] = []
+    if config.auth_tokens_file is not None:
+        sources.append(FileTokens.load(config.auth_tokens_file))
+    if config.auth_db_tokens:
+        sources.append(DatabaseTokens(pool, ttl=config.auth_cache_seconds,
+                                      command_timeout=config.db_timeout_seconds))
+    return AuthInterceptor(Authenticator(sources), metrics)
+
+
+def _read(path: Path, name: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{name}={str(path)!r} cannot be read: {exc.strerror}") from exc
+
+
+def server_credentials(config: Config) -> grpc.ServerCredentials | None:
+    """TLS when a certificate is configured; mutual TLS (client certificates required and
+    verified against the CA) when a client CA is configured too; None for plaintext."""
+    if config.tls_cert_file is None or config.tls_key_file is None:
+        return None
+    cert = _read(config.tls_cert_file, "CE_TLS_CERT_FILE")
+    key = _read(config.tls_key_file, "CE_TLS_KEY_FILE")
+    if config.tls_client_ca_file is None:
+        return grpc.ssl_server_credentials([(key, cert)])
+    client_ca = _read(config.tls_client_ca_file, "CE_TLS_CLIENT_CA_FILE")
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                       require_client_auth=True)

@@ -1,0 +1,319 @@
+"""Credentials on a real server: bearer tokens from a file and from the api_tokens table, RPC
+grants, tenant binding, open health and reflection, tokens kept out of logs and errors; TLS and
+mutual TLS with certificates made at test time by the openssl CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import grpc
+import pytest
+from context_engine.api.auth import token_sha256
+from context_engine.telemetry.logs import JsonFormatter
+from context_engine.v1 import context_engine_pb2 as pb
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tests.conftest import ServerThread
+from tests.conftest import test_config as base_config
+from tests.integration.processes import ServerProcess
+from tests.integration.requests import build_request, failure, plan_request
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class Secured:
+    server: ServerThread
+    channel: grpc.Channel
+    stub: pb_grpc.ContextEngineStub
+    tenant: str
+    other_tenant: str
+    full: str  # every RPC of tenant
+    build_only: str  # Build and GetPlan of tenant
+    table: str  # from api_tokens: Plan and GetPlan of tenant
+
+
+def bearer(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+@pytest.fixture(scope="module")
+def secured(database_url: str, db, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[Secured]:
+    tenant, other = f"tenant-{uuid.uuid4().hex[:10]}", f"tenant-{uuid.uuid4().hex[:10]}"
+    full, build_only, table = (f"{kind}-{uuid.uuid4().hex}" for kind in ("full", "build", "db"))
+    path = tmp_path_factory.mktemp("auth") / "tokens.json"
+    path.write_text(json.dumps([
+        {"sha256": token_sha256(full), "tenant_id": tenant, "rpcs": ["*"]},
+        {"sha256": token_sha256(build_only), "tenant_id": tenant, "rpcs": ["Build", "GetPlan"]},
+        {"sha256": token_sha256(f"full-{other}"), "tenant_id": other, "rpcs": ["*"]},
+    ]))
+    db.fetch("INSERT INTO api_tokens (tenant_id, token_sha256, rpcs) VALUES ($1, $2, $3)",
+             tenant, token_sha256(table), ["Plan", "GetPlan"])
+    config = replace(base_config(), dev_mode=False, auth_tokens_file=path, auth_db_tokens=True,
+                     auth_cache_seconds=0.5)
+    server = ServerThread(config, database_url)
+    channel = grpc.insecure_channel(server.address)
+    yield Secured(server=server, channel=channel, stub=pb_grpc.ContextEngineStub(channel),
+                  tenant=tenant, other_tenant=other, full=full, build_only=build_only,
+                  table=table)
+    channel.close()
+    server.stop()
+
+
+def refused(call, request, metadata=()):
+    with pytest.raises(grpc.RpcError) as err:
+        call(request, metadata=metadata, timeout=30)
+    return err.value
+
+
+def test_calls_without_a_known_token_are_unauthenticated(secured: Secured) -> None:
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    for metadata in ((), bearer("no-such-token"), (("authorization", f"Basic {secured.full}"),)):
+        f = failure(refused(secured.stub.Plan, plan_request(secured.tenant, session), metadata))
+        assert (f.code, f.reason, f.domain) == (grpc.StatusCode.UNAUTHENTICATED,
+                                                "UNAUTHENTICATED", "context-engine")
+        assert f.metadata == {"rpc": "Plan"}
+
+
+def test_a_token_calls_its_rpcs_for_its_tenant(secured: Secured, db) -> None:
+    s = secured
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    plan = s.stub.Plan(plan_request(s.tenant, session), metadata=bearer(s.full), timeout=30)
+    assert plan.created and plan.plan.epoch == 1
+    built = s.stub.Build(build_request(s.tenant, session), metadata=bearer(s.build_only),
+                         timeout=30)
+    assert built.prefix_sha256 == plan.plan.prefix_sha256
+    f = failure(refused(s.stub.Plan, plan_request(s.tenant, session), bearer(s.build_only)))
+    assert (f.code, f.reason) == (grpc.StatusCode.PERMISSION_DENIED, "RPC_NOT_ALLOWED")
+    assert f.metadata == {"rpc": "Plan", "tenant_id": s.tenant}
+
+
+def test_a_request_for_another_tenant_is_denied_before_anything_is_written(secured: Secured,
+                                                                           db) -> None:
+    s = secured
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    before = db.counts(s.other_tenant)
+    f = failure(refused(s.stub.Plan, plan_request(s.other_tenant, session), bearer(s.full)))
+    assert (f.code, f.reason) == (grpc.StatusCode.PERMISSION_DENIED, "TENANT_MISMATCH")
+    assert f.metadata == {"rpc": "Plan", "tenant_id": s.other_tenant,
+                          "token_tenant_id": s.tenant}
+    assert db.counts(s.other_tenant) == before
+    assert db.val("SELECT count(*) FROM sessions WHERE session_id = $1", session) == 0
+
+
+def test_health_and_reflection_need_no_credentials(secured: Secured) -> None:
+    health = health_pb2_grpc.HealthStub(secured.channel)
+    for name in ("", "context_engine.v1.ContextEngine"):
+        answer = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(secured.channel)
+    replies = list(reflection.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert "context_engine.v1.ContextEngine" in names
+
+
+def test_table_tokens_work_and_a_revocation_takes_effect_within_the_cache_ttl(
+        secured: Secured, db) -> None:
+    s = secured
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    assert s.stub.Plan(plan_request(s.tenant, session), metadata=bearer(s.table),
+                       timeout=30).created
+    f = failure(refused(s.stub.Build, build_request(s.tenant, session), bearer(s.table)))
+    assert f.reason == "RPC_NOT_ALLOWED"
+    db.fetch("UPDATE api_tokens SET revoked_at = now() WHERE token_sha256 = $1",
+             token_sha256(s.table))
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            s.stub.GetPlan(pb.GetPlanRequest(tenant_id=s.tenant, session_id=session),
+                           metadata=bearer(s.table), timeout=30)
+        except grpc.RpcError as err:
+            assert failure(err).reason == "UNAUTHENTICATED"
+            break
+        assert time.monotonic() < deadline, "the revoked token still works after 10 s"
+        time.sleep(0.1)
+    # the file token of the same tenant is untouched by the revocation
+    assert s.stub.GetPlan(pb.GetPlanRequest(tenant_id=s.tenant, session_id=session),
+                          metadata=bearer(s.full), timeout=30).plan.epoch == 1
+
+
+class Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+        self.formatter_ = JsonFormatter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.formatter_.format(record))
+        self.lines.append(repr(record.__dict__))
+
+
+def test_tokens_never_reach_logs_or_errors(secured: Secured) -> None:
+    s = secured
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    unknown = f"unknown-{uuid.uuid4().hex}"
+    handler = Captured()
+    logger = logging.getLogger("context_engine")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        errors = [
+            refused(s.stub.Plan, plan_request(s.tenant, session), bearer(unknown)),
+            refused(s.stub.Plan, plan_request(s.tenant, session), bearer(s.build_only)),
+            refused(s.stub.Plan, plan_request(s.other_tenant, session), bearer(s.full)),
+        ]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    reasons = [json.loads(line).get("reason") for line in handler.lines[::2]]
+    assert reasons == ["UNAUTHENTICATED", "RPC_NOT_ALLOWED", "TENANT_MISMATCH"]
+    text = "\n".join(handler.lines)
+    for err in errors:
+        text += f"\n{err.details()}\n{err.trailing_metadata()!r}\n{err.debug_error_string()}"
+    for token in (unknown, s.build_only, s.full):
+        assert token not in text
+        assert token_sha256(token) not in text
+
+
+# ---------------------------------------------------------------- TLS and mutual TLS
+
+
+@dataclass
+class Pki:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    d = tmp_path_factory.mktemp("pki")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+             "ca.pem", "-days", "2", "-subj", "/CN=context-engine test CA", cwd=d)
+    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                                  "extendedKeyUsage=serverAuth\n")
+    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+                 f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile",
+                 f"{name}.ext", cwd=d)
+    return Pki(ca=d / "ca.pem", server_cert=d / "server.pem", server_key=d / "server.key",
+               client_cert=d / "client.pem", client_key=d / "client.key")
+
+
+def _health(channel: grpc.Channel) -> int:
+    return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                         timeout=5).status)
+
+
+def _secure(address: str, pki: Pki, *, client_cert: bool) -> grpc.Channel:
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=pki.ca.read_bytes(),
+        private_key=pki.client_key.read_bytes() if client_cert else None,
+        certificate_chain=pki.client_cert.read_bytes() if client_cert else None)
+    return grpc.secure_channel(address, creds)
+
+
+def test_tls_serves_tls_clients_and_refuses_plaintext(database_url: str, pki: Pki, ids,
+                                                      tmp_path: Path) -> None:
+    tenant, session = ids
+    token = f"tls-{uuid.uuid4().hex}"
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([{"sha256": token_sha256(token), "tenant_id": tenant,
+                                   "rpcs": ["*"]}]))
+    config = replace(base_config(), dev_mode=False, auth_tokens_file=tokens,
+                     tls_cert_file=pki.server_cert, tls_key_file=pki.server_key)
+    server = ServerThread(config, database_url)
+    try:
+        with _secure(server.address, pki, client_cert=False) as channel:
+            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as anonymous:
+                pb_grpc.ContextEngineStub(channel).Plan(plan_request(tenant, session),
+                                                        timeout=30)
+            assert anonymous.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        # as the README shows: TLS channel credentials composed with the bearer token
+        creds = grpc.composite_channel_credentials(
+            grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes()),
+            grpc.access_token_call_credentials(token))
+        with grpc.secure_channel(server.address, creds) as channel:
+            plan = pb_grpc.ContextEngineStub(channel).Plan(plan_request(tenant, session),
+                                                          timeout=30)
+            assert plan.plan.epoch == 1
+        with grpc.insecure_channel(server.address) as plain, \
+                pytest.raises(grpc.RpcError) as err:
+            _health(plain)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop()
+
+
+def test_mutual_tls_requires_a_client_certificate_from_the_ca(database_url: str,
+                                                              pki: Pki) -> None:
+    config = replace(base_config(), tls_cert_file=pki.server_cert, tls_key_file=pki.server_key,
+                     tls_client_ca_file=pki.ca)
+    server = ServerThread(config, database_url)
+    try:
+        with _secure(server.address, pki, client_cert=True) as channel:
+            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+        with _secure(server.address, pki, client_cert=False) as anonymous, \
+                pytest.raises(grpc.RpcError) as err:
+            _health(anonymous)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        with grpc.insecure_channel(server.address) as plain, \
+                pytest.raises(grpc.RpcError) as plain_err:
+            _health(plain)
+        assert plain_err.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------- the serve command
+
+
+def test_a_dev_mode_server_says_so_on_its_first_log_line(database_url: str) -> None:
+    server = ServerProcess({"DATABASE_URL": database_url, "CE_DEV_MODE": "1"})
+    try:
+        first = server.log[0]
+        assert first["event"] == "dev_mode" and first["credentials"] == "none"
+        with grpc.insecure_channel(server.address) as channel:
+            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        assert server.terminate() == 0
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--grpc-addr", "0.0.0.0:0"], "without credentials"),
+    (["--grpc-addr", "127.0.0.1:0"], "--dev"),
+    (["--dev", "--grpc-addr", "0.0.0.0:0"], "loopback"),
+])
+def test_serve_without_credentials_exits_with_a_configuration_error(args: list[str],
+                                                                    fragment: str) -> None:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CE_DEV_MODE", "CE_AUTH_TOKENS_FILE", "CE_AUTH_DB_TOKENS")}
+    out = subprocess.run([sys.executable, "-m", "context_engine", "serve", *args],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "configuration error" in out.stderr and fragment in out.stderr
+    assert out.stdout == ""  # nothing started, nothing logged

@@ -1,0 +1,276 @@
+"""Credentials without a server: token files, bearer parsing, grants, the token-table cache,
+and the configuration that decides whether a server may start."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from context_engine import cli
+from context_engine.api.auth import (
+    Authenticator,
+    DatabaseTokens,
+    Denied,
+    FileTokens,
+    Grant,
+    bearer_token,
+    check_tenant,
+    parse_tokens,
+    token_sha256,
+)
+from context_engine.config import Config, ConfigError, is_loopback
+from context_engine.v1 import context_engine_pb2 as pb
+
+TOKEN_A = "tok-a-6f1c0e9b"
+TOKEN_BUILD = "tok-build-2d7e"
+
+
+def entry(token: str, tenant: str, rpcs: list[str]) -> dict[str, Any]:
+    return {"sha256": token_sha256(token), "tenant_id": tenant, "rpcs": rpcs}
+
+
+def authenticator() -> Authenticator:
+    return Authenticator([FileTokens(parse_tokens(
+        [entry(TOKEN_A, "acme", ["*"]), entry(TOKEN_BUILD, "acme", ["Build", "GetPlan"])],
+        "test"))])
+
+
+def grant_for(auth: Authenticator, rpc: str, metadata: Any) -> Grant:
+    result: Grant = asyncio.run(auth.grant_for(rpc, metadata))
+    return result
+
+
+def denied(auth: Authenticator, rpc: str, metadata: Any) -> Denied:
+    with pytest.raises(Denied) as err:
+        grant_for(auth, rpc, metadata)
+    return err.value
+
+
+def test_token_hash_is_the_sha256_hex_of_the_utf8_bytes() -> None:
+    assert token_sha256("abc") == ("ba7816bf8f01cfea414140de5dae2223"
+                                   "b00361a396177a9cb410ff61f20015ad")
+    assert token_sha256("ä") == hashlib.sha256("ä".encode()).hexdigest()
+
+
+@pytest.mark.parametrize(("metadata", "expected"), [
+    ((), None),
+    ((("authorization", "Bearer abc"),), "abc"),
+    ((("authorization", "bearer   abc  "),), "abc"),
+    ((("authorization", b"Bearer abc"),), "abc"),
+    ((("authorization", "Basic abc"),), None),
+    ((("authorization", "Bearer"),), None),
+    ((("authorization", "Bearer a"), ("authorization", "Bearer b")), None),
+    ((("x-other", "Bearer abc"),), None),
+])
+def test_bearer_token_is_read_from_one_authorization_entry(metadata: Any,
+                                                           expected: str | None) -> None:
+    assert bearer_token(metadata) == expected
+
+
+def test_a_known_token_grants_its_tenant_and_rpcs() -> None:
+    auth = authenticator()
+    grant = grant_for(auth, "Plan", (("authorization", f"Bearer {TOKEN_A}"),))
+    assert grant == Grant(tenant_id="acme", rpcs=frozenset({"*"}))
+    limited = grant_for(auth, "Build", (("authorization", f"Bearer {TOKEN_BUILD}"),))
+    assert limited.allows("GetPlan") and not limited.allows("Plan")
+
+
+def test_missing_unknown_and_disallowed_tokens_are_refused_without_echoing_the_token() -> None:
+    auth = authenticator()
+    missing = denied(auth, "Plan", ())
+    assert (missing.code, missing.reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+    unknown = denied(auth, "Plan", (("authorization", "Bearer not-a-known-token-77"),))
+    assert (unknown.code, unknown.reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+    assert "not-a-known-token-77" not in unknown.message + json.dumps(unknown.metadata)
+    narrow = denied(auth, "Plan", (("authorization", f"Bearer {TOKEN_BUILD}"),))
+    assert (narrow.code, narrow.reason) == (grpc.StatusCode.PERMISSION_DENIED, "RPC_NOT_ALLOWED")
+    assert narrow.metadata == {"rpc": "Plan", "tenant_id": "acme"}
+    assert TOKEN_BUILD not in narrow.message + json.dumps(narrow.metadata)
+
+
+def test_a_request_for_another_tenant_is_refused() -> None:
+    grant = Grant(tenant_id="acme", rpcs=frozenset({"*"}))
+    check_tenant("GetPlan", pb.GetPlanRequest(tenant_id="acme", session_id="s"), grant)
+    for tenant in ("globex", "", "ACME"):
+        with pytest.raises(Denied) as err:
+            check_tenant("GetPlan", pb.GetPlanRequest(tenant_id=tenant, session_id="s"), grant)
+        assert err.value.code is grpc.StatusCode.PERMISSION_DENIED
+        assert err.value.reason == "TENANT_MISMATCH"
+        assert err.value.metadata["tenant_id"] == tenant
+        assert err.value.metadata["token_tenant_id"] == "acme"
+
+
+@pytest.mark.parametrize(("document", "fragment"), [
+    ({"sha256": "x"}, "JSON list"),
+    (["nope"], "expected an object"),
+    ([{"sha256": "ab", "tenant_id": "t", "rpcs": ["*"]}], "64 hex"),
+    ([{"sha256": "a" * 64, "tenant_id": "", "rpcs": ["*"]}], "tenant_id"),
+    ([{"sha256": "a" * 64, "tenant_id": "t", "rpcs": []}], "rpcs"),
+    ([{"sha256": "a" * 64, "tenant_id": "t", "rpcs": ["Plna"]}], "unknown RPC names"),
+    ([{"sha256": "a" * 64, "tenant_id": "t", "rpcs": ["*"], "token": "plain"}], "unknown keys"),
+    ([{"sha256": "a" * 64, "tenant_id": "t", "rpcs": ["*"]},
+      {"sha256": "A" * 64, "tenant_id": "u", "rpcs": ["*"]}], "twice"),
+])
+def test_malformed_token_files_are_configuration_errors(document: Any, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        parse_tokens(document, "CE_AUTH_TOKENS_FILE")
+
+
+def test_token_file_hashes_are_case_insensitive_and_loaded_from_disk(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.json"
+    digest = token_sha256(TOKEN_A).upper()
+    path.write_text(json.dumps([{"sha256": digest, "tenant_id": "acme", "rpcs": ["Plan"]}]))
+    tokens = FileTokens.load(path)
+    assert asyncio.run(tokens.grant(token_sha256(TOKEN_A))) == Grant(
+        tenant_id="acme", rpcs=frozenset({"Plan"}))
+    assert asyncio.run(tokens.grant(token_sha256("other"))) is None
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        FileTokens.load(path)
+
+
+class FakePool:
+    """The one asyncpg call DatabaseTokens makes, over rows held in memory."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.queries = 0
+
+    async def fetchrow(self, sql: str, digest: str, *, timeout: float) -> Any:
+        self.queries += 1
+        row = self.rows.get(digest)
+        return None if row is None or row["revoked"] else row
+
+
+def test_table_tokens_are_cached_for_the_ttl_so_a_revocation_lands_within_it() -> None:
+    pool = FakePool()
+    now = [100.0]
+    digest = token_sha256(TOKEN_A)
+    pool.rows[digest] = {"token_sha256": digest, "tenant_id": "acme", "rpcs": ["*"],
+                         "revoked": False}
+    tokens = DatabaseTokens(pool, ttl=30.0, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert asyncio.run(tokens.grant(digest)) == Grant(tenant_id="acme", rpcs=frozenset({"*"}))
+    pool.rows[digest]["revoked"] = True
+    now[0] += 29.0
+    assert asyncio.run(tokens.grant(digest)) is not None  # still cached
+    assert pool.queries == 1
+    now[0] += 1.5
+    assert asyncio.run(tokens.grant(digest)) is None  # re-read: revoked
+    assert pool.queries == 2
+
+
+def test_unknown_table_tokens_are_remembered_only_briefly() -> None:
+    pool = FakePool()
+    now = [0.0]
+    digest = token_sha256("minted-later")
+    tokens = DatabaseTokens(pool, ttl=30.0, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert asyncio.run(tokens.grant(digest)) is None
+    assert asyncio.run(tokens.grant(digest)) is None
+    assert pool.queries == 1
+    pool.rows[digest] = {"token_sha256": digest, "tenant_id": "acme", "rpcs": ["Plan"],
+                         "revoked": False}
+    now[0] += 3.0
+    assert asyncio.run(tokens.grant(digest)) == Grant(tenant_id="acme",
+                                                       rpcs=frozenset({"Plan"}))
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("127.9.9.9", True), ("::1", True), ("localhost", True),
+    ("0.0.0.0", False), ("::", False), ("", False), ("10.0.0.5", False), ("example.com", False),
+])
+def test_loopback_hosts(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def serving(env: dict[str, str]) -> Config:
+    config = Config.from_env(env)
+    config.validate_serving()
+    return config
+
+
+def test_dev_mode_is_read_from_the_environment_and_allowed_on_loopback() -> None:
+    assert serving({"CE_DEV_MODE": "1"}).dev_mode
+    assert serving({"CE_DEV_MODE": "true", "CE_GRPC_ADDR": "[::1]:0"}).dev_mode
+    assert not Config.from_env({"CE_DEV_MODE": "0"}).dev_mode
+    with pytest.raises(ConfigError, match="CE_DEV_MODE"):
+        Config.from_env({"CE_DEV_MODE": "maybe"})
+
+
+@pytest.mark.parametrize(("env", "fragment"), [
+    ({"CE_DEV_MODE": "1", "CE_GRPC_ADDR": "0.0.0.0:50051"}, "loopback"),
+    ({"CE_DEV_MODE": "1", "CE_GRPC_ADDR": ":50051"}, "loopback"),
+    ({"CE_DEV_MODE": "1", "CE_AUTH_DB_TOKENS": "1"}, "choose one"),
+    ({}, "--dev"),
+    ({"CE_GRPC_ADDR": "0.0.0.0:50051"}, "refusing to serve '0.0.0.0:50051' without credentials"),
+    ({"CE_GRPC_ADDR": "[::]:50051"}, "without credentials"),
+])
+def test_a_server_without_credentials_refuses_to_start(env: dict[str, str],
+                                                       fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        serving(env)
+
+
+def test_any_token_source_makes_a_public_bind_acceptable(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text("[]")
+    public = {"CE_GRPC_ADDR": "0.0.0.0:50051"}
+    assert serving({**public, "CE_AUTH_DB_TOKENS": "1"}).auth_db_tokens
+    assert serving({**public, "CE_AUTH_TOKENS_FILE": str(tokens)}).auth_tokens_file == tokens
+    assert serving({"CE_AUTH_DB_TOKENS": "yes", "CE_AUTH_CACHE_SECONDS": "5"}
+                   ).auth_cache_seconds == 5.0
+
+
+def test_tls_files_come_in_pairs_and_must_exist(tmp_path: Path) -> None:
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("x")
+    key.write_text("x")
+    with pytest.raises(ConfigError, match="set together"):
+        Config.from_env({"CE_TLS_CERT_FILE": str(cert)})
+    with pytest.raises(ConfigError, match="mutual TLS"):
+        Config.from_env({"CE_TLS_CLIENT_CA_FILE": str(cert)})
+    with pytest.raises(ConfigError, match="CE_TLS_KEY_FILE"):
+        Config.from_env({"CE_TLS_CERT_FILE": str(cert),
+                         "CE_TLS_KEY_FILE": str(tmp_path / "missing.pem")})
+    both = Config.from_env({"CE_TLS_CERT_FILE": str(cert), "CE_TLS_KEY_FILE": str(key),
+                            "CE_TLS_CLIENT_CA_FILE": str(cert)})
+    assert (both.tls_cert_file, both.tls_key_file, both.tls_client_ca_file) == (cert, key, cert)
+
+
+def test_cli_serve_exits_2_with_a_clear_message(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str],
+                                                tmp_path: Path) -> None:
+    for name in ("CE_DEV_MODE", "CE_AUTH_TOKENS_FILE", "CE_AUTH_DB_TOKENS", "CE_GRPC_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["serve", "--grpc-addr", "0.0.0.0:0"]) == 2
+    assert "without credentials" in capsys.readouterr().err
+    assert cli.main(["serve", "--dev", "--grpc-addr", "0.0.0.0:0"]) == 2
+    assert "loopback" in capsys.readouterr().err
+    assert cli.main(["serve"]) == 2
+    assert "--dev" in capsys.readouterr().err
+    bad = tmp_path / "tokens.json"
+    bad.write_text(json.dumps([{"sha256": "00", "tenant_id": "t", "rpcs": ["*"]}]))
+    monkeypatch.setenv("CE_AUTH_TOKENS_FILE", str(bad))
+    assert cli.main(["serve"]) == 2
+    assert "64 hex" in capsys.readouterr().err
+
+
+def test_cli_hash_token_reads_stdin_and_mints_entries(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("s3cret-token\n"))
+    assert cli.main(["hash-token"]) == 0
+    assert capsys.readouterr().out.strip() == token_sha256("s3cret-token")
+    assert cli.main(["hash-token", "--tenant-id", "acme", "--rpc", "Build",
+                     "--rpc", "GetPlan"]) == 0
+    minted = json.loads(capsys.readouterr().out)
+    assert minted["entry"] == {"sha256": token_sha256(minted["token"]), "tenant_id": "acme",
+                               "rpcs": ["Build", "GetPlan"]}
+    assert len(minted["token"]) >= 40
+    # the entry is exactly what a tokens file accepts
+    assert parse_tokens([minted["entry"]], "minted")[0][1].allows("Build")
+    assert cli.main(["hash-token", "--tenant-id", "acme", "--rpc", "Plna"]) == 2
