@@ -4,8 +4,9 @@
 # installs exactly requirements/runtime.txt plus that wheel and runs as a non-root user.
 #
 # The image listens on 0.0.0.0:50051 (gRPC) and 0.0.0.0:9464 (/metrics). A non-loopback bind
-# needs credentials: mount a tokens file and set CE_AUTH_TOKENS_FILE, or keep tokens in the
-# api_tokens table (dev mode is refused off loopback). See deploy/README.md.
+# needs credentials: mount a tokens file and set CE_AUTH_TOKENS_FILE, and/or keep tokens in
+# the api_tokens table with CE_AUTH_DB_TOKENS=1 (dev mode is refused off loopback). See
+# deploy/README.md.
 
 FROM python:3.11.7-slim-bookworm AS build
 ENV PIP_NO_CACHE_DIR=1 \
