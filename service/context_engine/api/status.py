@@ -36,20 +36,49 @@ def code_for(error: e.ContextEngineError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+# The status travels in trailers, and clients refuse trailers over 8 KiB (gRPC's default soft
+# limit; 16 KiB hard): an error echoing a huge or many-times-wrong request would reach the
+# caller as RESOURCE_EXHAUSTED without any status. These bounds keep the whole status (message
+# percent-encoded, details base64-encoded) well under that.
+MAX_MESSAGE_BYTES = 400
+MAX_VIOLATIONS = 8
+MAX_FIELD_BYTES = 100
+MAX_DESCRIPTION_BYTES = 160
+MAX_METADATA_BYTES = 200
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` UTF-8 bytes (on a character boundary), marked "…"."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[:limit - 3].decode(errors="ignore") + "…"
+
+
 def rich_status(code: grpc.StatusCode, message: str, reason: str,
                 metadata: dict[str, str],
                 violations: tuple[e.FieldViolation, ...] = ()) -> status_pb2.Status:
+    """The status of one failed call, bounded in size: the first ``MAX_VIOLATIONS`` field
+    violations (the metadata's ``violations`` counts them all), long values clipped."""
+    metadata = {_clip(k, MAX_METADATA_BYTES): _clip(v, MAX_METADATA_BYTES)
+                for k, v in metadata.items()}
+    if len(violations) > MAX_VIOLATIONS:
+        metadata["violations"] = str(len(violations))
+        message = (f"{len(violations)} violations (the first {MAX_VIOLATIONS} in the "
+                   f"details): {message}")
     info = any_pb2.Any()
     info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=metadata))
     details = [info]
     if violations:
         bad = any_pb2.Any()
         bad.Pack(error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-            for v in violations]))
+            error_details_pb2.BadRequest.FieldViolation(
+                field=_clip(v.field, MAX_FIELD_BYTES),
+                description=_clip(v.description, MAX_DESCRIPTION_BYTES))
+            for v in violations[:MAX_VIOLATIONS]]))
         details.append(bad)
-    return status_pb2.Status(code=getattr(code_pb2, code.name), message=message,
-                             details=details)
+    return status_pb2.Status(code=getattr(code_pb2, code.name),
+                             message=_clip(message, MAX_MESSAGE_BYTES), details=details)
 
 
 def status_for(error: e.ContextEngineError) -> tuple[grpc.StatusCode, status_pb2.Status]:
