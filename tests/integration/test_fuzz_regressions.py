@@ -8,6 +8,7 @@ import pytest
 from context_engine.v1 import context_engine_pb2 as pb
 
 from tests.integration.requests import build_request, failure, item, plan_request
+from tests.support import fuzz
 
 pytestmark = pytest.mark.integration
 
@@ -44,3 +45,23 @@ def test_a_violation_echoing_a_huge_value_is_clipped(stub, ids):
     assert f.code is grpc.StatusCode.INVALID_ARGUMENT
     assert len(f.violations["current.tasks[0].state"].encode()) <= 160
     assert len(f.message.encode()) <= 400
+
+
+@pytest.mark.parametrize("payload", [
+    b"\xff\xff\xff",                                      # corrupt wire format
+    fuzz.length_delimited(1, b"\xc3\x28"),                # tenant_id with invalid UTF-8
+    fuzz.tag(1, 2) + fuzz.varint(2**32 + 5) + b"x",       # a length past the end
+    fuzz.nested_groups(5000),                             # nesting past the parser's limit
+], ids=["corrupt", "invalid-utf8", "overlong-length", "deep-groups"])
+@pytest.mark.parametrize("rpc", fuzz.RPCS)
+def test_undecodable_request_is_invalid_argument(channel, rpc, payload):
+    """gRPC answers a request that does not decode with UNKNOWN and the parser's exception
+    name; the service answers INVALID_ARGUMENT with its ErrorInfo."""
+    call = channel.unary_unary(fuzz.path(rpc), request_serializer=lambda b: b,
+                               response_deserializer=fuzz.METHODS[rpc][1].FromString)
+    with pytest.raises(grpc.RpcError) as err:
+        call(payload, timeout=30)
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT, (f.code, f.message)
+    assert f.reason == "INVALID_ARGUMENT" and f.domain == "context-engine"
+    assert "request" in f.violations

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.protobuf.message import Message as ProtoMessage
 from grpc_status import rpc_status
 from opentelemetry.trace import NoOpTracer, SpanKind, Tracer
 
@@ -16,7 +18,7 @@ from context_engine.api import mapping
 from context_engine.api.status import internal_status, status_for
 from context_engine.domain.builder import checkpoint_violations
 from context_engine.domain.canonical import session_key
-from context_engine.domain.errors import ContextEngineError
+from context_engine.domain.errors import ContextEngineError, InvalidInput
 from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
@@ -222,3 +224,54 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             record.extra["elided"] = len(outcome.result.elided)
             return mapping.compact_pb(outcome)
         return await self._run("Compact", context, call)
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A request whose bytes are no valid encoding of its message (corrupt wire format,
+    invalid UTF-8 in a string field, nesting past the parser's limit)."""
+
+    message_type: str
+    why: str
+
+
+def _decoder(cls: type[ProtoMessage]) -> Callable[[bytes], ProtoMessage | Undecodable]:
+    def decode(data: bytes) -> ProtoMessage | Undecodable:
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(cls.DESCRIPTOR.full_name, str(exc))
+    return decode
+
+
+def _refusing_undecodable(servicer: ContextEngineServicer, method: str
+                          ) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]],
+                                        Awaitable[Any]]:
+    inner = getattr(servicer, method)
+
+    async def handle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        if not isinstance(request, Undecodable):
+            return await inner(request, context)
+        bad = request
+
+        async def refuse(record: CallRecord) -> Any:
+            raise InvalidInput.one("request", f"is not a valid {bad.message_type}: {bad.why}")
+        return await servicer._run(method, context, refuse)
+    return handle
+
+
+def add_to_server(servicer: ContextEngineServicer, server: grpc.aio.Server) -> None:
+    """Registers ``servicer`` as the generated ``add_ContextEngineServicer_to_server`` does,
+    except that a request that does not decode is answered INVALID_ARGUMENT with the rich
+    status of every other malformed request (gRPC itself answers UNKNOWN, naming the parser's
+    exception, with no details)."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["ContextEngine"].methods:
+        request_type = getattr(pb, method.input_type.name)
+        response_type = getattr(pb, method.output_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            _refusing_undecodable(servicer, method.name),
+            request_deserializer=_decoder(request_type),
+            response_serializer=response_type.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
