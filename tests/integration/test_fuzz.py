@@ -1,0 +1,250 @@
+"""Fuzzing the gRPC API: over ten thousand malformed and boundary requests, across every RPC,
+against the real server and database.
+
+Every answer is OK (only for requests that may be valid) or one of INVALID_ARGUMENT,
+FAILED_PRECONDITION, NOT_FOUND, RESOURCE_EXHAUSTED with exactly one ErrorInfo of the service's
+domain in the rich status; never INTERNAL or UNKNOWN. Tenants that receive only malformed
+requests own no row afterwards, a tenant whose session receives only malformed requests keeps
+the rows it had, and the server still reports SERVING.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+from context_engine.v1 import context_engine_pb2 as pb
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from tests.support import fuzz
+
+pytestmark = [pytest.mark.integration, pytest.mark.fuzz]
+
+DOMAIN = "context-engine"
+ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+           grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
+TABLES = ("sessions", "plans", "context_events", "compactions", "estimator_calibration",
+          "idempotency_keys")
+IN_FLIGHT = 64  # requests on the channel at once
+PER_EXAMPLE = 16  # cases hypothesis draws per example
+
+
+@dataclass
+class Sender:
+    """Sends cases as raw bytes, ``IN_FLIGHT`` at a time, and checks every answer."""
+
+    channel: grpc.Channel
+    sent: int = 0
+    codes: Counter[str] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+    pending: list[fuzz.Case] = field(default_factory=list)
+    calls: dict[str, Callable[..., Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for rpc, (_, response) in fuzz.METHODS.items():
+            self.calls[rpc] = self.channel.unary_unary(
+                fuzz.path(rpc), request_serializer=lambda b: b,
+                response_deserializer=response.FromString)
+
+    def add(self, cases: list[fuzz.Case]) -> None:
+        self.pending.extend(cases)
+        while len(self.pending) >= IN_FLIGHT:
+            batch, self.pending = self.pending[:IN_FLIGHT], self.pending[IN_FLIGHT:]
+            self._send(batch)
+
+    def flush(self) -> None:
+        batch, self.pending = self.pending, []
+        if batch:
+            self._send(batch)
+
+    def _send(self, batch: list[fuzz.Case]) -> None:
+        futures = [(case, self.calls[case.rpc].future(case.payload, timeout=60))
+                   for case in batch]
+        for case, future in futures:
+            self.sent += 1
+            try:
+                future.result()
+            except grpc.RpcError as err:
+                self._check_error(case, err)
+            else:
+                self.codes[f"{case.rpc} OK"] += 1
+                if case.malformed:
+                    self.problems.append(f"{case!r}: answered OK")
+
+    def _check_error(self, case: fuzz.Case, err: grpc.RpcError) -> None:
+        assert isinstance(err, grpc.Call)
+        code = err.code()
+        self.codes[f"{case.rpc} {code.name}"] += 1
+        where = f"{case!r}: {code.name} {err.details()!r}"
+        if code not in ALLOWED:
+            self.problems.append(where)
+            return
+        try:
+            status = rpc_status.from_call(err)
+        except ValueError as exc:  # a status that contradicts the call's code
+            self.problems.append(f"{where}: {exc}")
+            return
+        if status is None:
+            self.problems.append(f"{where}: no rich status")
+            return
+        infos = [d for d in status.details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR)]
+        if len(infos) != 1:
+            self.problems.append(f"{where}: {len(infos)} ErrorInfo details")
+            return
+        info = error_details_pb2.ErrorInfo()
+        infos[0].Unpack(info)
+        if info.domain != DOMAIN or not info.reason:
+            self.problems.append(f"{where}: ErrorInfo {info.domain!r} {info.reason!r}")
+
+    def run(self, strategy: st.SearchStrategy[fuzz.Case], examples: int) -> None:
+        """``examples`` hypothesis examples of ``PER_EXAMPLE`` cases each, sent as they come."""
+        @settings(max_examples=examples, derandomize=True, deadline=None, database=None,
+                  phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+        @given(st.lists(strategy, min_size=PER_EXAMPLE, max_size=PER_EXAMPLE))
+        def send(cases: list[fuzz.Case]) -> None:
+            self.add(cases)
+
+        send()
+        self.flush()
+
+    def assert_clean(self) -> None:
+        kinds = Counter(p.split(": ", 1)[1].split(" ", 1)[0] + " " + p.split(",", 2)[1]
+                        for p in self.problems)
+        assert not self.problems, (f"{len(self.problems)} bad answers {dict(kinds)}; first:\n"
+                                   + "\n".join(self.problems[:25]))
+
+
+def per_rpc(make: Callable[[str], st.SearchStrategy[fuzz.Case]]) -> st.SearchStrategy[
+        fuzz.Case]:
+    return st.one_of(*(make(rpc) for rpc in fuzz.RPCS))
+
+
+def rows(db: Any, tenant: str | None = None) -> dict[str, int]:
+    if tenant is None:
+        return {t: int(db.val(f"SELECT count(*) FROM {t}")) for t in TABLES}
+    return {t: int(db.val(f"SELECT count(*) FROM {t} WHERE tenant_id = $1", tenant))
+            for t in TABLES}
+
+
+def test_fuzz_every_rpc(server, channel, stub, db):
+    run_id = uuid.uuid4().hex[:10]
+    malformed_only = f"fuzz-malformed-{run_id}"    # no session, only malformed traffic
+    guarded = f"fuzz-guarded-{run_id}"             # a session, then only malformed traffic
+    open_tenant = f"fuzz-boundary-{run_id}"        # a session, boundary traffic
+    session = "fuzz-session"
+    stub.Plan(fuzz.base_request("Plan", guarded, session))
+    stub.Plan(fuzz.base_request("Plan", open_tenant, session))
+    guarded_rows = rows(db, guarded)
+    assert guarded_rows["plans"] == 1
+
+    sender = Sender(channel)
+
+    # 1. random bytes as the serialized request: nothing anywhere may be written
+    before = rows(db)
+    sender.run(per_rpc(fuzz.random_bytes), examples=100)
+    sender.assert_clean()
+    assert rows(db) == before
+
+    # 2. wire-level damage to encodings of requests no session exists for (the Plan carries a
+    # violation): truncation, bit flips, invalid UTF-8, wrong wire types, unknown fields, deep
+    # nesting, lengths past the end
+    def wire(rpc: str) -> st.SearchStrategy[fuzz.Case]:
+        msg = fuzz.base_request(rpc, malformed_only, session)
+        if rpc == "Plan":
+            msg.agent.version = ""  # type: ignore[attr-defined]
+        return fuzz.wire_mutation(rpc, msg.SerializeToString())
+    sender.run(per_rpc(wire), examples=80)
+
+    # 3. whole request messages of boundary values, in any field
+    sender.run(per_rpc(fuzz.generated), examples=70)
+
+    # 4. certainly malformed requests from a tenant without sessions, some naming another
+    # tenant's session (mixed tenants)
+    sender.run(st.one_of(*(fuzz.malformed(rpc, malformed_only, s) for rpc in fuzz.RPCS
+                           for s in (session, "fuzz-unknown-session"))), examples=150)
+
+    # 5. certainly malformed requests against an existing session
+    sender.run(per_rpc(lambda rpc: fuzz.malformed(rpc, guarded, session)), examples=130)
+
+    # 6. boundary requests against an existing session: any of them may be valid
+    sender.run(per_rpc(lambda rpc: fuzz.boundary(rpc, open_tenant, session)), examples=100)
+    sender.assert_clean()
+
+    # 7. unknown sessions and epochs of a tenant that has one
+    unknown = [
+        fuzz.Case("GetPlan", pb.GetPlanRequest(tenant_id=guarded, session_id=session,
+                                               epoch=e).SerializeToString(), True, "epoch")
+        for e in (2, 3, 1000, 2**31 - 1)]
+    unknown += [
+        fuzz.Case(rpc, msg.SerializeToString(), True, "unknown session")
+        for rpc in fuzz.RPCS if rpc != "Plan"
+        for msg in [fuzz.base_request(rpc, guarded, "fuzz-no-such-session")]]
+    build = fuzz.base_request("Build", guarded, session)
+    build.epoch = 9  # type: ignore[attr-defined]
+    unknown.append(fuzz.Case("Build", build.SerializeToString(), True, "unknown epoch"))
+    sender.add(unknown)
+    sender.flush()
+    sender.assert_clean()
+
+    assert sender.sent >= 10_000, sender.sent
+    assert rows(db, malformed_only) == dict.fromkeys(TABLES, 0)
+    assert rows(db, guarded) == guarded_rows
+    health = health_pb2_grpc.HealthStub(channel)
+    for name in ("", "context_engine.v1.ContextEngine"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == (
+            health_pb2.HealthCheckResponse.SERVING)
+    print(f"\n{sender.sent} requests: " + ", ".join(
+        f"{k}={v}" for k, v in sorted(sender.codes.items())))
+
+
+def test_idempotency_keys_reused_with_other_payloads(stub, ids, db):
+    """A key retried with a different request is refused and changes nothing."""
+    tenant, session = ids
+    stub.Plan(fuzz.base_request("Plan", tenant, session))
+    compact = fuzz.base_request("Compact", tenant, session)
+    usage = fuzz.base_request("ReportUsage", tenant, session)
+    rotate = fuzz.base_request("Rotate", tenant, session)
+    stub.Compact(compact)
+    stub.ReportUsage(usage)
+    stub.Rotate(rotate)
+    before = rows(db, tenant)
+    variants: list[tuple[str, Any]] = []
+    for change in (lambda m: setattr(m, "reason", "other"),
+                   lambda m: setattr(m, "replace_through_sequence", 1),
+                   lambda m: setattr(m, "session_id", "other-session"),
+                   lambda m: m.checkpoint.items[0].user.__setattr__("text", "changed")):
+        msg = pb.CompactRequest()
+        msg.CopyFrom(compact)
+        change(msg)
+        variants.append(("Compact", msg))
+    for change in (lambda m: setattr(m, "input_tokens", 3200),
+                   lambda m: setattr(m, "cached_tokens", 0),
+                   lambda m: setattr(m, "estimator_factor", 1.5),
+                   lambda m: setattr(m, "session_id", "other-session")):
+        msg = pb.ReportUsageRequest()
+        msg.CopyFrom(usage)
+        change(msg)
+        variants.append(("ReportUsage", msg))
+    for change in (lambda m: setattr(m, "session_id", "other-session"),
+                   lambda m: (setattr(m, "reason", pb.ROTATION_REASON_MODEL_ROUTED),
+                              m.model.CopyFrom(pb.ModelSpec(model_id="gpt-4o")))):
+        msg = pb.RotateRequest()
+        msg.CopyFrom(rotate)
+        change(msg)
+        variants.append(("Rotate", msg))
+    for rpc, msg in variants:
+        with pytest.raises(grpc.RpcError) as err:
+            getattr(stub, rpc)(msg)
+        assert err.value.code() in ALLOWED - {grpc.StatusCode.RESOURCE_EXHAUSTED}, (rpc, msg)
+        status = rpc_status.from_call(err.value)
+        assert status is not None
+        assert rows(db, tenant) == before, (rpc, msg)
