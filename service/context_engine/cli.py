@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_p = sub.add_parser("serve", help="serve gRPC and metrics (the default of `make run`)")
     serve_p.add_argument("--grpc-addr", help="host:port (env CE_GRPC_ADDR; port 0 picks one)")
     serve_p.add_argument("--metrics-addr", help="host:port, empty to disable (CE_METRICS_ADDR)")
+    serve_p.add_argument("--workers", type=int, help="serving processes on the one port "
+                         "(env CE_WORKERS; default: the number of CPUs)")
     serve_p.add_argument("--dev", action="store_true",
                          help="development mode: no credentials, loopback binds only "
                               "(CE_DEV_MODE=1)")
@@ -50,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             config = replace(config, grpc_addr=args.grpc_addr)
         if getattr(args, "metrics_addr", None) is not None:
             config = replace(config, metrics_addr=args.metrics_addr)
+        if getattr(args, "workers", None) is not None:
+            if args.workers < 1:
+                raise ConfigError(f"--workers={args.workers} must be at least 1")
+            config = replace(config, workers=args.workers)
         if getattr(args, "dev", False):
             config = replace(config, dev_mode=True)
         config.validate()
@@ -73,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         log("dev_mode", logging.WARNING, credentials="none", grpc=config.grpc_addr,
             note="every RPC is accepted without credentials; loopback binds only")
     if args.command == "serve":
+        from context_engine.api.workers import WORKER_ENV, supervise
+
+        count = config.worker_count()
+        if count > 1 and WORKER_ENV not in os.environ:
+            passed = ["--dev"] if getattr(args, "dev", False) else []
+            return asyncio.run(supervise(config, count, passed))
         from context_engine.api.server import serve
 
         asyncio.run(serve(config))

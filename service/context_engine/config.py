@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,13 @@ class Config:
     assets_dir: Path = DEFAULT_ASSETS_DIR
     model_catalog: Path = DEFAULT_CATALOG
     max_receive_bytes: int = 64 * 1024 * 1024
+    max_concurrent_rpcs: int = 256  # per process; the next one gets RESOURCE_EXHAUSTED
+    max_items_per_request: int = 100_000  # elements of any one repeated field
+    max_item_bytes: int = 16 * 1024 * 1024  # serialized size of any one element
+    workers: int = 0  # serving processes on one port; 0: the number of CPUs
+    keepalive_time_seconds: float = 60.0  # server pings an idle connection this often
+    keepalive_timeout_seconds: float = 20.0  # and closes it if the ping is not answered
+    max_connection_age_seconds: float = 1800.0  # connections are recycled (rebalancing)
     grace_seconds: float = 10.0
     drain_seconds: float = 1.0
     db_pool_size: int = 10
@@ -129,6 +137,18 @@ class Config:
             assets_dir=Path(env.get("CE_ASSETS_DIR") or defaults.assets_dir),
             model_catalog=Path(env.get("CE_MODEL_CATALOG") or defaults.model_catalog),
             max_receive_bytes=_int(env, "CE_MAX_RECEIVE_BYTES", defaults.max_receive_bytes, 1024),
+            max_concurrent_rpcs=_int(env, "CE_MAX_CONCURRENT_RPCS",
+                                     defaults.max_concurrent_rpcs, 1),
+            max_items_per_request=_int(env, "CE_MAX_ITEMS_PER_REQUEST",
+                                       defaults.max_items_per_request, 1),
+            max_item_bytes=_int(env, "CE_MAX_ITEM_BYTES", defaults.max_item_bytes, 1024),
+            workers=_int(env, "CE_WORKERS", defaults.workers, 0),
+            keepalive_time_seconds=_float(env, "CE_KEEPALIVE_TIME_SECONDS",
+                                          defaults.keepalive_time_seconds),
+            keepalive_timeout_seconds=_float(env, "CE_KEEPALIVE_TIMEOUT_SECONDS",
+                                             defaults.keepalive_timeout_seconds),
+            max_connection_age_seconds=_float(env, "CE_MAX_CONNECTION_AGE_SECONDS",
+                                              defaults.max_connection_age_seconds),
             grace_seconds=_float(env, "CE_GRACE_SECONDS", defaults.grace_seconds),
             drain_seconds=_float(env, "CE_DRAIN_SECONDS", defaults.drain_seconds, minimum=0.0),
             db_pool_size=_int(env, "CE_DB_POOL_SIZE", defaults.db_pool_size, 1),
@@ -209,6 +229,15 @@ class Config:
             raise ConfigError(f"refusing to serve {self.grpc_addr!r} without credentials: "
                               "configure tokens with CE_AUTH_TOKENS_FILE and/or "
                               "CE_AUTH_DB_TOKENS=1")
+
+    def worker_count(self) -> int:
+        """Serving processes: ``workers``, or one per CPU this process may use."""
+        if self.workers > 0:
+            return self.workers
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # not Linux
+            return max(1, os.cpu_count() or 1)
 
     def budget_policy(self) -> BudgetPolicy:
         return BudgetPolicy(safety_margin_ratio=self.safety_margin_ratio,

@@ -28,6 +28,8 @@ EXPECTED = {
     "idempotency_keys": {"tenant_id", "rpc", "key", "response", "created_at"},
     "compactions": {"tenant_id", "idempotency_key", "session_id", "fingerprint", "depth",
                     "replaced_through_sequence", "compactor_version", "result", "created_at"},
+    "api_tokens": {"token_sha256", "tenant_id", "rpcs", "description", "created_at",
+                   "revoked_at"},
 }
 
 

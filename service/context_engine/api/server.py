@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 import signal
 import warnings
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ from context_engine.adapters.assets import (
     load_model_catalog,
     load_platform_assets,
 )
+from context_engine.adapters.postgres.errors import UNAVAILABLE
 from context_engine.adapters.postgres.migrate import migrate
 from context_engine.adapters.postgres.store import (
     PostgresCalibrationStore,
@@ -29,10 +33,13 @@ from context_engine.adapters.postgres.store import (
     PostgresEventLog,
     PostgresPlanStore,
 )
+from context_engine.adapters.resilience import BufferedEventLog, LastKnownEpochs
 from context_engine.adapters.summarizer import OpenAISummarizer, load_prompt
 from context_engine.adapters.tokenizers import TiktokenRegistry
 from context_engine.api.auth import auth_interceptor, server_credentials
+from context_engine.api.limits import Limits, LimitsInterceptor
 from context_engine.api.servicer import ContextEngineServicer
+from context_engine.api.workers import WORKER_ENV
 from context_engine.config import Config, split_addr
 from context_engine.domain.compaction import StructuredSummarizer, Summarizer
 from context_engine.engine import Engine
@@ -67,15 +74,22 @@ class Running:
     grpc_port: int
     metrics_port: int | None
     metrics_http: Any
+    events: BufferedEventLog
+    watch: asyncio.Task[None] | None = None
     tracing: Any = None  # the OTLP tracer provider this server created, flushed at stop
 
     async def stop(self, grace: float, *, drain: float = 0.0) -> None:
         """Health goes NOT_SERVING first and stays so for ``drain`` seconds while RPCs are
         still served (load balancers notice), then in-flight RPCs get ``grace`` seconds."""
+        if self.watch is not None:
+            self.watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.watch
         await self.health.enter_graceful_shutdown()
         if drain > 0:
             await asyncio.sleep(drain)
         await self.server.stop(grace)
+        await self.events.close()
         await self.pool.close()
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
@@ -93,6 +107,26 @@ def summarizer_for(config: Config) -> Summarizer:
     return StructuredSummarizer()
 
 
+def server_options(config: Config) -> list[tuple[str, int]]:
+    """Message limits, and keepalive as gRPC's keepalive guide recommends: the server pings
+    idle connections (dead peers and half-open NAT entries are noticed), tolerates client
+    pings every 10 s even without calls, and recycles connections after a maximum age so
+    clients re-resolve and spread over replicas (with a grace for in-flight calls)."""
+    ms = 1000
+    return [
+        ("grpc.max_receive_message_length", config.max_receive_bytes),
+        ("grpc.max_send_message_length", config.max_receive_bytes),
+        ("grpc.keepalive_time_ms", int(config.keepalive_time_seconds * ms)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_seconds * ms)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10 * ms),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * ms)),
+        ("grpc.max_connection_age_grace_ms", int(config.grace_seconds * ms) + 5 * ms),
+        ("grpc.so_reuseport", 1),
+    ]
+
+
 async def start(config: Config, *, database_url: str,
                 registry: CollectorRegistry = REGISTRY,
                 tracer_provider: trace.TracerProvider | None = None) -> Running:
@@ -102,15 +136,17 @@ async def start(config: Config, *, database_url: str,
     if applied:
         log("migrated", applied=applied)
     pool = await asyncpg.create_pool(database_url, min_size=1, max_size=config.db_pool_size,
-                                     command_timeout=config.db_timeout_seconds)
+                                     command_timeout=config.db_timeout_seconds,
+                                     timeout=config.db_timeout_seconds)
     metrics = Metrics(registry)
     owned = otlp_provider(__version__) if tracer_provider is None and config.trace_export \
         else None
     tracer = tracer_for(tracer_provider or owned)
     timeout = config.db_timeout_seconds
+    events = BufferedEventLog(PostgresEventLog(pool, command_timeout=timeout, tracer=tracer))
     engine = Engine(
-        store=PostgresPlanStore(pool, command_timeout=timeout, tracer=tracer),
-        events=PostgresEventLog(pool, command_timeout=timeout, tracer=tracer),
+        store=LastKnownEpochs(PostgresPlanStore(pool, command_timeout=timeout, tracer=tracer)),
+        events=events,
         calibrations=PostgresCalibrationStore(pool, command_timeout=timeout, tracer=tracer),
         policy=config.budget_policy(), calibration_ttl=config.calibration_ttl_seconds,
         catalog=load_model_catalog(config.model_catalog),
@@ -121,11 +157,13 @@ async def start(config: Config, *, database_url: str,
         compactions=PostgresCompactionStore(pool, command_timeout=timeout, tracer=tracer),
         summarizer=summarizer_for(config), tracer=tracer)
 
-    auth = auth_interceptor(config, pool, metrics)  # None in dev mode
-    server = grpc.aio.server(interceptors=[auth] if auth else None, options=[
-        ("grpc.max_receive_message_length", config.max_receive_bytes),
-        ("grpc.max_send_message_length", config.max_receive_bytes),
-    ])
+    limits = LimitsInterceptor(Limits(max_concurrent=config.max_concurrent_rpcs,
+                                      max_items=config.max_items_per_request,
+                                      max_item_bytes=config.max_item_bytes), metrics)
+    # Credentials first: an unauthenticated caller takes no concurrency slot. None in dev mode.
+    auth = auth_interceptor(config, pool, metrics)
+    server = grpc.aio.server(interceptors=[*([auth] if auth else []), limits],
+                             options=server_options(config))
     pb_grpc.add_ContextEngineServicer_to_server(ContextEngineServicer(engine, metrics, tracer),
                                                 server)
     health_servicer = health.aio.HealthServicer()
@@ -149,9 +187,47 @@ async def start(config: Config, *, database_url: str,
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    events.start()
+    watch = asyncio.get_running_loop().create_task(
+        watch_health(health_servicer, pool, engine, interval=HEALTH_INTERVAL_SECONDS,
+                     timeout=min(1.0, config.db_timeout_seconds)))
     return Running(server=server, health=health_servicer, pool=pool, engine=engine,
                    grpc_port=grpc_port, metrics_port=metrics_port, metrics_http=metrics_http,
-                   tracing=owned)
+                   events=events, watch=watch, tracing=owned)
+
+
+HEALTH_INTERVAL_SECONDS = 1.0
+
+
+async def database_reachable(pool: asyncpg.Pool, timeout: float) -> bool:
+    try:
+        await pool.fetchval("SELECT 1", timeout=timeout)
+    except (*UNAVAILABLE, asyncpg.PostgresError):
+        return False
+    return True
+
+
+async def watch_health(servicer: health.aio.HealthServicer, pool: asyncpg.Pool, engine: Engine,
+                       *, interval: float, timeout: float) -> None:
+    """Health is NOT_SERVING only when this process can serve nothing: the database is away
+    and no plan is cached (with plans cached, Build keeps serving those sessions). It returns
+    to SERVING by itself when the database does; the pool reconnects on its own."""
+    serving = was_reachable = True
+    while True:
+        await asyncio.sleep(interval)
+        reachable = await database_reachable(pool, timeout)
+        can_serve = reachable or len(engine.cache) > 0
+        if reachable != was_reachable:
+            was_reachable = reachable
+            log("database", logging.INFO if reachable else logging.WARNING,
+                reachable=reachable, cached_plans=len(engine.cache))
+        if can_serve != serving:
+            serving = can_serve
+            status = (health_pb2.HealthCheckResponse.SERVING if serving
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            for name in ("", SERVICE_NAME):
+                await servicer.set(name, status)
+            log("health", logging.INFO if serving else logging.WARNING, serving=serving)
 
 
 async def serve(config: Config) -> None:
@@ -161,7 +237,9 @@ async def serve(config: Config) -> None:
         database_url = await asyncio.to_thread(embedded_database_url, config.data_dir)
     running = await start(config, database_url=database_url)
     host, _ = split_addr(config.grpc_addr)
-    log("serving", grpc=f"{host}:{running.grpc_port}",
+    worker = os.environ.get(WORKER_ENV)
+    log("serving" if worker is None else "worker_serving", grpc=f"{host}:{running.grpc_port}",
+        worker=worker,
         metrics=(f"{split_addr(config.metrics_addr)[0]}:{running.metrics_port}"
                  if running.metrics_port is not None else None),
         database="embedded" if embedded else "external",

@@ -46,7 +46,7 @@ class Metrics:
         self.estimator_correction_factor = Gauge(
             "context_engine_estimator_correction_factor",
             "Current estimator correction factor per model (last reconciled).",
-            ["model"], registry=registry)
+            ["model"], multiprocess_mode="mostrecent", registry=registry)
         self.cached_prefix_ratio = Histogram(
             "context_engine_cached_prefix_ratio",
             "Cached input tokens against the plan's prefix tokens, per reported request.",

@@ -1,0 +1,290 @@
+"""PostgreSQL goes away mid-load and comes back, under a real server and a real database.
+
+While it is away: Build keeps serving sessions whose plans are cached (their pressure events
+wait in the outbox), the writing RPCs answer UNAVAILABLE quickly, a process with nothing cached
+reports NOT_SERVING. When it returns: the pool recovers without a restart, the outbox drains,
+callers retry with their idempotency keys, and every acknowledged write is present exactly
+once: no epoch lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from context_engine.adapters.postgres.migrate import migrate
+from context_engine.v1 import context_engine_pb2 as pb
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.conftest import Db, ServerThread, run
+from tests.conftest import test_config as base_config
+from tests.integration.requests import build_request, plan_request
+from tests.integration.test_budget_rpc import SMALL, long_history
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Database:
+    """An embedded PostgreSQL of its own that the test can crash and restart."""
+
+    def __init__(self) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from pgserver import get_server
+        self.tmp = Path(tempfile.mkdtemp(prefix="ce-fault-pg-"))
+        self.server = get_server(self.tmp / "pg", cleanup_mode="stop")
+        self.url = str(self.server.get_uri())
+        run(migrate(self.url, REPO / "migrations"))
+
+    def crash(self) -> None:
+        """Immediate shutdown: every connection is cut, like a crash or a failover."""
+        from pgserver.postgres_server import pg_ctl
+
+        pg_ctl(["-m", "immediate", "-w", "stop"], pgdata=self.server.pgdata,
+               user=self.server.system_user, timeout=30)
+
+    def restart(self) -> None:
+        with self.server._lock:
+            self.server.ensure_postgres_running()
+        assert str(self.server.get_uri()) == self.url
+
+    def close(self) -> None:
+        self.server.cleanup()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def database() -> Iterator[Database]:
+    db = Database()
+    yield db
+    db.close()
+
+
+@dataclass
+class Ledger:
+    """What callers were told, and what they still have to retry."""
+
+    epochs: dict[str, list[int]] = field(default_factory=dict)  # session -> acked epochs
+    rotate_keys: dict[str, tuple[str, int]] = field(default_factory=dict)  # key -> (session, epoch)
+    report_keys: set[str] = field(default_factory=set)
+    retry_rotates: list[tuple[str, str]] = field(default_factory=list)  # (session, key)
+    retry_reports: list[tuple[str, str]] = field(default_factory=list)
+    codes: Counter[str] = field(default_factory=Counter)
+    unavailable_seconds: list[float] = field(default_factory=list)
+    outage_builds: int = 0
+    outage_pressure_builds: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def report(tenant: str, session: str, key: str) -> pb.ReportUsageRequest:
+    return pb.ReportUsageRequest(tenant_id=tenant, session_id=session,
+                                 estimated_input_tokens=1000, estimator_factor=1.0,
+                                 input_tokens=1000, cached_tokens=500, output_tokens=10,
+                                 idempotency_key=key)
+
+
+def rotate(tenant: str, session: str, key: str) -> pb.RotateRequest:
+    return pb.RotateRequest(tenant_id=tenant, session_id=session,
+                            reason=pb.ROTATION_REASON_OPERATOR, idempotency_key=key)
+
+
+def test_database_outage_mid_load(database: Database) -> None:
+    config = base_config()
+    srv = ServerThread(config, database.url)
+    cold = ServerThread(config, database.url)  # caches nothing: it cannot serve while down
+    db = Db(database.url)
+    tenant = f"tenant-{uuid.uuid4().hex[:8]}"
+    channel = grpc.insecure_channel(srv.address)
+    stub = pb_grpc.ContextEngineStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
+    cold_health = health_pb2_grpc.HealthStub(grpc.insecure_channel(cold.address))
+    ledger = Ledger()
+    down = threading.Event()
+    stop = threading.Event()
+    try:
+        # sessions whose plans this process has cached (Plan caches what it pins)
+        cached = [f"s-{i}" for i in range(6)]
+        for session in cached:
+            plan = stub.Plan(plan_request(tenant, session, model=SMALL)).plan
+            ledger.epochs[session] = [plan.epoch]
+        pressure_req = build_request(tenant, "", items=long_history(40))
+        pressure_req.checkpoint.active_run_id = "run-1"
+
+        def worker(index: int) -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                session = cached[(index + n) % len(cached)]
+                op = n % 4
+                started = time.perf_counter()
+                try:
+                    if op == 0:
+                        fresh = f"new-{index}-{n}"
+                        plan = stub.Plan(plan_request(tenant, fresh, model=SMALL), timeout=10).plan
+                        with ledger.lock:
+                            ledger.epochs[fresh] = [plan.epoch]
+                    elif op == 1:
+                        key = f"rot-{index}-{n}"
+                        try:
+                            resp = stub.Rotate(rotate(tenant, session, key), timeout=10)
+                        except grpc.RpcError:
+                            with ledger.lock:
+                                ledger.retry_rotates.append((session, key))
+                            raise
+                        with ledger.lock:
+                            ledger.rotate_keys[key] = (session, resp.plan.epoch)
+                            ledger.epochs[session].append(resp.plan.epoch)
+                    elif op == 2:
+                        key = f"use-{index}-{n}"
+                        try:
+                            stub.ReportUsage(report(tenant, session, key), timeout=10)
+                        except grpc.RpcError:
+                            with ledger.lock:
+                                ledger.retry_reports.append((session, key))
+                            raise
+                        with ledger.lock:
+                            ledger.report_keys.add(key)
+                    else:
+                        req = pb.BuildRequest()
+                        req.CopyFrom(pressure_req)
+                        req.session_id = session
+                        was_down = down.is_set()
+                        resp = stub.Build(req, timeout=10)
+                        if was_down and down.is_set():
+                            with ledger.lock:
+                                ledger.outage_builds += 1
+                                ledger.outage_pressure_builds += bool(resp.pressure.steps)
+                    with ledger.lock:
+                        ledger.codes["OK"] += 1
+                except grpc.RpcError as err:
+                    code = err.code().name
+                    with ledger.lock:
+                        ledger.codes[code] += 1
+                        if code == "UNAVAILABLE":
+                            ledger.unavailable_seconds.append(time.perf_counter() - started)
+                    if code != "UNAVAILABLE":
+                        raise
+                    time.sleep(0.05)
+
+        errors: list[BaseException] = []
+
+        def guarded(index: int) -> None:
+            try:
+                worker(index)
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=guarded, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        ok_before = ledger.codes["OK"]
+        database.crash()
+        down.set()
+        time.sleep(4.0)  # health watchers run every second
+        during_ok_cold = cold_health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        during_ok = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        down.clear()
+        database.restart()
+        recovered_at = time.monotonic()
+        # the pool recovers by itself: the next Plan of a new session succeeds soon
+        while True:
+            try:
+                stub.Plan(plan_request(tenant, "after-restart", model=SMALL), timeout=5)
+                break
+            except grpc.RpcError as err:
+                assert err.code() is grpc.StatusCode.UNAVAILABLE
+                assert time.monotonic() - recovered_at < 30, "the pool never recovered"
+                time.sleep(0.2)
+        recovery_seconds = time.monotonic() - recovered_at
+        time.sleep(2.0)  # load continues on the recovered database
+        stop.set()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        assert ok_before > 0 and ledger.codes["OK"] > ok_before
+
+        # while it was away
+        assert ledger.outage_builds > 0, "no Build was served from the plan cache"
+        assert ledger.outage_pressure_builds > 0
+        assert ledger.codes["UNAVAILABLE"] > 0
+        assert max(ledger.unavailable_seconds) < 2.0, max(ledger.unavailable_seconds)
+        assert statistics.median(ledger.unavailable_seconds) < 0.5
+        assert during_ok == health_pb2.HealthCheckResponse.SERVING
+        assert during_ok_cold == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert recovery_seconds < 30
+        deadline = time.monotonic() + 10
+        while (cold_health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+               != health_pb2.HealthCheckResponse.SERVING):
+            assert time.monotonic() < deadline, "the cold process never came back to SERVING"
+            time.sleep(0.2)
+
+        # callers retry what failed, with the same keys
+        for session, key in ledger.retry_rotates:
+            try:
+                resp = stub.Rotate(rotate(tenant, session, key), timeout=10)
+            except grpc.RpcError as err:
+                stored = db.fetch("SELECT rpc, response::text FROM idempotency_keys "
+                                  "WHERE tenant_id=$1 AND key=$2", tenant, key)
+                raise AssertionError(f"retry of {key} on {session} failed: {err.code()} "
+                                     f"{err.details()}; stored: {stored}") from err
+            ledger.rotate_keys[key] = (session, resp.plan.epoch)
+            ledger.epochs[session].append(resp.plan.epoch)
+        for session, key in ledger.retry_reports:
+            stub.ReportUsage(report(tenant, session, key), timeout=10)
+            ledger.report_keys.add(key)
+        # the outbox drains within a few retry intervals
+        deadline = time.monotonic() + 10
+        while srv.running.events.pending:
+            assert time.monotonic() < deadline, "buffered events were never written"
+            time.sleep(0.2)
+
+        # every acknowledged write is present, exactly once
+        rows = db.fetch("SELECT session_id, epoch, prefix_sha256 FROM plans "
+                        "WHERE tenant_id=$1", tenant)
+        stored: dict[str, list[int]] = {}
+        for row in rows:
+            stored.setdefault(row["session_id"], []).append(row["epoch"])
+        for session, acked in ledger.epochs.items():
+            epochs = sorted(stored[session])
+            assert epochs == list(range(1, len(epochs) + 1)), (session, epochs)
+            assert set(acked) <= set(epochs), (session, acked, epochs)
+            rotations = sum(1 for s, _ in ledger.rotate_keys.values() if s == session)
+            assert len(epochs) == 1 + rotations, (session, epochs, rotations)
+        assert len({e for e in ledger.rotate_keys.values()}) == len(ledger.rotate_keys)
+        claimed = {r["key"] for r in db.fetch(
+            "SELECT key FROM idempotency_keys WHERE tenant_id=$1 AND rpc='ReportUsage'",
+            tenant)}
+        assert ledger.report_keys <= claimed
+        reports = db.val("SELECT sum(reports) FROM estimator_calibration WHERE tenant_id=$1",
+                         tenant)
+        assert reports == len(claimed)
+        pressure_events = db.val("SELECT count(*) FROM context_events WHERE tenant_id=$1 AND "
+                                 "type='context.budget.pressure'", tenant)
+        pressure_builds = ledger.outage_pressure_builds
+        assert pressure_events >= pressure_builds > 0
+        assert srv.running.events.dropped == 0
+        print(f"\noutage: {dict(ledger.codes)}; builds served while down "
+              f"{ledger.outage_builds}; UNAVAILABLE answered in max "
+              f"{max(ledger.unavailable_seconds) * 1000:.0f} ms (median "
+              f"{statistics.median(ledger.unavailable_seconds) * 1000:.0f} ms); pool recovered "
+              f"{recovery_seconds:.1f} s after restart; {len(ledger.rotate_keys)} rotations, "
+              f"{len(ledger.retry_rotates)} retried after the outage")
+    finally:
+        stop.set()
+        channel.close()
+        srv.stop()
+        cold.stop()
+

@@ -1,0 +1,187 @@
+"""Limits and backpressure on a real server: items per request, bytes per item, concurrent
+RPCs per process, the whole-message cap, and client deadlines stopping server-side work."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import grpc
+import pytest
+from context_engine.api.server import server_options
+from context_engine.v1 import context_engine_pb2 as pb
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.conftest import ServerThread
+from tests.conftest import test_config as base_config
+from tests.integration.requests import build_request, failure, item, plan_request
+from tests.integration.test_compact_rpc import compact_request
+
+
+class SlowProvider:
+    """An OpenAI-compatible summarizer endpoint that answers after ``delay`` seconds."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.started = threading.Event()
+        self.calls = 0
+        provider = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                provider.calls += 1
+                provider.started.set()
+                time.sleep(provider.delay)
+                data = json.dumps({"choices": [{"message": {"role": "assistant",
+                                                            "content": "a summary"}}]})
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.end_headers()
+                    self.wfile.write(data.encode())
+                except OSError:
+                    pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/v1"
+
+    def stop(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture(scope="module")
+def slow() -> Iterator[SlowProvider]:
+    provider = SlowProvider(delay=1.5)
+    yield provider
+    provider.stop()
+
+
+@pytest.fixture(scope="module")
+def limited(database_url: str, slow: SlowProvider) -> Iterator[ServerThread]:
+    config = replace(base_config(), max_concurrent_rpcs=1, max_items_per_request=50,
+                     max_item_bytes=4096, max_receive_bytes=256 * 1024,
+                     summarizer_url=slow.url, summarizer_model="fake",
+                     summarizer_timeout_seconds=10.0)
+    srv = ServerThread(config, database_url)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def limited_stub(limited: ServerThread) -> Iterator[pb_grpc.ContextEngineStub]:
+    channel = grpc.insecure_channel(limited.address, options=[
+        ("grpc.max_send_message_length", 8 * 1024 * 1024)])
+    yield pb_grpc.ContextEngineStub(channel)
+    channel.close()
+
+
+def many_items(n: int, size: int = 10) -> list[pb.ConversationItem]:
+    return [item(f"u{i}", i + 1, user=pb.UserMessage(text="x" * size)) for i in range(n)]
+
+
+def test_too_many_items_is_resource_exhausted_and_writes_nothing(limited_stub, ids, db):
+    tenant, session = ids
+    limited_stub.Plan(plan_request(tenant, session))
+    before = db.counts(tenant)
+    with pytest.raises(grpc.RpcError) as info:
+        limited_stub.Build(build_request(tenant, session, items=many_items(51)))
+    f = failure(info.value)
+    assert f.code is grpc.StatusCode.RESOURCE_EXHAUSTED and f.reason == "TOO_MANY_ITEMS"
+    assert f.metadata == {"field": "checkpoint.items", "size": "51", "limit": "50"}
+    assert f.domain == "context-engine"
+    assert db.counts(tenant) == before
+    # at the limit it is served
+    assert limited_stub.Build(build_request(tenant, session, items=many_items(50))).request
+
+
+def test_an_item_over_the_byte_limit_is_resource_exhausted(limited_stub, ids, db):
+    tenant, session = ids
+    limited_stub.Plan(plan_request(tenant, session))
+    before = db.counts(tenant)
+    items = many_items(3)
+    items[1] = item("big", 2, user=pb.UserMessage(text="y" * 5000))
+    with pytest.raises(grpc.RpcError) as info:
+        limited_stub.Build(build_request(tenant, session, items=items))
+    f = failure(info.value)
+    assert f.code is grpc.StatusCode.RESOURCE_EXHAUSTED and f.reason == "ITEM_TOO_LARGE"
+    assert f.metadata["field"] == "checkpoint.items[1]" and f.metadata["limit"] == "4096"
+    assert int(f.metadata["size"]) > 5000
+    assert db.counts(tenant) == before
+
+
+def test_a_message_over_the_receive_limit_is_resource_exhausted(limited_stub, ids, db):
+    tenant, session = ids
+    before = db.counts(tenant)
+    with pytest.raises(grpc.RpcError) as info:
+        limited_stub.Build(build_request(tenant, session, items=many_items(40, size=4000) * 2))
+    assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert db.counts(tenant) == before
+
+
+def test_excess_concurrency_is_refused_quickly_not_queued(limited, limited_stub, ids, db,
+                                                          slow):
+    tenant, session = ids
+    limited_stub.Plan(plan_request(tenant, session))
+    slow.started.clear()
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(limited_stub.Compact, compact_request(tenant, session, "slow-1"))
+        assert slow.started.wait(10), "the summarizer was never called"
+        started = time.perf_counter()
+        with pytest.raises(grpc.RpcError) as info:
+            limited_stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session))
+        refused_after = time.perf_counter() - started
+        f = failure(info.value)
+        assert f.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f.reason == "TOO_MANY_CONCURRENT_RPCS" and f.metadata == {"limit": "1"}
+        assert refused_after < 0.5, refused_after
+        # health is never limited: probes get through a saturated server
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(limited.address))
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        assert first.result(timeout=20).compacted
+    # the slot is free again
+    assert limited_stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session)).plan
+
+
+def test_a_client_deadline_stops_the_work_and_writes_nothing(limited_stub, ids, db, slow):
+    tenant, session = ids
+    limited_stub.Plan(plan_request(tenant, session))
+    slow.started.clear()
+    calls = slow.calls
+    with pytest.raises(grpc.RpcError) as info:
+        limited_stub.Compact(compact_request(tenant, session, "deadline"), timeout=0.5)
+    assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert slow.started.wait(5)
+    time.sleep(slow.delay + 0.5)  # the summarizer has answered by now
+    assert slow.calls == calls + 1
+    assert db.val("SELECT count(*) FROM compactions WHERE tenant_id=$1", tenant) == 0
+    assert db.val("SELECT count(*) FROM context_events WHERE tenant_id=$1 AND "
+                  "type='context.compacted'", tenant) == 0
+    # the process slot was released when the call was cancelled
+    assert limited_stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session)).plan
+
+
+def test_keepalive_and_connection_age_follow_the_configuration():
+    options = dict(server_options(replace(base_config(), keepalive_time_seconds=30,
+                                          keepalive_timeout_seconds=5,
+                                          max_connection_age_seconds=600,
+                                          grace_seconds=2.0)))
+    assert options["grpc.keepalive_time_ms"] == 30_000
+    assert options["grpc.keepalive_timeout_ms"] == 5_000
+    assert options["grpc.max_connection_age_ms"] == 600_000
+    assert options["grpc.max_connection_age_grace_ms"] == 7_000
+    assert options["grpc.http2.min_ping_interval_without_data_ms"] == 10_000
+    assert options["grpc.keepalive_permit_without_calls"] == 1
