@@ -38,7 +38,7 @@ from context_engine.adapters.summarizer import OpenAISummarizer, load_prompt
 from context_engine.adapters.tokenizers import TiktokenRegistry
 from context_engine.api.auth import auth_interceptor, server_credentials
 from context_engine.api.limits import Limits, LimitsInterceptor
-from context_engine.api.servicer import ContextEngineServicer
+from context_engine.api.servicer import ContextEngineServicer, add_to_server
 from context_engine.api.workers import WORKER_ENV
 from context_engine.config import Config, split_addr
 from context_engine.domain.compaction import StructuredSummarizer, Summarizer
@@ -47,7 +47,6 @@ from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
 from context_engine.telemetry.tracing import otlp_provider, tracer_for
 from context_engine.v1 import context_engine_pb2 as pb
-from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ContextEngine"].full_name
 
@@ -164,8 +163,7 @@ async def start(config: Config, *, database_url: str,
     auth = auth_interceptor(config, pool, metrics)
     server = grpc.aio.server(interceptors=[*([auth] if auth else []), limits],
                              options=server_options(config))
-    pb_grpc.add_ContextEngineServicer_to_server(ContextEngineServicer(engine, metrics, tracer),
-                                                server)
+    add_to_server(ContextEngineServicer(engine, metrics, tracer), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
