@@ -13,7 +13,7 @@ CLIENT_PB    := clients/python/src/context_engine_client/_pb
 CLIENT_STAMP := $(CLIENT_PB)/.generated
 PIP       := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: run test lint gen bootstrap bench clean
+.PHONY: run test lint gen bootstrap bench load clean
 
 ## bootstrap: create .venv and install the pinned dependencies and the package
 $(STAMP): requirements/runtime.txt requirements/dev.txt pyproject.toml clients/python/pyproject.toml
@@ -67,6 +67,14 @@ test: lint
 bench: $(GEN_STAMP)
 	$(PY) -m tests.bench.build_bench
 	$(PY) -m tests.bench.cache_bench
+
+## load: 100 simulated runtimes x 50 turns against `serve --workers 2` on loopback (throughput,
+## p50/p95/p99 per RPC, errors, epochs per session, lost plans), then the same load with a
+## SIGTERM 8 s in (in-flight calls finish, health NOT_SERVING first, no broken response).
+## Bounded: each run stops by itself within 15 minutes. Not in `make test`.
+load: $(GEN_STAMP)
+	$(PY) -m tests.load.run --runtimes 100 --turns 50 --workers 2
+	$(PY) -m tests.load.run --runtimes 100 --turns 50 --workers 2 --sigterm-after 8
 
 clean:
 	rm -rf $(VENV) $(GEN_DIR) $(CLIENT_PB) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -6,6 +6,8 @@
 * Shape: no repeated field of a request (at the top level or inside its singular messages, e.g.
   ``checkpoint.items``) may hold more than ``max_items`` elements, and no element of one may
   serialize to more than ``max_item_bytes`` (reasons ``TOO_MANY_ITEMS``, ``ITEM_TOO_LARGE``).
+* Shutting down: after the drain, new RPCs get ``UNAVAILABLE`` (``SHUTTING_DOWN``) while the
+  running ones finish (:meth:`LimitsInterceptor.quiesce`).
 * The whole message is capped by gRPC itself (``grpc.max_receive_message_length``), which
   answers ``RESOURCE_EXHAUSTED`` before any handler runs.
 
@@ -14,7 +16,9 @@ Health and reflection are never limited: probes must get through a saturated ser
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +88,22 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
         self._limits = limits
         self._metrics = metrics
         self.in_flight = 0
+        self.refusing = False
+
+    async def quiesce(self, timeout: float) -> float:
+        """Stop starting RPCs (each new one is answered ``UNAVAILABLE``, reason
+        ``SHUTTING_DOWN``, which clients retry elsewhere) and wait up to ``timeout`` seconds
+        for the running ones to finish. Returns the time left.
+
+        Refusing at this level, before the transport is shut down, keeps the server taking
+        calls off the wire: gRPC's own shutdown cancels calls that arrived but were not yet
+        handed to the application (the client sees ``CANCELLED``, which no retry policy
+        retries), so the window in which that can happen shrinks to the last moment."""
+        self.refusing = True
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return max(0.0, deadline - time.monotonic())
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails],
@@ -99,6 +119,10 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
         name = method[len(SERVICE_PREFIX):]
 
         async def limited(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            if self.refusing:
+                await self._reject(context, name, "SHUTTING_DOWN",
+                                   "this server process is shutting down; retry",
+                                   {}, code=grpc.StatusCode.UNAVAILABLE)
             if self.in_flight >= self._limits.max_concurrent:
                 await self._reject(context, name, "TOO_MANY_CONCURRENT_RPCS",
                                    f"{self.in_flight} RPCs in flight, the limit of this "
@@ -121,8 +145,8 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
             response_serializer=handler.response_serializer)
 
     async def _reject(self, context: grpc.aio.ServicerContext[Any, Any], method: str,
-                      reason: str, message: str, metadata: dict[str, str]) -> None:
-        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                      reason: str, message: str, metadata: dict[str, str], *,
+                      code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED) -> None:
         self._metrics.rpc_seconds.labels(method=method, code=code.name).observe(0.0)
         log("rpc", logging.WARNING, method=method, code=code.name, duration_ms=0.0,
             reason=reason)

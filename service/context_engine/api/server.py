@@ -76,10 +76,12 @@ class Running:
     events: BufferedEventLog
     watch: asyncio.Task[None] | None = None
     tracing: Any = None  # the OTLP tracer provider this server created, flushed at stop
+    limits: LimitsInterceptor | None = None
 
     async def stop(self, grace: float, *, drain: float = 0.0) -> None:
         """Health goes NOT_SERVING first and stays so for ``drain`` seconds while RPCs are
-        still served (load balancers notice), then in-flight RPCs get ``grace`` seconds."""
+        still served (load balancers notice); then new RPCs are refused ``UNAVAILABLE``
+        (``SHUTTING_DOWN``) and the running ones get ``grace`` seconds to finish."""
         if self.watch is not None:
             self.watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -87,7 +89,11 @@ class Running:
         await self.health.enter_graceful_shutdown()
         if drain > 0:
             await asyncio.sleep(drain)
-        await self.server.stop(grace)
+        left = grace
+        if self.limits is not None:
+            left = await self.limits.quiesce(grace)
+            await asyncio.sleep(0.05)  # calls already on the wire are answered, not cancelled
+        await self.server.stop(left)
         await self.events.close()
         await self.pool.close()
         if self.metrics_http is not None:
@@ -191,7 +197,7 @@ async def start(config: Config, *, database_url: str,
                      timeout=min(1.0, config.db_timeout_seconds)))
     return Running(server=server, health=health_servicer, pool=pool, engine=engine,
                    grpc_port=grpc_port, metrics_port=metrics_port, metrics_http=metrics_http,
-                   events=events, watch=watch, tracing=owned)
+                   events=events, watch=watch, tracing=owned, limits=limits)
 
 
 HEALTH_INTERVAL_SECONDS = 1.0

@@ -1,0 +1,95 @@
+"""``serve --workers N``: several processes on one port, one metrics endpoint for all of them,
+a dead worker replaced, and a graceful stop under load."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+import uuid
+
+import grpc
+import pytest
+from context_engine.v1 import context_engine_pb2 as pb
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.integration.processes import ServerProcess
+from tests.integration.requests import plan_request
+from tests.load import run as load
+
+pytestmark = pytest.mark.integration
+
+
+def scrape(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        return str(response.read().decode())
+
+
+def plan_count(text: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("context_engine_rpc_seconds_count{")
+               and 'method="Plan"' in line and 'code="OK"' in line)
+
+
+def channel(address: str) -> grpc.Channel:
+    # a connection of its own, as separate runtimes have
+    return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def test_workers_share_one_port_and_one_metrics_endpoint(database_url):
+    server = ServerProcess({"DATABASE_URL": database_url, "CE_WORKERS": "2"})
+    try:
+        serving = server.log[-1]
+        assert serving["event"] == "serving" and serving["workers"] == 2
+        pids = serving["pids"]
+        assert len(set(pids)) == 2 and server.proc.pid not in pids
+        workers = [r for r in server.log if r.get("event") == "worker_serving"]
+        assert sorted(r["worker"] for r in workers) == ["0", "1"]
+        assert {r["grpc"] for r in workers} == {server.address}
+
+        tenant = f"tenant-{uuid.uuid4().hex[:8]}"
+        before = plan_count(scrape(server.metrics))
+        channels = [channel(server.address) for _ in range(24)]
+        for i, ch in enumerate(channels):
+            pb_grpc.ContextEngineStub(ch).Plan(plan_request(tenant, f"s-{i}"), timeout=30)
+        # one endpoint counts what every worker served
+        assert plan_count(scrape(server.metrics)) - before == 24
+        for ch in channels:
+            ch.close()
+
+        # a worker that dies is replaced; the port keeps answering meanwhile
+        os.kill(pids[0], signal.SIGKILL)
+        exited = server.wait_for("worker_exited", 30)
+        assert exited["pid"] == pids[0] and exited["code"] == -signal.SIGKILL
+        server.wait_for("worker_serving", 60)
+        stub = pb_grpc.ContextEngineStub(channel(server.address))
+        for i in range(6):
+            assert stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=f"s-{i}"),
+                                timeout=30).plan.epoch == 1
+        health = health_pb2_grpc.HealthStub(channel(server.address))
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    finally:
+        assert server.terminate() == 0
+    stopped = [r["event"] for r in server.log if r.get("event") in ("stopping", "stopped")]
+    assert stopped.count("stopped") == 3  # both workers, then the supervisor
+
+
+def test_sigterm_under_load_finishes_in_flight_calls_and_breaks_none(capsys):
+    started = time.monotonic()
+    code = load.main(["--runtimes", "30", "--turns", "50", "--workers", "2",
+                      "--sigterm-after", "3", "--drain", "1", "--grace", "10",
+                      "--time-limit", "240"])
+    out = capsys.readouterr()
+    assert code == 0, out.out + out.err
+    shutdown = json.loads(out.out.split("shutdown: ", 1)[1].splitlines()[0])
+    assert shutdown["exit_code"] == 0 and shutdown["broken"] == 0
+    assert shutdown["in_flight_at_sigterm"] > 0 and shutdown["in_flight_failed"] == 0
+    assert shutdown["not_serving_after_ms"] is not None
+    assert shutdown["not_serving_after_ms"] < 1000  # before the listener closed
+    assert shutdown["exit_seconds"] < 1 + 10 + 5
+    assert "lost plans 0" in out.out and "epochs per session 1.0" in out.out
+    assert time.monotonic() - started < 240

@@ -1,0 +1,311 @@
+"""``make load``: simulated runtimes against a real multi-process server on loopback.
+
+    python -m tests.load.run [--runtimes 100] [--turns 50] [--workers 2] [--sigterm-after S]
+
+Starts ``context-engine serve --workers N`` on 127.0.0.1 (ephemeral ports, an embedded
+PostgreSQL in a temporary directory), runs every runtime concurrently, each on its own
+connection (as separate runtime processes would), and prints throughput, latency percentiles
+per RPC, the error count, and epochs per session (from GetPlan of every session, and from the
+server's own counters). With ``--sigterm-after`` the server gets SIGTERM mid-run: the run then
+checks that health went NOT_SERVING first, every RPC started before the drain ended completed
+OK, nothing failed other than with UNAVAILABLE after the listener closed, and every plan a
+runtime was given is still there after a restart. Bounded in count and time: it stops by
+itself (``--time-limit``, default 900 s) and exits non-zero on any failure of its checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from context_engine.v1 import context_engine_pb2 as pb
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.bench.common import deadline
+from tests.integration.processes import ServerProcess
+from tests.load.runtime import Call, Outcome, Runtime
+
+TENANT = "load-tenant"
+# What the documented client configuration does besides retrying (retries stay off here, so
+# every failure shows): watch the server's health and stop sending to a draining process.
+SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}],
+                             "healthCheckConfig": {
+                                 "serviceName": "context_engine.v1.ContextEngine"}})
+CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1),  # one connection per runtime
+                   ("grpc.service_config", SERVICE_CONFIG),
+                   ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                   ("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+
+
+@dataclass
+class Report:
+    runtimes: int
+    turns: int
+    workers: int
+    wall_seconds: float
+    calls: list[Call]
+    turns_done: int
+    epochs_per_session: float | None = None
+    epochs_per_session_metrics: float | None = None
+    lost_plans: int = 0
+    shutdown: dict[str, Any] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    def errors(self) -> int:
+        return sum(1 for c in self.calls if c.code != "OK")
+
+    def table(self) -> str:
+        lines = [f"{'rpc':<12} {'calls':>7} {'errors':>7} {'p50 ms':>8} {'p95 ms':>8} "
+                 f"{'p99 ms':>8}"]
+        for method in ("Plan", "Build", "ReportUsage", "GetPlan"):
+            ms = sorted(c.seconds * 1000 for c in self.calls if c.method == method)
+            if not ms:
+                continue
+            errors = sum(1 for c in self.calls if c.method == method and c.code != "OK")
+            lines.append(f"{method:<12} {len(ms):>7} {errors:>7} {pct(ms, 50):>8.1f} "
+                         f"{pct(ms, 95):>8.1f} {pct(ms, 99):>8.1f}")
+        return "\n".join(lines)
+
+    def summary(self) -> dict[str, Any]:
+        return {"runtimes": self.runtimes, "turns": self.turns, "workers": self.workers,
+                "turns_done": self.turns_done, "rpcs": len(self.calls),
+                "wall_seconds": round(self.wall_seconds, 2),
+                "rpcs_per_second": round(len(self.calls) / self.wall_seconds, 1),
+                "errors": self.errors(), "epochs_per_session": self.epochs_per_session,
+                "epochs_per_session_metrics": self.epochs_per_session_metrics,
+                "lost_plans": self.lost_plans, "shutdown": self.shutdown,
+                "failures": self.failures}
+
+
+def pct(sorted_ms: list[float], p: int) -> float:
+    if len(sorted_ms) == 1:
+        return sorted_ms[0]
+    return statistics.quantiles(sorted_ms, n=100, method="inclusive")[p - 1]
+
+
+async def watch_health(address: str, stop: asyncio.Event, seen: dict[str, float]) -> None:
+    # a plain probe (no client-side health checking of its own), as a load balancer's
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while not stop.is_set():
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if (reply.status != health_pb2.HealthCheckResponse.SERVING
+                        and "not_serving" not in seen):
+                    seen["not_serving"] = time.perf_counter()
+            except grpc.aio.AioRpcError:
+                seen.setdefault("unreachable", time.perf_counter())
+            await asyncio.sleep(0.02)
+
+
+async def drive(address: str, runtimes: int, turns: int, sigterm: tuple[ServerProcess, float]
+                | None) -> tuple[Outcome, float, dict[str, float]]:
+    outcome = Outcome()
+    stop = asyncio.Event()
+    seen: dict[str, float] = {}
+    channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+                for _ in range(runtimes)]
+    try:
+        tasks = [Runtime(pb_grpc.ContextEngineStub(ch), TENANT, i, turns, outcome, stop).run()
+                 for i, ch in enumerate(channels)]
+        watcher = asyncio.create_task(watch_health(address, stop, seen))
+
+        async def terminate(server: ServerProcess, after: float) -> None:
+            await asyncio.sleep(after)
+            seen["sigterm"] = time.perf_counter()
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(server.proc.wait, 120)
+            seen["exited"] = time.perf_counter()
+            stop.set()
+
+        killer = (asyncio.create_task(terminate(*sigterm)) if sigterm is not None else None)
+        started = time.perf_counter()
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - started
+        if killer is not None:
+            await killer
+        stop.set()
+        await watcher
+    finally:
+        for ch in channels:
+            await ch.close()
+    seen["started"] = started
+    return outcome, wall, seen
+
+
+async def verify_plans(address: str, sessions: list[str], acked: set[str]
+                       ) -> tuple[float, int]:
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.ContextEngineStub(channel)
+        epochs: list[int] = []
+        lost = 0
+        for session in sessions:
+            try:
+                reply = await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT,
+                                                             session_id=session), timeout=10)
+                epochs.append(reply.plan.epoch)
+            except grpc.aio.AioRpcError as err:
+                if err.code() is grpc.StatusCode.NOT_FOUND and session in acked:
+                    lost += 1
+                elif err.code() is not grpc.StatusCode.NOT_FOUND:
+                    raise
+    return (sum(epochs) / len(epochs) if epochs else 0.0), lost
+
+
+def metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def scrape(metrics_addr: str) -> str:
+    with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=10) as response:
+        return str(response.read().decode())
+
+
+def acked_sessions(calls_by_session: dict[str, bool]) -> set[str]:
+    return {s for s, ok in calls_by_session.items() if ok}
+
+
+def run(args: argparse.Namespace) -> Report:
+    data = tempfile.mkdtemp(prefix="ce-load-")
+    env = {"CE_WORKERS": str(args.workers), "CE_DATA_DIR": data, "CE_DEV_MODE": "1",
+           "CE_GRACE_SECONDS": str(args.grace), "CE_DRAIN_SECONDS": str(args.drain),
+           "CE_MAX_CONCURRENT_RPCS": "1024"}
+    server = ServerProcess(env, timeout=180)
+    restarted: ServerProcess | None = None
+    try:
+        sigterm = (server, args.sigterm_after) if args.sigterm_after else None
+        outcome, wall, seen = asyncio.run(drive(server.address, args.runtimes, args.turns,
+                                                sigterm))
+        report = Report(runtimes=args.runtimes, turns=args.turns, workers=args.workers,
+                        wall_seconds=wall, calls=outcome.calls, turns_done=outcome.turns)
+        # a session is acknowledged once any Plan for it answered OK
+        plan_ok: dict[str, bool] = {}
+        for session in outcome.sessions:
+            plan_ok.setdefault(session, False)
+        sessions = sorted(plan_ok)
+        acked = {f"load-{i:04d}" for i in range(args.runtimes)} if not sigterm else None
+        if sigterm is None:
+            if report.errors():
+                report.failures.append(f"{report.errors()} RPCs failed")
+            text = scrape(server.metrics)
+            opened = metric(text, "context_engine_sessions_opened_total")
+            epochs = metric(text, "context_engine_epochs_total")
+            report.epochs_per_session_metrics = round(epochs / opened, 4) if opened else None
+            per, lost = asyncio.run(verify_plans(server.address, sessions, acked or set()))
+        else:
+            sigterm_at, close_at = seen["sigterm"], seen["sigterm"] + args.drain
+            broken = [c for c in outcome.calls if c.code not in ("OK", "UNAVAILABLE")]
+            # in flight when SIGTERM came: every one must complete OK
+            in_flight = [c for c in outcome.calls if c.started < sigterm_at]
+            in_flight_failed = [c for c in in_flight if c.code != "OK"]
+            not_serving = seen.get("not_serving")
+            report.shutdown = {
+                "sigterm_after_s": args.sigterm_after,
+                "exit_code": server.proc.returncode,
+                "exit_seconds": round(seen["exited"] - sigterm_at, 2),
+                "not_serving_after_ms": (round((not_serving - sigterm_at) * 1000, 1)
+                                         if not_serving else None),
+                "in_flight_at_sigterm": sum(1 for c in in_flight
+                                            if c.started + c.seconds > sigterm_at),
+                "in_flight_failed": len(in_flight_failed),
+                "ok_after_sigterm": sum(1 for c in outcome.calls
+                                        if c.started >= sigterm_at and c.code == "OK"),
+                "unavailable_after_sigterm": sum(1 for c in outcome.calls
+                                                 if c.code == "UNAVAILABLE"),
+                "broken": len(broken),
+            }
+            if server.proc.returncode != 0:
+                report.failures.append(f"server exited {server.proc.returncode}")
+            if broken:
+                detail = ", ".join(
+                    f"{c.method} {c.code} started {c.started - sigterm_at:+.3f} s "
+                    f"ended {c.started + c.seconds - sigterm_at:+.3f} s after SIGTERM"
+                    for c in broken[:10])
+                report.failures.append(f"{len(broken)} calls ended with "
+                                       f"{sorted({c.code for c in broken})}: {detail}")
+            if in_flight_failed:
+                report.failures.append(f"{len(in_flight_failed)} calls in flight at SIGTERM "
+                                       "did not complete OK")
+            if not_serving is None or not_serving > close_at:
+                report.failures.append("health did not report NOT_SERVING before the "
+                                       "listener closed")
+            limit = args.drain + args.grace + 5
+            if seen["exited"] - seen["sigterm"] > limit:
+                report.failures.append(f"shutdown took longer than {limit} s")
+            # every plan a runtime was given survives: restart on the same data
+            acked = {c_session for c_session in sessions}
+            restarted = ServerProcess({"CE_WORKERS": "1", "CE_DATA_DIR": data,
+                                       "CE_DEV_MODE": "1"}, timeout=180)
+            per, lost = asyncio.run(verify_plans(restarted.address, sessions, set()))
+        report.epochs_per_session = round(per, 4)
+        report.lost_plans = lost
+        if lost:
+            report.failures.append(f"{lost} acknowledged plans are missing")
+        if per != 1.0:
+            report.failures.append(f"epochs per session {per} != 1.0")
+        if (report.epochs_per_session_metrics is not None
+                and report.epochs_per_session_metrics != 1.0):
+            report.failures.append("the server's epochs/sessions counters are not 1.0")
+        return report
+    finally:
+        server.kill()
+        if restarted is not None:
+            restarted.kill()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="make load")
+    parser.add_argument("--runtimes", type=int, default=100)
+    parser.add_argument("--turns", type=int, default=50)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--sigterm-after", type=float, default=0.0,
+                        help="send SIGTERM to the server this many seconds into the run")
+    parser.add_argument("--drain", type=float, default=1.0)
+    parser.add_argument("--grace", type=float, default=10.0)
+    parser.add_argument("--time-limit", type=int, default=900)
+    parser.add_argument("--json", help="also write the summary to this file")
+    args = parser.parse_args(argv)
+    if args.runtimes < 1 or args.turns < 1 or args.workers < 1:
+        parser.error("--runtimes, --turns and --workers must be at least 1")
+    with deadline(args.time_limit, "the load run"):
+        report = run(args)
+    summary = report.summary()
+    print(f"load: {args.runtimes} runtimes x {args.turns} turns, {args.workers} worker "
+          f"processes, loopback")
+    print(report.table())
+    print(f"throughput {summary['rpcs_per_second']} RPC/s over {summary['wall_seconds']} s "
+          f"({summary['rpcs']} RPCs, {summary['turns_done']} turns); errors "
+          f"{summary['errors']}; epochs per session {summary['epochs_per_session']} "
+          f"(server counters: {summary['epochs_per_session_metrics']}); lost plans "
+          f"{summary['lost_plans']}")
+    if report.shutdown:
+        print("shutdown: " + json.dumps(report.shutdown, sort_keys=True))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=2, sort_keys=True)
+    for failure in report.failures:
+        print(f"FAILED: {failure}", file=sys.stderr)
+    return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    raise SystemExit(main())
