@@ -1,0 +1,320 @@
+"""A five-minute tour of context-engine: Plan, Build, pressure, Compact, Build again, Rotate.
+
+    .venv/bin/python -m tests.support.tour 127.0.0.1:50051 [--session tour]
+
+Runs against a server started with ``make run`` (dev mode: no credentials) and prints what each
+call returned. The output is deterministic: the tour pins every input (tenant ``tour``, the
+session id, a Claude model sized to 16,000 tokens, the date, the estimator factor), so a fresh
+session always prints the same text. Hashes are printed as labels (``<prefix #1>`` is the first
+distinct ``prefix_sha256`` seen, ``<prefix #2>`` the second) and envelope nonces as ``…``;
+timestamps and ids are not printed. Another ``--session`` changes the nonces, and with them a
+few token counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+
+import grpc
+from context_engine.v1 import context_engine_pb2 as pb
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+
+TENANT = "tour"
+DATE = "2026-11-29"
+FACTOR = 1.0
+MODEL = pb.ModelSpec(model_id="claude-sonnet-4-5", capabilities=pb.ModelCapabilities(
+    context_window=16_000, output_reserve=2_000))
+WORDS = ("cache", "prefix", "budget", "token", "window", "epoch", "summary", "envelope",
+         "history", "result", "request", "model", "session", "pointer", "estimate", "yield")
+FETCH_SCHEMA = ('{"type":"object","properties":{"url":{"type":"string"}},'
+                '"required":["url"]}')
+NONCE = re.compile(r'(nonce="|</(?:untrusted|user|memory):)[0-9a-f]{16}')
+
+
+class Labels:
+    """Stable names for values that differ between sessions (hashes)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, str] = {}
+
+    def __call__(self, digest: str) -> str:
+        if digest not in self.seen:
+            self.seen[digest] = f"<prefix #{len(self.seen) + 1}>"
+        return self.seen[digest]
+
+
+def text(n: int, seed: int) -> str:
+    """``n`` filler words, the same for the same seed (a small linear congruential walk)."""
+    state, words = seed + 1, []
+    for _ in range(n):
+        state = (state * 1103515245 + 12345) % 2**31
+        words.append(WORDS[(state >> 16) % len(WORDS)])
+    return " ".join(words)
+
+
+def plan_request(session: str) -> pb.PlanRequest:
+    return pb.PlanRequest(
+        tenant_id=TENANT, session_id=session,
+        agent=pb.AgentSpec(agent_id="researcher", version="3",
+                           instructions="You research questions and cite your sources.",
+                           enabled_tools=["web.fetch", "clock.now"], deferred_tools=["mail.send"],
+                           enables_tool_call=True),
+        tool_catalog=[
+            pb.ToolSpec(name="web.fetch", description="Fetch a web page. Returns its text.",
+                        input_schema_json=FETCH_SCHEMA, side_effect=pb.SIDE_EFFECT_NETWORK_READ,
+                        required_scopes=["web"]),
+            pb.ToolSpec(name="clock.now", description="The current time.",
+                        input_schema_json='{"type":"object","properties":{}}',
+                        side_effect=pb.SIDE_EFFECT_NONE),
+            pb.ToolSpec(name="mail.send", description="Send an email. Needs a recipient.",
+                        input_schema_json='{"type":"object","properties":{"to":{"type":'
+                                          '"string"},"body":{"type":"string"}},'
+                                          '"required":["to","body"]}',
+                        side_effect=pb.SIDE_EFFECT_NETWORK_WRITE, server="mcp.mail",
+                        required_scopes=["mail"]),
+        ],
+        principal_scopes=["web", "mail"], model=MODEL,
+        session=pb.SessionSpec(kind=pb.SESSION_KIND_INTERACTIVE))
+
+
+def item(item_id: str, seq: int, run: str, trust: int = pb.TRUST_LEVEL_USER,
+         **kind: object) -> pb.ConversationItem:
+    return pb.ConversationItem(id=item_id, sequence=seq, run_id=run, trust=trust, **kind)
+
+
+def fetch(i: int, seq: int, run: str, words: int, answer: int = 20) -> list[pb.ConversationItem]:
+    """A user question, a web.fetch call, its untrusted result and the assistant's answer."""
+    return [
+        item(f"u{i}", seq, run, user=pb.UserMessage(text=f"What does page {i} say?")),
+        item(f"c{i}", seq + 1, run, tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
+            call_id=f"call-{i}", name="web.fetch",
+            arguments_json=f'{{"url":"https://example.com/{i}"}}')])),
+        item(f"r{i}", seq + 2, run, pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
+             tool_result=pb.ToolResult(call_id=f"call-{i}", tool_name="web.fetch",
+                                       content=f"Page {i}. " + text(words, i),
+                                       artifact_ref=f"artifact:pages/{i}", event_id=seq + 2)),
+        item(f"a{i}", seq + 3, run,
+             assistant=pb.AssistantMessage(text=f"Page {i} is about {text(answer, i + 1)}.")),
+    ]
+
+
+def checkpoint(items: Sequence[pb.ConversationItem], run: str, *,
+               knowledge: Sequence[pb.KnowledgePassage] = (),
+               summary: pb.Summary | None = None) -> pb.Checkpoint:
+    cp = pb.Checkpoint(
+        active_run_id=run, items=items, knowledge=knowledge,
+        working_state=pb.WorkingState(objective="Compare the pages.",
+                                      constraints=["Cite every page you use."]),
+        runtime=pb.RuntimeMetadata(current_date=DATE))
+    if summary is not None:
+        cp.summary.CopyFrom(summary)
+    return cp
+
+
+def clip(line: str, width: int = 92) -> str:
+    return line if len(line) <= width else line[:width - 1] + "…"
+
+
+def short(message: pb.Message, width: int = 58) -> str:
+    first = NONCE.sub(r"\1…", message.text.split("\n", 1)[0])
+    if message.tool_calls:
+        first = "calls " + ", ".join(c.name for c in message.tool_calls)
+    return first if len(first) <= width else first[:width - 1] + "…"
+
+
+def show_messages(out: list[str], messages: Sequence[pb.Message]) -> None:
+    out.append("  row  role       item   text")
+    for m in messages:
+        role = pb.Role.Name(m.role).removeprefix("ROLE_").lower()
+        out.append(f"  {m.row:>3}  {role:<9}  {m.item_id or '-':<5}  {short(m)}")
+
+
+STEP_WORDS = {"knowledge": ("passage", "dropped"), "recall": ("recall line", "trimmed"),
+              "tool_results": ("result", "replaced by a typed pointer"),
+              "history": ("item", "left out")}
+
+
+def ids(values: Sequence[str]) -> str:
+    return ", ".join(values) if len(values) <= 3 else f"{values[0]} ... {values[-1]}"
+
+
+def show_pressure(out: list[str], built: pb.BuildResponse) -> None:
+    p = built.pressure
+    if not p.steps:
+        out.append(f"pressure: none; body {built.body_tokens:,} of "
+                   f"{built.budget.body_budget:,} tokens")
+        return
+    out.append(f"pressure: body {p.tokens_before:,} -> {p.tokens_after:,} tokens of "
+               f"{built.budget.body_budget:,}; fits={p.fits}, "
+               f"compaction_needed={p.compaction_needed}")
+    for s in p.steps:
+        noun, verb = STEP_WORDS[s.step]
+        noun += "" if s.units == 1 else "s"
+        out.append(f"  {s.step:<13} {s.units:>3} {noun} {verb}: {ids(s.item_ids)}")
+    if p.compaction_needed:
+        out.append(f"  left out: {p.left_out_items} items, {p.left_out_tokens:,} tokens; "
+                   f"history now starts at item {p.history_cut_index}")
+
+
+def show_budget(out: list[str], built: pb.BuildResponse) -> None:
+    b = built.budget
+    out.append(f"budget: {b.total_tokens:,} total - {b.output_reserve:,} output reserve - "
+               f"{b.margin_tokens:,} margin - {b.prefix_tokens:,} prefix = "
+               f"{b.body_budget:,} body")
+    out.append("  class                    cap    used  items  yielded")
+    for c in b.classes:
+        cap = f"{c.cap:,}" if c.cap else "-"
+        out.append(f"  {c.class_name:<20} {cap:>7} {c.used:>7,} {c.items:>6} {c.yielded:>8}")
+
+
+def tour(engine: pb_grpc.ContextEngineStub, session: str) -> list[str]:
+    label = Labels()
+    out: list[str] = []
+
+    def build(cp: pb.Checkpoint) -> pb.BuildResponse:
+        resp: pb.BuildResponse = engine.Build(pb.BuildRequest(
+            tenant_id=TENANT, session_id=session, checkpoint=cp, estimator_factor=FACTOR),
+            timeout=30)
+        return resp
+
+    # 1. Plan: Region A is rendered, measured exactly and pinned as epoch 1.
+    planned = engine.Plan(plan_request(session), timeout=30)
+    plan = planned.plan
+    out.append("== 1. Plan: pin the prefix (Region A) as epoch 1")
+    out.append(f"created={planned.created} epoch={plan.epoch} reason={plan.reason} "
+               f"prefix_sha256={label(plan.prefix_sha256)} prefix_tokens={plan.prefix_tokens}")
+    out.append(f"model {plan.model_id}: window {plan.context_window:,}, output reserve "
+               f"{plan.output_reserve:,}, tokenizer {plan.tokenizer}, TTL {plan.cache_ttl}")
+    out.append(f"tools: {', '.join(plan.tool_names)}; deferred: "
+               f"{', '.join(plan.deferred_tool_names)}")
+    out.append("  class                tokens    cap")
+    for c in plan.prefix_classes:
+        out.append(f"  {c.class_name:<19} {c.tokens:>7,} {c.cap:>6,}")
+    again = engine.Plan(plan_request(session), timeout=30)
+    out.append(f"Plan again, same inputs: created={again.created} epoch={again.plan.epoch} "
+               f"prefix_sha256={label(again.plan.prefix_sha256)}")
+
+    # 2. Build: Region A byte for byte, then the turn body, every piece in its envelope.
+    first = fetch(1, 1, "run-1", 60)[:3]
+    built = build(checkpoint(first, "run-1"))
+    out.append("")
+    out.append("== 2. Build: one model request from the runtime's checkpoint")
+    out.append(f"prefix_sha256={label(built.prefix_sha256)} epoch={built.epoch} "
+               f"estimated_input_tokens={built.estimated_input_tokens:,} of "
+               f"{built.context_window - built.output_reserve:,}")
+    out.append("prefix blocks (rows 1-8): " + ", ".join(
+        f"{b.row}" for b in built.request.prefix_blocks) + f"; {len(built.request.tools)} "
+        "tool definitions (row 5)")
+    show_messages(out, built.request.messages)
+    out.append("cache breakpoints: " + ", ".join(
+        f"{c.name} {c.ttl}" + (f" through {c.through_item}" if c.through_item else "")
+        for c in built.cache_breakpoints))
+    same = build(checkpoint(first, "run-1"))
+    out.append(f"Build again: identical request={same.request == built.request}")
+    show_pressure(out, built)
+
+    # 3. Pressure: forty earlier fetches and three knowledge passages do not fit 16,000 tokens.
+    carried: list[pb.ConversationItem] = []
+    for i in range(40):
+        carried.extend(fetch(i + 10, 4 * i + 1, f"run-{i // 10 + 2}", 300, 120))
+    now = [item("u99", 1000, "run-9", user=pb.UserMessage(text="Which pages agree?"))]
+    passages = [pb.KnowledgePassage(id=f"doc-{k}", source="handbook", text=text(900, k), rank=k,
+                                    trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED) for k in range(3)]
+    big = checkpoint(carried + now, "run-9", knowledge=passages)
+    pressed = build(big)
+    out.append("")
+    out.append(f"== 3. Pressure: {len(carried)} carried items and 3 knowledge passages")
+    out.append(f"prefix_sha256={label(pressed.prefix_sha256)} "
+               f"estimated_input_tokens={pressed.estimated_input_tokens:,} of "
+               f"{pressed.context_window - pressed.output_reserve:,}")
+    show_pressure(out, pressed)
+    show_budget(out, pressed)
+    pointers = [m for m in pressed.request.messages if "[elided] tool.result" in m.text]
+    if pointers:
+        out.append(f"{len(pointers)} old results are pointers now, each in its envelope, e.g.:")
+        out.extend("  " + clip(NONCE.sub(r"\1…", line))
+                   for line in pointers[0].text.splitlines())
+
+    # 4. Compact: a write. The runtime asks for more than Build left out (here: the three
+    # oldest runs), so the next steps fit too. Untrusted results become pointers; constraints
+    # are kept verbatim.
+    through = max(i.sequence for i in carried if i.run_id in ("run-2", "run-3", "run-4"))
+    compacted = engine.Compact(pb.CompactRequest(
+        tenant_id=TENANT, session_id=session, checkpoint=big,
+        replace_through_sequence=through, reason="budget_pressure",
+        idempotency_key=f"{session}-compact-1", estimator_factor=FACTOR), timeout=30)
+    s = compacted.summary
+    out.append("")
+    out.append("== 4. Compact: replace the oldest carried history with a summary")
+    out.append(f"compacted={compacted.compacted} depth={s.depth} summarizer="
+               f"{compacted.summarizer_version} replaced {len(compacted.replaced_item_ids)} "
+               f"items through sequence {s.replaced_through_sequence}")
+    out.append(f"tokens {compacted.tokens_before:,} -> {compacted.tokens_after:,}; "
+               f"{len(s.elided)} untrusted results elided as pointers")
+    out.append(f"constraints kept verbatim: {list(s.constraints)}")
+    out.append("summary text (the narrative, trusted text only, left out here):")
+    lines = s.text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Constraints"))
+    tail = lines[start:start + 6]
+    out.extend("  " + clip(line) for line in [lines[0], "...", *tail, "..."])
+
+    # 5. Build on the summary: the runtime wrote it into its checkpoint; the prefix is unchanged.
+    on_summary = build(checkpoint(carried + now, "run-9", knowledge=passages, summary=s))
+    out.append("")
+    out.append("== 5. Build on the summary")
+    out.append(f"prefix_sha256={label(on_summary.prefix_sha256)} "
+               f"estimated_input_tokens={on_summary.estimated_input_tokens:,}")
+    show_pressure(out, on_summary)
+    rows = [m.row for m in on_summary.request.messages]
+    out.append(f"messages: {len(rows)}; row 9 (summary): {rows.count(9)}, "
+               f"row 10 (history): {rows.count(10)}, rows 11-15: "
+               f"{sum(1 for r in rows if r > 10)}")
+
+    # 6. Rotate: an explicit new epoch, here to take mail.send out of the prompt at once.
+    rotated = engine.Rotate(pb.RotateRequest(
+        tenant_id=TENANT, session_id=session, reason=pb.ROTATION_REASON_SECURITY_REVOCATION,
+        drop_tools=["mail.send"], idempotency_key=f"{session}-rotate-1"), timeout=30)
+    retried = engine.Rotate(pb.RotateRequest(
+        tenant_id=TENANT, session_id=session, reason=pb.ROTATION_REASON_SECURITY_REVOCATION,
+        drop_tools=["mail.send"], idempotency_key=f"{session}-rotate-1"), timeout=30)
+    new = rotated.plan
+    out.append("")
+    out.append("== 6. Rotate: drop mail.send from the prompt (security_revocation)")
+    out.append(f"rotated={rotated.rotated} epoch={new.epoch} reason={new.reason} "
+               f"prefix_sha256={label(new.prefix_sha256)} prefix_tokens={new.prefix_tokens}")
+    out.append(f"tools: {', '.join(new.tool_names)}; deferred: "
+               f"{', '.join(new.deferred_tool_names) or '(none)'}")
+    out.append(f"same key again: rotated={retried.rotated} epoch={retried.plan.epoch}")
+    after = build(checkpoint(first, "run-1"))
+    out.append(f"Build now uses epoch {after.epoch}, prefix_sha256={label(after.prefix_sha256)}")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("target", nargs="?", default="127.0.0.1:50051",
+                        help="the server's gRPC address (default 127.0.0.1:50051)")
+    parser.add_argument("--session", default="tour",
+                        help="a session id tenant 'tour' has not used yet (default 'tour')")
+    args = parser.parse_args(argv)
+    with grpc.insecure_channel(args.target) as channel:
+        engine = pb_grpc.ContextEngineStub(channel)
+        try:
+            engine.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=args.session),
+                           timeout=10)
+        except grpc.RpcError as err:
+            if err.code() is not grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                raise
+        else:
+            print(f"session {args.session!r} of tenant {TENANT!r} exists already; "
+                  "pass another --session", file=sys.stderr)
+            return 1
+        print("\n".join(tour(engine, args.session)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
