@@ -9,7 +9,9 @@ once: no epoch lost or duplicated.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import statistics
 import tempfile
 import threading
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 from context_engine.adapters.postgres.migrate import migrate
 from context_engine.v1 import context_engine_pb2 as pb
@@ -34,6 +37,7 @@ from tests.integration.requests import build_request, plan_request
 from tests.integration.test_budget_rpc import SMALL, long_history
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
 
 
 class Database:
@@ -49,11 +53,15 @@ class Database:
         run(migrate(self.url, REPO / "migrations"))
 
     def crash(self) -> None:
-        """Immediate shutdown: every connection is cut, like a crash or a failover."""
-        from pgserver.postgres_server import pg_ctl
-
-        pg_ctl(["-m", "immediate", "-w", "stop"], pgdata=self.server.pgdata,
-               user=self.server.system_user, timeout=30)
+        """Immediate shutdown (SIGQUIT to the postmaster, what ``pg_ctl -m immediate`` sends):
+        every backend exits at once and every connection is cut, like a crash."""
+        pid = self.server.get_pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGQUIT)
+        deadline = time.monotonic() + 30
+        while _alive(pid):
+            assert time.monotonic() < deadline, "PostgreSQL did not stop"
+            time.sleep(0.05)
 
     def restart(self) -> None:
         with self.server._lock:
@@ -63,6 +71,13 @@ class Database:
     def close(self) -> None:
         self.server.cleanup()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.fixture(scope="module")

@@ -124,9 +124,21 @@ def test_an_item_over_the_byte_limit_is_resource_exhausted(limited_stub, ids, db
 
 def test_a_message_over_the_receive_limit_is_resource_exhausted(limited_stub, ids, db):
     tenant, session = ids
+    limited_stub.Plan(plan_request(tenant, session))
     before = db.counts(tenant)
+    request = build_request(tenant, session, items=many_items(40, size=4000) * 2)
+    assert 256 * 1024 < request.ByteSize() < 512 * 1024
     with pytest.raises(grpc.RpcError) as info:
-        limited_stub.Build(build_request(tenant, session, items=many_items(40, size=4000) * 2))
+        limited_stub.Build(request)
+    f = failure(info.value)
+    assert f.code is grpc.StatusCode.RESOURCE_EXHAUSTED and f.reason == "REQUEST_TOO_LARGE"
+    assert f.metadata == {"size": str(request.ByteSize()), "limit": str(256 * 1024)}
+    assert db.counts(tenant) == before
+    # beyond twice the limit gRPC itself refuses it, before any handler runs
+    huge = build_request(tenant, session, items=many_items(150, size=4000))
+    assert huge.ByteSize() > 512 * 1024
+    with pytest.raises(grpc.RpcError) as info:
+        limited_stub.Build(huge)
     assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert db.counts(tenant) == before
 

@@ -1,4 +1,4 @@
-"""Hard gate: compaction fidelity (spec: "Summaries are bounded and monotone", issue 5 point 6).
+"""Hard gate: compaction fidelity (spec: "Summaries are bounded and monotone").
 
 How constraints reach the compactor: the caller passes its working state's constraints (the
 Compact RPC reads ``checkpoint.working_state.constraints``), and a summary carries the ones it

@@ -1,5 +1,5 @@
-"""Hard gate: untrusted content never escapes its envelope (issue 5, acceptance 5, `gate_trust`;
-spec: "Trust labeling and rendering", "Every non-platform region is enveloped").
+"""Hard gate: untrusted content never escapes its envelope (`gate_trust`; spec: "Trust
+labeling and rendering", "Every non-platform region is enveloped").
 
 Every attack of ``tests/support/attacks.py`` is placed in content below TRUSTED_CONFIGURATION
 (tool results, user messages, recall, corrections, knowledge passages, skill bodies,
@@ -9,7 +9,7 @@ is read back with the independent parser in ``tests/support/envelope_parser.py``
 lies strictly inside an envelope body, each envelope is closed exactly once, and no body reads,
 leniently, as containing an envelope tag.
 
-Summaries (Compact, issue 5 acceptance 3 and 5): compaction over runs whose untrusted spans
+Summaries (Compact): compaction over runs whose untrusted spans
 carry every attack never puts a canary in a summary, with the deterministic summarizer, with a
 summarizer that echoes all its input, and with the LLM summarizer against a loopback fake that
 echoes its whole request (skipped while ``context_engine.domain.compaction`` is absent).
@@ -455,7 +455,7 @@ def test_canaries_never_reach_a_summary(summarizer: str) -> None:
     attack: no canary in either summary, with the deterministic summarizer, with one that
     echoes all it is given, and with the LLM summarizer against a loopback fake that echoes
     its whole request; Build after compaction keeps every canary enveloped."""
-    C = pytest.importorskip("context_engine.domain.compaction")
+    import context_engine.domain.compaction as C
     from context_engine.domain.items import HistorySummary, RenderContext
 
     with contextlib.ExitStack() as stack:
@@ -465,7 +465,7 @@ def test_canaries_never_reach_a_summary(summarizer: str) -> None:
         elif summarizer == "echo":
             impl = EchoSummarizer()
         else:
-            S = pytest.importorskip("context_engine.adapters.summarizer")
+            import context_engine.adapters.summarizer as S
             url = stack.enter_context(echo_provider(received))
             impl = S.OpenAISummarizer(url=url, model="fake-echo", timeout=5.0)
         _summaries_hold(C, HistorySummary, RenderContext, impl, summarizer)

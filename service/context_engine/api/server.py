@@ -119,7 +119,9 @@ def server_options(config: Config) -> list[tuple[str, int]]:
     clients re-resolve and spread over replicas (with a grace for in-flight calls)."""
     ms = 1000
     return [
-        ("grpc.max_receive_message_length", config.max_receive_bytes),
+        # gRPC's own cap is a backstop at twice the limit; up to it, a request over the
+        # limit gets the service's REQUEST_TOO_LARGE status (size, limit) before parsing
+        ("grpc.max_receive_message_length", min(2 * config.max_receive_bytes, 2**31 - 1)),
         ("grpc.max_send_message_length", config.max_receive_bytes),
         ("grpc.keepalive_time_ms", int(config.keepalive_time_seconds * ms)),
         ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_seconds * ms)),
@@ -169,7 +171,8 @@ async def start(config: Config, *, database_url: str,
     auth = auth_interceptor(config, pool, metrics)
     server = grpc.aio.server(interceptors=[*([auth] if auth else []), limits],
                              options=server_options(config))
-    add_to_server(ContextEngineServicer(engine, metrics, tracer), server)
+    add_to_server(ContextEngineServicer(engine, metrics, tracer), server,
+                  max_request_bytes=config.max_receive_bytes)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

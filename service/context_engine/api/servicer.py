@@ -18,7 +18,7 @@ from context_engine.api import mapping
 from context_engine.api.status import internal_status, status_for
 from context_engine.domain.builder import checkpoint_violations
 from context_engine.domain.canonical import session_key
-from context_engine.domain.errors import ContextEngineError, InvalidInput
+from context_engine.domain.errors import ContextEngineError, InvalidInput, RequestTooLarge
 from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
@@ -235,8 +235,20 @@ class Undecodable:
     why: str
 
 
-def _decoder(cls: type[ProtoMessage]) -> Callable[[bytes], ProtoMessage | Undecodable]:
+@dataclass(frozen=True)
+class TooLarge(Undecodable):
+    """A request over the service's receive limit, refused before it is parsed."""
+
+    size: int = 0
+    limit: int = 0
+
+
+def _decoder(cls: type[ProtoMessage], limit: int | None
+             ) -> Callable[[bytes], ProtoMessage | Undecodable]:
     def decode(data: bytes) -> ProtoMessage | Undecodable:
+        if limit is not None and len(data) > limit:
+            return TooLarge(cls.DESCRIPTOR.full_name, "over the receive limit",
+                            size=len(data), limit=limit)
         try:
             return cls.FromString(data)
         except DecodeError as exc:
@@ -255,23 +267,27 @@ def _refusing_undecodable(servicer: ContextEngineServicer, method: str
         bad = request
 
         async def refuse(record: CallRecord) -> Any:
+            if isinstance(bad, TooLarge):
+                raise RequestTooLarge(bad.size, bad.limit)
             raise InvalidInput.one("request", f"is not a valid {bad.message_type}: {bad.why}")
         return await servicer._run(method, context, refuse)
     return handle
 
 
-def add_to_server(servicer: ContextEngineServicer, server: grpc.aio.Server) -> None:
+def add_to_server(servicer: ContextEngineServicer, server: grpc.aio.Server, *,
+                  max_request_bytes: int | None = None) -> None:
     """Registers ``servicer`` as the generated ``add_ContextEngineServicer_to_server`` does,
     except that a request that does not decode is answered INVALID_ARGUMENT with the rich
     status of every other malformed request (gRPC itself answers UNKNOWN, naming the parser's
-    exception, with no details)."""
+    exception, with no details), and one over ``max_request_bytes`` RESOURCE_EXHAUSTED
+    (``REQUEST_TOO_LARGE``, with its size and the limit) before it is parsed."""
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["ContextEngine"].methods:
         request_type = getattr(pb, method.input_type.name)
         response_type = getattr(pb, method.output_type.name)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
             _refusing_undecodable(servicer, method.name),
-            request_deserializer=_decoder(request_type),
+            request_deserializer=_decoder(request_type, max_request_bytes),
             response_serializer=response_type.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)

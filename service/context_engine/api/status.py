@@ -24,6 +24,7 @@ CODES: tuple[tuple[type[e.ContextEngineError], grpc.StatusCode], ...] = (
     (e.SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (e.PrefixHashMismatch, grpc.StatusCode.INTERNAL),
     (e.StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (e.RequestTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (e.TokenizerUnavailable, grpc.StatusCode.UNAVAILABLE),
     (e.AssemblyError, grpc.StatusCode.INTERNAL),
 )
@@ -41,7 +42,7 @@ def code_for(error: e.ContextEngineError) -> grpc.StatusCode:
 # caller as RESOURCE_EXHAUSTED without any status. These bounds keep the whole status (message
 # percent-encoded, details base64-encoded) well under that.
 MAX_MESSAGE_BYTES = 400
-MAX_VIOLATIONS = 8
+MAX_VIOLATIONS_BYTES = 3000  # all listed field violations together (before base64)
 MAX_FIELD_BYTES = 100
 MAX_DESCRIPTION_BYTES = 160
 MAX_METADATA_BYTES = 200
@@ -58,24 +59,31 @@ def _clip(text: str, limit: int) -> str:
 def rich_status(code: grpc.StatusCode, message: str, reason: str,
                 metadata: dict[str, str],
                 violations: tuple[e.FieldViolation, ...] = ()) -> status_pb2.Status:
-    """The status of one failed call, bounded in size: the first ``MAX_VIOLATIONS`` field
-    violations (the metadata's ``violations`` counts them all), long values clipped."""
+    """The status of one failed call, bounded in size: field violations in order while they
+    fit ``MAX_VIOLATIONS_BYTES`` (when some do not, the metadata's ``violations`` counts them
+    all and the message says how many are listed), long values clipped."""
     metadata = {_clip(k, MAX_METADATA_BYTES): _clip(v, MAX_METADATA_BYTES)
                 for k, v in metadata.items()}
-    if len(violations) > MAX_VIOLATIONS:
+    listed: list[error_details_pb2.BadRequest.FieldViolation] = []
+    size = 0
+    for v in violations:
+        entry = error_details_pb2.BadRequest.FieldViolation(
+            field=_clip(v.field, MAX_FIELD_BYTES),
+            description=_clip(v.description, MAX_DESCRIPTION_BYTES))
+        size += entry.ByteSize() + 3
+        if size > MAX_VIOLATIONS_BYTES:
+            break
+        listed.append(entry)
+    if len(listed) < len(violations):
         metadata["violations"] = str(len(violations))
-        message = (f"{len(violations)} violations (the first {MAX_VIOLATIONS} in the "
+        message = (f"{len(violations)} violations (the first {len(listed)} in the "
                    f"details): {message}")
     info = any_pb2.Any()
     info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=metadata))
     details = [info]
-    if violations:
+    if listed:
         bad = any_pb2.Any()
-        bad.Pack(error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(
-                field=_clip(v.field, MAX_FIELD_BYTES),
-                description=_clip(v.description, MAX_DESCRIPTION_BYTES))
-            for v in violations[:MAX_VIOLATIONS]]))
+        bad.Pack(error_details_pb2.BadRequest(field_violations=listed))
         details.append(bad)
     return status_pb2.Status(code=getattr(code_pb2, code.name),
                              message=_clip(message, MAX_MESSAGE_BYTES), details=details)

@@ -242,3 +242,18 @@ class SummarizerUnavailable(ContextEngineError):
 
     def metadata(self) -> dict[str, str]:
         return {"why": self.why}
+
+
+class RequestTooLarge(ContextEngineError):
+    """A request over the service's receive limit: refused before it is decoded."""
+
+    reason = "REQUEST_TOO_LARGE"
+
+    def __init__(self, size: int, limit: int) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(f"the request is {size} bytes, over the limit of {limit} bytes "
+                         "(CE_MAX_RECEIVE_BYTES)")
+
+    def metadata(self) -> dict[str, str]:
+        return {"size": str(self.size), "limit": str(self.limit)}
