@@ -13,7 +13,10 @@ CLIENT_PB    := clients/python/src/context_engine_client/_pb
 CLIENT_STAMP := $(CLIENT_PB)/.generated
 PIP       := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: run test lint gen bootstrap bench load clean
+.PHONY: all run test lint gen bootstrap bench load clean
+
+## all (the default): bootstrap and generate the code of the service and the Python client
+all: gen
 
 ## bootstrap: create .venv and install the pinned dependencies and the package
 $(STAMP): requirements/runtime.txt requirements/dev.txt pyproject.toml clients/python/pyproject.toml
@@ -45,7 +48,7 @@ gen: $(GEN_STAMP) $(CLIENT_STAMP)
 
 ## run: serve on 127.0.0.1:50051 in dev mode (no credentials; loopback only), metrics on
 ## 127.0.0.1:9464, embedded PostgreSQL under .data/
-run: $(GEN_STAMP)
+run: $(GEN_STAMP) $(CLIENT_STAMP)
 	$(BIN)/context-engine serve --dev
 
 ## lint: ruff, mypy --strict, buf lint
