@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import io
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,9 @@ from context_engine.api.auth import (
     parse_tokens,
     token_sha256,
 )
+from context_engine.api.servicer import Undecodable
 from context_engine.config import Config, ConfigError, is_loopback
+from context_engine.domain.errors import StoreUnavailable
 from context_engine.v1 import context_engine_pb2 as pb
 
 TOKEN_A = "tok-a-6f1c0e9b"
@@ -106,6 +109,11 @@ def test_a_request_for_another_tenant_is_refused() -> None:
         assert err.value.metadata["token_tenant_id"] == "acme"
 
 
+def test_a_request_that_did_not_decode_is_left_to_the_servicer() -> None:
+    grant = Grant(tenant_id="acme", rpcs=frozenset({"*"}))
+    check_tenant("GetPlan", Undecodable("context_engine.v1.GetPlanRequest", "truncated"), grant)
+
+
 @pytest.mark.parametrize(("document", "fragment"), [
     ({"sha256": "x"}, "JSON list"),
     (["nope"], "expected an object"),
@@ -136,16 +144,19 @@ def test_token_file_hashes_are_case_insensitive_and_loaded_from_disk(tmp_path: P
 
 
 class FakePool:
-    """The one asyncpg call DatabaseTokens makes, over rows held in memory."""
+    """The one asyncpg call DatabaseTokens makes, over rows held in memory; ``down`` makes it
+    fail as an unreachable server does."""
 
     def __init__(self) -> None:
         self.rows: dict[str, dict[str, Any]] = {}
         self.queries = 0
+        self.down = False
 
     async def fetchrow(self, sql: str, digest: str, *, timeout: float) -> Any:
         self.queries += 1
-        row = self.rows.get(digest)
-        return None if row is None or row["revoked"] else row
+        if self.down:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return self.rows.get(digest)
 
 
 def test_table_tokens_are_cached_for_the_ttl_so_a_revocation_lands_within_it() -> None:
@@ -178,6 +189,84 @@ def test_unknown_table_tokens_are_remembered_only_briefly() -> None:
     now[0] += 3.0
     assert asyncio.run(tokens.grant(digest)) == Grant(tenant_id="acme",
                                                        rpcs=frozenset({"Plan"}))
+
+
+class Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.events: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.events.append(record.getMessage())
+
+
+def test_during_an_outage_recent_grants_answer_and_everything_else_is_unavailable() -> None:
+    pool = FakePool()
+    now = [0.0]
+    known, revoked, minted = (token_sha256(t) for t in ("known", "revoked", "minted"))
+    for digest in (known, revoked):
+        pool.rows[digest] = {"token_sha256": digest, "tenant_id": "acme", "rpcs": ["Build"],
+                             "revoked": False}
+    tokens = DatabaseTokens(pool, ttl=1.0, stale=600.0,  # type: ignore[arg-type]
+                            clock=lambda: now[0])
+    grant = Grant(tenant_id="acme", rpcs=frozenset({"Build"}))
+    assert asyncio.run(tokens.grant(known)) == grant
+    assert asyncio.run(tokens.grant(revoked)) == grant
+    pool.rows[revoked]["revoked"] = True
+    now[0] += 2.0
+    assert asyncio.run(tokens.grant(revoked)) is None  # seen revoked
+    handler = Captured()
+    logger = logging.getLogger("context_engine")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        pool.down = True
+        pool.rows[minted] = {"token_sha256": minted, "tenant_id": "acme", "rpcs": ["*"],
+                             "revoked": False}
+        queries = pool.queries
+        for step in (5.0, 100.0, 300.0):
+            now[0] += step
+            assert asyncio.run(tokens.grant(known)) == grant  # stale, from before the outage
+            assert asyncio.run(tokens.grant(revoked)) is None  # stays refused
+            with pytest.raises(StoreUnavailable):  # never seen: no answer without the table
+                asyncio.run(tokens.grant(minted))
+        assert pool.queries == queries + 9  # every expired lookup still asks the database
+        now[0] += 200.0  # the grant is now more than 600 s old
+        with pytest.raises(StoreUnavailable):
+            asyncio.run(tokens.grant(known))
+        assert handler.events.count("auth_stale_grants") == 1  # once per outage
+
+        pool.down = False
+        assert asyncio.run(tokens.grant(known)) == grant
+        assert asyncio.run(tokens.grant(minted)) == Grant(tenant_id="acme",
+                                                           rpcs=frozenset({"*"}))
+        assert asyncio.run(tokens.grant(revoked)) is None
+        pool.down = True
+        now[0] += 2.0
+        assert asyncio.run(tokens.grant(minted)) is not None
+        assert handler.events.count("auth_stale_grants") == 2  # the next outage logs again
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_a_flood_of_unknown_tokens_does_not_evict_known_grants() -> None:
+    pool = FakePool()
+    known = token_sha256("known")
+    pool.rows[known] = {"token_sha256": known, "tenant_id": "acme", "rpcs": ["*"],
+                        "revoked": False}
+    now = [0.0]
+    tokens = DatabaseTokens(pool, ttl=1.0, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert asyncio.run(tokens.grant(known)) is not None
+
+    async def flood() -> None:
+        for i in range(12_000):
+            assert await tokens.grant(token_sha256(f"bad-{i}")) is None
+    asyncio.run(flood())
+    pool.down = True
+    now[0] += 5.0
+    assert asyncio.run(tokens.grant(known)) == Grant(tenant_id="acme", rpcs=frozenset({"*"}))
 
 
 @pytest.mark.parametrize(("host", "loopback"), [

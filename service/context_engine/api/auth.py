@@ -8,7 +8,12 @@ interceptor before a request reaches the servicer; and the server's TLS credenti
 * Missing, malformed, unknown or revoked token: ``UNAUTHENTICATED``. A known token calling an RPC
   it is not granted: ``PERMISSION_DENIED`` (``RPC_NOT_ALLOWED``). A request whose ``tenant_id``
   is not the token's tenant: ``PERMISSION_DENIED`` (``TENANT_MISMATCH``), checked on the
-  deserialized request before the servicer reads or writes anything.
+  deserialized request before the servicer reads or writes anything. A request whose bytes do
+  not decode names no tenant: once its caller is authenticated, the servicer refuses it
+  (``INVALID_ARGUMENT``) without reading anything.
+* While PostgreSQL is away, a table token is answered from the last grant this process read
+  for it, if that is at most ``STALE_GRANT_SECONDS`` old, so Build keeps serving cached plans;
+  a token seen revoked stays refused, and any other token is ``UNAVAILABLE``.
 * Health and reflection stay open: probes and tooling carry no credentials.
 * The token itself never reaches a log line, a span or an error; only its RPC and tenant do.
 """
@@ -31,6 +36,7 @@ import grpc
 from grpc_status import rpc_status
 
 from context_engine.adapters.postgres.errors import translated
+from context_engine.api.servicer import Undecodable
 from context_engine.api.status import rich_status, status_for
 from context_engine.config import Config, ConfigError
 from context_engine.domain.errors import StoreUnavailable
@@ -51,12 +57,16 @@ _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 # How long an unknown token's miss is remembered: short, so a token inserted after a failed
 # attempt works soon, yet a flood of bad tokens does not become a flood of queries.
 NEGATIVE_TTL_SECONDS = 2.0
+# How old a table grant may be and still answer while the database is unreachable: long enough
+# to ride out a failover or a restart, short enough that a token revoked just before an outage
+# (and not yet seen revoked here) does not outlive it by much.
+STALE_GRANT_SECONDS = 600.0
 _CACHE_ENTRIES = 10_000
 
-# The one query of the token table (hash lookup; revoked rows never match).
+# The one query of the token table (hash lookup; a revoked row says so).
 LOOKUP_TOKEN = """
-SELECT token_sha256, tenant_id, rpcs FROM api_tokens
-WHERE token_sha256 = $1 AND revoked_at IS NULL"""
+SELECT token_sha256, tenant_id, rpcs, revoked_at IS NOT NULL AS revoked FROM api_tokens
+WHERE token_sha256 = $1"""
 
 
 def token_sha256(token: str) -> str:
@@ -147,34 +157,75 @@ class FileTokens:
         return found
 
 
+def _remember(entries: dict[str, tuple[Any, float]], digest: str, value: Any,
+              now: float) -> None:
+    entries.pop(digest, None)
+    if len(entries) >= _CACHE_ENTRIES:  # drop the oldest entry (insertion order)
+        entries.pop(next(iter(entries)))
+    entries[digest] = (value, now)
+
+
 class DatabaseTokens:
     """Tokens from the ``api_tokens`` table, cached per hash for ``ttl`` seconds: a revocation
-    (``revoked_at`` set, or the row deleted) takes effect within ``ttl`` on every replica."""
+    (``revoked_at`` set, or the row deleted) takes effect within ``ttl`` on every replica.
+
+    When the lookup fails because the database is unreachable, the last grant read for the
+    hash answers if it is at most ``stale`` seconds old (logged once per outage); a hash last
+    seen revoked stays refused; anything else raises ``StoreUnavailable``. Grants and misses
+    are kept apart, so a flood of unknown tokens cannot push the known grants out."""
 
     def __init__(self, pool: asyncpg.Pool, *, ttl: float, command_timeout: float = 5.0,
+                 stale: float = STALE_GRANT_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._pool = pool
         self._ttl = ttl
+        self._negative_ttl = min(ttl, NEGATIVE_TTL_SECONDS)
         self._timeout = command_timeout
+        self._stale = stale
         self._clock = clock
-        self._cache: dict[str, tuple[Grant | None, float]] = {}
+        # hash -> (grant, when it was read) / (revoked?, when the miss was read)
+        self._grants: dict[str, tuple[Grant, float]] = {}
+        self._misses: dict[str, tuple[bool, float]] = {}
+        self._serving_stale = False  # an outage is being ridden out on stale grants
 
     async def grant(self, digest: str) -> Grant | None:
         now = self._clock()
-        hit = self._cache.get(digest)
-        if hit is not None and hit[1] > now:
-            return hit[0]
-        async with translated():
-            row = await self._pool.fetchrow(LOOKUP_TOKEN, digest, timeout=self._timeout)
-        found = None
+        known = self._grants.get(digest)
+        if known is not None and now - known[1] < self._ttl:
+            return known[0]
+        miss = self._misses.get(digest)
+        if miss is not None and now - miss[1] < self._negative_ttl:
+            return None
+        try:
+            async with translated():
+                row = await self._pool.fetchrow(LOOKUP_TOKEN, digest, timeout=self._timeout)
+        except StoreUnavailable:
+            return self._while_unavailable(digest, known, miss, now)
+        self._serving_stale = False
         if row is not None and hmac.compare_digest(str(row["token_sha256"]), digest):
-            found = Grant(tenant_id=row["tenant_id"], rpcs=frozenset(row["rpcs"]))
-        ttl = self._ttl if found is not None else min(self._ttl, NEGATIVE_TTL_SECONDS)
-        self._cache.pop(digest, None)
-        if len(self._cache) >= _CACHE_ENTRIES:  # drop the oldest entry (insertion order)
-            self._cache.pop(next(iter(self._cache)))
-        self._cache[digest] = (found, now + ttl)
-        return found
+            if not row["revoked"]:
+                found = Grant(tenant_id=row["tenant_id"], rpcs=frozenset(row["rpcs"]))
+                self._misses.pop(digest, None)
+                _remember(self._grants, digest, found, now)
+                return found
+            revoked = True
+        else:
+            revoked = False
+        self._grants.pop(digest, None)
+        _remember(self._misses, digest, revoked, now)
+        return None
+
+    def _while_unavailable(self, digest: str, known: tuple[Grant, float] | None,
+                           miss: tuple[bool, float] | None, now: float) -> Grant | None:
+        if miss is not None and miss[0]:
+            return None  # seen revoked: an outage never brings a token back
+        if known is None or now - known[1] > self._stale:
+            raise StoreUnavailable("database unavailable and no recent grant for this token")
+        if not self._serving_stale:
+            self._serving_stale = True
+            log("auth_stale_grants", logging.WARNING, max_age_seconds=self._stale,
+                why="the token table cannot be read: answering from grants read before")
+        return known[0]
 
 
 class Denied(Exception):
@@ -231,7 +282,11 @@ class Authenticator:
 
 
 def check_tenant(rpc: str, request: Any, grant: Grant) -> None:
-    """The request names the token's tenant, or it is refused before anything is read."""
+    """The request names the token's tenant, or it is refused before anything is read. A
+    request that did not decode names nothing: the servicer refuses it (INVALID_ARGUMENT)
+    without reading anything, so it passes here once its caller is authenticated."""
+    if isinstance(request, Undecodable):
+        return
     fields = getattr(getattr(request, "DESCRIPTOR", None), "fields_by_name", {})
     requested = request.tenant_id if "tenant_id" in fields else None
     if requested != grant.tenant_id:
