@@ -79,6 +79,39 @@ def split_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+# Where a container sees its own cgroup (cgroup namespaces; Docker and Kubernetes mount it so).
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _read_ints(path: Path) -> list[int] | None:
+    try:
+        return [int(word) for word in path.read_text().split()]
+    except (OSError, ValueError):  # absent, unreadable, or "max"
+        return None
+
+
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> int | None:
+    """CPUs the cgroup CPU quota allows, rounded up (at least 1); None without a quota.
+
+    cgroup v2 ``cpu.max`` ("max 100000" or "<quota> <period>" in microseconds), else cgroup
+    v1 ``cpu.cfs_quota_us`` (-1: none) over ``cpu.cfs_period_us``."""
+    v2 = root / "cpu.max"
+    if v2.exists():
+        words = _read_ints(v2)
+        quota, period = (words[0], words[1]) if words and len(words) == 2 else (-1, 0)
+    else:
+        quota, period = -1, 0
+        for controller in ("cpu", "cpu,cpuacct"):
+            quotas = _read_ints(root / controller / "cpu.cfs_quota_us")
+            periods = _read_ints(root / controller / "cpu.cfs_period_us")
+            if quotas and periods and len(quotas) == len(periods) == 1:
+                quota, period = quotas[0], periods[0]
+                break
+    if quota <= 0 or period <= 0:
+        return None
+    return max(1, -(-quota // period))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     grpc_addr: str = "127.0.0.1:50051"
@@ -230,14 +263,18 @@ class Config:
                               "configure tokens with CE_AUTH_TOKENS_FILE and/or "
                               "CE_AUTH_DB_TOKENS=1")
 
-    def worker_count(self) -> int:
-        """Serving processes: ``workers``, or one per CPU this process may use."""
+    def worker_count(self, *, cgroup_root: Path = CGROUP_ROOT) -> int:
+        """Serving processes: ``workers``, or one per CPU this process may use: the CPUs it may
+        run on, capped by its cgroup's CPU quota (a container limited to 2 CPUs on a 64-core
+        host sees 64 CPUs in its affinity mask but gets the time of 2)."""
         if self.workers > 0:
             return self.workers
         try:
-            return max(1, len(os.sched_getaffinity(0)))
+            cpus = max(1, len(os.sched_getaffinity(0)))
         except AttributeError:  # not Linux
-            return max(1, os.cpu_count() or 1)
+            cpus = max(1, os.cpu_count() or 1)
+        limit = cgroup_cpu_limit(cgroup_root)
+        return cpus if limit is None else min(cpus, limit)
 
     def budget_policy(self) -> BudgetPolicy:
         return BudgetPolicy(safety_margin_ratio=self.safety_margin_ratio,
