@@ -317,7 +317,9 @@ def test_termination_grace_outlasts_the_drain_and_the_grace(served_env):
 def test_replicas_autoscaling_and_disruption_budget():
     deployment = one("Deployment")
     hpa = one("HorizontalPodAutoscaler")["spec"]
-    assert deployment["spec"]["replicas"] == hpa["minReplicas"] == 3
+    # The autoscaler alone sets the count: a replicas field would reset it on every apply.
+    assert "replicas" not in deployment["spec"]
+    assert hpa["minReplicas"] >= 3
     assert hpa["maxReplicas"] > hpa["minReplicas"]
     (metric,) = hpa["metrics"]
     assert metric["type"] == "Resource" and metric["resource"]["name"] == "cpu"
