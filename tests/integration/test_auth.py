@@ -28,6 +28,7 @@ from tests.conftest import ServerThread
 from tests.conftest import test_config as base_config
 from tests.integration.processes import ServerProcess
 from tests.integration.requests import build_request, failure, plan_request
+from tests.support import fuzz
 
 pytestmark = pytest.mark.integration
 
@@ -111,6 +112,43 @@ def test_a_request_for_another_tenant_is_denied_before_anything_is_written(secur
                           "token_tenant_id": s.tenant}
     assert db.counts(s.other_tenant) == before
     assert db.val("SELECT count(*) FROM sessions WHERE session_id = $1", session) == 0
+
+
+UNDECODABLE = {
+    "corrupt": b"\xff\xff\xff",
+    "invalid-utf8-tenant": fuzz.length_delimited(1, b"\xc3\x28"),
+    "overlong-length": fuzz.tag(1, 2) + fuzz.varint(2**32 + 5) + b"x",
+    "deep-groups": fuzz.nested_groups(5000),
+}
+
+
+def raw(channel: grpc.Channel, rpc: str):
+    return channel.unary_unary(fuzz.path(rpc), request_serializer=lambda b: b,
+                               response_deserializer=fuzz.METHODS[rpc][1].FromString)
+
+
+@pytest.mark.parametrize("rpc", fuzz.RPCS)
+def test_undecodable_bytes_from_an_authenticated_caller_are_invalid_argument(
+        secured: Secured, rpc: str) -> None:
+    call = raw(secured.channel, rpc)
+    for label, payload in UNDECODABLE.items():
+        f = failure(refused(call, payload, bearer(secured.full)))
+        assert (f.code, f.reason, f.domain) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                "INVALID_ARGUMENT", "context-engine"), label
+        assert "request" in f.violations, label
+    # decodable bytes naming no tenant are still refused as another tenant's
+    f = failure(refused(call, b"", bearer(secured.full)))
+    assert (f.code, f.reason) == (grpc.StatusCode.PERMISSION_DENIED, "TENANT_MISMATCH")
+
+
+def test_undecodable_bytes_need_credentials_and_an_allowed_rpc_first(secured: Secured) -> None:
+    for label, payload in UNDECODABLE.items():
+        for metadata in ((), bearer("no-such-token")):
+            f = failure(refused(raw(secured.channel, "Plan"), payload, metadata))
+            assert (f.code, f.reason) == (grpc.StatusCode.UNAUTHENTICATED,
+                                          "UNAUTHENTICATED"), label
+        f = failure(refused(raw(secured.channel, "Plan"), payload, bearer(secured.build_only)))
+        assert (f.code, f.reason) == (grpc.StatusCode.PERMISSION_DENIED, "RPC_NOT_ALLOWED"), label
 
 
 def test_health_and_reflection_need_no_credentials(secured: Secured) -> None:
