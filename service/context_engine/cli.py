@@ -1,4 +1,4 @@
-"""``context-engine serve|migrate|hash-token``."""
+"""``context-engine serve|migrate|inspect|health|hash-token|demo``."""
 
 from __future__ import annotations
 
@@ -40,11 +40,18 @@ def main(argv: list[str] | None = None) -> int:
     from context_engine import healthcheck
 
     healthcheck.add_arguments(health_p)
+    demo_p = sub.add_parser("demo", help="a five-minute tour of a running server: Plan, Build, "
+                                         "pressure, Compact, Rotate")
+    from context_engine import demo
+
+    demo.add_arguments(demo_p)
     args = parser.parse_args(argv)
     if args.command == "hash-token":  # needs no configuration
         return _hash_token(args)
     if args.command == "health":  # a probe: it needs only the listen address, never the database
         return healthcheck.run(args, os.environ)
+    if args.command == "demo":  # a client of a running server: no database, no configuration
+        return demo.run(args, os.environ)
 
     try:
         config = Config.from_env(os.environ)

@@ -1,14 +1,20 @@
-"""A five-minute tour of context-engine: Plan, Build, pressure, Compact, Build again, Rotate.
+"""``context-engine demo``: a five-minute tour of a running server.
 
-    .venv/bin/python -m tests.support.tour 127.0.0.1:50051 [--session tour]
+    context-engine demo [--addr 127.0.0.1:50051] [--session tour] [--token T]
 
-Runs against a server started with ``make run`` (dev mode: no credentials) and prints what each
-call returned. The output is deterministic: the tour pins every input (tenant ``tour``, the
-session id, a Claude model sized to 16,000 tokens, the date, the estimator factor), so a fresh
-session always prints the same text. Hashes are printed as labels (``<prefix #1>`` is the first
-distinct ``prefix_sha256`` seen, ``<prefix #2>`` the second) and envelope nonces as ``…``;
-timestamps and ids are not printed. Another ``--session`` changes the nonces, and with them a
-few token counts.
+Plans a session, builds a small request, builds an oversized one (pressure), compacts, builds on
+the summary and rotates, printing what each call returned. Start a server first (``make run``:
+dev mode, no credentials); against a server that wants credentials pass ``--token`` (sent as
+``authorization: Bearer <token>``) and ``--tenant``, the token's tenant.
+
+The output is deterministic: the tour pins every input (tenant ``tour``, the session id, a Claude
+model sized to 16,000 tokens, the date, the estimator factor), so a new session always prints the
+same text. Hashes are printed as labels (``<prefix #1>`` is the first distinct ``prefix_sha256``
+seen, ``<prefix #2>`` the second) and envelope nonces as ``…``; timestamps and ids are not
+printed. Another ``--session`` changes the nonces, and with them a few token counts.
+
+Exit status 0 after the whole tour; 1 when the server cannot be reached, the session exists
+already or a call fails (the error on stderr, after the output of the steps that completed).
 """
 
 from __future__ import annotations
@@ -16,13 +22,19 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import grpc
+
+from context_engine.config import Config, ConfigError, split_addr
+from context_engine.healthcheck import probe_address
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
-TENANT = "tour"
+Resp = TypeVar("Resp")
+
+TENANT = "tour"  # the default; --tenant names another
 DATE = "2026-11-29"
 FACTOR = 1.0
 MODEL = pb.ModelSpec(model_id="claude-sonnet-4-5", capabilities=pb.ModelCapabilities(
@@ -55,9 +67,9 @@ def text(n: int, seed: int) -> str:
     return " ".join(words)
 
 
-def plan_request(session: str) -> pb.PlanRequest:
+def plan_request(tenant: str, session: str) -> pb.PlanRequest:
     return pb.PlanRequest(
-        tenant_id=TENANT, session_id=session,
+        tenant_id=tenant, session_id=session,
         agent=pb.AgentSpec(agent_id="researcher", version="3",
                            instructions="You research questions and cite your sources.",
                            enabled_tools=["web.fetch", "clock.now"], deferred_tools=["mail.send"],
@@ -80,9 +92,13 @@ def plan_request(session: str) -> pb.PlanRequest:
         session=pb.SessionSpec(kind=pb.SESSION_KIND_INTERACTIVE))
 
 
-def item(item_id: str, seq: int, run: str, trust: int = pb.TRUST_LEVEL_USER,
-         **kind: object) -> pb.ConversationItem:
-    return pb.ConversationItem(id=item_id, sequence=seq, run_id=run, trust=trust, **kind)
+def item(item_id: str, seq: int, run: str, trust: pb.TrustLevel.ValueType = pb.TRUST_LEVEL_USER,
+         *, user: pb.UserMessage | None = None, assistant: pb.AssistantMessage | None = None,
+         tool_calls: pb.ToolCalls | None = None,
+         tool_result: pb.ToolResult | None = None) -> pb.ConversationItem:
+    return pb.ConversationItem(id=item_id, sequence=seq, run_id=run, trust=trust, user=user,
+                               assistant=assistant, tool_calls=tool_calls,
+                               tool_result=tool_result)
 
 
 def fetch(i: int, seq: int, run: str, words: int, answer: int = 20) -> list[pb.ConversationItem]:
@@ -170,18 +186,59 @@ def show_budget(out: list[str], built: pb.BuildResponse) -> None:
         out.append(f"  {c.class_name:<20} {cap:>7} {c.used:>7,} {c.items:>6} {c.yielded:>8}")
 
 
-def tour(engine: pb_grpc.ContextEngineStub, session: str) -> list[str]:
+class CallFailed(Exception):
+    """An RPC of the tour returned an error status."""
+
+    def __init__(self, rpc: str, code: grpc.StatusCode | None, details: str) -> None:
+        super().__init__(f"{rpc} failed: {code.name if code else 'error'}: {details}")
+        self.rpc, self.code, self.details = rpc, code, details
+
+
+class Engine:
+    """The stub with the tour's deadline and credentials on every call."""
+
+    def __init__(self, channel: grpc.Channel, *, token: str | None = None,
+                 timeout: float = 30.0) -> None:
+        self._stub = pb_grpc.ContextEngineStub(channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._timeout = timeout
+
+    def _call(self, rpc: str, method: Callable[..., Resp], request: object,
+              timeout: float | None = None) -> Resp:
+        try:
+            return method(request, metadata=self._metadata, timeout=timeout or self._timeout)
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
+            raise CallFailed(rpc, code, details) from exc
+
+    def get_plan(self, request: pb.GetPlanRequest, timeout: float) -> pb.GetPlanResponse:
+        return self._call("GetPlan", self._stub.GetPlan, request, timeout)
+
+    def plan(self, request: pb.PlanRequest) -> pb.PlanResponse:
+        return self._call("Plan", self._stub.Plan, request)
+
+    def build(self, request: pb.BuildRequest) -> pb.BuildResponse:
+        return self._call("Build", self._stub.Build, request)
+
+    def compact(self, request: pb.CompactRequest) -> pb.CompactResponse:
+        return self._call("Compact", self._stub.Compact, request)
+
+    def rotate(self, request: pb.RotateRequest) -> pb.RotateResponse:
+        return self._call("Rotate", self._stub.Rotate, request)
+
+
+def tour(engine: Engine, tenant: str, session: str, out: list[str]) -> None:
+    """Run the six steps for a new session, appending what they print to ``out`` (so a failed
+    call leaves the output of the steps before it)."""
     label = Labels()
-    out: list[str] = []
 
     def build(cp: pb.Checkpoint) -> pb.BuildResponse:
-        resp: pb.BuildResponse = engine.Build(pb.BuildRequest(
-            tenant_id=TENANT, session_id=session, checkpoint=cp, estimator_factor=FACTOR),
-            timeout=30)
-        return resp
+        return engine.build(pb.BuildRequest(
+            tenant_id=tenant, session_id=session, checkpoint=cp, estimator_factor=FACTOR))
 
     # 1. Plan: Region A is rendered, measured exactly and pinned as epoch 1.
-    planned = engine.Plan(plan_request(session), timeout=30)
+    planned = engine.plan(plan_request(tenant, session))
     plan = planned.plan
     out.append("== 1. Plan: pin the prefix (Region A) as epoch 1")
     out.append(f"created={planned.created} epoch={plan.epoch} reason={plan.reason} "
@@ -193,7 +250,7 @@ def tour(engine: pb_grpc.ContextEngineStub, session: str) -> list[str]:
     out.append("  class                tokens    cap")
     for c in plan.prefix_classes:
         out.append(f"  {c.class_name:<19} {c.tokens:>7,} {c.cap:>6,}")
-    again = engine.Plan(plan_request(session), timeout=30)
+    again = engine.plan(plan_request(tenant, session))
     out.append(f"Plan again, same inputs: created={again.created} epoch={again.plan.epoch} "
                f"prefix_sha256={label(again.plan.prefix_sha256)}")
 
@@ -242,10 +299,10 @@ def tour(engine: pb_grpc.ContextEngineStub, session: str) -> list[str]:
     # oldest runs), so the next steps fit too. Untrusted results become pointers; constraints
     # are kept verbatim.
     through = max(i.sequence for i in carried if i.run_id in ("run-2", "run-3", "run-4"))
-    compacted = engine.Compact(pb.CompactRequest(
-        tenant_id=TENANT, session_id=session, checkpoint=big,
+    compacted = engine.compact(pb.CompactRequest(
+        tenant_id=tenant, session_id=session, checkpoint=big,
         replace_through_sequence=through, reason="budget_pressure",
-        idempotency_key=f"{session}-compact-1", estimator_factor=FACTOR), timeout=30)
+        idempotency_key=f"{session}-compact-1", estimator_factor=FACTOR))
     s = compacted.summary
     out.append("")
     out.append("== 4. Compact: replace the oldest carried history with a summary")
@@ -274,12 +331,12 @@ def tour(engine: pb_grpc.ContextEngineStub, session: str) -> list[str]:
                f"{sum(1 for r in rows if r > 10)}")
 
     # 6. Rotate: an explicit new epoch, here to take mail.send out of the prompt at once.
-    rotated = engine.Rotate(pb.RotateRequest(
-        tenant_id=TENANT, session_id=session, reason=pb.ROTATION_REASON_SECURITY_REVOCATION,
-        drop_tools=["mail.send"], idempotency_key=f"{session}-rotate-1"), timeout=30)
-    retried = engine.Rotate(pb.RotateRequest(
-        tenant_id=TENANT, session_id=session, reason=pb.ROTATION_REASON_SECURITY_REVOCATION,
-        drop_tools=["mail.send"], idempotency_key=f"{session}-rotate-1"), timeout=30)
+    rotated = engine.rotate(pb.RotateRequest(
+        tenant_id=tenant, session_id=session, reason=pb.ROTATION_REASON_SECURITY_REVOCATION,
+        drop_tools=["mail.send"], idempotency_key=f"{session}-rotate-1"))
+    retried = engine.rotate(pb.RotateRequest(
+        tenant_id=tenant, session_id=session, reason=pb.ROTATION_REASON_SECURITY_REVOCATION,
+        drop_tools=["mail.send"], idempotency_key=f"{session}-rotate-1"))
     new = rotated.plan
     out.append("")
     out.append("== 6. Rotate: drop mail.send from the prompt (security_revocation)")
@@ -290,31 +347,67 @@ def tour(engine: pb_grpc.ContextEngineStub, session: str) -> list[str]:
     out.append(f"same key again: rotated={retried.rotated} epoch={retried.plan.epoch}")
     after = build(checkpoint(first, "run-1"))
     out.append(f"Build now uses epoch {after.epoch}, prefix_sha256={label(after.prefix_sha256)}")
-    return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("target", nargs="?", default="127.0.0.1:50051",
-                        help="the server's gRPC address (default 127.0.0.1:50051)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--addr", help="host:port of a running server (default: CE_GRPC_ADDR, "
+                                       "else 127.0.0.1:50051)")
     parser.add_argument("--session", default="tour",
-                        help="a session id tenant 'tour' has not used yet (default 'tour')")
-    args = parser.parse_args(argv)
-    with grpc.insecure_channel(args.target) as channel:
-        engine = pb_grpc.ContextEngineStub(channel)
+                        help="a session id the tenant has not used yet (default 'tour')")
+    parser.add_argument("--tenant", default=TENANT,
+                        help="tenant id (default 'tour'; with --token, the token's tenant)")
+    parser.add_argument("--token", help="sent as 'authorization: Bearer <token>' metadata, for a "
+                                        "server that requires credentials")
+
+
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_HINTS = {grpc.StatusCode.UNAUTHENTICATED: "the server requires credentials: pass --token",
+          grpc.StatusCode.PERMISSION_DENIED: "pass --tenant with the token's tenant, or a "
+                                             "token that may call every RPC"}
+
+
+def session_exists(engine: Engine, tenant: str, session: str) -> bool:
+    """Whether ``session`` has a plan already; the tour's output holds only for a new one."""
+    try:
+        engine.get_plan(pb.GetPlanRequest(tenant_id=tenant, session_id=session), timeout=10)
+    except CallFailed as exc:
+        if exc.code is grpc.StatusCode.NOT_FOUND:
+            return False
+        raise
+    return True
+
+
+def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    """Run the tour for parsed ``demo`` arguments: 0 when done, 1 when it could not be, 2 on a
+    usage error."""
+    try:
+        # A server bound to every interface is dialled over loopback, as `health` does.
+        address = args.addr or probe_address(environ.get("CE_GRPC_ADDR")
+                                             or Config().grpc_addr)
+        split_addr(address)
+    except ConfigError as exc:
+        print(f"context-engine demo: {exc}", file=sys.stderr)
+        return 2
+    out: list[str] = []
+    with grpc.insecure_channel(address) as channel:
+        engine = Engine(channel, token=args.token)
         try:
-            engine.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=args.session),
-                           timeout=10)
-        except grpc.RpcError as err:
-            if err.code() is not grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
-                raise
-        else:
-            print(f"session {args.session!r} of tenant {TENANT!r} exists already; "
-                  "pass another --session", file=sys.stderr)
+            if session_exists(engine, args.tenant, args.session):
+                print(f"context-engine demo: session {args.session!r} of tenant "
+                      f"{args.tenant!r} exists already; pass another --session",
+                      file=sys.stderr)
+                return 1
+            tour(engine, args.tenant, args.session, out)
+        except CallFailed as exc:
+            if out:
+                print("\n".join(out))
+            if exc.rpc == "GetPlan" and exc.code is not None and exc.code in _UNREACHABLE:
+                message = (f"cannot reach a context-engine server at {address} ({exc.code.name}: "
+                           f"{exc.details}); start one with `make run`, or pass --addr")
+            else:
+                hint = _HINTS.get(exc.code) if exc.code is not None else None
+                message = str(exc) if hint is None else f"{exc}; {hint}"
+            print(f"context-engine demo: {message}", file=sys.stderr)
             return 1
-        print("\n".join(tour(engine, args.session)))
+    print("\n".join(out))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
