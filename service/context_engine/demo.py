@@ -1,6 +1,6 @@
 """``context-engine demo``: a five-minute tour of a running server.
 
-    context-engine demo [--addr 127.0.0.1:50051] [--session tour] [--token T]
+    context-engine demo [--addr 127.0.0.1:50051] [--session tour] [--tenant tour] [--token T]
 
 Plans a session, builds a small request, builds an oversized one (pressure), compacts, builds on
 the summary and rotates, printing what each call returned. Start a server first (``make run``:
