@@ -6,25 +6,35 @@ FAILED_PRECONDITION, NOT_FOUND, RESOURCE_EXHAUSTED with exactly one ErrorInfo of
 domain in the rich status; never INTERNAL or UNKNOWN. Tenants that receive only malformed
 requests own no row afterwards, a tenant whose session receives only malformed requests keeps
 the rows it had, and the server still reports SERVING.
+
+The malformed bytes are sent once more to a server that requires credentials, with a valid
+token: a request that does not decode is still INVALID_ARGUMENT with ErrorInfo, and one that
+decodes naming another tenant is PERMISSION_DENIED (TENANT_MISMATCH) before anything is read.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from context_engine.api.auth import token_sha256
 from context_engine.v1 import context_engine_pb2 as pb
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import ServerThread
+from tests.conftest import test_config as base_config
 from tests.support import fuzz
 
 pytestmark = [pytest.mark.integration, pytest.mark.fuzz]
@@ -48,6 +58,10 @@ class Sender:
     problems: list[str] = field(default_factory=list)
     pending: list[fuzz.Case] = field(default_factory=list)
     calls: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    # With credentials: the token's metadata and tenant. A case that decodes naming another
+    # tenant must then be refused TENANT_MISMATCH; one that does not decode INVALID_ARGUMENT.
+    metadata: tuple[tuple[str, str], ...] = ()
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         for rpc, (_, response) in fuzz.METHODS.items():
@@ -67,7 +81,8 @@ class Sender:
             self._send(batch)
 
     def _send(self, batch: list[fuzz.Case]) -> None:
-        futures = [(case, self.calls[case.rpc].future(case.payload, timeout=60))
+        futures = [(case, self.calls[case.rpc].future(case.payload, timeout=60,
+                                                       metadata=self.metadata))
                    for case in batch]
         for case, future in futures:
             self.sent += 1
@@ -77,16 +92,30 @@ class Sender:
                 self._check_error(case, err)
             else:
                 self.codes[f"{case.rpc} OK"] += 1
-                if case.malformed:
+                if case.malformed or self._expected(case) is not None:
                     self.problems.append(f"{case!r}: answered OK")
+
+    def _expected(self, case: fuzz.Case) -> tuple[grpc.StatusCode, str] | None:
+        """With credentials, the one answer a case must get, if the bytes alone decide it."""
+        if self.tenant is None:
+            return None
+        try:
+            request = fuzz.METHODS[case.rpc][0].FromString(case.payload)
+        except DecodeError:
+            return grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"
+        if request.tenant_id != self.tenant:
+            return grpc.StatusCode.PERMISSION_DENIED, "TENANT_MISMATCH"
+        return None
 
     def _check_error(self, case: fuzz.Case, err: grpc.RpcError) -> None:
         assert isinstance(err, grpc.Call)
         code = err.code()
         self.codes[f"{case.rpc} {code.name}"] += 1
         where = f"{case!r}: {code.name} {err.details()!r}"
-        if code not in ALLOWED:
-            self.problems.append(where)
+        expected = self._expected(case)
+        if (code not in ALLOWED if expected is None else code is not expected[0]):
+            self.problems.append(where if expected is None
+                                 else f"{where}: expected {expected[0].name}")
             return
         try:
             status = rpc_status.from_call(err)
@@ -104,6 +133,8 @@ class Sender:
         infos[0].Unpack(info)
         if info.domain != DOMAIN or not info.reason:
             self.problems.append(f"{where}: ErrorInfo {info.domain!r} {info.reason!r}")
+        elif expected is not None and info.reason != expected[1]:
+            self.problems.append(f"{where}: reason {info.reason!r}, expected {expected[1]!r}")
 
     def run(self, strategy: st.SearchStrategy[fuzz.Case], examples: int) -> None:
         """``examples`` hypothesis examples of ``PER_EXAMPLE`` cases each, sent as they come."""
@@ -204,6 +235,55 @@ def test_fuzz_every_rpc(server, channel, stub, db):
             health_pb2.HealthCheckResponse.SERVING)
     print(f"\n{sender.sent} requests: " + ", ".join(
         f"{k}={v}" for k, v in sorted(sender.codes.items())))
+
+
+def test_fuzz_malformed_bytes_with_credentials(database_url, db, tmp_path: Path):
+    """Stages 1 and 2 (random bytes, wire-level damage) against a server that requires a
+    token, sent with a valid one: authentication comes first, then a request that does not
+    decode is INVALID_ARGUMENT and one naming another tenant TENANT_MISMATCH; nothing is
+    written for any tenant but the token's."""
+    tenant = f"fuzz-secured-{uuid.uuid4().hex[:10]}"
+    token = f"fuzz-{uuid.uuid4().hex}"
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([{"sha256": token_sha256(token), "tenant_id": tenant,
+                                   "rpcs": ["*"]}]))
+    config = replace(base_config(), dev_mode=False, auth_tokens_file=tokens)
+    server = ServerThread(config, database_url)
+    channel = grpc.insecure_channel(server.address)
+    try:
+        sender = Sender(channel, metadata=(("authorization", f"Bearer {token}"),),
+                        tenant=tenant)
+        before = rows(db)
+        sender.run(per_rpc(fuzz.random_bytes), examples=40)
+        sender.assert_clean()
+        assert rows(db) == before
+
+        def wire(rpc: str) -> st.SearchStrategy[fuzz.Case]:
+            msg = fuzz.base_request(rpc, tenant, "fuzz-session")
+            if rpc == "Plan":
+                msg.agent.version = ""  # type: ignore[attr-defined]
+            return fuzz.wire_mutation(rpc, msg.SerializeToString())
+        sender.run(per_rpc(wire), examples=50)
+        sender.assert_clean()
+
+        # a flipped bit may leave a valid request of the token's tenant; no other tenant
+        # gains a row
+        after, own = rows(db), rows(db, tenant)
+        assert {t: after[t] - own[t] for t in TABLES} == before
+        assert sender.sent >= 1_400, sender.sent
+        answered = Counter(key.split(" ", 1)[1] for key in sender.codes.elements())
+        # every kind of answer was exercised: refused unread, tenant-checked, served
+        assert answered["INVALID_ARGUMENT"] > 0 and answered["PERMISSION_DENIED"] > 0
+        assert sum(n for code, n in answered.items()
+                   if code not in ("INVALID_ARGUMENT", "PERMISSION_DENIED")) > 0, answered
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest()).status == (
+            health_pb2.HealthCheckResponse.SERVING)
+        print(f"\n{sender.sent} requests with credentials: " + ", ".join(
+            f"{k}={v}" for k, v in sorted(sender.codes.items())))
+    finally:
+        channel.close()
+        server.stop()
 
 
 def test_idempotency_keys_reused_with_other_payloads(stub, ids, db):
