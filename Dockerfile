@@ -58,6 +58,10 @@ RUN python -c "import sys; from context_engine.adapters.tokenizers import cached
 sys.exit(0 if all(cached_offline(n) for n in ('cl100k_base', 'o200k_base')) else 1)"
 USER 10001:10001
 EXPOSE 50051 9464
+# Plaintext by default. With CE_TLS_CERT_FILE set the probe dials TLS and needs to know how to
+# verify the server: CE_HEALTH_TLS_CA_FILE and CE_HEALTH_TLS_SERVER_NAME (plus
+# CE_HEALTH_TLS_CERT_FILE and CE_HEALTH_TLS_KEY_FILE under mutual TLS); without them it fails
+# with a message saying so rather than dialing plaintext.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
     CMD ["context-engine", "health"]
 ENTRYPOINT ["context-engine"]

@@ -1,8 +1,13 @@
 """``context-engine health``: one ``grpc.health.v1.Health/Check`` against a running server.
 
 Exit status 0 when the service reports ``SERVING``; 1 when it reports anything else, cannot be
-reached, or does not answer within the timeout. The image's ``HEALTHCHECK`` and exec probes run
-it; it reads no configuration beyond the listen address, so it never touches the database.
+reached, or does not answer within the timeout; 2 when the probe itself is misconfigured. The
+image's ``HEALTHCHECK`` and exec probes run it; it reads only the listen address and how to dial
+it, so it never touches the database.
+
+A server run with TLS (``CE_TLS_CERT_FILE``) accepts no plaintext, so without ``--tls-*`` flags
+the probe then dials TLS as the ``CE_HEALTH_TLS_*`` variables say (the probe's own settings,
+which the server never reads), and refuses to guess when none is set.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -22,6 +28,38 @@ _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1"}
 
 SERVING = 0
 NOT_SERVING = 1
+USAGE = 2
+
+# How the probe dials a TLS server when no --tls-* flag is given.
+HEALTH_TLS_CA_FILE = "CE_HEALTH_TLS_CA_FILE"
+HEALTH_TLS_CERT_FILE = "CE_HEALTH_TLS_CERT_FILE"
+HEALTH_TLS_KEY_FILE = "CE_HEALTH_TLS_KEY_FILE"
+HEALTH_TLS_SERVER_NAME = "CE_HEALTH_TLS_SERVER_NAME"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeTls:
+    """TLS settings of the probe; all unset means none was given."""
+
+    ca_file: Path | None = None  # None: the system's trusted roots
+    cert_file: Path | None = None  # a client certificate, for mutual TLS
+    key_file: Path | None = None
+    server_name: str | None = None  # None: the host dialed
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """Channel credentials from the files; ``ConfigError`` when one cannot be read."""
+
+        def read(path: Path | None) -> bytes | None:
+            if path is None:
+                return None
+            try:
+                return path.read_bytes()
+            except OSError as exc:
+                raise ConfigError(f"cannot read {str(path)!r}: {exc.strerror}") from exc
+
+        return grpc.ssl_channel_credentials(root_certificates=read(self.ca_file),
+                                            private_key=read(self.key_file),
+                                            certificate_chain=read(self.cert_file))
 
 
 def probe_address(grpc_addr: str) -> str:
@@ -69,6 +107,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key-file", type=Path, help="the client certificate's key")
     parser.add_argument("--tls-server-name",
                         help="name the server certificate is checked against (default: host)")
+    parser.epilog = (f"Without --tls-* flags, a server run with TLS (CE_TLS_CERT_FILE set) is "
+                     f"dialed with TLS as {HEALTH_TLS_CA_FILE}, {HEALTH_TLS_CERT_FILE}, "
+                     f"{HEALTH_TLS_KEY_FILE} and {HEALTH_TLS_SERVER_NAME} say.")
+
+
+def _env_path(environ: Mapping[str, str], name: str) -> Path | None:
+    raw = environ.get(name)
+    return Path(raw) if raw else None
+
+
+def probe_tls(args: argparse.Namespace, environ: Mapping[str, str]) -> ProbeTls | None:
+    """How to dial: the ``--tls-*`` flags when any is given; otherwise, for a server run with TLS
+    (``CE_TLS_CERT_FILE``), the ``CE_HEALTH_TLS_*`` variables; otherwise plaintext (None).
+
+    ``ConfigError`` when the server runs TLS and nothing says how to verify it, when it requires
+    client certificates and the probe has none, or when a certificate comes without its key."""
+    flags = ProbeTls(ca_file=args.tls_ca_file, cert_file=args.tls_cert_file,
+                     key_file=args.tls_key_file, server_name=args.tls_server_name)
+    if flags != ProbeTls():
+        if (flags.cert_file is None) != (flags.key_file is None):
+            raise ConfigError("--tls-cert-file and --tls-key-file go together")
+        return flags
+    if not environ.get("CE_TLS_CERT_FILE"):
+        return None
+    tls = ProbeTls(ca_file=_env_path(environ, HEALTH_TLS_CA_FILE),
+                   cert_file=_env_path(environ, HEALTH_TLS_CERT_FILE),
+                   key_file=_env_path(environ, HEALTH_TLS_KEY_FILE),
+                   server_name=environ.get(HEALTH_TLS_SERVER_NAME) or None)
+    # Dialing plaintext would only ever fail: the port speaks TLS alone.
+    if tls == ProbeTls():
+        raise ConfigError(f"the server runs TLS (CE_TLS_CERT_FILE is set) but the probe has no "
+                          f"TLS settings: set {HEALTH_TLS_CA_FILE} to the CA that signed the "
+                          f"server certificate and {HEALTH_TLS_SERVER_NAME} to a name it "
+                          f"holds (or pass --tls-ca-file and --tls-server-name)")
+    if (tls.cert_file is None) != (tls.key_file is None):
+        raise ConfigError(f"{HEALTH_TLS_CERT_FILE} and {HEALTH_TLS_KEY_FILE} go together")
+    if environ.get("CE_TLS_CLIENT_CA_FILE") and tls.cert_file is None:
+        raise ConfigError(f"the server requires client certificates (CE_TLS_CLIENT_CA_FILE is "
+                          f"set): set {HEALTH_TLS_CERT_FILE} and {HEALTH_TLS_KEY_FILE} to one "
+                          f"signed by that CA")
+    return tls
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -77,18 +156,10 @@ def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         address = args.addr or probe_address(environ.get("CE_GRPC_ADDR")
                                              or Config().grpc_addr)
         split_addr(address)
+        tls = probe_tls(args, environ)
+        credentials = tls.credentials() if tls is not None else None
     except ConfigError as exc:
         print(f"context-engine health: {exc}", file=sys.stderr)
-        return 2
-    credentials = None
-    if args.tls_ca_file or args.tls_cert_file:
-        if bool(args.tls_cert_file) != bool(args.tls_key_file):
-            print("context-engine health: --tls-cert-file and --tls-key-file go together",
-                  file=sys.stderr)
-            return 2
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=args.tls_ca_file.read_bytes() if args.tls_ca_file else None,
-            private_key=args.tls_key_file.read_bytes() if args.tls_key_file else None,
-            certificate_chain=args.tls_cert_file.read_bytes() if args.tls_cert_file else None)
+        return USAGE
     return check(address, service=args.service, timeout=args.timeout,
-                 credentials=credentials, server_name=args.tls_server_name)
+                 credentials=credentials, server_name=tls.server_name if tls else None)

@@ -2,7 +2,8 @@
 non-root user, every copied path in the build context, the entrypoint a console script with
 the subcommands the image and the manifests run, the default ports exposed, only runtime
 dependencies in the final stage, the encodings where the service looks, and a HEALTHCHECK
-that really tells a serving server from a stopped one."""
+that really tells a serving server from a stopped one, in plaintext and under (mutual) TLS with
+certificates made at test time by the openssl CLI."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import tomllib
 from concurrent import futures
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -22,6 +24,8 @@ from context_engine.adapters.tokenizers import _OFFICIAL
 from context_engine.config import Config, ConfigError, split_addr
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tests.conftest import ServerThread
+from tests.conftest import test_config as base_config
 from tests.unit.test_kubernetes import config_reading
 
 REPO = Path(__file__).resolve().parents[2]
@@ -347,3 +351,126 @@ def test_healthcheck_fails_on_a_server_that_is_not_serving():
         assert cli(*command[1:], env=_probe_env(f"0.0.0.0:{port}")).returncode == 0
     finally:
         server.stop(None)
+
+
+# ---------------------------------------------------------------- the HEALTHCHECK under TLS
+
+# The server certificate names only this host: the probe, dialing loopback, must be told it.
+SERVER_NAME = "context-engine.internal"
+
+
+@dataclass
+class Pki:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    d = tmp_path_factory.mktemp("pki")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+             "ca.pem", "-days", "2", "-subj", "/CN=context-engine probe CA", cwd=d)
+    (d / "server.ext").write_text(f"subjectAltName=DNS:{SERVER_NAME}\n"
+                                  "extendedKeyUsage=serverAuth\n")
+    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+                 f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile",
+                 f"{name}.ext", cwd=d)
+    return Pki(ca=d / "ca.pem", server_cert=d / "server.pem", server_key=d / "server.key",
+               client_cert=d / "client.pem", client_key=d / "client.key")
+
+
+def _tls_container_env(port: int | str, pki: Pki, *, mutual: bool = False,
+                       **probe: Path | str) -> dict[str, str]:
+    """The container's environment for a server run with TLS, plus the probe's settings."""
+    env = _probe_env(f"0.0.0.0:{port}")
+    env["CE_TLS_CERT_FILE"] = str(pki.server_cert)
+    env["CE_TLS_KEY_FILE"] = str(pki.server_key)
+    if mutual:
+        env["CE_TLS_CLIENT_CA_FILE"] = str(pki.ca)
+    env.update({f"CE_HEALTH_TLS_{name.upper()}": str(value) for name, value in probe.items()})
+    return env
+
+
+@pytest.mark.integration
+def test_healthcheck_dials_tls_to_a_tls_server(database_url: str, pki: Pki):
+    command, _ = _healthcheck()
+    config = replace(base_config(), tls_cert_file=pki.server_cert, tls_key_file=pki.server_key)
+    server = ServerThread(config, database_url)
+    port = server.running.grpc_port
+    try:
+        done = cli(*command[1:], env=_tls_container_env(port, pki, ca_file=pki.ca,
+                                                         server_name=SERVER_NAME))
+        assert done.returncode == 0, done.stderr
+        assert "SERVING" in done.stdout
+        # With TLS on and nothing set for the probe, it says so instead of dialing plaintext.
+        bare = cli(*command[1:], env=_tls_container_env(port, pki))
+        assert bare.returncode == 2, bare.stderr
+        assert "CE_HEALTH_TLS_CA_FILE" in bare.stderr and not bare.stdout
+        # The certificate is really checked: against the wrong name, or trusting another CA.
+        wrong_name = cli(*command[1:], env=_tls_container_env(port, pki, ca_file=pki.ca))
+        assert wrong_name.returncode == 1, wrong_name.stderr
+        wrong_ca = cli(*command[1:], env=_tls_container_env(
+            port, pki, ca_file=pki.client_cert, server_name=SERVER_NAME))
+        assert wrong_ca.returncode == 1, wrong_ca.stderr
+        # Plaintext (what the probe dials when it is not told the server runs TLS) fails.
+        plain = _tls_container_env(port, pki, ca_file=pki.ca, server_name=SERVER_NAME)
+        del plain["CE_TLS_CERT_FILE"], plain["CE_TLS_KEY_FILE"]
+        refused = cli(*command[1:], env=plain)
+        assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
+    finally:
+        server.stop()
+
+
+@pytest.mark.integration
+def test_healthcheck_presents_a_client_certificate_under_mutual_tls(database_url: str,
+                                                                    pki: Pki):
+    command, _ = _healthcheck()
+    config = replace(base_config(), tls_cert_file=pki.server_cert, tls_key_file=pki.server_key,
+                     tls_client_ca_file=pki.ca)
+    server = ServerThread(config, database_url)
+    port = server.running.grpc_port
+    try:
+        done = cli(*command[1:], env=_tls_container_env(
+            port, pki, mutual=True, ca_file=pki.ca, server_name=SERVER_NAME,
+            cert_file=pki.client_cert, key_file=pki.client_key))
+        assert done.returncode == 0, done.stderr
+        # Without a client certificate the handshake could never succeed: a usage error.
+        anonymous = cli(*command[1:], env=_tls_container_env(
+            port, pki, mutual=True, ca_file=pki.ca, server_name=SERVER_NAME))
+        assert anonymous.returncode == 2 and "CE_HEALTH_TLS_CERT_FILE" in anonymous.stderr
+        # Flags take precedence over the variables.
+        flagged = cli(*command[1:], "--tls-ca-file", str(pki.ca), "--tls-server-name",
+                      SERVER_NAME, "--tls-cert-file", str(pki.client_cert), "--tls-key-file",
+                      str(pki.client_key), env=_tls_container_env(port, pki, mutual=True))
+        assert flagged.returncode == 0, flagged.stderr
+        no_cert = cli(*command[1:], "--tls-ca-file", str(pki.ca), "--tls-server-name",
+                      SERVER_NAME, env=_tls_container_env(port, pki, mutual=True))
+        assert no_cert.returncode == 1, no_cert.stderr
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("probe", "message"), [
+    ({"cert_file": "client.pem"}, "CE_HEALTH_TLS_KEY_FILE"),
+    ({"key_file": "client.key"}, "CE_HEALTH_TLS_KEY_FILE"),
+    ({"ca_file": "missing.pem", "server_name": SERVER_NAME}, "missing.pem"),
+])
+def test_healthcheck_tls_settings_are_checked_before_dialing(pki: Pki, probe: dict[str, str],
+                                                             message: str):
+    command, _ = _healthcheck()
+    settings = {name: pki.ca.parent / value if name != "server_name" else value
+                for name, value in probe.items()}
+    done = cli(*command[1:], env=_tls_container_env(1, pki, **settings))
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
