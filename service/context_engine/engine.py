@@ -592,8 +592,10 @@ class Engine:
                              actual=report.input_tokens, factor_used=report.estimator_factor,
                              fixed=loaded.plan.prefix_tokens)
 
+        # The request as sent (epoch 0 is "current"), not the epoch it resolved to: a retry
+        # after a rotation repeats the same request and must get the first answer back.
         fingerprint = canonical_sha256([
-            report.session_id, loaded.plan.epoch, report.estimated_input_tokens,
+            report.session_id, report.epoch or 0, report.estimated_input_tokens,
             report.estimator_factor, report.input_tokens, report.cached_tokens,
             report.output_tokens])
         outcome, counted = await self._calibrations.reconcile(

@@ -173,6 +173,20 @@ def test_an_idempotency_key_cannot_be_reused_for_another_request(stub, ids, db):
     assert db.val("SELECT reports FROM estimator_calibration WHERE tenant_id=$1", tenant) == 1
 
 
+def test_a_report_retried_after_a_rotation_gets_its_first_answer(stub, ids, db):
+    """The retry repeats the request as sent (epoch 0: current); the session rotating in
+    between does not make it "another request"."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    first = stub.ReportUsage(_report(tenant, session, "retry-me", 1000, 1100))
+    assert first.counted
+    stub.Rotate(pb.RotateRequest(tenant_id=tenant, session_id=session,
+                                 reason=pb.ROTATION_REASON_OPERATOR, idempotency_key="rot"))
+    again = stub.ReportUsage(_report(tenant, session, "retry-me", 1000, 1100))
+    assert not again.counted and again.correction_factor == first.correction_factor
+    assert db.val("SELECT reports FROM estimator_calibration WHERE tenant_id=$1", tenant) == 1
+
+
 def test_concurrent_reports_are_each_counted_once(stub, ids, db):
     tenant, session = ids
     stub.Plan(plan_request(tenant, session))
