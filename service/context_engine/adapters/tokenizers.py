@@ -9,6 +9,8 @@ Nothing here ever reaches the network.
 
 from __future__ import annotations
 
+import functools
+import gzip
 import hashlib
 import os
 import tempfile
@@ -38,6 +40,35 @@ _OFFICIAL = {
 }
 _DIGEST_CACHE_ENTRIES = 65_536
 _SHORT = 64  # below this many characters, hashing costs about what counting does
+
+
+@functools.cache
+def bundled_bpe_counter(encoding_name: str) -> Callable[[str], int] | None:
+    """A counter from GitHub's ``bpe`` crate (PyPI ``bpe-openai``), about 3x faster than
+    tiktoken at the same counts, or None.
+
+    Used only when the vocabulary it bundles is byte-identical to the official file of
+    ``encoding_name`` (the SHA-256 tiktoken itself checks); its pre-tokenization reproduces
+    tiktoken's, which the test suite checks against ``encode_ordinary`` over generated and
+    recorded text. Special-token text counts as ordinary text, as in ``encode_ordinary``."""
+    official = _OFFICIAL.get(encoding_name)
+    if official is None:
+        return None
+    try:
+        import bpe_openai  # type: ignore[import-untyped]
+        from bpe_openai import _bindings
+    except ImportError:
+        return None
+    data = Path(bpe_openai.__file__).parent / "data" / f"{encoding_name}.tiktoken.gz"
+    try:
+        vocabulary = gzip.decompress(data.read_bytes())
+    except (OSError, EOFError, gzip.BadGzipFile):
+        return None
+    if hashlib.sha256(vocabulary).hexdigest() != official[1]:
+        return None
+    tokenizer = _bindings.tokenizer_for_encoding(encoding_name)
+    count: Callable[[str], int] = tokenizer.count
+    return count
 
 
 def ordinary_counter(encoding: tiktoken.Encoding) -> Callable[[str], int]:
@@ -98,7 +129,19 @@ class TiktokenCounter:
 
     def __init__(self, encoding: tiktoken.Encoding, name: str, encoding_name: str = "") -> None:
         self._encoding = encoding
-        self._count = ordinary_counter(encoding)
+        exact = ordinary_counter(encoding)
+        fast = bundled_bpe_counter(encoding_name or name)
+
+        def count(text: str) -> int:
+            if fast is not None:
+                try:
+                    return fast(text)
+                except UnicodeEncodeError:  # lone surrogates: tiktoken's own handling
+                    pass
+            return exact(text)
+
+        self._count = count
+        self.accelerated = fast is not None
         self._name = name
         self._encoding_name = encoding_name or name
         self._cache: OrderedDict[bytes, int] = OrderedDict()
