@@ -29,6 +29,7 @@ from tests.conftest import test_config as base_config
 from tests.integration.processes import ServerProcess
 from tests.integration.requests import build_request, failure, plan_request
 from tests.support import fuzz
+from tests.support.certs import Pki, make_pki
 
 pytestmark = pytest.mark.integration
 
@@ -230,35 +231,10 @@ def test_tokens_never_reach_logs_or_errors(secured: Secured) -> None:
 # ---------------------------------------------------------------- TLS and mutual TLS
 
 
-@dataclass
-class Pki:
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-             "ca.pem", "-days", "2", "-subj", "/CN=context-engine test CA", cwd=d)
-    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-                                  "extendedKeyUsage=serverAuth\n")
-    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
-    for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
-                 f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile",
-                 f"{name}.ext", cwd=d)
-    return Pki(ca=d / "ca.pem", server_cert=d / "server.pem", server_key=d / "server.key",
-               client_cert=d / "client.pem", client_key=d / "client.key")
+    return make_pki(tmp_path_factory.mktemp("pki"), ca_name="context-engine test CA",
+                    server_alt_names="IP:127.0.0.1,DNS:localhost")
 
 
 def _health(channel: grpc.Channel) -> int:

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import tomllib
 from concurrent import futures
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tests.conftest import ServerThread
 from tests.conftest import test_config as base_config
+from tests.support.certs import Pki, make_pki
 from tests.unit.test_kubernetes import config_reading
 
 REPO = Path(__file__).resolve().parents[2]
@@ -359,35 +360,10 @@ def test_healthcheck_fails_on_a_server_that_is_not_serving():
 SERVER_NAME = "context-engine.internal"
 
 
-@dataclass
-class Pki:
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-             "ca.pem", "-days", "2", "-subj", "/CN=context-engine probe CA", cwd=d)
-    (d / "server.ext").write_text(f"subjectAltName=DNS:{SERVER_NAME}\n"
-                                  "extendedKeyUsage=serverAuth\n")
-    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
-    for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
-                 f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile",
-                 f"{name}.ext", cwd=d)
-    return Pki(ca=d / "ca.pem", server_cert=d / "server.pem", server_key=d / "server.key",
-               client_cert=d / "client.pem", client_key=d / "client.key")
+    return make_pki(tmp_path_factory.mktemp("pki"), ca_name="context-engine probe CA",
+                    server_alt_names=f"DNS:{SERVER_NAME}")
 
 
 def _tls_container_env(port: int | str, pki: Pki, *, mutual: bool = False,
