@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -200,24 +201,31 @@ class Captured(logging.Handler):
         self.lines.append(repr(record.__dict__))
 
 
-def test_tokens_never_reach_logs_or_errors(secured: Secured) -> None:
-    s = secured
-    session = f"s-{uuid.uuid4().hex[:8]}"
-    unknown = f"unknown-{uuid.uuid4().hex}"
-    handler = Captured()
+@contextmanager
+def debug_logs(handler: logging.Handler) -> Iterator[None]:
+    """``handler`` gets every record of the service's loggers, DEBUG included, in the block."""
     logger = logging.getLogger("context_engine")
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
     try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_tokens_never_reach_logs_or_errors(secured: Secured) -> None:
+    s = secured
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    unknown = f"unknown-{uuid.uuid4().hex}"
+    handler = Captured()
+    with debug_logs(handler):
         errors = [
             refused(s.stub.Plan, plan_request(s.tenant, session), bearer(unknown)),
             refused(s.stub.Plan, plan_request(s.tenant, session), bearer(s.build_only)),
             refused(s.stub.Plan, plan_request(s.other_tenant, session), bearer(s.full)),
         ]
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     reasons = [json.loads(line).get("reason") for line in handler.lines[::2]]
     assert reasons == ["UNAUTHENTICATED", "RPC_NOT_ALLOWED", "TENANT_MISMATCH"]
     text = "\n".join(handler.lines)
@@ -240,6 +248,13 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 def _health(channel: grpc.Channel) -> int:
     return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                          timeout=5).status)
+
+
+def _health_failure(channel: grpc.Channel) -> grpc.StatusCode:
+    """The code a health check on ``channel`` fails with; the channel is closed after."""
+    with channel, pytest.raises(grpc.RpcError) as err:
+        _health(channel)
+    return err.value.code()
 
 
 def _secure(address: str, pki: Pki, *, client_cert: bool) -> grpc.Channel:
@@ -275,10 +290,8 @@ def test_tls_serves_tls_clients_and_refuses_plaintext(database_url: str, pki: Pk
             plan = pb_grpc.ContextEngineStub(channel).Plan(plan_request(tenant, session),
                                                           timeout=30)
             assert plan.plan.epoch == 1
-        with grpc.insecure_channel(server.address) as plain, \
-                pytest.raises(grpc.RpcError) as err:
-            _health(plain)
-        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        plain = grpc.insecure_channel(server.address)
+        assert _health_failure(plain) is grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop()
 
@@ -291,14 +304,10 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(database_url: str,
     try:
         with _secure(server.address, pki, client_cert=True) as channel:
             assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
-        with _secure(server.address, pki, client_cert=False) as anonymous, \
-                pytest.raises(grpc.RpcError) as err:
-            _health(anonymous)
-        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
-        with grpc.insecure_channel(server.address) as plain, \
-                pytest.raises(grpc.RpcError) as plain_err:
-            _health(plain)
-        assert plain_err.value.code() is grpc.StatusCode.UNAVAILABLE
+        anonymous = _secure(server.address, pki, client_cert=False)
+        assert _health_failure(anonymous) is grpc.StatusCode.UNAVAILABLE
+        plain = grpc.insecure_channel(server.address)
+        assert _health_failure(plain) is grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop()
 

@@ -24,6 +24,7 @@ from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from tests.conftest import Db, ServerThread
 from tests.conftest import test_config as base_config
 from tests.integration.requests import build_request, failure, plan_request
+from tests.integration.test_auth import bearer, debug_logs
 from tests.integration.test_db_faults import Database
 
 pytestmark = pytest.mark.integration
@@ -36,10 +37,6 @@ def database() -> Iterator[Database]:
     db = Database()
     yield db
     db.close()
-
-
-def bearer(token: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token}"),)
 
 
 class Events(logging.Handler):
@@ -72,60 +69,55 @@ def test_table_tokens_ride_out_a_database_outage(database: Database) -> None:
     channel = grpc.insecure_channel(srv.address)
     stub = pb_grpc.ContextEngineStub(channel)
     events = Events()
-    logger = logging.getLogger("context_engine")
-    level = logger.level
-    logger.addHandler(events)
-    logger.setLevel(logging.DEBUG)
     try:
-        # before: the token is read once (and its session's plan cached by Plan)
-        plan = stub.Plan(plan_request(tenant, session), metadata=bearer(token), timeout=30)
-        built = stub.Build(build_request(tenant, session), metadata=bearer(token), timeout=30)
-        assert built.prefix_sha256 == plan.plan.prefix_sha256
-        get = pb.GetPlanRequest(tenant_id=tenant, session_id=session)
-        assert stub.GetPlan(get, metadata=bearer(revoked), timeout=30).plan.epoch == 1
-        db.fetch("UPDATE api_tokens SET revoked_at = now() WHERE token_sha256 = $1",
-                 token_sha256(revoked))
-        time.sleep(CACHE_SECONDS * 2)
-        f = failure(refused(stub.GetPlan, get, bearer(revoked)))
-        assert f.code is grpc.StatusCode.UNAUTHENTICATED  # seen revoked
+        with debug_logs(events):
+            # before: the token is read once (and its session's plan cached by Plan)
+            plan = stub.Plan(plan_request(tenant, session), metadata=bearer(token), timeout=30)
+            built = stub.Build(build_request(tenant, session), metadata=bearer(token), timeout=30)
+            assert built.prefix_sha256 == plan.plan.prefix_sha256
+            get = pb.GetPlanRequest(tenant_id=tenant, session_id=session)
+            assert stub.GetPlan(get, metadata=bearer(revoked), timeout=30).plan.epoch == 1
+            db.fetch("UPDATE api_tokens SET revoked_at = now() WHERE token_sha256 = $1",
+                     token_sha256(revoked))
+            time.sleep(CACHE_SECONDS * 2)
+            f = failure(refused(stub.GetPlan, get, bearer(revoked)))
+            assert f.code is grpc.StatusCode.UNAUTHENTICATED  # seen revoked
 
-        database.crash()
-        time.sleep(CACHE_SECONDS * 2)
-        for _ in range(5):  # each of these looks the token up again, and fails to
-            again = stub.Build(build_request(tenant, session), metadata=bearer(token),
-                               timeout=10)
-            assert again.prefix_sha256 == built.prefix_sha256
-            time.sleep(CACHE_SECONDS)
-        # a write needs the database: authorized from the stale grant, then UNAVAILABLE
-        f = failure(refused(stub.Plan, plan_request(tenant, "during-outage"), bearer(token)))
-        assert (f.code, f.reason) == (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE")
-        f = failure(refused(stub.Build, build_request(tenant, session), bearer(unknown)))
-        assert (f.code, f.reason) == (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE")
-        f = failure(refused(stub.Build, build_request(tenant, session), bearer(revoked)))
-        assert (f.code, f.reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
-        assert events.names.count("auth_stale_grants") == 1
+            database.crash()
+            time.sleep(CACHE_SECONDS * 2)
+            for _ in range(5):  # each of these looks the token up again, and fails to
+                again = stub.Build(build_request(tenant, session), metadata=bearer(token),
+                                   timeout=10)
+                assert again.prefix_sha256 == built.prefix_sha256
+                time.sleep(CACHE_SECONDS)
+            # a write needs the database: authorized from the stale grant, then UNAVAILABLE
+            f = failure(refused(stub.Plan, plan_request(tenant, "during-outage"), bearer(token)))
+            assert (f.code, f.reason) == (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE")
+            f = failure(refused(stub.Build, build_request(tenant, session), bearer(unknown)))
+            assert (f.code, f.reason) == (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE")
+            f = failure(refused(stub.Build, build_request(tenant, session), bearer(revoked)))
+            assert (f.code, f.reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+            assert events.names.count("auth_stale_grants") == 1
 
-        database.restart()
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                after = stub.Plan(plan_request(tenant, "after-restart"),
-                                  metadata=bearer(token), timeout=5)
-                break
-            except grpc.RpcError as err:
-                assert err.code() is grpc.StatusCode.UNAVAILABLE, err
-                assert time.monotonic() < deadline, "the pool never recovered"
-                time.sleep(0.2)
-        assert after.created
-        f = failure(refused(stub.Build, build_request(tenant, session), bearer(unknown)))
-        assert (f.code, f.reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
-        f = failure(refused(stub.GetPlan, get, bearer(revoked)))
-        assert f.code is grpc.StatusCode.UNAUTHENTICATED
-        assert stub.Build(build_request(tenant, session), metadata=bearer(token),
-                          timeout=10).prefix_sha256 == built.prefix_sha256
-        assert events.names.count("auth_stale_grants") == 1
+            database.restart()
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    after = stub.Plan(plan_request(tenant, "after-restart"),
+                                      metadata=bearer(token), timeout=5)
+                    break
+                except grpc.RpcError as err:
+                    assert err.code() is grpc.StatusCode.UNAVAILABLE, err
+                    assert time.monotonic() < deadline, "the pool never recovered"
+                    time.sleep(0.2)
+            assert after.created
+            f = failure(refused(stub.Build, build_request(tenant, session), bearer(unknown)))
+            assert (f.code, f.reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+            f = failure(refused(stub.GetPlan, get, bearer(revoked)))
+            assert f.code is grpc.StatusCode.UNAUTHENTICATED
+            assert stub.Build(build_request(tenant, session), metadata=bearer(token),
+                              timeout=10).prefix_sha256 == built.prefix_sha256
+            assert events.names.count("auth_stale_grants") == 1
     finally:
-        logger.removeHandler(events)
-        logger.setLevel(level)
         channel.close()
         srv.stop()
