@@ -4,11 +4,8 @@ depth 3 fails; bad input; idempotency; the LLM summarizer against a fake provide
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import grpc
@@ -19,6 +16,7 @@ from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from tests.conftest import ServerThread
 from tests.conftest import test_config as base_config
 from tests.integration.requests import build_request, failure, item, plan_request
+from tests.support.fake_llm import FakeProvider
 
 pytestmark = pytest.mark.integration
 
@@ -157,55 +155,6 @@ def test_nothing_to_compact_and_unknown_session(stub, ids):
 
 
 # ----------------------------------------------------------------- LLM summarizer, loopback
-
-class FakeProvider:
-    """An OpenAI-compatible chat-completions endpoint that echoes everything it is given."""
-
-    def __init__(self) -> None:
-        self.mode = "ok"
-        self.bodies: list[dict[str, Any]] = []
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                fake.bodies.append({"path": self.path, "auth": self.headers.get("Authorization"),
-                                    **body})
-                if fake.mode == "5xx":
-                    self.send_response(503)
-                    self.end_headers()
-                    return
-                if fake.mode == "slow":
-                    time.sleep(2.0)
-                if fake.mode == "garbage":  # not even an HTTP status line
-                    self.wfile.write(b"garbage\r\n\r\n")
-                    return
-                if fake.mode == "truncated":  # a body shorter than its Content-Length
-                    self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{\"ch")
-                    return
-                echo = "\n".join(m["content"] for m in body["messages"])
-                data = json.dumps({"choices": [{"message": {"role": "assistant",
-                                                            "content": "ECHO " + echo}}]})
-                try:
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.end_headers()
-                    self.wfile.write(data.encode())
-                except OSError:
-                    pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/v1"
-
-    def stop(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
-
 
 @pytest.fixture(scope="module")
 def provider() -> Iterator[FakeProvider]:

@@ -3,14 +3,10 @@ RPCs per process, the whole-message cap, and client deadlines stopping server-si
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import grpc
 import pytest
@@ -23,54 +19,19 @@ from tests.conftest import ServerThread
 from tests.conftest import test_config as base_config
 from tests.integration.requests import build_request, failure, item, plan_request
 from tests.integration.test_compact_rpc import compact_request
-
-
-class SlowProvider:
-    """An OpenAI-compatible summarizer endpoint that answers after ``delay`` seconds."""
-
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
-        self.started = threading.Event()
-        self.calls = 0
-        provider = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers["Content-Length"]))
-                provider.calls += 1
-                provider.started.set()
-                time.sleep(provider.delay)
-                data = json.dumps({"choices": [{"message": {"role": "assistant",
-                                                            "content": "a summary"}}]})
-                try:
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.end_headers()
-                    self.wfile.write(data.encode())
-                except OSError:
-                    pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/v1"
-
-    def stop(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
+from tests.support.fake_llm import FakeProvider
 
 
 @pytest.fixture(scope="module")
-def slow() -> Iterator[SlowProvider]:
-    provider = SlowProvider(delay=1.5)
+def slow() -> Iterator[FakeProvider]:
+    """A summarizer that answers after 1.5 s: long enough to hold an RPC slot."""
+    provider = FakeProvider(delay=1.5)
     yield provider
     provider.stop()
 
 
 @pytest.fixture(scope="module")
-def limited(database_url: str, slow: SlowProvider) -> Iterator[ServerThread]:
+def limited(database_url: str, slow: FakeProvider) -> Iterator[ServerThread]:
     config = replace(base_config(), max_concurrent_rpcs=1, max_items_per_request=50,
                      max_item_bytes=4096, max_receive_bytes=256 * 1024,
                      summarizer_url=slow.url, summarizer_model="fake",
