@@ -7,11 +7,11 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from context_engine.adapters.postgres.inspect import (
-    ClassTokens,
     SessionRecord,
     StoredEpoch,
     StoredEvent,
 )
+from context_engine.domain.plan import ClassUsage
 from context_engine.inspect import (
     document,
     format_table,
@@ -30,7 +30,7 @@ def epoch(n: int, sha: str, *, classes: dict[str, int], tools=("web.fetch",), de
     return StoredEpoch(
         epoch=n, reason=reason, created_at=T0 + timedelta(minutes=n), prefix_sha256=sha,
         prefix_tokens=sum(classes.values()),
-        classes=tuple(ClassTokens(class_name=k, tokens=v, cap=2_000, items=1, item_cap=30)
+        classes=tuple(ClassUsage(class_name=k, tokens=v, cap=2_000, items=1, item_cap=30)
                       for k, v in classes.items()),
         model_id="claude-sonnet-4-5", tokenizer="cl100k_base", tool_names=tuple(tools),
         deferred_tool_names=tuple(deferred), skipped_tool_names=tuple(skipped),

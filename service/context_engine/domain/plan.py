@@ -95,6 +95,8 @@ assert sum(c.token_cap for c in PrefixClass) == PREFIX_CEILING
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ClassUsage:
+    """One prefix class of an epoch as measured when it was pinned."""
+
     class_name: str
     tokens: int
     cap: int

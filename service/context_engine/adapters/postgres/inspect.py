@@ -14,6 +14,8 @@ from typing import Any
 
 import asyncpg
 
+from context_engine.domain.plan import ClassUsage
+
 SESSION = """
 SELECT current_epoch, created_at, updated_at FROM sessions
 WHERE tenant_id = $1 AND session_id = $2"""
@@ -48,17 +50,6 @@ READ_ONLY_SETTINGS = {
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ClassTokens:
-    """One prefix class of an epoch as measured when it was pinned."""
-
-    class_name: str
-    tokens: int
-    cap: int
-    items: int
-    item_cap: int
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class StoredEpoch:
     """One pinned plan row, without its specification text."""
 
@@ -67,7 +58,7 @@ class StoredEpoch:
     created_at: datetime
     prefix_sha256: str
     prefix_tokens: int
-    classes: tuple[ClassTokens, ...]
+    classes: tuple[ClassUsage, ...]
     model_id: str
     tokenizer: str
     tool_names: tuple[str, ...]
@@ -110,10 +101,10 @@ async def connect_read_only(dsn: str, *, timeout: float = 10.0) -> asyncpg.Conne
     return await asyncpg.connect(dsn, timeout=timeout, server_settings=READ_ONLY_SETTINGS)
 
 
-def _classes(text: str) -> tuple[ClassTokens, ...]:
-    return tuple(ClassTokens(class_name=str(c["class_name"]), tokens=int(c["tokens"]),
-                             cap=int(c["cap"]), items=int(c["items"]),
-                             item_cap=int(c["item_cap"]))
+def _classes(text: str) -> tuple[ClassUsage, ...]:
+    return tuple(ClassUsage(class_name=str(c["class_name"]), tokens=int(c["tokens"]),
+                            cap=int(c["cap"]), items=int(c["items"]),
+                            item_cap=int(c["item_cap"]))
                  for c in json.loads(text))
 
 
