@@ -18,6 +18,8 @@ from context_engine.adapters.tokenizers import (
     _OFFICIAL,
     TiktokenCounter,
     bundled_bpe_counter,
+    bundled_encoding,
+    bundled_vocabulary,
     cache_path,
 )
 from hypothesis import given, settings
@@ -117,9 +119,13 @@ def test_a_vocabulary_that_is_not_the_official_one_is_not_used(monkeypatch, tmp_
     (fake / "cl100k_base.tiktoken.gz").write_bytes(gzip.compress(b"not the vocabulary\n"))
     (tmp_path / "__init__.py").write_text("")
     monkeypatch.setattr(bpe_openai, "__file__", str(tmp_path / "__init__.py"))
-    bundled_bpe_counter.cache_clear()
+    caches = (bundled_vocabulary, bundled_bpe_counter, bundled_encoding)
+    for cache in caches:
+        cache.cache_clear()
     try:
         assert bundled_bpe_counter("cl100k_base") is None
+        assert bundled_encoding("cl100k_base") is None
         assert bundled_bpe_counter("no_such_encoding") is None
     finally:
-        bundled_bpe_counter.cache_clear()
+        for cache in caches:
+            cache.cache_clear()

@@ -380,7 +380,7 @@ def test_a_working_state_over_1000_tokens_fails() -> None:
 def test_a_current_user_message_larger_than_the_body_fails_never_returns_without_it() -> None:
     lp = plan()
     items = [f.user("u0", words(100), 1, run="run-0"), assistant("a0", words(100), 2),
-             last_user(words(6_000))]
+             last_user(words(12_000))]
     with pytest.raises(BudgetExceeded) as info:
         run(lp, items, knowledge=(passage("k", 100, 0),),
             recall=(MemoryLine(id="m", text="likes tea"),))

