@@ -12,6 +12,7 @@ import uuid
 
 import grpc
 import pytest
+from context_engine.api.auth import token_sha256
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.integration.processes import ServerProcess
 from tests.integration.requests import plan_request
 from tests.load import run as load
+from tests.support.certs import make_pki
 
 pytestmark = pytest.mark.integration
 
@@ -76,6 +78,34 @@ def test_workers_share_one_port_and_one_metrics_endpoint(database_url):
         assert server.terminate() == 0
     stopped = [r["event"] for r in server.log if r.get("event") in ("stopping", "stopped")]
     assert stopped.count("stopped") == 3  # both workers, then the supervisor
+
+
+def test_workers_start_behind_tls_and_credentials(database_url, tmp_path):
+    """The supervisor learns that its workers serve without calling the port, so a port that
+    requires TLS and a token starts like any other."""
+    pki = make_pki(tmp_path, ca_name="workers-test-ca", server_alt_names="IP:127.0.0.1")
+    token = "workers-test-token"
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([{"sha256": token_sha256(token), "tenant_id": "tls-tenant",
+                                   "rpcs": ["*"]}]))
+    server = ServerProcess({"DATABASE_URL": database_url, "CE_WORKERS": "2",
+                            "CE_DEV_MODE": "0", "CE_AUTH_TOKENS_FILE": str(tokens),
+                            "CE_TLS_CERT_FILE": str(pki.server_cert),
+                            "CE_TLS_KEY_FILE": str(pki.server_key)}, timeout=60)
+    try:
+        assert server.log[-1]["event"] == "serving" and server.log[-1]["workers"] == 2
+        credentials = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
+        channel = grpc.secure_channel(server.address, credentials)
+        stub = pb_grpc.ContextEngineStub(channel)
+        plan = stub.Plan(plan_request("tls-tenant", "s-1"), timeout=30,
+                         metadata=(("authorization", f"Bearer {token}"),))
+        assert plan.plan.epoch == 1
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Plan(plan_request("tls-tenant", "s-2"), timeout=30)
+        assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        channel.close()
+    finally:
+        assert server.terminate() == 0
 
 
 def test_sigterm_under_load_finishes_in_flight_calls_and_breaks_none(capsys):

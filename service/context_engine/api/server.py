@@ -39,7 +39,7 @@ from context_engine.adapters.tokenizers import TiktokenRegistry
 from context_engine.api.auth import auth_interceptor, server_credentials
 from context_engine.api.limits import Limits, LimitsInterceptor
 from context_engine.api.servicer import ContextEngineServicer, add_to_server
-from context_engine.api.workers import WORKER_ENV
+from context_engine.api.workers import READY_ENV, WORKER_ENV
 from context_engine.config import Config, split_addr
 from context_engine.domain.compaction import StructuredSummarizer, Summarizer
 from context_engine.engine import Engine
@@ -251,6 +251,9 @@ async def serve(config: Config) -> None:
                  if running.metrics_port is not None else None),
         database="embedded" if embedded else "external",
         data_dir=str(config.data_dir) if embedded else None)
+    ready = os.environ.get(READY_ENV)
+    if worker is not None and ready:  # tells the supervisor this worker serves
+        (Path(ready) / f"{worker}.{os.getpid()}").touch()
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -7,6 +7,8 @@ kernel spreads connections over them. The supervisor itself serves no RPC. It:
 * resolves the database (starting the embedded PostgreSQL when ``DATABASE_URL`` is unset) and
   applies migrations once, before any worker starts;
 * reserves the port (a port of 0 is resolved here, so every worker binds the same one);
+* waits until every worker has said it serves (a file in a directory of its own, so this
+  works whatever credentials or TLS the port requires);
 * serves ``/metrics`` for all workers from prometheus_client's multiprocess directory;
 * restarts a worker that dies, and on SIGTERM/SIGINT forwards SIGTERM to every worker, each
   of which drains (health NOT_SERVING first) and finishes its in-flight RPCs within the grace
@@ -29,13 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from context_engine.config import Config, split_addr
 from context_engine.telemetry.logs import log
 
 WORKER_ENV = "CE_WORKER_ID"
+READY_ENV = "CE_WORKER_READY_DIR"  # a serving worker creates "<id>.<pid>" here
 RESTART_BACKOFF_SECONDS = 1.0
 
 
@@ -67,6 +67,7 @@ class Supervisor:
         self.socket = reserve_port(self.host, port)
         self.port = int(self.socket.getsockname()[1])
         self.metrics_dir = Path(tempfile.mkdtemp(prefix="context-engine-metrics-"))
+        self.ready_dir = Path(tempfile.mkdtemp(prefix="context-engine-ready-"))
         self.workers: dict[int, Worker] = {}
         self.stopping = False
 
@@ -84,6 +85,7 @@ class Supervisor:
             "CE_METRICS_ADDR": "",
             "CE_WORKERS": "1",
             "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
+            READY_ENV: str(self.ready_dir),
         }
         proc = subprocess.Popen(
             [sys.executable, "-m", "context_engine", "serve", "--workers", "1",
@@ -104,18 +106,17 @@ class Supervisor:
         return server
 
     async def wait_serving(self, timeout: float) -> bool:
-        """True once the shared port answers health SERVING."""
+        """True once every worker reports that it serves (a file in the ready directory:
+        this works whatever credentials or TLS the port requires); False if one exits or
+        the time runs out."""
         deadline = time.monotonic() + timeout
-        async with grpc.aio.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if any(w.proc.poll() is not None for w in self.workers.values()):
-                    return False
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return True
-                await asyncio.sleep(0.2)
+        while time.monotonic() < deadline:
+            if any(w.proc.poll() is not None for w in self.workers.values()):
+                return False
+            if all((self.ready_dir / f"{w.index}.{w.proc.pid}").exists()
+                   for w in self.workers.values()):
+                return True
+            await asyncio.sleep(0.05)
         return False
 
     async def run(self, *, embedded: bool) -> int:
@@ -153,6 +154,7 @@ class Supervisor:
                 metrics_http.shutdown()
             self.socket.close()
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            shutil.rmtree(self.ready_dir, ignore_errors=True)
 
     def _restart_dead(self) -> None:
         for index, worker in list(self.workers.items()):
