@@ -33,11 +33,10 @@ from typing import Any, Protocol
 
 import asyncpg
 import grpc
-from grpc_status import rpc_status
 
 from context_engine.adapters.postgres.errors import translated
 from context_engine.api.servicer import Undecodable
-from context_engine.api.status import rich_status, status_for
+from context_engine.api.status import refuse, status_for
 from context_engine.config import Config, ConfigError
 from context_engine.domain.errors import StoreUnavailable
 from context_engine.telemetry.logs import log
@@ -340,12 +339,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     async def _abort(self, context: grpc.aio.ServicerContext[Any, Any], rpc: str,
                      code: grpc.StatusCode, reason: str, message: str,
                      metadata: dict[str, str]) -> None:
-        if self._metrics is not None:
-            self._metrics.rpc_seconds.labels(method=rpc, code=code.name).observe(0.0)
-        log("rpc", logging.WARNING, method=rpc, code=code.name, duration_ms=0.0, reason=reason,
-            tenant=metadata.get("tenant_id", ""))
-        status = rich_status(code, message, reason, metadata)
-        await context.abort(code, message, rpc_status.to_status(status).trailing_metadata)
+        await refuse(context, self._metrics, method=rpc, code=code, reason=reason,
+                     message=message, metadata=metadata, tenant=metadata.get("tenant_id", ""))
 
 
 def auth_interceptor(config: Config, pool: asyncpg.Pool,

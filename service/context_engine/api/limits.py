@@ -17,7 +17,6 @@ Health and reflection are never limited: probes must get through a saturated ser
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,10 +25,8 @@ from typing import Any
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
-from grpc_status import rpc_status
 
-from context_engine.api.status import rich_status
-from context_engine.telemetry.logs import log
+from context_engine.api.status import refuse
 from context_engine.telemetry.metrics import Metrics
 
 SERVICE_PREFIX = "/context_engine.v1.ContextEngine/"
@@ -147,9 +144,5 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
     async def _reject(self, context: grpc.aio.ServicerContext[Any, Any], method: str,
                       reason: str, message: str, metadata: dict[str, str], *,
                       code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED) -> None:
-        self._metrics.rpc_seconds.labels(method=method, code=code.name).observe(0.0)
-        log("rpc", logging.WARNING, method=method, code=code.name, duration_ms=0.0,
-            reason=reason)
-        status = rich_status(code, message, reason, metadata)
-        await context.abort(code, message,
-                            rpc_status.to_status(status).trailing_metadata)
+        await refuse(context, self._metrics, method=method, code=code, reason=reason,
+                     message=message, metadata=metadata)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from context_engine.domain import errors as e
+from context_engine.telemetry.logs import log
+from context_engine.telemetry.metrics import Metrics
 
 DOMAIN = "context-engine"
 
@@ -98,3 +104,17 @@ def status_for(error: e.ContextEngineError) -> tuple[grpc.StatusCode, status_pb2
 def internal_status() -> tuple[grpc.StatusCode, status_pb2.Status]:
     code = grpc.StatusCode.INTERNAL
     return code, rich_status(code, "internal error", "INTERNAL", {})
+
+
+async def refuse(context: grpc.aio.ServicerContext[Any, Any], metrics: Metrics | None, *,
+                 method: str, code: grpc.StatusCode, reason: str, message: str,
+                 metadata: dict[str, str], tenant: str = "") -> None:
+    """Answer a call an interceptor turns away before the servicer runs (credentials,
+    limits, shutdown) as the servicer answers its own failures: the rich status, the RPC's
+    latency sample and its one log line. Raises, as ``context.abort`` does."""
+    if metrics is not None:
+        metrics.rpc_seconds.labels(method=method, code=code.name).observe(0.0)
+    log("rpc", logging.WARNING, method=method, code=code.name, duration_ms=0.0,
+        reason=reason, tenant=tenant)
+    status = rich_status(code, message, reason, metadata)
+    await context.abort(code, message, rpc_status.to_status(status).trailing_metadata)
