@@ -143,7 +143,7 @@ class Supervisor:
             while not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=0.5)
-                self._restart_dead()
+                await self._restart_dead()
             log("stopping", workers=self.count, drain_seconds=self.config.drain_seconds,
                 grace_seconds=self.config.grace_seconds)
             await self._stop_workers()
@@ -156,7 +156,7 @@ class Supervisor:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
             shutil.rmtree(self.ready_dir, ignore_errors=True)
 
-    def _restart_dead(self) -> None:
+    async def _restart_dead(self) -> None:
         for index, worker in list(self.workers.items()):
             code = worker.proc.poll()
             if code is None or self.stopping:
@@ -164,7 +164,7 @@ class Supervisor:
             self._mark_dead(worker)
             log("worker_exited", worker=index, pid=worker.proc.pid, code=code)
             if time.monotonic() - worker.started < RESTART_BACKOFF_SECONDS:
-                time.sleep(RESTART_BACKOFF_SECONDS)
+                await asyncio.sleep(RESTART_BACKOFF_SECONDS)
             self.workers[index] = self._spawn(index)
 
     def _mark_dead(self, worker: Worker) -> None:
