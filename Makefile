@@ -13,7 +13,7 @@ CLIENT_PB    := clients/python/src/context_engine_client/_pb
 CLIENT_STAMP := $(CLIENT_PB)/.generated
 PIP       := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: all run test lint gen bootstrap bench load clean
+.PHONY: all run test lint gen bootstrap bench load mutants clean
 
 ## all (the default): bootstrap and generate the code of the service and the Python client
 all: gen
@@ -78,6 +78,11 @@ bench: $(GEN_STAMP)
 load: $(GEN_STAMP)
 	$(PY) -m tests.load.run --runtimes 100 --turns 50 --workers 2
 	$(PY) -m tests.load.run --runtimes 100 --turns 50 --workers 2 --sigterm-after 8
+
+## mutants: apply each deliberate bug under tests/mutants/ to a copy of the tree, one at a time,
+## run the tests each one names, and fail if any survives. Not in `make test`.
+mutants: $(GEN_STAMP) $(CLIENT_STAMP)
+	$(PY) -m tests.mutants.run
 
 clean:
 	rm -rf $(VENV) $(GEN_DIR) $(CLIENT_PB) .mypy_cache .ruff_cache .pytest_cache .hypothesis

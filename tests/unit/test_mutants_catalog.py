@@ -1,0 +1,33 @@
+"""The deliberate bugs of ``make mutants`` stay applicable: each patch names its bug and the tests
+that kill it, and applies cleanly to the tree as it is (a patch that no longer applies would
+quietly stop testing anything)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.mutants.run import HERE, REPO, catalog
+
+MUTANTS = catalog()
+
+
+def test_there_are_mutants() -> None:
+    assert len(MUTANTS) >= 1
+    assert len({m.name for m in MUTANTS}) == len(MUTANTS)
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+def test_mutant_applies_and_names_its_killer(mutant: object) -> None:
+    from tests.mutants.run import Mutant
+
+    assert isinstance(mutant, Mutant)
+    assert mutant.patch.parent == HERE
+    assert mutant.bug and mutant.killed_by
+    done = subprocess.run(["git", "apply", "--check", "--whitespace=nowarn", str(mutant.patch)],
+                          cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    touched = [line[6:] for line in mutant.patch.read_text().splitlines()
+               if line.startswith("+++ b/")]
+    assert touched and all(p.startswith(("service/", "clients/")) for p in touched), touched
