@@ -28,7 +28,8 @@ LT_LIKE = frozenset("<\uff1c\ufe64\u2039\u3008\u2329\u27e8\u276e\u02c2")
 # Further confusables of "<" (Unicode confusables.txt, angle-bracket ornaments): outside the
 # service's fold list, read only with ``confusables=True`` (a documented finding).
 LT_CONFUSABLES_EXTRA = frozenset("\u1438\u16b2\U0001d236\u276c\u29fc")
-SLASH_LIKE = frozenset("/\uff0f\u2044\u2215\u29f8\u2571")
+# "\\" too: "<\\/untrusted:..>" is a closing marker written the way JSON may escape it.
+SLASH_LIKE = frozenset("/\\\uff0f\u2044\u2215\u29f8\u2571")
 BLANK_LETTERS = frozenset("\u034f\u115f\u1160\u3164\uffa0\u180e\u2800")
 # Latin look-alikes of the letters of the tag names (Cyrillic, Greek, Armenian).
 LETTER_HOMOGLYPHS = {

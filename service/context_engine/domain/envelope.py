@@ -42,7 +42,8 @@ _CONFUSABLE = str.maketrans({
     "\u1d07": "e", "\u1d05": "d", "\u1d0d": "m", "\u1d0f": "o", "\u028f": "y",
     "\u0131": "i", "\u0261": "g", "\u01b4": "y", "\u13e7": "d",
 })
-_SLASH_LIKE = "/\uff0f\u2044\u2215\u29f8\u2571"
+# Characters that read as "/"; a backslash too, as in the escaped form "<\\/untrusted".
+_SLASH_LIKE = "/\\\uff0f\u2044\u2215\u29f8\u2571\ufe68\uff3c"
 _LT_RE = re.compile(f"[{_LT_LIKE}]")
 # Rendered as nothing, or as blank, although not format characters.
 _BLANK_LETTERS = frozenset("\u034f\u115f\u1160\u3164\uffa0\u180e\u2800")
@@ -95,20 +96,9 @@ def _opens_delimiter(text: str, start: int) -> bool:
     return False
 
 
-# In ASCII text there are no look-alikes and no invisible characters but white space, so the
-# general fold reduces to this (same result, one regex pass): "<", white space or slashes,
-# then a tag name, in any letter case.
-_ASCII_DELIMITER = re.compile(
-    r"<(?=[\s/]*(?:" + "|".join(TAG_NAMES) + "))", re.IGNORECASE | re.ASCII)
-# A "<" followed by an ASCII character that is not white space, "/" or the first letter of a
-# tag name cannot open a delimiter: skip the fold for it.
-_TAG_INITIALS = frozenset(c for name in TAG_NAMES for c in (name[0], name[0].upper()))
-
-
-def escape_content(content: str) -> str:
-    """Neutralize every delimiter-like sequence: its "<" becomes the entity ``&lt;``."""
-    if content.isascii():
-        return _ASCII_DELIMITER.sub("&lt;", content)
+def escape_general(content: str) -> str:
+    """The escaping rule, for any text: every "<"-like character that opens a delimiter once
+    folded (``_opens_delimiter``) becomes the entity ``&lt;``."""
     if not _LT_RE.search(content):
         return content
     out: list[str] = []
@@ -116,8 +106,7 @@ def escape_content(content: str) -> str:
     for match in _LT_RE.finditer(content):
         i = match.start()
         nxt = content[i + 1:i + 2]
-        if (nxt.isascii() and nxt and not nxt.isspace() and nxt != "/"
-                and nxt not in _TAG_INITIALS):
+        if nxt in _CANNOT_OPEN:  # settles it without folding (most "<" in HTML)
             continue
         if _opens_delimiter(content, i):
             out.append(content[last:i])
@@ -125,6 +114,35 @@ def escape_content(content: str) -> str:
             last = i + 1
     out.append(content[last:])
     return "".join(out)
+
+
+# The same rule on ASCII text, as one regex pass. It is derived from the fold, not written
+# beside it: in ASCII the only invisible characters are those ``_invisible`` says are (white
+# space, including the separators \x1c-\x1f), the only slash-like ones are "/" and "\\", and
+# folding is lower-casing. So a delimiter is "<", any run of invisible and slash-like
+# characters, then a tag name with invisible characters anywhere between its letters. A
+# property test holds the two paths to identical output.
+_ASCII_INVISIBLE = "".join(c for c in map(chr, range(128)) if _invisible(c))
+_ASCII_SLASHES = "".join(c for c in _SLASH_LIKE if c.isascii())
+_W = "[" + re.escape(_ASCII_INVISIBLE) + "]*"
+_ASCII_DELIMITER = re.compile(
+    "<(?=[" + re.escape(_ASCII_INVISIBLE + _ASCII_SLASHES) + "]*(?:"
+    + "|".join(_W.join(re.escape(letter) for letter in name) for name in TAG_NAMES) + "))",
+    re.IGNORECASE | re.ASCII)
+# An ASCII character after "<" that is not invisible, slash-like or the first letter of a tag
+# name: that "<" cannot open a delimiter.
+_CANNOT_OPEN = frozenset(
+    c for c in map(chr, range(1, 128))
+    if c not in _ASCII_INVISIBLE and c not in _ASCII_SLASHES
+    and c.lower() not in {name[0] for name in TAG_NAMES})
+
+
+def escape_content(content: str) -> str:
+    """Neutralize every delimiter-like sequence: its "<" becomes the entity ``&lt;``. ASCII
+    text takes the one-pass form of the same rule (``escape_general`` is the rule)."""
+    if content.isascii():
+        return _ASCII_DELIMITER.sub("&lt;", content)
+    return escape_general(content)
 
 
 def escape_attr(value: str) -> str:
