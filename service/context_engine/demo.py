@@ -312,11 +312,8 @@ def tour(engine: Engine, tenant: str, session: str, out: list[str]) -> None:
     out.append(f"tokens {compacted.tokens_before:,} -> {compacted.tokens_after:,}; "
                f"{len(s.elided)} untrusted results elided as pointers")
     out.append(f"constraints kept verbatim: {list(s.constraints)}")
-    out.append("summary text (the narrative, trusted text only, left out here):")
-    lines = s.text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("Constraints"))
-    tail = lines[start:start + 6]
-    out.extend("  " + clip(line) for line in [lines[0], "...", *tail, "..."])
+    out.append(f"narrative: {len(s.text):,} characters written from trusted text only, "
+               f"label {pb.TrustLevel.Name(s.trust).removeprefix('TRUST_LEVEL_').lower()}")
 
     # 5. Build on the summary: the runtime wrote it into its checkpoint; the prefix is unchanged.
     on_summary = build(checkpoint(carried + now, "run-9", knowledge=passages, summary=s))
@@ -329,6 +326,13 @@ def tour(engine: Engine, tenant: str, session: str, out: list[str]) -> None:
     out.append(f"messages: {len(rows)}; row 9 (summary): {rows.count(9)}, "
                f"row 10 (history): {rows.count(10)}, rows 11-15: "
                f"{sum(1 for r in rows if r > 10)}")
+    out.append("row 9 as the model reads it (the narrative and the constraints are data, each "
+               "in an envelope):")
+    (row9,) = [m for m in on_summary.request.messages if m.row == 9]
+    lines = [NONCE.sub(r"\1…", line) for line in row9.text.splitlines()]
+    close = next(i for i, line in enumerate(lines) if line.startswith("</user:"))
+    out.extend("  " + clip(line) for line in [*lines[:3], "...", *lines[close:close + 7],
+                                              "..."])
 
     # 6. Rotate: an explicit new epoch, here to take mail.send out of the prompt at once.
     rotated = engine.rotate(pb.RotateRequest(

@@ -25,7 +25,6 @@ from context_engine.domain.canonical import canonical_sha256, session_key
 from context_engine.domain.compaction import (
     DEFAULT_SUMMARY_TOKENS,
     CompactionResult,
-    CurrentSummary,
     StructuredSummarizer,
     Summarizer,
     Target,
@@ -41,7 +40,12 @@ from context_engine.domain.errors import (
     TokenizerUnavailable,
 )
 from context_engine.domain.estimator import ModelCatalog, TokenEstimator, TokenizerRegistry
-from context_engine.domain.items import RenderContext, WorkingState, WorkingStateItem
+from context_engine.domain.items import (
+    HistorySummary,
+    RenderContext,
+    WorkingState,
+    WorkingStateItem,
+)
 from context_engine.domain.model import (
     AgentSpec,
     MemorySnapshot,
@@ -182,7 +186,7 @@ class CompactCommand:
     tenant_id: str
     session_id: str
     checkpoint: Checkpoint
-    current: CurrentSummary | None
+    current: HistorySummary | None
     target: Target
     reason: str
     idempotency_key: str
@@ -530,7 +534,11 @@ class Engine:
 
     async def _snapshot_used(self, loaded: LoadedPlan, run_id: str) -> None:
         """The first Build of a run on a plan with a non-empty snapshot binds the run to the
-        snapshot's recall trace and epoch (``context.snapshot.used``), once across replicas."""
+        snapshot's recall trace and epoch (``context.snapshot.used``), once across replicas.
+        It is a fence (spec: "before provider egress"): the request holding the snapshot is
+        returned only once the binding is in the database. If it cannot be written now, the
+        Build fails UNAVAILABLE (STORE_UNAVAILABLE); a run this process has already bound
+        keeps building from the plan cache."""
         plan = loaded.plan
         snapshot = plan.spec.memory_snapshot
         if not snapshot.items or not run_id:
@@ -543,12 +551,8 @@ class Engine:
                              payload={"run_id": run_id, "epoch": plan.epoch,
                                       "recall_trace_id": snapshot.recall_trace_id,
                                       "snapshot_id": snapshot.snapshot_id})
-        try:
-            await self._events.append_once(event, f"{plan.session_id}:{plan.epoch}:{run_id}")
-        except StoreUnavailable:
-            log("event_not_recorded", logging.WARNING, type=event.type, tenant=plan.tenant_id,
-                epoch=plan.epoch)
-            return
+        await self._events.append_once_durably(event,
+                                               f"{plan.session_id}:{plan.epoch}:{run_id}")
         self._snapshot_runs[key] = None
         while len(self._snapshot_runs) > 65_536:
             self._snapshot_runs.popitem(last=False)
@@ -665,13 +669,11 @@ class Engine:
         def measure(messages: Any) -> int:
             return estimator.messages(list(messages), used)
 
-        state = cmd.checkpoint.working_state
         result = await compact(
             cmd.checkpoint.items, cmd.current, active_run_id=cmd.checkpoint.active_run_id,
             target=cmd.target, reason=cmd.reason, summarizer=self._summarizer,
             measure=measure, ctx=RenderContext(session_key=loaded.session_key),
-            constraints=state.constraints, goal=state.objective,
-            open_questions=state.open_questions, max_summary_tokens=cmd.max_summary_tokens)
+            state=cmd.checkpoint.working_state, max_summary_tokens=cmd.max_summary_tokens)
         previous = len(cmd.current.elided) if cmd.current is not None else 0
         event = ContextEvent(
             tenant_id=cmd.tenant_id, session_id=cmd.session_id, epoch=epoch,

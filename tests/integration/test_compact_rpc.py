@@ -62,16 +62,19 @@ def test_compact_then_build_never_repeats_a_replaced_item(stub, ids, db):
     assert resp.compacted and s.depth == 1 and s.replaced_through_sequence == 6
     assert list(resp.replaced_item_ids) == ["u1", "c1", "r1", "a1", "u2", "a2"]
     assert set(s.source_event_ids) <= {1, 2, 3, 4, 5, 6}
-    assert CANARY not in s.text and "- cite sources" in s.text
+    assert CANARY not in s.text and list(s.constraints) == ["cite sources"]
+    assert s.trust == pb.TRUST_LEVEL_USER and list(s.constraint_trust) == [pb.TRUST_LEVEL_USER]
     assert [(e.item_id, e.trust_level, e.artifact_ref, e.event_id) for e in s.elided] == [
         ("r1", pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, "artifact:a/9d02", 3)]
-    assert "[elided] tool.result r1 (external_untrusted," in s.text
     assert resp.compactor_version and resp.summarizer_version == "structured/1"
     assert resp.tokens_before > 0 and resp.tokens_after > 0
 
     built = stub.Build(build_request(tenant, session, items=history(), summary=s))
     rows = [(m.row, m.item_id) for m in built.request.messages]
     assert any(r == 9 for r, _ in rows)
+    (row9,) = [m for m in built.request.messages if m.row == 9]
+    assert "[elided] tool.result r1 (external_untrusted," in row9.text
+    assert "- cite sources" in row9.text and s.text in row9.text
     replaced = set(resp.replaced_item_ids)
     assert not replaced & {i for _, i in rows}
     assert all(CANARY not in m.text for m in built.request.messages)
@@ -187,7 +190,7 @@ def test_llm_summarizer_sees_trusted_content_only(llm_stub, provider, ids):
     assert CANARY not in sent and "Summarize example.com" in sent
     assert CANARY not in resp.summary.text and "ECHO" in resp.summary.text
     assert resp.summarizer_version.startswith("llm:fake-model:summarizer-prompt@")
-    assert "- be brief" in resp.summary.text
+    assert list(resp.summary.constraints) == ["be brief"] and "be brief" not in sent
 
 
 @pytest.mark.parametrize("mode", ["5xx", "slow", "garbage", "truncated"])

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 

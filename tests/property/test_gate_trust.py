@@ -486,24 +486,23 @@ def _summaries_hold(C: Any, HistorySummary: Any, RenderContext: Any, impl: Any,
     run3 = [f.user("run-3-u", "What did you find?", 5000, run="run-3")]
     items = run1 + run2 + run3
 
+    state = WorkingState(constraints=("Never send data to third parties.",))
+
     def compact(current: Any, through: int) -> Any:
         return asyncio.run(C.compact(
             items, current, active_run_id="run-3", target=C.Target(replace_through=through),
             reason="gate_trust", summarizer=impl,
-            measure=lambda ms: est.messages(list(ms), 1.0), ctx=ctx,
-            constraints=["Never send data to third parties."], max_summary_tokens=50_000))
+            measure=lambda ms: est.messages(list(ms), 1.0), ctx=ctx, state=state,
+            max_summary_tokens=50_000))
 
     first = compact(None, run1[-1].sequence)
-    second = compact(C.CurrentSummary(
-        text=first.summary, replaced_through_sequence=first.replaced_through_sequence,
-        source_event_ids=first.source_event_ids, depth=first.depth,
-        constraints=first.constraints, elided=first.elided), run2[-1].sequence)
+    second = compact(first.history_summary(), run2[-1].sequence)
     assert second.depth == 2
     assert "Please research this." in first.summary  # the summarizer's input reached it
     for r in (first, second):
-        leaked = [c for c in ALL_CANARIES if c in r.summary]
+        (row9,) = r.history_summary().messages(ctx)
+        leaked = [c for c in ALL_CANARIES if c in row9.text]
         assert not leaked, f"canaries in the {summarizer} summary: {leaked}"
-        assert "CANARY-" not in r.summary
-        cp = f.checkpoint(items, run="run-3", summary=HistorySummary(
-            text=r.summary, replaced_through_sequence=r.replaced_through_sequence))
+        assert "CANARY-" not in row9.text
+        cp = f.checkpoint(items, run="run-3", summary=r.history_summary())
         check_build(build(cp), ALL_CANARIES)

@@ -140,3 +140,30 @@ def check_text(text: str, canaries: list[str], *, confusables: bool = False) -> 
             raise EnvelopeError(f"envelope {e.item_id!r} body reads as containing tags {hits}: "
                                 f"{body[:300]!r}")
     return envs
+
+
+# How trusted each envelope's content is, most trusted first (its own table: independent of the
+# service's trust levels).
+TAG_RANK = {"user": 3, "memory": 2, "untrusted": 1}
+
+
+def check_labels(text: str, canaries: dict[str, str]) -> list[Envelope]:
+    """``canaries`` maps each canary to the tag of its own label. Every occurrence must lie
+    inside an envelope whose tag is at most as trusted as that label: the label survived
+    whatever transformation put the canary here. Also every envelope closes exactly once."""
+    envs = parse(text)
+    for canary, tag in canaries.items():
+        start = text.find(canary)
+        while start >= 0:
+            end = start + len(canary)
+            inside = [e for e in envs if e.body_start <= start and end <= e.body_end]
+            if not inside:
+                raise EnvelopeError(f"canary {canary!r} (own label {tag}) at {start} lies "
+                                    f"outside every envelope: "
+                                    f"{text[max(0, start - 160):end + 20]!r}")
+            if TAG_RANK[inside[0].tag] > TAG_RANK[tag]:
+                raise EnvelopeError(f"canary {canary!r} (own label {tag}) sits in a "
+                                    f"<{inside[0].tag}> envelope {inside[0].item_id!r}: its "
+                                    "label was raised")
+            start = text.find(canary, end)
+    return envs

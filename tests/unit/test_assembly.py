@@ -57,7 +57,7 @@ EXPECTED: dict[type[ContextItem], tuple[int, Region, TrustLevel | None]] = {
     DeferredToolIndex: (6, A, None),
     SkillCatalogRow: (7, A, None),
     MemorySnapshotRow: (8, A, MEM),
-    HistorySummary: (9, B, PLAT),
+    HistorySummary: (9, B, None),  # per part: its narrative and constraints are enveloped
     items_mod.ConversationItem: (10, B, None),
     UserMessageItem: (10, B, None),
     AssistantMessageItem: (10, B, None),

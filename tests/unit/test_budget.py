@@ -409,7 +409,8 @@ def test_items_at_or_below_the_summary_floor_are_never_rendered(through: int,
     sent = [m.item_id for m in r.request.messages if m.row == 10]
     assert sent == [i.id for i in items[first_kept:6]]
     assert [m.row for m in r.request.messages][:1] == [9]
-    assert r.request.messages[0].text.endswith("They said hello.")
+    # the narrative is data, in its own envelope at its label
+    assert "\nThey said hello.\n</user:" in r.request.messages[0].text
     assert r.pressure.floor_index == first_kept == r.pressure.cut_index
     assert not r.pressure.compaction_needed and r.pressure.left_out_items == 0
 

@@ -127,13 +127,25 @@ def test_working_state_facts_carry_per_entry_trust() -> None:
     assert msg.trust is TrustLevel.EXTERNAL_UNTRUSTED
 
 
-def test_platform_only_working_state_is_not_enveloped() -> None:
+def test_working_state_entries_render_in_envelopes_of_their_own_labels() -> None:
+    """Only headings are platform text: the objective and a USER fact are the user's (or the
+    model's) words, each in an envelope at its label; a lower label gets its own envelope."""
     state = WorkingState(objective="Book travel", facts=(
         WorkingFact(statement="Budget is fixed", source_event_ids=(), trust=TrustLevel.USER),))
     (msg,) = WorkingStateItem(state=state).messages(CTX)
-    assert h.only_envelope(msg.text).tag == "user"
-    (msg2,) = WorkingStateItem(state=WorkingState(objective="Book travel")).messages(CTX)
-    assert h.parse_envelopes(msg2.text) == [] and msg2.trust is TrustLevel.PLATFORM
+    assert [e.tag for e in h.parse_envelopes(msg.text)] == ["user", "user"]
+    assert msg.trust is TrustLevel.USER
+    lowered = WorkingState(objective="Book travel", constraints=("a", "b", "c"),
+                           constraint_trust=(TrustLevel.USER, TrustLevel.EXTERNAL_UNTRUSTED,
+                                             TrustLevel.EXTERNAL_UNTRUSTED))
+    (msg2,) = WorkingStateItem(state=lowered).messages(CTX)
+    envs = h.parse_envelopes(msg2.text)
+    assert [e.tag for e in envs] == ["user", "user", "untrusted"]
+    assert envs[2].body == "\n- b\n- c\n" and msg2.trust is TrustLevel.EXTERNAL_UNTRUSTED
+    outside = msg2.text
+    for e in envs:
+        outside = outside.replace(e.body, "")
+    assert "Book travel" not in outside and "- a" not in outside
 
 
 # ----------------------------------------------------------------------------- attributes

@@ -66,7 +66,8 @@ def test_objective_is_superseded_not_replaced():
     s, ch = apply_update(s, Update(objective="B"), run_id="r1", sequence=2)
     assert s.objective == "B" and s.superseded_objectives == ("A",) and ch.objective_superseded
     (msg,) = WorkingStateItem(state=s).messages(CTX)
-    assert "Objective: B" in msg.text and "Superseded objective: A" in msg.text
+    assert "Objective:\n<user" in msg.text and "\nB\n</user:" in msg.text
+    assert "Superseded objective:\n<user" in msg.text and "\nA\n</user:" in msg.text
     same, ch = apply_update(s, UserObjective(objective="B"), run_id="r1", sequence=3)
     assert same == s and not ch.objective_changed
 
@@ -220,3 +221,82 @@ def test_carried_untrusted_fact_renders_as_attributed_claim():
     (msg,) = WorkingStateItem(state=s).messages(CTX)
     assert "A source (events 2) states: <untrusted" in msg.text
     assert msg.trust is TrustLevel.EXTERNAL_UNTRUSTED
+
+
+# ----------------------------------------------------------------------------- labels
+
+UNTRUSTED, MEMORY, USER = (TrustLevel.EXTERNAL_UNTRUSTED, TrustLevel.MEMORY,
+                           TrustLevel.USER)
+
+
+def test_entries_keep_the_label_of_the_transition_that_wrote_them():
+    s, _ = apply_update(WorkingState(), Update(
+        objective="O", add_constraints=("c1",), next_action="n",
+        upsert_tasks=(WorkingTask(id="t1", title="T", state="open"),), trust=UNTRUSTED),
+        run_id="r1", sequence=1)
+    assert (s.objective_trust, s.constraint_trust, s.next_action_trust) == (
+        UNTRUSTED, (UNTRUSTED,), UNTRUSTED)
+    assert s.tasks[0].trust is UNTRUSTED
+    s, _ = apply_update(s, AskUser(question="Q?", trust=MEMORY), run_id="r1", sequence=2)
+    s, _ = apply_update(s, Update(add_constraints=("c2",)), run_id="r1", sequence=3)
+    assert s.question_labels() == (MEMORY,) and s.constraint_trust == (UNTRUSTED, USER)
+    s, _ = apply_update(s, UserObjective(objective="O2"), run_id="r1", sequence=4)
+    assert s.objective_trust is USER and s.superseded_trust == (UNTRUSTED,)
+
+
+def test_restating_an_entry_never_raises_its_label():
+    s, _ = apply_update(WorkingState(), Update(objective="O", add_constraints=("c",),
+                                               trust=UNTRUSTED), run_id="r1", sequence=1)
+    s, _ = apply_update(s, Update(objective="O", add_constraints=("c",)), run_id="r1",
+                        sequence=2)
+    assert s.objective_trust is UNTRUSTED and s.constraint_trust == (UNTRUSTED,)
+    s, _ = apply_update(s, AskUser(question="Q?"), run_id="r1", sequence=3)
+    s, _ = apply_update(s, AskUser(question="Q?", trust=MEMORY), run_id="r1", sequence=4)
+    assert s.question_labels() == (MEMORY,)
+    s, _ = apply_update(s, AskUser(question="Q?"), run_id="r1", sequence=5)
+    assert s.question_labels() == (MEMORY,)
+
+
+def test_a_task_title_takes_its_writers_label_and_an_outcome_keeps_it():
+    s, _ = apply_update(WorkingState(), Update(
+        upsert_tasks=(WorkingTask(id="t1", title="T", state="open"),), trust=UNTRUSTED),
+        run_id="r1", sequence=1)
+    s, _ = apply_update(s, ToolOutcome(task_id="t1", outcome="started"), run_id="r1",
+                        sequence=2)
+    assert s.tasks[0].trust is UNTRUSTED and s.tasks[0].state == "in_progress"
+    s, _ = apply_update(s, Update(upsert_tasks=(WorkingTask(id="t1", title="", state="blocked"),)),
+                        run_id="r1", sequence=3)
+    assert s.tasks[0].trust is UNTRUSTED  # the title was kept, so is its label
+    s, _ = apply_update(s, Update(upsert_tasks=(WorkingTask(id="t1", title="New", state="open"),)),
+                        run_id="r1", sequence=4)
+    assert s.tasks[0].trust is USER and s.tasks[0].title == "New"
+
+
+def test_carry_computes_labels_from_the_log():
+    events = [
+        LogEvent(sequence=1, run_id="r1", transition=UserObjective(objective="O",
+                                                                   trust=MEMORY)),
+        LogEvent(sequence=2, run_id="r1", transition=Update(
+            add_constraints=("c",), next_action="n", trust=UNTRUSTED)),
+        LogEvent(sequence=3, run_id="r1", transition=AskUser(question="Q?", trust=UNTRUSTED)),
+    ]
+    s = carry(events, 10)
+    assert (s.objective_trust, s.constraint_trust, s.question_labels()) == (
+        MEMORY, (UNTRUSTED,), (UNTRUSTED,))
+    assert s.next_action == "" and s.next_action_trust is USER  # reset with its entry
+
+
+def test_every_entry_renders_inside_an_envelope_at_its_label():
+    s, _ = apply_update(WorkingState(), Update(
+        objective="OBJ", add_constraints=("CON",), next_action="NEXT",
+        upsert_tasks=(WorkingTask(id="t1", title="TITLE", state="open"),), trust=MEMORY),
+        run_id="r1", sequence=1)
+    s, _ = apply_update(s, AskUser(question="QUESTION?", trust=UNTRUSTED), run_id="r1",
+                        sequence=2)
+    (msg,) = WorkingStateItem(state=s).messages(CTX)
+    for word, tag in (("OBJ", "memory"), ("CON", "memory"), ("NEXT", "memory"),
+                      ("TITLE", "memory"), ("QUESTION?", "untrusted")):
+        at = msg.text.index(word)
+        opening = msg.text.rfind("<", 0, at)
+        assert msg.text[opening:].startswith(f'<{tag} source="working-state"'), word
+    assert msg.trust is UNTRUSTED

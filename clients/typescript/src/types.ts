@@ -306,6 +306,8 @@ export interface WorkingTask {
   state?: string;
   sequence?: Int64;
   runId?: string;
+  /** The label of its title (set by the service; unset means USER). */
+  trust?: EnumIn<TrustLevel>;
 }
 
 export interface WorkingFact {
@@ -319,6 +321,7 @@ export interface WorkingFact {
 export interface EntryOrigin {
   sequence?: Int64;
   runId?: string;
+  trust?: EnumIn<TrustLevel>;
 }
 
 export interface WorkingState {
@@ -330,6 +333,11 @@ export interface WorkingState {
   nextAction?: string;
   supersededObjectives?: string[];
   questionOrigins?: EntryOrigin[];
+  /** Labels of the text entries, set by the service (unset means USER, the highest). */
+  objectiveTrust?: EnumIn<TrustLevel>;
+  constraintTrust?: EnumIn<TrustLevel>[];
+  nextActionTrust?: EnumIn<TrustLevel>;
+  supersededTrust?: EnumIn<TrustLevel>[];
 }
 
 export interface RecallLine {
@@ -374,6 +382,10 @@ export interface Summary {
   depth?: number;
   constraints?: string[];
   elided?: ElidedSpan[];
+  /** The narrative's label (set by Compact; at most USER, unset means USER). */
+  trust?: EnumIn<TrustLevel>;
+  /** One per constraint (or none: USER for each). */
+  constraintTrust?: EnumIn<TrustLevel>[];
 }
 
 export interface Checkpoint {
@@ -559,6 +571,8 @@ export interface WorkingStateUpdate {
   addFacts?: WorkingFact[];
   resolveQuestions?: string[];
   nextAction?: string;
+  /** The label of the model output that carried the call (at most USER; unset: USER). */
+  trust?: EnumIn<TrustLevel>;
 }
 
 export interface ToolOutcome {
@@ -570,9 +584,9 @@ export interface ToolOutcome {
 export interface WorkingStateTransition {
   update?: WorkingStateUpdate;
   toolOutcome?: ToolOutcome;
-  askUser?: { question?: string };
+  askUser?: { question?: string; trust?: EnumIn<TrustLevel> };
   answer?: { question?: string };
-  userObjective?: { objective?: string };
+  userObjective?: { objective?: string; trust?: EnumIn<TrustLevel> };
 }
 
 export interface UpdateWorkingStateRequest {
@@ -589,7 +603,14 @@ export interface UpdateWorkingStateRequest {
 export interface WorkingStateOut {
   objective: string;
   constraints: string[];
-  tasks: { id: string; title: string; state: string; sequence: string; runId: string }[];
+  tasks: {
+    id: string;
+    title: string;
+    state: string;
+    sequence: string;
+    runId: string;
+    trust: TrustLevel;
+  }[];
   facts: {
     statement: string;
     sourceEventIds: string[];
@@ -600,7 +621,11 @@ export interface WorkingStateOut {
   openQuestions: string[];
   nextAction: string;
   supersededObjectives: string[];
-  questionOrigins: { sequence: string; runId: string }[];
+  questionOrigins: { sequence: string; runId: string; trust: TrustLevel }[];
+  objectiveTrust: TrustLevel;
+  constraintTrust: TrustLevel[];
+  nextActionTrust: TrustLevel;
+  supersededTrust: TrustLevel[];
 }
 
 export interface WorkingStateChange {
@@ -677,6 +702,8 @@ export interface SummaryOut {
     eventId: string;
     kind: string;
   }[];
+  trust: TrustLevel;
+  constraintTrust: TrustLevel[];
 }
 
 export interface CompactResponse {

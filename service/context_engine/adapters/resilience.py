@@ -6,9 +6,10 @@
   so the answer is the current epoch unless another replica rotated in the moments before the
   outage; the plan itself still has to come from the process's plan cache.
 * :class:`BufferedEventLog` wraps the outbox: an event that cannot be written (Build's
-  pressure and exceeded events, ``context.snapshot.used``) waits in a bounded in-process queue,
-  in order, and is written when the database returns. Nothing is dropped unless the queue
-  overflows, which is logged with the number dropped.
+  pressure and exceeded events) waits in a bounded in-process queue, in order, and is written
+  when the database returns. Nothing is dropped unless the queue overflows, which is logged
+  with the number dropped. ``context.snapshot.used`` is never queued: it fences the snapshot,
+  so it is written durably or Build fails UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ class BufferedEventLog:
 
     async def append_once(self, event: ContextEvent, key: str) -> bool:
         return await self._write(event, key)
+
+    async def append_once_durably(self, event: ContextEvent, key: str) -> bool:
+        """Never queued: a fence holds only if it is in the database (StoreUnavailable
+        propagates)."""
+        return await self._inner.append_once_durably(event, key)
 
     async def _write(self, event: ContextEvent, key: str | None) -> bool:
         if not self._pending:  # keep the log's order: nothing jumps the queue

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 
 from google.protobuf.message import Message as Message_
@@ -26,8 +26,8 @@ from context_engine.domain.builder import (
 from context_engine.domain.canonical import canonical_json, parse_json_object
 from context_engine.domain.compaction import (
     DEFAULT_SUMMARY_TOKENS,
+    MAX_DEPTH,
     CompactionResult,
-    CurrentSummary,
     ElidedSpan,
     Target,
 )
@@ -46,6 +46,7 @@ from context_engine.domain.items import (
     WorkingFact,
     WorkingState,
     WorkingTask,
+    labels,
 )
 from context_engine.domain.model import (
     AgentSpec,
@@ -161,6 +162,22 @@ class Violations:
         if found.rank > at_most.rank:
             self.add(field, f"{found.value} is not accepted here; at most {at_most.value}")
         return found
+
+    def label(self, field: str, value: pb.TrustLevel.ValueType) -> TrustLevel:
+        """The label of text written from the user's or the model's words (a narrative, a
+        working-state entry): at most USER, and unset means USER."""
+        if value == pb.TRUST_LEVEL_UNSPECIFIED:
+            return TrustLevel.USER
+        return self.trust(field, value, at_most=TrustLevel.USER)
+
+    def labels(self, field: str, values: Sequence[pb.TrustLevel.ValueType],
+               entries: int, what: str) -> tuple[TrustLevel, ...]:
+        """One label per entry, or none (USER for each)."""
+        if values and len(values) != entries:
+            self.add(field, f"has {len(values)} labels for {entries} {what}; one per entry "
+                     "or none")
+            return ()
+        return tuple(self.label(f"{field}[{i}]", t) for i, t in enumerate(values))
 
     def unique(self, field: str, values: Iterable[str], what: str) -> None:
         seen: set[str] = set()
@@ -395,12 +412,8 @@ def checkpoint(v: Violations, cp: pb.Checkpoint) -> Checkpoint:
         trust=v.trust(f"checkpoint.knowledge[{i}].trust", p.trust))
         for i, p in enumerate(cp.knowledge))
     v.unique("checkpoint.knowledge", (p.id for p in cp.knowledge), "passage id")
-    summary = None
-    if cp.HasField("summary"):
-        if cp.summary.depth > 2:
-            v.add("checkpoint.summary.depth", f"{cp.summary.depth} is over the cap of 2")
-        summary = HistorySummary(text=cp.summary.text,
-                                 replaced_through_sequence=cp.summary.replaced_through_sequence)
+    summary = history_summary(v, "checkpoint.summary", cp.summary) if cp.HasField(
+        "summary") else None
     return Checkpoint(
         summary=summary,
         active_run_id=cp.active_run_id,
@@ -433,25 +446,47 @@ def working_state(v: Violations, field: str, ws: pb.WorkingState) -> WorkingStat
     return WorkingState(
         objective=ws.objective, constraints=tuple(ws.constraints),
         tasks=tuple(WorkingTask(id=t.id, title=t.title, state=t.state, sequence=t.sequence,
-                                run_id=t.run_id) for t in ws.tasks),
+                                run_id=t.run_id, trust=v.label(f"{field}.tasks[{i}].trust",
+                                                               t.trust))
+                    for i, t in enumerate(ws.tasks)),
         facts=facts, open_questions=tuple(ws.open_questions), next_action=ws.next_action,
         superseded_objectives=tuple(ws.superseded_objectives),
-        question_origins=tuple(EntryOrigin(sequence=o.sequence, run_id=o.run_id)
-                               for o in ws.question_origins))
+        question_origins=tuple(
+            EntryOrigin(sequence=o.sequence, run_id=o.run_id,
+                        trust=v.label(f"{field}.question_origins[{i}].trust", o.trust))
+            for i, o in enumerate(ws.question_origins)),
+        objective_trust=v.label(f"{field}.objective_trust", ws.objective_trust),
+        constraint_trust=v.labels(f"{field}.constraint_trust", ws.constraint_trust,
+                                  len(ws.constraints), "constraints"),
+        next_action_trust=v.label(f"{field}.next_action_trust", ws.next_action_trust),
+        superseded_trust=v.labels(f"{field}.superseded_trust", ws.superseded_trust,
+                                  len(ws.superseded_objectives), "superseded objectives"))
+
+
+def _labels_pb(values: Sequence[object],
+               given: Sequence[TrustLevel]) -> list[pb.TrustLevel.ValueType]:
+    return [TRUST_TO_PB[t] for t in labels(values, given)]
 
 
 def working_state_pb(s: WorkingState) -> pb.WorkingState:
     return pb.WorkingState(
         objective=s.objective, constraints=list(s.constraints),
         tasks=[pb.WorkingTask(id=t.id, title=t.title, state=t.state, sequence=t.sequence,
-                              run_id=t.run_id) for t in s.tasks],
+                              run_id=t.run_id, trust=TRUST_TO_PB[t.trust]) for t in s.tasks],
         facts=[pb.WorkingFact(statement=f.statement, source_event_ids=list(f.source_event_ids),
                               trust=TRUST_TO_PB[f.trust], sequence=f.sequence,
                               run_id=f.run_id) for f in s.facts],
         open_questions=list(s.open_questions), next_action=s.next_action,
         superseded_objectives=list(s.superseded_objectives),
-        question_origins=[pb.EntryOrigin(sequence=o.sequence, run_id=o.run_id)
-                          for o in s.question_origins])
+        question_origins=[pb.EntryOrigin(sequence=o.sequence, run_id=o.run_id,
+                                         trust=TRUST_TO_PB[o.trust])
+                          for o in s.question_origins],
+        objective_trust=TRUST_TO_PB[s.objective_trust] if s.objective
+        else pb.TRUST_LEVEL_UNSPECIFIED,
+        constraint_trust=_labels_pb(s.constraints, s.constraint_trust),
+        next_action_trust=TRUST_TO_PB[s.next_action_trust] if s.next_action
+        else pb.TRUST_LEVEL_UNSPECIFIED,
+        superseded_trust=_labels_pb(s.superseded_objectives, s.superseded_trust))
 
 
 OUTCOME_FROM_PB: dict[pb.ToolOutcomeKind.ValueType, str] = {
@@ -500,7 +535,8 @@ def _update(v: Violations, field: str, u: pb.WorkingStateUpdate) -> Update:
     return Update(objective=u.objective if u.HasField("objective") else None,
                   add_constraints=tuple(u.add_constraints), upsert_tasks=tuple(tasks),
                   add_facts=tuple(facts), resolve_questions=tuple(u.resolve_questions),
-                  next_action=u.next_action if u.HasField("next_action") else None)
+                  next_action=u.next_action if u.HasField("next_action") else None,
+                  trust=v.label(f"{field}.trust", u.trust))
 
 
 def transition(v: Violations, field: str, t: pb.WorkingStateTransition) -> Transition | None:
@@ -518,13 +554,16 @@ def transition(v: Violations, field: str, t: pb.WorkingStateTransition) -> Trans
         return ToolOutcome(task_id=t.tool_outcome.task_id, outcome=outcome)
     if kind == "ask_user":
         _text(v, f"{field}.ask_user.question", t.ask_user.question)
-        return AskUser(question=t.ask_user.question)
+        return AskUser(question=t.ask_user.question,
+                       trust=v.label(f"{field}.ask_user.trust", t.ask_user.trust))
     if kind == "answer":
         _text(v, f"{field}.answer.question", t.answer.question)
         return UserAnswer(question=t.answer.question)
     if kind == "user_objective":
         _text(v, f"{field}.user_objective.objective", t.user_objective.objective)
-        return UserObjective(objective=t.user_objective.objective)
+        return UserObjective(objective=t.user_objective.objective,
+                             trust=v.label(f"{field}.user_objective.trust",
+                                           t.user_objective.trust))
     v.add(f"{field}.kind", "no transition kind is set")
     return None
 
@@ -816,16 +855,25 @@ def _elided(v: Violations, field: str, e: pb.ElidedSpan) -> ElidedSpan:
                       artifact_ref=e.artifact_ref or None, event_id=e.event_id, kind=e.kind)
 
 
-def current_summary(v: Violations, s: pb.Summary) -> CurrentSummary:
-    field = "checkpoint.summary"
+def history_summary(v: Violations, field: str, s: pb.Summary) -> HistorySummary | None:
+    """A checkpoint's summary, as row 9 renders it; None for an empty message (a runtime that
+    always sets the field)."""
+    if not (s.text or s.source_event_ids or s.depth or s.constraints or s.elided
+            or s.replaced_through_sequence):
+        return None
     if s.replaced_through_sequence < 0:
         v.add(f"{field}.replaced_through_sequence", "must not be negative")
-    if s.depth == 0 and (s.text or s.source_event_ids):
-        v.add(f"{field}.depth", "a summary written by Compact has depth 1 or 2")
-    return CurrentSummary(
+    if s.depth > MAX_DEPTH:
+        v.add(f"{field}.depth", f"{s.depth} is over the cap of {MAX_DEPTH}")
+    for i, c in enumerate(s.constraints):
+        _text(v, f"{field}.constraints[{i}]", c)
+    return HistorySummary(
         text=s.text, replaced_through_sequence=s.replaced_through_sequence,
+        narrative_trust=v.label(f"{field}.trust", s.trust),
         source_event_ids=tuple(s.source_event_ids), depth=s.depth,
         constraints=tuple(s.constraints),
+        constraint_trust=v.labels(f"{field}.constraint_trust", s.constraint_trust,
+                                  len(s.constraints), "constraints"),
         elided=tuple(_elided(v, f"{field}.elided[{i}]", e) for i, e in enumerate(s.elided)))
 
 
@@ -845,12 +893,10 @@ def compact_command(req: pb.CompactRequest) -> CompactCommand:
     v.identifier("reason", req.reason)
     cp = checkpoint(v, req.checkpoint)
     v.items.extend(checkpoint_violations(cp))
-    given = req.checkpoint.summary
-    # an empty summary (a runtime that always sets the field) is no summary at all
-    present = req.checkpoint.HasField("summary") and bool(
-        given.text or given.source_event_ids or given.depth or given.constraints
-        or given.elided or given.replaced_through_sequence)
-    current = current_summary(v, given) if present else None
+    current = cp.summary
+    if current is not None and current.depth == 0 and (current.text
+                                                        or current.source_event_ids):
+        v.add("checkpoint.summary.depth", "a summary written by Compact has depth 1 or 2")
     which = req.WhichOneof("target")
     target = Target()
     if which is None:
@@ -883,7 +929,9 @@ def summary_pb(r: CompactionResult) -> pb.Summary:
         constraints=list(r.constraints),
         elided=[pb.ElidedSpan(item_id=s.item_id, trust_level=TRUST_TO_PB[s.trust_level],
                               byte_length=s.byte_length, artifact_ref=s.artifact_ref or "",
-                              event_id=s.event_id, kind=s.kind) for s in r.elided])
+                              event_id=s.event_id, kind=s.kind) for s in r.elided],
+        trust=TRUST_TO_PB[r.narrative_trust],
+        constraint_trust=_labels_pb(r.constraints, r.constraint_trust))
 
 
 def compact_pb(outcome: CompactOutcome) -> pb.CompactResponse:

@@ -19,9 +19,14 @@ write the runtime asks for (the Compact RPC), never part of Build. The rules, ea
   - opaque reasoning is excluded by type: neither summarized nor pointed to.
 * Constraints never pass through the summarizer either: the caller passes them (the working
   state's constraints; ``Summary.constraints`` of the current summary carries those retained
-  by earlier compactions) and the summary text states them verbatim. A merge takes the union.
+  by earlier compactions) and the summary states them verbatim. A merge takes the union.
   If the constraints (and pointers) alone do not fit the summary's token cap, the call fails:
   a constraint is never dropped to make room.
+* Labels survive (spec: "The label survives every transformation"): the narrative is written
+  from the user's and the model's words, so it carries the lowest label of everything the
+  summarizer was given (never above USER) and renders in an envelope with it (row 9, see
+  ``HistorySummary``); each constraint keeps its own label. Only headings, the range, pointer
+  lines and provenance are platform text.
 * Depth is at most 2: raw items -> a summary (depth 1); a depth-1 summary merges once with
   newer items (depth 2); a third compaction fails with ``CompactionDepthExceeded``.
 * Provenance: ``source_event_ids`` is the union of the current summary's ids and the event
@@ -45,79 +50,57 @@ from context_engine.domain.errors import (
 )
 from context_engine.domain.history import floor_index, units
 from context_engine.domain.items import (
+    SUMMARY_CONSTRAINTS_HEADER,
+    SUMMARY_ELIDED_HEADER,
+    SUMMARY_SOURCES_HEADER,
     AssistantMessageItem,
     ConversationItem,
+    ElidedSpan,
     HistorySummary,
     ReasoningItem,
     RenderContext,
     ToolCallItem,
     ToolResultItem,
     UserMessageItem,
-    one_line,
+    WorkingState,
+    labels,
 )
 from context_engine.domain.request import Message
-from context_engine.domain.trust import TrustLevel
+from context_engine.domain.trust import TrustLevel, lowest
 
 COMPACTOR_VERSION = "ce-compactor/1"
 MAX_DEPTH = 2
 DEFAULT_SUMMARY_TOKENS = 4_000
 _LINE_CHARS = 240
 
-# Fixed section markers of the summary text: the narrative of a depth-1 summary is read back
-# from between them when it merges.
+# The section markers of summaries written before the narrative was kept apart from the rest:
+# a legacy summary's narrative is read back from between them when it merges.
 NARRATIVE_HEADER = "Narrative (trusted content only):"
-CONSTRAINTS_HEADER = "Constraints (verbatim, never merged away):"
-ELIDED_HEADER = ("Elided (untrusted or tool data, never summarized; re-fetch by reference, it "
-                 "returns inside its envelope):")
-SOURCES_HEADER = "Source event ids:"
+CONSTRAINTS_HEADER = SUMMARY_CONSTRAINTS_HEADER
+ELIDED_HEADER = SUMMARY_ELIDED_HEADER
+SOURCES_HEADER = SUMMARY_SOURCES_HEADER
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ElidedSpan:
-    """An untrusted (or tool-data) span the summary points to instead of paraphrasing."""
-
-    item_id: str
-    trust_level: TrustLevel
-    byte_length: int
-    artifact_ref: str | None
-    event_id: int
-    kind: str = "tool.result"  # tool.result, user.message or assistant.message
-
-    def pointer(self) -> str:
-        event = f"event:{self.event_id}" if self.event_id else ""
-        if self.artifact_ref:
-            ref = f"{self.artifact_ref} ({event})" if event else self.artifact_ref
-        else:
-            ref = event or f"item:{self.item_id}"
-        return one_line(f"[elided] {self.kind} {self.item_id} ({self.trust_level.value}, "
-                        f"{self.byte_length:,} bytes) -> {ref}")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CurrentSummary:
-    """The checkpoint's summary as the runtime holds it (proto ``Summary``)."""
-
-    text: str
-    replaced_through_sequence: int
-    source_event_ids: tuple[int, ...] = ()
-    depth: int = 1
-    constraints: tuple[str, ...] = ()
-    elided: tuple[ElidedSpan, ...] = ()
+# The checkpoint's summary as the runtime holds it (proto ``Summary``) is row 9's item.
+CurrentSummary = HistorySummary
+__all__ = ["CurrentSummary", "ElidedSpan"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrustedLine:
-    """One piece of trusted content the summarizer may read."""
+    """One piece of trusted content the summarizer may read, with its item's label."""
 
     item_id: str
     sequence: int
     role: str  # user, assistant or tool_call
     text: str
+    trust: TrustLevel = TrustLevel.USER
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SummaryInput:
-    """Everything a summarizer sees. Nothing in it came from a span below USER."""
+    """Everything a summarizer sees, each piece with its label. Nothing in it came from a span
+    below USER except what the caller's own working state carried at a lower label (which
+    then lowers the narrative's label)."""
 
     reason: str
     goal: str
@@ -125,8 +108,25 @@ class SummaryInput:
     open_questions: tuple[str, ...]
     lines: tuple[TrustedLine, ...]
     pointers: tuple[str, ...]  # already-typed pointers, for reference only
-    prior_narrative: str  # the narrative of the summary being merged (platform-written)
+    prior_narrative: str  # the narrative of the summary being merged
     source_event_ids: tuple[int, ...]
+    goal_trust: TrustLevel = TrustLevel.USER
+    constraint_trust: tuple[TrustLevel, ...] = ()
+    question_trust: tuple[TrustLevel, ...] = ()
+    prior_trust: TrustLevel = TrustLevel.USER
+
+    def narrative_trust(self) -> TrustLevel:
+        """The label of anything written from this input: the lowest of its sources, and never
+        above USER (a narrative is written from the user's and the model's words). Pointers
+        are platform text and lower nothing."""
+        found = [TrustLevel.USER, *(ln.trust for ln in self.lines),
+                 *labels(self.constraints, self.constraint_trust),
+                 *labels(self.open_questions, self.question_trust)]
+        if self.goal:
+            found.append(self.goal_trust)
+        if self.prior_narrative:
+            found.append(self.prior_trust)
+        return lowest(found, TrustLevel.USER)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,6 +157,17 @@ class CompactionResult:
     constraints: tuple[str, ...] = ()
     summarizer_version: str = ""
     replaced_item_ids: tuple[str, ...] = ()
+    narrative_trust: TrustLevel = TrustLevel.USER
+    constraint_trust: tuple[TrustLevel, ...] = ()  # one per constraint
+
+    def history_summary(self) -> HistorySummary:
+        """The summary as row 9 renders it (what the runtime writes into its checkpoint)."""
+        return HistorySummary(
+            text=self.summary, replaced_through_sequence=self.replaced_through_sequence,
+            narrative_trust=self.narrative_trust, source_event_ids=self.source_event_ids,
+            depth=self.depth, constraints=self.constraints,
+            constraint_trust=labels(self.constraints, self.constraint_trust),
+            elided=self.elided)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -176,6 +187,7 @@ class Selection:
     data: SummaryInput
     elided: tuple[ElidedSpan, ...]
     constraints: tuple[str, ...]
+    constraint_trust: tuple[TrustLevel, ...]
     source_event_ids: tuple[int, ...]
     tokens_before: int = 0
     extra: dict[str, int] = field(default_factory=dict)
@@ -184,12 +196,13 @@ class Selection:
 Measure = Callable[[Sequence[Message]], int]
 
 
-def _unique(values: Sequence[str]) -> tuple[str, ...]:
-    seen: dict[str, None] = {}
-    for v in values:
-        if v not in seen:
-            seen[v] = None
-    return tuple(seen)
+def _union(*groups: tuple[Sequence[str], Sequence[TrustLevel]]) -> dict[str, TrustLevel]:
+    """Constraints in first-seen order, each with the lowest label it was given."""
+    seen: dict[str, TrustLevel] = {}
+    for values, given in groups:
+        for v, t in zip(values, labels(values, given), strict=True):
+            seen[v] = lowest([seen[v], t], t) if v in seen else t
+    return seen
 
 
 def _line(text: str) -> str:
@@ -219,20 +232,24 @@ def elided_span(item: ConversationItem) -> ElidedSpan | None:
 def _trusted_line(item: ConversationItem) -> TrustedLine | None:
     if not trusted(item):
         return None
+    label = lowest([item.item_trust, TrustLevel.USER], TrustLevel.USER)
     if isinstance(item, UserMessageItem):
-        return TrustedLine(item_id=item.id, sequence=item.sequence, role="user", text=item.text)
+        return TrustedLine(item_id=item.id, sequence=item.sequence, role="user", text=item.text,
+                           trust=label)
     if isinstance(item, AssistantMessageItem):
         return TrustedLine(item_id=item.id, sequence=item.sequence, role="assistant",
-                           text=item.text)
+                           text=item.text, trust=label)
     if isinstance(item, ToolCallItem):
+        # the tool's names only: arguments may quote untrusted data
         names = ", ".join(c.name for c in item.calls)
         return TrustedLine(item_id=item.id, sequence=item.sequence, role="tool_call",
-                           text=names)
+                           text=names, trust=label)
     return None
 
 
 def narrative_of(text: str) -> str:
-    """The narrative section of a summary this module wrote; the whole text otherwise."""
+    """The narrative of a summary: its text, or for a legacy summary (which held the whole
+    rendering) the narrative section of it."""
     start = text.find(NARRATIVE_HEADER)
     if start < 0:
         return text.strip()
@@ -242,11 +259,14 @@ def narrative_of(text: str) -> str:
     return (body[:min(ends)] if ends else body).strip()
 
 
-def select(items: Sequence[ConversationItem], current: CurrentSummary | None, *,
-           active_run_id: str, target: Target, reason: str, constraints: Sequence[str] = (),
-           goal: str = "", open_questions: Sequence[str] = (),
+def select(items: Sequence[ConversationItem], current: HistorySummary | None, *,
+           active_run_id: str, target: Target, reason: str,
+           state: WorkingState | None = None,
            cost: Callable[[ConversationItem], int]) -> Selection:
-    """Which items a compaction replaces and what the summarizer may see (pure)."""
+    """Which items a compaction replaces and what the summarizer may see (pure). ``state``:
+    the checkpoint's working state, whose objective (the goal), constraints and open questions
+    the summary retains, each with its label."""
+    state = state if state is not None else WorkingState()
     depth = 1 if current is None else max(current.depth, 1) + 1
     if depth > MAX_DEPTH:
         raise CompactionDepthExceeded(current.depth if current else 0)
@@ -293,46 +313,30 @@ def select(items: Sequence[ConversationItem], current: CurrentSummary | None, *,
     new_ids = [it.sequence for it in replaced if not isinstance(it, ReasoningItem)]
     previous_ids = list(current.source_event_ids) if current is not None else []
     source_ids = tuple(sorted(set(previous_ids) | set(new_ids)))
-    kept = _unique([*(current.constraints if current else ()), *constraints])
+    kept = _union((current.constraints, current.constraint_trust) if current else ((), ()),
+                  (state.constraints, state.constraint_trust))
     all_elided = (*(current.elided if current else ()), *elided)
     data = SummaryInput(
-        reason=reason, goal=goal, constraints=kept, open_questions=tuple(open_questions),
-        lines=lines, pointers=tuple(s.pointer() for s in all_elided),
+        reason=reason, goal=state.objective, constraints=tuple(kept),
+        open_questions=state.open_questions, lines=lines,
+        pointers=tuple(s.pointer() for s in all_elided),
         prior_narrative=narrative_of(current.text) if current is not None else "",
-        source_event_ids=source_ids)
+        source_event_ids=source_ids, goal_trust=state.objective_trust,
+        constraint_trust=tuple(kept.values()), question_trust=state.question_labels(),
+        prior_trust=current.narrative_trust if current is not None else TrustLevel.USER)
     return Selection(replaced=replaced, replaced_through_sequence=max(
         floor, max(it.sequence for it in replaced)), depth=depth, data=data,
-        elided=all_elided, constraints=kept, source_event_ids=source_ids,
-        tokens_before=freed)
+        elided=all_elided, constraints=tuple(kept), constraint_trust=tuple(kept.values()),
+        source_event_ids=source_ids, tokens_before=freed)
 
 
-def render_summary(*, depth: int, replaced_through: int, narrative: str,
-                   constraints: Sequence[str], elided: Sequence[ElidedSpan],
-                   source_event_ids: Sequence[int]) -> str:
-    """The summary text: the narrative, then what never passes through a summarizer —
-    constraints verbatim, typed pointers with their trust labels, and provenance."""
-    parts = [f"Compacted history (depth {depth}), replacing events through "
-             f"{replaced_through}.", NARRATIVE_HEADER, narrative.strip() or "(none)"]
-    if constraints:
-        parts.append(CONSTRAINTS_HEADER)
-        parts.extend(f"- {c}" for c in constraints)
-    if elided:
-        parts.append(ELIDED_HEADER)
-        parts.extend(s.pointer() for s in elided)
-    parts.append(SOURCES_HEADER + " " + ", ".join(str(i) for i in source_event_ids))
-    return "\n".join(parts)
+def _summary_tokens(summary: HistorySummary, measure: Measure, ctx: RenderContext) -> int:
+    return measure(summary.messages(ctx))
 
 
-def _summary_tokens(text: str, replaced_through: int, measure: Measure,
-                    ctx: RenderContext) -> int:
-    return measure(HistorySummary(text=text, replaced_through_sequence=replaced_through)
-                   .messages(ctx))
-
-
-async def compact(items: Sequence[ConversationItem], current: CurrentSummary | None, *,
+async def compact(items: Sequence[ConversationItem], current: HistorySummary | None, *,
                   active_run_id: str, target: Target, reason: str, summarizer: Summarizer,
-                  measure: Measure, ctx: RenderContext, constraints: Sequence[str] = (),
-                  goal: str = "", open_questions: Sequence[str] = (),
+                  measure: Measure, ctx: RenderContext, state: WorkingState | None = None,
                   max_summary_tokens: int = DEFAULT_SUMMARY_TOKENS) -> CompactionResult:
     """One compaction. The only impure step is the summarizer's call; a summarizer failure
     propagates and nothing is produced."""
@@ -341,35 +345,39 @@ async def compact(items: Sequence[ConversationItem], current: CurrentSummary | N
         return measure(item.messages(ctx))  # type: ignore[attr-defined]
 
     sel = select(items, current, active_run_id=active_run_id, target=target, reason=reason,
-                 constraints=constraints, goal=goal, open_questions=open_questions, cost=cost)
+                 state=state, cost=cost)
     before = sel.tokens_before
     if current is not None:
-        before += _summary_tokens(current.text, current.replaced_through_sequence, measure, ctx)
+        before += _summary_tokens(current, measure, ctx)
+    label = sel.data.narrative_trust()
 
-    def text_with(narrative: str) -> str:
-        return render_summary(depth=sel.depth, replaced_through=sel.replaced_through_sequence,
-                              narrative=narrative, constraints=sel.constraints,
-                              elided=sel.elided, source_event_ids=sel.source_event_ids)
+    def summary_with(narrative: str) -> HistorySummary:
+        return HistorySummary(
+            text=narrative.strip(), replaced_through_sequence=sel.replaced_through_sequence,
+            narrative_trust=label, source_event_ids=sel.source_event_ids, depth=sel.depth,
+            constraints=sel.constraints, constraint_trust=sel.constraint_trust,
+            elided=sel.elided)
 
-    bare = _summary_tokens(text_with(""), sel.replaced_through_sequence, measure, ctx)
+    bare = _summary_tokens(summary_with(""), measure, ctx)
     if bare > max_summary_tokens:  # constraints alone do not fit: fail, never drop one
         raise BudgetExceeded("summary_constraints", bare, max_summary_tokens)
     # a conservative character allowance for the narrative (an estimator token is >= 1 char)
     allowance = max(0, (max_summary_tokens - bare)) * 3
     summarized = await summarizer.summarize(sel.data, allowance)
-    narrative = summarized.narrative
-    text = text_with(narrative)
-    after = _summary_tokens(text, sel.replaced_through_sequence, measure, ctx)
+    narrative = summarized.narrative.strip()
+    after = _summary_tokens(summary_with(narrative), measure, ctx)
     while after > max_summary_tokens and narrative:  # trim the narrative, never a constraint
         narrative = narrative[:len(narrative) * 3 // 4].rstrip()
-        text = text_with(narrative + "\u2026" if narrative else "")
-        after = _summary_tokens(text, sel.replaced_through_sequence, measure, ctx)
+        narrative = narrative + "\u2026" if narrative else ""
+        after = _summary_tokens(summary_with(narrative), measure, ctx)
     return CompactionResult(
-        summary=text, source_event_ids=sel.source_event_ids, elided=sel.elided,
-        replaced_through_sequence=sel.replaced_through_sequence, depth=sel.depth,
-        tokens_before=before, tokens_after=after, compactor_version=COMPACTOR_VERSION,
-        constraints=sel.constraints, summarizer_version=summarized.version,
-        replaced_item_ids=tuple(it.id for it in sel.replaced))
+        summary=summary_with(narrative).text, source_event_ids=sel.source_event_ids,
+        elided=sel.elided, replaced_through_sequence=sel.replaced_through_sequence,
+        depth=sel.depth, tokens_before=before, tokens_after=after,
+        compactor_version=COMPACTOR_VERSION, constraints=sel.constraints,
+        summarizer_version=summarized.version,
+        replaced_item_ids=tuple(it.id for it in sel.replaced), narrative_trust=label,
+        constraint_trust=sel.constraint_trust)
 
 
 class StructuredSummarizer:
@@ -424,6 +432,8 @@ def result_document(r: CompactionResult) -> dict[str, object]:
         "compactor_version": r.compactor_version, "constraints": list(r.constraints),
         "summarizer_version": r.summarizer_version,
         "replaced_item_ids": list(r.replaced_item_ids),
+        "narrative_trust": r.narrative_trust.value,
+        "constraint_trust": [t.value for t in r.constraint_trust],
     }
 
 
@@ -445,4 +455,8 @@ def result_from_document(d: dict[str, object]) -> CompactionResult:
         constraints=tuple(str(c) for c in d["constraints"]),  # type: ignore[attr-defined]
         summarizer_version=str(d["summarizer_version"]),
         replaced_item_ids=tuple(str(i) for i in d["replaced_item_ids"]),  # type: ignore[attr-defined]
+        # results stored before labels were kept: USER, the ceiling of a narrative's label
+        narrative_trust=TrustLevel(str(d.get("narrative_trust", TrustLevel.USER.value))),
+        constraint_trust=tuple(TrustLevel(str(t))
+                               for t in d.get("constraint_trust", ())),  # type: ignore[attr-defined]
     )

@@ -8,6 +8,7 @@ so a type that forgets its declaration fails at assembly (``assemble``), never b
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -247,20 +248,109 @@ RegionAItem = (PlatformPolicy | Framing | AgentInstructions | PersonaRow | ToolD
 
 # ---------------------------------------------------------------- Region B (rows 9-15)
 
+def labelled_envelopes(entries: Sequence[tuple[str, TrustLevel]], *, source: str,
+                       item_id: str, ctx: RenderContext) -> list[str]:
+    """Lines of text derived from content below TRUSTED_CONFIGURATION, each pair (line, label)
+    in order: consecutive lines with one label share one envelope carrying that label, so
+    nothing is re-ordered and no line is rendered above its own label."""
+    out: list[str] = []
+    i = 0
+    while i < len(entries):
+        j = i
+        while j < len(entries) and entries[j][1] is entries[i][1]:
+            j += 1
+        out.append(envelope(trust=entries[i][1], source=source,
+                            item_id=f"{item_id}:{i}" if len(entries) > 1 else item_id,
+                            content="\n".join(line for line, _ in entries[i:j]),
+                            session_key=ctx.session_key))
+        i = j
+    return out
+
+
+def labels(values: Sequence[object], given: Sequence[TrustLevel]) -> tuple[TrustLevel, ...]:
+    """One label per value: ``given`` when it has one per value, USER for each otherwise (the
+    label of the user's and the model's own words, the highest any such entry may carry)."""
+    if len(given) == len(values):
+        return tuple(given)
+    return tuple(TrustLevel.USER for _ in values)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ElidedSpan:
+    """An untrusted (or tool-data) span a summary points to instead of paraphrasing."""
+
+    item_id: str
+    trust_level: TrustLevel
+    byte_length: int
+    artifact_ref: str | None
+    event_id: int
+    kind: str = "tool.result"  # tool.result, user.message or assistant.message
+
+    def pointer(self) -> str:
+        event = f"event:{self.event_id}" if self.event_id else ""
+        if self.artifact_ref:
+            ref = f"{self.artifact_ref} ({event})" if event else self.artifact_ref
+        else:
+            ref = event or f"item:{self.item_id}"
+        return one_line(f"[elided] {self.kind} {self.item_id} ({self.trust_level.value}, "
+                        f"{self.byte_length:,} bytes) -> {ref}")
+
+
+SUMMARY_CONSTRAINTS_HEADER = "Constraints (verbatim, never merged away):"
+SUMMARY_ELIDED_HEADER = ("Elided (untrusted or tool data, never summarized; re-fetch by "
+                         "reference, it returns inside its envelope):")
+SUMMARY_SOURCES_HEADER = "Source event ids:"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HistorySummary(ContextItem):
-    """Row 9: the compacted history summary. Platform-written: untrusted spans in it are typed
-    pointers, never paraphrase."""
+    """Row 9: the compacted history summary, as a compaction wrote it. The platform authors
+    only its headings, depth, range, pointer lines and provenance; the narrative (written from
+    the replaced conversation) and the constraints (set by the user or the model) are data and
+    render inside envelopes carrying their own labels: a summary never launders the words it
+    was written from into the platform's voice."""
 
     row: ClassVar[int] = 9
     region: ClassVar[Region] = Region.B
-    trust: ClassVar[TrustLevel | None] = TrustLevel.PLATFORM
-    text: str
+    trust: ClassVar[TrustLevel | None] = None  # per part
+    text: str  # the narrative
     replaced_through_sequence: int
+    narrative_trust: TrustLevel = TrustLevel.USER  # the lowest label of its sources
+    source_event_ids: tuple[int, ...] = ()
+    depth: int = 1
+    constraints: tuple[str, ...] = ()
+    constraint_trust: tuple[TrustLevel, ...] = ()  # one per constraint, or none: USER
+    elided: tuple[ElidedSpan, ...] = ()
+
+    def part_labels(self) -> list[TrustLevel]:
+        found = list(labels(self.constraints, self.constraint_trust))
+        if self.text:
+            found.append(self.narrative_trust)
+        return found
 
     def messages(self, ctx: RenderContext) -> list[Message]:
-        return [Message(row=9, role=Role.USER, trust=TrustLevel.PLATFORM,
-                        text="Summary of the earlier conversation:\n" + self.text)]
+        depth = f"depth {self.depth}; " if self.depth else ""
+        lines = [f"Summary of the earlier conversation ({depth}it replaces events through "
+                 f"{self.replaced_through_sequence}):"]
+        if self.text:
+            lines.append(envelope(trust=self.narrative_trust, source="summary",
+                                  item_id="summary", content=self.text,
+                                  session_key=ctx.session_key))
+        if self.constraints:
+            lines.append(SUMMARY_CONSTRAINTS_HEADER)
+            lines += labelled_envelopes(
+                [(f"- {c}", t) for c, t in zip(self.constraints, labels(
+                    self.constraints, self.constraint_trust), strict=True)],
+                source="summary", item_id="summary:constraints", ctx=ctx)
+        if self.elided:
+            lines.append(SUMMARY_ELIDED_HEADER)
+            lines += [s.pointer() for s in self.elided]
+        if self.source_event_ids:
+            lines.append(SUMMARY_SOURCES_HEADER + " "
+                         + ", ".join(str(i) for i in self.source_event_ids))
+        return [Message(row=9, role=Role.USER,
+                        trust=lowest(self.part_labels(), TrustLevel.PLATFORM),
+                        text="\n".join(lines))]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -395,6 +485,7 @@ class WorkingTask:
     # provenance (working_state.py): the sequence of its last transition and the run of it
     sequence: int = 0
     run_id: str = ""
+    trust: TrustLevel = TrustLevel.USER  # of its title: the transition that wrote it
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -409,10 +500,11 @@ class WorkingFact:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EntryOrigin:
-    """Where a working-state entry came from: its event sequence (its age) and run."""
+    """Where a working-state entry came from: its event sequence (its age), run and label."""
 
     sequence: int = 0
     run_id: str = ""
+    trust: TrustLevel = TrustLevel.USER
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -427,6 +519,17 @@ class WorkingState:
     superseded_objectives: tuple[str, ...] = ()
     # one per open question, same order; empty for a state written without provenance
     question_origins: tuple[EntryOrigin, ...] = ()
+    # Labels of the text entries (the transition that wrote each): one per constraint and per
+    # superseded objective, or none (USER for each).
+    objective_trust: TrustLevel = TrustLevel.USER
+    constraint_trust: tuple[TrustLevel, ...] = ()
+    next_action_trust: TrustLevel = TrustLevel.USER
+    superseded_trust: tuple[TrustLevel, ...] = ()
+
+    def question_labels(self) -> tuple[TrustLevel, ...]:
+        if len(self.question_origins) == len(self.open_questions):
+            return tuple(o.trust for o in self.question_origins)
+        return tuple(TrustLevel.USER for _ in self.open_questions)
 
     @property
     def empty(self) -> bool:
@@ -447,17 +550,26 @@ class WorkingStateItem(ContextItem):
     def messages(self, ctx: RenderContext) -> list[Message]:
         s = self.state
         lines = ["Working state:"]
+        used: list[TrustLevel] = []
+
+        def block(heading: str, entries: list[tuple[str, TrustLevel]], name: str) -> None:
+            if entries:
+                lines.append(heading)
+                lines.extend(labelled_envelopes(entries, source="working-state",
+                                                item_id=name, ctx=ctx))
+                used.extend(t for _, t in entries)
+
         if s.objective:
-            lines.append(f"Objective: {s.objective}")
+            block("Objective:", [(s.objective, s.objective_trust)], "objective")
         if s.superseded_objectives:
-            lines.append(f"Superseded objective: {s.superseded_objectives[-1]}")
-        if s.constraints:
-            lines.append("Constraints:")
-            lines += [f"- {c}" for c in s.constraints]
-        open_tasks = [t for t in s.tasks if t.state != "completed"]
-        if open_tasks:
-            lines.append("Open tasks:")
-            lines += [f"- [{t.id}] ({t.state}) {t.title}" for t in open_tasks]
+            last = labels(s.superseded_objectives, s.superseded_trust)[-1]
+            block("Superseded objective:", [(s.superseded_objectives[-1], last)],
+                  "superseded-objective")
+        block("Constraints:", [(f"- {c}", t) for c, t in zip(
+            s.constraints, labels(s.constraints, s.constraint_trust), strict=True)],
+            "constraints")
+        block("Open tasks:", [(f"- [{t.id}] ({t.state}) {t.title}", t.trust)
+                              for t in s.tasks if t.state != "completed"], "tasks")
         if s.facts:
             lines.append("Established facts:")
             for i, f in enumerate(s.facts):
@@ -469,13 +581,13 @@ class WorkingStateItem(ContextItem):
                     lines.append(f"- A source (events {sources}) states: {claim}")
                 else:
                     lines.append(f"- {f.statement} (events {sources})")
-        if s.open_questions:
-            lines.append("Open questions:")
-            lines += [f"- {q}" for q in s.open_questions]
+                used.append(f.trust)
+        block("Open questions:", [(f"- {q}", t) for q, t in zip(
+            s.open_questions, s.question_labels(), strict=True)], "questions")
         if s.next_action:
-            lines.append(f"Next action: {s.next_action}")
-        trust = lowest([f.trust for f in s.facts], TrustLevel.PLATFORM)
-        return [Message(row=12, role=Role.USER, trust=trust, text="\n".join(lines))]
+            block("Next action:", [(s.next_action, s.next_action_trust)], "next-action")
+        return [Message(row=12, role=Role.USER, trust=lowest(used, TrustLevel.PLATFORM),
+                        text="\n".join(lines))]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -145,6 +145,12 @@ class EventLog(Protocol):
         Returns whether it was appended now."""
         ...
 
+    async def append_once_durably(self, event: ContextEvent, key: str) -> bool:
+        """``append_once``, written before it returns, never deferred to a later retry: raises
+        StoreUnavailable when it cannot be written now. For an event that fences what the
+        caller may do next (``context.snapshot.used``)."""
+        ...
+
 
 Reconcile = Callable[[Calibration | None], Reconciled]
 
@@ -174,6 +180,9 @@ class InMemoryEventLog:
         self.keys.add((event.tenant_id, key))
         self.events.append(event)
         return True
+
+    async def append_once_durably(self, event: ContextEvent, key: str) -> bool:
+        return await self.append_once(event, key)
 
 
 @dataclass

@@ -11,6 +11,12 @@ Provenance: every task, fact and open question carries the event sequence that w
 age) and its run. An entry from an earlier run is *stale*. Eviction takes completed tasks
 first, then stale entries, then current ones, oldest first within each; constraints never
 evict.
+
+Trust (spec: "The working-state block carries per-entry trust"): every text entry keeps the
+label of the transition that wrote it — the model's control-tool call or the user message the
+runtime observed, USER unless the runtime says lower — and the block renders each entry inside
+an envelope carrying it. Restating an entry keeps the lowest label it was ever written with: an
+entry can be corroborated, never laundered into a higher trust.
 """
 
 from __future__ import annotations
@@ -21,8 +27,14 @@ from typing import Any
 
 from context_engine.domain.budget import WORKING_STATE_TOKENS
 from context_engine.domain.errors import BudgetExceeded, ConstraintCapReached, InvalidInput
-from context_engine.domain.items import EntryOrigin, WorkingFact, WorkingState, WorkingTask
-from context_engine.domain.trust import lowest
+from context_engine.domain.items import (
+    EntryOrigin,
+    WorkingFact,
+    WorkingState,
+    WorkingTask,
+    labels,
+)
+from context_engine.domain.trust import TrustLevel, lowest
 
 MAX_CONSTRAINTS = 20
 MAX_OPEN_TASKS = 30  # bounds every task entry: completed ones are evicted first
@@ -47,6 +59,8 @@ class Update:
     add_facts: tuple[WorkingFact, ...] = ()
     resolve_questions: tuple[str, ...] = ()
     next_action: str | None = None
+    # the label of the model output that carried the call (at most USER)
+    trust: TrustLevel = TrustLevel.USER
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,6 +76,7 @@ class AskUser:
     """Runtime: ``conversation.ask_user`` fired; the question is open until answered."""
 
     question: str
+    trust: TrustLevel = TrustLevel.USER  # of the model output that asked it
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,6 +91,7 @@ class UserObjective:
     """Runtime: a user message stated an objective; a different one supersedes the current."""
 
     objective: str
+    trust: TrustLevel = TrustLevel.USER  # of the user message that stated it
 
 
 Transition = Update | ToolOutcome | AskUser | UserAnswer | UserObjective
@@ -123,12 +139,14 @@ class _Draft:
     """The mutable copy one transition works on (local to ``apply_update``)."""
 
     objective: str
-    superseded: list[str]
-    constraints: list[str]
+    objective_trust: TrustLevel
+    superseded: list[tuple[str, TrustLevel]]
+    constraints: list[tuple[str, TrustLevel]]
     tasks: list[WorkingTask]
     facts: list[WorkingFact]
     questions: list[tuple[str, EntryOrigin]]
     next_action: str
+    next_action_trust: TrustLevel
     counts: dict[str, int] = field(default_factory=dict)
     upserted: list[str] = field(default_factory=list)
     evicted_tasks: list[str] = field(default_factory=list)
@@ -138,62 +156,85 @@ class _Draft:
     def of(cls, s: WorkingState) -> _Draft:
         origins = (list(s.question_origins) if len(s.question_origins) == len(s.open_questions)
                    else [EntryOrigin() for _ in s.open_questions])
-        return cls(objective=s.objective, superseded=list(s.superseded_objectives),
-                   constraints=list(s.constraints), tasks=list(s.tasks), facts=list(s.facts),
+        return cls(objective=s.objective, objective_trust=s.objective_trust,
+                   superseded=list(zip(s.superseded_objectives,
+                                       labels(s.superseded_objectives, s.superseded_trust),
+                                       strict=True)),
+                   constraints=list(zip(s.constraints, labels(s.constraints,
+                                                              s.constraint_trust),
+                                        strict=True)),
+                   tasks=list(s.tasks), facts=list(s.facts),
                    questions=list(zip(s.open_questions, origins, strict=True)),
-                   next_action=s.next_action)
+                   next_action=s.next_action, next_action_trust=s.next_action_trust)
 
     def state(self) -> WorkingState:
         return WorkingState(
-            objective=self.objective, constraints=tuple(self.constraints),
+            objective=self.objective, constraints=tuple(c for c, _ in self.constraints),
             tasks=tuple(self.tasks), facts=tuple(self.facts),
             open_questions=tuple(q for q, _ in self.questions), next_action=self.next_action,
-            superseded_objectives=tuple(self.superseded),
-            question_origins=tuple(o for _, o in self.questions))
+            superseded_objectives=tuple(o for o, _ in self.superseded),
+            question_origins=tuple(o for _, o in self.questions),
+            objective_trust=self.objective_trust if self.objective else TrustLevel.USER,
+            constraint_trust=tuple(t for _, t in self.constraints),
+            next_action_trust=self.next_action_trust if self.next_action else TrustLevel.USER,
+            superseded_trust=tuple(t for _, t in self.superseded))
 
     def bump(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
 
     # ---------------------------------------------------------------- field rules
 
-    def set_objective(self, objective: str) -> None:
+    def set_objective(self, objective: str, trust: TrustLevel) -> None:
         """Superseded, not silently replaced: the previous objective is kept on record."""
-        if not objective or objective == self.objective:
+        if not objective:
+            return
+        if objective == self.objective:
+            self.objective_trust = lowest([self.objective_trust, trust], trust)
             return
         if self.objective:
-            self.superseded = [o for o in self.superseded if o != self.objective]
-            self.superseded.append(self.objective)
+            self.superseded = [o for o in self.superseded if o[0] != self.objective]
+            self.superseded.append((self.objective, self.objective_trust))
             del self.superseded[:-MAX_SUPERSEDED_OBJECTIVES]
             self.flags.add("objective_superseded")
         self.objective = objective
+        self.objective_trust = trust
         self.flags.add("objective_changed")
 
-    def add_constraints(self, constraints: Sequence[str]) -> None:
+    def add_constraints(self, constraints: Sequence[str], trust: TrustLevel) -> None:
         """Append-only; at the cap the whole call fails, nothing is dropped."""
+        known = {c: i for i, (c, _) in enumerate(self.constraints)}
         new: list[str] = []
         for c in constraints:
-            if c and c not in self.constraints and c not in new:
+            if c in known:
+                i = known[c]
+                self.constraints[i] = (c, lowest([self.constraints[i][1], trust], trust))
+            elif c and c not in new:
                 new.append(c)
         if len(self.constraints) + len(new) > MAX_CONSTRAINTS:
             raise ConstraintCapReached(len(self.constraints), len(new), MAX_CONSTRAINTS)
-        self.constraints += new
+        self.constraints += [(c, trust) for c in new]
         self.bump("constraints_added", len(new))
 
-    def upsert_task(self, task: WorkingTask, index: int, run_id: str, sequence: int) -> None:
+    def upsert_task(self, task: WorkingTask, index: int, run_id: str, sequence: int,
+                    trust: TrustLevel) -> None:
         if task.state not in TASK_STATES:
             raise InvalidInput.one(f"update.upsert_tasks[{index}].state",
                                    f"unknown task state {task.state!r}")
         for i, t in enumerate(self.tasks):
             if t.id == task.id:
+                # a title rewritten takes the writer's label; one kept keeps its own
+                label = t.trust if not task.title else (
+                    lowest([t.trust, trust], trust) if task.title == t.title else trust)
                 self.tasks[i] = WorkingTask(id=t.id, title=task.title or t.title,
-                                            state=task.state, sequence=sequence, run_id=run_id)
+                                            state=task.state, sequence=sequence, run_id=run_id,
+                                            trust=label)
                 break
         else:
             if not task.title:
                 raise InvalidInput.one(f"update.upsert_tasks[{index}].title",
                                        f"a new task ({task.id!r}) needs a title")
             self.tasks.append(WorkingTask(id=task.id, title=task.title, state=task.state,
-                                          sequence=sequence, run_id=run_id))
+                                          sequence=sequence, run_id=run_id, trust=trust))
         if task.id not in self.upserted:
             self.upserted.append(task.id)
 
@@ -214,20 +255,30 @@ class _Draft:
                                       trust=fact.trust, sequence=sequence, run_id=run_id))
         self.bump("facts_added")
 
-    def open_question(self, question: str, run_id: str, sequence: int) -> None:
-        if question and all(q != question for q, _ in self.questions):
-            self.questions.append((question, EntryOrigin(sequence=sequence, run_id=run_id)))
-            self.bump("questions_added")
+    def open_question(self, question: str, run_id: str, sequence: int,
+                      trust: TrustLevel) -> None:
+        if not question:
+            return
+        for i, (q, o) in enumerate(self.questions):
+            if q == question:
+                self.questions[i] = (q, replace(o, trust=lowest([o.trust, trust], trust)))
+                return
+        self.questions.append((question, EntryOrigin(sequence=sequence, run_id=run_id,
+                                                     trust=trust)))
+        self.bump("questions_added")
 
     def resolve_question(self, question: str) -> None:
         kept = [(q, o) for q, o in self.questions if q != question]
         self.bump("questions_resolved", len(self.questions) - len(kept))
         self.questions = kept
 
-    def set_next_action(self, next_action: str) -> None:
+    def set_next_action(self, next_action: str, trust: TrustLevel) -> None:
         if next_action != self.next_action:
             self.next_action = next_action
+            self.next_action_trust = trust
             self.flags.add("next_action_changed")
+        else:
+            self.next_action_trust = lowest([self.next_action_trust, trust], trust)
 
     # ---------------------------------------------------------------- bounds
 
@@ -290,17 +341,18 @@ def apply_update(state: WorkingState, transition: Transition, *, run_id: str, se
     unknown task or outcome) or BudgetExceeded; a failed transition changes nothing."""
     d = _Draft.of(state)
     if isinstance(transition, Update):
+        label = transition.trust
         if transition.objective is not None:
-            d.set_objective(transition.objective)
-        d.add_constraints(transition.add_constraints)
+            d.set_objective(transition.objective, label)
+        d.add_constraints(transition.add_constraints, label)
         for i, task in enumerate(transition.upsert_tasks):
-            d.upsert_task(task, i, run_id, sequence)
+            d.upsert_task(task, i, run_id, sequence, label)
         for fact in transition.add_facts:
             d.add_fact(fact, run_id, sequence)
         for question in transition.resolve_questions:
             d.resolve_question(question)
         if transition.next_action is not None:
-            d.set_next_action(transition.next_action)
+            d.set_next_action(transition.next_action, label)
     elif isinstance(transition, ToolOutcome):
         target = OUTCOME_STATES.get(transition.outcome)
         if target is None:
@@ -310,13 +362,14 @@ def apply_update(state: WorkingState, transition: Transition, *, run_id: str, se
         if current is None:
             raise InvalidInput.one("transition.tool_outcome.task_id",
                                    f"no task {transition.task_id!r} in the working state")
-        d.upsert_task(WorkingTask(id=current.id, title="", state=target), 0, run_id, sequence)
+        d.upsert_task(WorkingTask(id=current.id, title="", state=target), 0, run_id, sequence,
+                      current.trust)
     elif isinstance(transition, AskUser):
-        d.open_question(transition.question, run_id, sequence)
+        d.open_question(transition.question, run_id, sequence, transition.trust)
     elif isinstance(transition, UserAnswer):
         d.resolve_question(transition.question)
     else:
-        d.set_objective(transition.objective)
+        d.set_objective(transition.objective, transition.trust)
     tokens = d.bound(run_id, measure, token_cap)
     changes = Changes(
         transition=TRANSITION_NAMES[type(transition)],
@@ -373,7 +426,7 @@ def replay(events: Sequence[LogEvent], seed_event_sequence: int, *,
     # objective (with its superseded record), constraints, facts with their provenance and
     # unanswered questions carry.
     state = replace(state, tasks=tuple(t for t in state.tasks if t.state != "completed"),
-                    next_action="")
+                    next_action="", next_action_trust=TrustLevel.USER)
     tokens = measure(state) if measure is not None and not state.empty else 0
     return Carried(state=state, applied=applied, skipped=skipped, tokens=tokens)
 

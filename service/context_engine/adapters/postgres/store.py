@@ -175,6 +175,9 @@ class PostgresEventLog:
             span.set_attribute("context_engine.event_type", event.type)
             return await self._append_once(event, key)
 
+    async def append_once_durably(self, event: ContextEvent, key: str) -> bool:
+        return await self.append_once(event, key)  # every write here is durable or raises
+
     async def _append_once(self, event: ContextEvent, key: str) -> bool:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
