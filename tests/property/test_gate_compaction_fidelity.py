@@ -5,8 +5,11 @@ Compact RPC reads ``checkpoint.working_state.constraints``), and a summary carri
 retained (``Summary.constraints``), so a merge sees both. Over generated conversations:
 
 * after a compaction and after a depth-2 merge, every constraint set before it is present, in
-  the result and verbatim in the summary text;
-* every summary's source ids are a subset of the event sequences of the items replaced so far;
+  the result and verbatim in the summary as Build renders it (row 9);
+* every summary's source ids are exactly the union of the event sequences of the items it
+  replaced so far (opaque reasoning excluded by type), and never empty;
+* depth is capped: a summary is depth 1, a merge depth 2, and a third compaction fails with
+  ``CompactionDepthExceeded`` (escalate to a child run);
 * each elided pointer keeps the trust label of the item it stands for, and no untrusted text
   reaches the summary;
 * Build on the checkpoint carrying the summary never renders a replaced item.
@@ -21,20 +24,22 @@ from dataclasses import replace
 import pytest
 from context_engine.domain.builder import Checkpoint, RuntimeMetadata
 from context_engine.domain.compaction import (
+    MAX_DEPTH,
     CompactionResult,
-    CurrentSummary,
     StructuredSummarizer,
     Target,
     compact,
 )
-from context_engine.domain.errors import NothingToCompact
+from context_engine.domain.errors import CompactionDepthExceeded, NothingToCompact
 from context_engine.domain.items import (
     AssistantMessageItem,
     ConversationItem,
     HistorySummary,
+    ReasoningItem,
     RenderContext,
     ToolResultItem,
     UserMessageItem,
+    WorkingState,
 )
 from context_engine.domain.request import Message
 from context_engine.domain.trust import TrustLevel
@@ -72,43 +77,43 @@ def marked(items: Sequence[ConversationItem]) -> tuple[ConversationItem, ...]:
     return tuple(out)
 
 
-def summary_of(r: CompactionResult) -> CurrentSummary:
-    return CurrentSummary(text=r.summary, replaced_through_sequence=r.replaced_through_sequence,
-                          source_event_ids=r.source_event_ids, depth=r.depth,
-                          constraints=r.constraints, elided=r.elided)
-
-
 def run_compact(items: Sequence[ConversationItem], active: str,
-                current: CurrentSummary | None, constraints: Sequence[str],
+                current: HistorySummary | None, constraints: Sequence[str],
                 target: Target) -> CompactionResult:
     return asyncio.run(compact(items, current, active_run_id=active, target=target,
                                reason="gate", summarizer=StructuredSummarizer(),
-                               measure=measure, ctx=CTX, constraints=constraints))
+                               measure=measure, ctx=CTX,
+                               state=WorkingState(constraints=tuple(constraints))))
 
 
 def check(r: CompactionResult, items: Sequence[ConversationItem], replaced_so_far: set[str],
           constraints_before: set[str], active: str) -> None:
     by_id = {it.id: it for it in items}
+    (row9,) = r.history_summary().messages(CTX)
     assert constraints_before <= set(r.constraints)
     for c in constraints_before:
-        assert f"- {c}" in r.summary
-    sequences = {by_id[i].sequence for i in replaced_so_far}
-    assert set(r.source_event_ids) <= sequences
+        assert f"- {c}" in row9.text
+    # provenance is the union of what was replaced (reasoning is excluded by type), never empty
+    provenance = {by_id[i].sequence for i in replaced_so_far
+                  if not isinstance(by_id[i], ReasoningItem)}
+    assert provenance and set(r.source_event_ids) == provenance
+    assert list(r.source_event_ids) == sorted(set(r.source_event_ids))
+    assert 1 <= r.depth <= MAX_DEPTH == 2
     for span in r.elided:
         assert span.trust_level is by_id[span.item_id].item_trust
-        assert f"({span.trust_level.value}, " in span.pointer() and span.pointer() in r.summary
-    assert MARK not in r.summary
+        assert f"({span.trust_level.value}, " in span.pointer() and span.pointer() in row9.text
+    assert MARK not in row9.text
     cp = Checkpoint(active_run_id=active, items=tuple(items),
                     runtime=RuntimeMetadata(current_date="2026-11-29"),
-                    summary=HistorySummary(text=r.summary,
-                                           replaced_through_sequence=r.replaced_through_sequence))
+                    summary=r.history_summary())
     built = f.run_build(LOADED, cp)
     rendered = {m.item_id for m in built.request.messages if m.item_id}
     assert not rendered & replaced_so_far
     assert all(by_id[i].run_id != active for i in replaced_so_far)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(conv=conversation(), first=constraint_sets, second=constraint_sets,
        split=st.integers(0, 40), tokens=st.integers(1, 400))
 def test_compaction_and_merge_keep_constraints_provenance_and_labels(
@@ -126,13 +131,20 @@ def test_compaction_and_merge_keep_constraints_provenance_and_labels(
     assert one.depth == 1
     check(one, items, replaced, set(first), active)
     try:
-        two = run_compact(items, active, summary_of(one), second,
+        two = run_compact(items, active, one.history_summary(), second,
                           Target(tokens_to_free=tokens))
     except NothingToCompact:
-        return
-    assert two.depth == 2
-    assert not replaced & set(two.replaced_item_ids)
-    replaced |= set(two.replaced_item_ids)
-    check(two, items, replaced, set(first) | set(second), active)
-    assert set(one.source_event_ids) <= set(two.source_event_ids)
-    assert {s.item_id for s in one.elided} <= {s.item_id for s in two.elided}
+        two = None
+    if two is not None:
+        assert two.depth == 2
+        assert not replaced & set(two.replaced_item_ids)
+        replaced |= set(two.replaced_item_ids)
+        check(two, items, replaced, set(first) | set(second), active)
+        assert set(one.source_event_ids) <= set(two.source_event_ids)
+        assert {s.item_id for s in one.elided} <= {s.item_id for s in two.elided}
+    # a third compaction of the same history always fails: the run should escalate
+    deepest = two or one
+    for current in ([deepest.history_summary()] if two is not None else []) + [
+            replace(one.history_summary(), depth=2)]:
+        with pytest.raises(CompactionDepthExceeded):
+            run_compact(items, active, current, (), Target(tokens_to_free=1))

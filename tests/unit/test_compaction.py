@@ -213,3 +213,11 @@ def test_the_narrative_reads_back_and_the_document_round_trips():
               "Narrative (trusted content only):\nWe talked.\n"
               "Constraints (verbatim, never merged away):\n- c\nSource event ids: 1")
     assert narrative_of(legacy) == "We talked."
+
+
+def test_opaque_reasoning_alone_is_nothing_to_compact():
+    its = [ReasoningItem(id="z0", sequence=1, run_id="run-0", item_trust=TrustLevel.USER,
+                         provider="anthropic", opaque=b"x"),
+           f.user("u1", "go", 2, run="run-1")]
+    with pytest.raises(NothingToCompact):
+        do(its)

@@ -311,6 +311,8 @@ def select(items: Sequence[ConversationItem], current: HistorySummary | None, *,
     elided = tuple(s for s in (elided_span(it) for it in replaced) if s is not None)
     lines = tuple(ln for ln in (_trusted_line(it) for it in replaced) if ln is not None)
     new_ids = [it.sequence for it in replaced if not isinstance(it, ReasoningItem)]
+    if not new_ids:  # opaque reasoning alone is dropped by type, never summarized
+        raise NothingToCompact(floor)
     previous_ids = list(current.source_event_ids) if current is not None else []
     source_ids = tuple(sorted(set(previous_ids) | set(new_ids)))
     kept = _union((current.constraints, current.constraint_trust) if current else ((), ()),
