@@ -20,6 +20,7 @@ import grpc
 import pytest
 from context_engine.adapters.postgres.migrate import migrate
 from context_engine.api.server import Running, start
+from context_engine.clock import SYSTEM_CLOCK, Clock
 from context_engine.config import Config
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
@@ -57,13 +58,14 @@ def database_url() -> Iterator[str]:
 class ServerThread:
     """A real server (the same ``start`` the CLI uses) on its own loop in a thread."""
 
-    def __init__(self, config: Config, database_url: str) -> None:
+    def __init__(self, config: Config, database_url: str, *, clock: Clock | None = None) -> None:
         self.registry = CollectorRegistry()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.running: Running = self.call(start(config, database_url=database_url,
-                                                registry=self.registry))
+                                                registry=self.registry,
+                                                clock=clock or SYSTEM_CLOCK))
         self.address = f"127.0.0.1:{self.running.grpc_port}"
 
     def call(self, coro: Any, timeout: float = 60) -> Any:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry.trace import NoOpTracer, Tracer
 
+from context_engine.clock import SYSTEM_CLOCK, Clock, time_ns
 from context_engine.domain.budget import BudgetPolicy, Pressure, compute_budget
 from context_engine.domain.builder import (
     DEFAULT_POLICY,
@@ -288,7 +288,7 @@ class Engine:
                  control_tools: dict[str, ToolSpec], metrics: Metrics,
                  policy: BudgetPolicy = DEFAULT_POLICY, plan_cache_size: int = 4096,
                  calibration_ttl: float = 5.0, render_memo_size: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Clock = SYSTEM_CLOCK,
                  compactions: CompactionStore | None = None,
                  summarizer: Summarizer | None = None,
                  tracer: Tracer | None = None) -> None:
@@ -471,7 +471,7 @@ class Engine:
         """The model's reconciled factor (shared in PostgreSQL), cached for a few seconds;
         1.0 for a new model or one whose encoding changed."""
         key = (tenant_id, spec.model.model_id)
-        now = self._clock()
+        now = self._clock.monotonic()
         cached = self._factors.get(key)
         if cached is not None and cached[1] > now:
             return cached[0]
@@ -505,14 +505,14 @@ class Engine:
                         span.set_attribute("context_engine.budget_exceeded.class",
                                            exc.class_name)
                         if isinstance(exc.pressure, Pressure):
-                            derived_spans(self._tracer, exc.pressure, time.time_ns(), None)
+                            derived_spans(self._tracer, exc.pressure, time_ns(self._clock), None)
                     raise
                 if span.is_recording():
                     span.set_attribute("context_engine.yield_steps",
                                        [s.step for s in result.pressure.steps])
                     history = next(((c.used, c.items) for c in result.budget.classes
                                     if c.class_name == "history"), None)
-                    derived_spans(self._tracer, result.pressure, time.time_ns(), history)
+                    derived_spans(self._tracer, result.pressure, time_ns(self._clock), history)
         except BudgetExceeded as exc:
             self._metrics.budget_exceeded.labels(**{"class": exc.class_name}).inc()
             payload: dict[str, Any] = {"epoch": loaded.plan.epoch, **exc.metadata()}

@@ -1,12 +1,16 @@
 """Hard gate: prefix stability (spec: "Enforcement is a test, not a convention", "Prefix
 epochs", "The history cache window").
 
-The spec's scripted fifty-turn session, end to end against the real server and PostgreSQL: a
+The spec's scripted fifty-turn session, end to end against a real server and PostgreSQL: a
 runtime-like driver (tests/support/runtime.py) runs 50 turns with tool loops (parallel calls
-included) while the clock crosses midnight within the cache TTL, a tool's scope is revoked
-mid-run, memory is written and corrected, a fetched page tries to close its envelope and a
-forced compaction replaces the oldest turns with a summary. Every model step is a Build whose
-Anthropic body goes to the fake provider (tests/support/cache_sim.py).
+included) while the clock crosses midnight on New Year's Eve (a day, a month and a year) within
+the cache TTL, a tool's scope is revoked mid-run, memory is written and corrected, a fetched page
+tries to close its envelope and a forced compaction by the server's own ``Compact`` replaces the
+oldest turns with a summary. The server runs on the session's clock (``ServerClock``): its wall
+time crosses midnight when the session's does, so a server that wrote its own date into the
+prefix would show it here (``tests/unit/test_clock.py`` keeps every module but the clock off the
+system's wall clock). Every model step is a Build whose Anthropic body goes to the fake provider
+(tests/support/cache_sim.py).
 
 Asserted: exactly one distinct prefix_sha256 and epoch 1 throughout; afterwards a Plan with
 another model rotates exactly once (epoch 2, model_changed). Under the simulator the cached
@@ -18,17 +22,24 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 from context_engine.v1 import context_engine_pb2 as pb
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
+from tests.conftest import ServerThread
+from tests.conftest import test_config as base_config
 from tests.support.cache_sim import canonical
 from tests.support.runtime import (
     ANTHROPIC,
     OTHER_MODEL,
     SCOPES,
+    Clock,
     Runtime,
+    ServerClock,
     SessionScript,
     figures,
     plan_request,
@@ -53,11 +64,33 @@ def blocks_of(body: dict[str, Any]) -> list[dict[str, Any]]:
     return [b for m in body["messages"] for b in m["content"]]
 
 
-def test_fifty_turns_keep_one_prefix_and_a_warm_cache(stub, ids, db, capsys):
+@pytest.fixture
+def session_clock() -> Clock:
+    return Clock(SessionScript().start)
+
+
+@pytest.fixture
+def clocked_stub(database_url: str,
+                 session_clock: Clock) -> Iterator[tuple[pb_grpc.ContextEngineStub, ServerClock]]:
+    """A real server of its own whose wall clock is the session's."""
+    server_clock = ServerClock(session_clock)
+    srv = ServerThread(base_config(), database_url, clock=server_clock)
+    ch = grpc.insecure_channel(srv.address)
+    try:
+        yield pb_grpc.ContextEngineStub(ch), server_clock
+    finally:
+        ch.close()
+        srv.stop()
+
+
+def test_fifty_turns_keep_one_prefix_and_a_warm_cache(clocked_stub, session_clock, ids, db,
+                                                      capsys):
+    stub, server_clock = clocked_stub
     tenant, session = ids
     script = SessionScript()
     started = time.monotonic()
-    runtime = Runtime(stub, tenant=tenant, session=session, script=script)
+    runtime = Runtime(stub, tenant=tenant, session=session, script=script,
+                      clock=session_clock)
     out = runtime.run()
     records = out.records
     elapsed = time.monotonic() - started
@@ -76,7 +109,8 @@ def test_fifty_turns_keep_one_prefix_and_a_warm_cache(stub, ids, db, capsys):
     assert any(sum(b["type"] == "tool_use" for b in m["content"]) > 1
                for m in bodies[records[-1].index]["messages"]), "no parallel tool calls"
     days = sorted({r.date for r in records})
-    assert days == ["2026-11-29", "2026-11-30"], days
+    assert days == ["2026-12-31", "2027-01-01"], days  # a day, a month and a year
+    assert server_clock.now().date().isoformat() == days[-1]  # the server's clock crossed too
     crossing = next(i for i, r in enumerate(records) if r.date == days[1])
     gap = (records[crossing].at - records[crossing - 1].at).total_seconds()
     assert gap < TTL_SECONDS, f"midnight was crossed outside the cache TTL ({gap:.0f} s)"
@@ -123,6 +157,8 @@ def test_fifty_turns_keep_one_prefix_and_a_warm_cache(stub, ids, db, capsys):
                                                                for r in before)
     replaced = set(out.compacted_item_ids)
     assert replaced and all(not (replaced & set(r.message_item_ids)) for r in after)
+    assert db.val("SELECT count(*) FROM context_events WHERE tenant_id=$1 AND "
+                  "type='context.compacted'", tenant) == 1  # the server's own Compact
     # compaction re-caches the history window once and keeps the prefix (spec: "Compaction
     # only ever touches Region B"); the next step reads the new window again
     assert after[0].usage.read_region == "system"

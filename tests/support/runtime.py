@@ -23,6 +23,7 @@ import random
 import shutil
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -200,8 +201,9 @@ class SessionScript:
 
     seed: int = 20261129
     turns: int = 50
-    # midnight falls between two steps of turn 29's tool loop
-    start: datetime = datetime(2026, 11, 29, 23, 36, 15, tzinfo=UTC)
+    # midnight falls between two steps of turn 29's tool loop, on New Year's Eve: the date
+    # crosses a day, a month and a year
+    start: datetime = datetime(2026, 12, 31, 23, 36, 15, tzinfo=UTC)
     memory_write_turn: int = 12  # a memory is written: recall lines change from here on
     revoke_turn: int = 18  # mail.send's scope is revoked after this turn's first step
     correction_turn: int = 24  # a correction line overrides snapshot memory m2
@@ -292,7 +294,8 @@ def output_tokens(reply: tuple[Call, ...] | str) -> int:
 
 
 class Clock:
-    """The driver's clock: the provider's cache and the runtime's date both read it."""
+    """The session's clock: the provider's cache and the runtime's date read it, and the gate
+    gives it to the server as the server's own (:class:`ServerClock`)."""
 
     def __init__(self, start: datetime) -> None:
         self.now = start
@@ -303,6 +306,23 @@ class Clock:
 
     def date(self) -> str:
         return self.now.date().isoformat()
+
+
+class ServerClock:
+    """The session's clock as a server's ``Clock`` (``context_engine.clock``): the server's
+    wall time is the session's, so it crosses midnight when the session does. It counts its
+    reads."""
+
+    def __init__(self, session: Clock) -> None:
+        self.session = session
+        self.reads: list[datetime] = []
+
+    def now(self) -> datetime:
+        self.reads.append(self.session.now)
+        return self.session.now
+
+    def monotonic(self) -> float:
+        return time.monotonic()
 
 
 @dataclass
@@ -353,7 +373,8 @@ class Runtime:
 
     def __init__(self, stub: pb_grpc.ContextEngineStub, *, tenant: str, session: str,
                  script: SessionScript = SessionScript(),
-                 simulator: AnthropicCacheSimulator | None = None) -> None:
+                 simulator: AnthropicCacheSimulator | None = None,
+                 clock: Clock | None = None) -> None:
         self.stub = stub
         self.tenant = tenant
         self.session = session
@@ -362,7 +383,7 @@ class Runtime:
         self.model = ScriptedModel(self.turns)
         self.rng = random.Random(script.seed + 1)  # tool output
         self.timing = random.Random(script.seed + 2)  # latencies: the timeline is the script's
-        self.clock = Clock(script.start)
+        self.clock = clock or Clock(script.start)
         self.simulator = simulator or AnthropicCacheSimulator()
         self.log: list[pb.ConversationItem] = []  # the session event log's items
         self.sequence = 0
@@ -550,22 +571,19 @@ class Runtime:
         self.plan(turn, "revocation", pb.RunAdmission(run_id=run_id, tools_pinned=True))
 
     def compact(self, through_turn: int) -> None:
-        """A forced compaction: the summary replaces every item of turns 1..through_turn.
-        Untrusted results are elided to typed pointers, never paraphrased."""
+        """A forced compaction through the server's own ``Compact``: the summary replaces every
+        item of turns 1..through_turn (the previous turn's run is the active one, never
+        compacted). Untrusted results are elided to typed pointers, never paraphrased."""
         floor = self.turn_last_sequence[through_turn]
-        replaced = [i for i in self.log if i.sequence <= floor]
-        trusted = [i.sequence for i in replaced if i.trust != pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED]
-        pointers = [f"[elided] tool.result {i.id} (external_untrusted, "
-                    f"{len(i.tool_result.content.encode()):,} bytes) -> event:{i.sequence}"
-                    for i in replaced if i.trust == pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED][:5]
-        text = (f"Turns 1-{through_turn}: the organizer is planning a January offsite for about "
-                "50 people under 180 EUR per person; candidate venues were fetched and compared; "
-                "a quote email was sent to finance in turn 5; mail.send was later revoked.\n"
-                + "\n".join(pointers))
-        self.summary = pb.Summary(text=text, replaced_through_sequence=floor,
-                                  source_event_ids=trusted, depth=1)
-        self.outcome.compaction_floor = floor
-        self.outcome.compacted_item_ids = tuple(i.id for i in replaced)
+        last = max(self.turn_last_sequence)
+        resp: pb.CompactResponse = self.stub.Compact(pb.CompactRequest(
+            tenant_id=self.tenant, session_id=self.session,
+            checkpoint=self.checkpoint(f"run-{last:02d}", last),
+            replace_through_sequence=floor, reason="forced",
+            idempotency_key=f"{self.session}/compact-{through_turn}"), timeout=RPC_TIMEOUT)
+        self.summary = resp.summary
+        self.outcome.compaction_floor = resp.summary.replaced_through_sequence
+        self.outcome.compacted_item_ids = tuple(resp.replaced_item_ids)
 
 
 # ------------------------------------------------------------------------------ the figures

@@ -40,6 +40,7 @@ from context_engine.api.auth import auth_interceptor, server_credentials
 from context_engine.api.limits import Limits, LimitsInterceptor
 from context_engine.api.servicer import ContextEngineServicer, add_to_server
 from context_engine.api.workers import READY_ENV, WORKER_ENV
+from context_engine.clock import SYSTEM_CLOCK, Clock
 from context_engine.config import Config, split_addr
 from context_engine.domain.compaction import StructuredSummarizer, Summarizer
 from context_engine.engine import Engine
@@ -136,9 +137,11 @@ def server_options(config: Config) -> list[tuple[str, int]]:
 
 async def start(config: Config, *, database_url: str,
                 registry: CollectorRegistry = REGISTRY,
-                tracer_provider: trace.TracerProvider | None = None) -> Running:
+                tracer_provider: trace.TracerProvider | None = None,
+                clock: Clock = SYSTEM_CLOCK) -> Running:
     """``tracer_provider``: where spans go; without one, OTLP when the ``OTEL_*`` variables
-    ask for it (``Config.trace_export``), else nowhere (a no-op tracer)."""
+    ask for it (``Config.trace_export``), else nowhere (a no-op tracer). ``clock``: the
+    server's clock (tests run a real server across midnight with one of their own)."""
     applied = await migrate(database_url, config.migrations_dir)
     if applied:
         log("migrated", applied=applied)
@@ -162,7 +165,7 @@ async def start(config: Config, *, database_url: str,
         control_tools=load_control_tools(config.assets_dir),
         metrics=metrics, plan_cache_size=config.plan_cache_size,
         compactions=PostgresCompactionStore(pool, command_timeout=timeout, tracer=tracer),
-        summarizer=summarizer_for(config), tracer=tracer)
+        summarizer=summarizer_for(config), tracer=tracer, clock=clock)
 
     limits = LimitsInterceptor(Limits(max_concurrent=config.max_concurrent_rpcs,
                                       max_items=config.max_items_per_request,
