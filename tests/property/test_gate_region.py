@@ -164,7 +164,7 @@ def test_region_a_never_contains_the_checkpoint_date(data: st.DataObject) -> Non
 
 def test_crossing_midnight_keeps_the_prefix() -> None:
     """The canonical trap: the date feels like configuration. The asset version even carries
-    today's date (platform-policy@2026-11-29.1); the rendered prefix must not."""
+    a date (platform-policy@YYYY-MM-DD.N); the rendered prefix must not."""
     loaded = f.loaded(f.inputs(catalog=(f.tool("web.fetch"),), enabled=("web.fetch",)))
     items: list[ConversationItem] = [f.user("u1", "What day is it?", 1)]
     before = S.build(loaded, f.checkpoint(items, date="2026-11-29"))
