@@ -4,19 +4,13 @@ depth 3 fails; bad input; idempotency; the LLM summarizer against a fake provide
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import grpc
 import pytest
 from context_engine.v1 import context_engine_pb2 as pb
-from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
-from tests.conftest import ServerThread
-from tests.conftest import test_config as base_config
 from tests.integration.requests import build_request, failure, item, plan_request
-from tests.support.fake_llm import FakeProvider
 
 pytestmark = pytest.mark.integration
 
@@ -158,24 +152,6 @@ def test_nothing_to_compact_and_unknown_session(stub, ids):
 
 
 # ----------------------------------------------------------------- LLM summarizer, loopback
-
-@pytest.fixture(scope="module")
-def provider() -> Iterator[FakeProvider]:
-    p = FakeProvider()
-    yield p
-    p.stop()
-
-
-@pytest.fixture(scope="module")
-def llm_stub(database_url: str, provider: FakeProvider) -> Iterator[pb_grpc.ContextEngineStub]:
-    config = replace(base_config(), summarizer_url=provider.url, summarizer_model="fake-model",
-                     summarizer_api_key="test-key", summarizer_timeout_seconds=0.5)
-    srv = ServerThread(config, database_url)
-    ch = grpc.insecure_channel(srv.address)
-    yield pb_grpc.ContextEngineStub(ch)
-    ch.close()
-    srv.stop()
-
 
 def test_llm_summarizer_sees_trusted_content_only(llm_stub, provider, ids):
     tenant, session = ids

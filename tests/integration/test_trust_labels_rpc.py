@@ -11,18 +11,14 @@ CarryWorkingState and Compact; labels above USER are refused.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 
 import grpc
 import pytest
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
-from tests.conftest import ServerThread
-from tests.conftest import test_config as base_config
 from tests.integration.requests import build_request, failure, item, plan_request
 from tests.support import envelope_parser as P
-from tests.support.fake_llm import FakeProvider
 
 pytestmark = [pytest.mark.integration, pytest.mark.gate_trust]
 
@@ -52,23 +48,6 @@ def rendered(out: pb.BuildResponse) -> Iterator[tuple[int, str]]:
     for m in out.request.messages:
         if m.role != pb.ROLE_ASSISTANT:
             yield m.row, m.text
-
-
-@pytest.fixture(scope="module")
-def provider() -> Iterator[FakeProvider]:
-    p = FakeProvider()
-    yield p
-    p.stop()
-
-
-@pytest.fixture(scope="module")
-def llm_stub(database_url: str, provider: FakeProvider) -> Iterator[pb_grpc.ContextEngineStub]:
-    config = replace(base_config(), summarizer_url=provider.url, summarizer_model="fake-model")
-    srv = ServerThread(config, database_url)
-    ch = grpc.insecure_channel(srv.address)
-    yield pb_grpc.ContextEngineStub(ch)
-    ch.close()
-    srv.stop()
 
 
 @pytest.mark.parametrize("summarizer", ["structured", "llm"])
