@@ -19,6 +19,10 @@ from context_engine.domain.request import Attachment, AttachmentKind, Message
 MESSAGE_OVERHEAD_TOKENS = 4
 # Framing per tool definition beyond its name, description and schema JSON.
 TOOL_OVERHEAD_TOKENS = 12
+# Framing of the request itself (OpenAI cookbook): the system message that carries the prefix
+# blocks (a message's framing, as above) and the primer of the reply (3). Counted once, with the
+# prefix (plan.py).
+REQUEST_OVERHEAD_TOKENS = MESSAGE_OVERHEAD_TOKENS + 3
 # An opaque reasoning payload is counted as if it were text of its base64 length / 4 chars.
 REASONING_BYTES_PER_TOKEN = 3
 
@@ -145,11 +149,23 @@ class TokenEstimator:
         return math.ceil(self._counter.count(text) * self.base_factor * factor)
 
     def raw(self, message: Message) -> int:
-        """The tokenizer's count of everything the message sends, before any factor."""
+        """The tokenizer's count of everything the message sends, before any factor: its text,
+        each call's id, name and arguments with 3 tokens of framing, the call id a tool result
+        answers, and a reasoning payload."""
         raw = self._counter.count(message.text) if message.text else 0
         for call in message.tool_calls:
             raw += self._counter.count(call.name) + self._counter.count(call.arguments_json) + 3
+            raw += self._counter.count(call.call_id) + self._name_mapping(call.name)
+        if message.call_id:
+            raw += self._counter.count(message.call_id)
         return raw + math.ceil(len(message.reasoning_opaque) / REASONING_BYTES_PER_TOKEN)
+
+    def _name_mapping(self, name: str) -> int:
+        """What a tool name's provider form (each "." sent as "__", providers.py) costs beyond
+        the name itself."""
+        if "." not in name:
+            return 0
+        return max(self._counter.count(name.replace(".", "__")) - self._counter.count(name), 0)
 
     def scaled(self, raw: int, factor: float = 1.0) -> int:
         """A message's estimate from its raw count: the base factor on the count, the

@@ -18,7 +18,11 @@ from context_engine.domain.errors import (
     PinnedVersionConflict,
     PrefixClassOverCap,
 )
-from context_engine.domain.estimator import TOOL_OVERHEAD_TOKENS, TokenEstimator
+from context_engine.domain.estimator import (
+    REQUEST_OVERHEAD_TOKENS,
+    TOOL_OVERHEAD_TOKENS,
+    TokenEstimator,
+)
 from context_engine.domain.items import (
     INDEX_HEADER,
     AgentInstructions,
@@ -278,6 +282,14 @@ def tool_cost(tool: ToolSpec, estimator: TokenEstimator) -> int:
         + TOOL_OVERHEAD_TOKENS
 
 
+def request_framing(rendered: RenderedPrefix) -> int:
+    """Tokens the request's own framing costs, counted with the platform policy that opens
+    it: the system message and the reply primer, and one separator per join where a provider
+    body sends the prefix blocks as one text (OpenAI ``instructions`` joins them with a blank
+    line)."""
+    return REQUEST_OVERHEAD_TOKENS + max(len(rendered.blocks) - 1, 0)
+
+
 def measure_prefix(spec: PlanSpec, rendered: RenderedPrefix,
                    estimator: TokenEstimator) -> tuple[ClassUsage, ...]:
     """Count every class by rendering and counting; fail on any cap, never truncate."""
@@ -285,7 +297,8 @@ def measure_prefix(spec: PlanSpec, rendered: RenderedPrefix,
     for block in rendered.blocks:
         by_row[block.row] = by_row.get(block.row, 0) + estimator.text(block.text)
     measured = {
-        PrefixClass.PLATFORM_POLICY: (by_row.get(1, 0) + by_row.get(2, 0), 2),
+        PrefixClass.PLATFORM_POLICY: (by_row.get(1, 0) + by_row.get(2, 0)
+                                      + request_framing(rendered), 2),
         PrefixClass.AGENT_INSTRUCTIONS: (by_row.get(3, 0), 1),
         PrefixClass.PERSONA: (by_row.get(4, 0), len(spec.persona.entries)),
         PrefixClass.TOOL_DEFINITIONS: (sum(tool_cost(t, estimator) for t in spec.tools),
