@@ -5,10 +5,18 @@ wait in the outbox), the writing RPCs answer UNAVAILABLE quickly, a process with
 reports NOT_SERVING. When it returns: the pool recovers without a restart, the outbox drains,
 callers retry with their idempotency keys, and every acknowledged write is present exactly
 once: no epoch lost or duplicated.
+
+Every Build names its call in its first item's id (``<tag>.u0``), an item that is always cut
+from the history under the small window, so the call's ``context.budget.pressure`` event lists
+it: each acknowledged Build, and above all each one acknowledged while the database was away
+(its event waited in the outbox), is matched to its event in ``context_events`` afterwards,
+exactly once, with the same steps the caller was told; no event names a call that was not
+acknowledged.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -87,6 +95,37 @@ def database() -> Iterator[Database]:
     db.close()
 
 
+@dataclass(frozen=True)
+class AckedBuild:
+    """A Build the server answered OK: which call, when (monotonic seconds), and the pressure
+    steps it reported."""
+
+    tag: str
+    session: str
+    epoch: int
+    started: float
+    answered: float
+    during_outage: bool  # sent after the crash and answered before the restart began
+    steps: tuple[tuple[str, tuple[str, ...]], ...]  # (step, item ids)
+
+
+def tagged_build(base: pb.BuildRequest, session: str, tag: str) -> pb.BuildRequest:
+    """``base`` for ``session``, its first item's id naming the call."""
+    req = pb.BuildRequest()
+    req.CopyFrom(base)
+    req.session_id = session
+    first = req.checkpoint.items[0]
+    first.id = f"{tag}.{first.id}"
+    return req
+
+
+def call_tag(item_ids: list[str]) -> str | None:
+    """The call a pressure event (or answer) belongs to, from its tagged item id."""
+    tags = {i.split(".", 1)[0] for i in item_ids if "." in i}
+    assert len(tags) <= 1, tags
+    return next(iter(tags), None)
+
+
 @dataclass
 class Ledger:
     """What callers were told, and what they still have to retry."""
@@ -100,6 +139,9 @@ class Ledger:
     unavailable_seconds: list[float] = field(default_factory=list)
     outage_builds: int = 0
     outage_pressure_builds: int = 0
+    builds: dict[str, AckedBuild] = field(default_factory=dict)  # tag -> acknowledged Build
+    failed_builds: set[str] = field(default_factory=set)  # tags answered with an error
+    crashed_at: float = float("inf")  # monotonic
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -172,13 +214,26 @@ def test_database_outage_mid_load(database: Database) -> None:
                         with ledger.lock:
                             ledger.report_keys.add(key)
                     else:
-                        req = pb.BuildRequest()
-                        req.CopyFrom(pressure_req)
-                        req.session_id = session
+                        tag = f"b{index}-{n}"
+                        req = tagged_build(pressure_req, session, tag)
                         was_down = down.is_set()
-                        resp = stub.Build(req, timeout=10)
-                        if was_down and down.is_set():
+                        sent = time.monotonic()
+                        try:
+                            resp = stub.Build(req, timeout=10)
+                        except grpc.RpcError:
                             with ledger.lock:
+                                ledger.failed_builds.add(tag)
+                            raise
+                        during = was_down and down.is_set()
+                        acked = AckedBuild(
+                            tag=tag, session=session, epoch=resp.epoch,
+                            started=sent, answered=time.monotonic(),
+                            during_outage=during,
+                            steps=tuple((s.step, tuple(s.item_ids))
+                                        for s in resp.pressure.steps))
+                        with ledger.lock:
+                            ledger.builds[tag] = acked
+                            if during:
                                 ledger.outage_builds += 1
                                 ledger.outage_pressure_builds += bool(resp.pressure.steps)
                     with ledger.lock:
@@ -206,6 +261,7 @@ def test_database_outage_mid_load(database: Database) -> None:
             t.start()
         time.sleep(2.0)
         ok_before = ledger.codes["OK"]
+        ledger.crashed_at = time.monotonic()
         database.crash()
         down.set()
         time.sleep(4.0)  # health watchers run every second
@@ -286,13 +342,45 @@ def test_database_outage_mid_load(database: Database) -> None:
         reports = db.val("SELECT sum(reports) FROM estimator_calibration WHERE tenant_id=$1",
                          tenant)
         assert reports == len(claimed)
-        pressure_events = db.val("SELECT count(*) FROM context_events WHERE tenant_id=$1 AND "
-                                 "type='context.budget.pressure'", tenant)
-        pressure_builds = ledger.outage_pressure_builds
-        assert pressure_events >= pressure_builds > 0
         assert srv.running.events.dropped == 0
+        # every acknowledged Build's pressure event is stored exactly once, as the caller was
+        # told it; none is stored for a call that was not acknowledged
+        events: dict[str | None, list[dict[str, object]]] = {}
+        for row in db.fetch("SELECT session_id, epoch, payload::text AS payload "
+                            "FROM context_events WHERE tenant_id=$1 AND "
+                            "type='context.budget.pressure'", tenant):
+            payload = json.loads(row["payload"])
+            ids = [i for step in payload["steps"] for i in step["item_ids"]]
+            events.setdefault(call_tag(ids), []).append(
+                {"session": row["session_id"], "epoch": row["epoch"],
+                 "steps": tuple((st["step"], tuple(st["item_ids"]))
+                                for st in payload["steps"])})
+        outage = [b for b in ledger.builds.values() if b.during_outage]
+        assert outage, "no Build was acknowledged while the database was away"
+        assert all(b.steps for b in outage), "a Build served while down reported no pressure"
+        expected = {tag: b for tag, b in ledger.builds.items() if b.steps}
+        for tag, build in expected.items():
+            named = call_tag([i for _, ids in build.steps for i in ids])
+            assert named == tag, f"the answer to {tag} names {named!r}: {build.steps}"
+        missing = sorted(t for t in expected if not events.get(t))
+        doubled = sorted(t for t in expected if len(events.get(t, [])) > 1)
+        invented = sorted(str(t) for t in events if t not in expected)
+        lost_in_outage = [t for t in missing if expected[t].during_outage]
+        assert not missing, (
+            f"{len(missing)} of {len(expected)} acknowledged Builds have no pressure event "
+            f"({len(lost_in_outage)} of the {len(outage)} acknowledged during the outage): "
+            + ", ".join(f"{t} (answered {expected[t].answered - ledger.crashed_at:+.2f} s "
+                        "from the crash)" for t in missing[:10]))
+        assert not doubled, f"pressure events stored twice: {doubled[:10]}"
+        assert not invented, (f"pressure events for calls not acknowledged: {invented[:10]} "
+                              f"(failed Builds: {sorted(ledger.failed_builds)[:10]})")
+        for tag, build in expected.items():
+            (stored,) = events[tag]
+            assert stored == {"session": build.session, "epoch": build.epoch,
+                              "steps": build.steps}, (tag, stored, build)
         print(f"\noutage: {dict(ledger.codes)}; builds served while down "
-              f"{ledger.outage_builds}; UNAVAILABLE answered in max "
+              f"{ledger.outage_builds}, each of their pressure events found once (of "
+              f"{len(expected)} acknowledged Builds, all found once); UNAVAILABLE answered in max "
               f"{max(ledger.unavailable_seconds) * 1000:.0f} ms (median "
               f"{statistics.median(ledger.unavailable_seconds) * 1000:.0f} ms); pool recovered "
               f"{recovery_seconds:.1f} s after restart; {len(ledger.rotate_keys)} rotations, "

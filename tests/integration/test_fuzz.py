@@ -10,6 +10,21 @@ the rows it had, and the server still reports SERVING.
 The malformed bytes are sent once more to a server that requires credentials, with a valid
 token: a request that does not decode is still INVALID_ARGUMENT with ErrorInfo, and one that
 decodes naming another tenant is PERMISSION_DENIED (TENANT_MISMATCH) before anything is read.
+
+Every successful Build answer is read back by validators that share no code with the service:
+tool pairing (``tests/support/tool_pairs.py``: every call has exactly one later result, every
+result an earlier call, no duplicates) in the returned request and in ``provider_body_json``
+(Anthropic and OpenAI), and envelopes (``tests/support/envelope_parser.py``: every envelope
+closed exactly once, no envelope body that reads as containing a tag) in every prefix block and
+message. A stage of valid, tool-heavy conversations (``tests/support/fuzz_conversations.py``)
+gives those checks answers worth reading.
+
+Seed: every run draws a fresh seed and prints it (``fuzz seed N``; pytest shows it with any
+failure, and every failure message repeats it). To reproduce a run, set the variable::
+
+    CE_FUZZ_SEED=N .venv/bin/python -m pytest tests/integration/test_fuzz.py -q
+
+The same seed generates the same requests (tenant names aside, which are fresh per run).
 """
 
 from __future__ import annotations
@@ -31,11 +46,15 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from tests.conftest import ServerThread
 from tests.conftest import test_config as base_config
+from tests.integration.requests import plan_request
+from tests.integration.test_budget_rpc import SMALL
 from tests.support import fuzz
+from tests.support.fuzz_conversations import paired_build
 
 pytestmark = [pytest.mark.integration, pytest.mark.fuzz]
 
@@ -53,7 +72,10 @@ class Sender:
     """Sends cases as raw bytes, ``IN_FLIGHT`` at a time, and checks every answer."""
 
     channel: grpc.Channel
+    seed: int
     sent: int = 0
+    stage: int = 0  # each run() draws from its own seed, derived from ``seed``
+    checked: Counter[str] = field(default_factory=Counter)  # Build answers read back
     codes: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
     pending: list[fuzz.Case] = field(default_factory=list)
@@ -87,13 +109,27 @@ class Sender:
         for case, future in futures:
             self.sent += 1
             try:
-                future.result()
+                response = future.result()
             except grpc.RpcError as err:
                 self._check_error(case, err)
             else:
                 self.codes[f"{case.rpc} OK"] += 1
                 if case.malformed or self._expected(case) is not None:
                     self.problems.append(f"{case!r}: answered OK")
+                elif case.rpc == "Build":
+                    self._check_build(case, response)
+
+    def _check_build(self, case: fuzz.Case, response: pb.BuildResponse) -> None:
+        """An OK Build answer, read back by the independent validators."""
+        self.checked["Build answers"] += 1
+        if response.provider_body_json:
+            self.checked[f"{case.label.split(':')[0]} provider bodies"] += 1
+            fmt = pb.BuildRequest.FromString(case.payload).provider_format
+            self.checked[f"provider bodies {pb.ProviderFormat.Name(fmt)}"] += 1
+        if any(m.tool_calls for m in response.request.messages):
+            self.checked["Build answers with tool calls"] += 1
+        for problem in fuzz.build_answer_problems(case.payload, response):
+            self.problems.append(f"{case!r}: OK answer: {problem}")
 
     def _expected(self, case: fuzz.Case) -> tuple[grpc.StatusCode, str] | None:
         """With credentials, the one answer a case must get, if the bytes alone decide it."""
@@ -138,7 +174,10 @@ class Sender:
 
     def run(self, strategy: st.SearchStrategy[fuzz.Case], examples: int) -> None:
         """``examples`` hypothesis examples of ``PER_EXAMPLE`` cases each, sent as they come."""
-        @settings(max_examples=examples, derandomize=True, deadline=None, database=None,
+        self.stage += 1
+
+        @hypothesis_seed(self.seed * 1_000 + self.stage)
+        @settings(max_examples=examples, derandomize=False, deadline=None, database=None,
                   phases=[Phase.generate], suppress_health_check=list(HealthCheck))
         @given(st.lists(strategy, min_size=PER_EXAMPLE, max_size=PER_EXAMPLE))
         def send(cases: list[fuzz.Case]) -> None:
@@ -150,7 +189,8 @@ class Sender:
     def assert_clean(self) -> None:
         kinds = Counter(p.split(": ", 1)[1].split(" ", 1)[0] + " " + p.split(",", 2)[1]
                         for p in self.problems)
-        assert not self.problems, (f"{len(self.problems)} bad answers {dict(kinds)}; first:\n"
+        assert not self.problems, (f"{fuzz.reproduce_hint(self.seed)}: {len(self.problems)} "
+                                   f"bad answers {dict(kinds)}; first:\n"
                                    + "\n".join(self.problems[:25]))
 
 
@@ -167,6 +207,9 @@ def rows(db: Any, tenant: str | None = None) -> dict[str, int]:
 
 
 def test_fuzz_every_rpc(server, channel, stub, db):
+    seed = fuzz.run_seed()
+    hint = fuzz.reproduce_hint(seed)
+    print(f"\n{hint}")
     run_id = uuid.uuid4().hex[:10]
     malformed_only = f"fuzz-malformed-{run_id}"    # no session, only malformed traffic
     guarded = f"fuzz-guarded-{run_id}"             # a session, then only malformed traffic
@@ -174,16 +217,20 @@ def test_fuzz_every_rpc(server, channel, stub, db):
     session = "fuzz-session"
     stub.Plan(fuzz.base_request("Plan", guarded, session))
     stub.Plan(fuzz.base_request("Plan", open_tenant, session))
+    pairs_tenant = f"fuzz-pairs-{run_id}"          # valid tool-heavy Builds
+    pairs_sessions = ("wide", "small")             # a 200k and a 16k window
+    stub.Plan(fuzz.base_request("Plan", pairs_tenant, "wide"))
+    stub.Plan(plan_request(pairs_tenant, "small", model=SMALL))
     guarded_rows = rows(db, guarded)
     assert guarded_rows["plans"] == 1
 
-    sender = Sender(channel)
+    sender = Sender(channel, seed=seed)
 
     # 1. random bytes as the serialized request: nothing anywhere may be written
     before = rows(db)
     sender.run(per_rpc(fuzz.random_bytes), examples=100)
     sender.assert_clean()
-    assert rows(db) == before
+    assert rows(db) == before, hint
 
     # 2. wire-level damage to encodings of requests no session exists for (the Plan carries a
     # violation): truncation, bit flips, invalid UTF-8, wrong wire types, unknown fields, deep
@@ -210,6 +257,16 @@ def test_fuzz_every_rpc(server, channel, stub, db):
     sender.run(per_rpc(lambda rpc: fuzz.boundary(rpc, open_tenant, session)), examples=100)
     sender.assert_clean()
 
+    # 6b. valid conversations with tool pairs arranged every way the contract allows, with and
+    # without a provider body, under a wide and a small window: most are answered OK, and
+    # every OK answer is read back by the independent validators
+    paired_before = sender.checked["paired provider bodies"], sender.checked["Build answers"]
+    sender.run(paired_build(pairs_tenant, pairs_sessions), examples=10)
+    sender.assert_clean()
+    paired_answers = sender.checked["Build answers"] - paired_before[1]
+    assert paired_answers >= 10 * PER_EXAMPLE // 2, (hint, dict(sender.codes))
+    assert sender.checked["paired provider bodies"] > paired_before[0], hint
+
     # 7. unknown sessions and epochs of a tenant that has one
     unknown = [
         fuzz.Case("GetPlan", pb.GetPlanRequest(tenant_id=guarded, session_id=session,
@@ -226,15 +283,22 @@ def test_fuzz_every_rpc(server, channel, stub, db):
     sender.flush()
     sender.assert_clean()
 
-    assert sender.sent >= 10_000, sender.sent
-    assert rows(db, malformed_only) == dict.fromkeys(TABLES, 0)
-    assert rows(db, guarded) == guarded_rows
+    assert sender.sent >= 10_000, (hint, sender.sent)
+    assert rows(db, malformed_only) == dict.fromkeys(TABLES, 0), hint
+    assert rows(db, guarded) == guarded_rows, hint
+    # the answer checks read real answers: both provider formats, tool calls in the request
+    for kind in ("provider bodies PROVIDER_FORMAT_ANTHROPIC_MESSAGES",
+                 "provider bodies PROVIDER_FORMAT_OPENAI_RESPONSES",
+                 "Build answers with tool calls"):
+        assert sender.checked[kind] > 0, (hint, kind, dict(sender.checked))
     health = health_pb2_grpc.HealthStub(channel)
     for name in ("", "context_engine.v1.ContextEngine"):
         assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == (
             health_pb2.HealthCheckResponse.SERVING)
     print(f"\n{sender.sent} requests: " + ", ".join(
         f"{k}={v}" for k, v in sorted(sender.codes.items())))
+    print("read back by the independent validators: " + ", ".join(
+        f"{k}={v}" for k, v in sorted(sender.checked.items())) + f"; {hint}")
 
 
 def test_fuzz_malformed_bytes_with_credentials(database_url, db, tmp_path: Path):
@@ -242,6 +306,9 @@ def test_fuzz_malformed_bytes_with_credentials(database_url, db, tmp_path: Path)
     token, sent with a valid one: authentication comes first, then a request that does not
     decode is INVALID_ARGUMENT and one naming another tenant TENANT_MISMATCH; nothing is
     written for any tenant but the token's."""
+    seed = fuzz.run_seed()
+    hint = fuzz.reproduce_hint(seed)
+    print(f"\n{hint}")
     tenant = f"fuzz-secured-{uuid.uuid4().hex[:10]}"
     token = f"fuzz-{uuid.uuid4().hex}"
     tokens = tmp_path / "tokens.json"
@@ -251,12 +318,12 @@ def test_fuzz_malformed_bytes_with_credentials(database_url, db, tmp_path: Path)
     server = ServerThread(config, database_url)
     channel = grpc.insecure_channel(server.address)
     try:
-        sender = Sender(channel, metadata=(("authorization", f"Bearer {token}"),),
+        sender = Sender(channel, seed=seed, metadata=(("authorization", f"Bearer {token}"),),
                         tenant=tenant)
         before = rows(db)
         sender.run(per_rpc(fuzz.random_bytes), examples=40)
         sender.assert_clean()
-        assert rows(db) == before
+        assert rows(db) == before, hint
 
         def wire(rpc: str) -> st.SearchStrategy[fuzz.Case]:
             msg = fuzz.base_request(rpc, tenant, "fuzz-session")
@@ -269,13 +336,15 @@ def test_fuzz_malformed_bytes_with_credentials(database_url, db, tmp_path: Path)
         # a flipped bit may leave a valid request of the token's tenant; no other tenant
         # gains a row
         after, own = rows(db), rows(db, tenant)
-        assert {t: after[t] - own[t] for t in TABLES} == before
-        assert sender.sent >= 1_400, sender.sent
+        assert {t: after[t] - own[t] for t in TABLES} == before, hint
+        assert sender.sent >= 1_400, (hint, sender.sent)
         answered = Counter(key.split(" ", 1)[1] for key in sender.codes.elements())
         # every kind of answer was exercised: refused unread, tenant-checked, served
-        assert answered["INVALID_ARGUMENT"] > 0 and answered["PERMISSION_DENIED"] > 0
+        assert answered["INVALID_ARGUMENT"] > 0 and answered["PERMISSION_DENIED"] > 0, (
+            hint, answered)
         assert sum(n for code, n in answered.items()
-                   if code not in ("INVALID_ARGUMENT", "PERMISSION_DENIED")) > 0, answered
+                   if code not in ("INVALID_ARGUMENT", "PERMISSION_DENIED")) > 0, (hint,
+                                                                                  answered)
         health = health_pb2_grpc.HealthStub(channel)
         assert health.Check(health_pb2.HealthCheckRequest()).status == (
             health_pb2.HealthCheckResponse.SERVING)

@@ -1,14 +1,17 @@
 """``serve --workers N``: several processes on one port, one metrics endpoint for all of them,
-a dead worker replaced, and a graceful stop under load."""
+a dead worker replaced, and a graceful stop under load (with every acknowledged plan looked up
+in PostgreSQL afterwards, a check shown here to fail on a lost plan)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import urllib.request
 import uuid
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -20,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.integration.processes import ServerProcess
 from tests.integration.requests import plan_request
 from tests.load import run as load
+from tests.load.runtime import AckedPlan
 from tests.support.certs import make_pki
 
 pytestmark = pytest.mark.integration
@@ -121,5 +125,55 @@ def test_sigterm_under_load_finishes_in_flight_calls_and_breaks_none(capsys):
     assert shutdown["not_serving_after_ms"] is not None
     assert shutdown["not_serving_after_ms"] < 1000  # before the listener closed
     assert shutdown["exit_seconds"] < 1 + 10 + 5
-    assert "lost plans 0" in out.out and "epochs per session 1.0" in out.out
+    assert "epochs per session 1.0" in out.out
+    # every plan acknowledged before and while the server drained was found in PostgreSQL
+    # after the restart
+    found = re.search(r"lost plans (\d+) of (\d+) acknowledged \((\d+) Plan calls", out.out)
+    assert found, out.out
+    lost, distinct, answered = map(int, found.groups())
+    assert lost == 0 and 0 < distinct <= 30 and answered >= distinct, found.group(0)
     assert time.monotonic() - started < 240
+
+
+def empty_report() -> load.Report:
+    return load.Report(runtimes=1, turns=1, workers=1, wall_seconds=1.0, calls=[],
+                       turns_done=0)
+
+
+def test_the_lost_plan_check_fails_on_a_plan_that_is_not_stored(stub, database_url,
+                                                                 monkeypatch, capsys):
+    """The load runs' check of acknowledged plans, against the real database: it passes on
+    plans that are stored, and fails on one never stored, an epoch never written, and a plan
+    stored with another prefix than the one acknowledged."""
+    tenant = f"tenant-{uuid.uuid4().hex[:8]}"
+    acked = []
+    for i in range(3):
+        plan = stub.Plan(plan_request(tenant, f"s-{i}"), timeout=30).plan
+        acked.append(AckedPlan(tenant, f"s-{i}", plan.epoch, plan.prefix_sha256))
+    report = empty_report()
+    load.check_acknowledged(report, acked * 2, database_url)  # every Plan answered twice
+    assert report.failures == []
+    assert (report.plans_acknowledged, report.plans_checked, report.lost_plans) == (6, 3, 0)
+
+    never = AckedPlan(tenant, "s-never-stored", 1, acked[0].prefix_sha256)
+    later = replace(acked[1], epoch=acked[1].epoch + 1)
+    other = replace(acked[2], prefix_sha256="0" * 64)
+    report = empty_report()
+    load.check_acknowledged(report, [*acked, never, later, other], database_url)
+    assert report.lost_plans == 3 and report.plans_checked == 6
+    (failure,) = report.failures
+    assert failure.startswith("3 of 6 acknowledged plans are not in PostgreSQL"), failure
+    assert f"{tenant}/s-never-stored epoch 1 (missing)" in failure
+    assert f"{tenant}/s-1 epoch {later.epoch} (missing)" in failure
+    assert f"{tenant}/s-2 epoch {other.epoch} (differs)" in failure
+    # and the load run exits non-zero on it
+    monkeypatch.setattr(load, "run", lambda args: report)
+    assert load.main(["--runtimes", "1", "--turns", "1"]) == 1
+    out = capsys.readouterr()
+    assert "lost plans 3 of 6 acknowledged" in out.out
+    assert f"FAILED: {failure}" in out.err
+    monkeypatch.undo()
+
+    report = empty_report()
+    load.check_acknowledged(report, [], database_url)  # nothing acknowledged: nothing proven
+    assert report.failures == ["no Plan was acknowledged: there is nothing to check"]

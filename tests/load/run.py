@@ -8,15 +8,21 @@ connection (as separate runtime processes would), and prints throughput, latency
 per RPC, the error count, and epochs per session (from GetPlan of every session, and from the
 server's own counters). With ``--sigterm-after`` the server gets SIGTERM mid-run: the run then
 checks that health went NOT_SERVING first, every RPC started before the drain ended completed
-OK, nothing failed other than with UNAVAILABLE after the listener closed, and every plan a
-runtime was given is still there after a restart. Bounded in count and time: it stops by
-itself (``--time-limit``, default 900 s) and exits non-zero on any failure of its checks.
+OK, and nothing failed other than with UNAVAILABLE after the listener closed.
+
+Both runs record every plan the server acknowledged (each ``Plan`` answered OK: tenant,
+session, epoch, prefix hash) and, after the run (after a restart on the same data in the
+SIGTERM run), look each one up in PostgreSQL itself (the ``plans`` table, not a server's
+cache): one missing, or stored with another prefix hash, is a lost plan and fails the run.
+Bounded in count and time: it stops by itself (``--time-limit``, default 900 s) and exits
+non-zero on any failure of its checks.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -26,9 +32,14 @@ import sys
 import tempfile
 import time
 import urllib.request
+import warnings
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import asyncpg
 import grpc
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
@@ -36,7 +47,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.bench.common import deadline
 from tests.integration.processes import ServerProcess
-from tests.load.runtime import Call, Outcome, Runtime
+from tests.load.runtime import AckedPlan, Call, Outcome, Runtime
 
 TENANT = "load-tenant"
 # What the documented client configuration does besides retrying (retries stay off here, so
@@ -60,6 +71,8 @@ class Report:
     turns_done: int
     epochs_per_session: float | None = None
     epochs_per_session_metrics: float | None = None
+    plans_acknowledged: int = 0  # Plan calls answered OK
+    plans_checked: int = 0  # distinct acknowledged plans looked up in PostgreSQL
     lost_plans: int = 0
     shutdown: dict[str, Any] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
@@ -86,6 +99,8 @@ class Report:
                 "rpcs_per_second": round(len(self.calls) / self.wall_seconds, 1),
                 "errors": self.errors(), "epochs_per_session": self.epochs_per_session,
                 "epochs_per_session_metrics": self.epochs_per_session_metrics,
+                "plans_acknowledged": self.plans_acknowledged,
+                "plans_checked": self.plans_checked,
                 "lost_plans": self.lost_plans, "shutdown": self.shutdown,
                 "failures": self.failures}
 
@@ -146,23 +161,75 @@ async def drive(address: str, runtimes: int, turns: int, sigterm: tuple[ServerPr
     return outcome, wall, seen
 
 
-async def verify_plans(address: str, sessions: list[str], acked: set[str]
-                       ) -> tuple[float, int]:
+async def epochs_per_session(address: str, sessions: list[str]) -> float:
+    """The mean current epoch of the sessions that exist (GetPlan of each)."""
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = pb_grpc.ContextEngineStub(channel)
         epochs: list[int] = []
-        lost = 0
         for session in sessions:
             try:
                 reply = await stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT,
                                                              session_id=session), timeout=10)
                 epochs.append(reply.plan.epoch)
             except grpc.aio.AioRpcError as err:
-                if err.code() is grpc.StatusCode.NOT_FOUND and session in acked:
-                    lost += 1
-                elif err.code() is not grpc.StatusCode.NOT_FOUND:
+                if err.code() is not grpc.StatusCode.NOT_FOUND:  # never acknowledged
                     raise
-    return (sum(epochs) / len(epochs) if epochs else 0.0), lost
+    return sum(epochs) / len(epochs) if epochs else 0.0
+
+
+PlanKey = tuple[str, str, int]  # tenant, session, epoch
+
+
+async def stored_plans(database_url: str, tenants: Iterable[str]) -> dict[PlanKey, str]:
+    """Every plan PostgreSQL holds for ``tenants``, with its prefix hash."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = await conn.fetch("SELECT tenant_id, session_id, epoch, prefix_sha256 FROM plans "
+                                "WHERE tenant_id = ANY($1::text[])", sorted(set(tenants)))
+    finally:
+        await conn.close()
+    return {(r["tenant_id"], r["session_id"], int(r["epoch"])): str(r["prefix_sha256"])
+            for r in rows}
+
+
+def lost_plans(acked: Iterable[AckedPlan], stored: Mapping[PlanKey, str]) -> list[AckedPlan]:
+    """The acknowledged plans that are not stored, or are stored as another plan."""
+    return [p for p in sorted(set(acked))
+            if stored.get((p.tenant, p.session, p.epoch)) != p.prefix_sha256]
+
+
+def check_acknowledged(report: Report, acked: list[AckedPlan], database_url: str) -> None:
+    """Look every acknowledged plan up in PostgreSQL; count them, and fail the run on any lost
+    one (or when no Plan was acknowledged at all, which would leave nothing checked)."""
+    distinct = sorted(set(acked))
+    stored = asyncio.run(stored_plans(database_url, {p.tenant for p in distinct}))
+    lost = lost_plans(distinct, stored)
+    report.plans_acknowledged = len(acked)
+    report.plans_checked = len(distinct)
+    report.lost_plans = len(lost)
+    if not distinct:
+        report.failures.append("no Plan was acknowledged: there is nothing to check")
+    if lost:
+        report.failures.append(
+            f"{len(lost)} of {len(distinct)} acknowledged plans are not in PostgreSQL as "
+            "acknowledged: " + ", ".join(
+                f"{p.tenant}/{p.session} epoch {p.epoch} "
+                f"({'missing' if (p.tenant, p.session, p.epoch) not in stored else 'differs'})"
+                for p in lost[:10]))
+
+
+@contextlib.contextmanager
+def embedded_database(data: str) -> Iterator[str]:
+    """The URL of the server's embedded PostgreSQL under ``data``; this process holds a handle
+    while inside (one server started it; the last handle closed stops it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from pgserver import get_server  # type: ignore[attr-defined]
+    pg = get_server(Path(data) / "pg", cleanup_mode="stop")
+    try:
+        yield str(pg.get_uri())
+    finally:
+        pg.cleanup()
 
 
 def metric(text: str, name: str) -> float:
@@ -178,10 +245,6 @@ def scrape(metrics_addr: str) -> str:
         return str(response.read().decode())
 
 
-def acked_sessions(calls_by_session: dict[str, bool]) -> set[str]:
-    return {s for s, ok in calls_by_session.items() if ok}
-
-
 def run(args: argparse.Namespace) -> Report:
     data = tempfile.mkdtemp(prefix="ce-load-")
     env = {"CE_WORKERS": str(args.workers), "CE_DATA_DIR": data, "CE_DEV_MODE": "1",
@@ -195,20 +258,18 @@ def run(args: argparse.Namespace) -> Report:
                                                 sigterm))
         report = Report(runtimes=args.runtimes, turns=args.turns, workers=args.workers,
                         wall_seconds=wall, calls=outcome.calls, turns_done=outcome.turns)
-        # a session is acknowledged once any Plan for it answered OK
-        plan_ok: dict[str, bool] = {}
-        for session in outcome.sessions:
-            plan_ok.setdefault(session, False)
-        sessions = sorted(plan_ok)
-        acked = {f"load-{i:04d}" for i in range(args.runtimes)} if not sigterm else None
+        sessions = sorted(set(outcome.sessions))
         if sigterm is None:
             if report.errors():
-                report.failures.append(f"{report.errors()} RPCs failed")
+                failed = Counter(f"{c.method} {c.code}" for c in outcome.calls if c.code != "OK")
+                report.failures.append(f"{report.errors()} RPCs failed: {dict(failed)}")
             text = scrape(server.metrics)
             opened = metric(text, "context_engine_sessions_opened_total")
             epochs = metric(text, "context_engine_epochs_total")
             report.epochs_per_session_metrics = round(epochs / opened, 4) if opened else None
-            per, lost = asyncio.run(verify_plans(server.address, sessions, acked or set()))
+            per = asyncio.run(epochs_per_session(server.address, sessions))
+            with embedded_database(data) as url:
+                check_acknowledged(report, outcome.plans, url)
         else:
             sigterm_at, close_at = seen["sigterm"], seen["sigterm"] + args.drain
             broken = [c for c in outcome.calls if c.code not in ("OK", "UNAVAILABLE")]
@@ -250,14 +311,12 @@ def run(args: argparse.Namespace) -> Report:
             if seen["exited"] - seen["sigterm"] > limit:
                 report.failures.append(f"shutdown took longer than {limit} s")
             # every plan a runtime was given survives: restart on the same data
-            acked = {c_session for c_session in sessions}
             restarted = ServerProcess({"CE_WORKERS": "1", "CE_DATA_DIR": data,
                                        "CE_DEV_MODE": "1"}, timeout=180)
-            per, lost = asyncio.run(verify_plans(restarted.address, sessions, set()))
+            per = asyncio.run(epochs_per_session(restarted.address, sessions))
+            with embedded_database(data) as url:
+                check_acknowledged(report, outcome.plans, url)
         report.epochs_per_session = round(per, 4)
-        report.lost_plans = lost
-        if lost:
-            report.failures.append(f"{lost} acknowledged plans are missing")
         if per != 1.0:
             report.failures.append(f"epochs per session {per} != 1.0")
         if (report.epochs_per_session_metrics is not None
@@ -295,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
           f"({summary['rpcs']} RPCs, {summary['turns_done']} turns); errors "
           f"{summary['errors']}; epochs per session {summary['epochs_per_session']} "
           f"(server counters: {summary['epochs_per_session_metrics']}); lost plans "
-          f"{summary['lost_plans']}")
+          f"{summary['lost_plans']} of {summary['plans_checked']} acknowledged "
+          f"({summary['plans_acknowledged']} Plan calls answered OK, each plan looked up "
+          "in PostgreSQL)")
     if report.shutdown:
         print("shutdown: " + json.dumps(report.shutdown, sort_keys=True))
     if args.json:

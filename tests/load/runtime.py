@@ -3,7 +3,9 @@
 A turn is what a runtime does on every model step: ``Plan`` at the run's admission (returns
 the pinned plan), ``Build`` for the user's message, the fake model calls a tool, ``Build``
 again with the call and its result, then ``ReportUsage`` for what was sent. Every call is
-timed and its status kept; nothing is retried, so every failure shows.
+timed and its status kept; nothing is retried, so every failure shows. Every plan the server
+acknowledged (``Plan`` answered OK) is recorded, so the run can check afterwards that each one
+is stored.
 """
 
 from __future__ import annotations
@@ -42,10 +44,21 @@ class Call:
     code: str
 
 
+@dataclass(frozen=True, order=True)
+class AckedPlan:
+    """A plan the server acknowledged: a ``Plan`` answered OK with this plan."""
+
+    tenant: str
+    session: str
+    epoch: int
+    prefix_sha256: str
+
+
 @dataclass
 class Outcome:
     calls: list[Call] = field(default_factory=list)
     sessions: list[str] = field(default_factory=list)
+    plans: list[AckedPlan] = field(default_factory=list)  # one per OK Plan answer
     turns: int = 0
 
 
@@ -111,8 +124,10 @@ class Runtime:
                 return
             run = f"run-{turn}"
             plan = await self._call("Plan", plan_request(self.tenant, self.session))
-            if plan is None:
+            if not isinstance(plan, pb.PlanResponse):
                 continue
+            self.outcome.plans.append(AckedPlan(self.tenant, self.session, plan.plan.epoch,
+                                                plan.plan.prefix_sha256))
             self._item(run, user=pb.UserMessage(text=text(self.rng, 20)))
             first = await self._call("Build", self._build(run))
             call_id = f"c{turn}"

@@ -12,20 +12,28 @@ the request is certainly malformed (it must never be answered OK). Three familie
 * semantic: a valid request with one field made invalid for certain (unpaired or duplicated
   tool items, negative windows, unknown enum values, absent targets, provenance the service
   sets), so the answer must be an error.
+
+Seeds: each run draws a fresh seed (:func:`run_seed`), unless ``CE_FUZZ_SEED`` fixes it; the
+same seed generates the same cases again. :func:`build_answer_problems` checks a successful
+Build answer with validators that share no code with the service (tool pairing in
+``tests.support.tool_pairs``, envelopes in ``tests.support.envelope_parser``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import os
+import secrets
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from context_engine.v1 import context_engine_pb2 as pb
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from hypothesis import strategies as st
 
 from tests.integration.requests import build_request, conversation, item, plan_request
+from tests.support import envelope_parser, tool_pairs
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ContextEngine"]
 METHODS: dict[str, tuple[type[Message], type[Message]]] = {
@@ -37,6 +45,26 @@ RPCS = tuple(sorted(METHODS))
 
 def path(rpc: str) -> str:
     return f"/{SERVICE.full_name}/{rpc}"
+
+
+# ------------------------------------------------------------------ seeds
+
+SEED_ENV = "CE_FUZZ_SEED"
+
+
+def run_seed() -> int:
+    """The seed of this run: ``CE_FUZZ_SEED`` if set (decimal or 0x-hex), else a fresh one."""
+    fixed = os.environ.get(SEED_ENV, "").strip()
+    if fixed:
+        try:
+            return int(fixed, 0)
+        except ValueError:
+            raise ValueError(f"{SEED_ENV}={fixed!r} is not an integer") from None
+    return secrets.randbits(32)
+
+
+def reproduce_hint(seed: int) -> str:
+    return f"fuzz seed {seed} (reproduce with {SEED_ENV}={seed})"
 
 
 @dataclass(frozen=True)
@@ -594,3 +622,42 @@ def boundary(draw: st.DrawFn, rpc: str, tenant: str, session: str) -> Case:
     base = base_request(rpc, tenant, session)
     msg = draw(noise(rpc, base, keep=("tenant_id", "session_id")))
     return Case(rpc, msg.SerializeToString(), malformed=False, label=f"boundary:{rpc}")
+
+
+# ------------------------------------------------------------------ answer checks
+
+
+def request_texts(request: pb.ModelRequest) -> Iterator[tuple[str, str]]:
+    """Every text of an assembled request that the service composes, with where it is. The
+    assistant's messages are left out: they replay the model's own earlier output untouched
+    (``AssistantMessageItem``), envelope-like text included, and carry no envelope."""
+    for i, block in enumerate(request.prefix_blocks):
+        yield f"prefix_blocks[{i}] (row {block.row})", block.text
+    for i, message in enumerate(request.messages):
+        if message.role != pb.ROLE_ASSISTANT:
+            yield f"messages[{i}] ({pb.Role.Name(message.role)})", message.text
+
+
+def build_answer_problems(payload: bytes, response: pb.BuildResponse) -> list[str]:
+    """What is wrong with a successful Build answer to the request ``payload``, read by
+    validators independent of the service: every tool call has exactly one later result and
+    every result an earlier call (in the request and in the provider body, either format);
+    every envelope is closed exactly once and no envelope body reads as containing a tag."""
+    problems = [f"pairing: {p}" for p in tool_pairs.request_problems(response.request)]
+    for where, text in request_texts(response.request):
+        try:
+            envelope_parser.check_text(text, [])
+        except envelope_parser.EnvelopeError as exc:
+            problems.append(f"envelope in {where}: {exc}")
+    try:
+        provider_format = pb.BuildRequest.FromString(payload).provider_format
+    except DecodeError:  # answered OK, so it decoded; keep the check total anyway
+        provider_format = pb.PROVIDER_FORMAT_UNSPECIFIED
+    if response.provider_body_json:
+        name = (pb.ProviderFormat.Name(provider_format)
+                if provider_format in pb.ProviderFormat.values() else str(provider_format))
+        problems += [f"provider body {name}: {p}" for p in
+                     tool_pairs.body_problems(response.provider_body_json, provider_format)]
+    elif provider_format != pb.PROVIDER_FORMAT_UNSPECIFIED:
+        problems.append(f"no provider body for format {provider_format}")
+    return problems
