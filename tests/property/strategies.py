@@ -255,10 +255,72 @@ arguments_json = st.builds(
     st.booleans())
 
 
+# One tool exchange, as events in item order (``tool_exchanges``):
+CALL, RESULT, OTHER = "call", "result", "other"
+Exchange = tuple[tuple[str, int, int], ...]
+_CALL_ITEMS = st.sampled_from((1, 1, 2, 2, 3))
+
+
+@st.composite
+def tool_exchanges(draw: st.DrawFn, *, max_call_items: int = 3, max_parallel: int = 3,
+                   late_others: bool = False, early_one_in: int = 3) -> Exchange:
+    """The order of one tool exchange of a run, as events: ``(CALL, k, n)`` is call item ``k``
+    with ``n`` parallel calls, ``(RESULT, k, j)`` the result of call ``j`` of item ``k``,
+    ``(OTHER, 0, 0)`` a non-tool item the caller chooses (an assistant message or reasoning).
+
+    Often several call items come before the first one's results (a second call item before
+    the first call's results, so the first call's results come after the second call), some
+    results arrive before a later call item, parallel results arrive in another order than
+    their calls, and other items sit between call items (``late_others``: also between
+    results). Every result comes after its call and every call is answered exactly once, so
+    the caller's checkpoint stays valid (``checkpoint_violations``) if it keeps the exchange
+    in one run. ``early_one_in``: results arrive before the next call item once in so many
+    gaps between call items (1: always some may)."""
+    n_items = min(draw(_CALL_ITEMS), max_call_items)
+    events: list[tuple[str, int, int]] = []
+    open_: list[tuple[int, int]] = []
+    for k in range(n_items):
+        if k and draw(st.integers(0, 3)) == 0:
+            events.append((OTHER, 0, 0))
+        n = draw(st.integers(1, max_parallel))
+        events.append((CALL, k, n))
+        open_ += [(k, j) for j in range(n)]
+        if k + 1 < n_items and draw(st.integers(1, early_one_in)) == 1:
+            early = [r for r in open_ if draw(st.booleans())]
+            events += [(RESULT, a, b) for a, b in early]
+            open_ = [r for r in open_ if r not in early]
+    results: list[tuple[str, int, int]] = [(RESULT, a, b) for a, b in
+                                           draw(st.permutations(open_))]
+    if late_others and draw(st.integers(0, 4)) == 0:
+        results.insert(draw(st.integers(0, len(results))), (OTHER, 0, 0))
+    return (*events, *results)
+
+
+EXCHANGE_SHAPES = {
+    # a later call item before some result of an earlier one
+    "interleaved": lambda ev: any(
+        kind == RESULT and any(c == CALL and j > k for c, j, _ in ev[:i])
+        for i, (kind, k, _) in enumerate(ev)),
+    # a result before a later call item while another result of its item is still to come
+    "early": lambda ev: any(
+        kind == RESULT and any(c == CALL for c, _, _ in ev[i + 1:])
+        and any(r == RESULT and j == k for r, j, _ in ev[i + 1:])
+        for i, (kind, k, _) in enumerate(ev)),
+    # parallel results in another order than their calls
+    "out of order": lambda ev: any(
+        a[0] == b[0] == RESULT and a[1] == b[1] and a[2] > b[2]
+        for i, a in enumerate(ev) for b in ev[i + 1:]),
+    "other between call items": lambda ev: any(
+        kind == OTHER and any(c == CALL for c, _, _ in ev[:i])
+        and any(c == CALL for c, _, _ in ev[i:]) for i, (kind, _, _) in enumerate(ev)),
+}
+
+
 @st.composite
 def conversation(draw: st.DrawFn, names: Sequence[str] = ()) -> tuple[str, tuple[
         ConversationItem, ...]]:
-    """(active_run_id, items): paired tool calls, unique ids, non-decreasing sequences,
+    """(active_run_id, items): paired tool calls in exchanges (``tool_exchanges``: interleaved
+    call items, early and out-of-order results), unique ids, non-decreasing sequences,
     reasoning from the active and older runs, optional trailing user messages."""
     runs = [f"run-{k}" for k in range(1, draw(st.integers(1, 3)) + 1)]
     active = runs[-1] if draw(st.integers(0, 4)) else f"run-{len(runs) + 1}"
@@ -276,6 +338,41 @@ def conversation(draw: st.DrawFn, names: Sequence[str] = ()) -> tuple[str, tuple
         seq += draw(st.integers(0, 3))  # equal sequences are allowed: non-decreasing
         return seq
 
+    def assistant(run: str) -> None:
+        items.append(AssistantMessageItem(id=nid(), sequence=nseq(), run_id=run,
+                                          item_trust=TrustLevel.USER, text=draw(texts())))
+
+    def reasoning(run: str) -> None:
+        items.append(ReasoningItem(id=nid(), sequence=nseq(), run_id=run,
+                                   item_trust=TrustLevel.USER,
+                                   provider=draw(st.sampled_from(
+                                       ("anthropic", "openai", "google"))),
+                                   opaque=draw(st.binary(max_size=48))))
+
+    def exchange(run: str) -> None:
+        batches: list[tuple[ToolCall, ...]] = []
+        for kind, k, n in draw(tool_exchanges()):
+            if kind == CALL:
+                batches.append(tuple(
+                    ToolCall(call_id=f"call_{next(call_no)}{draw(st.sampled_from(('', 'x')))}",
+                             name=draw(st.sampled_from(call_names)),
+                             arguments_json=draw(arguments_json))
+                    for _ in range(n)))
+                items.append(ToolCallItem(id=nid(), sequence=nseq(), run_id=run,
+                                          item_trust=TrustLevel.USER, calls=batches[k]))
+            elif kind == RESULT:
+                c = batches[k][n]
+                items.append(ToolResultItem(
+                    id=nid(), sequence=nseq(), run_id=run,
+                    item_trust=draw(st.sampled_from((TrustLevel.EXTERNAL_UNTRUSTED,
+                                                     TrustLevel.EXTERNAL_UNTRUSTED,
+                                                     TrustLevel.USER, TrustLevel.MEMORY,
+                                                     TrustLevel.TRUSTED_CONFIGURATION))),
+                    call_id=c.call_id, tool_name=c.name, content=draw(texts()),
+                    artifact_ref=draw(st.sampled_from(("", "artifact://a/1")))))
+            else:
+                (assistant if draw(st.booleans()) else reasoning)(run)
+
     for run in runs:
         items.append(UserMessageItem(id=nid(), sequence=nseq(), run_id=run,
                                      item_trust=draw(st.sampled_from(
@@ -285,34 +382,13 @@ def conversation(draw: st.DrawFn, names: Sequence[str] = ()) -> tuple[str, tuple
         for _ in range(draw(st.integers(0, 4))):
             kind = draw(st.sampled_from(("assistant", "reasoning", "tools", "tools")))
             if kind == "assistant":
-                items.append(AssistantMessageItem(id=nid(), sequence=nseq(), run_id=run,
-                                                  item_trust=TrustLevel.USER, text=draw(texts())))
+                assistant(run)
             elif kind == "reasoning":
-                items.append(ReasoningItem(id=nid(), sequence=nseq(), run_id=run,
-                                           item_trust=TrustLevel.USER,
-                                           provider=draw(st.sampled_from(
-                                               ("anthropic", "openai", "google"))),
-                                           opaque=draw(st.binary(max_size=48))))
+                reasoning(run)
             else:
-                calls = tuple(
-                    ToolCall(call_id=f"call_{next(call_no)}{draw(st.sampled_from(('', 'x')))}",
-                             name=draw(st.sampled_from(call_names)),
-                             arguments_json=draw(arguments_json))
-                    for _ in range(draw(st.integers(1, 3))))
-                items.append(ToolCallItem(id=nid(), sequence=nseq(), run_id=run,
-                                          item_trust=TrustLevel.USER, calls=calls))
-                for c in draw(st.permutations(calls)):
-                    items.append(ToolResultItem(
-                        id=nid(), sequence=nseq(), run_id=run,
-                        item_trust=draw(st.sampled_from((TrustLevel.EXTERNAL_UNTRUSTED,
-                                                         TrustLevel.EXTERNAL_UNTRUSTED,
-                                                         TrustLevel.USER, TrustLevel.MEMORY,
-                                                         TrustLevel.TRUSTED_CONFIGURATION))),
-                        call_id=c.call_id, tool_name=c.name, content=draw(texts()),
-                        artifact_ref=draw(st.sampled_from(("", "artifact://a/1")))))
+                exchange(run)
         if run == runs[-1] and draw(st.booleans()):
-            items.append(AssistantMessageItem(id=nid(), sequence=nseq(), run_id=run,
-                                              item_trust=TrustLevel.USER, text=draw(texts())))
+            assistant(run)
     # Unanswered trailing user input; a new active run starts with its user message, so the
     # active run's items always come last.
     trailing = draw(st.integers(0 if active == runs[-1] else 1, 2))

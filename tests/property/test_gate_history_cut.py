@@ -4,7 +4,12 @@
 set ``items[cut:]`` must be a contiguous suffix that fits ``history_tokens``, never reaches at
 or below the summary floor (an event *sequence*, compared with each item's sequence), never
 holds half of a tool pair (parallel calls share one call item and are one unit with all their
-results), is the largest such suffix, and is identical across two calls on the same input.
+results; a call item issued before an earlier one's results arrived joins that unit), is the
+largest such suffix, and is identical across two calls on the same input.
+
+The generated histories interleave: a second call item before the first one's results,
+results arriving before a later call item, parallel results out of order, messages and
+reasoning between them (``tool_exchanges`` in strategies.py).
 
 Every property is checked against an oracle written here from the spec's wording, sharing no
 code with ``history.py``: valid cut positions are the indices no call/result pair straddles,
@@ -31,14 +36,15 @@ from context_engine.domain.items import (
 )
 from context_engine.domain.request import ToolCall
 from context_engine.domain.trust import TrustLevel
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 from tests import factories as f
+from tests.property.strategies import CALL, EXCHANGE_SHAPES, RESULT, tool_exchanges
 
 pytestmark = pytest.mark.gate_history_cut
 
-GATE_SETTINGS = settings(max_examples=100, deadline=None,
+GATE_SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, database=None,
                          suppress_health_check=[HealthCheck.too_slow,
                                                 HealthCheck.data_too_large])
 
@@ -47,7 +53,11 @@ WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa",
 
 
 def words(n: int, seed: int) -> str:
-    return " ".join(WORDS[(seed + 7 * i) % len(WORDS)] for i in range(n))
+    """Word ``i`` is ``WORDS[(seed + 7 * i) % len(WORDS)]``: two alternating words (14 words),
+    built from the repeated pair."""
+    pair = (WORDS[seed % len(WORDS)], WORDS[(seed + 7) % len(WORDS)])
+    whole, rest = divmod(max(n, 0), 2)
+    return " ".join([*([" ".join(pair)] * whole), *pair[:rest]])
 
 
 @dataclass(frozen=True)
@@ -58,9 +68,12 @@ class History:
 
 @st.composite
 def histories(draw: st.DrawFn, *, max_blocks: int = 14) -> History:
-    """User and assistant messages, reasoning, and tool-call items with 1-3 parallel calls
-    followed by all their results (in any order); sequences are non-decreasing (equal
-    sequences allowed, including inside a pair); some results are huge."""
+    """User and assistant messages, reasoning, and tool exchanges (``tool_exchanges``): call
+    items with 1-3 parallel calls, often a second call item before the first one's results,
+    results arriving before a later call item, parallel results in another order than their
+    calls, messages and reasoning between call items and between results; an exchange stays
+    in one run. Sequences are non-decreasing (equal sequences allowed, including inside a
+    pair); some results are huge."""
     item_no = itertools.count(1)
     call_no = itertools.count(1)
     seq = draw(st.integers(0, 50))
@@ -75,42 +88,53 @@ def histories(draw: st.DrawFn, *, max_blocks: int = 14) -> History:
     def small() -> int:
         return draw(st.integers(0, 400))
 
-    for _ in range(draw(st.integers(0, max_blocks))):
-        kind = draw(st.sampled_from(("user", "assistant", "reasoning", "tools", "tools",
-                                     "tools")))
-        run = draw(st.sampled_from(("run-1", "run-2")))
+    def message(kind: str, run: str) -> None:
         if kind == "user":
             items.append(UserMessageItem(id=f"i{next(item_no)}", sequence=nseq(), run_id=run,
                                          item_trust=TrustLevel.USER,
                                          text=words(draw(st.integers(0, 30)), len(items))))
-            costs.append(small())
         elif kind == "assistant":
             items.append(AssistantMessageItem(id=f"i{next(item_no)}", sequence=nseq(),
                                               run_id=run, item_trust=TrustLevel.USER,
                                               text=words(draw(st.integers(0, 30)), len(items))))
-            costs.append(small())
-        elif kind == "reasoning":
+        else:
             items.append(ReasoningItem(id=f"i{next(item_no)}", sequence=nseq(), run_id=run,
                                        item_trust=TrustLevel.USER, provider="anthropic",
                                        opaque=bytes(draw(st.integers(0, 60)))))
-            costs.append(small())
-        else:
-            calls = tuple(ToolCall(call_id=f"call_{next(call_no)}", name="web.fetch",
-                                   arguments_json=json.dumps({"q": len(items)}))
-                          for _ in range(draw(st.integers(1, 3))))
-            items.append(ToolCallItem(id=f"i{next(item_no)}", sequence=nseq(), run_id=run,
-                                      item_trust=TrustLevel.USER, calls=calls))
-            costs.append(small())
-            for c in draw(st.permutations(calls)):
+        costs.append(small())
+
+    def exchange(run: str) -> None:
+        batches: list[tuple[ToolCall, ...]] = []
+        for kind, k, n in draw(tool_exchanges(late_others=True)):
+            if kind == CALL:
+                batches.append(tuple(ToolCall(call_id=f"call_{next(call_no)}", name="web.fetch",
+                                              arguments_json=json.dumps({"q": len(items)}))
+                                     for _ in range(n)))
+                items.append(ToolCallItem(id=f"i{next(item_no)}", sequence=nseq(), run_id=run,
+                                          item_trust=TrustLevel.USER, calls=batches[k]))
+                costs.append(small())
+            elif kind == RESULT:
+                c = batches[k][n]
                 huge = draw(st.integers(0, 4)) == 0
-                n = draw(st.integers(2_000, 60_000)) if huge else draw(st.integers(0, 300))
+                size = draw(st.integers(2_000, 60_000)) if huge else draw(st.integers(0, 300))
                 items.append(ToolResultItem(
                     id=f"i{next(item_no)}", sequence=nseq(), run_id=run,
                     item_trust=draw(st.sampled_from((TrustLevel.EXTERNAL_UNTRUSTED,
                                                      TrustLevel.USER))),
                     call_id=c.call_id, tool_name=c.name,
-                    content=words(n // 8 if huge else n // 4, len(items))))
-                costs.append(n)
+                    content=words(size // 8 if huge else size // 4, len(items))))
+                costs.append(size)
+            else:
+                message(draw(st.sampled_from(("user", "assistant", "reasoning"))), run)
+
+    for _ in range(draw(st.integers(0, max_blocks))):
+        kind = draw(st.sampled_from(("user", "assistant", "reasoning", "tools", "tools",
+                                     "tools")))
+        run = draw(st.sampled_from(("run-1", "run-2")))
+        if kind == "tools":
+            exchange(run)
+        else:
+            message(kind, run)
     return History(items=tuple(items), costs=tuple(costs))
 
 
@@ -231,7 +255,7 @@ _EST = f.estimator(_MODEL)
 _CTX = RenderContext(session_key="tenant-a/session-1")
 
 
-@settings(max_examples=50, deadline=None,
+@settings(max_examples=50, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_cut_with_the_real_estimator_is_stable(data: st.DataObject) -> None:
@@ -282,3 +306,44 @@ def test_zero_budget_and_empty_history() -> None:
     items = [f.user("u", "q", 1)]
     assert check_cut(items, 0, 0, [5]) == 1
     assert check_cut(items, 0, 0, [0]) == 0
+
+
+def test_interleaved_call_items_are_one_unit_with_all_their_results() -> None:
+    # A second call item before the first one's result, and the parallel results of the
+    # second out of order and after the first's: c1..rb is one unit (a cut at rc or rb would
+    # leave c2's other result without its call).
+    items = [f.user("u", "q", 1), _call("c1", 2, "a"), _call("c2", 3, "b", "c"),
+             _result("ra", 4, "a"), _result("rc", 5, "c"), _result("rb", 6, "b"),
+             f.user("u2", "next", 7)]
+    costs = [10] * 7
+    assert check_cut(items, 0, 35, costs) == 6
+    assert check_cut(items, 0, 59, costs) == 6
+    assert check_cut(items, 0, 60, costs) == 1
+    assert check_cut(items, 0, 70, costs) == 0
+    # The summary floor covers the first call item only: the whole exchange stays out.
+    assert check_cut(items, 2, 1_000, costs) == 6
+    assert check_cut(items, 3, 1_000, costs) == 6
+
+
+def test_a_result_before_a_later_call_item_keeps_the_exchange_whole() -> None:
+    # c1's first result arrives before c2, its second after c2's: one unit c1..rb.
+    items = [f.user("u", "q", 1), _call("c1", 2, "a", "b"), _result("ra", 3, "a"),
+             _call("c2", 4, "c"), _result("rc", 5, "c"), _result("rb", 6, "b")]
+    costs = [1] * 6
+    assert check_cut(items, 0, 4, costs) == 6
+    assert check_cut(items, 0, 5, costs) == 1
+    # Answered in turn, the two call items are two units: the cut may fall between them.
+    items = [f.user("u", "q", 1), _call("c1", 2, "a"), _result("ra", 3, "a"),
+             _call("c2", 4, "b"), _result("rb", 5, "b")]
+    assert check_cut(items, 0, 2, [1] * 5) == 3
+    assert check_cut(items, 0, 3, [1] * 5) == 3
+    assert check_cut(items, 0, 4, [1] * 5) == 1
+
+
+@pytest.mark.parametrize("shape", sorted(EXCHANGE_SHAPES))
+def test_the_generators_produce_every_interleaving(shape: str) -> None:
+    """The exchanges behind every history and ladder generator keep producing each shape
+    (found within a few examples, deterministically)."""
+    found = find(tool_exchanges(), EXCHANGE_SHAPES[shape],
+                 settings=settings(derandomize=True, database=None, max_examples=200))
+    assert EXCHANGE_SHAPES[shape](found)

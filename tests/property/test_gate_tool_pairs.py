@@ -3,13 +3,19 @@ defenses", "Hard gates").
 
 No assembled request, under any yield path (knowledge dropped, recall trimmed, tool results
 turned into pointers, history cut, a summary floor inside a pair), holds an unpaired tool call
-or tool result; a request built by hand with an orphan is rejected by the validator.
+or tool result, nor does either provider body rendered from it (Anthropic: each assistant
+tool_use turn answered by the next user turn's tool_results; OpenAI Responses: each
+function_call answered once, after it); a request built by hand with an orphan is rejected by
+the validator.
 
 The generator here (``pressured_cases``, also used by the budget gate) draws plans with small
-windows (16k to 1M, output reserves and policy caps) and checkpoints with parallel calls, huge
-results, reasoning, summaries, knowledge, recall and pending results of the active loop, sized
-against the window so that every rung of the yield ladder runs. The pairing check is written
-here, independently of ``pairs.py``.
+windows (16k to 1M, output reserves and policy caps) and checkpoints with tool exchanges
+(``tool_exchanges`` in strategies.py: parallel calls, a second call item before the first
+one's results, results arriving before a later call item, parallel results out of order,
+messages and reasoning between call items), huge results, replayable reasoning of both
+providers, summaries, knowledge, recall and pending results of the active loop, sized against
+the window so that every rung of the yield ladder runs. The pairing checks are written here,
+independently of ``pairs.py`` and ``providers.py``.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ import json
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
-from context_engine.domain import pairs
+from context_engine.domain import pairs, providers
 from context_engine.domain.budget import BudgetPolicy
 from context_engine.domain.builder import (
     BuildResult,
@@ -57,10 +64,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests import factories as f
+from tests.property.strategies import CALL, RESULT, tool_exchanges
 
 pytestmark = pytest.mark.gate_tool_pairs
 
-GATE_SETTINGS = settings(max_examples=100, deadline=None,
+GATE_SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, database=None,
                          suppress_health_check=[HealthCheck.too_slow,
                                                 HealthCheck.data_too_large,
                                                 HealthCheck.filter_too_much])
@@ -78,8 +86,27 @@ WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa",
 
 
 def words(n: int, seed: int) -> str:
-    """About ``n`` words of JSON/HTML-ish text, deterministic in ``seed``."""
-    return " ".join(WORDS[(seed + 7 * i + i // 5) % len(WORDS)] for i in range(max(n, 0)))
+    """About ``n`` words of JSON/HTML-ish text, deterministic in ``seed``: word ``i`` is
+    ``WORDS[(seed + 7 * i + i // 5) % len(WORDS)]``, a sequence of period 5 (7 * 5 + 1 is a
+    multiple of len(WORDS)), so it is built from one repeated block."""
+    block = _block(seed % len(WORDS))
+    whole, rest = divmod(max(n, 0), 5)
+    return " ".join([*([" ".join(block)] * whole), *block[:rest]])
+
+
+@functools.cache
+def _block(seed: int) -> tuple[str, ...]:
+    return tuple(WORDS[(seed + 7 * i + i // 5) % len(WORDS)] for i in range(5))
+
+
+def reasoning_payload(provider: str, seed: int, n: int) -> bytes:
+    """A replayable reasoning item of ``provider`` (its own JSON object, about ``n`` words)."""
+    if provider == "anthropic":
+        value = {"type": "thinking", "thinking": words(n, seed), "signature": f"c2ln{seed}"}
+    else:
+        value = {"type": "reasoning", "id": f"rs_{seed}", "summary": [],
+                 "encrypted_content": words(n, seed)}
+    return json.dumps(value).encode()
 
 
 @functools.cache
@@ -131,16 +158,18 @@ def split(cp: Checkpoint) -> Split:
         a -= 1
     carried = tuple(i for i in rest[:a] if not isinstance(i, ReasoningItem))
     active = tuple(rest[a:])
+    # The model is only ever called with every call answered, so the results it has not read
+    # are those after the last point, before the active run's last call item, at which no
+    # call was open; none once anything but a result ends the run (the model answered).
     pending: set[str] = set()
-    for item in reversed(active):
-        if isinstance(item, ToolResultItem):
-            pending.add(item.id)
-            continue
-        if not isinstance(item, ToolCallItem):
-            pending = set()
-        break
-    else:
-        pending = set()
+    called_at = {c.call_id: k for k, i in enumerate(active) if isinstance(i, ToolCallItem)
+                 for c in i.calls}
+    answered_at = {i.call_id: k for k, i in enumerate(active) if isinstance(i, ToolResultItem)}
+    if active and isinstance(active[-1], ToolResultItem) and called_at:
+        last_call = max(called_at.values())
+        start = max(q for q in range(last_call + 1)
+                    if not any(called_at[c] < q <= answered_at[c] for c in called_at))
+        pending = {i.id for i in active[start:] if isinstance(i, ToolResultItem)}
     floor = 0
     if cp.summary is not None:
         rts = cp.summary.replaced_through_sequence
@@ -208,45 +237,70 @@ def pressured_cases(draw: st.DrawFn, *, recall_floor: int | None = None,
     runs = [f"run-{k}" for k in range(1, draw(st.integers(1, 4)) + 1)]
     new_active = draw(st.integers(0, 4)) == 0
     active = f"run-{len(runs) + 1}" if new_active else runs[-1]
+    def assistant(run: str, label: str) -> None:
+        items.append(AssistantMessageItem(id=nid(), sequence=nseq(), run_id=run,
+                                          item_trust=TrustLevel.USER, text=text(label)))
+
+    def reasoning(run: str) -> None:
+        provider = draw(st.sampled_from(("anthropic", "anthropic", "openai")))
+        items.append(ReasoningItem(id=nid(), sequence=nseq(), run_id=run,
+                                   item_trust=TrustLevel.USER, provider=provider,
+                                   opaque=reasoning_payload(provider, next(item_no),
+                                                            draw(st.integers(0, 400)))))
+
+    def exchange(run: str, sizes: tuple[str, ...] = ("tiny", "small", "medium", "huge",
+                                                      "huge"), early_one_in: int = 3) -> None:
+        batches: list[tuple[ToolCall, ...]] = []
+        for kind, k, n in draw(tool_exchanges(early_one_in=early_one_in)):
+            if kind == CALL:
+                batches.append(tuple(
+                    ToolCall(call_id=f"call_{next(call_no)}",
+                             name=draw(st.sampled_from(("web.fetch", "files.read"))),
+                             arguments_json=json.dumps({"q": seq}))
+                    for _ in range(n)))
+                items.append(ToolCallItem(id=nid(), sequence=nseq(), run_id=run,
+                                          item_trust=TrustLevel.USER, calls=batches[k]))
+            elif kind == RESULT:
+                c = batches[k][n]
+                size_kind = draw(st.sampled_from(sizes))
+                m = {"tiny": draw(st.integers(0, 4)), "small": draw(st.integers(5, 80)),
+                     "medium": size(0.01, 0.08), "huge": size(0.08, 0.6)}[size_kind]
+                content = words(m, next(item_no))
+                excerpt = words(draw(st.integers(3, 40)), 1) if draw(
+                    st.integers(0, 5)) == 0 else ""
+                items.append(ToolResultItem(
+                    id=nid(), sequence=nseq(), run_id=run,
+                    item_trust=draw(st.sampled_from((TrustLevel.EXTERNAL_UNTRUSTED,
+                                                     TrustLevel.EXTERNAL_UNTRUSTED,
+                                                     TrustLevel.USER, TrustLevel.MEMORY))),
+                    call_id=c.call_id, tool_name=c.name, content=content,
+                    context_content=excerpt,
+                    event_id=draw(st.sampled_from((0, 1000 + seq))),
+                    artifact_ref=draw(st.sampled_from(("", f"artifact://r/{seq}")))))
+            elif draw(st.booleans()):
+                assistant(run, "between calls")
+            else:
+                reasoning(run)
+
     for run in runs:
         items.append(UserMessageItem(id=nid(), sequence=nseq(), run_id=run,
                                      item_trust=TrustLevel.USER, text=text("user")))
         for _ in range(draw(st.integers(0, 6))):
             kind = draw(st.sampled_from(("assistant", "reasoning", "tools", "tools", "tools")))
             if kind == "assistant":
+                assistant(run, "assistant")
+            elif kind == "reasoning":
+                reasoning(run)
+            else:
+                exchange(run)
+        if run == runs[-1] and not new_active:
+            ending = draw(st.sampled_from(("answer", "loop", "loop", "as drawn")))
+            if ending == "answer":
                 items.append(AssistantMessageItem(id=nid(), sequence=nseq(), run_id=run,
                                                   item_trust=TrustLevel.USER,
-                                                  text=text("assistant")))
-            elif kind == "reasoning":
-                items.append(ReasoningItem(id=nid(), sequence=nseq(), run_id=run,
-                                           item_trust=TrustLevel.USER, provider="anthropic",
-                                           opaque=bytes(range(256)) * draw(st.integers(0, 8))))
-            else:
-                calls = tuple(ToolCall(call_id=f"call_{next(call_no)}",
-                                       name=draw(st.sampled_from(("web.fetch", "files.read"))),
-                                       arguments_json=json.dumps({"q": seq}))
-                              for _ in range(draw(st.integers(1, 3))))
-                items.append(ToolCallItem(id=nid(), sequence=nseq(), run_id=run,
-                                          item_trust=TrustLevel.USER, calls=calls))
-                for c in draw(st.permutations(calls)):
-                    kind = draw(st.sampled_from(("tiny", "small", "medium", "huge", "huge")))
-                    n = {"tiny": draw(st.integers(0, 4)), "small": draw(st.integers(5, 80)),
-                         "medium": size(0.01, 0.08), "huge": size(0.08, 0.6)}[kind]
-                    content = words(n, next(item_no))
-                    excerpt = words(draw(st.integers(3, 40)), 1) if draw(
-                        st.integers(0, 5)) == 0 else ""
-                    items.append(ToolResultItem(
-                        id=nid(), sequence=nseq(), run_id=run,
-                        item_trust=draw(st.sampled_from((TrustLevel.EXTERNAL_UNTRUSTED,
-                                                         TrustLevel.EXTERNAL_UNTRUSTED,
-                                                         TrustLevel.USER, TrustLevel.MEMORY))),
-                        call_id=c.call_id, tool_name=c.name, content=content,
-                        context_content=excerpt,
-                        event_id=draw(st.sampled_from((0, 1000 + seq))),
-                        artifact_ref=draw(st.sampled_from(("", f"artifact://r/{seq}")))))
-        if run == runs[-1] and not new_active and draw(st.integers(0, 3)) == 0:
-            items.append(AssistantMessageItem(id=nid(), sequence=nseq(), run_id=run,
-                                              item_trust=TrustLevel.USER, text=text("answer")))
+                                                  text=text("answer")))
+            elif ending == "loop":  # the active loop waits on its latest batch (never-yield)
+                exchange(run, ("tiny", "small", "medium", "medium", "huge"), early_one_in=1)
     n_trailing = draw(st.integers(1 if new_active else 0, 2))
     for _ in range(n_trailing):
         big = allow_failures and draw(st.integers(0, 14)) == 7
@@ -293,29 +347,76 @@ def pressured_cases(draw: st.DrawFn, *, recall_floor: int | None = None,
 
 def check_paired(messages: Sequence[Message]) -> None:
     """Independent of ``pairs.orphans``: every tool message answers a call made in an earlier
-    assistant message, every call has exactly one result, and a batch's results follow it
-    directly (what both providers require)."""
+    assistant message, every call has exactly one result, and only conversation messages
+    (row 10: the exchange's other calls and results, its messages and reasoning) sit between a
+    call and its results. Calls may interleave (a second call message before the first one's
+    results); what each provider's wire format requires of that is checked on the rendered
+    bodies (``check_provider_bodies``)."""
     made: dict[str, int] = {}
-    answered: Counter[str] = Counter()
+    answered: dict[str, int] = {}
     for k, m in enumerate(messages):
         if m.role is Role.TOOL:
             assert m.call_id in made and made[m.call_id] < k, \
                 f"message {k} answers {m.call_id!r}, which no earlier message called"
             assert not m.tool_calls
-            answered[m.call_id] += 1
+            assert m.call_id not in answered, f"{m.call_id!r} answered twice"
+            answered[m.call_id] = k
         for call in m.tool_calls:
             assert m.role is Role.ASSISTANT
             assert call.call_id not in made, f"{call.call_id!r} called twice"
             made[call.call_id] = k
     assert set(answered) == set(made), \
         f"calls without results: {sorted(set(made) - set(answered))}"
-    assert all(n == 1 for n in answered.values()), f"answered twice: {answered}"
-    for k, m in enumerate(messages):
-        if m.tool_calls:
-            following = [x.call_id for x in messages[k + 1:k + 1 + len(m.tool_calls)]
-                         if x.role is Role.TOOL]
-            assert sorted(following) == sorted(c.call_id for c in m.tool_calls), \
-                f"the results of message {k} do not directly follow it"
+    for call_id, k in made.items():
+        between = {m.row for m in messages[k:answered[call_id] + 1]}
+        assert between == {10}, f"rows {sorted(between)} between {call_id!r} and its result"
+
+
+def check_provider_bodies(r: BuildResult) -> dict[str, dict[str, Any]]:
+    """Both provider bodies keep every pair. ``providers.render`` runs our own validator; the
+    pairing is checked again here, independently. Anthropic: roles alternate from a user turn;
+    the tool_use blocks of an assistant turn are answered, each exactly once, by the
+    tool_result blocks that open the next user turn, and a turn's tool_results answer only the
+    turn right before it. OpenAI Responses: every function_call has exactly one
+    function_call_output after it, and every output has its call."""
+    calls = sorted(c.call_id for m in r.request.messages for c in m.tool_calls)
+    bodies = {fmt: providers.render(r, fmt) for fmt in providers.FORMATS}
+
+    turns = bodies[providers.ANTHROPIC_MESSAGES]["messages"]
+    assert turns and turns[0]["role"] == "user"
+    assert all(a["role"] != b["role"] for a, b in itertools.pairwise(turns))
+    uses_of: list[list[str]] = []
+    results_of: list[list[str]] = []
+    for t in turns:
+        kinds = [b["type"] for b in t["content"]]
+        results = [b["tool_use_id"] for b in t["content"] if b["type"] == "tool_result"]
+        assert kinds[:len(results)] == ["tool_result"] * len(results), \
+            f"tool_result blocks do not open their turn: {kinds}"
+        uses_of.append([b["id"] for b in t["content"] if b["type"] == "tool_use"])
+        results_of.append(results)
+    for i, (uses, results) in enumerate(zip(uses_of, results_of, strict=True)):
+        if uses:
+            assert turns[i]["role"] == "assistant"
+            assert i + 1 < len(turns) and sorted(results_of[i + 1]) == sorted(uses), (
+                f"turn {i} calls {sorted(uses)}; the next turn answers "
+                f"{sorted(results_of[i + 1]) if i + 1 < len(turns) else 'nothing'}")
+        if results:
+            assert turns[i]["role"] == "user" and i > 0
+            assert sorted(results) == sorted(uses_of[i - 1]), \
+                f"turn {i} answers {sorted(results)}, the turn before called {uses_of[i - 1]}"
+    assert sorted(c for uses in uses_of for c in uses) == calls
+
+    made: dict[str, int] = {}
+    outputs: Counter[str] = Counter()
+    for k, item in enumerate(bodies[providers.OPENAI_RESPONSES]["input"]):
+        if item.get("type") == "function_call":
+            assert item["call_id"] not in made
+            made[item["call_id"]] = k
+        elif item.get("type") == "function_call_output":
+            assert item["call_id"] in made, f"output {item['call_id']!r} before its call"
+            outputs[item["call_id"]] += 1
+    assert sorted(made) == calls and outputs == Counter(calls)
+    return bodies
 
 
 def steps_of(r: BuildResult) -> tuple[str, ...]:
@@ -341,12 +442,19 @@ def test_no_assembled_request_holds_an_unpaired_call_or_result(case: Case) -> No
         event(f"yielded: {step}")
     assert pairs.orphans(r.request.messages) == []
     check_paired(r.request.messages)
-    # Every call made in a retained history item or in the active run is in the request, and
-    # so are all of its results (units are kept or left out whole).
+    check_provider_bodies(r)
+    # The active run is whole; retained history is whole units: every call in the request
+    # has all of its results there (check_paired), and the items sent are the checkpoint's.
     s = split(case.cp)
     sent = {m.item_id for m in r.request.messages}
     for item in s.active:
         assert item.id in sent, f"active item {item.id} is missing"
+    for m in r.request.messages:  # the pending pairs of the active loop never yield
+        assert m.item_id not in s.pending or "[elided]" not in m.text, \
+            f"pending result {m.item_id} became a pointer"
+    retained = [i for i in s.carried if i.id in sent]
+    assert retained == list(s.carried[len(s.carried) - len(retained):]), \
+        "retained history is not a suffix"
 
 
 # --------------------------------------------------------------------------- each yield path
@@ -354,11 +462,19 @@ def test_no_assembled_request_holds_an_unpaired_call_or_result(case: Case) -> No
 RUNGS = ("knowledge", "recall", "tool_results", "history")
 
 
-def _batch(k: int, seq: int, run: str, content: str) -> list[ConversationItem]:
-    """A parallel batch of three calls, answered out of order."""
+def _batch(k: int, seq: int, run: str, content: str, *,
+           interleaved: bool = False) -> list[ConversationItem]:
+    """A parallel batch of three calls, answered out of order. ``interleaved``: the third
+    call is a second call item (``c<k>x``) issued before the first one's results, and its
+    result comes last."""
     ids = (f"call_{k}a", f"call_{k}b", f"call_{k}c")
-    out: list[ConversationItem] = [f.call(f"c{k}", seq, *ids, run=run)]
-    for j, cid in enumerate(reversed(ids)):
+    if not interleaved:
+        out: list[ConversationItem] = [f.call(f"c{k}", seq, *ids, run=run)]
+        order = tuple(reversed(ids))
+    else:
+        out = [f.call(f"c{k}", seq, *ids[:2], run=run), f.call(f"c{k}x", seq + 1, ids[2], run=run)]
+        order = (ids[1], ids[0], ids[2])
+    for j, cid in enumerate(order):
         out.append(f.result(f"r{k}{j}", seq + 1, cid, content + f" #{j}", run=run))
     return out
 
@@ -389,18 +505,19 @@ def synthetic_overflow(depth: int, *, knowledge: bool = True, recall: bool = Tru
     policy = BudgetPolicy(recall_floor_tokens=recall_floor)
     result_text = words(80, 1)  # ~250 tokens each: all stay under 25% of the body
     items: list[ConversationItem] = [f.user("u0", "first question", 1, run="run-0")]
-    items += _batch(1, 2, "run-0", result_text)
+    items += _batch(1, 2, "run-0", result_text, interleaved=True)
     items += [AssistantMessageItem(id="a0", sequence=4, run_id="run-0",
                                    item_trust=TrustLevel.USER, text=words(300, 2)),
               f.user("u1", "second question", 5, run="run-1")]
-    items += _batch(2, 6, "run-1", result_text)
+    items += _batch(2, 6, "run-1", result_text, interleaved=True)
     items += [AssistantMessageItem(id="a1", sequence=8, run_id="run-1",
                                    item_trust=TrustLevel.USER, text=words(200, 3)),
               f.user("u2", "third question", 9, run="run-2")]
     items += _batch(3, 10, "run-2", result_text)  # completed in the active run
     items += [AssistantMessageItem(id="a2", sequence=12, run_id="run-2",
                                    item_trust=TrustLevel.USER, text="checking more")]
-    items += _batch(4, 13, "run-2", "fine")  # the active loop's pending batch
+    # the active loop's pending batch
+    items += _batch(4, 13, "run-2", "fine", interleaved=True)
     passages = tuple(KnowledgePassage(id=f"k{j}", source="kb", text=words(250, j), rank=j,
                                       trust=TrustLevel.EXTERNAL_UNTRUSTED)
                      for j in range(3)) if knowledge else ()
@@ -457,19 +574,51 @@ def test_every_yield_path_keeps_pairs_whole(depth: int, knowledge: bool, recall:
     assert list(ran) == rungs
     assert pairs.orphans(r.request.messages) == []
     check_paired(r.request.messages)
+    check_provider_bodies(r)
     texts = {m.item_id: m.text for m in r.request.messages}
     for rid in ("r40", "r41", "r42"):  # the pending batch: whole, never a pointer
         assert rid in texts and "[elided]" not in texts[rid]
 
 
+def test_a_result_that_arrived_before_a_later_call_item_of_its_batch_is_pending() -> None:
+    """The active loop issued c1 (x1, x2) and, before x2's result, c2 (x3): one batch (the model
+    is never called while x2 is open), so r1, which arrived between them, is as unread as r3
+    and r2 and never yields. (Observed on an earlier tree: only the results after the last
+    call item counted as pending, and r1 became a pointer under the 25% tool-result cap.)"""
+    lp = loaded_for("gpt-4o", 16_000, 4_096)
+    items: list[ConversationItem] = [
+        f.user("u0", "old question", 1, run="run-0"), f.call("c0", 2, "x0", run="run-0"),
+        f.result("r0", 3, "x0", words(300, 1), run="run-0"),
+        f.user("u1", "now", 4, run="run-1"), f.call("c1", 5, "x1", "x2", run="run-1"),
+        f.result("r1", 6, "x1", words(2_000, 2), run="run-1"),
+        f.call("c2", 7, "x3", run="run-1"), f.result("r3", 8, "x3", words(100, 3), run="run-1"),
+        f.result("r2", 8, "x2", "ok", run="run-1")]
+    case = Case(loaded=lp, cp=f.checkpoint(items, run="run-1"), policy=BudgetPolicy(),
+                factor=1.0)
+    assert split(case.cp).pending == {"r1", "r2", "r3"}
+    r = case.build()
+    pointers = [i for s in r.pressure.steps if s.step == "tool_results" for i in s.ids]
+    assert pointers == ["r0"]  # the class cap still yields, but only the completed result
+    texts = {m.item_id: m.text for m in r.request.messages}
+    assert "[elided]" in texts["r0"]
+    assert all("[elided]" not in texts[i] for i in ("r1", "r2", "r3"))
+    check_paired(r.request.messages)
+    check_provider_bodies(r)
+    # Answered in turn, c1 and c2 are two batches: only c2's result is pending.
+    sequential = [*items[:5], f.result("r2", 6, "x2", "ok", run="run-1"), *items[5:8]]
+    assert split(f.checkpoint(sequential, run="run-1")).pending == {"r3"}
+
+
 def test_a_summary_floor_inside_a_parallel_batch_leaves_the_whole_batch_out() -> None:
-    # The batch c1 spans sequences 2-3; the floor 2 covers the call but not its results.
+    # The batch c1, c1x spans sequences 2-3; the floor 2 covers the first call item but not
+    # the second nor any result.
     for depth in (0, 4):
         r = synthetic_overflow(depth, summary_through=2).build()
         sent = [m.item_id for m in r.request.messages]
-        for item_id in ("u0", "c1", "r10", "r11", "r12"):
+        for item_id in ("u0", "c1", "c1x", "r10", "r11", "r12"):
             assert item_id not in sent
         check_paired(r.request.messages)
+        check_provider_bodies(r)
         assert pairs.orphans(r.request.messages) == []
 
 

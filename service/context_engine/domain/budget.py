@@ -168,16 +168,22 @@ class Allocation:
 
 def pending_results(active: list[ConversationItem]) -> set[str]:
     """Ids of the results of the active loop's latest call batch that the model has not
-    answered yet: never-yield, so they are never turned into pointers."""
-    pending: set[str] = set()
-    for item in reversed(active):
-        if isinstance(item, ToolResultItem):
-            pending.add(item.id)
-        elif isinstance(item, ToolCallItem):
-            return pending
-        else:
-            break
-    return set()
+    answered yet: never-yield, so they are never turned into pointers. The model is only
+    called with every call answered, so the batch starts at the last call item issued while
+    no call was open; with interleaved calls it also holds a result that arrived before a
+    later call item of the batch. None once anything but a result ends the run."""
+    if not active or not isinstance(active[-1], ToolResultItem):
+        return set()
+    open_calls: set[str] = set()
+    start = 0
+    for i, item in enumerate(active):
+        if isinstance(item, ToolCallItem):
+            if not open_calls:
+                start = i
+            open_calls.update(call.call_id for call in item.calls)
+        elif isinstance(item, ToolResultItem):
+            open_calls.discard(item.call_id)
+    return {item.id for item in active[start:] if isinstance(item, ToolResultItem)}
 
 
 def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: BudgetPolicy,
