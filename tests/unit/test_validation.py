@@ -207,3 +207,15 @@ def test_reserve_is_never_spent_on_input() -> None:
     with pytest.raises(BudgetExceeded):
         build(lp, f.checkpoint([f.user("u1", body * 3, 1)]),
               estimator=f.estimator(lp.plan.spec.model))
+
+
+def test_another_runs_item_inside_a_tool_pair() -> None:
+    """The cut sees the two runs apart and would split the pair under pressure: refused at the
+    boundary (INVALID_ARGUMENT), never an assembly error later."""
+    items: list[ConversationItem] = [
+        f.user("u0", "q", 1, run="run-1"), f.call("c1", 2, "call-1", run="run-1"),
+        f.user("u1", "meanwhile", 3, run="run-2"), f.result("r1", 4, "call-1", "x", run="run-1"),
+        f.user("u2", "more", 5, run="run-1")]
+    v = violations(items, run="run-1")
+    assert list(v) == ["checkpoint.items[2].run_id"]
+    assert "a tool pair never spans two runs" in v["checkpoint.items[2].run_id"]

@@ -157,8 +157,20 @@ def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint") -> list[Fie
     open_calls: dict[str, int] = {}
     answered: set[str] = set()
     last_sequence: int | None = None
+    interrupted: set[str] = set()
     for i, item in enumerate(cp.items):
         path = f"{field}.items[{i}]"
+        # a tool pair never spans two runs: nor may another run's item sit inside one (the
+        # history cut and compaction see the two runs apart, and would split the pair)
+        inside = [c for c in open_calls if runs_by_call[c] != item.run_id
+                  and c not in interrupted]
+        if inside:
+            interrupted.update(inside)
+            violations.append(FieldViolation(
+                f"{path}.run_id",
+                f"run {item.run_id!r} sits between call(s) {', '.join(map(repr, inside))} of "
+                f"run {runs_by_call[inside[0]]!r} and their results: a tool pair never spans "
+                "two runs"))
         if not item.id:
             violations.append(FieldViolation(f"{path}.id", "must not be empty"))
         elif item.id in seen_ids:
