@@ -46,7 +46,7 @@ class Mutant:
 
     @property
     def selection(self) -> str:
-        return " ".join(self.killed_by)
+        return shlex.join(self.killed_by)
 
 
 def header(patch: Path) -> dict[str, str]:
