@@ -31,3 +31,9 @@ def test_mutant_applies_and_names_its_killer(mutant: object) -> None:
     touched = [line[6:] for line in mutant.patch.read_text().splitlines()
                if line.startswith("+++ b/")]
     assert touched and all(p.startswith(("service/", "clients/")) for p in touched), touched
+
+
+def test_the_readme_lists_every_mutant() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    missing = [m.name for m in MUTANTS if f"| `{m.name}` |" not in readme]
+    assert not missing, f"README's Testing section does not list {missing}"
