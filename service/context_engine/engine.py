@@ -11,7 +11,12 @@ from typing import Any
 from opentelemetry.trace import NoOpTracer, Tracer
 
 from context_engine.clock import SYSTEM_CLOCK, Clock, time_ns
-from context_engine.domain.budget import BudgetPolicy, Pressure, compute_budget
+from context_engine.domain.budget import (
+    BudgetPolicy,
+    Pressure,
+    compute_budget,
+    require_history_floor,
+)
 from context_engine.domain.builder import (
     DEFAULT_POLICY,
     BuildResult,
@@ -19,6 +24,8 @@ from context_engine.domain.builder import (
     LoadedPlan,
     build,
     load_plan,
+    prefix_exact,
+    working_state_tokens,
 )
 from context_engine.domain.calibration import Calibration, Reconciled, reconcile
 from context_engine.domain.canonical import canonical_sha256, session_key
@@ -44,7 +51,6 @@ from context_engine.domain.items import (
     HistorySummary,
     RenderContext,
     WorkingState,
-    WorkingStateItem,
 )
 from context_engine.domain.model import (
     AgentSpec,
@@ -74,6 +80,7 @@ from context_engine.domain.ports import (
     CalibrationStore,
     CompactionStore,
     ContextEvent,
+    EpochUsage,
     EventLog,
     InMemoryCompactionStore,
     PlanStore,
@@ -170,6 +177,7 @@ class WorkingStateCommand:
     sequence: int
     transition: Transition
     factor: float | None = None
+    call_id: str = ""  # the model's call, when the transition came as its raw tool call
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -279,6 +287,7 @@ def pressure_payload(p: Pressure, epoch: int) -> dict[str, Any]:
         "left_out_tokens": p.left_out_tokens, "history_cut_index": p.cut_index,
         "summary_floor_index": p.floor_index,
         "legacy_tool_excerpts": p.legacy_tool_excerpts,
+        "history_floor_shortfall": p.history_floor_shortfall,
     }
 
 
@@ -353,9 +362,13 @@ class Engine:
         with child(self._tracer, "context_engine.plan.render",
                    attributes={"context_engine.render.source": "draft"}):
             draft = draft_plan(inputs, key, self.estimator_for(profile))
-        # A prefix that leaves no body can never build: refuse it now, not on every Build.
-        compute_budget(window=profile.context_window, output_reserve=profile.output_reserve,
-                       prefix_tokens=draft.prefix_tokens, policy=self.policy)
+        # A prefix that leaves no body can never build, and a body that cannot hold history's
+        # floor can never keep it: refuse both now, not on every Build.
+        budget = compute_budget(window=profile.context_window,
+                                output_reserve=profile.output_reserve,
+                                prefix_tokens=draft.prefix_tokens, policy=self.policy)
+        require_history_floor(budget, model_id=profile.model_id, window=profile.context_window,
+                              prefix_tokens=draft.prefix_tokens, policy=self.policy)
 
         def decide(locked: ContextPlan | None) -> Rotation | None:
             if locked is None:
@@ -420,8 +433,15 @@ class Engine:
                 draft = redraft(locked.spec, key, estimator, drop_tools=cmd.drop_tools,
                                 model=profile, snapshot=cmd.snapshot)
             model = draft.spec.model
-            compute_budget(window=model.context_window, output_reserve=model.output_reserve,
-                           prefix_tokens=draft.prefix_tokens, policy=self.policy)
+            budget = compute_budget(window=model.context_window,
+                                    output_reserve=model.output_reserve,
+                                    prefix_tokens=draft.prefix_tokens, policy=self.policy)
+            if profile is not None:
+                # routed to another model: as Plan, refuse one whose body cannot hold history's
+                # floor (the other reasons keep the model, and a revocation must never fail)
+                require_history_floor(budget, model_id=model.model_id,
+                                      window=model.context_window,
+                                      prefix_tokens=draft.prefix_tokens, policy=self.policy)
             drafts.append(draft)
             return Rotation(reason=cmd.reason, draft=draft)
 
@@ -561,6 +581,8 @@ class Engine:
         fits = "true" if pressure.fits else "false"
         for step in pressure.steps:
             self._metrics.budget_pressure.labels(step=step.step, fits=fits).inc()
+        if pressure.history_floor_shortfall:  # never-yield items left history below its floor
+            self._metrics.budget_pressure.labels(step="history_floor", fits=fits).inc()
 
     async def _record(self, tenant_id: str, session_id: str, epoch: int, kind: str,
                       payload: dict[str, Any]) -> None:
@@ -590,11 +612,16 @@ class Engine:
         if too_big:
             raise InvalidInput(too_big)
 
+        # An exact prefix count (the model's own tokenizer) is not scaled and carries no error:
+        # the body absorbs all of it. An approximate one was scaled with the body, so the
+        # factor comes from the observed ratio over the whole estimate.
+        fixed = loaded.plan.prefix_tokens if prefix_exact(spec) else 0
+
         def apply(current: Calibration | None) -> Reconciled:
             return reconcile(current, model_id=model.model_id, encoding=spec.encoding,
                              estimated=report.estimated_input_tokens,
                              actual=report.input_tokens, factor_used=report.estimator_factor,
-                             fixed=loaded.plan.prefix_tokens)
+                             fixed=fixed)
 
         # The request as sent (epoch 0 is "current"), not the epoch it resolved to: a retry
         # after a rotation repeats the same request and must get the first answer back.
@@ -602,32 +629,40 @@ class Engine:
             report.session_id, report.epoch or 0, report.estimated_input_tokens,
             report.estimator_factor, report.input_tokens, report.cached_tokens,
             report.output_tokens])
-        outcome, counted = await self._calibrations.reconcile(
-            report.tenant_id, model.model_id, report.idempotency_key, apply, fingerprint)
-        if counted:
+        outcome, earlier = await self._calibrations.reconcile(
+            report.tenant_id, model.model_id, report.idempotency_key, apply, fingerprint,
+            usage=EpochUsage(session_id=report.session_id, epoch=loaded.plan.epoch,
+                             input_tokens=report.input_tokens))
+        counted = earlier is not None
+        if earlier is not None:  # a retried key observes nothing (its stored factor is old)
             self._metrics.estimator_error_ratio.labels(model=model.family).observe(
                 outcome.error_ratio)
-            if loaded.plan.prefix_tokens:
+            self._metrics.estimator_correction_factor.labels(model=model.family).set(
+                outcome.calibration.factor)
+            # An epoch's first request writes its prefix to the provider's cache: a necessary
+            # miss, not a leak, so only the later ones measure the prefix ratio.
+            if earlier.reports_before and loaded.plan.prefix_tokens:
                 self._metrics.cached_prefix_ratio.observe(
                     min(report.cached_tokens / loaded.plan.prefix_tokens, 1.0))
-        self._metrics.estimator_correction_factor.labels(model=model.family).set(
-            outcome.calibration.factor)
+            # History reuse: what was cached against the preceding call's full input.
+            if earlier.previous_input_tokens:
+                self._metrics.cached_input_ratio.observe(
+                    min(report.cached_tokens / earlier.previous_input_tokens, 1.0))
         self._factors.pop((report.tenant_id, model.model_id), None)
         return UsageOutcome(model_id=model.model_id, reconciled=outcome, counted=counted)
 
     # ------------------------------------------------------------------ working state
 
-    async def _working_state_measure(self, loaded: LoadedPlan, factor: float | None) -> Measure:
-        """The block's tokens exactly as Build counts them against its 1,000-token class: the
-        plan's estimator, the session key's envelopes, the (pinned or reconciled) factor."""
+    def _working_state_measure(self, loaded: LoadedPlan) -> Measure:
+        """The block's tokens exactly as Build checks them against its 1,000-token ceiling: the
+        plan's estimator and the session key's envelopes, without the correction factor, so a
+        state accepted now never fails Build after ReportUsage moves the factor (a pinned
+        ``estimator_factor`` on the request is validated and has no effect on the ceiling)."""
         estimator = self.plan_estimator(loaded.plan.spec)
-        if factor is None:
-            factor = await self.correction_factor(loaded.plan.tenant_id, loaded.plan.spec)
         ctx = RenderContext(session_key=loaded.session_key)
-        used = factor
 
         def measure(state: WorkingState) -> int:
-            return estimator.messages(WorkingStateItem(state=state).messages(ctx), used)
+            return working_state_tokens(estimator, ctx, state)
         return measure
 
     async def update_working_state(self, cmd: WorkingStateCommand
@@ -635,18 +670,19 @@ class Engine:
         """One typed transition (pure), then ``context.working_state.updated`` — best effort,
         like Build's events: the transition is the caller's to checkpoint."""
         loaded = await self.loaded(cmd.tenant_id, cmd.session_id, None)
-        measure = await self._working_state_measure(loaded, cmd.factor)
+        measure = self._working_state_measure(loaded)
         state, changes = apply_update(cmd.current, cmd.transition, run_id=cmd.run_id,
                                       sequence=cmd.sequence, measure=measure)
         await self._record(cmd.tenant_id, cmd.session_id, loaded.plan.epoch,
                            "context.working_state.updated",
                            {"run_id": cmd.run_id, "sequence": cmd.sequence,
-                            "epoch": loaded.plan.epoch, **changes.summary()})
+                            "epoch": loaded.plan.epoch, **changes.summary(),
+                            **({"call_id": cmd.call_id} if cmd.call_id else {})})
         return state, changes
 
     async def carry_working_state(self, cmd: CarryCommand) -> Carried:
         loaded = await self.loaded(cmd.tenant_id, cmd.session_id, None)
-        measure = await self._working_state_measure(loaded, cmd.factor)
+        measure = self._working_state_measure(loaded)
         return replay(cmd.events, cmd.seed_event_sequence, measure=measure)
 
     # ------------------------------------------------------------------ Compact

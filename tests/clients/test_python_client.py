@@ -174,10 +174,13 @@ def requests(tenant: str, session: str) -> Requests:
         plan=plan_request(tenant, session),
         get_plan=pb.GetPlanRequest(tenant_id=tenant, session_id=session),
         build=pb.BuildRequest(tenant_id=tenant, session_id=session, checkpoint=checkpoint()),
+        # the model's context.update_working_state call, as the provider returned it
         update=pb.UpdateWorkingStateRequest(
             tenant_id=tenant, session_id=session, run_id="run-1", sequence=5,
-            transition=pb.WorkingStateTransition(update=pb.WorkingStateUpdate(
-                objective="Compare the two domains", add_constraints=["Cite sources"]))),
+            transition=pb.WorkingStateTransition(tool_call=pb.WorkingStateToolCall(
+                call_id="toolu_01", name="context__update_working_state",
+                arguments_json=json.dumps({"objective": "Compare the two domains",
+                                           "add_constraints": ["Cite sources"]})))),
         carry=pb.CarryWorkingStateRequest(  # the event at 12 is above the seed: not carried
             tenant_id=tenant, session_id=session, seed_event_sequence=10,
             events=[objective(2, "run-0", "Explain"), objective(12, "run-1", "Later")]),
@@ -212,6 +215,8 @@ def check(r: Results, session: str) -> None:
     assert r.updated is not None and r.updated.state.objective == "Compare the two domains"
     assert list(r.updated.state.constraints) == ["Cite sources"]
     assert r.updated.change.objective_changed and r.updated.change.constraints_added == 1
+    assert r.updated.tool_result.startswith(
+        "Working state updated: objective set; 1 constraint added.")
     assert r.carried is not None and r.carried.state.objective == "Explain"
     assert r.carried.events_applied == 1
     c = r.compacted
@@ -310,6 +315,38 @@ def test_malformed_input_is_invalid_argument_with_every_field_violation(server, 
     assert err.value.reason == "INVALID_ARGUMENT"
     assert FieldViolation(field="session_id", description="must not be empty") in (
         err.value.field_violations)
+
+
+@pytest.mark.integration
+def test_a_refused_tool_call_carries_the_tool_result_for_the_model(server, ids):
+    tenant, session = ids
+    request = pb.UpdateWorkingStateRequest(
+        tenant_id=tenant, session_id=session, run_id="run-1", sequence=5,
+        transition=pb.WorkingStateTransition(tool_call=pb.WorkingStateToolCall(
+            call_id="toolu_02", name="context.update_working_state",
+            arguments_json='{"remove_constraints": ["Cite sources"]}')))
+
+    async def scenario() -> None:
+        async with AsyncClient(target=server.address) as engine:
+            await engine.update_working_state(request=request)
+
+    with Client(target=server.address) as engine:
+        engine.plan(request=plan_request(tenant, session))
+        with pytest.raises(InvalidArgument) as sync_err:
+            engine.update_working_state(request=request)
+    with pytest.raises(InvalidArgument) as async_err:
+        asyncio.run(scenario())
+    for err in (sync_err.value, async_err.value):
+        assert err.field_violations == (FieldViolation(
+            field="transition.tool_call.arguments.remove_constraints",
+            description="is not a field of this tool"),)
+        head, schema = err.tool_result.rsplit("\n", 1)
+        assert "- remove_constraints: is not a field of this tool" in head
+        assert json.loads(schema)["additionalProperties"] is False
+    # any other failure carries none
+    with Client(target=server.address) as engine, pytest.raises(NotFound) as missing:
+        engine.get_plan(request=pb.GetPlanRequest(tenant_id=tenant, session_id="no-such"))
+    assert missing.value.tool_result == ""
 
 
 # ------------------------------------------------------------------------------ deadlines

@@ -61,6 +61,9 @@ def test_agent_loop_example(server):
     after = text.split("after compaction", 1)[1].split("\n-- ", 1)[0]
     assert "compaction_needed=True" not in after
 
+    # the model's control-tool call went to the engine raw and its answer back to the model
+    assert re.search(r"^   working state: Working state updated: objective set; 1 constraint "
+                     r"added\. The block is \d+ of 1,000 tokens\.$", text, re.M), text
     assert len(re.findall(r"^   usage reported: factor", text, re.M)) == 10
     assert re.search(rf"^rotated: epoch 1 -> 2 \(operator\), prefix_sha256 {prefix}$", text,
                      re.M)

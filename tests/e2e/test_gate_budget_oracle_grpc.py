@@ -26,7 +26,9 @@ pytestmark = [pytest.mark.gate_budget, pytest.mark.integration]
 
 FORMATS = {pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES: "anthropic_messages",
            pb.PROVIDER_FORMAT_OPENAI_RESPONSES: "openai_responses"}
-MODELS = {"gpt-4": (8_192, 2_048), "gpt-4o": (16_000, 4_096),
+# gpt-4's real 8,192 tokens cannot hold history's 8,000-token floor (Plan refuses it): the
+# exact cl100k_base model runs at the smallest window that can
+MODELS = {"gpt-4": (12_500, 2_048), "gpt-4o": (16_000, 4_096),
           "claude-sonnet-4-5": (16_000, 2_000)}
 BATCHES = (1, 4, 10, 24)  # parallel batches in the conversation of each successive Build
 BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
 
 import grpc
@@ -69,6 +70,7 @@ def test_overflow_yields_in_order_and_records_pressure(stub, ids, db):
     steps = [s.step for s in p.steps]
     assert steps == [s for s in ("knowledge", "recall", "tool_results", "history") if s in steps]
     assert steps == ["knowledge", "tool_results", "history"] and p.fits
+    assert p.history_floor_shortfall == 0  # only history yielded room: its floor held
     assert p.compaction_needed and p.left_out_items > 0 and p.left_out_tokens > 0
     assert resp.estimated_input_tokens <= resp.context_window - resp.output_reserve
     kept = [m for m in resp.request.messages if m.row == 10]
@@ -83,6 +85,65 @@ def test_overflow_yields_in_order_and_records_pressure(stub, ids, db):
     payload = json.loads(rows[0]["payload"])
     assert [s["step"] for s in payload["steps"]] == steps and payload["fits"] is True
     assert "lorem" not in rows[0]["payload"]  # ids and sizes, never content
+
+
+def pressure_count(server, step: str, fits: str) -> float:
+    return server.registry.get_sample_value("context_engine_budget_pressure_total",
+                                            {"step": step, "fits": fits}) or 0.0
+
+
+def test_never_yield_items_below_the_history_floor_are_reported(stub, ids, db, server):
+    """Issue 13: never-yield items left history 3,572 tokens with no signal. Now the pressure
+    says by how much history is short of its 8,000-token floor, in the response, the event
+    and the metric."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=SMALL))
+    items = long_history(20)
+    items[-1].user.text = "word " * 4_000  # the current user message never yields
+    before = pressure_count(server, "history_floor", "true")
+    resp = stub.Build(build_request(tenant, session, items=items))
+    p = resp.pressure
+    history = next(c for c in resp.budget.classes if c.class_name == "history")
+    assert p.fits and p.compaction_needed and history.cap < 8_000
+    assert history.used + p.left_out_tokens > 8_000  # history had more than its floor
+    assert p.history_floor_shortfall == 8_000 - history.cap > 0
+    assert pressure_count(server, "history_floor", "true") == before + 1
+    payload = json.loads(db.val("SELECT payload::text FROM context_events WHERE tenant_id=$1 "
+                                "AND type='context.budget.pressure'", tenant))
+    assert payload["history_floor_shortfall"] == p.history_floor_shortfall
+    # the same history beside a short message keeps its floor: cut, but not short of it
+    items[-1].user.text = "and now?"
+    held = stub.Build(build_request(tenant, session, items=items)).pressure
+    assert held.compaction_needed and held.history_floor_shortfall == 0
+    assert pressure_count(server, "history_floor", "true") == before + 1
+
+
+def test_plan_refuses_a_model_whose_body_cannot_hold_the_history_floor(stub, ids, db):
+    """Issue 13: gpt-4 (8,192 tokens, 2,048 reserved) has a body budget of about 5,400, so
+    history could never keep its 8,000-token floor; the plan was accepted silently."""
+    tenant, session = ids
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-4")))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert f.reason == "HISTORY_FLOOR_UNREACHABLE"
+    m = f.metadata
+    assert (m["model"], m["window"], m["output_reserve"], m["history_floor"]) == (
+        "gpt-4", "8192", "2048", "8000")
+    assert m["margin"] == str(-(-(8_192 - 2_048) * 5 // 100))
+    body = int(m["body_budget"])
+    assert body == 8_192 - 2_048 - int(m["margin"]) - int(m["prefix_tokens"]) < 8_000
+    assert "gpt-4" in f.message and m["body_budget"] in f.message
+    assert db.counts(tenant) == {k: 0 for k in db.counts(tenant)}  # nothing was written
+    # a session routed to it later is refused the same way, and keeps its epoch
+    plan = stub.Plan(plan_request(tenant, session)).plan
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Rotate(pb.RotateRequest(tenant_id=tenant, session_id=session,
+                                     reason=pb.ROTATION_REASON_MODEL_ROUTED,
+                                     model=pb.ModelSpec(model_id="gpt-4"),
+                                     idempotency_key="to-gpt-4"))
+    assert failure(err.value).reason == "HISTORY_FLOOR_UNREACHABLE"
+    assert stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session)).plan == plan
 
 
 def test_a_request_that_fits_emits_no_pressure_event(stub, ids, db):
@@ -128,17 +189,26 @@ def _report(tenant, session, key, estimated, actual, factor=1.0, cached=0):
                                  idempotency_key=key)
 
 
-def test_report_usage_reconciles_once_per_key_and_build_uses_the_factor(stub, ids, db):
+@pytest.mark.parametrize("model_id", ["claude-sonnet-4-5", "gpt-4o"])
+def test_report_usage_reconciles_once_per_key_and_build_uses_the_factor(stub, ids, db,
+                                                                        model_id):
     tenant, session = ids
-    stub.Plan(plan_request(tenant, session))
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id=model_id)))
     built = stub.Build(build_request(tenant, session))
     est = built.estimated_input_tokens
     actual = int(est * 1.2)
     up = stub.ReportUsage(_report(tenant, session, "r1", est, actual))
     assert up.counted and up.previous_factor == 1.0
-    # the prefix is measured exactly and never scaled: the body absorbs the whole error
     prefix = built.prefix_tokens
-    assert up.correction_factor == pytest.approx((actual - prefix) / (est - prefix), rel=1e-3)
+    if model_id == "gpt-4o":
+        # the prefix was counted with the model's own encoding, exactly, and is never scaled:
+        # the body absorbs the whole error
+        assert up.correction_factor == pytest.approx((actual - prefix) / (est - prefix),
+                                                     rel=1e-3)
+    else:
+        # Claude's prefix was counted with cl100k_base x 1.3, an estimate like the body: the
+        # factor is the observed ratio over the whole estimate
+        assert up.correction_factor == pytest.approx(actual / est, rel=1e-3)
     assert up.error_ratio == pytest.approx((int(est * 1.2) - est) / int(est * 1.2))
     again = stub.ReportUsage(_report(tenant, session, "r1", est, int(est * 1.2)))
     assert not again.counted and again.correction_factor == up.correction_factor
@@ -147,8 +217,17 @@ def test_report_usage_reconciles_once_per_key_and_build_uses_the_factor(stub, id
     after = stub.Build(build_request(tenant, session))
     assert after.estimator_factor == pytest.approx(up.correction_factor)
     assert after.body_tokens > built.body_tokens
-    # corrected at once: no longer under-counted (up to the rounding of each message)
-    assert after.estimated_input_tokens >= actual - len(after.request.messages)
+    # an exact prefix is never scaled, an approximate one is scaled like the body
+    assert after.prefix_tokens == prefix  # Region A's measured figure never moves
+    assert after.budget.prefix_tokens == (prefix if model_id == "gpt-4o"
+                                          else math.ceil(prefix * after.estimator_factor))
+    assert after.budget.body_budget == (after.budget.total_tokens - after.output_reserve
+                                        - after.budget.margin_tokens
+                                        - after.budget.prefix_tokens)
+    # corrected at once: no longer under-counted (up to the rounding of each message, which
+    # the factor scales)
+    assert after.estimated_input_tokens >= actual - math.ceil(
+        after.estimator_factor * len(after.request.messages))
     # a pinned factor reproduces the original bytes and numbers
     pinned = build_request(tenant, session)
     pinned.estimator_factor = built.estimator_factor
@@ -158,6 +237,24 @@ def test_report_usage_reconciles_once_per_key_and_build_uses_the_factor(stub, id
                                     factor=up.correction_factor))
     assert 0.5 < down.correction_factor < up.correction_factor
     assert down.correction_factor > up.correction_factor - (up.correction_factor - 0.6) * 0.5
+
+
+@pytest.mark.parametrize(("model_id", "expected"), [("claude-sonnet-4-5", 2.0),
+                                                    ("gemini-2.5-pro", 2.0),
+                                                    ("gpt-4o", None)])
+def test_twice_the_estimate_doubles_the_factor_where_the_prefix_count_is_approximate(
+        stub, ids, model_id, expected):
+    """Issue 13's reproduction: actual = 2 x estimate moved the factor from 1.0 to 4.0 (the cap)
+    for Claude, because the whole error was charged to the body."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id=model_id)))
+    built = stub.Build(build_request(tenant, session))
+    est, prefix = built.estimated_input_tokens, built.prefix_tokens
+    up = stub.ReportUsage(_report(tenant, session, "x2", est, 2 * est))
+    if expected is None:  # exact prefix: all of the error is the body's (here over the cap)
+        assert (2 * est - prefix) / (est - prefix) > 4.0
+        expected = 4.0
+    assert up.correction_factor == pytest.approx(expected, rel=1e-3)
 
 
 def test_an_idempotency_key_cannot_be_reused_for_another_request(stub, ids, db):

@@ -30,6 +30,8 @@ EXPECTED = {
                     "replaced_through_sequence", "compactor_version", "result", "created_at"},
     "api_tokens": {"token_sha256", "tenant_id", "rpcs", "description", "created_at",
                    "revoked_at"},
+    "epoch_usage": {"tenant_id", "session_id", "epoch", "reports", "last_input_tokens",
+                    "previous_input_tokens", "updated_at"},
 }
 
 

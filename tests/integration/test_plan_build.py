@@ -30,8 +30,10 @@ def test_plan_creates_epoch_one_and_is_idempotent(stub, ids, db):
 def test_plan_pins_selection_and_records_it(stub, ids):
     tenant, session = ids
     plan = stub.Plan(plan_request(tenant, session)).plan
-    # enabled web.fetch, discovered clock.now, tool.call because mail.send is deferred
-    assert list(plan.tool_names) == ["clock.now", "tool.call", "web.fetch"]
+    # enabled web.fetch, discovered clock.now, tool.call because mail.send is deferred, and
+    # the working-state control tool every plan pins unless the agent omits it
+    assert list(plan.tool_names) == ["clock.now", "context.update_working_state", "tool.call",
+                                     "web.fetch"]
     assert list(plan.deferred_tool_names) == ["mail.send"]
     assert [t.name for t in plan.tools] == list(plan.tool_names)
     assert list(plan.authority_scope_hashes) == sorted(plan.authority_scope_hashes)
@@ -175,16 +177,18 @@ def test_unknown_model_needs_capabilities(stub, ids):
 
 def test_whole_window_check_fails_with_budget_exceeded(stub, ids):
     tenant, session = ids
+    # the smallest window whose body holds history's 8,000-token floor (Plan refuses less)
     small = pb.ModelSpec(model_id="acme-small", capabilities=pb.ModelCapabilities(
-        context_window=3_000, output_reserve=1_000))
-    stub.Plan(plan_request(tenant, session, model=small))
+        context_window=12_000, output_reserve=1_000))
+    plan = stub.Plan(plan_request(tenant, session, model=small)).plan
     items = [pb.ConversationItem(id="u1", sequence=1, run_id="run-1",
                                  trust=pb.TRUST_LEVEL_USER,
-                                 user=pb.UserMessage(text="lorem ipsum " * 2000))]
+                                 user=pb.UserMessage(text="lorem ipsum " * 4000))]
     with pytest.raises(grpc.RpcError) as err:
         stub.Build(build_request(tenant, session, items=items))
     f = failure(err.value)
     assert f.code is grpc.StatusCode.FAILED_PRECONDITION and f.reason == "BUDGET_EXCEEDED"
-    # the message never yields; the body is 3,000 - 1,000 reserve - 5% margin - the prefix
+    # the message never yields; the body is 12,000 - 1,000 reserve - 5% margin - the prefix
     assert f.metadata["class"] == "current_user_message"
-    assert int(f.metadata["limit"]) < 2000 - 100 < int(f.metadata["tokens"])
+    body = 12_000 - 1_000 - 550 - plan.prefix_tokens
+    assert 8_000 <= int(f.metadata["limit"]) == body < int(f.metadata["tokens"])

@@ -22,7 +22,8 @@ import pytest
 from context_engine.domain import providers
 from context_engine.v1 import context_engine_pb2 as pb
 
-from tests.integration.requests import build_request, failure, item, plan_request
+from tests.integration.requests import build_request, catalog, failure, item, plan_request
+from tests.support import tool_schemas
 
 pytestmark = pytest.mark.integration
 
@@ -97,7 +98,8 @@ def test_anthropic_body_through_the_official_sdk(stub, ids):
                        "claude-sonnet-4-5", pb.SESSION_KIND_SCHEDULED)
     assert providers.validate_anthropic(body) == []
     assert body["model"] == resp.model_id and body["max_tokens"] == resp.output_reserve
-    assert [t["name"] for t in body["tools"]] == ["clock__now", "tool__call", "web__fetch"]
+    assert [t["name"] for t in body["tools"]] == [
+        "clock__now", "context__update_working_state", "tool__call", "web__fetch"]
     # after_tools and after_system at the plan's 1h, then the two history markers at 5m
     ttls = [b["cache_control"].get("ttl", "5m")
             for b in [*body["tools"], *body["system"],
@@ -175,3 +177,47 @@ def test_colliding_tool_names_are_refused_at_plan(stub, ids, db):
     assert f.code is grpc.StatusCode.INVALID_ARGUMENT
     assert "'clock__now' and 'clock.now'" in f.violations["tool_catalog[1].name"]
     assert db.counts(tenant) == {"sessions": 0, "plans": 0, "context_events": 0}
+
+
+def test_tool_schemas_reach_both_sdks_without_titles_or_empty_defaults(stub, ids):
+    """A pydantic-shaped schema: the bodies carry it without title annotations and empty
+    defaults (and with everything else), both SDKs send exactly that, and the request's own
+    tool definition keeps the full schema the plan pinned."""
+    search = pb.ToolSpec(name="web.search", description="Search the web.",
+                         input_schema_json=json.dumps(tool_schemas.GENERATED),
+                         side_effect=pb.SIDE_EFFECT_NETWORK_READ)
+    responses = {
+        pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES: {
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+            "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn",
+            "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}},
+        pb.PROVIDER_FORMAT_OPENAI_RESPONSES: {
+            "id": "resp_1", "object": "response", "created_at": 0, "model": "m",
+            "status": "completed", "output": [], "parallel_tool_calls": True,
+            "tool_choice": "auto", "tools": []},
+    }
+    for n, (fmt, model, key) in enumerate((
+            (pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES, "claude-sonnet-4-5", "input_schema"),
+            (pb.PROVIDER_FORMAT_OPENAI_RESPONSES, "gpt-5", "parameters"))):
+        tenant, session = ids[0], f"{ids[1]}-{n}"
+        stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id=model),
+                               tool_catalog=[*catalog(), search]))
+        resp = stub.Build(build(tenant, session, items(), fmt))
+        definition = next(t for t in resp.request.tools if t.name == "web.search")
+        assert json.loads(definition.input_schema_json) == tool_schemas.GENERATED
+        body = json.loads(resp.provider_body_json)
+        sent = next(t for t in body["tools"] if t["name"] == "web__search")
+        assert sent[key] == tool_schemas.PROVIDER_FORM
+        capture = Capture(responses[fmt])
+        with httpx2.Client(transport=httpx2.MockTransport(capture)) as http:
+            if fmt == pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES:
+                assert providers.validate_anthropic(body) == []
+                client = anthropic.Anthropic(api_key="k", http_client=http, max_retries=0)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    client.messages.create(**body)
+            else:
+                assert providers.validate_openai(body) == []
+                openai.OpenAI(api_key="k", http_client=http, max_retries=0).responses.create(
+                    **body)
+        assert capture.sent == body

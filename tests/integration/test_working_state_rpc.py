@@ -124,6 +124,57 @@ def test_bad_input_is_invalid_argument_with_violations_and_writes_nothing(stub, 
     assert db.counts(tenant) == before
 
 
+def near_the_ceiling(stub, tenant: str, session: str, low: float
+                     ) -> pb.UpdateWorkingStateResponse:
+    """The first objective, by length, that UpdateWorkingState accepts at over ``low`` tokens
+    (a bisection on the service's own count of the block)."""
+    def accepted(n: int) -> pb.UpdateWorkingStateResponse | None:
+        try:
+            return stub.UpdateWorkingState(update_request(
+                tenant, session, pb.WorkingStateTransition(update=pb.WorkingStateUpdate(
+                    objective=" ".join(f"step{i}" for i in range(n))))))
+        except grpc.RpcError as err:
+            assert failure(err).metadata["class"] == "working_state"
+            return None
+    lo, hi = 1, 2_000  # accepted(lo) holds, accepted(hi) is over the ceiling
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if accepted(mid) is not None else (lo, mid)
+    found = accepted(lo)
+    assert found is not None and low < found.change.tokens <= 1_000
+    return found
+
+
+def test_a_state_the_service_accepted_builds_after_usage_moves_the_factor(stub, ids):
+    """Issue 13: a state of ~960 tokens accepted at factor 1.0 failed every Build with
+    BUDGET_EXCEEDED{working_state, 1,056} once ReportUsage moved the factor to 1.1."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    state = near_the_ceiling(stub, tenant, session, 1_000 / 1.1).state
+    req = build_request(tenant, session)
+    req.checkpoint.working_state.CopyFrom(state)
+    first = stub.Build(req)
+    assert first.estimator_factor == 1.0
+    # the provider counted 1.5 times the estimate: the factor rises at once
+    usage = stub.ReportUsage(pb.ReportUsageRequest(
+        tenant_id=tenant, session_id=session, estimated_input_tokens=first.estimated_input_tokens,
+        estimator_factor=1.0, input_tokens=int(first.estimated_input_tokens * 1.5),
+        output_tokens=10, idempotency_key="k1"))
+    assert usage.correction_factor >= 1.1
+    after = stub.Build(req)  # the reconciled factor, from the database
+    assert after.estimator_factor == pytest.approx(usage.correction_factor)
+    used = next(c.used for c in after.budget.classes if c.class_name == "working_state")
+    assert used > 1_000  # what the block costs in the body still scales with the factor
+    # a pinned factor, up to the largest one, builds too
+    req.estimator_factor = 4.0
+    assert stub.Build(req).estimator_factor == 4.0
+    # and UpdateWorkingState, under the moved factor, still measures it as it did
+    again = stub.UpdateWorkingState(update_request(
+        tenant, session, pb.WorkingStateTransition(update=pb.WorkingStateUpdate(
+            objective=state.objective)), current=state, seq=11))
+    assert again.state == state
+
+
 def test_unknown_session_is_not_found(stub, ids):
     tenant, session = ids
     with pytest.raises(grpc.RpcError) as err:
@@ -186,3 +237,27 @@ def test_carry_computes_the_next_runs_state_and_build_envelopes_untrusted_facts(
     body, close, _ = rest.partition("</untrusted:")
     assert CANARY in body and CANARY not in head and close
     assert events(db, tenant) == []  # carry writes nothing
+
+
+def test_a_constraint_the_user_removed_leaves_the_state_and_the_summary(stub, ids):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    added = stub.UpdateWorkingState(update_request(tenant, session, pb.WorkingStateTransition(
+        update=pb.WorkingStateUpdate(add_constraints=["EUR only", "no red-eye"])))).state
+    resp = stub.UpdateWorkingState(update_request(tenant, session, pb.WorkingStateTransition(
+        remove_constraint=pb.RemoveConstraint(constraint="no red-eye", user_event_id=11)),
+        current=added, seq=12))
+    s, ch = resp.state, resp.change
+    assert list(s.constraints) == ["EUR only"] and list(s.removed_constraints) == ["no red-eye"]
+    assert (ch.transition, ch.constraints_removed, ch.user_event_id) == (
+        "remove_constraint", 1, 11)
+    summary = pb.Summary(text="We planned.", depth=1, replaced_through_sequence=1,
+                         constraints=["EUR only", "no red-eye"])
+    items = [pb.ConversationItem(id="u0", sequence=1, run_id="run-0", trust=pb.TRUST_LEVEL_USER,
+                                 user=pb.UserMessage(text="earlier")),
+             pb.ConversationItem(id="u1", sequence=20, run_id="run-1",
+                                 trust=pb.TRUST_LEVEL_USER, user=pb.UserMessage(text="now"))]
+    out = stub.Build(build_request(tenant, session, items=items, summary=summary,
+                                  working_state=s))
+    (row9,) = [m for m in out.request.messages if m.row == 9]
+    assert "- EUR only" in row9.text and "no red-eye" not in row9.text

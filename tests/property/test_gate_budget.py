@@ -8,7 +8,11 @@ in the specified order — knowledge passages, in-turn recall, tool results to p
 dropped passage or recall line, restoring the last pointer, re-admitting the last left-out
 history unit) would make the body exceed ``body_budget``. Never-yield items (the trailing user
 message, working state, corrections, skill bodies, the active run's items) are always present;
-when they alone do not fit, Build raises BudgetExceeded naming their class.
+when they alone do not fit, Build raises BudgetExceeded naming their class. When they leave
+history less than its floor (8,000 tokens, or all of it if less), the pressure says by how much.
+The prefix costs its measured tokens where the model's own tokenizer counted it, and those
+tokens times the correction factor where the count is itself an estimate; the working state's
+1,000-token ceiling is measured without the factor.
 
 Costs are recomputed here with the per-model estimator over the items and over the assembled
 messages, and the ladder's intermediate states are reconstructed from the request and the
@@ -113,12 +117,23 @@ def is_corrections(m: Message) -> bool:
 
 # --------------------------------------------------------------------------- window checks
 
+def budgeted_prefix(case: Case) -> int:
+    """The prefix's tokens as the budget charges them: exact (the model's own encoding, no base
+    or fallback factor) as measured, approximate scaled by the correction factor."""
+    spec = case.loaded.plan.spec
+    measured = case.loaded.plan.prefix_tokens
+    if spec.estimator_factor == 1.0 and spec.encoding == spec.model.encoding:
+        return measured
+    return math.ceil(measured * case.factor)
+
+
 def check_window(case: Case, r: BuildResult) -> None:
     model = case.loaded.plan.spec.model
     policy = case.policy
     total = min(model.context_window, policy.policy_cap_tokens or model.context_window)
     margin = math.ceil((total - model.output_reserve) * policy.safety_margin_ratio)
-    body_budget = total - model.output_reserve - margin - case.loaded.plan.prefix_tokens
+    prefix = budgeted_prefix(case)
+    body_budget = total - model.output_reserve - margin - prefix
 
     assert r.context_window == model.context_window
     assert r.output_reserve == r.budget.output_reserve == model.output_reserve
@@ -126,18 +141,54 @@ def check_window(case: Case, r: BuildResult) -> None:
     assert r.budget.margin_tokens == margin
     assert r.budget.safety_margin_ratio == policy.safety_margin_ratio
     assert r.budget.body_budget == r.pressure.body_budget == body_budget
-    assert r.prefix_tokens == r.budget.prefix_tokens == case.loaded.plan.prefix_tokens
+    assert r.budget.prefix_tokens == prefix
+    assert r.prefix_tokens == case.loaded.plan.prefix_tokens  # Region A's measured figure
     assert r.estimator_factor == r.budget.estimator_factor == case.factor
 
     # The request fits the window with the reserve intact, and within the margin.
     assert r.estimated_input_tokens <= model.context_window - model.output_reserve
     assert r.estimated_input_tokens + margin + model.output_reserve <= total
     assert r.body_tokens == r.budget.body_tokens <= body_budget
-    assert r.budget.estimated_total == r.prefix_tokens + r.body_tokens == r.estimated_input_tokens
+    assert (r.budget.estimated_total == r.budget.prefix_tokens + r.body_tokens
+            == r.estimated_input_tokens)
 
     # What was counted is what is sent: the assembled messages, recounted here.
     assert Costs(case).messages(r.request.messages) == r.body_tokens
     assert r.pressure.fits and r.pressure.tokens_after == r.body_tokens
+
+
+def history_with_pointers(case: Case) -> int:
+    """The history candidates above the summary floor, every completed result at its pointer
+    where that is smaller (as they stand once everything before history has yielded)."""
+    costs = Costs(case)
+    s = split(case.cp)
+    normalized = {i.id: i for i in normalize_tool_results(
+        case.cp.items, case.policy.inline_maximum_bytes)[0]}
+    total = 0
+    for item in s.carried[s.floor:]:
+        n = normalized[item.id]
+        total += (min(costs.item(n), costs.item(n, pointer=True))
+                  if isinstance(n, ToolResultItem) else costs.item(n))
+    return total
+
+
+def check_floor_shortfall(case: Case, ladder: Ladder, pressure: Pressure) -> None:
+    """What is left beside history once the ladder ran leaves it ``room``; history is short of
+    its floor (8,000, or all of it if less) by what that room lacks, and only never-yield items
+    can be the cause: knowledge and recall are gone whenever it is short."""
+    others = ladder.body(ladder.knowledge_final, ladder.recall_final, ladder.pointers,
+                         len(ladder.carried))
+    history = ladder.body(ladder.knowledge_final, ladder.recall_final, ladder.pointers,
+                          0) - others
+    floor = min(HISTORY_FLOOR_TOKENS, history)
+    expected = max(floor - max(ladder.budget - others, 0), 0)
+    assert pressure.history_floor_shortfall == expected
+    if expected:
+        assert not ladder.knowledge_final and not ladder.recall_final
+        assert ladder.cut > 0 and len(ladder.pointers) == len(ladder.candidates)
+        assert history == history_with_pointers(case)
+        if currently_in_test_context():
+            event("history short of its floor")
 
 
 def check_never_yield_present(case: Case, r: BuildResult) -> None:
@@ -426,7 +477,9 @@ def check_failure(case: Case, e: BudgetExceeded) -> None:
         assert len(case.cp.loaded_skills) > 2
         return
     if e.class_name == "working_state" and e.limit == 1_000:
-        assert costs.item(WorkingStateItem(state=case.cp.working_state)) > 1_000
+        # the ceiling is measured without the correction factor, as UpdateWorkingState does
+        unscaled = Costs(replace(case, factor=1.0))
+        assert unscaled.item(WorkingStateItem(state=case.cp.working_state)) > 1_000
         return
     if e.class_name == "skill_bodies" and e.limit == 6_000:
         assert sum(costs.item(SkillBodyItem(name=k.name, body=k.body, skill_trust=k.trust))
@@ -435,8 +488,11 @@ def check_failure(case: Case, e: BudgetExceeded) -> None:
     model = case.loaded.plan.spec.model
     total = min(model.context_window, case.policy.policy_cap_tokens or model.context_window)
     margin = math.ceil((total - model.output_reserve) * case.policy.safety_margin_ratio)
-    body_budget = total - model.output_reserve - margin - case.loaded.plan.prefix_tokens
+    body_budget = total - model.output_reserve - margin - budgeted_prefix(case)
     assert e.limit == body_budget
+    if isinstance(e.pressure, Pressure):  # every yield ran, and history got no room at all
+        assert e.pressure.history_floor_shortfall == min(HISTORY_FLOOR_TOKENS,
+                                                         history_with_pointers(case))
     assert never_yield_floor(case) > body_budget, \
         "BudgetExceeded although the never-yield items fit once everything else yielded"
 
@@ -457,6 +513,7 @@ def test_no_request_exceeds_the_window_and_the_reserve_is_intact(case: Case) -> 
     check_never_yield_present(case, r)
     ladder = reconstruct(case, r)
     check_order(case, ladder)
+    check_floor_shortfall(case, ladder, r.pressure)
     check_paired(r.request.messages)
 
 
@@ -494,6 +551,7 @@ def test_a_synthetic_overflow_yields_in_order_and_no_further(depth: int,
     assert tuple(check_order(case, ladder)) == RUNGS[:depth]
     assert ladder.pointers_cap == 0 and ladder.knowledge_cap == ladder.knowledge_sorted
     check_no_further_than_needed(ladder)
+    check_floor_shortfall(case, ladder, r.pressure)
     # Each step's own report: it reduced the body, and the last one made it fit.
     for step in r.pressure.steps:
         assert step.units == len(step.ids) > 0
@@ -591,6 +649,9 @@ def test_never_yield_items_that_just_fit_are_all_kept_and_everything_else_yields
     check_no_further_than_needed(ladder)
     assert not ladder.knowledge_final and not ladder.recall_final
     assert r.pressure.compaction_needed and ladder.cut == len(ladder.carried)
+    # the never-yield items left history less room than its smallest unit
+    check_floor_shortfall(case, ladder, r.pressure)
+    assert 0 < r.pressure.history_floor_shortfall <= history_with_pointers(case)
     check_paired(r.request.messages)
     with pytest.raises(BudgetExceeded) as info:
         _history_case({}, lo + 1).build()
@@ -616,7 +677,10 @@ def test_the_window_bounds_every_request_from_16k_to_1m() -> None:
         r = case.build()
         check_window(case, r)
         assert r.pressure.compaction_needed
-        check_no_further_than_needed(reconstruct(case, r))
+        ladder = reconstruct(case, r)
+        check_no_further_than_needed(ladder)
+        check_floor_shortfall(case, ladder, r.pressure)
+        assert r.pressure.history_floor_shortfall == 0  # only history itself was over
 
 
 # --------------------------------------------------------------------------- regressions
@@ -651,6 +715,7 @@ def test_recall_below_its_floor_leaves_history_whatever_room_is_left() -> None:
     check_order(case, ladder)
     check_no_further_than_needed(ladder)
     assert ladder.cut == 0, "the short history fits once recall went below its floor"
+    check_floor_shortfall(case, ladder, r.pressure)
 
 
 def test_turning_results_into_pointers_never_makes_the_body_larger() -> None:

@@ -15,10 +15,18 @@ from context_engine.domain.budget import (
     BudgetPolicy,
     Pressure,
     compute_budget,
+    require_history_floor,
 )
-from context_engine.domain.builder import BuildResult, LoadedPlan, SkillBody, build
+from context_engine.domain.builder import (
+    BuildResult,
+    LoadedPlan,
+    SkillBody,
+    build,
+    prefix_exact,
+    working_state_tokens,
+)
 from context_engine.domain.calibration import Calibration, reconcile
-from context_engine.domain.errors import BudgetExceeded
+from context_engine.domain.errors import BudgetExceeded, HistoryFloorUnreachable
 from context_engine.domain.estimator import (
     ATTACHMENT_BUDGET_TOKENS,
     IMAGE_TOKENS,
@@ -39,9 +47,11 @@ from context_engine.domain.items import (
     ToolResultItem,
     UserMessageItem,
     WorkingState,
+    WorkingStateItem,
 )
 from context_engine.domain.request import Attachment, AttachmentKind, Message, Role
 from context_engine.domain.trust import TrustLevel
+from context_engine.domain.working_state import Update, apply_update
 
 from tests import factories as f
 from tests.unit import helpers as h
@@ -158,9 +168,13 @@ def test_build_reports_the_budget_with_the_models_default_reserve(model_id: str,
     assert r.output_reserve == b.output_reserve == reserve
     assert b.total_tokens == 128_000
     assert b.margin_tokens == math.ceil((128_000 - reserve) * 0.05)
-    assert b.body_budget == 128_000 - reserve - b.margin_tokens - lp.plan.prefix_tokens
-    assert b.prefix_tokens == r.prefix_tokens == lp.plan.prefix_tokens
-    assert b.estimated_total == r.estimated_input_tokens == r.prefix_tokens + r.body_tokens
+    # Claude's prefix was counted with cl100k_base x 1.3, an estimate: the factor scales it like
+    # the body; gpt-4o's was counted with its own encoding and is never scaled
+    prefix = (math.ceil(lp.plan.prefix_tokens * 1.25) if model_id.startswith("claude")
+              else lp.plan.prefix_tokens)
+    assert b.body_budget == 128_000 - reserve - b.margin_tokens - prefix
+    assert b.prefix_tokens == prefix and r.prefix_tokens == lp.plan.prefix_tokens  # measured
+    assert b.estimated_total == r.estimated_input_tokens == b.prefix_tokens + r.body_tokens
     assert b.body_tokens == r.body_tokens == recount(lp, r, 1.25)
     assert b.estimator_factor == r.estimator_factor == 1.25
     assert b.safety_margin_ratio == 0.05
@@ -377,6 +391,51 @@ def test_a_working_state_over_1000_tokens_fails() -> None:
     assert info.value.class_name == "working_state" and info.value.limit == 1_000
 
 
+def state_measuring(lp: LoadedPlan, low: float, high: int) -> tuple[WorkingState, int]:
+    """A working state whose block measures in (low, high] tokens against its ceiling."""
+    est = f.estimator(lp.plan.spec.model)
+    ctx = RenderContext(session_key=lp.session_key)
+    for n in range(100, 1_000):
+        state = WorkingState(objective=words(n))
+        tokens = working_state_tokens(est, ctx, state)
+        if low < tokens <= high:
+            return state, tokens
+    raise AssertionError(f"no objective measures in ({low}, {high}]")
+
+
+@pytest.mark.parametrize("model_id", ["claude-sonnet-4-5", "gpt-4o"])
+def test_a_working_state_the_service_accepted_builds_whatever_the_factor(model_id: str) -> None:
+    """Issue 13: a state of ~960 tokens accepted at factor 1.0 failed every Build with
+    BUDGET_EXCEEDED{working_state, 1,056} once ReportUsage moved the factor to 1.1. The ceiling
+    is measured without the factor, at update time and at Build time alike."""
+    lp = plan(model_id, 200_000, None)
+    state, tokens = state_measuring(lp, 1_000 / 1.1, 1_000)
+    est = f.estimator(lp.plan.spec.model)
+    ctx = RenderContext(session_key=lp.session_key)
+
+    def measure(s: WorkingState) -> int:
+        return working_state_tokens(est, ctx, s)
+
+    accepted, changes = apply_update(WorkingState(), Update(objective=state.objective),
+                                     run_id="run-1", sequence=1, measure=measure)
+    assert changes.tokens == tokens and changes.objective_changed
+    for factor in (1.0, 1.1, 1.5, 4.0):
+        r = run(lp, [last_user()], factor=factor, working_state=accepted)
+        used = klass(r, "working_state").used
+        # the factor still scales what the block costs in the body
+        assert used == cost_of(lp, WorkingStateItem(state=accepted), factor)
+        assert (used > 1_000) == (factor >= 1.1)
+    # the ceiling itself still holds, at every factor
+    over, _ = state_measuring(lp, 1_000, 1_100)
+    for factor in (0.5, 1.0):
+        with pytest.raises(BudgetExceeded) as info:
+            run(lp, [last_user()], factor=factor, working_state=over)
+        assert info.value.class_name == "working_state" and info.value.tokens > 1_000
+        with pytest.raises(BudgetExceeded):
+            apply_update(WorkingState(), Update(objective=over.objective), run_id="run-1",
+                         sequence=1, measure=measure)
+
+
 def test_a_current_user_message_larger_than_the_body_fails_never_returns_without_it() -> None:
     lp = plan()
     items = [f.user("u0", words(100), 1, run="run-0"), assistant("a0", words(100), 2),
@@ -442,6 +501,96 @@ def test_history_cut_reports_compaction_and_what_was_left_out() -> None:
                                                           for i in carried[len(left):])
     # and the next unit would not have fit
     assert r.body_tokens + cost_of(lp, left[-1]) > r.budget.body_budget
+
+
+def long_history(n: int = 12) -> list[ConversationItem]:
+    """An earlier run's ``n`` exchanges of about 1,400 tokens each."""
+    items: list[ConversationItem] = []
+    for k in range(n):
+        items += [f.user(f"q{k}", words(400, k), 2 * k + 1, run="run-0"),
+                  assistant(f"a{k}", words(400, k + 1), 2 * k + 2)]
+    return items
+
+
+def test_never_yield_items_that_push_history_below_its_floor_report_the_shortfall() -> None:
+    """Issue 13: never-yield items left history 3,572 tokens with no signal."""
+    lp = plan()  # gpt-4o, 16,000 / 4,096: a body budget of about 11,000
+    r = run(lp, [*long_history(), last_user(words(4_000), seq=99)],
+            knowledge=(passage("k", 300, 0),), recall=(MemoryLine(id="m", text=words(300)),))
+    p, B = r.pressure, r.budget.body_budget
+    never_yield = r.body_tokens - klass(r, "history").used
+    room = B - never_yield
+    assert 0 < room < HISTORY_FLOOR_TOKENS and p.fits and p.compaction_needed
+    # knowledge and recall went first, all of them: they never hold history below its floor
+    assert klass(r, "knowledge").items == klass(r, "recall").items == 0
+    assert p.history_floor_shortfall == HISTORY_FLOOR_TOKENS - room == HISTORY_FLOOR_TOKENS - \
+        klass(r, "history").cap
+    # a smaller message leaves the floor whole: history is still cut, but keeps 8,000
+    held = run(lp, [*long_history(), last_user(words(1_000), seq=99)])
+    assert held.pressure.compaction_needed and held.pressure.history_floor_shortfall == 0
+    assert klass(held, "history").cap >= HISTORY_FLOOR_TOKENS
+
+
+def test_history_shorter_than_its_floor_falls_short_only_of_what_it_has() -> None:
+    """The floor is 8,000 tokens or all of history if less: a short history that fits beside
+    never-yield items is not short of anything, one that is cut is short of its own size."""
+    lp = plan()
+    short = long_history(3)  # about 4,300 tokens
+    history = sum(cost_of(lp, i) for i in short)
+    fits = run(lp, [*short, last_user(words(3_000), seq=99)])
+    assert not fits.pressure.compaction_needed and fits.pressure.history_floor_shortfall == 0
+    cut = run(lp, [*short, last_user(words(4_500), seq=99)])
+    room = cut.budget.body_budget - (cut.body_tokens - klass(cut, "history").used)
+    assert cut.pressure.compaction_needed and 0 < room < history
+    assert cut.pressure.history_floor_shortfall == history - room
+
+
+def test_a_failed_build_reports_the_whole_floor_as_its_shortfall() -> None:
+    with pytest.raises(BudgetExceeded) as info:
+        run(plan(), [*long_history(), last_user(words(12_000), seq=99)])
+    pressure = info.value.pressure
+    assert isinstance(pressure, Pressure) and not pressure.fits
+    assert pressure.history_floor_shortfall == HISTORY_FLOOR_TOKENS
+
+
+def test_a_body_budget_below_the_history_floor_is_refused_with_its_numbers() -> None:
+    """Issue 13: gpt-4 (8,192 tokens, 2,048 reserved) leaves a body of about 5,400."""
+    policy = BudgetPolicy()
+    b = compute_budget(window=8_192, output_reserve=2_048, prefix_tokens=430, policy=policy)
+    with pytest.raises(HistoryFloorUnreachable) as info:
+        require_history_floor(b, model_id="gpt-4", window=8_192, prefix_tokens=430,
+                              policy=policy)
+    assert info.value.metadata() == {
+        "model": "gpt-4", "window": "8192", "output_reserve": "2048",
+        "margin": str(b.margin_tokens), "prefix_tokens": "430",
+        "body_budget": str(b.body_budget), "history_floor": "8000"}
+    assert b.body_budget == 8_192 - 2_048 - b.margin_tokens - 430 == 5_406
+    assert "gpt-4" in str(info.value) and "5406" in str(info.value)
+    # the boundary: exactly the floor is enough, one token less is not
+    exact = replace(b, body_budget=HISTORY_FLOOR_TOKENS)
+    require_history_floor(exact, model_id="m", window=1, prefix_tokens=0, policy=policy)
+    with pytest.raises(HistoryFloorUnreachable):
+        require_history_floor(replace(exact, body_budget=HISTORY_FLOOR_TOKENS - 1),
+                              model_id="m", window=1, prefix_tokens=0, policy=policy)
+    # the prefix is paid before the floor: 12,000 - 2,000 - 500 leaves 9,500, which holds the
+    # floor beside a 1,400-token prefix and not beside a 1,600-token one
+    for prefix, holds in ((1_400, True), (1_600, False)):
+        b = compute_budget(window=12_000, output_reserve=2_000, prefix_tokens=prefix,
+                           policy=policy)
+        if holds:
+            require_history_floor(b, model_id="m", window=12_000, prefix_tokens=prefix,
+                                  policy=policy)
+        else:
+            with pytest.raises(HistoryFloorUnreachable):
+                require_history_floor(b, model_id="m", window=12_000, prefix_tokens=prefix,
+                                      policy=policy)
+    # a policy cap below the window is named too: it is what the arithmetic used
+    capped = BudgetPolicy(policy_cap_tokens=10_000)
+    b = compute_budget(window=200_000, output_reserve=2_000, prefix_tokens=500, policy=capped)
+    with pytest.raises(HistoryFloorUnreachable) as info:
+        require_history_floor(b, model_id="claude-x", window=200_000, prefix_tokens=500,
+                              policy=capped)
+    assert info.value.metadata()["policy_cap"] == "10000"
 
 
 def test_a_request_that_fits_reports_no_pressure() -> None:
@@ -692,6 +841,42 @@ def test_the_factor_is_clamped() -> None:
         low = rec(low, 10_000, 100).calibration
     assert low is not None and low.factor == pytest.approx(calibration.MIN_FACTOR, abs=1e-3)
     assert low.factor >= calibration.MIN_FACTOR == 0.5
+
+
+def test_the_factor_is_the_observed_ratio_over_the_whole_estimate_when_nothing_is_exact(
+        ) -> None:
+    """An approximate prefix (fixed=0): actual = 2 x estimate doubles the factor."""
+    r = reconcile(None, model_id="claude-sonnet-4-5", encoding="cl100k_base", estimated=10_000,
+                  actual=20_000, factor_used=1.0, fixed=0)
+    assert r.calibration.factor == pytest.approx(2.0)
+    again = reconcile(r.calibration, model_id="claude-sonnet-4-5", encoding="cl100k_base",
+                      estimated=20_000, actual=20_000, factor_used=2.0, fixed=0)
+    assert again.calibration.factor == pytest.approx(2.0)  # converged: the ratio is 1 now
+
+
+def test_an_exact_prefix_leaves_the_whole_error_to_the_body() -> None:
+    """An exact prefix (fixed = its tokens) is never scaled: the body's factor absorbs it all."""
+    r = reconcile(None, model_id="gpt-4o", encoding="o200k_base", estimated=10_000,
+                  actual=12_000, factor_used=1.0, fixed=8_000)
+    assert r.calibration.factor == pytest.approx((12_000 - 8_000) / (10_000 - 8_000)) == 2.0
+    capped = reconcile(None, model_id="gpt-4o", encoding="o200k_base", estimated=10_000,
+                       actual=20_000, factor_used=1.0, fixed=8_000)
+    assert capped.calibration.factor == calibration.MAX_FACTOR
+
+
+@pytest.mark.parametrize(("model_id", "exact"), [("gpt-4o", True), ("gpt-4", True),
+                                                 ("claude-sonnet-4-5", False),
+                                                 ("gemini-2.5-pro", False),
+                                                 ("mystery-model", False)])
+def test_which_prefix_counts_are_exact(model_id: str, exact: bool) -> None:
+    lp = f.loaded(f.inputs(model_profile=f.model(model_id, context_window=200_000)))
+    assert prefix_exact(lp.plan.spec) is exact
+
+
+def test_a_fallback_encoding_makes_the_prefix_count_approximate() -> None:
+    lp = plan()
+    fell_back = replace(lp.plan.spec, encoding="cl100k_base", estimator_factor=1.1)
+    assert prefix_exact(lp.plan.spec) and not prefix_exact(fell_back)
 
 
 def test_a_report_without_an_estimate_keeps_the_factor() -> None:

@@ -221,3 +221,13 @@ def test_opaque_reasoning_alone_is_nothing_to_compact():
            f.user("u1", "go", 2, run="run-1")]
     with pytest.raises(NothingToCompact):
         do(its)
+
+
+def test_a_merge_drops_a_constraint_the_user_removed():
+    first = do(items()[:3], constraints=("no red-eye flights", "window seat"))
+    state = WorkingState(constraints=("window seat",), removed_constraints=("no red-eye flights",))
+    second = run(compact(items(), first.history_summary(), active_run_id="run-1",
+                         reason="budget_pressure", summarizer=StructuredSummarizer(),
+                         measure=measure, ctx=CTX, state=state,
+                         target=Target(tokens_to_free=10_000)))
+    assert second.constraints == ("window seat",)

@@ -24,6 +24,7 @@ from context_engine.domain.model import SessionKind
 from context_engine.domain.trust import TrustLevel
 
 from tests import factories as f
+from tests.support import tool_schemas
 
 THINKING = {"type": "thinking", "thinking": "Compare both pages.", "signature": "c2lnbmF0dXJl"}
 OPENAI_REASONING = {"type": "reasoning", "id": "rs_1", "summary": [],
@@ -476,3 +477,81 @@ def test_build_pb_returns_the_canonical_body_only_when_asked() -> None:
     assert json.loads(text) == p.anthropic_messages(r)
     assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"),
                               ensure_ascii=False)
+
+
+# ----------------------------------------------------------------------------- tool schemas
+
+def test_both_bodies_omit_generated_titles_and_empty_defaults() -> None:
+    """Every title annotation and empty default goes, at any depth; properties and definitions
+    named title or default, data holding a title, and 0 / false / non-empty defaults stay.
+    The request's own definition keeps the full schema (pinned identity, measured by the cap)."""
+    catalog = (f.tool("web.search", schema=copy.deepcopy(tool_schemas.GENERATED)),)
+    for model_id, fmt, key in (("claude-sonnet-4-5", p.ANTHROPIC_MESSAGES, "input_schema"),
+                               ("gpt-5", p.OPENAI_RESPONSES, "parameters")):
+        r = built(two_runs(), catalog=catalog, model_id=model_id)
+        (definition,) = r.request.tools
+        assert json.loads(definition.input_schema_json) == tool_schemas.GENERATED
+        body = p.render(r, fmt)  # validated
+        (tool,) = body["tools"]
+        assert tool[key] == tool_schemas.PROVIDER_FORM, fmt
+
+
+def test_provider_schema_leaves_its_input_alone_and_changes_nothing_else() -> None:
+    schema = copy.deepcopy(tool_schemas.GENERATED)
+    assert p.provider_schema(schema) == tool_schemas.PROVIDER_FORM
+    assert schema == tool_schemas.GENERATED  # not mutated
+    plain = {"type": "object", "properties": {"q": {"type": "string", "default": "x"}},
+             "required": ["q"]}
+    assert p.provider_schema(plain) == plain
+
+
+def test_a_pydantic_schema_reaches_providers_without_titles_or_null_defaults() -> None:
+    """An independent oracle: a pydantic model without a field named title generates titles
+    everywhere; none of its text may reach a provider, while its validation keywords do."""
+    from pydantic import BaseModel, Field
+
+    class Window(BaseModel):
+        start: str = Field(pattern=r"^\d{4}-\d{2}-\d{2}$")
+        end: str | None = None
+
+    class Args(BaseModel):
+        query: str = Field(min_length=1, max_length=200)
+        window: Window | None = None
+        tags: list[str] = []
+        limit: int = Field(default=5, ge=1, le=50)
+
+    generated = Args.model_json_schema()
+    assert '"title"' in json.dumps(generated) and '"default": null' in json.dumps(generated)
+    sent = p.provider_schema(generated)
+    text = json.dumps(sent)
+    assert '"title"' not in text and '"default": null' not in text and '"default": []' not in text
+    for keyword in ('"pattern"', '"minLength": 1', '"maxLength": 200', '"maximum": 50',
+                    '"minimum": 1', '"default": 5', '"$ref"', '"required": ["query"]'):
+        assert keyword in text, keyword
+
+
+def test_provider_schema_survives_the_deepest_schema_the_parser_admits() -> None:
+    """Build renders schemas a caller sent: the walk is iterative, so the deepest schema the
+    JSON parser admits (found from this very stack) also passes a few frames further down,
+    where a recursive walk of one frame per level would run out of stack."""
+    from context_engine.domain.canonical import parse_json_object
+
+    def nested(depth: int) -> str:
+        return '{"type":"array","title":"t","items":' * depth + '{"title":"leaf"}' + "}" * depth
+
+    low, high = 1, 4_000  # the parser admits ``low`` levels and refuses ``high``
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if parse_json_object(nested(mid)) is not None else (low, mid)
+    depth = low
+    schema = parse_json_object(nested(depth))
+    assert schema is not None and depth > 500
+
+    def deeper(frames: int) -> dict[str, Any]:
+        return deeper(frames - 1) if frames else p.provider_schema(schema)
+
+    node = deeper(30)
+    for _ in range(depth):
+        assert "title" not in node
+        node = node["items"]
+    assert node == {}

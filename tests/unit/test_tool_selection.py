@@ -8,12 +8,19 @@ from dataclasses import replace
 import pytest
 from context_engine.domain.errors import PrefixClassOverCap, RequiredToolUnavailable
 from context_engine.domain.items import index_entry
-from context_engine.domain.model import SessionKind, SideEffect, SkillCatalogEntry, ToolSpec
+from context_engine.domain.model import (
+    PlanInputs,
+    SessionKind,
+    SideEffect,
+    SkillCatalogEntry,
+    ToolSpec,
+)
 from context_engine.domain.tools import (
     INDEX_ITEM_CAP,
     INDEX_TOKEN_CAP,
     TOOL_ITEM_CAP,
     TOOL_TOKEN_CAP,
+    select_tools,
 )
 from context_engine.domain.trust import TrustLevel
 
@@ -284,6 +291,76 @@ def test_configured_deferrals_precede_overflow_in_the_index() -> None:
     assert len(spec.tool_names) == 30 and "tool.call" in spec.tool_names
     assert spec.tool_names[:29] == tuple(f"t.{i:02d}" for i in range(1, 30))
     assert spec.deferred_tool_names == ("t.39", "t.00", *(f"t.{i:02d}" for i in range(30, 39)))
+
+
+def _tool_call_only(i: PlanInputs) -> PlanInputs:
+    """The inputs with tool.call as the only control tool: the slot arithmetic below is the
+    issue's (other control tools would take slots of their own)."""
+    return replace(i, control_tools={"tool.call": f.CONTROL_TOOLS["tool.call"]})
+
+
+def _unindexable(name: str) -> ToolSpec:
+    """A write tool whose index entry alone is over the index cap (its first sentence runs
+    past 2,000 tokens), and whose definition costs ~2,100 tokens."""
+    return f.tool(name, side_effect=W, description=f"Writes {name} "
+                  + " ".join(["alpha"] * 2_100) + ". More.")
+
+
+def test_tool_call_is_not_advertised_with_an_empty_index_its_slot_goes_to_a_real_tool() -> None:
+    """The issue's repro: 29 small reads, 2 large writes, tool.call enabled. With tool.call in
+    slot 30 both writes overflow, and neither entry fits the index: tool.call would be
+    advertised with nothing to call while w0 fits the definitions without it."""
+    reads = h.tools("r.", 29)
+    w0, w1 = _unindexable("w0"), _unindexable("w1")
+    est = f.estimator(f.model())
+    assert sum(h.cost_of(t) for t in (*reads, w0)) <= TOOL_TOKEN_CAP
+    assert est.text(index_entry(w0)) > INDEX_TOKEN_CAP  # fits no index
+    d = f.draft(_tool_call_only(f.inputs(catalog=(*reads, w0, w1), tool_call=True)))
+    assert "tool.call" not in d.spec.tool_names
+    assert d.spec.tool_names == (*h.names(reads), "w0")
+    assert d.spec.deferred_tool_names == ()
+    assert d.spec.skipped_tool_names == ("w1",)
+    assert [t.name for t in d.rendered.tools] == [*h.names(reads), "w0"]
+    assert not any(b.row == 6 for b in d.rendered.blocks)  # no index block either
+    # the same selection as an agent without tool.call
+    assert d.spec.tools == h.spec_of(_tool_call_only(f.inputs(catalog=(*reads, w0, w1)))).tools
+
+
+def test_tool_call_stays_when_one_entry_fits_the_index() -> None:
+    reads = h.tools("r.", 29)
+    w0, small = _unindexable("w0"), f.tool("w1", side_effect=W)
+    spec = h.spec_of(_tool_call_only(f.inputs(catalog=(*reads, w0, small), tool_call=True)))
+    assert spec.tool_names == (*h.names(reads), "tool.call")
+    assert spec.deferred_tool_names == ("w1",)
+    assert spec.skipped_tool_names == ("w0",)
+
+
+def test_a_configured_deferral_that_fits_no_index_is_skipped_not_defined() -> None:
+    """Without an index tool.call goes, and the agent's configured deferral keeps no
+    definition (its configuration says so): it is recorded as skipped."""
+    cat = (*h.tools("t.", 3), _unindexable("w0"))
+    spec = h.spec_of(_tool_call_only(f.inputs(catalog=cat, tool_call=True, deferred=("w0",))))
+    assert spec.tool_names == ("t.00", "t.01", "t.02")
+    assert spec.deferred_tool_names == ()
+    assert spec.skipped_tool_names == ("w0",)
+
+
+def test_an_index_trimmed_to_nothing_when_rendered_drops_tool_call() -> None:
+    """Admission sums per-entry estimates; the rendered block is what the class measures. If
+    trimming it to the cap leaves no entry, tool.call is not advertised either."""
+    cat = h.tools("t.", 31)
+    i = _tool_call_only(f.inputs(catalog=cat, tool_call=True))
+
+    def measure(entries: tuple[ToolSpec, ...]) -> int:
+        return INDEX_TOKEN_CAP + 1  # every rendered index is over the cap
+
+    kept = select_tools(i, tool_cost=lambda t: 10, index_cost=lambda t: 10)
+    assert "tool.call" in {t.name for t in kept.defined} and len(kept.deferred) == 2
+    sel = select_tools(i, tool_cost=lambda t: 10, index_cost=lambda t: 10,
+                       index_measure=measure)
+    assert [t.name for t in sel.defined] == h.names(cat[:30])
+    assert sel.deferred == () and sel.index_tokens == 0
+    assert sel.skipped_tool_names == ("t.30",)
 
 
 def test_deferred_but_explicitly_enabled_tool_is_still_deferred() -> None:

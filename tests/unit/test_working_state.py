@@ -300,3 +300,42 @@ def test_every_entry_renders_inside_an_envelope_at_its_label():
         opening = msg.text.rfind("<", 0, at)
         assert msg.text[opening:].startswith(f'<{tag} source="working-state"'), word
     assert msg.trust is UNTRUSTED
+
+
+# ----------------------------------------------------------------------------- user removal
+
+def test_a_removed_constraint_is_remembered_until_it_is_set_again():
+    from context_engine.domain.working_state import RemoveConstraint
+    s, _ = apply_update(WorkingState(), Update(add_constraints=("a", "b")), run_id="r1",
+                        sequence=1)
+    s, ch = apply_update(s, RemoveConstraint(constraint="a", user_event_id=7), run_id="r1",
+                         sequence=2)
+    assert s.constraints == ("b",) and s.removed_constraints == ("a",)
+    assert ch.constraints_removed == 1 and ch.user_event_id == 7
+    assert carry([LogEvent(sequence=1, run_id="r1", transition=Update(add_constraints=("a",))),
+                  LogEvent(sequence=2, run_id="r1", transition=RemoveConstraint(
+                      constraint="a", user_event_id=2))], 10).removed_constraints == ("a",)
+    s, _ = apply_update(s, Update(add_constraints=("a",)), run_id="r1", sequence=3)
+    assert s.constraints == ("b", "a") and s.removed_constraints == ()
+
+
+def test_a_summary_stops_showing_a_constraint_the_user_removed():
+    from context_engine.domain.items import HistorySummary
+    from context_engine.domain.working_state import RemoveConstraint
+
+    from tests import factories as f
+
+    summary = HistorySummary(text="We talked.", replaced_through_sequence=1,
+                             constraints=("keep A", "keep B"),
+                             constraint_trust=(TrustLevel.USER, TrustLevel.MEMORY))
+    s, _ = apply_update(WorkingState(constraints=("keep A", "keep B")),
+                        RemoveConstraint(constraint="keep A", user_event_id=5), run_id="run-1",
+                        sequence=6)
+    lp = f.loaded()
+    items = [f.user("u0", "earlier", 1, run="run-0"), f.user("u1", "now", 2)]
+    built = f.run_build(lp, f.checkpoint(items, summary=summary, working_state=s))
+    (row9,) = [m for m in built.request.messages if m.row == 9]
+    assert "keep A" not in row9.text and "- keep B" in row9.text
+    assert '<memory source="summary"' in row9.text  # keep B kept its own label
+    kept = summary.without(s.removed_constraints)
+    assert kept.constraints == ("keep B",) and kept.constraint_trust == (TrustLevel.MEMORY,)

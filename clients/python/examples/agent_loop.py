@@ -5,7 +5,9 @@ Around it the loop does what an agent runtime does: it keeps the session's log (
 items with event sequences and run ids) and the checkpoint around it, opens the session with
 ``Plan``, calls ``Build`` before every model step and prints the request's budget table, cache
 markers and ``prefix_sha256``, reports the provider's usage, compacts when ``Build`` says
-history had to be cut, and rotates the epoch at the end.
+history had to be cut, and rotates the epoch at the end. The model's calls of the engine's own
+``context.update_working_state`` tool go to ``UpdateWorkingState`` exactly as the provider
+returned them, and what the engine answers goes back to the model as that call's result.
 
     .venv/bin/python clients/python/examples/agent_loop.py --target 127.0.0.1:50051
 """
@@ -20,12 +22,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from context_engine_client import Client, ContextEngineError, FailedPrecondition, pb
+from context_engine_client import (
+    Client,
+    ContextEngineError,
+    FailedPrecondition,
+    InvalidArgument,
+    pb,
+)
 
 # A session capped at 16k tokens so a few turns of tool output show the budget at work.
 MODEL = pb.ModelSpec(model_id="claude-sonnet-4-5", capabilities=pb.ModelCapabilities(
     context_window=16_000, output_reserve=2_000))
 DATE = "2026-11-29"
+# The working-state control tool every plan defines, and the name a provider returns for it
+# (providers take no "." in tool names).
+WORKING_STATE_TOOL = "context.update_working_state"
+WORKING_STATE_TOOL_NAMES = (WORKING_STATE_TOOL, "context__update_working_state")
 
 
 def schema(properties: dict[str, str], required: Sequence[str]) -> str:
@@ -59,13 +71,18 @@ def plan_request(tenant: str, session: str) -> pb.PlanRequest:
 @dataclass(frozen=True)
 class Turn:
     user: str
-    calls: tuple[tuple[str, dict[str, str]], ...]
+    calls: tuple[tuple[str, dict[str, Any]], ...]
     answer: str
 
 
 TURNS = (
     Turn("Draft release notes for 2.4 from CHANGELOG.md.",
-         (("files.read", {"path": "CHANGELOG.md"}),),
+         (("files.read", {"path": "CHANGELOG.md"}),
+          # the model records its working state through the engine's control tool, in the
+          # provider's name form
+          ("context__update_working_state", {"objective": "Release notes for 2.4",
+                                             "add_constraints": ["Cite every file and page "
+                                                                 "used."]})),
          "Draft: 2.4 adds streaming exports and fixes the retry storm in the sync worker."),
     Turn("Check the docs site for what the exporter page says.",
          (("web.fetch", {"url": "https://docs.example.com/exporter"}),
@@ -97,7 +114,8 @@ def draft(turn: int, words: int = 2_200) -> str:
     return "\n".join(lines)
 
 
-def tool_output(name: str, args: dict[str, str], turn: int) -> tuple[str, pb.TrustLevel.ValueType]:
+def tool_output(name: str, args: dict[str, Any],
+                turn: int) -> tuple[str, pb.TrustLevel.ValueType]:
     """A fake tool: deterministic text, web pages untrusted. Turn 3's build log is oversized."""
     words = ("export", "stream", "retry", "worker", "sync", "plugin", "loader", "flag", "config",
              "release", "change", "fix", "deprecate", "warning", "upgrade", "step", "user",
@@ -209,6 +227,27 @@ def compact(engine: Client, s: Session, run_id: str) -> bool:
     return True
 
 
+def update_working_state(engine: Client, s: Session, run_id: str, sequence: int,
+                         call: pb.ToolCall) -> str:
+    """The model's control-tool call, sent as the provider returned it; the answer is the
+    call's result for the model: a confirmation, or (refused) what was wrong and the tool's
+    input schema, so the model can call again."""
+    try:
+        updated = engine.update_working_state(request=pb.UpdateWorkingStateRequest(
+            tenant_id=s.tenant, session_id=s.session, run_id=run_id,
+            current=s.working_state, sequence=sequence,
+            transition=pb.WorkingStateTransition(tool_call=pb.WorkingStateToolCall(
+                call_id=call.call_id, name=call.name, arguments_json=call.arguments_json))))
+    except InvalidArgument as err:
+        if not err.tool_result:  # the runtime's own mistake, not the model's
+            raise
+        print(f"   working state refused: {len(err.field_violations)} violations")
+        return err.tool_result
+    s.working_state = updated.state
+    print(f"   working state: {updated.tool_result}")
+    return updated.tool_result
+
+
 def run(engine: Client, tenant: str, session: str, estimator_factor: float | None) -> None:
     plan = engine.plan(request=plan_request(tenant, session)).plan
     print(f"plan: epoch {plan.epoch} prefix_sha256 {plan.prefix_sha256} "
@@ -217,23 +256,23 @@ def run(engine: Client, tenant: str, session: str, estimator_factor: float | Non
     for n, turn in enumerate(TURNS, start=1):
         run_id = f"run-{n}"
         s.append(run_id, f"t{n}-user", pb.TRUST_LEVEL_USER, user=pb.UserMessage(text=turn.user))
-        if n == 1:
-            state = engine.update_working_state(request=pb.UpdateWorkingStateRequest(
-                tenant_id=tenant, session_id=session, run_id=run_id, current=s.working_state,
-                sequence=s.sequence, transition=pb.WorkingStateTransition(
-                    update=pb.WorkingStateUpdate(
-                        objective="Release notes for 2.4",
-                        add_constraints=["Cite every file and page used."]))))
-            s.working_state = state.state
         build(engine, s, run_id, f"turn {n}, step 1")
-        calls = [pb.ToolCall(call_id=f"call-{n}-{k}", name=name,
-                             arguments_json=json.dumps(args, sort_keys=True))
-                 for k, (name, args) in enumerate(turn.calls)]
+        # the calls as the provider returned them; the log keeps the tools' own names
+        returned = [pb.ToolCall(call_id=f"call-{n}-{k}", name=name,
+                                arguments_json=json.dumps(args, sort_keys=True))
+                    for k, (name, args) in enumerate(turn.calls)]
+        calls = [pb.ToolCall(call_id=c.call_id, arguments_json=c.arguments_json,
+                             name=(WORKING_STATE_TOOL if c.name in WORKING_STATE_TOOL_NAMES
+                                   else c.name)) for c in returned]
         s.append(run_id, f"t{n}-calls", pb.TRUST_LEVEL_USER, tool_calls=pb.ToolCalls(calls=calls))
-        for k, (call, (name, args)) in enumerate(zip(calls, turn.calls, strict=True)):
-            content, trust = tool_output(name, args, n)
+        called_at = s.sequence
+        for k, (call, (name, args)) in enumerate(zip(returned, turn.calls, strict=True)):
+            content, trust = (
+                (update_working_state(engine, s, run_id, called_at, call), pb.TRUST_LEVEL_USER)
+                if call.name in WORKING_STATE_TOOL_NAMES else tool_output(name, args, n))
             s.append(run_id, f"t{n}-r{k}", trust, tool_result=pb.ToolResult(
-                call_id=call.call_id, tool_name=name, content=content, event_id=s.sequence + 1))
+                call_id=call.call_id, tool_name=calls[k].name, content=content,
+                event_id=s.sequence + 1))
         build(engine, s, run_id, f"turn {n}, step 2")
         s.append(run_id, f"t{n}-answer", pb.TRUST_LEVEL_USER,
                  assistant=pb.AssistantMessage(text=f"{turn.answer}\n\nDraft:\n{draft(n)}"))

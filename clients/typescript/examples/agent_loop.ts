@@ -8,6 +8,9 @@
  * tool returns an oversized page (excerpted, older results become pointers), history outgrows
  * the window (Build says compaction is needed; the runtime compacts and builds again), and the
  * session is routed to a larger model (an explicit rotation: a new epoch and a new prefix).
+ * The model records its working state through the engine's own `context.update_working_state`
+ * tool: the runtime sends that call to UpdateWorkingState exactly as the provider returned it
+ * and gives the model the engine's answer as the call's result.
  *
  *   npm run build && CE_TARGET=127.0.0.1:50051 node dist/examples/agent_loop.js
  *
@@ -31,12 +34,17 @@ import {
 
 const SMALL_MODEL: ModelSpec = {
   modelId: "acme-chat-12k",
-  capabilities: { contextWindow: 12_000, outputReserve: 2_000, breakpointBudget: 4 },
+  // the reserve is held small so that this small window's body holds history's 8,000-token floor
+  capabilities: { contextWindow: 12_000, outputReserve: 1_500, breakpointBudget: 4 },
 };
 const LARGE_MODEL: ModelSpec = {
   modelId: "acme-chat-64k",
   capabilities: { contextWindow: 64_000, outputReserve: 8_000, breakpointBudget: 4 },
 };
+
+/** The engine's working-state control tool, and the name a provider returns for it. */
+const WORKING_STATE_TOOL = "context.update_working_state";
+const WORKING_STATE_TOOL_NAMES = new Set([WORKING_STATE_TOOL, "context__update_working_state"]);
 
 const SCHEMA_URL = JSON.stringify({ type: "object", properties: { url: { type: "string" } },
   required: ["url"] });
@@ -82,7 +90,7 @@ function runTool(call: ToolCall): { content: string; artifactRef?: string } {
 interface Turn {
   user: string;
   /** Batches of tool calls the model makes, one batch per step (parallel calls share one). */
-  batches: { name: string; args: Record<string, string> }[][];
+  batches: { name: string; args: Record<string, unknown> }[][];
   answer: string;
   /** Route the session to the larger model before this turn. */
   routeToLargeModel?: boolean;
@@ -91,7 +99,13 @@ interface Turn {
 const TURNS: Turn[] = [
   { user: "I need to be in Milan on 3 December for a 14:00 meeting. Find me a train from Zurich.",
     batches: [[{ name: "rail.search", args: { from: "Zurich HB", to: "Milano Centrale",
-      date: "2026-12-03" } }]],
+      date: "2026-12-03" } }],
+    // what the search established, recorded through the engine's control tool (the provider
+    // returns the call under its name form); event 3 is the search's result
+    [{ name: "context__update_working_state", args: {
+      add_facts: [{ statement: "The rail search lists EC 09:33 Zurich HB -> 12:50 Milano " +
+        "Centrale", source_event_ids: [3], trust: "external_untrusted" }],
+      next_action: "compare hotels near Milano Centrale" } }]],
     answer: "The 09:33 EC from Zurich HB arrives at 12:50, in time for 14:00 (per the rail search)." },
   { user: "Compare two hotels near Milano Centrale.",
     batches: [[{ name: "web.fetch", args: { url: "https://hotels.example/milano/centrale-a" } },
@@ -289,11 +303,37 @@ async function main(): Promise<void> {
           console.log(`<< assistant: ${reply.text}`);
           break;
         }
-        items.push({ id: `c${t + 1}-${step}`, sequence: ++sequence, runId,
-          trust: "TRUST_LEVEL_USER", toolCalls: { calls: reply.calls } });
+        // The log keeps the tools' own names; the calls go out as the provider returned them.
+        const own = (name?: string) =>
+          (WORKING_STATE_TOOL_NAMES.has(name ?? "") ? WORKING_STATE_TOOL : name);
+        const calledAt = ++sequence;
+        items.push({ id: `c${t + 1}-${step}`, sequence: calledAt, runId,
+          trust: "TRUST_LEVEL_USER", toolCalls: { calls: reply.calls.map((c) =>
+            ({ ...c, name: own(c.name) })) } });
         console.log(`<< tool calls: ${reply.calls.map((c) => `${c.name} ${c.argumentsJson}`)
           .join(", ")}`);
         for (const call of reply.calls) {
+          if (WORKING_STATE_TOOL_NAMES.has(call.name ?? "")) {
+            // The engine applies the model's call; its answer is the call's result.
+            let content: string;
+            try {
+              const updated = await client.updateWorkingState({ tenantId, sessionId, runId,
+                current: workingState, sequence: calledAt, transition: { toolCall: {
+                  callId: call.callId, name: call.name, argumentsJson: call.argumentsJson } } });
+              workingState = updated.state;
+              content = updated.toolResult;
+            } catch (err) {
+              // Refused: the model reads what was wrong and the tool's input schema.
+              if (!(err instanceof ContextEngineError) || !err.toolResult) throw err;
+              content = err.toolResult;
+            }
+            const seq = ++sequence;
+            items.push({ id: `r-${call.callId}`, sequence: seq, runId, trust: "TRUST_LEVEL_USER",
+              toolResult: { callId: call.callId, toolName: WORKING_STATE_TOOL, content,
+                eventId: seq } });
+            console.log(`>> working state: ${content}`);
+            continue;
+          }
           const result = runTool(call);
           const seq = ++sequence;
           items.push({ id: `r-${call.callId}`, sequence: seq, runId,
@@ -302,17 +342,6 @@ async function main(): Promise<void> {
               eventId: seq, ...(result.artifactRef ? { artifactRef: result.artifactRef } : {}) } });
           console.log(`   result ${call.callId}: ${Buffer.byteLength(result.content)} bytes`);
         }
-      }
-      if (t === 0) {
-        // The model's context.update_working_state call after its first answer.
-        const updated = await client.updateWorkingState({ tenantId, sessionId, runId,
-          current: workingState, sequence: ++sequence, transition: { update: {
-            addFacts: [{ statement: "EC 09:33 Zurich HB -> 12:50 Milano Centrale",
-              sourceEventIds: [3], trust: "TRUST_LEVEL_USER" }],
-            nextAction: "compare hotels near Milano Centrale" } } });
-        workingState = updated.state;
-        console.log(`>> working state: ${updated.change.factsAdded} fact added, ` +
-          `${updated.change.tokens} tokens`);
       }
     }
   } catch (err) {

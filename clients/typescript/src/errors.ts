@@ -5,6 +5,7 @@ import { googleRpcRoot } from "./proto";
 
 const ERROR_INFO_URL = "type.googleapis.com/google.rpc.ErrorInfo";
 const BAD_REQUEST_URL = "type.googleapis.com/google.rpc.BadRequest";
+const LOCALIZED_MESSAGE_URL = "type.googleapis.com/google.rpc.LocalizedMessage";
 const STATUS_DETAILS_KEY = "grpc-status-details-bin";
 
 /** One `google.rpc.BadRequest.FieldViolation`. */
@@ -29,7 +30,9 @@ export function codeName(code: grpc.status): string {
  * A failed call. `code` is the gRPC status code (compare with `grpc.status.NOT_FOUND` or use
  * `codeName`); `reason`, `domain` and `metadata` come from the status's single `ErrorInfo`
  * (empty when the failure happened before the service answered, e.g. a missed deadline);
- * `violations` lists `BadRequest` field violations for malformed input.
+ * `violations` lists `BadRequest` field violations for malformed input; `toolResult` is the
+ * status's `LocalizedMessage`: for a refused `context.update_working_state` call, the text to
+ * return to the model as that call's result (what was wrong, and the tool's input schema).
  */
 export class ContextEngineError extends Error {
   override readonly name = "ContextEngineError";
@@ -41,6 +44,8 @@ export class ContextEngineError extends Error {
   readonly domain: string;
   readonly metadata: Readonly<Record<string, string>>;
   readonly violations: readonly FieldViolation[];
+  /** The tool result for the model when its own tool call was refused; `""` otherwise. */
+  readonly toolResult: string;
   readonly otherDetails: readonly OtherDetail[];
   /** The RPC that failed, e.g. `"Build"`. */
   readonly method: string;
@@ -55,6 +60,7 @@ export class ContextEngineError extends Error {
     domain?: string;
     metadata?: Record<string, string>;
     violations?: FieldViolation[];
+    toolResult?: string;
     otherDetails?: OtherDetail[];
     attempts?: number;
     cause?: unknown;
@@ -70,6 +76,7 @@ export class ContextEngineError extends Error {
     this.domain = init.domain ?? "";
     this.metadata = Object.freeze({ ...(init.metadata ?? {}) });
     this.violations = Object.freeze([...(init.violations ?? [])]);
+    this.toolResult = init.toolResult ?? "";
     this.otherDetails = Object.freeze([...(init.otherDetails ?? [])]);
     this.attempts = init.attempts ?? 1;
   }
@@ -89,12 +96,14 @@ export function parseStatusDetails(bin: Buffer): {
   domain: string;
   metadata: Record<string, string>;
   violations: FieldViolation[];
+  toolResult: string;
   otherDetails: OtherDetail[];
 } {
   const root = googleRpcRoot();
   const Status = root.lookupType("google.rpc.Status");
   const ErrorInfo = root.lookupType("google.rpc.ErrorInfo");
   const BadRequest = root.lookupType("google.rpc.BadRequest");
+  const LocalizedMessage = root.lookupType("google.rpc.LocalizedMessage");
   const status = Status.toObject(Status.decode(bin), { defaults: true }) as {
     message: string;
     details: DecodedAny[];
@@ -105,6 +114,7 @@ export function parseStatusDetails(bin: Buffer): {
     domain: "",
     metadata: {} as Record<string, string>,
     violations: [] as FieldViolation[],
+    toolResult: "",
     otherDetails: [] as OtherDetail[],
   };
   let seenInfo = false;
@@ -127,6 +137,10 @@ export function parseStatusDetails(bin: Buffer): {
       for (const v of bad.fieldViolations) {
         out.violations.push({ field: v.field, description: v.description, reason: v.reason ?? "" });
       }
+    } else if (typeUrl === LOCALIZED_MESSAGE_URL && !out.toolResult) {
+      const text = LocalizedMessage.toObject(LocalizedMessage.decode(detail.value),
+        { defaults: true }) as { locale: string; message: string };
+      out.toolResult = text.message;
     } else {
       out.otherDetails.push({ typeUrl, value: Buffer.from(detail.value) });
     }
@@ -150,6 +164,7 @@ export function fromServiceError(err: grpc.ServiceError, method: string,
         domain: parsed.domain,
         metadata: parsed.metadata,
         violations: parsed.violations,
+        toolResult: parsed.toolResult,
         otherDetails: parsed.otherDetails,
         attempts,
         cause: err,

@@ -80,6 +80,11 @@ export interface AgentSpec {
   enabledTools?: string[];
   deferredTools?: string[];
   enablesToolCall?: boolean;
+  /**
+   * Opts out of the `context.update_working_state` control tool, which every plan otherwise
+   * pins (it counts against the tool caps like any definition).
+   */
+  omitsWorkingStateTool?: boolean;
 }
 
 export interface PersonaEntry {
@@ -338,6 +343,8 @@ export interface WorkingState {
   constraintTrust?: EnumIn<TrustLevel>[];
   nextActionTrust?: EnumIn<TrustLevel>;
   supersededTrust?: EnumIn<TrustLevel>[];
+  /** Constraints the user removed this session (set by the service). */
+  removedConstraints?: string[];
 }
 
 export interface RecallLine {
@@ -498,6 +505,8 @@ export interface Pressure {
   historyCutIndex: number;
   summaryFloorIndex: number;
   legacyToolExcerpts: number;
+  /** What never yields left history this many tokens short of its 8,000-token floor (0: held). */
+  historyFloorShortfall: number;
 }
 
 export interface BuildResponse {
@@ -580,6 +589,27 @@ export interface ToolOutcome {
   outcome?: EnumIn<ToolOutcomeKind>;
 }
 
+/**
+ * The model's `context.update_working_state` call exactly as the provider returned it: the
+ * service parses and validates the arguments itself.
+ */
+export interface WorkingStateToolCall {
+  callId?: string;
+  /** `context.update_working_state`, or its provider form `context__update_working_state`. */
+  name?: string;
+  /** The arguments as the provider returned them: a JSON object text. */
+  argumentsJson?: string;
+  /** The label of the model output that carried the call (at most USER; unset: USER). */
+  trust?: EnumIn<TrustLevel>;
+}
+
+/** Runtime: the user removed a constraint (by its exact text). No tool input can. */
+export interface RemoveConstraint {
+  constraint?: string;
+  /** The session event of the user's message or action that removed it. */
+  userEventId?: Int64;
+}
+
 /** One transition; exactly one field is set. */
 export interface WorkingStateTransition {
   update?: WorkingStateUpdate;
@@ -587,6 +617,9 @@ export interface WorkingStateTransition {
   askUser?: { question?: string; trust?: EnumIn<TrustLevel> };
   answer?: { question?: string };
   userObjective?: { objective?: string; trust?: EnumIn<TrustLevel> };
+  /** The model's raw call of the control tool (what most runtimes send). */
+  toolCall?: WorkingStateToolCall;
+  removeConstraint?: RemoveConstraint;
 }
 
 export interface UpdateWorkingStateRequest {
@@ -626,6 +659,7 @@ export interface WorkingStateOut {
   constraintTrust: TrustLevel[];
   nextActionTrust: TrustLevel;
   supersededTrust: TrustLevel[];
+  removedConstraints: string[];
 }
 
 export interface WorkingStateChange {
@@ -642,11 +676,19 @@ export interface WorkingStateChange {
   questionsEvicted: number;
   nextActionChanged: boolean;
   tokens: number;
+  constraintsRemoved: number;
+  userEventId: string;
 }
 
 export interface UpdateWorkingStateResponse {
   state: WorkingStateOut;
   change: WorkingStateChange;
+  /**
+   * For a raw `toolCall`: the result to return to the model for that call (a confirmation).
+   * A call with invalid arguments fails `INVALID_ARGUMENT` instead, and the error's
+   * `toolResult` holds the text to return: the errors and the tool's input schema.
+   */
+  toolResult: string;
 }
 
 export interface WorkingStateEvent {

@@ -56,7 +56,8 @@ describe("context-engine over gRPC", () => {
     assert.equal(plan.epoch, 1);
     assert.match(plan.prefixSha256, HEX64);
     assert.equal(plan.reason, "session_opened");
-    assert.deepEqual(plan.toolNames, ["rail.search", "tool.call", "web.fetch"]);
+    assert.deepEqual(plan.toolNames,
+      ["context.update_working_state", "rail.search", "tool.call", "web.fetch"]);
     assert.deepEqual(plan.deferredToolNames, ["clock.now"]);
     assert.ok(plan.prefixBlocks.length >= 3 && plan.prefixTokens > 0);
     assert.equal(typeof plan.createdAt?.seconds, "string", "int64 fields arrive as strings");
@@ -131,6 +132,43 @@ describe("context-engine over gRPC", () => {
       result.notFound = { code: err.codeName, reason: err.reason, domain: err.domain };
       return true;
     });
+  });
+
+  test("the model's working-state call goes in raw and its tool result comes back", async () => {
+    const request = (argumentsJson: string) => ({ tenantId, sessionId, runId: "run-ws",
+      sequence: 7, current: { constraints: ["rail only"] }, transition: { toolCall: {
+        callId: "toolu_01", name: "context__update_working_state", argumentsJson } } });
+    const applied = await client.updateWorkingState(request(JSON.stringify({
+      // the tool's own field names: the arguments are the model's JSON, not a message
+      objective: "Reach Milan by 14:00",
+      upsert_tasks: [{ id: "t1", title: "find a train", state: "open" }] })));
+    assert.equal(applied.state.objective, "Reach Milan by 14:00");
+    assert.deepEqual(applied.state.constraints, ["rail only"]);
+    assert.equal(applied.change.transition, "update");
+    assert.match(applied.toolResult,
+      /^Working state updated: objective set; tasks updated: t1\. The block is \d+ of 1,000/);
+
+    // The model cannot remove a constraint: the field does not exist, and it is told so.
+    await assert.rejects(client.updateWorkingState(request(
+      JSON.stringify({ remove_constraints: ["rail only"] }))), (err: unknown) => {
+      assert.ok(err instanceof ContextEngineError);
+      assert.equal(err.code, GrpcStatus.INVALID_ARGUMENT);
+      assert.deepEqual(err.violations.map((v) => v.field),
+        ["transition.tool_call.arguments.remove_constraints"]);
+      assert.match(err.toolResult, /- remove_constraints: is not a field of this tool\n/);
+      const schema = JSON.parse(err.toolResult.slice(err.toolResult.lastIndexOf("\n") + 1)) as
+        { additionalProperties: boolean };
+      assert.equal(schema.additionalProperties, false);
+      assert.equal(err.otherDetails.length, 0, "the LocalizedMessage is read, not left over");
+      return true;
+    });
+    // The user can.
+    const removed = await client.updateWorkingState({ tenantId, sessionId, runId: "run-ws",
+      sequence: 8, current: { constraints: ["rail only"] },
+      transition: { removeConstraint: { constraint: "rail only", userEventId: 8 } } });
+    assert.deepEqual(removed.state.constraints, []);
+    assert.equal(removed.change.transition, "remove_constraint");
+    assert.equal(removed.toolResult, "");
   });
 
   test("malformed input lists its field violations", async () => {

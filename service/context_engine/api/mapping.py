@@ -12,6 +12,7 @@ from datetime import datetime
 from google.protobuf.message import Message as Message_
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from context_engine.api import working_state_tool
 from context_engine.domain import providers
 from context_engine.domain import working_state as ws_rules
 from context_engine.domain.budget import BudgetReport, Pressure
@@ -75,6 +76,8 @@ from context_engine.domain.working_state import (
     AskUser,
     Changes,
     LogEvent,
+    RefusedCall,
+    RemoveConstraint,
     ToolOutcome,
     Transition,
     Update,
@@ -297,7 +300,8 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
         agent=AgentSpec(agent_id=a.agent_id, version=a.version, instructions=a.instructions,
                         enabled_tools=tuple(a.enabled_tools),
                         deferred_tools=tuple(a.deferred_tools),
-                        enables_tool_call=a.enables_tool_call),
+                        enables_tool_call=a.enables_tool_call,
+                        omits_working_state_tool=a.omits_working_state_tool),
         persona=Persona(revision=req.persona.revision,
                         entries=tuple(PersonaEntry(key=e.key, text=e.text)
                                       for e in req.persona.entries)),
@@ -440,6 +444,9 @@ def working_state(v: Violations, field: str, ws: pb.WorkingState) -> WorkingStat
                               trust=v.trust(f"{field}.facts[{i}].trust", f.trust),
                               sequence=f.sequence, run_id=f.run_id)
                   for i, f in enumerate(ws.facts))
+    if len(ws.removed_constraints) > ws_rules.MAX_REMOVED_CONSTRAINTS:
+        v.add(f"{field}.removed_constraints", f"holds {len(ws.removed_constraints)}, over the "
+              f"{ws_rules.MAX_REMOVED_CONSTRAINTS} the service keeps")
     if ws.question_origins and len(ws.question_origins) != len(ws.open_questions):
         v.add(f"{field}.question_origins", f"has {len(ws.question_origins)} entries for "
               f"{len(ws.open_questions)} open questions; one per question or none")
@@ -460,7 +467,8 @@ def working_state(v: Violations, field: str, ws: pb.WorkingState) -> WorkingStat
                                   len(ws.constraints), "constraints"),
         next_action_trust=v.label(f"{field}.next_action_trust", ws.next_action_trust),
         superseded_trust=v.labels(f"{field}.superseded_trust", ws.superseded_trust,
-                                  len(ws.superseded_objectives), "superseded objectives"))
+                                  len(ws.superseded_objectives), "superseded objectives"),
+        removed_constraints=tuple(ws.removed_constraints))
 
 
 def _labels_pb(values: Sequence[object],
@@ -486,7 +494,8 @@ def working_state_pb(s: WorkingState) -> pb.WorkingState:
         constraint_trust=_labels_pb(s.constraints, s.constraint_trust),
         next_action_trust=TRUST_TO_PB[s.next_action_trust] if s.next_action
         else pb.TRUST_LEVEL_UNSPECIFIED,
-        superseded_trust=_labels_pb(s.superseded_objectives, s.superseded_trust))
+        superseded_trust=_labels_pb(s.superseded_objectives, s.superseded_trust),
+        removed_constraints=list(s.removed_constraints))
 
 
 OUTCOME_FROM_PB: dict[pb.ToolOutcomeKind.ValueType, str] = {
@@ -539,10 +548,31 @@ def _update(v: Violations, field: str, u: pb.WorkingStateUpdate) -> Update:
                   trust=v.label(f"{field}.trust", u.trust))
 
 
+def _tool_call(v: Violations, field: str, c: pb.WorkingStateToolCall) -> Update | RefusedCall:
+    """The model's raw call. What the runtime states about it (call id, name, label) is checked
+    here; the arguments are the model's, and invalid ones are a refused call: violations with
+    a tool result in UpdateWorkingState, a skipped event when carried."""
+    v.identifier(f"{field}.call_id", c.call_id)
+    if c.name not in working_state_tool.NAMES:
+        v.add(f"{field}.name", f"{c.name[:80]!r} is not {' or '.join(working_state_tool.NAMES)}")
+    trust = v.label(f"{field}.trust", c.trust)
+    parsed = working_state_tool.parse_arguments(c.arguments_json, trust=trust, field=field)
+    return parsed if isinstance(parsed, Update) else RefusedCall(violations=tuple(parsed))
+
+
 def transition(v: Violations, field: str, t: pb.WorkingStateTransition) -> Transition | None:
     kind = t.WhichOneof("kind")
     if kind == "update":
         return _update(v, f"{field}.update", t.update)
+    if kind == "tool_call":
+        return _tool_call(v, f"{field}.tool_call", t.tool_call)
+    if kind == "remove_constraint":
+        r = t.remove_constraint
+        _text(v, f"{field}.remove_constraint.constraint", r.constraint)
+        if r.user_event_id <= 0:
+            v.add(f"{field}.remove_constraint.user_event_id",
+                  "must be the positive session event id of the user's message or action")
+        return RemoveConstraint(constraint=r.constraint, user_event_id=r.user_event_id)
     if kind == "tool_outcome":
         v.identifier(f"{field}.tool_outcome.task_id", t.tool_outcome.task_id)
         outcome = OUTCOME_FROM_PB.get(t.tool_outcome.outcome)
@@ -596,12 +626,21 @@ def update_working_state_command(req: pb.UpdateWorkingStateRequest) -> WorkingSt
             v.add(f"current.{name}", f"holds {count}, over the cap of {cap}")
     v.unique("current.tasks", (t.id for t in current.tasks), "task id")
     found = transition(v, "transition", req.transition)
+    if isinstance(found, RefusedCall):
+        v.items.extend(found.violations)
     factor = _factor(v, req.HasField("estimator_factor"), req.estimator_factor)
-    v.raise_if_any()
-    assert found is not None
+    if v.items:
+        error = InvalidInput(v.items)
+        if isinstance(found, RefusedCall):  # the model's arguments: it reads what was wrong
+            error.tool_result = working_state_tool.refused(found.violations,
+                                                           "transition.tool_call")
+        raise error
+    assert found is not None and not isinstance(found, RefusedCall)
     return WorkingStateCommand(tenant_id=req.tenant_id, session_id=req.session_id,
                                run_id=req.run_id, current=current, sequence=req.sequence,
-                               transition=found, factor=factor)
+                               transition=found, factor=factor,
+                               call_id=(req.transition.tool_call.call_id
+                                        if req.transition.HasField("tool_call") else ""))
 
 
 def carry_command(req: pb.CarryWorkingStateRequest) -> CarryCommand:
@@ -635,7 +674,8 @@ def change_pb(c: Changes) -> pb.WorkingStateChange:
         facts_added=c.facts_added, facts_evicted=c.facts_evicted,
         questions_added=c.questions_added, questions_resolved=c.questions_resolved,
         questions_evicted=c.questions_evicted, next_action_changed=c.next_action_changed,
-        tokens=c.tokens)
+        tokens=c.tokens, constraints_removed=c.constraints_removed,
+        user_event_id=c.user_event_id)
 
 
 def _timestamp(value: datetime | None) -> Timestamp | None:
@@ -675,6 +715,11 @@ def plan_pb(loaded: LoadedPlan) -> pb.ContextPlan:
         agent_id=spec.agent.agent_id, agent_version=spec.agent.version,
         persona_revision=spec.persona.revision,
         session_kind=SESSION_KIND_TO_PB[spec.session_kind],
+        # the snapshot pinned at session open (or by a snapshot_invalidated rotation) and the
+        # store watermark it was recalled at: the runtime's recall delta starts there
+        snapshot_id=spec.memory_snapshot.snapshot_id,
+        snapshot_watermark=spec.memory_snapshot.watermark,
+        skill_pins=[pb.SkillPin(name=e.name, sha256=e.sha256) for e in spec.skill_catalog],
     )
     created = _timestamp(plan.created_at)
     if created is not None:
@@ -748,7 +793,8 @@ def pressure_pb(p: Pressure) -> pb.Pressure:
         fits=p.fits, tokens_before=p.tokens_before, tokens_after=p.tokens_after,
         compaction_needed=p.compaction_needed, left_out_items=p.left_out_items,
         left_out_tokens=p.left_out_tokens, history_cut_index=p.cut_index,
-        summary_floor_index=p.floor_index, legacy_tool_excerpts=p.legacy_tool_excerpts)
+        summary_floor_index=p.floor_index, legacy_tool_excerpts=p.legacy_tool_excerpts,
+        history_floor_shortfall=p.history_floor_shortfall)
 
 
 def usage_report(req: pb.ReportUsageRequest) -> UsageReport:

@@ -36,13 +36,16 @@ from context_engine.adapters.postgres.store import (
 from context_engine.adapters.resilience import BufferedEventLog, LastKnownEpochs
 from context_engine.adapters.summarizer import OpenAISummarizer, load_prompt
 from context_engine.adapters.tokenizers import TiktokenRegistry
-from context_engine.api.auth import auth_interceptor, server_credentials
+from context_engine.api.auth import RPC_NAMES, auth_interceptor, server_credentials
 from context_engine.api.limits import Limits, LimitsInterceptor
 from context_engine.api.servicer import ContextEngineServicer, add_to_server
+from context_engine.api.status import CODES
 from context_engine.api.workers import READY_ENV, WORKER_ENV
 from context_engine.clock import SYSTEM_CLOCK, Clock
 from context_engine.config import Config, split_addr
 from context_engine.domain.compaction import StructuredSummarizer, Summarizer
+from context_engine.domain.errors import StoreUnavailable
+from context_engine.domain.estimator import ModelCatalog
 from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
@@ -135,6 +138,29 @@ def server_options(config: Config) -> list[tuple[str, int]]:
     ]
 
 
+# Every status code a call can end with: OK, the domain errors' (status.CODES), INTERNAL (a
+# defect), and the interceptors' (credentials, limits, shutdown).
+ANSWERED_CODES = tuple(sorted({"OK", "INTERNAL", "UNAUTHENTICATED", "PERMISSION_DENIED",
+                               "RESOURCE_EXHAUSTED", "UNAVAILABLE",
+                               *(code.name for _, code in CODES)}))
+
+
+async def initialise_metrics(metrics: Metrics, calibrations: PostgresCalibrationStore,
+                             catalog: ModelCatalog) -> None:
+    """Every labelled series at zero before the first call (``Metrics.initialise``), and the
+    correction factor of each model family as PostgreSQL last reconciled it."""
+    factors: dict[str, float] | None
+    try:
+        latest = await calibrations.latest_factors()
+    except StoreUnavailable:
+        factors = None  # unset beats a stale value that the merge would take as the latest
+        log("metrics_factors_unread", logging.WARNING)
+    else:  # oldest first: each family keeps the factor reconciled last
+        factors = {catalog.family(model_id): factor for model_id, factor in latest}
+    metrics.initialise(families=catalog.families(), methods=sorted(RPC_NAMES),
+                       codes=ANSWERED_CODES, factors=factors)
+
+
 async def start(config: Config, *, database_url: str,
                 registry: CollectorRegistry = REGISTRY,
                 tracer_provider: trace.TracerProvider | None = None,
@@ -154,12 +180,15 @@ async def start(config: Config, *, database_url: str,
     tracer = tracer_for(tracer_provider or owned)
     timeout = config.db_timeout_seconds
     events = BufferedEventLog(PostgresEventLog(pool, command_timeout=timeout, tracer=tracer))
+    calibrations = PostgresCalibrationStore(pool, command_timeout=timeout, tracer=tracer)
+    catalog = load_model_catalog(config.model_catalog)
+    await initialise_metrics(metrics, calibrations, catalog)
     engine = Engine(
         store=LastKnownEpochs(PostgresPlanStore(pool, command_timeout=timeout, tracer=tracer)),
         events=events,
-        calibrations=PostgresCalibrationStore(pool, command_timeout=timeout, tracer=tracer),
+        calibrations=calibrations,
         policy=config.budget_policy(), calibration_ttl=config.calibration_ttl_seconds,
-        catalog=load_model_catalog(config.model_catalog),
+        catalog=catalog,
         tokenizers=TiktokenRegistry(),
         assets=load_platform_assets(config.assets_dir),
         control_tools=load_control_tools(config.assets_dir),

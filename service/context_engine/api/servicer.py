@@ -14,7 +14,7 @@ from google.protobuf.message import Message as ProtoMessage
 from grpc_status import rpc_status
 from opentelemetry.trace import NoOpTracer, SpanKind, Tracer
 
-from context_engine.api import mapping
+from context_engine.api import mapping, working_state_tool
 from context_engine.api.status import internal_status, status_for
 from context_engine.domain.builder import checkpoint_violations
 from context_engine.domain.canonical import session_key
@@ -193,11 +193,17 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
         async def call(record: CallRecord) -> pb.UpdateWorkingStateResponse:
             record.session(request.tenant_id, request.session_id)
             cmd = mapping.update_working_state_command(request)
-            state, changes = await self._engine.update_working_state(cmd)
+            try:
+                state, changes = await self._engine.update_working_state(cmd)
+            except ContextEngineError as exc:
+                if not cmd.call_id:
+                    raise
+                raise working_state_tool.for_the_model(exc, "transition.tool_call") from None
             record.extra["transition"] = changes.transition
             record.extra["working_state_tokens"] = changes.tokens
-            return pb.UpdateWorkingStateResponse(state=mapping.working_state_pb(state),
-                                                 change=mapping.change_pb(changes))
+            return pb.UpdateWorkingStateResponse(
+                state=mapping.working_state_pb(state), change=mapping.change_pb(changes),
+                tool_result=working_state_tool.applied(changes) if cmd.call_id else "")
         return await self._run("UpdateWorkingState", context, call)
 
     async def CarryWorkingState(self, request: pb.CarryWorkingStateRequest,

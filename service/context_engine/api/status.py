@@ -23,6 +23,7 @@ CODES: tuple[tuple[type[e.ContextEngineError], grpc.StatusCode], ...] = (
     (e.RequiredToolUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
     (e.PinnedVersionConflict, grpc.StatusCode.FAILED_PRECONDITION),
     (e.BudgetExceeded, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.HistoryFloorUnreachable, grpc.StatusCode.FAILED_PRECONDITION),
     (e.ConstraintCapReached, grpc.StatusCode.FAILED_PRECONDITION),
     (e.CompactionDepthExceeded, grpc.StatusCode.FAILED_PRECONDITION),
     (e.NothingToCompact, grpc.StatusCode.FAILED_PRECONDITION),
@@ -52,6 +53,11 @@ MAX_VIOLATIONS_BYTES = 3000  # all listed field violations together (before base
 MAX_FIELD_BYTES = 100
 MAX_DESCRIPTION_BYTES = 160
 MAX_METADATA_BYTES = 200
+# A tool result for the model (a refused control-tool call: its errors and the tool's input
+# schema) travels in the same trailers, so the violations listed beside it get less room.
+MAX_TOOL_RESULT_BYTES = 3000
+MAX_VIOLATIONS_BESIDE_TOOL_RESULT = 1200
+TOOL_RESULT_LOCALE = "en-US"
 
 
 def _clip(text: str, limit: int) -> str:
@@ -64,20 +70,23 @@ def _clip(text: str, limit: int) -> str:
 
 def rich_status(code: grpc.StatusCode, message: str, reason: str,
                 metadata: dict[str, str],
-                violations: tuple[e.FieldViolation, ...] = ()) -> status_pb2.Status:
+                violations: tuple[e.FieldViolation, ...] = (),
+                tool_result: str = "") -> status_pb2.Status:
     """The status of one failed call, bounded in size: field violations in order while they
     fit ``MAX_VIOLATIONS_BYTES`` (when some do not, the metadata's ``violations`` counts them
-    all and the message says how many are listed), long values clipped."""
+    all and the message says how many are listed), long values clipped. ``tool_result``, the
+    text a runtime returns to the model for its refused tool call, is a LocalizedMessage."""
     metadata = {_clip(k, MAX_METADATA_BYTES): _clip(v, MAX_METADATA_BYTES)
                 for k, v in metadata.items()}
     listed: list[error_details_pb2.BadRequest.FieldViolation] = []
     size = 0
+    room = MAX_VIOLATIONS_BESIDE_TOOL_RESULT if tool_result else MAX_VIOLATIONS_BYTES
     for v in violations:
         entry = error_details_pb2.BadRequest.FieldViolation(
             field=_clip(v.field, MAX_FIELD_BYTES),
             description=_clip(v.description, MAX_DESCRIPTION_BYTES))
         size += entry.ByteSize() + 3
-        if size > MAX_VIOLATIONS_BYTES:
+        if size > room:
             break
         listed.append(entry)
     if len(listed) < len(violations):
@@ -91,6 +100,11 @@ def rich_status(code: grpc.StatusCode, message: str, reason: str,
         bad = any_pb2.Any()
         bad.Pack(error_details_pb2.BadRequest(field_violations=listed))
         details.append(bad)
+    if tool_result:
+        text = any_pb2.Any()
+        text.Pack(error_details_pb2.LocalizedMessage(
+            locale=TOOL_RESULT_LOCALE, message=_clip(tool_result, MAX_TOOL_RESULT_BYTES)))
+        details.append(text)
     return status_pb2.Status(code=getattr(code_pb2, code.name),
                              message=_clip(message, MAX_MESSAGE_BYTES), details=details)
 
@@ -98,7 +112,8 @@ def rich_status(code: grpc.StatusCode, message: str, reason: str,
 def status_for(error: e.ContextEngineError) -> tuple[grpc.StatusCode, status_pb2.Status]:
     code = code_for(error)
     violations = error.violations if isinstance(error, e.InvalidInput) else ()
-    return code, rich_status(code, str(error), error.reason, error.metadata(), violations)
+    return code, rich_status(code, str(error), error.reason, error.metadata(), violations,
+                             error.tool_result)
 
 
 def internal_status() -> tuple[grpc.StatusCode, status_pb2.Status]:

@@ -8,6 +8,15 @@ and history (the remainder). When the body does not fit, the ladder yields in a 
 no further than needed: knowledge passages drop whole, lowest-ranked first; recall trims to its
 floor; tool results become typed pointers, oldest first; then history is cut, which is the
 signal that compaction is needed.
+
+History's floor (8,000 tokens, or all of it if less) is guaranteed by Plan, which refuses a plan
+whose body budget cannot hold it (``require_history_floor``); when never-yield items still push
+history below it at Build, ``Pressure.history_floor_shortfall`` says by how much.
+
+The prefix is measured once, at Plan time. Where it was counted with the model's own tokenizer
+it is exact and never scaled; where the count is itself approximate (a base factor, as for
+Claude and Gemini, or a fallback encoding) the correction factor scales it like the body
+(``prefix_cost``), because reconciliation then derives the factor from the whole estimate.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from context_engine.domain.errors import BudgetExceeded
+from context_engine.domain.errors import BudgetExceeded, HistoryFloorUnreachable
 from context_engine.domain.history import select_history
 from context_engine.domain.items import (
     ContextItem,
@@ -85,6 +94,9 @@ class Pressure:
     cut_index: int  # index into the checkpoint's items of the first retained history item
     floor_index: int  # first item above the summary floor
     legacy_tool_excerpts: int
+    # what never yields left history this many tokens short of its floor (8,000, or all of the
+    # history candidates if less); 0: the floor held
+    history_floor_shortfall: int = 0
 
     @property
     def yielded(self) -> bool:
@@ -124,6 +136,24 @@ def compute_budget(*, window: int, output_reserve: int, prefix_tokens: int,
         raise BudgetExceeded("prefix", prefix_tokens, max(available - margin, 0))
     return Budget(total_tokens=total, output_reserve=output_reserve, margin_tokens=margin,
                   body_budget=body)
+
+
+def require_history_floor(budget: Budget, *, model_id: str, window: int, prefix_tokens: int,
+                          policy: BudgetPolicy) -> None:
+    """Plan's guarantee of the history floor: a body budget that cannot hold 8,000 tokens of
+    history even with every other body class empty is refused, naming the numbers."""
+    if budget.body_budget < HISTORY_FLOOR_TOKENS:
+        raise HistoryFloorUnreachable(
+            model_id=model_id, window=window, policy_cap_tokens=policy.policy_cap_tokens,
+            output_reserve=budget.output_reserve, margin_tokens=budget.margin_tokens,
+            prefix_tokens=prefix_tokens, body_budget=budget.body_budget,
+            history_floor=HISTORY_FLOOR_TOKENS)
+
+
+def prefix_cost(prefix_tokens: int, factor: float, *, exact: bool) -> int:
+    """What the prefix costs in the budget: its measured count where that count is exact, the
+    count scaled by the correction factor (rounded up) where it is itself an estimate."""
+    return prefix_tokens if exact else math.ceil(prefix_tokens * factor)
 
 
 @dataclass
@@ -310,6 +340,10 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
             ids.append(trim_recall())
         record("recall", ids, start)
     start = ledger.total()
+    # Everything but history that is left is what never yields (knowledge and recall are gone
+    # by now whenever history cannot keep its floor): the floor's shortfall is theirs.
+    floor_tokens = min(HISTORY_FLOOR_TOKENS, ledger.history_cost())
+    shortfall = max(floor_tokens - max(B - (start - ledger.history_cost()), 0), 0)
     if start > B:
         others = start - ledger.history_cost()
         ledger.cut = _cut(ledger.history, ledger.history_costs, B - others)
@@ -328,7 +362,8 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         steps=steps, fits=total <= B, tokens_before=before, tokens_after=total, body_budget=B,
         compaction_needed=ledger.cut > 0, left_out_items=ledger.cut,
         left_out_tokens=left_out_tokens, cut_index=position(floor + ledger.cut),
-        floor_index=position(floor), legacy_tool_excerpts=legacy_tool_excerpts)
+        floor_index=position(floor), legacy_tool_excerpts=legacy_tool_excerpts,
+        history_floor_shortfall=shortfall)
     if total > B:
         # Only never-yield items are left: name the largest of their classes.
         shares = {**ledger.fixed, "active_run": sum(ledger.active_costs)}

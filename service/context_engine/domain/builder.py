@@ -21,6 +21,7 @@ from context_engine.domain.budget import (
     Pressure,
     allocate,
     compute_budget,
+    prefix_cost,
 )
 from context_engine.domain.canonical import parse_json_object, session_key
 from context_engine.domain.errors import (
@@ -59,7 +60,7 @@ from context_engine.domain.items import (
     assemble,
 )
 from context_engine.domain.pairs import orphans
-from context_engine.domain.plan import ContextPlan, RenderedPrefix, render_prefix
+from context_engine.domain.plan import ContextPlan, PlanSpec, RenderedPrefix, render_prefix
 from context_engine.domain.request import Message, ModelRequest
 from context_engine.domain.trust import Region, TrustLevel
 
@@ -272,6 +273,24 @@ def fresh_rows(loaded: LoadedPlan, cp: Checkpoint) -> dict[str, ContextItem]:
     return rows
 
 
+def prefix_exact(spec: PlanSpec) -> bool:
+    """The plan's prefix was counted with the model's own tokenizer (no base factor, as
+    Claude's and Gemini's cl100k_base x 1.3, and no fallback encoding): its count is exact, so
+    the correction factor never scales it and reconciliation charges the whole error to the
+    body."""
+    return spec.estimator_factor == 1.0 and spec.encoding == spec.model.encoding
+
+
+def working_state_tokens(estimator: TokenEstimator, ctx: RenderContext,
+                         state: WorkingState) -> int:
+    """The working-state block measured against its 1,000-token ceiling: the plan's estimator
+    without the correction factor. The ceiling is a property of the state, checked the same way
+    when UpdateWorkingState or CarryWorkingState accepts it and when Build renders it, so a
+    state the service accepted never fails Build because ReportUsage moved the factor (the
+    factor still scales what the block costs in the body budget)."""
+    return estimator.messages(WorkingStateItem(state=state).messages(ctx), 1.0)
+
+
 def attachment_costs(items: Sequence[ConversationItem]) -> dict[str, int]:
     """Per user message: its attachments' content estimate, under one request-wide budget
     consumed newest first — what history keeps is a suffix, so a kept attachment is never
@@ -301,8 +320,11 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     plan = loaded.plan
     model = plan.spec.model
     ctx = RenderContext(session_key=loaded.session_key)
+    # an approximate prefix count is scaled like the body (reconciliation measures the whole
+    # estimate for such models); an exact one never is
+    prefix_tokens = prefix_cost(plan.prefix_tokens, factor, exact=prefix_exact(plan.spec))
     budget = compute_budget(window=model.context_window, output_reserve=model.output_reserve,
-                            prefix_tokens=plan.prefix_tokens, policy=policy)
+                            prefix_tokens=prefix_tokens, policy=policy)
     items, legacy = normalize_tool_results(cp.items, policy.inline_maximum_bytes)
 
     # Items are frozen values: (session key, encoding, item) determines the rendered messages
@@ -353,15 +375,21 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     fixed = {name: cost(item) for name, item in rows.items()}
     fixed["skill_bodies"] = sum(cost(s) for s in skills)
     fixed["current_user_message"] = sum(cost(TrailingUserInput(message=m)) for m in trailing)
-    if cp.summary is not None:
-        fixed["summary"] = cost(cp.summary)
-    for name, cap in (("skill_bodies", SKILL_BODY_TOKENS),
-                      ("working_state", WORKING_STATE_TOKENS)):
-        if fixed.get(name, 0) > cap:  # classes that never yield fail instead
-            raise BudgetExceeded(name, fixed[name], cap)
+    summary = (cp.summary.without(cp.working_state.removed_constraints)
+               if cp.summary is not None else None)
+    if summary is not None:
+        fixed["summary"] = cost(summary)
+    # classes that never yield fail instead; the working state's ceiling is measured as
+    # UpdateWorkingState measured it, without the correction factor
+    if fixed["skill_bodies"] > SKILL_BODY_TOKENS:
+        raise BudgetExceeded("skill_bodies", fixed["skill_bodies"], SKILL_BODY_TOKENS)
+    if "working_state" in rows:
+        state_tokens = working_state_tokens(estimator, ctx, cp.working_state)
+        if state_tokens > WORKING_STATE_TOKENS:
+            raise BudgetExceeded("working_state", state_tokens, WORKING_STATE_TOKENS)
 
-    alloc = allocate(budget=budget, prefix_tokens=plan.prefix_tokens, factor=factor,
-                     policy=policy, summary=cp.summary, carried=carried, floor=floor,
+    alloc = allocate(budget=budget, prefix_tokens=prefix_tokens, factor=factor,
+                     policy=policy, summary=summary, carried=carried, floor=floor,
                      active=active, fixed=fixed, knowledge=list(cp.knowledge),
                      recall=list(cp.recall), cost=cost, legacy_tool_excerpts=legacy,
                      position=position)
@@ -390,6 +418,8 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     return BuildResult(
         request=request, prefix_sha256=loaded.rendered.prefix_sha256, epoch=plan.epoch,
         model_id=model.model_id, session_key=loaded.session_key,
+        # the prefix as measured at Plan time (Region A's own figure); the budget report holds
+        # it as the budget counts it (scaled by the factor where the count is approximate)
         prefix_tokens=plan.prefix_tokens, body_tokens=report.body_tokens,
         estimated_input_tokens=report.estimated_total, context_window=model.context_window,
         output_reserve=model.output_reserve, estimator_factor=factor,

@@ -1,6 +1,15 @@
 """Estimator reconciliation (spec: "It reconciles against reality"): a per-model correction
-factor from observed usage. It moves up at once (an under-count risks a provider error) and
-down slowly (an over-count only wastes headroom), and resets when the encoding changes."""
+factor from the observed ratio of actual to estimated usage. It moves up at once (an
+under-count risks a provider error) and down slowly (an over-count only wastes headroom), and
+resets when the encoding changes.
+
+Which part of the estimate the ratio is taken over depends on how the prefix was counted. A
+prefix counted with the model's own tokenizer is exact and never scaled, so the whole error is
+the body's (``fixed`` = the prefix's tokens). A prefix counted with an approximate tokenizer
+(Claude and Gemini with cl100k_base x 1.3, a fallback encoding) carries the same error as the
+body and is scaled with it, so the factor is the ratio over the whole estimate (``fixed`` = 0):
+actual = 2 x estimate doubles the factor, where charging it all to the body would quadruple it.
+"""
 
 from __future__ import annotations
 
@@ -29,9 +38,11 @@ class Reconciled:
 def reconcile(current: Calibration | None, *, model_id: str, encoding: str, estimated: int,
               actual: int, factor_used: float, fixed: int = 0) -> Reconciled:
     """``estimated`` was computed with ``factor_used`` applied to everything but ``fixed``
-    tokens (the prefix, measured once at plan time and never scaled). The body's factor that
-    would have matched is ``factor_used * (actual - fixed) / (estimated - fixed)``: the body
-    absorbs the whole error, so one report corrects an under-count at once."""
+    tokens (an exact prefix, measured once at plan time and never scaled; 0 when the prefix
+    count is approximate and was scaled too). The factor that would have matched is
+    ``factor_used * (actual - fixed) / (estimated - fixed)``: what was scaled absorbs the whole
+    error, so one report corrects an under-count at once. With ``fixed`` = 0 that is the
+    observed ratio over the whole estimate."""
     if current is None or current.encoding != encoding or current.model_id != model_id:
         current = Calibration(model_id=model_id, encoding=encoding)
     body_estimated = estimated - fixed

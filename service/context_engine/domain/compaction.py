@@ -317,6 +317,8 @@ def select(items: Sequence[ConversationItem], current: HistorySummary | None, *,
     source_ids = tuple(sorted(set(previous_ids) | set(new_ids)))
     kept = _union((current.constraints, current.constraint_trust) if current else ((), ()),
                   (state.constraints, state.constraint_trust))
+    for removed in state.removed_constraints:  # the user removed it: never merged back in
+        kept.pop(removed, None)
     all_elided = (*(current.elided if current else ()), *elided)
     data = SummaryInput(
         reason=reason, goal=state.objective, constraints=tuple(kept),

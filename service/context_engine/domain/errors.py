@@ -9,6 +9,9 @@ class ContextEngineError(Exception):
     """Root of every error the domain raises on purpose."""
 
     reason: str = "CONTEXT_ENGINE_ERROR"
+    # When the failed call was the model's own tool call: the tool result the runtime returns
+    # to the model (the status carries it as a google.rpc.LocalizedMessage). Never content.
+    tool_result: str = ""
 
     def metadata(self) -> dict[str, str]:
         return {}
@@ -117,6 +120,42 @@ class BudgetExceeded(ContextEngineError):
     def metadata(self) -> dict[str, str]:
         return {"class": self.class_name, "tokens" if self.unit == "tokens" else self.unit:
                 str(self.tokens), "limit": str(self.limit), "unit": self.unit}
+
+
+class HistoryFloorUnreachable(ContextEngineError):
+    """The plan's body budget (capacity - output reserve - margin - prefix) cannot hold the
+    8,000-token history floor even with every other body class empty: the session fails to
+    open with the numbers rather than building requests that can never keep the floor."""
+
+    reason = "HISTORY_FLOOR_UNREACHABLE"
+
+    def __init__(self, *, model_id: str, window: int, policy_cap_tokens: int,
+                 output_reserve: int, margin_tokens: int, prefix_tokens: int, body_budget: int,
+                 history_floor: int) -> None:
+        self.model_id = model_id
+        self.window = window
+        self.policy_cap_tokens = policy_cap_tokens
+        self.output_reserve = output_reserve
+        self.margin_tokens = margin_tokens
+        self.prefix_tokens = prefix_tokens
+        self.body_budget = body_budget
+        self.history_floor = history_floor
+        capacity = (f"min(window {window}, policy cap {policy_cap_tokens})"
+                    if policy_cap_tokens else f"window {window}")
+        super().__init__(
+            f"model {model_id}: {capacity} - output reserve {output_reserve} - margin "
+            f"{margin_tokens} - prefix {prefix_tokens} leaves a body budget of {body_budget}, "
+            f"below the history floor of {history_floor}; use a model with a larger window, a "
+            "smaller output reserve or a smaller prefix")
+
+    def metadata(self) -> dict[str, str]:
+        meta = {"model": self.model_id, "window": str(self.window),
+                "output_reserve": str(self.output_reserve), "margin": str(self.margin_tokens),
+                "prefix_tokens": str(self.prefix_tokens), "body_budget": str(self.body_budget),
+                "history_floor": str(self.history_floor)}
+        if self.policy_cap_tokens:
+            meta["policy_cap"] = str(self.policy_cap_tokens)
+        return meta
 
 
 class SessionNotFound(ContextEngineError):

@@ -98,6 +98,14 @@ class ModelCatalog:
                 return entry
         return None
 
+    def family(self, model_id: str) -> str:
+        """The model's metric label: the catalog prefix that matched, or ``unknown``."""
+        return _family(self.lookup(model_id))
+
+    def families(self) -> tuple[str, ...]:
+        """Every value ``family`` can take (the metrics create a series for each at start)."""
+        return tuple(sorted({_family(e) for e in self._entries} | {_family(None)}))
+
     def resolve(self, model_id: str, *, context_window: int | None,
                 output_reserve: int | None, breakpoint_budget: int | None) -> ModelProfile:
         """Fill what the caller did not give from the catalog; a model the catalog does not know
@@ -122,8 +130,12 @@ class ModelCatalog:
             context_window=window, output_reserve=reserve, breakpoint_budget=breakpoints,
             # an unknown model counts conservatively, like Claude: no public tokenizer
             base_factor=entry.base_factor if entry else 1.3,
-            family=entry.prefix.rstrip("-") if entry else "unknown",
+            family=_family(entry),
         )
+
+
+def _family(entry: CatalogEntry | None) -> str:
+    return entry.prefix.rstrip("-") if entry else "unknown"
 
 
 class TokenEstimator:

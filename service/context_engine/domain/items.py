@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from context_engine.domain.canonical import canonical_json
@@ -322,6 +322,15 @@ class HistorySummary(ContextItem):
     constraint_trust: tuple[TrustLevel, ...] = ()  # one per constraint, or none: USER
     elided: tuple[ElidedSpan, ...] = ()
 
+    def without(self, removed: Sequence[str]) -> HistorySummary:
+        """The summary without the constraints the user has removed since it was written."""
+        if not removed or not set(removed) & set(self.constraints):
+            return self
+        kept = [(c, t) for c, t in zip(self.constraints, labels(
+            self.constraints, self.constraint_trust), strict=True) if c not in removed]
+        return replace(self, constraints=tuple(c for c, _ in kept),
+                       constraint_trust=tuple(t for _, t in kept))
+
     def part_labels(self) -> list[TrustLevel]:
         found = list(labels(self.constraints, self.constraint_trust))
         if self.text:
@@ -525,6 +534,8 @@ class WorkingState:
     constraint_trust: tuple[TrustLevel, ...] = ()
     next_action_trust: TrustLevel = TrustLevel.USER
     superseded_trust: tuple[TrustLevel, ...] = ()
+    # constraints the user removed this session: a summary that retained one stops showing it
+    removed_constraints: tuple[str, ...] = ()
 
     def question_labels(self) -> tuple[TrustLevel, ...]:
         if len(self.question_origins) == len(self.open_questions):

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from context_engine.domain.canonical import canonical_sha256
 from context_engine.domain.trust import TrustLevel
 
 
@@ -74,6 +75,8 @@ class AgentSpec:
     enabled_tools: tuple[str, ...] = ()
     deferred_tools: tuple[str, ...] = ()
     enables_tool_call: bool = False
+    # the agent opts out of the context.update_working_state control tool (pinned otherwise)
+    omits_working_state_tool: bool = False
 
     def canonical(self) -> dict[str, Any]:
         return {
@@ -81,6 +84,7 @@ class AgentSpec:
             "instructions": self.instructions, "enabled_tools": list(self.enabled_tools),
             "deferred_tools": list(self.deferred_tools),
             "enables_tool_call": self.enables_tool_call,
+            "omits_working_state_tool": self.omits_working_state_tool,
         }
 
     @classmethod
@@ -88,7 +92,10 @@ class AgentSpec:
         return cls(agent_id=d["agent_id"], version=d["version"], instructions=d["instructions"],
                    enabled_tools=tuple(d["enabled_tools"]),
                    deferred_tools=tuple(d["deferred_tools"]),
-                   enables_tool_call=d["enables_tool_call"])
+                   enables_tool_call=d["enables_tool_call"],
+                   # absent from plans pinned before the control tool existed: they had none,
+                   # and a policy_changed rotation re-selects their tools with it
+                   omits_working_state_tool=d.get("omits_working_state_tool", False))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,6 +124,15 @@ class SkillCatalogEntry:
     name: str
     description: str
     trust: TrustLevel
+
+    def canonical(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "trust": self.trust.value}
+
+    @property
+    def sha256(self) -> str:
+        """The entry's pin (``ContextPlan.skill_pins``): SHA-256 of its canonical JSON, so a
+        runtime can tell whether the skill changed since the plan pinned it."""
+        return canonical_sha256(self.canonical())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

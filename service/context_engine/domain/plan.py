@@ -63,7 +63,9 @@ from context_engine.domain.tools import (
 )
 from context_engine.domain.trust import Region, TrustLevel
 
-BUILDER_VERSION = "context-engine-builder@1"
+# @2: tool.call is defined only while the final deferred index is non-empty (an existing
+# session rotates once with builder_changed at its next Plan).
+BUILDER_VERSION = "context-engine-builder@2"
 PREFIX_CEILING = 22_000
 TTL_DEFAULT = "5m"
 TTL_SCHEDULED = "1h"
@@ -331,23 +333,17 @@ def make_spec(inputs: PlanInputs, estimator: TokenEstimator, session_key: str) -
         # an entry as it renders (its envelope carries this session's nonce), plus its newline
         index_cost=lambda t: estimator.text(index_line(t, ctx)) + 1,
         index_overhead=estimator.text(INDEX_HEADER),
+        # the class is measured on the rendered block: selection trims the index to fit it
+        index_measure=lambda ts: estimator.text(DeferredToolIndex(tools=ts).render(ctx)),
     )
-    # Admission summed per-entry estimates; the class is measured on the rendered block.
-    # Token merges across lines can only make the sum differ by a little: trim from the end
-    # (into skipped, in rank order) rather than fail the plan on a rounding difference.
-    deferred = list(selection.deferred)
-    skipped = list(selection.skipped_tool_names)
-    while deferred and estimator.text(
-            DeferredToolIndex(tools=tuple(deferred)).render(ctx)) > INDEX_TOKEN_CAP:
-        skipped.insert(0, deferred.pop().name)
     return PlanSpec(
         builder_version=BUILDER_VERSION,
         assets=inputs.assets,
         agent=inputs.agent,
         persona=inputs.persona,
         tools=selection.defined,
-        deferred=tuple(deferred),
-        skipped_tool_names=tuple(skipped),
+        deferred=selection.deferred,
+        skipped_tool_names=selection.skipped_tool_names,
         filtered_tool_names=selection.filtered_tool_names,
         # the catalog is advertised only where skill.load is defined (never in email sessions)
         skill_catalog=(inputs.skill_catalog

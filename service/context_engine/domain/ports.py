@@ -155,14 +155,39 @@ class EventLog(Protocol):
 Reconcile = Callable[[Calibration | None], Reconciled]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EpochUsage:
+    """Where a usage report belongs: its session, the epoch it resolved to, and the request's
+    full input tokens."""
+
+    session_id: str
+    epoch: int
+    input_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EpochHistory:
+    """What the reports of the same session and epoch counted before this one had told: how
+    many there were, and the full input tokens of the last of them (0 when there was none)."""
+
+    reports_before: int
+    previous_input_tokens: int
+
+
 class CalibrationStore(Protocol):
     async def calibration(self, tenant_id: str, model_id: str) -> Calibration | None: ...
 
     async def reconcile(self, tenant_id: str, model_id: str, idempotency_key: str,
-                        apply: Reconcile, fingerprint: str = "") -> tuple[Reconciled, bool]:
-        """Atomically apply one usage report to the model's calibration, once per key.
-        Returns the outcome and whether this call counted it (False: a retried key, whose
-        original outcome is returned)."""
+                        apply: Reconcile, fingerprint: str = "", *,
+                        usage: EpochUsage) -> tuple[Reconciled, EpochHistory | None]:
+        """Atomically apply one usage report to the model's calibration and record it against
+        its session's epoch (``usage``), once per key, whichever replica it reaches. Returns
+        the outcome and, when this call counted it, what the epoch's earlier reports told
+        (None: a retried key, whose original outcome is returned and which counts nothing)."""
+        ...
+
+    async def latest_factors(self) -> list[tuple[str, float]]:
+        """The latest reconciled factor of every model id (across tenants), oldest first."""
         ...
 
 
@@ -189,21 +214,35 @@ class InMemoryEventLog:
 class InMemoryCalibrationStore:
     rows: dict[tuple[str, str], Calibration] = field(default_factory=dict)
     keys: dict[tuple[str, str], tuple[str, Reconciled]] = field(default_factory=dict)
+    # (tenant, session, epoch) -> (reports, input tokens of the last one)
+    epochs: dict[tuple[str, str, int], tuple[int, int]] = field(default_factory=dict)
 
     async def calibration(self, tenant_id: str, model_id: str) -> Calibration | None:
         return self.rows.get((tenant_id, model_id))
 
     async def reconcile(self, tenant_id: str, model_id: str, idempotency_key: str,
-                        apply: Reconcile, fingerprint: str = "") -> tuple[Reconciled, bool]:
+                        apply: Reconcile, fingerprint: str = "", *,
+                        usage: EpochUsage) -> tuple[Reconciled, EpochHistory | None]:
         seen = self.keys.get((tenant_id, idempotency_key))
         if seen is not None:
             if seen[0] != fingerprint:
                 raise key_reused()
-            return seen[1], False
+            return seen[1], None
         outcome = apply(self.rows.get((tenant_id, model_id)))
+        self.rows.pop((tenant_id, model_id), None)  # re-inserted last: the latest update
         self.rows[(tenant_id, model_id)] = outcome.calibration
         self.keys[(tenant_id, idempotency_key)] = (fingerprint, outcome)
-        return outcome, True
+        epoch = (tenant_id, usage.session_id, usage.epoch)
+        reports, previous = self.epochs.get(epoch, (0, 0))
+        self.epochs[epoch] = (reports + 1, usage.input_tokens)
+        return outcome, EpochHistory(reports_before=reports, previous_input_tokens=previous)
+
+    async def latest_factors(self) -> list[tuple[str, float]]:
+        latest: dict[str, float] = {}
+        for (_, model_id), calibration in self.rows.items():
+            latest.pop(model_id, None)
+            latest[model_id] = calibration.factor
+        return list(latest.items())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -21,6 +21,10 @@ Tool names: providers accept ``[A-Za-z0-9_-]{1,64}``; ours may contain dots. Eac
 "__" (the same mapping for definitions and for replayed calls); two names that map to one, or a
 name that cannot be mapped, fail the render with :class:`ProviderFormatError`.
 
+Tool schemas: both bodies send :func:`provider_schema` of each definition's input schema, without
+``title`` annotations and empty ``default`` values (spec: "Only history scales with the window",
+the token side of the tool-definition cap); every validation keyword stays.
+
 Attachments travel as the text labels the builder already put in their message; sending the
 files themselves is the provider adapter's job (request.py), so no file block is rendered here.
 """
@@ -129,7 +133,61 @@ def _schema(text: str) -> JSON:
     value = parse_json_object(text)
     if value is None:  # tool schemas are canonical JSON objects by construction
         raise AssemblyError("a tool definition's input schema is not a JSON object")
-    return value
+    return provider_schema(value)
+
+
+# JSON Schema keywords (draft-07 and 2020-12) whose value is a subschema, a list of subschemas,
+# or a map from names to subschemas. Every other keyword's value is data (enum, const, examples,
+# required, a default...) or a scalar and is copied verbatim: a property named "title" or
+# "default" is a name in a map, never an annotation, and is never dropped.
+_ONE_SCHEMA = frozenset({
+    "items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else",
+    "propertyNames", "unevaluatedItems", "unevaluatedProperties", "contentSchema"})
+_SCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+_SCHEMA_MAPS = frozenset({
+    "properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+    "dependencies"})
+
+
+def _empty_default(value: Any) -> bool:
+    """``null``, ``""``, ``[]`` and ``{}`` say nothing; ``0`` and ``false`` are meaningful."""
+    return value is None or (isinstance(value, (str, list, dict)) and not value)
+
+
+def provider_schema(schema: JSON) -> JSON:
+    """A tool's input schema as provider bodies send it (spec: "Provider serialization omits
+    redundant generated titles and empty default annotations while retaining every validation
+    keyword and meaningful non-empty default"): every ``title`` annotation and every empty
+    ``default`` at a schema position is dropped, at any depth; nothing else changes. The
+    plan's tool definitions keep the full schema: it is the pinned identity, and the
+    tool-definition cap measures that larger form. Iterative: a schema nested as deep as the
+    JSON parser admits must not exhaust the stack here."""
+    root: JSON = {}
+    todo: list[tuple[JSON, JSON]] = [(schema, root)]
+
+    def later(sub: Any) -> Any:
+        if not isinstance(sub, dict):
+            return sub  # a boolean schema, or not a schema at all: verbatim
+        copy: JSON = {}
+        todo.append((sub, copy))
+        return copy
+
+    while todo:
+        source, out = todo.pop()
+        for key, value in source.items():
+            if key == "title":
+                continue
+            if key == "default" and _empty_default(value):
+                continue
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                out[key] = {name: later(sub) for name, sub in value.items()}
+            elif key in _SCHEMA_LISTS and isinstance(value, list):
+                out[key] = [later(sub) for sub in value]
+            elif key in _ONE_SCHEMA:
+                out[key] = later(value)
+            else:
+                out[key] = value
+    return root
 
 
 # ----------------------------------------------------------------------------- Anthropic

@@ -5,6 +5,8 @@ of a website-bound session, control tools, explicitly enabled tools in first-occ
 then discovered tools reads first, by server, by name — under 30 tools / 9,000 tokens; what is
 deferred or overflows becomes a deferred index entry (40 entries / 2,000 tokens) when the agent
 enables ``tool.call``, and what fits in neither is recorded as skipped. Nothing leaves silently.
+``tool.call`` is defined only while the final index is non-empty: when no entry fits, selection
+re-runs without it, so its definition slot goes back to a real tool (ADR-0123).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ INDEX_TOKEN_CAP = 2_000
 
 TOOL_CALL = "tool.call"
 SKILL_LOAD = "skill.load"
-CONTROL_TOOLS = (TOOL_CALL, SKILL_LOAD)
+UPDATE_WORKING_STATE = "context.update_working_state"
+CONTROL_TOOLS = (TOOL_CALL, SKILL_LOAD, UPDATE_WORKING_STATE)
 BROWSER_REQUIRED = ("browser.navigate", "browser.observe", "browser.act")
 WEBSITE_BINDING = "website"
 
@@ -61,9 +64,13 @@ def _bound(binding: str, inputs: PlanInputs) -> bool:
 
 def select_tools(inputs: PlanInputs, *, tool_cost: Callable[[ToolSpec], int],
                  index_cost: Callable[[ToolSpec], int],
-                 index_overhead: int = 0) -> ToolSelection:
+                 index_overhead: int = 0,
+                 index_measure: Callable[[tuple[ToolSpec, ...]], int] | None = None,
+                 ) -> ToolSelection:
     """``index_cost`` is an entry's cost as rendered; ``index_overhead`` what the index costs
-    beyond its entries (its header), reserved before any entry is admitted."""
+    beyond its entries (its header), reserved before any entry is admitted; ``index_measure``,
+    when given, counts the rendered index block of some entries (the class is measured on
+    it)."""
     if inputs.session_kind is SessionKind.EMAIL:
         # An operational Email session pins no tools at all (its typed tasks send none).
         return ToolSelection(defined=(), deferred=(), skipped_tool_names=(),
@@ -105,6 +112,10 @@ def select_tools(inputs: PlanInputs, *, tool_cost: Callable[[ToolSpec], int],
     controls: list[ToolSpec] = []
     if inputs.skill_catalog and SKILL_LOAD in inputs.control_tools:
         controls.append(inputs.control_tools[SKILL_LOAD])
+    # the model writes working state only through this tool: every plan pins it (counted
+    # against the caps like any definition) unless the agent opts out
+    if not agent.omits_working_state_tool and UPDATE_WORKING_STATE in inputs.control_tools:
+        controls.append(inputs.control_tools[UPDATE_WORKING_STATE])
 
     def attempt(with_tool_call: bool) -> tuple[list[ToolSpec], list[str], int]:
         defined: list[ToolSpec] = []
@@ -143,22 +154,51 @@ def select_tools(inputs: PlanInputs, *, tool_cost: Callable[[ToolSpec], int],
 
     defined, overflow, used = attempt(False)
     deferred: list[ToolSpec] = []
-    skipped: list[str] = []
+    skipped = list(overflow)  # without tool.call nothing is deferred
     index_tokens = 0
     if can_defer and (configured_deferred or overflow):
-        index_tokens = index_overhead
-        defined, overflow, used = attempt(True)  # tool.call takes a definition slot
-        for name in configured_deferred + overflow:
-            cost = index_cost(candidates[name])
-            if len(deferred) < INDEX_ITEM_CAP and index_tokens + cost <= INDEX_TOKEN_CAP:
-                index_tokens += cost
-                deferred.append(candidates[name])
-            else:
-                skipped.append(name)
-    else:
-        skipped = overflow
+        # tool.call takes a definition slot, and every candidate without a definition becomes
+        # an index entry: the configured deferrals first, then the overflow in rank order.
+        with_call, overflow_with_call, used_with_call = attempt(True)
+        entries, unindexed, tokens = _admit_to_index(
+            [candidates[n] for n in configured_deferred + overflow_with_call],
+            index_cost=index_cost, index_overhead=index_overhead, index_measure=index_measure)
+        if entries:
+            defined, used, deferred, index_tokens = with_call, used_with_call, entries, tokens
+            skipped = unindexed
+        else:
+            # tool.call is advertised only while the index is non-empty: selection re-runs
+            # without it (the first attempt), so its slot goes back to a real tool. The
+            # configured deferrals keep no definition; with no index they are skipped.
+            skipped = configured_deferred + overflow
 
     return ToolSelection(defined=tuple(sorted(defined, key=lambda t: t.name)),
                          deferred=tuple(deferred), skipped_tool_names=tuple(skipped),
                          filtered_tool_names=tuple(sorted(filtered)),
                          defined_tokens=used, index_tokens=index_tokens)
+
+
+def _admit_to_index(ranked: list[ToolSpec], *, index_cost: Callable[[ToolSpec], int],
+                    index_overhead: int,
+                    index_measure: Callable[[tuple[ToolSpec, ...]], int] | None,
+                    ) -> tuple[list[ToolSpec], list[str], int]:
+    """Index entries in rank order under 40 entries / 2,000 tokens: (entries, the names that
+    fit in neither, tokens). Admission sums per-entry estimates; when ``index_measure`` counts
+    the rendered block, entries are then trimmed from the end until it fits (token merges
+    across lines can make the sum differ a little) rather than failing the plan."""
+    entries: list[ToolSpec] = []
+    skipped: list[str] = []
+    tokens = index_overhead
+    for tool in ranked:
+        cost = index_cost(tool)
+        if len(entries) < INDEX_ITEM_CAP and tokens + cost <= INDEX_TOKEN_CAP:
+            tokens += cost
+            entries.append(tool)
+        else:
+            skipped.append(tool.name)
+    if index_measure is not None:
+        tokens = index_measure(tuple(entries)) if entries else 0
+        while entries and tokens > INDEX_TOKEN_CAP:
+            skipped.insert(0, entries.pop().name)  # rank order: entries precede the skipped
+            tokens = index_measure(tuple(entries)) if entries else 0
+    return entries, skipped, tokens if entries else 0

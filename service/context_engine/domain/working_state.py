@@ -3,9 +3,11 @@ bounded").
 
 The model writes working state only through the ``context.update_working_state`` control tool
 (``Update``); the runtime writes only what it observes (``ToolOutcome``, ``AskUser``,
-``UserAnswer``, ``UserObjective``). ``apply_update`` applies one transition with the caps and
-eviction order; ``carry`` computes the next run's state from the session log by the per-field
-carry rules. Both are pure: no clock, no randomness, the token measure is an explicit input.
+``UserAnswer``, ``UserObjective``) and what the user does (``RemoveConstraint``: constraints are
+append-only for the model, and no tool input removes one). ``apply_update`` applies one
+transition with the caps and eviction order; ``carry`` computes the next run's state from the
+session log by the per-field carry rules. Both are pure: no clock, no randomness, the token
+measure is an explicit input.
 
 Provenance: every task, fact and open question carries the event sequence that wrote it (its
 age) and its run. An entry from an earlier run is *stale*. Eviction takes completed tasks
@@ -26,7 +28,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from context_engine.domain.budget import WORKING_STATE_TOKENS
-from context_engine.domain.errors import BudgetExceeded, ConstraintCapReached, InvalidInput
+from context_engine.domain.errors import (
+    BudgetExceeded,
+    ConstraintCapReached,
+    FieldViolation,
+    InvalidInput,
+)
 from context_engine.domain.items import (
     EntryOrigin,
     WorkingFact,
@@ -41,6 +48,7 @@ MAX_OPEN_TASKS = 30  # bounds every task entry: completed ones are evicted first
 MAX_FACTS = 40
 MAX_OPEN_QUESTIONS = 20
 MAX_SUPERSEDED_OBJECTIVES = 5
+MAX_REMOVED_CONSTRAINTS = 2 * MAX_CONSTRAINTS  # the most recent removals are remembered
 TASK_STATES = ("open", "in_progress", "blocked", "completed")
 OUTCOME_STATES = {"started": "in_progress", "succeeded": "completed", "failed": "blocked"}
 
@@ -94,11 +102,30 @@ class UserObjective:
     trust: TrustLevel = TrustLevel.USER  # of the user message that stated it
 
 
-Transition = Update | ToolOutcome | AskUser | UserAnswer | UserObjective
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RemoveConstraint:
+    """Runtime: the user removed a constraint (by its exact text) at session event
+    ``user_event_id``. Only the user can: no ``Update`` field removes one."""
+
+    constraint: str
+    user_event_id: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RefusedCall:
+    """A logged control-tool call whose arguments were refused when it was made: it changed
+    nothing then, so applying it raises (``replay`` counts it as skipped)."""
+
+    violations: tuple[FieldViolation, ...]
+
+
+Transition = (Update | ToolOutcome | AskUser | UserAnswer | UserObjective | RemoveConstraint
+              | RefusedCall)
 
 TRANSITION_NAMES: dict[type, str] = {
     Update: "update", ToolOutcome: "tool_outcome", AskUser: "ask_user", UserAnswer: "answer",
-    UserObjective: "user_objective"}
+    UserObjective: "user_objective", RemoveConstraint: "remove_constraint",
+    RefusedCall: "refused_call"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,6 +136,8 @@ class Changes:
     objective_changed: bool = False
     objective_superseded: bool = False
     constraints_added: int = 0
+    constraints_removed: int = 0
+    user_event_id: int = 0  # the user's event that removed a constraint
     tasks_upserted: tuple[str, ...] = ()
     tasks_evicted: tuple[str, ...] = ()
     facts_added: int = 0
@@ -125,6 +154,8 @@ class Changes:
             "transition": self.transition, "objective_changed": self.objective_changed,
             "objective_superseded": self.objective_superseded,
             "constraints_added": self.constraints_added,
+            "constraints_removed": self.constraints_removed,
+            **({"user_event_id": self.user_event_id} if self.user_event_id else {}),
             "tasks_upserted": list(self.tasks_upserted),
             "tasks_evicted": list(self.tasks_evicted), "facts_added": self.facts_added,
             "facts_evicted": self.facts_evicted, "questions_added": self.questions_added,
@@ -147,6 +178,7 @@ class _Draft:
     questions: list[tuple[str, EntryOrigin]]
     next_action: str
     next_action_trust: TrustLevel
+    removed: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     upserted: list[str] = field(default_factory=list)
     evicted_tasks: list[str] = field(default_factory=list)
@@ -165,7 +197,8 @@ class _Draft:
                                         strict=True)),
                    tasks=list(s.tasks), facts=list(s.facts),
                    questions=list(zip(s.open_questions, origins, strict=True)),
-                   next_action=s.next_action, next_action_trust=s.next_action_trust)
+                   next_action=s.next_action, next_action_trust=s.next_action_trust,
+                   removed=list(s.removed_constraints))
 
     def state(self) -> WorkingState:
         return WorkingState(
@@ -177,7 +210,8 @@ class _Draft:
             objective_trust=self.objective_trust if self.objective else TrustLevel.USER,
             constraint_trust=tuple(t for _, t in self.constraints),
             next_action_trust=self.next_action_trust if self.next_action else TrustLevel.USER,
-            superseded_trust=tuple(t for _, t in self.superseded))
+            superseded_trust=tuple(t for _, t in self.superseded),
+            removed_constraints=tuple(self.removed))
 
     def bump(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
@@ -213,7 +247,21 @@ class _Draft:
         if len(self.constraints) + len(new) > MAX_CONSTRAINTS:
             raise ConstraintCapReached(len(self.constraints), len(new), MAX_CONSTRAINTS)
         self.constraints += [(c, trust) for c in new]
+        self.removed = [r for r in self.removed if r not in new]  # set again: no longer removed
         self.bump("constraints_added", len(new))
+
+    def remove_constraint(self, constraint: str) -> None:
+        """The user's removal; removing a constraint the state does not hold is an error (the
+        runtime names one it showed the user, by its exact text)."""
+        kept = [(c, t) for c, t in self.constraints if c != constraint]
+        if len(kept) == len(self.constraints):
+            raise InvalidInput.one("transition.remove_constraint.constraint",
+                                   "no such constraint in the working state (by exact text)")
+        self.constraints = kept
+        if constraint not in self.removed:  # a summary that retained it stops showing it
+            self.removed.append(constraint)
+            del self.removed[:-MAX_REMOVED_CONSTRAINTS]
+        self.bump("constraints_removed")
 
     def upsert_task(self, task: WorkingTask, index: int, run_id: str, sequence: int,
                     trust: TrustLevel) -> None:
@@ -338,7 +386,10 @@ def apply_update(state: WorkingState, transition: Transition, *, run_id: str, se
     """Apply one transition, written at event ``sequence`` by run ``run_id``. ``measure``
     estimates the rendered block's tokens (the plan's estimator); without it only the entry
     caps apply. Raises ConstraintCapReached, InvalidInput (a new task without a title, an
-    unknown task or outcome) or BudgetExceeded; a failed transition changes nothing."""
+    unknown task, outcome or constraint, a refused call) or BudgetExceeded; a failed
+    transition changes nothing."""
+    if isinstance(transition, RefusedCall):
+        raise InvalidInput(list(transition.violations))
     d = _Draft.of(state)
     if isinstance(transition, Update):
         label = transition.trust
@@ -348,7 +399,9 @@ def apply_update(state: WorkingState, transition: Transition, *, run_id: str, se
         for i, task in enumerate(transition.upsert_tasks):
             d.upsert_task(task, i, run_id, sequence, label)
         for fact in transition.add_facts:
-            d.add_fact(fact, run_id, sequence)
+            # a fact is written by the call too: never above the call's own label
+            d.add_fact(replace(fact, trust=lowest([fact.trust, label], label)), run_id,
+                       sequence)
         for question in transition.resolve_questions:
             d.resolve_question(question)
         if transition.next_action is not None:
@@ -368,6 +421,8 @@ def apply_update(state: WorkingState, transition: Transition, *, run_id: str, se
         d.open_question(transition.question, run_id, sequence, transition.trust)
     elif isinstance(transition, UserAnswer):
         d.resolve_question(transition.question)
+    elif isinstance(transition, RemoveConstraint):
+        d.remove_constraint(transition.constraint)
     else:
         d.set_objective(transition.objective, transition.trust)
     tokens = d.bound(run_id, measure, token_cap)
@@ -376,6 +431,9 @@ def apply_update(state: WorkingState, transition: Transition, *, run_id: str, se
         objective_changed="objective_changed" in d.flags,
         objective_superseded="objective_superseded" in d.flags,
         constraints_added=d.counts.get("constraints_added", 0),
+        constraints_removed=d.counts.get("constraints_removed", 0),
+        user_event_id=(transition.user_event_id if isinstance(transition, RemoveConstraint)
+                       else 0),
         tasks_upserted=tuple(d.upserted), tasks_evicted=tuple(d.evicted_tasks),
         facts_added=d.counts.get("facts_added", 0),
         facts_evicted=d.counts.get("facts_evicted", 0),

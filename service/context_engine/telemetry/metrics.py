@@ -3,12 +3,46 @@ on them. No label carries a tenant, session, hash or other unbounded value."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from context_engine.domain.budget import STEPS
+from context_engine.domain.compaction import MAX_DEPTH
+from context_engine.domain.plan import ROTATION_REASONS, SESSION_OPENED
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _SIGNED = (-1.0, -0.5, -0.2, -0.1, -0.05, -0.02, 0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 _RATIO = (0.1, 0.25, 0.5, 0.75, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 1.0)
 _TOKENS = (250, 500, 1000, 2000, 4000, 6000, 8000, 10000, 12000, 16000, 22000)
+
+# The known values of every label, each series created at zero when a process starts
+# (``Metrics.initialise``). A series that first appears with a non-zero value loses its first
+# increments in Prometheus' increase() and rate(): without these, the first rotations of each
+# reason in every process were never counted, and a fresh deployment's panels said "No data".
+# Epoch reasons: epoch 1, Plan's rotations (plan.rotation_reason_for, plan.admission_reason),
+# the explicit ones (Rotate) and the canonicalization of a legacy plan (Engine._canonicalize).
+EPOCH_REASONS = (
+    SESSION_OPENED,
+    "model_changed", "agent_version_changed", "persona_changed", "policy_changed",
+    "builder_changed", "run_authority_changed", "browser_profile_changed",
+    *ROTATION_REASONS,
+    "prefix_hash_canonicalized",
+)
+# Yield steps of Build's ladder, and history_floor: never-yield items left history below its
+# floor (Pressure.history_floor_shortfall).
+PRESSURE_STEPS = (*STEPS, "history_floor")
+FITS = ("true", "false")
+# The classes a Build can fail on (BudgetExceeded.class_name): the prefix (a policy cap lowered
+# under a pinned plan), the rows that never yield, the current user message, the summary and the
+# active run (budget.allocate names the largest of them).
+EXCEEDABLE_CLASSES = (
+    "prefix", "skill_bodies", "working_state", "corrections", "runtime_metadata",
+    "current_user_message", "summary", "active_run",
+)
+COMPACTION_DEPTHS = tuple(str(depth) for depth in range(1, MAX_DEPTH + 1))
+# The factor of a model family no report has reconciled yet.
+DEFAULT_FACTOR = 1.0
 
 
 class Metrics:
@@ -49,7 +83,13 @@ class Metrics:
             ["model"], multiprocess_mode="mostrecent", registry=registry)
         self.cached_prefix_ratio = Histogram(
             "context_engine_cached_prefix_ratio",
-            "Cached input tokens against the plan's prefix tokens, per reported request.",
+            "Cached input tokens against the plan's prefix tokens, per reported request after "
+            "the first of its epoch (which writes the prefix to the provider's cache).",
+            buckets=_RATIO, registry=registry)
+        self.cached_input_ratio = Histogram(
+            "context_engine_cached_input_ratio",
+            "Cached input tokens against the full input tokens of the preceding report of the "
+            "same session and epoch (history reuse), per reported request that has one.",
             buckets=_RATIO, registry=registry)
         self.compactions = Counter(
             "context_engine_compactions", "Compactions stored, by the depth of the summary.",
@@ -58,3 +98,34 @@ class Metrics:
             "context_engine_elided_spans",
             "Untrusted spans newly replaced by typed pointers in stored compactions.",
             registry=registry)
+
+    def initialise(self, *, families: Iterable[str], methods: Iterable[str],
+                   codes: Iterable[str], factors: Mapping[str, float] | None) -> None:
+        """Create every labelled series for its known label values, at zero, so a fresh
+        process exposes every family the dashboard and the alerts use, and increase() counts
+        a series' first increments. ``families``: the model catalog's (and ``unknown``);
+        ``methods`` and ``codes``: the RPCs and every code the service answers with.
+
+        The correction factor is a gauge merged across worker processes by its most recent
+        write: it is set to ``factors`` (the latest reconciled factor of each family, read
+        from PostgreSQL, so a restarted worker repeats the fleet's value instead of hiding it)
+        and to 1.0 for a family never reconciled. ``factors`` None (not readable): left unset.
+        """
+        for reason in EPOCH_REASONS:
+            self.epochs.labels(reason=reason)
+        for step in PRESSURE_STEPS:
+            for fits in FITS:
+                self.budget_pressure.labels(step=step, fits=fits)
+        for class_name in EXCEEDABLE_CLASSES:
+            self.budget_exceeded.labels(**{"class": class_name})
+        for depth in COMPACTION_DEPTHS:
+            self.compactions.labels(depth=depth)
+        codes = tuple(codes)
+        for method in methods:
+            for code in codes:
+                self.rpc_seconds.labels(method=method, code=code)
+        for family in families:
+            self.estimator_error_ratio.labels(model=family)
+            if factors is not None:
+                self.estimator_correction_factor.labels(model=family).set(
+                    factors.get(family, DEFAULT_FACTOR))

@@ -106,7 +106,12 @@ class Client:
 
     def update_working_state(self, *, request: pb.UpdateWorkingStateRequest,
                              timeout: float | None = None) -> pb.UpdateWorkingStateResponse:
-        """Applies one working-state transition. Pure."""
+        """Applies one working-state transition. Pure. Send the model's
+        ``context.update_working_state`` call as the provider returned it
+        (``transition.tool_call``: call id, name, arguments JSON) and return the response's
+        ``tool_result`` to the model; when its arguments are invalid this raises
+        :class:`InvalidArgument` whose ``tool_result`` names the errors and carries the tool's
+        input schema, for the model as well."""
         return self._invoke(rpcs.UPDATE_WORKING_STATE, request, timeout)
 
     def carry_working_state(self, *, request: pb.CarryWorkingStateRequest,

@@ -4,7 +4,9 @@ The service answers a failed call with a ``google.rpc.Status`` in the
 ``grpc-status-details-bin`` trailer: exactly one ``ErrorInfo`` (domain ``context-engine``, an
 UPPER_SNAKE_CASE reason, metadata with every dynamic value) and, for malformed input, a
 ``BadRequest`` listing every bad field. Branch on :attr:`ContextEngineError.reason` and the
-class, never on the message text.
+class, never on the message text. When the failed call was the model's own
+``context.update_working_state`` call, a ``LocalizedMessage`` holds the tool result to return to
+the model (:attr:`ContextEngineError.tool_result`: what was wrong, and the tool's input schema).
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ class FieldViolation:
 class ContextEngineError(Exception):
     """A failed call. ``reason``, ``domain`` and ``metadata`` come from the status's
     ``ErrorInfo`` (empty when the failure did not come from the service, e.g. a deadline);
-    ``field_violations`` from its ``BadRequest``."""
+    ``field_violations`` from its ``BadRequest``; ``tool_result`` from its
+    ``LocalizedMessage``: for a refused ``context.update_working_state`` call, the text to
+    return to the model as that call's result ("" otherwise)."""
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
 
     def __init__(self, message: str, *, code: grpc.StatusCode | None = None, reason: str = "",
                  domain: str = "", metadata: Mapping[str, str] | None = None,
-                 field_violations: Sequence[FieldViolation] = ()) -> None:
+                 field_violations: Sequence[FieldViolation] = (),
+                 tool_result: str = "") -> None:
         super().__init__(message)
         if code is not None:
             self.code = code
@@ -46,6 +51,7 @@ class ContextEngineError(Exception):
         self.domain = domain
         self.metadata: Mapping[str, str] = MappingProxyType(dict(metadata or {}))
         self.field_violations: tuple[FieldViolation, ...] = tuple(field_violations)
+        self.tool_result = tool_result
 
     def __str__(self) -> str:
         head = f"{self.code.name}"
@@ -180,16 +186,21 @@ def from_status(code: grpc.StatusCode, message: str,
     reason, domain = "", ""
     metadata: dict[str, str] = {}
     violations: list[FieldViolation] = []
+    tool_result = ""
     status = _details(trailing)
     if status is not None:
         for detail in status.details:
             info = error_details_pb2.ErrorInfo()
             bad = error_details_pb2.BadRequest()
+            text = error_details_pb2.LocalizedMessage()
             if detail.Unpack(info):  # False when the detail is another message type
                 if not reason:  # the service sends exactly one
                     reason, domain, metadata = info.reason, info.domain, dict(info.metadata)
             elif detail.Unpack(bad):
                 violations.extend(FieldViolation(field=v.field, description=v.description)
                                   for v in bad.field_violations)
+            elif detail.Unpack(text) and not tool_result:
+                tool_result = text.message
     return error_class(code)(message, code=code, reason=reason, domain=domain,
-                             metadata=metadata, field_violations=violations)
+                             metadata=metadata, field_violations=violations,
+                             tool_result=tool_result)

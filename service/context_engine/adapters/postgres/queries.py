@@ -68,6 +68,25 @@ ON CONFLICT (tenant_id, model_id) DO UPDATE
 SET encoding = EXCLUDED.encoding, factor = EXCLUDED.factor, reports = EXCLUDED.reports,
     updated_at = now()"""
 
+# One counted usage report against its session's epoch, in the report's transaction: returns
+# how many the epoch has counted (this one included) and the input tokens of the one before it.
+# The row lock of the upsert orders concurrent reports of one epoch.
+COUNT_EPOCH_REPORT = """
+INSERT INTO epoch_usage AS u (tenant_id, session_id, epoch, reports, last_input_tokens)
+VALUES ($1, $2, $3, 1, $4)
+ON CONFLICT (tenant_id, session_id, epoch) DO UPDATE
+SET reports = u.reports + 1, previous_input_tokens = u.last_input_tokens,
+    last_input_tokens = EXCLUDED.last_input_tokens, updated_at = now()
+RETURNING reports, previous_input_tokens"""
+
+# The latest reconciled factor of every model id across tenants, oldest first (the metrics'
+# correction factor gauge at start-up).
+LATEST_FACTORS = """
+SELECT model_id, factor FROM (
+    SELECT DISTINCT ON (model_id) model_id, factor, updated_at FROM estimator_calibration
+    WHERE reports > 0 ORDER BY model_id, updated_at DESC) latest
+ORDER BY updated_at, model_id"""
+
 CLAIM_KEY = """
 INSERT INTO idempotency_keys (tenant_id, rpc, key, response) VALUES ($1, $2, $3, '{}'::jsonb)
 ON CONFLICT (tenant_id, rpc, key) DO NOTHING

@@ -23,6 +23,8 @@ from context_engine.domain.plan import ClassUsage, ContextPlan, PlanSpec
 from context_engine.domain.ports import (
     ContextEvent,
     Decide,
+    EpochHistory,
+    EpochUsage,
     Reconcile,
     StoredCompaction,
     check_stored,
@@ -231,14 +233,22 @@ class PostgresCalibrationStore:
                                             timeout=self._timeout)
         return _calibration(row)
 
+    async def latest_factors(self) -> list[tuple[str, float]]:
+        with db_call(self._tracer, "calibrations.latest"):
+            async with translated():
+                rows = await self._pool.fetch(queries.LATEST_FACTORS, timeout=self._timeout)
+        return [(row["model_id"], float(row["factor"])) for row in rows]
+
     async def reconcile(self, tenant_id: str, model_id: str, idempotency_key: str,
-                        apply: Reconcile, fingerprint: str = "") -> tuple[Reconciled, bool]:
+                        apply: Reconcile, fingerprint: str = "", *,
+                        usage: EpochUsage) -> tuple[Reconciled, EpochHistory | None]:
         with db_call(self._tracer, "calibrations.reconcile"):
             return await self._reconcile(tenant_id, model_id, idempotency_key, apply,
-                                         fingerprint)
+                                         fingerprint, usage)
 
     async def _reconcile(self, tenant_id: str, model_id: str, idempotency_key: str,
-                         apply: Reconcile, fingerprint: str) -> tuple[Reconciled, bool]:
+                         apply: Reconcile, fingerprint: str,
+                         usage: EpochUsage) -> tuple[Reconciled, EpochHistory | None]:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
             claimed = await conn.fetchval(queries.CLAIM_KEY, tenant_id, self.RPC,
@@ -248,7 +258,7 @@ class PostgresCalibrationStore:
                                              idempotency_key, timeout=self._timeout)
                 if json.loads(stored).get("fingerprint") != fingerprint:
                     raise key_reused()
-                return _reconciled_from(stored), False
+                return _reconciled_from(stored), None
             await conn.execute(queries.ENSURE_CALIBRATION, tenant_id, model_id,
                                timeout=self._timeout)
             row = await conn.fetchrow(queries.LOCK_CALIBRATION, tenant_id, model_id,
@@ -259,7 +269,11 @@ class PostgresCalibrationStore:
                                c.factor, c.reports, timeout=self._timeout)
             await conn.execute(queries.SET_KEY_RESPONSE, tenant_id, self.RPC, idempotency_key,
                                _reconciled_json(outcome, fingerprint), timeout=self._timeout)
-            return outcome, True
+            epoch = await conn.fetchrow(queries.COUNT_EPOCH_REPORT, tenant_id, usage.session_id,
+                                        usage.epoch, usage.input_tokens, timeout=self._timeout)
+            return outcome, EpochHistory(reports_before=int(epoch["reports"]) - 1,
+                                         previous_input_tokens=int(
+                                             epoch["previous_input_tokens"] or 0))
 
 
 def _stored_compaction(row: asyncpg.Record) -> StoredCompaction:
