@@ -5,62 +5,83 @@ BIN    := $(abspath $(VENV))/bin
 PY     := $(BIN)/python
 export PATH := $(BIN):$(PATH)
 
-STAMP     := $(VENV)/.bootstrapped
-GEN_DIR   := service/context_engine/v1
-GEN_STAMP := $(GEN_DIR)/.generated
-PROTOS    := $(wildcard proto/context_engine/v1/*.proto)
-CLIENT_PB    := clients/python/src/context_engine_client/_pb
-CLIENT_STAMP := $(CLIENT_PB)/.generated
-PIP       := $(PY) -m pip install --quiet --disable-pip-version-check
+RUNTIME_STAMP := $(VENV)/.runtime
+DEV_STAMP     := $(VENV)/.dev
+GEN_DIR       := service/context_engine/v1
+GEN_STAMP     := $(GEN_DIR)/.generated
+PROTOS        := $(wildcard proto/context_engine/v1/*.proto)
+PIP           := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: all run test lint gen bootstrap bench load mutants clean
+.PHONY: all run test lint gen gen-client contract-release bootstrap bootstrap-dev prereqs \
+	prereqs-test bench load mutants clean
 
-## all (the default): bootstrap and generate the code of the service and the Python client
+## all (the default): bootstrap the runtime set and generate the service's code
 all: gen
 
-## bootstrap: create .venv and install the pinned dependencies and the package
-$(STAMP): requirements/runtime.txt requirements/dev.txt pyproject.toml clients/python/pyproject.toml
-	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is required")'
+## prereqs: what `make run` needs that the Makefile cannot install (Python 3.11+ with venv)
+prereqs:
+	@scripts/check-prereqs run $(PYTHON)
+
+## prereqs-test: what `make test` needs beyond it (Node.js 20+ and npm; promtool and prometheus,
+## which scripts/ensure-promtool installs as root with apt-get)
+prereqs-test:
+	@scripts/check-prereqs test $(PYTHON)
+
+## bootstrap: .venv with the runtime set and the code generators (requirements/gen.txt), and the
+## service installed in it (editable). This is all `make run` installs.
+$(RUNTIME_STAMP): requirements/runtime.txt requirements/gen.txt pyproject.toml
+	@scripts/check-prereqs run $(PYTHON)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) -r requirements/dev.txt
+	$(PIP) -r requirements/gen.txt
 	$(PIP) --no-deps --no-build-isolation -e .
+	@touch $@
+
+bootstrap: $(RUNTIME_STAMP)
+
+## bootstrap-dev: the development set on top (lint, types, tests, bench baselines) and the
+## Python client (editable). `make test` installs it.
+$(DEV_STAMP): $(RUNTIME_STAMP) requirements/dev.txt clients/python/pyproject.toml
+	$(PIP) -r requirements/dev.txt
 	$(PIP) --no-deps --no-build-isolation -e clients/python
 	@touch $@
 
-bootstrap: $(STAMP)
+bootstrap-dev: $(DEV_STAMP)
 
-## gen: generate the Python code of the contract (never committed, never linted)
-$(GEN_STAMP): $(STAMP) $(PROTOS)
+## gen: generate the service's Python code of the contract (never committed, never linted)
+$(GEN_STAMP): $(RUNTIME_STAMP) $(PROTOS)
 	rm -rf $(GEN_DIR) && mkdir -p $(GEN_DIR)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=service --grpc_python_out=service \
 		--mypy_out=service --mypy_grpc_out=service $(PROTOS)
 	@touch $(GEN_DIR)/__init__.py $@
 
-# The Python client's own copy of the messages (same proto file name, so both share one
-# descriptor in a process that imports both).
-$(CLIENT_STAMP): $(STAMP) $(PROTOS)
-	rm -rf $(CLIENT_PB) && mkdir -p $(CLIENT_PB)
-	$(PY) -m grpc_tools.protoc -Iproto --python_out=$(CLIENT_PB) --mypy_out=$(CLIENT_PB) $(PROTOS)
-	@touch $(CLIENT_PB)/__init__.py $(CLIENT_PB)/context_engine/__init__.py \
-		$(CLIENT_PB)/context_engine/v1/__init__.py $@
+gen: $(GEN_STAMP)
 
-gen: $(GEN_STAMP) $(CLIENT_STAMP)
+## gen-client: regenerate the Python client's copy of the contract. It is committed (so that
+## `pip install clients/python` needs no build step); a test fails when it differs from proto/.
+gen-client: $(RUNTIME_STAMP)
+	$(PY) scripts/gen_python_client.py
+
+## contract-release: record proto/ as the released contract of its package version
+## (contract/<package>.binpb), which `make lint` holds every later change to
+contract-release: $(DEV_STAMP)
+	$(BIN)/buf build --exclude-source-info -o contract/context_engine.v1.binpb
 
 ## run: serve on 127.0.0.1:50051 in dev mode (no credentials; loopback only), metrics on
 ## 127.0.0.1:9464, embedded PostgreSQL under .data/
-run: $(GEN_STAMP) $(CLIENT_STAMP)
+run: $(GEN_STAMP)
 	$(BIN)/context-engine serve --dev
 
-## lint: ruff, mypy --strict, buf lint
-lint: $(GEN_STAMP) $(CLIENT_STAMP)
-	$(BIN)/ruff check service tests clients/python
+## lint: ruff, mypy --strict, buf lint, and buf breaking against the released contract
+lint: $(DEV_STAMP) $(GEN_STAMP)
+	$(BIN)/ruff check service tests clients/python scripts
 	$(BIN)/mypy service
 	cd clients/python && $(BIN)/mypy
 	$(BIN)/buf lint
+	scripts/check-contract $(BIN)/buf
 
-## test: lint, promtool (installed if missing, for the rules tests), then the whole suite
+## test: the prerequisites, lint, promtool (installed if missing), then the whole suite
 ## against a throwaway database
-test: lint
+test: prereqs-test lint
 	scripts/ensure-promtool
 	$(PY) -m pytest
 
@@ -70,7 +91,7 @@ test: lint
 ## (protobuf serialize + parse, a gRPC echo of the same bytes); ratios of medians, all samples in
 ## tests/bench/results.md. Then the cached prefix ratio and cached input share beside a naive
 ## assembly. Not in `make test`.
-bench: $(GEN_STAMP)
+bench: $(DEV_STAMP) $(GEN_STAMP)
 	$(PY) -m tests.bench.build_bench
 	$(PY) -m tests.bench.cache_bench
 
@@ -78,14 +99,14 @@ bench: $(GEN_STAMP)
 ## p50/p95/p99 per RPC, errors, epochs per session, lost plans), then the same load with a
 ## SIGTERM 8 s in (in-flight calls finish, health NOT_SERVING first, no broken response).
 ## Bounded: each run stops by itself within 15 minutes. Not in `make test`.
-load: $(GEN_STAMP)
+load: $(DEV_STAMP) $(GEN_STAMP)
 	$(PY) -m tests.load.run --runtimes 100 --turns 50 --workers 2
 	$(PY) -m tests.load.run --runtimes 100 --turns 50 --workers 2 --sigterm-after 8
 
 ## mutants: apply each deliberate bug under tests/mutants/ to a copy of the tree, one at a time,
 ## run the tests each one names, and fail if any survives. Not in `make test`.
-mutants: $(GEN_STAMP) $(CLIENT_STAMP)
+mutants: $(DEV_STAMP) $(GEN_STAMP)
 	$(PY) -m tests.mutants.run
 
 clean:
-	rm -rf $(VENV) $(GEN_DIR) $(CLIENT_PB) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(GEN_DIR) .mypy_cache .ruff_cache .pytest_cache .hypothesis

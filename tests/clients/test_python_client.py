@@ -563,3 +563,39 @@ def test_the_bearer_token_is_sent_on_every_call(fake):
     asyncio.run(scenario())
     assert [m.get("authorization") for m in state.metadata] == [
         "Bearer s3cret-token", "Bearer s3cret-token", "Bearer async-token", None]
+
+
+def test_per_call_metadata_reaches_the_server_beside_the_token(fake):
+    """Trace context and request ids go per call; the client's token stays the only
+    credentials (a call cannot replace it)."""
+    state, target = fake
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    with Client(target=target, token="secret-1") as engine:
+        engine.build(request=pb.BuildRequest(tenant_id="t"),
+                     metadata=[("traceparent", traceparent), ("X-Request-Id", "req-7")])
+        engine.rotate(request=pb.RotateRequest(tenant_id="t", idempotency_key="k"),
+                      metadata=(("x-request-id", "req-8"),))
+        with pytest.raises(ValueError, match="token"):
+            engine.plan(request=pb.PlanRequest(), metadata=[("Authorization", "Bearer x")])
+    build_md, rotate_md = state.metadata
+    assert build_md["traceparent"] == traceparent and build_md["x-request-id"] == "req-7"
+    assert build_md["authorization"] == "Bearer secret-1"
+    assert rotate_md["x-request-id"] == "req-8"  # the keyed channel carries it too
+    assert rotate_md["authorization"] == "Bearer secret-1"
+    assert state.calls == {"Build": 1, "Rotate": 1}
+
+    async def scenario() -> None:
+        async with AsyncClient(target=target) as engine:
+            await engine.get_plan(request=pb.GetPlanRequest(),
+                                  metadata=[("x-request-id", "req-9")])
+
+    asyncio.run(scenario())
+    assert state.metadata[-1]["x-request-id"] == "req-9"
+    assert "authorization" not in state.metadata[-1]
+
+
+def test_a_request_of_the_wrong_type_is_refused_before_sending(fake):
+    state, target = fake
+    with Client(target=target) as engine, pytest.raises(TypeError, match="BuildRequest"):
+        engine.build(request=pb.PlanRequest())  # type: ignore[arg-type]
+    assert state.calls == {}

@@ -4,6 +4,7 @@ Build asks for one, and the rotation at the end."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -20,13 +21,36 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "clients" / "python" / "examples
 def test_agent_loop_example(server):
     session = f"example-{uuid.uuid4().hex[:12]}"
     # The factor is pinned: the model's reconciled factor is shared by every test of the run.
+    env = {k: v for k, v in os.environ.items() if k not in ("CE_TOKEN", "CE_GRPC_ADDR")}
     out = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--target", server.address, "--tenant", "example",
+        [sys.executable, str(EXAMPLE), "--grpc-addr", server.address, "--tenant", "example",
          "--session", session, "--estimator-factor", "1.0"],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
-    text = out.stdout
+    check_agent_loop_output(out.stdout)
 
+
+def test_agent_loop_example_reads_its_address_and_token_from_the_environment(server):
+    """CE_GRPC_ADDR names the server; a token comes from CE_TOKEN or stdin, never argv (a
+    dev-mode server takes a bearer token it does not need, so a wrong one would not show: the
+    example's own refusal of an empty stdin token is checked instead)."""
+    env = dict(os.environ, CE_GRPC_ADDR=server.address)
+    env.pop("CE_TOKEN", None)
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--tenant", "example", "--estimator-factor", "1.0"],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    check_agent_loop_output(out.stdout)
+    empty = subprocess.run([sys.executable, str(EXAMPLE), "--token-stdin"], input="\n",
+                           capture_output=True, text=True, timeout=60, env=env)
+    assert empty.returncode == 2 and "no token on standard input" in empty.stderr
+    helped = subprocess.run([sys.executable, str(EXAMPLE), "--help"], capture_output=True,
+                            text=True, timeout=60, env=env)
+    assert "--token " not in helped.stdout and "--target" not in helped.stdout
+
+
+def check_agent_loop_output(text: str) -> None:
+    """What one run of the example must print (also run from an installed wheel)."""
     plan = re.search(r"^plan: epoch 1 prefix_sha256 ([0-9a-f]{64}) (\d+) tokens", text, re.M)
     assert plan, text
     prefix = plan.group(1)

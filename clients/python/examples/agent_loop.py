@@ -9,13 +9,18 @@ history had to be cut, and rotates the epoch at the end. The model's calls of th
 ``context.update_working_state`` tool go to ``UpdateWorkingState`` exactly as the provider
 returned them, and what the engine answers goes back to the model as that call's result.
 
-    .venv/bin/python clients/python/examples/agent_loop.py --target 127.0.0.1:50051
+    CE_GRPC_ADDR=127.0.0.1:50051 .venv/bin/python clients/python/examples/agent_loop.py
+
+The server's address comes from ``--grpc-addr`` or ``CE_GRPC_ADDR``; a bearer token (none in
+dev mode) from ``CE_TOKEN`` or, with ``--token-stdin``, from one line of standard input. Tokens
+never go on the command line, where other users of the machine can read them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import uuid
 from collections.abc import Sequence
@@ -285,16 +290,25 @@ def run(engine: Client, tenant: str, session: str, estimator_factor: float | Non
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--target", default="127.0.0.1:50051")
-    parser.add_argument("--token", default=None, help="bearer token (none in dev mode)")
+    parser.add_argument("--grpc-addr", default=os.environ.get("CE_GRPC_ADDR")
+                        or "127.0.0.1:50051",
+                        help="the server's host:port (env CE_GRPC_ADDR; default %(default)s)")
+    parser.add_argument("--token-stdin", action="store_true",
+                        help="read the bearer token from one line of standard input (default: "
+                             "env CE_TOKEN; none in dev mode)")
     parser.add_argument("--tenant", default="demo")
     parser.add_argument("--session", default=None, help="default: a new session")
     parser.add_argument("--estimator-factor", type=float, default=None,
                         help="pin the estimator factor (default: the model's reconciled one)")
     args = parser.parse_args(argv)
+    token = os.environ.get("CE_TOKEN") or None
+    if args.token_stdin:
+        token = sys.stdin.readline().strip()
+        if not token:
+            parser.error("no token on standard input")
     session = args.session or f"agent-loop-{uuid.uuid4().hex[:12]}"
     try:
-        with Client(target=args.target, token=args.token, timeout=30) as engine:
+        with Client(target=args.grpc_addr, token=token, timeout=30) as engine:
             run(engine, args.tenant, session, args.estimator_factor)
     except ContextEngineError as err:
         print(f"error: {err} {dict(err.metadata)}", file=sys.stderr)

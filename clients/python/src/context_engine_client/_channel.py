@@ -1,13 +1,12 @@
-"""What both clients share: the RPC table, the retry policy, channel options and metadata."""
+"""What both clients share: the retry policy, channel options and metadata."""
 
 from __future__ import annotations
 
 import json
-import random
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import grpc
 from google.protobuf.message import Message
@@ -19,44 +18,20 @@ DEFAULT_TIMEOUT = 10.0
 # The service accepts 64 MiB by default; a 1,000-item conversation is about 3 MB.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-Req = TypeVar("Req", bound=Message)
-Resp = TypeVar("Resp", bound=Message)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Rpc(Generic[Req, Resp]):
-    """One RPC of the service. ``keyed``: retried only when the request carries an
-    idempotency key (the channel's service config retries the others)."""
-
-    name: str
-    request: type[Req]
-    response: type[Resp]
-    keyed: bool = False
-
-    @property
-    def path(self) -> str:
-        return f"/{SERVICE}/{self.name}"
-
-    def serialize(self, request: Req) -> bytes:
-        return request.SerializeToString()
-
-    @property
-    def deserialize(self) -> Callable[[bytes], Resp]:
-        return self.response.FromString
+# Retried only when the request carries an idempotency key: the plain channel's service config
+# does not retry them; a second channel whose config lists them too carries the keyed requests.
+KEYED = frozenset({"Rotate", "ReportUsage", "Compact"})
+_SERVICE = pb.DESCRIPTOR.services_by_name["ContextEngine"]
 
 
-PLAN = Rpc(name="Plan", request=pb.PlanRequest, response=pb.PlanResponse)
-GET_PLAN = Rpc(name="GetPlan", request=pb.GetPlanRequest, response=pb.GetPlanResponse)
-BUILD = Rpc(name="Build", request=pb.BuildRequest, response=pb.BuildResponse)
-ROTATE = Rpc(name="Rotate", request=pb.RotateRequest, response=pb.RotateResponse, keyed=True)
-REPORT_USAGE = Rpc(name="ReportUsage", request=pb.ReportUsageRequest,
-                   response=pb.ReportUsageResponse, keyed=True)
-UPDATE_WORKING_STATE = Rpc(name="UpdateWorkingState", request=pb.UpdateWorkingStateRequest,
-                           response=pb.UpdateWorkingStateResponse)
-CARRY_WORKING_STATE = Rpc(name="CarryWorkingState", request=pb.CarryWorkingStateRequest,
-                          response=pb.CarryWorkingStateResponse)
-COMPACT = Rpc(name="Compact", request=pb.CompactRequest, response=pb.CompactResponse,
-              keyed=True)
+def check_request(method: str, request: Message) -> None:
+    """A TypeError unless ``request`` is the request message of ``method`` (the generated
+    stubs would serialize any message)."""
+    expected = _SERVICE.methods_by_name[method].input_type
+    if request.DESCRIPTOR is not expected:
+        raise TypeError(f"{method} takes a {expected.name}, not a {type(request).__name__}")
 
 
 def has_idempotency_key(request: Message) -> bool:
@@ -71,20 +46,14 @@ def _seconds(duration: str) -> float:
 
 @dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
-    """gRPC's retry policy: attempts (the first included) and exponential backoff with full
-    jitter, retrying only the listed codes."""
+    """The service config's retry policy, as gRPC applies it: attempts (the first included),
+    exponential backoff with full jitter, only the listed codes."""
 
     max_attempts: int
     initial_backoff: float
     max_backoff: float
     backoff_multiplier: float
     retryable_codes: frozenset[grpc.StatusCode]
-
-    def backoff(self, retry: int, rng: random.Random | None = None) -> float:
-        """Seconds to wait before retry number ``retry`` (1-based), as gRPC computes it."""
-        ceiling = min(self.initial_backoff * self.backoff_multiplier ** (retry - 1),
-                      self.max_backoff)
-        return (rng or random).uniform(0, ceiling)
 
 
 def service_config_text() -> str:
@@ -106,6 +75,18 @@ def retry_policy(config_text: str) -> RetryPolicy:
                        backoff_multiplier=float(p["backoffMultiplier"]),
                        retryable_codes=frozenset(grpc.StatusCode[c]
                                                  for c in p["retryableStatusCodes"]))
+
+
+def keyed_service_config(config_text: str) -> str:
+    """The service config of the channel for keyed requests: the same policy, extended to the
+    RPCs in :data:`KEYED`."""
+    config = json.loads(config_text)
+    for method in config.get("methodConfig", ()):
+        if "retryPolicy" in method:
+            names = method.setdefault("name", [])
+            names.extend({"service": SERVICE, "method": m} for m in sorted(KEYED)
+                         if {"service": SERVICE, "method": m} not in names)
+    return json.dumps(config)
 
 
 def channel_options(*, config_text: str, max_message_bytes: int,
@@ -137,12 +118,27 @@ def credentials(*, tls: bool, root_certificates: bytes | None,
                                         certificate_chain=client_certificate_chain)
 
 
+Metadata = Sequence[tuple[str, str | bytes]]
+
+
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     if token is None:
         return ()
     if not token or any(c in token for c in "\r\n"):
         raise ValueError("the token must be one non-empty line")
     return (("authorization", f"Bearer {token}"),)
+
+
+def merge_metadata(base: tuple[tuple[str, str], ...],
+                   extra: Metadata | None) -> tuple[tuple[str, str | bytes], ...]:
+    """The client's metadata (its token) followed by one call's own (trace context, request
+    ids). A call cannot replace the client's credentials: ``authorization`` is refused there."""
+    if not extra:
+        return base
+    for key, _ in extra:
+        if key.lower() == "authorization":
+            raise ValueError("pass the token to the client, not as call metadata")
+    return (*base, *((key.lower(), value) for key, value in extra))
 
 
 def check_timeout(timeout: float) -> float:

@@ -14,6 +14,7 @@ from context_engine_client._channel import (
     channel_options,
     check_timeout,
     credentials,
+    keyed_service_config,
     retry_policy,
     service_config_text,
 )
@@ -24,6 +25,7 @@ class Settings:
     target: str
     credentials: grpc.ChannelCredentials | None
     options: tuple[tuple[str, Any], ...]
+    keyed_options: tuple[tuple[str, Any], ...]  # the channel for requests with a key
     metadata: tuple[tuple[str, str], ...]
     timeout: float
     policy: RetryPolicy
@@ -39,12 +41,15 @@ def settings(*, target: str, token: str | None, tls: bool, root_certificates: by
     config_text = service_config_text() if service_config is None else service_config
     options = channel_options(config_text=config_text, max_message_bytes=max_message_bytes,
                               server_name=server_name)
+    keyed = channel_options(config_text=keyed_service_config(config_text),
+                            max_message_bytes=max_message_bytes, server_name=server_name)
     return Settings(
         target=target,
         credentials=credentials(tls=tls, root_certificates=root_certificates,
                                 client_certificate_chain=client_certificate_chain,
                                 client_private_key=client_private_key),
         options=(*options, *channel_options_extra),
+        keyed_options=(*keyed, *channel_options_extra),
         metadata=call_metadata(token),
         timeout=check_timeout(timeout),
         policy=retry_policy(config_text))

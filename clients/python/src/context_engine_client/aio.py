@@ -2,27 +2,29 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Self, cast
+from typing import Any, Self, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
-from context_engine_client import _channel as rpcs
 from context_engine_client._channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TIMEOUT,
-    Req,
-    Resp,
-    Rpc,
+    KEYED,
+    Metadata,
+    check_request,
     check_timeout,
     has_idempotency_key,
+    merge_metadata,
 )
 from context_engine_client._pb.context_engine.v1 import context_engine_pb2 as pb
+from context_engine_client._pb.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from context_engine_client._settings import settings
 from context_engine_client.errors import from_rpc_error
+
+Resp = TypeVar("Resp", bound=Message)
 
 
 class AsyncClient:
@@ -61,7 +63,8 @@ class AsyncClient:
             self._channel = grpc.aio.insecure_channel(s.target, options=s.options)
         else:
             self._channel = grpc.aio.secure_channel(s.target, s.credentials, options=s.options)
-        self._callables: dict[str, grpc.aio.UnaryUnaryMultiCallable[Any, Any]] = {}
+        self._stubs = pb_grpc.ContextEngineStub(self._channel)
+        self._keyed: tuple[grpc.aio.Channel, pb_grpc.ContextEngineAsyncStub] | None = None
 
     @property
     def target(self) -> str:
@@ -70,6 +73,8 @@ class AsyncClient:
     async def close(self, grace: float | None = None) -> None:
         """Closes the channel; calls still in flight after ``grace`` seconds are cancelled."""
         await self._channel.close(grace)
+        if self._keyed is not None:
+            await self._keyed[0].close(grace)
 
     async def __aenter__(self) -> Self:
         return self
@@ -81,84 +86,88 @@ class AsyncClient:
     # ------------------------------------------------------------------------------ the RPCs
 
     async def plan(self, *, request: pb.PlanRequest,
-                   timeout: float | None = None) -> pb.PlanResponse:
+                   timeout: float | None = None,
+                   metadata: Metadata | None = None) -> pb.PlanResponse:
         """Returns the session's current plan, creating epoch 1 or rotating when a pinned input
         changed. Idempotent."""
-        return await self._invoke(rpcs.PLAN, request, timeout)
+        return await self._invoke("Plan", request, pb.PlanResponse, timeout, metadata)
 
     async def get_plan(self, *, request: pb.GetPlanRequest,
-                 timeout: float | None = None) -> pb.GetPlanResponse:
+                       timeout: float | None = None,
+                       metadata: Metadata | None = None) -> pb.GetPlanResponse:
         """The current (``epoch`` 0) or a given epoch's plan. Read-only."""
-        return await self._invoke(rpcs.GET_PLAN, request, timeout)
+        return await self._invoke("GetPlan", request, pb.GetPlanResponse, timeout, metadata)
 
     async def build(self, *, request: pb.BuildRequest,
-              timeout: float | None = None) -> pb.BuildResponse:
+                    timeout: float | None = None,
+                    metadata: Metadata | None = None) -> pb.BuildResponse:
         """One model request under the budget, with its budget report, pressure and cache
         markers. Pure."""
-        return await self._invoke(rpcs.BUILD, request, timeout)
+        return await self._invoke("Build", request, pb.BuildResponse, timeout, metadata)
 
     async def rotate(self, *, request: pb.RotateRequest,
-               timeout: float | None = None) -> pb.RotateResponse:
+                     timeout: float | None = None,
+                     metadata: Metadata | None = None) -> pb.RotateResponse:
         """A new epoch for a stated reason; a retried idempotency key rotates once."""
-        return await self._invoke(rpcs.ROTATE, request, timeout)
+        return await self._invoke("Rotate", request, pb.RotateResponse, timeout, metadata)
 
     async def report_usage(self, *, request: pb.ReportUsageRequest,
-                     timeout: float | None = None) -> pb.ReportUsageResponse:
+                           timeout: float | None = None,
+                           metadata: Metadata | None = None) -> pb.ReportUsageResponse:
         """The provider's actual usage of a sent request; counted once per idempotency key."""
-        return await self._invoke(rpcs.REPORT_USAGE, request, timeout)
+        return await self._invoke("ReportUsage", request, pb.ReportUsageResponse, timeout, metadata)
 
     async def update_working_state(self, *, request: pb.UpdateWorkingStateRequest,
-                             timeout: float | None = None) -> pb.UpdateWorkingStateResponse:
+                                   timeout: float | None = None,
+                                   metadata: Metadata | None = None,
+                                   ) -> pb.UpdateWorkingStateResponse:
         """Applies one working-state transition. Pure. Send the model's
         ``context.update_working_state`` call as the provider returned it
         (``transition.tool_call``: call id, name, arguments JSON) and return the response's
         ``tool_result`` to the model; when its arguments are invalid this raises
         :class:`InvalidArgument` whose ``tool_result`` names the errors and carries the tool's
         input schema, for the model as well."""
-        return await self._invoke(rpcs.UPDATE_WORKING_STATE, request, timeout)
+        return await self._invoke(
+            "UpdateWorkingState", request, pb.UpdateWorkingStateResponse, timeout, metadata)
 
     async def carry_working_state(self, *, request: pb.CarryWorkingStateRequest,
-                            timeout: float | None = None) -> pb.CarryWorkingStateResponse:
+                                  timeout: float | None = None,
+                                  metadata: Metadata | None = None) -> pb.CarryWorkingStateResponse:
         """The next run's working state, from the session's log events. Pure."""
-        return await self._invoke(rpcs.CARRY_WORKING_STATE, request, timeout)
+        return await self._invoke(
+            "CarryWorkingState", request, pb.CarryWorkingStateResponse, timeout, metadata)
 
     async def compact(self, *, request: pb.CompactRequest,
-                timeout: float | None = None) -> pb.CompactResponse:
+                      timeout: float | None = None,
+                      metadata: Metadata | None = None) -> pb.CompactResponse:
         """Compacts the oldest carried history into a summary (a write); a retried idempotency
         key returns the stored result."""
-        return await self._invoke(rpcs.COMPACT, request, timeout)
+        return await self._invoke("Compact", request, pb.CompactResponse, timeout, metadata)
 
     # ------------------------------------------------------------------------------ internals
 
-    def _callable(self, rpc: Rpc[Req, Resp]) -> grpc.aio.UnaryUnaryMultiCallable[Req, Resp]:
-        found = self._callables.get(rpc.name)
-        if found is None:
-            found = self._callables[rpc.name] = self._channel.unary_unary(
-                rpc.path, request_serializer=rpc.serialize,
-                response_deserializer=rpc.deserialize)
-        return cast("grpc.aio.UnaryUnaryMultiCallable[Req, Resp]", found)
+    def _stub(self, method: str, request: Message) -> pb_grpc.ContextEngineAsyncStub:
+        if method in KEYED and has_idempotency_key(request):
+            if self._keyed is None:  # opened on first use: most runtimes never need it
+                s = self._settings
+                if s.credentials is None:
+                    channel = grpc.aio.insecure_channel(s.target, options=s.keyed_options)
+                else:
+                    channel = grpc.aio.secure_channel(s.target, s.credentials,
+                                                      options=s.keyed_options)
+                self._keyed = (channel, pb_grpc.ContextEngineStub(channel))
+            return self._keyed[1]
+        return self._stubs
 
-    async def _invoke(self, rpc: Rpc[Req, Resp], request: Req, timeout: float | None) -> Resp:
-        if not isinstance(request, rpc.request):
-            raise TypeError(f"{rpc.name} takes a {rpc.request.__name__}, "
-                            f"not a {type(request).__name__}")
+    async def _invoke(self, method: str, request: Message, response: type[Resp],
+                      timeout: float | None, metadata: Metadata | None) -> Resp:
+        check_request(method, request)
         s = self._settings
-        deadline = time.monotonic() + (s.timeout if timeout is None else check_timeout(timeout))
-        # The channel's service config retries the idempotent RPCs; the keyed ones are retried
-        # here, because whether they may be depends on the request.
-        attempts = s.policy.max_attempts if rpc.keyed and has_idempotency_key(request) else 1
-        call = self._callable(rpc)
-        attempt = 1
-        while True:
-            try:
-                return await call(request, timeout=max(deadline - time.monotonic(), 0.0),
-                            metadata=s.metadata)
-            except grpc.RpcError as err:
-                error = from_rpc_error(err)
-                if attempt < attempts and error.code in s.policy.retryable_codes:
-                    pause = s.policy.backoff(attempt)
-                    if time.monotonic() + pause < deadline:
-                        await asyncio.sleep(pause)
-                        attempt += 1
-                        continue
-                raise error from err
+        call: grpc.aio.UnaryUnaryMultiCallable[Message, Resp] = getattr(
+            self._stub(method, request), method)
+        try:
+            return await call(request,
+                              timeout=s.timeout if timeout is None else check_timeout(timeout),
+                              metadata=merge_metadata(s.metadata, metadata))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from err

@@ -11,15 +11,14 @@ the model (:attr:`ContextEngineError.tool_result`: what was wrong, and the tool'
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import cast
 
 import grpc
-from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
-
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
+from grpc_status import rpc_status
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,48 +158,41 @@ def error_class(code: grpc.StatusCode) -> type[ContextEngineError]:
     return _BY_CODE.get(code, ContextEngineError)
 
 
-def _details(trailing: Iterable[tuple[str, str | bytes]] | None) -> status_pb2.Status | None:
-    for key, value in trailing or ():
-        if key == STATUS_DETAILS_KEY and isinstance(value, bytes):
-            try:
-                return status_pb2.Status.FromString(value)
-            except DecodeError:
-                return None
-    return None
-
-
 def from_rpc_error(err: grpc.RpcError) -> ContextEngineError:
-    """The typed error for a failed call (``grpc.RpcError`` of a sync or an asyncio channel)."""
-    if isinstance(err, grpc.Call | grpc.aio.AioRpcError):
-        code = err.code()
-        message = err.details() or ""
-        trailing = err.trailing_metadata()
-    else:  # an RpcError that is not a call (e.g. raised before one started)
-        code, message, trailing = grpc.StatusCode.UNKNOWN, str(err), None
-    return from_status(code, message, trailing)
+    """The typed error for a failed call (``grpc.RpcError`` of a sync or an asyncio channel).
+    The rich status is decoded by ``grpc_status``; a status whose details contradict the call's
+    own code or message is ignored (the call's code and message stand)."""
+    if not isinstance(err, grpc.Call | grpc.aio.AioRpcError):
+        # an RpcError that is not a call (e.g. raised before one started)
+        return ContextEngineError(str(err), code=grpc.StatusCode.UNKNOWN)
+    code, message = err.code(), err.details() or ""
+    try:
+        # an AioRpcError answers the same code(), details() and trailing_metadata() it reads
+        status = rpc_status.from_call(cast("grpc.Call", err))
+    except ValueError:
+        status = None
+    return from_status(code, message, status)
 
 
 def from_status(code: grpc.StatusCode, message: str,
-                trailing: Iterable[tuple[str, str | bytes]] | None) -> ContextEngineError:
-    """The typed error for a status code, its message and its trailing metadata."""
+                status: status_pb2.Status | None) -> ContextEngineError:
+    """The typed error for a status code, its message and its rich status, if any."""
     reason, domain = "", ""
     metadata: dict[str, str] = {}
     violations: list[FieldViolation] = []
     tool_result = ""
-    status = _details(trailing)
-    if status is not None:
-        for detail in status.details:
-            info = error_details_pb2.ErrorInfo()
-            bad = error_details_pb2.BadRequest()
-            text = error_details_pb2.LocalizedMessage()
-            if detail.Unpack(info):  # False when the detail is another message type
-                if not reason:  # the service sends exactly one
-                    reason, domain, metadata = info.reason, info.domain, dict(info.metadata)
-            elif detail.Unpack(bad):
-                violations.extend(FieldViolation(field=v.field, description=v.description)
-                                  for v in bad.field_violations)
-            elif detail.Unpack(text) and not tool_result:
-                tool_result = text.message
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        bad = error_details_pb2.BadRequest()
+        text = error_details_pb2.LocalizedMessage()
+        if detail.Unpack(info):  # False when the detail is another message type
+            if not reason:  # the service sends exactly one
+                reason, domain, metadata = info.reason, info.domain, dict(info.metadata)
+        elif detail.Unpack(bad):
+            violations.extend(FieldViolation(field=v.field, description=v.description)
+                              for v in bad.field_violations)
+        elif detail.Unpack(text) and not tool_result:
+            tool_result = text.message
     return error_class(code)(message, code=code, reason=reason, domain=domain,
                              metadata=metadata, field_violations=violations,
                              tool_result=tool_result)
