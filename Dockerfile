@@ -13,9 +13,9 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY requirements/ requirements/
-# Runtime dependencies plus the two build-only tools, at the versions pinned for development.
+# Runtime dependencies plus the two build-only tools, at the versions pinned for code generation.
 RUN pip install -r requirements/runtime.txt \
-        $(grep -E '^(grpcio-tools|setuptools)==' requirements/dev.txt)
+        $(grep -E '^(grpcio-tools|setuptools)==' requirements/gen.txt)
 COPY pyproject.toml README.md ./
 COPY proto/ proto/
 COPY service/ service/
