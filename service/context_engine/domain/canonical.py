@@ -1,4 +1,5 @@
-"""Canonical JSON and hashing: sorted keys, no insignificant whitespace, UTF-8 (DESIGN §3)."""
+"""Canonical JSON and hashing: sorted keys, no insignificant whitespace, UTF-8 (ARCHITECTURE.md
+"Byte stability and `prefix_sha256`")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Trust envelopes: attributed, nonced delimiters around content below TRUSTED_CONFIGURATION.
 
-spec: "Every non-platform region is enveloped". The closing marker carries a per-item nonce
-derived from the session key, the item id and a digest of the content (DESIGN §3), and any
-occurrence of the delimiter syntax inside content is escaped at render time, so content cannot
-close its own envelope even if it guesses the nonce.
+spec: "Every non-platform region is enveloped" (ARCHITECTURE.md "Trust envelopes"). The closing
+marker carries a per-item nonce derived from the session key, the item id and a digest of the
+content, and any occurrence of the delimiter syntax inside content is escaped at render time, so
+content cannot close its own envelope even if it guesses the nonce.
 """
 
 from __future__ import annotations

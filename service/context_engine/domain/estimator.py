@@ -1,4 +1,5 @@
-"""The token estimator port and the model catalog (DESIGN §6, spec: "The token estimator").
+"""The token estimator port and the model catalog (ARCHITECTURE.md "The estimator and
+reconciliation"; spec: "The token estimator").
 
 The estimator is pure and conservative: counts come from a deterministic tokenizer, are
 multiplied by the model's base factor and the request's correction factor, and round up.

@@ -1,5 +1,6 @@
-"""Prometheus metrics (DESIGN §7). Names and label sets are fixed: dashboards and alerts depend
-on them. No label carries a tenant, session, hash or other unbounded value."""
+"""Prometheus metrics (README "Operations": "Metrics"). Names and label sets are fixed:
+dashboards and alerts depend on them. No label carries a tenant, session, hash or other
+unbounded value."""
 
 from __future__ import annotations
 
