@@ -1,6 +1,7 @@
 """A fake Anthropic provider that applies the prompt-caching rules to Messages API bodies.
 
-The rules (``../shared/PROVIDERS.md``, "Anthropic Messages API"), as this simulator applies them:
+The rules of Anthropic's prompt caching (its Messages API documentation), as this simulator
+applies them:
 
 * **Prefix order** is ``tools`` -> ``system`` -> ``messages``. The request is flattened into
   blocks in that order: one per tool definition, one per system text block (a string ``system``

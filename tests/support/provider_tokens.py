@@ -18,7 +18,7 @@ provider treats text it is sent), over vocabularies loaded here:
 The encoding follows the model id in the body, by tiktoken's own model table
 (``tiktoken.encoding_name_for_model``). A model tiktoken does not know (Claude, Gemini) is
 counted with ``cl100k_base`` at factor 1.0: no local tokenizer exists for them and their
-tokenizers produce more tokens than cl100k for the same text (PROVIDERS.md), so this is a
+tokenizers produce more tokens than cl100k for the same text (the providers' notes), so this is a
 lower bound of theirs, and the service's 1.3 base factor must cover the rest.
 
 What is counted, per format (every constant is a documented lower bound, never a fudge):
