@@ -1,7 +1,8 @@
 """The TypeScript client (clients/typescript) against the real server: its Node test suite, the
 same prefix hashes as the Python stub for the same inputs, and the agent-loop example.
 
-Node.js 20+ and npm are required; a missing toolchain or a failed install fails these tests."""
+Node.js 20+ and npm are required; a missing toolchain or a failed install fails these tests.
+`npm run build` generates the message types from proto/ (ts-proto through buf) and compiles."""
 
 from __future__ import annotations
 
@@ -11,15 +12,19 @@ import re
 import shutil
 import subprocess
 import uuid
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from context_engine.api.auth import token_sha256
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from google.protobuf import json_format
 
 from tests.conftest import REPO, ServerThread
+from tests.conftest import test_config as base_config
 
 pytestmark = pytest.mark.integration
 
@@ -28,11 +33,12 @@ FIXTURE = PACKAGE / "test" / "fixtures" / "session.json"
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def _run(args: list[str], *, timeout: float, env: dict[str, str] | None = None,
-         what: str) -> subprocess.CompletedProcess[str]:
+def run_tool(args: list[str], *, timeout: float, env: dict[str, str] | None = None,
+             what: str, cwd: Path = PACKAGE,
+             stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     try:
-        done = subprocess.run(args, cwd=PACKAGE, env=env, capture_output=True, text=True,
-                              timeout=timeout, check=False)
+        done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout, check=False, input=stdin)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{what} did not finish within {timeout:.0f} s: {err.stdout!r} {err.stderr!r}")
     if done.returncode != 0:
@@ -51,42 +57,60 @@ def _stale(node_modules: Path) -> bool:
     return newest > installed.stat().st_mtime
 
 
-@pytest.fixture(scope="module")
-def node() -> str:
-    """The Node toolchain, the dependencies installed from package-lock.json, the build."""
+def toolchain() -> tuple[str, str]:
+    """node and npm, or a failure that says what is missing (never a skip)."""
     node_bin, npm_bin = shutil.which("node"), shutil.which("npm")
     if node_bin is None or npm_bin is None:
         pytest.fail("the TypeScript client needs Node.js 20+ and npm on PATH "
                     f"(node: {node_bin}, npm: {npm_bin})")
-    version = _run([node_bin, "--version"], timeout=30, what="node --version").stdout.strip()
+    version = run_tool([node_bin, "--version"], timeout=30, what="node --version").stdout.strip()
     major = int(version.lstrip("v").split(".")[0])
     assert major >= 20, f"Node.js 20+ is required, found {version}"
+    return node_bin, npm_bin
+
+
+def build_package() -> tuple[str, str]:
+    """The dependencies installed from package-lock.json when they are not yet, then
+    `npm run build`: types generated from proto/, compiled to dist/. Returns node and npm."""
+    node_bin, npm_bin = toolchain()
     if _stale(PACKAGE / "node_modules"):
-        _run([npm_bin, "ci", "--no-audit", "--no-fund"], timeout=600,
-             what="npm ci in clients/typescript")
-    _run([npm_bin, "run", "build"], timeout=180, what="npm run build (tsc)")
-    return node_bin
+        run_tool([npm_bin, "ci", "--no-audit", "--no-fund"], timeout=600,
+                 what="npm ci in clients/typescript")
+    run_tool([npm_bin, "run", "build"], timeout=300,
+             what="npm run build (buf generate with ts-proto, then tsc)")
+    return node_bin, npm_bin
 
 
-def _env(server: ServerThread, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(CE_TARGET=server.address, **extra)
+@pytest.fixture(scope="module")
+def node() -> str:
+    """The Node toolchain, the dependencies installed from package-lock.json, the build."""
+    return build_package()[0]
+
+
+def client_env(address: str, **extra: str) -> dict[str, str]:
+    """The environment of a Node process: the server's address, no token (dev mode)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CE_TOKEN", "NODE_OPTIONS")}
+    env.update(CE_GRPC_ADDR=address, **extra)
     return env
 
 
-def _fixture() -> dict[str, Any]:
+def _env(server: ServerThread, **extra: str) -> dict[str, str]:
+    return client_env(server.address, **extra)
+
+
+def fixture_data() -> dict[str, Any]:
     data: dict[str, Any] = json.loads(FIXTURE.read_text())
     return data
 
 
-def _plan_request(tenant: str, session: str) -> pb.PlanRequest:
-    req = json_format.ParseDict(_fixture()["plan"], pb.PlanRequest())
+def plan_request(tenant: str, session: str) -> pb.PlanRequest:
+    req = json_format.ParseDict(fixture_data()["plan"], pb.PlanRequest())
     req.tenant_id, req.session_id = tenant, session
     return req
 
 
-def _checkpoint() -> pb.Checkpoint:
-    return json_format.ParseDict(_fixture()["checkpoint"], pb.Checkpoint())
+def fixture_checkpoint() -> pb.Checkpoint:
+    return json_format.ParseDict(fixture_data()["checkpoint"], pb.Checkpoint())
 
 
 def test_the_fixture_prefix_does_not_depend_on_the_session(
@@ -94,13 +118,13 @@ def test_the_fixture_prefix_does_not_depend_on_the_session(
     """The comparison below plans Node's inputs under another session id. That holds only
     while no Region A content of the fixture is enveloped (an envelope's nonce is derived
     from the session key): no server-provided tool, memory snapshot or untrusted skill."""
-    plan = json_format.ParseDict(_fixture()["plan"], pb.PlanRequest())
+    plan = json_format.ParseDict(fixture_data()["plan"], pb.PlanRequest())
     assert not plan.HasField("memory_snapshot") and not plan.skill_catalog
     assert all(not tool.server for tool in plan.tool_catalog)
     tenant = f"tenant-{uuid.uuid4().hex[:12]}"
-    hashes = {stub.Plan(_plan_request(tenant, f"s-{i}-{uuid.uuid4().hex[:8]}"),
+    hashes = {stub.Plan(plan_request(tenant, f"s-{i}-{uuid.uuid4().hex[:8]}"),
                         timeout=30).plan.prefix_sha256 for i in range(2)}
-    other = stub.Plan(_plan_request(f"tenant-{uuid.uuid4().hex[:12]}", "s-other"),
+    other = stub.Plan(plan_request(f"tenant-{uuid.uuid4().hex[:12]}", "s-other"),
                       timeout=30).plan.prefix_sha256
     assert len(hashes) == 1 and other in hashes
 
@@ -110,13 +134,14 @@ def test_node_suite_and_prefix_hashes_match_python(node: str, server: ServerThre
                                                    tmp_path: Path) -> None:
     tenant = f"tenant-{uuid.uuid4().hex[:12]}"
     result_file = tmp_path / "result.json"
-    done = _run([node, "--test", "dist/test/integration.test.js", "dist/test/retry.test.js"],
-                timeout=120, env=_env(server, CE_RESULT_FILE=str(result_file),
-                                      CE_TENANT_ID=tenant),
-                what="node --test")
+    done = run_tool([node, "--test", "dist/test/integration.test.js", "dist/test/client.test.js"],
+                    timeout=120, env=_env(server, CE_RESULT_FILE=str(result_file),
+                                          CE_TENANT_ID=tenant),
+                    what="node --test")
     assert re.search(r"^# pass [1-9]\d*$", done.stdout, re.M), done.stdout[-3000:]
     assert re.search(r"^# fail 0$", done.stdout, re.M), done.stdout[-3000:]
     assert re.search(r"^# skipped 0$", done.stdout, re.M), done.stdout[-3000:]
+    assert "# SKIP" not in done.stdout, done.stdout[-3000:]  # a skipped suite is not counted
 
     node_result = json.loads(result_file.read_text())
     assert node_result["tenantId"] == tenant
@@ -129,12 +154,12 @@ def test_node_suite_and_prefix_hashes_match_python(node: str, server: ServerThre
     # The same inputs from Python, under another session id of the same tenant.
     session = f"py-{uuid.uuid4().hex[:12]}"
     assert session != node_session
-    plan = stub.Plan(_plan_request(tenant, session), timeout=30).plan
+    plan = stub.Plan(plan_request(tenant, session), timeout=30).plan
     assert plan.epoch == 1
     assert plan.prefix_sha256 == node_result["plan"]["prefixSha256"]
 
     built = stub.Build(pb.BuildRequest(tenant_id=tenant, session_id=session,
-                                       checkpoint=_checkpoint()), timeout=30)
+                                       checkpoint=fixture_checkpoint()), timeout=30)
     assert built.prefix_sha256 == node_result["build"]["prefixSha256"]
     assert built.estimated_input_tokens > 0
 
@@ -145,11 +170,11 @@ def test_node_suite_and_prefix_hashes_match_python(node: str, server: ServerThre
     assert rotated.plan.prefix_sha256 == node_result["rotate"]["prefixSha256"]
 
     compacted = stub.Compact(pb.CompactRequest(
-        tenant_id=tenant, session_id=session, checkpoint=_checkpoint(),
-        replace_through_sequence=int(_fixture()["compactThroughSequence"]),
+        tenant_id=tenant, session_id=session, checkpoint=fixture_checkpoint(),
+        replace_through_sequence=int(fixture_data()["compactThroughSequence"]),
         reason="budget_pressure", idempotency_key=f"compact-{session}"), timeout=30)
     assert list(compacted.replaced_item_ids) == node_result["compact"]["replacedItemIds"]
-    checkpoint = _checkpoint()
+    checkpoint = fixture_checkpoint()
     checkpoint.summary.CopyFrom(compacted.summary)
     on_summary = stub.Build(pb.BuildRequest(tenant_id=tenant, session_id=session,
                                             checkpoint=checkpoint), timeout=30)
@@ -167,10 +192,53 @@ def test_agent_loop_example(node: str, server: ServerThread,
                             stub: pb_grpc.ContextEngineStub) -> None:
     tenant = f"tenant-{uuid.uuid4().hex[:12]}"
     session = f"loop-{uuid.uuid4().hex[:12]}"
-    done = _run([node, "dist/examples/agent_loop.js"], timeout=120,
-                env=_env(server, CE_TENANT_ID=tenant, CE_SESSION_ID=session),
-                what="the agent_loop example")
-    out = done.stdout
+    done = run_tool([node, "dist/examples/agent_loop.js"], timeout=120,
+                    env=_env(server, CE_TENANT_ID=tenant, CE_SESSION_ID=session),
+                    what="the agent_loop example")
+    check_agent_loop_output(done.stdout, stub, tenant=tenant, session=session)
+
+
+@pytest.fixture(scope="module")
+def secured(database_url: str, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[ServerThread, str, str]]:
+    """A server that requires credentials; its one token may call every RPC of one tenant."""
+    tenant, token = f"tenant-{uuid.uuid4().hex[:10]}", f"token-{uuid.uuid4().hex}"
+    path = tmp_path_factory.mktemp("ts-tokens") / "tokens.json"
+    path.write_text(json.dumps([{"sha256": token_sha256(token), "tenant_id": tenant,
+                                 "rpcs": ["*"]}]))
+    server = ServerThread(replace(base_config(), dev_mode=False, auth_tokens_file=path),
+                          database_url)
+    yield server, tenant, token
+    server.stop()
+
+
+def test_agent_loop_example_reads_its_token_from_stdin_or_the_environment(
+        node: str, secured: tuple[ServerThread, str, str]) -> None:
+    """--grpc-addr wins over CE_GRPC_ADDR; the bearer token comes from one line of standard
+    input with --token-stdin, or from CE_TOKEN; without one the server refuses the call."""
+    server, tenant, token = secured
+    example = "dist/examples/agent_loop.js"
+    unreachable = client_env("127.0.0.1:1")  # the flag must win over the variable
+    done = run_tool([node, example, "--grpc-addr", server.address, "--tenant", tenant,
+                     "--session", f"stdin-{uuid.uuid4().hex[:12]}", "--token-stdin"],
+                    stdin=f"{token}\n", timeout=120, env=unreachable,
+                    what="the agent_loop example with --token-stdin")
+    assert re.search(r"^RESULT \{", done.stdout, re.M), done.stdout[-2000:]
+    done = run_tool([node, example, "--tenant", tenant,
+                     "--session", f"env-{uuid.uuid4().hex[:12]}"], timeout=120,
+                    env=client_env(server.address, CE_TOKEN=token),
+                    what="the agent_loop example with CE_TOKEN")
+    assert re.search(r"^RESULT \{", done.stdout, re.M), done.stdout[-2000:]
+    refused = subprocess.run([node, example, "--tenant", tenant, "--session", "no-token"],
+                             cwd=PACKAGE, env=client_env(server.address), capture_output=True,
+                             text=True, timeout=120, check=False)
+    assert refused.returncode == 1, refused.stdout[-2000:]
+    assert "context-engine error UNAUTHENTICATED" in refused.stderr, refused.stderr[-2000:]
+
+
+def check_agent_loop_output(out: str, stub: pb_grpc.ContextEngineStub, *, tenant: str,
+                            session: str) -> None:
+    """What the agent-loop example prints for a new session, checked against the server."""
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, out[-3000:]
     result = json.loads(lines[0].removeprefix("RESULT "))

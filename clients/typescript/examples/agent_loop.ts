@@ -1,3 +1,4 @@
+#!/usr/bin/env node
 /**
  * A multi-turn, tool-using agent session driven through context-engine with a deterministic
  * fake model. Each turn is a run: the runtime admits it with Plan, then loops Build -> model ->
@@ -12,32 +13,40 @@
  * tool: the runtime sends that call to UpdateWorkingState exactly as the provider returned it
  * and gives the model the engine's answer as the call's result.
  *
- *   npm run build && CE_TARGET=127.0.0.1:50051 node dist/examples/agent_loop.js
+ *   npm run build && CE_GRPC_ADDR=127.0.0.1:50051 node dist/examples/agent_loop.js
+ *   npx context-engine-agent-loop --grpc-addr 127.0.0.1:50051    # where the package is installed
  *
- * Environment: CE_TARGET (default 127.0.0.1:50051), CE_TOKEN (bearer token; none in dev mode),
- * CE_TENANT_ID (default a fresh id), CE_SESSION_ID (default a fresh id).
+ * The server's address comes from `--grpc-addr` or CE_GRPC_ADDR (default 127.0.0.1:50051); a
+ * bearer token (none in dev mode) from CE_TOKEN or, with `--token-stdin`, from one line of
+ * standard input. Tokens never go on the command line, where other users of the machine can
+ * read them. `--tenant` or CE_TENANT_ID, `--session` or CE_SESSION_ID: default fresh ids.
+ * `--tls` connects over TLS with the system roots (plaintext otherwise, as a dev-mode server
+ * on loopback expects).
  */
 import { createHash, randomBytes } from "node:crypto";
+import * as readline from "node:readline";
+import { parseArgs } from "node:util";
 
 import {
-  BuildResponse,
-  Checkpoint,
+  type BuildResponse,
+  type Checkpoint,
   ContextEngineClient,
   ContextEngineError,
-  ConversationItem,
-  ModelSpec,
-  PlanRequest,
-  Summary,
+  type ConversationItem,
+  type Input,
+  type ModelSpec,
+  type PlanRequest,
+  type Summary,
   ToolCall,
   WorkingState,
-} from "../src";
+} from "@context-engine/client";
 
-const SMALL_MODEL: ModelSpec = {
+const SMALL_MODEL: Input<ModelSpec> = {
   modelId: "acme-chat-12k",
   // the reserve is held small so that this small window's body holds history's 8,000-token floor
   capabilities: { contextWindow: 12_000, outputReserve: 1_500, breakpointBudget: 4 },
 };
-const LARGE_MODEL: ModelSpec = {
+const LARGE_MODEL: Input<ModelSpec> = {
   modelId: "acme-chat-64k",
   capabilities: { contextWindow: 64_000, outputReserve: 8_000, breakpointBudget: 4 },
 };
@@ -135,13 +144,13 @@ const TURNS: Turn[] = [
  */
 function fakeModel(built: BuildResponse, turn: Turn, callPrefix: string):
   { calls: ToolCall[] } | { text: string } {
-  const answered = new Set(built.request.messages
+  const answered = new Set(need(built.request, "request").messages
     .filter((m) => m.role === "ROLE_TOOL" && m.callId.startsWith(callPrefix))
     .map((m) => m.callId));
   for (let b = 0; b < turn.batches.length; b++) {
     const ids = turn.batches[b]!.map((_, c) => `${callPrefix}${b}-${c}`);
     if (!ids.every((id) => answered.has(id))) {
-      return { calls: turn.batches[b]!.map((call, c) => ({ callId: ids[c],
+      return { calls: turn.batches[b]!.map((call, c) => ToolCall.fromPartial({ callId: ids[c],
         name: call.name, argumentsJson: JSON.stringify(call.args) })) };
     }
   }
@@ -150,13 +159,19 @@ function fakeModel(built: BuildResponse, turn: Turn, callPrefix: string):
 
 // ------------------------------------------------------------------------------ printing
 
+/** A message field of a response: proto3 message fields may be absent; these never are. */
+function need<T>(value: T | undefined, what: string): T {
+  if (value === undefined) throw new Error(`the response has no ${what}`);
+  return value;
+}
+
 function pad(value: string | number, width: number): string {
   return String(value).padStart(width);
 }
 
 function printRequest(label: string, built: BuildResponse): void {
-  const b = built.budget;
-  const p = built.pressure;
+  const b = need(built.budget, "budget");
+  const p = need(built.pressure, "pressure");
   console.log(`\n== ${label}`);
   console.log(`epoch ${built.epoch} prefix_sha256 ${built.prefixSha256}`);
   console.log(`model ${built.modelId}  estimated ${built.estimatedInputTokens} of ` +
@@ -173,7 +188,7 @@ function printRequest(label: string, built: BuildResponse): void {
   const steps = p.steps.map((s) => `${s.step}(${s.units})`).join(" ") || "none";
   console.log(`pressure steps ${steps}  fits ${p.fits}  compaction_needed ${p.compactionNeeded}` +
     (p.compactionNeeded ? `  left_out ${p.leftOutItems} items/${p.leftOutTokens} tokens` : ""));
-  const results = built.request.messages.filter((m) => m.role === "ROLE_TOOL");
+  const results = need(built.request, "request").messages.filter((m) => m.role === "ROLE_TOOL");
   const excerpts = results.filter((m) => m.text.includes("bytes omitted")).length;
   const pointers = results.filter((m) => m.text.includes("[elided] tool.result")).length;
   console.log(`tool results ${results.length - excerpts - pointers} inline  ${excerpts} excerpted` +
@@ -184,17 +199,38 @@ function printRequest(label: string, built: BuildResponse): void {
 
 // ------------------------------------------------------------------------------ the runtime
 
+/** One line of standard input, without its line break. */
+async function readLine(): Promise<string> {
+  const lines = readline.createInterface({ input: process.stdin, terminal: false });
+  try {
+    for await (const line of lines) return line;
+    return "";
+  } finally {
+    lines.close();
+  }
+}
+
 async function main(): Promise<void> {
-  const target = process.env.CE_TARGET ?? "127.0.0.1:50051";
+  const { values: args } = parseArgs({ options: {
+    "grpc-addr": { type: "string" },
+    "token-stdin": { type: "boolean", default: false },
+    tenant: { type: "string" },
+    session: { type: "string" },
+    tls: { type: "boolean", default: false },
+  } });
+  const target = args["grpc-addr"] || process.env.CE_GRPC_ADDR || "127.0.0.1:50051";
   // A fresh tenant by default: the estimator's correction factor is learned per tenant and
   // model, so a fresh one makes every run of this example print the same tables.
-  const tenantId = process.env.CE_TENANT_ID ?? `example-${randomBytes(6).toString("hex")}`;
-  const sessionId = process.env.CE_SESSION_ID ?? `agent-loop-${randomBytes(6).toString("hex")}`;
-  const token = process.env.CE_TOKEN;
-  const client = new ContextEngineClient({ target, insecure: true, deadlineMs: 20_000,
-    ...(token ? { token } : {}) });
+  const tenantId = args.tenant ?? process.env.CE_TENANT_ID ??
+    `example-${randomBytes(6).toString("hex")}`;
+  const sessionId = args.session ?? process.env.CE_SESSION_ID ??
+    `agent-loop-${randomBytes(6).toString("hex")}`;
+  const token = args["token-stdin"] ? (await readLine()).trim() : process.env.CE_TOKEN || undefined;
+  if (args["token-stdin"] && !token) throw new Error("--token-stdin: standard input has no token");
+  const client = new ContextEngineClient({ target, deadlineMs: 20_000,
+    ...(args.tls ? {} : { insecure: true }), ...(token ? { token } : {}) });
 
-  const planRequest: PlanRequest = {
+  const planRequest: Input<PlanRequest> = {
     tenantId, sessionId,
     agent: { agentId: "travel-desk", version: "4",
       instructions: "You plan business trips. Prefer rail under 500 km, cite fares with " +
@@ -210,12 +246,12 @@ async function main(): Promise<void> {
     session: { kind: "SESSION_KIND_INTERACTIVE" },
   };
 
-  const items: ConversationItem[] = [];
+  const items: Input<ConversationItem>[] = [];
   let summary: Summary | undefined;
-  let workingState: WorkingState = {
+  let workingState: WorkingState = WorkingState.fromPartial({
     objective: "Get the traveller to a 14:00 meeting in Milan on 3 December and back",
     constraints: ["rail only", "confirm before booking"],
-  };
+  });
   let sequence = 0;
   let requests = 0;
   const stats = { requests: 0, compactions: 0, rotations: 0, steps: new Set<string>(),
@@ -230,48 +266,52 @@ async function main(): Promise<void> {
           reason: "ROTATION_REASON_MODEL_ROUTED", model: LARGE_MODEL,
           idempotencyKey: `${sessionId}:route:${runId}` });
         stats.rotations++;
-        console.log(`\n>> rotated to epoch ${rotated.plan.epoch} (${rotated.plan.reason}) ` +
-          `model ${rotated.plan.modelId} prefix_sha256 ${rotated.plan.prefixSha256}`);
+        const plan = need(rotated.plan, "plan");
+        console.log(`\n>> rotated to epoch ${plan.epoch} (${plan.reason}) ` +
+          `model ${plan.modelId} prefix_sha256 ${plan.prefixSha256}`);
       } else {
         const planned = await client.plan({ ...planRequest,
           run: { runId, toolsPinned: false, hasPendingCalls: false } });
+        const plan = need(planned.plan, "plan");
         if (planned.created) {
-          console.log(`>> planned epoch ${planned.plan.epoch} (${planned.plan.reason}) ` +
-            `prefix_sha256 ${planned.plan.prefixSha256} prefix ${planned.plan.prefixTokens} tokens`);
+          console.log(`>> planned epoch ${plan.epoch} (${plan.reason}) ` +
+            `prefix_sha256 ${plan.prefixSha256} prefix ${plan.prefixTokens} tokens`);
         }
       }
-      items.push({ id: `u${t + 1}`, sequence: ++sequence, runId, trust: "TRUST_LEVEL_USER",
-        user: { text: turn.user } });
+      items.push({ id: `u${t + 1}`, sequence: String(++sequence), runId,
+        trust: "TRUST_LEVEL_USER", user: { text: turn.user } });
 
       for (let step = 1; ; step++) {
-        const checkpoint = (): Checkpoint => ({ activeRunId: runId, items, workingState,
+        const checkpoint = (): Input<Checkpoint> => ({ activeRunId: runId, items, workingState,
           runtime: { currentDate: "2026-11-29" }, ...(summary ? { summary } : {}) });
         let built = await client.build({ tenantId, sessionId, checkpoint: checkpoint() });
         printRequest(`turn ${t + 1} (${runId}) step ${step}`, built);
-        for (const s of built.pressure.steps) stats.steps.add(s.step);
-        if (built.pressure.compactionNeeded && (summary?.depth ?? 0) < 2) {
+        let pressure = need(built.pressure, "pressure");
+        for (const s of pressure.steps) stats.steps.add(s.step);
+        if (pressure.compactionNeeded && (summary?.depth ?? 0) < 2) {
           // Free twice what was left out, so the next few steps fit without compacting again
           // (a summary merges at most twice: depth 2 is the cap).
           const compacted = await client.compact({ tenantId, sessionId,
-            checkpoint: checkpoint(), tokensToFree: 2 * built.pressure.leftOutTokens,
+            checkpoint: checkpoint(), tokensToFree: 2 * pressure.leftOutTokens,
             reason: "budget_pressure", idempotencyKey: `${sessionId}:compact:${sequence}` });
           stats.compactions++;
-          summary = compacted.summary;
+          summary = need(compacted.summary, "summary");
           const replaced = new Set(compacted.replacedItemIds);
           for (let i = items.length - 1; i >= 0; i--) {
-            if (replaced.has(items[i]!.id)) items.splice(i, 1);
+            if (replaced.has(items[i]!.id ?? "")) items.splice(i, 1);
           }
           console.log(`>> compacted ${compacted.replacedItemIds.length} items into a depth-` +
-            `${compacted.summary.depth} summary (${compacted.tokensBefore} -> ` +
-            `${compacted.tokensAfter} tokens, ${compacted.summary.elided.length} elided spans)`);
+            `${summary.depth} summary (${compacted.tokensBefore} -> ` +
+            `${compacted.tokensAfter} tokens, ${summary.elided.length} elided spans)`);
           built = await client.build({ tenantId, sessionId, checkpoint: checkpoint() });
           printRequest(`turn ${t + 1} (${runId}) step ${step}, rebuilt on the summary`, built);
-          for (const s of built.pressure.steps) stats.steps.add(s.step);
-        } else if (built.pressure.compactionNeeded) {
+          pressure = need(built.pressure, "pressure");
+          for (const s of pressure.steps) stats.steps.add(s.step);
+        } else if (pressure.compactionNeeded) {
           console.log(">> the summary is at depth 2: the cut request is sent as it is " +
             "(a child run would carry on with more room)");
         }
-        if (!built.pressure.fits) throw new Error("Build returned a request that does not fit");
+        if (!pressure.fits) throw new Error("Build returned a request that does not fit");
         requests++;
         stats.requests = requests;
         const seen = stats.epochs.get(built.epoch);
@@ -279,9 +319,10 @@ async function main(): Promise<void> {
           throw new Error(`epoch ${built.epoch} changed its prefix: ${seen} -> ${built.prefixSha256}`);
         }
         stats.epochs.set(built.epoch, built.prefixSha256);
-        stats.excerpted = Math.max(stats.excerpted, built.request.messages.filter((m) =>
+        const messages = need(built.request, "request").messages;
+        stats.excerpted = Math.max(stats.excerpted, messages.filter((m) =>
           m.role === "ROLE_TOOL" && m.text.includes("bytes omitted")).length);
-        stats.pointers = Math.max(stats.pointers, built.request.messages.filter((m) =>
+        stats.pointers = Math.max(stats.pointers, messages.filter((m) =>
           m.role === "ROLE_TOOL" && m.text.includes("[elided] tool.result")).length);
 
         // The provider's usage: a stand-in that agrees with the estimate and reads the prefix
@@ -298,15 +339,15 @@ async function main(): Promise<void> {
           // A verbose model: the answer comes with its working notes, which is what makes
           // carried history outgrow the window after a few turns.
           const notes = turn.routeToLargeModel ? "" : "\n\nNotes: " + prose(reply.text, 2_000);
-          items.push({ id: `a${t + 1}`, sequence: ++sequence, runId, trust: "TRUST_LEVEL_USER",
-            assistant: { text: reply.text + notes } });
+          items.push({ id: `a${t + 1}`, sequence: String(++sequence), runId,
+            trust: "TRUST_LEVEL_USER", assistant: { text: reply.text + notes } });
           console.log(`<< assistant: ${reply.text}`);
           break;
         }
         // The log keeps the tools' own names; the calls go out as the provider returned them.
         const own = (name?: string) =>
           (WORKING_STATE_TOOL_NAMES.has(name ?? "") ? WORKING_STATE_TOOL : name);
-        const calledAt = ++sequence;
+        const calledAt = String(++sequence);
         items.push({ id: `c${t + 1}-${step}`, sequence: calledAt, runId,
           trust: "TRUST_LEVEL_USER", toolCalls: { calls: reply.calls.map((c) =>
             ({ ...c, name: own(c.name) })) } });
@@ -320,14 +361,14 @@ async function main(): Promise<void> {
               const updated = await client.updateWorkingState({ tenantId, sessionId, runId,
                 current: workingState, sequence: calledAt, transition: { toolCall: {
                   callId: call.callId, name: call.name, argumentsJson: call.argumentsJson } } });
-              workingState = updated.state;
+              workingState = need(updated.state, "state");
               content = updated.toolResult;
             } catch (err) {
               // Refused: the model reads what was wrong and the tool's input schema.
               if (!(err instanceof ContextEngineError) || !err.toolResult) throw err;
               content = err.toolResult;
             }
-            const seq = ++sequence;
+            const seq = String(++sequence);
             items.push({ id: `r-${call.callId}`, sequence: seq, runId, trust: "TRUST_LEVEL_USER",
               toolResult: { callId: call.callId, toolName: WORKING_STATE_TOOL, content,
                 eventId: seq } });
@@ -335,7 +376,7 @@ async function main(): Promise<void> {
             continue;
           }
           const result = runTool(call);
-          const seq = ++sequence;
+          const seq = String(++sequence);
           items.push({ id: `r-${call.callId}`, sequence: seq, runId,
             trust: "TRUST_LEVEL_EXTERNAL_UNTRUSTED",
             toolResult: { callId: call.callId, toolName: call.name, content: result.content,

@@ -1,33 +1,80 @@
-/** Typed errors: gRPC status code plus the `google.rpc` details the service attaches. */
+/**
+ * Typed errors: the gRPC status code plus the `google.rpc.Status` the service attaches in the
+ * `grpc-status-details-bin` trailer, decoded with the types generated from
+ * `proto/google/rpc/status.proto` and `error_details.proto`.
+ */
 import * as grpc from "@grpc/grpc-js";
 
-import { googleRpcRoot } from "./proto";
+import type { Any } from "./gen/google/protobuf/any";
+import {
+  BadRequest,
+  type BadRequest_FieldViolation,
+  ErrorInfo,
+  LocalizedMessage,
+  RetryInfo,
+} from "./gen/google/rpc/error_details";
+import { Status } from "./gen/google/rpc/status";
 
-const ERROR_INFO_URL = "type.googleapis.com/google.rpc.ErrorInfo";
-const BAD_REQUEST_URL = "type.googleapis.com/google.rpc.BadRequest";
-const LOCALIZED_MESSAGE_URL = "type.googleapis.com/google.rpc.LocalizedMessage";
 const STATUS_DETAILS_KEY = "grpc-status-details-bin";
+/** Set by grpc-js on the status of a call it retried: the attempts before the last one. */
+const PREVIOUS_ATTEMPTS_KEY = "grpc-previous-rpc-attempts";
+const TYPE_URL_PREFIX = "type.googleapis.com/";
 
-/** One `google.rpc.BadRequest.FieldViolation`. */
-export interface FieldViolation {
-  field: string;
-  description: string;
-  reason: string;
-}
-
-/** A `google.protobuf.Any` detail this client does not interpret. */
-export interface OtherDetail {
-  typeUrl: string;
-  value: Buffer;
-}
+/** One `google.rpc.BadRequest.FieldViolation` (`field`, `description`, `reason`, ...). */
+export type FieldViolation = BadRequest_FieldViolation;
 
 /** The status code's name, e.g. `"NOT_FOUND"`. */
 export function codeName(code: grpc.status): string {
   return grpc.status[code] ?? `CODE_${code}`;
 }
 
+/** What a `google.rpc.Status` says, its details decoded. */
+export interface StatusDetails {
+  /** The whole decoded status, for any detail not read below. */
+  status: Status;
+  message: string;
+  /** The single `ErrorInfo`: `reason` (UPPER_SNAKE_CASE), `domain`, `metadata`. */
+  errorInfo: ErrorInfo | undefined;
+  /** Every `BadRequest` field violation. */
+  violations: FieldViolation[];
+  /** The `LocalizedMessage`: the tool result for a refused `context.update_working_state` call. */
+  localizedMessage: LocalizedMessage | undefined;
+  /** `RetryInfo.retry_delay` in milliseconds, when the service sent one. */
+  retryDelayMs: number | undefined;
+  /** Details of other types, as sent (decode them with the exported `googleRpc` types). */
+  otherDetails: Any[];
+}
+
+function durationMs(duration: { seconds: string; nanos: number } | undefined): number | undefined {
+  if (duration === undefined) return undefined;
+  return Number(duration.seconds) * 1_000 + duration.nanos / 1_000_000;
+}
+
+/** Decodes `grpc-status-details-bin` (a serialized `google.rpc.Status`). */
+export function parseStatusDetails(bin: Uint8Array): StatusDetails {
+  const status = Status.decode(bin);
+  const out: StatusDetails = { status, message: status.message, errorInfo: undefined,
+    violations: [], localizedMessage: undefined, retryDelayMs: undefined, otherDetails: [] };
+  for (const detail of status.details) {
+    const type = detail.typeUrl.startsWith(TYPE_URL_PREFIX)
+      ? detail.typeUrl.slice(TYPE_URL_PREFIX.length) : detail.typeUrl;
+    if (type === "google.rpc.ErrorInfo" && out.errorInfo === undefined) {
+      out.errorInfo = ErrorInfo.decode(detail.value);
+    } else if (type === "google.rpc.BadRequest") {
+      out.violations.push(...BadRequest.decode(detail.value).fieldViolations);
+    } else if (type === "google.rpc.LocalizedMessage" && out.localizedMessage === undefined) {
+      out.localizedMessage = LocalizedMessage.decode(detail.value);
+    } else if (type === "google.rpc.RetryInfo" && out.retryDelayMs === undefined) {
+      out.retryDelayMs = durationMs(RetryInfo.decode(detail.value).retryDelay);
+    } else {
+      out.otherDetails.push(detail);
+    }
+  }
+  return out;
+}
+
 /**
- * A failed call. `code` is the gRPC status code (compare with `grpc.status.NOT_FOUND` or use
+ * A failed call. `code` is the gRPC status code (compare with `GrpcStatus.NOT_FOUND`, or read
  * `codeName`); `reason`, `domain` and `metadata` come from the status's single `ErrorInfo`
  * (empty when the failure happened before the service answered, e.g. a missed deadline);
  * `violations` lists `BadRequest` field violations for malformed input; `toolResult` is the
@@ -46,26 +93,30 @@ export class ContextEngineError extends Error {
   readonly violations: readonly FieldViolation[];
   /** The tool result for the model when its own tool call was refused; `""` otherwise. */
   readonly toolResult: string;
-  readonly otherDetails: readonly OtherDetail[];
+  /** How long the service asks to wait before trying again (`RetryInfo`), if it said. */
+  readonly retryDelayMs: number | undefined;
+  /** The decoded `google.rpc.Status`, when the service sent one. */
+  readonly status: Status | undefined;
+  /** Status details of types not read into the fields above. */
+  readonly otherDetails: readonly Any[];
   /** The RPC that failed, e.g. `"Build"`. */
   readonly method: string;
-  /** How many attempts were made (more than 1 after retries of `UNAVAILABLE`). */
+  /** How many attempts grpc-js made (more than 1 after retries of `UNAVAILABLE`). */
   readonly attempts: number;
+  /** The trailing metadata of the failed call. */
+  readonly trailers: grpc.Metadata;
 
   constructor(init: {
     code: grpc.status;
     details: string;
     method: string;
-    reason?: string;
-    domain?: string;
-    metadata?: Record<string, string>;
-    violations?: FieldViolation[];
-    toolResult?: string;
-    otherDetails?: OtherDetail[];
+    parsed?: StatusDetails;
     attempts?: number;
+    trailers?: grpc.Metadata;
     cause?: unknown;
   }) {
-    const reason = init.reason ?? "";
+    const info = init.parsed?.errorInfo;
+    const reason = info?.reason ?? "";
     super(`${init.method}: ${codeName(init.code)}${reason ? ` ${reason}` : ""}: ${init.details}`,
       init.cause === undefined ? undefined : { cause: init.cause });
     this.code = init.code;
@@ -73,108 +124,38 @@ export class ContextEngineError extends Error {
     this.details = init.details;
     this.method = init.method;
     this.reason = reason;
-    this.domain = init.domain ?? "";
-    this.metadata = Object.freeze({ ...(init.metadata ?? {}) });
-    this.violations = Object.freeze([...(init.violations ?? [])]);
-    this.toolResult = init.toolResult ?? "";
-    this.otherDetails = Object.freeze([...(init.otherDetails ?? [])]);
+    this.domain = info?.domain ?? "";
+    this.metadata = Object.freeze({ ...(info?.metadata ?? {}) });
+    this.violations = Object.freeze([...(init.parsed?.violations ?? [])]);
+    this.toolResult = init.parsed?.localizedMessage?.message ?? "";
+    this.retryDelayMs = init.parsed?.retryDelayMs;
+    this.status = init.parsed?.status;
+    this.otherDetails = Object.freeze([...(init.parsed?.otherDetails ?? [])]);
     this.attempts = init.attempts ?? 1;
+    this.trailers = init.trailers ?? new grpc.Metadata();
   }
 }
 
-/** protobufjs's bundled `google.protobuf.Any` keeps the proto's field name `type_url`. */
-interface DecodedAny {
-  type_url?: string;
-  typeUrl?: string;
-  value: Uint8Array;
-}
-
-/** Decodes `grpc-status-details-bin` (a serialized `google.rpc.Status`) into its parts. */
-export function parseStatusDetails(bin: Buffer): {
-  message: string;
-  reason: string;
-  domain: string;
-  metadata: Record<string, string>;
-  violations: FieldViolation[];
-  toolResult: string;
-  otherDetails: OtherDetail[];
-} {
-  const root = googleRpcRoot();
-  const Status = root.lookupType("google.rpc.Status");
-  const ErrorInfo = root.lookupType("google.rpc.ErrorInfo");
-  const BadRequest = root.lookupType("google.rpc.BadRequest");
-  const LocalizedMessage = root.lookupType("google.rpc.LocalizedMessage");
-  const status = Status.toObject(Status.decode(bin), { defaults: true }) as {
-    message: string;
-    details: DecodedAny[];
-  };
-  const out = {
-    message: status.message,
-    reason: "",
-    domain: "",
-    metadata: {} as Record<string, string>,
-    violations: [] as FieldViolation[],
-    toolResult: "",
-    otherDetails: [] as OtherDetail[],
-  };
-  let seenInfo = false;
-  for (const detail of status.details) {
-    const typeUrl = detail.type_url ?? detail.typeUrl ?? "";
-    if (typeUrl === ERROR_INFO_URL && !seenInfo) {
-      const info = ErrorInfo.toObject(ErrorInfo.decode(detail.value), { defaults: true }) as {
-        reason: string;
-        domain: string;
-        metadata: Record<string, string>;
-      };
-      out.reason = info.reason;
-      out.domain = info.domain;
-      out.metadata = { ...info.metadata };
-      seenInfo = true;
-    } else if (typeUrl === BAD_REQUEST_URL) {
-      const bad = BadRequest.toObject(BadRequest.decode(detail.value), { defaults: true }) as {
-        fieldViolations: FieldViolation[];
-      };
-      for (const v of bad.fieldViolations) {
-        out.violations.push({ field: v.field, description: v.description, reason: v.reason ?? "" });
-      }
-    } else if (typeUrl === LOCALIZED_MESSAGE_URL && !out.toolResult) {
-      const text = LocalizedMessage.toObject(LocalizedMessage.decode(detail.value),
-        { defaults: true }) as { locale: string; message: string };
-      out.toolResult = text.message;
-    } else {
-      out.otherDetails.push({ typeUrl, value: Buffer.from(detail.value) });
-    }
-  }
-  return out;
+/** How many attempts grpc-js made, from the status it reports. */
+function attemptsOf(metadata: grpc.Metadata | undefined): number {
+  const previous = Number(metadata?.get(PREVIOUS_ATTEMPTS_KEY)[0] ?? 0);
+  return Number.isInteger(previous) && previous > 0 ? previous + 1 : 1;
 }
 
 /** Turns a grpc-js `ServiceError` into a {@link ContextEngineError}. */
-export function fromServiceError(err: grpc.ServiceError, method: string,
-                                 attempts = 1): ContextEngineError {
-  const raw = err.metadata?.get(STATUS_DETAILS_KEY) ?? [];
-  const first = raw[0];
+export function fromServiceError(err: grpc.ServiceError, method: string): ContextEngineError {
+  const trailers = err.metadata ?? new grpc.Metadata();
+  const common = { code: err.code, method, attempts: attemptsOf(trailers), trailers };
+  const first = trailers.get(STATUS_DETAILS_KEY)[0];
   if (first !== undefined && typeof first !== "string") {
     try {
       const parsed = parseStatusDetails(first);
-      return new ContextEngineError({
-        code: err.code,
-        details: parsed.message || err.details,
-        method,
-        reason: parsed.reason,
-        domain: parsed.domain,
-        metadata: parsed.metadata,
-        violations: parsed.violations,
-        toolResult: parsed.toolResult,
-        otherDetails: parsed.otherDetails,
-        attempts,
-        cause: err,
-      });
+      return new ContextEngineError({ ...common, details: parsed.message || err.details, parsed,
+        cause: err });
     } catch (decodeError) {
       // A trailer that is not a google.rpc.Status: keep the status code, drop the details.
-      return new ContextEngineError({ code: err.code, details: err.details, method, attempts,
-        cause: decodeError });
+      return new ContextEngineError({ ...common, details: err.details, cause: decodeError });
     }
   }
-  return new ContextEngineError({ code: err.code, details: err.details, method, attempts,
-    cause: err });
+  return new ContextEngineError({ ...common, details: err.details, cause: err });
 }

@@ -1,8 +1,32 @@
-export { ContextEngineClient, isRetryable } from "./client";
-export type { CallOptions, ClientOptions, RetryOptions, TlsOptions } from "./client";
+/**
+ * `@context-engine/client`: a typed Node.js client of `context_engine.v1.ContextEngine`.
+ * Message types, enums and the grpc-js service definition are generated from the contract at
+ * build time (ts-proto); the client adds deadlines, credentials, per-call metadata, typed
+ * errors and the packaged retry service config.
+ */
+export { ContextEngineClient } from "./client";
+export type { CallOptions, ClientOptions, Input } from "./client";
+export {
+  DEFAULT_MAX_MESSAGE_BYTES,
+  KEYED_METHODS,
+  SERVICE,
+  keyedServiceConfig,
+  packagedServiceConfig,
+  retryPolicyOf,
+} from "./channel";
+export type {
+  MetadataInit,
+  MethodConfig,
+  MethodName,
+  RetryPolicy,
+  ServiceConfig,
+  TlsOptions,
+} from "./channel";
 export { ContextEngineError, codeName, parseStatusDetails } from "./errors";
-export type { FieldViolation, OtherDetail } from "./errors";
-export { GOOGLE_RPC_PROTO_DIR, LOADER_OPTIONS, PACKAGE_ROOT, loadPackageDefinition,
-  resolveProtoDir } from "./proto";
-export * from "./types";
-export { status as GrpcStatus } from "@grpc/grpc-js";
+export type { FieldViolation, StatusDetails } from "./errors";
+export { PACKAGE_ROOT, PROTO_DIR } from "./paths";
+// Every message type (an interface and a value with encode/decode/fromJSON/toJSON/fromPartial),
+// every enum, and ContextEngineService, the grpc-js service definition.
+export * from "./gen/context_engine/v1/context_engine";
+export * as googleRpc from "./google_rpc";
+export { Metadata, status as GrpcStatus } from "@grpc/grpc-js";

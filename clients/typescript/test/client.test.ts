@@ -1,0 +1,337 @@
+/**
+ * Client behaviour against an in-process grpc-js server that serves the generated service
+ * definition: which calls grpc-js retries on UNAVAILABLE under the packaged service config
+ * (and under a caller's), the bearer token and per-call metadata, deadlines, cancellation and
+ * decoding of `grpc-status-details-bin` with the generated google.rpc types. Needs no
+ * context-engine server.
+ */
+import assert from "node:assert/strict";
+import * as fs from "node:fs";
+import * as path from "node:path";
+import { after, before, beforeEach, describe, test } from "node:test";
+
+import * as grpc from "@grpc/grpc-js";
+
+import {
+  ContextEngineClient,
+  ContextEngineError,
+  ContextEngineService,
+  GetPlanResponse,
+  GrpcStatus,
+  KEYED_METHODS,
+  Metadata,
+  PACKAGE_ROOT,
+  PROTO_DIR,
+  RotateResponse,
+  SERVICE,
+  type ServiceConfig,
+  googleRpc,
+  keyedServiceConfig,
+  packagedServiceConfig,
+  retryPolicyOf,
+} from "../src";
+
+const POLICY = retryPolicyOf(packagedServiceConfig())!;
+const CODE = grpc.status;
+
+/** A `google.rpc.Status` as the service sends it, built with the generated types. */
+function statusDetails(code: grpc.status, message: string): Buffer {
+  const pack = (type: string, value: Uint8Array) =>
+    googleRpc.Any.fromPartial({ typeUrl: `type.googleapis.com/${type}`,
+      value: Buffer.from(value) });
+  return Buffer.from(googleRpc.Status.encode(googleRpc.Status.fromPartial({ code, message,
+    details: [
+      pack("google.rpc.ErrorInfo", googleRpc.ErrorInfo.encode(googleRpc.ErrorInfo.fromPartial({
+        reason: "PREFIX_CLASS_OVER_CAP", domain: "context-engine",
+        metadata: { class: "persona", tokens: "900", cap: "800" } })).finish()),
+      pack("google.rpc.BadRequest", googleRpc.BadRequest.encode(googleRpc.BadRequest.fromPartial({
+        fieldViolations: [{ field: "persona.entries[0].text", description: "too long" }] }))
+        .finish()),
+      pack("google.rpc.LocalizedMessage", googleRpc.LocalizedMessage.encode(
+        googleRpc.LocalizedMessage.fromPartial({ locale: "en-US", message: "shorten it" }))
+        .finish()),
+      pack("google.rpc.RetryInfo", googleRpc.RetryInfo.encode(googleRpc.RetryInfo.fromPartial({
+        retryDelay: { seconds: "1", nanos: 500_000_000 } })).finish()),
+      pack("google.rpc.DebugInfo", googleRpc.DebugInfo.encode(googleRpc.DebugInfo.fromPartial({
+        detail: "not read by the client" })).finish()),
+    ] })).finish());
+}
+
+function failure(code: grpc.status, details = codeNameOf(code),
+                 metadata = new grpc.Metadata()): grpc.ServerErrorResponse {
+  return Object.assign(new Error(details), { code, details, metadata });
+}
+
+function codeNameOf(code: grpc.status): string {
+  return grpc.status[code] ?? String(code);
+}
+
+type Handler = (call: grpc.ServerUnaryCall<unknown, unknown>,
+                callback: grpc.sendUnaryData<unknown>) => void;
+
+describe("client behaviour", () => {
+  const server = new grpc.Server();
+  /** Calls per RPC (the attempts the server saw). */
+  const calls: Record<string, number> = {};
+  /** Every attempt's request metadata, per RPC. */
+  const seen: Record<string, grpc.Metadata[]> = {};
+  /** Attempts answered UNAVAILABLE before the next succeeds. */
+  let failFirst = 0;
+  let failWith: grpc.status = CODE.UNAVAILABLE;
+  let address = "";
+  let client: ContextEngineClient;
+  const opened: ContextEngineClient[] = [];
+
+  const plan = { epoch: 3, prefixSha256: "ab".repeat(32) };
+  const handlers: Record<string, Handler> = {
+    getPlan: (_call, cb) => {
+      if (calls.getPlan! <= failFirst) return cb(failure(failWith));
+      cb(null, GetPlanResponse.fromPartial({ plan }));
+    },
+    rotate: (_call, cb) => {
+      if (calls.rotate! <= failFirst) return cb(failure(failWith));
+      cb(null, RotateResponse.fromPartial({ rotated: true, plan }));
+    },
+    compact: (_call, cb) => cb(failure(CODE.UNAVAILABLE)),
+    reportUsage: (_call, cb) => cb(failure(CODE.UNAVAILABLE)),
+    plan: (_call, cb) => {
+      const md = new grpc.Metadata();
+      md.set("grpc-status-details-bin", statusDetails(CODE.FAILED_PRECONDITION,
+        "persona over its cap"));
+      cb(failure(CODE.FAILED_PRECONDITION, "persona over its cap", md));
+    },
+    build: () => { /* never answers: the deadline must fire */ },
+    updateWorkingState: (_call, cb) => cb(failure(failWith)),
+  };
+
+  function open(options: Partial<ConstructorParameters<typeof ContextEngineClient>[0]> = {}) {
+    const made = new ContextEngineClient({ target: address, insecure: true, token: "s3cret",
+      deadlineMs: 5_000, ...options });
+    opened.push(made);
+    return made;
+  }
+
+  function previousAttempts(rpc: string): string[] {
+    return (seen[rpc] ?? []).map((md) => String(md.get("grpc-previous-rpc-attempts")[0] ?? ""));
+  }
+
+  before(async () => {
+    const impl: grpc.UntypedServiceImplementation = {};
+    for (const name of Object.keys(ContextEngineService)) {
+      impl[name] = ((call: grpc.ServerUnaryCall<unknown, unknown>,
+                     cb: grpc.sendUnaryData<unknown>) => {
+        calls[name] = (calls[name] ?? 0) + 1;
+        (seen[name] ??= []).push(call.metadata);
+        const handler = handlers[name];
+        if (handler) handler(call, cb);
+        else cb(failure(CODE.UNIMPLEMENTED, name));
+      }) as grpc.handleUnaryCall<unknown, unknown>;
+    }
+    server.addService(ContextEngineService, impl);
+    const port = await new Promise<number>((resolve, reject) => server.bindAsync(
+      "127.0.0.1:0", grpc.ServerCredentials.createInsecure(),
+      (err, p) => (err ? reject(err) : resolve(p))));
+    address = `127.0.0.1:${port}`;
+    client = open();
+  });
+
+  after(() => {
+    for (const c of opened) c.close();
+    server.forceShutdown();
+  });
+
+  beforeEach(() => {
+    for (const key of Object.keys(calls)) delete calls[key];
+    for (const key of Object.keys(seen)) delete seen[key];
+    failFirst = 0;
+    failWith = CODE.UNAVAILABLE;
+  });
+
+  test("the packaged service config is the repository's retry_service_config.json", () => {
+    const shared = path.resolve(PACKAGE_ROOT, "..", "retry_service_config.json");
+    assert.deepEqual(packagedServiceConfig(), JSON.parse(fs.readFileSync(shared, "utf8")));
+    assert.equal(POLICY.maxAttempts, 4);
+    assert.deepEqual(POLICY.retryableStatusCodes, ["UNAVAILABLE"]);
+    assert.ok(fs.existsSync(path.join(PROTO_DIR, "context_engine", "v1", "context_engine.proto")),
+      "the contract is copied into the package");
+  });
+
+  test("the keyed channel's config adds the writes under the same retry policy", () => {
+    const config = packagedServiceConfig();
+    const keyed = keyedServiceConfig(config);
+    const retried = (c: ServiceConfig) => (c.methodConfig ?? [])
+      .filter((m) => m.retryPolicy !== undefined)
+      .flatMap((m) => m.name.map((n) => n.method)).sort();
+    assert.deepEqual(retried(config),
+      ["Build", "CarryWorkingState", "GetPlan", "Plan", "UpdateWorkingState"]);
+    assert.deepEqual(retried(keyed), [...retried(config), ...KEYED_METHODS].sort());
+    for (const entry of keyed.methodConfig ?? []) assert.deepEqual(entry.retryPolicy, POLICY);
+    assert.ok((keyed.methodConfig ?? []).every((m) => m.name.every((n) => n.service === SERVICE)));
+    assert.deepEqual(keyed.loadBalancingConfig, config.loadBalancingConfig);
+    assert.deepEqual(keyedServiceConfig({}), {}, "a config that retries nothing stays so");
+  });
+
+  test("grpc-js retries an idempotent call on UNAVAILABLE; every attempt sends the token",
+    async () => {
+      failFirst = 2;
+      const got = await client.getPlan({ tenantId: "t", sessionId: "s" });
+      assert.equal(got.plan?.epoch, 3);
+      assert.equal(calls.getPlan, 3);
+      assert.deepEqual(seen.getPlan!.map((md) => md.get("authorization")[0]),
+        ["Bearer s3cret", "Bearer s3cret", "Bearer s3cret"]);
+      // grpc-js numbers its retries: this header comes from its retry machinery, not ours
+      assert.deepEqual(previousAttempts("getPlan"), ["", "1", "2"]);
+    });
+
+  test("retries stop at the policy's maxAttempts; the error counts the attempts", async () => {
+    failFirst = 100;
+    await assert.rejects(client.getPlan({ tenantId: "t", sessionId: "s" }), (err: unknown) => {
+      assert.ok(err instanceof ContextEngineError);
+      assert.equal(err.code, GrpcStatus.UNAVAILABLE);
+      assert.equal(err.attempts, POLICY.maxAttempts);
+      return true;
+    });
+    assert.equal(calls.getPlan, POLICY.maxAttempts);
+  });
+
+  test("codes other than UNAVAILABLE are never retried", async () => {
+    failFirst = 100;
+    for (const code of [CODE.FAILED_PRECONDITION, CODE.INVALID_ARGUMENT, CODE.NOT_FOUND,
+      CODE.RESOURCE_EXHAUSTED, CODE.INTERNAL, CODE.PERMISSION_DENIED, CODE.CANCELLED]) {
+      failWith = code;
+      calls.getPlan = 0;
+      await assert.rejects(client.getPlan({ tenantId: "t", sessionId: "s" }), (err: unknown) =>
+        err instanceof ContextEngineError && err.code === code && err.attempts === 1);
+      assert.equal(calls.getPlan, 1, codeNameOf(code));
+    }
+  });
+
+  test("Rotate without an idempotency key is never retried", async () => {
+    failFirst = 1;
+    await assert.rejects(client.rotate({ tenantId: "t", sessionId: "s",
+      reason: "ROTATION_REASON_OPERATOR" }), (err: unknown) =>
+      err instanceof ContextEngineError && err.code === GrpcStatus.UNAVAILABLE &&
+      err.attempts === 1);
+    assert.equal(calls.rotate, 1);
+  });
+
+  test("Rotate with an idempotency key is retried", async () => {
+    failFirst = 1;
+    const got = await client.rotate({ tenantId: "t", sessionId: "s",
+      reason: "ROTATION_REASON_OPERATOR", idempotencyKey: "k-1" });
+    assert.equal(got.rotated, true);
+    assert.equal(calls.rotate, 2);
+    assert.deepEqual(previousAttempts("rotate"), ["", "1"]);
+  });
+
+  test("Compact and ReportUsage with a key stop at the policy's attempts", async () => {
+    await assert.rejects(client.compact({ tenantId: "t", sessionId: "s", idempotencyKey: "c-1" }),
+      (err: unknown) => err instanceof ContextEngineError && err.attempts === POLICY.maxAttempts);
+    assert.equal(calls.compact, POLICY.maxAttempts);
+    await assert.rejects(client.reportUsage({ tenantId: "t", sessionId: "s" }),
+      (err: unknown) => err instanceof ContextEngineError && err.attempts === 1);
+    assert.equal(calls.reportUsage, 1, "without a key: one attempt");
+  });
+
+  test("a caller's service config replaces the packaged one", async () => {
+    const config = packagedServiceConfig();
+    config.methodConfig![0]!.retryPolicy!.maxAttempts = 2;
+    const two = open({ serviceConfig: JSON.stringify(config) });
+    failFirst = 100;
+    await assert.rejects(two.getPlan({ tenantId: "t", sessionId: "s" }),
+      (err: unknown) => err instanceof ContextEngineError && err.attempts === 2);
+    assert.equal(calls.getPlan, 2);
+    await assert.rejects(two.rotate({ tenantId: "t", sessionId: "s", idempotencyKey: "k" }),
+      (err: unknown) => err instanceof ContextEngineError && err.attempts === 2);
+    assert.equal(calls.rotate, 2);
+
+    const none = open({ serviceConfig: { loadBalancingConfig: [{ round_robin: {} }] } });
+    calls.getPlan = 0;
+    await assert.rejects(none.getPlan({ tenantId: "t", sessionId: "s" }),
+      (err: unknown) => err instanceof ContextEngineError && err.attempts === 1);
+    assert.equal(calls.getPlan, 1, "a config without a retry policy retries nothing");
+  });
+
+  test("status details decode into reason, domain, metadata, violations, tool result, delay",
+    async () => {
+      await assert.rejects(client.plan({ tenantId: "t", sessionId: "s" }), (err: unknown) => {
+        assert.ok(err instanceof ContextEngineError);
+        assert.equal(err.code, GrpcStatus.FAILED_PRECONDITION);
+        assert.equal(err.codeName, "FAILED_PRECONDITION");
+        assert.equal(err.method, "Plan");
+        assert.equal(err.details, "persona over its cap");
+        assert.equal(err.reason, "PREFIX_CLASS_OVER_CAP");
+        assert.equal(err.domain, "context-engine");
+        assert.deepEqual({ ...err.metadata }, { class: "persona", tokens: "900", cap: "800" });
+        assert.deepEqual(err.violations.map((v) => [v.field, v.description]),
+          [["persona.entries[0].text", "too long"]]);
+        assert.equal(err.toolResult, "shorten it");
+        assert.equal(err.retryDelayMs, 1_500);
+        assert.equal(err.status?.code, GrpcStatus.FAILED_PRECONDITION);
+        assert.deepEqual(err.otherDetails.map((d) => d.typeUrl),
+          ["type.googleapis.com/google.rpc.DebugInfo"]);
+        assert.equal(googleRpc.DebugInfo.decode(err.otherDetails[0]!.value).detail,
+          "not read by the client");
+        assert.equal(err.attempts, 1, "FAILED_PRECONDITION is never retried");
+        assert.match(err.message, /^Plan: FAILED_PRECONDITION PREFIX_CLASS_OVER_CAP: /);
+        return true;
+      });
+      assert.equal(calls.plan, 1);
+    });
+
+  test("per-call metadata, as a record or a Metadata, reaches the server", async () => {
+    await client.getPlan({ tenantId: "t", sessionId: "s" }, { metadata: {
+      traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+      "x-request-id": "req-1", "x-trace-bin": Buffer.from([1, 2, 3]), "x-multi": ["a", "b"] } });
+    const md = new Metadata();
+    md.set("x-request-id", "req-2");
+    md.set("authorization", "Bearer per-call");
+    await client.getPlan({ tenantId: "t", sessionId: "s" }, { metadata: md });
+    const [first, second] = seen.getPlan!;
+    assert.equal(first!.get("traceparent")[0],
+      "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
+    assert.equal(first!.get("x-request-id")[0], "req-1");
+    assert.deepEqual(first!.get("x-trace-bin")[0], Buffer.from([1, 2, 3]));
+    assert.deepEqual(first!.get("x-multi"), ["a, b"], "repeated values travel as one header");
+    assert.equal(first!.get("authorization")[0], "Bearer s3cret");
+    assert.equal(second!.get("x-request-id")[0], "req-2");
+    assert.equal(second!.get("authorization")[0], "Bearer per-call", "a call's key wins");
+  });
+
+  test("the per-call deadline overrides the client's", async () => {
+    const started = Date.now();
+    await assert.rejects(client.build({ tenantId: "t", sessionId: "s" }, { deadlineMs: 150 }),
+      (err: unknown) => err instanceof ContextEngineError &&
+        err.code === GrpcStatus.DEADLINE_EXCEEDED && err.reason === "");
+    assert.ok(Date.now() - started < 2_000);
+  });
+
+  test("the deadline bounds the retries too", async () => {
+    const config = packagedServiceConfig();
+    config.methodConfig![0]!.retryPolicy!.initialBackoff = "30s";
+    config.methodConfig![0]!.retryPolicy!.maxBackoff = "30s";
+    const slow = open({ serviceConfig: config, deadlineMs: 300 });
+    failFirst = 100;
+    const started = Date.now();
+    await assert.rejects(slow.updateWorkingState({ tenantId: "t", sessionId: "s" }),
+      (err: unknown) => err instanceof ContextEngineError &&
+        err.code === GrpcStatus.DEADLINE_EXCEEDED);
+    assert.ok(Date.now() - started < 5_000, "the call ended at its deadline, not after backoff");
+  });
+
+  test("an aborted signal cancels the call", async () => {
+    const controller = new AbortController();
+    const pending = client.build({ tenantId: "t", sessionId: "s" }, { signal: controller.signal });
+    setTimeout(() => controller.abort(), 50);
+    await assert.rejects(pending, (err: unknown) =>
+      err instanceof ContextEngineError && err.code === GrpcStatus.CANCELLED);
+    await assert.rejects(client.getPlan({ tenantId: "t", sessionId: "s" },
+      { signal: AbortSignal.abort() }), (err: unknown) =>
+      err instanceof ContextEngineError && err.code === GrpcStatus.CANCELLED);
+  });
+
+  test("a token must be one line", () => {
+    assert.throws(() => new ContextEngineClient({ target: address, insecure: true,
+      token: "a\nb" }), /one non-empty line/);
+  });
+});
