@@ -11,7 +11,6 @@ import threading
 import uuid
 import warnings
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +78,7 @@ class ServerThread:
 
 def test_config() -> Config:
     """Dev mode (no credentials) on loopback; auth tests start their own non-dev server."""
-    return replace(Config(), grpc_addr="127.0.0.1:0", metrics_addr="127.0.0.1:0",
+    return Config().replace(grpc_addr="127.0.0.1:0", metrics_addr="127.0.0.1:0",
                    grace_seconds=1.0, dev_mode=True)
 
 

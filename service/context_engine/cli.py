@@ -1,19 +1,78 @@
-"""``context-engine serve|migrate|inspect|health|hash-token|demo``."""
+"""``context-engine serve|migrate|config|inspect|health|hash-token|demo`` and ``--version``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import json
 import logging
 import os
 import sys
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from context_engine.config import Config, ConfigError
 
+if TYPE_CHECKING:
+    from context_engine.adapters.postgres.migrate import Entry
+
+PROG = "context-engine"
+DISTRIBUTION = "context-engine"  # the installed package (pyproject.toml [project] name)
+
+
+def versions(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """What ``--version`` prints: the service, the contract, the platform policy assets and
+    the request builder.
+
+    The contract has no version constant: the proto package (``context_engine.v1``) is its
+    major version, and the SHA-256 of the compiled file descriptor the generated code embeds
+    (the same bytes server reflection serves) names the exact contract; comments do not change
+    it. The policy version is the one ``Plan`` pins: the ``manifest.json`` of ``CE_ASSETS_DIR``
+    when set, else of the packaged assets."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from context_engine import __version__
+    from context_engine.adapters.assets import DEFAULT_ASSETS_DIR, load_platform_assets
+    from context_engine.domain.plan import BUILDER_VERSION
+    from context_engine.v1 import context_engine_pb2 as pb
+
+    try:
+        service = version(DISTRIBUTION)
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        service = f"{__version__} (not installed)"
+    descriptor = hashlib.sha256(pb.DESCRIPTOR.serialized_pb).hexdigest()
+    assets_dir = environ.get("CE_ASSETS_DIR")
+    try:
+        policy = load_platform_assets(Path(assets_dir) if assets_dir
+                                      else DEFAULT_ASSETS_DIR).version
+    except (OSError, ValueError, KeyError) as exc:
+        policy = f"unreadable ({type(exc).__name__}: {exc})"
+    if assets_dir:
+        policy += f" (CE_ASSETS_DIR={assets_dir})"
+    return [(PROG, service),
+            ("contract", f"{pb.DESCRIPTOR.package} sha256:{descriptor}"),
+            ("policy", policy),
+            ("builder", BUILDER_VERSION)]
+
+
+class _Version(argparse.Action):
+    """``--version``, computed only when asked (it imports the generated code)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the service, contract, policy and builder versions")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        print("\n".join(f"{key:<15} {value}" for key, value in versions(os.environ)))
+        parser.exit()
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="context-engine")
+    parser = argparse.ArgumentParser(prog=PROG)
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
     serve_p = sub.add_parser("serve", help="serve gRPC and metrics (the default of `make run`)")
     serve_p.add_argument("--grpc-addr", help="host:port (env CE_GRPC_ADDR; port 0 picks one)")
@@ -23,7 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--dev", action="store_true",
                          help="development mode: no credentials, loopback binds only "
                               "(CE_DEV_MODE=1)")
-    sub.add_parser("migrate", help="apply pending migrations and exit")
+    migrate_p = sub.add_parser("migrate", help="apply pending migrations and exit")
+    migrate_p.add_argument("--status", action="store_true",
+                           help="list applied and pending migrations, applying nothing "
+                                "(exit 1 when an applied one no longer matches its file)")
+    config_p = sub.add_parser("config", help="print the effective configuration (secrets "
+                                             "redacted) and where each setting came from")
+    config_p.add_argument("--json", action="store_true", help="print one JSON document")
     token_p = sub.add_parser("hash-token", help="print the SHA-256 of a token read from stdin; "
                                                 "with --tenant-id, mint a new token and its "
                                                 "CE_AUTH_TOKENS_FILE entry")
@@ -40,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     from context_engine import healthcheck
 
     healthcheck.add_arguments(health_p)
-    demo_p = sub.add_parser("demo", help="a five-minute tour of a running server: Plan, Build, "
-                                         "pressure, Compact, Rotate")
+    # No abbreviations: `--token` must not quietly mean --token-stdin.
+    demo_p = sub.add_parser("demo", allow_abbrev=False,
+                            help="a five-minute tour of a running server: Plan, Build, "
+                                 "pressure, Compact, Rotate")
     from context_engine import demo
 
     demo.add_arguments(demo_p)
@@ -55,17 +122,22 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = Config.from_env(os.environ)
+        if args.command == "config":
+            print(_show_config(config, as_json=args.json))
+            return 0
+        updates: dict[str, Any] = {}
         if getattr(args, "grpc_addr", None):
-            config = replace(config, grpc_addr=args.grpc_addr)
+            updates["grpc_addr"] = args.grpc_addr
         if getattr(args, "metrics_addr", None) is not None:
-            config = replace(config, metrics_addr=args.metrics_addr)
+            updates["metrics_addr"] = args.metrics_addr
         if getattr(args, "workers", None) is not None:
             if args.workers < 1:
                 raise ConfigError(f"--workers={args.workers} must be at least 1")
-            config = replace(config, workers=args.workers)
+            updates["workers"] = args.workers
         if getattr(args, "dev", False):
-            config = replace(config, dev_mode=True)
-        config.validate()
+            updates["dev_mode"] = True
+        config = config.model_copy(update=updates)
+        config.validate()  # model_copy validates nothing
         if args.command == "serve":
             config.validate_serving()
             if config.auth_tokens_file is not None:  # a malformed file fails here, not later
@@ -73,12 +145,24 @@ def main(argv: list[str] | None = None) -> int:
 
                 FileTokens.load(config.auth_tokens_file)
     except ConfigError as exc:
-        print(f"context-engine: configuration error: {exc}", file=sys.stderr)
+        print(f"{PROG}: configuration error: {exc}", file=sys.stderr)
         return 2
 
+    from context_engine.adapters.postgres.migrate import MigrationError
     from context_engine.telemetry.logs import configure
 
     configure(config.log_level)
+    try:
+        return _run(args, config)
+    except MigrationError as exc:  # an applied migration no longer matches its file
+        print(f"{PROG}: refusing to start: the applied migrations do not match "
+              f"{config.migrations_dir}:", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace, config: Config) -> int:
     if args.command == "serve" and config.dev_mode:
         from context_engine.telemetry.logs import log
 
@@ -97,15 +181,40 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(config))
         return 0
     if args.command == "migrate":
+        if args.status:
+            return asyncio.run(_migration_status(config))
         return asyncio.run(_migrate(config))
     if args.command == "inspect":
+        from context_engine import inspect
+
         return inspect.run(config, args)
     return 2
 
 
+# ---------------------------------------------------------------------------- config
+
+
+def _show_config(config: Config, *, as_json: bool) -> str:
+    from context_engine.config import effective
+
+    settings = effective(config)
+    if as_json:
+        return json.dumps({s.name: {"value": s.value, "variable": s.variable, "source": s.source}
+                           for s in settings}, indent=2)
+    rows = [("setting", "variable", "source", "value")]
+    rows += [(s.name, s.variable, s.source,
+              "(unset)" if s.value is None else json.dumps(s.value)
+              if isinstance(s.value, bool) else str(s.value)) for s in settings]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}"
+                     .rstrip() for r in rows)
+
+
+# ---------------------------------------------------------------------------- hash-token
+
+
 def _hash_token(args: argparse.Namespace) -> int:
     """Tokens are read from stdin (never argv: it shows in process lists and shell history)."""
-    import json
     import secrets
 
     from context_engine.api.auth import ALL_RPCS, RPC_NAMES, token_sha256
@@ -113,15 +222,15 @@ def _hash_token(args: argparse.Namespace) -> int:
     if args.tenant_id is None:
         token = sys.stdin.readline().strip()
         if not token:
-            print("context-engine: hash-token reads a token from stdin", file=sys.stderr)
+            print(f"{PROG}: hash-token reads a token from stdin", file=sys.stderr)
             return 2
         print(token_sha256(token))
         return 0
     rpcs = args.rpc or [ALL_RPCS]
     unknown = sorted(set(rpcs) - RPC_NAMES - {ALL_RPCS})
     if not args.tenant_id or unknown:
-        print(f"context-engine: unknown RPC names {unknown}" if unknown
-              else "context-engine: --tenant-id is empty", file=sys.stderr)
+        print(f"{PROG}: unknown RPC names {unknown}" if unknown
+              else f"{PROG}: --tenant-id is empty", file=sys.stderr)
         return 2
     token = secrets.token_urlsafe(32)
     print(json.dumps({"token": token,
@@ -130,17 +239,73 @@ def _hash_token(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- migrate
+
+
+async def _database_url(config: Config) -> str:
+    if config.database_url is not None:
+        return config.database_url
+    from context_engine.api.server import embedded_database_url
+
+    return await asyncio.to_thread(embedded_database_url, config.data_dir)
+
+
 async def _migrate(config: Config) -> int:
     from context_engine.adapters.postgres.migrate import migrate
-    from context_engine.api.server import embedded_database_url
     from context_engine.telemetry.logs import log
 
-    url = config.database_url
-    if url is None:
-        url = await asyncio.to_thread(embedded_database_url, config.data_dir)
-    applied = await migrate(url, config.migrations_dir)
+    applied = await migrate(await _database_url(config), config.migrations_dir)
     log("migrated", applied=applied)
     return 0
+
+
+async def _migration_status(config: Config) -> int:
+    from context_engine.adapters.postgres.migrate import BROKEN, discover, reconcile, status
+
+    if config.database_url is None and not (config.data_dir / "pg").is_dir():
+        # No embedded database yet (and --status creates none): every migration is pending.
+        entries = reconcile([], discover(config.migrations_dir))
+    else:
+        entries = await status(await _database_url(config), config.migrations_dir)
+    print(format_status(entries))
+    return 1 if any(e.check in BROKEN for e in entries) else 0
+
+
+def format_status(entries: Sequence[Entry]) -> str:
+    """The table of ``migrate --status``, a summary line, and each mismatch in full."""
+    from context_engine.adapters.postgres.migrate import Check
+
+    rows = [("version", "name", "state", "applied_at", "checksum")]
+    notes: list[str] = []
+    for e in entries:
+        if e.pending:
+            rows.append((f"{e.version:04d}", e.name, "pending", "-", "-"))
+            continue
+        assert e.applied_at is not None and e.check is not None
+        rows.append((f"{e.version:04d}", e.name, "applied",
+                     e.applied_at.isoformat(timespec="seconds"), e.check.value))
+        if e.check is Check.CHANGED:
+            notes.append(f"{e.label}.sql changed: recorded sha256 {e.recorded}, "
+                         f"file {e.current}")
+        elif e.check is Check.RENAMED:
+            notes.append(f"{e.label} was applied under that name; the file is now "
+                         f"{e.file_name}")
+        elif e.check is Check.MISSING:
+            notes.append(f"{e.label} is applied but has no file (a newer release's "
+                         f"migration, or a removed file)")
+        elif e.check is Check.UNRECORDED:
+            notes.append(f"{e.label}: applied before checksums were kept; the next "
+                         f"`migrate` or `serve` records the file's")
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(f"{cell:<{widths[i]}}" for i, cell in enumerate(r)).rstrip()
+             for r in rows]
+    applied = [e for e in entries if not e.pending]
+    counts = {c: sum(1 for e in applied if e.check is c) for c in Check}
+    summary = f"{len(applied)} applied, {len(entries) - len(applied)} pending"
+    flagged = [f"{n} {c.value}" for c, n in counts.items() if n and c is not Check.OK]
+    if flagged:
+        summary += "; " + ", ".join(flagged)
+    return "\n".join([*lines, "", summary, *notes])
 
 
 if __name__ == "__main__":

@@ -1,65 +1,44 @@
-"""Configuration, built once at start-up from an injectable environment mapping."""
+"""Configuration, built once at start-up from an injectable environment mapping.
+
+``Config`` is a pydantic-settings model whose only source is its keyword arguments:
+``Config.from_env(env)`` reads the ``CE_*`` variables (and ``DATABASE_URL``) from the mapping it
+is given, never from ``os.environ`` behind the caller's back, and reports every bad variable in
+one ``ConfigError`` naming the variable and its value (a secret's value never).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import logging
 import os
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Any, Self
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from context_engine.adapters.assets import DEFAULT_ASSETS_DIR, DEFAULT_CATALOG
 from context_engine.domain.budget import BudgetPolicy
 from context_engine.telemetry.tracing import otlp_requested
 
 REPO_DIR = Path(__file__).resolve().parents[2]
+# What a set secret is shown as (`context-engine config`, error messages).
+MASK = "********"
 
 
 class ConfigError(ValueError):
     pass
-
-
-def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from exc
-    if value < minimum:
-        raise ConfigError(f"{name}={value} is below {minimum}")
-    return value
-
-
-def _float(env: Mapping[str, str], name: str, default: float,
-           minimum: float | None = None) -> float:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{name}={raw!r} is not a number") from exc
-    if minimum is None and value <= 0:
-        raise ConfigError(f"{name}={value} must be positive")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{name}={value} is below {minimum}")
-    return value
-
-
-def _bool(env: Mapping[str, str], name: str) -> bool:
-    raw = (env.get(name) or "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ConfigError(f"{name}={raw!r} is not a boolean (1/0, true/false)")
-
-
-def _path(env: Mapping[str, str], name: str) -> Path | None:
-    raw = env.get(name)
-    return Path(raw) if raw else None
 
 
 def is_loopback(host: str) -> bool:
@@ -112,131 +91,203 @@ def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> int | None:
     return max(1, -(-quota // period))
 
 
-@dataclass(frozen=True, kw_only=True)
-class Config:
-    grpc_addr: str = "127.0.0.1:50051"
-    metrics_addr: str = "127.0.0.1:9464"  # empty: no metrics endpoint
-    database_url: str | None = None  # None: embedded PostgreSQL under data_dir
+# ---------------------------------------------------------------------- value parsing
+# Each parser raises a PydanticCustomError whose message is the predicate ("is not an
+# integer"); ``_message`` prefixes it with the variable and the value as written.
+
+
+def _problem(kind: str, text: str) -> PydanticCustomError:
+    return PydanticCustomError(kind, "{problem}", {"problem": text})
+
+
+def _parse_int(value: object) -> object:
+    if isinstance(value, str):  # Python's int(): "5.0" is not an integer
+        try:
+            return int(value)
+        except ValueError:
+            raise _problem("int_parsing", "is not an integer") from None
+    return value
+
+
+def _parse_float(value: object) -> object:
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise _problem("float_parsing", "is not a number") from None
+    return value
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+
+def _parse_bool(value: object) -> object:
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
+        raise _problem("bool_parsing", "is not a boolean (1/0, true/false)")
+    return value
+
+
+def _address(value: str) -> str:
+    try:
+        split_addr(value)
+    except ConfigError:
+        raise _problem("address", "is not host:port") from None
+    return value
+
+
+def _optional_address(value: str) -> str:
+    return value and _address(value)  # empty: that endpoint is off
+
+
+def _http_url(value: str) -> str:
+    if value and not value.startswith(("http://", "https://")):
+        raise _problem("url", "is not an http(s) URL")
+    return value
+
+
+def _log_level(value: str) -> str:
+    level = value.strip().upper()
+    if level not in logging.getLevelNamesMapping():
+        raise _problem("log_level", "is not a log level (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
+    return level
+
+
+Int = Annotated[int, BeforeValidator(_parse_int)]
+Float = Annotated[float, BeforeValidator(_parse_float)]
+Bool = Annotated[bool, BeforeValidator(_parse_bool)]
+Positive = Annotated[Float, Field(gt=0)]
+NonNegative = Annotated[Float, Field(ge=0)]
+
+
+class Config(BaseSettings):
+    """Every setting of the service; the variable of each is ``CE_<NAME>`` (``variables()``)."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="forbid", allow_inf_nan=False,
+                                      hide_input_in_errors=True)  # inputs may hold secrets
+
+    grpc_addr: Annotated[str, AfterValidator(_address)] = "127.0.0.1:50051"
+    # empty: no metrics endpoint
+    metrics_addr: Annotated[str, AfterValidator(_optional_address)] = "127.0.0.1:9464"
+    # None: embedded PostgreSQL under data_dir. A DSN may hold a password: never in repr.
+    database_url: str | None = Field(default=None, repr=False)
     data_dir: Path = REPO_DIR / ".data"
     migrations_dir: Path = REPO_DIR / "migrations"
     assets_dir: Path = DEFAULT_ASSETS_DIR
     model_catalog: Path = DEFAULT_CATALOG
-    max_receive_bytes: int = 64 * 1024 * 1024
-    max_concurrent_rpcs: int = 256  # per process; the next one gets RESOURCE_EXHAUSTED
-    max_items_per_request: int = 100_000  # elements of any one repeated field
-    max_item_bytes: int = 16 * 1024 * 1024  # serialized size of any one element
-    workers: int = 0  # serving processes on one port; 0: the number of CPUs
-    keepalive_time_seconds: float = 60.0  # server pings an idle connection this often
-    keepalive_timeout_seconds: float = 20.0  # and closes it if the ping is not answered
-    max_connection_age_seconds: float = 1800.0  # connections are recycled (rebalancing)
-    grace_seconds: float = 10.0
-    drain_seconds: float = 1.0
-    db_pool_size: int = 10
-    db_timeout_seconds: float = 5.0
-    plan_cache_size: int = 4096
-    log_level: str = "INFO"
-    safety_margin_ratio: float = 0.05
-    policy_cap_tokens: int = 0  # 0: the model window is the only limit
-    inline_maximum_bytes: int = 16_384
-    recall_floor_tokens: int = 500
-    calibration_ttl_seconds: float = 5.0
+    max_receive_bytes: Annotated[Int, Field(ge=1024)] = 64 * 1024 * 1024
+    # per process; the next one gets RESOURCE_EXHAUSTED
+    max_concurrent_rpcs: Annotated[Int, Field(ge=1)] = 256
+    max_items_per_request: Annotated[Int, Field(ge=1)] = 100_000  # elements of a repeated field
+    max_item_bytes: Annotated[Int, Field(ge=1024)] = 16 * 1024 * 1024  # of any one element
+    workers: Annotated[Int, Field(ge=0)] = 0  # serving processes on one port; 0: one per CPU
+    keepalive_time_seconds: Positive = 60.0  # server pings an idle connection this often
+    keepalive_timeout_seconds: Positive = 20.0  # and closes it if the ping is not answered
+    max_connection_age_seconds: Positive = 1800.0  # connections are recycled (rebalancing)
+    grace_seconds: Positive = 10.0
+    drain_seconds: NonNegative = 1.0
+    db_pool_size: Annotated[Int, Field(ge=1)] = 10
+    db_timeout_seconds: Positive = 5.0
+    plan_cache_size: Annotated[Int, Field(ge=1)] = 4096
+    log_level: Annotated[str, AfterValidator(_log_level)] = "INFO"
+    safety_margin_ratio: Annotated[Float, Field(ge=0, lt=0.5)] = 0.05
+    policy_cap_tokens: Annotated[Int, Field(ge=0)] = 0  # 0: the model window is the only limit
+    inline_maximum_bytes: Annotated[Int, Field(ge=256)] = 16_384
+    recall_floor_tokens: Annotated[Int, Field(ge=0)] = 500
+    calibration_ttl_seconds: NonNegative = 5.0
     # Compaction's summarizer: unset URL means the deterministic structured summarizer.
-    summarizer_url: str = ""
+    summarizer_url: Annotated[str, AfterValidator(_http_url)] = ""
     summarizer_model: str = ""
-    summarizer_api_key: str = field(default="", repr=False)  # never printed
-    summarizer_timeout_seconds: float = 20.0
+    summarizer_api_key: str = Field(default="", repr=False)  # never printed
+    summarizer_timeout_seconds: Positive = 20.0
     # Traces go over OTLP only when the standard OTEL_* variables ask for it (off by default).
-    trace_export: bool = False
+    trace_export: Bool = False
     # Who may call: dev mode (no credentials, loopback only) or bearer tokens stored as SHA-256
     # hashes in a JSON file and/or the api_tokens table.
-    dev_mode: bool = False
+    dev_mode: Bool = False
     auth_tokens_file: Path | None = None
-    auth_db_tokens: bool = False
-    auth_cache_seconds: float = 30.0  # a revoked table token stops working within this
+    auth_db_tokens: Bool = False
+    auth_cache_seconds: NonNegative = 30.0  # a revoked table token stops working within this
     # TLS: a certificate and key enable it; a client CA makes it mutual (client certs required).
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> Config:
-        defaults = cls()
-        cfg = cls(
-            grpc_addr=env.get("CE_GRPC_ADDR") or defaults.grpc_addr,
-            metrics_addr=env.get("CE_METRICS_ADDR", defaults.metrics_addr),
-            database_url=env.get("DATABASE_URL") or None,
-            data_dir=Path(env.get("CE_DATA_DIR") or defaults.data_dir),
-            migrations_dir=Path(env.get("CE_MIGRATIONS_DIR") or defaults.migrations_dir),
-            assets_dir=Path(env.get("CE_ASSETS_DIR") or defaults.assets_dir),
-            model_catalog=Path(env.get("CE_MODEL_CATALOG") or defaults.model_catalog),
-            max_receive_bytes=_int(env, "CE_MAX_RECEIVE_BYTES", defaults.max_receive_bytes, 1024),
-            max_concurrent_rpcs=_int(env, "CE_MAX_CONCURRENT_RPCS",
-                                     defaults.max_concurrent_rpcs, 1),
-            max_items_per_request=_int(env, "CE_MAX_ITEMS_PER_REQUEST",
-                                       defaults.max_items_per_request, 1),
-            max_item_bytes=_int(env, "CE_MAX_ITEM_BYTES", defaults.max_item_bytes, 1024),
-            workers=_int(env, "CE_WORKERS", defaults.workers, 0),
-            keepalive_time_seconds=_float(env, "CE_KEEPALIVE_TIME_SECONDS",
-                                          defaults.keepalive_time_seconds),
-            keepalive_timeout_seconds=_float(env, "CE_KEEPALIVE_TIMEOUT_SECONDS",
-                                             defaults.keepalive_timeout_seconds),
-            max_connection_age_seconds=_float(env, "CE_MAX_CONNECTION_AGE_SECONDS",
-                                              defaults.max_connection_age_seconds),
-            grace_seconds=_float(env, "CE_GRACE_SECONDS", defaults.grace_seconds),
-            drain_seconds=_float(env, "CE_DRAIN_SECONDS", defaults.drain_seconds, minimum=0.0),
-            db_pool_size=_int(env, "CE_DB_POOL_SIZE", defaults.db_pool_size, 1),
-            db_timeout_seconds=_float(env, "CE_DB_TIMEOUT_SECONDS", defaults.db_timeout_seconds),
-            plan_cache_size=_int(env, "CE_PLAN_CACHE_SIZE", defaults.plan_cache_size, 1),
-            log_level=env.get("CE_LOG_LEVEL") or defaults.log_level,
-            safety_margin_ratio=_float(env, "CE_SAFETY_MARGIN_RATIO",
-                                       defaults.safety_margin_ratio, minimum=0.0),
-            policy_cap_tokens=_int(env, "CE_POLICY_CAP_TOKENS", defaults.policy_cap_tokens),
-            inline_maximum_bytes=_int(env, "CE_INLINE_MAXIMUM_BYTES",
-                                      defaults.inline_maximum_bytes, 256),
-            recall_floor_tokens=_int(env, "CE_RECALL_FLOOR_TOKENS",
-                                     defaults.recall_floor_tokens),
-            calibration_ttl_seconds=_float(env, "CE_CALIBRATION_TTL_SECONDS",
-                                           defaults.calibration_ttl_seconds, minimum=0.0),
-            summarizer_url=env.get("CE_SUMMARIZER_URL") or "",
-            summarizer_model=env.get("CE_SUMMARIZER_MODEL") or "",
-            summarizer_api_key=env.get("CE_SUMMARIZER_API_KEY") or "",
-            summarizer_timeout_seconds=_float(env, "CE_SUMMARIZER_TIMEOUT_SECONDS",
-                                              defaults.summarizer_timeout_seconds),
-            trace_export=otlp_requested(env),
-            dev_mode=_bool(env, "CE_DEV_MODE"),
-            auth_tokens_file=_path(env, "CE_AUTH_TOKENS_FILE"),
-            auth_db_tokens=_bool(env, "CE_AUTH_DB_TOKENS"),
-            auth_cache_seconds=_float(env, "CE_AUTH_CACHE_SECONDS",
-                                      defaults.auth_cache_seconds, minimum=0.0),
-            tls_cert_file=_path(env, "CE_TLS_CERT_FILE"),
-            tls_key_file=_path(env, "CE_TLS_KEY_FILE"),
-            tls_client_ca_file=_path(env, "CE_TLS_CLIENT_CA_FILE"),
-        )
-        cfg.validate()
-        return cfg
+    def settings_customise_sources(
+            cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)  # nothing is read behind from_env's back (os.environ, .env)
 
-    def validate(self) -> None:
-        if not 0.0 <= self.safety_margin_ratio < 0.5:
-            raise ConfigError(f"CE_SAFETY_MARGIN_RATIO={self.safety_margin_ratio} is not in "
-                              "[0, 0.5)")
-        split_addr(self.grpc_addr)
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Config:
+        """The configuration the variables of ``env`` ask for; ``ConfigError`` naming every
+        bad variable (and its value, unless it is a secret) otherwise."""
+        values: dict[str, Any] = {}
+        for name, variable in variables().items():
+            if variable in env:
+                raw = env[variable]
+                if raw or name in _EMPTY_IS_A_VALUE:  # otherwise empty means unset
+                    values[name] = raw
+        if otlp_requested(env):
+            values["trace_export"] = True
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            raise ConfigError(_message(exc, values)) from None
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes``, validated like any other ``Config`` (pydantic's
+        ``model_copy(update=...)`` validates nothing)."""
+        unknown = set(changes) - set(type(self).model_fields)
+        if unknown:
+            raise TypeError(f"Config has no settings {sorted(unknown)}")
+        return type(self)(**{**{name: getattr(self, name) for name in type(self).model_fields},
+                             **changes})
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        problems = self.problems()
+        if problems:
+            raise PydanticCustomError("config", "{problem}", {"problem": "; ".join(problems)})
+        return self
+
+    def problems(self) -> list[str]:
+        """What makes the settings inconsistent with each other or the files they name."""
+        found: list[str] = []
+        for variable, addr in (("CE_GRPC_ADDR", self.grpc_addr),
+                               ("CE_METRICS_ADDR", self.metrics_addr)):
+            if addr or variable == "CE_GRPC_ADDR":
+                try:
+                    split_addr(addr)
+                except ConfigError:
+                    found.append(f"{variable}={addr!r} is not host:port")
         if self.summarizer_url and not self.summarizer_model:
-            raise ConfigError("CE_SUMMARIZER_URL is set without CE_SUMMARIZER_MODEL")
-        if self.summarizer_url and not self.summarizer_url.startswith(("http://", "https://")):
-            raise ConfigError(f"CE_SUMMARIZER_URL={self.summarizer_url!r} is not an http(s) URL")
-        if self.metrics_addr:
-            split_addr(self.metrics_addr)
+            found.append("CE_SUMMARIZER_URL is set without CE_SUMMARIZER_MODEL")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ConfigError("CE_TLS_CERT_FILE and CE_TLS_KEY_FILE must be set together")
+            found.append("CE_TLS_CERT_FILE and CE_TLS_KEY_FILE must be set together")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
-            raise ConfigError("CE_TLS_CLIENT_CA_FILE (mutual TLS) needs CE_TLS_CERT_FILE and "
-                              "CE_TLS_KEY_FILE")
-        for name, path in (("CE_AUTH_TOKENS_FILE", self.auth_tokens_file),
-                           ("CE_TLS_CERT_FILE", self.tls_cert_file),
-                           ("CE_TLS_KEY_FILE", self.tls_key_file),
-                           ("CE_TLS_CLIENT_CA_FILE", self.tls_client_ca_file)):
+            found.append("CE_TLS_CLIENT_CA_FILE (mutual TLS) needs CE_TLS_CERT_FILE and "
+                         "CE_TLS_KEY_FILE")
+        for variable, path in (("CE_AUTH_TOKENS_FILE", self.auth_tokens_file),
+                               ("CE_TLS_CERT_FILE", self.tls_cert_file),
+                               ("CE_TLS_KEY_FILE", self.tls_key_file),
+                               ("CE_TLS_CLIENT_CA_FILE", self.tls_client_ca_file)):
             if path is not None and not path.is_file():
-                raise ConfigError(f"{name}={str(path)!r} is not a readable file")
+                found.append(f"{variable}={str(path)!r} is not a readable file")
+        return found
+
+    def validate(self) -> None:  # type: ignore[override]  # pydantic v1's validate is gone
+        """``ConfigError`` when ``problems()`` finds any (after ``model_copy(update=...)``,
+        which validates nothing)."""
+        problems = self.problems()
+        if problems:
+            raise ConfigError("; ".join(problems))
 
     def validate_serving(self) -> None:
         """What ``serve`` needs beyond ``validate``: credentials outside dev mode, and dev mode
@@ -281,3 +332,103 @@ class Config:
                             policy_cap_tokens=self.policy_cap_tokens,
                             inline_maximum_bytes=self.inline_maximum_bytes,
                             recall_floor_tokens=self.recall_floor_tokens)
+
+
+# Set but empty means "unset" (the default) for every variable but this one: empty turns the
+# metrics endpoint off.
+_EMPTY_IS_A_VALUE = frozenset({"metrics_addr"})
+# Not read from a variable of its own: the standard OTEL_* variables decide it.
+_DERIVED = {"trace_export": "OTEL_*"}
+# Settings shown only redacted, and never in repr: the fields declared with repr=False.
+SECRETS = frozenset(name for name, info in Config.model_fields.items() if not info.repr)
+
+
+def variables() -> dict[str, str]:
+    """The environment variable of each setting read from one: ``CE_<NAME>``, and the
+    conventional ``DATABASE_URL``."""
+    return {name: "DATABASE_URL" if name == "database_url" else f"CE_{name.upper()}"
+            for name in Config.model_fields if name not in _DERIVED}
+
+
+def _shown(name: str, raw: object) -> str:
+    return repr(MASK) if name in SECRETS else repr(raw)
+
+
+def _message(exc: ValidationError, values: Mapping[str, Any]) -> str:
+    """One line per bad variable, ``VAR='value' <problem>``; a secret's value is masked."""
+    names = variables()
+    lines: list[str] = []
+    for error in exc.errors(include_input=False, include_url=False):
+        ctx = error.get("ctx") or {}
+        kind = error["type"]
+        if "problem" in ctx:
+            problem = str(ctx["problem"])
+        elif kind == "greater_than_equal":
+            problem = f"is below {ctx['ge']}"
+        elif kind == "greater_than":
+            problem = "must be positive" if ctx["gt"] == 0 else f"must be above {ctx['gt']}"
+        elif kind == "less_than":
+            problem = f"must be below {ctx['lt']}"
+        elif kind == "finite_number":
+            problem = "is not a finite number"
+        else:
+            problem = error["msg"][:1].lower() + error["msg"][1:]
+        if not error["loc"]:  # the settings together (model_validator)
+            lines.append(problem)
+            continue
+        name = str(error["loc"][0])
+        variable = names.get(name) or _DERIVED.get(name, name)
+        lines.append(f"{variable}={_shown(name, values.get(name))} {problem}")
+    return "; ".join(lines)
+
+
+# ---------------------------------------------------------------------- the effective settings
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by the mask: ``postgresql://user:********@host/db``,
+    ``...?password=********`` and libpq's ``password=********`` keyword form."""
+    masked = re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]*)", rf"\g<1>{MASK}", url,
+                    flags=re.I)
+    try:
+        parts = urlsplit(masked)
+    except ValueError:
+        return MASK
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if at and ":" in userinfo:
+        user = userinfo.split(":", 1)[0]
+        masked = urlunsplit(parts._replace(netloc=f"{user}:{MASK}@{hostport}"))
+    return masked
+
+
+def redacted(name: str, value: object) -> object:
+    """What may be shown of a setting: secrets masked (empty when unset), the DSN's password."""
+    if name not in SECRETS:
+        return value
+    if name == "database_url":
+        return None if value is None else redact_url(str(value))
+    return MASK if value else ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Setting:
+    name: str
+    variable: str  # where it is read from
+    value: object  # JSON-ready (str for a path), secrets redacted
+    source: str  # "environment" or "default"
+
+
+def effective(config: Config) -> list[Setting]:
+    """Every setting of a configuration made by ``from_env``, its value as it may be shown and
+    where it came from."""
+    names = variables()
+    out: list[Setting] = []
+    for name in Config.model_fields:
+        value = getattr(config, name)
+        if isinstance(value, Path):
+            value = str(value)
+        out.append(Setting(name=name, variable=names.get(name) or _DERIVED[name],
+                           value=redacted(name, value),
+                           source="environment" if name in config.model_fields_set
+                           else "default"))
+    return out

@@ -1,11 +1,14 @@
 """``context-engine demo``: a five-minute tour of a running server.
 
-    context-engine demo [--addr 127.0.0.1:50051] [--session tour] [--tenant tour] [--token T]
+    context-engine demo [--grpc-addr 127.0.0.1:50051] [--session tour] [--tenant tour]
+                        [--token-stdin]
 
 Plans a session, builds a small request, builds an oversized one (pressure), compacts, builds on
 the summary and rotates, printing what each call returned. Start a server first (``make run``:
-dev mode, no credentials); against a server that wants credentials pass ``--token`` (sent as
-``authorization: Bearer <token>``) and ``--tenant``, the token's tenant.
+dev mode, no credentials); against a server that wants credentials give the bearer token in
+``CE_TOKEN`` or on standard input with ``--token-stdin`` (never on the command line, which
+process lists and shell history show; sent as ``authorization: Bearer <token>``) and pass
+``--tenant``, the token's tenant.
 
 The output is deterministic: the tour pins every input (tenant ``tour``, the session id, a Claude
 model sized to 16,000 tokens, the date, the estimator factor), so a new session always prints the
@@ -14,7 +17,8 @@ seen, ``<prefix #2>`` the second) and envelope nonces as ``…``; timestamps and
 printed. Another ``--session`` changes the nonces, and with them a few token counts.
 
 Exit status 0 after the whole tour; 1 when the server cannot be reached, the session exists
-already or a call fails (the error on stderr, after the output of the steps that completed).
+already or a call fails (the error on stderr, after the output of the steps that completed); 2 on
+a usage error (a bad address, an empty token on standard input).
 """
 
 from __future__ import annotations
@@ -23,11 +27,11 @@ import argparse
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import TextIO, TypeVar
 
 import grpc
 
-from context_engine.config import Config, ConfigError, split_addr
+from context_engine.config import Config, ConfigError
 from context_engine.healthcheck import probe_address
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
@@ -35,6 +39,7 @@ from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 Resp = TypeVar("Resp")
 
 TENANT = "tour"  # the default; --tenant names another
+TOKEN_ENV = "CE_TOKEN"  # the bearer token, unless --token-stdin
 DATE = "2026-11-29"
 FACTOR = 1.0
 MODEL = pb.ModelSpec(model_id="claude-sonnet-4-5", capabilities=pb.ModelCapabilities(
@@ -354,18 +359,21 @@ def tour(engine: Engine, tenant: str, session: str, out: list[str]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--addr", help="host:port of a running server (default: CE_GRPC_ADDR, "
-                                       "else 127.0.0.1:50051)")
+    parser.add_argument("--grpc-addr", help="the server's gRPC address, host:port (default: "
+                                            "CE_GRPC_ADDR, else 127.0.0.1:50051)")
     parser.add_argument("--session", default="tour",
                         help="a session id the tenant has not used yet (default 'tour')")
     parser.add_argument("--tenant", default=TENANT,
-                        help="tenant id (default 'tour'; with --token, the token's tenant)")
-    parser.add_argument("--token", help="sent as 'authorization: Bearer <token>' metadata, for a "
-                                        "server that requires credentials")
+                        help="tenant id (default 'tour'; with a token, the token's tenant)")
+    parser.add_argument("--token-stdin", action="store_true",
+                        help="read the bearer token from the first line of standard input "
+                             f"(else {TOKEN_ENV}); sent as 'authorization: Bearer <token>' "
+                             "metadata, for a server that requires credentials")
 
 
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_HINTS = {grpc.StatusCode.UNAUTHENTICATED: "the server requires credentials: pass --token",
+_HINTS = {grpc.StatusCode.UNAUTHENTICATED: f"the server requires credentials: set {TOKEN_ENV} "
+                                           "or pass --token-stdin",
           grpc.StatusCode.PERMISSION_DENIED: "pass --tenant with the token's tenant, or a "
                                              "token that may call every RPC"}
 
@@ -381,20 +389,33 @@ def session_exists(engine: Engine, tenant: str, session: str) -> bool:
     return True
 
 
+def bearer_token(args: argparse.Namespace, environ: Mapping[str, str],
+                 stdin: TextIO | None = None) -> str | None:
+    """The token to send: the first line of standard input with ``--token-stdin`` (stripped;
+    ``ConfigError`` when empty), else ``CE_TOKEN``, else none."""
+    if args.token_stdin:
+        token = (stdin or sys.stdin).readline().strip()
+        if not token:
+            raise ConfigError("--token-stdin read no token: standard input's first line is "
+                              "empty")
+        return token
+    return environ.get(TOKEN_ENV, "").strip() or None
+
+
 def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     """Run the tour for parsed ``demo`` arguments: 0 when done, 1 when it could not be, 2 on a
     usage error."""
     try:
         # A server bound to every interface is dialled over loopback, as `health` does.
-        address = args.addr or probe_address(environ.get("CE_GRPC_ADDR")
-                                             or Config().grpc_addr)
-        split_addr(address)
+        address = probe_address(args.grpc_addr or environ.get("CE_GRPC_ADDR")
+                                or Config().grpc_addr)
+        token = bearer_token(args, environ)
     except ConfigError as exc:
         print(f"context-engine demo: {exc}", file=sys.stderr)
         return 2
     out: list[str] = []
     with grpc.insecure_channel(address) as channel:
-        engine = Engine(channel, token=args.token)
+        engine = Engine(channel, token=token)
         try:
             if session_exists(engine, args.tenant, args.session):
                 print(f"context-engine demo: session {args.session!r} of tenant "
@@ -407,7 +428,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
                 print("\n".join(out))
             if exc.rpc == "GetPlan" and exc.code is not None and exc.code in _UNREACHABLE:
                 message = (f"cannot reach a context-engine server at {address} ({exc.code.name}: "
-                           f"{exc.details}); start one with `make run`, or pass --addr")
+                           f"{exc.details}); start one with `make run`, or pass --grpc-addr")
             else:
                 hint = _HINTS.get(exc.code) if exc.code is not None else None
                 message = str(exc) if hint is None else f"{exc}; {hint}"

@@ -94,8 +94,9 @@ def check(address: str, *, service: str = "", timeout: float = 2.0,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--addr", help="host:port to probe (default: CE_GRPC_ADDR, a wildcard "
-                                       "host probed over loopback)")
+    parser.add_argument("--grpc-addr", help="the server's gRPC address, host:port (default: "
+                                            "CE_GRPC_ADDR; a wildcard host is probed over "
+                                            "loopback)")
     parser.add_argument("--service", default="",
                         help="health service name: '' (default) or context_engine.v1.ContextEngine")
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds (default 2)")
@@ -153,9 +154,8 @@ def probe_tls(args: argparse.Namespace, environ: Mapping[str, str]) -> ProbeTls 
 def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     """Run the probe for parsed ``health`` arguments; 2 on a usage error."""
     try:
-        address = args.addr or probe_address(environ.get("CE_GRPC_ADDR")
-                                             or Config().grpc_addr)
-        split_addr(address)
+        address = probe_address(args.grpc_addr or environ.get("CE_GRPC_ADDR")
+                                or Config().grpc_addr)
         tls = probe_tls(args, environ)
         credentials = tls.credentials() if tls is not None else None
     except ConfigError as exc:

@@ -60,7 +60,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -238,7 +238,7 @@ class Database:
 
 
 def bench_config() -> Config:
-    return replace(Config(), grpc_addr="127.0.0.1:0", metrics_addr="", dev_mode=True,
+    return Config().replace(grpc_addr="127.0.0.1:0", metrics_addr="", dev_mode=True,
                    grace_seconds=1.0, drain_seconds=0.0)
 
 

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +205,7 @@ def secured(database_url: str, tmp_path_factory: pytest.TempPathFactory
     path = tmp_path_factory.mktemp("ts-tokens") / "tokens.json"
     path.write_text(json.dumps([{"sha256": token_sha256(token), "tenant_id": tenant,
                                  "rpcs": ["*"]}]))
-    server = ServerThread(replace(base_config(), dev_mode=False, auth_tokens_file=path),
+    server = ServerThread(base_config().replace(dev_mode=False, auth_tokens_file=path),
                           database_url)
     yield server, tenant, token
     server.stop()

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -64,7 +64,7 @@ def secured(database_url: str, db, tmp_path_factory: pytest.TempPathFactory
     ]))
     db.fetch("INSERT INTO api_tokens (tenant_id, token_sha256, rpcs) VALUES ($1, $2, $3)",
              tenant, token_sha256(table), ["Plan", "GetPlan"])
-    config = replace(base_config(), dev_mode=False, auth_tokens_file=path, auth_db_tokens=True,
+    config = base_config().replace(dev_mode=False, auth_tokens_file=path, auth_db_tokens=True,
                      auth_cache_seconds=0.5)
     server = ServerThread(config, database_url)
     channel = grpc.insecure_channel(server.address)
@@ -272,7 +272,7 @@ def test_tls_serves_tls_clients_and_refuses_plaintext(database_url: str, pki: Pk
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps([{"sha256": token_sha256(token), "tenant_id": tenant,
                                    "rpcs": ["*"]}]))
-    config = replace(base_config(), dev_mode=False, auth_tokens_file=tokens,
+    config = base_config().replace(dev_mode=False, auth_tokens_file=tokens,
                      tls_cert_file=pki.server_cert, tls_key_file=pki.server_key)
     server = ServerThread(config, database_url)
     try:
@@ -298,7 +298,7 @@ def test_tls_serves_tls_clients_and_refuses_plaintext(database_url: str, pki: Pk
 
 def test_mutual_tls_requires_a_client_certificate_from_the_ca(database_url: str,
                                                               pki: Pki) -> None:
-    config = replace(base_config(), tls_cert_file=pki.server_cert, tls_key_file=pki.server_key,
+    config = base_config().replace(tls_cert_file=pki.server_cert, tls_key_file=pki.server_key,
                      tls_client_ca_file=pki.ca)
     server = ServerThread(config, database_url)
     try:

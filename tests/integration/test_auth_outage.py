@@ -13,7 +13,6 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -63,7 +62,7 @@ def test_table_tokens_ride_out_a_database_outage(database: Database) -> None:
     for t in (token, revoked):
         db.fetch("INSERT INTO api_tokens (tenant_id, token_sha256, rpcs) VALUES ($1, $2, $3)",
                  tenant, token_sha256(t), ["*"])
-    config = replace(base_config(), dev_mode=False, auth_db_tokens=True,
+    config = base_config().replace(dev_mode=False, auth_db_tokens=True,
                      auth_cache_seconds=CACHE_SECONDS)
     srv = ServerThread(config, database.url)
     channel = grpc.insecure_channel(srv.address)

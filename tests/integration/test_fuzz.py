@@ -33,7 +33,7 @@ import json
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -314,7 +314,7 @@ def test_fuzz_malformed_bytes_with_credentials(database_url, db, tmp_path: Path)
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps([{"sha256": token_sha256(token), "tenant_id": tenant,
                                    "rpcs": ["*"]}]))
-    config = replace(base_config(), dev_mode=False, auth_tokens_file=tokens)
+    config = base_config().replace(dev_mode=False, auth_tokens_file=tokens)
     server = ServerThread(config, database_url)
     channel = grpc.insecure_channel(server.address)
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -32,7 +31,7 @@ def slow() -> Iterator[FakeProvider]:
 
 @pytest.fixture(scope="module")
 def limited(database_url: str, slow: FakeProvider) -> Iterator[ServerThread]:
-    config = replace(base_config(), max_concurrent_rpcs=1, max_items_per_request=50,
+    config = base_config().replace(max_concurrent_rpcs=1, max_items_per_request=50,
                      max_item_bytes=4096, max_receive_bytes=256 * 1024,
                      summarizer_url=slow.url, summarizer_model="fake",
                      summarizer_timeout_seconds=10.0)
@@ -148,7 +147,7 @@ def test_a_client_deadline_stops_the_work_and_writes_nothing(limited_stub, ids, 
 
 
 def test_keepalive_and_connection_age_follow_the_configuration():
-    options = dict(server_options(replace(base_config(), keepalive_time_seconds=30,
+    options = dict(server_options(base_config().replace(keepalive_time_seconds=30,
                                           keepalive_timeout_seconds=5,
                                           max_connection_age_seconds=600,
                                           grace_seconds=2.0)))

@@ -1,18 +1,29 @@
 """Migrations: a fresh migrate reproduces the expected schema; re-running applies nothing;
-concurrent migrators serialize on the advisory lock."""
+concurrent migrators serialize on the advisory lock; each applied file's checksum is recorded,
+a changed, renamed or missing applied file stops ``migrate`` and ``serve``, ``migrate --status``
+reports all of it without writing, and a database from before checksums is backfilled once."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
+import os
+import shutil
+import subprocess
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import asyncpg
 import pytest
-from context_engine.adapters.postgres.migrate import discover, migrate
+from context_engine.adapters.postgres.migrate import MigrationError, discover, migrate
 
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
+
+CLI = REPO / ".venv" / "bin" / "context-engine"
 
 EXPECTED = {
     "sessions": {"tenant_id", "session_id", "current_epoch", "created_at", "updated_at"},
@@ -22,7 +33,7 @@ EXPECTED = {
               "builder_version", "policy_version", "cache_ttl", "created_at"},
     "context_events": {"id", "tenant_id", "session_id", "epoch", "type", "payload",
                        "created_at"},
-    "schema_migrations": {"version", "name", "applied_at"},
+    "schema_migrations": {"version", "name", "applied_at", "checksum"},
     "estimator_calibration": {"tenant_id", "model_id", "encoding", "factor", "reports",
                               "updated_at"},
     "idempotency_keys": {"tenant_id", "rpc", "key", "response", "created_at"},
@@ -34,6 +45,14 @@ EXPECTED = {
                     "previous_input_tokens", "updated_at"},
 }
 
+# The migrator's bootstrap table in the releases before checksums were recorded.
+PRE_CHECKSUM_TABLE = """
+CREATE TABLE schema_migrations (
+    version     integer     PRIMARY KEY,
+    name        text        NOT NULL,
+    applied_at  timestamptz NOT NULL DEFAULT now()
+)"""
+
 
 async def _fresh_database(url: str) -> str:
     name = f"ce_migrate_{uuid.uuid4().hex[:8]}"
@@ -44,6 +63,20 @@ async def _fresh_database(url: str) -> str:
         await conn.close()
     base, _, query = url.partition("?")
     return f"{base.rsplit('/', 1)[0]}/{name}" + (f"?{query}" if query else "")
+
+
+@pytest.fixture
+def fresh(database_url: str) -> Iterator[str]:
+    """An empty database of its own on the test server."""
+    yield asyncio.run(_fresh_database(database_url))
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Path:
+    """A copy of the repository's migrations that a test may edit."""
+    directory = tmp_path / "migrations"
+    shutil.copytree(REPO / "migrations", directory)
+    return directory
 
 
 async def _columns(url: str) -> dict[str, set[str]]:
@@ -59,18 +92,173 @@ async def _columns(url: str) -> dict[str, set[str]]:
     return out
 
 
-def test_fresh_migrate_reproduces_the_schema_and_is_idempotent(database_url):
+def fetch(url: str, sql: str, *args: object) -> list[asyncpg.Record]:
+    async def go() -> list[asyncpg.Record]:
+        conn = await asyncpg.connect(url)
+        try:
+            return list(await conn.fetch(sql, *args))
+        finally:
+            await conn.close()
+    return asyncio.run(go())
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def cli(url: str, directory: Path, *args: str, timeout: float = 60
+        ) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DATABASE_URL": url, "CE_MIGRATIONS_DIR": str(directory)}
+    return subprocess.run([str(CLI), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def status_rows(stdout: str) -> dict[str, tuple[str, str]]:
+    """``migrate --status``'s table: ``{"0001_plans_and_events": (state, checksum)}``."""
+    lines = stdout.split("\n\n", 1)[0].splitlines()
+    assert lines[0].split() == ["version", "name", "state", "applied_at", "checksum"]
+    rows = {}
+    for line in lines[1:]:
+        version, name, state, _applied_at, check = line.split()
+        rows[f"{version}_{name}"] = (state, check)
+    return rows
+
+
+def test_fresh_migrate_reproduces_the_schema_and_is_idempotent(fresh):
     async def scenario() -> None:
-        url = await _fresh_database(database_url)
-        applied = await asyncio.gather(*(migrate(url, REPO / "migrations") for _ in range(3)))
+        applied = await asyncio.gather(*(migrate(fresh, REPO / "migrations") for _ in range(3)))
         names = [f"{m.version:04d}_{m.name}" for m in discover(REPO / "migrations")]
         # each migration applied exactly once, by one of the three migrators
         assert sorted(n for batch in applied for n in batch) == names
-        assert await _columns(url) == EXPECTED
-        assert await migrate(url, REPO / "migrations") == []
+        assert await _columns(fresh) == EXPECTED
+        assert await migrate(fresh, REPO / "migrations") == []
     asyncio.run(scenario())
 
 
 def test_migration_files_are_numbered_without_gaps():
     versions = [m.version for m in discover(REPO / "migrations")]
     assert versions == list(range(1, len(versions) + 1))
+
+
+def test_each_applied_migration_records_the_sha256_of_its_file(fresh):
+    asyncio.run(migrate(fresh, REPO / "migrations"))
+    recorded = {f"{r['version']:04d}_{r['name']}.sql": r["checksum"]
+                for r in fetch(fresh, "SELECT version, name, checksum FROM schema_migrations")}
+    on_disk = {p.name: sha256_of(p) for p in sorted((REPO / "migrations").glob("*.sql"))}
+    assert recorded == on_disk
+
+
+def test_a_changed_applied_migration_stops_migrate_and_serve(fresh, files):
+    asyncio.run(migrate(fresh, files))
+    edited = files / "0003_compactions.sql"
+    recorded = sha256_of(edited)
+    edited.write_text(edited.read_text() + "\n-- an innocent-looking comment\n")
+    current = sha256_of(edited)
+    (files / "0006_later.sql").write_text("CREATE TABLE later (id integer);\n")
+
+    with pytest.raises(MigrationError) as caught:
+        asyncio.run(migrate(fresh, files))
+    message = str(caught.value)
+    assert str(edited) in message and recorded in message and current in message
+    # Nothing was applied: the pending migration waits for the history to be repaired.
+    assert not fetch(fresh, "SELECT 1 FROM schema_migrations WHERE version = 6")
+    assert "later" not in asyncio.run(_columns(fresh))
+
+    for command in (["migrate"], ["serve", "--dev", "--grpc-addr", "127.0.0.1:0",
+                                  "--metrics-addr", "", "--workers", "1"]):
+        done = cli(fresh, files, *command)
+        assert done.returncode == 1, (command, done.stdout, done.stderr)
+        assert "refusing to start" in done.stderr and str(edited) in done.stderr
+        assert recorded in done.stderr and current in done.stderr
+        assert "Traceback" not in done.stderr
+
+    # Restoring the file repairs it: the pending migration is applied.
+    edited.write_text(edited.read_text().removesuffix("\n-- an innocent-looking comment\n"))
+    assert sha256_of(edited) == recorded
+    assert asyncio.run(migrate(fresh, files)) == ["0006_later"]
+
+
+def test_a_missing_or_renamed_applied_migration_is_reported(fresh, files):
+    asyncio.run(migrate(fresh, files))
+    (files / "0005_epoch_usage.sql").unlink()
+    (files / "0004_api_tokens.sql").rename(files / "0004_tokens.sql")
+    with pytest.raises(MigrationError) as caught:
+        asyncio.run(migrate(fresh, files))
+    problems = caught.value.problems
+    assert len(problems) == 2
+    assert "0004_api_tokens" in problems[0] and str(files / "0004_tokens.sql") in problems[0]
+    assert "0005_epoch_usage" in problems[1] and "does not exist" in problems[1]
+
+    done = cli(fresh, files, "migrate", "--status")
+    assert done.returncode == 1, done.stderr
+    rows = status_rows(done.stdout)
+    assert rows["0004_api_tokens"] == ("applied", "renamed")
+    assert rows["0005_epoch_usage"] == ("applied", "missing")
+    assert "1 renamed, 1 missing" in done.stdout
+
+
+def test_status_lists_pending_then_applied_and_applies_nothing(fresh, files):
+    names = sorted(p.stem for p in files.glob("*.sql"))
+    before = cli(fresh, files, "migrate", "--status")
+    assert before.returncode == 0, before.stderr
+    assert status_rows(before.stdout) == {n: ("pending", "-") for n in names}
+    assert f"0 applied, {len(names)} pending" in before.stdout
+    # Read-only: not even the migrator's own table was created.
+    assert not fetch(fresh, "SELECT 1 FROM pg_tables WHERE tablename = 'schema_migrations'")
+
+    assert cli(fresh, files, "migrate").returncode == 0
+    (files / "0006_later.sql").write_text("CREATE TABLE later (id integer);\n")
+    after = cli(fresh, files, "migrate", "--status")
+    assert after.returncode == 0, after.stderr
+    assert status_rows(after.stdout) == {**{n: ("applied", "ok") for n in names},
+                                         "0006_later": ("pending", "-")}
+    assert f"{len(names)} applied, 1 pending" in after.stdout
+    assert not fetch(fresh, "SELECT 1 FROM schema_migrations WHERE version = 6")
+
+    edited = files / "0002_calibration_and_idempotency.sql"
+    recorded = sha256_of(edited)
+    edited.write_bytes(edited.read_bytes().replace(b"\n", b"\r\n"))  # the bytes count
+    changed = cli(fresh, files, "migrate", "--status")
+    assert changed.returncode == 1
+    assert status_rows(changed.stdout)["0002_calibration_and_idempotency"] == ("applied",
+                                                                               "changed")
+    assert recorded in changed.stdout and sha256_of(edited) in changed.stdout
+
+
+def test_a_database_from_before_checksums_is_backfilled_once(fresh, files):
+    # As the earlier migrator left it: the first three migrations applied, no checksum column.
+    async def old_migrator() -> None:
+        conn = await asyncpg.connect(fresh)
+        try:
+            await conn.execute(PRE_CHECKSUM_TABLE)
+            for m in discover(files)[:3]:
+                await conn.execute(m.sql)
+                await conn.execute("INSERT INTO schema_migrations (version, name) "
+                                   "VALUES ($1, $2)", m.version, m.name)
+        finally:
+            await conn.close()
+    asyncio.run(old_migrator())
+    old = sorted(p.stem for p in files.glob("*.sql"))[:3]
+
+    status = cli(fresh, files, "migrate", "--status")
+    assert status.returncode == 0, status.stderr
+    rows = status_rows(status.stdout)
+    assert [rows[n] for n in old] == [("applied", "unrecorded")] * 3
+    assert "checksum" not in asyncio.run(_columns(fresh))["schema_migrations"]
+
+    done = cli(fresh, files, "migrate")
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    (backfill,) = [e for e in events if e["event"] == "migration_checksums_backfilled"]
+    assert backfill["migrations"] == old
+    (migrated,) = [e for e in events if e["event"] == "migrated"]
+    assert migrated["applied"] == sorted(p.stem for p in files.glob("*.sql"))[3:]
+    recorded = {f"{r['version']:04d}_{r['name']}.sql": r["checksum"]
+                for r in fetch(fresh, "SELECT version, name, checksum FROM schema_migrations")}
+    assert recorded == {p.name: sha256_of(p) for p in files.glob("*.sql")}
+
+    again = cli(fresh, files, "migrate")
+    assert again.returncode == 0
+    assert "migration_checksums_backfilled" not in again.stdout
+    assert set(status_rows(cli(fresh, files, "migrate", "--status").stdout).values()) == {
+        ("applied", "ok")}

@@ -1,9 +1,11 @@
 """The README's Python snippet and five-minute tour (``context-engine demo``) run as written
-against a real server, the demo's failures are clear, its configuration table names every setting
-the code reads, and ARCHITECTURE.md names only modules that exist."""
+against a real server, the demo's failures are clear, it takes its token from ``CE_TOKEN`` or
+standard input (never argv), its configuration table names every setting the code reads, and
+ARCHITECTURE.md names only modules that exist."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -12,11 +14,11 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
 
 import pytest
 from context_engine.api.auth import token_sha256
 from context_engine.cli import main
+from context_engine.config import variables
 
 from tests.conftest import REPO, ServerThread
 from tests.conftest import test_config as base_config
@@ -27,10 +29,14 @@ pytestmark = pytest.mark.integration
 
 def test_readme_snippet_calls_plan_then_build(server):
     text = (REPO / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    section = re.search(r"^## Calling it from Python\n(.*?)^## ", text, re.S | re.M)
+    assert section, "README.md has no '## Calling it from Python' section"
+    blocks = re.findall(r"```python\n(.*?)```", section.group(1), re.S)
     assert len(blocks) == 1
+    for other in re.findall(r"```python\n(.*?)```", text, re.S):
+        compile(other, "README.md", "exec")  # every Python block is at least Python
     out = subprocess.run([sys.executable, "-c", blocks[0]], capture_output=True, text=True,
-                         env={**os.environ, "CONTEXT_ENGINE_ADDR": server.address}, timeout=60)
+                         env={**os.environ, "CE_GRPC_ADDR": server.address}, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("epoch 1 prefix ")
@@ -64,7 +70,7 @@ def test_readme_tour_is_the_demos_output(server, db, capsys):
         "AND table_schema = current_schema()")]
     for table in sorted(tables, key=lambda t: t == "sessions"):  # sessions last (foreign keys)
         db.fetch(f'DELETE FROM "{table}" WHERE tenant_id = $1', "tour")
-    code, out, err = demo(capsys, "--addr", server.address)
+    code, out, err = demo(capsys, "--grpc-addr", server.address)
     assert code == 0, err
     assert "== 6. Rotate" in out and "compaction_needed=True" in out
     assert readme_tour_block() == out, (
@@ -74,7 +80,7 @@ def test_readme_tour_is_the_demos_output(server, db, capsys):
 def test_the_demo_refuses_a_session_that_exists(server, stub, ids, capsys):
     _, session = ids
     stub.Plan(plan_request("tour", session))
-    code, out, err = demo(capsys, "--addr", server.address, "--session", session)
+    code, out, err = demo(capsys, "--grpc-addr", server.address, "--session", session)
     assert code == 1 and not out
     assert f"session {session!r} of tenant 'tour' exists already" in err
 
@@ -85,11 +91,28 @@ def test_the_demo_command_reports_an_unreachable_server():
         sock.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{sock.getsockname()[1]}"
         out = subprocess.run([str(REPO / ".venv" / "bin" / "context-engine"), "demo",
-                              "--addr", address], capture_output=True, text=True, timeout=60)
+                              "--grpc-addr", address], capture_output=True, text=True,
+                             timeout=60)
     assert out.returncode == 1 and not out.stdout
     assert out.stderr.startswith(f"context-engine demo: cannot reach a context-engine server "
                                  f"at {address} (UNAVAILABLE"), out.stderr
+    assert "pass --grpc-addr" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_demo_reads_the_address_from_ce_grpc_addr(monkeypatch, capsys):
+    # No flag: CE_GRPC_ADDR, the variable `serve` listens on, names the server to call.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+        monkeypatch.setenv("CE_GRPC_ADDR", address)
+        code, _, err = demo(capsys, "--session", f"s-{uuid.uuid4().hex[:8]}")
+    assert code == 1 and f"cannot reach a context-engine server at {address}" in err, err
+    # One name for each, everywhere; `--token` is not even an abbreviation of --token-stdin.
+    for args in (["--addr", "x"], ["--target", "x"], ["--token", "x"], ["--token"]):
+        with pytest.raises(SystemExit) as exited:
+            main(["demo", *args])
+        assert exited.value.code == 2
 
 
 @pytest.fixture(scope="module")
@@ -100,34 +123,64 @@ def secured(database_url: str, tmp_path_factory: pytest.TempPathFactory
     path = tmp_path_factory.mktemp("demo") / "tokens.json"
     path.write_text(json.dumps([{"sha256": token_sha256(token), "tenant_id": tenant,
                                  "rpcs": ["*"]}]))
-    server = ServerThread(replace(base_config(), dev_mode=False, auth_tokens_file=path),
+    server = ServerThread(base_config().replace(dev_mode=False, auth_tokens_file=path),
                           database_url)
     yield server, tenant, token
     server.stop()
 
 
-def test_the_demo_sends_its_token_as_bearer_metadata(secured, capsys):
+def test_the_demo_sends_its_token_as_bearer_metadata(secured, monkeypatch, capsys):
     server, tenant, token = secured
-    code, out, err = demo(capsys, "--addr", server.address, "--tenant", tenant)
+    monkeypatch.delenv("CE_TOKEN", raising=False)
+    code, out, err = demo(capsys, "--grpc-addr", server.address, "--tenant", tenant)
     assert code == 1 and not out
-    assert "GetPlan failed: UNAUTHENTICATED" in err and "pass --token" in err, err
-    code, out, err = demo(capsys, "--addr", server.address, "--tenant", tenant,
-                          "--token", f"not-{token}")
+    assert "GetPlan failed: UNAUTHENTICATED" in err, err
+    assert "set CE_TOKEN or pass --token-stdin" in err, err
+    monkeypatch.setenv("CE_TOKEN", f"not-{token}")
+    code, out, err = demo(capsys, "--grpc-addr", server.address, "--tenant", tenant)
     assert code == 1 and "GetPlan failed: UNAUTHENTICATED" in err, err
-    code, out, err = demo(capsys, "--addr", server.address, "--token", token)  # tenant "tour"
+    monkeypatch.setenv("CE_TOKEN", token)
+    code, out, err = demo(capsys, "--grpc-addr", server.address)  # tenant "tour"
     assert code == 1 and "GetPlan failed: PERMISSION_DENIED" in err, err
     assert token not in err
-    code, out, err = demo(capsys, "--addr", server.address, "--tenant", tenant,
-                          "--token", token)
+    code, out, err = demo(capsys, "--grpc-addr", server.address, "--tenant", tenant)
     assert code == 0, err
     assert out.startswith("== 1. Plan") and "== 6. Rotate" in out, out
+    assert token not in out
+
+
+def test_the_demo_reads_its_token_from_stdin(secured, monkeypatch, capsys):
+    server, tenant, token = secured
+    monkeypatch.setenv("CE_TOKEN", f"not-{token}")  # --token-stdin wins over the variable
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"  {token}  \nignored\n"))
+    code, out, err = demo(capsys, "--grpc-addr", server.address, "--tenant", tenant,
+                          "--session", f"stdin-{uuid.uuid4().hex[:8]}", "--token-stdin")
+    assert code == 0, err
+    assert out.startswith("== 1. Plan") and token not in out
+
+
+@pytest.mark.parametrize("stdin", ["", "\n", "   \nsecond line\n"])
+def test_the_demo_refuses_an_empty_token_on_stdin(stdin, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code, out, err = demo(capsys, "--grpc-addr", "127.0.0.1:1", "--token-stdin")
+    assert code == 2 and not out
+    assert err == ("context-engine demo: --token-stdin read no token: standard input's first "
+                   "line is empty\n")
+
+
+def test_readme_names_the_address_and_the_token_one_way():
+    text = (REPO / "README.md").read_text()
+    assert not re.findall(r"(?<![\w-])--addr\b", text), "the flag is --grpc-addr"
+    assert "CONTEXT_ENGINE_ADDR" not in text, "the variable is CE_GRPC_ADDR"
+    assert not re.findall(r"demo[^\n]*--token(?!-stdin)\b|pass\s+`--token`", text), (
+        "the demo's token comes from CE_TOKEN or --token-stdin")
 
 
 def test_readme_configuration_table_matches_the_code():
     text = (REPO / "README.md").read_text()
     documented = set(re.findall(r"^\| `([A-Z_]+)` \|", text, re.M))
-    source = (REPO / "service" / "context_engine" / "config.py").read_text()
-    read = set(re.findall(r'"((?:CE|DATABASE)_[A-Z_]+)"', source))
+    read = set(variables().values())
+    assert {"DATABASE_URL", "CE_GRPC_ADDR", "CE_SUMMARIZER_API_KEY"} <= read
     assert read <= documented, read - documented
 
 

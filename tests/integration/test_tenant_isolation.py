@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -59,7 +59,7 @@ def tenants(database_url: str, db: Any, tmp_path_factory: pytest.TempPathFactory
         {"sha256": token_sha256(token_a), "tenant_id": a, "rpcs": ["*"]},
         {"sha256": token_sha256(token_b), "tenant_id": b, "rpcs": ["*"]},
     ]))
-    server = ServerThread(replace(base_config(), dev_mode=False, auth_tokens_file=path),
+    server = ServerThread(base_config().replace(dev_mode=False, auth_tokens_file=path),
                           database_url)
     channel = grpc.insecure_channel(server.address)
     stub = pb_grpc.ContextEngineStub(channel)

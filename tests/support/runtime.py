@@ -27,7 +27,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -712,7 +712,7 @@ def local_server() -> Iterator[pb_grpc.ContextEngineStub]:
     try:
         url = str(pg.get_uri())
         asyncio.run(migrate(url, REPO / "migrations"))
-        config = replace(Config(), grpc_addr="127.0.0.1:0", metrics_addr="", dev_mode=True,
+        config = Config().replace(grpc_addr="127.0.0.1:0", metrics_addr="", dev_mode=True,
                          grace_seconds=1.0, drain_seconds=0.0)
         running = call(start(config, database_url=url, registry=CollectorRegistry()))
         limit = 64 * 1024 * 1024

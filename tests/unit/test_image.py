@@ -15,7 +15,6 @@ import socket
 import subprocess
 import tomllib
 from concurrent import futures
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -381,7 +380,7 @@ def _tls_container_env(port: int | str, pki: Pki, *, mutual: bool = False,
 @pytest.mark.integration
 def test_healthcheck_dials_tls_to_a_tls_server(database_url: str, pki: Pki):
     command, _ = _healthcheck()
-    config = replace(base_config(), tls_cert_file=pki.server_cert, tls_key_file=pki.server_key)
+    config = base_config().replace(tls_cert_file=pki.server_cert, tls_key_file=pki.server_key)
     server = ServerThread(config, database_url)
     port = server.running.grpc_port
     try:
@@ -412,7 +411,7 @@ def test_healthcheck_dials_tls_to_a_tls_server(database_url: str, pki: Pki):
 def test_healthcheck_presents_a_client_certificate_under_mutual_tls(database_url: str,
                                                                     pki: Pki):
     command, _ = _healthcheck()
-    config = replace(base_config(), tls_cert_file=pki.server_cert, tls_key_file=pki.server_key,
+    config = base_config().replace(tls_cert_file=pki.server_cert, tls_key_file=pki.server_key,
                      tls_client_ca_file=pki.ca)
     server = ServerThread(config, database_url)
     port = server.running.grpc_port

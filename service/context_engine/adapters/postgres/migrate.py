@@ -1,14 +1,27 @@
-"""Forward-only migrations: numbered SQL files applied in order under an advisory lock."""
+"""Forward-only migrations: numbered SQL files applied in order under an advisory lock.
+
+Each applied migration's checksum (SHA-256 of the file's bytes) is recorded with it. Before
+applying anything, the migrator compares the record with the files: a migration changed after
+it was applied, one recorded under another name, or one whose file is gone stops it with a
+``MigrationError`` naming each (``serve`` and ``migrate`` then refuse to start). Rows applied
+before checksums were kept are backfilled once from the files on disk, and the log says so.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
 from pathlib import Path
 
 import asyncpg
 
 from context_engine.adapters.postgres import queries
+from context_engine.telemetry.logs import log
 
 # Arbitrary but fixed key of the advisory lock that serializes migrators.
 MIGRATION_LOCK_KEY = 0x636F6E74  # "cont"
@@ -20,6 +33,15 @@ class Migration:
     version: int
     name: str
     sql: str
+    checksum: str  # SHA-256 of the file's bytes, hex
+
+    @property
+    def file(self) -> str:
+        return f"{self.version:04d}_{self.name}.sql"
+
+
+def checksum(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def discover(directory: Path) -> list[Migration]:
@@ -28,32 +50,165 @@ def discover(directory: Path) -> list[Migration]:
         match = _NAME.match(path.name)
         if not match:
             raise ValueError(f"migration file {path.name} is not named NNNN_description.sql")
+        data = path.read_bytes()
         found.append(Migration(version=int(match.group(1)), name=match.group(2),
-                               sql=path.read_text(encoding="utf-8")))
+                               sql=data.decode("utf-8"), checksum=checksum(data)))
     versions = [m.version for m in found]
     if len(set(versions)) != len(versions):
         raise ValueError(f"duplicate migration numbers in {directory}")
     return found
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Applied:
+    """A row of ``schema_migrations``."""
+
+    version: int
+    name: str
+    applied_at: datetime
+    checksum: str | None  # None: applied before checksums were recorded
+
+
+class Check(StrEnum):
+    """How an applied migration compares with its file."""
+
+    OK = "ok"
+    CHANGED = "changed"  # the file's checksum is not the recorded one
+    RENAMED = "renamed"  # the file of that number has another name
+    MISSING = "missing"  # no file of that number
+    UNRECORDED = "unrecorded"  # applied before checksums were kept: the next migrate records it
+
+
+BROKEN = frozenset({Check.CHANGED, Check.RENAMED, Check.MISSING})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Entry:
+    """One migration as ``migrate --status`` lists it: applied (with its check) or pending."""
+
+    version: int
+    name: str
+    applied_at: datetime | None  # None: pending
+    check: Check | None  # None: pending
+    recorded: str | None  # the checksum in schema_migrations
+    current: str | None  # the file's checksum; None: no file
+    file_name: str | None = None  # the file of that number, when renamed
+
+    @property
+    def label(self) -> str:
+        return f"{self.version:04d}_{self.name}"
+
+    @property
+    def pending(self) -> bool:
+        return self.applied_at is None
+
+
+def reconcile(applied: Sequence[Applied], files: Sequence[Migration]) -> list[Entry]:
+    """Every recorded and every discovered migration, by version, each applied one checked
+    against its file."""
+    by_version = {m.version: m for m in files}
+    entries: list[Entry] = []
+    for row in applied:
+        m = by_version.pop(row.version, None)
+        if m is None:
+            check = Check.MISSING
+        elif m.name != row.name:
+            check = Check.RENAMED
+        elif row.checksum is None:
+            check = Check.UNRECORDED
+        else:
+            check = Check.OK if m.checksum == row.checksum else Check.CHANGED
+        entries.append(Entry(version=row.version, name=row.name, applied_at=row.applied_at,
+                             check=check, recorded=row.checksum,
+                             current=m.checksum if m else None,
+                             file_name=m.file if m and check is Check.RENAMED else None))
+    entries.extend(Entry(version=m.version, name=m.name, applied_at=None, check=None,
+                         recorded=None, current=m.checksum) for m in by_version.values())
+    return sorted(entries, key=lambda e: e.version)
+
+
+def problems(entries: Sequence[Entry], directory: Path) -> list[str]:
+    """One sentence per applied migration that no longer matches ``directory``."""
+    found: list[str] = []
+    for e in entries:
+        if e.check is Check.CHANGED:
+            found.append(f"migration {directory / (e.label + '.sql')} changed after it was "
+                         f"applied: recorded sha256 {e.recorded}, file now {e.current}; an "
+                         f"applied migration must not change (restore the file and put the "
+                         f"change in a new migration)")
+        elif e.check is Check.RENAMED:
+            found.append(f"migration {e.version:04d} was applied as {e.label} but its file is "
+                         f"{directory / (e.file_name or '?')}; restore the file's name")
+        elif e.check is Check.MISSING:
+            found.append(f"migration {e.label} is recorded as applied but "
+                         f"{directory / (e.label + '.sql')} does not exist: the database was "
+                         f"migrated by a newer release, or the file was removed")
+    return found
+
+
+class MigrationError(Exception):
+    """The applied migrations do not match the files: nothing was applied."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = tuple(problems)
+
+
+def _applied(rows: Sequence[asyncpg.Record]) -> list[Applied]:
+    return [Applied(version=int(r["version"]), name=str(r["name"]), applied_at=r["applied_at"],
+                    checksum=r["checksum"]) for r in rows]
+
+
 async def migrate(dsn: str, directory: Path) -> list[str]:
-    """Apply every migration not yet applied; returns the names applied by this call."""
+    """Apply every migration not yet applied; returns the names applied by this call.
+    ``MigrationError`` (and nothing applied) when an applied migration no longer matches its
+    file."""
     conn = await asyncpg.connect(dsn)
     applied_now: list[str] = []
     try:
         await conn.execute(queries.LOCK_MIGRATIONS, MIGRATION_LOCK_KEY)
         try:
             await conn.execute(queries.CREATE_MIGRATIONS_TABLE)
-            done = {r["version"] for r in await conn.fetch(queries.APPLIED_MIGRATIONS)}
-            for m in discover(directory):
-                if m.version in done:
+            await conn.execute(queries.ADD_MIGRATION_CHECKSUM)
+            files = discover(directory)
+            entries = reconcile(_applied(await conn.fetch(queries.APPLIED_MIGRATIONS)), files)
+            found = problems(entries, directory)
+            if found:
+                raise MigrationError(found)
+            unrecorded = [e for e in entries if e.check is Check.UNRECORDED]
+            if unrecorded:
+                async with conn.transaction():
+                    for e in unrecorded:
+                        await conn.execute(queries.BACKFILL_MIGRATION_CHECKSUM, e.version,
+                                           e.current)
+                log("migration_checksums_backfilled", logging.WARNING,
+                    migrations=[e.label for e in unrecorded], directory=str(directory),
+                    note="applied before checksums were recorded: recorded now from the files "
+                         "on disk, which are trusted to be the ones applied")
+            pending = {e.version for e in entries if e.pending}
+            for m in files:
+                if m.version not in pending:
                     continue
                 async with conn.transaction():
                     await conn.execute(m.sql)
-                    await conn.execute(queries.RECORD_MIGRATION, m.version, m.name)
+                    await conn.execute(queries.RECORD_MIGRATION, m.version, m.name, m.checksum)
                 applied_now.append(f"{m.version:04d}_{m.name}")
         finally:
             await conn.execute(queries.UNLOCK_MIGRATIONS, MIGRATION_LOCK_KEY)
     finally:
         await conn.close()
     return applied_now
+
+
+async def status(dsn: str, directory: Path) -> list[Entry]:
+    """The applied and pending migrations, read-only: creates, records and applies nothing
+    (a database from before checksums shows its rows ``unrecorded``)."""
+    files = discover(directory)
+    conn = await asyncpg.connect(dsn, server_settings={
+        "default_transaction_read_only": "on", "application_name": "context-engine migrate"})
+    try:
+        rows = (await conn.fetch(queries.APPLIED_MIGRATIONS_READ_ONLY)
+                if await conn.fetchval(queries.MIGRATIONS_TABLE_EXISTS) else [])
+    finally:
+        await conn.close()
+    return reconcile(_applied(rows), files)

@@ -2,14 +2,28 @@
 
 LOCK_MIGRATIONS = "SELECT pg_advisory_lock($1)"
 UNLOCK_MIGRATIONS = "SELECT pg_advisory_unlock($1)"
+# The migrator's own bootstrap: the checksum column (SHA-256 of the file's bytes, hex) came after
+# the table, so a database migrated before it gains the column here, NULL until backfilled.
 CREATE_MIGRATIONS_TABLE = """
 CREATE TABLE IF NOT EXISTS schema_migrations (
     version     integer     PRIMARY KEY,
     name        text        NOT NULL,
-    applied_at  timestamptz NOT NULL DEFAULT now()
+    applied_at  timestamptz NOT NULL DEFAULT now(),
+    checksum    text
 )"""
-APPLIED_MIGRATIONS = "SELECT version, name FROM schema_migrations ORDER BY version"
-RECORD_MIGRATION = "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)"
+ADD_MIGRATION_CHECKSUM = "ALTER TABLE schema_migrations ADD COLUMN IF NOT EXISTS checksum text"
+APPLIED_MIGRATIONS = """
+SELECT version, name, applied_at, checksum FROM schema_migrations ORDER BY version"""
+RECORD_MIGRATION = """
+INSERT INTO schema_migrations (version, name, checksum) VALUES ($1, $2, $3)"""
+BACKFILL_MIGRATION_CHECKSUM = """
+UPDATE schema_migrations SET checksum = $2 WHERE version = $1 AND checksum IS NULL"""
+# Read-only, for `migrate --status`: creates nothing, and reads a table from before the checksum
+# column too (to_jsonb of the row has no "checksum" key then).
+MIGRATIONS_TABLE_EXISTS = "SELECT to_regclass('schema_migrations') IS NOT NULL"
+APPLIED_MIGRATIONS_READ_ONLY = """
+SELECT version, name, applied_at, to_jsonb(m) ->> 'checksum' AS checksum
+FROM schema_migrations AS m ORDER BY version"""
 
 ENSURE_SESSION = """
 INSERT INTO sessions (tenant_id, session_id) VALUES ($1, $2)

@@ -1,0 +1,189 @@
+"""The command line beyond serving: ``--version`` against values read independently of the code
+that prints them, ``config`` (every setting, where it came from, secrets redacted), ``migrate
+--status`` before any database exists, and one name for the address everywhere."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+
+import grpc_tools
+import pytest
+from context_engine.cli import main
+from context_engine.config import MASK, Config, variables
+from google.protobuf import descriptor_pb2
+from grpc_tools import protoc
+
+REPO = Path(__file__).resolve().parents[2]
+PROTO = REPO / "proto" / "context_engine" / "v1" / "context_engine.proto"
+SECRET = "sk-live-0123456789abcdef-do-not-print"
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """A process environment without any variable the configuration reads."""
+    for name in list(os.environ):
+        if name.startswith(("CE_", "OTEL_")) or name == "DATABASE_URL":
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse: --version, --help and usage errors
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------------------- --version
+
+
+def compiled_descriptor_sha256() -> str:
+    """The contract compiled from the .proto file here, as the generated code embeds it (the
+    Python generator leaves out json_name)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "set.pb"
+        include = Path(grpc_tools.__file__).parent / "_proto"
+        assert protoc.main(["protoc", f"-I{REPO / 'proto'}", f"-I{include}",
+                            f"--descriptor_set_out={out}", str(PROTO)]) == 0
+        files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
+    (file,) = [f for f in files if f.name == "context_engine/v1/context_engine.proto"]
+
+    def strip(messages: object) -> None:
+        for message in messages:  # type: ignore[attr-defined]
+            for field in message.field:
+                field.ClearField("json_name")
+            strip(message.nested_type)
+    strip(file.message_type)
+    return hashlib.sha256(file.SerializeToString()).hexdigest()
+
+
+def version_lines(out: str) -> dict[str, str]:
+    return dict(line.split(None, 1) for line in out.splitlines())
+
+
+def test_version_names_the_service_contract_policy_and_builder(env, capsys):
+    code, out, err = run(capsys, "--version")
+    assert code == 0 and not err
+    lines = version_lines(out)
+    assert list(lines) == ["context-engine", "contract", "policy", "builder"]
+    assert lines["context-engine"] == version("context-engine")
+    package = re.search(r"^package ([\w.]+);", PROTO.read_text(), re.M).group(1)
+    assert lines["contract"] == f"{package} sha256:{compiled_descriptor_sha256()}"
+    manifest = REPO / "service" / "context_engine" / "assets" / "manifest.json"
+    assert lines["policy"] == json.loads(manifest.read_text())["version"]
+    assert lines["policy"].startswith("platform-policy@")
+    plan = (REPO / "service" / "context_engine" / "domain" / "plan.py").read_text()
+    assert lines["builder"] == re.search(r'^BUILDER_VERSION = "([^"]+)"', plan, re.M).group(1)
+
+
+def test_version_reports_the_policy_of_ce_assets_dir(env, capsys, tmp_path: Path):
+    (tmp_path / "manifest.json").write_text('{"version": "acme-policy@7"}')
+    (tmp_path / "policy.md").write_text("policy")
+    (tmp_path / "framing.md").write_text("framing")
+    env.setenv("CE_ASSETS_DIR", str(tmp_path))
+    code, out, _ = run(capsys, "--version")
+    assert code == 0
+    assert version_lines(out)["policy"] == f"acme-policy@7 (CE_ASSETS_DIR={tmp_path})"
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def test_config_prints_every_setting_and_where_it_came_from(env, capsys, tmp_path: Path):
+    env.setenv("CE_WORKERS", "3")
+    env.setenv("CE_METRICS_ADDR", "")
+    env.setenv("CE_SUMMARIZER_API_KEY", SECRET)
+    env.setenv("DATABASE_URL", "postgresql://ce:dsn-password@db:5432/ce")
+    code, out, err = run(capsys, "config", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert list(doc) == list(Config.model_fields)
+    assert doc["workers"] == {"value": 3, "variable": "CE_WORKERS", "source": "environment"}
+    assert doc["metrics_addr"] == {"value": "", "variable": "CE_METRICS_ADDR",
+                                   "source": "environment"}
+    assert doc["grpc_addr"] == {"value": "127.0.0.1:50051", "variable": "CE_GRPC_ADDR",
+                                "source": "default"}
+    assert doc["summarizer_api_key"]["value"] == MASK
+    assert doc["database_url"]["value"] == f"postgresql://ce:{MASK}@db:5432/ce"
+    assert doc["tls_cert_file"]["value"] is None
+    assert {name: d["variable"] for name, d in doc.items() if name != "trace_export"} == \
+        variables()
+
+    code, text, err = run(capsys, "config")
+    assert code == 0, err
+    rows = [line.split() for line in text.splitlines()]
+    assert rows[0] == ["setting", "variable", "source", "value"]
+    by_name = {r[0]: r for r in rows[1:]}
+    assert list(by_name) == list(Config.model_fields)
+    assert by_name["workers"] == ["workers", "CE_WORKERS", "environment", "3"]
+    assert by_name["metrics_addr"] == ["metrics_addr", "CE_METRICS_ADDR", "environment"]
+    assert by_name["summarizer_api_key"][3] == MASK
+    assert by_name["dev_mode"][2:] == ["default", "false"]
+    for shown in (out, text):
+        assert SECRET not in shown and "dsn-password" not in shown
+
+
+def test_config_shows_an_unset_secret_as_empty(env, capsys):
+    code, out, _ = run(capsys, "config", "--json")
+    assert code == 0
+    assert json.loads(out)["summarizer_api_key"] == {
+        "value": "", "variable": "CE_SUMMARIZER_API_KEY", "source": "default"}
+
+
+def test_config_exits_2_on_a_bad_environment_without_showing_secrets(env, capsys):
+    env.setenv("CE_SUMMARIZER_API_KEY", SECRET)
+    env.setenv("CE_WORKERS", "all of them")
+    env.setenv("CE_SUMMARIZER_URL", "https://llm.internal/v1")
+    code, out, err = run(capsys, "config")
+    assert code == 2 and not out
+    assert err == ("context-engine: configuration error: CE_WORKERS='all of them' is not an "
+                   "integer\n")
+    env.delenv("CE_WORKERS")
+    code, out, err = run(capsys, "config", "--json")
+    assert code == 2 and not out
+    assert "CE_SUMMARIZER_URL is set without CE_SUMMARIZER_MODEL" in err
+    assert SECRET not in err
+
+
+# ---------------------------------------------------------------------------- migrate --status
+
+
+def test_migrate_status_before_any_database_lists_every_migration_pending(env, capsys,
+                                                                          tmp_path: Path):
+    env.setenv("CE_DATA_DIR", str(tmp_path))  # no embedded database here, and none is made
+    code, out, err = run(capsys, "migrate", "--status")
+    assert code == 0, err
+    names = sorted(p.stem for p in (REPO / "migrations").glob("*.sql"))
+    table = out.split("\n\n")[0].splitlines()
+    assert table[0].split() == ["version", "name", "state", "applied_at", "checksum"]
+    assert [f"{r.split()[0]}_{r.split()[1]}" for r in table[1:]] == names
+    assert all(r.split()[2:] == ["pending", "-", "-"] for r in table[1:])
+    assert f"0 applied, {len(names)} pending" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------- addresses
+
+
+def test_health_takes_the_address_as_grpc_addr(env, capsys):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        code, out, err = run(capsys, "health", "--grpc-addr", f"0.0.0.0:{port}",
+                             "--timeout", "1")
+    assert code == 1 and not out
+    assert err.startswith(f"context-engine health: 127.0.0.1:{port}: "), err
+    code, _, err = run(capsys, "health", "--addr", f"127.0.0.1:{port}")
+    assert code == 2 and "unrecognized arguments: --addr" in err
+    code, _, err = run(capsys, "health", "--grpc-addr", "no-port")
+    assert code == 2 and "is not host:port" in err

@@ -1,0 +1,232 @@
+"""``Config``: one pydantic-settings model read from an injected environment only, with today's
+defaults, empty-value rules and strict errors (every bad variable named with its value, in one
+error), and secrets that never show: not in repr, str, errors, nor ``effective()``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from context_engine.config import (
+    MASK,
+    SECRETS,
+    Config,
+    ConfigError,
+    effective,
+    redact_url,
+    variables,
+)
+from pydantic import ValidationError
+
+SECRET = "sk-live-0123456789abcdef-do-not-print"
+DSN_PASSWORD = "hunter2-in-the-dsn"
+
+# The defaults as the README's configuration table documents them.
+DEFAULTS = {
+    "grpc_addr": "127.0.0.1:50051", "metrics_addr": "127.0.0.1:9464", "database_url": None,
+    "max_receive_bytes": 67108864, "max_concurrent_rpcs": 256, "max_items_per_request": 100000,
+    "max_item_bytes": 16777216, "workers": 0, "keepalive_time_seconds": 60.0,
+    "keepalive_timeout_seconds": 20.0, "max_connection_age_seconds": 1800.0,
+    "grace_seconds": 10.0, "drain_seconds": 1.0, "db_pool_size": 10, "db_timeout_seconds": 5.0,
+    "plan_cache_size": 4096, "log_level": "INFO", "safety_margin_ratio": 0.05,
+    "policy_cap_tokens": 0, "inline_maximum_bytes": 16384, "recall_floor_tokens": 500,
+    "calibration_ttl_seconds": 5.0, "summarizer_url": "", "summarizer_model": "",
+    "summarizer_api_key": "", "summarizer_timeout_seconds": 20.0, "trace_export": False,
+    "dev_mode": False, "auth_tokens_file": None, "auth_db_tokens": False,
+    "auth_cache_seconds": 30.0, "tls_cert_file": None, "tls_key_file": None,
+    "tls_client_ca_file": None,
+}
+
+
+def test_defaults_are_the_documented_ones():
+    config = Config.from_env({})
+    assert config == Config()
+    assert {name: getattr(config, name) for name in DEFAULTS} == DEFAULTS
+    assert config.data_dir.name == ".data" and config.migrations_dir.name == "migrations"
+    assert config.model_fields_set == set()
+
+
+def test_every_setting_has_one_variable():
+    names = variables()
+    assert set(names) == set(Config.model_fields) - {"trace_export"}
+    assert names["database_url"] == "DATABASE_URL"
+    assert all(v == f"CE_{n.upper()}" for n, v in names.items() if n != "database_url")
+
+
+def test_nothing_is_read_behind_from_envs_back(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path):
+    monkeypatch.setenv("CE_WORKERS", "7")
+    monkeypatch.setenv("DATABASE_URL", "postgresql://elsewhere/db")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text("CE_WORKERS=9\n")
+    assert Config.from_env({}).workers == 0 and Config().workers == 0
+    assert Config().database_url is None
+
+
+def test_values_are_parsed_from_the_environment(tmp_path: Path):
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text("[]")
+    config = Config.from_env({
+        "CE_GRPC_ADDR": "[::1]:6000", "CE_METRICS_ADDR": "", "DATABASE_URL": "postgresql://x/y",
+        "CE_WORKERS": " 3 ", "CE_GRACE_SECONDS": "2.5", "CE_DRAIN_SECONDS": "0",
+        "CE_DEV_MODE": "Yes", "CE_AUTH_DB_TOKENS": "off", "CE_AUTH_TOKENS_FILE": str(tokens),
+        "CE_LOG_LEVEL": "debug", "CE_DATA_DIR": str(tmp_path), "CE_SAFETY_MARGIN_RATIO": "0",
+        "CE_SUMMARIZER_URL": "https://llm.internal/v1", "CE_SUMMARIZER_MODEL": "m",
+        "CE_SUMMARIZER_API_KEY": SECRET, "UNRELATED": "ignored"})
+    assert (config.grpc_addr, config.metrics_addr, config.database_url) == (
+        "[::1]:6000", "", "postgresql://x/y")
+    assert (config.workers, config.grace_seconds, config.drain_seconds) == (3, 2.5, 0.0)
+    assert config.dev_mode is True and config.auth_db_tokens is False
+    assert config.auth_tokens_file == tokens and config.data_dir == tmp_path
+    assert config.log_level == "DEBUG" and config.summarizer_api_key == SECRET
+    assert "workers" in config.model_fields_set and "plan_cache_size" not in config.model_fields_set
+
+
+@pytest.mark.parametrize("variable", sorted(set(variables().values()) - {"CE_METRICS_ADDR"}))
+def test_an_empty_variable_means_unset(variable: str):
+    assert Config.from_env({variable: ""}) == Config()
+
+
+def test_an_empty_metrics_address_turns_the_endpoint_off():
+    assert Config.from_env({"CE_METRICS_ADDR": ""}).metrics_addr == ""
+
+
+@pytest.mark.parametrize(("raw", "value"), [
+    ("1", True), ("true", True), ("YES", True), (" on ", True),
+    ("0", False), ("false", False), ("No", False), ("off", False), ("  ", False),
+])
+def test_booleans(raw: str, value: bool):
+    assert Config.from_env({"CE_AUTH_DB_TOKENS": raw}).auth_db_tokens is value
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"CE_WORKERS": "many"}, "CE_WORKERS='many' is not an integer"),
+    ({"CE_WORKERS": "-1"}, "CE_WORKERS='-1' is below 0"),
+    ({"CE_MAX_RECEIVE_BYTES": "5.0"}, "CE_MAX_RECEIVE_BYTES='5.0' is not an integer"),
+    ({"CE_MAX_RECEIVE_BYTES": "1023"}, "CE_MAX_RECEIVE_BYTES='1023' is below 1024"),
+    ({"CE_INLINE_MAXIMUM_BYTES": "255"}, "CE_INLINE_MAXIMUM_BYTES='255' is below 256"),
+    ({"CE_DB_POOL_SIZE": "0"}, "CE_DB_POOL_SIZE='0' is below 1"),
+    ({"CE_GRACE_SECONDS": "0"}, "CE_GRACE_SECONDS='0' must be positive"),
+    ({"CE_GRACE_SECONDS": "soon"}, "CE_GRACE_SECONDS='soon' is not a number"),
+    ({"CE_DB_TIMEOUT_SECONDS": "nan"}, "CE_DB_TIMEOUT_SECONDS='nan' is not a finite number"),
+    ({"CE_DRAIN_SECONDS": "-0.5"}, "CE_DRAIN_SECONDS='-0.5' is below 0"),
+    ({"CE_SAFETY_MARGIN_RATIO": "0.5"}, "CE_SAFETY_MARGIN_RATIO='0.5' must be below 0.5"),
+    ({"CE_DEV_MODE": "maybe"}, "CE_DEV_MODE='maybe' is not a boolean (1/0, true/false)"),
+    ({"CE_DEV_MODE": "t"}, "CE_DEV_MODE='t' is not a boolean"),
+    ({"CE_GRPC_ADDR": "localhost"}, "CE_GRPC_ADDR='localhost' is not host:port"),
+    ({"CE_METRICS_ADDR": "9464"}, "CE_METRICS_ADDR='9464' is not host:port"),
+    ({"CE_LOG_LEVEL": "chatty"}, "CE_LOG_LEVEL='chatty' is not a log level"),
+    ({"CE_SUMMARIZER_URL": "ftp://x", "CE_SUMMARIZER_MODEL": "m"},
+     "CE_SUMMARIZER_URL='ftp://x' is not an http(s) URL"),
+    ({"CE_SUMMARIZER_URL": "http://x"}, "CE_SUMMARIZER_URL is set without CE_SUMMARIZER_MODEL"),
+    ({"CE_AUTH_TOKENS_FILE": "/no/such/tokens.json"},
+     "CE_AUTH_TOKENS_FILE='/no/such/tokens.json' is not a readable file"),
+])
+def test_a_bad_value_names_the_variable_and_the_value(env: dict[str, str], message: str):
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env(env)
+    assert message in str(caught.value)
+
+
+def test_every_bad_variable_is_reported_at_once():
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env({"CE_WORKERS": "x", "CE_GRACE_SECONDS": "-1", "CE_DEV_MODE": "2"})
+    assert str(caught.value) == ("CE_WORKERS='x' is not an integer; "
+                                 "CE_GRACE_SECONDS='-1' must be positive; "
+                                 "CE_DEV_MODE='2' is not a boolean (1/0, true/false)")
+
+
+def test_trace_export_follows_the_standard_otel_variables():
+    assert not Config.from_env({}).trace_export
+    config = Config.from_env({"OTEL_TRACES_EXPORTER": "otlp"})
+    assert config.trace_export and "trace_export" in config.model_fields_set
+    assert not Config.from_env({"OTEL_TRACES_EXPORTER": "otlp",
+                                "OTEL_SDK_DISABLED": "true"}).trace_export
+
+
+# ---------------------------------------------------------------------------- secrets
+
+
+def secret_env(**more: str) -> dict[str, str]:
+    return {"CE_SUMMARIZER_API_KEY": SECRET,
+            "DATABASE_URL": f"postgresql://ce:{DSN_PASSWORD}@db.internal:5432/ce", **more}
+
+
+def test_secrets_are_the_api_key_and_the_dsn():
+    assert {"summarizer_api_key", "database_url"} <= SECRETS
+
+
+def test_a_secret_is_never_in_repr_or_str():
+    config = Config.from_env(secret_env())
+    for text in (repr(config), str(config), f"{config}", repr([config])):
+        assert SECRET not in text and DSN_PASSWORD not in text
+
+
+@pytest.mark.parametrize("other", [
+    {"CE_WORKERS": "lots"},  # a field of its own fails
+    {"CE_SUMMARIZER_URL": "https://llm.internal/v1"},  # a rule across fields fails
+    {"CE_TLS_CERT_FILE": "/missing.pem"},
+])
+def test_a_secret_is_never_in_the_error_of_another_variable(other: dict[str, str]):
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env(secret_env(**other))
+    shown = [str(caught.value), repr(caught.value), str(caught.value.__context__),
+             repr(caught.value.__context__)]
+    for text in shown:
+        assert SECRET not in text and DSN_PASSWORD not in text
+
+
+def test_a_secret_is_never_in_a_direct_validation_error():
+    with pytest.raises(ValidationError) as caught:
+        Config(summarizer_api_key=SECRET, workers=-1)
+    assert SECRET not in str(caught.value) and SECRET not in repr(caught.value)
+    with pytest.raises(ValidationError) as caught:
+        Config(summarizer_api_key=SECRET, summarizer_url="https://x")
+    assert SECRET not in str(caught.value)
+
+
+def test_the_effective_settings_redact_secrets():
+    shown = {s.name: s for s in effective(Config.from_env(secret_env()))}
+    assert list(shown) == list(Config.model_fields)
+    assert shown["summarizer_api_key"].value == MASK
+    assert shown["summarizer_api_key"].source == "environment"
+    assert shown["database_url"].value == f"postgresql://ce:{MASK}@db.internal:5432/ce"
+    assert shown["grpc_addr"].value == "127.0.0.1:50051"
+    assert shown["grpc_addr"].source == "default"
+    assert shown["trace_export"].variable == "OTEL_*"
+    unset = {s.name: s for s in effective(Config.from_env({}))}
+    assert unset["summarizer_api_key"].value == "" and unset["database_url"].value is None
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("postgresql://u:pw@h:5432/db", f"postgresql://u:{MASK}@h:5432/db"),
+    ("postgresql://u@h/db", "postgresql://u@h/db"),
+    ("postgresql://h/db?user=u&password=pw&sslmode=require",
+     f"postgresql://h/db?user=u&password={MASK}&sslmode=require"),
+    ("host=h dbname=db password='p w' user=u", f"host=h dbname=db password={MASK} user=u"),
+    ("postgresql://u:p%40ss@h/db", f"postgresql://u:{MASK}@h/db"),
+])
+def test_a_dsn_password_is_masked(url: str, shown: str):
+    assert redact_url(url) == shown
+
+
+# ---------------------------------------------------------------------------- derived copies
+
+
+def test_replace_derives_a_validated_copy():
+    config = Config.from_env(secret_env())
+    copy = config.replace(workers=4, dev_mode=True)
+    assert (copy.workers, copy.dev_mode, copy.summarizer_api_key) == (4, True, SECRET)
+    assert config.workers == 0  # frozen: the original is untouched
+    with pytest.raises(ValidationError):
+        config.replace(workers=-1)
+    with pytest.raises(TypeError, match="no settings"):
+        config.replace(worker=4)
+    with pytest.raises(ValidationError):
+        config.workers = 3  # type: ignore[misc]
+
+
+def test_model_copy_then_validate_checks_the_overrides():
+    copy = Config().model_copy(update={"grpc_addr": "nowhere"})
+    with pytest.raises(ConfigError, match="CE_GRPC_ADDR='nowhere' is not host:port"):
+        copy.validate()
