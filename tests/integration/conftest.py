@@ -4,7 +4,6 @@ real server that summarizes with it (one of each per module)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 
 import grpc
 import pytest
@@ -24,7 +23,7 @@ def provider() -> Iterator[FakeProvider]:
 
 @pytest.fixture(scope="module")
 def llm_stub(database_url: str, provider: FakeProvider) -> Iterator[pb_grpc.ContextEngineStub]:
-    config = replace(base_config(), summarizer_url=provider.url, summarizer_model="fake-model",
+    config = base_config().replace(summarizer_url=provider.url, summarizer_model="fake-model",
                      summarizer_api_key="test-key", summarizer_timeout_seconds=0.5)
     srv = ServerThread(config, database_url)
     ch = grpc.insecure_channel(srv.address)
