@@ -203,6 +203,8 @@ class Config(BaseSettings):
     summarizer_model: str = ""
     summarizer_api_key: str = Field(default="", repr=False)  # never printed
     summarizer_timeout_seconds: Positive = 20.0
+    # the openai SDK's retries within that deadline (connection errors, 408/409/429/5xx)
+    summarizer_max_retries: Annotated[Int, Field(ge=0, le=10)] = 2
     # Traces go over OTLP only when the standard OTEL_* variables ask for it (off by default).
     trace_export: Bool = False
     # Who may call: dev mode (no credentials, loopback only) or bearer tokens stored as SHA-256

@@ -1,7 +1,16 @@
-"""Traces from a real server into the SDK's in-memory exporter: one server span per RPC under
-the caller's W3C trace context, child spans for rendering, build and database calls, and no
-tenant id, session id, message text or credential in any attribute. And the JSON log line each
-RPC writes."""
+"""Traces, configured by the OpenTelemetry SDK from the standard OTEL_* variables.
+
+In process, a real server with a tracer provider of the test's own (the SDK's in-memory
+exporter): one server span per RPC under the caller's W3C trace context, child spans for
+rendering, build and store operations, asyncpg's client spans under those, and no tenant id,
+session id, message text or credential in any attribute; the JSON log line each RPC writes,
+with the RPC's trace and span ids.
+
+As real `context-engine serve` processes configured only by the variables: the console
+exporter (spans printed as JSON), OTLP over HTTP to a loopback receiver and OTLP over gRPC to a
+loopback collector (with worker processes, each of which sets up its own SDK), the sampler and
+resource variables, and a server without the variables that loads no SDK at all.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +18,26 @@ import asyncio
 import io
 import json
 import logging
+import os
 import secrets
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from context_engine import __version__
+from context_engine.api.auth import token_sha256
 from context_engine.api.server import start
 from context_engine.config import Config
-from context_engine.telemetry.logs import LOGGER, JsonFormatter
+from context_engine.telemetry.logs import LOGGER, JsonFormatter, correlate
 from context_engine.telemetry.tracing import (
     caller_context,
-    otlp_provider,
     otlp_requested,
     tracer_for,
 )
@@ -30,14 +45,16 @@ from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CollectorRegistry
 
-from tests.conftest import ServerThread
+from tests.conftest import REPO, ServerThread
 from tests.conftest import test_config as base_config
+from tests.integration.processes import ServerProcess
 from tests.integration.requests import build_request, failure, item, plan_request
 from tests.integration.test_budget_rpc import SMALL, long_history
 
@@ -118,6 +135,16 @@ def assert_clean(spans: Sequence[ReadableSpan], *secrets_: str) -> None:
             assert secret not in text, (secret, s.name)
 
 
+def statements(spans: Sequence[ReadableSpan], parent: ReadableSpan) -> list[ReadableSpan]:
+    """asyncpg's client spans under ``parent`` (directly: the store operation's span)."""
+    found = [s for s in children(spans, parent) if s.kind is SpanKind.CLIENT]
+    for s in found:
+        attrs = s.attributes or {}
+        assert attrs["db.system"] == "postgresql" and attrs["db.statement"]
+        assert not [k for k in attrs if "parameters" in k]  # parameters may be content
+    return found
+
+
 def test_rpc_spans_continue_the_callers_trace(tstub, ids, exporter):
     tenant, session = ids
     trace_id, span_id, md = caller()
@@ -145,13 +172,20 @@ def test_rpc_spans_continue_the_callers_trace(tstub, ids, exporter):
     names = sorted(s.name for s in children(spans, rpc_plan))
     assert names == ["context_engine.plan.render", "db plans.get", "db plans.pin"]
     pin = one(spans, "db plans.pin")
-    assert pin.kind is SpanKind.CLIENT
+    assert pin.kind is SpanKind.INTERNAL
     assert (pin.attributes or {})["db.system.name"] == "postgresql"
+    # asyncpg's statements, one client span each, under the store operation's span
+    pinned = statements(spans, pin)
+    sql = [str((s.attributes or {})["db.statement"]) for s in pinned]
+    assert sql[0].startswith("BEGIN") and any(q.startswith("COMMIT") for q in sql), sql
+    assert any("INSERT INTO plans" in q for q in sql), sql
+    assert statements(spans, one(spans, "db plans.get"))
 
     # Build: the pure build (with its history selection), the rendering, the factor's read.
     under_build = {s.name for s in children(spans, rpc_build)}
     assert {"context_engine.build", "context_engine.render",
             "db calibrations.get"} <= under_build
+    assert statements(spans, one(spans, "db calibrations.get"))
     build = one(spans, "context_engine.build")
     history = one(children(spans, build), "context_engine.history_selection")
     assert (history.attributes or {})["context_engine.derived"] is True
@@ -254,17 +288,20 @@ def test_every_rpc_has_a_span_and_a_call_without_context_starts_a_trace(tstub, i
     assert_clean(spans, tenant, session)
 
 
-def test_otlp_export_follows_the_standard_variables():
+def test_export_follows_the_standard_variables():
     assert not otlp_requested({})
-    assert otlp_requested({"OTEL_TRACES_EXPORTER": "otlp"})
-    assert otlp_requested({"OTEL_TRACES_EXPORTER": "console, otlp"})
+    for exporters in ("otlp", "console", "console, otlp", "otlp_proto_http", " CONSOLE "):
+        assert otlp_requested({"OTEL_TRACES_EXPORTER": exporters}), exporters
     assert not otlp_requested({"OTEL_TRACES_EXPORTER": "none",
                                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"})
+    assert not otlp_requested({"OTEL_TRACES_EXPORTER": " None "})
+    # the spec's default exporter is otlp: an endpoint alone asks for it
     assert otlp_requested({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"})
-    assert otlp_requested({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4317"})
-    assert not otlp_requested({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"})
+    assert otlp_requested({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318"})
+    assert not otlp_requested({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "console"})
+    assert not otlp_requested({"OTEL_METRICS_EXPORTER": "otlp", "OTEL_LOGS_EXPORTER": "otlp"})
     assert not Config.from_env({}).trace_export
-    assert Config.from_env({"OTEL_TRACES_EXPORTER": "otlp"}).trace_export
+    assert Config.from_env({"OTEL_TRACES_EXPORTER": "console"}).trace_export
 
 
 def test_without_a_provider_spans_are_no_ops():
@@ -277,6 +314,11 @@ def test_without_a_provider_spans_are_no_ops():
     assert trace.get_current_span(caller_context([("traceparent", "garbage")])) is \
         trace.INVALID_SPAN
     assert trace.get_current_span(caller_context(None)) is trace.INVALID_SPAN
+    # the propagators read their own keys only; binary metadata is skipped
+    remote = trace.get_current_span(caller_context([
+        ("authorization", f"Bearer {TOKEN}"), ("x-bin", b"\x00"),
+        ("traceparent", f"00-{'a' * 32}-{'b' * 16}-01")])).get_span_context()
+    assert remote.is_remote and remote.trace_id == int("a" * 32, 16)
 
 
 def test_each_rpc_logs_one_json_line_without_content(stub, ids):
@@ -306,6 +348,8 @@ def test_each_rpc_logs_one_json_line_without_content(stub, ids):
     for line in mine:
         assert {"ts", "level", "duration_ms", "epoch", "prefix_sha256"} <= set(line)
         assert line["epoch"] == 1 and isinstance(line["duration_ms"], float)
+        # no tracing and no caller context: the keys are there, null
+        assert line["trace_id"] is None and line["span_id"] is None
     logged_plan, built, failed_build = mine
     assert logged_plan["prefix_sha256"] == plan.prefix_sha256 and logged_plan["created"]
     assert built["prefix_sha256"] == pressed.prefix_sha256
@@ -316,9 +360,237 @@ def test_each_rpc_logs_one_json_line_without_content(stub, ids):
         assert secret not in text
 
 
-def test_the_otlp_provider_exports_to_a_collector(monkeypatch):
-    """``otlp_provider`` ships spans over OTLP/gRPC to the endpoint the variables name."""
-    received: list[Any] = []
+def capture_logs() -> tuple[io.StringIO, logging.Handler]:
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter())
+    LOGGER.addHandler(handler)
+    return out, handler
+
+
+def test_the_log_line_of_an_rpc_names_its_span(tstub, ids, exporter):
+    """Trace and span ids on the JSON line, from the RPC's span (the logging
+    instrumentation's record factory, installed per process by ``logs.configure``)."""
+    tenant, session = ids
+    correlate()
+    out, handler = capture_logs()
+    level = LOGGER.level
+    LOGGER.setLevel(logging.INFO)
+    try:
+        trace_id, _, md = caller()
+        tstub.Plan(plan_request(tenant, session), metadata=md)
+        tstub.Build(build_request(tenant, session, items=[item("u1", 1, user=pb.UserMessage(
+            text=TEXT))]), metadata=md)
+    finally:
+        LOGGER.removeHandler(handler)
+        LOGGER.setLevel(level)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    [built] = [line for line in lines if line.get("event") == "rpc"
+               and line.get("method") == "Build" and line.get("tenant") == tenant]
+    rpc = one(spans_of(exporter, trace_id), f"{SERVICE}/Build")
+    assert rpc.context is not None
+    assert built["trace_id"] == trace_id == format(rpc.context.trace_id, "032x")
+    assert built["span_id"] == format(rpc.context.span_id, "016x")
+
+
+# ------------------------------------------------------------ configured by the variables
+# Real `context-engine serve` processes: the SDK reads os.environ once per process, so each
+# configuration is a process of its own.
+
+def process_env(database_url: str, **otel: str) -> dict[str, str]:
+    return {"DATABASE_URL": database_url, "CE_WORKERS": "1", "OTEL_BSP_SCHEDULE_DELAY": "200",
+            **otel}
+
+
+def serve(env: dict[str, str]) -> ServerProcess:
+    """A server with ``env`` over the test run's environment, whose own OTEL_* variables are
+    blanked (the SDK takes an empty variable for an unset one)."""
+    blank = {k: "" for k in os.environ if k.startswith("OTEL_") and k not in env}
+    return ServerProcess({**blank, **env})
+
+
+def traced_calls(address: str, tenant: str, session: str,
+                 md: list[tuple[str, str]]) -> pb.BuildResponse:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.ContextEngineStub(channel)
+        stub.Plan(plan_request(tenant, session), metadata=md, timeout=30)
+        return stub.Build(build_request(tenant, session, items=[item("u1", 1, user=pb.UserMessage(
+            text=f"Summarize this: {TEXT}"))]), metadata=md, timeout=30)
+
+
+def rpc_log(server: ServerProcess, method: str, tenant: str) -> dict[str, Any]:
+    [line] = [r for r in server.log if r.get("event") == "rpc" and r.get("method") == method
+              and r.get("tenant") == tenant]
+    return line
+
+
+def json_objects(text: str) -> list[dict[str, Any]]:
+    """Every JSON object in ``text``: the log lines, and the spans the console exporter
+    prints (indented over several lines)."""
+    decoder = json.JSONDecoder()
+    found: list[dict[str, Any]] = []
+    at = text.find("{")
+    while at != -1:
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except ValueError:
+            at = text.find("{", at + 1)
+            continue
+        if isinstance(value, dict):
+            found.append(value)
+        at = text.find("{", end)
+    return found
+
+
+def test_the_console_exporter_prints_the_spans(database_url, ids):
+    """OTEL_TRACES_EXPORTER=console: the spans as JSON on stdout; the resource from
+    OTEL_RESOURCE_ATTRIBUTES with the service name defaulting to context-engine."""
+    tenant, session = ids
+    trace_id, span_id, md = caller()
+    server = serve(process_env(database_url, OTEL_TRACES_EXPORTER="console",
+                               OTEL_RESOURCE_ATTRIBUTES="deployment.environment=ci"))
+    try:
+        traced_calls(server.address, tenant, session, md)
+    finally:
+        assert server.terminate() == 0
+    printed = json_objects("".join(server.raw))
+    spans = [o for o in printed if {"context", "kind", "resource"} <= set(o)]
+    assert spans, "".join(server.raw)[-3000:]
+    build = [s for s in spans if s["name"] == f"{SERVICE}/Build"
+             and s["context"]["trace_id"] == f"0x{trace_id}"]
+    assert len(build) == 1
+    [rpc] = build
+    assert rpc["kind"] == "SpanKind.SERVER" and rpc["parent_id"] == f"0x{span_id}"
+    by_parent: dict[str, list[dict[str, Any]]] = {}
+    for s in spans:
+        by_parent.setdefault(s["parent_id"] or "", []).append(s)
+
+    def below(span_id_: str) -> list[dict[str, Any]]:
+        direct = by_parent.get(span_id_, [])
+        return direct + [d for s in direct for d in below(s["context"]["span_id"])]
+
+    statements_ = [s for s in below(rpc["context"]["span_id"]) if s["kind"] == "SpanKind.CLIENT"]
+    assert statements_ and all(s["attributes"]["db.system"] == "postgresql"
+                               for s in statements_)
+    resource = rpc["resource"]["attributes"]
+    assert resource["service.name"] == "context-engine"
+    assert resource["service.version"] == __version__
+    assert resource["deployment.environment"] == "ci"
+    assert TOKEN not in "".join(server.raw) and TEXT not in "".join(server.raw)
+    for secret in (tenant, session, "Summarize"):
+        assert secret not in json.dumps(spans)
+    built = rpc_log(server, "Build", tenant)
+    assert (built["trace_id"], built["span_id"]) == (trace_id, rpc["context"]["span_id"][2:])
+
+
+class Receiver:
+    """An OTLP/HTTP receiver on loopback: keeps every POST /v1/traces body and its headers."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        self.headers: list[dict[str, str]] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                if self.path == "/v1/traces":
+                    receiver.bodies.append(body)
+                    receiver.headers.append({k.lower(): v for k, v in self.headers.items()})
+                answer = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200 if self.path == "/v1/traces" else 404)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+
+    def stop(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def exported(requests: Sequence[trace_service_pb2.ExportTraceServiceRequest]
+             ) -> list[tuple[dict[str, str], trace_pb2.Span]]:
+    """Each exported span with its resource's string attributes."""
+    return [({a.key: a.value.string_value for a in rs.resource.attributes}, span)
+            for req in requests for rs in req.resource_spans
+            for ss in rs.scope_spans for span in ss.spans]
+
+
+def attributes(span: trace_pb2.Span) -> dict[str, Any]:
+    return {a.key: getattr(a.value, a.value.WhichOneof("value") or "string_value")
+            for a in span.attributes}
+
+
+def descendants(spans: Sequence[trace_pb2.Span], root: trace_pb2.Span) -> list[trace_pb2.Span]:
+    direct = [s for s in spans if s.parent_span_id == root.span_id]
+    return direct + [d for s in direct for d in descendants(spans, s)]
+
+
+def test_otlp_over_http_from_worker_processes(database_url, ids, tmp_path: Path):
+    """OTLP over HTTP (the per-signal protocol variable over the general one), to a loopback
+    receiver, from a two-worker server with credentials: the Build span under the caller's,
+    asyncpg's statements under it, the token and the message in no exported byte, and the
+    RPC's log line naming the exported span."""
+    tenant, session = ids
+    token = f"tok-CANARY-{secrets.token_hex(8)}"
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([{"sha256": token_sha256(token), "tenant_id": tenant,
+                                   "rpcs": ["*"]}]))
+    receiver = Receiver()
+    trace_id, span_id, _ = caller()
+    md = [("traceparent", f"00-{trace_id}-{span_id}-01"), ("authorization", f"Bearer {token}")]
+    server = serve({**process_env(database_url, OTEL_TRACES_EXPORTER="otlp",
+                                  OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+                                  OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
+                                  OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url,
+                                  OTEL_EXPORTER_OTLP_HEADERS="x-collector-key=ce-test",
+                                  OTEL_SERVICE_NAME="ce-under-test"),
+                    "CE_WORKERS": "2", "CE_DEV_MODE": "0", "CE_AUTH_TOKENS_FILE": str(tokens)})
+    try:
+        traced_calls(server.address, tenant, session, md)
+    finally:
+        assert server.terminate() == 0
+        receiver.stop()
+    assert receiver.bodies, "".join(server.raw)[-3000:]
+    assert all(h["x-collector-key"] == "ce-test" for h in receiver.headers)
+    assert all(h["content-type"] == "application/x-protobuf" for h in receiver.headers)
+    raw = b"".join(receiver.bodies)
+    for secret in (token, TEXT, "Summarize", tenant, session):
+        assert secret.encode() not in raw, secret
+    spans = exported([trace_service_pb2.ExportTraceServiceRequest.FromString(b)
+                      for b in receiver.bodies])
+    mine = [s for _, s in spans if s.trace_id.hex() == trace_id]
+    [rpc] = [s for s in mine if s.name == f"{SERVICE}/Build"]
+    assert rpc.kind == trace_pb2.Span.SPAN_KIND_SERVER
+    assert rpc.parent_span_id.hex() == span_id
+    assert attributes(rpc)["context_engine.status_code"] == "OK"
+    below = descendants(mine, rpc)
+    db = [s for s in below if s.kind == trace_pb2.Span.SPAN_KIND_CLIENT]
+    assert db and all(attributes(s)["db.system"] == "postgresql" for s in db)
+    assert all(not [k for k in attributes(s) if "parameters" in k] for s in db)
+    assert {"context_engine.build", "db calibrations.get"} <= {s.name for s in below}
+    resource = next(r for r, s in spans if s.span_id == rpc.span_id)
+    assert resource["service.name"] == "ce-under-test"
+    assert resource["service.version"] == __version__
+    built = rpc_log(server, "Build", tenant)
+    assert (built["trace_id"], built["span_id"]) == (trace_id, rpc.span_id.hex())
+
+
+def test_otlp_over_grpc_from_an_endpoint_alone_and_the_sampler(database_url, ids):
+    """OTEL_EXPORTER_OTLP_ENDPOINT alone: OTLP over gRPC (the spec's default exporter and
+    protocol) to a loopback collector. OTEL_TRACES_SAMPLER=parentbased_always_off: a call
+    continuing a sampled trace is exported, a call starting one is not (its log line still
+    names its trace)."""
+    tenant, session = ids
+    received: list[trace_service_pb2.ExportTraceServiceRequest] = []
 
     class Collector(trace_service_pb2_grpc.TraceServiceServicer):
         def Export(self, request: Any, context: Any) -> Any:
@@ -329,21 +601,71 @@ def test_the_otlp_provider_exports_to_a_collector(monkeypatch):
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), collector)
     port = collector.add_insecure_port("127.0.0.1:0")
     collector.start()
+    trace_id, span_id, md = caller()
+    server = serve(process_env(database_url,
+                               OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
+                               OTEL_EXPORTER_OTLP_INSECURE="true",
+                               OTEL_TRACES_SAMPLER="parentbased_always_off"))
     try:
-        monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
-        monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
-        provider = otlp_provider("9.9.9")
-        with tracer_for(provider).start_as_current_span("probe"):
-            pass
-        assert provider.force_flush(10_000)
-        provider.shutdown()
+        traced_calls(server.address, tenant, session, md)
+        with grpc.insecure_channel(server.address) as channel:
+            pb_grpc.ContextEngineStub(channel).GetPlan(
+                pb.GetPlanRequest(tenant_id=tenant, session_id=session), timeout=30)
     finally:
+        assert server.terminate() == 0
         collector.stop(None)
-    spans = [(r.resource, s) for req in received for r in req.resource_spans
-             for ss in r.scope_spans for s in ss.spans]
-    assert [s.name for _, s in spans] == ["probe"]
-    resource = {a.key: a.value.string_value for a in spans[0][0].attributes}
+    spans = exported(received)
+    names = {s.name for _, s in spans}
+    assert {f"{SERVICE}/Plan", f"{SERVICE}/Build"} <= names
+    [plan] = [s for _, s in spans if s.name == f"{SERVICE}/Plan"]
+    assert plan.parent_span_id.hex() == span_id
+    assert f"{SERVICE}/GetPlan" not in names  # a root the sampler dropped
+    assert {s.trace_id.hex() for _, s in spans} == {trace_id}
+    [resource] = [dict(r) for r in {tuple(sorted(r.items())) for r, _ in spans}]
     assert resource["service.name"] == "context-engine"
-    assert resource["service.version"] == "9.9.9"
+    assert resource["service.version"] == __version__
+    unsampled = rpc_log(server, "GetPlan", tenant)
+    assert unsampled["trace_id"] not in (None, trace_id) and unsampled["span_id"]
+
+
+OFF = """
+import asyncio, json, os, sys
+import asyncpg, grpc
+from prometheus_client import CollectorRegistry
+from opentelemetry import trace
+from context_engine.api.server import start
+from context_engine.config import Config
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from tests.integration.requests import plan_request
+
+async def main() -> None:
+    config = Config.from_env(os.environ).replace(grpc_addr="127.0.0.1:0", metrics_addr="",
+                                                 dev_mode=True)
+    running = await start(config, database_url=sys.argv[1], registry=CollectorRegistry())
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.grpc_port}") as channel:
+        await pb_grpc.ContextEngineStub(channel).Plan(
+            plan_request("tenant-off", "session-off"),
+            metadata=[("traceparent", "00-" + "a" * 32 + "-" + "b" * 16 + "-01")])
+    await running.stop(1.0)
+    print(json.dumps({
+        "trace_export": config.trace_export,
+        "sdk": sorted(m for m in sys.modules if m.startswith("opentelemetry.sdk")),
+        "exporters": sorted(m for m in sys.modules if m.startswith("opentelemetry.exporter")),
+        "asyncpg_instrumented": hasattr(asyncpg.connection.Connection.fetch, "__wrapped__"),
+        "global_provider": type(trace.get_tracer_provider()).__name__,
+    }))
+
+asyncio.run(main())
+"""
+
+
+def test_without_the_variables_no_sdk_is_loaded(database_url):
+    """A server started without OTEL_* variables loads neither the SDK nor an exporter (so
+    nothing can connect anywhere) and leaves asyncpg as it is."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", OFF, database_url], capture_output=True,
+                         text=True, env=env, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report == {"trace_export": False, "sdk": [], "exporters": [],
+                      "asyncpg_instrumented": False, "global_provider": "ProxyTracerProvider"}

@@ -1,22 +1,26 @@
-"""The LLM summarizer: an OpenAI-compatible chat-completions endpoint (spec: "Compaction").
+"""The LLM summarizer: an OpenAI-compatible chat-completions endpoint, called with the official
+``openai`` SDK (spec: "Compaction").
 
 It implements the domain's ``Summarizer`` port. It only ever receives a ``SummaryInput`` —
 trusted content chosen by the compactor — so nothing below USER can reach the model. Its
 prompt is a versioned file (``assets/summarizer_prompt.md``, first line ``version: ...``)
-whose version is recorded on every result. A 5xx answer, a timeout past the deadline, an
-unreachable endpoint or an unreadable answer raise ``SummarizerUnavailable`` (gRPC
-UNAVAILABLE); the compaction then stores nothing.
+whose version is recorded on every result. Any failure — an error status, a timeout past the
+deadline, an unreachable endpoint or an unreadable answer — raises ``SummarizerUnavailable``
+(gRPC UNAVAILABLE); the compaction then stores nothing.
+
+Retries are the SDK's: at most ``MAX_RETRIES`` more attempts, only after a connection error,
+a timeout or a 408, 409, 429 or 5xx answer (never another 4xx), with its backoff (0.5 s
+doubling, or the answer's Retry-After). All attempts and the pauses between them share one
+deadline, ``timeout``: past it the call fails whatever the SDK would still try.
 """
 
 from __future__ import annotations
 
 import asyncio
-import http.client
-import json
-import urllib.error
-import urllib.request
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from context_engine.adapters.assets import DEFAULT_ASSETS_DIR
 from context_engine.domain.compaction import Summarized, SummaryInput
@@ -57,52 +61,99 @@ def user_content(data: SummaryInput, max_chars: int) -> str:
     return "\n".join(parts)
 
 
+# Attempts after the first one (the SDK's default), all within the call's deadline.
+MAX_RETRIES = 2
+# The SDK refuses to build a client without a key; a keyless endpoint gets this one, which
+# never leaves the process: each request then omits the Authorization header.
+_NO_KEY = "unused"
+_CODE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
+
+def base_url(url: str) -> str:
+    """The API base the SDK posts ``/chat/completions`` under: CE_SUMMARIZER_URL is that base
+    (``https://host/v1``); a URL naming the endpoint itself is accepted too."""
+    return url.rstrip("/").removesuffix("/chat/completions")
+
+
+def _status_why(status: int, code: object) -> str:
+    """``HTTP <status>``, with the error body's ``code`` when it is a plain identifier (the
+    provider's message may quote the request, so it is never kept)."""
+    if isinstance(code, str) and _CODE.fullmatch(code):
+        return f"HTTP {status} ({code})"
+    return f"HTTP {status}"
+
+
 class OpenAISummarizer:
     def __init__(self, *, url: str, model: str, api_key: str = "", timeout: float = 20.0,
-                 prompt: Prompt | None = None) -> None:
-        self._url = url.rstrip("/")
-        if not self._url.endswith("/chat/completions"):
-            self._url += "/chat/completions"
+                 prompt: Prompt | None = None, max_retries: int = MAX_RETRIES) -> None:
+        self._base_url = base_url(url)
         self._model = model
         self._key = api_key
         self._timeout = timeout
+        self._max_retries = max_retries
         self._prompt = prompt or load_prompt()
+        self._client: AsyncOpenAI | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def version(self) -> str:
         return f"llm:{self._model}:{self._prompt.version}"
 
-    def _post(self, body: bytes) -> bytes:
-        headers = {"Content-Type": "application/json"}
-        if self._key:
-            headers["Authorization"] = f"Bearer {self._key}"
-        request = urllib.request.Request(self._url, data=body, headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=self._timeout) as response:
-                data: bytes = response.read()
-                return data
-        except urllib.error.HTTPError as exc:
-            raise SummarizerUnavailable(f"HTTP {exc.code}") from None
-        except (TimeoutError, urllib.error.URLError, OSError,
-                http.client.HTTPException) as exc:  # e.g. BadStatusLine, IncompleteRead
-            raise SummarizerUnavailable(type(exc).__name__) from None
+    def _client_here(self) -> AsyncOpenAI:
+        """One client (and its connection pool) per event loop: a server has one loop; a
+        caller that runs each call in a loop of its own gets a client for each."""
+        # imported here: only a server with a summarizer URL pays for loading the SDK
+        from openai import AsyncOpenAI, omit
+
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            # Never sent to an endpoint that may not be OpenAI's: organization and project
+            # headers the SDK would take from OPENAI_ORG_ID/OPENAI_PROJECT_ID.
+            headers: dict[str, Any] = {"OpenAI-Organization": omit, "OpenAI-Project": omit}
+            self._client = AsyncOpenAI(base_url=self._base_url, api_key=self._key or _NO_KEY,
+                                       timeout=self._timeout, max_retries=self._max_retries,
+                                       default_headers=headers)
+            self._loop = loop
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close the connections of the current loop's client, if it has one."""
+        client, self._client = self._client, None
+        if client is not None and self._loop is asyncio.get_running_loop():
+            await client.close()
 
     async def summarize(self, data: SummaryInput, max_chars: int) -> Summarized:
-        body = json.dumps({
-            "model": self._model,
-            "temperature": 0,
-            "messages": [{"role": "system", "content": self._prompt.text},
-                         {"role": "user", "content": user_content(data, max_chars)}],
-        }).encode("utf-8")
+        import openai
+
+        client = self._client_here()
+        # keyless: the SDK leaves Authorization out only when the request itself omits it
+        headers: dict[str, Any] = {} if self._key else {"Authorization": openai.omit}
         try:
-            raw = await asyncio.wait_for(asyncio.to_thread(self._post, body),
-                                         self._timeout + 1.0)
+            async with asyncio.timeout(self._timeout):
+                completion = await client.chat.completions.create(
+                    model=self._model,
+                    temperature=0,
+                    messages=[{"role": "system", "content": self._prompt.text},
+                              {"role": "user", "content": user_content(data, max_chars)}],
+                    extra_headers=headers)
         except TimeoutError:
             raise SummarizerUnavailable("deadline exceeded") from None
+        except openai.APIStatusError as exc:
+            raise SummarizerUnavailable(_status_why(exc.status_code, exc.code)) from None
+        except openai.APITimeoutError:
+            raise SummarizerUnavailable("timeout") from None
+        except openai.APIConnectionError as exc:  # refused, reset, not HTTP, truncated, ...
+            cause = exc.__cause__
+            raise SummarizerUnavailable(type(cause).__name__ if cause is not None
+                                        else "connection error") from None
+        except (openai.OpenAIError, ValueError):  # a body that is no completion (not JSON)
+            raise SummarizerUnavailable("unreadable answer") from None
         try:
-            answer = json.loads(raw)
-            text = answer["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError):
+            text = completion.choices[0].message.content
+        except (AttributeError, IndexError, TypeError):
             raise SummarizerUnavailable("unreadable answer") from None
         if not isinstance(text, str):
             raise SummarizerUnavailable("unreadable answer")

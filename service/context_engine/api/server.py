@@ -49,7 +49,14 @@ from context_engine.domain.estimator import ModelCatalog
 from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
-from context_engine.telemetry.tracing import otlp_provider, tracer_for
+from context_engine.telemetry.tracing import (
+    configured_provider,
+    flush,
+    instrument_database,
+    tracer_for,
+    uninstrument_database,
+    untraced,
+)
 from context_engine.v1 import context_engine_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ContextEngine"].full_name
@@ -79,8 +86,10 @@ class Running:
     metrics_http: Any
     events: BufferedEventLog
     watch: asyncio.Task[None] | None = None
-    tracing: Any = None  # the OTLP tracer provider this server created, flushed at stop
+    # where this server's spans went (asyncpg instrumented with it), flushed at stop
+    tracing: trace.TracerProvider | None = None
     limits: LimitsInterceptor | None = None
+    summarizer: Summarizer | None = None
 
     async def stop(self, grace: float, *, drain: float = 0.0) -> None:
         """Health goes NOT_SERVING first and stays so for ``drain`` seconds while RPCs are
@@ -102,8 +111,11 @@ class Running:
         await self.pool.close()
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
+        if isinstance(self.summarizer, OpenAISummarizer):
+            await self.summarizer.aclose()
         if self.tracing is not None:
-            await asyncio.to_thread(self.tracing.shutdown)  # exports what is still batched
+            uninstrument_database()
+            await asyncio.to_thread(flush, self.tracing)  # exports what is still batched
 
 
 def summarizer_for(config: Config) -> Summarizer:
@@ -112,6 +124,7 @@ def summarizer_for(config: Config) -> Summarizer:
         return OpenAISummarizer(url=config.summarizer_url, model=config.summarizer_model,
                                 api_key=config.summarizer_api_key,
                                 timeout=config.summarizer_timeout_seconds,
+                                max_retries=config.summarizer_max_retries,
                                 prompt=load_prompt(config.assets_dir))
     return StructuredSummarizer()
 
@@ -165,8 +178,10 @@ async def start(config: Config, *, database_url: str,
                 registry: CollectorRegistry = REGISTRY,
                 tracer_provider: trace.TracerProvider | None = None,
                 clock: Clock = SYSTEM_CLOCK) -> Running:
-    """``tracer_provider``: where spans go; without one, OTLP when the ``OTEL_*`` variables
-    ask for it (``Config.trace_export``), else nowhere (a no-op tracer). ``clock``: the
+    """``tracer_provider``: where spans go; without one, the provider the SDK configures
+    from the ``OTEL_*`` variables when they ask for trace export (``Config.trace_export``),
+    else nowhere (a no-op tracer, no SDK loaded). With a provider, asyncpg is instrumented
+    (after the start-up queries) so statements are spans under the RPC's. ``clock``: the
     server's clock (tests run a real server across midnight with one of their own)."""
     applied = await migrate(database_url, config.migrations_dir)
     if applied:
@@ -175,9 +190,11 @@ async def start(config: Config, *, database_url: str,
                                      command_timeout=config.db_timeout_seconds,
                                      timeout=config.db_timeout_seconds)
     metrics = Metrics(registry)
-    owned = otlp_provider(__version__) if tracer_provider is None and config.trace_export \
-        else None
-    tracer = tracer_for(tracer_provider or owned)
+    provider = tracer_provider
+    if provider is None and config.trace_export:
+        provider = configured_provider(__version__)
+    tracer = tracer_for(provider)
+    summarizer = summarizer_for(config)
     timeout = config.db_timeout_seconds
     events = BufferedEventLog(PostgresEventLog(pool, command_timeout=timeout, tracer=tracer))
     calibrations = PostgresCalibrationStore(pool, command_timeout=timeout, tracer=tracer)
@@ -194,7 +211,9 @@ async def start(config: Config, *, database_url: str,
         control_tools=load_control_tools(config.assets_dir),
         metrics=metrics, plan_cache_size=config.plan_cache_size,
         compactions=PostgresCompactionStore(pool, command_timeout=timeout, tracer=tracer),
-        summarizer=summarizer_for(config), tracer=tracer, clock=clock)
+        summarizer=summarizer, tracer=tracer, clock=clock)
+    if provider is not None:
+        instrument_database(provider)  # after the start-up queries, which are no RPC's
 
     limits = LimitsInterceptor(Limits(max_concurrent=config.max_concurrent_rpcs,
                                       max_items=config.max_items_per_request,
@@ -232,7 +251,8 @@ async def start(config: Config, *, database_url: str,
                      timeout=min(1.0, config.db_timeout_seconds)))
     return Running(server=server, health=health_servicer, pool=pool, engine=engine,
                    grpc_port=grpc_port, metrics_port=metrics_port, metrics_http=metrics_http,
-                   events=events, watch=watch, tracing=owned, limits=limits)
+                   events=events, watch=watch, tracing=provider, limits=limits,
+                   summarizer=summarizer)
 
 
 HEALTH_INTERVAL_SECONDS = 1.0
@@ -240,7 +260,8 @@ HEALTH_INTERVAL_SECONDS = 1.0
 
 async def database_reachable(pool: asyncpg.Pool, timeout: float) -> bool:
     try:
-        await pool.fetchval("SELECT 1", timeout=timeout)
+        with untraced():  # a probe every second, not a trace of its own
+            await pool.fetchval("SELECT 1", timeout=timeout)
     except (*UNAVAILABLE, asyncpg.PostgresError):
         return False
     return True

@@ -1,62 +1,131 @@
-"""OpenTelemetry tracing: off unless the standard ``OTEL_*`` variables ask for OTLP export.
+"""OpenTelemetry tracing, configured by the SDK itself from the standard ``OTEL_*`` variables.
 
-Without a provider every tracer here is the API's no-op tracer, so an unconfigured server pays
-for a few no-op calls per RPC and nothing else. Span attributes carry sizes, epochs, hashes and
-the hashed session key, never tenant or session ids, message content or credentials.
+Off unless those variables ask for trace export (``otlp_requested``). Then the SDK's own
+configurator, the one ``opentelemetry-instrument`` runs, reads them: the exporters
+(``OTEL_TRACES_EXPORTER``: ``console``, ``otlp`` over gRPC or HTTP by
+``OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL``), endpoint, headers, TLS and timeouts
+(``OTEL_EXPORTER_OTLP_*``), the sampler (``OTEL_TRACES_SAMPLER[_ARG]``), the batch processor
+(``OTEL_BSP_*``) and the resource (``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_SERVICE_NAME``, which
+defaults to ``context-engine`` here). Metrics and logs exporters stay off unless
+``OTEL_METRICS_EXPORTER``/``OTEL_LOGS_EXPORTER`` name one: metrics are Prometheus', logs are
+JSON lines on stdout. The caller's context is read by the propagators ``OTEL_PROPAGATORS``
+names (W3C ``traceparent``/``tracestate`` and baggage by default).
+
+Unconfigured, nothing here loads the SDK or an exporter and every tracer is the API's no-op
+tracer: a server pays for a few no-op calls per RPC and connects nowhere. Span attributes
+carry sizes, epochs, hashes and the hashed session key, never tenant or session ids, message
+content or credentials; asyncpg's spans carry the statement text, never its parameters.
+
+The RPC's server span is the servicer's own rather than opentelemetry-instrumentation-grpc's:
+that interceptor would put the status message (which may quote request values) in the span's
+status, add peer addresses and record every abort as an exception event.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 INSTRUMENTATION = "context_engine"
 SERVICE_NAME = "context-engine"
-# Only W3C trace context is read from the caller: never any other metadata (credentials).
-_PROPAGATOR = TraceContextTextMapPropagator()
-_TRACE_KEYS = frozenset({"traceparent", "tracestate"})
 _TRUE = {"true", "1", "yes", "on"}
-
-if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import TracerProvider
+_ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
 def otlp_requested(env: Mapping[str, str]) -> bool:
-    """Whether the standard variables ask for OTLP trace export. Off by default:
-    ``OTEL_SDK_DISABLED=true`` disables; ``OTEL_TRACES_EXPORTER`` naming ``otlp`` enables
-    (``none`` disables); otherwise an OTLP endpoint variable being set enables."""
+    """Whether the standard variables ask for trace export, by any exporter. Off by default:
+    ``OTEL_SDK_DISABLED=true`` disables; ``OTEL_TRACES_EXPORTER`` naming exporters enables
+    (``none`` disables); unset, an OTLP endpoint variable being set enables OTLP."""
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE:
         return False
-    exporters = {e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "").split(",")
-                 if e.strip()}
+    exporters = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
     if exporters:
-        return "otlp" in exporters
-    return bool(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-                or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        return exporters != "none"
+    return any(env.get(name) for name in _ENDPOINTS)
 
 
-def otlp_provider(version: str = "") -> TracerProvider:
-    """A provider batching spans to the OTLP/gRPC exporter. The SDK reads the endpoint,
-    headers, TLS, timeout and resource (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``)
-    from the standard variables itself; the service name defaults to ``context-engine``."""
-    # imported here: only a server that exports pays for loading the SDK and the exporter
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+def configured_provider(version: str = "") -> trace.TracerProvider:
+    """The process's tracer provider: built once by the SDK's configurator from the
+    ``OTEL_*`` variables (``os.environ``, as the SDK reads them) and set as the global
+    provider; the one already set when there is one (e.g. under ``opentelemetry-instrument``).
+    Each serving process (every worker) calls this for itself."""
+    current = trace.get_tracer_provider()
+    if not isinstance(current, trace.ProxyTracerProvider):
+        return current
+    _configure_sdk(_resource_defaults(version))
+    return trace.get_tracer_provider()
 
-    resource = Resource.create({"service.version": version} if version else {})
-    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
-        resource = resource.merge(Resource({"service.name": SERVICE_NAME}))
-    provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    return provider
+
+def _resource_defaults(version: str) -> dict[str, str]:
+    """``service.name`` and ``service.version`` where the variables set neither: attributes
+    passed to the configurator would override ``OTEL_RESOURCE_ATTRIBUTES``/``OTEL_SERVICE_NAME``."""
+    from opentelemetry.sdk.resources import OTELResourceDetector
+
+    from_env = OTELResourceDetector().detect().attributes
+    defaults = {"service.name": SERVICE_NAME, "service.version": version}
+    return {key: value for key, value in defaults.items() if value and key not in from_env}
+
+
+def _configure_sdk(resource_attributes: dict[str, str]) -> None:
+    # Private SDK API, here only: _OTelSDKConfigurator is what opentelemetry-instrument runs and
+    # the one place the SDK turns OTEL_* into exporters, protocol, sampler and resource (pinned
+    # by tests/integration/test_tracing.py). _get_exporter_entry_point resolves "otlp" to gRPC
+    # or HTTP by protocol, for an endpoint set without OTEL_TRACES_EXPORTER (the spec's default).
+    from opentelemetry.sdk._configuration import (
+        _get_exporter_entry_point,
+        _OTelSDKConfigurator,
+    )
+
+    implied = [] if os.environ.get("OTEL_TRACES_EXPORTER", "").strip() else \
+        [_get_exporter_entry_point("otlp", "traces")]
+    configurator = _OTelSDKConfigurator()  # type: ignore[no-untyped-call]  # the SDK's: untyped
+    configurator.configure(trace_exporter_names=implied,  # type: ignore[no-untyped-call]
+                           resource_attributes=resource_attributes)
+
+
+def flush(provider: trace.TracerProvider, timeout_millis: int = 10_000) -> None:
+    """Export what the provider's processors still hold (blocking; the SDK also flushes at
+    exit). A provider without ``force_flush`` (the API's) holds nothing."""
+    force_flush = getattr(provider, "force_flush", None)
+    if callable(force_flush):
+        force_flush(timeout_millis)
+
+
+def instrument_database(provider: trace.TracerProvider) -> None:
+    """asyncpg's instrumentation: a client span per statement under the current span, with
+    the statement text and never its parameters (they are content). Process-wide: the last
+    provider given wins (one traced server per process)."""
+    from opentelemetry.instrumentation.asyncpg import AsyncPGInstrumentor
+
+    instrumentor = AsyncPGInstrumentor(  # type: ignore[no-untyped-call]  # untyped package
+        capture_parameters=False)
+    if instrumentor.is_instrumented_by_opentelemetry:
+        instrumentor.uninstrument()
+    instrumentor.instrument(tracer_provider=provider)
+
+
+def uninstrument_database() -> None:
+    from opentelemetry.instrumentation.asyncpg import AsyncPGInstrumentor
+
+    instrumentor = AsyncPGInstrumentor()  # type: ignore[no-untyped-call]
+    if instrumentor.is_instrumented_by_opentelemetry:
+        instrumentor.uninstrument()
+
+
+@contextmanager
+def untraced() -> Iterator[None]:
+    """Instrumentations record nothing inside (the health probe's ``SELECT 1`` every second
+    would otherwise be a trace of its own)."""
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
+
+    with suppress_instrumentation():
+        yield
 
 
 def tracer_for(provider: trace.TracerProvider | None) -> Tracer:
@@ -67,13 +136,13 @@ def tracer_for(provider: trace.TracerProvider | None) -> Tracer:
 
 
 def caller_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context:
-    """The caller's span context from W3C ``traceparent``/``tracestate`` metadata (an empty
-    context when absent or malformed, so the RPC span starts a new trace)."""
-    carrier: dict[str, str] = {}
-    for key, value in metadata or ():
-        if key.lower() in _TRACE_KEYS and isinstance(value, str):
-            carrier[key.lower()] = value
-    return _PROPAGATOR.extract(carrier) if carrier else Context()
+    """The caller's context as the configured propagators read it from the call's metadata
+    (W3C ``traceparent``/``tracestate`` by default): an empty context when absent or
+    malformed, so the RPC span starts a new trace. Propagators read only their own keys;
+    nothing else of the metadata (credentials) is kept."""
+    carrier = {key.lower(): value for key, value in metadata or ()
+               if isinstance(value, str)}
+    return propagate.extract(carrier, context=Context())
 
 
 def failed(span: Span, reason: str) -> None:
@@ -101,9 +170,9 @@ def child(tracer: Tracer, name: str, *, kind: SpanKind = SpanKind.INTERNAL,
 
 @contextmanager
 def db_call(tracer: Tracer, operation: str) -> Iterator[Span]:
-    """A client span around one database operation (one statement or one transaction),
-    named after the store operation, never the SQL's values."""
-    with child(tracer, f"db {operation}", kind=SpanKind.CLIENT,
+    """A span around one store operation (one statement or one transaction), named after
+    it, never the SQL's values; asyncpg's client spans, one per statement, go under it."""
+    with child(tracer, f"db {operation}",
                attributes={"db.system.name": "postgresql",
                            "db.operation.name": operation}) as span:
         yield span

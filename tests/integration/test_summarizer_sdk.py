@@ -1,0 +1,253 @@
+"""The LLM summarizer through the official openai SDK, against a real chat-completions endpoint
+on loopback (no mock of the SDK): what it sends, the SDK's retries within one deadline, how
+each failure maps to SUMMARIZER_UNAVAILABLE, and the API key only ever in the bearer header."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from context_engine.adapters.summarizer import MAX_RETRIES, OpenAISummarizer, base_url, load_prompt
+from context_engine.domain.compaction import Summarized, SummaryInput, TrustedLine
+from context_engine.domain.errors import SummarizerUnavailable
+
+KEY = "sk-CANARY-5b8e-summarizer-key"
+TEXT = "CANARY-91c4 the user's words"
+
+
+@dataclass
+class Answer:
+    status: int = 200
+    body: Any = None  # a dict is sent as JSON; bytes as they are; None: a completion
+    delay: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def completion(text: str | None) -> dict[str, Any]:
+    return {"id": "c-1", "object": "chat.completion", "created": 0, "model": "fake-model",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": text}}]}
+
+
+class Endpoint:
+    """POST <anything>: answers from ``script`` in order, the last entry repeating. Keeps each
+    request's path, headers and JSON body in ``seen``."""
+
+    def __init__(self, *script: Answer) -> None:
+        self.script = list(script) or [Answer()]
+        self.seen: list[dict[str, Any]] = []
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                endpoint.seen.append({"path": self.path, "headers": headers,
+                                      "body": json.loads(raw)})
+                index = min(len(endpoint.seen), len(endpoint.script)) - 1
+                answer = endpoint.script[index]
+                time.sleep(answer.delay)
+                body = answer.body if answer.body is not None else completion("a summary")
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                try:
+                    self.send_response(answer.status)
+                    for name, value in {"Content-Type": "application/json",
+                                        **answer.headers}.items():
+                        self.send_header(name, value)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # the client gave up first
+                    pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads = True
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/v1"
+
+    def stop(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def endpoint() -> Iterator[Endpoint]:
+    e = Endpoint()
+    yield e
+    e.stop()
+
+
+def data() -> SummaryInput:
+    return SummaryInput(reason="budget_pressure", goal="plan the trip", constraints=("be brief",),
+                        open_questions=("which hotel?",),
+                        lines=(TrustedLine(item_id="u1", sequence=1, role="user", text=TEXT),
+                               TrustedLine(item_id="a1", sequence=2, role="assistant",
+                                           text="Sure.")),
+                        pointers=(), prior_narrative="", source_event_ids=(1, 2))
+
+
+def summarize(s: OpenAISummarizer, max_chars: int = 1000) -> Summarized:
+    return asyncio.run(s.summarize(data(), max_chars))
+
+
+def failure(s: OpenAISummarizer) -> tuple[SummarizerUnavailable, float]:
+    started = time.monotonic()
+    with pytest.raises(SummarizerUnavailable) as info:
+        summarize(s)
+    return info.value, time.monotonic() - started
+
+
+def llm(endpoint: Endpoint, *, key: str = KEY, timeout: float = 5.0,
+        url: str | None = None) -> OpenAISummarizer:
+    return OpenAISummarizer(url=url or endpoint.url, model="fake-model", api_key=key,
+                            timeout=timeout)
+
+
+def test_a_completion_is_the_narrative_and_the_key_is_the_bearer(endpoint):
+    endpoint.script = [Answer(body=completion("  The user plans a trip.  "))]
+    s = llm(endpoint)
+    result = summarize(s)
+    assert result.narrative == "The user plans a trip."
+    assert result.version == f"llm:fake-model:{load_prompt().version}"
+    [seen] = endpoint.seen
+    assert seen["path"] == "/v1/chat/completions"
+    assert seen["headers"]["authorization"] == f"Bearer {KEY}"
+    assert not {"openai-organization", "openai-project"} & set(seen["headers"])
+    body = seen["body"]
+    assert body["model"] == "fake-model" and body["temperature"] == 0
+    system, user = body["messages"]
+    assert system == {"role": "system", "content": load_prompt().text}
+    assert user["role"] == "user" and f"[1] user: {TEXT}" in user["content"]
+    assert "Stated objective: plan the trip" in user["content"]
+    # the narrative is cut to the limit the compactor asks for
+    assert summarize(s, max_chars=8).narrative == "The user"
+
+
+@pytest.mark.parametrize("url", ["{base}", "{base}/", "{base}/chat/completions"])
+def test_the_url_is_the_api_base_or_the_endpoint_itself(endpoint, url):
+    summarize(llm(endpoint, url=url.format(base=endpoint.url)))
+    assert [s["path"] for s in endpoint.seen] == ["/v1/chat/completions"]
+    assert base_url("https://host/v1/chat/completions/") == "https://host/v1"
+
+
+def test_a_500_is_retried_by_the_sdk(endpoint):
+    endpoint.script = [Answer(status=500, body={"error": {"message": "boom"}}),
+                       Answer(body=completion("after a retry"))]
+    assert summarize(llm(endpoint)).narrative == "after a retry"
+    assert len(endpoint.seen) == 2
+    assert endpoint.seen[0]["body"] == endpoint.seen[1]["body"]
+
+
+def test_retries_are_bounded(endpoint):
+    endpoint.script = [Answer(status=503, body={"error": {"message": "overloaded"}})]
+    err, _ = failure(llm(endpoint, timeout=10.0))
+    assert len(endpoint.seen) == 1 + MAX_RETRIES == 3
+    assert err.why == "HTTP 503" and err.reason == "SUMMARIZER_UNAVAILABLE"
+
+
+def test_a_400_is_not_retried_and_says_what_failed(endpoint):
+    endpoint.script = [Answer(status=400, body={"error": {
+        "message": f"context too long: {TEXT}", "type": "invalid_request_error",
+        "code": "context_length_exceeded"}})]
+    err, _ = failure(llm(endpoint))
+    assert len(endpoint.seen) == 1
+    assert err.why == "HTTP 400 (context_length_exceeded)"
+    assert str(err) == ("the summarizer is unavailable: HTTP 400 (context_length_exceeded); "
+                        "nothing was stored")
+    assert TEXT not in str(err)  # the provider's message may quote the request: never kept
+
+
+def test_a_slow_endpoint_fails_at_the_deadline(endpoint):
+    endpoint.script = [Answer(delay=3.0)]
+    err, took = failure(llm(endpoint, timeout=0.5))
+    assert err.why in ("deadline exceeded", "timeout")
+    assert took < 1.5
+    assert len(endpoint.seen) == 1  # one attempt used the whole deadline
+
+
+def test_retries_never_outlast_the_deadline(endpoint):
+    """A Retry-After the SDK would honour (up to 2 minutes) is cut at the call's deadline."""
+    endpoint.script = [Answer(status=429, body={"error": {"message": "slow down"}},
+                              headers={"Retry-After": "60"})]
+    err, took = failure(llm(endpoint, timeout=1.0))
+    assert err.why == "deadline exceeded"
+    assert took < 2.0 and len(endpoint.seen) == 1
+
+
+@pytest.mark.parametrize(("body", "content_type"), [
+    (b"not json", "application/json"), (b"<html>a proxy's page</html>", "text/html"),
+    ({"choices": []}, "application/json"), ({"object": "chat.completion"}, "application/json"),
+    (completion(None), "application/json")])
+def test_an_unreadable_answer_is_unavailable(endpoint, body, content_type):
+    endpoint.script = [Answer(body=body, headers={"Content-Type": content_type})]
+    err, _ = failure(llm(endpoint))
+    assert err.why == "unreadable answer"
+
+
+def test_an_unreachable_endpoint_is_unavailable(endpoint):
+    url = endpoint.url
+    endpoint.stop()
+    err, took = failure(OpenAISummarizer(url=url, model="m", api_key=KEY, timeout=5.0))
+    assert err.why == "ConnectError" and took < 5.0
+
+
+def test_without_a_key_no_authorization_is_sent(endpoint, monkeypatch):
+    """Nothing from the SDK's own variables reaches the endpoint: not OPENAI_API_KEY for a
+    keyless one, nor the organization and project."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-the-environment")
+    monkeypatch.setenv("OPENAI_ORG_ID", "org-from-the-environment")
+    monkeypatch.setenv("OPENAI_PROJECT_ID", "proj-from-the-environment")
+    summarize(llm(endpoint, key=""))
+    summarize(llm(endpoint))
+    keyless, keyed = (s["headers"] for s in endpoint.seen)
+    assert "authorization" not in keyless and keyed["authorization"] == f"Bearer {KEY}"
+    for headers in (keyless, keyed):
+        assert "environment" not in repr(headers)
+
+
+def test_the_key_is_never_logged(endpoint, caplog):
+    """Every logger at DEBUG (the SDK's and its HTTP client's included), across a success, a
+    retried 5xx and a refused key: the key appears in no record and in no error."""
+    caplog.set_level(logging.DEBUG)
+    endpoint.script = [Answer(), Answer(status=502, body={"error": {"message": "bad gateway"}}),
+                       Answer(), Answer(status=401, body={"error": {
+                           "message": f"Incorrect API key provided: {KEY}",
+                           "code": "invalid_api_key"}})]
+    s = llm(endpoint)
+    summarize(s)
+    summarize(s)  # 502, then retried
+    err, _ = failure(s)
+    assert err.why == "HTTP 401 (invalid_api_key)"
+    assert len(endpoint.seen) == 4
+    assert all(seen["headers"]["authorization"] == f"Bearer {KEY}" for seen in endpoint.seen)
+    assert caplog.records  # the SDK did log (its retry, its requests)
+    for record in caplog.records:
+        assert KEY not in record.getMessage() and KEY not in repr(record.__dict__)
+    assert KEY not in str(err) and KEY not in repr(err.metadata())
+
+
+def test_one_summarizer_serves_several_event_loops(endpoint):
+    """A server has one loop; a caller running each call in a loop of its own (asyncio.run)
+    gets a client per loop rather than connections of a closed one."""
+    s = llm(endpoint)
+    for _ in range(3):
+        assert summarize(s).narrative == "a summary"
+
+    async def twice() -> None:
+        await s.summarize(data(), 100)
+        await s.summarize(data(), 100)
+        await s.aclose()
+
+    asyncio.run(twice())
+    assert len(endpoint.seen) == 5
