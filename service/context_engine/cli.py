@@ -123,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = Config.from_env(os.environ)
         if args.command == "config":
-            print(_show_config(config, as_json=args.json))
-            return 0
+            return _emit(_show_config(config, as_json=args.json))
         updates: dict[str, Any] = {}
         if getattr(args, "grpc_addr", None):
             updates["grpc_addr"] = args.grpc_addr
@@ -192,6 +191,16 @@ def _run(args: argparse.Namespace, config: Config) -> int:
 
 
 # ---------------------------------------------------------------------------- config
+
+
+def _emit(text: str) -> int:
+    """Prints ``text``; a reader that stops early (``| head``) is not an error."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # the interpreter flushes stdout again at exit: point it at nothing first
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 def _show_config(config: Config, *, as_json: bool) -> str:

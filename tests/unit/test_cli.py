@@ -187,3 +187,22 @@ def test_health_takes_the_address_as_grpc_addr(env, capsys):
     assert code == 2 and "unrecognized arguments: --addr" in err
     code, _, err = run(capsys, "health", "--grpc-addr", "no-port")
     assert code == 2 and "is not host:port" in err
+
+
+def test_config_into_a_reader_that_stops_early_is_not_an_error():
+    """`context-engine config | head -1`: no traceback, exit 0. The reader is gone before the
+    command writes (a pipe whose read end is closed), so the write fails every time."""
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "context_engine", "config"], stdout=write_end,
+            stderr=subprocess.PIPE, text=True, timeout=60, check=False,
+            env={k: v for k, v in os.environ.items() if not k.startswith("CE_")})
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
