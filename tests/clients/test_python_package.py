@@ -1,5 +1,5 @@
 """The Python client as a user takes it home: the committed generated code is what the proto
-generates, the wheel builds from the clean tree with nothing run before it, carries what it needs
+generates, the sdist and the wheel build from the clean tree with nothing run before them, carries what it needs
 and states the bounds its generated code checks, and once installed into a new virtualenv
 outside the repository it runs the agent-loop example against the real server."""
 
@@ -65,15 +65,21 @@ def test_generated_code_is_tracked_by_git():
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """`pip wheel clients/python` from a copy of the package (outside the repository, so the
-    build sees only what the package itself holds), with pip's build isolation."""
+    """An sdist of clients/python, built from a copy of the package (outside the repository, so
+    the build sees only what the package itself holds), and `pip wheel` of that sdist with pip's
+    build isolation: the wheel users install is what the sdist alone produces."""
     work = tmp_path_factory.mktemp("client-build")
     source = work / "src"
     shutil.copytree(PACKAGE, source, ignore=shutil.ignore_patterns(
         "__pycache__", "*.egg-info", "build", "dist", ".mypy_cache"))
+    sdists = work / "sdist"
+    _run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+          "print(build_meta.build_sdist(sys.argv[1]))", str(sdists)], cwd=source, timeout=120,
+         what="building the sdist of clients/python")
+    [sdist] = sdists.glob("context_engine_client-*.tar.gz")
     out = work / "wheels"
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out),
-          str(source)], cwd=work, timeout=300, what="pip wheel clients/python")
+          str(sdist)], cwd=work, timeout=300, what="pip wheel of the sdist")
     [built] = out.glob("context_engine_client-*.whl")
     return built
 

@@ -8,7 +8,7 @@ whose version is recorded on every result. Any failure — an error status, a ti
 deadline, an unreachable endpoint or an unreadable answer — raises ``SummarizerUnavailable``
 (gRPC UNAVAILABLE); the compaction then stores nothing.
 
-Retries are the SDK's: at most ``MAX_RETRIES`` more attempts, only after a connection error,
+Retries are the SDK's: at most ``max_retries`` more attempts (``CE_SUMMARIZER_MAX_RETRIES``), only after a connection error,
 a timeout or a 408, 409, 429 or 5xx answer (never another 4xx), with its backoff (0.5 s
 doubling, or the answer's Retry-After). All attempts and the pauses between them share one
 deadline, ``timeout``: past it the call fails whatever the SDK would still try.
@@ -61,7 +61,8 @@ def user_content(data: SummaryInput, max_chars: int) -> str:
     return "\n".join(parts)
 
 
-# Attempts after the first one (the SDK's default), all within the call's deadline.
+# Attempts after the first one (the SDK's default; CE_SUMMARIZER_MAX_RETRIES sets it), all
+# within the call's deadline.
 MAX_RETRIES = 2
 # The SDK refuses to build a client without a key; a keyless endpoint gets this one, which
 # never leaves the process: each request then omits the Authorization header.
