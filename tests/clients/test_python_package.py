@@ -1,7 +1,7 @@
 """The Python client as a user takes it home: the committed generated code is what the proto
-generates, the sdist and the wheel build from the clean tree with nothing run before them, carries what it needs
-and states the bounds its generated code checks, and once installed into a new virtualenv
-outside the repository it runs the agent-loop example against the real server."""
+generates, the sdist and the wheel build from the clean tree with nothing run before them,
+carries what it needs and states the bounds its generated code checks, and once installed into a
+new virtualenv outside the repository it runs the agent-loop example against the real server."""
 
 from __future__ import annotations
 

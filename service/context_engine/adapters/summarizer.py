@@ -8,11 +8,11 @@ whose version is recorded on every result. Any failure — an error status, a ti
 deadline, an unreachable endpoint or an unreadable answer — raises ``SummarizerUnavailable``
 (gRPC UNAVAILABLE); the compaction then stores nothing.
 
-Retries are the SDK's: at most ``max_retries`` more attempts (``CE_SUMMARIZER_MAX_RETRIES``), only after a connection error,
-a timeout or a 408, 409, 429 or 5xx answer (never another 4xx), with its backoff (0.5 s
-doubling, or the answer's Retry-After). All attempts and the pauses between them share one
-deadline, ``timeout``: past it the call fails whatever the SDK would still try.
-"""
+Retries are the SDK's: at most ``max_retries`` more attempts (``CE_SUMMARIZER_MAX_RETRIES``),
+only after a connection error, a timeout or a 408, 409, 429 or 5xx answer (never another 4xx),
+with its backoff (0.5 s doubling, or the answer's Retry-After). All attempts and the pauses
+between them share one deadline, ``timeout``: past it the call fails whatever the SDK would
+still try."""
 
 from __future__ import annotations
 
