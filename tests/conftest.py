@@ -82,6 +82,25 @@ def test_config() -> Config:
                    grace_seconds=1.0, dev_mode=True)
 
 
+@pytest.fixture(scope="module")
+def secured(database_url: str, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[ServerThread, str, str]]:
+    """A server that requires credentials; its one token may call every RPC of one tenant:
+    (server, tenant, token)."""
+    import json
+
+    from context_engine.api.auth import token_sha256
+
+    tenant, token = f"tenant-{uuid.uuid4().hex[:10]}", f"token-{uuid.uuid4().hex}"
+    path = tmp_path_factory.mktemp("tokens") / "tokens.json"
+    path.write_text(json.dumps([{"sha256": token_sha256(token), "tenant_id": tenant,
+                                 "rpcs": ["*"]}]))
+    server = ServerThread(test_config().replace(dev_mode=False, auth_tokens_file=path),
+                          database_url)
+    yield server, tenant, token
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def server(database_url: str) -> Iterator[ServerThread]:
     srv = ServerThread(test_config(), database_url)

@@ -12,18 +12,15 @@ import re
 import shutil
 import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from context_engine.api.auth import token_sha256
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from google.protobuf import json_format
 
 from tests.conftest import REPO, ServerThread
-from tests.conftest import test_config as base_config
 
 pytestmark = pytest.mark.integration
 
@@ -196,19 +193,6 @@ def test_agent_loop_example(node: str, server: ServerThread,
                     what="the agent_loop example")
     check_agent_loop_output(done.stdout, stub, tenant=tenant, session=session)
 
-
-@pytest.fixture(scope="module")
-def secured(database_url: str, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[tuple[ServerThread, str, str]]:
-    """A server that requires credentials; its one token may call every RPC of one tenant."""
-    tenant, token = f"tenant-{uuid.uuid4().hex[:10]}", f"token-{uuid.uuid4().hex}"
-    path = tmp_path_factory.mktemp("ts-tokens") / "tokens.json"
-    path.write_text(json.dumps([{"sha256": token_sha256(token), "tenant_id": tenant,
-                                 "rpcs": ["*"]}]))
-    server = ServerThread(base_config().replace(dev_mode=False, auth_tokens_file=path),
-                          database_url)
-    yield server, tenant, token
-    server.stop()
 
 
 def test_agent_loop_example_reads_its_token_from_stdin_or_the_environment(

@@ -6,22 +6,18 @@ ARCHITECTURE.md names only modules that exist."""
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 
 import pytest
-from context_engine.api.auth import token_sha256
 from context_engine.cli import main
 from context_engine.config import variables
 
-from tests.conftest import REPO, ServerThread
-from tests.conftest import test_config as base_config
+from tests.conftest import REPO
 from tests.integration.requests import plan_request
 
 pytestmark = pytest.mark.integration
@@ -114,19 +110,6 @@ def test_the_demo_reads_the_address_from_ce_grpc_addr(monkeypatch, capsys):
             main(["demo", *args])
         assert exited.value.code == 2
 
-
-@pytest.fixture(scope="module")
-def secured(database_url: str, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[tuple[ServerThread, str, str]]:
-    """A server that requires credentials; its one token may call every RPC of one tenant."""
-    tenant, token = f"tenant-{uuid.uuid4().hex[:10]}", f"token-{uuid.uuid4().hex}"
-    path = tmp_path_factory.mktemp("demo") / "tokens.json"
-    path.write_text(json.dumps([{"sha256": token_sha256(token), "tenant_id": tenant,
-                                 "rpcs": ["*"]}]))
-    server = ServerThread(base_config().replace(dev_mode=False, auth_tokens_file=path),
-                          database_url)
-    yield server, tenant, token
-    server.stop()
 
 
 def test_the_demo_sends_its_token_as_bearer_metadata(secured, monkeypatch, capsys):
