@@ -149,6 +149,22 @@ class _ProviderFormatEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Provid
     """An Anthropic Messages API body: tools, system, messages, cache_control at the markers."""
     PROVIDER_FORMAT_OPENAI_RESPONSES: _ProviderFormat.ValueType  # 2
     """An OpenAI Responses API body: instructions, input items, tools, prompt_cache_key."""
+    PROVIDER_FORMAT_OPENAI_CHAT_COMPLETIONS: _ProviderFormat.ValueType  # 3
+    """An OpenAI Chat Completions body (also what vLLM, Ollama and other compatible servers take):
+    messages (system, user, assistant with tool_calls, a tool message answering each call),
+    tools, prompt_cache_key.
+    """
+    PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT: _ProviderFormat.ValueType  # 4
+    """A Google Gemini generateContent body: systemInstruction, contents with paired functionCall
+    and functionResponse parts, tools; BuildResponse.gemini_cached_content says how to cache
+    the pinned prefix explicitly.
+    """
+    PROVIDER_FORMAT_BEDROCK_CONVERSE: _ProviderFormat.ValueType  # 5
+    """An Amazon Bedrock Converse body: system, messages with paired toolUse and toolResult
+    blocks, toolConfig, cachePoint blocks at the plan's breakpoints within Bedrock's limits.
+    """
+    PROVIDER_FORMAT_NONE: _ProviderFormat.ValueType  # 6
+    """No provider body: the neutral request only."""
 
 class ProviderFormat(_ProviderFormat, metaclass=_ProviderFormatEnumTypeWrapper): ...
 
@@ -157,6 +173,22 @@ PROVIDER_FORMAT_ANTHROPIC_MESSAGES: ProviderFormat.ValueType  # 1
 """An Anthropic Messages API body: tools, system, messages, cache_control at the markers."""
 PROVIDER_FORMAT_OPENAI_RESPONSES: ProviderFormat.ValueType  # 2
 """An OpenAI Responses API body: instructions, input items, tools, prompt_cache_key."""
+PROVIDER_FORMAT_OPENAI_CHAT_COMPLETIONS: ProviderFormat.ValueType  # 3
+"""An OpenAI Chat Completions body (also what vLLM, Ollama and other compatible servers take):
+messages (system, user, assistant with tool_calls, a tool message answering each call),
+tools, prompt_cache_key.
+"""
+PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT: ProviderFormat.ValueType  # 4
+"""A Google Gemini generateContent body: systemInstruction, contents with paired functionCall
+and functionResponse parts, tools; BuildResponse.gemini_cached_content says how to cache
+the pinned prefix explicitly.
+"""
+PROVIDER_FORMAT_BEDROCK_CONVERSE: ProviderFormat.ValueType  # 5
+"""An Amazon Bedrock Converse body: system, messages with paired toolUse and toolResult
+blocks, toolConfig, cachePoint blocks at the plan's breakpoints within Bedrock's limits.
+"""
+PROVIDER_FORMAT_NONE: ProviderFormat.ValueType  # 6
+"""No provider body: the neutral request only."""
 Global___ProviderFormat: _TypeAlias = ProviderFormat  # noqa: Y015
 
 class _Role:
@@ -795,6 +827,7 @@ class ContextPlan(_message.Message):
     SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
     SNAPSHOT_WATERMARK_FIELD_NUMBER: _builtins.int
     SKILL_PINS_FIELD_NUMBER: _builtins.int
+    DEFAULT_PROVIDER_FORMAT_FIELD_NUMBER: _builtins.int
     tenant_id: _builtins.str
     session_id: _builtins.str
     epoch: _builtins.int
@@ -823,6 +856,10 @@ class ContextPlan(_message.Message):
     recalled at, which the runtime's recall delta starts from. Empty and 0 without a snapshot.
     """
     snapshot_watermark: _builtins.int
+    default_provider_format: Global___ProviderFormat.ValueType
+    """The provider body Build renders when its request names no format: the catalog's default
+    for the model (UNSPECIFIED for a model the catalog does not know: no body).
+    """
     @_builtins.property
     def prefix_classes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClassTokens]: ...
     @_builtins.property
@@ -885,10 +922,11 @@ class ContextPlan(_message.Message):
         snapshot_id: _builtins.str = ...,
         snapshot_watermark: _builtins.int = ...,
         skill_pins: _abc.Iterable[Global___SkillPin] | None = ...,
+        default_provider_format: Global___ProviderFormat.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "agent_version", b"agent_version", "authority_scope_hashes", b"authority_scope_hashes", "breakpoint_budget", b"breakpoint_budget", "builder_version", b"builder_version", "cache_ttl", b"cache_ttl", "context_window", b"context_window", "created_at", b"created_at", "deferred_tool_names", b"deferred_tool_names", "epoch", b"epoch", "model_id", b"model_id", "output_reserve", b"output_reserve", "persona_revision", b"persona_revision", "policy_version", b"policy_version", "prefix_blocks", b"prefix_blocks", "prefix_classes", b"prefix_classes", "prefix_sha256", b"prefix_sha256", "prefix_tokens", b"prefix_tokens", "reason", b"reason", "session_id", b"session_id", "session_key", b"session_key", "session_kind", b"session_kind", "skill_pins", b"skill_pins", "skipped_tool_names", b"skipped_tool_names", "snapshot_id", b"snapshot_id", "snapshot_watermark", b"snapshot_watermark", "tenant_id", b"tenant_id", "tokenizer", b"tokenizer", "tool_names", b"tool_names", "tool_schema_sha256", b"tool_schema_sha256", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "agent_version", b"agent_version", "authority_scope_hashes", b"authority_scope_hashes", "breakpoint_budget", b"breakpoint_budget", "builder_version", b"builder_version", "cache_ttl", b"cache_ttl", "context_window", b"context_window", "created_at", b"created_at", "default_provider_format", b"default_provider_format", "deferred_tool_names", b"deferred_tool_names", "epoch", b"epoch", "model_id", b"model_id", "output_reserve", b"output_reserve", "persona_revision", b"persona_revision", "policy_version", b"policy_version", "prefix_blocks", b"prefix_blocks", "prefix_classes", b"prefix_classes", "prefix_sha256", b"prefix_sha256", "prefix_tokens", b"prefix_tokens", "reason", b"reason", "session_id", b"session_id", "session_key", b"session_key", "session_kind", b"session_kind", "skill_pins", b"skill_pins", "skipped_tool_names", b"skipped_tool_names", "snapshot_id", b"snapshot_id", "snapshot_watermark", b"snapshot_watermark", "tenant_id", b"tenant_id", "tokenizer", b"tokenizer", "tool_names", b"tool_names", "tool_schema_sha256", b"tool_schema_sha256", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1921,7 +1959,10 @@ class BuildRequest(_message.Message):
     model's reconciled factor (1.0 until ReportUsage has taught it one).
     """
     provider_format: Global___ProviderFormat.ValueType
-    """Also render the request as a provider body (provider_body_json in the response)."""
+    """Also render the request as a provider body (provider_body_json in the response).
+    UNSPECIFIED: the model's default format (the catalog's; none for a model it does not
+    know); NONE: no provider body.
+    """
     @_builtins.property
     def checkpoint(self) -> Global___Checkpoint: ...
     def __init__(
@@ -2047,6 +2088,8 @@ class BuildResponse(_message.Message):
     PRESSURE_FIELD_NUMBER: _builtins.int
     CACHE_BREAKPOINTS_FIELD_NUMBER: _builtins.int
     PROVIDER_BODY_JSON_FIELD_NUMBER: _builtins.int
+    PROVIDER_FORMAT_FIELD_NUMBER: _builtins.int
+    GEMINI_CACHED_CONTENT_FIELD_NUMBER: _builtins.int
     prefix_sha256: _builtins.str
     epoch: _builtins.int
     model_id: _builtins.str
@@ -2064,7 +2107,11 @@ class BuildResponse(_message.Message):
     estimator_factor: _builtins.float
     tokenizer: _builtins.str
     provider_body_json: _builtins.str
-    """The request as the asked provider's JSON body, when provider_format was set."""
+    """The request as a provider's JSON body: the asked format's, or the model's default."""
+    provider_format: Global___ProviderFormat.ValueType
+    """The format of provider_body_json; UNSPECIFIED when none was rendered (NONE was asked, or
+    the model has no default format).
+    """
     @_builtins.property
     def request(self) -> Global___ModelRequest: ...
     @_builtins.property
@@ -2077,6 +2124,10 @@ class BuildResponse(_message.Message):
         after_tools (the plan's TTL), then the history window (carried_history, run; default TTL).
         Outside prefix_sha256: they change no byte the model reads.
         """
+
+    @_builtins.property
+    def gemini_cached_content(self) -> Global___GeminiCachedContent:
+        """For PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT: how to cache the pinned prefix explicitly."""
 
     def __init__(
         self,
@@ -2097,14 +2148,70 @@ class BuildResponse(_message.Message):
         pressure: Global___Pressure | None = ...,
         cache_breakpoints: _abc.Iterable[Global___CacheBreakpoint] | None = ...,
         provider_body_json: _builtins.str = ...,
+        provider_format: Global___ProviderFormat.ValueType = ...,
+        gemini_cached_content: Global___GeminiCachedContent | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "pressure", b"pressure", "request", b"request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "gemini_cached_content", b"gemini_cached_content", "pressure", b"pressure", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_tokens", b"body_tokens", "budget", b"budget", "cache_breakpoints", b"cache_breakpoints", "context_window", b"context_window", "epoch", b"epoch", "estimated_input_tokens", b"estimated_input_tokens", "estimator_factor", b"estimator_factor", "model_id", b"model_id", "output_reserve", b"output_reserve", "prefix_sha256", b"prefix_sha256", "prefix_tokens", b"prefix_tokens", "pressure", b"pressure", "provider_body_json", b"provider_body_json", "request", b"request", "session_key", b"session_key", "tokenizer", b"tokenizer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_tokens", b"body_tokens", "budget", b"budget", "cache_breakpoints", b"cache_breakpoints", "context_window", b"context_window", "epoch", b"epoch", "estimated_input_tokens", b"estimated_input_tokens", "estimator_factor", b"estimator_factor", "gemini_cached_content", b"gemini_cached_content", "model_id", b"model_id", "output_reserve", b"output_reserve", "prefix_sha256", b"prefix_sha256", "prefix_tokens", b"prefix_tokens", "pressure", b"pressure", "provider_body_json", b"provider_body_json", "provider_format", b"provider_format", "request", b"request", "session_key", b"session_key", "tokenizer", b"tokenizer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BuildResponse: _TypeAlias = BuildResponse  # noqa: Y015
+
+@_typing.final
+class GeminiCachedContent(_message.Message):
+    """Gemini's explicit context caching of the pinned prefix (Region A). Once per epoch the runtime
+    creates the cached content (cachedContents.create with create_body_json; find an existing one
+    by display_name first), then sends cached_body_json with its cachedContent field set to the
+    created resource's name. provider_body_json stays the whole request and keeps the prefix
+    first, so Gemini's implicit caching applies when no cached content is used.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DISPLAY_NAME_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    CREATE_BODY_JSON_FIELD_NUMBER: _builtins.int
+    CACHED_BODY_JSON_FIELD_NUMBER: _builtins.int
+    HOLDS_FIELD_NUMBER: _builtins.int
+    ESTIMATED_TOKENS_FIELD_NUMBER: _builtins.int
+    MIN_CACHEABLE_TOKENS_FIELD_NUMBER: _builtins.int
+    display_name: _builtins.str
+    """Unique to the plan's prefix and epoch: "ce-<first 16 hex of prefix_sha256>-e<epoch>"."""
+    ttl: _builtins.str
+    """Gemini's duration form ("300s", "3600s"): the plan's cache TTL."""
+    create_body_json: _builtins.str
+    """The cachedContents.create body: model, displayName, ttl and what the content holds."""
+    cached_body_json: _builtins.str
+    """The generateContent body without what the cached content holds; set cachedContent."""
+    estimated_tokens: _builtins.int
+    """The cached content's estimated tokens, and Gemini's minimum for the model: below it
+    Gemini refuses to create the content (implicit caching is what remains).
+    """
+    min_cacheable_tokens: _builtins.int
+    @_builtins.property
+    def holds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The fields of the request the cached content holds: systemInstruction, tools, toolConfig."""
+
+    def __init__(
+        self,
+        *,
+        display_name: _builtins.str = ...,
+        ttl: _builtins.str = ...,
+        create_body_json: _builtins.str = ...,
+        cached_body_json: _builtins.str = ...,
+        holds: _abc.Iterable[_builtins.str] | None = ...,
+        estimated_tokens: _builtins.int = ...,
+        min_cacheable_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_body_json", b"cached_body_json", "create_body_json", b"create_body_json", "display_name", b"display_name", "estimated_tokens", b"estimated_tokens", "holds", b"holds", "min_cacheable_tokens", b"min_cacheable_tokens", "ttl", b"ttl"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GeminiCachedContent: _TypeAlias = GeminiCachedContent  # noqa: Y015
 
 @_typing.final
 class CacheBreakpoint(_message.Message):
