@@ -7,7 +7,9 @@ import io
 import json
 import os
 import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -16,7 +18,6 @@ from context_engine.cli import main
 from context_engine.inspect import inspect_session
 from context_engine.v1 import context_engine_pb2 as pb
 
-from tests.conftest import REPO
 from tests.integration.requests import build_request, item, plan_request
 
 pytestmark = pytest.mark.integration
@@ -80,7 +81,7 @@ def inspect(url: str, made: Made, **kw) -> tuple[int, str, str]:
 
 def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DATABASE_URL": url}
-    return subprocess.run([str(REPO / ".venv" / "bin" / "context-engine"), "inspect", *args],
+    return subprocess.run([str(Path(sys.executable).parent / "context-engine"), "inspect", *args],
                           capture_output=True, text=True, env=env, timeout=60)
 
 

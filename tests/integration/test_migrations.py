@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
 
-CLI = REPO / ".venv" / "bin" / "context-engine"
+CLI = Path(sys.executable).parent / "context-engine"
 
 EXPECTED = {
     "sessions": {"tenant_id", "session_id", "current_epoch", "created_at", "updated_at"},

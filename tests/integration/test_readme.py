@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 from context_engine.cli import main
@@ -86,7 +87,7 @@ def test_the_demo_command_reports_an_unreachable_server():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{sock.getsockname()[1]}"
-        out = subprocess.run([str(REPO / ".venv" / "bin" / "context-engine"), "demo",
+        out = subprocess.run([str(Path(sys.executable).parent / "context-engine"), "demo",
                               "--grpc-addr", address], capture_output=True, text=True,
                              timeout=60)
     assert out.returncode == 1 and not out.stdout

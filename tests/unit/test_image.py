@@ -13,6 +13,7 @@ import re
 import shlex
 import socket
 import subprocess
+import sys
 import tomllib
 from concurrent import futures
 from pathlib import Path
@@ -29,7 +30,7 @@ from tests.support.certs import Pki, make_pki
 from tests.unit.test_kubernetes import config_reading
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = REPO / ".venv" / "bin" / "context-engine"
+CLI = Path(sys.executable).parent / "context-engine"
 PINNED_IMAGE = re.compile(
     r"^(?P<name>[a-z0-9./_-]+):(?P<version>\d+\.\d+\.\d+)(?P<variant>-[a-z0-9.-]+)?"
     r"(?:@sha256:[0-9a-f]{64})?$")

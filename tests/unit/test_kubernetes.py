@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -22,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "deploy" / "kubernetes"
-CLI = REPO / ".venv" / "bin" / "context-engine"
+CLI = Path(sys.executable).parent / "context-engine"
 
 
 class RecordingEnv(Mapping[str, str]):
