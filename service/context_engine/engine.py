@@ -320,6 +320,12 @@ class Engine:
         self._calibration_ttl = calibration_ttl
         self._clock = clock
 
+    @property
+    def catalog(self) -> ModelCatalog:
+        """The model catalog this engine sizes models by: also where a Build's default
+        provider format and a Plan's ``default_provider_format`` come from."""
+        return self._catalog
+
     # ------------------------------------------------------------------ estimators
 
     def estimator_for(self, model: ModelProfile) -> TokenEstimator:

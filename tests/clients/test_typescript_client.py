@@ -130,7 +130,8 @@ def test_node_suite_and_prefix_hashes_match_python(node: str, server: ServerThre
                                                    tmp_path: Path) -> None:
     tenant = f"tenant-{uuid.uuid4().hex[:12]}"
     result_file = tmp_path / "result.json"
-    done = run_tool([node, "--test", "dist/test/integration.test.js", "dist/test/client.test.js"],
+    done = run_tool([node, "--test", "dist/test/integration.test.js", "dist/test/client.test.js",
+                     "dist/test/formats.test.js"],
                     timeout=120, env=_env(server, CE_RESULT_FILE=str(result_file),
                                           CE_TENANT_ID=tenant),
                     what="node --test")
@@ -177,6 +178,23 @@ def test_node_suite_and_prefix_hashes_match_python(node: str, server: ServerThre
     assert on_summary.epoch == node_result["compact"]["epoch"] == 2
     assert on_summary.prefix_sha256 == node_result["compact"]["prefixSha256"]
 
+    # Every provider format came back typed in Node, with the format's top-level keys; the
+    # same format from Python has the same keys.
+    formats = node_result["formats"]
+    assert formats["default"] == "anthropic_messages"
+    for name, keys in BODY_KEYS.items():
+        entry = formats[name]
+        assert entry["providerFormat"] == f"PROVIDER_FORMAT_{name.upper()}", entry
+        assert keys <= set(entry["keys"]), (name, entry["keys"])
+        from_python = stub.Build(pb.BuildRequest(
+            tenant_id=tenant, session_id=session, checkpoint=fixture_checkpoint(),
+            provider_format=pb.ProviderFormat.Value(entry["providerFormat"])), timeout=30)
+        assert sorted(json.loads(from_python.provider_body_json)) == entry["keys"], name
+    cached = formats["gemini_generate_content"]["cachedContent"]
+    assert re.fullmatch(r"ce-[0-9a-f]{16}-e1", cached["displayName"]), cached
+    assert {"model", "displayName", "ttl"} <= set(cached["createKeys"])
+    assert set(cached["holds"]) <= set(cached["createKeys"])
+
     # And Node's own session, read back through the Python stub.
     for epoch, step in ((1, "plan"), (2, "rotate")):
         got = stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=node_session,
@@ -217,6 +235,57 @@ def test_agent_loop_example_reads_its_token_from_stdin_or_the_environment(
                              text=True, timeout=120, check=False)
     assert refused.returncode == 1, refused.stdout[-2000:]
     assert "context-engine error UNAUTHENTICATED" in refused.stderr, refused.stderr[-2000:]
+
+
+# The top-level keys each format's body has (tools, a system prompt, a user message).
+BODY_KEYS = {
+    "anthropic_messages": {"model", "max_tokens", "system", "messages", "tools"},
+    "openai_responses": {"model", "instructions", "input", "prompt_cache_key", "tools"},
+    "openai_chat_completions": {"model", "messages", "tools"},
+    "gemini_generate_content": {"contents", "systemInstruction", "tools", "generationConfig"},
+    "bedrock_converse": {"modelId", "system", "messages", "toolConfig", "inferenceConfig"},
+}
+
+
+def printed_json(text: str, header: str) -> tuple[str, dict[str, Any]]:
+    """The header line matching ``header`` (a regex) and the JSON object printed after it."""
+    found = re.search(header + r"\n", text, re.M)
+    assert found, text[-3000:]
+    value, _ = json.JSONDecoder().raw_decode(text, found.end())
+    assert isinstance(value, dict)
+    return found.group(0).strip(), value
+
+
+@pytest.mark.parametrize("name", list(BODY_KEYS))
+def test_agent_loop_example_prints_the_body_of_each_format(
+        node: str, server: ServerThread, stub: pb_grpc.ContextEngineStub, name: str) -> None:
+    tenant = f"tenant-{uuid.uuid4().hex[:12]}"
+    session = f"body-{uuid.uuid4().hex[:12]}"
+    done = run_tool([node, "dist/examples/agent_loop.js", "--print-body", name], timeout=120,
+                    env=_env(server, CE_TENANT_ID=tenant, CE_SESSION_ID=session),
+                    what=f"the agent_loop example with --print-body {name}")
+    check_agent_loop_output(done.stdout, stub, tenant=tenant, session=session)  # all else
+    assert len(re.findall(r"^== provider body ", done.stdout, re.M)) == 1  # the first request
+    _, body = printed_json(done.stdout, rf"^== provider body {name} \(turn 1, step 1\):$")
+    assert BODY_KEYS[name] <= set(body), sorted(body)
+    assert "I need to be in Milan on 3 December" in json.dumps(body)  # the first user message
+    creates = re.findall(r"^== gemini cached content ", done.stdout, re.M)
+    if name != "gemini_generate_content":
+        assert not creates
+        return
+    header, create = printed_json(
+        done.stdout, r"^== gemini cached content (ce-[0-9a-f]{16}-e1) \(ttl \d+s, holds .+; "
+                     r"\d+ tokens, minimum \d+\), create body:$")
+    assert len(creates) == 1
+    assert set(create) >= {"model", "displayName", "ttl"} and create["displayName"] in header
+
+
+def test_agent_loop_example_refuses_an_unknown_format(node: str) -> None:
+    refused = subprocess.run([node, "dist/examples/agent_loop.js", "--print-body", "gemini"],
+                             cwd=PACKAGE, env=client_env("127.0.0.1:1"), capture_output=True,
+                             text=True, timeout=60, check=False)
+    assert refused.returncode == 1
+    assert "--print-body: unknown provider format \"gemini\"" in refused.stderr, refused.stderr
 
 
 def check_agent_loop_output(out: str, stub: pb_grpc.ContextEngineStub, *, tenant: str,

@@ -1,11 +1,12 @@
 """Hard gate: budget conformance end to end, counted by the independent oracle (spec: "The token
 estimator", "Hard gates").
 
-Through the real gRPC server and PostgreSQL: sessions on an exact model (gpt-4, gpt-4o) and on
-Claude, each built several times with a growing tool-call-heavy conversation (parallel
-batches, long arguments, provider-style call ids) until the body has to yield. Every Build asks
-for a provider body; ``tests.support.provider_tokens`` counts what ``provider_body_json``
-sends, and for each response, in both provider formats:
+Through the real gRPC server and PostgreSQL: sessions on an exact model (gpt-4, gpt-4o), on
+Claude and on Gemini, each built several times with a growing tool-call-heavy conversation
+(parallel batches, long arguments, provider-style call ids) until the body has to yield. Every
+Build asks for a provider body; ``tests.support.provider_tokens`` counts what
+``provider_body_json`` sends (in the encoding of the response's model: a Gemini body names
+none), and for each response, in each of the five provider formats:
 
     oracle(provider_body_json) <= estimated_input_tokens <= context_window - output_reserve
 """
@@ -25,11 +26,14 @@ from tests.support.provider_tokens import breakdown, count_body
 pytestmark = [pytest.mark.gate_budget, pytest.mark.integration]
 
 FORMATS = {pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES: "anthropic_messages",
-           pb.PROVIDER_FORMAT_OPENAI_RESPONSES: "openai_responses"}
+           pb.PROVIDER_FORMAT_OPENAI_RESPONSES: "openai_responses",
+           pb.PROVIDER_FORMAT_OPENAI_CHAT_COMPLETIONS: "openai_chat_completions",
+           pb.PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT: "gemini_generate_content",
+           pb.PROVIDER_FORMAT_BEDROCK_CONVERSE: "bedrock_converse"}
 # gpt-4's real 8,192 tokens cannot hold history's 8,000-token floor (Plan refuses it): the
 # exact cl100k_base model runs at the smallest window that can
 MODELS = {"gpt-4": (12_500, 2_048), "gpt-4o": (16_000, 4_096),
-          "claude-sonnet-4-5": (16_000, 2_000)}
+          "claude-sonnet-4-5": (16_000, 2_000), "gemini-2.5-pro": (16_000, 2_000)}
 BATCHES = (1, 4, 10, 24)  # parallel batches in the conversation of each successive Build
 BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 TEXT = ("Größe", "naïve", "the", "result", "<td>", "42", "\"name\":", "東京", "null", "ok")
@@ -96,21 +100,28 @@ def test_every_build_fits_by_the_oracles_count_of_the_provider_body(stub, ids, m
     for batches in BATCHES:
         for fmt, name in FORMATS.items():
             resp, body = build(stub, tenant, session, batches, fmt)
+            assert resp.provider_format == fmt
             assert resp.context_window == window and resp.output_reserve == reserve
-            counted = count_body(body, name)
+            counted = count_body(body, name, resp.model_id)
             assert counted <= resp.estimated_input_tokens, (
                 f"{model_id} {name}, {batches} batches: the provider receives {counted} "
                 f"tokens, the service estimated {resp.estimated_input_tokens}; "
-                f"{breakdown(body, name)}")
+                f"{breakdown(body, name, resp.model_id)}")
             assert resp.estimated_input_tokens <= window - reserve
             assert counted <= window - reserve
-            assert sum(b.get("type") in ("tool_use", "function_call")
-                       for b in _blocks(body)) >= min(batches, 3)
+            assert calls_in(body, name) >= min(batches, 3)
         yielded += bool(resp.pressure.steps)
     assert yielded, "no Build had to yield: the conversation is too small to test the budget"
 
 
-def _blocks(body: dict[str, Any]) -> list[dict[str, Any]]:
-    if "input" in body:
-        return list(body["input"])
-    return [b for m in body["messages"] for b in m["content"]]
+def calls_in(body: dict[str, Any], name: str) -> int:
+    """How many tool calls a body sends."""
+    if name == "openai_responses":
+        return sum(i.get("type") == "function_call" for i in body["input"])
+    if name == "openai_chat_completions":
+        return sum(len(m.get("tool_calls") or []) for m in body["messages"])
+    if name == "gemini_generate_content":
+        return sum("functionCall" in p for c in body["contents"] for p in c["parts"])
+    if name == "bedrock_converse":
+        return sum("toolUse" in b for m in body["messages"] for b in m["content"])
+    return sum(b.get("type") == "tool_use" for m in body["messages"] for b in m["content"])

@@ -10,12 +10,29 @@ oldest turns with a summary. The server runs on the session's clock (``ServerClo
 time crosses midnight when the session's does, so a server that wrote its own date into the
 prefix would show it here (``tests/unit/test_clock.py`` keeps every module but the clock off the
 system's wall clock). Every model step is a Build whose Anthropic body goes to the fake provider
-(tests/support/cache_sim.py).
+(tests/support/cache_sim.py); the same step is also built in every other provider format
+(OpenAI Responses and Chat Completions, Gemini generateContent, Bedrock Converse: one Build per
+format from the same checkpoint, the estimator factor pinned to the Anthropic Build's, through
+``FanOutStub``), and each body goes to its own provider's fake at the same time. Gemini is run
+twice: whole bodies under implicit caching, and as a runtime using the explicit cached content
+``gemini_cached_content`` describes (created once per epoch, kept alive by patching its TTL,
+since use does not extend an explicit cached content's expiry). The session's model is a Claude
+model: the Gemini fake applies its own minimum for a model it does not know (1,024, Flash's),
+not the response's ``min_cacheable_tokens`` (the service's conservative 4,096 for a model the
+catalog gives no Gemini minimum), which the gate prints.
 
-Asserted: exactly one distinct prefix_sha256 and epoch 1 throughout; afterwards a Plan with
-another model rotates exactly once (epoch 2, model_changed). Under the simulator the cached
-prefix ratio is at least 0.99 and the cached share of all input tokens after turn 1 at least
-0.80; both figures are printed.
+Asserted: exactly one distinct prefix_sha256 and epoch 1 throughout, in every format, each
+format's neutral request equal to the Anthropic Build's; the part of each body that holds
+Region A (Anthropic tools and system; Responses instructions and tools; Chat Completions the
+system message and tools; Gemini systemInstruction and tools, which the one cached content of
+the epoch holds exactly; Bedrock system and toolConfig) byte-identical on every request; under
+each provider's fake, Region A read from the cache on every request after the first as far as
+the provider's granularity lets a read reach: all of it (cached prefix ratio 1.0) for the
+token-exact providers, and for OpenAI's 128-token steps all but the tokens past Region A's last
+full step where the conversation changes right after it (ratio at least 0.99); the cached share
+of all input tokens after turn 1 at least 0.80 where the provider caches the history
+(everything but Gemini's explicit cache, which holds Region A only). Afterwards a Plan with
+another model rotates exactly once (epoch 2, model_changed). Every figure is printed.
 """
 
 from __future__ import annotations
@@ -32,12 +49,29 @@ from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
 from tests.conftest import ServerThread
 from tests.conftest import test_config as base_config
-from tests.support.cache_sim import canonical
+from tests.support.cache_sim import (
+    ANTHROPIC_MESSAGES,
+    FORMATS,
+    GEMINI_GENERATE_CONTENT,
+    GEMINI_HELD_FIELDS,
+    OPENAI_CHAT_COMPLETIONS,
+    OPENAI_INCREMENT,
+    OPENAI_RESPONSES,
+    CacheUsage,
+    FanOutStub,
+    cacheable_prefix_ratio,
+    cached_prefix_ratio,
+    cached_share,
+    prefix_part,
+    simulate,
+    simulate_gemini_explicit,
+)
 from tests.support.runtime import (
     ANTHROPIC,
     OTHER_MODEL,
     SCOPES,
     Clock,
+    RequestRecord,
     Runtime,
     ServerClock,
     SessionScript,
@@ -51,17 +85,35 @@ PREFIX_RATIO_FLOOR = 0.99
 CACHED_SHARE_FLOOR = 0.80
 TTL_SECONDS = 300
 
+GEMINI_EXPLICIT = "gemini_generate_content (explicit cache)"
+# Floors of the cached share of input after turn 1: every provider that caches the history
+# (markers or automatic prefix caching); Gemini's explicit cached content holds Region A only.
+SHARE_FLOORS = {**dict.fromkeys(FORMATS, CACHED_SHARE_FLOOR), GEMINI_EXPLICIT: 0.0}
 
-def provider_prefix(body: dict[str, Any]) -> str:
-    """What the provider caches as Region A: the tools and the system blocks, markers aside."""
-    def strip(block: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in block.items() if k != "cache_control"}
-    return canonical([[strip(t) for t in body.get("tools", [])],
-                      [strip(b) for b in body["system"]]])
+
+def later(records: list[RequestRecord], usages: list[CacheUsage]) -> list[CacheUsage]:
+    return [u for r, u in zip(records, usages, strict=True) if r.turn > 1]
 
 
 def blocks_of(body: dict[str, Any]) -> list[dict[str, Any]]:
     return [b for m in body["messages"] for b in m["content"]]
+
+
+def per_format_usages(records: list[RequestRecord],
+                      fan: FanOutStub) -> tuple[dict[str, list[CacheUsage]], dict[str, Any]]:
+    """Each format's bodies through its provider's simulator (Anthropic's are the runtime's
+    own, already simulated), and Gemini through its explicit cached content."""
+    usages = {ANTHROPIC_MESSAGES: [r.usage for r in records]}
+    for name in FORMATS[1:]:
+        usages[name] = simulate(name, fan.built[name])
+    explicit = simulate_gemini_explicit(fan.built[GEMINI_GENERATE_CONTENT])
+    usages[GEMINI_EXPLICIT] = explicit.usages
+    advice = {(b.gemini["estimated_tokens"], b.gemini["min_cacheable_tokens"])
+              for b in fan.built[GEMINI_GENERATE_CONTENT] if b.gemini}
+    return usages, {"created": [c.display_name for c in explicit.created],
+                    "tokens": [c.tokens for c in explicit.created],
+                    "fallbacks": explicit.fallbacks, "updates": explicit.updates,
+                    "estimated_tokens, min_cacheable_tokens": sorted(advice)}
 
 
 @pytest.fixture
@@ -89,7 +141,8 @@ def test_fifty_turns_keep_one_prefix_and_a_warm_cache(clocked_stub, session_cloc
     tenant, session = ids
     script = SessionScript()
     started = time.monotonic()
-    runtime = Runtime(stub, tenant=tenant, session=session, script=script,
+    fan = FanOutStub(stub, session_clock)  # every step also built in every other format
+    runtime = Runtime(fan, tenant=tenant, session=session, script=script,
                       clock=session_clock)
     out = runtime.run()
     records = out.records
@@ -97,9 +150,17 @@ def test_fifty_turns_keep_one_prefix_and_a_warm_cache(clocked_stub, session_cloc
     bodies = {r.index: r.body() for r in records}
     fig = figures(records)
     sources = sorted({r.body_source for r in records})
+    usages, gemini_explicit = per_format_usages(records, fan)
+    ratios = {name: cached_prefix_ratio(u[1:]) for name, u in usages.items()}
+    granular = {name: cacheable_prefix_ratio(u[1:]) for name, u in usages.items()}
+    shares = {name: cached_share(later(records, u)) for name, u in usages.items()}
+    table = "\n".join(f"  {name:<42} cached prefix ratio {ratios[name]:.4f} (to the provider's "
+                      f"granularity {granular[name]:.4f}), cached share of input after turn 1 "
+                      f"{shares[name]:.4f}" for name in usages)
     with capsys.disabled():  # the figures are part of the gate's output, not only on failure
-        print(f"\ngate_prefix_stability: {len(records)} requests in {elapsed:.1f} s "
-              f"(provider body: {', '.join(sources)}); {fig.line()}")
+        print(f"\ngate_prefix_stability: {len(records)} requests x {len(FORMATS)} formats in "
+              f"{elapsed:.1f} s (provider body: {', '.join(sources)}); {fig.line()}\n{table}\n"
+              f"  gemini explicit cached contents: {gemini_explicit}")
 
     # Every body is the server's own provider_body_json, not the driver's local fallback.
     assert sources == ["server"], sources
@@ -127,7 +188,34 @@ def test_fifty_turns_keep_one_prefix_and_a_warm_cache(clocked_stub, session_cloc
     revocation = next(p for p in out.plans if p.what == "revocation")
     assert not revocation.created and revocation.reason == "session_opened"
     # ... and one provider-side Region A: tools and system byte-identical on every request.
-    assert len({provider_prefix(body) for body in bodies.values()}) == 1
+    assert len({prefix_part(ANTHROPIC_MESSAGES, body) for body in bodies.values()}) == 1
+
+    # Every other format, built from the same checkpoints: the same request, one prefix, one
+    # epoch, and its Region A part byte-identical on every request.
+    for name in FORMATS:
+        built = fan.built[name]
+        assert [b.index for b in built] == [r.index for r in records], name
+        assert all(b.provider_format == name and b.body_json for b in built), name
+        assert all(b.same_request for b in built), \
+            (name, [b.index for b in built if not b.same_request][:5])
+        assert {(b.prefix_sha256, b.epoch) for b in built} == {(records[0].prefix_sha256, 1)}, \
+            name
+        parts = {prefix_part(name, b.body()) for b in built}
+        assert len(parts) == 1, (name, len(parts))
+    gemini = fan.built[GEMINI_GENERATE_CONTENT]
+    assert all(b.gemini for b in gemini)
+    specs = {(b.gemini["display_name"], b.gemini["ttl"], b.gemini["create_body_json"])
+             for b in gemini if b.gemini}
+    assert len(specs) == 1, len(specs)  # one cached content per epoch, byte-identical
+    ((display_name, ttl, create_json),) = specs
+    assert display_name == f"ce-{records[0].prefix_sha256[:16]}-e1" and ttl == "300s"
+    create = json.loads(create_json)
+    holds = [k for k in GEMINI_HELD_FIELDS if k in create]
+    assert holds and all(list(b.gemini["holds"]) == holds for b in gemini if b.gemini)
+    assert all(not set(GEMINI_HELD_FIELDS) & set(json.loads(b.gemini["cached_body_json"]))
+               for b in gemini if b.gemini)
+    assert prefix_part(GEMINI_GENERATE_CONTENT, create) == prefix_part(
+        GEMINI_GENERATE_CONTENT, gemini[0].body())  # it holds exactly the body's Region A
 
     # Recall and correction lines changed mid-session (Region B), the prefix did not.
     recall_texts = {b["text"] for body in bodies.values() for b in blocks_of(body)
@@ -170,6 +258,34 @@ def test_fifty_turns_keep_one_prefix_and_a_warm_cache(clocked_stub, session_cloc
                     if r.usage.prefix_read_tokens < r.usage.prefix_tokens]
     assert fig.cached_prefix_ratio >= PREFIX_RATIO_FLOOR, first_misses[:5]
     assert fig.cached_share >= CACHED_SHARE_FLOOR, fig
+
+    # ... and under every provider's rules: Region A read from the cache on every request
+    # after the first, as far as the provider's granularity lets a read reach (ratio 1.0):
+    # all of it where the provider caches token-exact prefixes (Anthropic, Bedrock, Gemini);
+    # for OpenAI's 128-token steps, all but the few tokens of Region A past its last full step
+    # when the conversation changes right after Region A (the first step's user message moving
+    # into the history, the compaction). The share of input served from the cache, per format.
+    figures_line = ", ".join(f"{name}: ratio {ratios[name]:.4f} (granular "
+                             f"{granular[name]:.4f}) share {shares[name]:.4f}"
+                             for name in usages)
+    for name, used in usages.items():
+        misses = [(r.turn, r.step, u.prefix_read_tokens, u.prefix_cacheable_tokens,
+                   u.prefix_tokens, u.read_through)
+                  for r, u in zip(records[1:], used[1:], strict=True)
+                  if u.prefix_read_tokens < u.prefix_cacheable_tokens]
+        assert not misses and granular[name] == 1.0, (name, misses[:5], figures_line)
+        if name in (OPENAI_RESPONSES, OPENAI_CHAT_COMPLETIONS):
+            assert all(u.prefix_tokens - u.prefix_read_tokens < OPENAI_INCREMENT
+                       for u in used[1:]), (name, figures_line)
+            assert ratios[name] >= PREFIX_RATIO_FLOOR, (name, figures_line)
+        else:
+            assert ratios[name] == 1.0, (name, figures_line)
+        assert shares[name] >= SHARE_FLOORS[name], (name, figures_line)
+    assert len(gemini_explicit["created"]) == 1 and gemini_explicit["fallbacks"] == 0, \
+        gemini_explicit  # created once for the epoch, used by every request
+    explicit = usages[GEMINI_EXPLICIT]
+    assert all(u.cache_read_input_tokens == u.prefix_tokens == explicit[0].prefix_tokens
+               for u in explicit)
 
     # Afterwards a model change rotates exactly once, with its reason.
     run = pb.RunAdmission(run_id="run-51", tools_pinned=False)

@@ -3,10 +3,14 @@ defenses", "Hard gates").
 
 No assembled request, under any yield path (knowledge dropped, recall trimmed, tool results
 turned into pointers, history cut, a summary floor inside a pair), holds an unpaired tool call
-or tool result, nor does either provider body rendered from it (Anthropic: each assistant
+or tool result, nor does any provider body rendered from it (Anthropic: each assistant
 tool_use turn answered by the next user turn's tool_results; OpenAI Responses: each
-function_call answered once, after it); a request built by hand with an orphan is rejected by
-the validator.
+function_call answered once, after it; Chat Completions, Gemini and Bedrock by the independent
+validator of ``tests/support/tool_pairs.py``: each call answered in the place its wire format
+requires, Gemini's responses in the order of their calls, roles alternating where the API
+requires it); every enveloped text of the request reads, in every body, exactly as it reads in
+the request (``tests/support/envelope_parser.py``); a request built by hand with an orphan is
+rejected by the validator. Every example renders all five formats from one build.
 
 The generator here (``pressured_cases``, also used by the budget gate) draws plans with small
 windows (16k to 1M, output reserves and policy caps) and checkpoints with tool exchanges
@@ -40,7 +44,7 @@ from context_engine.domain.builder import (
     assert_paired,
     build,
 )
-from context_engine.domain.errors import AssemblyError, BudgetExceeded
+from context_engine.domain.errors import AssemblyError, BudgetExceeded, InvalidInput
 from context_engine.domain.items import (
     AssistantMessageItem,
     ContextItem,
@@ -58,13 +62,20 @@ from context_engine.domain.items import (
     UserMessageItem,
     WorkingState,
 )
-from context_engine.domain.request import Message, ModelRequest, Role, ToolCall
+from context_engine.domain.request import (
+    Message,
+    ModelRequest,
+    Role,
+    ToolCall,
+    ToolDefinition,
+)
 from context_engine.domain.trust import TrustLevel
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests import factories as f
 from tests.property.strategies import CALL, RESULT, tool_exchanges
+from tests.support import envelope_parser, tool_pairs
 
 pytestmark = pytest.mark.gate_tool_pairs
 
@@ -373,14 +384,18 @@ def check_paired(messages: Sequence[Message]) -> None:
 
 
 def check_provider_bodies(r: BuildResult) -> dict[str, dict[str, Any]]:
-    """Both provider bodies keep every pair. ``providers.render`` runs our own validator; the
+    """Every provider body keeps every pair. ``providers.render`` runs our own validator; the
     pairing is checked again here, independently. Anthropic: roles alternate from a user turn;
     the tool_use blocks of an assistant turn are answered, each exactly once, by the
     tool_result blocks that open the next user turn, and a turn's tool_results answer only the
     turn right before it. OpenAI Responses: every function_call has exactly one
-    function_call_output after it, and every output has its call."""
+    function_call_output after it, and every output has its call. Every format (these two,
+    Chat Completions, Gemini and Bedrock) also passes ``tool_pairs``' validator, sends every
+    call of the request, and keeps every envelope as the request has it."""
     calls = sorted(c.call_id for m in r.request.messages for c in m.tool_calls)
+    r = with_called_tools(r)
     bodies = {fmt: providers.render(r, fmt) for fmt in providers.FORMATS}
+    assert len(bodies) == 5, f"the five formats, not {sorted(bodies)}"
 
     turns = bodies[providers.ANTHROPIC_MESSAGES]["messages"]
     assert turns and turns[0]["role"] == "user"
@@ -416,7 +431,88 @@ def check_provider_bodies(r: BuildResult) -> dict[str, dict[str, Any]]:
             assert item["call_id"] in made, f"output {item['call_id']!r} before its call"
             outputs[item["call_id"]] += 1
     assert sorted(made) == calls and outputs == Counter(calls)
+
+    # The other formats, by the independent validator; each sends every call of the request.
+    for fmt in providers.FORMATS:
+        assert tool_pairs.problems_of(bodies[fmt], fmt) == [], \
+            f"{fmt}: {tool_pairs.problems_of(bodies[fmt], fmt)}"
+        sent = sent_calls(bodies[fmt], fmt)
+        if None in sent:  # Gemini pairs a call without an id by name, in order
+            assert len(sent) == len(calls), fmt
+        else:
+            assert sorted(sent) == calls, fmt  # type: ignore[type-var]
+    check_envelopes(r, bodies)
     return bodies
+
+
+def with_called_tools(r: BuildResult) -> BuildResult:
+    """``r`` with a definition for every tool its messages call and its plan does not define.
+    Anthropic and Bedrock refuse calls in a request without tools (the Bedrock renderer
+    refuses to render one: ``test_a_bedrock_body_needs_the_tools_its_calls_use``); the gate's
+    plans pin no tools, and a definition changes no pair and no envelope."""
+    defined = {t.name for t in r.request.tools}
+    missing = sorted({c.name for m in r.request.messages for c in m.tool_calls} - defined)
+    if not missing:
+        return r
+    extra = tuple(ToolDefinition(name=n, description=f"Test tool {n}.",
+                                 input_schema_json='{"type":"object"}') for n in missing)
+    return replace(r, request=replace(r.request, tools=(*r.request.tools, *extra)))
+
+
+def sent_calls(body: dict[str, Any], fmt: str) -> list[str | None]:
+    """The call ids a body sends (None for a Gemini call without one)."""
+    if fmt == providers.ANTHROPIC_MESSAGES:
+        return [b["id"] for t in body["messages"] for b in t["content"]
+                if b["type"] == "tool_use"]
+    if fmt == providers.OPENAI_RESPONSES:
+        return [i["call_id"] for i in body["input"] if i.get("type") == "function_call"]
+    if fmt == "openai_chat_completions":
+        return [c["id"] for m in body["messages"] for c in m.get("tool_calls") or []]
+    if fmt == "gemini_generate_content":
+        return [p["functionCall"].get("id") for c in body["contents"] for p in c["parts"]
+                if "functionCall" in p]
+    if fmt == "bedrock_converse":
+        return [b["toolUse"]["toolUseId"] for m in body["messages"] for b in m["content"]
+                if "toolUse" in b]
+    raise AssertionError(f"no reading of {fmt!r} bodies")
+
+
+def json_strings(value: Any) -> list[str]:
+    """Every string value of a JSON body, depth first (keys are field names, not content)."""
+    out: list[str] = []
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, dict):
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return out
+
+
+def envelopes(texts: Sequence[str]) -> Counter[tuple[str, str, str, str, str]]:
+    found: Counter[tuple[str, str, str, str, str]] = Counter()
+    for text in texts:
+        if "nonce=" in text:
+            for e in envelope_parser.parse(text):
+                found[(e.tag, e.source, e.item_id, e.nonce, e.body(text))] += 1
+    return found
+
+
+def check_envelopes(r: BuildResult, bodies: dict[str, dict[str, Any]]) -> None:
+    """Every envelope of the request (prefix blocks and messages), read strictly by the
+    independent parser, is in every body once, with the same tag, source, id, nonce and body:
+    no renderer splits, merges, escapes, drops or repeats enveloped text."""
+    expected = envelopes([*(b.text for b in r.request.prefix_blocks),
+                          *(m.text for m in r.request.messages)])
+    assert expected, "the request holds no envelope: nothing to check"
+    for fmt, body in bodies.items():
+        got = envelopes(json_strings(body))
+        assert got == expected, (
+            f"{fmt}: envelopes missing {sorted(k[2] for k in expected - got)}, extra "
+            f"{sorted(k[2] for k in got - expected)}")
 
 
 def steps_of(r: BuildResult) -> tuple[str, ...]:
@@ -620,6 +716,82 @@ def test_a_summary_floor_inside_a_parallel_batch_leaves_the_whole_batch_out() ->
         check_paired(r.request.messages)
         check_provider_bodies(r)
         assert pairs.orphans(r.request.messages) == []
+
+
+def test_a_bedrock_body_needs_the_tools_its_calls_use() -> None:
+    """Bedrock refuses toolUse and toolResult blocks in a request without toolConfig, so the
+    renderer refuses such a request (a field violation, never a body Bedrock would refuse);
+    with the tools defined the same request renders."""
+    r = synthetic_overflow(0).build()
+    assert not r.request.tools and any(m.tool_calls for m in r.request.messages)
+    with pytest.raises(InvalidInput, match="defines tools"):
+        providers.render(r, "bedrock_converse")
+    body = providers.render(with_called_tools(r), "bedrock_converse")
+    assert tool_pairs.bedrock_problems(body) == []
+
+
+def test_the_envelope_check_notices_a_body_that_changes_an_envelope() -> None:
+    r = synthetic_overflow(0).build()
+    bodies = check_provider_bodies(r)
+    body = json.loads(json.dumps(bodies["gemini_generate_content"]))
+    part = next(p for c in body["contents"] for p in c["parts"] if "functionResponse" in p)
+    text = part["functionResponse"]["response"]["output"]
+    for changed in (text.replace("\n", "\n\n", 1),  # a body changed
+                    text.replace("nonce=", "nonce =", 1),  # an opening no longer parses
+                    text + text):  # repeated
+        part["functionResponse"]["response"]["output"] = changed
+        with pytest.raises(AssertionError):  # the parser's own error, or a difference
+            check_envelopes(r, {"gemini_generate_content": body})
+
+
+# --------------------------------------------------------------------------- orphan sweep
+
+SWEEP_WINDOWS = (16_000, 20_000, 24_000, 32_000, 48_000, 64_000, 128_000, 200_000, 1_000_000)
+
+
+def sweep_case(model_id: str, window: int, summary_through: int | None) -> Case:
+    """Eight runs, each a parallel batch (every other one interleaved: a second call item
+    before the first one's results; results out of order) with results and a message sized to
+    the window, and the active run's own batch still pending: the ladder turns results into
+    pointers and, up to 128k, cuts the history at unit boundaries wherever the window puts
+    them; at 1M nothing yields."""
+    reserve = 4_096 if window < 32_000 else None
+    lp = loaded_for(model_id, window, reserve)
+    content_words = min(window // 40, 3_000)
+    items: list[ConversationItem] = []
+    seq = 1
+    for k in range(8):
+        run = f"run-{k}"
+        items.append(f.user(f"u{k}", f"question {k}", seq, run=run))
+        items += _batch(k, seq + 1, run, words(content_words, k), interleaved=k % 2 == 0)
+        items.append(AssistantMessageItem(id=f"a{k}", sequence=seq + 3, run_id=run,
+                                          item_trust=TrustLevel.USER,
+                                          text=words(content_words * 2, k)))
+        seq += 4
+    items.append(f.user("u8", "and now?", seq, run="run-8"))
+    items += _batch(9, seq + 1, "run-8", "pending", interleaved=True)
+    summary = (HistorySummary(text="Earlier: pages.", replaced_through_sequence=summary_through)
+               if summary_through is not None else None)
+    cp = f.checkpoint(items, run="run-8", summary=summary)
+    return Case(loaded=lp, cp=cp, policy=BudgetPolicy(), factor=1.0)
+
+
+@pytest.mark.parametrize("window", SWEEP_WINDOWS)
+def test_the_orphan_sweep_across_windows_finds_no_orphan_in_any_format(window: int) -> None:
+    """Every window from 16k to 1M, two models, no summary and summary floors that fall on a
+    pair's call item, between runs and deep in the history: the request and all five bodies
+    keep every pair (and every envelope)."""
+    cut_somewhere = False
+    for model_id in MODEL_IDS:
+        for floor in (None, 2, 9, 18):
+            case = sweep_case(model_id, window, floor)
+            r = case.build()
+            assert pairs.orphans(r.request.messages) == []
+            check_paired(r.request.messages)
+            check_provider_bodies(r)
+            cut_somewhere |= "history" in steps_of(r)
+    if window <= 128_000:
+        assert cut_somewhere, "the sweep must reach the history cut up to 128k"
 
 
 # --------------------------------------------------------------------------- the validator

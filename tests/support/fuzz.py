@@ -641,7 +641,8 @@ def request_texts(request: pb.ModelRequest) -> Iterator[tuple[str, str]]:
 def build_answer_problems(payload: bytes, response: pb.BuildResponse) -> list[str]:
     """What is wrong with a successful Build answer to the request ``payload``, read by
     validators independent of the service: every tool call has exactly one later result and
-    every result an earlier call (in the request and in the provider body, either format);
+    every result an earlier call (in the request and in the provider body, in the format the
+    response says it rendered: the asked one, or the model's default when none was asked);
     every envelope is closed exactly once and no envelope body reads as containing a tag."""
     problems = [f"pairing: {p}" for p in tool_pairs.request_problems(response.request)]
     for where, text in request_texts(response.request):
@@ -650,14 +651,22 @@ def build_answer_problems(payload: bytes, response: pb.BuildResponse) -> list[st
         except envelope_parser.EnvelopeError as exc:
             problems.append(f"envelope in {where}: {exc}")
     try:
-        provider_format = pb.BuildRequest.FromString(payload).provider_format
+        asked = pb.BuildRequest.FromString(payload).provider_format
     except DecodeError:  # answered OK, so it decoded; keep the check total anyway
-        provider_format = pb.PROVIDER_FORMAT_UNSPECIFIED
+        asked = pb.PROVIDER_FORMAT_UNSPECIFIED
+    rendered = response.provider_format
+    if asked not in (pb.PROVIDER_FORMAT_UNSPECIFIED, pb.PROVIDER_FORMAT_NONE) \
+            and rendered != asked:
+        problems.append(f"asked for format {asked}, the response says {rendered}")
+    if asked == pb.PROVIDER_FORMAT_NONE and (rendered or response.provider_body_json):
+        problems.append("asked for no provider body, got one")
     if response.provider_body_json:
-        name = (pb.ProviderFormat.Name(provider_format)
-                if provider_format in pb.ProviderFormat.values() else str(provider_format))
+        if rendered == pb.PROVIDER_FORMAT_UNSPECIFIED:
+            problems.append("a provider body without its format")
+        name = pb.ProviderFormat.Name(rendered) if rendered in pb.ProviderFormat.values() \
+            else str(rendered)
         problems += [f"provider body {name}: {p}" for p in
-                     tool_pairs.body_problems(response.provider_body_json, provider_format)]
-    elif provider_format != pb.PROVIDER_FORMAT_UNSPECIFIED:
-        problems.append(f"no provider body for format {provider_format}")
+                     tool_pairs.body_problems(response.provider_body_json, rendered)]
+    elif rendered != pb.PROVIDER_FORMAT_UNSPECIFIED:
+        problems.append(f"no provider body for format {rendered}")
     return problems

@@ -46,10 +46,43 @@ cookbook figure serves as the lower bound of a turn marker (the old text format'
 - every tool: 7 + name + description + the ``input_schema`` as compact JSON.
 - 3 for the reply primer.
 
-Not counted: ``model``, limits, ``cache_control``, ``prompt_cache_key``, ``store``,
-``include``, other keys of a body; and the tool-use system prompt Anthropic adds on its side
-when a request has tools (its documentation gives a few hundred tokens per model): it is not in
-the body, and the service does not count it either (the safety margin covers it).
+OpenAI Chat Completions (``openai_chat_completions``), the cookbook's own format: every message
+3 + its role + its content (+ 1 + the name where a message has one); an assistant message's
+``tool_calls`` each 3 + id + function name + the ``arguments`` text (a call is framed like the
+Responses ``function_call`` item the same model reads); a ``tool`` message also its
+``tool_call_id``; every tool 7 + name + description + the ``parameters`` schema as compact JSON,
+12 once; 3 for the reply primer.
+
+Gemini generateContent (``gemini_generate_content``; the model is the URL's, not the body's, so
+the caller names it; Gemini has no public tokenizer: ``cl100k_base`` at 1.0, the lower bound as
+for Claude):
+
+- ``systemInstruction``: the text of each part.
+- every content (turn): 3 + each part: text (a ``thought`` part under reasoning);
+  ``functionCall``: 3 + id + name + ``args`` as compact JSON; ``functionResponse``: 3 + id +
+  name + ``response`` as compact JSON (a structured value reaches the model as that JSON);
+  ``thoughtSignature`` and inline data are opaque here.
+- every function declaration: 7 + name + description + its ``parameters`` or
+  ``parametersJsonSchema`` as compact JSON.
+- 3 for the reply primer.
+
+Bedrock Converse (``bedrock_converse``; the encoding follows ``modelId``, Claude's and other
+models' ids being unknown to tiktoken: ``cl100k_base`` at 1.0), counted like Anthropic's, whose
+models it mostly fronts:
+
+- every ``system`` text block: its text.
+- every message: 3 + each block: ``text``; ``toolUse``: 3 + toolUseId + name + ``input`` as
+  compact JSON; ``toolResult``: 3 + toolUseId + each content block's text (a ``json`` block as
+  compact JSON); ``reasoningContent``: its reasoning text (a signature and redacted content are
+  opaque here).
+- every ``toolSpec``: 7 + name + description + ``inputSchema.json`` as compact JSON.
+- 3 for the reply primer.
+
+Not counted: ``model``/``modelId``, limits and generation settings, ``cache_control``,
+``cachePoint`` blocks, ``cachedContent``, ``prompt_cache_key``, ``store``, ``include``, other
+keys of a body; and the tool-use system prompt Anthropic adds on its side when a request has
+tools (its documentation gives a few hundred tokens per model): it is not in the body, and the
+service does not count it either (the safety margin covers it).
 """
 
 from __future__ import annotations
@@ -69,6 +102,12 @@ import tiktoken
 
 ANTHROPIC_MESSAGES = "anthropic_messages"
 OPENAI_RESPONSES = "openai_responses"
+OPENAI_CHAT_COMPLETIONS = "openai_chat_completions"
+GEMINI_GENERATE_CONTENT = "gemini_generate_content"
+BEDROCK_CONVERSE = "bedrock_converse"
+FORMATS = (ANTHROPIC_MESSAGES, OPENAI_RESPONSES, OPENAI_CHAT_COMPLETIONS,
+           GEMINI_GENERATE_CONTENT, BEDROCK_CONVERSE)
+NAME_FRAMING = 1  # a message's name (cookbook "tokens_per_name")
 
 MESSAGE_FRAMING = 3  # per message / input item (cookbook "tokens_per_message")
 REPLY_PRIMER = 3  # every reply is primed (cookbook)
@@ -147,12 +186,12 @@ class Oracle:
 
     def count(self, body: Mapping[str, Any], provider_format: str) -> int:
         self.parts = Counter()
-        if provider_format == OPENAI_RESPONSES:
-            self._openai(body)
-        elif provider_format == ANTHROPIC_MESSAGES:
-            self._anthropic(body)
-        else:
+        counters = {OPENAI_RESPONSES: self._openai, ANTHROPIC_MESSAGES: self._anthropic,
+                    OPENAI_CHAT_COMPLETIONS: self._chat, GEMINI_GENERATE_CONTENT: self._gemini,
+                    BEDROCK_CONVERSE: self._bedrock}
+        if provider_format not in counters:
             raise ValueError(f"unknown provider format {provider_format!r}")
+        counters[provider_format](body)
         self._add("framing", REPLY_PRIMER)
         return sum(self.parts.values())
 
@@ -227,6 +266,102 @@ class Oracle:
         for tool in _dicts(body.get("tools")):
             self._tool(tool, tool.get("input_schema"))
 
+    # ----------------------------------------------------------------------- Chat Completions
+
+    def _chat(self, body: Mapping[str, Any]) -> None:
+        for message in _dicts(body.get("messages")):
+            role = message.get("role")
+            self._add("framing", MESSAGE_FRAMING + self.text(role))
+            if message.get("name"):
+                self._add("framing", NAME_FRAMING + self.text(message.get("name")))
+            part = "system" if role in ("system", "developer") else (
+                "tool_results" if role == "tool" else "messages")
+            content = message.get("content")
+            if isinstance(content, str):
+                self._add(part, self.text(content))
+            for piece in _dicts(content):
+                self._add(part, self.text(piece.get("text")))
+            if role == "tool":
+                self._add("call_ids", self.text(message.get("tool_call_id")))
+            for call in _dicts(message.get("tool_calls")):
+                function = call.get("function")
+                function = function if isinstance(function, dict) else {}
+                self._add("framing", MESSAGE_FRAMING)
+                self._add("call_ids", self.text(call.get("id")))
+                self._add("call_names", self.text(function.get("name")))
+                self._add("call_arguments", self.text(function.get("arguments")))
+        tools = list(_dicts(body.get("tools")))
+        for tool in tools:
+            function = tool.get("function")
+            function = function if isinstance(function, dict) else {}
+            self._tool(function, function.get("parameters"))
+        if tools:
+            self._add("tool_framing", TOOLS_END)
+
+    # ----------------------------------------------------------------------- Gemini
+
+    def _gemini(self, body: Mapping[str, Any]) -> None:
+        system = body.get("systemInstruction")
+        for part in _dicts(system.get("parts") if isinstance(system, dict) else None):
+            self._add("system", self.text(part.get("text")))
+        for content in _dicts(body.get("contents")):
+            self._add("framing", MESSAGE_FRAMING)
+            for part in _dicts(content.get("parts")):
+                call, response = part.get("functionCall"), part.get("functionResponse")
+                if isinstance(call, dict):
+                    self._add("framing", MESSAGE_FRAMING)
+                    self._add("call_ids", self.text(call.get("id")))
+                    self._add("call_names", self.text(call.get("name")))
+                    self._add("call_arguments", self.json(call.get("args", {})))
+                elif isinstance(response, dict):
+                    self._add("framing", MESSAGE_FRAMING)
+                    self._add("call_ids", self.text(response.get("id")))
+                    self._add("call_names", self.text(response.get("name")))
+                    self._add("tool_results", self.json(response.get("response", {})))
+                elif part.get("thought") is True:
+                    self._add("reasoning", self.text(part.get("text")))
+                else:
+                    self._add("messages", self.text(part.get("text")))
+        for tool in _dicts(body.get("tools")):
+            for declaration in _dicts(tool.get("functionDeclarations")):
+                schema = declaration.get("parametersJsonSchema", declaration.get("parameters"))
+                self._tool(declaration, schema)
+
+    # ----------------------------------------------------------------------- Bedrock
+
+    def _bedrock(self, body: Mapping[str, Any]) -> None:
+        for block in _dicts(body.get("system")):
+            self._add("system", self.text(block.get("text")))
+        for message in _dicts(body.get("messages")):
+            self._add("framing", MESSAGE_FRAMING)
+            for block in _dicts(message.get("content")):
+                use, result = block.get("toolUse"), block.get("toolResult")
+                reasoning = block.get("reasoningContent")
+                if isinstance(use, dict):
+                    self._add("framing", MESSAGE_FRAMING)
+                    self._add("call_ids", self.text(use.get("toolUseId")))
+                    self._add("call_names", self.text(use.get("name")))
+                    self._add("call_arguments", self.json(use.get("input", {})))
+                elif isinstance(result, dict):
+                    self._add("framing", MESSAGE_FRAMING)
+                    self._add("call_ids", self.text(result.get("toolUseId")))
+                    for inner in _dicts(result.get("content")):
+                        self._add("tool_results", self.text(inner.get("text")))
+                        if "json" in inner:
+                            self._add("tool_results", self.json(inner["json"]))
+                elif isinstance(reasoning, dict):
+                    text = reasoning.get("reasoningText")
+                    if isinstance(text, dict):
+                        self._add("reasoning", self.text(text.get("text")))
+                else:
+                    self._add("messages", self.text(block.get("text")))
+        config = body.get("toolConfig")
+        for tool in _dicts(config.get("tools") if isinstance(config, dict) else None):
+            spec = tool.get("toolSpec")
+            if isinstance(spec, dict):
+                schema = spec.get("inputSchema")
+                self._tool(spec, schema.get("json") if isinstance(schema, dict) else None)
+
     def _tool(self, tool: Mapping[str, Any], schema: object) -> None:
         self._add("tool_framing", TOOL_FRAMING)
         self._add("tools", self.text(tool.get("name")) + self.text(tool.get("description"))
@@ -243,14 +378,23 @@ def oracle_for(encoding_name: str) -> Oracle:
     return Oracle(encoding_name)
 
 
-def count_body(body: Mapping[str, Any], provider_format: str) -> int:
-    """Tokens of ``body`` as its provider receives it (a lower bound; module docstring)."""
-    return oracle_for(encoding_name_for(str(body.get("model", "")))).count(body, provider_format)
+def model_of(body: Mapping[str, Any]) -> str:
+    """The model a body names: ``model``, Bedrock's ``modelId``; "" for a Gemini body (its
+    model is in the URL)."""
+    return str(body.get("model") or body.get("modelId") or "")
 
 
-def breakdown(body: Mapping[str, Any], provider_format: str) -> dict[str, int]:
+def count_body(body: Mapping[str, Any], provider_format: str, model: str = "") -> int:
+    """Tokens of ``body`` as its provider receives it (a lower bound; module docstring), in
+    the encoding of ``model`` or else of the model the body names (a Gemini body names none:
+    its model is the request URL's, so pass it)."""
+    name = encoding_name_for(model or model_of(body))
+    return oracle_for(name).count(body, provider_format)
+
+
+def breakdown(body: Mapping[str, Any], provider_format: str, model: str = "") -> dict[str, int]:
     """``count_body``'s parts: system, messages, call ids, names, arguments, results, tools,
     framing."""
-    oracle = oracle_for(encoding_name_for(str(body.get("model", ""))))
+    oracle = oracle_for(encoding_name_for(model or model_of(body)))
     oracle.count(body, provider_format)
     return dict(oracle.parts)

@@ -102,6 +102,108 @@ def test_openai_bodies():
     assert any("called twice" in p for p in problems(fc, fc, out))
 
 
+CHAT = pb.PROVIDER_FORMAT_OPENAI_CHAT_COMPLETIONS
+GEMINI = pb.PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT
+BEDROCK = pb.PROVIDER_FORMAT_BEDROCK_CONVERSE
+
+
+def test_chat_completions_bodies():
+    def problems(*messages: dict[str, object]) -> list[str]:
+        return tool_pairs.body_problems(json.dumps({"messages": list(messages)}), CHAT)
+
+    def calls(*ids: str, content: str | None = None) -> dict[str, object]:
+        return {"role": "assistant", "content": content, "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            for i in ids]}
+
+    def tool(i: str) -> dict[str, object]:
+        return {"role": "tool", "tool_call_id": i, "content": "x"}
+
+    system = {"role": "system", "content": "Be brief."}
+    hi = {"role": "user", "content": "hi"}
+    assert problems(system, hi, calls("a", "b"), tool("b"), tool("a"), hi) == []
+    # a user message between a call and its result: the API wants the results right after
+    assert any("not all answered" in p for p in problems(hi, calls("a"), hi, tool("a")))
+    assert any("not in the run of tool messages" in p
+               for p in problems(hi, calls("a"), hi, tool("a")))
+    assert any("have no tool message" in p for p in problems(hi, calls("a", "b"), tool("a")))
+    assert any("without an earlier call" in p for p in problems(hi, tool("z")))
+    assert any("answered twice" in p for p in problems(hi, calls("a"), tool("a"), tool("a")))
+    assert any("used twice" in p
+               for p in problems(hi, calls("a"), tool("a"), calls("a"), tool("a")))
+    # an interleaved second call message before the first one's results
+    assert problems(hi, calls("a"), calls("b"), tool("a"), tool("b"))
+    assert any("after the conversation started" in p for p in problems(hi, system))
+    assert any("neither content nor tool_calls" in p
+               for p in problems(hi, {"role": "assistant", "content": ""}))
+
+
+def test_gemini_bodies():
+    def problems(*turns: tuple[str, list[dict[str, object]]]) -> list[str]:
+        return tool_pairs.body_problems(json.dumps(
+            {"contents": [{"role": r, "parts": p} for r, p in turns]}), GEMINI)
+
+    def call(name: str, i: str | None = None) -> dict[str, object]:
+        return {"functionCall": {"name": name, "args": {}, **({"id": i} if i else {})}}
+
+    def answer(name: str, i: str | None = None) -> dict[str, object]:
+        return {"functionResponse": {"name": name, "response": {"output": "x"},
+                                     **({"id": i} if i else {})}}
+
+    hi = {"text": "hi"}
+    assert problems(("user", [hi]), ("model", [call("f", "a"), call("g", "b")]),
+                    ("user", [answer("f", "a"), answer("g", "b"), hi])) == []
+    assert problems(("user", [hi]), ("model", [call("f"), call("g")]),
+                    ("user", [answer("f"), answer("g")])) == []  # no ids: by name, in order
+    out_of_order = problems(("user", [hi]), ("model", [call("f", "a"), call("f", "b")]),
+                            ("user", [answer("f", "b"), answer("f", "a")]))
+    assert any("response 0 has id 'b', call 0 'a'" in p for p in out_of_order), out_of_order
+    assert any("1 function responses for the 2 calls" in p for p in problems(
+        ("user", [hi]), ("model", [call("f"), call("g")]), ("user", [answer("f")])))
+    assert any("named 'g', call 0 'f'" in p for p in problems(
+        ("user", [hi]), ("model", [call("f")]), ("user", [answer("g")])))
+    assert any("not answered in the next turn" in p for p in problems(
+        ("user", [hi]), ("model", [call("f")]), ("user", [hi])))
+    assert any("do not follow a function call turn" in p for p in problems(
+        ("user", [hi]), ("model", [hi]), ("user", [answer("f")])))
+    assert any("two 'model' turns in a row" in p for p in problems(
+        ("user", [hi]), ("model", [hi]), ("model", [hi])))
+    assert any("the first turn must be the user's" in p for p in problems(("model", [hi])))
+    assert any("functionCall in a 'user' turn" in p for p in problems(("user", [call("f")])))
+    assert any("used twice" in p for p in problems(
+        ("user", [hi]), ("model", [call("f", "a")]), ("user", [answer("f", "a")]),
+        ("model", [call("f", "a")]), ("user", [answer("f", "a")])))
+
+
+def test_bedrock_bodies():
+    def problems(*turns: tuple[str, list[dict[str, object]]]) -> list[str]:
+        return tool_pairs.body_problems(json.dumps(
+            {"messages": [{"role": r, "content": c} for r, c in turns]}), BEDROCK)
+
+    def use(i: str) -> dict[str, object]:
+        return {"toolUse": {"toolUseId": i, "name": "f", "input": {}}}
+
+    def res(i: str) -> dict[str, object]:
+        return {"toolResult": {"toolUseId": i, "content": [{"text": "x"}]}}
+
+    hi = {"text": "hi"}
+    point = {"cachePoint": {"type": "default"}}
+    assert problems(("user", [hi]), ("assistant", [use("a"), use("b"), point]),
+                    ("user", [res("b"), res("a"), point, hi])) == []
+    late = problems(("user", [hi]), ("assistant", [use("a")]), ("user", [hi]),
+                    ("assistant", [hi]), ("user", [res("a")]))
+    assert any("not answered in the next user message" in p for p in late), late
+    assert any("does not follow its toolUse" in p for p in late), late
+    assert any("toolResult after other content" in p for p in problems(
+        ("user", [hi]), ("assistant", [use("a")]), ("user", [hi, res("a")])))
+    assert any("answered twice" in p for p in problems(
+        ("user", [hi]), ("assistant", [use("a")]), ("user", [res("a"), res("a")])))
+    assert any("two 'user' messages in a row" in p
+               for p in problems(("user", [hi]), ("user", [hi])))
+    assert any("first message must be the user's" in p
+               for p in problems(("assistant", [hi])))
+
+
 def envelope(body: str, nonce: str = "0123456789abcdef", close: bool = True) -> str:
     text = f'<untrusted source="tool:web.fetch" id="r1" nonce="{nonce}">\n{body}\n'
     return text + (f"</untrusted:{nonce}>" if close else "")

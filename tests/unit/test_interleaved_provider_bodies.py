@@ -1,23 +1,21 @@
-"""Interleaved tool calls reach both providers paired.
+"""Interleaved tool calls reach every provider paired.
 
 A second call item issued before the first one's results, a result arriving before a later
 call item, parallel results out of order: the request keeps the checkpoint's order, and each
-provider body is what its wire format requires (Anthropic: every assistant turn's tool_use
-blocks answered by the tool_result blocks that open the next user turn; OpenAI Responses: every
-function_call with one function_call_output after it). The bodies pass our validators, the
-tool-pair gate's independent check, and the official SDKs, handed each body through a mock
-transport as in tests/integration/test_provider_bodies.py (nothing leaves the process).
+provider body is what its wire format requires (Anthropic and Bedrock: every assistant turn's
+calls answered by the results that open the next user turn; OpenAI Responses: every
+function_call with one function_call_output after it; Chat Completions: every assistant
+message's tool_calls answered by the tool messages right after it; Gemini: every model turn's
+functionCall parts answered, in their order, by the functionResponse parts of the next user
+turn). The bodies pass our validators, the tool-pair gate's independent checks, and the
+official SDKs offline (``through_sdk`` of tests/integration/test_provider_bodies.py: mock
+transports and botocore's before-send hook; nothing leaves the process).
 """
-
 from __future__ import annotations
 
 import json
-import warnings
 from typing import Any
 
-import anthropic
-import httpx2
-import openai
 import pytest
 from context_engine.domain import pairs
 from context_engine.domain import providers as p
@@ -26,11 +24,13 @@ from context_engine.domain.items import AssistantMessageItem, ConversationItem, 
 from context_engine.domain.trust import TrustLevel
 
 from tests import factories as f
+from tests.integration.test_provider_bodies import through_sdk
 from tests.property.test_gate_tool_pairs import (
     check_paired,
     check_provider_bodies,
     synthetic_overflow,
 )
+from tests.support import tool_pairs
 
 THINKING = {"type": "thinking", "thinking": "Both are needed.", "signature": "c2ln"}
 REASONING = {"type": "reasoning", "id": "rs_1", "summary": [],
@@ -96,36 +96,6 @@ def test_interleaved_calls_keep_their_order_and_pair_in_both_bodies() -> None:
         "i"]
 
 
-def _sent(body: dict[str, Any], provider_format: str) -> Any:
-    """Hand ``body`` to the official SDK; what it sent, parsed."""
-    requests: list[httpx2.Request] = []
-    if provider_format == p.ANTHROPIC_MESSAGES:
-        reply: dict[str, Any] = {
-            "id": "msg_1", "type": "message", "role": "assistant", "model": body["model"],
-            "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn",
-            "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}}
-    else:
-        reply = {"id": "resp_1", "object": "response", "created_at": 0, "model": body["model"],
-                 "status": "completed", "output": [], "parallel_tool_calls": True,
-                 "tool_choice": "auto", "tools": []}
-
-    def handler(request: httpx2.Request) -> httpx2.Response:
-        requests.append(request)
-        return httpx2.Response(200, json=reply)
-
-    with httpx2.Client(transport=httpx2.MockTransport(handler)) as http:
-        if provider_format == p.ANTHROPIC_MESSAGES:
-            client = anthropic.Anthropic(api_key="test-key", http_client=http, max_retries=0)
-            with warnings.catch_warnings():  # the SDK's notice about a model's end of life
-                warnings.simplefilter("ignore", DeprecationWarning)
-                client.messages.create(**body)
-        else:
-            openai.OpenAI(api_key="test-key", http_client=http,
-                          max_retries=0).responses.create(**body)
-    assert len(requests) == 1
-    return json.loads(requests[0].content)
-
-
 def _builds() -> dict[str, BuildResult]:
     return {
         "fits": f.run_build(f.loaded(), f.checkpoint(interleaved())),
@@ -135,9 +105,11 @@ def _builds() -> dict[str, BuildResult]:
 
 
 @pytest.mark.parametrize("case", ["fits", "history cut"])
-@pytest.mark.parametrize("provider_format", p.FORMATS)
-def test_interleaved_bodies_through_the_official_sdks(case: str, provider_format: str) -> None:
+def test_interleaved_bodies_through_the_official_sdks(case: str) -> None:
     r = _builds()[case]
-    body = check_provider_bodies(r)[provider_format]
-    assert p.validate(body, provider_format) == []
-    assert _sent(body, provider_format) == body
+    bodies = check_provider_bodies(r)
+    assert set(bodies) == set(p.FORMATS)
+    for provider_format, body in bodies.items():
+        assert p.validate(body, provider_format) == []
+        assert tool_pairs.problems_of(body, provider_format) == []
+        through_sdk(body, provider_format, model=r.model_id)

@@ -12,6 +12,7 @@ from context_engine.domain import providers
 from context_engine.domain.estimator import (
     MESSAGE_OVERHEAD_TOKENS,
     REQUEST_OVERHEAD_TOKENS,
+    RESPONSE_NAME_TOKENS,
     TokenEstimator,
 )
 from context_engine.domain.plan import request_framing
@@ -126,6 +127,126 @@ def test_an_anthropic_body_counts_every_block_and_its_framing() -> None:
     assert pt.count_body(body, pt.ANTHROPIC_MESSAGES) == sum(expected.values())
 
 
+def test_a_chat_completions_body_counts_every_message_call_and_its_framing() -> None:
+    args = '{"url":"https://example.com"}'
+    schema = {"type": "object", "properties": {"url": {"type": "string"}}}
+    body = {"model": "gpt-4o", "prompt_cache_key": "session-1", "max_completion_tokens": 100,
+            "messages": [
+                {"role": "system", "content": "Be brief.\n\nCite."},
+                {"role": "user", "content": "hi", "name": "ada"},
+                {"role": "assistant", "content": "Fetching.", "tool_calls": [
+                    {"id": "call_9", "type": "function",
+                     "function": {"name": "web__fetch", "arguments": args}},
+                    {"id": "call_8", "type": "function",
+                     "function": {"name": "clock__now", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "call_9", "content": "Example Domain."},
+                {"role": "tool", "tool_call_id": "call_8",
+                 "content": [{"type": "text", "text": "12:00"}]}],
+            "tools": [{"type": "function", "function": {
+                "name": "web__fetch", "description": "Fetch a page.", "parameters": schema}}]}
+    o = "o200k_base"
+    expected = {
+        "system": n(o, "Be brief.\n\nCite."),
+        "messages": n(o, "hi") + n(o, "Fetching."),
+        "call_ids": 2 * (n(o, "call_9") + n(o, "call_8")),
+        "call_names": n(o, "web__fetch") + n(o, "clock__now"),
+        "call_arguments": n(o, args) + n(o, "{}"),
+        "tool_results": n(o, "Example Domain.") + n(o, "12:00"),
+        "tools": n(o, "web__fetch") + n(o, "Fetch a page.") + n(o, json.dumps(
+            schema, separators=(",", ":"))),
+        "tool_framing": pt.TOOL_FRAMING + pt.TOOLS_END,
+        # five messages and their roles, a name, two calls, the reply primer
+        "framing": 5 * pt.MESSAGE_FRAMING + sum(n(o, r) for r in (
+            "system", "user", "assistant", "tool", "tool")) + pt.NAME_FRAMING + n(o, "ada")
+        + 2 * pt.MESSAGE_FRAMING + pt.REPLY_PRIMER,
+    }
+    assert pt.breakdown(body, pt.OPENAI_CHAT_COMPLETIONS) == expected
+    assert pt.count_body(body, pt.OPENAI_CHAT_COMPLETIONS) == sum(expected.values())
+    body["prompt_cache_key"] = "x" * 400  # not sent to the model
+    assert pt.count_body(body, pt.OPENAI_CHAT_COMPLETIONS) == sum(expected.values())
+
+
+def test_a_gemini_body_counts_every_part_in_the_models_encoding() -> None:
+    schema = {"type": "object", "properties": {"url": {"type": "string"}}}
+    body = {"systemInstruction": {"parts": [{"text": "Be brief. 東京 Größe naïve"}]},
+            "contents": [
+                {"role": "user", "parts": [{"text": "hi"}]},
+                {"role": "model", "parts": [
+                    {"text": "Thinking it over.", "thought": True},
+                    {"functionCall": {"id": "call_9", "name": "web.fetch",
+                                      "args": {"url": "https://a.example"}},
+                     "thoughtSignature": "c2lnbmF0dXJl" * 20}]},
+                {"role": "user", "parts": [
+                    {"functionResponse": {"id": "call_9", "name": "web.fetch",
+                                          "response": {"output": "Page A."}}},
+                    {"text": "and?"}]}],
+            "tools": [{"functionDeclarations": [
+                {"name": "web.fetch", "description": "Fetch a page.",
+                 "parametersJsonSchema": schema}]}],
+            "generationConfig": {"maxOutputTokens": 100}, "cachedContent": "cachedContents/x"}
+    c = "cl100k_base"
+    expected = {
+        "system": n(c, "Be brief. 東京 Größe naïve"),
+        "messages": n(c, "hi") + n(c, "and?"),
+        "reasoning": n(c, "Thinking it over."),
+        "call_ids": 2 * n(c, "call_9"),
+        "call_names": 2 * n(c, "web.fetch"),
+        "call_arguments": n(c, '{"url":"https://a.example"}'),
+        "tool_results": n(c, '{"output":"Page A."}'),
+        "tools": n(c, "web.fetch") + n(c, "Fetch a page.") + n(c, json.dumps(
+            schema, separators=(",", ":"))),
+        "tool_framing": pt.TOOL_FRAMING,
+        # three turns, a call and a response, the reply primer
+        "framing": 5 * pt.MESSAGE_FRAMING + pt.REPLY_PRIMER,
+    }
+    assert pt.breakdown(body, pt.GEMINI_GENERATE_CONTENT, "gemini-2.5-pro") == expected
+    assert pt.count_body(body, pt.GEMINI_GENERATE_CONTENT) == sum(expected.values())
+    # the model is the URL's: the encoding follows the model named
+    in_o200k = pt.breakdown(body, pt.GEMINI_GENERATE_CONTENT, "gpt-4o")
+    assert in_o200k["system"] == n("o200k_base", "Be brief. 東京 Größe naïve") < expected["system"]
+
+
+def test_a_bedrock_body_counts_every_block_and_its_framing() -> None:
+    body = {"modelId": "anthropic.claude-sonnet-4-5-20250929-v1:0",
+            "system": [{"text": "Be brief."}, {"cachePoint": {"type": "default"}}],
+            "messages": [
+                {"role": "user", "content": [{"text": "hi"}]},
+                {"role": "assistant", "content": [
+                    {"reasoningContent": {"reasoningText": {"text": "Both.",
+                                                            "signature": "c2ln" * 40}}},
+                    {"toolUse": {"toolUseId": "tooluse_1", "name": "web__fetch",
+                                 "input": {"url": "https://a.example"}}}]},
+                {"role": "user", "content": [
+                    {"toolResult": {"toolUseId": "tooluse_1",
+                                    "content": [{"text": "Page A."}, {"json": {"n": 2}}]}},
+                    {"text": "and?"}, {"cachePoint": {"type": "default"}}]}],
+            "toolConfig": {"tools": [
+                {"toolSpec": {"name": "web__fetch", "description": "Fetch a page.",
+                              "inputSchema": {"json": {"type": "object"}}}},
+                {"cachePoint": {"type": "default"}}]},
+            "inferenceConfig": {"maxTokens": 100}}
+    c = "cl100k_base"
+    expected = {
+        "system": n(c, "Be brief."),
+        "messages": n(c, "hi") + n(c, "and?"),
+        "reasoning": n(c, "Both."),
+        "call_ids": 2 * n(c, "tooluse_1"),
+        "call_names": n(c, "web__fetch"),
+        "call_arguments": n(c, '{"url":"https://a.example"}'),
+        "tool_results": n(c, "Page A.") + n(c, '{"n":2}'),
+        "tools": n(c, "web__fetch") + n(c, "Fetch a page.") + n(c, '{"type":"object"}'),
+        "tool_framing": pt.TOOL_FRAMING,
+        # three turns, a toolUse and a toolResult, the reply primer
+        "framing": 5 * pt.MESSAGE_FRAMING + pt.REPLY_PRIMER,
+    }
+    assert pt.breakdown(body, pt.BEDROCK_CONVERSE) == expected
+    assert pt.count_body(body, pt.BEDROCK_CONVERSE) == sum(expected.values())
+
+
+def test_the_oracle_counts_every_format_the_service_renders() -> None:
+    assert set(pt.FORMATS) == set(providers.FORMATS)
+
+
 def test_an_unknown_format_is_an_error_not_zero() -> None:
     with pytest.raises(ValueError):
         pt.count_body({"model": "gpt-4o"}, "gemini")
@@ -145,10 +266,25 @@ def test_a_call_counts_its_id_name_arguments_and_framing() -> None:
                     arguments_json='{"cmd":"ls -la"}')
     m = Message(row=10, role=Role.ASSISTANT, trust=TrustLevel.USER, item_id="c1",
                 tool_calls=(call, call))
+    # id, name, arguments, 3 of framing; and the name again, with a token more, for the
+    # Gemini functionResponse that answers it (it names the function)
     one = (counter.count(call.call_id) + counter.count(call.name)
-           + counter.count(call.arguments_json) + 3)
+           + counter.count(call.arguments_json) + 3
+           + counter.count(call.name) + RESPONSE_NAME_TOKENS)
     assert e.raw(m) == 2 * one
     assert e.message(m) == 2 * one + MESSAGE_OVERHEAD_TOKENS
+
+
+@pytest.mark.parametrize("model_id", ["gpt-4", "gpt-4o"])
+def test_a_tool_result_costs_at_least_what_a_gemini_body_sends_for_it(model_id: str) -> None:
+    """Gemini receives a result as the JSON object ``{"output": text}``: quotes, backslashes
+    and line breaks escaped. The estimate of a result covers that form too."""
+    e = est(model_id)
+    o = pt.Oracle(pt.encoding_name_for(model_id))
+    # (a result's text is never empty: the builder puts every result in its envelope)
+    for text in (*CORPUS[1:], '"quoted" \\ back\nslash\n' * 40, "line\n" * 200):
+        m = Message(row=10, role=Role.TOOL, trust=TrustLevel.USER, text=text, call_id="c1")
+        assert e.raw(m) >= o.json({"output": text}) + o.text("c1"), text[:40]
 
 
 def test_a_tool_result_counts_the_call_id_it_answers() -> None:

@@ -1,5 +1,7 @@
 """Provider-ready bodies: the Anthropic Messages and OpenAI Responses
-renderings of a BuildResult, their breakpoints, tool-name mapping and structural validators."""
+renderings of a BuildResult, their breakpoints, tool-name mapping and structural validators
+(the other formats: test_provider_chat.py, test_provider_gemini.py, test_provider_bedrock.py;
+which one Build renders: test_provider_defaults.py)."""
 
 from __future__ import annotations
 
@@ -470,9 +472,12 @@ def test_render_validates_and_rejects_unknown_formats() -> None:
         p.render(broken, p.OPENAI_RESPONSES)
 
 
-def test_build_pb_returns_the_canonical_body_only_when_asked() -> None:
+def test_build_pb_returns_the_canonical_body_of_the_asked_or_default_format() -> None:
     r = built(two_runs())
-    assert mapping.build_pb(r).provider_body_json == ""
+    assert mapping.build_pb(r).provider_body_json == ""  # "": NONE was asked
+    default = mapping.build_pb(r, mapping.MODEL_DEFAULT_FORMAT)  # UNSPECIFIED: the model's
+    assert default.provider_body_json == mapping.build_pb(r, p.ANTHROPIC_MESSAGES) \
+        .provider_body_json
     text = mapping.build_pb(r, p.ANTHROPIC_MESSAGES).provider_body_json
     assert json.loads(text) == p.anthropic_messages(r)
     assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"),

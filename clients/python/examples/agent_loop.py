@@ -14,6 +14,12 @@ returned them, and what the engine answers goes back to the model as that call's
 The server's address comes from ``--grpc-addr`` or ``CE_GRPC_ADDR``; a bearer token (none in
 dev mode) from ``CE_TOKEN`` or, with ``--token-stdin``, from one line of standard input. Tokens
 never go on the command line, where other users of the machine can read them.
+
+``--print-body FORMAT`` (anthropic_messages, openai_responses, openai_chat_completions,
+gemini_generate_content, bedrock_converse) asks every ``Build`` for that provider's body and
+prints the first one as JSON (for Gemini also the body that creates the cached content):
+
+    .venv/bin/python clients/python/examples/agent_loop.py --print-body bedrock_converse
 """
 
 from __future__ import annotations
@@ -23,15 +29,23 @@ import json
 import os
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from context_engine_client import (
+    FORMAT_NAMES,
     Client,
     ContextEngineError,
     FailedPrecondition,
     InvalidArgument,
+    ProviderBodyError,
+    anthropic_messages_body,
+    bedrock_converse_body,
+    chat_completions_body,
+    gemini_body,
+    gemini_cached_content,
+    openai_responses_body,
     pb,
 )
 
@@ -144,6 +158,10 @@ class Session:
     working_state: pb.WorkingState = field(default_factory=pb.WorkingState)
     requests: int = 0
     estimator_factor: float | None = None
+    # --print-body: the provider format every Build asks for, and whether its first body has
+    # been printed
+    print_body: str | None = None
+    body_printed: bool = False
 
     def append(self, run_id: str, item_id: str, trust: pb.TrustLevel.ValueType,
                **kind: Any) -> None:
@@ -181,16 +199,44 @@ def print_build(label: str, resp: pb.BuildResponse) -> None:
               f"left_out_items={p.left_out_items} left_out_tokens={p.left_out_tokens}")
 
 
+# Each format's typed accessor: the body parsed, its format checked.
+BODIES: Mapping[str, Callable[[pb.BuildResponse], Mapping[str, Any]]] = {
+    "anthropic_messages": anthropic_messages_body,
+    "openai_responses": openai_responses_body,
+    "openai_chat_completions": chat_completions_body,
+    "gemini_generate_content": gemini_body,
+    "bedrock_converse": bedrock_converse_body,
+}
+
+
+def print_body(label: str, name: str, resp: pb.BuildResponse) -> None:
+    """The provider body of a request as JSON; for Gemini, also the body that creates the
+    cached content of the pinned prefix (explicit caching)."""
+    print(f"== provider body {name} ({label}):")
+    print(json.dumps(BODIES[name](resp), indent=2, ensure_ascii=False))
+    if name == "gemini_generate_content":
+        cached = gemini_cached_content(resp)
+        print(f"== gemini cached content {cached.display_name} (ttl {cached.ttl}, holds "
+              f"{', '.join(cached.holds)}; {cached.estimated_tokens} tokens, minimum "
+              f"{cached.min_cacheable_tokens}), create body:")
+        print(json.dumps(cached.create_body, indent=2, ensure_ascii=False))
+
+
 def build(engine: Client, s: Session, run_id: str, label: str) -> pb.BuildResponse:
     def request() -> pb.BuildRequest:
         req = pb.BuildRequest(tenant_id=s.tenant, session_id=s.session,
                               checkpoint=s.checkpoint(run_id))
         if s.estimator_factor is not None:
             req.estimator_factor = s.estimator_factor
+        if s.print_body is not None:
+            req.provider_format = FORMAT_NAMES[s.print_body]
         return req
 
     resp = engine.build(request=request())
     print_build(label, resp)
+    if s.print_body is not None and not s.body_printed:
+        print_body(label, s.print_body, resp)
+        s.body_printed = True
     if resp.pressure.compaction_needed and compact(engine, s, run_id):
         resp = engine.build(request=request())
         print_build(f"{label}, after compaction", resp)
@@ -253,11 +299,13 @@ def update_working_state(engine: Client, s: Session, run_id: str, sequence: int,
     return updated.tool_result
 
 
-def run(engine: Client, tenant: str, session: str, estimator_factor: float | None) -> None:
+def run(engine: Client, tenant: str, session: str, estimator_factor: float | None,
+        body_format: str | None = None) -> None:
     plan = engine.plan(request=plan_request(tenant, session)).plan
     print(f"plan: epoch {plan.epoch} prefix_sha256 {plan.prefix_sha256} "
           f"{plan.prefix_tokens} tokens, tools {', '.join(plan.tool_names)}")
-    s = Session(tenant=tenant, session=session, estimator_factor=estimator_factor)
+    s = Session(tenant=tenant, session=session, estimator_factor=estimator_factor,
+                print_body=body_format)
     for n, turn in enumerate(TURNS, start=1):
         run_id = f"run-{n}"
         s.append(run_id, f"t{n}-user", pb.TRUST_LEVEL_USER, user=pb.UserMessage(text=turn.user))
@@ -300,6 +348,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--session", default=None, help="default: a new session")
     parser.add_argument("--estimator-factor", type=float, default=None,
                         help="pin the estimator factor (default: the model's reconciled one)")
+    parser.add_argument("--print-body", metavar="FORMAT", choices=list(BODIES), default=None,
+                        help="ask Build for this provider format and print the first request's "
+                             f"body ({', '.join(BODIES)}; default: none)")
     args = parser.parse_args(argv)
     token = os.environ.get("CE_TOKEN") or None
     if args.token_stdin:
@@ -309,9 +360,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     session = args.session or f"agent-loop-{uuid.uuid4().hex[:12]}"
     try:
         with Client(target=args.grpc_addr, token=token, timeout=30) as engine:
-            run(engine, args.tenant, session, args.estimator_factor)
+            run(engine, args.tenant, session, args.estimator_factor, args.print_body)
     except ContextEngineError as err:
         print(f"error: {err} {dict(err.metadata)}", file=sys.stderr)
+        return 1
+    except ProviderBodyError as err:  # Build rendered another format than the one asked
+        print(f"error: {err}", file=sys.stderr)
         return 1
     return 0
 

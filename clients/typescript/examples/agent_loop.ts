@@ -21,7 +21,10 @@
  * standard input. Tokens never go on the command line, where other users of the machine can
  * read them. `--tenant` or CE_TENANT_ID, `--session` or CE_SESSION_ID: default fresh ids.
  * `--tls` connects over TLS with the system roots (plaintext otherwise, as a dev-mode server
- * on loopback expects).
+ * on loopback expects). `--print-body FORMAT` (anthropic_messages, openai_responses,
+ * openai_chat_completions, gemini_generate_content, bedrock_converse; default: none) asks every
+ * Build for that provider's body and prints the first one as JSON (for Gemini also the body
+ * that creates the cached content of the pinned prefix).
  */
 import { createHash, randomBytes } from "node:crypto";
 import * as readline from "node:readline";
@@ -33,12 +36,16 @@ import {
   ContextEngineClient,
   ContextEngineError,
   type ConversationItem,
+  FORMAT_NAMES,
+  type FormatName,
   type Input,
   type ModelSpec,
   type PlanRequest,
   type Summary,
   ToolCall,
   WorkingState,
+  bodyOf,
+  geminiCachedContent,
 } from "@context-engine/client";
 
 const SMALL_MODEL: Input<ModelSpec> = {
@@ -197,6 +204,22 @@ function printRequest(label: string, built: BuildResponse): void {
     `${m.name}(${m.ttl}${m.throughItem ? ` through ${m.throughItem}` : ""})`).join(" "));
 }
 
+/**
+ * The provider body of a request as JSON (the format's typed accessor checks what Build
+ * rendered); for Gemini also the body that creates the cached content of the pinned prefix.
+ */
+function printBody(label: string, name: FormatName, built: BuildResponse): void {
+  console.log(`== provider body ${name} (${label}):`);
+  console.log(JSON.stringify(bodyOf(built, FORMAT_NAMES[name]), null, 2));
+  if (name === "gemini_generate_content") {
+    const cached = geminiCachedContent(built);
+    console.log(`== gemini cached content ${cached.displayName} (ttl ${cached.ttl}, holds ` +
+      `${cached.holds.join(", ")}; ${cached.estimatedTokens} tokens, minimum ` +
+      `${cached.minCacheableTokens}), create body:`);
+    console.log(JSON.stringify(cached.createBody, null, 2));
+  }
+}
+
 // ------------------------------------------------------------------------------ the runtime
 
 /** One line of standard input, without its line break. */
@@ -217,7 +240,16 @@ async function main(): Promise<void> {
     tenant: { type: "string" },
     session: { type: "string" },
     tls: { type: "boolean", default: false },
+    "print-body": { type: "string" },
   } });
+  const printBodyOf = args["print-body"];
+  if (printBodyOf !== undefined && !Object.hasOwn(FORMAT_NAMES, printBodyOf)) {
+    throw new Error(`--print-body: unknown provider format ${JSON.stringify(printBodyOf)}: ` +
+      `one of ${Object.keys(FORMAT_NAMES).join(", ")}`);
+  }
+  const bodyFormat = printBodyOf as FormatName | undefined;
+  const withFormat = bodyFormat ? { providerFormat: FORMAT_NAMES[bodyFormat] } : {};
+  let bodyPrinted = false;
   const target = args["grpc-addr"] || process.env.CE_GRPC_ADDR || "127.0.0.1:50051";
   // A fresh tenant by default: the estimator's correction factor is learned per tenant and
   // model, so a fresh one makes every run of this example print the same tables.
@@ -284,8 +316,13 @@ async function main(): Promise<void> {
       for (let step = 1; ; step++) {
         const checkpoint = (): Input<Checkpoint> => ({ activeRunId: runId, items, workingState,
           runtime: { currentDate: "2026-11-29" }, ...(summary ? { summary } : {}) });
-        let built = await client.build({ tenantId, sessionId, checkpoint: checkpoint() });
+        let built = await client.build({ tenantId, sessionId, checkpoint: checkpoint(),
+          ...withFormat });
         printRequest(`turn ${t + 1} (${runId}) step ${step}`, built);
+        if (bodyFormat && !bodyPrinted) {
+          printBody(`turn ${t + 1}, step ${step}`, bodyFormat, built);
+          bodyPrinted = true;
+        }
         let pressure = need(built.pressure, "pressure");
         for (const s of pressure.steps) stats.steps.add(s.step);
         if (pressure.compactionNeeded && (summary?.depth ?? 0) < 2) {
@@ -303,7 +340,8 @@ async function main(): Promise<void> {
           console.log(`>> compacted ${compacted.replacedItemIds.length} items into a depth-` +
             `${summary.depth} summary (${compacted.tokensBefore} -> ` +
             `${compacted.tokensAfter} tokens, ${summary.elided.length} elided spans)`);
-          built = await client.build({ tenantId, sessionId, checkpoint: checkpoint() });
+          built = await client.build({ tenantId, sessionId, checkpoint: checkpoint(),
+            ...withFormat });
           printRequest(`turn ${t + 1} (${runId}) step ${step}, rebuilt on the summary`, built);
           pressure = need(built.pressure, "pressure");
           for (const s of pressure.steps) stats.steps.add(s.step);

@@ -2,7 +2,8 @@
  * `@context-engine/client`: a typed Node.js client of `context_engine.v1.ContextEngine`.
  * Message types, enums and the grpc-js service definition are generated from the contract at
  * build time (ts-proto); the client adds deadlines, credentials, per-call metadata, typed
- * errors and the packaged retry service config.
+ * errors and the packaged retry service config; `formats` parses the provider body a
+ * `BuildResponse` carries (`providerBody`, `chatCompletionsBody`, `geminiBody`, ...).
  */
 export { ContextEngineClient } from "./client";
 export type { CallOptions, ClientOptions, Input } from "./client";
@@ -24,6 +25,34 @@ export type {
 } from "./channel";
 export { ContextEngineError, codeName, parseStatusDetails } from "./errors";
 export type { FieldViolation, StatusDetails } from "./errors";
+export {
+  FORMAT_NAMES,
+  GeminiCachedContentBodies,
+  ProviderBodyError,
+  anthropicMessagesBody,
+  bedrockConverseBody,
+  bodyOf,
+  chatCompletionsBody,
+  geminiBody,
+  geminiCachedContent,
+  openaiResponsesBody,
+  parseProviderFormat,
+  providerBody,
+  providerFormatName,
+} from "./formats";
+export type {
+  AnthropicMessagesBody,
+  BedrockConverseBody,
+  BodyCarrier,
+  BodyFormat,
+  ChatCompletionsBody,
+  FormatName,
+  GeminiGenerateContentBody,
+  JsonObject,
+  JsonValue,
+  OpenAIResponsesBody,
+  ProviderBodies,
+} from "./formats";
 export { PACKAGE_ROOT, PROTO_DIR } from "./paths";
 // Every message type (an interface and a value with encode/decode/fromJSON/toJSON/fromPartial),
 // every enum, and ContextEngineService, the grpc-js service definition.

@@ -12,12 +12,25 @@ import * as path from "node:path";
 import { after, before, describe, test } from "node:test";
 
 import {
+  type BodyFormat,
   Checkpoint,
   ContextEngineClient,
   ContextEngineError,
+  FORMAT_NAMES,
+  type FormatName,
   GrpcStatus,
   PACKAGE_ROOT,
   PlanRequest,
+  ProviderBodyError,
+  anthropicMessagesBody,
+  bedrockConverseBody,
+  bodyOf,
+  chatCompletionsBody,
+  geminiBody,
+  geminiCachedContent,
+  openaiResponsesBody,
+  providerBody,
+  providerFormatName,
 } from "../src";
 
 const json = JSON.parse(fs.readFileSync(
@@ -30,6 +43,23 @@ const fixture = {
 };
 
 const HEX64 = /^[0-9a-f]{64}$/;
+
+/** Each format's accessor, and the top-level keys its body has for the fixture's checkpoint. */
+const FORMATS: Record<FormatName, { body: (r: Parameters<typeof providerBody>[0]) => object;
+  keys: string[]; pairs: [string, string] }> = {
+  anthropic_messages: { body: anthropicMessagesBody, pairs: ['"tool_use"', '"tool_result"'],
+    keys: ["model", "max_tokens", "system", "messages", "tools"] },
+  openai_responses: { body: openaiResponsesBody,
+    pairs: ['"function_call"', '"function_call_output"'],
+    keys: ["model", "instructions", "input", "prompt_cache_key", "tools"] },
+  openai_chat_completions: { body: chatCompletionsBody, pairs: ['"tool_calls"', '"tool"'],
+    keys: ["model", "messages", "tools"] },
+  gemini_generate_content: { body: geminiBody,
+    pairs: ['"functionCall"', '"functionResponse"'],
+    keys: ["contents", "systemInstruction", "tools", "generationConfig"] },
+  bedrock_converse: { body: bedrockConverseBody, pairs: ['"toolUse"', '"toolResult"'],
+    keys: ["modelId", "system", "messages", "toolConfig", "inferenceConfig"] },
+};
 const target = process.env.CE_GRPC_ADDR ?? "";
 const tenantId = process.env.CE_TENANT_ID ?? `ts-tenant-${randomBytes(6).toString("hex")}`;
 const sessionId = `ts-session-${randomBytes(6).toString("hex")}`;
@@ -179,6 +209,64 @@ describe("context-engine over gRPC", { skip: target ? false :
     assert.deepEqual(removed.state?.constraints, []);
     assert.equal(removed.change?.transition, "remove_constraint");
     assert.equal(removed.toolResult, "");
+  });
+
+  test("every provider format comes back typed, and a mismatch names both", async () => {
+    const session = `${sessionId}-formats`;
+    const plan = (await client.plan({ ...fixture.plan, tenantId, sessionId: session })).plan;
+    assert.ok(plan);
+    const formats: Record<string, unknown> = {};
+    for (const [name, format] of Object.entries(FORMAT_NAMES) as [FormatName, BodyFormat][]) {
+      const built = await client.build({ tenantId, sessionId: session,
+        checkpoint: fixture.checkpoint, providerFormat: format });
+      assert.equal(built.providerFormat, format, `${name}: ${built.providerFormat}`);
+      const body = FORMATS[name].body(built);
+      assert.deepEqual(body, providerBody(built));
+      assert.deepEqual(body, bodyOf(built, format));
+      const keys = Object.keys(body);
+      for (const key of FORMATS[name].keys) assert.ok(keys.includes(key), `${name}: ${key}`);
+      const text = JSON.stringify(body);
+      for (const marker of FORMATS[name].pairs) {
+        assert.ok(text.includes(marker), `${name}: ${marker}`);
+      }
+      for (const [other, { body: accessor }] of Object.entries(FORMATS)) {
+        if (other === name) continue;
+        assert.throws(() => accessor(built), (err: unknown) =>
+          err instanceof ProviderBodyError && err.actual === format &&
+          err.expected === FORMAT_NAMES[other as FormatName] &&
+          err.message.includes(`${other} (`) && err.message.includes(`${name} (`));
+      }
+      const entry: Record<string, unknown> = { providerFormat: built.providerFormat,
+        keys: keys.sort() };
+      if (name === "gemini_generate_content") {
+        const cached = geminiCachedContent(built);
+        assert.equal(cached.displayName, `ce-${built.prefixSha256.slice(0, 16)}-e${built.epoch}`);
+        assert.match(cached.ttl, /^\d+s$/);
+        assert.equal(cached.createBody.displayName, cached.displayName);
+        assert.ok(cached.holds.length > 0);
+        for (const held of cached.holds) {
+          assert.ok(held in cached.createBody && !(held in cached.cachedBody), held);
+        }
+        assert.equal(cached.cachedBodyFor("cachedContents/x1").cachedContent,
+          "cachedContents/x1");
+        entry.cachedContent = { displayName: cached.displayName, holds: cached.holds,
+          createKeys: Object.keys(cached.createBody).sort() };
+      } else {
+        assert.equal(built.geminiCachedContent, undefined);
+      }
+      formats[name] = entry;
+    }
+    // no format named: the model's default, which the plan tells; NONE: no body
+    const byDefault = await client.build({ tenantId, sessionId: session,
+      checkpoint: fixture.checkpoint });
+    assert.equal(byDefault.providerFormat, plan.defaultProviderFormat);
+    assert.ok(Object.values(FORMAT_NAMES).includes(byDefault.providerFormat as BodyFormat));
+    assert.ok(Object.keys(providerBody(byDefault)).length > 0);
+    const none = await client.build({ tenantId, sessionId: session,
+      checkpoint: fixture.checkpoint, providerFormat: "PROVIDER_FORMAT_NONE" });
+    assert.equal(none.providerBodyJson, "");
+    assert.throws(() => providerBody(none), /holds no provider body/);
+    result.formats = { ...formats, default: providerFormatName(byDefault.providerFormat) };
   });
 
   test("malformed input lists its field violations", async () => {

@@ -4,14 +4,17 @@ unspecified session kind is interactive)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
+from typing import Any
 
 from google.protobuf.message import Message as Message_
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from context_engine.adapters.assets import load_model_catalog
 from context_engine.api import working_state_tool
 from context_engine.domain import providers
 from context_engine.domain import working_state as ws_rules
@@ -33,6 +36,7 @@ from context_engine.domain.compaction import (
     Target,
 )
 from context_engine.domain.errors import FieldViolation, InvalidInput
+from context_engine.domain.estimator import ModelCatalog
 from context_engine.domain.items import (
     AssistantMessageItem,
     ConversationItem,
@@ -695,7 +699,8 @@ def tools_pb(tools: Iterable[ToolDefinition]) -> list[pb.ToolDefinition]:
                               input_schema_json=t.input_schema_json) for t in tools]
 
 
-def plan_pb(loaded: LoadedPlan) -> pb.ContextPlan:
+def plan_pb(loaded: LoadedPlan, *, catalog: ModelCatalog | None = None) -> pb.ContextPlan:
+    """``catalog`` gives the model's default provider format (the packaged one when None)."""
     plan, rendered, key = loaded.plan, loaded.rendered, loaded.session_key
     spec = plan.spec
     out = pb.ContextPlan(
@@ -720,6 +725,9 @@ def plan_pb(loaded: LoadedPlan) -> pb.ContextPlan:
         snapshot_id=spec.memory_snapshot.snapshot_id,
         snapshot_watermark=spec.memory_snapshot.watermark,
         skill_pins=[pb.SkillPin(name=e.name, sha256=e.sha256) for e in spec.skill_catalog],
+        default_provider_format=FORMAT_TO_PB.get(
+            default_provider_format(spec.model.model_id, catalog),
+            pb.PROVIDER_FORMAT_UNSPECIFIED),
     )
     created = _timestamp(plan.created_at)
     if created is not None:
@@ -740,25 +748,63 @@ def message_pb(m: Message) -> pb.Message:
         reasoning_opaque=m.reasoning_opaque)
 
 
+# The proto's provider formats; NONE and UNSPECIFIED are requests, not formats.
+FORMAT_FROM_PB: dict[pb.ProviderFormat.ValueType, str] = {
+    pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES: providers.ANTHROPIC_MESSAGES,
+    pb.PROVIDER_FORMAT_OPENAI_RESPONSES: providers.OPENAI_RESPONSES,
+    pb.PROVIDER_FORMAT_OPENAI_CHAT_COMPLETIONS: providers.OPENAI_CHAT_COMPLETIONS,
+    pb.PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT: providers.GEMINI_GENERATE_CONTENT,
+    pb.PROVIDER_FORMAT_BEDROCK_CONVERSE: providers.BEDROCK_CONVERSE,
+}
+FORMAT_TO_PB: dict[str, pb.ProviderFormat.ValueType] = {v: k for k, v in FORMAT_FROM_PB.items()}
+# What requested_provider_format answers for UNSPECIFIED: the model's default format, which
+# build_pb resolves from the model catalog ("" is NONE: no body).
+MODEL_DEFAULT_FORMAT = "model_default"
+
+
+@functools.cache
+def packaged_catalog() -> ModelCatalog:
+    """The model catalog the service ships (``data/models.json``), for callers that pass none:
+    the default formats of a server started with another ``CE_MODEL_CATALOG`` come from that
+    one only when its catalog is passed in."""
+    return load_model_catalog()
+
+
 def requested_provider_format(v: Violations, value: pb.ProviderFormat.ValueType) -> str:
-    """The provider body Build was asked for: "" (none), or a ``providers`` format name."""
-    formats: dict[pb.ProviderFormat.ValueType, str] = {
-        pb.PROVIDER_FORMAT_UNSPECIFIED: "",
-        pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES: providers.ANTHROPIC_MESSAGES,
-        pb.PROVIDER_FORMAT_OPENAI_RESPONSES: providers.OPENAI_RESPONSES,
-    }
-    found = formats.get(value)
+    """The provider body Build was asked for: a ``providers`` format name,
+    :data:`MODEL_DEFAULT_FORMAT` (UNSPECIFIED: the model's default, resolved by
+    :func:`build_pb`) or "" (NONE: no body)."""
+    if value == pb.PROVIDER_FORMAT_UNSPECIFIED:
+        return MODEL_DEFAULT_FORMAT
+    if value == pb.PROVIDER_FORMAT_NONE:
+        return ""
+    found = FORMAT_FROM_PB.get(value)
     if found is None:
         v.add("provider_format", f"unknown provider format {value}")
         return ""
     return found
 
 
-def build_pb(result: BuildResult, provider_format: str = "") -> pb.BuildResponse:
-    """``provider_format`` ("" for none) also renders the request as that provider's body."""
+def default_provider_format(model_id: str, catalog: ModelCatalog | None = None) -> str:
+    """The format Build renders for ``model_id`` when asked for none: the catalog entry's
+    (not the pinned plan's: a stored plan never changes with the catalog); "" for a model the
+    catalog does not know or gives none."""
+    return (catalog or packaged_catalog()).default_format(model_id)
+
+
+def build_pb(result: BuildResult, provider_format: str = "", *,
+             catalog: ModelCatalog | None = None) -> pb.BuildResponse:
+    """``provider_format`` ("" for none, :data:`MODEL_DEFAULT_FORMAT` for the model's default
+    from ``catalog``, the packaged one when None) also renders the request as that provider's
+    body, and a Gemini body its explicit cached content."""
     req = result.request
-    body = canonical_json(providers.render(result, provider_format)) if provider_format else ""
-    return pb.BuildResponse(
+    catalog = catalog or packaged_catalog()
+    entry = catalog.lookup(result.model_id)
+    fmt = provider_format
+    if fmt == MODEL_DEFAULT_FORMAT:
+        fmt = entry.provider_format if entry else ""
+    body = providers.render(result, fmt) if fmt else None
+    out = pb.BuildResponse(
         request=pb.ModelRequest(prefix_blocks=blocks_pb(req.prefix_blocks),
                                 tools=tools_pb(req.tools),
                                 messages=[message_pb(m) for m in req.messages]),
@@ -771,7 +817,24 @@ def build_pb(result: BuildResult, provider_format: str = "") -> pb.BuildResponse
         cache_breakpoints=[pb.CacheBreakpoint(name=b.name, ttl=b.ttl, through_item=b.through_item,
                                               through_input_item=b.through_input_item)
                            for b in result.cache_breakpoints],
-        provider_body_json=body)
+        provider_body_json=canonical_json(body) if body is not None else "",
+        provider_format=FORMAT_TO_PB[fmt] if body is not None else pb.PROVIDER_FORMAT_UNSPECIFIED)
+    if body is not None and fmt == providers.GEMINI_GENERATE_CONTENT:
+        out.gemini_cached_content.CopyFrom(gemini_cached_content_pb(
+            result, body, entry.min_cacheable_tokens if entry else 0))
+    return out
+
+
+def gemini_cached_content_pb(result: BuildResult, body: Mapping[str, Any],
+                             min_cacheable_tokens: int) -> pb.GeminiCachedContent:
+    cached = providers.gemini_cached_content(result, body,
+                                             min_cacheable_tokens=min_cacheable_tokens)
+    return pb.GeminiCachedContent(
+        display_name=cached.display_name, ttl=cached.ttl,
+        create_body_json=canonical_json(cached.create_body),
+        cached_body_json=canonical_json(cached.cached_body), holds=list(cached.holds),
+        estimated_tokens=cached.estimated_tokens,
+        min_cacheable_tokens=cached.min_cacheable_tokens)
 
 
 def budget_pb(b: BudgetReport) -> pb.BudgetReport:

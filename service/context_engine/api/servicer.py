@@ -108,7 +108,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             record.epoch, record.prefix_sha256 = plan.epoch, plan.prefix_sha256
             record.extra["created"] = created
             loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch)
-            return pb.PlanResponse(plan=mapping.plan_pb(loaded), created=created)
+            return pb.PlanResponse(plan=mapping.plan_pb(loaded, catalog=self._engine.catalog),
+                                   created=created)
         return await self._run("Plan", context, call)
 
     async def GetPlan(self, request: pb.GetPlanRequest,
@@ -121,7 +122,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             v.raise_if_any()
             loaded = await self._engine.loaded(request.tenant_id, request.session_id, epoch)
             record.epoch, record.prefix_sha256 = loaded.plan.epoch, loaded.plan.prefix_sha256
-            return pb.GetPlanResponse(plan=mapping.plan_pb(loaded))
+            return pb.GetPlanResponse(plan=mapping.plan_pb(loaded, catalog=self._engine.catalog))
         return await self._run("GetPlan", context, call)
 
     async def Build(self, request: pb.BuildRequest,
@@ -157,11 +158,15 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             for c in result.budget.classes:
                 record.span[f"context_engine.tokens.{c.class_name}"] = c.used
             record.span["context_engine.yield_steps"] = record.extra["yield_steps"]
-            if provider_format:
-                record.extra["provider_format"] = provider_format
-            with child(self._tracer, "context_engine.render",
-                       attributes={"context_engine.provider_format": provider_format}):
-                return mapping.build_pb(result, provider_format)
+            with child(self._tracer, "context_engine.render") as render_span:
+                response = mapping.build_pb(result, provider_format,
+                                            catalog=self._engine.catalog)
+                rendered = mapping.FORMAT_FROM_PB.get(response.provider_format, "")
+                if render_span.is_recording():
+                    render_span.set_attribute("context_engine.provider_format", rendered)
+            if rendered:  # the format rendered: the asked one or the model's default
+                record.extra["provider_format"] = rendered
+            return response
         return await self._run("Build", context, call)
 
     async def ReportUsage(self, request: pb.ReportUsageRequest,
@@ -184,7 +189,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             record.epoch, record.prefix_sha256 = plan.epoch, plan.prefix_sha256
             record.extra["rotated"] = rotated
             loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch)
-            return pb.RotateResponse(plan=mapping.plan_pb(loaded), rotated=rotated)
+            return pb.RotateResponse(plan=mapping.plan_pb(loaded, catalog=self._engine.catalog),
+                                     rotated=rotated)
         return await self._run("Rotate", context, call)
 
     async def UpdateWorkingState(self, request: pb.UpdateWorkingStateRequest,

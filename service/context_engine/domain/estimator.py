@@ -7,6 +7,7 @@ multiplied by the model's base factor and the request's correction factor, and r
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ from typing import Any, Protocol
 
 from context_engine.domain.errors import InvalidInput
 from context_engine.domain.model import ModelProfile
-from context_engine.domain.request import Attachment, AttachmentKind, Message
+from context_engine.domain.provider_formats import FORMATS
+from context_engine.domain.request import Attachment, AttachmentKind, Message, Role
 
 # Provider chat framing per message (OpenAI cookbook: 3 per message, +1 per name; rounded up).
 MESSAGE_OVERHEAD_TOKENS = 4
@@ -26,6 +28,9 @@ TOOL_OVERHEAD_TOKENS = 12
 REQUEST_OVERHEAD_TOKENS = MESSAGE_OVERHEAD_TOKENS + 3
 # An opaque reasoning payload is counted as if it were text of its base64 length / 4 chars.
 REASONING_BYTES_PER_TOKEN = 3
+# Beyond the name itself, what naming the function in a Gemini functionResponse may cost: the
+# leading "_" a name starting with a digit, "-" or "." gets (provider_gemini.py).
+RESPONSE_NAME_TOKENS = 1
 
 
 # Attachments (ADR-0120): the adapter sends the file, so its estimate is added to its label.
@@ -81,6 +86,20 @@ class CatalogEntry:
     output_reserve: int
     breakpoint_budget: int
     base_factor: float
+    # The provider body Build renders when a request names none ("": none). Not part of the
+    # pinned plan: read from the catalog at Plan response and Build time.
+    provider_format: str = ""
+    # Gemini's documented minimum for an explicit cached content (0: not a Gemini model).
+    min_cacheable_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.provider_format and self.provider_format not in FORMATS:
+            raise ValueError(f"model catalog entry {self.prefix!r}: provider_format "
+                             f"{self.provider_format!r} is not one of {', '.join(FORMATS)}")
+        if not isinstance(self.min_cacheable_tokens, int) \
+                or isinstance(self.min_cacheable_tokens, bool) or self.min_cacheable_tokens < 0:
+            raise ValueError(f"model catalog entry {self.prefix!r}: min_cacheable_tokens must "
+                             "be a non-negative integer")
 
 
 class ModelCatalog:
@@ -92,6 +111,11 @@ class ModelCatalog:
     @classmethod
     def from_data(cls, data: dict[str, Any]) -> ModelCatalog:
         return cls([CatalogEntry(**e) for e in data["models"]])
+
+    def default_format(self, model_id: str) -> str:
+        """The provider body of a model whose Build request names none ("" for none)."""
+        entry = self.lookup(model_id)
+        return entry.provider_format if entry else ""
 
     def lookup(self, model_id: str) -> CatalogEntry | None:
         for entry in self._entries:
@@ -164,11 +188,22 @@ class TokenEstimator:
     def raw(self, message: Message) -> int:
         """The tokenizer's count of everything the message sends, before any factor: its text,
         each call's id, name and arguments with 3 tokens of framing, the call id a tool result
-        answers, and a reasoning payload."""
-        raw = self._counter.count(message.text) if message.text else 0
+        answers, and a reasoning payload; counted as the costliest provider body sends them.
+        A tool result's text counts as the JSON value ``{"output": text}`` where that is more
+        (Gemini's ``functionResponse``: its key, quotes, and every quote, backslash and line
+        break escaped), and each call pays its name a second time and one token more
+        (Gemini's response names the function it answers, with a leading "_" where the name
+        needs one): counted with the call, since a call and its result are never apart."""
+        if message.role is Role.TOOL and message.text:
+            raw = max(self._counter.count(message.text),
+                      self._counter.count(json.dumps({"output": message.text},
+                                                     ensure_ascii=False, separators=(",", ":"))))
+        else:
+            raw = self._counter.count(message.text) if message.text else 0
         for call in message.tool_calls:
             raw += self._counter.count(call.name) + self._counter.count(call.arguments_json) + 3
             raw += self._counter.count(call.call_id) + self._name_mapping(call.name)
+            raw += self._counter.count(call.name) + RESPONSE_NAME_TOKENS
         if message.call_id:
             raw += self._counter.count(message.call_id)
         return raw + math.ceil(len(message.reasoning_opaque) / REASONING_BYTES_PER_TOKEN)

@@ -1,8 +1,12 @@
 """Provider-ready request bodies and their structural validators.
 
-A ``BuildResult`` rendered as an Anthropic Messages body or an OpenAI Responses body. Pure:
-standard library and domain only, no I/O. The renderers never author, summarize or reorder
-what the model reads beyond what a provider's wire format requires:
+A ``BuildResult`` rendered as one provider's request body: Anthropic Messages and OpenAI
+Responses here, OpenAI Chat Completions (``provider_chat.py``), Google Gemini generateContent
+(``provider_gemini.py``) and Amazon Bedrock Converse (``provider_bedrock.py``); what they share
+is in ``provider_common.py``. :func:`render` renders and then runs the format's own structural
+validator: a body it rejects is a defect, never returned. Pure: standard library and domain
+only, no I/O. The renderers never author, summarize or reorder what the model reads beyond what
+a provider's wire format requires:
 
 - Anthropic (spec: "The history cache window"): consecutive messages of one role merge into one
   turn; tool results move to the start of the user turn that follows their call's turn, all
@@ -19,11 +23,12 @@ what the model reads beyond what a provider's wire format requires:
 
 Tool names: providers accept ``[A-Za-z0-9_-]{1,64}``; ours may contain dots. Each "." becomes
 "__" (the same mapping for definitions and for replayed calls); two names that map to one, or a
-name that cannot be mapped, fail the render with :class:`ProviderFormatError`.
+name that cannot be mapped, fail the render with :class:`ProviderFormatError`. Gemini accepts
+dots and takes our names as they are (``provider_gemini.py``).
 
-Tool schemas: both bodies send :func:`provider_schema` of each definition's input schema, without
-``title`` annotations and empty ``default`` values (spec: "Only history scales with the window",
-the token side of the tool-definition cap); every validation keyword stays.
+Tool schemas: every body sends :func:`provider_schema` of each definition's input schema,
+without ``title`` annotations and empty ``default`` values (spec: "Only history scales with the
+window", the token side of the tool-definition cap); every validation keyword stays.
 
 Attachments travel as the text labels the builder already put in their message; sending the
 files themselves is the provider adapter's job (request.py), so no file block is rendered here.
@@ -31,163 +36,61 @@ files themselves is the provider adapter's job (request.py), so no file block is
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from context_engine.domain.breakpoints import DEFAULT_TTL, PRIORITY, SUMMARY_ITEM
+from context_engine.domain.breakpoints import DEFAULT_TTL
 from context_engine.domain.builder import BuildResult
 from context_engine.domain.canonical import parse_json_object
-from context_engine.domain.errors import AssemblyError, FieldViolation, InvalidInput
-from context_engine.domain.request import Message, Role
+from context_engine.domain.errors import AssemblyError, InvalidInput
+from context_engine.domain.provider_bedrock import bedrock_converse as bedrock_converse
+from context_engine.domain.provider_bedrock import validate_bedrock as validate_bedrock
+from context_engine.domain.provider_chat import (
+    openai_chat_completions as openai_chat_completions,
+)
+from context_engine.domain.provider_chat import validate_chat as validate_chat
+from context_engine.domain.provider_common import ANTHROPIC_MESSAGES as ANTHROPIC_MESSAGES
+from context_engine.domain.provider_common import BEDROCK_CONVERSE as BEDROCK_CONVERSE
+from context_engine.domain.provider_common import FORMATS as FORMATS
+from context_engine.domain.provider_common import (
+    GEMINI_GENERATE_CONTENT as GEMINI_GENERATE_CONTENT,
+)
+from context_engine.domain.provider_common import JSON as JSON
+from context_engine.domain.provider_common import LEADING_USER_TEXT as LEADING_USER_TEXT
+from context_engine.domain.provider_common import LONG_TTL as LONG_TTL
+from context_engine.domain.provider_common import MAX_BREAKPOINTS as MAX_BREAKPOINTS
+from context_engine.domain.provider_common import (
+    OPENAI_CHAT_COMPLETIONS as OPENAI_CHAT_COMPLETIONS,
+)
+from context_engine.domain.provider_common import OPENAI_RESPONSES as OPENAI_RESPONSES
+from context_engine.domain.provider_common import PROVIDER_TOOL_NAME as PROVIDER_TOOL_NAME
+from context_engine.domain.provider_common import TTL_RANK as TTL_RANK
+from context_engine.domain.provider_common import ProviderFormatError as ProviderFormatError
+from context_engine.domain.provider_common import (
+    Turns,
+    check_call_ids,
+    marked_blocks,
+    message_key,
+    reasoning_payload,
+    tool_names,
+    tool_schema,
+)
+from context_engine.domain.provider_common import provider_schema as provider_schema
+from context_engine.domain.provider_common import provider_tool_name as provider_tool_name
+from context_engine.domain.provider_common import provider_tool_names as provider_tool_names
+from context_engine.domain.provider_gemini import GeminiCachedContent as GeminiCachedContent
+from context_engine.domain.provider_gemini import gemini_cached_content as gemini_cached_content
+from context_engine.domain.provider_gemini import (
+    gemini_generate_content as gemini_generate_content,
+)
+from context_engine.domain.provider_gemini import validate_gemini as validate_gemini
+from context_engine.domain.request import Role
 
-ANTHROPIC_MESSAGES = "anthropic_messages"
-OPENAI_RESPONSES = "openai_responses"
-FORMATS = (ANTHROPIC_MESSAGES, OPENAI_RESPONSES)
-
-PROVIDER_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-MAX_BREAKPOINTS = 4  # Anthropic: a fifth cache_control is a 400
-LONG_TTL = "1h"
-TTL_RANK = {"1h": 2, "5m": 1}
-# Anthropic's first message must be a user turn. When the retained history starts with the
-# model's own turn (a history cut without a summary yet), this fixed platform line opens it.
-LEADING_USER_TEXT = "(Earlier conversation omitted.)"
 UNCACHEABLE_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 ANTHROPIC_REASONING = UNCACHEABLE_BLOCKS  # what an Anthropic reasoning item may replay
 OPENAI_REASONING = frozenset({"reasoning"})
 OPENAI_INCLUDE = ("reasoning.encrypted_content",)
-
-JSON = dict[str, Any]
-
-
-class ProviderFormatError(InvalidInput):
-    """The request cannot be rendered in the asked provider format (tool names that collide
-    or cannot be mapped, a reasoning payload that is not a JSON object)."""
-
-    reason = "PROVIDER_FORMAT_UNRENDERABLE"
-
-    def __init__(self, provider_format: str, violations: list[FieldViolation]) -> None:
-        self.provider_format = provider_format
-        super().__init__(violations)
-
-    def metadata(self) -> dict[str, str]:
-        return {**super().metadata(), "provider_format": self.provider_format}
-
-
-# ----------------------------------------------------------------------------- tool names
-
-def provider_tool_name(name: str) -> str:
-    """Our tool name as providers accept it: "." becomes "__"."""
-    return name.replace(".", "__")
-
-
-def provider_tool_names(names: Iterable[str], provider_format: str = "") -> dict[str, str]:
-    """Our name -> provider name for every distinct name; a collision or an unmappable name is
-    a :class:`ProviderFormatError`. The map is one-to-one, so an adapter inverts it to read the
-    model's calls back."""
-    mapped: dict[str, str] = {}
-    owners: dict[str, list[str]] = {}
-    for name in names:
-        if name not in mapped:
-            mapped[name] = provider_tool_name(name)
-            owners.setdefault(mapped[name], []).append(name)
-    violations: list[FieldViolation] = []
-    for ours, theirs in mapped.items():
-        if PROVIDER_TOOL_NAME.fullmatch(theirs) is None:
-            violations.append(FieldViolation(
-                "provider_format", f"tool name {ours!r} maps to {theirs!r}, which is not "
-                "1-64 characters of [A-Za-z0-9_-]"))
-    for theirs, ours_list in owners.items():
-        if len(ours_list) > 1:
-            violations.append(FieldViolation(
-                "provider_format", "tool names " + ", ".join(repr(n) for n in sorted(ours_list))
-                + f" all map to the provider name {theirs!r}"))
-    if violations:
-        raise ProviderFormatError(provider_format, violations)
-    return mapped
-
-
-def _tool_names(result: BuildResult, provider_format: str) -> dict[str, str]:
-    req = result.request
-    names = [t.name for t in req.tools]
-    names += [c.name for m in req.messages for c in m.tool_calls]
-    return provider_tool_names(names, provider_format)
-
-
-def _payload(m: Message, provider_format: str, types: frozenset[str]) -> JSON:
-    """A reasoning item's opaque payload: the provider's own JSON object, replayed verbatim.
-    Only reasoning types pass: a reasoning item never smuggles in a call or a message."""
-    try:
-        value = parse_json_object(m.reasoning_opaque.decode("utf-8"))
-    except UnicodeDecodeError:
-        value = None
-    if value is None or value.get("type") not in types:
-        raise ProviderFormatError(provider_format, [FieldViolation(
-            "checkpoint.items", f"reasoning item {m.item_id!r} ({m.reasoning_provider}) is not "
-            f"a JSON object of type {' or '.join(sorted(types))}: it cannot be replayed")])
-    return value
-
-
-def _schema(text: str) -> JSON:
-    value = parse_json_object(text)
-    if value is None:  # tool schemas are canonical JSON objects by construction
-        raise AssemblyError("a tool definition's input schema is not a JSON object")
-    return provider_schema(value)
-
-
-# JSON Schema keywords (draft-07 and 2020-12) whose value is a subschema, a list of subschemas,
-# or a map from names to subschemas. Every other keyword's value is data (enum, const, examples,
-# required, a default...) or a scalar and is copied verbatim: a property named "title" or
-# "default" is a name in a map, never an annotation, and is never dropped.
-_ONE_SCHEMA = frozenset({
-    "items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else",
-    "propertyNames", "unevaluatedItems", "unevaluatedProperties", "contentSchema"})
-_SCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
-_SCHEMA_MAPS = frozenset({
-    "properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
-    "dependencies"})
-
-
-def _empty_default(value: Any) -> bool:
-    """``null``, ``""``, ``[]`` and ``{}`` say nothing; ``0`` and ``false`` are meaningful."""
-    return value is None or (isinstance(value, (str, list, dict)) and not value)
-
-
-def provider_schema(schema: JSON) -> JSON:
-    """A tool's input schema as provider bodies send it (spec: "Provider serialization omits
-    redundant generated titles and empty default annotations while retaining every validation
-    keyword and meaningful non-empty default"): every ``title`` annotation and every empty
-    ``default`` at a schema position is dropped, at any depth; nothing else changes. The
-    plan's tool definitions keep the full schema: it is the pinned identity, and the
-    tool-definition cap measures that larger form. Iterative: a schema nested as deep as the
-    JSON parser admits must not exhaust the stack here."""
-    root: JSON = {}
-    todo: list[tuple[JSON, JSON]] = [(schema, root)]
-
-    def later(sub: Any) -> Any:
-        if not isinstance(sub, dict):
-            return sub  # a boolean schema, or not a schema at all: verbatim
-        copy: JSON = {}
-        todo.append((sub, copy))
-        return copy
-
-    while todo:
-        source, out = todo.pop()
-        for key, value in source.items():
-            if key == "title":
-                continue
-            if key == "default" and _empty_default(value):
-                continue
-            if key in _SCHEMA_MAPS and isinstance(value, dict):
-                out[key] = {name: later(sub) for name, sub in value.items()}
-            elif key in _SCHEMA_LISTS and isinstance(value, list):
-                out[key] = [later(sub) for sub in value]
-            elif key in _ONE_SCHEMA:
-                out[key] = later(value)
-            else:
-                out[key] = value
-    return root
+RESPONSES_CALL_ID_MAX = 64  # "Invalid 'input[i].call_id': ... maximum length 64"
 
 
 # ----------------------------------------------------------------------------- Anthropic
@@ -202,106 +105,42 @@ def _cacheable(block: JSON) -> bool:
     return not (block.get("type") == "text" and not block.get("text"))
 
 
-@dataclass(slots=True)
-class _Turn:
-    role: str
-    results: list[JSON]  # tool_result blocks: always first in a user turn
-    blocks: list[JSON]
-    call_ids: set[str]
-
-    def content(self) -> list[JSON]:
-        return [*self.results, *self.blocks]
-
-
-def _message_key(m: Message) -> str:
-    return SUMMARY_ITEM if m.row == 9 else m.item_id
-
-
 def anthropic_messages(result: BuildResult) -> JSON:
     """The request as an Anthropic Messages API body (see the module docstring)."""
     fmt = ANTHROPIC_MESSAGES
-    names = _tool_names(result, fmt)
+    names = tool_names(result, fmt)
     req = result.request
     tools: list[JSON] = []
     for t in req.tools:
-        tool: JSON = {"name": names[t.name], "input_schema": _schema(t.input_schema_json)}
+        tool: JSON = {"name": names[t.name], "input_schema": tool_schema(t.input_schema_json)}
         if t.description:
             tool["description"] = t.description
         tools.append(tool)
     system: list[JSON] = [{"type": "text", "text": b.text} for b in req.prefix_blocks if b.text]
 
-    turns: list[_Turn] = []
-    by_key: dict[str, list[int]] = {}  # item key -> ids of its blocks
-
-    def add(role: str, block: JSON, key: str, *, result_of: str = "") -> None:
-        if result_of:
-            # Anthropic: a result sits in the user turn right after its call's turn.
-            at = next((i for i, t in enumerate(turns)
-                       if t.role == "assistant" and result_of in t.call_ids), None)
-            if at is None:
-                raise AssemblyError(f"tool result for {result_of!r} has no earlier call")
-            if at + 1 == len(turns):
-                turns.append(_Turn(role="user", results=[], blocks=[], call_ids=set()))
-            turns[at + 1].results.append(block)
-        else:
-            if not turns or turns[-1].role != role:
-                turns.append(_Turn(role=role, results=[], blocks=[], call_ids=set()))
-            turns[-1].blocks.append(block)
-            if block.get("type") == "tool_use":
-                turns[-1].call_ids.add(str(block["id"]))
-        if key:
-            by_key.setdefault(key, []).append(id(block))
-
+    turns = Turns(model_role="assistant")
     for m in req.messages:
-        key = _message_key(m)
+        key = message_key(m)
         if m.role is Role.TOOL:
-            add("user", {"type": "tool_result", "tool_use_id": m.call_id, "content": m.text},
-                key, result_of=m.call_id)
+            # Anthropic: a result sits in the user turn right after its call's turn.
+            turns.add("user", {"type": "tool_result", "tool_use_id": m.call_id,
+                               "content": m.text}, key, result_of=m.call_id)
             continue
         role = "user" if m.role is Role.USER else "assistant"
         if m.reasoning_provider:
             if m.reasoning_provider == "anthropic":
-                add(role, _payload(m, fmt, ANTHROPIC_REASONING), key)
+                turns.add(role, reasoning_payload(m, fmt, ANTHROPIC_REASONING), key)
             continue  # another provider's reasoning means nothing here
         if m.text:
-            add(role, {"type": "text", "text": m.text}, key)
+            turns.add(role, {"type": "text", "text": m.text}, key)
         for c in m.tool_calls:
-            add(role, {"type": "tool_use", "id": c.call_id, "name": names[c.name],
-                       "input": parse_json_object(c.arguments_json) or {}}, key)
-    if not turns or turns[0].role != "user":
-        turns.insert(0, _Turn(role="user", results=[],
-                              blocks=[{"type": "text", "text": LEADING_USER_TEXT}],
-                              call_ids=set()))
-    messages: list[JSON] = [{"role": t.role, "content": t.content()} for t in turns]
-
-    # Breakpoints: (priority, position in request order, block, ttl).
-    flat = [b for t in turns for b in t.content()]
-    position = {id(b): i for i, b in enumerate(flat)}
-    placed: list[tuple[int, tuple[int, int], JSON, str]] = []
-    for mark in result.cache_breakpoints:
-        rank = PRIORITY.index(mark.name) if mark.name in PRIORITY else len(PRIORITY)
-        if mark.name == "after_tools":
-            if tools:
-                placed.append((rank, (0, len(tools) - 1), tools[-1], mark.ttl))
-        elif mark.name == "after_system":
-            if system:
-                placed.append((rank, (1, len(system) - 1), system[-1], mark.ttl))
-        elif mark.through_item:
-            block = _history_block(flat, position, by_key.get(mark.through_item, []))
-            if block is not None:
-                placed.append((rank, (2, position[id(block)]), block, mark.ttl))
-    seen: set[int] = set()
-    kept: list[tuple[int, tuple[int, int], JSON, str]] = []
-    for entry in sorted(placed, key=lambda p: p[0]):  # by priority: a 5th never lands
-        if id(entry[2]) not in seen and len(kept) < MAX_BREAKPOINTS:
-            seen.add(id(entry[2]))
-            kept.append(entry)
-    floor = LONG_TTL
-    for _, _, block, asked in sorted(kept, key=lambda p: p[1]):  # request order
-        ttl = LONG_TTL if asked == LONG_TTL else DEFAULT_TTL
-        if TTL_RANK[ttl] > TTL_RANK[floor]:
-            ttl = floor  # never a longer TTL after a shorter one
-        floor = ttl
+            turns.add(role, {"type": "tool_use", "id": c.call_id, "name": names[c.name],
+                             "input": parse_json_object(c.arguments_json) or {}}, key,
+                      call_id=c.call_id)
+    turns.lead({"type": "text", "text": LEADING_USER_TEXT})
+    messages: list[JSON] = [{"role": t.role, "content": t.content()} for t in turns.turns]
+    for block, ttl in marked_blocks(result, tools=tools, system=system, turns=turns,
+                                    cacheable=_cacheable):
         block["cache_control"] = _cache_control(ttl)
 
     body: JSON = {"model": result.model_id, "max_tokens": result.output_reserve,
@@ -311,30 +150,13 @@ def anthropic_messages(result: BuildResult) -> JSON:
     return body
 
 
-def _history_block(flat: Sequence[JSON], position: Mapping[int, int],
-                   block_ids: Sequence[int]) -> JSON | None:
-    """The last cacheable block of a marker's item; when the item has none (only thinking),
-    the last cacheable block before it, so the cached prefix never reaches past the item."""
-    if not block_ids:
-        return None
-    last = max(position[b] for b in block_ids)
-    own = {position[b] for b in block_ids}
-    for i in range(last, -1, -1):
-        if i in own and _cacheable(flat[i]):
-            return flat[i]
-    first = min(own)
-    for i in range(first - 1, -1, -1):
-        if _cacheable(flat[i]):
-            return flat[i]
-    return None
-
-
 # ----------------------------------------------------------------------------- OpenAI
 
 def openai_responses(result: BuildResult) -> JSON:
     """The request as an OpenAI Responses API body (see the module docstring)."""
     fmt = OPENAI_RESPONSES
-    names = _tool_names(result, fmt)
+    names = tool_names(result, fmt)
+    check_call_ids(result, fmt, limit=RESPONSES_CALL_ID_MAX)
     req = result.request
     items: list[JSON] = []
     for m in req.messages:
@@ -344,7 +166,7 @@ def openai_responses(result: BuildResult) -> JSON:
             continue
         if m.reasoning_provider:
             if m.reasoning_provider == "openai":
-                items.append(_payload(m, fmt, OPENAI_REASONING))
+                items.append(reasoning_payload(m, fmt, OPENAI_REASONING))
             continue
         if m.text:
             if m.role is Role.USER:
@@ -358,7 +180,7 @@ def openai_responses(result: BuildResult) -> JSON:
     tools: list[JSON] = []
     for t in req.tools:
         tool: JSON = {"type": "function", "name": names[t.name],
-                      "parameters": _schema(t.input_schema_json), "strict": False}
+                      "parameters": tool_schema(t.input_schema_json), "strict": False}
         if t.description:
             tool["description"] = t.description
         tools.append(tool)
@@ -376,7 +198,15 @@ def openai_responses(result: BuildResult) -> JSON:
     return body
 
 
-RENDERERS = {ANTHROPIC_MESSAGES: anthropic_messages, OPENAI_RESPONSES: openai_responses}
+# ----------------------------------------------------------------------------- dispatch
+
+RENDERERS: Mapping[str, Callable[[BuildResult], JSON]] = {
+    ANTHROPIC_MESSAGES: anthropic_messages,
+    OPENAI_RESPONSES: openai_responses,
+    OPENAI_CHAT_COMPLETIONS: openai_chat_completions,
+    GEMINI_GENERATE_CONTENT: gemini_generate_content,
+    BEDROCK_CONVERSE: bedrock_converse,
+}
 
 
 def render(result: BuildResult, provider_format: str) -> JSON:
@@ -394,11 +224,11 @@ def render(result: BuildResult, provider_format: str) -> JSON:
 # ----------------------------------------------------------------------------- validators
 
 def validate(body: Mapping[str, Any], provider_format: str) -> list[str]:
-    if provider_format == ANTHROPIC_MESSAGES:
-        return validate_anthropic(body)
-    if provider_format == OPENAI_RESPONSES:
-        return validate_openai(body)
-    return [f"unknown provider format {provider_format!r}"]
+    """Structural problems of a ``provider_format`` body; empty when it is valid."""
+    validator = VALIDATORS.get(provider_format)
+    if validator is None:
+        return [f"unknown provider format {provider_format!r}"]
+    return validator(body)
 
 
 def _tool_defs(tools: object, name_key: str, problems: list[str]) -> list[JSON]:
@@ -636,6 +466,8 @@ def validate_openai(body: Mapping[str, Any]) -> list[str]:
             name = item.get("name")
             if not isinstance(call_id, str) or not call_id:
                 problems.append(f"{where}.call_id: must be a non-empty string")
+            elif len(call_id) > RESPONSES_CALL_ID_MAX:
+                problems.append(f"{where}.call_id: longer than {RESPONSES_CALL_ID_MAX}")
             elif call_id in called:
                 problems.append(f"{where}.call_id: {call_id!r} called twice")
             else:
@@ -664,3 +496,11 @@ def validate_openai(body: Mapping[str, Any]) -> list[str]:
                             "function_call_output")
     return problems
 
+
+VALIDATORS: Mapping[str, Callable[[Mapping[str, Any]], list[str]]] = {
+    ANTHROPIC_MESSAGES: validate_anthropic,
+    OPENAI_RESPONSES: validate_openai,
+    OPENAI_CHAT_COMPLETIONS: validate_chat,
+    GEMINI_GENERATE_CONTENT: validate_gemini,
+    BEDROCK_CONVERSE: validate_bedrock,
+}

@@ -8,6 +8,9 @@
 
     with Client(target="127.0.0.1:50051", token="...") as engine:
         plan = engine.plan(request=pb.PlanRequest(tenant_id="acme", session_id="s-1", ...)).plan
+
+:mod:`context_engine_client.formats` parses the provider body a ``BuildResponse`` carries
+(``provider_body``, ``chat_completions_body``, ``gemini_body``, ``bedrock_converse_body``...).
 """
 
 from context_engine_client._channel import DEFAULT_TIMEOUT, RetryPolicy
@@ -34,29 +37,67 @@ from context_engine_client.errors import (
     Unimplemented,
     Unknown,
 )
+from context_engine_client.formats import (
+    FORMAT_NAMES,
+    AnthropicMessagesBody,
+    BedrockConverseBody,
+    ChatCompletionsBody,
+    GeminiCachedContentBodies,
+    GeminiGenerateContentBody,
+    OpenAIResponsesBody,
+    ProviderBodyError,
+    ProviderFormat,
+    anthropic_messages_body,
+    bedrock_converse_body,
+    chat_completions_body,
+    gemini_body,
+    gemini_cached_content,
+    openai_responses_body,
+    parse_provider_format,
+    provider_body,
+    provider_format_name,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "FORMAT_NAMES",
     "Aborted",
     "AlreadyExists",
+    "AnthropicMessagesBody",
     "AsyncClient",
+    "BedrockConverseBody",
     "Cancelled",
+    "ChatCompletionsBody",
     "Client",
     "ContextEngineError",
     "DataLoss",
     "DeadlineExceeded",
     "FailedPrecondition",
     "FieldViolation",
+    "GeminiCachedContentBodies",
+    "GeminiGenerateContentBody",
     "Internal",
     "InvalidArgument",
     "NotFound",
+    "OpenAIResponsesBody",
     "OutOfRange",
     "PermissionDenied",
+    "ProviderBodyError",
+    "ProviderFormat",
     "ResourceExhausted",
     "RetryPolicy",
     "Unauthenticated",
     "Unavailable",
     "Unimplemented",
     "Unknown",
+    "anthropic_messages_body",
+    "bedrock_converse_body",
+    "chat_completions_body",
+    "gemini_body",
+    "gemini_cached_content",
+    "openai_responses_body",
+    "parse_provider_format",
     "pb",
+    "provider_body",
+    "provider_format_name",
 ]

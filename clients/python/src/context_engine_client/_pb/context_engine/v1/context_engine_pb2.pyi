@@ -2164,8 +2164,10 @@ class GeminiCachedContent(_message.Message):
     """Gemini's explicit context caching of the pinned prefix (Region A). Once per epoch the runtime
     creates the cached content (cachedContents.create with create_body_json; find an existing one
     by display_name first), then sends cached_body_json with its cachedContent field set to the
-    created resource's name. provider_body_json stays the whole request and keeps the prefix
-    first, so Gemini's implicit caching applies when no cached content is used.
+    created resource's name. Gemini does not extend a cached content's life on use: the runtime
+    keeps it alive by patching its ttl (cachedContents.patch) before it expires, or creates it
+    again when Gemini answers NOT_FOUND. provider_body_json stays the whole request and keeps the
+    prefix first, so Gemini's implicit caching applies when no cached content is used.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -1,0 +1,371 @@
+"""What every provider body shares: the format names, tool-name mapping, tool schemas, replayed
+reasoning payloads, the turn grouping of the formats that need alternating turns, and the
+placement of cache markers on blocks (ARCHITECTURE.md "Cache breakpoints and provider bodies").
+
+Format-neutral code only: a helper that grows ``if fmt == ...`` belongs in its format's module
+(``providers.py`` for Anthropic Messages and OpenAI Responses, ``provider_chat.py``,
+``provider_gemini.py``, ``provider_bedrock.py``). Pure: standard library and domain only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from context_engine.domain.breakpoints import DEFAULT_TTL, PRIORITY, SUMMARY_ITEM
+from context_engine.domain.builder import BuildResult
+from context_engine.domain.canonical import parse_json_object
+from context_engine.domain.errors import AssemblyError, FieldViolation, InvalidInput
+from context_engine.domain.provider_formats import ANTHROPIC_MESSAGES as ANTHROPIC_MESSAGES
+from context_engine.domain.provider_formats import BEDROCK_CONVERSE as BEDROCK_CONVERSE
+from context_engine.domain.provider_formats import FORMATS as FORMATS
+from context_engine.domain.provider_formats import (
+    GEMINI_GENERATE_CONTENT as GEMINI_GENERATE_CONTENT,
+)
+from context_engine.domain.provider_formats import (
+    OPENAI_CHAT_COMPLETIONS as OPENAI_CHAT_COMPLETIONS,
+)
+from context_engine.domain.provider_formats import OPENAI_RESPONSES as OPENAI_RESPONSES
+from context_engine.domain.request import Message
+
+JSON = dict[str, Any]
+
+# Anthropic, OpenAI and Bedrock tool names; Gemini's own rule is in provider_gemini.py.
+PROVIDER_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_BREAKPOINTS = 4  # Anthropic, and Bedrock's cache checkpoints: a fifth is a 400
+LONG_TTL = "1h"
+TTL_RANK = {"1h": 2, "5m": 1}
+# Anthropic's, Gemini's and Bedrock's first message must be a user turn. When the retained
+# history starts with the model's own turn (a history cut without a summary yet), this fixed
+# platform line opens it.
+LEADING_USER_TEXT = "(Earlier conversation omitted.)"
+
+
+class ProviderFormatError(InvalidInput):
+    """The request cannot be rendered in the asked provider format (tool names that collide
+    or cannot be mapped, a reasoning payload that is not a JSON object)."""
+
+    reason = "PROVIDER_FORMAT_UNRENDERABLE"
+
+    def __init__(self, provider_format: str, violations: list[FieldViolation]) -> None:
+        self.provider_format = provider_format
+        super().__init__(violations)
+
+    def metadata(self) -> dict[str, str]:
+        return {**super().metadata(), "provider_format": self.provider_format}
+
+
+# ----------------------------------------------------------------------------- tool names
+
+def provider_tool_name(name: str) -> str:
+    """Our tool name as providers accept it: "." becomes "__"."""
+    return name.replace(".", "__")
+
+
+def provider_tool_names(names: Iterable[str], provider_format: str = "", *,
+                        mapping: Callable[[str], str] = provider_tool_name,
+                        pattern: re.Pattern[str] = PROVIDER_TOOL_NAME,
+                        rule: str = "1-64 characters of [A-Za-z0-9_-]") -> dict[str, str]:
+    """Our name -> provider name for every distinct name; a collision or an unmappable name is
+    a :class:`ProviderFormatError`. The map is one-to-one, so an adapter inverts it to read the
+    model's calls back."""
+    mapped: dict[str, str] = {}
+    owners: dict[str, list[str]] = {}
+    for name in names:
+        if name not in mapped:
+            mapped[name] = mapping(name)
+            owners.setdefault(mapped[name], []).append(name)
+    violations: list[FieldViolation] = []
+    for ours, theirs in mapped.items():
+        if pattern.fullmatch(theirs) is None:
+            violations.append(FieldViolation(
+                "provider_format", f"tool name {ours!r} maps to {theirs!r}, which is not {rule}"))
+    for theirs, ours_list in owners.items():
+        if len(ours_list) > 1:
+            violations.append(FieldViolation(
+                "provider_format", "tool names " + ", ".join(repr(n) for n in sorted(ours_list))
+                + f" all map to the provider name {theirs!r}"))
+    if violations:
+        raise ProviderFormatError(provider_format, violations)
+    return mapped
+
+
+def request_tool_names(result: BuildResult) -> list[str]:
+    """Every tool name the request sends: its definitions, then every replayed call's."""
+    req = result.request
+    return [t.name for t in req.tools] + [c.name for m in req.messages for c in m.tool_calls]
+
+
+def tool_names(result: BuildResult, provider_format: str) -> dict[str, str]:
+    return provider_tool_names(request_tool_names(result), provider_format)
+
+
+def check_call_ids(result: BuildResult, provider_format: str, *, limit: int,
+                   pattern: re.Pattern[str] | None = None, rule: str = "") -> None:
+    """Refuse the render when a replayed call id is one the provider does not take (a
+    checkpoint takes ids up to 256 characters): renaming it would break its pair."""
+    ids = {c.call_id for m in result.request.messages for c in m.tool_calls}
+    bad = sorted(i for i in ids if len(i) > limit
+                 or (pattern is not None and pattern.fullmatch(i) is None))
+    if bad:
+        what = rule or f"at most {limit} characters"
+        raise ProviderFormatError(provider_format, [FieldViolation(
+            "checkpoint.items", f"call id {c!r} is not {what}, what {provider_format} takes")
+            for c in bad])
+
+
+def reasoning_payload(m: Message, provider_format: str, types: frozenset[str]) -> JSON:
+    """A reasoning item's opaque payload: the provider's own JSON object, replayed verbatim.
+    Only reasoning types pass: a reasoning item never smuggles in a call or a message."""
+    value = reasoning_object(m)
+    if value is None or value.get("type") not in types:
+        raise unreplayable(m, provider_format,
+                           f"a JSON object of type {' or '.join(sorted(types))}")
+    return value
+
+
+def reasoning_object(m: Message) -> JSON | None:
+    try:
+        return parse_json_object(m.reasoning_opaque.decode("utf-8"))
+    except UnicodeDecodeError:
+        return None
+
+
+def unreplayable(m: Message, provider_format: str, expected: str) -> ProviderFormatError:
+    return ProviderFormatError(provider_format, [FieldViolation(
+        "checkpoint.items", f"reasoning item {m.item_id!r} ({m.reasoning_provider}) is not "
+        f"{expected}: it cannot be replayed")])
+
+
+def tool_schema(text: str) -> JSON:
+    """A definition's input schema as provider bodies send it (:func:`provider_schema`)."""
+    value = parse_json_object(text)
+    if value is None:  # tool schemas are canonical JSON objects by construction
+        raise AssemblyError("a tool definition's input schema is not a JSON object")
+    return provider_schema(value)
+
+
+# JSON Schema keywords (draft-07 and 2020-12) whose value is a subschema, a list of subschemas,
+# or a map from names to subschemas. Every other keyword's value is data (enum, const, examples,
+# required, a default...) or a scalar and is copied verbatim: a property named "title" or
+# "default" is a name in a map, never an annotation, and is never dropped.
+_ONE_SCHEMA = frozenset({
+    "items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else",
+    "propertyNames", "unevaluatedItems", "unevaluatedProperties", "contentSchema"})
+_SCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+_SCHEMA_MAPS = frozenset({
+    "properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+    "dependencies"})
+
+
+def _empty_default(value: Any) -> bool:
+    """``null``, ``""``, ``[]`` and ``{}`` say nothing; ``0`` and ``false`` are meaningful."""
+    return value is None or (isinstance(value, (str, list, dict)) and not value)
+
+
+def provider_schema(schema: JSON) -> JSON:
+    """A tool's input schema as provider bodies send it (spec: "Provider serialization omits
+    redundant generated titles and empty default annotations while retaining every validation
+    keyword and meaningful non-empty default"): every ``title`` annotation and every empty
+    ``default`` at a schema position is dropped, at any depth; nothing else changes. The
+    plan's tool definitions keep the full schema: it is the pinned identity, and the
+    tool-definition cap measures that larger form. Iterative: a schema nested as deep as the
+    JSON parser admits must not exhaust the stack here."""
+    root: JSON = {}
+    todo: list[tuple[JSON, JSON]] = [(schema, root)]
+
+    def later(sub: Any) -> Any:
+        if not isinstance(sub, dict):
+            return sub  # a boolean schema, or not a schema at all: verbatim
+        copy: JSON = {}
+        todo.append((sub, copy))
+        return copy
+
+    while todo:
+        source, out = todo.pop()
+        for key, value in source.items():
+            if key == "title":
+                continue
+            if key == "default" and _empty_default(value):
+                continue
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                out[key] = {name: later(sub) for name, sub in value.items()}
+            elif key in _SCHEMA_LISTS and isinstance(value, list):
+                out[key] = [later(sub) for sub in value]
+            elif key in _ONE_SCHEMA:
+                out[key] = later(value)
+            else:
+                out[key] = value
+    return root
+
+
+def joined_prefix(result: BuildResult) -> str:
+    """The prefix blocks as one text, a blank line between blocks (OpenAI ``instructions``,
+    the Chat Completions system message, Gemini's ``systemInstruction``). The estimator counts
+    one separator per join with the platform policy (plan.py ``request_framing``)."""
+    return "\n\n".join(b.text for b in result.request.prefix_blocks if b.text)
+
+
+# ----------------------------------------------------------------------------- turns
+
+def message_key(m: Message) -> str:
+    """The checkpoint item a message renders, as cache markers name it (``through_item``)."""
+    return SUMMARY_ITEM if m.row == 9 else m.item_id
+
+
+@dataclass(slots=True)
+class Turn:
+    role: str
+    results: list[JSON]  # tool results: always first in a user turn
+    blocks: list[JSON]
+    call_ids: set[str] = field(default_factory=set)
+
+    def content(self) -> list[JSON]:
+        return [*self.results, *self.blocks]
+
+
+class Turns:
+    """Messages grouped as the turn-based formats need them (Anthropic, Gemini, Bedrock):
+    consecutive blocks of one role share a turn; a tool result moves to the start of the user
+    turn right after its call's turn, all results of a batch together, in the order they
+    arrived. ``by_key`` remembers every item's blocks for the cache markers."""
+
+    def __init__(self, model_role: str) -> None:
+        self.model_role = model_role
+        self.turns: list[Turn] = []
+        self.by_key: dict[str, list[int]] = {}  # item key -> ids of its blocks
+
+    def add(self, role: str, block: JSON, key: str, *, call_id: str = "",
+            result_of: str = "") -> None:
+        if result_of:
+            at = next((i for i, t in enumerate(self.turns)
+                       if t.role == self.model_role and result_of in t.call_ids), None)
+            if at is None:
+                raise AssemblyError(f"tool result for {result_of!r} has no earlier call")
+            if at + 1 == len(self.turns):
+                self.turns.append(Turn(role="user", results=[], blocks=[]))
+            self.turns[at + 1].results.append(block)
+        else:
+            if not self.turns or self.turns[-1].role != role:
+                self.turns.append(Turn(role=role, results=[], blocks=[]))
+            self.turns[-1].blocks.append(block)
+            if call_id:
+                self.turns[-1].call_ids.add(call_id)
+        if key:
+            self.by_key.setdefault(key, []).append(id(block))
+
+    def lead(self, block: JSON) -> None:
+        """Open with a user turn holding ``block`` unless the first turn is the user's."""
+        if not self.turns or self.turns[0].role != "user":
+            self.turns.insert(0, Turn(role="user", results=[], blocks=[block]))
+
+    def flat(self) -> list[JSON]:
+        return [b for t in self.turns for b in t.content()]
+
+
+def history_block(flat: Sequence[JSON], position: Mapping[int, int], block_ids: Sequence[int],
+                  cacheable: Callable[[JSON], bool]) -> JSON | None:
+    """The last cacheable block of a marker's item; when the item has none (only thinking),
+    the last cacheable block before it, so the cached prefix never reaches past the item."""
+    if not block_ids:
+        return None
+    last = max(position[b] for b in block_ids)
+    own = {position[b] for b in block_ids}
+    for i in range(last, -1, -1):
+        if i in own and cacheable(flat[i]):
+            return flat[i]
+    first = min(own)
+    for i in range(first - 1, -1, -1):
+        if cacheable(flat[i]):
+            return flat[i]
+    return None
+
+
+def marked_blocks(result: BuildResult, *, tools: Sequence[JSON], system: Sequence[JSON],
+                  turns: Turns, cacheable: Callable[[JSON], bool],
+                  limit: int = MAX_BREAKPOINTS) -> list[tuple[JSON, str]]:
+    """Where the request's cache markers land, in request order (tools -> system ->
+    messages): (the block a marker follows, its TTL). after_tools marks the last tool,
+    after_system the last system block, a history marker the last cacheable block of its
+    ``through_item``. At most ``limit``, kept by priority (a fifth never lands), one per block,
+    and never a longer TTL after a shorter one."""
+    flat = turns.flat()
+    position = {id(b): i for i, b in enumerate(flat)}
+    # (priority, position in request order, block, ttl)
+    placed: list[tuple[int, tuple[int, int], JSON, str]] = []
+    for mark in result.cache_breakpoints:
+        rank = PRIORITY.index(mark.name) if mark.name in PRIORITY else len(PRIORITY)
+        if mark.name == "after_tools":
+            if tools:
+                placed.append((rank, (0, len(tools) - 1), tools[-1], mark.ttl))
+        elif mark.name == "after_system":
+            if system:
+                placed.append((rank, (1, len(system) - 1), system[-1], mark.ttl))
+        elif mark.through_item:
+            block = history_block(flat, position, turns.by_key.get(mark.through_item, []),
+                                  cacheable)
+            if block is not None:
+                placed.append((rank, (2, position[id(block)]), block, mark.ttl))
+    seen: set[int] = set()
+    kept: list[tuple[int, tuple[int, int], JSON, str]] = []
+    for entry in sorted(placed, key=lambda p: p[0]):  # by priority: a 5th never lands
+        if id(entry[2]) not in seen and len(kept) < limit:
+            seen.add(id(entry[2]))
+            kept.append(entry)
+    out: list[tuple[JSON, str]] = []
+    floor = LONG_TTL
+    for _, _, block, asked in sorted(kept, key=lambda p: p[1]):  # request order
+        ttl = LONG_TTL if asked == LONG_TTL else DEFAULT_TTL
+        if TTL_RANK[ttl] > TTL_RANK[floor]:
+            ttl = floor  # never a longer TTL after a shorter one
+        floor = ttl
+        out.append((block, ttl))
+    return out
+
+
+def plan_ttl(result: BuildResult) -> str:
+    """The plan's cache TTL, as its prefix markers carry it; the default when none is kept."""
+    return next((b.ttl for b in result.cache_breakpoints
+                 if b.name in ("after_system", "after_tools")), DEFAULT_TTL)
+
+
+def call_names(result: BuildResult) -> dict[str, str]:
+    """call id -> our tool name, for every replayed call (a result names its call's tool)."""
+    return {c.call_id: c.name for m in result.request.messages for c in m.tool_calls}
+
+
+def pair_problems(calls: Sequence[tuple[int, list[str]]],
+                  answers: Sequence[tuple[int, list[str]]], where: str) -> list[str]:
+    """Every id called once; every group of answers at index i answers exactly the calls of
+    the group of calls at index i - 1 (and nothing else); every call answered. ``calls`` and
+    ``answers``: (index of the turn or message, ids in it), for the turns that have any."""
+    problems: list[str] = []
+    seen: set[str] = set()
+    called_at = {i: ids for i, ids in calls}
+    answered_at = {i: ids for i, ids in answers}
+    for i, ids in calls:
+        for c in ids:
+            if not c:
+                problems.append(f"{where}[{i}]: a call without an id")
+            elif c in seen:
+                problems.append(f"{where}[{i}]: call id {c!r} used twice")
+            seen.add(c)
+    for i, ids in answers:
+        before = set(called_at.get(i - 1, []))
+        once: set[str] = set()
+        for r in ids:
+            if r in once:
+                problems.append(f"{where}[{i}]: call {r!r} answered twice")
+            once.add(r)
+            if r not in before:
+                problems.append(f"{where}[{i}]: result {r!r} answers no call of the turn "
+                                "right before it")
+    for i, ids in calls:
+        after = set(answered_at.get(i + 1, []))
+        for c in ids:
+            if c and c not in after:
+                problems.append(f"{where}[{i}]: call {c!r} has no result in the turn right "
+                                "after it")
+    return problems

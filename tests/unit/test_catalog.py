@@ -1,0 +1,97 @@
+"""The model catalog (``data/models.json``): every entry's default provider format, Claude on
+Amazon Bedrock by model id and inference profile, Gemini's explicit-caching minimums, and the
+optional keys validated when the catalog loads."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from context_engine.adapters.assets import DEFAULT_CATALOG, load_model_catalog
+from context_engine.domain import providers as p
+from context_engine.domain.estimator import ModelCatalog
+
+CATALOG = load_model_catalog()
+DATA: dict[str, Any] = json.loads(DEFAULT_CATALOG.read_text(encoding="utf-8"))
+BEDROCK_PREFIXES = ("", "us.", "eu.", "apac.", "global.")
+
+
+def entry(model_id: str) -> Any:
+    found = CATALOG.lookup(model_id)
+    assert found is not None, model_id
+    return found
+
+
+def test_every_entry_names_a_default_format_of_its_provider() -> None:
+    expected = {"openai": p.OPENAI_RESPONSES, "anthropic": p.ANTHROPIC_MESSAGES,
+                "google": p.GEMINI_GENERATE_CONTENT, "bedrock": p.BEDROCK_CONVERSE}
+    for e in DATA["models"]:
+        assert e["provider_format"] in p.FORMATS, e["prefix"]
+        if e["prefix"] == "gpt-oss":  # open weights, served by OpenAI-compatible servers
+            assert e["provider_format"] == p.OPENAI_CHAT_COMPLETIONS
+        else:
+            assert e["provider_format"] == expected[e["provider"]], e["prefix"]
+
+
+@pytest.mark.parametrize("region", BEDROCK_PREFIXES)
+def test_claude_on_bedrock_is_sized_as_claude_and_defaults_to_converse(region: str) -> None:
+    claude = entry("claude-sonnet-4-5")
+    for model in ("anthropic.claude-sonnet-4-5-20250929-v1:0",
+                  "anthropic.claude-haiku-4-5-20251001-v1:0",
+                  "anthropic.claude-opus-4-1-20250805-v1:0"):
+        e = entry(region + model)
+        assert e.prefix == f"{region}anthropic.claude-"
+        assert e.provider == "bedrock" and e.provider_format == p.BEDROCK_CONVERSE
+        assert (e.encoding, e.context_window, e.output_reserve, e.base_factor) == (
+            claude.encoding, claude.context_window, claude.output_reserve, claude.base_factor)
+        assert e.breakpoint_budget == 4  # Bedrock's cache checkpoints per request
+        assert CATALOG.default_format(region + model) == p.BEDROCK_CONVERSE
+
+
+@pytest.mark.parametrize(("model_id", "minimum"), [
+    ("gemini-2.5-flash", 1_024),
+    ("gemini-2.5-flash-preview-09-2025", 1_024),
+    ("gemini-2.5-pro", 4_096),
+    ("gemini-3-flash-preview", 1_024),
+    ("gemini-3-pro-preview", 4_096),
+    ("gemini-3.1-pro-preview", 4_096),
+    ("gemini-2.5-flash-lite", 4_096),  # not in Gemini's table: the largest documented
+    ("gemini-2.0-flash", 4_096),
+])
+def test_gemini_models_carry_their_explicit_caching_minimum(model_id: str,
+                                                            minimum: int) -> None:
+    e = entry(model_id)
+    assert e.min_cacheable_tokens == minimum
+    assert e.provider_format == p.GEMINI_GENERATE_CONTENT
+    assert (e.context_window, e.base_factor) == (1_048_576, 1.3)
+
+
+def test_only_gemini_entries_have_a_minimum_and_the_about_cites_it() -> None:
+    for e in DATA["models"]:
+        assert ("min_cacheable_tokens" in e) == (e["provider"] == "google"), e["prefix"]
+    assert "ai.google.dev/gemini-api/docs/caching" in DATA["about"]
+    assert entry("claude-sonnet-4-5").min_cacheable_tokens == 0
+
+
+def test_an_unknown_model_has_no_default_format() -> None:
+    assert CATALOG.lookup("acme-16k") is None
+    assert CATALOG.default_format("acme-16k") == ""
+
+
+def _data(**extra: Any) -> dict[str, Any]:
+    return {"models": [{"prefix": "m-", "provider": "x", "encoding": "cl100k_base",
+                        "context_window": 1000, "output_reserve": 100,
+                        "breakpoint_budget": 4, "base_factor": 1.0, **extra}]}
+
+
+def test_the_new_keys_are_optional_and_validated() -> None:
+    bare = ModelCatalog.from_data(_data()).lookup("m-1")
+    assert bare is not None and bare.provider_format == "" and bare.min_cacheable_tokens == 0
+    with pytest.raises(ValueError, match="provider_format 'gemini' is not one of"):
+        ModelCatalog.from_data(_data(provider_format="gemini"))
+    for bad in (-1, True, "1024"):
+        with pytest.raises(ValueError, match="min_cacheable_tokens"):
+            ModelCatalog.from_data(_data(min_cacheable_tokens=bad))
+    with pytest.raises(TypeError):
+        ModelCatalog.from_data(_data(default_format="anthropic_messages"))
