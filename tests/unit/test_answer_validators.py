@@ -209,8 +209,10 @@ def envelope(body: str, nonce: str = "0123456789abcdef", close: bool = True) -> 
     return text + (f"</untrusted:{nonce}>" if close else "")
 
 
-def answer(*messages: pb.Message, body: str = "") -> pb.BuildResponse:
-    return pb.BuildResponse(request=request(*messages), provider_body_json=body)
+def answer(*messages: pb.Message, body: str = "",
+           fmt: pb.ProviderFormat.ValueType = pb.PROVIDER_FORMAT_UNSPECIFIED) -> pb.BuildResponse:
+    return pb.BuildResponse(request=request(*messages), provider_body_json=body,
+                            provider_format=fmt)
 
 
 def build(provider_format: int = 0) -> bytes:
@@ -234,12 +236,20 @@ def test_build_answer_checks_read_envelopes_and_pairs():
     orphan = answer(user(), call("a"))
     assert any(p.startswith("pairing:") for p in fuzz.build_answer_problems(build(), orphan))
     # a body asked for and missing, and a body whose pairing is broken
-    assert fuzz.build_answer_problems(build(ANTHROPIC), fine) == ["no provider body for format 1"]
+    assert fuzz.build_answer_problems(build(ANTHROPIC), fine) == [
+        "asked for format 1, the response says 0"]
     broken = answer(user(), call("a"), result("a"),
                     body=json.dumps({"input": [{"type": "function_call_output",
-                                                "call_id": "a", "output": "x"}]}))
+                                                "call_id": "a", "output": "x"}]}), fmt=OPENAI)
     assert any(p.startswith("provider body PROVIDER_FORMAT_OPENAI_RESPONSES")
                for p in fuzz.build_answer_problems(build(OPENAI), broken))
+    # the model's default when none was asked: checked in the format the response names
+    assert any(p.startswith("provider body PROVIDER_FORMAT_OPENAI_RESPONSES")
+               for p in fuzz.build_answer_problems(build(), broken))
+    unnamed = answer(user(), body="{}")
+    assert "a provider body without its format" in fuzz.build_answer_problems(build(), unnamed)
+    none_asked = fuzz.build_answer_problems(build(pb.PROVIDER_FORMAT_NONE), broken)
+    assert "asked for no provider body, got one" in none_asked
 
 
 def test_the_seed_is_fresh_unless_fixed(monkeypatch):
