@@ -2938,3 +2938,71 @@ class CompactResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CompactResponse: _TypeAlias = CompactResponse  # noqa: Y015
+
+@_typing.final
+class DeleteSessionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    tenant_id: _builtins.str
+    session_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        tenant_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "tenant_id", b"tenant_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteSessionRequest: _TypeAlias = DeleteSessionRequest  # noqa: Y015
+
+@_typing.final
+class DeleteSessionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    PLANS_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    COMPACTIONS_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEYS_FIELD_NUMBER: _builtins.int
+    USAGE_ROWS_FIELD_NUMBER: _builtins.int
+    DELETED_AT_FIELD_NUMBER: _builtins.int
+    PLAN_CACHE_SECONDS_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.bool
+    """False when there was nothing to erase (never planned, or erased before)."""
+    plans: _builtins.int
+    """Rows removed, by kind."""
+    events: _builtins.int
+    compactions: _builtins.int
+    idempotency_keys: _builtins.int
+    usage_rows: _builtins.int
+    plan_cache_seconds: _builtins.int
+    """The bound, in seconds, after which no replica serves the erased session from its plan
+    cache (GetPlan never does: it reads the database).
+    """
+    @_builtins.property
+    def deleted_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.bool = ...,
+        plans: _builtins.int = ...,
+        events: _builtins.int = ...,
+        compactions: _builtins.int = ...,
+        idempotency_keys: _builtins.int = ...,
+        usage_rows: _builtins.int = ...,
+        deleted_at: _timestamp_pb2.Timestamp | None = ...,
+        plan_cache_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deleted_at", b"deleted_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compactions", b"compactions", "deleted", b"deleted", "deleted_at", b"deleted_at", "events", b"events", "idempotency_keys", b"idempotency_keys", "plan_cache_seconds", b"plan_cache_seconds", "plans", b"plans", "usage_rows", b"usage_rows"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteSessionResponse: _TypeAlias = DeleteSessionResponse  # noqa: Y015

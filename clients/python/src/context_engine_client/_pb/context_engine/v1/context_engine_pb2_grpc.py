@@ -78,6 +78,11 @@ class ContextEngineStub:
                 request_serializer=context__engine_dot_v1_dot_context__engine__pb2.CompactRequest.SerializeToString,
                 response_deserializer=context__engine_dot_v1_dot_context__engine__pb2.CompactResponse.FromString,
                 _registered_method=True)
+        self.DeleteSession = channel.unary_unary(
+                '/context_engine.v1.ContextEngine/DeleteSession',
+                request_serializer=context__engine_dot_v1_dot_context__engine__pb2.DeleteSessionRequest.SerializeToString,
+                response_deserializer=context__engine_dot_v1_dot_context__engine__pb2.DeleteSessionResponse.FromString,
+                _registered_method=True)
 
 
 class ContextEngineServicer:
@@ -154,6 +159,17 @@ class ContextEngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteSession(self, request, context):
+        """Erases a session: its plans (every epoch), its current epoch, its context events,
+        compaction records, usage counts and idempotency keys, in one transaction, and records an
+        audit row that holds no content. Afterwards GetPlan and Build answer NOT_FOUND on every
+        replica within plan_cache_seconds, and a Plan with the same session id starts a new session
+        at epoch 1. Idempotent: erasing a session that does not exist succeeds with deleted false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ContextEngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,6 +212,11 @@ def add_ContextEngineServicer_to_server(servicer, server):
                     servicer.Compact,
                     request_deserializer=context__engine_dot_v1_dot_context__engine__pb2.CompactRequest.FromString,
                     response_serializer=context__engine_dot_v1_dot_context__engine__pb2.CompactResponse.SerializeToString,
+            ),
+            'DeleteSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSession,
+                    request_deserializer=context__engine_dot_v1_dot_context__engine__pb2.DeleteSessionRequest.FromString,
+                    response_serializer=context__engine_dot_v1_dot_context__engine__pb2.DeleteSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -417,6 +438,33 @@ class ContextEngine:
             '/context_engine.v1.ContextEngine/Compact',
             context__engine_dot_v1_dot_context__engine__pb2.CompactRequest.SerializeToString,
             context__engine_dot_v1_dot_context__engine__pb2.CompactResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/context_engine.v1.ContextEngine/DeleteSession',
+            context__engine_dot_v1_dot_context__engine__pb2.DeleteSessionRequest.SerializeToString,
+            context__engine_dot_v1_dot_context__engine__pb2.DeleteSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

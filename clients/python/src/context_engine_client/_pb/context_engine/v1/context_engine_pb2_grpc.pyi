@@ -71,6 +71,13 @@ class ContextEngineStub:
     `context.compacted` event. Untrusted spans become typed pointers, never summarized.
     Depth at most 2. Idempotent by key.
     """
+    DeleteSession: _grpc.UnaryUnaryMultiCallable[_context_engine_pb2.DeleteSessionRequest, _context_engine_pb2.DeleteSessionResponse]
+    """Erases a session: its plans (every epoch), its current epoch, its context events,
+    compaction records, usage counts and idempotency keys, in one transaction, and records an
+    audit row that holds no content. Afterwards GetPlan and Build answer NOT_FOUND on every
+    replica within plan_cache_seconds, and a Plan with the same session id starts a new session
+    at epoch 1. Idempotent: erasing a session that does not exist succeeds with deleted false.
+    """
 
 @_typing.type_check_only
 class ContextEngineAsyncStub(ContextEngineStub):
@@ -113,6 +120,13 @@ class ContextEngineAsyncStub(ContextEngineStub):
     and cuts history at its floor. A write, never part of Build: stored with a
     `context.compacted` event. Untrusted spans become typed pointers, never summarized.
     Depth at most 2. Idempotent by key.
+    """
+    DeleteSession: _aio.UnaryUnaryMultiCallable[_context_engine_pb2.DeleteSessionRequest, _context_engine_pb2.DeleteSessionResponse]  # type: ignore[assignment]
+    """Erases a session: its plans (every epoch), its current epoch, its context events,
+    compaction records, usage counts and idempotency keys, in one transaction, and records an
+    audit row that holds no content. Afterwards GetPlan and Build answer NOT_FOUND on every
+    replica within plan_cache_seconds, and a Plan with the same session id starts a new session
+    at epoch 1. Idempotent: erasing a session that does not exist succeeds with deleted false.
     """
 
 class ContextEngineServicer(metaclass=_abc_1.ABCMeta):
@@ -201,6 +215,19 @@ class ContextEngineServicer(metaclass=_abc_1.ABCMeta):
         and cuts history at its floor. A write, never part of Build: stored with a
         `context.compacted` event. Untrusted spans become typed pointers, never summarized.
         Depth at most 2. Idempotent by key.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteSession(
+        self,
+        request: _context_engine_pb2.DeleteSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_context_engine_pb2.DeleteSessionResponse, _abc.Awaitable[_context_engine_pb2.DeleteSessionResponse]]:
+        """Erases a session: its plans (every epoch), its current epoch, its context events,
+        compaction records, usage counts and idempotency keys, in one transaction, and records an
+        audit row that holds no content. Afterwards GetPlan and Build answer NOT_FOUND on every
+        replica within plan_cache_seconds, and a Plan with the same session id starts a new session
+        at epoch 1. Idempotent: erasing a session that does not exist succeeds with deleted false.
         """
 
 def add_ContextEngineServicer_to_server(servicer: ContextEngineServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
