@@ -653,6 +653,17 @@ def check_rules(prom: Prometheus, truth: Truth, checks: Checks, phase: str) -> N
             expected.add(("ContextEngineEstimatorUndercount", family))
     if p99 > 1:
         expected.add(("ContextEngineBuildLatencyHigh", "Build"))
+    # The standard gRPC server counters saw the same calls, every worker's (the dead one's
+    # too) added up, each ended with the code its caller got.
+    handled = {(m["grpc_method"], m["grpc_code"]): v for m, v in prom.query(
+        "sum by (grpc_method, grpc_code) (grpc_server_handled_total"
+        '{grpc_service="context_engine.v1.ContextEngine"})', at) if v}
+    checks.that(f"{phase}: grpc_server_handled_total by method and code",
+                handled == dict(truth.calls), f"{sorted(handled.items())}")
+    checks.exact(f"{phase}: grpc_server_started_total",
+                 prom.scalar('sum(grpc_server_started_total{grpc_service='
+                             '"context_engine.v1.ContextEngine"})', at),
+                 sum(truth.calls.values()))
     active = {(m["alertname"], m.get("method", m.get("model", ""))): m["alertstate"]
               for m, _ in prom.query("ALERTS")}
     checks.that(f"{phase}: active alerts {sorted(a for a, _ in expected)}",
@@ -695,6 +706,8 @@ def check_fresh(prom: Prometheus, checks: Checks) -> None:
         found = 0
         for target in panel["targets"]:
             expr = target["expr"].replace("$__rate_interval", "1m").replace("$__range", "1h")
+            # the job and namespace variables' "All" (this Prometheus' series have no namespace)
+            expr = expr.replace("$job", ".*").replace("$namespace", ".*")
             found += len(prom.query(expr))
         checks.that(f"fresh: panel {panel['title']!r} has data", found > 0, str(found))
 

@@ -104,6 +104,8 @@ def test_every_class_a_build_can_fail_on_is_initialised() -> None:
 def test_every_status_code_the_service_answers_with_is_initialised() -> None:
     used = set()
     for path in (SERVICE / "api").glob("*.py"):
+        if path.name == "rpc_metrics.py":  # observes every code (all 17 initialised), answers none
+            continue
         for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
                     and n.value.attr == "StatusCode"):

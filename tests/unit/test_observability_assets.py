@@ -1,7 +1,11 @@
 """The operators' assets under deploy/: Prometheus rules and alerts (checked and unit-tested
 with promtool), the Grafana dashboard and its provisioning, and the local compose stack. Every
-PromQL expression may only name metrics the service exports (or rules recorded in rules.yml),
-and none may filter or group by a tenant or session."""
+PromQL expression may only name metrics the service exports (or rules recorded in rules.yml, or
+Prometheus' own `up`), none may filter or group by a tenant or session, every aggregation keeps
+`job` and `namespace`, every alert links an absolute runbook_url to a section of
+deploy/README.md, and every dashboard query follows the dashboard's job and namespace
+variables. The Kubernetes copies of the rules and the dashboard are what
+scripts/gen_monitoring.py writes."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ import json
 import re
 import shutil
 import subprocess
+import sys
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +97,11 @@ EXPECTED_ALERTS = {
     "ContextEnginePrefixHashMismatch", "ContextEngineEpochsPerSessionHigh",
     "ContextEngineBudgetExceeded", "ContextEngineEstimatorUndercount",
     "ContextEngineCachedPrefixRatioLow", "ContextEngineBuildLatencyHigh",
-    "ContextEngineRpcErrors",
+    "ContextEngineRpcErrors", "ContextEngineTargetDown", "ContextEngineTargetMissing",
 }
+# absent() cannot keep the labels of series that do not exist: it fires with none.
+UNLABELLED_ALERTS = {"ContextEngineTargetMissing"}
+SCOPE = ("job", "namespace")
 
 
 def test_the_alerts_cover_the_tracked_failure_modes() -> None:
@@ -127,14 +136,125 @@ def _readme_anchors() -> set[str]:
 
 def test_every_alert_has_severity_summary_description_and_a_runbook_section() -> None:
     anchors = _readme_anchors()
+    bases = set()
     for alert in _alerts():
         name = alert["alert"]
         assert alert["labels"]["severity"] in {"critical", "warning"}, name
         annotations = alert["annotations"]
         assert annotations["summary"].strip() and annotations["description"].strip(), name
-        path, _, anchor = annotations["runbook"].partition("#")
-        assert path == "deploy/README.md", name
-        assert anchor in anchors, f"{name}: deploy/README.md has no section #{anchor}"
+        assert "runbook" not in annotations, f"{name}: the annotation is runbook_url"
+        url = urllib.parse.urlsplit(annotations["runbook_url"])
+        assert url.scheme == "https" and url.netloc, f"{name}: runbook_url is not absolute"
+        assert url.fragment in anchors, f"{name}: deploy/README.md has no section #{url.fragment}"
+        assert url.fragment == name.lower(), name
+        bases.add(url._replace(fragment="").geturl())
+    assert len(bases) == 1, f"one runbook base for every alert: {sorted(bases)}"
+
+
+def test_the_runbook_anchor_check_fails_on_a_missing_section() -> None:
+    assert "contextenginerpcerrors" in _readme_anchors()
+    assert "contextengineneverwritten" not in _readme_anchors()
+
+
+# ---------------------------------------------------------------------------- job, namespace
+
+_AGGREGATION = re.compile(r"\b(sum|count|avg|min|max|group|stddev|stdvar|topk|bottomk|quantile|"
+                          r"count_values)\s*(?:(by|without)\s*\(([^()]*)\))?\s*\(")
+_MATCHING = re.compile(r"\b(on|ignoring)\s*\(([^()]*)\)")
+
+
+def scope_problems(expr: str) -> list[str]:
+    """Where an expression aggregates or matches without keeping `job` and `namespace`."""
+    text = _STRING.sub('""', expr)
+    problems = []
+    for found in _AGGREGATION.finditer(text):
+        labels = {label.strip() for label in (found.group(3) or "").split(",")}
+        if found.group(2) != "by" or not set(SCOPE) <= labels:
+            problems.append(f"{found.group(0)!r} does not keep job and namespace")
+    for found in _MATCHING.finditer(text):
+        labels = {label.strip() for label in found.group(2).split(",")}
+        keeps = set(SCOPE) <= labels if found.group(1) == "on" else not labels & set(SCOPE)
+        if not keeps:
+            problems.append(f"{found.group(0)!r} matches across jobs or namespaces")
+    return problems
+
+
+def test_scope_problems_sees_dropped_labels() -> None:
+    assert scope_problems("sum by (job, namespace, le) (rate(x[5m]))") == []
+    assert scope_problems("a > 1 and on (job, namespace) b") == []
+    for bad in ("sum(rate(x[5m]))", "sum by (job) (x)", "max without (pod) (x)",
+                "a and on () b", "a / ignoring (namespace) b", "count(up == 0)"):
+        assert scope_problems(bad), bad
+
+
+def test_every_rule_aggregates_by_job_and_namespace() -> None:
+    for name, expr in _rule_expressions():
+        assert not scope_problems(expr), f"{name}: {scope_problems(expr)}"
+        if name in UNLABELLED_ALERTS:
+            assert expr.strip().startswith("absent("), name
+            continue
+        # every selector of a raw series leaves job and namespace alone
+        assert not re.search(r"\b(job|namespace)\s*(=|!=|!~)[^~]", _STRING.sub('""', expr)), name
+
+
+def test_the_rule_tests_carry_job_and_namespace() -> None:
+    """Every input series of the promtool tests has both labels, and every expected sample
+    and alert keeps them: a rule that drops one fails its promtool test."""
+    for case in _yaml(RULES_TEST)["tests"]:
+        for series in case["input_series"]:
+            for label in SCOPE:
+                assert f'{label}="' in series["series"], (case["name"], series["series"])
+        for check in case.get("promql_expr_test", []):
+            for sample in check["exp_samples"]:
+                for label in SCOPE:
+                    assert f'{label}="' in sample["labels"], (case["name"], check["expr"])
+        for check in case.get("alert_rule_test", []):
+            for alert in check.get("exp_alerts") or []:
+                if check["alertname"] in UNLABELLED_ALERTS:
+                    continue
+                assert set(SCOPE) <= set(alert["exp_labels"]), (case["name"],
+                                                                 check["alertname"])
+    namespaces = {re.search(r'namespace="([^"]*)"', series["series"]).group(1)  # type: ignore[union-attr]
+                  for case in _yaml(RULES_TEST)["tests"] for series in case["input_series"]}
+    assert len(namespaces) >= 2, "no case with two namespaces in one Prometheus"
+
+
+# ---------------------------------------------------------------------------- gen_monitoring
+
+GEN = ROOT / "scripts" / "gen_monitoring.py"
+
+
+def _gen(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(GEN), *args], capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def test_the_kubernetes_copies_of_the_rules_and_the_dashboard_are_up_to_date() -> None:
+    done = _gen("--check")
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_new_runbook_base_rewrites_every_link_and_the_tests_still_pass(tmp_path) -> None:
+    root = tmp_path / "repo"
+    for rel in ("deploy/prometheus", "deploy/grafana/dashboards"):
+        shutil.copytree(ROOT / rel, root / rel)
+    base = "https://wiki.example.org/ops/context-engine"
+    done = _gen("--root", str(root), "--runbook-base", base)
+    assert done.returncode == 0, done.stderr
+    rules = yaml.safe_load((root / "deploy/prometheus/rules.yml").read_text())
+    urls = [r["annotations"]["runbook_url"] for g in rules["groups"] for r in g["rules"]
+            if "alert" in r]
+    assert urls and all(u.startswith(base + "#") for u in urls)
+    rendered = (root / "deploy/kubernetes/components/monitoring/prometheusrule.yaml").read_text()
+    assert yaml.safe_load(rendered)["spec"]["groups"] == rules["groups"]
+    test_text = (root / "deploy/prometheus/rules_test.yml").read_text()
+    assert "git.example.com" not in test_text and base + "#" in test_text
+    result = subprocess.run(["promtool", "test", "rules", "rules_test.yml"],
+                            cwd=root / "deploy/prometheus", capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # a relative base is refused
+    assert _gen("--root", str(root), "--runbook-base", "deploy/README.md").returncode == 2
 
 
 # ---------------------------------------------------------------------------- PromQL names
@@ -184,7 +304,10 @@ def test_exported_sample_names_follow_the_metric_types() -> None:
     names = exported_sample_names()
     assert {"context_engine_sessions_opened_total", "context_engine_epochs_total",
             "context_engine_rpc_seconds_bucket", "context_engine_rpc_seconds_count",
-            "context_engine_estimator_correction_factor"} <= names
+            "context_engine_estimator_correction_factor", "context_engine_build_info",
+            "grpc_server_started_total", "grpc_server_handled_total",
+            "grpc_server_msg_received_total", "grpc_server_msg_sent_total",
+            "grpc_server_handling_seconds_bucket"} <= names
     assert "context_engine_epochs" not in names
 
 
@@ -203,7 +326,7 @@ def _dashboard_expressions() -> list[tuple[str, str]]:
 
 
 def test_rules_name_only_exported_metrics_or_recorded_rules() -> None:
-    known = exported_sample_names() | _recorded()
+    known = exported_sample_names() | _recorded() | {"up"}  # up: Prometheus' own, per target
     for name, expr in _rule_expressions():
         metrics, _ = promql_names(expr)
         assert metrics, f"{name}: no metric found in {expr!r}"
@@ -220,6 +343,17 @@ def test_dashboard_names_only_exported_metrics_or_recorded_rules() -> None:
         assert rules <= recorded, f"{title}: not recorded in rules.yml: {sorted(rules - recorded)}"
         raw = metrics - rules
         assert raw <= exported, f"{title}: not exported: {sorted(raw - exported)}"
+
+
+def test_every_dashboard_query_follows_the_job_and_namespace_variables() -> None:
+    for title, expr in _dashboard_expressions():
+        metrics, _ = promql_names(expr)
+        for metric in metrics:
+            for found in re.finditer(rf"(?<![\w:]){re.escape(metric)}(?![\w:])(\{{[^}}]*\}})?",
+                                     expr):
+                matchers = found.group(1) or ""
+                assert 'job=~"$job"' in matchers and 'namespace=~"$namespace"' in matchers, \
+                    f"{title}: {metric} without the job and namespace variables in {expr!r}"
 
 
 def test_no_expression_filters_or_groups_by_tenant_or_session() -> None:
@@ -247,6 +381,15 @@ def test_dashboard_has_the_operator_panels_and_a_datasource_variable() -> None:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+    for name in SCOPE:  # a query variable per label, "All" matching a missing label too
+        variable = variables[name]
+        assert variable["type"] == "query", name
+        assert variable["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        query = variable["query"]["query"]
+        assert re.fullmatch(rf"label_values\(context_engine_build_info(\{{[^}}]*\}})?, {name}\)",
+                            query), query
+        assert variable["definition"] == query
+        assert variable["includeAll"] is True and variable["allValue"] == ".*", name
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     latency = next(p for p in dashboard["panels"] if p["title"] == "Build latency")

@@ -1,6 +1,7 @@
 """Prometheus metrics (README "Operations": "Metrics"). Names and label sets are fixed:
 dashboards and alerts depend on them. No label carries a tenant, session, hash or other
-unbounded value."""
+unbounded value (``context_engine_build_info`` names the contract by the first 12 hex digits of
+its descriptor's hash: one value per release)."""
 
 from __future__ import annotations
 
@@ -99,6 +100,33 @@ class Metrics:
             "context_engine_elided_spans",
             "Untrusted spans newly replaced by typed pointers in stored compactions.",
             registry=registry)
+        # What the process serves: 1, labelled with the versions ``context-engine --version``
+        # prints. Every worker sets the same 1: merged by its maximum, never summed.
+        self.build_info = Gauge(
+            "context_engine_build_info",
+            "1, labelled with the service, contract, policy and builder versions.",
+            ["version", "contract", "policy", "builder"], multiprocess_mode="max",
+            registry=registry)
+        # Standard gRPC server metrics, named as grpc-ecosystem/go-grpc-prometheus names them
+        # (api/rpc_metrics.py records them for every service the server registers).
+        grpc_labels = ["grpc_type", "grpc_service", "grpc_method"]
+        self.grpc_server_started = Counter(
+            "grpc_server_started", "Total number of RPCs started on the server.",
+            grpc_labels, registry=registry)
+        self.grpc_server_handled = Counter(
+            "grpc_server_handled",
+            "Total number of RPCs completed on the server, regardless of success or failure.",
+            [*grpc_labels, "grpc_code"], registry=registry)
+        self.grpc_server_msg_received = Counter(
+            "grpc_server_msg_received", "Total number of RPC stream messages received on the "
+            "server.", grpc_labels, registry=registry)
+        self.grpc_server_msg_sent = Counter(
+            "grpc_server_msg_sent", "Total number of gRPC stream messages sent by the server.",
+            grpc_labels, registry=registry)
+        self.grpc_server_handling_seconds = Histogram(
+            "grpc_server_handling_seconds",
+            "Histogram of response latency (seconds) of gRPC that had been application-level "
+            "handled by the server.", grpc_labels, buckets=_SECONDS, registry=registry)
 
     def initialise(self, *, families: Iterable[str], methods: Iterable[str],
                    codes: Iterable[str], factors: Mapping[str, float] | None) -> None:
@@ -130,3 +158,17 @@ class Metrics:
             if factors is not None:
                 self.estimator_correction_factor.labels(model=family).set(
                     factors.get(family, DEFAULT_FACTOR))
+
+    def initialise_grpc(self, methods: Iterable[tuple[str, str, str]],
+                        codes: Iterable[str]) -> None:
+        """The gRPC server series of every ``(grpc_type, grpc_service, grpc_method)`` at zero,
+        ``grpc_server_handled_total`` for each of ``codes``, as ``initialise`` does for the
+        service's own metrics."""
+        codes = tuple(codes)
+        for labels in methods:
+            self.grpc_server_started.labels(*labels)
+            self.grpc_server_msg_received.labels(*labels)
+            self.grpc_server_msg_sent.labels(*labels)
+            self.grpc_server_handling_seconds.labels(*labels)
+            for code in codes:
+                self.grpc_server_handled.labels(*labels, code)
