@@ -13,7 +13,7 @@ PROTOS        := $(wildcard proto/context_engine/v1/*.proto)
 PIP           := $(PY) -m pip install --quiet --disable-pip-version-check
 
 .PHONY: all run test lint gen gen-client contract-release bootstrap bootstrap-dev prereqs \
-	prereqs-test bench load mutants clean
+	prereqs-test bench load load-replicas mutants clean
 
 ## all (the default): bootstrap the runtime set and generate the service's code
 all: gen
@@ -22,8 +22,9 @@ all: gen
 prereqs:
 	@scripts/check-prereqs run $(PYTHON)
 
-## prereqs-test: what `make test` needs beyond it (Node.js 20+ and npm; promtool and prometheus,
-## which scripts/ensure-promtool installs as root with apt-get)
+## prereqs-test: what `make test` needs beyond it (Node.js 20+ and npm; kubectl; promtool and
+## prometheus, and pgbouncer, which scripts/ensure-promtool and scripts/ensure-pgbouncer install
+## as root with apt-get)
 prereqs-test:
 	@scripts/check-prereqs test $(PYTHON)
 
@@ -79,10 +80,11 @@ lint: $(DEV_STAMP) $(GEN_STAMP)
 	$(BIN)/buf lint
 	scripts/check-contract $(BIN)/buf
 
-## test: the prerequisites, lint, promtool (installed if missing), then the whole suite
-## against a throwaway database
+## test: the prerequisites, lint, promtool and pgbouncer (installed if missing), then the whole
+## suite against a throwaway database behind PgBouncer in transaction pooling mode
 test: prereqs-test lint
 	scripts/ensure-promtool
+	scripts/ensure-pgbouncer
 	$(PY) -m pytest
 
 ## bench: Build over loopback gRPC on seeded 50/200/1,000-item conversations, like with like:
@@ -102,6 +104,16 @@ bench: $(DEV_STAMP) $(GEN_STAMP)
 load: $(DEV_STAMP) $(GEN_STAMP)
 	$(PY) -m tests.load.run --runtimes 100 --turns 50 --workers 2
 	$(PY) -m tests.load.run --runtimes 100 --turns 50 --workers 2 --sigterm-after 8
+
+## load-replicas: three separate `serve` processes (--workers 1 each, their own loopback ports)
+## sharing one embedded PostgreSQL through PgBouncer in transaction pooling mode; 100 simulated
+## runtimes x 25 turns against one of them, then balanced over the three (round_robin), then
+## again with one SIGKILLed mid-load (the clients' retry policy carries the runtimes through the
+## others): errors, retries, epochs per session, lost plans, usage counted once, calls per
+## process, throughput 1 vs 3; tests/load/results-replicas.md. Bounded: it stops by itself
+## within 10 minutes. Not in `make test`.
+load-replicas: $(DEV_STAMP) $(GEN_STAMP)
+	$(PY) -m tests.load.replicas --runtimes 100 --turns 25 --results tests/load/results-replicas.md
 
 ## mutants: apply each deliberate bug under tests/mutants/ to a copy of the tree, one at a time,
 ## run the tests each one names, and fail if any survives. Not in `make test`.

@@ -1,5 +1,11 @@
-"""Shared fixtures: a throwaway PostgreSQL (embedded, unless CE_TEST_DATABASE_URL is set) and a
-real gRPC server on ephemeral ports, run in a background thread with its own event loop."""
+"""Shared fixtures: a throwaway PostgreSQL (embedded, unless CE_TEST_DATABASE_URL is set) behind
+a real PgBouncer in transaction pooling mode, and a real gRPC server on ephemeral ports, run in a
+background thread with its own event loop.
+
+``database_url`` is the pooler's URL: every test that uses it, and every server the suite
+starts (in process or as ``context-engine serve`` processes, all with
+``CE_DB_POOLER=transaction``), goes through PgBouncer as a deployment behind one does.
+``direct_database_url`` is PostgreSQL itself, for what must see the server as it is."""
 
 from __future__ import annotations
 
@@ -20,15 +26,22 @@ import pytest
 from context_engine.adapters.postgres.migrate import migrate
 from context_engine.api.server import Running, start
 from context_engine.clock import SYSTEM_CLOCK, Clock
-from context_engine.config import Config
+from context_engine.config import Config, Pooler
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
+
+from tests.support.pgbouncer import PgBouncer
 
 REPO = Path(__file__).resolve().parents[1]
 
 # Servers the suite starts as processes (`context-engine serve` on loopback) run in dev mode,
 # like the in-process fixture below; a test that checks credentials sets CE_DEV_MODE itself.
 os.environ.setdefault("CE_DEV_MODE", "1")
+# ... and, like every server the suite starts, behind the transaction pooler of `database_url`.
+os.environ.setdefault("CE_DB_POOLER", "transaction")
+# Server connections PgBouncer opens to PostgreSQL for the whole suite: few, so that clients'
+# transactions really share them.
+SUITE_POOL_SIZE = 10
 
 
 def run(coro: Any) -> Any:
@@ -36,7 +49,8 @@ def run(coro: Any) -> Any:
 
 
 @pytest.fixture(scope="session")
-def database_url() -> Iterator[str]:
+def direct_database_url() -> Iterator[str]:
+    """PostgreSQL itself, migrated (not the pooler)."""
     external = os.environ.get("CE_TEST_DATABASE_URL")
     if external:
         run(migrate(external, REPO / "migrations"))
@@ -52,6 +66,20 @@ def database_url() -> Iterator[str]:
     yield url
     server.cleanup()
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(direct_database_url: str) -> Iterator[PgBouncer]:
+    """The suite's PgBouncer (transaction pooling) in front of ``direct_database_url``."""
+    with PgBouncer(direct_database_url, pool_mode="transaction",
+                   default_pool_size=SUITE_POOL_SIZE) as pooler:
+        yield pooler
+
+
+@pytest.fixture(scope="session")
+def database_url(pgbouncer: PgBouncer) -> str:
+    """The database as the service sees it in the suite: through the transaction pooler."""
+    return pgbouncer.url
 
 
 class ServerThread:
@@ -77,9 +105,13 @@ class ServerThread:
 
 
 def test_config() -> Config:
-    """Dev mode (no credentials) on loopback; auth tests start their own non-dev server."""
+    """Dev mode (no credentials) on loopback, behind the transaction pooler; auth tests start
+    their own non-dev server."""
     return Config().replace(grpc_addr="127.0.0.1:0", metrics_addr="127.0.0.1:0",
-                   grace_seconds=1.0, dev_mode=True)
+                   grace_seconds=1.0, dev_mode=True, db_pooler=Pooler.TRANSACTION,
+                   # servers on clocks of their own share this database: nothing ages out of
+                   # it (the data lifecycle's tests use databases of their own)
+                   events_retention_days=3650, idempotency_key_ttl_hours=87_600)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +165,9 @@ class Db:
         self.url = url
 
     async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
-        conn = await asyncpg.connect(self.url)
+        # no statement cache: behind the pooler a named statement would stay on a server
+        # connection another client gets next
+        conn = await asyncpg.connect(self.url, statement_cache_size=0)
         try:
             return list(await conn.fetch(sql, *args))
         finally:

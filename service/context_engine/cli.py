@@ -1,4 +1,5 @@
-"""``context-engine serve|migrate|config|inspect|health|hash-token|demo`` and ``--version``."""
+"""``context-engine serve|migrate|config|inspect|purge-tenant|health|hash-token|demo`` and
+``--version``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from context_engine.config import Config, ConfigError
 
 if TYPE_CHECKING:
     from context_engine.adapters.postgres.migrate import Entry
+    from context_engine.domain.ports import Erased
 
 PROG = "context-engine"
 DISTRIBUTION = "context-engine"  # the installed package (pyproject.toml [project] name)
@@ -100,6 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     from context_engine import inspect
 
     inspect.add_arguments(inspect_p)
+    purge_p = sub.add_parser("purge-tenant", allow_abbrev=False,
+                             help="erase every session of a tenant and its estimator "
+                                  "calibrations (its API tokens are kept), recording one audit "
+                                  "row; asks to type the tenant id unless --yes")
+    purge_p.add_argument("--tenant-id", required=True, help="the tenant to erase")
+    purge_p.add_argument("--yes", action="store_true",
+                         help="do not ask for confirmation (scripts)")
+    purge_p.add_argument("--json", action="store_true", help="print the counts as one JSON "
+                                                             "document")
+    purge_p.add_argument("--batch-size", type=int, default=500,
+                         help="sessions erased per transaction (default 500)")
     health_p = sub.add_parser("health", help="probe a running server's grpc.health.v1 "
                                              "(exit 0 when SERVING)")
     from context_engine import healthcheck
@@ -187,6 +200,8 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         from context_engine import inspect
 
         return inspect.run(config, args)
+    if args.command == "purge-tenant":
+        return _purge_tenant(config, args)
     return 2
 
 
@@ -246,6 +261,75 @@ def _hash_token(args: argparse.Namespace) -> int:
                       "entry": {"sha256": token_sha256(token), "tenant_id": args.tenant_id,
                                 "rpcs": rpcs}}, sort_keys=True))
     return 0
+
+
+# ---------------------------------------------------------------------------- purge-tenant
+
+PURGE_REQUESTED_BY = "operator-cli"
+
+
+def _purge_tenant(config: Config, args: argparse.Namespace) -> int:
+    """Exit 0 purged (or nothing to purge), 1 not confirmed or the database unreachable,
+    2 bad arguments."""
+    tenant = args.tenant_id
+    if not tenant or tenant != tenant.strip() or any(ord(c) < 32 for c in tenant):
+        print(f"{PROG}: --tenant-id must be a tenant id (no surrounding white space or "
+              "control characters)", file=sys.stderr)
+        return 2
+    if args.batch_size < 1:
+        print(f"{PROG}: --batch-size must be at least 1", file=sys.stderr)
+        return 2
+    if not args.yes:
+        print(f"This erases every session of tenant {tenant!r} (plans, context events, "
+              "compactions, usage rows, idempotency keys) and its estimator calibrations. "
+              "It cannot be undone.\nType the tenant id to confirm: ", end="", file=sys.stderr,
+              flush=True)
+        typed = sys.stdin.readline().rstrip("\r\n")
+        if typed != tenant:
+            print(f"{PROG}: not confirmed; nothing was erased", file=sys.stderr)
+            return 1
+    from context_engine.domain.errors import StoreUnavailable
+
+    try:
+        erased = asyncio.run(_purge(config, tenant, args.batch_size))
+    except StoreUnavailable as exc:
+        print(f"{PROG}: cannot reach the database ({type(exc).__name__}); what was erased "
+              "before is recorded, run purge-tenant again to finish", file=sys.stderr)
+        return 1
+    document = {"tenant_id": tenant, "sessions": erased.sessions, "plans": erased.plans,
+                "events": erased.events, "compactions": erased.compactions,
+                "idempotency_keys": erased.idempotency_keys, "usage_rows": erased.usage_rows,
+                "calibrations": erased.calibrations,
+                "erased_at": erased.erased_at.isoformat(), "recorded": erased.deleted}
+    if args.json:
+        return _emit(json.dumps(document, sort_keys=True))
+    lines = [f"tenant {tenant}: " + ("erased" if erased.deleted else "nothing to erase")]
+    lines += [f"  {kind:<17} {document[kind]}" for kind in (
+        "sessions", "plans", "events", "compactions", "idempotency_keys", "usage_rows",
+        "calibrations")]
+    if erased.deleted:
+        lines.append(f"recorded in erasures (scope tenant) at {document['erased_at']}; "
+                     "the tenant's API tokens are kept")
+    return _emit("\n".join(lines))
+
+
+async def _purge(config: Config, tenant: str, batch_size: int) -> Erased:
+    from context_engine.adapters.postgres.erasure import PostgresErasure
+    from context_engine.adapters.postgres.errors import translated
+    from context_engine.adapters.postgres.pool import create_pool
+    from context_engine.clock import SYSTEM_CLOCK
+
+    url = await _database_url(config)
+    async with translated():
+        pool = await create_pool(url, pooler=config.db_pooler, max_size=1,
+                                 timeout=config.db_timeout_seconds)
+    try:
+        return await PostgresErasure(pool, command_timeout=config.db_timeout_seconds
+                                     ).purge_tenant(tenant, requested_by=PURGE_REQUESTED_BY,
+                                                    now=SYSTEM_CLOCK.now,
+                                                    batch_size=batch_size)
+    finally:
+        await pool.close()
 
 
 # ---------------------------------------------------------------------------- migrate

@@ -9,6 +9,7 @@ one ``ConfigError`` naming the variable and its value (a secret's value never).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import ipaddress
 import logging
 import os
@@ -156,6 +157,14 @@ def _log_level(value: str) -> str:
     return level
 
 
+class Pooler(enum.StrEnum):
+    """What stands between the service and PostgreSQL (``CE_DB_POOLER``). It cannot be told
+    reliably from the connection (PgBouncer answers like PostgreSQL), so it is configured."""
+
+    NONE = "none"  # PostgreSQL itself, or a pooler in session mode
+    TRANSACTION = "transaction"  # a pooler in transaction mode (PgBouncer pool_mode=transaction)
+
+
 Int = Annotated[int, BeforeValidator(_parse_int)]
 Float = Annotated[float, BeforeValidator(_parse_float)]
 Bool = Annotated[bool, BeforeValidator(_parse_bool)]
@@ -190,14 +199,26 @@ class Config(BaseSettings):
     grace_seconds: Positive = 10.0
     drain_seconds: NonNegative = 1.0
     db_pool_size: Annotated[Int, Field(ge=1)] = 10
+    # transaction: no statement cache, nothing kept on a server connection between transactions
+    db_pooler: Pooler = Pooler.NONE
     db_timeout_seconds: Positive = 5.0
     plan_cache_size: Annotated[Int, Field(ge=1)] = 4096
+    # how long a cached plan serves a Build naming its epoch before the database confirms the
+    # session again: the bound on serving an erased session (DeleteSession's plan_cache_seconds)
+    plan_cache_ttl_seconds: Annotated[Float, Field(ge=0, le=86_400)] = 60.0
     log_level: Annotated[str, AfterValidator(_log_level)] = "INFO"
     safety_margin_ratio: Annotated[Float, Field(ge=0, lt=0.5)] = 0.05
     policy_cap_tokens: Annotated[Int, Field(ge=0)] = 0  # 0: the model window is the only limit
     inline_maximum_bytes: Annotated[Int, Field(ge=256)] = 16_384
     recall_floor_tokens: Annotated[Int, Field(ge=0)] = 500
     calibration_ttl_seconds: NonNegative = 5.0
+    # The data lifecycle (adapters/postgres/maintenance.py): context events are kept this many
+    # days (whole UTC days: a partition is a day), partitions are made this many days ahead,
+    # retry keys and compaction records are kept this many hours, and a cycle runs this often.
+    events_retention_days: Annotated[Int, Field(ge=1)] = 30
+    event_partitions_ahead_days: Annotated[Int, Field(ge=1, le=366)] = 7
+    idempotency_key_ttl_hours: Annotated[Int, Field(ge=1)] = 24
+    maintenance_interval_seconds: Positive = 3600.0
     # Compaction's summarizer: unset URL means the deterministic structured summarizer.
     summarizer_url: Annotated[str, AfterValidator(_http_url)] = ""
     summarizer_model: str = ""
@@ -269,6 +290,11 @@ class Config(BaseSettings):
                     split_addr(addr)
                 except ConfigError:
                     found.append(f"{variable}={addr!r} is not host:port")
+        if self.maintenance_interval_seconds >= self.event_partitions_ahead_days * 86_400:
+            found.append(f"CE_MAINTENANCE_INTERVAL_SECONDS={self.maintenance_interval_seconds:g} "
+                         f"must be shorter than CE_EVENT_PARTITIONS_AHEAD_DAYS="
+                         f"{self.event_partitions_ahead_days} days, or the partitions made "
+                         "ahead run out between two cycles")
         if self.summarizer_url and not self.summarizer_model:
             found.append("CE_SUMMARIZER_URL is set without CE_SUMMARIZER_MODEL")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
@@ -373,6 +399,8 @@ def _message(exc: ValidationError, values: Mapping[str, Any]) -> str:
             problem = f"must be below {ctx['lt']}"
         elif kind == "finite_number":
             problem = "is not a finite number"
+        elif kind == "enum":
+            problem = f"is not {ctx['expected']}"
         else:
             problem = error["msg"][:1].lower() + error["msg"][1:]
         if not error["loc"]:  # the settings together (model_validator)

@@ -81,10 +81,12 @@ from context_engine.domain.ports import (
     CompactionStore,
     ContextEvent,
     EpochUsage,
+    Erased,
     EventLog,
     InMemoryCompactionStore,
     PlanStore,
     Rotation,
+    SessionEraser,
     check_stored,
 )
 from context_engine.domain.working_state import (
@@ -210,31 +212,87 @@ class CompactOutcome:
     epoch: int
 
 
+PlanKey = tuple[str, str, int, int]  # tenant, session, incarnation, epoch
+
+
 class PlanCache:
-    """Verified plans by (tenant, session, epoch). Plans are immutable per epoch, so a hit can
-    change only how long a call takes, never what it returns."""
+    """Verified plans by (tenant, session, incarnation, epoch), least recently used first.
+    Plans are immutable per epoch, so a hit can change only how long a call takes, never what
+    it returns, as long as the session still exists: each entry keeps when the database last
+    confirmed it (the injected clock's monotonic seconds), and a lookup that does not read the
+    database itself (a Build naming its epoch) trusts it for ``ttl`` seconds only. The
+    incarnation keeps a session erased and planned again (epoch 1 again) from ever being
+    served the erased session's plan."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, ttl: float = 60.0) -> None:
         self._capacity = capacity
-        self._entries: OrderedDict[tuple[str, str, int], LoadedPlan] = OrderedDict()
+        self.ttl = ttl
+        self._entries: OrderedDict[PlanKey, tuple[LoadedPlan, float]] = OrderedDict()
+        # each session that has entries: its latest incarnation cached and its entry count
+        self._sessions: dict[tuple[str, str], tuple[int, int]] = {}
 
-    def get(self, key: tuple[str, str, int]) -> LoadedPlan | None:
+    def get(self, key: PlanKey, *, verified_at: float | None = None) -> LoadedPlan | None:
+        """The entry of ``key``, whatever its age; ``verified_at``: the database has just
+        confirmed the session's incarnation and epoch (the entry's age starts again)."""
         hit = self._entries.get(key)
-        if hit is not None:
-            self._entries.move_to_end(key)
-        return hit
+        if hit is None:
+            return None
+        if verified_at is not None:
+            self._entries[key] = (hit[0], verified_at)
+        self._entries.move_to_end(key)
+        return hit[0]
 
-    def put(self, key: tuple[str, str, int], value: LoadedPlan) -> None:
-        self._entries[key] = value
+    def newest(self, tenant_id: str, session_id: str,
+               epoch: int) -> tuple[PlanKey, LoadedPlan, float] | None:
+        """The epoch's entry of the latest incarnation cached, with when it was verified."""
+        known = self._sessions.get((tenant_id, session_id))
+        if known is None:
+            return None
+        key = (tenant_id, session_id, known[0], epoch)
+        hit = self._entries.get(key)
+        if hit is None:
+            return None
+        self._entries.move_to_end(key)
+        return key, hit[0], hit[1]
+
+    def put(self, key: PlanKey, value: LoadedPlan, *, verified_at: float) -> None:
+        tenant_id, session_id, incarnation, _ = key
+        known = self._sessions.get((tenant_id, session_id))
+        if known is not None and incarnation < known[0]:
+            return  # an erased incarnation's plan, read before the erasure: never cached
+        if known is not None and incarnation > known[0]:  # the session was erased meanwhile
+            self.forget(tenant_id, session_id)
+            known = None
+        if key not in self._entries:
+            latest, count = known or (incarnation, 0)
+            self._sessions[(tenant_id, session_id)] = (max(latest, incarnation), count + 1)
+        self._entries[key] = (value, verified_at)
         self._entries.move_to_end(key)
         while len(self._entries) > self._capacity:
-            self._entries.popitem(last=False)
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: PlanKey) -> None:
+        del self._entries[key]
+        session = (key[0], key[1])
+        latest, count = self._sessions[session]
+        if count == 1:
+            del self._sessions[session]
+        else:
+            self._sessions[session] = (latest, count - 1)
+
+    def forget(self, tenant_id: str, session_id: str) -> None:
+        """Drop every entry of the session: it was erased, here or on another replica."""
+        if (tenant_id, session_id) not in self._sessions:
+            return  # nothing of it is cached
+        for key in [k for k in self._entries if k[0] == tenant_id and k[1] == session_id]:
+            self._drop(key)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._sessions.clear()
 
 
 class BoundedMemo(OrderedDict[Any, Any]):
@@ -296,10 +354,12 @@ class Engine:
                  catalog: ModelCatalog, tokenizers: TokenizerRegistry, assets: PlatformAssets,
                  control_tools: dict[str, ToolSpec], metrics: Metrics,
                  policy: BudgetPolicy = DEFAULT_POLICY, plan_cache_size: int = 4096,
+                 plan_cache_ttl: float = 60.0,
                  calibration_ttl: float = 5.0, render_memo_size: int = 100_000,
                  clock: Clock = SYSTEM_CLOCK,
                  compactions: CompactionStore | None = None,
                  summarizer: Summarizer | None = None,
+                 erasure: SessionEraser | None = None,
                  tracer: Tracer | None = None) -> None:
         self._tracer: Tracer = tracer or NoOpTracer()
         self._store = store
@@ -313,9 +373,11 @@ class Engine:
         self._control_tools = control_tools
         self._metrics = metrics
         self.policy = policy
-        self.cache = PlanCache(plan_cache_size)
+        self.cache = PlanCache(plan_cache_size, plan_cache_ttl)
+        self._erasure = erasure
         self._factors: dict[tuple[str, str], tuple[float, float]] = {}
-        self._snapshot_runs: OrderedDict[tuple[str, str, int, str], None] = OrderedDict()
+        # runs bound to their snapshot: (tenant, session, incarnation, epoch, run id)
+        self._snapshot_runs: OrderedDict[tuple[str, str, int, int, str], None] = OrderedDict()
         self.render_memo = BoundedMemo(render_memo_size)
         self._calibration_ttl = calibration_ttl
         self._clock = clock
@@ -347,7 +409,8 @@ class Engine:
         if current is not None and cmd.reason_to_rotate(current.spec, self._assets) is None:
             # Pinned: tools, scopes and snapshot are not even re-resolved (a revocation is
             # enforced at call time, never by rewriting the prefix).
-            loaded = await self.loaded(cmd.tenant_id, cmd.session_id, current.epoch)
+            loaded = await self.loaded(cmd.tenant_id, cmd.session_id, current.epoch,
+                                       incarnation=current.incarnation)
             if loaded.legacy:
                 return await self._canonicalize(loaded)
             return current, False
@@ -390,8 +453,9 @@ class Engine:
     def _pinned(self, plan: ContextPlan, rendered: RenderedPrefix, key: str) -> None:
         """A new epoch was written from ``rendered``: cache it (nothing to re-verify, it was
         rendered just now) and count it."""
-        self.cache.put((plan.tenant_id, plan.session_id, plan.epoch),
-                       LoadedPlan(plan=plan, rendered=rendered, session_key=key))
+        self.cache.put((plan.tenant_id, plan.session_id, plan.incarnation, plan.epoch),
+                       LoadedPlan(plan=plan, rendered=rendered, session_key=key),
+                       verified_at=self._clock.monotonic())
         if plan.epoch == 1:
             self._metrics.sessions_opened.inc()
         self._metrics.epochs.labels(reason=plan.reason).inc()
@@ -470,16 +534,66 @@ class Engine:
             raise SessionNotFound(tenant_id, session_id, epoch)
         return plan
 
-    async def loaded(self, tenant_id: str, session_id: str, epoch: int | None) -> LoadedPlan:
+    async def read_plan(self, tenant_id: str, session_id: str, epoch: int | None) -> LoadedPlan:
+        """GetPlan's lookup: the database confirms the session (and the epoch) on every call,
+        so an erased session is NOT_FOUND at once on every replica; the verified plan itself
+        may come from the cache."""
         if epoch is None:
-            epoch = await self._store.current_epoch(tenant_id, session_id)
-            if epoch is None:
+            return await self.loaded(tenant_id, session_id, None)
+        found = await self._store.incarnation(tenant_id, session_id, epoch)
+        if found is None:
+            raise SessionNotFound(tenant_id, session_id, epoch)
+        return await self.loaded(tenant_id, session_id, epoch, incarnation=found)
+
+    async def loaded(self, tenant_id: str, session_id: str, epoch: int | None, *,
+                     incarnation: int | None = None) -> LoadedPlan:
+        """The verified plan of the session's current epoch (``epoch`` None), or of ``epoch``.
+
+        Without an epoch, the database names the session's incarnation and current epoch on
+        every call, so an erased session is NOT_FOUND at once. With an epoch and the
+        incarnation it was just read with (``incarnation``), the cached plan serves. With an
+        epoch alone, a cached plan serves without a query while it was confirmed less than
+        the plan-cache TTL ago, and is confirmed again after that (an erased session is then
+        NOT_FOUND); while the database is away it keeps serving."""
+        if epoch is None:
+            current = await self._store.current(tenant_id, session_id)
+            if current is None:
+                self.cache.forget(tenant_id, session_id)  # erased, maybe by another replica
                 raise SessionNotFound(tenant_id, session_id)
-        key = (tenant_id, session_id, epoch)
-        hit = self.cache.get(key)
+            hit = self.cache.get((tenant_id, session_id, current.incarnation, current.epoch),
+                                 verified_at=self._clock.monotonic())
+            return hit if hit is not None else await self._load(tenant_id, session_id,
+                                                                current.epoch)
+        if incarnation is not None:
+            hit = self.cache.get((tenant_id, session_id, incarnation, epoch))
+            return hit if hit is not None else await self._load(tenant_id, session_id, epoch)
+        cached = self.cache.newest(tenant_id, session_id, epoch)
+        if cached is not None:
+            key, hit, verified_at = cached
+            now = self._clock.monotonic()
+            if now - verified_at < self.cache.ttl:
+                return hit
+            try:
+                found = await self._store.incarnation(tenant_id, session_id, epoch)
+            except StoreUnavailable:
+                return hit  # the database is away: the cached plan keeps serving
+            if found == hit.plan.incarnation:
+                self.cache.get(key, verified_at=now)
+                return hit
+            self.cache.forget(tenant_id, session_id)  # erased (and maybe planned again)
+            if found is None:
+                raise SessionNotFound(tenant_id, session_id, epoch)
+        return await self._load(tenant_id, session_id, epoch)
+
+    async def _load(self, tenant_id: str, session_id: str, epoch: int) -> LoadedPlan:
+        """The epoch's plan read from the database, re-rendered and verified against its hash
+        (unless this incarnation's epoch is cached already), and cached."""
+        plan = await self.get_plan(tenant_id, session_id, epoch)
+        key = (tenant_id, session_id, plan.incarnation, plan.epoch)
+        now = self._clock.monotonic()
+        hit = self.cache.get(key, verified_at=now)
         if hit is not None:
             return hit
-        plan = await self.get_plan(tenant_id, session_id, epoch)
         try:
             with child(self._tracer, "context_engine.plan.render",
                        attributes={"context_engine.render.source": "verify",
@@ -488,7 +602,7 @@ class Engine:
         except PrefixHashMismatch:
             self._metrics.prefix_hash_mismatch.inc()
             raise
-        self.cache.put(key, loaded)
+        self.cache.put(key, loaded, verified_at=now)
         return loaded
 
     # ------------------------------------------------------------------ Build
@@ -511,8 +625,9 @@ class Engine:
 
     async def build(self, tenant_id: str, session_id: str, epoch: int | None,
                     checkpoint: Checkpoint, factor: float | None, *,
-                    validated: bool = False) -> BuildResult:
-        loaded = await self.loaded(tenant_id, session_id, epoch)
+                    validated: bool = False, incarnation: int | None = None) -> BuildResult:
+        """``incarnation``: the session's, when the caller has just resolved the plan."""
+        loaded = await self.loaded(tenant_id, session_id, epoch, incarnation=incarnation)
         spec = loaded.plan.spec
         estimator = self.plan_estimator(spec)
         if factor is None:
@@ -569,7 +684,7 @@ class Engine:
         snapshot = plan.spec.memory_snapshot
         if not snapshot.items or not run_id:
             return
-        key = (plan.tenant_id, plan.session_id, plan.epoch, run_id)
+        key = (plan.tenant_id, plan.session_id, plan.incarnation, plan.epoch, run_id)
         if key in self._snapshot_runs:
             return
         event = ContextEvent(tenant_id=plan.tenant_id, session_id=plan.session_id,
@@ -736,3 +851,29 @@ class Engine:
             self._metrics.compactions.labels(depth=str(stored.depth)).inc()
             self._metrics.elided_spans.inc(max(0, len(stored.elided) - previous))
         return CompactOutcome(result=stored, compacted=created, epoch=epoch)
+
+    # ------------------------------------------------------------------ DeleteSession
+
+    async def delete_session(self, tenant_id: str, session_id: str, *,
+                             requested_by: str) -> Erased:
+        """Erases the session (one transaction, audited when anything was removed; see
+        ``SessionEraser``) and forgets what this process holds of it. Other replicas stop
+        serving it from their plan caches within ``cache.ttl`` seconds."""
+        if self._erasure is None:
+            raise RuntimeError("this engine was built without an erasure store")
+        erased = await self._erasure.erase_session(tenant_id, session_id,
+                                                   requested_by=requested_by,
+                                                   at=self._clock.now())
+        self.forget_session(tenant_id, session_id)
+        return erased
+
+    def forget_session(self, tenant_id: str, session_id: str) -> None:
+        """Drop what this process keeps of one session: its cached plans, the runs whose
+        snapshot binding it remembers, and the rendered items of its render memo."""
+        self.cache.forget(tenant_id, session_id)
+        for key in [k for k in self._snapshot_runs if k[0] == tenant_id and k[1] == session_id]:
+            del self._snapshot_runs[key]
+        prefix = session_key(tenant_id, session_id)
+        for memo_key in [k for k in self.render_memo
+                         if isinstance(k, tuple) and k and k[0] == prefix]:
+            del self.render_memo[memo_key]

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TextIO
 
+from context_engine.config import Pooler
+
 if TYPE_CHECKING:  # the CLI imports this module for its arguments; the driver loads on use
     from context_engine.adapters.postgres.inspect import (
         SessionRecord,
@@ -271,7 +273,7 @@ def document(record: SessionRecord, *, epoch: int | None = None) -> dict[str, An
 async def inspect_session(database_url: str, tenant_id: str, session_id: str, *,
                           events: int = DEFAULT_EVENTS, epoch: int | None = None,
                           as_json: bool = False, out: TextIO | None = None,
-                          err: TextIO | None = None) -> int:
+                          err: TextIO | None = None, pooler: Pooler = Pooler.NONE) -> int:
     """Print the session to ``out``; 0 on success, 1 (with a message on ``err``) when the
     session or epoch is unknown or the database cannot be read."""
     import asyncpg
@@ -281,7 +283,7 @@ async def inspect_session(database_url: str, tenant_id: str, session_id: str, *,
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     try:
-        conn = await connect_read_only(database_url)
+        conn = await connect_read_only(database_url, pooler=pooler)
     except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         print(f"{_PROG}: cannot connect to the database ({type(exc).__name__})", file=err)
         return 1
@@ -325,4 +327,5 @@ def run(config: Config, args: argparse.Namespace) -> int:
 
         url = embedded_database_url(config.data_dir)
     return asyncio.run(inspect_session(url, args.tenant, args.session, events=args.events,
-                                       epoch=args.epoch, as_json=args.json))
+                                       epoch=args.epoch, as_json=args.json,
+                                       pooler=config.db_pooler))

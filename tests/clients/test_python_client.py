@@ -88,7 +88,8 @@ def test_the_packaged_retry_policy_is_the_documented_one():
     config = json.loads(documented)
     (method,) = config["methodConfig"]
     assert sorted(n["method"] for n in method["name"]) == sorted(
-        ["Plan", "GetPlan", "Build", "UpdateWorkingState", "CarryWorkingState"])
+        ["Plan", "GetPlan", "Build", "UpdateWorkingState", "CarryWorkingState",
+         "DeleteSession"])
     assert {n["service"] for n in method["name"]} == {SERVICE}
     assert method["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
 
@@ -429,6 +430,7 @@ RESPONSES: dict[str, tuple[type[Message], Callable[[], Message]]] = {
     "UpdateWorkingState": (pb.UpdateWorkingStateRequest, pb.UpdateWorkingStateResponse),
     "CarryWorkingState": (pb.CarryWorkingStateRequest, pb.CarryWorkingStateResponse),
     "Compact": (pb.CompactRequest, lambda: pb.CompactResponse(compacted=True)),
+    "DeleteSession": (pb.DeleteSessionRequest, lambda: pb.DeleteSessionResponse(deleted=True)),
 }
 
 
@@ -487,6 +489,8 @@ IDEMPOTENT = {
         request=pb.UpdateWorkingStateRequest(tenant_id="t")),
     "CarryWorkingState": lambda c: c.carry_working_state(
         request=pb.CarryWorkingStateRequest(tenant_id="t")),
+    "DeleteSession": lambda c: c.delete_session(
+        request=pb.DeleteSessionRequest(tenant_id="t", session_id="s")),
 }
 KEYED = {
     "Rotate": lambda c, key: c.rotate(request=pb.RotateRequest(tenant_id="t",
@@ -546,12 +550,13 @@ def test_async_client_retries_like_the_sync_one(fake):
     async def scenario() -> None:
         async with AsyncClient(target=target) as engine:
             await engine.get_plan(request=pb.GetPlanRequest())
+            assert (await engine.delete_session(request=pb.DeleteSessionRequest())).deleted
             await engine.compact(request=pb.CompactRequest(idempotency_key="k"))
             with pytest.raises(Unavailable):
                 await engine.rotate(request=pb.RotateRequest())
 
     asyncio.run(scenario())
-    assert state.calls == {"GetPlan": 3, "Compact": 3, "Rotate": 1}
+    assert state.calls == {"GetPlan": 3, "DeleteSession": 3, "Compact": 3, "Rotate": 1}
 
 
 def test_a_slow_answer_is_deadline_exceeded(fake):

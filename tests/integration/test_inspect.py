@@ -15,6 +15,7 @@ import asyncpg
 import pytest
 from context_engine.adapters.postgres.inspect import connect_read_only
 from context_engine.cli import main
+from context_engine.config import Pooler
 from context_engine.inspect import inspect_session
 from context_engine.v1 import context_engine_pb2 as pb
 
@@ -74,8 +75,10 @@ def make_session(stub, ids) -> Made:
 
 
 def inspect(url: str, made: Made, **kw) -> tuple[int, str, str]:
+    """``url`` is the suite's pooler (transaction mode), as the CLI's CE_DB_POOLER says."""
     out, err = io.StringIO(), io.StringIO()
-    code = asyncio.run(inspect_session(url, made.tenant, made.session, out=out, err=err, **kw))
+    code = asyncio.run(inspect_session(url, made.tenant, made.session, out=out, err=err,
+                                       pooler=Pooler.TRANSACTION, **kw))
     return code, out.getvalue(), err.getvalue()
 
 
@@ -200,7 +203,7 @@ def test_the_command_line_prints_both_forms(stub, ids, database_url):
     assert_no_content(table.stdout + as_json.stdout)
 
 
-def test_it_reads_only(stub, ids, database_url, db):
+def test_it_reads_only(stub, ids, database_url, direct_database_url, db):
     made = make_session(stub, ids)
     before = db.counts(made.tenant)
     keys = db.val("SELECT count(*) FROM idempotency_keys WHERE tenant_id=$1", made.tenant)
@@ -212,12 +215,22 @@ def test_it_reads_only(stub, ids, database_url, db):
     assert db.val("SELECT updated_at FROM sessions WHERE tenant_id=$1", made.tenant) == updated
 
     async def write_through_inspects_connection() -> None:
-        conn = await connect_read_only(database_url)
+        # connected directly, the connection's transactions default to READ ONLY
+        conn = await connect_read_only(direct_database_url)
         try:
             assert await conn.fetchval("SHOW default_transaction_read_only") == "on"
             with pytest.raises(asyncpg.ReadOnlySQLTransactionError):
                 await conn.execute("INSERT INTO sessions (tenant_id, session_id) "
                                    "VALUES ($1, 'written')", made.tenant)
+        finally:
+            await conn.close()
+        # behind the pooler no session default holds: read_session's transaction refuses
+        conn = await connect_read_only(database_url, pooler=Pooler.TRANSACTION)
+        try:
+            async with conn.transaction(isolation="repeatable_read", readonly=True):
+                with pytest.raises(asyncpg.ReadOnlySQLTransactionError):
+                    await conn.execute("INSERT INTO sessions (tenant_id, session_id) "
+                                       "VALUES ($1, 'written')", made.tenant)
         finally:
             await conn.close()
 

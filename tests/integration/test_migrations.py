@@ -27,24 +27,32 @@ pytestmark = pytest.mark.integration
 CLI = Path(sys.executable).parent / "context-engine"
 
 EXPECTED = {
-    "sessions": {"tenant_id", "session_id", "current_epoch", "created_at", "updated_at"},
+    "sessions": {"tenant_id", "session_id", "current_epoch", "created_at", "updated_at",
+                 "incarnation"},
     "plans": {"tenant_id", "session_id", "epoch", "reason", "spec_text", "spec", "prefix_sha256",
               "prefix_tokens", "classes", "model_id", "tokenizer", "tool_names",
               "deferred_tool_names", "skipped_tool_names", "authority_scope_hashes",
               "builder_version", "policy_version", "cache_ttl", "created_at"},
-    "context_events": {"id", "tenant_id", "session_id", "epoch", "type", "payload",
+    "context_events": {"id", "event_id", "tenant_id", "session_id", "epoch", "type", "payload",
                        "created_at"},
     "schema_migrations": {"version", "name", "applied_at", "checksum"},
     "estimator_calibration": {"tenant_id", "model_id", "encoding", "factor", "reports",
                               "updated_at"},
-    "idempotency_keys": {"tenant_id", "rpc", "key", "response", "created_at"},
+    "idempotency_keys": {"tenant_id", "rpc", "key", "response", "created_at", "session_id"},
     "compactions": {"tenant_id", "idempotency_key", "session_id", "fingerprint", "depth",
                     "replaced_through_sequence", "compactor_version", "result", "created_at"},
     "api_tokens": {"token_sha256", "tenant_id", "rpcs", "description", "created_at",
                    "revoked_at"},
     "epoch_usage": {"tenant_id", "session_id", "epoch", "reports", "last_input_tokens",
                     "previous_input_tokens", "updated_at"},
+    "erasures": {"id", "tenant_id", "scope", "session_sha256", "sessions", "plans", "events",
+                 "compactions", "idempotency_keys", "usage_rows", "calibrations",
+                 "requested_by", "erased_at"},
 }
+
+# A migration after the last one, which tests add to a copy of the files.
+LATER_VERSION = len(discover(REPO / "migrations")) + 1
+LATER = f"{LATER_VERSION:04d}_later"
 
 # The migrator's bootstrap table in the releases before checksums were recorded.
 PRE_CHECKSUM_TABLE = """
@@ -83,8 +91,10 @@ def files(tmp_path: Path) -> Path:
 async def _columns(url: str) -> dict[str, set[str]]:
     conn = await asyncpg.connect(url)
     try:
+        # a partition (context_events_pYYYYMMDD) has its parent's columns: only the parent
         rows = await conn.fetch("SELECT table_name, column_name FROM information_schema.columns "
-                                "WHERE table_schema = 'public'")
+                                "WHERE table_schema = 'public' AND table_name NOT IN "
+                                "(SELECT relname FROM pg_class WHERE relispartition)")
     finally:
         await conn.close()
     out: dict[str, set[str]] = {}
@@ -155,14 +165,14 @@ def test_a_changed_applied_migration_stops_migrate_and_serve(fresh, files):
     recorded = sha256_of(edited)
     edited.write_text(edited.read_text() + "\n-- an innocent-looking comment\n")
     current = sha256_of(edited)
-    (files / "0006_later.sql").write_text("CREATE TABLE later (id integer);\n")
+    (files / f"{LATER}.sql").write_text("CREATE TABLE later (id integer);\n")
 
     with pytest.raises(MigrationError) as caught:
         asyncio.run(migrate(fresh, files))
     message = str(caught.value)
     assert str(edited) in message and recorded in message and current in message
     # Nothing was applied: the pending migration waits for the history to be repaired.
-    assert not fetch(fresh, "SELECT 1 FROM schema_migrations WHERE version = 6")
+    assert not fetch(fresh, "SELECT 1 FROM schema_migrations WHERE version = $1", LATER_VERSION)
     assert "later" not in asyncio.run(_columns(fresh))
 
     for command in (["migrate"], ["serve", "--dev", "--grpc-addr", "127.0.0.1:0",
@@ -176,7 +186,7 @@ def test_a_changed_applied_migration_stops_migrate_and_serve(fresh, files):
     # Restoring the file repairs it: the pending migration is applied.
     edited.write_text(edited.read_text().removesuffix("\n-- an innocent-looking comment\n"))
     assert sha256_of(edited) == recorded
-    assert asyncio.run(migrate(fresh, files)) == ["0006_later"]
+    assert asyncio.run(migrate(fresh, files)) == [LATER]
 
 
 def test_a_missing_or_renamed_applied_migration_is_reported(fresh, files):
@@ -208,13 +218,13 @@ def test_status_lists_pending_then_applied_and_applies_nothing(fresh, files):
     assert not fetch(fresh, "SELECT 1 FROM pg_tables WHERE tablename = 'schema_migrations'")
 
     assert cli(fresh, files, "migrate").returncode == 0
-    (files / "0006_later.sql").write_text("CREATE TABLE later (id integer);\n")
+    (files / f"{LATER}.sql").write_text("CREATE TABLE later (id integer);\n")
     after = cli(fresh, files, "migrate", "--status")
     assert after.returncode == 0, after.stderr
     assert status_rows(after.stdout) == {**{n: ("applied", "ok") for n in names},
-                                         "0006_later": ("pending", "-")}
+                                         LATER: ("pending", "-")}
     assert f"{len(names)} applied, 1 pending" in after.stdout
-    assert not fetch(fresh, "SELECT 1 FROM schema_migrations WHERE version = 6")
+    assert not fetch(fresh, "SELECT 1 FROM schema_migrations WHERE version = $1", LATER_VERSION)
 
     edited = files / "0002_calibration_and_idempotency.sql"
     recorded = sha256_of(edited)

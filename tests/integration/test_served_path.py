@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import asyncpg
 import grpc
 import pytest
+from context_engine.adapters.postgres.pool import create_pool
 from context_engine.adapters.postgres.store import PostgresPlanStore
 from context_engine.adapters.tokenizers import TiktokenRegistry
 from context_engine.api import mapping
@@ -201,12 +202,15 @@ class PureSide:
         env = {**os.environ, **SERVER_ENV}
         self.policy = Config.from_env(env).budget_policy()
         self.loop = asyncio.new_event_loop()
-        self.pool = self.loop.run_until_complete(self._pool(database_url))
+        self.pool = self.loop.run_until_complete(
+            self._pool(database_url, Config.from_env(env)))
         self.store = PostgresPlanStore(self.pool)
 
     @staticmethod
-    async def _pool(database_url: str) -> asyncpg.Pool:
-        return await asyncpg.create_pool(database_url, min_size=1, max_size=2)
+    async def _pool(database_url: str, config: Config) -> asyncpg.Pool:
+        # connected as the servers are (the suite's pooler: CE_DB_POOLER=transaction)
+        return await create_pool(database_url, pooler=config.db_pooler, max_size=2,
+                                 timeout=30)
 
     def plan(self, tenant_id: str, session_id: str, epoch: int) -> ContextPlan:
         """The epoch asked for, else the session's current one (nothing rotates meanwhile):

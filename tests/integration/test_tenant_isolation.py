@@ -96,6 +96,8 @@ ATTEMPTS: dict[str, Callable[[Tenants, str], tuple[Callable[..., Any], Any]]] = 
     "Build": lambda t, tenant: (t.stub.Build, build_request(tenant, t.session)),
     "ReportUsage": lambda t, tenant: (t.stub.ReportUsage, usage(tenant, t.session, 5000)),
     "Plan": lambda t, tenant: (t.stub.Plan, plan_request(tenant, t.session)),
+    "DeleteSession": lambda t, tenant: (t.stub.DeleteSession, pb.DeleteSessionRequest(
+        tenant_id=tenant, session_id=t.session)),
 }
 
 
@@ -120,7 +122,8 @@ def test_b_naming_tenant_a_is_denied(tenants: Tenants, db: Any, rpc: str) -> Non
     a_is_untouched(t, db, before)
 
 
-@pytest.mark.parametrize("rpc", [r for r in ATTEMPTS if r != "Plan"])
+# Plan opens a session of B's own; DeleteSession of a session B does not have erases nothing
+@pytest.mark.parametrize("rpc", [r for r in ATTEMPTS if r not in ("Plan", "DeleteSession")])
 def test_b_naming_itself_with_a_session_id_finds_nothing(tenants: Tenants, db: Any,
                                                         rpc: str) -> None:
     t = tenants
@@ -147,4 +150,18 @@ def test_b_planning_a_session_id_opens_its_own_session(tenants: Tenants, db: Any
     assert mine.prefix_sha256 != t.prefix_sha256  # the session key is per tenant
     assert db.val("SELECT count(*) FROM plans WHERE tenant_id = $1 AND session_id = $2",
                   t.b, t.session) == 1
+    a_is_untouched(t, db, before)
+
+
+def test_b_erasing_a_session_id_erases_only_its_own(tenants: Tenants, db: Any) -> None:
+    """DeleteSession names the caller's tenant: B erasing the session id it shares with A
+    removes B's session and leaves A's as it was."""
+    t = tenants
+    before = rows(db, t.a)
+    t.stub.Plan(plan_request(t.b, t.session), metadata=bearer(t.token_b), timeout=30)
+    erased = t.stub.DeleteSession(pb.DeleteSessionRequest(tenant_id=t.b, session_id=t.session),
+                                  metadata=bearer(t.token_b), timeout=30)
+    assert erased.deleted and erased.plans == 1
+    assert db.val("SELECT count(*) FROM sessions WHERE tenant_id = $1 AND session_id = $2",
+                  t.b, t.session) == 0
     a_is_untouched(t, db, before)

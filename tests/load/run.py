@@ -47,7 +47,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.bench.common import deadline
 from tests.integration.processes import ServerProcess
-from tests.load.runtime import AckedPlan, Call, Outcome, Runtime
+from tests.load.runtime import AckedPlan, Call, Outcome, run_runtimes
 
 TENANT = "load-tenant"
 # What the documented client configuration does besides retrying (retries stay off here, so
@@ -78,7 +78,11 @@ class Report:
     failures: list[str] = field(default_factory=list)
 
     def errors(self) -> int:
-        return sum(1 for c in self.calls if c.code != "OK")
+        """Calls that failed for good (an attempt that was sent again is a retry, not one)."""
+        return sum(1 for c in self.calls if c.code != "OK" and not c.retried)
+
+    def retried(self) -> int:
+        return sum(1 for c in self.calls if c.retried)
 
     def table(self) -> str:
         lines = [f"{'rpc':<12} {'calls':>7} {'errors':>7} {'p50 ms':>8} {'p95 ms':>8} "
@@ -87,7 +91,8 @@ class Report:
             ms = sorted(c.seconds * 1000 for c in self.calls if c.method == method)
             if not ms:
                 continue
-            errors = sum(1 for c in self.calls if c.method == method and c.code != "OK")
+            errors = sum(1 for c in self.calls
+                         if c.method == method and c.code != "OK" and not c.retried)
             lines.append(f"{method:<12} {len(ms):>7} {errors:>7} {pct(ms, 50):>8.1f} "
                          f"{pct(ms, 95):>8.1f} {pct(ms, 99):>8.1f}")
         return "\n".join(lines)
@@ -131,32 +136,26 @@ async def drive(address: str, runtimes: int, turns: int, sigterm: tuple[ServerPr
     outcome = Outcome()
     stop = asyncio.Event()
     seen: dict[str, float] = {}
-    channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-                for _ in range(runtimes)]
+    watcher = asyncio.create_task(watch_health(address, stop, seen))
+
+    async def terminate(server: ServerProcess, after: float) -> None:
+        await asyncio.sleep(after)
+        seen["sigterm"] = time.perf_counter()
+        server.proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(server.proc.wait, 120)
+        seen["exited"] = time.perf_counter()
+        stop.set()
+
+    killer = (asyncio.create_task(terminate(*sigterm)) if sigterm is not None else None)
     try:
-        tasks = [Runtime(pb_grpc.ContextEngineStub(ch), TENANT, i, turns, outcome, stop).run()
-                 for i, ch in enumerate(channels)]
-        watcher = asyncio.create_task(watch_health(address, stop, seen))
-
-        async def terminate(server: ServerProcess, after: float) -> None:
-            await asyncio.sleep(after)
-            seen["sigterm"] = time.perf_counter()
-            server.proc.send_signal(signal.SIGTERM)
-            await asyncio.to_thread(server.proc.wait, 120)
-            seen["exited"] = time.perf_counter()
-            stop.set()
-
-        killer = (asyncio.create_task(terminate(*sigterm)) if sigterm is not None else None)
-        started = time.perf_counter()
-        await asyncio.gather(*tasks)
-        wall = time.perf_counter() - started
+        started, wall = await run_runtimes(address, CHANNEL_OPTIONS, tenant=TENANT,
+                                           runtimes=runtimes, turns=turns, outcome=outcome,
+                                           stop=stop)
         if killer is not None:
             await killer
+    finally:
         stop.set()
         await watcher
-    finally:
-        for ch in channels:
-            await ch.close()
     seen["started"] = started
     return outcome, wall, seen
 

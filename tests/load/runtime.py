@@ -3,9 +3,13 @@
 A turn is what a runtime does on every model step: ``Plan`` at the run's admission (returns
 the pinned plan), ``Build`` for the user's message, the fake model calls a tool, ``Build``
 again with the call and its result, then ``ReportUsage`` for what was sent. Every call is
-timed and its status kept; nothing is retried, so every failure shows. Every plan the server
-acknowledged (``Plan`` answered OK) is recorded, so the run can check afterwards that each one
-is stored.
+timed and its status kept. By default nothing is retried, so every failure shows; with a
+``Retry`` (the documented client policy, ``documented_retry()``) the runtime itself sends the
+same request again after ``UNAVAILABLE`` -- the idempotent RPCs always, a keyed write only with
+its idempotency key, as the Python client does -- and every attempt is recorded, so retries can
+be counted. Every plan the server acknowledged (``Plan`` answered OK) and every usage report it
+acknowledged (by idempotency key) is recorded, so the run can check afterwards that each one is
+stored, once.
 """
 
 from __future__ import annotations
@@ -14,11 +18,19 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from context_engine_client._channel import (
+    KEYED,
+    has_idempotency_key,
+    retry_policy,
+    service_config_text,
+)
 
 SCHEMA = json.dumps({"type": "object", "properties": {"url": {"type": "string"}},
                      "required": ["url"]})
@@ -38,10 +50,51 @@ WORDS = ["alpha", "beta", "gamma", "delta", "latency", "budget", "cache", "prefi
 
 @dataclass
 class Call:
+    """One attempt of an RPC."""
+
     method: str
     started: float
     seconds: float
     code: str
+    attempt: int = 1  # 2 and more: the same request sent again
+    retried: bool = False  # this attempt failed and the request was sent again
+
+
+@dataclass(frozen=True)
+class Retry:
+    """A retry policy the runtime applies itself (so every attempt is timed and counted):
+    ``max_attempts`` in all, the n-th retry after a random wait of up to
+    ``min(initial_backoff * multiplier ** (n - 1), max_backoff)`` (gRPC's full jitter)."""
+
+    max_attempts: int
+    initial_backoff: float
+    max_backoff: float
+    multiplier: float
+    codes: frozenset[str]
+    idempotent: frozenset[str]  # retried always; the KEYED writes only with their key
+
+    def retries(self, method: str, request: object, code: str, attempt: int) -> bool:
+        if code not in self.codes or attempt >= self.max_attempts:
+            return False
+        return method in self.idempotent or (
+            method in KEYED and has_idempotency_key(request))  # type: ignore[arg-type]
+
+    def backoff(self, attempt: int, rng: random.Random) -> float:
+        ceiling = min(self.initial_backoff * self.multiplier ** (attempt - 1), self.max_backoff)
+        return rng.uniform(0, ceiling)
+
+
+def documented_retry() -> Retry:
+    """The clients' retry policy (clients/retry_service_config.json, as packaged with the
+    Python client): its attempts, backoff, codes and the RPCs it names."""
+    text = service_config_text()
+    policy = retry_policy(text)
+    names = frozenset(name["method"] for method in json.loads(text)["methodConfig"]
+                      if "retryPolicy" in method for name in method["name"])
+    return Retry(max_attempts=policy.max_attempts, initial_backoff=policy.initial_backoff,
+                 max_backoff=policy.max_backoff, multiplier=policy.backoff_multiplier,
+                 codes=frozenset(code.name for code in policy.retryable_codes),
+                 idempotent=names - KEYED)
 
 
 @dataclass(frozen=True, order=True)
@@ -59,7 +112,10 @@ class Outcome:
     calls: list[Call] = field(default_factory=list)
     sessions: list[str] = field(default_factory=list)
     plans: list[AckedPlan] = field(default_factory=list)  # one per OK Plan answer
+    usage_keys: list[str] = field(default_factory=list)  # one per OK ReportUsage answer
     turns: int = 0
+    # the turns each session completed
+    turns_by_session: dict[str, int] = field(default_factory=dict)
 
 
 def plan_request(tenant: str, session: str) -> pb.PlanRequest:
@@ -79,8 +135,11 @@ def text(rng: random.Random, words: int) -> str:
 
 class Runtime:
     def __init__(self, stub: pb_grpc.ContextEngineStub, tenant: str, index: int,
-                 turns: int, outcome: Outcome, stop: asyncio.Event) -> None:
+                 turns: int, outcome: Outcome, stop: asyncio.Event,
+                 retry: Retry | None = None) -> None:
         self.stub = stub
+        self.retry = retry
+        self.jitter = random.Random(-1 - index)  # apart from the content's generator
         self.tenant = tenant
         self.session = f"load-{index:04d}"
         self.turns = turns
@@ -99,17 +158,27 @@ class Runtime:
         return item
 
     async def _call(self, method: str, request: object) -> object | None:
-        started = time.perf_counter()
-        code = "OK"
-        response = None
-        try:
-            response = await getattr(self.stub, method)(request, timeout=30)
-        except grpc.aio.AioRpcError as err:
-            code = err.code().name
-        self.outcome.calls.append(Call(method, started, time.perf_counter() - started, code))
-        if code == "UNAVAILABLE":  # back off as the documented retry policy does
-            await asyncio.sleep(BACKOFF_SECONDS)
-        return response
+        attempt = 0
+        while True:
+            attempt += 1
+            started = time.perf_counter()
+            code = "OK"
+            response = None
+            try:
+                response = await getattr(self.stub, method)(request, timeout=30)
+            except grpc.aio.AioRpcError as err:
+                code = err.code().name
+            seconds = time.perf_counter() - started
+            again = self.retry is not None and self.retry.retries(method, request, code,
+                                                                  attempt)
+            self.outcome.calls.append(Call(method, started, seconds, code, attempt, again))
+            if again:
+                assert self.retry is not None
+                await asyncio.sleep(self.retry.backoff(attempt, self.jitter))
+                continue  # the same request: a keyed write keeps its idempotency key
+            if code == "UNAVAILABLE" and self.retry is None:
+                await asyncio.sleep(BACKOFF_SECONDS)  # as the documented policy would wait
+            return response
 
     def _build(self, run: str) -> pb.BuildRequest:
         return pb.BuildRequest(tenant_id=self.tenant, session_id=self.session,
@@ -119,6 +188,7 @@ class Runtime:
 
     async def run(self) -> None:
         self.outcome.sessions.append(self.session)
+        self.outcome.turns_by_session[self.session] = 0
         for turn in range(self.turns):
             if self.stop.is_set():
                 return
@@ -141,11 +211,32 @@ class Runtime:
             self._item(run, assistant=pb.AssistantMessage(text=text(self.rng, 60)))
             sent = second or first
             if isinstance(sent, pb.BuildResponse):
-                await self._call("ReportUsage", pb.ReportUsageRequest(
+                key = f"{self.session}:{turn}"
+                usage = await self._call("ReportUsage", pb.ReportUsageRequest(
                     tenant_id=self.tenant, session_id=self.session, epoch=sent.epoch,
                     estimated_input_tokens=sent.estimated_input_tokens,
                     estimator_factor=sent.estimator_factor,
                     input_tokens=sent.estimated_input_tokens,
                     cached_tokens=sent.prefix_tokens, output_tokens=80,
-                    idempotency_key=f"{self.session}:{turn}"))
+                    idempotency_key=key))
+                if isinstance(usage, pb.ReportUsageResponse):
+                    self.outcome.usage_keys.append(key)
             self.outcome.turns += 1
+            self.outcome.turns_by_session[self.session] += 1
+
+
+async def run_runtimes(target: str, options: Sequence[tuple[str, Any]], *, tenant: str,
+                       runtimes: int, turns: int, outcome: Outcome, stop: asyncio.Event,
+                       retry: Retry | None = None) -> tuple[float, float]:
+    """Every runtime at once, each on a channel (and connections) of its own to ``target``, as
+    separate runtime processes would be: (when they started, seconds until the last ended)."""
+    channels = [grpc.aio.insecure_channel(target, options=options) for _ in range(runtimes)]
+    try:
+        tasks = [Runtime(pb_grpc.ContextEngineStub(ch), tenant, i, turns, outcome, stop,
+                         retry).run() for i, ch in enumerate(channels)]
+        started = time.perf_counter()
+        await asyncio.gather(*tasks)
+        return started, time.perf_counter() - started
+    finally:
+        for ch in channels:
+            await ch.close()

@@ -535,11 +535,22 @@ def _getplan_violations() -> list[Mutator]:
     ]
 
 
+def _delete_violations() -> list[Mutator]:
+    return [
+        lambda m: setattr(m, "tenant_id", ""),
+        lambda m: setattr(m, "session_id", ""),
+        lambda m: setattr(m, "session_id", "s" * 257),
+        lambda m: setattr(m, "session_id", "nul\x00here"),
+        lambda m: setattr(m, "tenant_id", " padded"),
+    ]
+
+
 VIOLATIONS: dict[str, list[Mutator]] = {
     "Plan": _plan_violations(), "Build": _build_violations(),
     "Compact": _compact_violations(), "Rotate": _rotate_violations(),
     "ReportUsage": _usage_violations(), "UpdateWorkingState": _update_violations(),
     "CarryWorkingState": _carry_violations(), "GetPlan": _getplan_violations(),
+    "DeleteSession": _delete_violations(),
 }
 
 
@@ -549,6 +560,8 @@ def base_request(rpc: str, tenant: str, session: str) -> Message:
         return plan_request(tenant, session)
     if rpc == "GetPlan":
         return pb.GetPlanRequest(tenant_id=tenant, session_id=session)
+    if rpc == "DeleteSession":
+        return pb.DeleteSessionRequest(tenant_id=tenant, session_id=session)
     if rpc == "Build":
         return build_request(tenant, session)
     if rpc == "Rotate":
@@ -590,6 +603,8 @@ def noise(draw: st.DrawFn, rpc: str, msg: Message, *, keep: tuple[str, ...]) -> 
     out = type(msg)()
     out.CopyFrom(msg)
     fields = [fd for fd in out.DESCRIPTOR.fields if fd.name not in keep]
+    if not fields:  # nothing but the ids (DeleteSession)
+        return out
     chosen = draw(st.lists(st.sampled_from(fields), max_size=2, unique_by=lambda f: f.name))
     for fd in chosen:
         out.ClearField(fd.name)

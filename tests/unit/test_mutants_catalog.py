@@ -30,7 +30,7 @@ def test_mutant_applies_and_names_its_killer(mutant: object) -> None:
     assert done.returncode == 0, done.stderr
     touched = [line[6:] for line in mutant.patch.read_text().splitlines()
                if line.startswith("+++ b/")]
-    product = ("service/", "clients/", "scripts/")
+    product = ("service/", "clients/", "scripts/", "deploy/")
     assert touched and all(p.startswith(product) for p in touched), touched
 
 

@@ -14,7 +14,8 @@ from tests.conftest import REPO
 SCRIPT = REPO / "scripts" / "check-prereqs"
 
 
-def path_with(tmp_path: Path, *, node_major: int | None, npm: bool, promtool: bool) -> str:
+def path_with(tmp_path: Path, *, node_major: int | None, npm: bool, promtool: bool,
+              kubectl: bool = True, pgbouncer: bool = True) -> str:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool in ("bash", "id", "git", "env"):
@@ -30,15 +31,20 @@ def path_with(tmp_path: Path, *, node_major: int | None, npm: bool, promtool: bo
         fakes["npm"] = "exit 0\n"
     if promtool:
         fakes["promtool"] = fakes["prometheus"] = "exit 0\n"
+    if kubectl:
+        fakes["kubectl"] = "exit 0\n"
+    if pgbouncer:
+        fakes["pgbouncer"] = "exit 0\n"
     for name, body in fakes.items():
         (bin_dir / name).write_text("#!/bin/sh\n" + body)
         (bin_dir / name).chmod(0o755)
     return str(bin_dir)
 
 
-def run(what: str, path: str) -> subprocess.CompletedProcess[str]:
+def run(what: str, path: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k != "CE_TEST_PGBOUNCER"}
     return subprocess.run(["/bin/bash", str(SCRIPT), what, "python3"], capture_output=True,
-                          text=True, timeout=30, env={**os.environ, "PATH": path}, check=False)
+                          text=True, timeout=30, env={**base, "PATH": path, **env}, check=False)
 
 
 def test_everything_present(tmp_path):
@@ -62,6 +68,34 @@ def test_test_names_missing_promtool_when_it_cannot_be_installed(tmp_path):
     done = run("test", path_with(tmp_path, node_major=22, npm=True, promtool=False))
     assert done.returncode == 1 and "promtool and prometheus (the alerting" in done.stderr
     assert "brew install prometheus" in done.stderr
+
+
+def test_test_names_a_missing_kubectl(tmp_path):
+    done = run("test", path_with(tmp_path, node_major=22, npm=True, promtool=True,
+                                 kubectl=False))
+    assert done.returncode == 1 and "kubectl (its built-in kustomize" in done.stderr
+    assert done.stderr.count("  - ") == 1
+
+
+def test_test_names_a_pgbouncer_that_is_not_there(tmp_path):
+    """Where the binary is named (CE_TEST_PGBOUNCER), nothing is installed: it must exist."""
+    path = path_with(tmp_path, node_major=22, npm=True, promtool=True, pgbouncer=False)
+    done = run("test", path, CE_TEST_PGBOUNCER=str(tmp_path / "no-pgbouncer"))
+    assert done.returncode == 1 and "pgbouncer: CE_TEST_PGBOUNCER=" in done.stderr
+    assert done.stderr.count("  - ") == 1
+    assert run("test", path, CE_TEST_PGBOUNCER=str(Path(path) / "bash")).returncode == 0
+
+
+def test_ensure_pgbouncer_finds_the_named_binary_or_fails_with_what_to_do(tmp_path):
+    script = REPO / "scripts" / "ensure-pgbouncer"
+    env = {**os.environ, "CE_TEST_PGBOUNCER": str(tmp_path / "no-pgbouncer")}
+    done = subprocess.run(["/bin/bash", str(script)], capture_output=True, text=True,
+                          timeout=30, env=env, check=False)
+    assert done.returncode == 1 and "apt-get install --no-install-recommends pgbouncer" in (
+        done.stderr)
+    env["CE_TEST_PGBOUNCER"] = shutil.which("bash") or "/bin/bash"
+    assert subprocess.run(["/bin/bash", str(script)], env=env, timeout=30,
+                          check=False).returncode == 0
 
 
 def test_root_with_apt_get_may_lack_promtool(tmp_path):

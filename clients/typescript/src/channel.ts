@@ -49,8 +49,8 @@ export interface ServiceConfig {
 
 /**
  * A copy of the packaged service config: `clients/retry_service_config.json` of the repository,
- * embedded at build time. It retries `UNAVAILABLE` for Plan, GetPlan, Build, UpdateWorkingState
- * and CarryWorkingState (4 attempts, backoff 0.1 s doubling up to 2 s).
+ * embedded at build time. It retries `UNAVAILABLE` for Plan, GetPlan, Build, UpdateWorkingState,
+ * CarryWorkingState and DeleteSession (4 attempts, backoff 0.1 s doubling up to 2 s).
  */
 export function packagedServiceConfig(): ServiceConfig {
   return JSON.parse(JSON.stringify(RETRY_SERVICE_CONFIG)) as ServiceConfig;

@@ -24,6 +24,8 @@ import {
   type CompactResponse,
   ContextEngineService,
   type DeepPartial,
+  DeleteSessionRequest,
+  type DeleteSessionResponse,
   GetPlanRequest,
   type GetPlanResponse,
   PlanRequest,
@@ -88,9 +90,10 @@ interface Fills<T> {
  * {@link ContextEngineError}.
  *
  * `UNAVAILABLE` is retried by grpc-js, as the channel's service config says (by default the
- * packaged `retry_service_config.json`): always for Plan, GetPlan, Build, UpdateWorkingState
- * and CarryWorkingState; for Rotate, Compact and ReportUsage only when the request carries an
- * `idempotencyKey`, through a second channel (opened on first use) whose config adds them.
+ * packaged `retry_service_config.json`): always for Plan, GetPlan, Build, UpdateWorkingState,
+ * CarryWorkingState and DeleteSession; for Rotate, Compact and ReportUsage only when the request
+ * carries an `idempotencyKey`, through a second channel (opened on first use) whose config adds
+ * them.
  */
 export class ContextEngineClient {
   readonly target: string;
@@ -167,6 +170,16 @@ export class ContextEngineClient {
   /** Compacts the oldest carried history into a summary; retried only with a key. */
   compact(request: Input<CompactRequest>, options?: CallOptions): Promise<CompactResponse> {
     return this.call(ContextEngineService.compact, CompactRequest, request, options);
+  }
+
+  /**
+   * Erases a session: its plans, events, compactions, usage rows and idempotency keys (audited,
+   * no content kept). Idempotent (`deleted` is false when there was nothing to erase), so it is
+   * retried; replicas stop serving it from their plan caches within `planCacheSeconds`.
+   */
+  deleteSession(request: Input<DeleteSessionRequest>,
+                options?: CallOptions): Promise<DeleteSessionResponse> {
+    return this.call(ContextEngineService.deleteSession, DeleteSessionRequest, request, options);
   }
 
   /** Waits until the channel is connected, or rejects when the deadline passes. */

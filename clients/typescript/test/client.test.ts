@@ -16,6 +16,7 @@ import {
   ContextEngineClient,
   ContextEngineError,
   ContextEngineService,
+  DeleteSessionResponse,
   GetPlanResponse,
   GrpcStatus,
   KEYED_METHODS,
@@ -93,6 +94,10 @@ describe("client behaviour", () => {
       cb(null, RotateResponse.fromPartial({ rotated: true, plan }));
     },
     compact: (_call, cb) => cb(failure(CODE.UNAVAILABLE)),
+    deleteSession: (_call, cb) => {
+      if (calls.deleteSession! <= failFirst) return cb(failure(failWith));
+      cb(null, DeleteSessionResponse.fromPartial({ deleted: true, planCacheSeconds: 60 }));
+    },
     reportUsage: (_call, cb) => cb(failure(CODE.UNAVAILABLE)),
     plan: (_call, cb) => {
       const md = new grpc.Metadata();
@@ -163,7 +168,7 @@ describe("client behaviour", () => {
       .filter((m) => m.retryPolicy !== undefined)
       .flatMap((m) => m.name.map((n) => n.method)).sort();
     assert.deepEqual(retried(config),
-      ["Build", "CarryWorkingState", "GetPlan", "Plan", "UpdateWorkingState"]);
+      ["Build", "CarryWorkingState", "DeleteSession", "GetPlan", "Plan", "UpdateWorkingState"]);
     assert.deepEqual(retried(keyed), [...retried(config), ...KEYED_METHODS].sort());
     for (const entry of keyed.methodConfig ?? []) assert.deepEqual(entry.retryPolicy, POLICY);
     assert.ok((keyed.methodConfig ?? []).every((m) => m.name.every((n) => n.service === SERVICE)));
@@ -222,6 +227,14 @@ describe("client behaviour", () => {
     assert.equal(got.rotated, true);
     assert.equal(calls.rotate, 2);
     assert.deepEqual(previousAttempts("rotate"), ["", "1"]);
+  });
+
+  test("DeleteSession is idempotent: retried without a key", async () => {
+    failFirst = 2;
+    const got = await client.deleteSession({ tenantId: "t", sessionId: "s" });
+    assert.equal(got.deleted, true);
+    assert.equal(got.planCacheSeconds, 60);
+    assert.equal(calls.deleteSession, 3);
   });
 
   test("Compact and ReportUsage with a key stop at the policy's attempts", async () => {

@@ -283,4 +283,22 @@ describe("context-engine over gRPC", { skip: target ? false :
       return true;
     });
   });
+
+  test("DeleteSession erases a session: it is NOT_FOUND afterwards, and erasing again is a no-op",
+    async () => {
+      const session = `${sessionId}-erased`;
+      await client.plan({ ...fixture.plan, tenantId, sessionId: session });
+      const erased = await client.deleteSession({ tenantId, sessionId: session });
+      assert.equal(erased.deleted, true);
+      assert.equal(erased.plans, "1");
+      assert.ok(Number(erased.events) >= 1);
+      assert.ok(erased.planCacheSeconds > 0);
+      assert.ok(erased.deletedAt instanceof Date);
+      await assert.rejects(client.getPlan({ tenantId, sessionId: session }), (err: unknown) =>
+        err instanceof ContextEngineError && err.reason === "SESSION_NOT_FOUND");
+      const again = await client.deleteSession({ tenantId, sessionId: session });
+      assert.equal(again.deleted, false);
+      assert.equal(again.plans, "0");
+      result.deleteSession = { deleted: erased.deleted, again: again.deleted };
+    });
 });

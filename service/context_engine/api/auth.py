@@ -35,7 +35,7 @@ import asyncpg
 import grpc
 
 from context_engine.adapters.postgres.errors import translated
-from context_engine.api.servicer import Undecodable
+from context_engine.api.servicer import CALLER, Undecodable
 from context_engine.api.status import refuse, status_for
 from context_engine.config import Config, ConfigError
 from context_engine.domain.errors import StoreUnavailable
@@ -280,6 +280,14 @@ class Authenticator:
         return grant
 
 
+def caller_of(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
+    """Who an authenticated call came from, as an erasure records it: ``token:`` and the first
+    12 hex of the token's SHA-256 (``api_tokens.token_sha256`` and the tokens file hold it in
+    full), never the token."""
+    token = bearer_token(metadata)
+    return "token:" + (token_sha256(token)[:12] if token is not None else "unknown")
+
+
 def check_tenant(rpc: str, request: Any, grant: Grant) -> None:
     """The request names the token's tenant, or it is refused before anything is read. A
     request that did not decode names nothing: the servicer refuses it (INVALID_ARGUMENT)
@@ -330,7 +338,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             except StoreUnavailable as exc:
                 code, status = status_for(exc)
                 await self._abort(context, rpc, code, exc.reason, status.message, {})
-            return await inner(request, context)
+            caller = CALLER.set(caller_of(metadata))
+            try:
+                return await inner(request, context)
+            finally:
+                CALLER.reset(caller)
 
         return grpc.unary_unary_rpc_method_handler(
             authorized, request_deserializer=handler.request_deserializer,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -64,6 +65,7 @@ from context_engine.domain.model import (
     SkillCatalogEntry,
     ToolSpec,
 )
+from context_engine.domain.ports import Erased
 from context_engine.domain.providers import provider_tool_name
 from context_engine.domain.request import (
     Attachment,
@@ -1049,3 +1051,19 @@ def compact_pb(outcome: CompactOutcome) -> pb.CompactResponse:
         summary=summary_pb(r), tokens_before=r.tokens_before, tokens_after=r.tokens_after,
         compactor_version=r.compactor_version, summarizer_version=r.summarizer_version,
         replaced_item_ids=list(r.replaced_item_ids), compacted=outcome.compacted)
+
+
+def delete_session_ids(req: pb.DeleteSessionRequest) -> tuple[str, str]:
+    v = Violations()
+    session_ids(v, req.tenant_id, req.session_id)
+    v.raise_if_any()
+    return req.tenant_id, req.session_id
+
+
+def delete_session_pb(erased: Erased, plan_cache_seconds: float) -> pb.DeleteSessionResponse:
+    """``plan_cache_seconds``: the plan-cache TTL, rounded up to whole seconds."""
+    return pb.DeleteSessionResponse(
+        deleted=erased.deleted, plans=erased.plans, events=erased.events,
+        compactions=erased.compactions, idempotency_keys=erased.idempotency_keys,
+        usage_rows=erased.usage_rows, deleted_at=_timestamp(erased.erased_at),
+        plan_cache_seconds=min(math.ceil(plan_cache_seconds), 2**32 - 1))

@@ -9,6 +9,7 @@ import os
 import signal
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,11 @@ from context_engine.adapters.assets import (
     load_model_catalog,
     load_platform_assets,
 )
+from context_engine.adapters.postgres.erasure import PostgresErasure
 from context_engine.adapters.postgres.errors import UNAVAILABLE
+from context_engine.adapters.postgres.maintenance import Maintenance, Policy
 from context_engine.adapters.postgres.migrate import migrate
+from context_engine.adapters.postgres.pool import create_pool
 from context_engine.adapters.postgres.store import (
     PostgresCalibrationStore,
     PostgresCompactionStore,
@@ -38,6 +42,7 @@ from context_engine.adapters.summarizer import OpenAISummarizer, load_prompt
 from context_engine.adapters.tokenizers import TiktokenRegistry
 from context_engine.api.auth import RPC_NAMES, auth_interceptor, server_credentials
 from context_engine.api.limits import Limits, LimitsInterceptor
+from context_engine.api.rpc_metrics import rpc_metrics_interceptor
 from context_engine.api.servicer import ContextEngineServicer, add_to_server
 from context_engine.api.status import CODES
 from context_engine.api.workers import READY_ENV, WORKER_ENV
@@ -90,6 +95,7 @@ class Running:
     tracing: trace.TracerProvider | None = None
     limits: LimitsInterceptor | None = None
     summarizer: Summarizer | None = None
+    maintenance: Maintenance | None = None  # the data lifecycle's cycles
 
     async def stop(self, grace: float, *, drain: float = 0.0) -> None:
         """Health goes NOT_SERVING first and stays so for ``drain`` seconds while RPCs are
@@ -107,6 +113,8 @@ class Running:
             left = await self.limits.quiesce(grace)
             await asyncio.sleep(0.05)  # calls already on the wire are answered, not cancelled
         await self.server.stop(left)
+        if self.maintenance is not None:
+            await self.maintenance.close()
         await self.events.close()
         await self.pool.close()
         if self.metrics_http is not None:
@@ -186,9 +194,13 @@ async def start(config: Config, *, database_url: str,
     applied = await migrate(database_url, config.migrations_dir)
     if applied:
         log("migrated", applied=applied)
-    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=config.db_pool_size,
-                                     command_timeout=config.db_timeout_seconds,
-                                     timeout=config.db_timeout_seconds)
+    pool = await create_pool(database_url, pooler=config.db_pooler,
+                             max_size=config.db_pool_size, timeout=config.db_timeout_seconds)
+    # The data lifecycle: a cycle now (today's partitions exist before the first call), then
+    # one every CE_MAINTENANCE_INTERVAL_SECONDS; every replica runs them, one at a time works.
+    maintenance = Maintenance(pool=pool, clock=clock, policy=maintenance_policy(config),
+                              interval_seconds=config.maintenance_interval_seconds)
+    await maintenance.attempt()
     metrics = Metrics(registry)
     provider = tracer_provider
     if provider is None and config.trace_export:
@@ -196,12 +208,15 @@ async def start(config: Config, *, database_url: str,
     tracer = tracer_for(provider)
     summarizer = summarizer_for(config)
     timeout = config.db_timeout_seconds
-    events = BufferedEventLog(PostgresEventLog(pool, command_timeout=timeout, tracer=tracer))
+    # Context events take their identity and time from the server's clock.
+    events = BufferedEventLog(PostgresEventLog(pool, command_timeout=timeout, tracer=tracer,
+                                               clock=clock), clock=clock)
     calibrations = PostgresCalibrationStore(pool, command_timeout=timeout, tracer=tracer)
     catalog = load_model_catalog(config.model_catalog)
     await initialise_metrics(metrics, calibrations, catalog)
     engine = Engine(
-        store=LastKnownEpochs(PostgresPlanStore(pool, command_timeout=timeout, tracer=tracer)),
+        store=LastKnownEpochs(PostgresPlanStore(pool, command_timeout=timeout, tracer=tracer,
+                                                clock=clock)),
         events=events,
         calibrations=calibrations,
         policy=config.budget_policy(), calibration_ttl=config.calibration_ttl_seconds,
@@ -210,7 +225,10 @@ async def start(config: Config, *, database_url: str,
         assets=load_platform_assets(config.assets_dir),
         control_tools=load_control_tools(config.assets_dir),
         metrics=metrics, plan_cache_size=config.plan_cache_size,
-        compactions=PostgresCompactionStore(pool, command_timeout=timeout, tracer=tracer),
+        plan_cache_ttl=config.plan_cache_ttl_seconds,
+        erasure=PostgresErasure(pool, command_timeout=timeout, tracer=tracer),
+        compactions=PostgresCompactionStore(pool, command_timeout=timeout, tracer=tracer,
+                                            clock=clock),
         summarizer=summarizer, tracer=tracer, clock=clock)
     if provider is not None:
         instrument_database(provider)  # after the start-up queries, which are no RPC's
@@ -220,7 +238,9 @@ async def start(config: Config, *, database_url: str,
                                       max_item_bytes=config.max_item_bytes), metrics)
     # Credentials first: an unauthenticated caller takes no concurrency slot. None in dev mode.
     auth = auth_interceptor(config, pool, metrics)
-    server = grpc.aio.server(interceptors=[*([auth] if auth else []), limits],
+    # gRPC server metrics outermost: they count the calls the others refuse, with their codes.
+    observed = rpc_metrics_interceptor(metrics, config, clock)
+    server = grpc.aio.server(interceptors=[observed, *([auth] if auth else []), limits],
                              options=server_options(config))
     add_to_server(ContextEngineServicer(engine, metrics, tracer), server,
                   max_request_bytes=config.max_receive_bytes)
@@ -246,13 +266,22 @@ async def start(config: Config, *, database_url: str,
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     events.start()
+    maintenance.start()
     watch = asyncio.get_running_loop().create_task(
         watch_health(health_servicer, pool, engine, interval=HEALTH_INTERVAL_SECONDS,
                      timeout=min(1.0, config.db_timeout_seconds)))
     return Running(server=server, health=health_servicer, pool=pool, engine=engine,
                    grpc_port=grpc_port, metrics_port=metrics_port, metrics_http=metrics_http,
                    events=events, watch=watch, tracing=provider, limits=limits,
-                   summarizer=summarizer)
+                   summarizer=summarizer, maintenance=maintenance)
+
+
+def maintenance_policy(config: Config) -> Policy:
+    """What the maintenance cycles keep, from the CE_* settings."""
+    return Policy(retention_days=config.events_retention_days,
+                  ahead_days=config.event_partitions_ahead_days,
+                  key_ttl=timedelta(hours=config.idempotency_key_ttl_hours),
+                  lock_timeout_seconds=config.db_timeout_seconds)
 
 
 HEALTH_INTERVAL_SECONDS = 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -29,6 +30,9 @@ from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 SERVICE = pb.DESCRIPTOR.services_by_name["ContextEngine"].full_name
+# Who is calling, as an erasure records it: set by the credentials interceptor for each call
+# ("token:" and the first 12 hex of the token's SHA-256); "dev" when no credentials are checked.
+CALLER: ContextVar[str] = ContextVar("context_engine_caller", default="dev")
 
 
 @dataclass
@@ -107,7 +111,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             plan, created = await self._engine.plan(cmd)
             record.epoch, record.prefix_sha256 = plan.epoch, plan.prefix_sha256
             record.extra["created"] = created
-            loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch)
+            loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch,
+                                               incarnation=plan.incarnation)
             return pb.PlanResponse(plan=mapping.plan_pb(loaded, catalog=self._engine.catalog),
                                    created=created)
         return await self._run("Plan", context, call)
@@ -120,7 +125,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             mapping.session_ids(v, request.tenant_id, request.session_id)
             epoch = mapping.epoch(v, request.epoch)
             v.raise_if_any()
-            loaded = await self._engine.loaded(request.tenant_id, request.session_id, epoch)
+            loaded = await self._engine.read_plan(request.tenant_id, request.session_id, epoch)
             record.epoch, record.prefix_sha256 = loaded.plan.epoch, loaded.plan.prefix_sha256
             return pb.GetPlanResponse(plan=mapping.plan_pb(loaded, catalog=self._engine.catalog))
         return await self._run("GetPlan", context, call)
@@ -147,7 +152,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             record.epoch, record.prefix_sha256 = loaded.plan.epoch, loaded.plan.prefix_sha256
             result = await self._engine.build(request.tenant_id, request.session_id,
                                               loaded.plan.epoch, checkpoint, factor,
-                                              validated=True)
+                                              validated=True,
+                                              incarnation=loaded.plan.incarnation)
             record.epoch, record.prefix_sha256 = result.epoch, result.prefix_sha256
             record.extra["estimated_input_tokens"] = result.estimated_input_tokens
             record.extra["yield_steps"] = [s.step for s in result.pressure.steps]
@@ -188,7 +194,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             plan, rotated = await self._engine.rotate(mapping.rotate_command(request))
             record.epoch, record.prefix_sha256 = plan.epoch, plan.prefix_sha256
             record.extra["rotated"] = rotated
-            loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch)
+            loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch,
+                                               incarnation=plan.incarnation)
             return pb.RotateResponse(plan=mapping.plan_pb(loaded, catalog=self._engine.catalog),
                                      rotated=rotated)
         return await self._run("Rotate", context, call)
@@ -236,6 +243,21 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             record.extra["elided"] = len(outcome.result.elided)
             return mapping.compact_pb(outcome)
         return await self._run("Compact", context, call)
+
+    async def DeleteSession(self, request: pb.DeleteSessionRequest,
+                            context: grpc.aio.ServicerContext[Any, Any]
+                            ) -> pb.DeleteSessionResponse:
+        async def call(record: CallRecord) -> pb.DeleteSessionResponse:
+            record.session(request.tenant_id, request.session_id)
+            tenant_id, session_id = mapping.delete_session_ids(request)
+            erased = await self._engine.delete_session(tenant_id, session_id,
+                                                       requested_by=CALLER.get())
+            record.extra["deleted"] = erased.deleted
+            record.extra["rows"] = sum((erased.plans, erased.events, erased.compactions,
+                                        erased.idempotency_keys, erased.usage_rows,
+                                        erased.sessions))
+            return mapping.delete_session_pb(erased, self._engine.cache.ttl)
+        return await self._run("DeleteSession", context, call)
 
 
 @dataclass(frozen=True)

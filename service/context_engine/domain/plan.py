@@ -219,6 +219,9 @@ class ContextPlan:
     created_at: datetime | None = None
     # the stored document as parsed, when loaded from storage (legacy hash recognition)
     recorded: dict[str, Any] | None = None
+    # which incarnation of the session this epoch belongs to (the store numbers each creation
+    # of a session; a session erased and planned again is a new one); 0 when not stored
+    incarnation: int = 0
 
 
 def prefix_items(spec: PlanSpec) -> list[ContextItem]:

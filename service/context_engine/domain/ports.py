@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any, Protocol
+from uuid import UUID
 
 from context_engine.domain.calibration import Calibration, Reconciled
 from context_engine.domain.compaction import CompactionResult
@@ -31,16 +33,56 @@ class ContextEvent:
     epoch: int
     type: str
     payload: dict[str, Any]
+    # The event's identity, fixed at the first attempt to write it (``identified``) and kept
+    # by every retry: a retry of a write that did land stores nothing new. None: not yet.
+    event_id: UUID | None = None
+    created_at: datetime | None = None
+
+    def identified(self, new_id: Callable[[], UUID],
+                   now: Callable[[], datetime]) -> ContextEvent:
+        """This event with an identity: its own if it has one, else a new id and ``now()``."""
+        if self.event_id is not None and self.created_at is not None:
+            return self
+        return replace(self, event_id=new_id(), created_at=now())
+
+
+class EventRejected(Exception):
+    """An event the outbox can never hold, so retrying it is pointless: its session was
+    erased (``SESSION_ERASED``), or its day is before the oldest kept partition of the outbox
+    (``PAST_RETENTION``)."""
+
+    SESSION_ERASED = "session_erased"
+    PAST_RETENTION = "past_retention"
+
+    def __init__(self, event: ContextEvent, reason: str) -> None:
+        self.event = event
+        self.reason = reason
+        super().__init__(f"{event.type} event of tenant {event.tenant_id} rejected: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class CurrentEpoch:
+    """A session's current epoch, and which incarnation of the session it is: a session erased
+    and planned again starts at epoch 1 again under a new (higher) incarnation."""
+
+    incarnation: int
+    epoch: int
 
 
 class PlanStore(Protocol):
     async def get(self, tenant_id: str, session_id: str,
                   epoch: int | None = None) -> ContextPlan | None:
-        """The given epoch's plan, or the current one when ``epoch`` is None."""
+        """The given epoch's plan, or the current one when ``epoch`` is None, with the
+        session's incarnation."""
         ...
 
-    async def current_epoch(self, tenant_id: str, session_id: str) -> int | None:
-        """The session's current epoch, or None for an unknown session."""
+    async def current(self, tenant_id: str, session_id: str) -> CurrentEpoch | None:
+        """The session's incarnation and current epoch, or None for an unknown session."""
+        ...
+
+    async def incarnation(self, tenant_id: str, session_id: str, epoch: int) -> int | None:
+        """The incarnation of the session if it has ``epoch``, else None (unknown session or
+        epoch): re-verifies a cached plan without reading it again."""
         ...
 
     async def pin(self, tenant_id: str, session_id: str, decide: Decide, *,
@@ -110,6 +152,14 @@ class InMemoryPlanStore:
         epochs = self.plans.get((tenant_id, session_id))
         return len(epochs) if epochs else None
 
+    async def current(self, tenant_id: str, session_id: str) -> CurrentEpoch | None:
+        epochs = self.plans.get((tenant_id, session_id))
+        return CurrentEpoch(0, len(epochs)) if epochs else None
+
+    async def incarnation(self, tenant_id: str, session_id: str, epoch: int) -> int | None:
+        epochs = self.plans.get((tenant_id, session_id), [])
+        return 0 if 0 < epoch <= len(epochs) else None
+
     keys: dict[tuple[str, str], tuple[str, str, int]] = field(default_factory=dict)
 
     async def pin(self, tenant_id: str, session_id: str, decide: Decide, *,
@@ -136,6 +186,10 @@ class InMemoryPlanStore:
 
 
 class EventLog(Protocol):
+    """The outbox. An event keeps the identity it is first written with (``identified``), so
+    writing it again stores nothing new. ``append`` and ``append_once`` raise
+    ``EventRejected`` for an event that can never be written (its session was erased)."""
+
     async def append(self, event: ContextEvent) -> None:
         """Append one context event to the outbox."""
         ...
@@ -147,8 +201,9 @@ class EventLog(Protocol):
 
     async def append_once_durably(self, event: ContextEvent, key: str) -> bool:
         """``append_once``, written before it returns, never deferred to a later retry: raises
-        StoreUnavailable when it cannot be written now. For an event that fences what the
-        caller may do next (``context.snapshot.used``)."""
+        StoreUnavailable when it cannot be written now, SessionNotFound when its session was
+        erased. For an event that fences what the caller may do next
+        (``context.snapshot.used``)."""
         ...
 
 
@@ -291,3 +346,32 @@ class InMemoryCompactionStore:
             session_id=session_id, fingerprint=fingerprint, result=result)
         self.events.append(event)
         return result, True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Erased:
+    """What one erasure removed, in rows by kind, and when (the server's clock). ``sessions``
+    is 0 when there was nothing to erase."""
+
+    sessions: int = 0
+    plans: int = 0
+    events: int = 0
+    compactions: int = 0
+    idempotency_keys: int = 0
+    usage_rows: int = 0
+    calibrations: int = 0  # a tenant's estimator calibrations (tenant purge only)
+    erased_at: datetime
+
+    @property
+    def deleted(self) -> bool:
+        return any((self.sessions, self.plans, self.events, self.compactions,
+                    self.idempotency_keys, self.usage_rows, self.calibrations))
+
+
+class SessionEraser(Protocol):
+    async def erase_session(self, tenant_id: str, session_id: str, *, requested_by: str,
+                            at: datetime) -> Erased:
+        """Atomically remove the session's plans (every epoch), its current epoch, context
+        events, compaction records, usage rows and idempotency keys, and, when anything was
+        removed, record an audit row that holds no content (``requested_by``, ``at``)."""
+        ...

@@ -35,8 +35,8 @@ class AsyncClient:
     retries, sends ``authorization: Bearer <token>`` when a token is given, and raises a
     :class:`~context_engine_client.ContextEngineError` subclass on failure. ``UNAVAILABLE`` is
     retried for the idempotent RPCs (Plan, GetPlan, Build, UpdateWorkingState,
-    CarryWorkingState) and, only when the request carries an idempotency key, for Rotate,
-    Compact and ReportUsage.
+    CarryWorkingState, DeleteSession) and, only when the request carries an idempotency key,
+    for Rotate, Compact and ReportUsage.
 
     ``tls`` (or any certificate) turns TLS on: ``root_certificates`` to trust (PEM; the system
     roots when absent), ``client_certificate_chain`` and ``client_private_key`` for mutual TLS,
@@ -143,6 +143,16 @@ class AsyncClient:
         """Compacts the oldest carried history into a summary (a write); a retried idempotency
         key returns the stored result."""
         return await self._invoke("Compact", request, pb.CompactResponse, timeout, metadata)
+
+    async def delete_session(self, *, request: pb.DeleteSessionRequest,
+                             timeout: float | None = None,
+                             metadata: Metadata | None = None) -> pb.DeleteSessionResponse:
+        """Erases a session: its plans, events, compactions, usage rows and idempotency keys
+        (audited, no content kept). Idempotent (``deleted`` is false when there was nothing to
+        erase), so it is retried on ``UNAVAILABLE``. Replicas stop serving it from their plan
+        caches within the response's ``plan_cache_seconds``."""
+        return await self._invoke("DeleteSession", request, pb.DeleteSessionResponse, timeout,
+                                  metadata)
 
     # ------------------------------------------------------------------------------ internals
 

@@ -34,8 +34,8 @@ class Client:
     retries, sends ``authorization: Bearer <token>`` when a token is given, and raises a
     :class:`~context_engine_client.ContextEngineError` subclass on failure. ``UNAVAILABLE`` is
     retried for the idempotent RPCs (Plan, GetPlan, Build, UpdateWorkingState,
-    CarryWorkingState) and, only when the request carries an idempotency key, for Rotate,
-    Compact and ReportUsage.
+    CarryWorkingState, DeleteSession) and, only when the request carries an idempotency key,
+    for Rotate, Compact and ReportUsage.
 
     ``tls`` (or any certificate) turns TLS on: ``root_certificates`` to trust (PEM; the system
     roots when absent), ``client_certificate_chain`` and ``client_private_key`` for mutual TLS,
@@ -139,6 +139,16 @@ class Client:
         """Compacts the oldest carried history into a summary (a write); a retried idempotency
         key returns the stored result."""
         return self._invoke("Compact", request, pb.CompactResponse, timeout, metadata)
+
+    def delete_session(self, *, request: pb.DeleteSessionRequest,
+                       timeout: float | None = None,
+                       metadata: Metadata | None = None) -> pb.DeleteSessionResponse:
+        """Erases a session: its plans, events, compactions, usage rows and idempotency keys
+        (audited, no content kept). Idempotent (``deleted`` is false when there was nothing to
+        erase), so it is retried on ``UNAVAILABLE``. Replicas stop serving it from their plan
+        caches within the response's ``plan_cache_seconds``."""
+        return self._invoke("DeleteSession", request, pb.DeleteSessionResponse, timeout,
+                            metadata)
 
     # ------------------------------------------------------------------------------ internals
 

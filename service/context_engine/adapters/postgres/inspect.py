@@ -1,8 +1,11 @@
 """Read-only access to one session's epochs and context events, for ``context-engine inspect``.
 
-Every statement runs on a connection whose transactions default to READ ONLY, inside one
-explicit READ ONLY, REPEATABLE READ transaction: PostgreSQL itself refuses any write, and the
-epochs and events printed come from one consistent snapshot.
+Every statement runs inside one explicit READ ONLY, REPEATABLE READ transaction: PostgreSQL
+itself refuses any write, and the epochs and events printed come from one consistent snapshot.
+Connected directly, the connection's transactions also default to READ ONLY; behind a pooler in
+transaction mode a session default cannot hold (the pooler refuses it in the start-up packet,
+and the next transaction may run on another server connection), so the explicit transaction is
+the guard there.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from typing import Any
 
 import asyncpg
 
+from context_engine.adapters.postgres.pool import connect
+from context_engine.config import Pooler
 from context_engine.domain.plan import ClassUsage
 
 SESSION = """
@@ -47,6 +52,8 @@ READ_ONLY_SETTINGS = {
     "default_transaction_read_only": "on",
     "application_name": "context-engine inspect",
 }
+# Behind a pooler in transaction mode: only what the pooler tracks per client.
+POOLED_SETTINGS = {"application_name": "context-engine inspect"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,10 +102,13 @@ class SessionRecord:
     events_total: int
 
 
-async def connect_read_only(dsn: str, *, timeout: float = 10.0) -> asyncpg.Connection:
+async def connect_read_only(dsn: str, *, pooler: Pooler = Pooler.NONE,
+                            timeout: float = 10.0) -> asyncpg.Connection:
     """A connection on which every transaction is READ ONLY unless a statement asks
-    otherwise; ``read_session`` never does."""
-    return await asyncpg.connect(dsn, timeout=timeout, server_settings=READ_ONLY_SETTINGS)
+    otherwise (``read_session`` never does); behind a pooler in transaction mode, a connection
+    on which only ``read_session``'s explicit transaction is READ ONLY."""
+    settings = POOLED_SETTINGS if pooler is Pooler.TRANSACTION else READ_ONLY_SETTINGS
+    return await connect(dsn, pooler=pooler, timeout=timeout, server_settings=settings)
 
 
 def _classes(text: str) -> tuple[ClassUsage, ...]:

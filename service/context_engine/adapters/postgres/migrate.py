@@ -1,4 +1,5 @@
-"""Forward-only migrations: numbered SQL files applied in order under an advisory lock.
+"""Forward-only migrations: numbered SQL files applied in order, each in a transaction that holds
+an advisory lock.
 
 Each applied migration's checksum (SHA-256 of the file's bytes) is recorded with it. Before
 applying anything, the migrator compares the record with the files: a migration changed after
@@ -159,56 +160,65 @@ def _applied(rows: Sequence[asyncpg.Record]) -> list[Applied]:
                     checksum=r["checksum"]) for r in rows]
 
 
-async def migrate(dsn: str, directory: Path) -> list[str]:
-    """Apply every migration not yet applied; returns the names applied by this call.
-    ``MigrationError`` (and nothing applied) when an applied migration no longer matches its
-    file."""
-    conn = await asyncpg.connect(dsn)
+async def migrate(dsn: str, directory: Path, *, target: int | None = None) -> list[str]:
+    """Apply every migration not yet applied (only those numbered up to ``target`` when given);
+    returns the names applied by this call. ``MigrationError`` (and nothing applied) when an
+    applied migration no longer matches its file.
+
+    Each migration is applied in a transaction of its own that first takes the migration lock
+    (``pg_advisory_xact_lock``, released when the transaction ends) and then reads what is
+    applied: concurrent migrators serialize and each migration is applied once, and nothing
+    outlives a transaction on the server connection, so a pooler in transaction mode may stand
+    in between. The statement cache is off for the same reason."""
+    files = discover(directory)
+    if target is not None and target not in {m.version for m in files}:
+        raise ValueError(f"no migration numbered {target:04d} in {directory}")
+    conn = await asyncpg.connect(dsn, statement_cache_size=0)
     applied_now: list[str] = []
     try:
-        await conn.execute(queries.LOCK_MIGRATIONS, MIGRATION_LOCK_KEY)
-        try:
-            await conn.execute(queries.CREATE_MIGRATIONS_TABLE)
-            await conn.execute(queries.ADD_MIGRATION_CHECKSUM)
-            files = discover(directory)
-            entries = reconcile(_applied(await conn.fetch(queries.APPLIED_MIGRATIONS)), files)
-            found = problems(entries, directory)
-            if found:
-                raise MigrationError(found)
-            unrecorded = [e for e in entries if e.check is Check.UNRECORDED]
+        while True:
+            async with conn.transaction():
+                await conn.execute(queries.LOCK_MIGRATIONS, MIGRATION_LOCK_KEY)
+                await conn.execute(queries.CREATE_MIGRATIONS_TABLE)
+                await conn.execute(queries.ADD_MIGRATION_CHECKSUM)
+                entries = reconcile(_applied(await conn.fetch(queries.APPLIED_MIGRATIONS)),
+                                    files)
+                found = problems(entries, directory)
+                if found:
+                    raise MigrationError(found)
+                unrecorded = [e for e in entries if e.check is Check.UNRECORDED]
+                for e in unrecorded:
+                    await conn.execute(queries.BACKFILL_MIGRATION_CHECKSUM, e.version,
+                                       e.current)
+                pending = {e.version for e in entries if e.pending}
+                todo = next((m for m in files if m.version in pending
+                             and (target is None or m.version <= target)), None)
+                if todo is not None:
+                    await conn.execute(todo.sql)
+                    await conn.execute(queries.RECORD_MIGRATION, todo.version, todo.name,
+                                       todo.checksum)
             if unrecorded:
-                async with conn.transaction():
-                    for e in unrecorded:
-                        await conn.execute(queries.BACKFILL_MIGRATION_CHECKSUM, e.version,
-                                           e.current)
                 log("migration_checksums_backfilled", logging.WARNING,
                     migrations=[e.label for e in unrecorded], directory=str(directory),
                     note="applied before checksums were recorded: recorded now from the files "
                          "on disk, which are trusted to be the ones applied")
-            pending = {e.version for e in entries if e.pending}
-            for m in files:
-                if m.version not in pending:
-                    continue
-                async with conn.transaction():
-                    await conn.execute(m.sql)
-                    await conn.execute(queries.RECORD_MIGRATION, m.version, m.name, m.checksum)
-                applied_now.append(f"{m.version:04d}_{m.name}")
-        finally:
-            await conn.execute(queries.UNLOCK_MIGRATIONS, MIGRATION_LOCK_KEY)
+            if todo is None:
+                return applied_now
+            applied_now.append(todo.file.removesuffix(".sql"))
     finally:
         await conn.close()
-    return applied_now
 
 
 async def status(dsn: str, directory: Path) -> list[Entry]:
     """The applied and pending migrations, read-only: creates, records and applies nothing
     (a database from before checksums shows its rows ``unrecorded``)."""
     files = discover(directory)
-    conn = await asyncpg.connect(dsn, server_settings={
-        "default_transaction_read_only": "on", "application_name": "context-engine migrate"})
+    conn = await asyncpg.connect(dsn, statement_cache_size=0,
+                                 server_settings={"application_name": "context-engine migrate"})
     try:
-        rows = (await conn.fetch(queries.APPLIED_MIGRATIONS_READ_ONLY)
-                if await conn.fetchval(queries.MIGRATIONS_TABLE_EXISTS) else [])
+        async with conn.transaction(readonly=True):  # PostgreSQL refuses any write in it
+            rows = (await conn.fetch(queries.APPLIED_MIGRATIONS_READ_ONLY)
+                    if await conn.fetchval(queries.MIGRATIONS_TABLE_EXISTS) else [])
     finally:
         await conn.close()
     return reconcile(_applied(rows), files)

@@ -1,7 +1,8 @@
 """Every SQL statement the service runs, by name."""
 
-LOCK_MIGRATIONS = "SELECT pg_advisory_lock($1)"
-UNLOCK_MIGRATIONS = "SELECT pg_advisory_unlock($1)"
+# Held until the transaction ends: nothing is left on the connection (a pooler in transaction
+# mode may hand the next transaction to another server connection).
+LOCK_MIGRATIONS = "SELECT pg_advisory_xact_lock($1)"
 # The migrator's own bootstrap: the checksum column (SHA-256 of the file's bytes, hex) came after
 # the table, so a database migrated before it gains the column here, NULL until backfilled.
 CREATE_MIGRATIONS_TABLE = """
@@ -29,20 +30,40 @@ ENSURE_SESSION = """
 INSERT INTO sessions (tenant_id, session_id) VALUES ($1, $2)
 ON CONFLICT (tenant_id, session_id) DO NOTHING"""
 
+# NO KEY UPDATE: pins of one session serialize on it, while the key-share locks that foreign
+# keys take on the row (an event, a keyed write naming the session, in this transaction or
+# another) do not conflict with it. FOR UPDATE would: two Rotates whose keys had each taken a
+# key-share lock would then wait for each other (a deadlock). Erasure's FOR UPDATE still
+# excludes all of them.
 LOCK_SESSION = """
-SELECT current_epoch FROM sessions WHERE tenant_id = $1 AND session_id = $2 FOR UPDATE"""
+SELECT current_epoch, incarnation FROM sessions WHERE tenant_id = $1 AND session_id = $2
+FOR NO KEY UPDATE"""
 
 CURRENT_EPOCH = "SELECT current_epoch FROM sessions WHERE tenant_id = $1 AND session_id = $2"
 
-PLAN_COLUMNS = """tenant_id, session_id, epoch, reason, spec_text, prefix_sha256,
-    prefix_tokens, classes::text AS classes, created_at"""
+# The current epoch with the session's incarnation (a session erased and planned again is a new
+# incarnation at epoch 1 again): Build and GetPlan without an epoch read this on every call.
+CURRENT_SESSION = """
+SELECT incarnation, current_epoch FROM sessions WHERE tenant_id = $1 AND session_id = $2"""
+
+# Re-verifies a cached plan: the session's incarnation if it still has the epoch.
+PLAN_INCARNATION = """
+SELECT s.incarnation FROM sessions s
+WHERE s.tenant_id = $1 AND s.session_id = $2
+  AND EXISTS (SELECT 1 FROM plans p
+              WHERE p.tenant_id = s.tenant_id AND p.session_id = s.session_id AND p.epoch = $3)"""
+
+# A plan row with its session's incarnation (read in the same statement, so the two agree).
+PLAN_COLUMNS = """p.tenant_id, p.session_id, p.epoch, p.reason, p.spec_text, p.prefix_sha256,
+    p.prefix_tokens, p.classes::text AS classes, p.created_at, s.incarnation"""
 
 GET_PLAN = f"""
-SELECT {PLAN_COLUMNS} FROM plans WHERE tenant_id = $1 AND session_id = $2 AND epoch = $3"""
+SELECT {PLAN_COLUMNS}
+FROM plans p JOIN sessions s ON s.tenant_id = p.tenant_id AND s.session_id = p.session_id
+WHERE p.tenant_id = $1 AND p.session_id = $2 AND p.epoch = $3"""
 
-GET_CURRENT_PLAN = """
-SELECT p.tenant_id, p.session_id, p.epoch, p.reason, p.spec_text, p.prefix_sha256,
-    p.prefix_tokens, p.classes::text AS classes, p.created_at
+GET_CURRENT_PLAN = f"""
+SELECT {PLAN_COLUMNS}
 FROM plans p JOIN sessions s ON s.tenant_id = p.tenant_id AND s.session_id = p.session_id
 WHERE p.tenant_id = $1 AND p.session_id = $2 AND p.epoch = s.current_epoch"""
 
@@ -58,9 +79,13 @@ ADVANCE_SESSION = """
 UPDATE sessions SET current_epoch = $3, updated_at = now()
 WHERE tenant_id = $1 AND session_id = $2 AND current_epoch = $3 - 1"""
 
+# An event is identified by its event id and created_at (fixed at its first attempt, so a
+# retry of a write that did land stores nothing new). context_events is partitioned by day on
+# created_at (migration 0006): a day without a partition fails with check_violation.
 INSERT_EVENT = """
-INSERT INTO context_events (tenant_id, session_id, epoch, type, payload)
-VALUES ($1, $2, $3, $4, $5::jsonb)"""
+INSERT INTO context_events (event_id, created_at, tenant_id, session_id, epoch, type, payload)
+VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb)
+ON CONFLICT (event_id, created_at) DO NOTHING"""
 
 GET_CALIBRATION = """
 SELECT model_id, encoding, factor, reports FROM estimator_calibration
@@ -101,8 +126,12 @@ SELECT model_id, factor FROM (
     WHERE reports > 0 ORDER BY model_id, updated_at DESC) latest
 ORDER BY updated_at, model_id"""
 
+# The key names its session ($4): erasing the session removes it, and the foreign key holds a
+# key-share lock on the session's row until the transaction ends (an erasure waits for it, or
+# this insert fails with foreign_key_violation once the session is gone).
 CLAIM_KEY = """
-INSERT INTO idempotency_keys (tenant_id, rpc, key, response) VALUES ($1, $2, $3, '{}'::jsonb)
+INSERT INTO idempotency_keys (tenant_id, rpc, key, response, session_id)
+VALUES ($1, $2, $3, '{}'::jsonb, $4)
 ON CONFLICT (tenant_id, rpc, key) DO NOTHING
 RETURNING key"""
 

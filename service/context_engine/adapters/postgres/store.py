@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
+from uuid import UUID, uuid4
 
 import asyncpg
 from opentelemetry.trace import NoOpTracer, Tracer
 
 from context_engine.adapters.postgres import queries
 from context_engine.adapters.postgres.errors import translated
+from context_engine.clock import SYSTEM_CLOCK, Clock
 from context_engine.domain.calibration import Calibration, Reconciled
 from context_engine.domain.canonical import canonical_json
 from context_engine.domain.compaction import (
@@ -19,12 +24,15 @@ from context_engine.domain.compaction import (
     result_document,
     result_from_document,
 )
+from context_engine.domain.errors import SessionNotFound, StoreUnavailable
 from context_engine.domain.plan import ClassUsage, ContextPlan, PlanSpec
 from context_engine.domain.ports import (
     ContextEvent,
+    CurrentEpoch,
     Decide,
     EpochHistory,
     EpochUsage,
+    EventRejected,
     Reconcile,
     StoredCompaction,
     check_stored,
@@ -32,7 +40,44 @@ from context_engine.domain.ports import (
     pinned,
     plan_event,
 )
+from context_engine.telemetry.logs import log
 from context_engine.telemetry.tracing import db_call
+
+NewEventId = Callable[[], UUID]
+
+
+class PartitionMissing(StoreUnavailable):
+    """No partition of ``context_events`` holds the event's day: the partitions ahead have not
+    been created (maintenance has not run, or the clock is off by more than
+    CE_EVENT_PARTITIONS_AHEAD_DAYS), or the day was dropped by retention. Nothing was written;
+    the caller may retry once the partition exists."""
+
+    def __init__(self, event: ContextEvent) -> None:
+        self.event = event
+        super().__init__(f"no partition of context_events for {event.created_at}")
+
+
+async def insert_event(conn: Any, event: ContextEvent, *, timeout: float) -> None:
+    """Write one identified event (``ContextEvent.identified``) on ``conn`` (a connection in
+    the caller's transaction, or the pool). Writing it again stores nothing new. Its session
+    erased: ``EventRejected`` (SESSION_ERASED); no partition for its day: ``PartitionMissing``,
+    logged."""
+    if event.event_id is None or event.created_at is None:
+        raise ValueError("an event is written with its identity (ContextEvent.identified)")
+    try:
+        await conn.execute(queries.INSERT_EVENT, event.event_id, event.created_at,
+                           event.tenant_id, event.session_id, event.epoch, event.type,
+                           canonical_json(event.payload), timeout=timeout)
+    except asyncpg.ForeignKeyViolationError as exc:
+        raise EventRejected(event, EventRejected.SESSION_ERASED) from exc
+    except asyncpg.CheckViolationError as exc:
+        if getattr(exc, "constraint_name", None):  # a constraint of the table: not routing
+            raise
+        log("event_partition_missing", logging.ERROR, type=event.type, tenant=event.tenant_id,
+            created_at=event.created_at.isoformat(),
+            advice="the maintenance cycle creates partitions ahead "
+                   "(CE_EVENT_PARTITIONS_AHEAD_DAYS); check its log lines and the clock")
+        raise PartitionMissing(event) from exc
 
 
 def _plan_from_row(row: asyncpg.Record) -> ContextPlan:
@@ -44,7 +89,19 @@ def _plan_from_row(row: asyncpg.Record) -> ContextPlan:
     return ContextPlan(tenant_id=row["tenant_id"], session_id=row["session_id"],
                        epoch=row["epoch"], reason=row["reason"], spec=spec,
                        prefix_sha256=row["prefix_sha256"], prefix_tokens=row["prefix_tokens"],
-                       classes=classes, created_at=row["created_at"], recorded=document)
+                       classes=classes, created_at=row["created_at"], recorded=document,
+                       incarnation=int(row["incarnation"]))
+
+
+@contextmanager
+def _session_required(tenant_id: str, session_id: str) -> Iterator[None]:
+    """A keyed write names its session, whose row the foreign key needs: a session that does
+    not exist (never planned, or erased meanwhile) is SessionNotFound, and nothing is
+    written."""
+    try:
+        yield
+    except asyncpg.ForeignKeyViolationError as exc:
+        raise SessionNotFound(tenant_id, session_id) from exc
 
 
 def _classes_json(plan: ContextPlan) -> str:
@@ -54,10 +111,13 @@ def _classes_json(plan: ContextPlan) -> str:
 
 class PostgresPlanStore:
     def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, clock: Clock = SYSTEM_CLOCK,
+                 new_event_id: NewEventId = uuid4) -> None:
         self._pool = pool
         self._timeout = command_timeout
         self._tracer = tracer or NoOpTracer()
+        self._clock = clock
+        self._new_event_id = new_event_id
 
     async def get(self, tenant_id: str, session_id: str,
                   epoch: int | None = None) -> ContextPlan | None:
@@ -82,6 +142,22 @@ class PostgresPlanStore:
                                                   timeout=self._timeout)
         return int(epoch) if epoch else None
 
+    async def current(self, tenant_id: str, session_id: str) -> CurrentEpoch | None:
+        with db_call(self._tracer, "sessions.current"):
+            async with translated():
+                row = await self._pool.fetchrow(queries.CURRENT_SESSION, tenant_id, session_id,
+                                                timeout=self._timeout)
+        if row is None or not row["current_epoch"]:
+            return None
+        return CurrentEpoch(int(row["incarnation"]), int(row["current_epoch"]))
+
+    async def incarnation(self, tenant_id: str, session_id: str, epoch: int) -> int | None:
+        with db_call(self._tracer, "plans.incarnation"):
+            async with translated():
+                found = await self._pool.fetchval(queries.PLAN_INCARNATION, tenant_id,
+                                                  session_id, epoch, timeout=self._timeout)
+        return None if found is None else int(found)
+
     async def pin(self, tenant_id: str, session_id: str, decide: Decide, *,
                   idempotency_key: str | None = None,
                   fingerprint: str = "") -> tuple[ContextPlan, bool]:
@@ -99,8 +175,10 @@ class PostgresPlanStore:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
             if idempotency_key is not None:
-                claimed = await conn.fetchval(queries.CLAIM_KEY, tenant_id, "Rotate",
-                                              idempotency_key, timeout=self._timeout)
+                with _session_required(tenant_id, session_id):  # Rotate needs a session
+                    claimed = await conn.fetchval(queries.CLAIM_KEY, tenant_id, "Rotate",
+                                                  idempotency_key, session_id,
+                                                  timeout=self._timeout)
                 if claimed is None:  # a retry: the epoch the first call left current
                     stored = json.loads(await conn.fetchval(
                         queries.GET_KEY, tenant_id, "Rotate", idempotency_key,
@@ -113,8 +191,9 @@ class PostgresPlanStore:
                     return _plan_from_row(row), False
             await conn.execute(queries.ENSURE_SESSION, tenant_id, session_id,
                                timeout=self._timeout)
-            epoch = await conn.fetchval(queries.LOCK_SESSION, tenant_id, session_id,
-                                        timeout=self._timeout)
+            locked = await conn.fetchrow(queries.LOCK_SESSION, tenant_id, session_id,
+                                         timeout=self._timeout)
+            epoch, incarnation = int(locked["current_epoch"]), int(locked["incarnation"])
             current = None
             if epoch:
                 row = await conn.fetchrow(queries.GET_PLAN, tenant_id, session_id, epoch,
@@ -124,7 +203,8 @@ class PostgresPlanStore:
             if rotation is None:
                 assert current is not None
                 return current, False
-            plan = pinned(tenant_id, session_id, epoch + 1, rotation)
+            plan = replace(pinned(tenant_id, session_id, epoch + 1, rotation),
+                           incarnation=incarnation)
             created_at = await self._insert(conn, plan)
             if idempotency_key is not None:
                 await conn.execute(queries.SET_KEY_RESPONSE, tenant_id, "Rotate",
@@ -147,50 +227,87 @@ class PostgresPlanStore:
                                     plan.epoch, timeout=self._timeout)
         if status != "UPDATE 1":  # the row lock makes this unreachable; never skip an epoch
             raise RuntimeError(f"session epoch did not advance to {plan.epoch}: {status}")
-        event = plan_event(plan)
-        await conn.execute(queries.INSERT_EVENT, event.tenant_id, event.session_id, event.epoch,
-                           event.type, canonical_json(event.payload), timeout=self._timeout)
+        event = plan_event(plan).identified(self._new_event_id, self._clock.now)
+        await insert_event(conn, event, timeout=self._timeout)
         assert isinstance(created_at, datetime)
         return created_at
 
 
 class PostgresEventLog:
+    """The outbox on ``context_events``. An event without an identity gets one here (an id
+    from ``new_event_id`` and the clock's time); a caller that may retry gives it one first,
+    and a retry of a write that did land then stores nothing new."""
+
     def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, clock: Clock = SYSTEM_CLOCK,
+                 new_event_id: NewEventId = uuid4) -> None:
         self._pool = pool
         self._timeout = command_timeout
         self._tracer = tracer or NoOpTracer()
+        self._clock = clock
+        self._new_event_id = new_event_id
+
+    def _identified(self, event: ContextEvent) -> ContextEvent:
+        return event.identified(self._new_event_id, self._clock.now)
+
+    def _rejected_when_past(self, missing: PartitionMissing) -> EventRejected | None:
+        """A day before today has no partition: it was dropped by retention (or never made,
+        and maintenance only makes today's and later ones), so waiting will not help."""
+        created = missing.event.created_at
+        assert created is not None
+        today = self._clock.now().astimezone(UTC).date()
+        if created.astimezone(UTC).date() < today:
+            return EventRejected(missing.event, EventRejected.PAST_RETENTION)
+        return None
 
     async def append(self, event: ContextEvent) -> None:
         with db_call(self._tracer, "events.append") as span:
             span.set_attribute("context_engine.event_type", event.type)
-            await self._append(event)
+            await self._append(self._identified(event))
 
     async def _append(self, event: ContextEvent) -> None:
-        async with translated():
-            await self._pool.execute(queries.INSERT_EVENT, event.tenant_id, event.session_id,
-                                     event.epoch, event.type, canonical_json(event.payload),
-                                     timeout=self._timeout)
+        try:
+            async with translated():
+                await insert_event(self._pool, event, timeout=self._timeout)
+        except PartitionMissing as missing:
+            rejected = self._rejected_when_past(missing)
+            if rejected is None:
+                raise
+            raise rejected from missing
 
     async def append_once(self, event: ContextEvent, key: str) -> bool:
         with db_call(self._tracer, "events.append_once") as span:
             span.set_attribute("context_engine.event_type", event.type)
-            return await self._append_once(event, key)
+            return await self._append_once(self._identified(event), key)
 
     async def append_once_durably(self, event: ContextEvent, key: str) -> bool:
-        return await self.append_once(event, key)  # every write here is durable or raises
+        # every write here is durable or raises; a fence of an erased session is NOT_FOUND
+        try:
+            return await self.append_once(event, key)
+        except EventRejected as exc:
+            if exc.reason == EventRejected.SESSION_ERASED:
+                raise SessionNotFound(event.tenant_id, event.session_id) from exc
+            raise StoreUnavailable(str(exc)) from exc
 
     async def _append_once(self, event: ContextEvent, key: str) -> bool:
-        async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
-                    conn.transaction()):
-            claimed = await conn.fetchval(queries.CLAIM_KEY, event.tenant_id, event.type, key,
-                                          timeout=self._timeout)
-            if claimed is None:
-                return False
-            await conn.execute(queries.INSERT_EVENT, event.tenant_id, event.session_id,
-                               event.epoch, event.type, canonical_json(event.payload),
-                               timeout=self._timeout)
-            return True
+        try:
+            async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
+                        conn.transaction()):
+                try:
+                    claimed = await conn.fetchval(queries.CLAIM_KEY, event.tenant_id,
+                                                  event.type, key, event.session_id,
+                                                  timeout=self._timeout)
+                except asyncpg.ForeignKeyViolationError as exc:  # the key names its session
+                    raise EventRejected(event, EventRejected.SESSION_ERASED) from exc
+                if claimed is None:
+                    return False
+                await insert_event(conn, event, timeout=self._timeout)
+                return True
+        except PartitionMissing as missing:
+            rejected = self._rejected_when_past(missing)
+            if rejected is None:
+                raise
+            raise rejected from missing
 
 
 def _calibration(row: asyncpg.Record | None) -> Calibration | None:
@@ -251,8 +368,10 @@ class PostgresCalibrationStore:
                          usage: EpochUsage) -> tuple[Reconciled, EpochHistory | None]:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
-            claimed = await conn.fetchval(queries.CLAIM_KEY, tenant_id, self.RPC,
-                                          idempotency_key, timeout=self._timeout)
+            with _session_required(tenant_id, usage.session_id):
+                claimed = await conn.fetchval(queries.CLAIM_KEY, tenant_id, self.RPC,
+                                              idempotency_key, usage.session_id,
+                                              timeout=self._timeout)
             if claimed is None:  # a retry: the first report's outcome, counted once
                 stored = await conn.fetchval(queries.GET_KEY, tenant_id, self.RPC,
                                              idempotency_key, timeout=self._timeout)
@@ -283,10 +402,13 @@ def _stored_compaction(row: asyncpg.Record) -> StoredCompaction:
 
 class PostgresCompactionStore:
     def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, clock: Clock = SYSTEM_CLOCK,
+                 new_event_id: NewEventId = uuid4) -> None:
         self._pool = pool
         self._timeout = command_timeout
         self._tracer = tracer or NoOpTracer()
+        self._clock = clock
+        self._new_event_id = new_event_id
 
     async def stored(self, tenant_id: str, idempotency_key: str) -> StoredCompaction | None:
         with db_call(self._tracer, "compactions.stored"):
@@ -310,15 +432,19 @@ class PostgresCompactionStore:
                     event: ContextEvent) -> tuple[CompactionResult, bool]:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
-            claimed = await conn.fetchval(
-                queries.CLAIM_COMPACTION, tenant_id, idempotency_key, session_id, fingerprint,
-                result.depth, result.replaced_through_sequence, result.compactor_version,
-                canonical_json(result_document(result)), timeout=self._timeout)
+            with _session_required(tenant_id, session_id):  # erased since it was loaded
+                claimed = await conn.fetchval(
+                    queries.CLAIM_COMPACTION, tenant_id, idempotency_key, session_id,
+                    fingerprint, result.depth, result.replaced_through_sequence,
+                    result.compactor_version, canonical_json(result_document(result)),
+                    timeout=self._timeout)
             if claimed is None:  # a concurrent retry stored it first
                 row = await conn.fetchrow(queries.GET_COMPACTION, tenant_id, idempotency_key,
                                           timeout=self._timeout)
                 return check_stored(_stored_compaction(row), session_id, fingerprint), False
-            await conn.execute(queries.INSERT_EVENT, event.tenant_id, event.session_id,
-                               event.epoch, event.type, canonical_json(event.payload),
-                               timeout=self._timeout)
+            try:
+                await insert_event(conn, event.identified(self._new_event_id, self._clock.now),
+                                   timeout=self._timeout)
+            except EventRejected as exc:  # the session was erased meanwhile: nothing stored
+                raise SessionNotFound(tenant_id, session_id) from exc
             return result, True

@@ -1,0 +1,249 @@
+"""The data lifecycle, run by the service itself: every replica runs a maintenance cycle at start
+and every CE_MAINTENANCE_INTERVAL_SECONDS; one of them does the work.
+
+A cycle:
+
+1. creates the daily partitions of ``context_events`` for today through today +
+   CE_EVENT_PARTITIONS_AHEAD_DAYS (UTC days, ``context_events_pYYYYMMDD``);
+2. drops the partitions whose upper bound is at or before now - CE_EVENTS_RETENTION_DAYS (every
+   row in them is older than the retention), with their rows;
+3. deletes, in batches of ``batch_size`` rows, the idempotency keys of retried RPCs (Rotate,
+   ReportUsage) and the compaction records (Compact's keys) older than
+   CE_IDEMPOTENCY_KEY_TTL_HOURS, and the fences of ``append_once_durably`` (keys named after
+   an event type, ``context.snapshot.used``) older than the events retention: a fence lives as
+   long as the event it fences.
+
+Every step runs in a transaction that first takes ``pg_try_advisory_xact_lock(LOCK_KEY)``
+(released when the transaction ends, so nothing outlives it on the server connection and a
+pooler in transaction mode may stand in between): a replica that does not get it skips the rest
+of its cycle, because another one is running its own. Each step re-reads what exists under the
+lock, so two cycles one after the other neither fail nor drop twice. DDL waits at most
+``lock_timeout`` for the table's lock (a long reader of ``context_events`` makes the cycle fail
+and retry next time, rather than queue every insert behind it). The time is the injected
+clock's; partitions not named ``context_events_pYYYYMMDD`` are left alone. What is kept, and
+why for so long: deploy/README.md "Data lifecycle".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+
+import asyncpg
+
+from context_engine.adapters.postgres.errors import UNAVAILABLE
+from context_engine.clock import Clock
+from context_engine.telemetry.logs import log
+
+# Arbitrary but fixed key of the advisory lock a maintenance step holds ("mntc").
+LOCK_KEY = 0x6D6E7463
+PARENT = "context_events"
+_PARTITION = re.compile(r"^context_events_p(\d{8})$")
+
+TRY_LOCK = "SELECT pg_try_advisory_xact_lock($1)"
+PARTITIONS = f"""
+SELECT c.relname FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
+WHERE i.inhparent = '{PARENT}'::regclass"""
+# Retry keys are named after their RPC; fences after the event type they fence ("context.").
+DELETE_KEYS = """
+DELETE FROM idempotency_keys WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM idempotency_keys
+    WHERE created_at < $1 AND (rpc LIKE 'context.%') = $2 LIMIT $3))"""
+DELETE_COMPACTIONS = """
+DELETE FROM compactions WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM compactions WHERE created_at < $1 LIMIT $2))"""
+
+
+def partition_name(day: date) -> str:
+    return f"{PARENT}_p{day:%Y%m%d}"
+
+
+def partition_day(name: str) -> date | None:
+    """The day a partition named by ``partition_name`` holds; None for any other name."""
+    match = _PARTITION.match(name)
+    if match is None:
+        return None
+    digits = match.group(1)
+    try:
+        return date(int(digits[:4]), int(digits[4:6]), int(digits[6:]))
+    except ValueError:
+        return None
+
+
+def day_start(day: date) -> datetime:
+    return datetime(day.year, day.month, day.day, tzinfo=UTC)
+
+
+def create_partition_sql(day: date) -> str:
+    """``CREATE TABLE IF NOT EXISTS`` of the day's partition: [day 00:00 UTC, next day)."""
+    lower = day_start(day).strftime("%Y-%m-%d %H:%M:%S+00")
+    upper = day_start(day + timedelta(days=1)).strftime("%Y-%m-%d %H:%M:%S+00")
+    return (f'CREATE TABLE IF NOT EXISTS "{partition_name(day)}" PARTITION OF {PARENT} '
+            f"FOR VALUES FROM ('{lower}') TO ('{upper}')")
+
+
+def drop_partition_sql(day: date) -> str:
+    return f'DROP TABLE IF EXISTS "{partition_name(day)}"'
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Policy:
+    """What a cycle keeps."""
+
+    retention_days: int = 30
+    ahead_days: int = 7
+    key_ttl: timedelta = timedelta(hours=24)
+    batch_size: int = 5000
+    lock_timeout_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.retention_days < 1 or self.ahead_days < 1 or self.batch_size < 1:
+            raise ValueError("retention, ahead window and batch size must be at least 1")
+        if self.key_ttl <= timedelta(0) or self.lock_timeout_seconds <= 0:
+            raise ValueError("the key window and the lock timeout must be positive")
+
+    def wanted(self, now: datetime) -> list[date]:
+        """The days that must have a partition at ``now``: today through today + ahead."""
+        today = now.astimezone(UTC).date()
+        return [today + timedelta(days=n) for n in range(self.ahead_days + 1)]
+
+    def expired(self, day: date, now: datetime) -> bool:
+        """Whether the partition of ``day`` holds only rows older than the retention: its
+        upper bound (the next day's midnight) is at or before now - retention."""
+        return day_start(day + timedelta(days=1)) <= now - timedelta(days=self.retention_days)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Outcome:
+    """What one cycle did. ``ran``: False when another replica held the lock at its start;
+    ``complete``: False when it lost the lock to another replica's cycle half-way."""
+
+    ran: bool
+    complete: bool = True
+    created: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+    keys_deleted: int = 0
+    fences_deleted: int = 0
+    compactions_deleted: int = 0
+
+
+@dataclass
+class Maintenance:
+    pool: asyncpg.Pool
+    clock: Clock
+    policy: Policy = field(default_factory=Policy)
+    interval_seconds: float = 3600.0
+    _task: asyncio.Task[None] | None = None
+    cycles: int = 0  # cycles that ran (got the lock)
+    skipped: int = 0  # cycles another replica was running
+
+    async def run_once(self) -> Outcome:
+        """One cycle (see the module's docstring). Raises what the database raises."""
+        now = self.clock.now()
+        key_cutoff = now - self.policy.key_ttl
+        fence_cutoff = now - timedelta(days=self.policy.retention_days)
+        async with self.pool.acquire() as conn:
+            partitions = await self._partitions(conn, now)
+            if partitions is None:
+                self.skipped += 1
+                log("maintenance", ran=False, note="another replica holds the maintenance lock")
+                return Outcome(ran=False)
+            created, dropped = partitions
+            counts: list[int] = []
+            complete = True
+            for sql, args in ((DELETE_KEYS, (key_cutoff, False)),
+                              (DELETE_KEYS, (fence_cutoff, True)),
+                              (DELETE_COMPACTIONS, (key_cutoff,))):
+                deleted, complete = await self._delete(conn, sql, *args)
+                counts.append(deleted)
+                if not complete:  # another replica's cycle goes on from here
+                    break
+        keys, fences, compactions = [*counts, 0, 0, 0][:3]
+        self.cycles += 1
+        log("maintenance", ran=True, complete=complete, partitions_created=list(created),
+            partitions_dropped=list(dropped), keys_deleted=keys, fences_deleted=fences,
+            compactions_deleted=compactions, retention_days=self.policy.retention_days,
+            ahead_days=self.policy.ahead_days,
+            key_ttl_hours=self.policy.key_ttl / timedelta(hours=1))
+        return Outcome(ran=True, complete=complete, created=created, dropped=dropped,
+                       keys_deleted=keys, fences_deleted=fences, compactions_deleted=compactions)
+
+    async def _locked(self, conn: asyncpg.Connection) -> bool:
+        got = await conn.fetchval(TRY_LOCK, LOCK_KEY)
+        if got:
+            await conn.execute(f"SET LOCAL lock_timeout = "
+                               f"'{int(self.policy.lock_timeout_seconds * 1000)}ms'")
+        return bool(got)
+
+    async def _partitions(self, conn: asyncpg.Connection,
+                          now: datetime) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+        async with conn.transaction():
+            if not await self._locked(conn):
+                return None
+            existing: set[date] = set()
+            for row in await conn.fetch(PARTITIONS):
+                day = partition_day(row["relname"])
+                if day is not None:
+                    existing.add(day)
+            created = []
+            for day in self.policy.wanted(now):
+                if day not in existing:
+                    await conn.execute(create_partition_sql(day))
+                    created.append(partition_name(day))
+            dropped = []
+            for day in sorted(existing):
+                if self.policy.expired(day, now):
+                    await conn.execute(drop_partition_sql(day))
+                    dropped.append(partition_name(day))
+        return tuple(created), tuple(dropped)
+
+    async def _delete(self, conn: asyncpg.Connection, sql: str,
+                      *args: object) -> tuple[int, bool]:
+        """Batches of at most ``batch_size`` rows, each in its own locked transaction, until
+        one deletes fewer: (rows deleted, whether it got that far before another replica
+        took the lock)."""
+        deleted = 0
+        while True:
+            async with conn.transaction():
+                if not await self._locked(conn):
+                    return deleted, False
+                status = await conn.execute(sql, *args, self.policy.batch_size)
+            count = int(status.split()[-1])
+            deleted += count
+            if count < self.policy.batch_size:
+                return deleted, True
+
+    def start(self) -> None:
+        """Cycles every ``interval_seconds`` in the background (the first one at start is the
+        caller's ``run_once``)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_seconds)
+            try:
+                await self.attempt()
+            except Exception as exc:  # a defect: logged, and the next cycle runs all the same
+                log("maintenance_failed", logging.ERROR, error=type(exc).__name__,
+                    retry_in_seconds=self.interval_seconds)
+
+    async def attempt(self) -> Outcome | None:
+        """``run_once``, its failure logged instead of raised (the next cycle tries again)."""
+        try:
+            return await self.run_once()
+        except (*UNAVAILABLE, asyncpg.PostgresError) as exc:
+            log("maintenance_failed", logging.ERROR, error=type(exc).__name__,
+                detail=str(exc)[:200], retry_in_seconds=self.interval_seconds)
+            return None
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

@@ -1,0 +1,320 @@
+"""The data lifecycle, run by the service itself: real servers (two replicas) on a database of
+their own, through PgBouncer in transaction mode, each on a fake clock the test moves days
+forward, and each running maintenance cycles (``Running.maintenance``).
+
+- Partitions of ``context_events`` exist for today through today + the ahead window; one whose
+  rows are all older than the retention is dropped with its rows, one holding a row inside the
+  retention is kept (to the hour).
+- Retry keys (Rotate, ReportUsage) and compaction records expire after the key window and not
+  before; snapshot fences expire with the events retention.
+- Two replicas running a cycle at the same moment neither fail nor drop anything twice; a
+  replica that does not get the maintenance lock skips its cycle.
+- Sessions, plans and epoch_usage rows are never touched: the session still plans and builds.
+- A day without a partition (the clock far ahead of the last cycle): Build still answers and
+  its event waits in the outbox, Plan answers UNAVAILABLE; the next cycle makes the partition,
+  and both go through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+from context_engine.adapters.postgres.maintenance import LOCK_KEY, Outcome, partition_name
+from context_engine.adapters.postgres.migrate import migrate
+from context_engine.config import Config
+from context_engine.v1 import context_engine_pb2 as pb
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+
+from tests.conftest import REPO, Db, ServerThread, run
+from tests.conftest import test_config as base_config
+from tests.integration.requests import build_request, failure, plan_request
+from tests.integration.test_budget_rpc import SMALL, long_history
+from tests.integration.test_compact_rpc import compact_request
+from tests.support.databases import create_database, drop_database, with_database
+
+pytestmark = pytest.mark.integration
+
+RETENTION_DAYS = 30
+AHEAD_DAYS = 7
+KEY_TTL_HOURS = 24
+
+
+class FakeClock:
+    """A server's wall clock that the test moves (its monotonic clock is the real one)."""
+
+    def __init__(self, start: datetime) -> None:
+        self._now = start
+        self._lock = threading.Lock()
+
+    def now(self) -> datetime:
+        with self._lock:
+            return self._now
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def set(self, when: datetime) -> None:
+        with self._lock:
+            self._now = when
+
+
+@dataclass
+class OwnDatabase:
+    direct: str  # PostgreSQL itself
+    pooled: str  # through the suite's PgBouncer (transaction mode)
+
+    @property
+    def db(self) -> Db:
+        return Db(self.pooled)
+
+
+@pytest.fixture
+def own(direct_database_url: str, database_url: str) -> Iterator[OwnDatabase]:
+    """A migrated database of the test's own: its clocks move days and drop partitions."""
+    name = run(create_database(direct_database_url, "ce_lifecycle"))
+    direct = with_database(direct_database_url, name)
+    run(migrate(direct, REPO / "migrations"))
+    yield OwnDatabase(direct=direct, pooled=with_database(database_url, name))
+    run(drop_database(direct_database_url, name))
+
+
+def lifecycle_config() -> Config:
+    return base_config().replace(events_retention_days=RETENTION_DAYS,
+                                 event_partitions_ahead_days=AHEAD_DAYS,
+                                 idempotency_key_ttl_hours=KEY_TTL_HOURS)
+
+
+def midnight(day: date) -> datetime:
+    return datetime(day.year, day.month, day.day, tzinfo=UTC)
+
+
+def partitions(db: Db) -> set[str]:
+    return {r["relname"] for r in db.fetch(
+        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+        "WHERE i.inhparent = 'context_events'::regclass")}
+
+
+def days(first: date, count: int) -> set[str]:
+    return {partition_name(first + timedelta(days=n)) for n in range(count)}
+
+
+def cycle(srv: ServerThread) -> Outcome:
+    outcome = srv.call(srv.running.maintenance.run_once())
+    assert isinstance(outcome, Outcome)
+    return outcome
+
+
+def events_by_partition(db: Db, tenant: str) -> dict[str, int]:
+    return {r["part"]: int(r["n"]) for r in db.fetch(
+        "SELECT tableoid::regclass::text AS part, count(*) AS n FROM context_events "
+        "WHERE tenant_id = $1 GROUP BY 1", tenant)}
+
+
+def kept_rows(db: Db, tenant: str) -> dict[str, Any]:
+    """What a live session keeps, whatever the lifecycle does."""
+    return {
+        "sessions": db.fetch("SELECT session_id, current_epoch FROM sessions WHERE tenant_id=$1 "
+                             "ORDER BY 1", tenant),
+        "plans": db.fetch("SELECT session_id, epoch, prefix_sha256, created_at FROM plans "
+                          "WHERE tenant_id=$1 ORDER BY 1, 2", tenant),
+        "epoch_usage": db.fetch("SELECT session_id, epoch, reports, last_input_tokens FROM "
+                                "epoch_usage WHERE tenant_id=$1 ORDER BY 1, 2", tenant),
+        "calibration": db.fetch("SELECT model_id, reports FROM estimator_calibration "
+                                "WHERE tenant_id=$1", tenant),
+    }
+
+
+def report(tenant: str, session: str, key: str) -> pb.ReportUsageRequest:
+    return pb.ReportUsageRequest(tenant_id=tenant, session_id=session,
+                                 estimated_input_tokens=1000, estimator_factor=1.0,
+                                 input_tokens=1000, cached_tokens=500, output_tokens=10,
+                                 idempotency_key=key)
+
+
+def pressure_build(stub: pb_grpc.ContextEngineStub, tenant: str, session: str) -> None:
+    resp = stub.Build(build_request(tenant, session, items=long_history(40)), timeout=30)
+    assert resp.pressure.steps  # so it records a context.budget.pressure event
+
+
+@pytest.fixture
+def replicas(own: OwnDatabase) -> Iterator[tuple[ServerThread, ServerThread, FakeClock,
+                                                FakeClock]]:
+    start = datetime.now(UTC)
+    clock_a, clock_b = FakeClock(start), FakeClock(start)
+    a = ServerThread(lifecycle_config(), own.pooled, clock=clock_a)
+    try:
+        b = ServerThread(lifecycle_config(), own.pooled, clock=clock_b)
+    except BaseException:
+        a.stop()
+        raise
+    try:
+        yield a, b, clock_a, clock_b
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_partitions_keys_and_records_age_out_across_two_replicas(own, replicas):
+    a, b, clock_a, clock_b = replicas
+    db = own.db
+    t0 = clock_a.now()
+    day0 = t0.date()
+    tenant, session = f"tenant-{uuid.uuid4().hex[:8]}", "s-1"
+    ch_a, ch_b = grpc.insecure_channel(a.address), grpc.insecure_channel(b.address)
+    stub_a, stub_b = pb_grpc.ContextEngineStub(ch_a), pb_grpc.ContextEngineStub(ch_b)
+
+    def both(when: datetime) -> tuple[Outcome, Outcome]:
+        """Both replicas' cycles at the same moment of their clocks, run concurrently."""
+        clock_a.set(when)
+        clock_b.set(when)
+        futures: list[Future[Outcome]] = [
+            asyncio.run_coroutine_threadsafe(s.running.maintenance.run_once(), s.loop)
+            for s in (a, b)]
+        first, second = (f.result(60) for f in futures)
+        return first, second
+
+    try:
+        # today and the days ahead exist from the start (migration and the start-up cycles)
+        assert partitions(db) == days(day0, AHEAD_DAYS + 1)
+        stub_a.Plan(plan_request(tenant, session, model=SMALL), timeout=30)
+        pressure_build(stub_a, tenant, session)
+        stub_b.ReportUsage(report(tenant, session, "use-1"), timeout=30)
+        stub_b.Rotate(pb.RotateRequest(tenant_id=tenant, session_id=session,
+                                       reason=pb.ROTATION_REASON_OPERATOR,
+                                       idempotency_key="rot-1"), timeout=30)
+        stub_a.Compact(compact_request(tenant, session, "cmp-1"), timeout=30)
+        # a snapshot fence, as append_once_durably claims it
+        db.fetch("INSERT INTO idempotency_keys (tenant_id, rpc, key, response) VALUES "
+                 "($1, 'context.snapshot.used', 's-1:1:run-1', '{}')", tenant)
+        keys = {(r["rpc"], r["key"]) for r in db.fetch(
+            "SELECT rpc, key FROM idempotency_keys WHERE tenant_id = $1", tenant)}
+        assert keys == {("ReportUsage", "use-1"), ("Rotate", "rot-1"),
+                        ("context.snapshot.used", "s-1:1:run-1")}
+        assert db.val("SELECT count(*) FROM compactions WHERE tenant_id=$1", tenant) == 1
+        kept = kept_rows(db, tenant)
+        today = events_by_partition(db, tenant)
+        assert set(today) == {partition_name(day0)} and today[partition_name(day0)] == 4
+
+        def keys_left() -> set[str]:
+            return {r["key"] for r in db.fetch(
+                "SELECT key FROM idempotency_keys WHERE tenant_id = $1", tenant)}
+
+        # keys: not before the window ...
+        for outcome in both(t0 + timedelta(hours=KEY_TTL_HOURS - 1)):
+            assert outcome.dropped == ()
+        assert keys_left() == {"use-1", "rot-1", "s-1:1:run-1"}
+        assert db.val("SELECT count(*) FROM compactions WHERE tenant_id=$1", tenant) == 1
+        # ... but after it (the fence stays: it lives as long as the event it fences)
+        outcomes = both(t0 + timedelta(hours=KEY_TTL_HOURS + 1))
+        assert keys_left() == {"s-1:1:run-1"}
+        assert db.val("SELECT count(*) FROM compactions WHERE tenant_id=$1", tenant) == 0
+        assert sum(o.keys_deleted for o in outcomes) >= 2
+        assert sum(o.compactions_deleted for o in outcomes) >= 1
+
+        # ten days on: the partitions ahead follow the clock, nothing is old enough to drop
+        clock_b.set(t0 + timedelta(days=10))
+        outcome = cycle(b)
+        assert outcome.ran and outcome.dropped == ()
+        assert set(outcome.created) == days(day0 + timedelta(days=10), AHEAD_DAYS + 1)
+        clock_a.set(t0 + timedelta(days=10))
+        pressure_build(stub_a, tenant, session)  # an event in the new day's partition
+        # (the cycles a day after day0 made day0 + 8)
+        assert partitions(db) == (days(day0, AHEAD_DAYS + 2)
+                                  | days(day0 + timedelta(days=10), AHEAD_DAYS + 1))
+
+        # day0's partition holds rows younger than now - retention (to the hour): kept
+        keep = midnight(day0) + timedelta(days=RETENTION_DAYS, hours=1)
+        assert keep - timedelta(days=RETENTION_DAYS) < t0  # a row of day0 is inside
+        for outcome in both(keep):
+            assert partition_name(day0) not in outcome.dropped
+        assert events_by_partition(db, tenant)[partition_name(day0)] == 4
+
+        # once all of day0 is older than the retention, it goes with its rows; so do the days
+        # after it up to day0 + 8, by both replicas at once, each dropped once
+        later = midnight(day0) + timedelta(days=RETENTION_DAYS + AHEAD_DAYS + 2, hours=1)
+        outcomes = both(later)
+        dropped = [name for o in outcomes for name in o.dropped]
+        assert sorted(dropped) == sorted(days(day0, AHEAD_DAYS + 2)), outcomes
+        assert all(o.ran or o.dropped == () for o in outcomes)
+        assert partitions(db) == (days(day0 + timedelta(days=10), AHEAD_DAYS + 1)
+                                  | days(keep.date(), AHEAD_DAYS + 1)
+                                  | days(later.date(), AHEAD_DAYS + 1))
+        assert events_by_partition(db, tenant) == {
+            partition_name(day0 + timedelta(days=10)): 1}
+        assert keys_left() == set()  # the fence aged out with its event's partition
+
+        # what the session keeps is untouched, and it still plans and builds
+        assert kept_rows(db, tenant) == kept
+        assert stub_b.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session),
+                              timeout=30).plan.epoch == 2
+        clock_b.set(later)
+        stub_b.Build(build_request(tenant, session, items=long_history(40)), timeout=30)
+    finally:
+        ch_a.close()
+        ch_b.close()
+
+
+def test_a_replica_without_the_lock_skips_its_cycle(own, replicas):
+    a, _b, clock_a, _clock_b = replicas
+    db = own.db
+    ahead = clock_a.now() + timedelta(days=20)
+    clock_a.set(ahead)
+
+    async def holding() -> None:
+        conn = await asyncpg.connect(own.direct)
+        try:
+            async with conn.transaction():
+                assert await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", LOCK_KEY)
+                outcome = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                    a.running.maintenance.run_once(), a.loop))
+                assert outcome == Outcome(ran=False)
+        finally:
+            await conn.close()
+
+    before = partitions(db)
+    run(holding())
+    assert partitions(db) == before
+    outcome = cycle(a)  # the lock is free again
+    assert outcome.ran and set(outcome.created) == days(ahead.date(), AHEAD_DAYS + 1)
+
+
+def test_a_day_without_a_partition_waits_for_the_next_cycle(own, replicas, caplog):
+    caplog.set_level(logging.INFO, logger="context_engine")
+    a, _b, clock_a, _clock_b = replicas
+    db = own.db
+    tenant, session = f"tenant-{uuid.uuid4().hex[:8]}", "s-1"
+    channel = grpc.insecure_channel(a.address)
+    stub = pb_grpc.ContextEngineStub(channel)
+    try:
+        stub.Plan(plan_request(tenant, session, model=SMALL), timeout=30)
+        far = clock_a.now() + timedelta(days=AHEAD_DAYS + 5)
+        clock_a.set(far)  # no cycle has run for that day
+        pressure_build(stub, tenant, session)  # Build answers; its event waits
+        assert a.running.events.pending == 1
+        with pytest.raises(grpc.RpcError) as caught:  # a new epoch's event has nowhere to go
+            stub.Plan(plan_request(tenant, "s-2", model=SMALL), timeout=30)
+        assert failure(caught.value).reason == "STORE_UNAVAILABLE"
+        assert any(r.getMessage() == "event_partition_missing" for r in caplog.records)
+
+        assert partition_name(far.date()) in cycle(a).created
+        deadline = time.monotonic() + 10
+        while a.running.events.pending:  # the outbox's next flush writes it
+            assert time.monotonic() < deadline, "the waiting event was never written"
+            time.sleep(0.1)
+        stub.Plan(plan_request(tenant, "s-2", model=SMALL), timeout=30)
+        assert events_by_partition(db, tenant)[partition_name(far.date())] == 2
+        assert a.running.events.discarded == 0 and a.running.events.dropped == 0
+    finally:
+        channel.close()
