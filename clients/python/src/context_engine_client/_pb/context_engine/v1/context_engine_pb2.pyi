@@ -1950,6 +1950,8 @@ class BuildRequest(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     ESTIMATOR_FACTOR_FIELD_NUMBER: _builtins.int
     PROVIDER_FORMAT_FIELD_NUMBER: _builtins.int
+    BASE_BUILD_ID_FIELD_NUMBER: _builtins.int
+    BASE_ITEMS_KEPT_FIELD_NUMBER: _builtins.int
     tenant_id: _builtins.str
     session_id: _builtins.str
     epoch: _builtins.int
@@ -1963,6 +1965,20 @@ class BuildRequest(_message.Message):
     UNSPECIFIED: the model's default format (the catalog's; none for a model it does not
     know); NONE: no provider body.
     """
+    base_build_id: _builtins.str
+    """Incremental Build: the build_id of an earlier Build of this session (any epoch) whose
+    checkpoint this one extends. checkpoint.items then holds only the items that follow the
+    base checkpoint's first base_items_kept items: items appended (base_items_kept = all of the
+    base's items) or items replaced from a position (after a compaction, a pointer change or a
+    correction: base_items_kept = that position). Every other checkpoint field is sent whole,
+    as in any Build. The answer is exactly that of a Build of the whole checkpoint, and it is
+    relative to the base's response (BuildResponse.delta). Bases live in a bounded in-memory
+    cache of the replica that built them; a replica that does not hold the base (another
+    replica, a restart, an eviction, or an id of another session) answers
+    FAILED_PRECONDITION, reason BUILD_BASE_UNKNOWN, and changes nothing: send the Build again
+    with the whole checkpoint and no base.
+    """
+    base_items_kept: _builtins.int
     @_builtins.property
     def checkpoint(self) -> Global___Checkpoint: ...
     def __init__(
@@ -1974,10 +1990,12 @@ class BuildRequest(_message.Message):
         checkpoint: Global___Checkpoint | None = ...,
         estimator_factor: _builtins.float | None = ...,
         provider_format: Global___ProviderFormat.ValueType = ...,
+        base_build_id: _builtins.str = ...,
+        base_items_kept: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_estimator_factor", b"_estimator_factor", "checkpoint", b"checkpoint", "estimator_factor", b"estimator_factor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_estimator_factor", b"_estimator_factor", "checkpoint", b"checkpoint", "epoch", b"epoch", "estimator_factor", b"estimator_factor", "provider_format", b"provider_format", "session_id", b"session_id", "tenant_id", b"tenant_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_estimator_factor", b"_estimator_factor", "base_build_id", b"base_build_id", "base_items_kept", b"base_items_kept", "checkpoint", b"checkpoint", "epoch", b"epoch", "estimator_factor", b"estimator_factor", "provider_format", b"provider_format", "session_id", b"session_id", "tenant_id", b"tenant_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__estimator_factor: _TypeAlias = _typing.Literal["estimator_factor"]  # noqa: Y015
     _WhichOneofArgType__estimator_factor: _TypeAlias = _typing.Literal["_estimator_factor", b"_estimator_factor"]  # noqa: Y015
@@ -2090,6 +2108,8 @@ class BuildResponse(_message.Message):
     PROVIDER_BODY_JSON_FIELD_NUMBER: _builtins.int
     PROVIDER_FORMAT_FIELD_NUMBER: _builtins.int
     GEMINI_CACHED_CONTENT_FIELD_NUMBER: _builtins.int
+    BUILD_ID_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
     prefix_sha256: _builtins.str
     epoch: _builtins.int
     model_id: _builtins.str
@@ -2112,6 +2132,10 @@ class BuildResponse(_message.Message):
     """The format of provider_body_json; UNSPECIFIED when none was rendered (NONE was asked, or
     the model has no default format).
     """
+    build_id: _builtins.str
+    """This Build's id: a later Build of the session may name it as its base_build_id. Unique;
+    it names a cache entry of the replica that answered, never content.
+    """
     @_builtins.property
     def request(self) -> Global___ModelRequest: ...
     @_builtins.property
@@ -2128,6 +2152,12 @@ class BuildResponse(_message.Message):
     @_builtins.property
     def gemini_cached_content(self) -> Global___GeminiCachedContent:
         """For PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT: how to cache the pinned prefix explicitly."""
+
+    @_builtins.property
+    def delta(self) -> Global___ResponseDelta:
+        """Set when the request named a base: the response is relative to the base's response, and
+        the full response is read back as ResponseDelta says. Unset: the response is whole.
+        """
 
     def __init__(
         self,
@@ -2150,14 +2180,114 @@ class BuildResponse(_message.Message):
         provider_body_json: _builtins.str = ...,
         provider_format: Global___ProviderFormat.ValueType = ...,
         gemini_cached_content: Global___GeminiCachedContent | None = ...,
+        build_id: _builtins.str = ...,
+        delta: Global___ResponseDelta | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "gemini_cached_content", b"gemini_cached_content", "pressure", b"pressure", "request", b"request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "delta", b"delta", "gemini_cached_content", b"gemini_cached_content", "pressure", b"pressure", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_tokens", b"body_tokens", "budget", b"budget", "cache_breakpoints", b"cache_breakpoints", "context_window", b"context_window", "epoch", b"epoch", "estimated_input_tokens", b"estimated_input_tokens", "estimator_factor", b"estimator_factor", "gemini_cached_content", b"gemini_cached_content", "model_id", b"model_id", "output_reserve", b"output_reserve", "prefix_sha256", b"prefix_sha256", "prefix_tokens", b"prefix_tokens", "pressure", b"pressure", "provider_body_json", b"provider_body_json", "provider_format", b"provider_format", "request", b"request", "session_key", b"session_key", "tokenizer", b"tokenizer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_tokens", b"body_tokens", "budget", b"budget", "build_id", b"build_id", "cache_breakpoints", b"cache_breakpoints", "context_window", b"context_window", "delta", b"delta", "epoch", b"epoch", "estimated_input_tokens", b"estimated_input_tokens", "estimator_factor", b"estimator_factor", "gemini_cached_content", b"gemini_cached_content", "model_id", b"model_id", "output_reserve", b"output_reserve", "prefix_sha256", b"prefix_sha256", "prefix_tokens", b"prefix_tokens", "pressure", b"pressure", "provider_body_json", b"provider_body_json", "provider_format", b"provider_format", "request", b"request", "session_key", b"session_key", "tokenizer", b"tokenizer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BuildResponse: _TypeAlias = BuildResponse  # noqa: Y015
+
+@_typing.final
+class ResponseDelta(_message.Message):
+    """How a response relative to its base's response reads back as the full response. Every field
+    of BuildResponse that ResponseDelta does not name is sent whole. Reconstructed, the response
+    equals, field for field, the response to a Build of the whole checkpoint without a base
+    (except delta itself, which the full response does not have).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BASE_BUILD_ID_FIELD_NUMBER: _builtins.int
+    PREFIX_FROM_BASE_FIELD_NUMBER: _builtins.int
+    MESSAGE_SPANS_FIELD_NUMBER: _builtins.int
+    PROVIDER_BODY_SPANS_FIELD_NUMBER: _builtins.int
+    GEMINI_CREATE_BODY_SPANS_FIELD_NUMBER: _builtins.int
+    GEMINI_CACHED_BODY_SPANS_FIELD_NUMBER: _builtins.int
+    FULL_RESPONSE_BYTES_FIELD_NUMBER: _builtins.int
+    PROVIDER_BODY_BYTES_FIELD_NUMBER: _builtins.int
+    base_build_id: _builtins.str
+    """The base's build_id (the request's base_build_id)."""
+    prefix_from_base: _builtins.bool
+    """request.prefix_blocks and request.tools are the base response's, and this response sends
+    none: the two responses share the prefix (same prefix_sha256 and session).
+    """
+    full_response_bytes: _builtins.int
+    """The size of the full response (BuildResponse without delta, serialized), so a client can
+    report the bytes the delta saved; and of the full provider_body_json in UTF-8 bytes, a
+    check on its reconstruction.
+    """
+    provider_body_bytes: _builtins.int
+    @_builtins.property
+    def message_spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___Span]:
+        """request.messages in full: the spans in order over the base response's request.messages
+        and this response's request.messages. Unset (no spans): request.messages is whole.
+        """
+
+    @_builtins.property
+    def provider_body_spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___Span]:
+        """provider_body_json in full: the spans in order over the UTF-8 bytes of the base
+        response's provider_body_json and this response's provider_body_json. No spans: whole.
+        """
+
+    @_builtins.property
+    def gemini_create_body_spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___Span]:
+        """The same for gemini_cached_content.create_body_json and cached_body_json."""
+
+    @_builtins.property
+    def gemini_cached_body_spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___Span]: ...
+    def __init__(
+        self,
+        *,
+        base_build_id: _builtins.str = ...,
+        prefix_from_base: _builtins.bool = ...,
+        message_spans: _abc.Iterable[Global___Span] | None = ...,
+        provider_body_spans: _abc.Iterable[Global___Span] | None = ...,
+        gemini_create_body_spans: _abc.Iterable[Global___Span] | None = ...,
+        gemini_cached_body_spans: _abc.Iterable[Global___Span] | None = ...,
+        full_response_bytes: _builtins.int = ...,
+        provider_body_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_build_id", b"base_build_id", "full_response_bytes", b"full_response_bytes", "gemini_cached_body_spans", b"gemini_cached_body_spans", "gemini_create_body_spans", b"gemini_create_body_spans", "message_spans", b"message_spans", "prefix_from_base", b"prefix_from_base", "provider_body_bytes", b"provider_body_bytes", "provider_body_spans", b"provider_body_spans"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResponseDelta: _TypeAlias = ResponseDelta  # noqa: Y015
+
+@_typing.final
+class Span(_message.Message):
+    """One step of a reconstruction: base_count entries of the base from base_start, then the next
+    new_count entries of what this response sends (messages or UTF-8 bytes). "The first K
+    messages equal the base's" is the single span {base_start: 0, base_count: K, new_count: N}.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BASE_START_FIELD_NUMBER: _builtins.int
+    BASE_COUNT_FIELD_NUMBER: _builtins.int
+    NEW_COUNT_FIELD_NUMBER: _builtins.int
+    base_start: _builtins.int
+    base_count: _builtins.int
+    new_count: _builtins.int
+    def __init__(
+        self,
+        *,
+        base_start: _builtins.int = ...,
+        base_count: _builtins.int = ...,
+        new_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_count", b"base_count", "base_start", b"base_start", "new_count", b"new_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Span: _TypeAlias = Span  # noqa: Y015
 
 @_typing.final
 class GeminiCachedContent(_message.Message):

@@ -109,7 +109,10 @@ class ContextEngineServicer:
 
     def Build(self, request, context):
         """Builds one model request from the pinned plan and the caller's checkpoint. Pure: the same
-        inputs return the same bytes.
+        inputs return the same bytes. Incremental: a Build may name an earlier Build of the session
+        (base_build_id) and send only the items that changed since; its response is then relative
+        to the base's response (BuildResponse.delta). A replica that no longer holds the base
+        answers FAILED_PRECONDITION with reason BUILD_BASE_UNKNOWN: send the Build in full.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -46,7 +46,10 @@ class ContextEngineStub:
     """Returns the current (or a given) epoch's plan. Read-only."""
     Build: _grpc.UnaryUnaryMultiCallable[_context_engine_pb2.BuildRequest, _context_engine_pb2.BuildResponse]
     """Builds one model request from the pinned plan and the caller's checkpoint. Pure: the same
-    inputs return the same bytes.
+    inputs return the same bytes. Incremental: a Build may name an earlier Build of the session
+    (base_build_id) and send only the items that changed since; its response is then relative
+    to the base's response (BuildResponse.delta). A replica that no longer holds the base
+    answers FAILED_PRECONDITION with reason BUILD_BASE_UNKNOWN: send the Build in full.
     """
     Rotate: _grpc.UnaryUnaryMultiCallable[_context_engine_pb2.RotateRequest, _context_engine_pb2.RotateResponse]
     """Starts a new epoch explicitly, for a reason the caller states; idempotent by key."""
@@ -96,7 +99,10 @@ class ContextEngineAsyncStub(ContextEngineStub):
     """Returns the current (or a given) epoch's plan. Read-only."""
     Build: _aio.UnaryUnaryMultiCallable[_context_engine_pb2.BuildRequest, _context_engine_pb2.BuildResponse]  # type: ignore[assignment]
     """Builds one model request from the pinned plan and the caller's checkpoint. Pure: the same
-    inputs return the same bytes.
+    inputs return the same bytes. Incremental: a Build may name an earlier Build of the session
+    (base_build_id) and send only the items that changed since; its response is then relative
+    to the base's response (BuildResponse.delta). A replica that no longer holds the base
+    answers FAILED_PRECONDITION with reason BUILD_BASE_UNKNOWN: send the Build in full.
     """
     Rotate: _aio.UnaryUnaryMultiCallable[_context_engine_pb2.RotateRequest, _context_engine_pb2.RotateResponse]  # type: ignore[assignment]
     """Starts a new epoch explicitly, for a reason the caller states; idempotent by key."""
@@ -161,7 +167,10 @@ class ContextEngineServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_context_engine_pb2.BuildResponse, _abc.Awaitable[_context_engine_pb2.BuildResponse]]:
         """Builds one model request from the pinned plan and the caller's checkpoint. Pure: the same
-        inputs return the same bytes.
+        inputs return the same bytes. Incremental: a Build may name an earlier Build of the session
+        (base_build_id) and send only the items that changed since; its response is then relative
+        to the base's response (BuildResponse.delta). A replica that no longer holds the base
+        answers FAILED_PRECONDITION with reason BUILD_BASE_UNKNOWN: send the Build in full.
         """
 
     @_abc_1.abstractmethod
