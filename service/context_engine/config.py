@@ -206,6 +206,9 @@ class Config(BaseSettings):
     # how long a cached plan serves a Build naming its epoch before the database confirms the
     # session again: the bound on serving an erased session (DeleteSession's plan_cache_seconds)
     plan_cache_ttl_seconds: Annotated[Float, Field(ge=0, le=86_400)] = 60.0
+    # the bases of incremental Builds this process keeps (estimated MiB); 0 keeps none, and
+    # every Build naming a base answers BUILD_BASE_UNKNOWN
+    build_cache_mb: Annotated[Int, Field(ge=0, le=1_048_576)] = 256
     log_level: Annotated[str, AfterValidator(_log_level)] = "INFO"
     safety_margin_ratio: Annotated[Float, Field(ge=0, lt=0.5)] = 0.05
     policy_cap_tokens: Annotated[Int, Field(ge=0)] = 0  # 0: the model window is the only limit

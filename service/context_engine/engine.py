@@ -10,6 +10,7 @@ from typing import Any
 
 from opentelemetry.trace import NoOpTracer, Tracer
 
+from context_engine.build_cache import BuildCache
 from context_engine.clock import SYSTEM_CLOCK, Clock, time_ns
 from context_engine.domain.budget import (
     BudgetPolicy,
@@ -356,6 +357,7 @@ class Engine:
                  policy: BudgetPolicy = DEFAULT_POLICY, plan_cache_size: int = 4096,
                  plan_cache_ttl: float = 60.0,
                  calibration_ttl: float = 5.0, render_memo_size: int = 100_000,
+                 build_cache_bytes: int = 256 * 1024 * 1024,
                  clock: Clock = SYSTEM_CLOCK,
                  compactions: CompactionStore | None = None,
                  summarizer: Summarizer | None = None,
@@ -379,6 +381,8 @@ class Engine:
         # runs bound to their snapshot: (tenant, session, incarnation, epoch, run id)
         self._snapshot_runs: OrderedDict[tuple[str, str, int, int, str], None] = OrderedDict()
         self.render_memo = BoundedMemo(render_memo_size)
+        # the bases of incremental Builds (BuildRequest.base_build_id), per process
+        self.builds = BuildCache(build_cache_bytes)
         self._calibration_ttl = calibration_ttl
         self._clock = clock
 
@@ -868,9 +872,11 @@ class Engine:
         return erased
 
     def forget_session(self, tenant_id: str, session_id: str) -> None:
-        """Drop what this process keeps of one session: its cached plans, the runs whose
-        snapshot binding it remembers, and the rendered items of its render memo."""
+        """Drop what this process keeps of one session: its cached plans, the bases of its
+        incremental Builds, the runs whose snapshot binding it remembers, and the rendered
+        items of its render memo."""
         self.cache.forget(tenant_id, session_id)
+        self.builds.forget(tenant_id, session_id)
         for key in [k for k in self._snapshot_runs if k[0] == tenant_id and k[1] == session_id]:
             del self._snapshot_runs[key]
         prefix = session_key(tenant_id, session_id)

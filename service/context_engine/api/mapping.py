@@ -795,10 +795,13 @@ def default_provider_format(model_id: str, catalog: ModelCatalog | None = None) 
 
 
 def build_pb(result: BuildResult, provider_format: str = "", *,
-             catalog: ModelCatalog | None = None) -> pb.BuildResponse:
+             catalog: ModelCatalog | None = None, messages: Sequence[Message] | None = None,
+             prefix: bool = True) -> pb.BuildResponse:
     """``provider_format`` ("" for none, :data:`MODEL_DEFAULT_FORMAT` for the model's default
     from ``catalog``, the packaged one when None) also renders the request as that provider's
-    body, and a Gemini body its explicit cached content."""
+    body, and a Gemini body its explicit cached content. ``messages`` (default: all of the
+    request's) and ``prefix`` (prefix blocks and tools, default sent) choose what of the request
+    the response carries; the provider bodies are always of the whole request."""
     req = result.request
     catalog = catalog or packaged_catalog()
     entry = catalog.lookup(result.model_id)
@@ -807,9 +810,10 @@ def build_pb(result: BuildResult, provider_format: str = "", *,
         fmt = entry.provider_format if entry else ""
     body = providers.render(result, fmt) if fmt else None
     out = pb.BuildResponse(
-        request=pb.ModelRequest(prefix_blocks=blocks_pb(req.prefix_blocks),
-                                tools=tools_pb(req.tools),
-                                messages=[message_pb(m) for m in req.messages]),
+        request=pb.ModelRequest(
+            prefix_blocks=blocks_pb(req.prefix_blocks) if prefix else (),
+            tools=tools_pb(req.tools) if prefix else (),
+            messages=[message_pb(m) for m in (req.messages if messages is None else messages)]),
         prefix_sha256=result.prefix_sha256, epoch=result.epoch, model_id=result.model_id,
         session_key=result.session_key, prefix_tokens=result.prefix_tokens,
         body_tokens=result.body_tokens, estimated_input_tokens=result.estimated_input_tokens,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -15,11 +16,16 @@ from google.protobuf.message import Message as ProtoMessage
 from grpc_status import rpc_status
 from opentelemetry.trace import NoOpTracer, SpanKind, Tracer
 
-from context_engine.api import mapping, working_state_tool
+from context_engine.api import incremental, mapping, working_state_tool
 from context_engine.api.status import internal_status, status_for
 from context_engine.domain.builder import checkpoint_violations
 from context_engine.domain.canonical import session_key
-from context_engine.domain.errors import ContextEngineError, InvalidInput, RequestTooLarge
+from context_engine.domain.errors import (
+    BuildBaseUnknown,
+    ContextEngineError,
+    InvalidInput,
+    RequestTooLarge,
+)
 from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
@@ -53,8 +59,11 @@ class CallRecord:
 
 
 class ContextEngineServicer(pb_grpc.ContextEngineServicer):
-    def __init__(self, engine: Engine, metrics: Metrics, tracer: Tracer | None = None) -> None:
+    def __init__(self, engine: Engine, metrics: Metrics, tracer: Tracer | None = None, *,
+                 new_id: Callable[[], str] = lambda: secrets.token_hex(16)) -> None:
+        """``new_id``: where Build ids come from (random; injected by tests)."""
         self._engine = engine
+        self._new_id = new_id
         self._metrics = metrics
         self._tracer: Tracer = tracer or NoOpTracer()
 
@@ -137,7 +146,23 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             v = mapping.Violations()
             mapping.session_ids(v, request.tenant_id, request.session_id)
             epoch = mapping.epoch(v, request.epoch)
+            base = None
+            kept = request.base_items_kept
+            if request.base_build_id:
+                # an incremental Build: the base's first items, then the ones sent
+                base = self._engine.builds.get(request.tenant_id, request.session_id,
+                                               request.base_build_id)
+                if base is None:
+                    raise BuildBaseUnknown(request.base_build_id, "unknown here or evicted")
+                if kept > len(base.items):
+                    v.add("base_items_kept", f"{kept} is more than the base's "
+                          f"{len(base.items)} items")
+                    kept = len(base.items)
+            elif kept:
+                v.add("base_items_kept", "is set without base_build_id")
             checkpoint = mapping.checkpoint(v, request.checkpoint)
+            if base is not None:
+                checkpoint = replace(checkpoint, items=base.items[:kept] + checkpoint.items)
             v.items.extend(checkpoint_violations(checkpoint))
             factor = None
             if request.HasField("estimator_factor"):
@@ -150,6 +175,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             # the build's own lookup is then a plan-cache hit.
             loaded = await self._engine.loaded(request.tenant_id, request.session_id, epoch)
             record.epoch, record.prefix_sha256 = loaded.plan.epoch, loaded.plan.prefix_sha256
+            if base is not None and base.incarnation != loaded.plan.incarnation:
+                raise BuildBaseUnknown(request.base_build_id, "the session was erased since")
             result = await self._engine.build(request.tenant_id, request.session_id,
                                               loaded.plan.epoch, checkpoint, factor,
                                               validated=True,
@@ -165,13 +192,22 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 record.span[f"context_engine.tokens.{c.class_name}"] = c.used
             record.span["context_engine.yield_steps"] = record.extra["yield_steps"]
             with child(self._tracer, "context_engine.render") as render_span:
-                response = mapping.build_pb(result, provider_format,
-                                            catalog=self._engine.catalog)
+                answer = incremental.respond(
+                    result, provider_format, self._engine.catalog, build_id=self._new_id(),
+                    tenant_id=request.tenant_id, session_id=request.session_id,
+                    incarnation=loaded.plan.incarnation, items=checkpoint.items,
+                    sizes=incremental.item_bytes(request.checkpoint.items, base, kept),
+                    base=base)
+                response = answer.response
                 rendered = mapping.FORMAT_FROM_PB.get(response.provider_format, "")
                 if render_span.is_recording():
                     render_span.set_attribute("context_engine.provider_format", rendered)
+            self._engine.builds.put(response.build_id, answer.base)
             if rendered:  # the format rendered: the asked one or the model's default
                 record.extra["provider_format"] = rendered
+            if base is not None:
+                record.extra["base_items_kept"] = kept
+                record.extra["messages_sent"] = answer.sent_messages
             return response
         return await self._run("Build", context, call)
 

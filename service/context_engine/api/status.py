@@ -28,6 +28,7 @@ CODES: tuple[tuple[type[e.ContextEngineError], grpc.StatusCode], ...] = (
     (e.ConstraintCapReached, grpc.StatusCode.FAILED_PRECONDITION),
     (e.CompactionDepthExceeded, grpc.StatusCode.FAILED_PRECONDITION),
     (e.NothingToCompact, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.BuildBaseUnknown, grpc.StatusCode.FAILED_PRECONDITION),
     (e.SummarizerUnavailable, grpc.StatusCode.UNAVAILABLE),
     (e.SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (e.PrefixHashMismatch, grpc.StatusCode.INTERNAL),

@@ -175,6 +175,23 @@ class SessionNotFound(ContextEngineError):
         return meta
 
 
+class BuildBaseUnknown(ContextEngineError):
+    """An incremental Build named a base this replica does not hold (another replica built it,
+    this one restarted or evicted it, or it belongs to another session): nothing was built, and
+    the caller sends the Build again with its whole checkpoint."""
+
+    reason = "BUILD_BASE_UNKNOWN"
+
+    def __init__(self, base_build_id: str, why: str) -> None:
+        self.base_build_id = base_build_id
+        self.why = why
+        super().__init__(f"base build {base_build_id!r} is not held by this replica ({why}): "
+                         "send the Build again with the whole checkpoint and no base")
+
+    def metadata(self) -> dict[str, str]:
+        return {"base_build_id": self.base_build_id, "why": self.why}
+
+
 class PrefixHashMismatch(ContextEngineError):
     """Re-rendering a stored plan gave different bytes than it was pinned with: a defect."""
 

@@ -1,0 +1,208 @@
+"""Incremental Build on the wire: a request's items on top of a held base, and a response
+relative to the base's response (ResponseDelta).
+
+The response is built from the same BuildResult as a whole one; only what travels differs:
+messages the base's response already holds are named by spans instead of being sent (they are
+found by identity: the render memo hands out the same message objects for the same items, and
+a message the memo rendered again is matched by value against the base message the previous
+span continues with), the prefix is left out when it is the base's, and each JSON body sends
+only what lies between the longest head and tail it shares with the base's (in UTF-8 bytes, cut
+on character boundaries). The full response's size is computed, not serialized: the sizes of
+the parts not sent are kept with the base.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+from context_engine.api import mapping
+from context_engine.build_cache import BuildBase
+from context_engine.domain.builder import BuildResult
+from context_engine.domain.estimator import ModelCatalog
+from context_engine.domain.items import ConversationItem
+from context_engine.domain.request import Message
+from context_engine.v1 import context_engine_pb2 as pb
+
+CHUNK = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    response: pb.BuildResponse
+    base: BuildBase  # what a later Build may name as its base
+    sent_messages: int  # messages the response carries (the others are the base's)
+
+
+def item_bytes(items: Sequence[pb.ConversationItem], base: BuildBase | None = None,
+               kept: int = 0) -> tuple[int, ...]:
+    """Cumulative serialized sizes (entry i: the size of the first i items): the base's first
+    ``kept`` items, then ``items``."""
+    start = base.item_bytes[:kept + 1] if base is not None else (0,)
+    return (*start[:-1], *accumulate((it.ByteSize() for it in items), initial=start[-1]))
+
+
+def message_spans(base: BuildBase, messages: Sequence[Message]
+                  ) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """(spans, indexes of the messages to send): each span is (base_start, base_count,
+    new_count). No spans when nothing is taken from the base."""
+    spans: list[tuple[int, int, int]] = []
+    sent: list[int] = []
+    positions, held = base.positions, base.messages
+    start = count = new = 0
+    open_span = False
+    copied = 0
+    expect = -1  # the base message a copy would continue with
+    for j, m in enumerate(messages):
+        i = positions.get(id(m))
+        if i is None and 0 <= expect < len(held) and held[expect] == m:
+            i = expect
+        if i is not None:
+            if open_span and new == 0 and i == start + count:
+                count += 1
+            else:
+                if open_span:
+                    spans.append((start, count, new))
+                start, count, new, open_span = i, 1, 0, True
+            copied += 1
+            expect = i + 1
+        else:
+            if not open_span:
+                start, count, new, open_span = 0, 0, 0, True
+            new += 1
+            sent.append(j)
+            expect = -1
+    if open_span:
+        spans.append((start, count, new))
+    if copied == 0:
+        return [], list(range(len(messages)))
+    return spans, sent
+
+
+def _common_prefix(a: bytes, b: bytes, limit: int) -> int:
+    """Length of the longest common prefix of a and b, at most ``limit``: whole chunks compared
+    at C speed, then a binary search inside the first chunk that differs."""
+    i = 0
+    while i < limit:
+        j = min(i + CHUNK, limit)
+        if a[i:j] == b[i:j]:
+            i = j
+            continue
+        lo, hi = i, j  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if a[lo:mid] == b[lo:mid]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+    return limit
+
+
+def text_spans(base: bytes, new: bytes) -> tuple[list[tuple[int, int, int]], str]:
+    """(spans, the text to send) for ``new`` relative to ``base``: their common head and tail
+    are the base's, the middle is sent. No spans (and the whole text) when they share
+    nothing."""
+    limit = min(len(base), len(new))
+    head = _common_prefix(base, new, limit)
+    while head > 0 and head < len(new) and (new[head] & 0xC0) == 0x80:
+        head -= 1  # the sent middle starts on a character
+    tail = _common_prefix(base[::-1], new[::-1], limit - head)
+    while tail > 0 and (new[len(new) - tail] & 0xC0) == 0x80:
+        tail -= 1  # and ends before one
+    if head == 0 and tail == 0:
+        return [], new.decode()
+    middle = new[head:len(new) - tail]
+    spans = [(0, head, len(middle))]
+    if tail:
+        spans.append((len(base) - tail, tail, 0))
+    return spans, middle.decode()
+
+
+def _varint(n: int) -> int:
+    size = 1
+    while n >= 0x80:
+        n >>= 7
+        size += 1
+    return size
+
+
+def _entry(tag: int, length: int) -> int:
+    """Bytes of one length-delimited field: its tag, its length and its payload."""
+    return tag + _varint(length) + length
+
+
+def _texts(response: pb.BuildResponse) -> tuple[bytes, bytes, bytes]:
+    g = response.gemini_cached_content
+    return (response.provider_body_json.encode(), g.create_body_json.encode(),
+            g.cached_body_json.encode())
+
+
+def _spans_pb(spans: list[tuple[int, int, int]]) -> list[pb.Span]:
+    return [pb.Span(base_start=s, base_count=c, new_count=n) for s, c, n in spans]
+
+
+def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
+            build_id: str, tenant_id: str, session_id: str, incarnation: int,
+            items: tuple[ConversationItem, ...], sizes: tuple[int, ...],
+            base: BuildBase | None) -> Answer:
+    """The response to send (whole without a base, relative to ``base`` with one) and the base
+    this Build leaves for the next."""
+    messages = result.request.messages
+    prefix = (result.request.prefix_blocks, result.request.tools)
+    if base is None:
+        out = mapping.build_pb(result, provider_format, catalog=catalog)
+        out.build_id = build_id
+        message_sizes = tuple(m.ByteSize() for m in out.request.messages)
+        prefix_bytes = out.request.ByteSize() - sum(_entry(1, n) for n in message_sizes)
+        full_bytes = out.ByteSize()
+        texts = _texts(out)
+        sent = len(messages)
+    else:
+        prefix_from_base = base.prefix == prefix
+        spans, send = message_spans(base, messages)
+        out = mapping.build_pb(result, provider_format, catalog=catalog,
+                               messages=[messages[j] for j in send], prefix=not prefix_from_base)
+        out.build_id = build_id
+        sent_sizes = [m.ByteSize() for m in out.request.messages]
+        if spans:
+            parts: list[int] = []
+            taken = iter(sent_sizes)
+            for s, c, n in spans:
+                parts.extend(base.message_sizes[s:s + c])
+                parts.extend(next(taken) for _ in range(n))
+            message_sizes = tuple(parts)
+        else:
+            message_sizes = tuple(sent_sizes)
+        sent_request = out.request.ByteSize()
+        prefix_bytes = (base.prefix_bytes if prefix_from_base
+                        else sent_request - sum(_entry(1, n) for n in sent_sizes))
+        full_request = prefix_bytes + sum(_entry(1, n) for n in message_sizes)
+        full_bytes = out.ByteSize() - _entry(1, sent_request) + _entry(1, full_request)
+        texts = _texts(out)
+        delta = pb.ResponseDelta(base_build_id=base.build_id, prefix_from_base=prefix_from_base,
+                                 message_spans=_spans_pb(spans), full_response_bytes=full_bytes,
+                                 provider_body_bytes=len(texts[0]))
+        if texts[0] and base.texts[0]:
+            body_spans, body = text_spans(base.texts[0], texts[0])
+            if body_spans:
+                delta.provider_body_spans.extend(_spans_pb(body_spans))
+                out.provider_body_json = body
+        if out.HasField("gemini_cached_content"):
+            g = out.gemini_cached_content
+            for i, name, target in ((1, "create_body_json", delta.gemini_create_body_spans),
+                                    (2, "cached_body_json", delta.gemini_cached_body_spans)):
+                if texts[i] and base.texts[i]:
+                    found, text = text_spans(base.texts[i], texts[i])
+                    if found:
+                        target.extend(_spans_pb(found))
+                        setattr(g, name, text)
+        out.delta.CopyFrom(delta)
+        sent = len(send)
+    kept = BuildBase(tenant_id=tenant_id, session_id=session_id, incarnation=incarnation,
+                     build_id=build_id, items=items, item_bytes=sizes, messages=messages,
+                     message_sizes=message_sizes, prefix=prefix, prefix_bytes=prefix_bytes,
+                     texts=texts, response_bytes=full_bytes,
+                     positions=BuildBase.index(messages))
+    return Answer(response=out, base=kept, sent_messages=sent)

@@ -1,0 +1,129 @@
+"""The bases of incremental Builds: what this process keeps of each recent Build so that a later
+Build of the same session may send only what changed (BuildRequest.base_build_id).
+
+A base holds the Build's whole checkpoint items (domain values, shared with the render memo's
+keys, never copied), the messages of its response (the same objects the render memo returned,
+so a later response finds them again by identity) and the UTF-8 bytes of its JSON bodies. The
+cache is bounded by an estimate of the bytes it holds (each base counts its checkpoint's and its
+response's serialized sizes in full, although bases of one session share most of their items,
+so the estimate errs high) and keeps at most ``per_session`` bases of one session; the least
+recently used go first. Nothing here is durable: a restart, another replica or an eviction
+answers BUILD_BASE_UNKNOWN and the client sends the Build in full.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from context_engine.domain.items import ConversationItem
+from context_engine.domain.request import Message
+
+# the three JSON bodies a response may carry, in ResponseDelta's order
+TEXTS = ("provider_body_json", "gemini_create_body_json", "gemini_cached_body_json")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BuildBase:
+    tenant_id: str
+    session_id: str
+    incarnation: int
+    build_id: str
+    items: tuple[ConversationItem, ...]
+    # cumulative serialized sizes of the items: item_bytes[i] is the size of items[:i]
+    item_bytes: tuple[int, ...]
+    messages: tuple[Message, ...]
+    message_sizes: tuple[int, ...]  # serialized, one per message
+    prefix: tuple[object, object]  # the request's prefix blocks and tools
+    prefix_bytes: int  # what they add to the serialized ModelRequest
+    texts: tuple[bytes, bytes, bytes]  # UTF-8 of the JSON bodies, in TEXTS order
+    response_bytes: int  # the whole response, serialized
+    # id(message) -> its index in messages (the objects are alive as long as the base is)
+    positions: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.item_bytes[-1] + self.response_bytes
+
+    @staticmethod
+    def index(messages: tuple[Message, ...]) -> dict[int, int]:
+        return {id(m): i for i, m in enumerate(messages)}
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    entries: int
+    bytes: int
+    evictions: int
+
+
+class BuildCache:
+    """LRU over bases, bounded by ``max_bytes`` (estimated) and ``per_session`` bases of one
+    session. Thread-safe (the servicer runs on one event loop; tests read it from others)."""
+
+    def __init__(self, max_bytes: int, per_session: int = 4) -> None:
+        self.max_bytes = max_bytes
+        self.per_session = per_session
+        self._bases: OrderedDict[str, BuildBase] = OrderedDict()
+        self._by_session: dict[tuple[str, str], list[str]] = {}
+        self._bytes = 0
+        self._evictions = 0
+        self._lock = threading.Lock()
+
+    def get(self, tenant_id: str, session_id: str, build_id: str) -> BuildBase | None:
+        """The base, only to its own tenant and session (another's id is unknown here)."""
+        with self._lock:
+            base = self._bases.get(build_id)
+            if base is None or base.tenant_id != tenant_id or base.session_id != session_id:
+                return None
+            self._bases.move_to_end(build_id)
+            return base
+
+    def put(self, build_id: str, base: BuildBase) -> None:
+        if base.size > self.max_bytes:
+            return  # larger than the whole cache: kept nowhere, the next Build goes in full
+        with self._lock:
+            key = (base.tenant_id, base.session_id)
+            ids = self._by_session.setdefault(key, [])
+            ids.append(build_id)
+            self._bases[build_id] = base
+            self._bytes += base.size
+            while len(ids) > self.per_session:
+                self._drop(ids[0])
+            while self._bytes > self.max_bytes and self._bases:
+                self._drop(next(iter(self._bases)))
+                self._evictions += 1
+
+    def forget(self, tenant_id: str, session_id: str) -> None:
+        """Drop every base of one session (its erasure)."""
+        with self._lock:
+            for build_id in list(self._by_session.get((tenant_id, session_id), ())):
+                self._drop(build_id)
+
+    def evict(self, build_id: str) -> bool:
+        with self._lock:
+            if build_id not in self._bases:
+                return False
+            self._drop(build_id)
+            self._evictions += 1
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            for build_id in list(self._bases):
+                self._drop(build_id)
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(entries=len(self._bases), bytes=self._bytes,
+                              evictions=self._evictions)
+
+    def _drop(self, build_id: str) -> None:
+        base = self._bases.pop(build_id)
+        self._bytes -= base.size
+        key = (base.tenant_id, base.session_id)
+        ids = self._by_session[key]
+        ids.remove(build_id)
+        if not ids:
+            del self._by_session[key]

@@ -1,0 +1,209 @@
+"""Incremental Build against a real server: a Build naming its base sends only what changed,
+its response is relative to the base's response, and read back (by tests/support/delta.py, an
+independent reading of the contract) it equals the response to the whole checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from context_engine.v1 import context_engine_pb2 as pb
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+
+from tests.conftest import ServerThread
+from tests.conftest import test_config as base_config
+from tests.integration.requests import build_request, failure, item, plan_request
+from tests.support.delta import reconstruct
+
+pytestmark = pytest.mark.integration
+
+TENANT = "t-incremental"
+
+
+@pytest.fixture(scope="module")
+def srv(database_url: str) -> Iterator[ServerThread]:
+    server = ServerThread(base_config(), database_url)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(srv: ServerThread) -> Iterator[pb_grpc.ContextEngineStub]:
+    ch = grpc.insecure_channel(srv.address)
+    yield pb_grpc.ContextEngineStub(ch)
+    ch.close()
+
+
+def turn(n: int, text: str = "") -> list[pb.ConversationItem]:
+    """One tool round of run-1: a call and its (untrusted) result, then the answer."""
+    s = 10 * n
+    return [
+        item(f"c{n}", s, tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
+            call_id=f"call-{n}", name="web.fetch",
+            arguments_json=f'{{"url":"https://example.com/{n}"}}')])),
+        item(f"r{n}", s + 1, trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
+             tool_result=pb.ToolResult(call_id=f"call-{n}", tool_name="web.fetch",
+                                       content=f"page {n} ünïcødé ✓ {text} " + "lorem " * 40)),
+        item(f"a{n}", s + 2, assistant=pb.AssistantMessage(text=f"Noted page {n}. 日本語")),
+    ]
+
+
+def opening() -> list[pb.ConversationItem]:
+    return [item("u0", 1, user=pb.UserMessage(text="Read the pages one by one."))]
+
+
+def request(session: str, items: list[pb.ConversationItem],
+            provider_format: int = pb.PROVIDER_FORMAT_UNSPECIFIED) -> pb.BuildRequest:
+    req = build_request(TENANT, session, items)
+    req.estimator_factor = 1.0
+    req.provider_format = provider_format  # type: ignore[assignment]
+    return req
+
+
+def whole(stub: pb_grpc.ContextEngineStub, session: str, items: list[pb.ConversationItem],
+          provider_format: int = pb.PROVIDER_FORMAT_UNSPECIFIED) -> pb.BuildResponse:
+    return stub.Build(request(session, items, provider_format), timeout=30)
+
+
+def incremental(stub: pb_grpc.ContextEngineStub, session: str, base: str, kept: int,
+                items: list[pb.ConversationItem], provider_format: int = pb.PROVIDER_FORMAT_UNSPECIFIED) -> pb.BuildResponse:
+    req = request(session, items, provider_format)
+    req.base_build_id, req.base_items_kept = base, kept
+    return stub.Build(req, timeout=30)
+
+
+def same(a: pb.BuildResponse, b: pb.BuildResponse) -> bool:
+    x, y = pb.BuildResponse(), pb.BuildResponse()
+    x.CopyFrom(a)
+    y.CopyFrom(b)
+    x.ClearField("build_id")
+    y.ClearField("build_id")
+    return x.SerializeToString(deterministic=True) == y.SerializeToString(deterministic=True)
+
+
+@pytest.mark.parametrize("fmt", [pb.PROVIDER_FORMAT_UNSPECIFIED, pb.PROVIDER_FORMAT_NONE,
+                                 pb.PROVIDER_FORMAT_OPENAI_RESPONSES,
+                                 pb.PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT])
+def test_appended_items_read_back_as_the_whole_build(stub: pb_grpc.ContextEngineStub,
+                                                     fmt: int) -> None:
+    session = f"append-{fmt}"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    items = opening()
+    first = whole(stub, session, items, provider_format=fmt)
+    assert first.build_id and not first.HasField("delta")
+    held, held_items = first, list(items)
+    for n in range(1, 8):
+        new = turn(n)
+        items += new
+        got = incremental(stub, session, held.build_id, len(held_items), new,
+                          provider_format=fmt)
+        assert got.HasField("delta") and got.delta.base_build_id == held.build_id
+        assert got.build_id not in (held.build_id, "")
+        # what travels: the new messages only, and no prefix
+        assert got.delta.prefix_from_base
+        assert not got.request.prefix_blocks and not got.request.tools
+        assert 0 < len(got.request.messages) <= 4
+        full = reconstruct(got, held)
+        want = whole(stub, session, items, provider_format=fmt)
+        assert same(full, want), f"turn {n}: the read-back response differs"
+        assert got.ByteSize() < want.ByteSize()
+        if want.provider_body_json:
+            assert len(got.provider_body_json) < len(want.provider_body_json)
+        held, held_items = full, list(items)
+
+
+def test_items_replaced_from_a_position(stub: pb_grpc.ContextEngineStub) -> None:
+    session = "replace"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    items = opening() + turn(1) + turn(2) + turn(3)
+    first = whole(stub, session, items)
+    # a correction: the second round's result is replaced, and everything after it resent
+    changed = turn(2, text="corrected")
+    items2 = items[:5] + changed[1:] + turn(3)
+    got = incremental(stub, session, first.build_id, 5, items2[5:])
+    assert got.HasField("delta")
+    full = reconstruct(got, first)
+    assert same(full, whole(stub, session, items2))
+    # replaced from the very start: nothing of the base's items is kept
+    got0 = incremental(stub, session, first.build_id, 0, items2)
+    assert same(reconstruct(got0, first), whole(stub, session, items2))
+
+
+def test_unknown_base_is_refused_and_changes_nothing(stub: pb_grpc.ContextEngineStub) -> None:
+    session = "unknown-base"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    first = whole(stub, session, opening())
+    for bad_session, base in ((session, "0" * 32), ("other-session", first.build_id)):
+        if bad_session != session:
+            stub.Plan(plan_request(TENANT, bad_session), timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            incremental(stub, bad_session, base, 1, turn(1))
+        f = failure(err.value)
+        assert f.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert f.reason == "BUILD_BASE_UNKNOWN" and f.domain == "context-engine"
+        assert f.metadata["base_build_id"] == base
+    # another tenant never reaches this tenant's bases either
+    stub.Plan(plan_request("t-other", session), timeout=30)
+    req = build_request("t-other", session, turn(1))
+    req.base_build_id, req.base_items_kept = first.build_id, 1
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(req, timeout=30)
+    assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
+    # the base is still there, untouched
+    got = incremental(stub, session, first.build_id, 1, turn(1))
+    assert same(reconstruct(got, first), whole(stub, session, opening() + turn(1)))
+
+
+def test_bad_incremental_fields_are_invalid(stub: pb_grpc.ContextEngineStub) -> None:
+    session = "bad-fields"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    first = whole(stub, session, opening())
+    with pytest.raises(grpc.RpcError) as err:
+        incremental(stub, session, first.build_id, 2, turn(1))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "base_items_kept" in f.violations
+    req = build_request(TENANT, session, opening())
+    req.base_items_kept = 1
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(req, timeout=30)
+    assert "base_items_kept" in failure(err.value).violations
+    # the combined checkpoint is validated as a whole: a duplicate id across base and delta
+    with pytest.raises(grpc.RpcError) as err:
+        incremental(stub, session, first.build_id, 1, opening())
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert any("duplicate item id" in d for d in f.violations.values())
+
+
+def test_erased_session_forgets_its_bases(stub: pb_grpc.ContextEngineStub) -> None:
+    session = "erased"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    first = whole(stub, session, opening())
+    stub.DeleteSession(pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session),
+                       timeout=30)
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    with pytest.raises(grpc.RpcError) as err:
+        incremental(stub, session, first.build_id, 1, turn(1))
+    assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
+
+
+def test_a_small_cache_evicts_and_the_base_is_unknown(database_url: str) -> None:
+    server = ServerThread(base_config().replace(build_cache_mb=1), database_url)
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.ContextEngineStub(ch)
+            stub.Plan(plan_request(TENANT, "evict-a"), timeout=30)
+            stub.Plan(plan_request(TENANT, "evict-b"), timeout=30)
+            big = opening() + [x for n in range(1, 40) for x in turn(n, "x" * 9000)]
+            a = whole(stub, "evict-a", big)
+            held = server.running.engine.builds.stats()
+            assert held.entries == 1 and held.bytes > 512 * 1024
+            whole(stub, "evict-b", big)  # over 1 MiB together: a's base goes
+            assert server.running.engine.builds.stats().evictions >= 1
+            with pytest.raises(grpc.RpcError) as err:
+                incremental(stub, "evict-a", a.build_id, len(big), turn(40))
+            assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
+    finally:
+        server.stop()
