@@ -57,6 +57,7 @@ def request(session: str, items: list[pb.ConversationItem],
             provider_format: int = pb.PROVIDER_FORMAT_UNSPECIFIED) -> pb.BuildRequest:
     req = build_request(TENANT, session, items)
     req.estimator_factor = 1.0
+    req.keep_base = True
     req.provider_format = provider_format  # type: ignore[assignment]
     return req
 

@@ -191,6 +191,16 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             for c in result.budget.classes:
                 record.span[f"context_engine.tokens.{c.class_name}"] = c.used
             record.span["context_engine.yield_steps"] = record.extra["yield_steps"]
+            if base is None and not request.keep_base:  # nothing kept, as before
+                with child(self._tracer, "context_engine.render") as render_span:
+                    response = mapping.build_pb(result, provider_format,
+                                                catalog=self._engine.catalog)
+                    rendered = mapping.FORMAT_FROM_PB.get(response.provider_format, "")
+                    if render_span.is_recording():
+                        render_span.set_attribute("context_engine.provider_format", rendered)
+                if rendered:
+                    record.extra["provider_format"] = rendered
+                return response
             with child(self._tracer, "context_engine.render") as render_span:
                 answer = incremental.respond(
                     result, provider_format, self._engine.catalog, build_id=self._new_id(),

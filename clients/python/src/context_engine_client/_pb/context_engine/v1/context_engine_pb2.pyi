@@ -1952,6 +1952,7 @@ class BuildRequest(_message.Message):
     PROVIDER_FORMAT_FIELD_NUMBER: _builtins.int
     BASE_BUILD_ID_FIELD_NUMBER: _builtins.int
     BASE_ITEMS_KEPT_FIELD_NUMBER: _builtins.int
+    KEEP_BASE_FIELD_NUMBER: _builtins.int
     tenant_id: _builtins.str
     session_id: _builtins.str
     epoch: _builtins.int
@@ -1979,6 +1980,11 @@ class BuildRequest(_message.Message):
     with the whole checkpoint and no base.
     """
     base_items_kept: _builtins.int
+    keep_base: _builtins.bool
+    """Keep this Build as a base for a later incremental Build: the response's build_id names
+    it. A Build naming a base is kept too. Otherwise nothing is kept and build_id is empty, so
+    the same inputs return the same bytes.
+    """
     @_builtins.property
     def checkpoint(self) -> Global___Checkpoint: ...
     def __init__(
@@ -1992,10 +1998,11 @@ class BuildRequest(_message.Message):
         provider_format: Global___ProviderFormat.ValueType = ...,
         base_build_id: _builtins.str = ...,
         base_items_kept: _builtins.int = ...,
+        keep_base: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_estimator_factor", b"_estimator_factor", "checkpoint", b"checkpoint", "estimator_factor", b"estimator_factor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_estimator_factor", b"_estimator_factor", "base_build_id", b"base_build_id", "base_items_kept", b"base_items_kept", "checkpoint", b"checkpoint", "epoch", b"epoch", "estimator_factor", b"estimator_factor", "provider_format", b"provider_format", "session_id", b"session_id", "tenant_id", b"tenant_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_estimator_factor", b"_estimator_factor", "base_build_id", b"base_build_id", "base_items_kept", b"base_items_kept", "checkpoint", b"checkpoint", "epoch", b"epoch", "estimator_factor", b"estimator_factor", "keep_base", b"keep_base", "provider_format", b"provider_format", "session_id", b"session_id", "tenant_id", b"tenant_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__estimator_factor: _TypeAlias = _typing.Literal["estimator_factor"]  # noqa: Y015
     _WhichOneofArgType__estimator_factor: _TypeAlias = _typing.Literal["_estimator_factor", b"_estimator_factor"]  # noqa: Y015
@@ -2133,8 +2140,9 @@ class BuildResponse(_message.Message):
     the model has no default format).
     """
     build_id: _builtins.str
-    """This Build's id: a later Build of the session may name it as its base_build_id. Unique;
-    it names a cache entry of the replica that answered, never content.
+    """This Build's id, when the request set keep_base or named a base (empty otherwise): a
+    later Build of the session may name it as its base_build_id. Unique and random; it names a
+    cache entry of the replica that answered, never content.
     """
     @_builtins.property
     def request(self) -> Global___ModelRequest: ...
