@@ -68,7 +68,8 @@ def whole(stub: pb_grpc.ContextEngineStub, session: str, items: list[pb.Conversa
 
 
 def incremental(stub: pb_grpc.ContextEngineStub, session: str, base: str, kept: int,
-                items: list[pb.ConversationItem], provider_format: int = pb.PROVIDER_FORMAT_UNSPECIFIED) -> pb.BuildResponse:
+                items: list[pb.ConversationItem],
+                provider_format: int = pb.PROVIDER_FORMAT_UNSPECIFIED) -> pb.BuildResponse:
     req = request(session, items, provider_format)
     req.base_build_id, req.base_items_kept = base, kept
     return stub.Build(req, timeout=30)
@@ -178,12 +179,17 @@ def test_bad_incremental_fields_are_invalid(stub: pb_grpc.ContextEngineStub) -> 
     assert any("duplicate item id" in d for d in f.violations.values())
 
 
-def test_erased_session_forgets_its_bases(stub: pb_grpc.ContextEngineStub) -> None:
+def test_erased_session_forgets_its_bases(stub: pb_grpc.ContextEngineStub,
+                                          srv: ServerThread) -> None:
     session = "erased"
     stub.Plan(plan_request(TENANT, session), timeout=30)
     first = whole(stub, session, opening())
+    builds = srv.running.engine.builds
+    assert builds.get(TENANT, session, first.build_id) is not None
     stub.DeleteSession(pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session),
                        timeout=30)
+    # its content leaves this process's memory with it, not only its use
+    assert builds.get(TENANT, session, first.build_id) is None
     stub.Plan(plan_request(TENANT, session), timeout=30)
     with pytest.raises(grpc.RpcError) as err:
         incremental(stub, session, first.build_id, 1, turn(1))

@@ -1,0 +1,49 @@
+"""The bases of incremental Builds: only their own tenant and session reach them, the cache
+stays within its bytes and its per-session bound (least recently used out first), and an
+erasure takes a session's bases with it."""
+
+from __future__ import annotations
+
+from context_engine.build_cache import BuildBase, BuildCache
+
+
+def base(tenant: str, session: str, build_id: str, size: int) -> BuildBase:
+    return BuildBase(tenant_id=tenant, session_id=session, incarnation=1, build_id=build_id,
+                     items=(), item_bytes=(0, size), messages=(), message_sizes=(),
+                     prefix=((), ()), prefix_bytes=0, texts=(b"", b"", b""), response_bytes=0)
+
+
+def test_only_its_own_tenant_and_session_reach_a_base() -> None:
+    cache = BuildCache(10_000)
+    cache.put("b1", base("t", "s", "b1", 100))
+    assert cache.get("t", "s", "b1") is not None
+    assert cache.get("t", "other", "b1") is None
+    assert cache.get("other", "s", "b1") is None
+    assert cache.get("t", "s", "nope") is None
+
+
+def test_bytes_bound_evicts_the_least_recently_used() -> None:
+    cache = BuildCache(1_000)
+    cache.put("a", base("t", "a", "a", 400))
+    cache.put("b", base("t", "b", "b", 400))
+    assert cache.get("t", "a", "a") is not None  # a is now the most recently used
+    cache.put("c", base("t", "c", "c", 400))
+    assert cache.get("t", "b", "b") is None
+    assert cache.get("t", "a", "a") is not None and cache.get("t", "c", "c") is not None
+    stats = cache.stats()
+    assert stats.entries == 2 and stats.bytes == 800 and stats.evictions == 1
+    cache.put("huge", base("t", "h", "huge", 5_000))  # larger than the cache: kept nowhere
+    assert cache.get("t", "h", "huge") is None and cache.stats().entries == 2
+
+
+def test_per_session_bound_and_forget() -> None:
+    cache = BuildCache(1_000_000, per_session=2)
+    for i in range(3):
+        cache.put(f"s{i}", base("t", "s", f"s{i}", 10))
+    cache.put("o", base("t", "o", "o", 10))
+    assert cache.get("t", "s", "s0") is None
+    assert cache.get("t", "s", "s1") is not None and cache.get("t", "s", "s2") is not None
+    cache.forget("t", "s")
+    assert cache.get("t", "s", "s1") is None and cache.get("t", "s", "s2") is None
+    assert cache.get("t", "o", "o") is not None
+    assert cache.stats().bytes == 10

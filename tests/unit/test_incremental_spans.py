@@ -1,0 +1,100 @@
+"""The response side of incremental Build, piece by piece: the byte spans of a JSON body (cut
+on UTF-8 character boundaries, read back exactly) and the message spans found by identity and,
+failing that, by value (a history cut that moved forward starts past the base's first messages).
+Read back by tests/support/delta.py's independent reading of the contract."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from context_engine.api.incremental import message_spans, text_spans
+from context_engine.build_cache import BuildBase
+from context_engine.domain.request import Message, Role
+from context_engine.domain.trust import TrustLevel
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.support.delta import _text
+
+
+def spans(found: list[tuple[int, int, int]]) -> list[SimpleNamespace]:
+    return [SimpleNamespace(base_start=s, base_count=c, new_count=n) for s, c, n in found]
+
+
+def read_back(base: str, new: str) -> str:
+    found, sent = text_spans(base.encode(), new.encode())
+    return _text(spans(found), base, sent)
+
+
+def test_a_multibyte_character_at_the_cut_is_never_split() -> None:
+    base = '{"messages":["日本語 first"],"x":1}'
+    new = '{"messages":["日本人 first","✓ second"],"x":1}'
+    found, sent = text_spans(base.encode(), new.encode())
+    assert found and found[0][1] > 0  # a head is shared
+    assert sent.encode() in new.encode()
+    assert read_back(base, new) == new
+
+
+def test_characters_sharing_a_lead_or_a_last_byte_stay_whole() -> None:
+    # é and è share their lead byte (C3), ā and Á their last (81): a cut by bytes alone would
+    # end the shared head, or start the shared tail, inside a character
+    for base, new in (("xé", "xè"), ("āx", "Áx"), ("{é}", "{è}"), ("é", "è")):
+        _found, sent = text_spans(base.encode(), new.encode())
+        assert sent == new[len(new) - len(sent):] or sent in new
+        assert read_back(base, new) == new
+
+
+ALPHABET = "ab日✓éèāÁ{}\""
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=ALPHABET, max_size=40), st.text(alphabet=ALPHABET, max_size=40),
+       st.text(alphabet=ALPHABET, max_size=40), st.text(alphabet=ALPHABET, max_size=40))
+def test_any_body_reads_back_exactly(head: str, mid_a: str, mid_b: str, tail: str) -> None:
+    base, new = head + mid_a + tail, head + mid_b + tail
+    assert read_back(base, new) == new
+    assert read_back(new, base) == base
+
+
+def test_long_bodies_are_compared_chunk_by_chunk() -> None:
+    base = "é" * 200_000 + "x" + "ü" * 100_000
+    new = "é" * 200_000 + "yz" + "ü" * 100_000
+    _found, sent = text_spans(base.encode(), new.encode())
+    assert sent == "yz"
+    assert read_back(base, new) == new
+
+
+def msg(text: str) -> Message:
+    return Message(row=10, role=Role.USER, trust=TrustLevel.USER, item_id=text, text=text)
+
+
+def base_of(messages: tuple[Message, ...]) -> BuildBase:
+    return BuildBase(tenant_id="t", session_id="s", incarnation=1, build_id="b", items=(),
+                     item_bytes=(0,), messages=messages, message_sizes=(), prefix=((), ()),
+                     prefix_bytes=0, texts=(b"", b"", b""), response_bytes=0,
+                     positions=BuildBase.index(messages))
+
+
+def test_a_cut_that_moved_forward_starts_past_the_base_s_first_messages() -> None:
+    held = tuple(msg(f"m{i}") for i in range(6))
+    base = base_of(held)
+    now = [*held[2:5], msg("changed"), msg("new")]
+    found, sent = message_spans(base, now)
+    assert found == [(2, 3, 2)] and sent == [3, 4]
+    # read back
+    got = [x for s, c, n in found for x in (*held[s:s + c], *[now[j] for j in sent][:n])]
+    assert got == now
+
+
+def test_a_message_rendered_again_is_matched_by_value() -> None:
+    held = tuple(msg(f"m{i}") for i in range(4))
+    base = base_of(held)
+    again = [held[0], msg("m1"), msg("m2"), held[3]]  # equal values, other objects
+    found, sent = message_spans(base, again)
+    assert found == [(0, 4, 0)] and sent == []
+
+
+def test_nothing_in_common_sends_everything_without_spans() -> None:
+    base = base_of(tuple(msg(f"m{i}") for i in range(3)))
+    found, sent = message_spans(base, [msg("x"), msg("y")])
+    assert found == [] and sent == [0, 1]
