@@ -57,7 +57,8 @@ MODEL = "claude-sonnet-4-5"
 def test_public_names_are_pinned():
     assert context_engine_client.__all__ == [
         "DEFAULT_TIMEOUT", "FORMAT_NAMES", "Aborted", "AlreadyExists", "AnthropicMessagesBody",
-        "AsyncClient", "BedrockConverseBody", "Cancelled", "ChatCompletionsBody", "Client",
+        "AsyncClient", "BedrockConverseBody", "BuildStats", "Cancelled", "ChatCompletionsBody",
+        "Client",
         "ContextEngineError", "DataLoss", "DeadlineExceeded", "FailedPrecondition",
         "FieldViolation", "GeminiCachedContentBodies", "GeminiGenerateContentBody", "Internal",
         "InvalidArgument", "NotFound", "OpenAIResponsesBody", "OutOfRange", "PermissionDenied",

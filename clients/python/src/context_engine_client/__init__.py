@@ -11,9 +11,14 @@
 
 :mod:`context_engine_client.formats` parses the provider body a ``BuildResponse`` carries
 (``provider_body``, ``chat_completions_body``, ``gemini_body``, ``bedrock_converse_body``...).
+
+``build`` is incremental by default: it sends only the checkpoint items that changed since the
+session's last Build and reads the response back whole; ``build_stats`` (a :class:`BuildStats`)
+says what that saved.
 """
 
 from context_engine_client._channel import DEFAULT_TIMEOUT, RetryPolicy
+from context_engine_client._incremental import BuildStats
 from context_engine_client._pb.context_engine.v1 import context_engine_pb2 as pb
 from context_engine_client.aio import AsyncClient
 from context_engine_client.client import Client
@@ -66,6 +71,7 @@ __all__ = [
     "AnthropicMessagesBody",
     "AsyncClient",
     "BedrockConverseBody",
+    "BuildStats",
     "Cancelled",
     "ChatCompletionsBody",
     "Client",

@@ -19,10 +19,17 @@ from context_engine_client._channel import (
     has_idempotency_key,
     merge_metadata,
 )
+from context_engine_client._incremental import (
+    DEFAULT_MAX_SESSIONS,
+    BuildStats,
+    DeltaMismatch,
+    IncrementalBuilds,
+    base_unknown,
+)
 from context_engine_client._pb.context_engine.v1 import context_engine_pb2 as pb
 from context_engine_client._pb.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from context_engine_client._settings import settings
-from context_engine_client.errors import from_rpc_error
+from context_engine_client.errors import FailedPrecondition, Internal, from_rpc_error
 
 Resp = TypeVar("Resp", bound=Message)
 
@@ -41,6 +48,10 @@ class Client:
     roots when absent), ``client_certificate_chain`` and ``client_private_key`` for mutual TLS,
     ``server_name`` to check the server's certificate against another name. ``service_config``
     replaces the packaged retry policy (gRPC service config JSON).
+
+    ``incremental`` (on by default): :meth:`build` sends only the checkpoint items that changed
+    since the session's last Build and reads the response back from its delta (see
+    :attr:`build_stats`); what it holds is bounded by ``incremental_sessions`` sessions.
     """
 
     def __init__(self, *, target: str, token: str | None = None, tls: bool = False,
@@ -50,13 +61,16 @@ class Client:
                  timeout: float = DEFAULT_TIMEOUT,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  service_config: str | None = None,
-                 channel_options: Sequence[tuple[str, Any]] = ()) -> None:
+                 channel_options: Sequence[tuple[str, Any]] = (),
+                 incremental: bool = True,
+                 incremental_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
         self._settings = settings(
             target=target, token=token, tls=tls, root_certificates=root_certificates,
             client_certificate_chain=client_certificate_chain,
             client_private_key=client_private_key, server_name=server_name, timeout=timeout,
             max_message_bytes=max_message_bytes, service_config=service_config,
             channel_options_extra=channel_options)
+        self._incremental = IncrementalBuilds(incremental_sessions) if incremental else None
         s = self._settings
         if s.credentials is None:
             self._channel = grpc.insecure_channel(s.target, options=s.options)
@@ -68,6 +82,17 @@ class Client:
     @property
     def target(self) -> str:
         return self._settings.target
+
+    @property
+    def build_stats(self) -> BuildStats:
+        """What this client's Builds moved, incremental or whole (all zero with
+        ``incremental=False``)."""
+        return BuildStats() if self._incremental is None else self._incremental.stats
+
+    def forget_session(self, tenant_id: str, session_id: str) -> None:
+        """Drops what the client holds of a session's last Build: its next Build goes whole."""
+        if self._incremental is not None:
+            self._incremental.forget(tenant_id, session_id)
 
     def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""
@@ -99,8 +124,38 @@ class Client:
     def build(self, *, request: pb.BuildRequest,
               timeout: float | None = None, metadata: Metadata | None = None) -> pb.BuildResponse:
         """One model request under the budget, with its budget report, pressure and cache
-        markers. Pure."""
-        return self._invoke("Build", request, pb.BuildResponse, timeout, metadata)
+        markers. Pure. Incremental (unless the client was made with ``incremental=False``):
+        only the checkpoint items that changed since the session's last Build through this
+        client are sent, naming that Build as the base, and the response is read back whole
+        (``delta`` unset, its ``build_id`` kept), equal to the answer to the whole request. A
+        replica that does not hold the base (``BUILD_BASE_UNKNOWN``) is sent the whole request
+        once more; any other error drops what the client held of the session. A request that
+        names a base itself is sent as it is."""
+        builds = self._incremental
+        if builds is None:
+            return self._invoke("Build", request, pb.BuildResponse, timeout, metadata)
+        check_request("Build", request)
+        if request.base_build_id or request.base_items_kept:
+            return self._invoke("Build", request, pb.BuildResponse, timeout, metadata)
+        try:
+            wire, base = builds.prepare(request)
+            try:
+                return builds.absorb(request, self._invoke(
+                    "Build", wire, pb.BuildResponse, timeout, metadata), base)
+            except FailedPrecondition as err:
+                if base is None or not base_unknown(err):
+                    raise
+            except DeltaMismatch:
+                pass
+            whole = builds.fallback(request)  # forgets the session: sent whole, once
+            answer = self._invoke("Build", whole, pb.BuildResponse, timeout, metadata)
+            try:
+                return builds.absorb(request, answer, None)
+            except DeltaMismatch as err:  # a delta answering no base: not a response to use
+                raise Internal(f"Build answered a whole request with a delta: {err}") from err
+        except BaseException:
+            builds.forget(request.tenant_id, request.session_id)
+            raise
 
     def rotate(self, *, request: pb.RotateRequest,
                timeout: float | None = None, metadata: Metadata | None = None) -> pb.RotateResponse:
@@ -146,7 +201,10 @@ class Client:
         """Erases a session: its plans, events, compactions, usage rows and idempotency keys
         (audited, no content kept). Idempotent (``deleted`` is false when there was nothing to
         erase), so it is retried on ``UNAVAILABLE``. Replicas stop serving it from their plan
-        caches within the response's ``plan_cache_seconds``."""
+        caches within the response's ``plan_cache_seconds``. The client forgets what it held
+        of the session's last Build."""
+        check_request("DeleteSession", request)
+        self.forget_session(request.tenant_id, request.session_id)
         return self._invoke("DeleteSession", request, pb.DeleteSessionResponse, timeout,
                             metadata)
 
