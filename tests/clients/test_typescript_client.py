@@ -131,7 +131,7 @@ def test_node_suite_and_prefix_hashes_match_python(node: str, server: ServerThre
     tenant = f"tenant-{uuid.uuid4().hex[:12]}"
     result_file = tmp_path / "result.json"
     done = run_tool([node, "--test", "dist/test/integration.test.js", "dist/test/client.test.js",
-                     "dist/test/formats.test.js"],
+                     "dist/test/formats.test.js", "dist/test/incremental.test.js"],
                     timeout=120, env=_env(server, CE_RESULT_FILE=str(result_file),
                                           CE_TENANT_ID=tenant),
                     what="node --test")
@@ -147,6 +147,11 @@ def test_node_suite_and_prefix_hashes_match_python(node: str, server: ServerThre
                                        "domain": "context-engine"}
     for step in ("plan", "build", "rotate", "compact"):
         assert HEX64.match(node_result[step]["prefixSha256"]), step
+    # Incremental Build against this server: deltas read back byte-identical (checked in Node),
+    # and the one Build whose base was erased went again whole.
+    stats = node_result["incremental"]
+    assert stats["incremental"] >= 10 and stats["fullResends"] == 1, stats
+    assert stats["bytesSaved"] > 0, stats
 
     # The same inputs from Python, under another session id of the same tenant.
     session = f"py-{uuid.uuid4().hex[:12]}"

@@ -16,8 +16,17 @@ import {
 } from "./channel";
 import { ContextEngineError, fromServiceError } from "./errors";
 import {
+  BUILD_BASE_UNKNOWN,
+  type BuildStats,
+  type BuildTally,
+  DEFAULT_MAX_SESSIONS,
+  DeltaMismatchError,
+  IncrementalBuilds,
+  type Prepared,
+} from "./incremental";
+import {
   BuildRequest,
-  type BuildResponse,
+  BuildResponse,
   CarryWorkingStateRequest,
   type CarryWorkingStateResponse,
   CompactRequest,
@@ -60,6 +69,18 @@ export interface ClientOptions {
   serviceConfig?: string | ServiceConfig;
   /** Extra grpc-js channel options (applied last). */
   channelOptions?: grpc.ChannelOptions;
+  /**
+   * Incremental Build (default on): each Build names the session's previous Build as its base
+   * and sends only the checkpoint items past their common prefix; the response comes back
+   * relative to the base's and `build()` returns it in full. `false` sends every Build whole;
+   * an object sets how many sessions' last Builds are held (least recently used dropped).
+   */
+  incremental?: boolean | IncrementalOptions;
+}
+
+export interface IncrementalOptions {
+  /** Sessions whose last Build is held (default 1,024). */
+  maxSessions?: number;
 }
 
 export interface CallOptions {
@@ -102,6 +123,7 @@ export class ContextEngineClient {
   private readonly openKeyed: () => grpc.Client;
   private readonly token: string | undefined;
   private readonly deadlineMs: number;
+  private readonly builds: IncrementalBuilds | undefined;
 
   constructor(options: ClientOptions) {
     this.token = checkToken(options.token);
@@ -118,6 +140,10 @@ export class ContextEngineClient {
     const open = (c: ServiceConfig): grpc.Client => new grpc.Client(options.target, credentials,
       { ...channelOptions(c, limit, options.serverName), ...options.channelOptions });
     this.target = options.target;
+    const incremental = options.incremental ?? true;
+    this.builds = incremental === false ? undefined : new IncrementalBuilds(
+      incremental === true ? DEFAULT_MAX_SESSIONS
+        : incremental.maxSessions ?? DEFAULT_MAX_SESSIONS);
     this.channel = open(config);
     this.openKeyed = () => open(keyedConfig);
   }
@@ -132,9 +158,29 @@ export class ContextEngineClient {
     return this.call(ContextEngineService.getPlan, GetPlanRequest, request, options);
   }
 
-  /** One model request from the pinned plan and the checkpoint. Pure. */
+  /**
+   * One model request from the pinned plan and the checkpoint. Pure. Resolves to the full
+   * response (`buildId` set, `delta` unset) whether or not it travelled as a delta: with
+   * `incremental` on, a Build names the session's previous Build as its base and sends only
+   * the items past their common prefix; a replica that does not hold that base answers
+   * `BUILD_BASE_UNKNOWN` and the Build is sent again whole, once, within the same deadline.
+   * A request that names a base itself is sent as it is and its response returned as received.
+   */
   build(request: Input<BuildRequest>, options?: CallOptions): Promise<BuildResponse> {
-    return this.call(ContextEngineService.build, BuildRequest, request, options);
+    if (this.builds === undefined) {
+      return this.call(ContextEngineService.build, BuildRequest, request, options);
+    }
+    return this.buildIncremental(this.builds, request, options ?? {});
+  }
+
+  /** What incremental Build moved so far (zeros with `incremental: false`). */
+  buildStats(): BuildStats {
+    return (this.builds ?? new IncrementalBuilds(0)).stats();
+  }
+
+  /** Drops the session's held Build: its next Build is sent whole. */
+  forgetSession(tenantId: string, sessionId: string): void {
+    this.builds?.forget(tenantId, sessionId);
   }
 
   /** An explicit new epoch; retried on `UNAVAILABLE` only with an idempotency key. */
@@ -179,6 +225,7 @@ export class ContextEngineClient {
    */
   deleteSession(request: Input<DeleteSessionRequest>,
                 options?: CallOptions): Promise<DeleteSessionResponse> {
+    this.forgetSession(request.tenantId ?? "", request.sessionId ?? "");
     return this.call(ContextEngineService.deleteSession, DeleteSessionRequest, request, options);
   }
 
@@ -201,9 +248,75 @@ export class ContextEngineClient {
     return this.keyedChannel;
   }
 
+  private async buildIncremental(builds: IncrementalBuilds, input: Input<BuildRequest>,
+                                 options: CallOptions): Promise<BuildResponse> {
+    const request = BuildRequest.fromPartial(input);
+    if (request.baseBuildId !== "" || request.baseItemsKept !== 0) {
+      return this.call(ContextEngineService.build, BuildRequest, request, options);
+    }
+    // One deadline for the Build, a resend included.
+    const deadline = Date.now() + (options.deadlineMs ?? this.deadlineMs);
+    const tally: BuildTally = { incremental: false, fullResends: 0, requestBytes: 0,
+      responseBytes: 0, fullRequestBytes: 0, fullResponseBytes: 0 };
+    const attempt = async (prepared: Prepared): Promise<BuildResponse> => {
+      tally.requestBytes += prepared.bytes.length;
+      const [received, bytes] = await this.sendBuild(prepared.bytes, options, deadline);
+      tally.responseBytes += bytes.length;
+      const absorbed = builds.absorb(prepared, received, bytes);
+      tally.incremental = absorbed.incremental;
+      tally.fullRequestBytes = prepared.fullRequestBytes;
+      tally.fullResponseBytes = absorbed.fullResponseBytes;
+      return absorbed.response;
+    };
+    const first = builds.prepare(request);
+    let response: BuildResponse;
+    try {
+      response = await attempt(first);
+    } catch (err) {
+      builds.forget(request.tenantId, request.sessionId);
+      const resend = first.base !== undefined && (err instanceof DeltaMismatchError ||
+        (err instanceof ContextEngineError && err.code === grpc.status.FAILED_PRECONDITION &&
+         err.reason === BUILD_BASE_UNKNOWN));
+      if (!resend) throw err;
+      tally.fullResends += 1;
+      try {
+        response = await attempt(builds.prepare(request, true));
+      } catch (again) {
+        builds.forget(request.tenantId, request.sessionId);
+        throw again;
+      }
+    }
+    builds.count(tally);
+    return response;
+  }
+
+  /** Sends serialized Build bytes; resolves to the response and the bytes it arrived as. */
+  private sendBuild(bytes: Uint8Array, options: CallOptions,
+                    deadline: number): Promise<[BuildResponse, Buffer]> {
+    const { path } = ContextEngineService.build;
+    const wire = Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+    return this.unary<[BuildResponse, Buffer]>(path, "Build", this.channel, () => wire,
+      (buf: Buffer) => [BuildResponse.decode(buf), buf], null, options, deadline);
+  }
+
   private call<Req, Res>(definition: grpc.MethodDefinition<Req, Res>, type: Fills<Req>,
                          input: DeepPartial<Req>, options: CallOptions = {}): Promise<Res> {
     const method = definition.path.slice(definition.path.lastIndexOf("/") + 1);
+    let request: Req;
+    try {
+      request = type.fromPartial(input);
+    } catch (err) {
+      return Promise.reject(err);
+    }
+    return this.unary<Res>(definition.path, method,
+      this.channelFor(method, request as { idempotencyKey?: string }),
+      definition.requestSerialize, definition.responseDeserialize, request, options,
+      Date.now() + (options.deadlineMs ?? this.deadlineMs));
+  }
+
+  private unary<Res>(path: string, method: string, channel: grpc.Client,
+                     serialize: (value: never) => Buffer, deserialize: (bytes: Buffer) => Res,
+                     request: unknown, options: CallOptions, deadline: number): Promise<Res> {
     return new Promise<Res>((resolve, reject) => {
       const { signal } = options;
       if (signal?.aborted) {
@@ -214,10 +327,8 @@ export class ContextEngineClient {
       let call: grpc.ClientUnaryCall;
       const cancel = (): void => call.cancel();
       try {
-        const request = type.fromPartial(input);
-        const deadline = Date.now() + (options.deadlineMs ?? this.deadlineMs);
-        call = this.channelFor(method, request as { idempotencyKey?: string }).makeUnaryRequest(
-          definition.path, definition.requestSerialize, definition.responseDeserialize, request,
+        call = channel.makeUnaryRequest(
+          path, serialize as (value: unknown) => Buffer, deserialize, request,
           callMetadata(this.token, options.metadata), { deadline },
           (err: grpc.ServiceError | null, value?: Res) => {
             signal?.removeEventListener("abort", cancel);

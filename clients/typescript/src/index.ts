@@ -2,11 +2,19 @@
  * `@context-engine/client`: a typed Node.js client of `context_engine.v1.ContextEngine`.
  * Message types, enums and the grpc-js service definition are generated from the contract at
  * build time (ts-proto); the client adds deadlines, credentials, per-call metadata, typed
- * errors and the packaged retry service config; `formats` parses the provider body a
+ * errors, the packaged retry service config and incremental Build (`build()` sends only what
+ * changed since the session's previous Build); `formats` parses the provider body a
  * `BuildResponse` carries (`providerBody`, `chatCompletionsBody`, `geminiBody`, ...).
  */
 export { ContextEngineClient } from "./client";
-export type { CallOptions, ClientOptions, Input } from "./client";
+export type { CallOptions, ClientOptions, IncrementalOptions, Input } from "./client";
+export {
+  BUILD_BASE_UNKNOWN,
+  DEFAULT_MAX_SESSIONS,
+  DeltaMismatchError,
+  IncrementalBuilds,
+} from "./incremental";
+export type { Absorbed, BuildStats, Prepared } from "./incremental";
 export {
   DEFAULT_MAX_MESSAGE_BYTES,
   KEYED_METHODS,

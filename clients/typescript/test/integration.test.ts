@@ -13,6 +13,7 @@ import { after, before, describe, test } from "node:test";
 
 import {
   type BodyFormat,
+  BuildResponse,
   Checkpoint,
   ContextEngineClient,
   ContextEngineError,
@@ -300,5 +301,76 @@ describe("context-engine over gRPC", { skip: target ? false :
       assert.equal(again.deleted, false);
       assert.equal(again.plans, "0");
       result.deleteSession = { deleted: erased.deleted, again: again.deleted };
+    });
+
+  test("incremental Build: each response equals a whole Build's; an erased base falls back",
+    async () => {
+      const session = `${sessionId}-incremental`;
+      const incremental = new ContextEngineClient({ target, insecure: true, deadlineMs: 20_000 });
+      const whole = new ContextEngineClient({ target, insecure: true, deadlineMs: 20_000,
+        incremental: false });
+      try {
+        await client.plan({ ...fixture.plan, tenantId, sessionId: session });
+        const items = [...fixture.checkpoint.items];
+        let sequence = 5;
+        const turn = (n: number) => {
+          const run = `run-${n}`;
+          items.push(Checkpoint.fromJSON({ items: [{ id: `turn-q${n}`,
+            sequence: String(++sequence), runId: run, trust: "TRUST_LEVEL_USER",
+            user: { text: `Question ${n}: and the day after? ünïcødé 日本 😀 ${"x".repeat(n)}` } },
+          ] }).items[0]!);
+          items.push(Checkpoint.fromJSON({ items: [{ id: `turn-a${n}`,
+            sequence: String(++sequence), runId: run, trust: "TRUST_LEVEL_USER",
+            assistant: { text: `Answer ${n}: EC ${300 + n} leaves at 09:${10 + n} (€${n}).` } },
+          ] }).items[0]!);
+          return run;
+        };
+        const same = async (run: string, step: string, format?: BodyFormat) => {
+          const request = { tenantId, sessionId: session, estimatorFactor: 1,
+            ...(format === undefined ? {} : { providerFormat: format }),
+            checkpoint: { ...fixture.checkpoint, activeRunId: run, items } };
+          const got = await incremental.build(request);
+          const want = await whole.build(request);
+          assert.equal(got.delta, undefined, step);
+          assert.match(got.buildId, /^.+$/, `${step}: the Build was kept as a base`);
+          assert.equal(want.buildId, "", `${step}: a whole Build that did not ask is not kept`);
+          assert.deepEqual(BuildResponse.encode({ ...got, buildId: "" }).finish(),
+            BuildResponse.encode(want).finish(), `${step}: byte for byte`);
+          return got;
+        };
+        for (let n = 1; n <= 10; n++) {
+          const run = turn(n);
+          await same(run, `turn ${n}`,
+            n % 3 === 0 ? "PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT" : undefined);
+          if (n === 6) {  // a result rewritten in place: the items change from its position
+            items[2] = Checkpoint.fromJSON({ items: [{ id: "r1", sequence: "3", runId: "run-0",
+              trust: "TRUST_LEVEL_EXTERNAL_UNTRUSTED", toolResult: { callId: "call-1",
+                toolName: "rail.search", eventId: "3", content: "[pointer] artifact:rail/3" } }],
+            }).items[0]!;
+            await same(run, "rewritten result");
+          }
+        }
+        const before = incremental.buildStats();
+        assert.equal(before.builds, 11);
+        assert.equal(before.incremental, 10, JSON.stringify(before));
+        assert.equal(before.fullResends, 0);
+        assert.ok(before.bytesSaved > 0 && before.requestBytes < before.fullRequestBytes &&
+          before.responseBytes < before.fullResponseBytes, JSON.stringify(before));
+
+        // Erased and planned again (by another client): the replica no longer holds the base
+        // this client names; it answers BUILD_BASE_UNKNOWN and the client resends whole.
+        await whole.deleteSession({ tenantId, sessionId: session });
+        await whole.plan({ ...fixture.plan, tenantId, sessionId: session });
+        await same(turn(11), "after the erasure");
+        const after = incremental.buildStats();
+        assert.equal(after.fullResends, 1, JSON.stringify(after));
+        assert.equal(after.incremental, before.incremental);
+        await same(turn(12), "the resent Build is the next base");
+        assert.equal(incremental.buildStats().incremental, before.incremental + 1);
+        result.incremental = incremental.buildStats();
+      } finally {
+        incremental.close();
+        whole.close();
+      }
     });
 });
