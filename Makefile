@@ -87,22 +87,27 @@ test: prereqs-test lint
 	scripts/ensure-pgbouncer
 	$(PY) -m pytest
 
-## bench: Build over loopback gRPC on seeded 50/200/1,000-item conversations, like with like:
+## bench: Build over loopback gRPC on seeded 200/1,000/3,000-item conversations, like with like:
 ## cold Build beside uncached langchain-core trim_messages and one raw pass of the service's own
 ## counter (bpe-openai); warm Build beside trim_messages with a memoized counter and the wire floor
-## (protobuf serialize + parse, a gRPC echo of the same bytes); ratios of medians, all samples in
-## tests/bench/results.md. Then the cached prefix ratio and cached input share beside a naive
-## assembly. Not in `make test`.
+## (protobuf serialize + parse, a gRPC echo of the same bytes); incremental warm Build (a base
+## held, two items appended) beside the wire floor of its own request and delta response; bytes
+## per turn, full and incremental; ratios of medians, each target printed as holds or FAILS (a
+## report: failing ones do not fail the run), all samples in tests/bench/results.md (about four
+## minutes). Then the cached prefix ratio and cached input share beside a naive assembly. Not in
+## `make test`.
 bench: $(DEV_STAMP) $(GEN_STAMP)
 	$(PY) -m tests.bench.build_bench
 	$(PY) -m tests.bench.cache_bench
 
 ## load: 100 simulated runtimes x 50 turns against `serve --workers 2` on loopback (throughput,
-## p50/p95/p99 per RPC, errors, epochs per session, lost plans), then the same load with a
+## p50/p95/p99 per RPC, errors, epochs per session, lost plans), Building incrementally through
+## the Python client's core, then the same load with whole Builds, side by side: bytes on the wire
+## and server CPU per Build, BUILD_BASE_UNKNOWN fallbacks; then the incremental load with a
 ## SIGTERM 8 s in (in-flight calls finish, health NOT_SERVING first, no broken response).
 ## Bounded: each run stops by itself within 15 minutes. Not in `make test`.
 load: $(DEV_STAMP) $(GEN_STAMP)
-	$(PY) -m tests.load.run --runtimes 100 --turns 50 --workers 2
+	$(PY) -m tests.load.run --runtimes 100 --turns 50 --workers 2 --build-mode both
 	$(PY) -m tests.load.run --runtimes 100 --turns 50 --workers 2 --sigterm-after 8
 
 ## load-replicas: three separate `serve` processes (--workers 1 each, their own loopback ports)

@@ -4,7 +4,9 @@ A conversation is a list of turns; every turn is one run: a user message, tool s
 assistant tool-call item with one call or several parallel calls, then one result item per
 call, JSON or HTML of 200-8,000 characters) and, except in the last turn, a closing assistant
 message. The last turn is the active run, stopped in the middle of its agent loop: it ends with
-the results of its latest tool step, which the model has not answered yet.
+the result of its latest tool step, which the model has not answered yet. That step is a single
+call, so the conversation without its last two items is the same run one step earlier (the base
+of the benchmark's incremental Build, whose two appended items are that call and its result).
 
 Pure and deterministic: the same size gives the same items (a seeded ``random.Random``, no
 clock, no hashing of Python objects). Nothing here imports the service or langchain, so the
@@ -305,11 +307,12 @@ class _Builder:
         self.assistant()
 
     def final_turn(self, exactly: int) -> None:
-        """The active run, stopped mid-loop: ``exactly`` items ending with pending results."""
+        """The active run, stopped mid-loop: ``exactly`` items ending with a single call and its
+        result, not answered yet."""
         assert exactly >= 3
         self.run += 1
         self.user()
-        left = exactly - 1
+        left = exactly - 1 - 2  # the last step's call and result
         steps: list[int] = []
         while left > 0:
             k = min(self.calls(), left - 1) if left >= 2 else 0
@@ -321,6 +324,7 @@ class _Builder:
             self.assistant()
         for k in steps:
             self.step(k)
+        self.step(1)
 
 
 def generate(size: int, seed: int | None = None) -> Conversation:

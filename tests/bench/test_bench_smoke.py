@@ -1,6 +1,7 @@
 """The benchmark's conversations (sizes, shape, determinism) and its code paths (the baselines,
-the echo, the report, one small run against the suite's database). No timing is asserted here;
-`make bench` measures (and `make test` never runs it)."""
+the echo, the report and its targets, one small run against the suite's database, incremental
+Build included). No timing is asserted here; `make bench` measures (and `make test` never runs
+it)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import tiktoken
 from context_engine.api.server import server_options
 from context_engine.v1 import context_engine_pb2 as pb
 
-from tests.bench import cache_bench
+from tests.bench import build_bench, cache_bench
 from tests.bench.baselines import (
     MemoCounter,
     counter_pass,
@@ -25,6 +26,8 @@ from tests.bench.baselines import (
     uncached_counter,
 )
 from tests.bench.build_bench import (
+    APPENDED,
+    INCREMENTAL_PATH,
     MEASURES,
     RATIOS,
     WARM_PATH,
@@ -32,11 +35,14 @@ from tests.bench.build_bench import (
     Row,
     bench_config,
     build_request,
+    incremental_request,
     legend,
     machine,
     report,
     run,
     table,
+    target_report,
+    targets,
     times,
 )
 from tests.bench.common import Loop
@@ -98,6 +104,25 @@ def test_shape_tool_calls_results_and_runs(size: int) -> None:
     assert conv.items[-1].kind == "tool_result"
     assert conv.items[-1].run_id == conv.active_run_id
     assert [i.sequence for i in conv.items] == list(range(1, size + 1))
+    # its last step is one call and its result: without them, the conversation is the same run
+    # one step earlier, every call answered (the base of the incremental Build)
+    last_call, last_result = conv.items[-2:]
+    assert APPENDED == 2 and last_call.kind == "tool_calls" and len(last_call.calls) == 1
+    assert last_result.call_id == last_call.calls[0].call_id
+    assert last_call.run_id == conv.active_run_id
+    answered = {i.call_id for i in conv.items[:-2] if i.kind == "tool_result"}
+    assert {c.call_id for i in conv.items[:-2] for c in i.calls} == answered
+
+
+def test_an_incremental_request_is_the_whole_one_less_its_kept_items() -> None:
+    whole = build_request("smoke", generate(12))
+    whole.estimator_factor = 1.25
+    wire = incremental_request(whole, 10)
+    assert list(wire.checkpoint.items) == list(whole.checkpoint.items[10:])
+    assert wire.base_items_kept == 10 and not wire.base_build_id
+    wire.ClearField("base_items_kept")
+    del whole.checkpoint.items[:10]
+    assert wire == whole  # every other field as it was
 
 
 def test_conversions_keep_every_item() -> None:
@@ -148,7 +173,7 @@ def test_serialize_parse_times_four_codec_steps() -> None:
 
 def _row(case: Case, samples: dict[str, list[float]]) -> Row:
     return Row(case=case, tokens=1_000, chars=4_000, request_bytes=5_000, response_bytes=3_000,
-               samples=samples)
+               samples=samples, inc_request_bytes=400, inc_response_bytes=600)
 
 
 def test_every_ratio_is_the_quotient_of_its_two_reported_medians() -> None:
@@ -157,7 +182,8 @@ def test_every_ratio_is_the_quotient_of_its_two_reported_medians() -> None:
     # the comparisons the benchmark exists for
     pairs = {(q.numerator, q.denominator) for q in RATIOS}
     assert {("trim", "cold"), ("trim_memo", "warm"), ("cold", "bpe"), ("warm", "serde"),
-            ("warm", "echo")} <= pairs
+            ("warm", "echo"), ("inc", "serde_inc"), ("inc", "echo_pb_inc"),
+            ("warm", "inc")} <= pairs
     assert all(q.numerator in keys and q.denominator in keys and q.numerator != q.denominator
                for q in RATIOS)
     # distinct medians for every measurement and case (odd samples, shuffled)
@@ -196,25 +222,92 @@ def test_the_echo_moves_exactly_the_bytes_of_the_build() -> None:
         assert echo.received == len(data) and len(body) == response.ByteSize() > 12_345
         _, parsed = echo.timed_echo_proto(request)
         assert parsed == response
+        # a request naming a base is answered the incremental reply: the delta's own bytes
+        delta = pb.BuildResponse(model_id="m", delta=pb.ResponseDelta(base_build_id="b1"))
+        echo.set_incremental_reply(delta)
+        incremental = incremental_request(request, 10)
+        incremental.base_build_id = "b1"
+        assert echo.timed_echo_proto(incremental)[1] == delta
+        assert echo.timed_echo_proto(request)[1] == response
     finally:
         echo.close()
         loop.close()
 
 
-def test_one_small_run_measures_and_reports_every_column(database_url: str,
-                                                         tmp_path: Path) -> None:
+def _samples(medians: dict[str, float]) -> dict[str, list[float]]:
+    """Three samples per measurement whose median is the given one (1.0 when not given)."""
+    return {m.key: [medians.get(m.key, 1.0) * f for f in (3.0, 1.0, 0.5)] for m in MEASURES}
+
+
+def test_targets_are_ratios_of_medians_and_failing_ones_are_reported_not_raised(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def row(items: int, **medians: float) -> Row:
+        return _row(Case(f"{items:,} items", items, 32_000), _samples(medians))
+
+    rows = [row(200, inc=10.0, echo_pb_inc=1.0, serde_inc=0.1, warm=20.0, serde=1.0, cold=14.0,
+                bpe=10.0),
+            row(1_000, inc=50.0, echo_pb_inc=2.0, warm=40.0, serde=5.0, cold=20.0, bpe=10.0),
+            row(3_000, inc=25.0, echo_pb_inc=5.0, warm=40.0, serde=4.0, cold=15.0, bpe=10.0)]
+    found = {(t.key, t.case): t for t in targets(rows)}
+    assert sorted(found) == sorted([("a", "3,000 against 200 items")] + [
+        (k, r.case.name) for r in rows for k in "bcd"])
+    expected = {("a", "3,000 against 200 items"): (2.5, False),
+                ("b", "200 items"): (10.0, False), ("b", "1,000 items"): (25.0, False),
+                ("b", "3,000 items"): (5.0, True), ("c", "200 items"): (20.0, False),
+                ("c", "1,000 items"): (8.0, True), ("c", "3,000 items"): (10.0, True),
+                ("d", "200 items"): (1.4, True), ("d", "1,000 items"): (2.0, False),
+                ("d", "3,000 items"): (1.5, True)}
+    for key, (value, holds) in expected.items():
+        assert found[key].value == pytest.approx(value) and found[key].holds is holds, key
+        verdict = "holds" if holds else "FAILS"
+        assert f"(limit {times(found[key].limit)}) {verdict}" in found[key].line()
+    assert "serialize + parse of the same two messages 100x" in found["b", "200 items"].line()
+    text = target_report(rows)
+    assert text.count("FAILS") == 5 and text.count(" holds") == 5
+    assert text.splitlines()[-1].startswith("targets: 5 of 10 hold; FAILING: a (3,000 against")
+    assert "bytes e, 200 items, a turn's request + response on the wire: full 8,000 " in text
+    # without the two named sizes, target a sets the last case against the first
+    (a,) = [t for t in targets(rows[1:]) if t.key == "a"]
+    assert a.case == "3,000 against 1,000 items" and a.value == pytest.approx(0.5)
+    # failing targets are a report: the run writes them and exits 0
+    monkeypatch.setattr(build_bench, "run", lambda cases, **kw: (rows, "bpe-openai x", ""))
+    output = tmp_path / "results.md"
+    assert build_bench.main(["--output", str(output), "--warm", "3", "--cold", "3"]) == 0
+    assert text in output.read_text() and text in capsys.readouterr().out
+
+
+def test_one_small_run_measures_and_reports_every_column(direct_database_url: str) -> None:
+    # PostgreSQL itself, as `make bench` connects (its servers keep asyncpg's statement cache,
+    # which a transaction pooler does not allow)
     case = Case("smoke", 20, 32_000)
-    rows, counter, _ = run((case,), warm=2, cold=1, database_url=database_url)
+    rows, counter, profiles = run((case,), warm=2, cold=1, database_url=direct_database_url,
+                                  profile=True)
     (row,) = rows
     assert "bpe-openai" in counter
     assert {k: len(v) for k, v in row.samples.items()} == {
-        m.key: 2 if m in WARM_PATH else 1 for m in MEASURES}
-    assert row.request_bytes == build_request(case.session, generate(20)).ByteSize()
+        m.key: 2 if m in WARM_PATH + INCREMENTAL_PATH else 1 for m in MEASURES}
+    whole = build_request(case.session, generate(20))
+    assert row.request_bytes == whole.ByteSize()
     assert row.response_bytes > 0 and row.tokens > 0 and len(row.serde_parts) == 4
     assert row.trim_kept > 0 and row.build_kept > 0
+    # the incremental Build sent two items (and a base's id), and got a delta back: fewer bytes
+    # both ways (its answer read back to the whole Build's, or the run would have failed)
+    sent = incremental_request(whole, 18)
+    sent.base_build_id = "0" * 32
+    assert row.inc_request_bytes == sent.ByteSize() < row.request_bytes
+    assert 0 < row.inc_response_bytes < row.response_bytes
+    assert 0 < row.inc_messages_sent < row.build_kept and len(row.inc_serde_parts) == 4
     text = report(rows, warm=2, cold=1, elapsed=1.0, header=machine(counter))
     assert all(f"**{q.label}**" in text for q in RATIOS)
     assert all(f"smoke, {m.label}:" in text for m in MEASURES)
+    assert all(f"target {k}, smoke," in text for k in "bcd") and "bytes e, smoke," in text
+    # the profile breaks each kind of Build down
+    for label in ("warm Build", "incremental warm Build", "cold Build"):
+        assert f"#### {label}: " in profiles
+    incremental = profiles.split("#### incremental warm Build")[1].split("####")[0]
+    assert "message spans over the base's (incremental.message_spans)" in incremental
+    assert "base lookup (build cache get)" in incremental and "not called" in profiles
 
 
 # ---------------------------------------------------------------- the cache bench

@@ -14,7 +14,9 @@ between.
     way, and no protobuf work is done: transport only.
   - ``EchoProto``: the same round trip with BuildRequest and BuildResponse as the codecs (the
     client serializes the request and parses the response, the server parses the request and
-    serializes ``reply_message``): a Build that does nothing.
+    serializes ``reply_message``): a Build that does nothing. A request naming a base
+    (``base_build_id``) is answered ``incremental_reply`` instead: an incremental Build that
+    does nothing, moving that Build's own request and delta response.
 
 Both are called from a sync client channel with the options of the benchmark's Build channel,
 timed around the call, as Build is.
@@ -57,6 +59,7 @@ class EchoServer:
         self.loop = loop
         self.reply: bytes | None = None
         self.reply_message: pb.BuildResponse = pb.BuildResponse()
+        self.incremental_reply: pb.BuildResponse = pb.BuildResponse()
         self.received = 0  # bytes of the last Echo request, as the server got them
         self.server, port = loop.call(self._start(options))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CLIENT_OPTIONS)
@@ -84,11 +87,15 @@ class EchoServer:
         return request if self.reply is None else self.reply
 
     async def _echo_proto(self, request: pb.BuildRequest, context: Any) -> pb.BuildResponse:
-        return self.reply_message
+        return self.incremental_reply if request.base_build_id else self.reply_message
 
     def set_reply(self, response: pb.BuildResponse) -> None:
         self.reply = response.SerializeToString()
         self.reply_message = response
+
+    def set_incremental_reply(self, response: pb.BuildResponse) -> None:
+        """What ``EchoProto`` answers a request that names a base."""
+        self.incremental_reply = response
 
     def timed_echo(self, data: bytes) -> tuple[float, bytes]:
         started = time.perf_counter()

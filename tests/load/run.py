@@ -1,6 +1,7 @@
 """``make load``: simulated runtimes against a real multi-process server on loopback.
 
     python -m tests.load.run [--runtimes 100] [--turns 50] [--workers 2] [--sigterm-after S]
+                             [--build-mode incremental|full|both]
 
 Starts ``context-engine serve --workers N`` on 127.0.0.1 (ephemeral ports, an embedded
 PostgreSQL in a temporary directory), runs every runtime concurrently, each on its own
@@ -14,8 +15,19 @@ Both runs record every plan the server acknowledged (each ``Plan`` answered OK: 
 session, epoch, prefix hash) and, after the run (after a restart on the same data in the
 SIGTERM run), look each one up in PostgreSQL itself (the ``plans`` table, not a server's
 cache): one missing, or stored with another prefix hash, is a lost plan and fails the run.
-Bounded in count and time: it stops by itself (``--time-limit``, default 900 s) and exits
-non-zero on any failure of its checks.
+Bounded in count and time: it stops by itself (``--time-limit``, default 900 s per run) and
+exits non-zero on any failure of its checks.
+
+The runtimes Build incrementally by default (``--build-mode incremental``: through the Python
+client's incremental core, each Build naming the previous one as its base; see
+``tests.load.runtime``); ``full`` sends every Build whole, as before; ``both`` runs the same load
+twice, incremental then full, each against a server of its own, and prints them side by side.
+Every run reports, per Build: the bytes on the wire (request + response, from ``ByteSize``), the
+server's CPU time (user + system of the supervisor and its workers, from psutil, between the
+start and the end of the load, Plan and ReportUsage included, divided by the Builds answered)
+and the ``BUILD_BASE_UNKNOWN`` fallbacks (a Build refused for a base its worker does not hold,
+sent again whole: counted, not an error). An incremental run fails if no Build was served from
+a base or a delta did not read back.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ from typing import Any
 
 import asyncpg
 import grpc
+import psutil
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -76,10 +89,29 @@ class Report:
     lost_plans: int = 0
     shutdown: dict[str, Any] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    build_mode: str = "full"
+    builds: int = 0  # Build calls answered OK
+    build_request_bytes: int = 0
+    build_response_bytes: int = 0
+    incremental_builds: int = 0
+    fallbacks: int = 0  # BUILD_BASE_UNKNOWN, sent again whole
+    mismatches: int = 0
+    server_cpu_seconds: float | None = None  # the server's CPU time during the load
 
     def errors(self) -> int:
-        """Calls that failed for good (an attempt that was sent again is a retry, not one)."""
-        return sum(1 for c in self.calls if c.code != "OK" and not c.retried)
+        """Calls that failed for good (an attempt that was sent again is a retry, not one; a
+        Build refused BUILD_BASE_UNKNOWN and sent again whole is a fallback, not one)."""
+        return sum(1 for c in self.calls if c.code != "OK" and not c.retried
+                   and not c.fallback)
+
+    def bytes_per_build(self) -> float | None:
+        return ((self.build_request_bytes + self.build_response_bytes) / self.builds
+                if self.builds else None)
+
+    def cpu_ms_per_build(self) -> float | None:
+        if self.server_cpu_seconds is None or not self.builds:
+            return None
+        return self.server_cpu_seconds * 1000 / self.builds
 
     def retried(self) -> int:
         return sum(1 for c in self.calls if c.retried)
@@ -91,8 +123,8 @@ class Report:
             ms = sorted(c.seconds * 1000 for c in self.calls if c.method == method)
             if not ms:
                 continue
-            errors = sum(1 for c in self.calls
-                         if c.method == method and c.code != "OK" and not c.retried)
+            errors = sum(1 for c in self.calls if c.method == method and c.code != "OK"
+                         and not c.retried and not c.fallback)
             lines.append(f"{method:<12} {len(ms):>7} {errors:>7} {pct(ms, 50):>8.1f} "
                          f"{pct(ms, 95):>8.1f} {pct(ms, 99):>8.1f}")
         return "\n".join(lines)
@@ -107,7 +139,29 @@ class Report:
                 "plans_acknowledged": self.plans_acknowledged,
                 "plans_checked": self.plans_checked,
                 "lost_plans": self.lost_plans, "shutdown": self.shutdown,
-                "failures": self.failures}
+                "failures": self.failures, "build_mode": self.build_mode,
+                "builds": self.builds, "build_request_bytes": self.build_request_bytes,
+                "build_response_bytes": self.build_response_bytes,
+                "bytes_per_build": _round(self.bytes_per_build(), 1),
+                "incremental_builds": self.incremental_builds,
+                "build_base_unknown_fallbacks": self.fallbacks,
+                "delta_mismatches": self.mismatches,
+                "server_cpu_seconds": _round(self.server_cpu_seconds, 3),
+                "server_cpu_ms_per_build": _round(self.cpu_ms_per_build(), 3)}
+
+    def build_line(self) -> str:
+        per = self.bytes_per_build()
+        cpu = self.cpu_ms_per_build()
+        return (f"Build ({self.build_mode}): {self.builds} answered, "
+                f"{self.incremental_builds} from a base; bytes per Build "
+                f"{'-' if per is None else f'{per:,.0f}'} (requests "
+                f"{self.build_request_bytes:,} + responses {self.build_response_bytes:,} bytes)"
+                f"; server CPU per Build {'-' if cpu is None else f'{cpu:.2f} ms'}; "
+                f"BUILD_BASE_UNKNOWN fallbacks {self.fallbacks}")
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def pct(sorted_ms: list[float], p: int) -> float:
@@ -132,7 +186,7 @@ async def watch_health(address: str, stop: asyncio.Event, seen: dict[str, float]
 
 
 async def drive(address: str, runtimes: int, turns: int, sigterm: tuple[ServerProcess, float]
-                | None) -> tuple[Outcome, float, dict[str, float]]:
+                | None, incremental: bool = False) -> tuple[Outcome, float, dict[str, float]]:
     outcome = Outcome()
     stop = asyncio.Event()
     seen: dict[str, float] = {}
@@ -150,7 +204,7 @@ async def drive(address: str, runtimes: int, turns: int, sigterm: tuple[ServerPr
     try:
         started, wall = await run_runtimes(address, CHANNEL_OPTIONS, tenant=TENANT,
                                            runtimes=runtimes, turns=turns, outcome=outcome,
-                                           stop=stop)
+                                           stop=stop, incremental=incremental)
         if killer is not None:
             await killer
     finally:
@@ -244,6 +298,23 @@ def scrape(metrics_addr: str) -> str:
         return str(response.read().decode())
 
 
+def server_processes(server: ServerProcess) -> list[psutil.Process]:
+    """The server's processes: the supervisor and the workers it reported serving with (one
+    process when it serves alone)."""
+    serving = next(r for r in reversed(server.log) if r.get("event") == "serving")
+    pids = [server.proc.pid, *(p for p in serving.get("pids") or () if p != server.proc.pid)]
+    return [psutil.Process(pid) for pid in pids]
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    """User + system CPU time of the processes so far (their own, not their children's)."""
+    total = 0.0
+    for proc in processes:
+        times = proc.cpu_times()
+        total += times.user + times.system
+    return total
+
+
 def run(args: argparse.Namespace) -> Report:
     data = tempfile.mkdtemp(prefix="ce-load-")
     env = {"CE_WORKERS": str(args.workers), "CE_DATA_DIR": data, "CE_DEV_MODE": "1",
@@ -251,12 +322,29 @@ def run(args: argparse.Namespace) -> Report:
            "CE_MAX_CONCURRENT_RPCS": "1024"}
     server = ServerProcess(env, timeout=180)
     restarted: ServerProcess | None = None
+    mode = getattr(args, "build_mode", "incremental")
     try:
         sigterm = (server, args.sigterm_after) if args.sigterm_after else None
+        processes = server_processes(server)
+        cpu_before = cpu_seconds(processes)
         outcome, wall, seen = asyncio.run(drive(server.address, args.runtimes, args.turns,
-                                                sigterm))
+                                                sigterm, incremental=mode == "incremental"))
+        # after a SIGTERM the processes are gone: no CPU figure for that run
+        cpu = cpu_seconds(processes) - cpu_before if sigterm is None else None
         report = Report(runtimes=args.runtimes, turns=args.turns, workers=args.workers,
-                        wall_seconds=wall, calls=outcome.calls, turns_done=outcome.turns)
+                        wall_seconds=wall, calls=outcome.calls, turns_done=outcome.turns,
+                        build_mode=mode, builds=outcome.builds,
+                        build_request_bytes=outcome.build_request_bytes,
+                        build_response_bytes=outcome.build_response_bytes,
+                        incremental_builds=outcome.incremental_builds,
+                        fallbacks=outcome.fallbacks, mismatches=outcome.mismatches,
+                        server_cpu_seconds=cpu)
+        if outcome.mismatches:
+            report.failures.append(f"{outcome.mismatches} incremental Build responses did not "
+                                   "read back against their base")
+        if mode == "incremental" and sigterm is None and not outcome.incremental_builds:
+            report.failures.append("no Build was answered relative to a base: the incremental "
+                                   "path was not exercised")
         sessions = sorted(set(outcome.sessions))
         if sigterm is None:
             if report.errors():
@@ -271,10 +359,11 @@ def run(args: argparse.Namespace) -> Report:
                 check_acknowledged(report, outcome.plans, url)
         else:
             sigterm_at, close_at = seen["sigterm"], seen["sigterm"] + args.drain
-            broken = [c for c in outcome.calls if c.code not in ("OK", "UNAVAILABLE")]
+            broken = [c for c in outcome.calls
+                      if c.code not in ("OK", "UNAVAILABLE") and not c.fallback]
             # in flight when SIGTERM came: every one must complete OK
             in_flight = [c for c in outcome.calls if c.started < sigterm_at]
-            in_flight_failed = [c for c in in_flight if c.code != "OK"]
+            in_flight_failed = [c for c in in_flight if c.code != "OK" and not c.fallback]
             not_serving = seen.get("not_serving")
             report.shutdown = {
                 "sigterm_after_s": args.sigterm_after,
@@ -329,6 +418,58 @@ def run(args: argparse.Namespace) -> Report:
         shutil.rmtree(data, ignore_errors=True)
 
 
+MODES = ("incremental", "full")
+
+
+def print_report(args: argparse.Namespace, report: Report) -> None:
+    summary = report.summary()
+    print(f"load: {args.runtimes} runtimes x {args.turns} turns, {args.workers} worker "
+          f"processes, loopback, {report.build_mode} Builds")
+    print(report.table())
+    print(f"throughput {summary['rpcs_per_second']} RPC/s over {summary['wall_seconds']} s "
+          f"({summary['rpcs']} RPCs, {summary['turns_done']} turns); errors "
+          f"{summary['errors']}; epochs per session {summary['epochs_per_session']} "
+          f"(server counters: {summary['epochs_per_session_metrics']}); lost plans "
+          f"{summary['lost_plans']} of {summary['plans_checked']} acknowledged "
+          f"({summary['plans_acknowledged']} Plan calls answered OK, each plan looked up "
+          "in PostgreSQL)")
+    print(report.build_line())
+    if report.shutdown:
+        print("shutdown: " + json.dumps(report.shutdown, sort_keys=True))
+
+
+def side_by_side(reports: list[Report]) -> str:
+    """The runs' Build figures in one table, then incremental against full."""
+    lines = [f"{'Build mode':<12} {'Builds':>7} {'from a base':>11} {'bytes/Build':>12} "
+             f"{'request B':>10} {'response B':>11} {'server CPU ms/Build':>19} "
+             f"{'fallbacks':>9} {'Build p50 ms':>12} {'Build p95 ms':>12} {'RPC/s':>7}"]
+    for r in reports:
+        ms = sorted(c.seconds * 1000 for c in r.calls if c.method == "Build" and c.code == "OK")
+        per, cpu = r.bytes_per_build(), r.cpu_ms_per_build()
+        lines.append(
+            f"{r.build_mode:<12} {r.builds:>7} {r.incremental_builds:>11} "
+            f"{'-' if per is None else f'{per:,.0f}':>12} "
+            f"{r.build_request_bytes // max(r.builds, 1):>10,} "
+            f"{r.build_response_bytes // max(r.builds, 1):>11,} "
+            f"{'-' if cpu is None else f'{cpu:.2f}':>19} {r.fallbacks:>9} "
+            f"{pct(ms, 50) if ms else 0:>12.1f} {pct(ms, 95) if ms else 0:>12.1f} "
+            f"{len(r.calls) / r.wall_seconds:>7.1f}")
+    by = {r.build_mode: r for r in reports}
+    if set(MODES) <= set(by):
+        inc, full = by["incremental"], by["full"]
+        parts = []
+        inc_bytes, full_bytes = inc.bytes_per_build(), full.bytes_per_build()
+        if inc_bytes and full_bytes:
+            parts.append(f"bytes per Build {inc_bytes / full_bytes:.3g}x"
+                         f" ({full_bytes / inc_bytes:.3g}x fewer)")
+        inc_cpu, full_cpu = inc.cpu_ms_per_build(), full.cpu_ms_per_build()
+        if inc_cpu and full_cpu:
+            parts.append(f"server CPU per Build {inc_cpu / full_cpu:.3g}x")
+        if parts:
+            lines.append("incremental / full: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make load")
     parser.add_argument("--runtimes", type=int, default=100)
@@ -338,32 +479,39 @@ def main(argv: list[str] | None = None) -> int:
                         help="send SIGTERM to the server this many seconds into the run")
     parser.add_argument("--drain", type=float, default=1.0)
     parser.add_argument("--grace", type=float, default=10.0)
-    parser.add_argument("--time-limit", type=int, default=900)
-    parser.add_argument("--json", help="also write the summary to this file")
+    parser.add_argument("--time-limit", type=int, default=900,
+                        help="seconds each run may take (both: each of the two)")
+    parser.add_argument("--build-mode", choices=(*MODES, "both"), default="incremental",
+                        help="how the runtimes Build: through the client's incremental core "
+                             "(default), whole, or both, one run each, side by side")
+    parser.add_argument("--json", help="also write the summary to this file (both: the two "
+                                       "summaries by mode)")
     args = parser.parse_args(argv)
     if args.runtimes < 1 or args.turns < 1 or args.workers < 1:
         parser.error("--runtimes, --turns and --workers must be at least 1")
-    with deadline(args.time_limit, "the load run"):
-        report = run(args)
-    summary = report.summary()
-    print(f"load: {args.runtimes} runtimes x {args.turns} turns, {args.workers} worker "
-          f"processes, loopback")
-    print(report.table())
-    print(f"throughput {summary['rpcs_per_second']} RPC/s over {summary['wall_seconds']} s "
-          f"({summary['rpcs']} RPCs, {summary['turns_done']} turns); errors "
-          f"{summary['errors']}; epochs per session {summary['epochs_per_session']} "
-          f"(server counters: {summary['epochs_per_session_metrics']}); lost plans "
-          f"{summary['lost_plans']} of {summary['plans_checked']} acknowledged "
-          f"({summary['plans_acknowledged']} Plan calls answered OK, each plan looked up "
-          "in PostgreSQL)")
-    if report.shutdown:
-        print("shutdown: " + json.dumps(report.shutdown, sort_keys=True))
+    modes = MODES if args.build_mode == "both" else (args.build_mode,)
+    reports: list[Report] = []
+    for mode in modes:
+        with deadline(args.time_limit, f"the load run ({mode} Builds)"):
+            report = run(argparse.Namespace(**{**vars(args), "build_mode": mode}))
+        report.build_mode = mode
+        reports.append(report)
+        if len(modes) > 1:
+            print()
+        print_report(args, report)
+    if len(reports) > 1:
+        print("\n" + side_by_side(reports))
     if args.json:
+        summaries = [r.summary() for r in reports]
         with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(summary, fh, indent=2, sort_keys=True)
-    for failure in report.failures:
-        print(f"FAILED: {failure}", file=sys.stderr)
-    return 1 if report.failures else 0
+            json.dump(summaries[0] if len(summaries) == 1 else
+                      {r.build_mode: s for r, s in zip(reports, summaries, strict=True)},
+                      fh, indent=2, sort_keys=True)
+    failures = [(r.build_mode, f) for r in reports for f in r.failures]
+    for mode, failure in failures:
+        prefix = f"({mode} Builds) " if len(reports) > 1 else ""
+        print(f"FAILED: {prefix}{failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

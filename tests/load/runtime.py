@@ -10,6 +10,14 @@ its idempotency key, as the Python client does -- and every attempt is recorded,
 be counted. Every plan the server acknowledged (``Plan`` answered OK) and every usage report it
 acknowledged (by idempotency key) is recorded, so the run can check afterwards that each one is
 stored, once.
+
+With ``incremental=True`` a runtime Builds as the Python client does, through the client's own
+incremental core (``context_engine_client._incremental.IncrementalBuilds``, one per runtime, as
+one per runtime process): every Build after the first names the previous one as its base and
+sends only the items appended since; a ``BUILD_BASE_UNKNOWN`` refusal (another worker, a
+restart, an eviction) is a fallback: the same Build is sent again whole, and the refused attempt
+is recorded as one (``Call.fallback``), not as an error. In both modes the bytes of every Build
+request sent and every Build response received (``ByteSize``) are counted.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from context_engine_client._channel import (
     retry_policy,
     service_config_text,
 )
+from context_engine_client._incremental import DeltaMismatch, IncrementalBuilds, base_unknown
 
 SCHEMA = json.dumps({"type": "object", "properties": {"url": {"type": "string"}},
                      "required": ["url"]})
@@ -58,6 +67,7 @@ class Call:
     code: str
     attempt: int = 1  # 2 and more: the same request sent again
     retried: bool = False  # this attempt failed and the request was sent again
+    fallback: bool = False  # a Build refused BUILD_BASE_UNKNOWN, then sent again whole
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,12 @@ class Outcome:
     turns: int = 0
     # the turns each session completed
     turns_by_session: dict[str, int] = field(default_factory=dict)
+    builds: int = 0  # Build calls answered OK
+    build_request_bytes: int = 0  # every Build request sent (each attempt), serialized
+    build_response_bytes: int = 0  # every Build response received, serialized
+    incremental_builds: int = 0  # answered relative to a base (a delta)
+    fallbacks: int = 0  # BUILD_BASE_UNKNOWN, sent again whole
+    mismatches: int = 0  # deltas that did not read back (sent again whole)
 
 
 def plan_request(tenant: str, session: str) -> pb.PlanRequest:
@@ -136,9 +152,12 @@ def text(rng: random.Random, words: int) -> str:
 class Runtime:
     def __init__(self, stub: pb_grpc.ContextEngineStub, tenant: str, index: int,
                  turns: int, outcome: Outcome, stop: asyncio.Event,
-                 retry: Retry | None = None) -> None:
+                 retry: Retry | None = None, incremental: bool = False) -> None:
         self.stub = stub
         self.retry = retry
+        self.builds = IncrementalBuilds() if incremental else None
+        self.last_call: Call | None = None
+        self.last_error: grpc.aio.AioRpcError | None = None
         self.jitter = random.Random(-1 - index)  # apart from the content's generator
         self.tenant = tenant
         self.session = f"load-{index:04d}"
@@ -164,14 +183,22 @@ class Runtime:
             started = time.perf_counter()
             code = "OK"
             response = None
+            self.last_error = None
             try:
                 response = await getattr(self.stub, method)(request, timeout=30)
             except grpc.aio.AioRpcError as err:
                 code = err.code().name
+                self.last_error = err
             seconds = time.perf_counter() - started
             again = self.retry is not None and self.retry.retries(method, request, code,
                                                                   attempt)
-            self.outcome.calls.append(Call(method, started, seconds, code, attempt, again))
+            self.last_call = Call(method, started, seconds, code, attempt, again)
+            self.outcome.calls.append(self.last_call)
+            if method == "Build":
+                self.outcome.build_request_bytes += request.ByteSize()  # type: ignore[attr-defined]
+                if response is not None:
+                    self.outcome.builds += 1
+                    self.outcome.build_response_bytes += response.ByteSize()
             if again:
                 assert self.retry is not None
                 await asyncio.sleep(self.retry.backoff(attempt, self.jitter))
@@ -186,6 +213,37 @@ class Runtime:
                                    active_run_id=run, items=self.items,
                                    runtime=pb.RuntimeMetadata(current_date="2026-11-30")))
 
+    async def _send_build(self, request: pb.BuildRequest) -> pb.BuildResponse | None:
+        """The full response to ``request`` (a whole Build), or None when it failed; with the
+        incremental core, sent relative to the session's last Build (see the module's
+        docstring)."""
+        builds = self.builds
+        if builds is None:
+            return await self._call("Build", request)  # type: ignore[return-value]
+        wire, base = builds.prepare(request)
+        response = await self._call("Build", wire)
+        if response is None and base is not None and self.last_error is not None \
+                and base_unknown(self.last_error):
+            assert self.last_call is not None
+            self.last_call.fallback = True
+            self.outcome.fallbacks += 1
+            wire, base = builds.fallback(request), None
+            response = await self._call("Build", wire)
+        if not isinstance(response, pb.BuildResponse):
+            builds.forget(self.tenant, self.session)  # the next Build goes whole
+            return None
+        try:
+            full = builds.absorb(request, response, base)
+        except DeltaMismatch:
+            self.outcome.mismatches += 1
+            response = await self._call("Build", builds.fallback(request))
+            if not isinstance(response, pb.BuildResponse):
+                return None
+            return builds.absorb(request, response, None)
+        if response.HasField("delta"):
+            self.outcome.incremental_builds += 1
+        return full
+
     async def run(self) -> None:
         self.outcome.sessions.append(self.session)
         self.outcome.turns_by_session[self.session] = 0
@@ -199,7 +257,7 @@ class Runtime:
             self.outcome.plans.append(AckedPlan(self.tenant, self.session, plan.plan.epoch,
                                                 plan.plan.prefix_sha256))
             self._item(run, user=pb.UserMessage(text=text(self.rng, 20)))
-            first = await self._call("Build", self._build(run))
+            first = await self._send_build(self._build(run))
             call_id = f"c{turn}"
             self._item(run, tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
                 call_id=call_id, name="web.fetch",
@@ -207,7 +265,7 @@ class Runtime:
             self._item(run, pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, tool_result=pb.ToolResult(
                 call_id=call_id, tool_name="web.fetch",
                 content=text(self.rng, self.rng.randint(40, 400)), event_id=turn + 1))
-            second = await self._call("Build", self._build(run))
+            second = await self._send_build(self._build(run))
             self._item(run, assistant=pb.AssistantMessage(text=text(self.rng, 60)))
             sent = second or first
             if isinstance(sent, pb.BuildResponse):
@@ -227,13 +285,15 @@ class Runtime:
 
 async def run_runtimes(target: str, options: Sequence[tuple[str, Any]], *, tenant: str,
                        runtimes: int, turns: int, outcome: Outcome, stop: asyncio.Event,
-                       retry: Retry | None = None) -> tuple[float, float]:
+                       retry: Retry | None = None,
+                       incremental: bool = False) -> tuple[float, float]:
     """Every runtime at once, each on a channel (and connections) of its own to ``target``, as
-    separate runtime processes would be: (when they started, seconds until the last ended)."""
+    separate runtime processes would be: (when they started, seconds until the last ended).
+    ``incremental``: Build through the client's incremental core (whole Builds otherwise)."""
     channels = [grpc.aio.insecure_channel(target, options=options) for _ in range(runtimes)]
     try:
         tasks = [Runtime(pb_grpc.ContextEngineStub(ch), tenant, i, turns, outcome, stop,
-                         retry).run() for i, ch in enumerate(channels)]
+                         retry, incremental).run() for i, ch in enumerate(channels)]
         started = time.perf_counter()
         await asyncio.gather(*tasks)
         return started, time.perf_counter() - started
