@@ -13,9 +13,10 @@ the parts not sent are kept with the base.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Any
 
 from context_engine.api import mapping
 from context_engine.build_cache import BuildBase
@@ -146,13 +147,14 @@ def _spans_pb(spans: list[tuple[int, int, int]]) -> list[pb.Span]:
 def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
             build_id: str, tenant_id: str, session_id: str, incarnation: int,
             items: tuple[ConversationItem, ...], sizes: tuple[int, ...],
-            base: BuildBase | None) -> Answer:
+            base: BuildBase | None,
+            memo: MutableMapping[Any, Any] | None = None) -> Answer:
     """The response to send (whole without a base, relative to ``base`` with one) and the base
     this Build leaves for the next."""
     messages = result.request.messages
     prefix = (result.request.prefix_blocks, result.request.tools)
     if base is None:
-        out = mapping.build_pb(result, provider_format, catalog=catalog)
+        out = mapping.build_pb(result, provider_format, catalog=catalog, memo=memo)
         out.build_id = build_id
         message_sizes = tuple(m.ByteSize() for m in out.request.messages)
         prefix_bytes = out.request.ByteSize() - sum(_entry(1, n) for n in message_sizes)
@@ -163,7 +165,8 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
         prefix_from_base = base.prefix == prefix
         spans, send = message_spans(base, messages)
         out = mapping.build_pb(result, provider_format, catalog=catalog,
-                               messages=[messages[j] for j in send], prefix=not prefix_from_base)
+                               messages=[messages[j] for j in send], prefix=not prefix_from_base,
+                               memo=memo)
         out.build_id = build_id
         sent_sizes = [m.ByteSize() for m in out.request.messages]
         if spans:

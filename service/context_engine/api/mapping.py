@@ -8,7 +8,7 @@ import functools
 import hashlib
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -365,54 +365,116 @@ def attachments_pb(items: Iterable[Attachment]) -> list[pb.Attachment]:
                           pages=a.pages, text_chars=a.text_chars) for a in items]
 
 
+_REFERENCE_RULE = f"must be at most {MAX_ID_LENGTH} characters without control characters"
+_NAME_RULE = "must match [A-Za-z0-9_.-]{1,64} (what providers accept)"
+# the trust levels an item may carry without a violation, by kind: a tool result is data and
+# can never claim to be configuration
+_ITEM_TRUST = {ceiling: {value: level for value, level in TRUST_FROM_PB.items()
+                         if level.rank <= ceiling.rank}
+               for ceiling in (TrustLevel.USER, TrustLevel.TRUSTED_CONFIGURATION)}
+
+
+def _bad_reference(value: str) -> bool:
+    """What ``_reference`` refuses: too long, or a control character (printable ASCII has
+    none, so only other text is searched). Checkpoint items are checked with it inline."""
+    if len(value) > MAX_ID_LENGTH:
+        return True
+    return not (value.isascii() and value.isprintable()) and _CONTROL.search(value) is not None
+
+
 def _item(v: Violations, field: str, it: pb.ConversationItem) -> ConversationItem | None:
     kind = it.WhichOneof("kind")
     # a tool result is data: it can never claim to be configuration
     ceiling = TrustLevel.USER if kind == "tool_result" else TrustLevel.TRUSTED_CONFIGURATION
-    trust = v.trust(f"{field}.trust", it.trust, at_most=ceiling)
-    common = {"id": it.id, "sequence": it.sequence, "run_id": it.run_id, "item_trust": trust}
-    for name, value in (("id", it.id), ("run_id", it.run_id)):
-        if len(value) > MAX_ID_LENGTH or _CONTROL.search(value):
-            v.add(f"{field}.{name}", f"must be at most {MAX_ID_LENGTH} characters without "
-                  "control characters")
-    if kind == "user":
-        attachments = tuple(_attachment(v, f"{field}.user.attachments[{i}]", a)
-                            for i, a in enumerate(it.user.attachments))
-        return UserMessageItem(text=it.user.text, attachments=attachments,
-                               **common)  # type: ignore[arg-type]
-    if kind == "assistant":
-        return AssistantMessageItem(text=it.assistant.text, **common)  # type: ignore[arg-type]
-    if kind == "tool_calls":
-        for j, c in enumerate(it.tool_calls.calls):
-            if c.name and not TOOL_NAME.fullmatch(c.name):
-                v.add(f"{field}.tool_calls.calls[{j}].name",
-                      "must match [A-Za-z0-9_.-]{1,64} (what providers accept)")
-            _reference(v, f"{field}.tool_calls.calls[{j}].call_id", c.call_id)
-        calls = tuple(ToolCall(call_id=c.call_id, name=c.name, arguments_json=c.arguments_json)
-                      for c in it.tool_calls.calls)
-        return ToolCallItem(calls=calls, **common)  # type: ignore[arg-type]
+    trust = _ITEM_TRUST[ceiling].get(it.trust)
+    if trust is None:  # unknown or above the ceiling: the violation, and what trust() answers
+        trust = v.trust(f"{field}.trust", it.trust, at_most=ceiling)
+    item_id, sequence, run_id = it.id, it.sequence, it.run_id
+    if _bad_reference(item_id):
+        v.add(f"{field}.id", _REFERENCE_RULE)
+    if _bad_reference(run_id):
+        v.add(f"{field}.run_id", _REFERENCE_RULE)
     if kind == "tool_result":
-        _reference(v, f"{field}.tool_result.artifact_ref", it.tool_result.artifact_ref)
-        _reference(v, f"{field}.tool_result.call_id", it.tool_result.call_id)
         r = it.tool_result
-        if r.event_id < 0:
+        artifact_ref, call_id = r.artifact_ref, r.call_id
+        if _bad_reference(artifact_ref):
+            v.add(f"{field}.tool_result.artifact_ref", _REFERENCE_RULE)
+        if _bad_reference(call_id):
+            v.add(f"{field}.tool_result.call_id", _REFERENCE_RULE)
+        event_id = r.event_id
+        if event_id < 0:
             v.add(f"{field}.tool_result.event_id", "must not be negative")
-        return ToolResultItem(call_id=r.call_id, tool_name=r.tool_name, content=r.content,
-                              artifact_ref=r.artifact_ref, event_id=r.event_id,
-                              context_content=r.context_content,
-                              **common)  # type: ignore[arg-type]
+        return ToolResultItem(id=item_id, sequence=sequence, run_id=run_id, item_trust=trust,
+                              call_id=call_id, tool_name=r.tool_name, content=r.content,
+                              artifact_ref=artifact_ref, event_id=event_id,
+                              context_content=r.context_content)
+    if kind == "tool_calls":
+        calls = []
+        for j, c in enumerate(it.tool_calls.calls):
+            name, call_id = c.name, c.call_id
+            if name and not TOOL_NAME.fullmatch(name):
+                v.add(f"{field}.tool_calls.calls[{j}].name", _NAME_RULE)
+            if _bad_reference(call_id):
+                v.add(f"{field}.tool_calls.calls[{j}].call_id", _REFERENCE_RULE)
+            calls.append(ToolCall(call_id=call_id, name=name, arguments_json=c.arguments_json))
+        return ToolCallItem(id=item_id, sequence=sequence, run_id=run_id, item_trust=trust,
+                            calls=tuple(calls))
+    if kind == "user":
+        user = it.user
+        attachments = tuple(_attachment(v, f"{field}.user.attachments[{i}]", a)
+                            for i, a in enumerate(user.attachments))
+        return UserMessageItem(id=item_id, sequence=sequence, run_id=run_id, item_trust=trust,
+                               text=user.text, attachments=attachments)
+    if kind == "assistant":
+        return AssistantMessageItem(id=item_id, sequence=sequence, run_id=run_id,
+                                    item_trust=trust, text=it.assistant.text)
     if kind == "reasoning":
-        return ReasoningItem(provider=it.reasoning.provider, opaque=it.reasoning.opaque,
-                             **common)  # type: ignore[arg-type]
+        return ReasoningItem(id=item_id, sequence=sequence, run_id=run_id, item_trust=trust,
+                             provider=it.reasoning.provider, opaque=it.reasoning.opaque)
     v.add(f"{field}.kind", "no item kind is set")
     return None
 
 
-def checkpoint(v: Violations, cp: pb.Checkpoint) -> Checkpoint:
+_ITEM = "mapping:item"  # render-memo keys (session key, _ITEM, item id)
+
+
+def _memo_item(v: Violations, index: int, it: pb.ConversationItem,
+               memo: MutableMapping[Any, Any], session_key: str) -> ConversationItem | None:
+    """``_item(v, f"checkpoint.items[{index}]", it)``, remembered in ``memo`` under (session
+    key, _ITEM, item id) with a copy of ``it``: an item equal to the copy maps to the same
+    domain item (the same object, whose strings are hashed already) and the same violations,
+    under its index in this checkpoint."""
+    key = (session_key, _ITEM, it.id)
+    found = memo.get(key)
+    if found is None or found[0] != it:
+        own = Violations()
+        held = pb.ConversationItem()
+        held.CopyFrom(it)
+        found = (held, _item(own, "", it), tuple((x.field, x.description) for x in own.items))
+        memo[key] = found
+    if found[2]:
+        field = f"checkpoint.items[{index}]"
+        for suffix, description in found[2]:
+            v.add(field + suffix, description)
+    item: ConversationItem | None = found[1]
+    return item
+
+
+def checkpoint(v: Violations, cp: pb.Checkpoint, *, memo: MutableMapping[Any, Any] | None = None,
+               session_key: str = "") -> Checkpoint:
+    """The checkpoint as the domain's, its violations added to ``v``. With ``memo`` (the
+    engine's render memo) and the session's key, each item's mapping is kept for the next Build
+    of the session, which sends the same items again (see :func:`_memo_item`); the session's
+    erasure drops them with its renderings."""
     if len(cp.active_run_id) > MAX_ID_LENGTH or _CONTROL.search(cp.active_run_id):
         v.add("checkpoint.active_run_id", f"must be at most {MAX_ID_LENGTH} characters "
               "without control characters")
-    items = [_item(v, f"checkpoint.items[{i}]", it) for i, it in enumerate(cp.items)]
+    if memo is None:
+        items = [_item(v, f"checkpoint.items[{i}]", it) for i, it in enumerate(cp.items)]
+    else:
+        if not session_key:
+            raise ValueError("a memo of item mappings is kept per session: name its key")
+        items = [_memo_item(v, i, it, memo, session_key) for i, it in enumerate(cp.items)]
     skills = tuple(SkillBody(name=s.name, body=s.body,
                              trust=v.trust(f"checkpoint.loaded_skills[{i}].trust", s.trust))
                    for i, s in enumerate(cp.loaded_skills))
@@ -740,14 +802,60 @@ def plan_pb(loaded: LoadedPlan, *, catalog: ModelCatalog | None = None) -> pb.Co
     return out
 
 
+_WIRE = "mapping:wire"  # render-memo keys (session key, _WIRE, id of a message)
+_MESSAGES_TAG = b"\x1a"  # ModelRequest.messages: field 3, length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def messages_wire(messages: Sequence[Message], session_key: str,
+                  memo: MutableMapping[Any, Any]) -> bytes:
+    """``messages`` as the ``messages`` fields of a serialized ModelRequest: what
+    ``message_pb`` gives, each message's wire form kept in ``memo`` under (session key, _WIRE,
+    its id) beside the message itself. The render memo hands a warm Build the same message
+    objects again, so each is serialized once; the entry holds the message, so no other
+    object takes its id while it is kept, and the session's erasure drops it with the
+    session's renderings (its key starts with the session key)."""
+    parts: list[bytes] = []
+    for m in messages:
+        key = (session_key, _WIRE, id(m))
+        found = memo.get(key)
+        if found is None or found[0] is not m:
+            data = message_pb(m).SerializeToString()
+            found = (m, _MESSAGES_TAG + _varint(len(data)) + data)
+            memo[key] = found
+        parts.append(found[1])
+    return b"".join(parts)
+
+
 def message_pb(m: Message) -> pb.Message:
-    return pb.Message(
-        row=m.row, role=ROLE_TO_PB[m.role], trust=TRUST_TO_PB[m.trust], item_id=m.item_id,
-        text=m.text,
-        tool_calls=[pb.ToolCall(call_id=c.call_id, name=c.name, arguments_json=c.arguments_json)
-                    for c in m.tool_calls],
-        call_id=m.call_id, reasoning_provider=m.reasoning_provider,
-        reasoning_opaque=m.reasoning_opaque)
+    return _message_fields(pb.Message(row=m.row, role=ROLE_TO_PB[m.role],
+                                      trust=TRUST_TO_PB[m.trust]), m)
+
+
+def _message_fields(out: pb.Message, m: Message) -> pb.Message:
+    """The rest of ``m``'s fields on ``out``: only those not at their default (setting a
+    default is a no-op on the wire, and costs a field lookup)."""
+    if m.item_id:
+        out.item_id = m.item_id
+    if m.text:
+        out.text = m.text
+    for c in m.tool_calls:
+        out.tool_calls.add(call_id=c.call_id, name=c.name, arguments_json=c.arguments_json)
+    if m.call_id:
+        out.call_id = m.call_id
+    if m.reasoning_provider:
+        out.reasoning_provider = m.reasoning_provider
+    if m.reasoning_opaque:
+        out.reasoning_opaque = m.reasoning_opaque
+    return out
 
 
 # The proto's provider formats; NONE and UNSPECIFIED are requests, not formats.
@@ -796,12 +904,14 @@ def default_provider_format(model_id: str, catalog: ModelCatalog | None = None) 
 
 def build_pb(result: BuildResult, provider_format: str = "", *,
              catalog: ModelCatalog | None = None, messages: Sequence[Message] | None = None,
-             prefix: bool = True) -> pb.BuildResponse:
+             prefix: bool = True, memo: MutableMapping[Any, Any] | None = None
+             ) -> pb.BuildResponse:
     """``provider_format`` ("" for none, :data:`MODEL_DEFAULT_FORMAT` for the model's default
     from ``catalog``, the packaged one when None) also renders the request as that provider's
     body, and a Gemini body its explicit cached content. ``messages`` (default: all of the
     request's) and ``prefix`` (prefix blocks and tools, default sent) choose what of the request
-    the response carries; the provider bodies are always of the whole request."""
+    the response carries; the provider bodies are always of the whole request. ``memo`` (the
+    engine's render memo) keeps each message's wire form: see :func:`messages_wire`."""
     req = result.request
     catalog = catalog or packaged_catalog()
     entry = catalog.lookup(result.model_id)
@@ -809,11 +919,8 @@ def build_pb(result: BuildResult, provider_format: str = "", *,
     if fmt == MODEL_DEFAULT_FORMAT:
         fmt = entry.provider_format if entry else ""
     body = providers.render(result, fmt) if fmt else None
+    sent = req.messages if messages is None else messages
     out = pb.BuildResponse(
-        request=pb.ModelRequest(
-            prefix_blocks=blocks_pb(req.prefix_blocks) if prefix else (),
-            tools=tools_pb(req.tools) if prefix else (),
-            messages=[message_pb(m) for m in (req.messages if messages is None else messages)]),
         prefix_sha256=result.prefix_sha256, epoch=result.epoch, model_id=result.model_id,
         session_key=result.session_key, prefix_tokens=result.prefix_tokens,
         body_tokens=result.body_tokens, estimated_input_tokens=result.estimated_input_tokens,
@@ -825,6 +932,18 @@ def build_pb(result: BuildResult, provider_format: str = "", *,
                            for b in result.cache_breakpoints],
         provider_body_json=canonical_json(body) if body is not None else "",
         provider_format=FORMAT_TO_PB[fmt] if body is not None else pb.PROVIDER_FORMAT_UNSPECIFIED)
+    request = out.request  # filled in place: no copy of the whole request
+    request.SetInParent()  # present even when it carries nothing (an incremental response)
+    if prefix:
+        request.prefix_blocks.extend(blocks_pb(req.prefix_blocks))
+        request.tools.extend(tools_pb(req.tools))
+    if memo is None:
+        add = request.messages.add
+        for m in sent:
+            _message_fields(add(row=m.row, role=ROLE_TO_PB[m.role], trust=TRUST_TO_PB[m.trust]),
+                            m)
+    else:  # the messages come after the prefix: field 3 of the request
+        request.MergeFromString(messages_wire(sent, result.session_key, memo))
     if body is not None and fmt == providers.GEMINI_GENERATE_CONTENT:
         out.gemini_cached_content.CopyFrom(gemini_cached_content_pb(
             result, body, entry.min_cacheable_tokens if entry else 0))
@@ -955,8 +1074,8 @@ MAX_SUMMARY_TOKENS = 32_000
 def _reference(v: Violations, field: str, value: str) -> None:
     """Ids and references are rendered into platform text (pointers, summaries): one line,
     bounded, no control characters."""
-    if len(value) > MAX_ID_LENGTH or _CONTROL.search(value):
-        v.add(field, f"must be at most {MAX_ID_LENGTH} characters without control characters")
+    if _bad_reference(value):
+        v.add(field, _REFERENCE_RULE)
 
 
 def _elided(v: Violations, field: str, e: pb.ElidedSpan) -> ElidedSpan:

@@ -160,7 +160,10 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                     kept = len(base.items)
             elif kept:
                 v.add("base_items_kept", "is set without base_build_id")
-            checkpoint = mapping.checkpoint(v, request.checkpoint)
+            # the render memo keeps each item's mapping for the session's next Build
+            memo = self._engine.render_memo if record.session_key else None
+            checkpoint = mapping.checkpoint(v, request.checkpoint, memo=memo,
+                                            session_key=record.session_key)
             if base is not None:
                 checkpoint = replace(checkpoint, items=base.items[:kept] + checkpoint.items)
             v.items.extend(checkpoint_violations(checkpoint))
@@ -194,7 +197,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             if base is None and not request.keep_base:  # nothing kept, as before
                 with child(self._tracer, "context_engine.render") as render_span:
                     response = mapping.build_pb(result, provider_format,
-                                                catalog=self._engine.catalog)
+                                                catalog=self._engine.catalog,
+                                                memo=self._engine.render_memo)
                     rendered = mapping.FORMAT_FROM_PB.get(response.provider_format, "")
                     if render_span.is_recording():
                         render_span.set_attribute("context_engine.provider_format", rendered)
@@ -207,7 +211,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                     tenant_id=request.tenant_id, session_id=request.session_id,
                     incarnation=loaded.plan.incarnation, items=checkpoint.items,
                     sizes=incremental.item_bytes(request.checkpoint.items, base, kept),
-                    base=base)
+                    base=base, memo=self._engine.render_memo)
                 response = answer.response
                 rendered = mapping.FORMAT_FROM_PB.get(response.provider_format, "")
                 if render_span.is_recording():

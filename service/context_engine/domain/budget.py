@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 
 from context_engine.domain.errors import BudgetExceeded, HistoryFloorUnreachable
 from context_engine.domain.history import select_history
@@ -196,6 +196,19 @@ class Allocation:
     pressure: Pressure
 
 
+_INIT_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def elided(item: ToolResultItem) -> ToolResultItem:
+    """``dataclasses.replace(item, elided=True)``, with the type's field names read once."""
+    names = _INIT_FIELDS.get(type(item))
+    if names is None:
+        names = _INIT_FIELDS[type(item)] = tuple(f.name for f in fields(item) if f.init)
+    values = {name: getattr(item, name) for name in names}
+    values["elided"] = True
+    return type(item)(**values)
+
+
 def pending_results(active: list[ConversationItem]) -> set[str]:
     """Ids of the results of the active loop's latest call batch that the model has not
     answered yet: never-yield, so they are never turned into pointers. The model is only
@@ -221,13 +234,16 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
              active: list[ConversationItem], fixed: dict[str, int],
              knowledge: list[KnowledgePassage], recall: list[MemoryLine],
              cost: Callable[[ContextItem], int], legacy_tool_excerpts: int,
-             position: Callable[[int], int]) -> Allocation:
+             position: Callable[[int], int],
+             pointer: Callable[[ToolResultItem], ToolResultItem] | None = None) -> Allocation:
     """Fit the body into ``budget.body_budget``. ``fixed`` holds the costs of the classes that
     never yield (current user message, working state, corrections, skill bodies, summary,
     runtime metadata); ``carried[floor:]`` are the history candidates; ``active`` the active
     run's items (never cut; only its completed results may become pointers). ``position``
-    maps an index into ``carried`` to an index into the checkpoint's items."""
+    maps an index into ``carried`` to an index into the checkpoint's items; ``pointer`` gives a
+    result's typed pointer (``elided``; the caller may keep them)."""
     B = budget.body_budget
+    to_elided = elided if pointer is None else pointer
     knowledge = sorted(knowledge, key=lambda p: (p.rank, p.id))
     ledger = _Ledger(fixed=dict(fixed), knowledge=list(knowledge), recall=list(recall),
                      history=list(carried[floor:]), active=list(active),
@@ -279,7 +295,7 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
                             else (ledger.active, ledger.active_costs))
             item = items[i]
             assert isinstance(item, ToolResultItem)
-            pointed = replace(item, elided=True)
+            pointed = to_elided(item)
             delta = cost(pointed) - costs[i]
             if delta >= 0:
                 continue  # a pointer no smaller than its content frees nothing: keep content

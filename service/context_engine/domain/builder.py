@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from context_engine.domain.breakpoints import CacheBreakpoint, history_breakpoints, select
 from context_engine.domain.budget import (
@@ -21,6 +21,7 @@ from context_engine.domain.budget import (
     Pressure,
     allocate,
     compute_budget,
+    elided,
     prefix_cost,
 )
 from context_engine.domain.canonical import parse_json_object, session_key
@@ -58,6 +59,7 @@ from context_engine.domain.items import (
     WorkingState,
     WorkingStateItem,
     assemble,
+    declaration,
 )
 from context_engine.domain.pairs import orphans
 from context_engine.domain.plan import ContextPlan, PlanSpec, RenderedPrefix, render_prefix
@@ -65,6 +67,7 @@ from context_engine.domain.request import Message, ModelRequest
 from context_engine.domain.trust import Region, TrustLevel
 
 DEFAULT_POLICY = BudgetPolicy()
+POINTER = "builder:pointer"  # memo keys (session key, POINTER, result): the result's typed pointer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -160,33 +163,38 @@ def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint") -> list[Fie
     last_sequence: int | None = None
     interrupted: set[str] = set()
     for i, item in enumerate(cp.items):
-        path = f"{field}.items[{i}]"
+        run_id = item.run_id  # paths are written only for a violation: a valid item builds none
         # a tool pair never spans two runs: nor may another run's item sit inside one (the
         # history cut and compaction see the two runs apart, and would split the pair)
-        inside = [c for c in open_calls if runs_by_call[c] != item.run_id
-                  and c not in interrupted]
-        if inside:
-            interrupted.update(inside)
+        if open_calls:
+            inside = [c for c in open_calls if runs_by_call[c] != run_id
+                      and c not in interrupted]
+            if inside:
+                interrupted.update(inside)
+                violations.append(FieldViolation(
+                    f"{field}.items[{i}].run_id",
+                    f"run {run_id!r} sits between call(s) {', '.join(map(repr, inside))} of "
+                    f"run {runs_by_call[inside[0]]!r} and their results: a tool pair never "
+                    "spans two runs"))
+        item_id = item.id
+        if not item_id:
+            violations.append(FieldViolation(f"{field}.items[{i}].id", "must not be empty"))
+        elif item_id in seen_ids:
+            violations.append(FieldViolation(f"{field}.items[{i}].id",
+                                             f"duplicate item id {item_id!r}"))
+        seen_ids.add(item_id)
+        sequence = item.sequence
+        if last_sequence is not None and sequence < last_sequence:
             violations.append(FieldViolation(
-                f"{path}.run_id",
-                f"run {item.run_id!r} sits between call(s) {', '.join(map(repr, inside))} of "
-                f"run {runs_by_call[inside[0]]!r} and their results: a tool pair never spans "
-                "two runs"))
-        if not item.id:
-            violations.append(FieldViolation(f"{path}.id", "must not be empty"))
-        elif item.id in seen_ids:
-            violations.append(FieldViolation(f"{path}.id", f"duplicate item id {item.id!r}"))
-        seen_ids.add(item.id)
-        if last_sequence is not None and item.sequence < last_sequence:
-            violations.append(FieldViolation(
-                f"{path}.sequence", f"{item.sequence} is below the previous item's "
+                f"{field}.items[{i}].sequence", f"{sequence} is below the previous item's "
                 f"{last_sequence}: items are ordered oldest first"))
-        last_sequence = item.sequence
+        last_sequence = sequence
         if isinstance(item, ToolCallItem):
             if not item.calls:
-                violations.append(FieldViolation(f"{path}.tool_calls", "has no calls"))
+                violations.append(FieldViolation(f"{field}.items[{i}].tool_calls",
+                                                 "has no calls"))
             for j, call in enumerate(item.calls):
-                cpath = f"{path}.tool_calls.calls[{j}]"
+                cpath = f"{field}.items[{i}].tool_calls.calls[{j}]"
                 if not call.call_id:
                     violations.append(FieldViolation(f"{cpath}.call_id", "must not be empty"))
                 elif call.call_id in open_calls or call.call_id in answered:
@@ -195,13 +203,14 @@ def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint") -> list[Fie
                 else:
                     open_calls[call.call_id] = i
                     calls_by_id[call.call_id] = call.name
-                    runs_by_call[call.call_id] = item.run_id
+                    runs_by_call[call.call_id] = run_id
                 if not call.name:
                     violations.append(FieldViolation(f"{cpath}.name", "must not be empty"))
                 if parse_json_object(call.arguments_json) is None:
                     violations.append(FieldViolation(f"{cpath}.arguments_json",
                                                      "is not a JSON object"))
         elif isinstance(item, ToolResultItem):
+            path = f"{field}.items[{i}]"
             if item.call_id in answered:
                 violations.append(FieldViolation(
                     f"{path}.tool_result.call_id", f"call {item.call_id!r} already has a result"))
@@ -213,10 +222,10 @@ def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint") -> list[Fie
             else:
                 del open_calls[item.call_id]
                 answered.add(item.call_id)
-                if runs_by_call[item.call_id] != item.run_id:
+                if runs_by_call[item.call_id] != run_id:
                     violations.append(FieldViolation(
                         f"{path}.run_id",
-                        f"the result of call {item.call_id!r} belongs to run {item.run_id!r} "
+                        f"the result of call {item.call_id!r} belongs to run {run_id!r} "
                         f"but its call to run {runs_by_call[item.call_id]!r}: a tool pair "
                         "never spans two runs"))
                 called = calls_by_id[item.call_id]
@@ -331,21 +340,51 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     # and their raw token counts. ``memo`` (a bounded mapping the caller may keep across
     # builds) only saves the work; without it each item still renders once per build.
     renders: MutableMapping[Any, Rendered] = {} if memo is None else memo
+    # Within the build each item object is looked up once, by identity: ``seen`` holds the
+    # object itself (so no other object can take its id while the build runs) beside its
+    # rendering, and ``costs`` its cost, which is fixed for the build (factor, attachments).
+    seen: dict[int, tuple[ContextItem, Rendered]] = {}
+    costs: dict[int, int] = {}
+    session, encoding, scaled = loaded.session_key, estimator.encoding, estimator.scaled
 
     def render(item: ContextItem) -> Rendered:
-        key = (loaded.session_key, estimator.encoding, item)
+        hit = seen.get(id(item))
+        if hit is not None:
+            return hit[1]
+        key = (session, encoding, item)
         found = renders.get(key)
         if found is None:
             messages = tuple(item.messages(ctx))  # type: ignore[attr-defined]
             found = (messages, tuple(estimator.raw(m) for m in messages))
             renders[key] = found
+        seen[id(item)] = (item, found)
         return found
 
     def cost(item: ContextItem) -> int:
-        extra = attach.get(item.id, 0) if isinstance(item, UserMessageItem) else 0
-        if isinstance(item, TrailingUserInput):
+        found = costs.get(id(item))
+        if found is not None:
+            return found
+        raws = render(item)[1]  # first: ``seen`` now holds the item
+        if isinstance(item, UserMessageItem):
+            extra = attach.get(item.id, 0)
+        elif isinstance(item, TrailingUserInput):
             extra = attach.get(item.message.id, 0)
-        return sum(estimator.scaled(raw, factor) for raw in render(item)[1]) + extra
+        else:
+            extra = 0
+        found = (scaled(raws[0], factor) if len(raws) == 1
+                 else sum(scaled(raw, factor) for raw in raws)) + extra
+        costs[id(item)] = found
+        return found
+
+    # A result's typed pointer is a value of the result: kept in the memo beside renderings.
+    pointers = cast(MutableMapping[Any, ToolResultItem], renders)
+
+    def pointer(item: ToolResultItem) -> ToolResultItem:
+        key = (session, POINTER, item)
+        found = pointers.get(key)
+        if found is None:
+            found = pointers[key] = elided(item)
+        return found
 
     history, trailing = split_trailing(items)
     # Reasoning items never cross a run boundary: only those inside the active run's trailing
@@ -374,7 +413,8 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     rows = fresh_rows(loaded, cp)
     fixed = {name: cost(item) for name, item in rows.items()}
     fixed["skill_bodies"] = sum(cost(s) for s in skills)
-    fixed["current_user_message"] = sum(cost(TrailingUserInput(message=m)) for m in trailing)
+    inputs = [TrailingUserInput(message=m) for m in trailing]
+    fixed["current_user_message"] = sum(cost(i) for i in inputs)
     summary = (cp.summary.without(cp.working_state.removed_constraints)
                if cp.summary is not None else None)
     if summary is not None:
@@ -392,7 +432,7 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
                      policy=policy, summary=summary, carried=carried, floor=floor,
                      active=active, fixed=fixed, knowledge=list(cp.knowledge),
                      recall=list(cp.recall), cost=cost, legacy_tool_excerpts=legacy,
-                     position=position)
+                     position=position, pointer=pointer)
 
     body: list[ContextItem] = []
     if alloc.summary is not None:
@@ -402,9 +442,9 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
         body.append(KnowledgeItem(passages=alloc.knowledge))
     if alloc.recall:
         body.append(RecallItem(lines=alloc.recall))
-    body += [TrailingUserInput(message=m) for m in trailing]
+    body += inputs
     messages: list[Message] = []
-    for item in assemble(body, Region.B):
+    for item in in_row_order(body):
         messages.extend(render(item)[0])
     request = ModelRequest(prefix_blocks=loaded.rendered.blocks, tools=loaded.rendered.tools,
                            messages=tuple(messages))
@@ -425,6 +465,18 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
         output_reserve=model.output_reserve, estimator_factor=factor,
         tokenizer=estimator.tokenizer, budget=report, pressure=alloc.pressure,
         cache_breakpoints=select(marks, model.breakpoint_budget))
+
+
+def in_row_order(body: list[ContextItem]) -> list[ContextItem]:
+    """``assemble(body, Region.B)`` reading each type's declaration once: the same order (by
+    row, stable within a row) and, for a type that declares no row or another region, the same
+    error (assemble fails on the first such item, the first of its type)."""
+    first: dict[type, ContextItem] = {}
+    for item in body:
+        first.setdefault(type(item), item)
+    assemble(list(first.values()), Region.B)
+    rows = {kind: declaration(kind)[0] for kind in first}
+    return sorted(body, key=lambda item: rows[type(item)])
 
 
 def assert_paired(request: ModelRequest) -> None:

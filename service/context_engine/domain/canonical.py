@@ -29,19 +29,29 @@ def session_key(tenant_id: str, session_id: str) -> str:
     return "session-" + canonical_sha256([tenant_id, session_id])[:32]
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(name)
+
+
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if math.isinf(value):  # e.g. 1e400: not representable, and not canonical JSON
+        raise ValueError(literal)
+    return value
+
+
+# What json.loads(text, parse_constant=..., parse_float=...) builds anew for every call.
+_OBJECT_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite)
+
+
 def parse_json_object(text: str) -> dict[str, Any] | None:
     """Parse ``text`` as a JSON object; None if it is not valid JSON or not an object."""
-    def _reject_constant(name: str) -> Any:
-        raise ValueError(name)
-
-    def _finite(literal: str) -> float:
-        value = float(literal)
-        if math.isinf(value):  # e.g. 1e400: not representable, and not canonical JSON
-            raise ValueError(literal)
-        return value
-
     try:
-        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
+        if not isinstance(text, str) or text.startswith("\ufeff"):
+            # json.loads' own handling: bytes decoded, a byte-order mark refused
+            value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
+        else:
+            value = _OBJECT_DECODER.decode(text)
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None

@@ -14,6 +14,11 @@ from context_engine.domain.items import ConversationItem, ToolResultItem
 DEFAULT_INLINE_MAXIMUM_BYTES = 16_384
 
 
+def utf8_length(text: str) -> int:
+    """``len(text.encode("utf-8"))``; ASCII text (one byte a character) is not encoded."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
 def _head(data: bytes, n: int) -> str:
     return data[:n].decode("utf-8", errors="ignore")
 
@@ -47,7 +52,7 @@ def normalize_tool_results(items: Sequence[ConversationItem], inline_maximum_byt
             if item.context_content:
                 item = replace(item, content=item.context_content, context_content="",
                                byte_length=item.bytes)
-            elif len(item.content.encode("utf-8")) > inline_maximum_bytes:
+            elif utf8_length(item.content) > inline_maximum_bytes:
                 item = replace(item, content=head_tail_excerpt(item, inline_maximum_bytes),
                                byte_length=item.bytes)
                 legacy += 1

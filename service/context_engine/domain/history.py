@@ -53,6 +53,8 @@ def floor_index(items: Sequence[ConversationItem], summary_floor: int) -> int:
     for i, item in enumerate(items):
         if item.sequence <= summary_floor:
             start = i + 1
+    if start == 0:
+        return 0  # nothing below the floor: no unit can straddle it
     for begin, end in units(items):
         if begin < start < end:
             return end

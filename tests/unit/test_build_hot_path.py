@@ -1,0 +1,347 @@
+"""The Build hot path remembers work, never answers: what it keeps (each checkpoint item's
+mapping, each rendered message's wire form, each result's typed pointer, in the engine's render
+memo; costs and renderings by identity within one build) changes how long a Build takes and
+nothing it returns, and goes with the session's erasure.
+
+Each Build here runs the served path twice, with the engine's memo kept across Builds and
+sessions, and with no memo at all, and the serialized responses must be the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from context_engine.api import mapping
+from context_engine.domain.budget import elided
+from context_engine.domain.builder import build, checkpoint_violations, in_row_order
+from context_engine.domain.canonical import parse_json_object, session_key
+from context_engine.domain.errors import AssemblyError
+from context_engine.domain.items import (
+    AssistantMessageItem,
+    ContextItem,
+    CorrectionItem,
+    KnowledgeItem,
+    KnowledgePassage,
+    MemoryLine,
+    PlatformPolicy,
+    RecallItem,
+    RuntimeMetadataItem,
+    SkillBodyItem,
+    ToolResultItem,
+    TrailingUserInput,
+    UserMessageItem,
+    assemble,
+)
+from context_engine.domain.trust import Region, TrustLevel
+from context_engine.engine import BoundedMemo, Engine
+from context_engine.v1 import context_engine_pb2 as pb
+from google.protobuf.message import Message as ProtoMessage
+
+from tests import factories as f
+
+TENANT = "tenant-hot"
+WORDS = ("alpha", "beta", "gamma", 'say "hi"', "back\\slash", "naïve", "日本", "<untrusted",
+         "line\nbreak", "tab\tstop", "{\"k\": [1, 2]}", "</user:00>", "emoji 🙂")
+
+
+def text(rnd: random.Random, marker: str, words: int) -> str:
+    return marker + " " + " ".join(rnd.choice(WORDS) for _ in range(words))
+
+
+def conversation(turns: int, marker: str, seed: int = 7) -> list[pb.ConversationItem]:
+    """Runs of a user message, one or two parallel tool calls with their results (some
+    untrusted, one over the inline maximum, one with a persisted excerpt) and a closing
+    assistant message; the last run stops after its results."""
+    rnd = random.Random(seed)
+    out: list[pb.ConversationItem] = []
+    seq = 0
+
+    def add(**kw: Any) -> None:
+        nonlocal seq
+        seq += 1
+        out.append(pb.ConversationItem(sequence=seq, **kw))
+
+    for t in range(turns):
+        run = f"run-{t}"
+        add(id=f"u{t}", run_id=run, trust=pb.TRUST_LEVEL_USER,
+            user=pb.UserMessage(text=text(rnd, marker, rnd.randint(100, 800))))
+        calls = [f"c{t}-{j}" for j in range(1 + t % 2)]
+        add(id=f"t{t}", run_id=run, trust=pb.TRUST_LEVEL_USER, tool_calls=pb.ToolCalls(calls=[
+            pb.ToolCall(call_id=c, name="web.fetch", arguments_json=f'{{"q": "{c}"}}')
+            for c in calls]))
+        for j, c in enumerate(calls):
+            big = t == 3 and j == 0
+            add(id=f"r{t}-{j}", run_id=run,
+                trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED if j else pb.TRUST_LEVEL_USER,
+                tool_result=pb.ToolResult(
+                    call_id=c, tool_name="web.fetch", event_id=100 + seq,
+                    content=text(rnd, marker, 9_000 if big else rnd.randint(50, 1_500)),
+                    context_content=text(rnd, marker, 30) if t == 5 else ""))
+        if t < turns - 1:
+            add(id=f"a{t}", run_id=run, trust=pb.TRUST_LEVEL_USER,
+                assistant=pb.AssistantMessage(text=text(rnd, marker, 300)))
+    return out
+
+
+def checkpoint_pb(items: list[pb.ConversationItem]) -> pb.Checkpoint:
+    return pb.Checkpoint(
+        active_run_id=items[-1].run_id, items=items,
+        runtime=pb.RuntimeMetadata(current_date="2026-11-29"),
+        recall=[pb.RecallLine(id="m1", text="recalled line")],
+        knowledge=[pb.KnowledgePassage(id=f"k{i}", source="kb", text="passage " * 300,
+                                       rank=i, trust=pb.TRUST_LEVEL_MEMORY) for i in range(4)])
+
+
+def loaded(session: str) -> Any:
+    model = f.CATALOG.resolve("hot-path-model", context_window=20_000, output_reserve=2_000,
+                              breakpoint_budget=None)
+    return f.loaded(f.inputs(tenant_id=TENANT, session_id=session, model_profile=model))
+
+
+def served(lp: Any, cp_pb: pb.Checkpoint, memo: BoundedMemo | None, *, factor: float = 1.0,
+           fmt: str = "", messages: slice | None = None, prefix: bool = True) -> bytes:
+    """The servicer's Build: map, validate, build, map back; with the engine's memo or none."""
+    v = mapping.Violations()
+    if memo is None:
+        cp = mapping.checkpoint(v, cp_pb)
+    else:
+        cp = mapping.checkpoint(v, cp_pb, memo=memo, session_key=lp.session_key)
+    v.items.extend(checkpoint_violations(cp))
+    v.raise_if_any()
+    result = build(lp, cp, estimator=f.estimator(lp.plan.spec.model), factor=factor,
+                   memo=memo, validated=True)
+    sent = None if messages is None else result.request.messages[messages]
+    out = mapping.build_pb(result, fmt, catalog=f.CATALOG, messages=sent, prefix=prefix,
+                           memo=memo)
+    return out.SerializeToString()
+
+
+def test_builds_with_the_memo_are_the_builds_without_it() -> None:
+    """Two sessions with the same items (ids and content) interleaved on one memo, growing turn
+    by turn, an item rewritten in place, factors moving: byte for byte the memo-less path."""
+    memo = BoundedMemo(100_000)
+    sessions = [loaded("same-a"), loaded("same-b")]
+    items = conversation(12, "MARK")
+    factors = (1.0, 1.7, 0.6)
+    yielded = set()
+    for turn in range(3, len(items) + 1, 3):
+        sent = list(items[:turn])
+        while sent[-1].WhichOneof("kind") == "tool_calls":
+            sent.pop()
+        if turn > 20:  # a runtime rewrites an earlier result: same id, other content
+            i = next(i for i, it in enumerate(sent) if it.id == "r1-0")
+            sent[i] = pb.ConversationItem()
+            sent[i].CopyFrom(items[i])
+            sent[i].tool_result.content = f"rewritten at {turn}"
+        cp = checkpoint_pb(sent)
+        for lp in sessions:
+            factor = factors[turn % 3]
+            for fmt in ("", "anthropic_messages", "gemini_generate_content"):
+                want = served(lp, cp, None, factor=factor, fmt=fmt)
+                assert served(lp, cp, memo, factor=factor, fmt=fmt) == want, (turn, fmt)
+                assert served(lp, cp, memo, factor=factor, fmt=fmt) == want, (turn, fmt)
+            response = pb.BuildResponse.FromString(want)
+            yielded |= {s.step for s in response.pressure.steps}
+            # what an incremental response carries: some messages, no prefix
+            assert served(lp, cp, memo, messages=slice(1, None, 2), prefix=False) == \
+                served(lp, cp, None, messages=slice(1, None, 2), prefix=False)
+    # the runs above went down the ladder: pointers and a history cut were memoized too
+    assert {"knowledge", "tool_results", "history"} <= yielded
+
+
+def violations_of(cp: pb.Checkpoint, memo: BoundedMemo | None,
+                  key: str = "") -> tuple[list[tuple[str, str]], tuple[Any, ...]]:
+    v = mapping.Violations()
+    if memo is None:
+        mapped = mapping.checkpoint(v, cp)
+    else:
+        mapped = mapping.checkpoint(v, cp, memo=memo, session_key=key)
+    return [(x.field, x.description) for x in v.items], mapped.items
+
+
+def test_a_remembered_item_keeps_its_violations_at_its_new_index() -> None:
+    bad = [
+        pb.ConversationItem(id="x\x01", sequence=1, run_id="r" * 300,
+                            trust=pb.TRUST_LEVEL_PLATFORM, user=pb.UserMessage(
+                                text="hi", attachments=[pb.Attachment(kind=9)])),
+        pb.ConversationItem(id="t", sequence=2, run_id="r", trust=pb.TRUST_LEVEL_USER,
+                            tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
+                                call_id="c\n", name="bad name!", arguments_json="{}")])),
+        pb.ConversationItem(id="res", sequence=3, run_id="r", trust=99,
+                            tool_result=pb.ToolResult(call_id="c", artifact_ref="a\x7f" * 200,
+                                                      event_id=-4, content="x")),
+        pb.ConversationItem(id="cfg", sequence=4, run_id="r",
+                            trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
+                            tool_result=pb.ToolResult(call_id="c", content="data")),
+        pb.ConversationItem(id="none", sequence=5, run_id="r"),
+        # no control character (NEL is not one here): valid, as it always was
+        pb.ConversationItem(id="naïve\x85", sequence=6, run_id="rün",
+                            trust=pb.TRUST_LEVEL_USER, user=pb.UserMessage(text="ok")),
+    ]
+    memo = BoundedMemo(1_000)
+    first = pb.Checkpoint(active_run_id="r", items=bad)
+    found, mapped = violations_of(first, memo, "s")
+    want, plain = violations_of(first, None)
+    reference = "must be at most 256 characters without control characters"
+    assert want == [
+        ("checkpoint.items[0].trust", "platform is not accepted here; at most "
+                                      "trusted_configuration"),
+        ("checkpoint.items[0].id", reference),
+        ("checkpoint.items[0].run_id", reference),
+        ("checkpoint.items[0].user.attachments[0].kind", "unknown attachment kind 9"),
+        ("checkpoint.items[0].user.attachments[0].name", "must not be empty"),
+        ("checkpoint.items[1].tool_calls.calls[0].name",
+         "must match [A-Za-z0-9_.-]{1,64} (what providers accept)"),
+        ("checkpoint.items[1].tool_calls.calls[0].call_id", reference),
+        ("checkpoint.items[2].trust", "unknown trust level 99"),
+        ("checkpoint.items[2].tool_result.artifact_ref", reference),
+        ("checkpoint.items[2].tool_result.event_id", "must not be negative"),
+        ("checkpoint.items[3].trust", "trusted_configuration is not accepted here; at most "
+                                      "user"),
+        ("checkpoint.items[4].trust", "unknown trust level 0 (unspecified)"),
+        ("checkpoint.items[4].kind", "no item kind is set")]
+    assert found == want
+    assert mapped == plain
+    assert plain[2].item_trust is TrustLevel.EXTERNAL_UNTRUSTED  # unknown: the lowest
+    moved = pb.Checkpoint(active_run_id="r", items=conversation(1, "lead")[:2] + bad)
+    again, remapped = violations_of(moved, memo, "s")
+    assert again == violations_of(moved, None)[0]
+    assert again[0][0] == "checkpoint.items[2].trust"
+    # the same objects: their strings are hashed already when the render memo looks them up
+    assert all(a is b for a, b in zip(mapped, remapped[2:], strict=True))
+
+
+def test_an_item_sent_again_with_other_content_is_mapped_again() -> None:
+    memo = BoundedMemo(1_000)
+    items = conversation(2, "first")
+    _, before = violations_of(pb.Checkpoint(items=items), memo, "s")
+    changed = [pb.ConversationItem() for _ in items]
+    for c, it in zip(changed, items, strict=True):
+        c.CopyFrom(it)
+    changed[0].user.text = "second"
+    changed[2].trust = pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
+    found, after = violations_of(pb.Checkpoint(items=changed), memo, "s")
+    assert (found, after) == violations_of(pb.Checkpoint(items=changed), None)
+    assert isinstance(after[0], UserMessageItem) and after[0].text == "second"
+    assert after[2].item_trust is TrustLevel.EXTERNAL_UNTRUSTED
+    assert after[1] is before[1]  # unchanged: remembered
+
+
+def test_a_memo_needs_the_session() -> None:
+    with pytest.raises(ValueError):
+        mapping.checkpoint(mapping.Violations(), pb.Checkpoint(), memo={})
+
+
+def holds(value: Any, marker: str) -> bool:
+    """Whether ``value`` (memo keys and values: tuples, text, bytes, domain values, protobuf
+    messages) holds ``marker`` anywhere."""
+    if isinstance(value, str):
+        return marker in value
+    if isinstance(value, bytes):
+        return marker.encode() in value
+    if isinstance(value, (tuple, list)):
+        return any(holds(x, marker) for x in value)
+    if isinstance(value, ProtoMessage):
+        return marker.encode() in value.SerializeToString()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(holds(getattr(value, fl.name), marker) for fl in dataclasses.fields(value))
+    return False
+
+
+def test_what_a_session_left_in_the_memo_goes_with_its_erasure() -> None:
+    engine = Engine(store=None, events=None, calibrations=None,  # type: ignore[arg-type]
+                    catalog=f.CATALOG, tokenizers=f.REGISTRY, assets=f.ASSETS,
+                    control_tools=f.CONTROL_TOOLS, metrics=None)  # type: ignore[arg-type]
+    memo = engine.render_memo
+    for session, marker in (("erased", "GONE-0001"), ("kept", "STAYS-0002")):
+        lp = loaded(session)
+        assert lp.session_key == session_key(TENANT, session)
+        cp = checkpoint_pb(conversation(10, marker))
+        served(lp, cp, memo)
+        served(lp, cp, memo, fmt="openai_responses")
+    kinds = {k[1] for k in memo if isinstance(k[1], str)}
+    assert {"mapping:item", "mapping:wire", "builder:pointer"} <= kinds
+    assert any(holds((k, v), "GONE-0001") for k, v in memo.items())
+    engine.forget_session(TENANT, "erased")
+    assert not any(holds((k, v), "GONE-0001") for k, v in memo.items())
+    assert any(holds((k, v), "STAYS-0002") for k, v in memo.items())
+
+
+def test_rows_are_ordered_as_assemble_orders_them() -> None:
+    rnd = random.Random(3)
+    user = UserMessageItem(id="u", sequence=1, run_id="r", item_trust=TrustLevel.USER,
+                           text="hi")
+    kinds: list[ContextItem] = [
+        user, TrailingUserInput(message=user),
+        AssistantMessageItem(id="a", sequence=2, run_id="r", item_trust=TrustLevel.USER,
+                             text="ok"),
+        SkillBodyItem(name="s", body="b", skill_trust=TrustLevel.USER),
+        KnowledgeItem(passages=(KnowledgePassage(id="k", source="s", text="t", rank=1,
+                                                 trust=TrustLevel.MEMORY),)),
+        RecallItem(lines=(MemoryLine(id="m", text="t"),)),
+        CorrectionItem(lines=(MemoryLine(id="c", text="t"),)),
+        RuntimeMetadataItem(current_date="d", principal_scopes=(), surface="",
+                            browser_origins=())]
+    for _ in range(50):
+        body = [rnd.choice(kinds) for _ in range(rnd.randint(0, 30))]
+        assert in_row_order(body) == assemble(body, Region.B)
+
+    @dataclasses.dataclass(frozen=True)
+    class Undeclared(ContextItem):
+        pass
+
+    for odd in (Undeclared(), PlatformPolicy(text="p")):
+        body = [kinds[0], odd, kinds[3], odd]
+        with pytest.raises(AssemblyError) as want:
+            assemble(body, Region.B)
+        with pytest.raises(AssemblyError) as got:
+            in_row_order(body)
+        assert str(got.value) == str(want.value)
+
+
+def reference_parse(text: Any) -> Any:
+    """``parse_json_object`` as json.loads with the same hooks (a new decoder every call)."""
+    def constant(name: str) -> Any:
+        raise ValueError(name)
+
+    def finite(literal: str) -> float:
+        value = float(literal)
+        if value in (float("inf"), float("-inf")):
+            raise ValueError(literal)
+        return value
+
+    try:
+        value = json.loads(text, parse_constant=constant, parse_float=finite)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def test_json_objects_parse_as_json_loads_parses_them() -> None:
+    deep = '{"a":' * 80 + "1" + "}" * 80
+    texts: list[Any] = [
+        "{}", "[]", '{"a": 1}', "{", "1", "null", '{"a": NaN}', '{"a": 1e400}', '{"a": -1e400}',
+        '{"a": Infinity}', " {} ", '{"a": "' + "x" * 5_000 + '"}', deep, deep[:-1],
+        "{}garbage", '{"a": 1, "a": 2}', "\ufeff{}", '{"a": 1.5e3, "b": [1, 2.0]}',
+        b'{"bytes": 1}', bytearray(b"{}"), '{"\\ud800": 1}', "{\n}", "", " "]
+    rnd = random.Random(5)
+    alphabet = '{}[]":,.-+eE0123456789 \n\tabcnultrfsNIa\\'
+    texts += ["".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 12)))
+              for _ in range(2_000)]
+    for t in texts:
+        assert parse_json_object(t) == reference_parse(t), t
+    with pytest.raises(TypeError):  # as json.loads: not text at all
+        parse_json_object(12)  # type: ignore[arg-type]
+
+
+def test_a_pointer_is_the_result_elided() -> None:
+    item = ToolResultItem(id="r", sequence=3, run_id="run", item_trust=TrustLevel.USER,
+                          call_id="c", tool_name="t", content="body", artifact_ref="art",
+                          event_id=9, context_content="short", byte_length=77)
+    pointed = elided(item)
+    assert pointed == replace(item, elided=True) and pointed.elided and not item.elided
