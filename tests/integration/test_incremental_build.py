@@ -214,3 +214,21 @@ def test_a_small_cache_evicts_and_the_base_is_unknown(database_url: str) -> None
             assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
     finally:
         server.stop()
+
+
+def test_a_user_message_keeps_its_attachments(stub: pb_grpc.ContextEngineStub) -> None:
+    """The neutral request carries a user message's attachments, whole and incremental."""
+    session = "attachments"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    files = [pb.Attachment(kind=pb.ATTACHMENT_KIND_PDF, name="report.pdf", ref="blob://r1",
+                           pages=3),
+             pb.Attachment(kind=pb.ATTACHMENT_KIND_TEXT, name="notes.txt", ref="blob://n1",
+                           text_chars=1200)]
+    items = [item("u0", 1, user=pb.UserMessage(text="Read these.", attachments=files))]
+    first = whole(stub, session, items)
+    sent = [m for m in first.request.messages if m.item_id == "u0"]
+    assert len(sent) == 1 and list(sent[0].attachments) == files
+    got = incremental(stub, session, first.build_id, 1, turn(1))
+    full = reconstruct(got, first)
+    assert same(full, whole(stub, session, items + turn(1)))
+    assert [list(m.attachments) for m in full.request.messages if m.item_id == "u0"] == [files]

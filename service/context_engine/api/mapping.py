@@ -855,6 +855,8 @@ def _message_fields(out: pb.Message, m: Message) -> pb.Message:
         out.reasoning_provider = m.reasoning_provider
     if m.reasoning_opaque:
         out.reasoning_opaque = m.reasoning_opaque
+    if m.attachments:  # passed through for the runtime's own provider adapter
+        out.attachments.extend(attachments_pb(m.attachments))
     return out
 
 
