@@ -194,32 +194,29 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             for c in result.budget.classes:
                 record.span[f"context_engine.tokens.{c.class_name}"] = c.used
             record.span["context_engine.yield_steps"] = record.extra["yield_steps"]
-            if base is None and not request.keep_base:  # nothing kept, as before
-                with child(self._tracer, "context_engine.render") as render_span:
+            answer = None  # an incremental Build's answer, and the base it leaves
+            with child(self._tracer, "context_engine.render") as render_span:
+                if base is not None or request.keep_base:
+                    answer = incremental.respond(
+                        result, provider_format, self._engine.catalog,
+                        build_id=self._new_id(), tenant_id=request.tenant_id,
+                        session_id=request.session_id, incarnation=loaded.plan.incarnation,
+                        items=checkpoint.items,
+                        sizes=incremental.item_bytes(request.checkpoint.items, base, kept),
+                        base=base, memo=self._engine.render_memo)
+                    response = answer.response
+                else:  # nothing kept: no build_id, the same bytes as any whole Build
                     response = mapping.build_pb(result, provider_format,
                                                 catalog=self._engine.catalog,
                                                 memo=self._engine.render_memo)
-                    rendered = mapping.FORMAT_FROM_PB.get(response.provider_format, "")
-                    if render_span.is_recording():
-                        render_span.set_attribute("context_engine.provider_format", rendered)
-                if rendered:
-                    record.extra["provider_format"] = rendered
-                return response
-            with child(self._tracer, "context_engine.render") as render_span:
-                answer = incremental.respond(
-                    result, provider_format, self._engine.catalog, build_id=self._new_id(),
-                    tenant_id=request.tenant_id, session_id=request.session_id,
-                    incarnation=loaded.plan.incarnation, items=checkpoint.items,
-                    sizes=incremental.item_bytes(request.checkpoint.items, base, kept),
-                    base=base, memo=self._engine.render_memo)
-                response = answer.response
                 rendered = mapping.FORMAT_FROM_PB.get(response.provider_format, "")
                 if render_span.is_recording():
                     render_span.set_attribute("context_engine.provider_format", rendered)
-            self._engine.builds.put(response.build_id, answer.base)
+            if answer is not None:
+                self._engine.builds.put(response.build_id, answer.base)
             if rendered:  # the format rendered: the asked one or the model's default
                 record.extra["provider_format"] = rendered
-            if base is not None:
+            if base is not None and answer is not None:
                 record.extra["base_items_kept"] = kept
                 record.extra["messages_sent"] = answer.sent_messages
             return response
