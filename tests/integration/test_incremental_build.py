@@ -5,9 +5,11 @@ independent reading of the contract) it equals the response to the whole checkpo
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime
 
 import grpc
 import pytest
+from context_engine.clock import SYSTEM_CLOCK
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
@@ -194,6 +196,100 @@ def test_erased_session_forgets_its_bases(stub: pb_grpc.ContextEngineStub,
     with pytest.raises(grpc.RpcError) as err:
         incremental(stub, session, first.build_id, 1, turn(1))
     assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
+
+
+class SteppedClock:
+    """A replica's clock whose monotonic time the test moves past the plan-cache TTL."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def now(self) -> datetime:
+        return SYSTEM_CLOCK.now()
+
+    def monotonic(self) -> float:
+        return SYSTEM_CLOCK.monotonic() + self.offset
+
+
+PLAN_TTL = 30.0  # the replicas' plan-cache TTL (B's clock is moved past it, not waited)
+
+
+@pytest.fixture(scope="module")
+def replicas(database_url: str) -> Iterator[tuple[ServerThread, ServerThread, SteppedClock]]:
+    """Two replicas on one database: A erases; B, on a clock of its own, never hears of it."""
+    config = base_config().replace(plan_cache_ttl_seconds=PLAN_TTL)
+    clock = SteppedClock()
+    a = ServerThread(config, database_url)
+    b = ServerThread(config, database_url, clock=clock)
+    yield a, b, clock
+    a.stop()
+    b.stop()
+
+
+def erased_and_planned_again(a: pb_grpc.ContextEngineStub, b: pb_grpc.ContextEngineStub,
+                             b_server: ServerThread, session: str,
+                             epoch: int = 0) -> tuple[pb.BuildResponse, pb.ContextPlan]:
+    """The session planned, a base kept by B, the session erased through A and planned again
+    (a new incarnation, epoch 1 again, another prefix); B still holds the erased base."""
+    old = a.Plan(plan_request(TENANT, session), timeout=30).plan
+    req = request(session, opening())
+    req.epoch = epoch
+    first = b.Build(req, timeout=30)
+    assert first.build_id and first.prefix_sha256 == old.prefix_sha256
+    a.DeleteSession(pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session), timeout=30)
+    again = plan_request(TENANT, session)
+    again.agent.instructions = "You are a careful agent. Quote sources verbatim."
+    new = a.Plan(again, timeout=30)
+    assert new.created and new.plan.epoch == 1
+    assert new.plan.prefix_sha256 != old.prefix_sha256
+    # nothing told B: the base of the erased session is still in its memory
+    assert b_server.running.engine.builds.get(TENANT, session, first.build_id) is not None
+    return first, new.plan
+
+
+def refused_then_whole(a: pb_grpc.ContextEngineStub, b: pb_grpc.ContextEngineStub,
+                       session: str, base: str, plan: pb.ContextPlan, epoch: int = 0) -> None:
+    """B refuses the old base; the client's resend (whole, no base) is served from the new
+    plan, the same bytes as A's whole Build of that checkpoint."""
+    req = request(session, turn(1))
+    req.epoch, req.base_build_id, req.base_items_kept = epoch, base, 1
+    with pytest.raises(grpc.RpcError) as err:
+        b.Build(req, timeout=30)
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert f.reason == "BUILD_BASE_UNKNOWN" and f.metadata["base_build_id"] == base
+    resend = request(session, opening() + turn(1))
+    resend.epoch = epoch
+    got = b.Build(resend, timeout=30)
+    assert got.build_id and not got.HasField("delta")
+    assert (got.epoch, got.prefix_sha256) == (1, plan.prefix_sha256)
+    assert same(got, a.Build(resend, timeout=30))
+
+
+def test_a_replica_that_did_not_erase_refuses_the_erased_sessions_base(
+        replicas: tuple[ServerThread, ServerThread, SteppedClock]) -> None:
+    """A Build of the current epoch (epoch 0) reads the session's incarnation from PostgreSQL,
+    so B sees the new incarnation at once and the base of the erased one is refused."""
+    a_server, b_server, _ = replicas
+    with grpc.insecure_channel(a_server.address) as ca, \
+            grpc.insecure_channel(b_server.address) as cb:
+        a, b = pb_grpc.ContextEngineStub(ca), pb_grpc.ContextEngineStub(cb)
+        first, plan = erased_and_planned_again(a, b, b_server, "erased-elsewhere")
+        refused_then_whole(a, b, "erased-elsewhere", first.build_id, plan)
+
+
+def test_a_build_naming_its_epoch_refuses_the_erased_base_once_past_the_plan_ttl(
+        replicas: tuple[ServerThread, ServerThread, SteppedClock]) -> None:
+    """A Build naming epoch 1 is served from B's plan cache (the erased incarnation's plan)
+    until B's clock passes the plan-cache TTL; then PostgreSQL names the new incarnation, and
+    the base of the erased one is refused."""
+    a_server, b_server, clock = replicas
+    with grpc.insecure_channel(a_server.address) as ca, \
+            grpc.insecure_channel(b_server.address) as cb:
+        a, b = pb_grpc.ContextEngineStub(ca), pb_grpc.ContextEngineStub(cb)
+        first, plan = erased_and_planned_again(a, b, b_server, "erased-named-epoch", epoch=1)
+        clock.offset += PLAN_TTL + 1
+        refused_then_whole(a, b, "erased-named-epoch", first.build_id, plan, epoch=1)
 
 
 def test_a_small_cache_evicts_and_the_base_is_unknown(database_url: str) -> None:
