@@ -95,11 +95,14 @@ class BuildCache:
                 self._drop(next(iter(self._bases)))
                 self._evictions += 1
 
-    def forget(self, tenant_id: str, session_id: str) -> None:
-        """Drop every base of one session (its erasure)."""
+    def forget(self, tenant_id: str, session_id: str, *, before: int | None = None) -> None:
+        """Drop every base of one session (its erasure), or with ``before`` only those of its
+        incarnations older than that one (the session was erased and planned again, perhaps
+        through another replica: the new incarnation's bases stay)."""
         with self._lock:
             for build_id in list(self._by_session.get((tenant_id, session_id), ())):
-                self._drop(build_id)
+                if before is None or self._bases[build_id].incarnation < before:
+                    self._drop(build_id)
 
     def evict(self, build_id: str) -> bool:
         with self._lock:

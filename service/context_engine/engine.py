@@ -563,6 +563,7 @@ class Engine:
             current = await self._store.current(tenant_id, session_id)
             if current is None:
                 self.cache.forget(tenant_id, session_id)  # erased, maybe by another replica
+                self.builds.forget(tenant_id, session_id)
                 raise SessionNotFound(tenant_id, session_id)
             hit = self.cache.get((tenant_id, session_id, current.incarnation, current.epoch),
                                  verified_at=self._clock.monotonic())
@@ -585,6 +586,7 @@ class Engine:
                 self.cache.get(key, verified_at=now)
                 return hit
             self.cache.forget(tenant_id, session_id)  # erased (and maybe planned again)
+            self.builds.forget(tenant_id, session_id, before=found)
             if found is None:
                 raise SessionNotFound(tenant_id, session_id, epoch)
         return await self._load(tenant_id, session_id, epoch)

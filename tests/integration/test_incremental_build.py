@@ -248,9 +248,11 @@ def erased_and_planned_again(a: pb_grpc.ContextEngineStub, b: pb_grpc.ContextEng
 
 
 def refused_then_whole(a: pb_grpc.ContextEngineStub, b: pb_grpc.ContextEngineStub,
-                       session: str, base: str, plan: pb.ContextPlan, epoch: int = 0) -> None:
-    """B refuses the old base; the client's resend (whole, no base) is served from the new
-    plan, the same bytes as A's whole Build of that checkpoint."""
+                       b_server: ServerThread, session: str, base: str, plan: pb.ContextPlan,
+                       epoch: int = 0) -> None:
+    """B refuses the old base and drops it (the erased content leaves B's memory); the
+    client's resend (whole, no base) is served from the new plan, the same bytes as A's whole
+    Build of that checkpoint, and is kept as a base of the new incarnation."""
     req = request(session, turn(1))
     req.epoch, req.base_build_id, req.base_items_kept = epoch, base, 1
     with pytest.raises(grpc.RpcError) as err:
@@ -258,12 +260,15 @@ def refused_then_whole(a: pb_grpc.ContextEngineStub, b: pb_grpc.ContextEngineStu
     f = failure(err.value)
     assert f.code is grpc.StatusCode.FAILED_PRECONDITION
     assert f.reason == "BUILD_BASE_UNKNOWN" and f.metadata["base_build_id"] == base
+    builds = b_server.running.engine.builds
+    assert builds.get(TENANT, session, base) is None
     resend = request(session, opening() + turn(1))
     resend.epoch = epoch
     got = b.Build(resend, timeout=30)
     assert got.build_id and not got.HasField("delta")
     assert (got.epoch, got.prefix_sha256) == (1, plan.prefix_sha256)
     assert same(got, a.Build(resend, timeout=30))
+    assert builds.get(TENANT, session, got.build_id) is not None
 
 
 def test_a_replica_that_did_not_erase_refuses_the_erased_sessions_base(
@@ -275,7 +280,7 @@ def test_a_replica_that_did_not_erase_refuses_the_erased_sessions_base(
             grpc.insecure_channel(b_server.address) as cb:
         a, b = pb_grpc.ContextEngineStub(ca), pb_grpc.ContextEngineStub(cb)
         first, plan = erased_and_planned_again(a, b, b_server, "erased-elsewhere")
-        refused_then_whole(a, b, "erased-elsewhere", first.build_id, plan)
+        refused_then_whole(a, b, b_server, "erased-elsewhere", first.build_id, plan)
 
 
 def test_a_build_naming_its_epoch_refuses_the_erased_base_once_past_the_plan_ttl(
@@ -289,7 +294,29 @@ def test_a_build_naming_its_epoch_refuses_the_erased_base_once_past_the_plan_ttl
         a, b = pb_grpc.ContextEngineStub(ca), pb_grpc.ContextEngineStub(cb)
         first, plan = erased_and_planned_again(a, b, b_server, "erased-named-epoch", epoch=1)
         clock.offset += PLAN_TTL + 1
-        refused_then_whole(a, b, "erased-named-epoch", first.build_id, plan, epoch=1)
+        refused_then_whole(a, b, b_server, "erased-named-epoch", first.build_id, plan,
+                           epoch=1)
+
+
+def test_a_replica_that_finds_the_session_erased_drops_its_bases(
+        replicas: tuple[ServerThread, ServerThread, SteppedClock]) -> None:
+    """B answers NOT_FOUND for a session erased through A, and forgets its bases with it
+    (whether the Build named a base or not)."""
+    a_server, b_server, _ = replicas
+    session = "erased-not-planned"
+    with grpc.insecure_channel(a_server.address) as ca, \
+            grpc.insecure_channel(b_server.address) as cb:
+        a, b = pb_grpc.ContextEngineStub(ca), pb_grpc.ContextEngineStub(cb)
+        a.Plan(plan_request(TENANT, session), timeout=30)
+        first = b.Build(request(session, opening()), timeout=30)
+        builds = b_server.running.engine.builds
+        assert builds.get(TENANT, session, first.build_id) is not None
+        a.DeleteSession(pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session),
+                        timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            b.Build(request(session, opening()), timeout=30)
+        assert err.value.code() is grpc.StatusCode.NOT_FOUND
+        assert builds.get(TENANT, session, first.build_id) is None
 
 
 def test_a_small_cache_evicts_and_the_base_is_unknown(database_url: str) -> None:

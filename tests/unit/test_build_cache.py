@@ -4,6 +4,8 @@ erasure takes a session's bases with it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from context_engine.build_cache import BuildBase, BuildCache
 
 
@@ -47,3 +49,19 @@ def test_per_session_bound_and_forget() -> None:
     assert cache.get("t", "s", "s1") is None and cache.get("t", "s", "s2") is None
     assert cache.get("t", "o", "o") is not None
     assert cache.stats().bytes == 10
+
+
+def test_forget_before_an_incarnation_keeps_the_newer_ones() -> None:
+    """A session erased and planned again: the erased incarnation's bases go, the new one's
+    stay, and other sessions are untouched."""
+    cache = BuildCache(1_000_000)
+    cache.put("old", replace(base("t", "s", "old", 10), incarnation=1))
+    cache.put("new", replace(base("t", "s", "new", 10), incarnation=2))
+    cache.put("other", replace(base("t", "o", "other", 10), incarnation=1))
+    cache.forget("t", "s", before=2)
+    assert cache.get("t", "s", "old") is None
+    assert cache.get("t", "s", "new") is not None
+    assert cache.get("t", "o", "other") is not None
+    assert cache.stats().entries == 2 and cache.stats().bytes == 20
+    cache.forget("t", "s")
+    assert cache.get("t", "s", "new") is None and cache.stats().entries == 1

@@ -179,6 +179,10 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             loaded = await self._engine.loaded(request.tenant_id, request.session_id, epoch)
             record.epoch, record.prefix_sha256 = loaded.plan.epoch, loaded.plan.prefix_sha256
             if base is not None and base.incarnation != loaded.plan.incarnation:
+                # erased (perhaps through another replica) and planned again: the erased
+                # incarnation's bases are dropped here, not only refused
+                self._engine.builds.forget(request.tenant_id, request.session_id,
+                                           before=loaded.plan.incarnation)
                 raise BuildBaseUnknown(request.base_build_id, "the session was erased since")
             result = await self._engine.build(request.tenant_id, request.session_id,
                                               loaded.plan.epoch, checkpoint, factor,
