@@ -6,9 +6,10 @@ keys, never copied), the messages of its response (the same objects the render m
 so a later response finds them again by identity) and the UTF-8 bytes of its JSON bodies. The
 cache is bounded by an estimate of the bytes it holds (each base counts its checkpoint's and its
 response's serialized sizes in full, although bases of one session share most of their items,
-so the estimate errs high) and keeps at most ``per_session`` bases of one session; the least
-recently used go first. Nothing here is durable: a restart, another replica or an eviction
-answers BUILD_BASE_UNKNOWN and the client sends the Build in full.
+so the estimate errs high, and its checkpoint's scan state at ``SCAN_ID_BYTES`` per id held)
+and keeps at most ``per_session`` bases of one session; the least recently used go first.
+Nothing here is durable: a restart, another replica or an eviction answers BUILD_BASE_UNKNOWN
+and the client sends the Build in full.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from context_engine.domain.builder import ItemScan
 from context_engine.domain.items import ConversationItem
 from context_engine.domain.request import Message
 
 # the three JSON bodies a response may carry, in ResponseDelta's order
 TEXTS = ("provider_body_json", "gemini_create_body_json", "gemini_cached_body_json")
+SCAN_ID_BYTES = 100  # what one id a base's scan state holds is counted for (roughly)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -41,10 +44,14 @@ class BuildBase:
     response_bytes: int  # the whole response, serialized
     # id(message) -> its index in messages (the objects are alive as long as the base is)
     positions: dict[int, int] = field(default_factory=dict)
+    # the validation's scan state after all of items (a Build that appends to them resumes
+    # it: only the items it adds are scanned); never scanned on, only forked
+    scan: ItemScan | None = None
 
     @property
     def size(self) -> int:
-        return self.item_bytes[-1] + self.response_bytes
+        held = self.scan.held if self.scan is not None else 0
+        return self.item_bytes[-1] + self.response_bytes + SCAN_ID_BYTES * held
 
     @staticmethod
     def index(messages: tuple[Message, ...]) -> dict[int, int]:

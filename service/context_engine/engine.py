@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -631,8 +633,12 @@ class Engine:
 
     async def build(self, tenant_id: str, session_id: str, epoch: int | None,
                     checkpoint: Checkpoint, factor: float | None, *,
-                    validated: bool = False, incarnation: int | None = None) -> BuildResult:
-        """``incarnation``: the session's, when the caller has just resolved the plan."""
+                    validated: bool = False, incarnation: int | None = None,
+                    then: Callable[[BuildResult], object] | None = None) -> BuildResult:
+        """``incarnation``: the session's, when the caller has just resolved the plan.
+        ``then``: the caller's work on the result (its response), run while the pressure event
+        is being written; the Build returns only once the event is written (or its loss
+        counted), so it is still emitted before the request leaves."""
         loaded = await self.loaded(tenant_id, session_id, epoch, incarnation=incarnation)
         spec = loaded.plan.spec
         estimator = self.plan_estimator(spec)
@@ -673,10 +679,20 @@ class Engine:
             raise
         self._metrics.build_seconds.observe(time.perf_counter() - started)
         await self._snapshot_used(loaded, checkpoint.active_run_id)
-        if result.pressure.yielded:  # a request that fits without yielding emits nothing
-            self._count_pressure(result.pressure)
-            await self._record(tenant_id, session_id, result.epoch, "context.budget.pressure",
-                               pressure_payload(result.pressure, result.epoch))
+        if not result.pressure.yielded:  # a request that fits without yielding emits nothing
+            if then is not None:
+                then(result)
+            return result
+        self._count_pressure(result.pressure)
+        write = asyncio.ensure_future(self._record(
+            tenant_id, session_id, result.epoch, "context.budget.pressure",
+            pressure_payload(result.pressure, result.epoch)))
+        try:
+            if then is not None:
+                await asyncio.sleep(0)  # the write goes out first, then the caller's work
+                then(result)
+        finally:
+            await write  # never fails (``_record``); awaited even when ``then`` raised
         return result
 
     async def _snapshot_used(self, loaded: LoadedPlan, run_id: str) -> None:

@@ -796,7 +796,7 @@ BUCKETS = (
     ("  base lookup (build cache get)", "context_engine/build_cache.py", "get"),
     ("  proto -> domain (mapping.checkpoint)", "api/mapping.py", "checkpoint"),
     ("    of which per item (mapping._item)", "api/mapping.py", "_item"),
-    ("  validation (checkpoint_violations)", "domain/builder.py", "checkpoint_violations"),
+    ("  validation (checkpoint_scan)", "domain/builder.py", "checkpoint_scan"),
     ("  Engine.build (plan, factor, build)", "context_engine/engine.py", "build"),
     ("    builder.build", "domain/builder.py", "build"),
     ("      allocate (costs, ladder, cut)", "domain/budget.py", "allocate"),

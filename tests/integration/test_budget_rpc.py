@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import threading
@@ -9,6 +10,7 @@ import threading
 import grpc
 import pytest
 from context_engine.v1 import context_engine_pb2 as pb
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
 from tests.integration.requests import build_request, failure, item, plan_request
 
@@ -320,3 +322,63 @@ def test_bad_usage_reports(stub, ids):
         with pytest.raises(grpc.RpcError) as err:
             stub.ReportUsage(req)
         assert field in failure(err.value).violations
+
+
+class SlowPressureWrites:
+    """The engine's event log with each pressure event's write held for ``HOLD`` seconds: what
+    the Build does meanwhile, and when it answers, is written into ``log``."""
+
+    HOLD = 0.3
+
+    def __init__(self, inner: object, log: list[str]) -> None:
+        self._inner, self.log = inner, log
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    async def append(self, event: object) -> None:
+        if getattr(event, "type", "") == "context.budget.pressure":
+            self.log.append("write started")
+            await asyncio.sleep(self.HOLD)
+            await self._inner.append(event)  # type: ignore[attr-defined]
+            self.log.append("written")
+        else:
+            await self._inner.append(event)  # type: ignore[attr-defined]
+
+
+def test_the_response_is_made_while_the_pressure_event_is_written_and_waits_for_it(
+        database_url, ids, db, monkeypatch):
+    """The pressure event is emitted before the request leaves (the Build answers only once it
+    is in the database), and the response is rendered while it is being written, not after."""
+    from context_engine.api import mapping
+
+    from tests.conftest import ServerThread, test_config
+    tenant, session = ids
+    log: list[str] = []
+    srv = ServerThread(test_config(), database_url)
+    try:
+        engine = srv.running.engine
+        engine._events = SlowPressureWrites(engine._events, log)
+        render = mapping.build_pb
+
+        def rendering(*args, **kwargs):
+            log.append("rendered")
+            return render(*args, **kwargs)
+
+        monkeypatch.setattr(mapping, "build_pb", rendering)
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+            stub.Plan(plan_request(tenant, session, model=SMALL))
+            req = build_request(tenant, session, items=long_history(40))
+            req.checkpoint.active_run_id = "run-1"
+            resp = stub.Build(req, timeout=30)
+            assert resp.pressure.steps
+            assert log == ["write started", "rendered", "written"]
+            rows = db.fetch("SELECT 1 FROM context_events WHERE tenant_id=$1 AND "
+                            "type='context.budget.pressure'", tenant)
+            assert len(rows) == 1
+            log.clear()  # a Build that fits writes nothing and still renders
+            fits = stub.Build(build_request(tenant, session), timeout=30)
+            assert not fits.pressure.steps and log == ["rendered"]
+    finally:
+        srv.stop()

@@ -12,6 +12,8 @@ import pytest
 from context_engine.clock import SYSTEM_CLOCK
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from tests.conftest import ServerThread
 from tests.conftest import test_config as base_config
@@ -355,3 +357,86 @@ def test_a_user_message_keeps_its_attachments(stub: pb_grpc.ContextEngineStub) -
     full = reconstruct(got, first)
     assert same(full, whole(stub, session, items + turn(1)))
     assert [list(m.attachments) for m in full.request.messages if m.item_id == "u0"] == [files]
+
+
+def ordered_violations(err: grpc.RpcError) -> list[tuple[str, str]]:
+    """The BadRequest's field violations in the order the server gave them."""
+    assert isinstance(err, grpc.Call)
+    status = rpc_status.from_call(err)
+    assert status is not None
+    out: list[tuple[str, str]] = []
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            out += [(v.field, v.description) for v in bad.field_violations]
+    return out
+
+
+def refused(stub: pb_grpc.ContextEngineStub, req: pb.BuildRequest) -> list[tuple[str, str]]:
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(req, timeout=30)
+    assert failure(err.value).code is grpc.StatusCode.INVALID_ARGUMENT
+    return ordered_violations(err.value)
+
+
+def test_appended_items_are_validated_as_the_whole_checkpoint(
+        stub: pb_grpc.ContextEngineStub, srv: ServerThread) -> None:
+    """An incremental Build that appends to all of its base's items scans only the appended
+    ones, on from the base's scan state: what it refuses, and how (field paths, descriptions,
+    order), is what the whole Build of the same checkpoint gives; a refused Build leaves its
+    base as it was, and so does one that succeeds."""
+    session = "validate-appended"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    first = whole(stub, session, opening() + turn(1))
+    items = opening() + turn(1) + turn(2)  # the base: itself resumed from the first
+    held = reconstruct(incremental(stub, session, first.build_id, 4, turn(2)), first)
+    kept = srv.running.engine.builds.get(TENANT, session, held.build_id)
+    assert kept is not None and kept.scan is not None and kept.scan.count == 7
+    bad = [
+        item("x1", 30, trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,  # a result of no call
+             tool_result=pb.ToolResult(call_id="call-99", tool_name="web.fetch", content="?")),
+        item("c1", 31, assistant=pb.AssistantMessage(text="a base item's id again")),
+        item("x2", 32, tool_calls=pb.ToolCalls(calls=[pb.ToolCall(  # a base call's id again
+            call_id="call-2", name="web.fetch", arguments_json='{"url":"https://a.example"}')])),
+        item("x3", 33, trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,  # a second result of call-1
+             tool_result=pb.ToolResult(call_id="call-1", tool_name="web.fetch", content="!")),
+        item("x4", 5, assistant=pb.AssistantMessage(text="below the base's last sequence")),
+        item("x5", 34, tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
+            call_id="call-5", name="web.fetch", arguments_json='{"url":"https://b.example"}')])),
+        item("x6", 35, run="run-2", assistant=pb.AssistantMessage(text="inside the pair")),
+        item("x7", 36, trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
+             tool_result=pb.ToolResult(call_id="call-5", tool_name="web.fetch", content=".")),
+    ]
+    got = refused(stub, _incremental_request(session, held.build_id, 7, bad))
+    want = refused(stub, request(session, items + bad))
+    assert got == want
+    fields = [f for f, _ in got]
+    for path in ("checkpoint.items[7].tool_result.call_id", "checkpoint.items[8].id",
+                 "checkpoint.items[9].tool_calls.calls[0].call_id",
+                 "checkpoint.items[10].tool_result.call_id", "checkpoint.items[11].sequence",
+                 "checkpoint.items[13].run_id"):
+        assert path in fields, (path, fields)
+    # replaced from a position: scanned whole (the base's state holds the replaced items)
+    replaced = [item("x8", 21, trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
+                     tool_result=pb.ToolResult(call_id="call-77", tool_name="web.fetch",
+                                               content="?")),
+                item("x9", 22, assistant=pb.AssistantMessage(text="replaced"))]
+    got = refused(stub, _incremental_request(session, held.build_id, 5, replaced))
+    assert got == refused(stub, request(session, items[:5] + replaced))
+    assert "checkpoint.items[5].tool_result.call_id" in [f for f, _ in got]
+    # the refused Builds left the base's state as it was, and so does a valid one: the same
+    # turn twice from it (the whole Builds compared with keep no base: the session's bases
+    # stay within the per-session bound)
+    for _ in range(2):
+        ok = incremental(stub, session, held.build_id, 7, turn(3))
+        unkept = request(session, items + turn(3))
+        unkept.keep_base = False
+        assert same(reconstruct(ok, held), stub.Build(unkept, timeout=30))
+
+
+def _incremental_request(session: str, base: str, kept: int,
+                         items: list[pb.ConversationItem]) -> pb.BuildRequest:
+    req = request(session, items)
+    req.base_build_id, req.base_items_kept = base, kept
+    return req

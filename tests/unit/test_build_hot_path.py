@@ -1,7 +1,8 @@
 """The Build hot path remembers work, never answers: what it keeps (each checkpoint item's
 mapping, each rendered message's wire form, each result's typed pointer, in the engine's render
-memo; costs and renderings by identity within one build) changes how long a Build takes and
-nothing it returns, and goes with the session's erasure.
+memo; renderings, costs and pointers by object identity in the session's identity map, costs
+per factor) changes how long a Build takes and nothing it returns, and goes with the session's
+erasure.
 
 Each Build here runs the served path twice, with the engine's memo kept across Builds and
 sessions, and with no memo at all, and the serialized responses must be the same bytes.
@@ -140,7 +141,7 @@ def test_builds_with_the_memo_are_the_builds_without_it() -> None:
             sent[i].tool_result.content = f"rewritten at {turn}"
         cp = checkpoint_pb(sent)
         for lp in sessions:
-            factor = factors[turn % 3]
+            factor = factors[(turn // 3) % 3]  # turn steps by 3: each factor in turn
             for fmt in ("", "anthropic_messages", "gemini_generate_content"):
                 want = served(lp, cp, None, factor=factor, fmt=fmt)
                 assert served(lp, cp, memo, factor=factor, fmt=fmt) == want, (turn, fmt)
@@ -152,6 +153,29 @@ def test_builds_with_the_memo_are_the_builds_without_it() -> None:
                 served(lp, cp, None, messages=slice(1, None, 2), prefix=False)
     # the runs above went down the ladder: pointers and a history cut were memoized too
     assert {"knowledge", "tool_results", "history"} <= yielded
+
+
+def test_one_checkpoint_object_built_for_two_sessions_and_factors() -> None:
+    """The pure build() handed the very same item objects for two sessions and at several
+    factors, on one memo (its identity map of renderings and costs): each result is the
+    memo-less one, byte for byte (a session's envelope nonces are its own; a cost is the
+    factor's)."""
+    memo = BoundedMemo(100_000)
+    v = mapping.Violations()
+    sent = conversation(12, "SHARED")[:27]
+    while sent[-1].WhichOneof("kind") == "tool_calls":
+        sent.pop()
+    cp = mapping.checkpoint(v, checkpoint_pb(sent))
+    v.raise_if_any()
+    for factor in (1.0, 1.0, 1.9, 0.6, 1.0):
+        for session in ("shared-a", "shared-b"):
+            lp = loaded(session)
+            est = f.estimator(lp.plan.spec.model)
+            want = build(lp, cp, estimator=est, factor=factor)
+            got = build(lp, cp, estimator=est, factor=factor, memo=memo)
+            assert got == want, (factor, session)
+            assert mapping.build_pb(got, "", catalog=f.CATALOG).SerializeToString() == \
+                mapping.build_pb(want, "", catalog=f.CATALOG).SerializeToString()
 
 
 def violations_of(cp: pb.Checkpoint, memo: BoundedMemo | None,
@@ -246,6 +270,8 @@ def holds(value: Any, marker: str) -> bool:
         return marker.encode() in value
     if isinstance(value, (tuple, list)):
         return any(holds(x, marker) for x in value)
+    if isinstance(value, dict):
+        return any(holds(x, marker) for x in value.values())
     if isinstance(value, ProtoMessage):
         return marker.encode() in value.SerializeToString()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -265,7 +291,7 @@ def test_what_a_session_left_in_the_memo_goes_with_its_erasure() -> None:
         served(lp, cp, memo)
         served(lp, cp, memo, fmt="openai_responses")
     kinds = {k[1] for k in memo if isinstance(k[1], str)}
-    assert {"mapping:item", "mapping:wire", "builder:pointer"} <= kinds
+    assert {"mapping:item", "mapping:wire", "builder:pointer", "builder:identity"} <= kinds
     assert any(holds((k, v), "GONE-0001") for k, v in memo.items())
     engine.forget_session(TENANT, "erased")
     assert not any(holds((k, v), "GONE-0001") for k, v in memo.items())

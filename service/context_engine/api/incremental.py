@@ -20,7 +20,7 @@ from typing import Any
 
 from context_engine.api import mapping
 from context_engine.build_cache import BuildBase
-from context_engine.domain.builder import BuildResult
+from context_engine.domain.builder import BuildResult, ItemScan
 from context_engine.domain.estimator import ModelCatalog
 from context_engine.domain.items import ConversationItem
 from context_engine.domain.request import Message
@@ -147,10 +147,11 @@ def _spans_pb(spans: list[tuple[int, int, int]]) -> list[pb.Span]:
 def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
             build_id: str, tenant_id: str, session_id: str, incarnation: int,
             items: tuple[ConversationItem, ...], sizes: tuple[int, ...],
-            base: BuildBase | None,
+            base: BuildBase | None, scan: ItemScan | None = None,
             memo: MutableMapping[Any, Any] | None = None) -> Answer:
     """The response to send (whole without a base, relative to ``base`` with one) and the base
-    this Build leaves for the next."""
+    this Build leaves for the next. ``scan``: the validation's scan state after all of
+    ``items`` (which found no violation), kept with the base for the next Build to resume."""
     messages = result.request.messages
     prefix = (result.request.prefix_blocks, result.request.tools)
     if base is None:
@@ -207,5 +208,5 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
                      build_id=build_id, items=items, item_bytes=sizes, messages=messages,
                      message_sizes=message_sizes, prefix=prefix, prefix_bytes=prefix_bytes,
                      texts=texts, response_bytes=full_bytes,
-                     positions=BuildBase.index(messages))
+                     positions=BuildBase.index(messages), scan=scan)
     return Answer(response=out, base=kept, sent_messages=sent)

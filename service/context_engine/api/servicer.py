@@ -18,7 +18,7 @@ from opentelemetry.trace import NoOpTracer, SpanKind, Tracer
 
 from context_engine.api import incremental, mapping, working_state_tool
 from context_engine.api.status import internal_status, status_for
-from context_engine.domain.builder import checkpoint_violations
+from context_engine.domain.builder import BuildResult, checkpoint_scan
 from context_engine.domain.canonical import session_key
 from context_engine.domain.errors import (
     BuildBaseUnknown,
@@ -166,7 +166,12 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                                             session_key=record.session_key)
             if base is not None:
                 checkpoint = replace(checkpoint, items=base.items[:kept] + checkpoint.items)
-            v.items.extend(checkpoint_violations(checkpoint))
+            # appended to all of the base's items (scanned clean when it was built): only the
+            # new items are scanned, on from the base's scan state; a Build that replaces the
+            # base's items from a position (kept < all of them) is scanned whole
+            resume = base.scan if base is not None and kept == len(base.items) else None
+            violations, scan = checkpoint_scan(checkpoint, resume=resume)
+            v.items.extend(violations)
             factor = None
             if request.HasField("estimator_factor"):
                 factor = request.estimator_factor
@@ -184,10 +189,37 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 self._engine.builds.forget(request.tenant_id, request.session_id,
                                            before=loaded.plan.incarnation)
                 raise BuildBaseUnknown(request.base_build_id, "the session was erased since")
+            answer = None  # an incremental Build's answer, and the base it leaves
+            response = pb.BuildResponse()
+            rendered = ""
+
+            def respond(result: BuildResult) -> None:
+                """The response, made while the Build's pressure event is being written."""
+                nonlocal answer, response, rendered
+                with child(self._tracer, "context_engine.render") as render_span:
+                    if base is not None or request.keep_base:
+                        answer = incremental.respond(
+                            result, provider_format, self._engine.catalog,
+                            build_id=self._new_id(), tenant_id=request.tenant_id,
+                            session_id=request.session_id,
+                            incarnation=loaded.plan.incarnation, items=checkpoint.items,
+                            scan=scan,
+                            sizes=incremental.item_bytes(request.checkpoint.items, base, kept),
+                            base=base, memo=self._engine.render_memo)
+                        response = answer.response
+                    else:  # nothing kept: no build_id, the same bytes as any whole Build
+                        response = mapping.build_pb(result, provider_format,
+                                                    catalog=self._engine.catalog,
+                                                    memo=self._engine.render_memo)
+                    rendered = mapping.FORMAT_FROM_PB.get(response.provider_format, "")
+                    if render_span.is_recording():
+                        render_span.set_attribute("context_engine.provider_format", rendered)
+
             result = await self._engine.build(request.tenant_id, request.session_id,
                                               loaded.plan.epoch, checkpoint, factor,
                                               validated=True,
-                                              incarnation=loaded.plan.incarnation)
+                                              incarnation=loaded.plan.incarnation,
+                                              then=respond)
             record.epoch, record.prefix_sha256 = result.epoch, result.prefix_sha256
             record.extra["estimated_input_tokens"] = result.estimated_input_tokens
             record.extra["yield_steps"] = [s.step for s in result.pressure.steps]
@@ -198,24 +230,6 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             for c in result.budget.classes:
                 record.span[f"context_engine.tokens.{c.class_name}"] = c.used
             record.span["context_engine.yield_steps"] = record.extra["yield_steps"]
-            answer = None  # an incremental Build's answer, and the base it leaves
-            with child(self._tracer, "context_engine.render") as render_span:
-                if base is not None or request.keep_base:
-                    answer = incremental.respond(
-                        result, provider_format, self._engine.catalog,
-                        build_id=self._new_id(), tenant_id=request.tenant_id,
-                        session_id=request.session_id, incarnation=loaded.plan.incarnation,
-                        items=checkpoint.items,
-                        sizes=incremental.item_bytes(request.checkpoint.items, base, kept),
-                        base=base, memo=self._engine.render_memo)
-                    response = answer.response
-                else:  # nothing kept: no build_id, the same bytes as any whole Build
-                    response = mapping.build_pb(result, provider_format,
-                                                catalog=self._engine.catalog,
-                                                memo=self._engine.render_memo)
-                rendered = mapping.FORMAT_FROM_PB.get(response.provider_format, "")
-                if render_span.is_recording():
-                    render_span.set_attribute("context_engine.provider_format", rendered)
             if answer is not None:
                 self._engine.builds.put(response.build_id, answer.base)
             if rendered:  # the format rendered: the asked one or the model's default

@@ -68,6 +68,8 @@ from context_engine.domain.trust import Region, TrustLevel
 
 DEFAULT_POLICY = BudgetPolicy()
 POINTER = "builder:pointer"  # memo keys (session key, POINTER, result): the result's typed pointer
+IDENTITY = "builder:identity"  # memo key (session key, IDENTITY, encoding): the identity map
+IDENTITY_SLACK = 1_024  # entries an identity map may hold beyond twice a build's items
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,7 +137,147 @@ def validate_checkpoint(cp: Checkpoint, field: str = "checkpoint") -> None:
         raise InvalidInput(violations)
 
 
-def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint") -> list[FieldViolation]:
+class ItemScan:
+    """The state of the per-item checks after the first ``count`` items of a checkpoint (ids
+    seen, calls open and answered, the last sequence): scanning continues from it, so the
+    items a Build appends to a base already scanned are checked alone, with the violations and
+    indexes the whole scan gives them. ``fork`` copies it; a state a base holds is never
+    scanned on, only forked."""
+
+    __slots__ = ("answered", "calls_by_id", "count", "interrupted", "last_sequence",
+                 "open_calls", "runs_by_call", "seen_ids")
+
+    def __init__(self) -> None:
+        self.calls_by_id: dict[str, str] = {}  # call id -> its tool name
+        self.runs_by_call: dict[str, str] = {}  # call id -> its run
+        self.seen_ids: set[str] = set()
+        self.open_calls: dict[str, int] = {}  # call id -> index of its item, until answered
+        self.answered: set[str] = set()
+        self.last_sequence: int | None = None
+        self.interrupted: set[str] = set()  # open calls another run's item already sat after
+        self.count = 0  # items scanned
+
+    def fork(self) -> ItemScan:
+        """A copy to scan on, sharing no mutable state with this one."""
+        other = ItemScan.__new__(ItemScan)
+        other.calls_by_id = self.calls_by_id.copy()
+        other.runs_by_call = self.runs_by_call.copy()
+        other.seen_ids = self.seen_ids.copy()
+        other.open_calls = self.open_calls.copy()
+        other.answered = self.answered.copy()
+        other.last_sequence = self.last_sequence
+        other.interrupted = self.interrupted.copy()
+        other.count = self.count
+        return other
+
+    @property
+    def held(self) -> int:
+        """How many ids the state holds (its size, roughly)."""
+        return (len(self.seen_ids) + len(self.calls_by_id) + len(self.runs_by_call)
+                + len(self.open_calls) + len(self.answered) + len(self.interrupted))
+
+    def scan(self, items: Sequence[ConversationItem], violations: list[FieldViolation],
+             field: str = "checkpoint") -> None:
+        """Scan ``items[self.count:]`` (``items`` continue those already scanned), appending
+        their violations (indexes into ``items``)."""
+        calls_by_id, runs_by_call = self.calls_by_id, self.runs_by_call
+        seen_ids, open_calls, answered = self.seen_ids, self.open_calls, self.answered
+        interrupted, last_sequence = self.interrupted, self.last_sequence
+        start = self.count
+        if len(items) < start:
+            raise ValueError(f"{start} items were scanned, these are {len(items)}")
+        for i, item in enumerate(items[start:] if start else items, start):
+            run_id = item.run_id  # paths are written only for a violation: a valid item builds none
+            # a tool pair never spans two runs: nor may another run's item sit inside one (the
+            # history cut and compaction see the two runs apart, and would split the pair)
+            if open_calls:
+                inside = [c for c in open_calls if runs_by_call[c] != run_id
+                          and c not in interrupted]
+                if inside:
+                    interrupted.update(inside)
+                    violations.append(FieldViolation(
+                        f"{field}.items[{i}].run_id",
+                        f"run {run_id!r} sits between call(s) {', '.join(map(repr, inside))} "
+                        f"of run {runs_by_call[inside[0]]!r} and their results: a tool pair "
+                        "never spans two runs"))
+            item_id = item.id
+            if not item_id:
+                violations.append(FieldViolation(f"{field}.items[{i}].id", "must not be empty"))
+            elif item_id in seen_ids:
+                violations.append(FieldViolation(f"{field}.items[{i}].id",
+                                                 f"duplicate item id {item_id!r}"))
+            seen_ids.add(item_id)
+            sequence = item.sequence
+            if last_sequence is not None and sequence < last_sequence:
+                violations.append(FieldViolation(
+                    f"{field}.items[{i}].sequence", f"{sequence} is below the previous item's "
+                    f"{last_sequence}: items are ordered oldest first"))
+            last_sequence = sequence
+            if isinstance(item, ToolCallItem):
+                if not item.calls:
+                    violations.append(FieldViolation(f"{field}.items[{i}].tool_calls",
+                                                     "has no calls"))
+                for j, call in enumerate(item.calls):
+                    cpath = f"{field}.items[{i}].tool_calls.calls[{j}]"
+                    if not call.call_id:
+                        violations.append(FieldViolation(f"{cpath}.call_id",
+                                                         "must not be empty"))
+                    elif call.call_id in open_calls or call.call_id in answered:
+                        violations.append(FieldViolation(f"{cpath}.call_id",
+                                                         f"duplicate call id {call.call_id!r}"))
+                    else:
+                        open_calls[call.call_id] = i
+                        calls_by_id[call.call_id] = call.name
+                        runs_by_call[call.call_id] = run_id
+                    if not call.name:
+                        violations.append(FieldViolation(f"{cpath}.name", "must not be empty"))
+                    if parse_json_object(call.arguments_json) is None:
+                        violations.append(FieldViolation(f"{cpath}.arguments_json",
+                                                         "is not a JSON object"))
+            elif isinstance(item, ToolResultItem):
+                path = f"{field}.items[{i}]"
+                if item.call_id in answered:
+                    violations.append(FieldViolation(
+                        f"{path}.tool_result.call_id",
+                        f"call {item.call_id!r} already has a result"))
+                elif item.call_id not in open_calls:
+                    violations.append(FieldViolation(
+                        f"{path}.tool_result.call_id",
+                        f"no earlier tool call has id {item.call_id!r}: a result without its "
+                        "call is an orphan"))
+                else:
+                    del open_calls[item.call_id]
+                    answered.add(item.call_id)
+                    if runs_by_call[item.call_id] != run_id:
+                        violations.append(FieldViolation(
+                            f"{path}.run_id",
+                            f"the result of call {item.call_id!r} belongs to run {run_id!r} "
+                            f"but its call to run {runs_by_call[item.call_id]!r}: a tool pair "
+                            "never spans two runs"))
+                    called = calls_by_id[item.call_id]
+                    if item.tool_name and called and item.tool_name != called:
+                        violations.append(FieldViolation(
+                            f"{path}.tool_result.tool_name",
+                            f"{item.tool_name!r} does not match the call's tool "
+                            f"{calls_by_id[item.call_id]!r}"))
+        self.last_sequence = last_sequence
+        self.count = len(items)
+
+
+def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint", *,
+                          resume: ItemScan | None = None) -> list[FieldViolation]:
+    """Every violation of ``cp``, in order. ``resume``: the scan state after ``cp``'s first
+    ``resume.count`` items, scanned without a violation (an incremental Build's base): only
+    the items after them are scanned, the state itself left as it was. The list is the whole
+    scan's either way (see :func:`checkpoint_scan`)."""
+    return checkpoint_scan(cp, field, resume=resume)[0]
+
+
+def checkpoint_scan(cp: Checkpoint, field: str = "checkpoint", *,
+                    resume: ItemScan | None = None) -> tuple[list[FieldViolation], ItemScan]:
+    """(violations, the scan state after all of ``cp.items``): ``checkpoint_violations`` and
+    what a later Build appending to these items may resume from. The checks of the whole
+    checkpoint (active run, summary, calls left open, skills) always run on all of it."""
     violations: list[FieldViolation] = []
     if cp.items and not cp.active_run_id:
         violations.append(FieldViolation(f"{field}.active_run_id",
@@ -155,86 +297,9 @@ def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint") -> list[Fie
                 f"{cp.summary.replaced_through_sequence} covers items of the active run "
                 f"(from sequence {first_active.sequence}); compaction replaces only what came "
                 "before it"))
-    calls_by_id: dict[str, str] = {}
-    runs_by_call: dict[str, str] = {}
-    seen_ids: set[str] = set()
-    open_calls: dict[str, int] = {}
-    answered: set[str] = set()
-    last_sequence: int | None = None
-    interrupted: set[str] = set()
-    for i, item in enumerate(cp.items):
-        run_id = item.run_id  # paths are written only for a violation: a valid item builds none
-        # a tool pair never spans two runs: nor may another run's item sit inside one (the
-        # history cut and compaction see the two runs apart, and would split the pair)
-        if open_calls:
-            inside = [c for c in open_calls if runs_by_call[c] != run_id
-                      and c not in interrupted]
-            if inside:
-                interrupted.update(inside)
-                violations.append(FieldViolation(
-                    f"{field}.items[{i}].run_id",
-                    f"run {run_id!r} sits between call(s) {', '.join(map(repr, inside))} of "
-                    f"run {runs_by_call[inside[0]]!r} and their results: a tool pair never "
-                    "spans two runs"))
-        item_id = item.id
-        if not item_id:
-            violations.append(FieldViolation(f"{field}.items[{i}].id", "must not be empty"))
-        elif item_id in seen_ids:
-            violations.append(FieldViolation(f"{field}.items[{i}].id",
-                                             f"duplicate item id {item_id!r}"))
-        seen_ids.add(item_id)
-        sequence = item.sequence
-        if last_sequence is not None and sequence < last_sequence:
-            violations.append(FieldViolation(
-                f"{field}.items[{i}].sequence", f"{sequence} is below the previous item's "
-                f"{last_sequence}: items are ordered oldest first"))
-        last_sequence = sequence
-        if isinstance(item, ToolCallItem):
-            if not item.calls:
-                violations.append(FieldViolation(f"{field}.items[{i}].tool_calls",
-                                                 "has no calls"))
-            for j, call in enumerate(item.calls):
-                cpath = f"{field}.items[{i}].tool_calls.calls[{j}]"
-                if not call.call_id:
-                    violations.append(FieldViolation(f"{cpath}.call_id", "must not be empty"))
-                elif call.call_id in open_calls or call.call_id in answered:
-                    violations.append(FieldViolation(f"{cpath}.call_id",
-                                                     f"duplicate call id {call.call_id!r}"))
-                else:
-                    open_calls[call.call_id] = i
-                    calls_by_id[call.call_id] = call.name
-                    runs_by_call[call.call_id] = run_id
-                if not call.name:
-                    violations.append(FieldViolation(f"{cpath}.name", "must not be empty"))
-                if parse_json_object(call.arguments_json) is None:
-                    violations.append(FieldViolation(f"{cpath}.arguments_json",
-                                                     "is not a JSON object"))
-        elif isinstance(item, ToolResultItem):
-            path = f"{field}.items[{i}]"
-            if item.call_id in answered:
-                violations.append(FieldViolation(
-                    f"{path}.tool_result.call_id", f"call {item.call_id!r} already has a result"))
-            elif item.call_id not in open_calls:
-                violations.append(FieldViolation(
-                    f"{path}.tool_result.call_id",
-                    f"no earlier tool call has id {item.call_id!r}: a result without its call "
-                    "is an orphan"))
-            else:
-                del open_calls[item.call_id]
-                answered.add(item.call_id)
-                if runs_by_call[item.call_id] != run_id:
-                    violations.append(FieldViolation(
-                        f"{path}.run_id",
-                        f"the result of call {item.call_id!r} belongs to run {run_id!r} "
-                        f"but its call to run {runs_by_call[item.call_id]!r}: a tool pair "
-                        "never spans two runs"))
-                called = calls_by_id[item.call_id]
-                if item.tool_name and called and item.tool_name != called:
-                    violations.append(FieldViolation(
-                        f"{path}.tool_result.tool_name",
-                        f"{item.tool_name!r} does not match the call's tool "
-                        f"{calls_by_id[item.call_id]!r}"))
-    for call_id, index in sorted(open_calls.items(), key=lambda kv: kv[1]):
+    scan = ItemScan() if resume is None else resume.fork()
+    scan.scan(cp.items, violations, field)
+    for call_id, index in sorted(scan.open_calls.items(), key=lambda kv: kv[1]):
         violations.append(FieldViolation(
             f"{field}.items[{index}].tool_calls",
             f"call {call_id!r} has no result: a call without its result is an orphan"))
@@ -242,7 +307,7 @@ def checkpoint_violations(cp: Checkpoint, field: str = "checkpoint") -> list[Fie
         if not skill.name:
             violations.append(FieldViolation(f"{field}.loaded_skills[{i}].name",
                                              "must not be empty"))
-    return violations
+    return violations, scan
 
 
 def split_trailing(items: Sequence[ConversationItem]) -> tuple[list[ConversationItem],
@@ -340,50 +405,67 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     # and their raw token counts. ``memo`` (a bounded mapping the caller may keep across
     # builds) only saves the work; without it each item still renders once per build.
     renders: MutableMapping[Any, Rendered] = {} if memo is None else memo
-    # Within the build each item object is looked up once, by identity: ``seen`` holds the
-    # object itself (so no other object can take its id while the build runs) beside its
-    # rendering, and ``costs`` its cost, which is fixed for the build (factor, attachments).
-    seen: dict[int, tuple[ContextItem, Rendered]] = {}
-    costs: dict[int, int] = {}
     session, encoding, scaled = loaded.session_key, estimator.encoding, estimator.scaled
+    # Each item object is looked up by identity: ``seen`` maps id(item) to an entry holding
+    # the object itself (so no other object can take its id while the entry lives), its
+    # rendering, its cost for one (base factor, factor) and its typed pointer. With a memo the
+    # map is the session's and outlives the build (the memo hands out the same item objects
+    # again, so a long session's items are not hashed again on every Build); it is dropped and
+    # begun again when it holds far more than this build's items. A cost never counts an
+    # attachment: that share depends on the build (what can be sent) and is added per call.
+    seen: dict[int, list[Any]]
+    if memo is None:
+        seen = {}
+    else:
+        seen_key = (session, IDENTITY, encoding)
+        seen = cast(dict[int, list[Any]], memo.get(seen_key))
+        if seen is None or len(seen) > 2 * len(cp.items) + IDENTITY_SLACK:
+            seen = {}
+            cast(MutableMapping[Any, Any], memo)[seen_key] = seen
+    pricing = (estimator.base_factor, factor)
 
-    def render(item: ContextItem) -> Rendered:
+    def entry(item: ContextItem) -> list[Any]:
         hit = seen.get(id(item))
-        if hit is not None:
-            return hit[1]
+        if hit is not None and hit[0] is item:
+            return hit
         key = (session, encoding, item)
         found = renders.get(key)
         if found is None:
             messages = tuple(item.messages(ctx))  # type: ignore[attr-defined]
             found = (messages, tuple(estimator.raw(m) for m in messages))
             renders[key] = found
-        seen[id(item)] = (item, found)
-        return found
+        hit = seen[id(item)] = [item, found, None, 0, None]
+        return hit
+
+    def render(item: ContextItem) -> Rendered:
+        return cast(Rendered, entry(item)[1])
 
     def cost(item: ContextItem) -> int:
-        found = costs.get(id(item))
-        if found is not None:
-            return found
-        raws = render(item)[1]  # first: ``seen`` now holds the item
+        hit = entry(item)
+        if hit[2] != pricing:
+            raws = hit[1][1]
+            hit[3] = (scaled(raws[0], factor) if len(raws) == 1
+                      else sum(scaled(raw, factor) for raw in raws))
+            hit[2] = pricing
         if isinstance(item, UserMessageItem):
-            extra = attach.get(item.id, 0)
-        elif isinstance(item, TrailingUserInput):
-            extra = attach.get(item.message.id, 0)
-        else:
-            extra = 0
-        found = (scaled(raws[0], factor) if len(raws) == 1
-                 else sum(scaled(raw, factor) for raw in raws)) + extra
-        costs[id(item)] = found
-        return found
+            return cast(int, hit[3]) + attach.get(item.id, 0)
+        if isinstance(item, TrailingUserInput):
+            return cast(int, hit[3]) + attach.get(item.message.id, 0)
+        return cast(int, hit[3])
 
-    # A result's typed pointer is a value of the result: kept in the memo beside renderings.
+    # A result's typed pointer is a value of the result: kept in the memo beside renderings,
+    # and in the result's identity entry.
     pointers = cast(MutableMapping[Any, ToolResultItem], renders)
 
     def pointer(item: ToolResultItem) -> ToolResultItem:
+        hit = entry(item)
+        if hit[4] is not None:
+            return cast(ToolResultItem, hit[4])
         key = (session, POINTER, item)
         found = pointers.get(key)
         if found is None:
             found = pointers[key] = elided(item)
+        hit[4] = found
         return found
 
     history, trailing = split_trailing(items)
