@@ -434,24 +434,32 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
             messages = tuple(item.messages(ctx))  # type: ignore[attr-defined]
             found = (messages, tuple(estimator.raw(m) for m in messages))
             renders[key] = found
-        hit = seen[id(item)] = [item, found, None, 0, None]
+        # whose attachments a cost adds (a user message's, per build): the item id, or None
+        if isinstance(item, UserMessageItem):
+            owner: str | None = item.id
+        elif isinstance(item, TrailingUserInput):
+            owner = item.message.id
+        else:
+            owner = None
+        hit = seen[id(item)] = [item, found, None, 0, None, owner]
         return hit
 
     def render(item: ContextItem) -> Rendered:
         return cast(Rendered, entry(item)[1])
 
+    seen_get = seen.get
+
     def cost(item: ContextItem) -> int:
-        hit = entry(item)
+        hit = seen_get(id(item))
+        if hit is None or hit[0] is not item:
+            hit = entry(item)
         if hit[2] != pricing:
             raws = hit[1][1]
             hit[3] = (scaled(raws[0], factor) if len(raws) == 1
                       else sum(scaled(raw, factor) for raw in raws))
             hit[2] = pricing
-        if isinstance(item, UserMessageItem):
-            return cast(int, hit[3]) + attach.get(item.id, 0)
-        if isinstance(item, TrailingUserInput):
-            return cast(int, hit[3]) + attach.get(item.message.id, 0)
-        return cast(int, hit[3])
+        owner = hit[5]
+        return cast(int, hit[3] if owner is None else hit[3] + attach.get(owner, 0))
 
     # A result's typed pointer is a value of the result: kept in the memo beside renderings,
     # and in the result's identity entry.
