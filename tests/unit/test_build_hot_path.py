@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from context_engine.api import mapping
+from context_engine.domain import canonical
 from context_engine.domain.budget import elided
 from context_engine.domain.builder import build, checkpoint_violations, in_row_order
 from context_engine.domain.canonical import parse_json_object, session_key
@@ -363,6 +364,25 @@ def test_json_objects_parse_as_json_loads_parses_them() -> None:
         assert parse_json_object(t) == reference_parse(t), t
     with pytest.raises(TypeError):  # as json.loads: not text at all
         parse_json_object(12)  # type: ignore[arg-type]
+
+
+def test_known_json_objects_are_what_json_loads_says_every_time() -> None:
+    """The remembered answer of ``is_json_object`` is json.loads' answer, asked again and again
+    (first and remembered calls alike), for objects and for what is not one; long texts and a
+    full table included."""
+    rnd = random.Random(9)
+    alphabet = '{}[]":,.-+eE0123456789 \n\tabcnultrfsNIa\\'
+    texts = ["{}", "[]", '{"a": 1}', "{", '{"a": NaN}', '{"a": 1e400}', "\ufeff{}", "",
+             '{"a": "' + "x" * (canonical.KNOWN_OBJECT_CHARS + 10) + '"}']
+    texts += ['{"k": ' + str(i) + "}" for i in range(canonical.KNOWN_OBJECTS_ENTRIES + 50)]
+    texts += ["".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 12)))
+              for _ in range(2_000)]
+    for _ in range(2):
+        for t in texts:
+            assert canonical.is_json_object(t) is (reference_parse(t) is not None), t
+    assert len(canonical._known_objects) <= canonical.KNOWN_OBJECTS_ENTRIES
+    assert all(reference_parse(t) is not None and len(t) <= canonical.KNOWN_OBJECT_CHARS
+               for t in canonical._known_objects)
 
 
 def test_a_pointer_is_the_result_elided() -> None:

@@ -24,7 +24,7 @@ from context_engine.domain.budget import (
     elided,
     prefix_cost,
 )
-from context_engine.domain.canonical import parse_json_object, session_key
+from context_engine.domain.canonical import is_json_object, session_key
 from context_engine.domain.errors import (
     AssemblyError,
     BudgetExceeded,
@@ -231,7 +231,7 @@ class ItemScan:
                         runs_by_call[call.call_id] = run_id
                     if not call.name:
                         violations.append(FieldViolation(f"{cpath}.name", "must not be empty"))
-                    if parse_json_object(call.arguments_json) is None:
+                    if not is_json_object(call.arguments_json):
                         violations.append(FieldViolation(f"{cpath}.arguments_json",
                                                          "is not a JSON object"))
             elif isinstance(item, ToolResultItem):

@@ -55,3 +55,25 @@ def parse_json_object(text: str) -> dict[str, Any] | None:
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
+
+
+# Texts already found to be JSON objects (the same tool-call arguments are checked on every
+# Build of a session): speed only. Bounded in entries and in the length of a text kept; a text
+# that is not an object is never kept, so it is parsed (and refused) every time.
+KNOWN_OBJECTS_ENTRIES = 16_384
+KNOWN_OBJECT_CHARS = 1_024
+_known_objects: dict[str, None] = {}
+
+
+def is_json_object(text: str) -> bool:
+    """``parse_json_object(text) is not None``, remembered for short texts that are."""
+    if text in _known_objects:
+        return True
+    if parse_json_object(text) is None:
+        return False
+    if len(text) <= KNOWN_OBJECT_CHARS:
+        if len(_known_objects) >= KNOWN_OBJECTS_ENTRIES:
+            _known_objects.clear()
+        _known_objects[text] = None
+    return True
+
