@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -18,7 +19,7 @@ from opentelemetry.trace import NoOpTracer, SpanKind, Tracer
 
 from context_engine.api import incremental, mapping, working_state_tool
 from context_engine.api.status import internal_status, status_for
-from context_engine.domain.builder import BuildResult, checkpoint_scan
+from context_engine.domain.builder import BuildResult, LoadedPlan, checkpoint_scan
 from context_engine.domain.canonical import session_key
 from context_engine.domain.errors import (
     BuildBaseUnknown,
@@ -56,6 +57,13 @@ class CallRecord:
         self.tenant = tenant_id
         if tenant_id and session_id:
             self.session_key = session_key(tenant_id, session_id)
+
+
+def _outcome_read(future: asyncio.Future[Any]) -> None:
+    """A plan lookup's outcome is read even when nothing awaits it (the request was refused
+    meanwhile), so a failed one is not reported as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 class ContextEngineServicer(pb_grpc.ContextEngineServicer):
@@ -146,6 +154,15 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             v = mapping.Violations()
             mapping.session_ids(v, request.tenant_id, request.session_id)
             epoch = mapping.epoch(v, request.epoch)
+            # The plan is read (a query without an epoch) while the checkpoint is mapped and
+            # scanned; it is awaited only once the request is known to be valid. A lookup
+            # left behind by a refused request ends on its own, its outcome unused.
+            lookup: asyncio.Future[LoadedPlan] | None = None
+            if not v.items:
+                lookup = asyncio.ensure_future(
+                    self._engine.loaded(request.tenant_id, request.session_id, epoch))
+                lookup.add_done_callback(_outcome_read)
+                await asyncio.sleep(0)  # the query goes out before the CPU work below
             base = None
             kept = request.base_items_kept
             if request.base_build_id:
@@ -181,7 +198,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             v.raise_if_any()
             # Resolved first so a failed build still logs the epoch and prefix it ran on;
             # the build's own lookup is then a plan-cache hit.
-            loaded = await self._engine.loaded(request.tenant_id, request.session_id, epoch)
+            assert lookup is not None  # no violations: the lookup was started
+            loaded = await lookup
             record.epoch, record.prefix_sha256 = loaded.plan.epoch, loaded.plan.prefix_sha256
             if base is not None and base.incarnation != loaded.plan.incarnation:
                 # erased (perhaps through another replica) and planned again: the erased

@@ -1,0 +1,69 @@
+"""A Build reads its plan while it maps and scans the checkpoint, and still answers a refused
+request as before: the lookup is awaited only once the request is known to be valid."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+from context_engine.api import servicer
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+
+from tests.conftest import ServerThread
+from tests.conftest import test_config as base_config
+from tests.integration.requests import build_request, failure, plan_request
+
+pytestmark = pytest.mark.integration
+
+HOLD = 0.2  # how long each plan lookup is held
+
+
+def test_the_plan_is_read_while_the_checkpoint_is_scanned(database_url: str, ids: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    tenant, session = ids
+    log: list[str] = []
+    srv = ServerThread(base_config(), database_url)
+    try:
+        engine = srv.running.engine
+        loaded = engine.loaded
+
+        async def slow_loaded(*args: Any, **kwargs: Any) -> Any:
+            log.append("lookup started")
+            await asyncio.sleep(HOLD)
+            found = await loaded(*args, **kwargs)
+            log.append("lookup done")
+            return found
+
+        scan = servicer.checkpoint_scan
+
+        def scanning(*args: Any, **kwargs: Any) -> Any:
+            log.append("scanned")
+            return scan(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "loaded", slow_loaded)
+        monkeypatch.setattr(servicer, "checkpoint_scan", scanning)
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+            stub.Plan(plan_request(tenant, session), timeout=30)
+            log.clear()
+            stub.Build(build_request(tenant, session), timeout=30)
+            assert log[:3] == ["lookup started", "scanned", "lookup done"]
+            # a refused request is refused as before, whatever its lookup finds
+            log.clear()
+            bad = build_request(tenant, "no-such-session")
+            bad.checkpoint.items[0].id = ""
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Build(bad, timeout=30)
+            assert failure(err.value).code is grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Build(build_request(tenant, "no-such-session"), timeout=30)
+            assert failure(err.value).code is grpc.StatusCode.NOT_FOUND
+            unknown = build_request(tenant, session)
+            unknown.base_build_id, unknown.base_items_kept = "never-built", 1
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Build(unknown, timeout=30)
+            assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
+    finally:
+        srv.stop()
