@@ -366,6 +366,29 @@ def test_json_objects_parse_as_json_loads_parses_them() -> None:
         parse_json_object(12)  # type: ignore[arg-type]
 
 
+def test_the_identity_map_stays_bounded_when_every_build_brings_new_objects() -> None:
+    """Items mapped without the memo are new objects on every Build: the session's identity map
+    is begun again instead of growing past twice a build's items (and its slack)."""
+    from context_engine.domain.builder import IDENTITY, IDENTITY_SLACK
+    memo = BoundedMemo(100_000)
+    lp = loaded("bounded")
+    est = f.estimator(lp.plan.spec.model)
+    sent = conversation(12, "BOUND")[:27]
+    while sent[-1].WhichOneof("kind") == "tool_calls":
+        sent.pop()
+    key = (lp.session_key, IDENTITY, est.encoding)
+    sizes = []
+    for _ in range(40):
+        v = mapping.Violations()
+        cp = mapping.checkpoint(v, checkpoint_pb(sent))  # new objects every time
+        build(lp, cp, estimator=est, memo=memo)
+        sizes.append(len(memo[key]))
+    per_build = sizes[0]  # what one Build's objects take
+    assert 40 * per_build > 2 * len(sent) + IDENTITY_SLACK + per_build  # growth would show
+    assert max(sizes) <= 2 * len(sent) + IDENTITY_SLACK + per_build
+    assert min(sizes[1:]) <= per_build  # it was begun again
+
+
 def test_known_json_objects_are_what_json_loads_says_every_time() -> None:
     """The remembered answer of ``is_json_object`` is json.loads' answer, asked again and again
     (first and remembered calls alike), for objects and for what is not one; long texts and a
