@@ -4,6 +4,7 @@ request as before: the lookup is awaited only once the request is known to be va
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import grpc
@@ -31,10 +32,11 @@ def test_the_plan_is_read_while_the_checkpoint_is_scanned(database_url: str, ids
 
         async def slow_loaded(*args: Any, **kwargs: Any) -> Any:
             log.append("lookup started")
-            await asyncio.sleep(HOLD)
-            found = await loaded(*args, **kwargs)
-            log.append("lookup done")
-            return found
+            try:
+                await asyncio.sleep(HOLD)
+                return await loaded(*args, **kwargs)
+            finally:
+                log.append("lookup done")
 
         scan = servicer.checkpoint_scan
 
@@ -57,13 +59,48 @@ def test_the_plan_is_read_while_the_checkpoint_is_scanned(database_url: str, ids
             with pytest.raises(grpc.RpcError) as err:
                 stub.Build(bad, timeout=30)
             assert failure(err.value).code is grpc.StatusCode.INVALID_ARGUMENT
+            assert log == ["lookup started", "scanned", "lookup done"], log
+            log.clear()
             with pytest.raises(grpc.RpcError) as err:
                 stub.Build(build_request(tenant, "no-such-session"), timeout=30)
             assert failure(err.value).code is grpc.StatusCode.NOT_FOUND
+            # ... and answers only once its lookup has ended (nothing of it outlives the answer)
+            assert log[-1] == "lookup done", log
+            log.clear()
             unknown = build_request(tenant, session)
             unknown.base_build_id, unknown.base_items_kept = "never-built", 1
             with pytest.raises(grpc.RpcError) as err:
                 stub.Build(unknown, timeout=30)
             assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
+            assert log == []  # an unknown base is refused before the plan is read
     finally:
         srv.stop()
+
+
+def test_a_build_whose_rendering_fails_still_logs_what_it_built(
+        database_url: str, ids: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The response is rendered inside the Build (while its pressure event is written): a
+    failure there is INTERNAL, and the call's log line still carries the Build's figures."""
+    from context_engine.api import mapping
+    tenant, session = ids
+    srv = ServerThread(base_config(), database_url)
+    try:
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("rendering broke")
+
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+            stub.Plan(plan_request(tenant, session), timeout=30)
+            monkeypatch.setattr(mapping, "build_pb", broken)
+            caplog.set_level(logging.INFO, logger="context_engine")
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Build(build_request(tenant, session), timeout=30)
+            assert err.value.code() is grpc.StatusCode.INTERNAL
+    finally:
+        srv.stop()
+    lines = [getattr(r, "fields", {}) for r in caplog.records if r.getMessage() == "rpc"]
+    built = [f for f in lines if f.get("method") == "Build"]
+    assert built and built[-1].get("estimated_input_tokens", 0) > 0, lines
+    assert built[-1].get("epoch") == 1, built[-1]
+

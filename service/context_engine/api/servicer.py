@@ -154,15 +154,6 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             v = mapping.Violations()
             mapping.session_ids(v, request.tenant_id, request.session_id)
             epoch = mapping.epoch(v, request.epoch)
-            # The plan is read (a query without an epoch) while the checkpoint is mapped and
-            # scanned; it is awaited only once the request is known to be valid. A lookup
-            # left behind by a refused request ends on its own, its outcome unused.
-            lookup: asyncio.Future[LoadedPlan] | None = None
-            if not v.items:
-                lookup = asyncio.ensure_future(
-                    self._engine.loaded(request.tenant_id, request.session_id, epoch))
-                lookup.add_done_callback(_outcome_read)
-                await asyncio.sleep(0)  # the query goes out before the CPU work below
             base = None
             kept = request.base_items_kept
             if request.base_build_id:
@@ -177,25 +168,47 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                     kept = len(base.items)
             elif kept:
                 v.add("base_items_kept", "is set without base_build_id")
-            # the render memo keeps each item's mapping for the session's next Build
-            memo = self._engine.render_memo if record.session_key else None
-            checkpoint = mapping.checkpoint(v, request.checkpoint, memo=memo,
-                                            session_key=record.session_key)
-            if base is not None:
-                checkpoint = replace(checkpoint, items=base.items[:kept] + checkpoint.items)
-            # appended to all of the base's items (scanned clean when it was built): only the
-            # new items are scanned, on from the base's scan state; a Build that replaces the
-            # base's items from a position (kept < all of them) is scanned whole
-            resume = base.scan if base is not None and kept == len(base.items) else None
-            violations, scan = checkpoint_scan(checkpoint, resume=resume)
-            v.items.extend(violations)
-            factor = None
-            if request.HasField("estimator_factor"):
-                factor = request.estimator_factor
-                if not 0.5 <= factor <= 4.0:
-                    v.add("estimator_factor", f"{factor} is outside [0.5, 4.0]")
-            provider_format = mapping.requested_provider_format(v, request.provider_format)
-            v.raise_if_any()
+            # The plan is read (a query without an epoch) while the checkpoint is mapped and
+            # scanned; its outcome is used only once the request is known to be valid. A
+            # refused request waits for its lookup to end before it answers (nothing of it
+            # outlives its answer, and the concurrency limit still counts it): cancelling a
+            # query would cost asyncpg a connection of its own. A cancelled call cancels it.
+            lookup: asyncio.Future[LoadedPlan] | None = None
+            if not v.items:
+                lookup = asyncio.ensure_future(
+                    self._engine.loaded(request.tenant_id, request.session_id, epoch))
+                lookup.add_done_callback(_outcome_read)
+                await asyncio.sleep(0)  # the query goes out before the CPU work below
+            try:
+                # the render memo keeps each item's mapping for the session's next Build
+                memo = self._engine.render_memo if record.session_key else None
+                checkpoint = mapping.checkpoint(v, request.checkpoint, memo=memo,
+                                                session_key=record.session_key)
+                if base is not None:
+                    checkpoint = replace(checkpoint,
+                                         items=base.items[:kept] + checkpoint.items)
+                # appended to all of the base's items (scanned clean when it was built): only
+                # the new items are scanned, on from the base's scan state; a Build that
+                # replaces the base's items from a position (kept < all of them) is scanned
+                # whole
+                resume = base.scan if base is not None and kept == len(base.items) else None
+                violations, scan = checkpoint_scan(checkpoint, resume=resume)
+                v.items.extend(violations)
+                factor = None
+                if request.HasField("estimator_factor"):
+                    factor = request.estimator_factor
+                    if not 0.5 <= factor <= 4.0:
+                        v.add("estimator_factor", f"{factor} is outside [0.5, 4.0]")
+                provider_format = mapping.requested_provider_format(v, request.provider_format)
+                v.raise_if_any()
+            except asyncio.CancelledError:
+                if lookup is not None:
+                    lookup.cancel()
+                raise
+            except BaseException:
+                if lookup is not None:
+                    await asyncio.wait([lookup])  # its outcome is read, never raised here
+                raise
             # Resolved first so a failed build still logs the epoch and prefix it ran on;
             # the build's own lookup is then a plan-cache hit.
             assert lookup is not None  # no violations: the lookup was started
@@ -212,8 +225,20 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             rendered = ""
 
             def respond(result: BuildResult) -> None:
-                """The response, made while the Build's pressure event is being written."""
+                """The response, made while the Build's pressure event is being written (what
+                the call's log line and span say of the Build is recorded first, so a failure
+                to render still carries it)."""
                 nonlocal answer, response, rendered
+                record.epoch, record.prefix_sha256 = result.epoch, result.prefix_sha256
+                record.extra["estimated_input_tokens"] = result.estimated_input_tokens
+                record.extra["yield_steps"] = [s.step for s in result.pressure.steps]
+                record.span["context_engine.prefix_tokens"] = result.prefix_tokens
+                record.span["context_engine.body_tokens"] = result.body_tokens
+                record.span["context_engine.estimated_input_tokens"] = \
+                    result.estimated_input_tokens
+                for c in result.budget.classes:
+                    record.span[f"context_engine.tokens.{c.class_name}"] = c.used
+                record.span["context_engine.yield_steps"] = record.extra["yield_steps"]
                 with child(self._tracer, "context_engine.render") as render_span:
                     if base is not None or request.keep_base:
                         answer = incremental.respond(
@@ -233,21 +258,9 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                     if render_span.is_recording():
                         render_span.set_attribute("context_engine.provider_format", rendered)
 
-            result = await self._engine.build(request.tenant_id, request.session_id,
-                                              loaded.plan.epoch, checkpoint, factor,
-                                              validated=True,
-                                              incarnation=loaded.plan.incarnation,
-                                              then=respond)
-            record.epoch, record.prefix_sha256 = result.epoch, result.prefix_sha256
-            record.extra["estimated_input_tokens"] = result.estimated_input_tokens
-            record.extra["yield_steps"] = [s.step for s in result.pressure.steps]
-            record.span["context_engine.prefix_tokens"] = result.prefix_tokens
-            record.span["context_engine.body_tokens"] = result.body_tokens
-            record.span["context_engine.estimated_input_tokens"] = \
-                result.estimated_input_tokens
-            for c in result.budget.classes:
-                record.span[f"context_engine.tokens.{c.class_name}"] = c.used
-            record.span["context_engine.yield_steps"] = record.extra["yield_steps"]
+            await self._engine.build(request.tenant_id, request.session_id,
+                                     loaded.plan.epoch, checkpoint, factor, validated=True,
+                                     incarnation=loaded.plan.incarnation, then=respond)
             if answer is not None:
                 self._engine.builds.put(response.build_id, answer.base)
             if rendered:  # the format rendered: the asked one or the model's default
