@@ -27,7 +27,6 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,7 @@ from tests.integration.test_budget_rpc import SMALL, long_history
 from tests.integration.test_compact_rpc import compact_request
 from tests.integration.test_db_faults import Database
 from tests.support.databases import create_database, drop_database, with_database
+from tests.support.step_clock import StepClock
 
 pytestmark = pytest.mark.integration
 
@@ -58,21 +58,6 @@ SESSION_TABLES = ("sessions", "plans", "context_events", "compactions", "epoch_u
                   "idempotency_keys")
 
 
-class StepClock:
-    """A server's clock: real wall time (event partitions are by day), and a monotonic time
-    the test moves forward past the plan-cache TTL instead of waiting for it."""
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def now(self) -> datetime:
-        return SYSTEM_CLOCK.now()
-
-    def monotonic(self) -> float:
-        return SYSTEM_CLOCK.monotonic() + self.offset
-
-    def advance(self, seconds: float) -> None:
-        self.offset += seconds
 
 
 @dataclass

@@ -5,11 +5,9 @@ independent reading of the contract) it equals the response to the whole checkpo
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import datetime
 
 import grpc
 import pytest
-from context_engine.clock import SYSTEM_CLOCK
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from google.rpc import error_details_pb2
@@ -19,6 +17,7 @@ from tests.conftest import ServerThread
 from tests.conftest import test_config as base_config
 from tests.integration.requests import build_request, failure, item, plan_request
 from tests.support.delta import reconstruct
+from tests.support.step_clock import StepClock
 
 pytestmark = pytest.mark.integration
 
@@ -200,27 +199,16 @@ def test_erased_session_forgets_its_bases(stub: pb_grpc.ContextEngineStub,
     assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
 
 
-class SteppedClock:
-    """A replica's clock whose monotonic time the test moves past the plan-cache TTL."""
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def now(self) -> datetime:
-        return SYSTEM_CLOCK.now()
-
-    def monotonic(self) -> float:
-        return SYSTEM_CLOCK.monotonic() + self.offset
 
 
 PLAN_TTL = 30.0  # the replicas' plan-cache TTL (B's clock is moved past it, not waited)
 
 
 @pytest.fixture(scope="module")
-def replicas(database_url: str) -> Iterator[tuple[ServerThread, ServerThread, SteppedClock]]:
+def replicas(database_url: str) -> Iterator[tuple[ServerThread, ServerThread, StepClock]]:
     """Two replicas on one database: A erases; B, on a clock of its own, never hears of it."""
     config = base_config().replace(plan_cache_ttl_seconds=PLAN_TTL)
-    clock = SteppedClock()
+    clock = StepClock()
     a = ServerThread(config, database_url)
     b = ServerThread(config, database_url, clock=clock)
     yield a, b, clock
@@ -274,7 +262,7 @@ def refused_then_whole(a: pb_grpc.ContextEngineStub, b: pb_grpc.ContextEngineStu
 
 
 def test_a_replica_that_did_not_erase_refuses_the_erased_sessions_base(
-        replicas: tuple[ServerThread, ServerThread, SteppedClock]) -> None:
+        replicas: tuple[ServerThread, ServerThread, StepClock]) -> None:
     """A Build of the current epoch (epoch 0) reads the session's incarnation from PostgreSQL,
     so B sees the new incarnation at once and the base of the erased one is refused."""
     a_server, b_server, _ = replicas
@@ -286,7 +274,7 @@ def test_a_replica_that_did_not_erase_refuses_the_erased_sessions_base(
 
 
 def test_a_build_naming_its_epoch_refuses_the_erased_base_once_past_the_plan_ttl(
-        replicas: tuple[ServerThread, ServerThread, SteppedClock]) -> None:
+        replicas: tuple[ServerThread, ServerThread, StepClock]) -> None:
     """A Build naming epoch 1 is served from B's plan cache (the erased incarnation's plan)
     until B's clock passes the plan-cache TTL; then PostgreSQL names the new incarnation, and
     the base of the erased one is refused."""
@@ -295,13 +283,13 @@ def test_a_build_naming_its_epoch_refuses_the_erased_base_once_past_the_plan_ttl
             grpc.insecure_channel(b_server.address) as cb:
         a, b = pb_grpc.ContextEngineStub(ca), pb_grpc.ContextEngineStub(cb)
         first, plan = erased_and_planned_again(a, b, b_server, "erased-named-epoch", epoch=1)
-        clock.offset += PLAN_TTL + 1
+        clock.advance(PLAN_TTL + 1)
         refused_then_whole(a, b, b_server, "erased-named-epoch", first.build_id, plan,
                            epoch=1)
 
 
 def test_a_replica_that_finds_the_session_erased_drops_its_bases(
-        replicas: tuple[ServerThread, ServerThread, SteppedClock]) -> None:
+        replicas: tuple[ServerThread, ServerThread, StepClock]) -> None:
     """B answers NOT_FOUND for a session erased through A, and forgets its bases with it
     (whether the Build named a base or not)."""
     a_server, b_server, _ = replicas
