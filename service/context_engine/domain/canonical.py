@@ -76,4 +76,3 @@ def is_json_object(text: str) -> bool:
             _known_objects.clear()
         _known_objects[text] = None
     return True
-
