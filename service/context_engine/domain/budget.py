@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
 from context_engine.domain.errors import BudgetExceeded, HistoryFloorUnreachable
-from context_engine.domain.history import select_history
+from context_engine.domain.history import Span, select_history
 from context_engine.domain.items import (
     ContextItem,
     ConversationItem,
@@ -235,13 +235,15 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
              knowledge: list[KnowledgePassage], recall: list[MemoryLine],
              cost: Callable[[ContextItem], int], legacy_tool_excerpts: int,
              position: Callable[[int], int],
-             pointer: Callable[[ToolResultItem], ToolResultItem] | None = None) -> Allocation:
+             pointer: Callable[[ToolResultItem], ToolResultItem] | None = None,
+             spans: Sequence[Span] | None = None) -> Allocation:
     """Fit the body into ``budget.body_budget``. ``fixed`` holds the costs of the classes that
     never yield (current user message, working state, corrections, skill bodies, summary,
     runtime metadata); ``carried[floor:]`` are the history candidates; ``active`` the active
     run's items (never cut; only its completed results may become pointers). ``position``
     maps an index into ``carried`` to an index into the checkpoint's items; ``pointer`` gives a
-    result's typed pointer (``elided``; the caller may keep them)."""
+    result's typed pointer (``elided``; the caller may keep them); ``spans`` the units of
+    ``carried[floor:]`` (``history.units``), when the caller has them."""
     B = budget.body_budget
     to_elided = elided if pointer is None else pointer
     knowledge = sorted(knowledge, key=lambda p: (p.rank, p.id))
@@ -362,7 +364,7 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     shortfall = max(floor_tokens - max(B - (start - ledger.history_cost()), 0), 0)
     if start > B:
         others = start - ledger.history_cost()
-        ledger.cut = _cut(ledger.history, ledger.history_costs, B - others)
+        ledger.cut = _cut(ledger.history, ledger.history_costs, B - others, spans)
         left_costs = ledger.history_costs[:ledger.cut]
         ledger.history_total -= sum(left_costs)
         ledger.results_total -= sum(
@@ -419,9 +421,11 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
 _FIXED_CAPS = {"skill_bodies": SKILL_BODY_TOKENS, "working_state": WORKING_STATE_TOKENS}
 
 
-def _cut(history: list[ConversationItem], costs: list[int], history_tokens: int) -> int:
-    # the summary floor was applied by the caller: every item here is a candidate
-    return select_history(history, -(2**63), max(history_tokens, 0), lambda i: costs[i])
+def _cut(history: list[ConversationItem], costs: list[int], history_tokens: int,
+         spans: Sequence[Span] | None) -> int:
+    # the summary floor was applied by the caller: every item here is a candidate (a pointer
+    # has its result's units: the same type and call id)
+    return select_history(history, None, max(history_tokens, 0), costs.__getitem__, spans)
 
 
 def _merge(step: str, parts: list[YieldStep]) -> YieldStep:

@@ -38,7 +38,7 @@ from context_engine.domain.estimator import (
     attachment_tokens,
 )
 from context_engine.domain.excerpts import normalize_tool_results
-from context_engine.domain.history import floor_index
+from context_engine.domain.history import Units, floor_index, units_of
 from context_engine.domain.items import (
     ContextItem,
     ConversationItem,
@@ -70,6 +70,7 @@ DEFAULT_POLICY = BudgetPolicy()
 POINTER = "builder:pointer"  # memo keys (session key, POINTER, result): the result's typed pointer
 IDENTITY = "builder:identity"  # memo key (session key, IDENTITY, encoding): the identity map
 IDENTITY_SLACK = 1_024  # entries an identity map may hold beyond twice a build's items
+UNITS = "builder:units"  # memo key (session key, UNITS): the units of the last build's history
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -486,7 +487,19 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     k = active_start(history, cp.active_run_id)
     carried, active = history[:k], history[k:]
     positions = [i for i, _ in kept[:k]]
-    floor = floor_index(carried, cp.summary.replaced_through_sequence) if cp.summary else 0
+    # The units of the carried history, found from the last build's where this one's begins
+    # with the same items (an append touches only the units it answers).
+    if memo is None:
+        found_units = units_of(carried)
+    else:
+        units_key = (session, UNITS)
+        found_units = units_of(carried, cast(Units | None, memo.get(units_key)))
+        cast(MutableMapping[Any, Any], memo)[units_key] = found_units
+    floor = (floor_index(carried, cp.summary.replaced_through_sequence, found_units.spans)
+             if cp.summary else 0)
+    spans = (found_units.spans if floor == 0
+             else [(begin - floor, end - floor) for begin, end in found_units.spans
+                   if begin >= floor])
     # only what can be sent spends the attachment budget (not what the summary replaced)
     attach = attachment_costs([*carried[floor:], *active, *trailing])
 
@@ -522,7 +535,7 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
                      policy=policy, summary=summary, carried=carried, floor=floor,
                      active=active, fixed=fixed, knowledge=list(cp.knowledge),
                      recall=list(cp.recall), cost=cost, legacy_tool_excerpts=legacy,
-                     position=position, pointer=pointer)
+                     position=position, pointer=pointer, spans=spans)
 
     body: list[ContextItem] = []
     if alloc.summary is not None:

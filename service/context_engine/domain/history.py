@@ -14,8 +14,11 @@ The function returns an index; ``items[cut:]`` is retained, so the result is a s
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from context_engine.domain.items import ConversationItem, ToolCallItem, ToolResultItem
+
+Span = tuple[int, int]
 
 
 def units(items: Sequence[ConversationItem]) -> list[tuple[int, int]]:
@@ -46,30 +49,78 @@ def units(items: Sequence[ConversationItem]) -> list[tuple[int, int]]:
     return spans
 
 
-def floor_index(items: Sequence[ConversationItem], summary_floor: int) -> int:
+@dataclass(frozen=True, slots=True)
+class Units:
+    """The units of ``items`` (a list of its own), kept so that the units of a longer list
+    that begins with the same items are found from what was appended (``units_of``)."""
+
+    items: list[ConversationItem]
+    spans: list[Span]
+    # a call id -> the first unit whose call item names it
+    unit_of_call: dict[str, int]
+
+
+def units_of(items: Sequence[ConversationItem], known: Units | None = None) -> Units:
+    """``units(items)``, found from ``known`` when ``items`` begins with ``known.items`` (equal
+    items have equal units). Appended items change the units before them only where an
+    appended result answers a call of an earlier unit: that unit then runs to the result, so
+    the units are found again from the first such unit on; those before it stand."""
+    held = len(known.items) if known is not None else 0
+    if known is None or len(items) < held or list(items[:held]) != known.items:
+        return _units_from(list(items), [], {}, 0)
+    answered = {item.call_id for item in items[held:] if isinstance(item, ToolResultItem)}
+    first = min((known.unit_of_call[c] for c in answered if c in known.unit_of_call),
+                default=len(known.spans))
+    kept = known.spans[:first]
+    unit_of_call = ({c: u for c, u in known.unit_of_call.items() if u < first}
+                    if first < len(known.spans) else dict(known.unit_of_call))
+    return _units_from(list(items), kept, unit_of_call, kept[-1][1] if kept else 0)
+
+
+def _units_from(items: list[ConversationItem], spans: list[Span], unit_of_call: dict[str, int],
+                start: int) -> Units:
+    """``spans`` (the units of ``items[:start]``) and what follows: the units of
+    ``items[start:]``, offset by ``start``, with the calls each names."""
+    spans = list(spans)
+    for begin, end in units(items[start:]):
+        unit = len(spans)
+        for item in items[start + begin:start + end]:
+            if isinstance(item, ToolCallItem):
+                for call in item.calls:
+                    unit_of_call.setdefault(call.call_id, unit)
+        spans.append((begin + start, end + start))
+    return Units(items=items, spans=spans, unit_of_call=unit_of_call)
+
+
+def floor_index(items: Sequence[ConversationItem], summary_floor: int,
+                spans: Sequence[Span] | None = None) -> int:
     """The first candidate: past every item at or below the floor, and past any unit that the
-    floor splits (rule 3 applied to the floor: never admit half a pair)."""
+    floor splits (rule 3 applied to the floor: never admit half a pair). ``spans``:
+    ``units(items)``, when the caller has them."""
     start = 0
     for i, item in enumerate(items):
         if item.sequence <= summary_floor:
             start = i + 1
     if start == 0:
         return 0  # nothing below the floor: no unit can straddle it
-    for begin, end in units(items):
+    for begin, end in units(items) if spans is None else spans:
         if begin < start < end:
             return end
     return start
 
 
-def select_history(items: Sequence[ConversationItem], summary_floor: int,
-                   history_tokens: int, cost: Callable[[int], int]) -> int:
+def select_history(items: Sequence[ConversationItem], summary_floor: int | None,
+                   history_tokens: int, cost: Callable[[int], int],
+                   spans: Sequence[Span] | None = None) -> int:
     """The cut index: ``items[cut:]`` is the largest contiguous suffix of whole units above the
     summary floor whose cost fits ``history_tokens``. ``cost(i)`` is the estimated tokens of
-    ``items[i]``; the floor (an event sequence) and the result (an index) are never compared."""
-    lowest = floor_index(items, summary_floor)
+    ``items[i]``; the floor (an event sequence) and the result (an index) are never compared.
+    ``summary_floor`` None: no floor, every item is a candidate. ``spans``: ``units(items)``,
+    when the caller has them."""
+    lowest = 0 if summary_floor is None else floor_index(items, summary_floor, spans)
     cut = len(items)
     used = 0
-    for begin, end in reversed(units(items)):
+    for begin, end in reversed(units(items) if spans is None else spans):
         if begin < lowest:
             break
         unit_cost = sum(cost(i) for i in range(begin, end))
