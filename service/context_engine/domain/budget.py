@@ -249,8 +249,8 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     knowledge = sorted(knowledge, key=lambda p: (p.rank, p.id))
     ledger = _Ledger(fixed=dict(fixed), knowledge=list(knowledge), recall=list(recall),
                      history=list(carried[floor:]), active=list(active),
-                     history_costs=[cost(i) for i in carried[floor:]],
-                     active_costs=[cost(i) for i in active])
+                     history_costs=list(map(cost, carried[floor:])),
+                     active_costs=list(map(cost, active)))
     ledger.fixed_total = sum(ledger.fixed.values())
     ledger.history_total = sum(ledger.history_costs)
     ledger.active_total = sum(ledger.active_costs)

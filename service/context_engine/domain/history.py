@@ -123,7 +123,7 @@ def select_history(items: Sequence[ConversationItem], summary_floor: int | None,
     for begin, end in reversed(units(items) if spans is None else spans):
         if begin < lowest:
             break
-        unit_cost = sum(cost(i) for i in range(begin, end))
+        unit_cost = sum(map(cost, range(begin, end)))
         if used + unit_cost > history_tokens:
             break
         used += unit_cost
