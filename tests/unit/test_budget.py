@@ -283,6 +283,39 @@ def test_tool_results_over_a_quarter_of_the_body_become_pointers_oldest_first() 
     assert r.body_tokens <= B and not r.pressure.compaction_needed
 
 
+def _exact_allocation(fixed: int, costs: list[int]) -> list[str]:
+    """``allocate`` over results whose pointer costs 100 tokens (a result costs the number its
+    content spells), a body of 10,000 (tool results' cap 2,500) and ``fixed`` tokens that
+    never yield; the ids of the results that became pointers."""
+    from context_engine.domain.budget import Budget, allocate
+
+    results: list[ConversationItem] = [
+        ToolResultItem(id=f"r{k}", sequence=k + 1, run_id="run-0", item_trust=TrustLevel.USER,
+                       call_id=f"c{k}", tool_name="t", content=str(c))
+        for k, c in enumerate(costs)]
+
+    def cost(item: Any) -> int:
+        return 100 if item.elided else int(item.content)
+
+    a = allocate(budget=Budget(total_tokens=20_000, output_reserve=0, margin_tokens=0,
+                               body_budget=10_000),
+                 prefix_tokens=0, factor=1.0, policy=BudgetPolicy(), summary=None,
+                 carried=results, floor=0, active=[], fixed={"current_user_message": fixed},
+                 knowledge=[], recall=[], cost=cost, legacy_tool_excerpts=0,
+                 position=lambda i: i, pointer=lambda r: replace(r, elided=True))
+    assert a.pressure.fits
+    return [i for s in a.pressure.steps if s.step == "tool_results" for i in s.ids]
+
+
+def test_results_become_pointers_until_the_excess_is_freed_and_not_one_more() -> None:
+    """Over the cap by exactly what one pointer frees (900): one pointer, the class then at its
+    cap; over the body by exactly what one more frees, after the cap's two: three."""
+    assert _exact_allocation(0, [1_000, 1_000, 1_000, 400]) == ["r0"]
+    assert _exact_allocation(0, [1_000, 1_000, 1_000, 401]) == ["r0", "r1"]
+    assert _exact_allocation(8_700, [1_000] * 4) == ["r0", "r1", "r2"]
+    assert _exact_allocation(8_701, [1_000] * 4) == ["r0", "r1", "r2", "r3"]
+
+
 def test_a_pointer_keeps_trust_envelope_bytes_event_and_artifact() -> None:
     content = "x" * 4_214
     item = ToolResultItem(id="8f21", sequence=3, run_id="run-0",

@@ -288,13 +288,19 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
            if isinstance(item, ToolResultItem) and not item.elided
            and item.id not in never_pointer])
 
-    def to_pointer() -> str | None:
-        while queue:
+    def to_pointers(excess: int) -> list[str]:
+        """Results become pointers, oldest first, one at a time, while the tokens they have
+        freed are fewer than ``excess`` (a class or the body over its limit by that much: each
+        pointer takes what it frees off both) and a candidate is left; their ids."""
+        ids: list[str] = []
+        freed = freed_in_history = 0
+        history, history_costs = ledger.history, ledger.history_costs
+        active, active_costs = ledger.active, ledger.active_costs
+        while freed < excess and queue:
             in_history, i = queue.popleft()
             if in_history and i < ledger.cut:
                 continue  # already left out with its history
-            items, costs = ((ledger.history, ledger.history_costs) if in_history
-                            else (ledger.active, ledger.active_costs))
+            items, costs = (history, history_costs) if in_history else (active, active_costs)
             item = items[i]
             assert isinstance(item, ToolResultItem)
             pointed = to_elided(item)
@@ -302,13 +308,14 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
             if delta >= 0:
                 continue  # a pointer no smaller than its content frees nothing: keep content
             items[i], costs[i] = pointed, costs[i] + delta
-            ledger.results_total += delta
+            freed -= delta
             if in_history:
-                ledger.history_total += delta
-            else:
-                ledger.active_total += delta
-            return item.id
-        return None
+                freed_in_history -= delta
+            ids.append(item.id)
+        ledger.results_total -= freed
+        ledger.history_total -= freed_in_history
+        ledger.active_total -= freed - freed_in_history
+        return ids
 
     def tool_result_tokens() -> int:
         return ledger.results_total
@@ -325,13 +332,8 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         ids.append(trim_recall())
     record("recall", ids, start)
     tool_cap = int(B * TOOL_RESULT_SHARE)
-    start, ids = ledger.total(), []
-    while tool_result_tokens() > tool_cap:
-        done = to_pointer()
-        if done is None:
-            break
-        ids.append(done)
-    record("tool_results", ids, start)
+    start = ledger.total()
+    record("tool_results", to_pointers(tool_result_tokens() - tool_cap), start)
 
     # The ladder, in order and no further than needed.
     start, ids = ledger.total(), []
@@ -342,13 +344,8 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     while ledger.total() > B and ledger.recall and ledger.recall_cost > policy.recall_floor_tokens:
         ids.append(trim_recall())
     record("recall", ids, start)
-    start, ids = ledger.total(), []
-    while ledger.total() > B:
-        done = to_pointer()
-        if done is None:
-            break
-        ids.append(done)
-    record("tool_results", ids, start)
+    start = ledger.total()
+    record("tool_results", to_pointers(start - B), start)
     # History's floor (8,000 tokens, or all of it if less) outranks recall's floor: when the
     # room left for history is below it, recall goes below its own floor first.
     if ledger.total() > B:
