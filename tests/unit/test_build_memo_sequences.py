@@ -1,0 +1,129 @@
+"""Every cache ``build()`` keeps in the memo across Builds (renderings, the identity map, the
+units of the carried history, item costs and normalized results) changes no result: a session
+edited turn by turn as runtimes edit theirs is built on one memo, Build after Build, and each
+result equals ``build()`` of the same checkpoint with no memo at all (or fails alike).
+
+The edits are drawn by hypothesis: tool exchanges with results large and small (some over the
+inline maximum, some with a persisted excerpt), plain and reasoning messages, a new run begun by
+a user message (which drops the last run's reasoning from what is sent), a user message with an
+attachment, an earlier result rewritten in place, an item removed, a summary that replaces the
+oldest items, and the correction factor moving; now and then two sessions share the memo."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Any
+
+from context_engine.domain.budget import BudgetPolicy
+from context_engine.domain.builder import LoadedPlan, build
+from context_engine.domain.items import (
+    AssistantMessageItem,
+    ConversationItem,
+    HistorySummary,
+    ReasoningItem,
+    ToolResultItem,
+)
+from context_engine.domain.request import Attachment, AttachmentKind
+from context_engine.domain.trust import TrustLevel
+from context_engine.engine import BoundedMemo
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests import factories as f
+
+POLICY = BudgetPolicy(inline_maximum_bytes=6_000)
+SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+EDITS = ("exchange", "exchange", "exchange", "big_exchange", "excerpted_exchange", "assistant",
+         "reasoning", "new_run", "attachment", "rewrite", "remove", "summary", "factor")
+_PLANS: dict[str, LoadedPlan] = {}
+
+
+def plan(session: str) -> LoadedPlan:
+    if session not in _PLANS:  # a small window: the ladder and the cut run
+        _PLANS[session] = f.loaded(f.inputs(
+            session_id=session,
+            model_profile=f.model("gpt-4o", context_window=16_000, output_reserve=4_096)))
+    return _PLANS[session]
+
+
+def words(n: int, seed: int) -> str:
+    vocabulary = ("alpha", "beta", "{\"k\": 1}", "<td>", "42", "omega", "line\nbreak", "ok")
+    return " ".join(vocabulary[(seed + 3 * i) % len(vocabulary)] for i in range(n))
+
+
+def outcome(lp: LoadedPlan, cp: Any, factor: float, memo: BoundedMemo | None) -> Any:
+    try:
+        return build(lp, cp, estimator=f.estimator(lp.plan.spec.model), factor=factor,
+                     policy=POLICY, memo=memo)
+    except Exception as exc:  # a failure must be the same failure
+        return (type(exc).__name__, str(exc))
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.sampled_from(EDITS), st.integers(0, 10_000)), min_size=4,
+                max_size=40),
+       st.booleans())
+def test_builds_on_one_memo_across_edits_are_the_builds_without_it(
+        edits: list[tuple[str, int]], two_sessions: bool) -> None:
+    memo = BoundedMemo(100_000)
+    sessions = [plan("memo-a"), plan("memo-b")] if two_sessions else [plan("memo-a")]
+    numbers = itertools.count(1)
+    run = 1
+    sequence = 0
+    factor = 1.0
+    summary: HistorySummary | None = None
+    items: list[ConversationItem] = [f.user("u0", "start", 0, run="run-1")]
+
+    def nseq() -> int:
+        nonlocal sequence
+        sequence += 1
+        return sequence
+
+    for kind, n in edits:
+        k = next(numbers)
+        here = f"run-{run}"
+        if kind in ("exchange", "big_exchange", "excerpted_exchange"):
+            size = {"exchange": 20 + n % 200, "big_exchange": 1_500 + n % 3_000,
+                    "excerpted_exchange": 2_000 + n % 2_000}[kind]
+            items.append(f.call(f"c{k}", nseq(), f"call{k}", run=here))
+            result = f.result(f"r{k}", nseq(), f"call{k}", words(size, n), run=here)
+            if kind == "excerpted_exchange":  # a persisted excerpt beside the canonical content
+                result = replace(result, context_content=words(40, n + 1))
+            items.append(result)
+        elif kind == "assistant":
+            items.append(AssistantMessageItem(id=f"a{k}", sequence=nseq(), run_id=here,
+                                              item_trust=TrustLevel.USER,
+                                              text=words(5 + n % 60, n)))
+        elif kind == "reasoning":
+            items.append(ReasoningItem(id=f"z{k}", sequence=nseq(), run_id=here,
+                                       item_trust=TrustLevel.USER, provider="anthropic",
+                                       opaque=bytes(n % 90)))
+        elif kind == "new_run":
+            run += 1
+            items.append(f.user(f"u{k}", words(3 + n % 20, n), nseq(), run=f"run-{run}"))
+        elif kind == "attachment":
+            run += 1
+            items.append(replace(
+                f.user(f"u{k}", "see the file", nseq(), run=f"run-{run}"),
+                attachments=(Attachment(kind=AttachmentKind.PDF, name=f"f{k}.pdf",
+                                        ref=f"files/{k}", pages=1 + n % 3),)))
+        elif kind == "rewrite":  # an earlier result, same id, other content
+            results = [i for i, it in enumerate(items) if isinstance(it, ToolResultItem)]
+            if results:
+                at = results[n % len(results)]
+                items[at] = replace(items[at], content=words(10 + n % 300, n + 7))
+        elif kind == "remove":  # an assistant message taken out (a correction)
+            plain = [i for i, it in enumerate(items) if isinstance(it, AssistantMessageItem)]
+            if plain:
+                del items[plain[n % len(plain)]]
+        elif kind == "summary" and len(items) > 4:
+            through = items[n % (len(items) // 2)].sequence
+            summary = HistorySummary(text=words(20, n), replaced_through_sequence=through)
+        elif kind == "factor":
+            factor = (1.0, 1.6, 0.7)[n % 3]
+        cp = f.checkpoint(items, run=f"run-{run}", summary=summary)
+        for lp in sessions:
+            want = outcome(lp, cp, factor, None)
+            assert outcome(lp, cp, factor, memo) == want, (kind, len(items))
