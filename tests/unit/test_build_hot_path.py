@@ -367,18 +367,19 @@ def test_json_objects_parse_as_json_loads_parses_them() -> None:
 
 
 def test_the_identity_map_stays_bounded_when_every_build_brings_new_objects() -> None:
-    """Items mapped without the memo are new objects on every Build: the session's identity map
-    is begun again instead of growing past twice a build's items (and its slack)."""
+    """Every Build brings new item objects (mapped without the memo, each conversation its own
+    words, so no earlier object equals them): the session's identity map is begun again instead
+    of growing past twice a build's items (and its slack)."""
     from context_engine.domain.builder import IDENTITY, IDENTITY_SLACK
     memo = BoundedMemo(100_000)
     lp = loaded("bounded")
     est = f.estimator(lp.plan.spec.model)
-    sent = conversation(12, "BOUND")[:27]
-    while sent[-1].WhichOneof("kind") == "tool_calls":
-        sent.pop()
     key = (lp.session_key, IDENTITY, est.encoding)
     sizes = []
-    for _ in range(40):
+    for n in range(40):
+        sent = conversation(12, f"BOUND{n}")[:27]
+        while sent[-1].WhichOneof("kind") == "tool_calls":
+            sent.pop()
         v = mapping.Violations()
         cp = mapping.checkpoint(v, checkpoint_pb(sent))  # new objects every time
         build(lp, cp, estimator=est, memo=memo)

@@ -6,8 +6,9 @@ result equals ``build()`` of the same checkpoint with no memo at all (or fails a
 The edits are drawn by hypothesis: tool exchanges with results large and small (some over the
 inline maximum, some with a persisted excerpt), plain and reasoning messages, a new run begun by
 a user message (which drops the last run's reasoning from what is sent), a user message with an
-attachment, an earlier result rewritten in place, an item removed, a summary that replaces the
-oldest items, and the correction factor moving; now and then two sessions share the memo."""
+attachment (some large enough to spend the request's attachment budget), an earlier result
+rewritten in place, an item removed, a summary that replaces the oldest items, the correction
+factor and the inline maximum moving; now and then two sessions share the memo."""
 
 from __future__ import annotations
 
@@ -32,11 +33,12 @@ from hypothesis import strategies as st
 
 from tests import factories as f
 
-POLICY = BudgetPolicy(inline_maximum_bytes=6_000)
-SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+POLICIES = (BudgetPolicy(inline_maximum_bytes=6_000), BudgetPolicy(inline_maximum_bytes=3_000))
+SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-EDITS = ("exchange", "exchange", "exchange", "big_exchange", "excerpted_exchange", "assistant",
-         "reasoning", "new_run", "attachment", "rewrite", "remove", "summary", "factor")
+EDITS = ("exchange", "exchange", "big_exchange", "big_exchange", "excerpted_exchange", "assistant",
+         "reasoning", "new_run", "attachment", "rewrite", "remove", "summary", "factor",
+         "inline_maximum", "big_attachment")
 _PLANS: dict[str, LoadedPlan] = {}
 
 
@@ -53,10 +55,11 @@ def words(n: int, seed: int) -> str:
     return " ".join(vocabulary[(seed + 3 * i) % len(vocabulary)] for i in range(n))
 
 
-def outcome(lp: LoadedPlan, cp: Any, factor: float, memo: BoundedMemo | None) -> Any:
+def outcome(lp: LoadedPlan, cp: Any, factor: float, policy: BudgetPolicy,
+            memo: BoundedMemo | None) -> Any:
     try:
         return build(lp, cp, estimator=f.estimator(lp.plan.spec.model), factor=factor,
-                     policy=POLICY, memo=memo)
+                     policy=policy, memo=memo)
     except Exception as exc:  # a failure must be the same failure
         return (type(exc).__name__, str(exc))
 
@@ -73,6 +76,7 @@ def test_builds_on_one_memo_across_edits_are_the_builds_without_it(
     run = 1
     sequence = 0
     factor = 1.0
+    policy = POLICIES[0]
     summary: HistorySummary | None = None
     items: list[ConversationItem] = [f.user("u0", "start", 0, run="run-1")]
 
@@ -95,7 +99,7 @@ def test_builds_on_one_memo_across_edits_are_the_builds_without_it(
         elif kind == "assistant":
             items.append(AssistantMessageItem(id=f"a{k}", sequence=nseq(), run_id=here,
                                               item_trust=TrustLevel.USER,
-                                              text=words(5 + n % 60, n)))
+                                              text=words(5 + n % 900, n)))
         elif kind == "reasoning":
             items.append(ReasoningItem(id=f"z{k}", sequence=nseq(), run_id=here,
                                        item_trust=TrustLevel.USER, provider="anthropic",
@@ -103,12 +107,14 @@ def test_builds_on_one_memo_across_edits_are_the_builds_without_it(
         elif kind == "new_run":
             run += 1
             items.append(f.user(f"u{k}", words(3 + n % 20, n), nseq(), run=f"run-{run}"))
-        elif kind == "attachment":
+        elif kind in ("attachment", "big_attachment"):
+            # big ones spend the request's attachment budget: older owners' shares shrink
             run += 1
+            pages = 1 + n % 3 if kind == "attachment" else 20 + n % 20
             items.append(replace(
                 f.user(f"u{k}", "see the file", nseq(), run=f"run-{run}"),
                 attachments=(Attachment(kind=AttachmentKind.PDF, name=f"f{k}.pdf",
-                                        ref=f"files/{k}", pages=1 + n % 3),)))
+                                        ref=f"files/{k}", pages=pages),)))
         elif kind == "rewrite":  # an earlier result, same id, other content
             results = [i for i, it in enumerate(items) if isinstance(it, ToolResultItem)]
             if results:
@@ -118,12 +124,45 @@ def test_builds_on_one_memo_across_edits_are_the_builds_without_it(
             plain = [i for i, it in enumerate(items) if isinstance(it, AssistantMessageItem)]
             if plain:
                 del items[plain[n % len(plain)]]
-        elif kind == "summary" and len(items) > 4:
-            through = items[n % (len(items) // 2)].sequence
-            summary = HistorySummary(text=words(20, n), replaced_through_sequence=through)
+        elif kind == "summary":  # replaces some of what came before the active run
+            earlier = [it for it in items if it.run_id != here]
+            if earlier:
+                through = earlier[n % len(earlier)].sequence
+                summary = HistorySummary(text=words(20, n), replaced_through_sequence=through)
         elif kind == "factor":
             factor = (1.0, 1.6, 0.7)[n % 3]
+        elif kind == "inline_maximum":  # a deployment's limit changed between two Builds
+            policy = POLICIES[n % 2]
         cp = f.checkpoint(items, run=f"run-{run}", summary=summary)
         for lp in sessions:
-            want = outcome(lp, cp, factor, None)
-            assert outcome(lp, cp, factor, memo) == want, (kind, len(items))
+            want = outcome(lp, cp, factor, policy, None)
+            assert outcome(lp, cp, factor, policy, memo) == want, (kind, len(items))
+
+
+def test_an_older_attachment_costs_what_is_left_of_the_budget_when_a_newer_one_comes() -> None:
+    """Attachments spend one request-wide budget newest first: a second large file shrinks the
+    first one's share, so the first owner's cost changes with no change to the owner itself
+    (its left-out tokens say so)."""
+    memo = BoundedMemo(100_000)
+    lp = plan("memo-attach")
+
+    def pdf(item_id: str, seq: int, run: str) -> ConversationItem:
+        return replace(f.user(item_id, "see the file", seq, run=run), attachments=(
+            Attachment(kind=AttachmentKind.PDF, name=f"{item_id}.pdf", ref=f"files/{item_id}",
+                       pages=30),))
+
+    def answer(item_id: str, seq: int, run: str) -> ConversationItem:
+        return AssistantMessageItem(id=item_id, sequence=seq, run_id=run,
+                                    item_trust=TrustLevel.USER, text="read it")
+
+    items: list[ConversationItem] = [pdf("u1", 1, "run-1"), answer("a1", 2, "run-1"),
+                                     f.user("u2", "next", 3, "run-2")]
+    shares = []
+    for more in ([], [answer("a2", 4, "run-2"), pdf("u3", 5, "run-3"), answer("a3", 6, "run-3"),
+                      f.user("u4", "and next", 7, "run-4")]):
+        items += more
+        cp = f.checkpoint(items, run=items[-1].run_id)
+        want = outcome(lp, cp, 1.0, POLICIES[0], None)
+        assert outcome(lp, cp, 1.0, POLICIES[0], memo) == want
+        shares.append(want.pressure.left_out_tokens)
+    assert shares[1] > shares[0]  # both files left out, the first at a smaller share

@@ -236,21 +236,25 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
              cost: Callable[[ContextItem], int], legacy_tool_excerpts: int,
              position: Callable[[int], int],
              pointer: Callable[[ToolResultItem], ToolResultItem] | None = None,
-             spans: Sequence[Span] | None = None) -> Allocation:
+             spans: Sequence[Span] | None = None,
+             costs: Sequence[int] | None = None) -> Allocation:
     """Fit the body into ``budget.body_budget``. ``fixed`` holds the costs of the classes that
     never yield (current user message, working state, corrections, skill bodies, summary,
     runtime metadata); ``carried[floor:]`` are the history candidates; ``active`` the active
     run's items (never cut; only its completed results may become pointers). ``position``
     maps an index into ``carried`` to an index into the checkpoint's items; ``pointer`` gives a
     result's typed pointer (``elided``; the caller may keep them); ``spans`` the units of
-    ``carried[floor:]`` (``history.units``), when the caller has them."""
+    ``carried[floor:]`` (``history.units``), and ``costs`` ``cost`` of each item of
+    ``carried[floor:]`` then ``active``, when the caller has them."""
     B = budget.body_budget
     to_elided = elided if pointer is None else pointer
     knowledge = sorted(knowledge, key=lambda p: (p.rank, p.id))
     ledger = _Ledger(fixed=dict(fixed), knowledge=list(knowledge), recall=list(recall),
                      history=list(carried[floor:]), active=list(active),
-                     history_costs=list(map(cost, carried[floor:])),
-                     active_costs=list(map(cost, active)))
+                     history_costs=(list(map(cost, carried[floor:])) if costs is None
+                                    else list(costs[:len(carried) - floor])),
+                     active_costs=(list(map(cost, active)) if costs is None
+                                   else list(costs[len(carried) - floor:])))
     ledger.fixed_total = sum(ledger.fixed.values())
     ledger.history_total = sum(ledger.history_costs)
     ledger.active_total = sum(ledger.active_costs)

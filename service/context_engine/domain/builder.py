@@ -37,7 +37,7 @@ from context_engine.domain.estimator import (
     TokenEstimator,
     attachment_tokens,
 )
-from context_engine.domain.excerpts import normalize_tool_results
+from context_engine.domain.excerpts import normalize_tool_result, normalize_tool_results
 from context_engine.domain.history import Units, floor_index, units_of
 from context_engine.domain.items import (
     ContextItem,
@@ -71,6 +71,8 @@ POINTER = "builder:pointer"  # memo keys (session key, POINTER, result): the res
 IDENTITY = "builder:identity"  # memo key (session key, IDENTITY, encoding): the identity map
 IDENTITY_SLACK = 1_024  # entries an identity map may hold beyond twice a build's items
 UNITS = "builder:units"  # memo key (session key, UNITS): the units of the last build's history
+NORMALIZED = "builder:normalized"  # memo key (session key, NORMALIZED): the last build's items
+COSTS = "builder:costs"  # memo key (session key, COSTS, encoding): the last build's item costs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -400,7 +402,8 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     prefix_tokens = prefix_cost(plan.prefix_tokens, factor, exact=prefix_exact(plan.spec))
     budget = compute_budget(window=model.context_window, output_reserve=model.output_reserve,
                             prefix_tokens=prefix_tokens, policy=policy)
-    items, legacy = normalize_tool_results(cp.items, policy.inline_maximum_bytes)
+    items, legacy = normalized(cp.items, policy.inline_maximum_bytes, memo,
+                               (loaded.session_key, NORMALIZED))
 
     # Items are frozen values: (session key, encoding, item) determines the rendered messages
     # and their raw token counts. ``memo`` (a bounded mapping the caller may keep across
@@ -531,11 +534,26 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
         if state_tokens > WORKING_STATE_TOKENS:
             raise BudgetExceeded("working_state", state_tokens, WORKING_STATE_TOKENS)
 
+    # Each candidate's cost, found from the last build's where this one's candidates begin with
+    # the same items at the same pricing; never where an attachment is sent (its share of its
+    # owner's cost depends on the whole request).
+    candidates = (*carried[floor:], *active)
+    if memo is None or attach:
+        costs = None
+    else:
+        costs_key = (session, COSTS, encoding)
+        known_costs = cast(tuple[Any, tuple[ContextItem, ...], list[int]] | None,
+                           memo.get(costs_key))
+        held = (shared_prefix(known_costs[1], candidates)
+                if known_costs is not None and known_costs[0] == pricing else 0)
+        costs = ([*known_costs[2][:held], *map(cost, candidates[held:])]
+                 if known_costs is not None and held else list(map(cost, candidates)))
+        cast(MutableMapping[Any, Any], memo)[costs_key] = (pricing, candidates, costs)
     alloc = allocate(budget=budget, prefix_tokens=prefix_tokens, factor=factor,
                      policy=policy, summary=summary, carried=carried, floor=floor,
                      active=active, fixed=fixed, knowledge=list(cp.knowledge),
                      recall=list(cp.recall), cost=cost, legacy_tool_excerpts=legacy,
-                     position=position, pointer=pointer, spans=spans)
+                     position=position, pointer=pointer, spans=spans, costs=costs)
 
     body: list[ContextItem] = []
     if alloc.summary is not None:
@@ -568,6 +586,37 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
         output_reserve=model.output_reserve, estimator_factor=factor,
         tokenizer=estimator.tokenizer, budget=report, pressure=alloc.pressure,
         cache_breakpoints=select(marks, model.breakpoint_budget))
+
+
+def shared_prefix(old: tuple[Any, ...], new: tuple[Any, ...]) -> int:
+    """How many leading items ``new`` has equal to ``old``'s (compared at C speed when one is
+    a prefix of the other, the usual case)."""
+    n = min(len(old), len(new))
+    if old[:n] == new[:n]:
+        return n
+    return next(i for i in range(n) if old[i] != new[i])
+
+
+def normalized(items: tuple[ConversationItem, ...], inline_maximum_bytes: int,
+               memo: MutableMapping[Any, Any] | None, key: tuple[str, str]
+               ) -> tuple[tuple[ConversationItem, ...], int]:
+    """``normalize_tool_results``, found from the last build's where the items begin with the
+    same ones at the same inline maximum (its output objects reused: an excerpted result keeps
+    its identity from Build to Build)."""
+    if memo is None:
+        return normalize_tool_results(items, inline_maximum_bytes)
+    known = cast(tuple[int, tuple[ConversationItem, ...], tuple[ConversationItem, ...],
+                       tuple[int, ...]] | None, memo.get(key))
+    held = (shared_prefix(known[1], items)
+            if known is not None and known[0] == inline_maximum_bytes else 0)
+    out = list(known[2][:held]) if known is not None and held else []
+    flags = list(known[3][:held]) if known is not None and held else []
+    for item in items[held:]:
+        one, excerpted = normalize_tool_result(item, inline_maximum_bytes)
+        out.append(one)
+        flags.append(excerpted)
+    memo[key] = (inline_maximum_bytes, items, tuple(out), tuple(flags))
+    return tuple(out), sum(flags)
 
 
 def in_row_order(body: list[ContextItem]) -> list[ContextItem]:

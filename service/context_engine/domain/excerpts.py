@@ -42,19 +42,26 @@ def head_tail_excerpt(item: ToolResultItem, inline_maximum_bytes: int) -> str:
             f"full result: {where} ...]\n{tail}")
 
 
+def normalize_tool_result(item: ConversationItem, inline_maximum_bytes: int
+                          ) -> tuple[ConversationItem, bool]:
+    """The item to assemble, and whether it is a legacy result excerpted here."""
+    if isinstance(item, ToolResultItem) and not item.elided:
+        if item.context_content:
+            return replace(item, content=item.context_content, context_content="",
+                           byte_length=item.bytes), False
+        if utf8_length(item.content) > inline_maximum_bytes:
+            return replace(item, content=head_tail_excerpt(item, inline_maximum_bytes),
+                           byte_length=item.bytes), True
+    return item, False
+
+
 def normalize_tool_results(items: Sequence[ConversationItem], inline_maximum_bytes: int
                            ) -> tuple[tuple[ConversationItem, ...], int]:
     """Returns the items to assemble and how many legacy results were excerpted."""
     out: list[ConversationItem] = []
     legacy = 0
     for item in items:
-        if isinstance(item, ToolResultItem) and not item.elided:
-            if item.context_content:
-                item = replace(item, content=item.context_content, context_content="",
-                               byte_length=item.bytes)
-            elif utf8_length(item.content) > inline_maximum_bytes:
-                item = replace(item, content=head_tail_excerpt(item, inline_maximum_bytes),
-                               byte_length=item.bytes)
-                legacy += 1
+        item, excerpted = normalize_tool_result(item, inline_maximum_bytes)
         out.append(item)
+        legacy += excerpted
     return tuple(out), legacy
