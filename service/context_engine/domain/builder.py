@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, cast
 
 from context_engine.domain.breakpoints import CacheBreakpoint, history_breakpoints, select
@@ -484,12 +485,16 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
     # Reasoning items never cross a run boundary: only those inside the active run's trailing
     # stretch of items are replayed, verbatim; every other one is dropped by type.
     first_active = active_start(history, cp.active_run_id)
-    kept = [(i, item) for i, item in enumerate(history)
-            if not (isinstance(item, ReasoningItem) and i < first_active)]
-    history = [item for _, item in kept]
+    kept: Sequence[int]  # where each item kept was in ``history``
+    if any(map(isinstance, history[:first_active], repeat(ReasoningItem))):
+        kept = [i for i, item in enumerate(history)
+                if not (isinstance(item, ReasoningItem) and i < first_active)]
+        history = [history[i] for i in kept]
+    else:  # none to drop (looked for at C speed)
+        kept = range(len(history))
     k = active_start(history, cp.active_run_id)
     carried, active = history[:k], history[k:]
-    positions = [i for i, _ in kept[:k]]
+    positions = kept[:k]
     # The units of the carried history, found from the last build's where this one's begins
     # with the same items (an append touches only the units it answers).
     if memo is None:
@@ -510,7 +515,7 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
         """An index into ``carried`` as an index into the checkpoint's items."""
         if i < len(positions):
             return positions[i]
-        return kept[k][0] if k < len(kept) else len(items) - len(trailing)
+        return kept[k] if k < len(kept) else len(items) - len(trailing)
 
     skills = [SkillBodyItem(name=s.name, body=s.body, skill_trust=s.trust)
               for s in cp.loaded_skills]
