@@ -25,7 +25,8 @@ from context_engine.domain.builder import (
     BuildResult,
     Checkpoint,
     LoadedPlan,
-    build,
+    build_steps,
+    finish,
     load_plan,
     prefix_exact,
     working_state_tokens,
@@ -645,55 +646,64 @@ class Engine:
         if factor is None:
             factor = await self.correction_factor(tenant_id, spec)
         started = time.perf_counter()
+        steps = build_steps(loaded, checkpoint, estimator=estimator, factor=factor,
+                            policy=self.policy, memo=self.render_memo, validated=validated)
+        write: asyncio.Future[None] | None = None
         try:
-            with child(self._tracer, "context_engine.build",
-                       attributes={"context_engine.epoch": loaded.plan.epoch,
-                                   "context_engine.estimator_factor": factor}) as span:
-                try:
-                    result = build(loaded, checkpoint, estimator=estimator, factor=factor,
-                                   policy=self.policy, memo=self.render_memo,
-                                   validated=validated)
-                except BudgetExceeded as exc:
+            try:
+                with child(self._tracer, "context_engine.build",
+                           attributes={"context_engine.epoch": loaded.plan.epoch,
+                                       "context_engine.estimator_factor": factor}) as span:
+                    try:
+                        pressure = next(steps)  # allocated: what a pressure event records
+                    except BudgetExceeded as exc:
+                        if span.is_recording():
+                            span.set_attribute("context_engine.budget_exceeded.class",
+                                               exc.class_name)
+                            if isinstance(exc.pressure, Pressure):
+                                derived_spans(self._tracer, exc.pressure,
+                                              time_ns(self._clock), None)
+                        raise
+                    if pressure.yielded:  # a request that fits without yielding emits nothing
+                        # The event is written while the request is assembled and rendered;
+                        # the Build answers only once it is written (emitted before the
+                        # request leaves), and only past the snapshot fence, as before.
+                        paused = time.perf_counter()
+                        await self._snapshot_used(loaded, checkpoint.active_run_id)
+                        self._count_pressure(pressure)
+                        write = asyncio.ensure_future(self._record(
+                            tenant_id, session_id, loaded.plan.epoch, "context.budget.pressure",
+                            pressure_payload(pressure, loaded.plan.epoch)))
+                        await asyncio.sleep(0)  # the write goes out first
+                        started += time.perf_counter() - paused  # waits are not build time
+                    result = finish(steps)
                     if span.is_recording():
-                        span.set_attribute("context_engine.budget_exceeded.class",
-                                           exc.class_name)
-                        if isinstance(exc.pressure, Pressure):
-                            derived_spans(self._tracer, exc.pressure, time_ns(self._clock), None)
-                    raise
-                if span.is_recording():
-                    span.set_attribute("context_engine.yield_steps",
-                                       [s.step for s in result.pressure.steps])
-                    history = next(((c.used, c.items) for c in result.budget.classes
-                                    if c.class_name == "history"), None)
-                    derived_spans(self._tracer, result.pressure, time_ns(self._clock), history)
-        except BudgetExceeded as exc:
-            self._metrics.budget_exceeded.labels(**{"class": exc.class_name}).inc()
-            payload: dict[str, Any] = {"epoch": loaded.plan.epoch, **exc.metadata()}
-            if isinstance(exc.pressure, Pressure):
-                self._count_pressure(exc.pressure)
+                        span.set_attribute("context_engine.yield_steps",
+                                           [s.step for s in result.pressure.steps])
+                        history = next(((c.used, c.items) for c in result.budget.classes
+                                        if c.class_name == "history"), None)
+                        derived_spans(self._tracer, result.pressure, time_ns(self._clock),
+                                      history)
+            except BudgetExceeded as exc:
+                self._metrics.budget_exceeded.labels(**{"class": exc.class_name}).inc()
+                payload: dict[str, Any] = {"epoch": loaded.plan.epoch, **exc.metadata()}
+                if isinstance(exc.pressure, Pressure):
+                    self._count_pressure(exc.pressure)
+                    await self._record(tenant_id, session_id, loaded.plan.epoch,
+                                       "context.budget.pressure",
+                                       pressure_payload(exc.pressure, loaded.plan.epoch))
                 await self._record(tenant_id, session_id, loaded.plan.epoch,
-                                   "context.budget.pressure",
-                                   pressure_payload(exc.pressure, loaded.plan.epoch))
-            await self._record(tenant_id, session_id, loaded.plan.epoch,
-                               "context.budget.exceeded", payload)
-            raise
-        self._metrics.build_seconds.observe(time.perf_counter() - started)
-        await self._snapshot_used(loaded, checkpoint.active_run_id)
-        if not result.pressure.yielded:  # a request that fits without yielding emits nothing
+                                   "context.budget.exceeded", payload)
+                raise
+            self._metrics.build_seconds.observe(time.perf_counter() - started)
+            if write is None:
+                await self._snapshot_used(loaded, checkpoint.active_run_id)
             if then is not None:
                 then(result)
             return result
-        self._count_pressure(result.pressure)
-        write = asyncio.ensure_future(self._record(
-            tenant_id, session_id, result.epoch, "context.budget.pressure",
-            pressure_payload(result.pressure, result.epoch)))
-        try:
-            if then is not None:
-                await asyncio.sleep(0)  # the write goes out first, then the caller's work
-                then(result)
         finally:
-            await write  # never fails (``_record``); awaited even when ``then`` raised
-        return result
+            if write is not None:
+                await write  # never fails (``_record``); awaited whatever failed meanwhile
 
     async def _snapshot_used(self, loaded: LoadedPlan, run_id: str) -> None:
         """The first Build of a run on a plan with a non-empty snapshot binds the run to the

@@ -349,8 +349,10 @@ class SlowPressureWrites:
 def test_the_response_is_made_while_the_pressure_event_is_written_and_waits_for_it(
         database_url, ids, db, monkeypatch):
     """The pressure event is emitted before the request leaves (the Build answers only once it
-    is in the database), and the response is rendered while it is being written, not after."""
+    is in the database), and the request is assembled and the response rendered while it is
+    being written, not after."""
     from context_engine.api import mapping
+    from context_engine.domain import builder
 
     from tests.conftest import ServerThread, test_config
     tenant, session = ids
@@ -366,6 +368,13 @@ def test_the_response_is_made_while_the_pressure_event_is_written_and_waits_for_
             return render(*args, **kwargs)
 
         monkeypatch.setattr(mapping, "build_pb", rendering)
+        check_pairs = builder.assert_paired
+
+        def assembled(*args, **kwargs):
+            log.append("assembled")
+            return check_pairs(*args, **kwargs)
+
+        monkeypatch.setattr(builder, "assert_paired", assembled)
         with grpc.insecure_channel(srv.address) as channel:
             stub = pb_grpc.ContextEngineStub(channel)
             stub.Plan(plan_request(tenant, session, model=SMALL))
@@ -373,12 +382,12 @@ def test_the_response_is_made_while_the_pressure_event_is_written_and_waits_for_
             req.checkpoint.active_run_id = "run-1"
             resp = stub.Build(req, timeout=30)
             assert resp.pressure.steps
-            assert log == ["write started", "rendered", "written"]
+            assert log == ["write started", "assembled", "rendered", "written"]
             rows = db.fetch("SELECT 1 FROM context_events WHERE tenant_id=$1 AND "
                             "type='context.budget.pressure'", tenant)
             assert len(rows) == 1
             log.clear()  # a Build that fits writes nothing and still renders
             fits = stub.Build(build_request(tenant, session), timeout=30)
-            assert not fits.pressure.steps and log == ["rendered"]
+            assert not fits.pressure.steps and log == ["assembled", "rendered"]
     finally:
         srv.stop()

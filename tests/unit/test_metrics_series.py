@@ -86,16 +86,16 @@ def _subscript_keys(fn: ast.FunctionDef | ast.Module, *names: str) -> set[str]:
 
 
 def test_every_class_a_build_can_fail_on_is_initialised() -> None:
-    """Build fails on a named class: raised by name in builder.build and budget.compute_budget,
-    or the largest of the never-yield shares in budget.allocate (the fresh rows, the fixed
-    classes builder.build adds, and the active run)."""
+    """Build fails on a named class: raised by name in builder.build_steps and
+    budget.compute_budget, or the largest of the never-yield shares in budget.allocate (the
+    fresh rows, the fixed classes builder.build_steps adds, and the active run)."""
     builder = _tree("domain/builder.py")
     budget = _tree("domain/budget.py")
     raised = _budget_exceeded_classes(builder) | _budget_exceeded_classes(budget)
     shares = {k.value for n in ast.walk(_function(budget, "allocate")) if isinstance(n, ast.Dict)
               for k in n.keys if isinstance(k, ast.Constant)}
     fixed = (_subscript_keys(_function(builder, "fresh_rows"), "rows")
-             | _subscript_keys(_function(builder, "build"), "fixed"))
+             | _subscript_keys(_function(builder, "build_steps"), "fixed"))
     assert {"working_state", "current_user_message", "active_run", "prefix"} <= \
         raised | shares | fixed
     assert set(EXCEEDABLE_CLASSES) == raised | shares | fixed

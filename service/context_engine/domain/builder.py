@@ -7,7 +7,7 @@ and factor always give the same bytes.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Generator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, cast
@@ -393,6 +393,28 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
           validated: bool = False) -> BuildResult:
     """Assemble one model request under the budget. Pure: no clock, randomness or I/O.
     ``validated``: the caller already ran ``checkpoint_violations`` on this checkpoint."""
+    steps = build_steps(loaded, cp, estimator=estimator, factor=factor, policy=policy,
+                        memo=memo, validated=validated)
+    next(steps)
+    return finish(steps)
+
+
+def finish(steps: Generator[Pressure, None, BuildResult]) -> BuildResult:
+    """The result of ``build_steps`` once its allocation has been taken."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        return cast(BuildResult, done.value)
+    raise AssertionError("build_steps yields once")
+
+
+def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
+                factor: float = 1.0, policy: BudgetPolicy = DEFAULT_POLICY,
+                memo: MutableMapping[Any, Rendered] | None = None,
+                validated: bool = False) -> Generator[Pressure, None, BuildResult]:
+    """``build`` in two steps: it yields the allocation's pressure (what a pressure event
+    records) before it assembles the request, and returns the result (``finish``). Pure like
+    ``build``: the caller may start writing the event while the request is assembled."""
     if not validated:
         validate_checkpoint(cp)
     plan = loaded.plan
@@ -559,6 +581,7 @@ def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
                      active=active, fixed=fixed, knowledge=list(cp.knowledge),
                      recall=list(cp.recall), cost=cost, legacy_tool_excerpts=legacy,
                      position=position, pointer=pointer, spans=spans, costs=costs)
+    yield alloc.pressure
 
     body: list[ContextItem] = []
     if alloc.summary is not None:
