@@ -166,3 +166,31 @@ def test_an_older_attachment_costs_what_is_left_of_the_budget_when_a_newer_one_c
         assert outcome(lp, cp, 1.0, POLICIES[0], memo) == want
         shares.append(want.pressure.left_out_tokens)
     assert shares[1] > shares[0]  # both files left out, the first at a smaller share
+
+
+def test_items_given_as_a_list_then_as_a_tuple_and_a_list_changed_in_place() -> None:
+    """A direct caller may hand ``build()`` its items as a list, keep that list and append to
+    it, or switch to a tuple: what the memo keeps is its own copy, and each Build is the
+    memo-less one."""
+    memo = BoundedMemo(100_000)
+    lp = plan("memo-lists")
+    items: list[ConversationItem] = [f.user("u0", "start", 0, run="run-1")]
+    for k in range(1, 8):
+        items += [f.call(f"c{k}", 2 * k - 1, f"call{k}"),
+                  f.result(f"r{k}", 2 * k, f"call{k}", words(300 * k, k))]
+        for sent in (tuple(items), items):  # the list last: the next turn appends to it
+            cp = replace(f.checkpoint([]), items=sent)
+            want = outcome(lp, cp, 1.0, POLICIES[1], None)
+            assert not isinstance(want, tuple), want
+            assert outcome(lp, cp, 1.0, POLICIES[1], memo) == want, (k, type(sent))
+
+
+def test_shared_prefix_counts_the_leading_equal_items() -> None:
+    from context_engine.domain.builder import shared_prefix
+
+    a, b, c = (f.user(f"u{k}", "x", k) for k in range(3))
+    assert shared_prefix((), ()) == 0
+    assert shared_prefix((a, b), (a, b, c)) == 2 == shared_prefix((a, b, c), (a, b))
+    assert shared_prefix((a, b, c), (a, c, b)) == 1
+    assert shared_prefix((b,), (a,)) == 0
+    assert shared_prefix([a, b], (a, b, c)) == 2  # type: ignore[arg-type]  # a list: by item

@@ -622,7 +622,7 @@ def shared_prefix(old: tuple[Any, ...], new: tuple[Any, ...]) -> int:
     n = min(len(old), len(new))
     if old[:n] == new[:n]:
         return n
-    return next(i for i in range(n) if old[i] != new[i])
+    return next((i for i in range(n) if old[i] != new[i]), n)
 
 
 def normalized(items: tuple[ConversationItem, ...], inline_maximum_bytes: int,
@@ -633,6 +633,7 @@ def normalized(items: tuple[ConversationItem, ...], inline_maximum_bytes: int,
     its identity from Build to Build)."""
     if memo is None:
         return normalize_tool_results(items, inline_maximum_bytes)
+    items = tuple(items)  # kept: a list the caller changes later must not be what is kept
     known = cast(tuple[int, tuple[ConversationItem, ...], tuple[ConversationItem, ...],
                        tuple[int, ...]] | None, memo.get(key))
     held = (shared_prefix(known[1], items)
