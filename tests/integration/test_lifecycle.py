@@ -230,23 +230,28 @@ def test_partitions_keys_and_records_age_out_across_two_replicas(own, replicas):
         assert set(outcome.created) == days(day0 + timedelta(days=10), AHEAD_DAYS + 1)
         clock_a.set(t0 + timedelta(days=10))
         pressure_build(stub_a, tenant, session)  # an event in the new day's partition
-        # (the cycles a day after day0 made day0 + 8)
-        assert partitions(db) == (days(day0, AHEAD_DAYS + 2)
-                                  | days(day0 + timedelta(days=10), AHEAD_DAYS + 1))
+        # (the cycles a day after t0 made the days ahead of theirs: up to day0 + 8, or day0 + 9
+        # when t0 was late enough in its day for "a day and an hour later" to be two days on)
+        last_early = max((t0 + timedelta(hours=h)).date()
+                         for h in (KEY_TTL_HOURS - 1, KEY_TTL_HOURS + 1))
+        last_early += timedelta(days=AHEAD_DAYS)
+        early = days(day0, (last_early - day0).days + 1)
+        assert partitions(db) == early | days(day0 + timedelta(days=10), AHEAD_DAYS + 1)
 
-        # day0's partition holds rows younger than now - retention (to the hour): kept
-        keep = midnight(day0) + timedelta(days=RETENTION_DAYS, hours=1)
+        # day0's partition holds rows younger than now - retention: kept (a minute before its
+        # first row would be too old)
+        keep = t0 + timedelta(days=RETENTION_DAYS) - timedelta(minutes=1)
         assert keep - timedelta(days=RETENTION_DAYS) < t0  # a row of day0 is inside
         for outcome in both(keep):
             assert partition_name(day0) not in outcome.dropped
         assert events_by_partition(db, tenant)[partition_name(day0)] == 4
 
         # once all of day0 is older than the retention, it goes with its rows; so do the days
-        # after it up to day0 + 8, by both replicas at once, each dropped once
-        later = midnight(day0) + timedelta(days=RETENTION_DAYS + AHEAD_DAYS + 2, hours=1)
+        # after it made early on, by both replicas at once, each dropped once
+        later = midnight(last_early + timedelta(days=1)) + timedelta(days=RETENTION_DAYS, hours=1)
         outcomes = both(later)
         dropped = [name for o in outcomes for name in o.dropped]
-        assert sorted(dropped) == sorted(days(day0, AHEAD_DAYS + 2)), outcomes
+        assert sorted(dropped) == sorted(early), outcomes
         assert all(o.ran or o.dropped == () for o in outcomes)
         assert partitions(db) == (days(day0 + timedelta(days=10), AHEAD_DAYS + 1)
                                   | days(keep.date(), AHEAD_DAYS + 1)
