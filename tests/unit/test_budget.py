@@ -917,3 +917,33 @@ def test_a_report_without_an_estimate_keeps_the_factor() -> None:
     r = rec(current, 0, 900)
     assert r.calibration.factor == 1.3 and r.calibration.reports == 5
     assert rec(current, 100, 0).error_ratio == 0.0
+
+
+def test_the_tool_results_class_counts_the_results_and_pointers_the_request_holds() -> None:
+    """Results that became pointers and were then left out with history are neither in the
+    tool results class's items nor among its yielded: the class reports what the request
+    holds (counted here from the request's messages)."""
+    lp = plan()
+    items: list[ConversationItem] = [f.user("u0", "fetch six pages", 1, run="run-0")]
+    seq = 2
+    for k in range(6):
+        items += [f.call(f"c{k}", seq, f"x{k}", run="run-0"),
+                  f.result(f"r{k}", seq + 1, f"x{k}", words(400, k), run="run-0")]
+        seq += 2
+        if k == 2:  # three results, then long exchanges, then three more
+            for n in range(6):
+                items += [f.user(f"q{n}", words(500, n), seq, run="run-0"),
+                          assistant(f"a{n}", words(500, n + 1), seq + 1)]
+                seq += 2
+    items.append(last_user(seq=seq))
+    r = run(lp, items)
+    steps = {s.step: s.ids for s in r.pressure.steps}
+    # the case at hand: some results became pointers, some of those history then left out,
+    # and some pointers are still sent
+    sent = by_id(r)
+    pointed = set(steps["tool_results"])
+    assert pointed & set(steps["history"]) and pointed & set(sent)
+    results = [m for item_id, m in sent.items() if item_id.startswith("r")]
+    tool = klass(r, "tool_results")
+    assert tool.items == len(results) > 0
+    assert tool.yielded == sum("[elided]" in m.text for m in results) > 0

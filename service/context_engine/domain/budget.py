@@ -22,9 +22,12 @@ Claude and Gemini, or a fallback encoding) the correction factor scales it like 
 from __future__ import annotations
 
 import math
-from collections import deque
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from itertools import accumulate, chain, compress, repeat
+from operator import attrgetter
+from typing import cast
 
 from context_engine.domain.errors import BudgetExceeded, HistoryFloorUnreachable
 from context_engine.domain.history import Span, select_history
@@ -49,6 +52,9 @@ RECALL_TOKENS = 2_000
 TOOL_RESULT_SHARE = 0.25
 HISTORY_FLOOR_TOKENS = 8_000
 STEPS = ("knowledge", "recall", "tool_results", "history")
+# a result's typed pointer and what the pointer costs
+Pointed = tuple[ToolResultItem, int]
+_IS_ELIDED = attrgetter("elided")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -237,7 +243,8 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
              position: Callable[[int], int],
              pointer: Callable[[ToolResultItem], ToolResultItem] | None = None,
              spans: Sequence[Span] | None = None,
-             costs: Sequence[int] | None = None) -> Allocation:
+             costs: Sequence[int] | None = None,
+             pointers: list[Pointed | None] | None = None) -> Allocation:
     """Fit the body into ``budget.body_budget``. ``fixed`` holds the costs of the classes that
     never yield (current user message, working state, corrections, skill bodies, summary,
     runtime metadata); ``carried[floor:]`` are the history candidates; ``active`` the active
@@ -245,7 +252,10 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     maps an index into ``carried`` to an index into the checkpoint's items; ``pointer`` gives a
     result's typed pointer (``elided``; the caller may keep them); ``spans`` the units of
     ``carried[floor:]`` (``history.units``), and ``costs`` ``cost`` of each item of
-    ``carried[floor:]`` then ``active``, when the caller has them."""
+    ``carried[floor:]`` then ``active``, when the caller has them. ``pointers``, aligned with
+    the same items: each result's pointer and its cost where known (None where not yet); the
+    entries a pointer step needs are filled in, so a caller may keep the list for a later
+    allocation of items that begin alike (at the same pricing)."""
     B = budget.body_budget
     to_elided = elided if pointer is None else pointer
     knowledge = sorted(knowledge, key=lambda p: (p.rank, p.id))
@@ -258,10 +268,11 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     ledger.fixed_total = sum(ledger.fixed.values())
     ledger.history_total = sum(ledger.history_costs)
     ledger.active_total = sum(ledger.active_costs)
-    ledger.results_total = sum(
-        c for items, costs in ((ledger.history, ledger.history_costs),
-                               (ledger.active, ledger.active_costs))
-        for item, c in zip(items, costs, strict=True) if isinstance(item, ToolResultItem))
+    # which items are results (a pointer is one too: it has its result's type), at C speed
+    history_results = list(map(isinstance, ledger.history, repeat(ToolResultItem)))
+    active_results = list(map(isinstance, ledger.active, repeat(ToolResultItem)))
+    ledger.results_total = (sum(compress(ledger.history_costs, history_results))
+                            + sum(compress(ledger.active_costs, active_results)))
     block_cost = _block_costs(cost)
     ledger.knowledge_cost = block_cost.knowledge(ledger.knowledge)
     ledger.recall_cost = block_cost.recall(ledger.recall)
@@ -284,38 +295,69 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         ledger.recall_cost = block_cost.recall(ledger.recall)
         return dropped.id
 
-    # Pointer candidates, oldest first: carried history, then completed active results.
-    queue: deque[tuple[bool, int]] = deque(
-        [(True, i) for i, item in enumerate(ledger.history)
-         if isinstance(item, ToolResultItem) and not item.elided]
-        + [(False, i) for i, item in enumerate(ledger.active)
-           if isinstance(item, ToolResultItem) and not item.elided
-           and item.id not in never_pointer])
+    # Pointer candidates, oldest first: carried history, then completed active results; each
+    # as its index into ``carried[floor:]`` then ``active`` (one sequence, as ``costs`` is).
+    held = len(ledger.history)
+    queue = ([j for j in compress(range(held), history_results)
+              if not cast(ToolResultItem, ledger.history[j]).elided]
+             + [held + i for i in compress(range(len(ledger.active)), active_results)
+                if not cast(ToolResultItem, ledger.active[i]).elided
+                and ledger.active[i].id not in never_pointer])
+    found: list[Pointed | None] = ([None] * (held + len(ledger.active)) if pointers is None
+                                   else pointers)
+    # What each candidate frees as a pointer (0: a pointer no smaller than its content keeps
+    # the content), and those sums running along the queue: found on the first step that
+    # has an excess, so a build that needs no pointer computes none.
+    gain: list[int] = []
+    reach: list[int] = []
+    taken = 0  # candidates the pointer steps have gone past, oldest first
+
+    def gains() -> list[int]:
+        known = list(map(found.__getitem__, queue))
+        if None in known:  # found by no earlier allocation: found now
+            history, active = ledger.history, ledger.active
+            for q, j in enumerate(queue):
+                if known[q] is None:
+                    item = history[j] if j < held else active[j - held]
+                    assert isinstance(item, ToolResultItem)
+                    pointed = to_elided(item)
+                    known[q] = found[j] = (pointed, cost(pointed))
+        contents = map((ledger.history_costs + ledger.active_costs).__getitem__, queue)
+        return [max(content - k[1], 0)  # type: ignore[index]
+                for content, k in zip(contents, known, strict=True)]
 
     def to_pointers(excess: int) -> list[str]:
-        """Results become pointers, oldest first, one at a time, while the tokens they have
-        freed are fewer than ``excess`` (a class or the body over its limit by that much: each
-        pointer takes what it frees off both) and a candidate is left; their ids."""
+        """Results become pointers, oldest first, while the tokens they have freed are fewer
+        than ``excess`` (a class or the body over its limit by that much: each pointer takes
+        what it frees off both) and a candidate is left; their ids. The same decisions as
+        taking the candidates one at a time, found by a search of the running sums."""
+        nonlocal gain, reach, taken
+        if excess <= 0 or taken == len(queue):
+            return []
+        if not reach:
+            gain = gains()
+            reach = list(accumulate(gain))
+        before = reach[taken - 1] if taken else 0
+        # the first candidate after which the freed tokens reach the excess, and it too
+        end = min(bisect_left(reach, before + excess, taken) + 1, len(queue))
         ids: list[str] = []
-        freed = freed_in_history = 0
         history, history_costs = ledger.history, ledger.history_costs
         active, active_costs = ledger.active, ledger.active_costs
-        while freed < excess and queue:
-            in_history, i = queue.popleft()
-            if in_history and i < ledger.cut:
-                continue  # already left out with its history
-            items, costs = (history, history_costs) if in_history else (active, active_costs)
-            item = items[i]
-            assert isinstance(item, ToolResultItem)
-            pointed = to_elided(item)
-            delta = cost(pointed) - costs[i]
-            if delta >= 0:
-                continue  # a pointer no smaller than its content frees nothing: keep content
-            items[i], costs[i] = pointed, costs[i] + delta
-            freed -= delta
-            if in_history:
-                freed_in_history -= delta
-            ids.append(item.id)
+        freed_in_history = 0
+        for q in range(taken, end):
+            if not gain[q]:
+                continue  # frees nothing: keeps its content
+            j = queue[q]
+            pointed, pointer_cost = found[j]  # type: ignore[misc]  # filled by gains()
+            if j < held:
+                ids.append(history[j].id)
+                freed_in_history += gain[q]
+                history[j], history_costs[j] = pointed, pointer_cost
+            else:
+                ids.append(active[j - held].id)
+                active[j - held], active_costs[j - held] = pointed, pointer_cost
+        freed = reach[end - 1] - before
+        taken = end
         ledger.results_total -= freed
         ledger.history_total -= freed_in_history
         ledger.active_total -= freed - freed_in_history
@@ -368,9 +410,7 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         ledger.cut = _cut(ledger.history, ledger.history_costs, B - others, spans)
         left_costs = ledger.history_costs[:ledger.cut]
         ledger.history_total -= sum(left_costs)
-        ledger.results_total -= sum(
-            c for item, c in zip(ledger.history[:ledger.cut], left_costs, strict=True)
-            if isinstance(item, ToolResultItem))
+        ledger.results_total -= sum(compress(left_costs, history_results[:ledger.cut]))
         left = [i.id for i in ledger.history[:ledger.cut]]
         record("history", left, start)
 
@@ -396,10 +436,10 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         ClassBudget(class_name="recall", cap=RECALL_TOKENS, used=ledger.recall_cost,
                     items=len(ledger.recall), yielded=len(recall) - len(ledger.recall)),
         ClassBudget(class_name="tool_results", cap=tool_cap, used=tool_result_tokens(),
-                    items=sum(isinstance(i, ToolResultItem)
-                              for i in ledger.history[ledger.cut:] + ledger.active),
-                    yielded=sum(isinstance(i, ToolResultItem) and i.elided
-                                for i in ledger.history[ledger.cut:] + ledger.active)),
+                    items=sum(history_results[ledger.cut:]) + sum(active_results),
+                    yielded=sum(map(_IS_ELIDED, chain(
+                        compress(ledger.history[ledger.cut:], history_results[ledger.cut:]),
+                        compress(ledger.active, active_results))))),
         ClassBudget(class_name="history", cap=max(B - (total - ledger.history_cost()), 0),
                     used=ledger.history_cost(), items=len(ledger.history) - ledger.cut,
                     yielded=ledger.cut),

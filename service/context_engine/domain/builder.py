@@ -19,6 +19,7 @@ from context_engine.domain.budget import (
     WORKING_STATE_TOKENS,
     BudgetPolicy,
     BudgetReport,
+    Pointed,
     Pressure,
     allocate,
     compute_budget,
@@ -564,23 +565,31 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     # Each candidate's cost, found from the last build's where this one's candidates begin with
     # the same items at the same pricing; never where an attachment is sent (its share of its
     # owner's cost depends on the whole request).
+    # The same for each candidate's pointer and its cost, where a pointer step of an earlier
+    # build found them (the allocation fills in what it needs).
     candidates = (*carried[floor:], *active)
+    pointed: list[Pointed | None] | None
     if memo is None or attach:
-        costs = None
+        costs = pointed = None
     else:
         costs_key = (session, COSTS, encoding)
-        known_costs = cast(tuple[Any, tuple[ContextItem, ...], list[int]] | None,
-                           memo.get(costs_key))
+        known_costs = cast(tuple[Any, tuple[ContextItem, ...], list[int],
+                                 list[Pointed | None]] | None, memo.get(costs_key))
         held = (shared_prefix(known_costs[1], candidates)
                 if known_costs is not None and known_costs[0] == pricing else 0)
-        costs = ([*known_costs[2][:held], *map(cost, candidates[held:])]
-                 if known_costs is not None and held else list(map(cost, candidates)))
-        cast(MutableMapping[Any, Any], memo)[costs_key] = (pricing, candidates, costs)
+        if known_costs is not None and held:
+            costs = [*known_costs[2][:held], *map(cost, candidates[held:])]
+            pointed = [*known_costs[3][:held], *repeat(None, len(candidates) - held)]
+        else:
+            costs = list(map(cost, candidates))
+            pointed = [None] * len(candidates)
+        cast(MutableMapping[Any, Any], memo)[costs_key] = (pricing, candidates, costs, pointed)
     alloc = allocate(budget=budget, prefix_tokens=prefix_tokens, factor=factor,
                      policy=policy, summary=summary, carried=carried, floor=floor,
                      active=active, fixed=fixed, knowledge=list(cp.knowledge),
                      recall=list(cp.recall), cost=cost, legacy_tool_excerpts=legacy,
-                     position=position, pointer=pointer, spans=spans, costs=costs)
+                     position=position, pointer=pointer, spans=spans, costs=costs,
+                     pointers=pointed)
     yield alloc.pressure
 
     body: list[ContextItem] = []
