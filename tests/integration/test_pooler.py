@@ -213,6 +213,36 @@ def test_a_pool_sends_only_the_services_statements(small_pooler):
     assert asyncio.run(scenario()) == 20
 
 
+def test_a_direct_pool_sends_only_the_services_statements(direct_database_url):
+    """CE_DB_POOLER=none: a connection goes back to the pool without asyncpg's reset query (it
+    would be a second round trip on every call), and a transaction left open on it is still
+    rolled back (the next holder finds none)."""
+    async def scenario() -> tuple[list[str], bool]:
+        pool = await create_pool(direct_database_url, pooler=Pooler.NONE, max_size=1,
+                                 timeout=10)
+        queries: list[str] = []
+        try:
+            async with pool.acquire() as conn:
+                conn.add_query_logger(lambda record: queries.append(record.query))
+                assert await conn.fetchval("SELECT 41 + 1") == 42
+            # released: whatever the release sent was logged on the same connection
+            async with pool.acquire() as conn:
+                await conn.execute("BEGIN")  # left open: not a managed transaction
+            async with pool.acquire() as conn:  # max_size=1: the same connection again
+                open_after = conn.is_in_transaction()
+                in_server = await conn.fetchval(
+                    "SELECT state = 'idle in transaction' FROM pg_stat_activity "
+                    "WHERE pid = pg_backend_pid()")
+            return queries, open_after or bool(in_server)
+        finally:
+            await pool.close()
+
+    queries, still_open = asyncio.run(scenario())
+    assert queries[0] == "SELECT 41 + 1"
+    assert not any("RESET" in q or "UNLISTEN" in q or "advisory" in q for q in queries), queries
+    assert not still_open
+
+
 def test_the_database_timeout_holds_through_the_pooler(small_pooler, direct_database_url):
     """CE_DB_TIMEOUT_SECONDS: the call gives up on time, its cancel reaches PostgreSQL through
     PgBouncer (the backend stops sleeping), and the pool serves the next call."""

@@ -13,13 +13,17 @@ on another server connection, so nothing may be left on a server connection for 
   keeps both halves on one server connection. A named statement would stay behind on a server
   connection the next statement of the same client may never see. PgBouncer 1.21's
   ``max_prepared_statements`` is not needed for this.
-- no reset query when the pool takes a connection back (asyncpg's releases every advisory
-  lock, closes cursors, stops listening and resets settings): behind the pooler it would run on
-  whichever server connection is free, on state no one of ours left there (the service keeps
-  none between transactions: no session advisory lock, SET, LISTEN, temporary table or WITH
-  HOLD cursor; tests/unit/test_session_state.py checks).
+- behind the pooler, asyncpg's reset query (below) would run on whichever server connection is
+  free, on state no one of ours left there.
 - no session setting in the start-up packet but ``application_name``, which the pooler tracks
   (PgBouncer refuses any other it does not know, e.g. ``default_transaction_read_only``).
+
+Either way a connection goes back to the pool without asyncpg's reset query (which releases
+every advisory lock, closes cursors, stops listening and resets settings): the service keeps no
+state on a database session past its transaction (no session advisory lock, SET, LISTEN,
+temporary table or WITH HOLD cursor; ``tests/unit/test_session_state.py`` checks), so the query
+would only add a round trip to every database call. A transaction left open is still rolled
+back on release (asyncpg does that whatever the query).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ import asyncpg
 from context_engine.config import Pooler
 
 
-class TransactionPooledConnection(asyncpg.Connection):  # type: ignore[misc]
-    """A connection behind a pooler in transaction mode: released without a reset query."""
+class StatelessConnection(asyncpg.Connection):  # type: ignore[misc]
+    """A connection of the service's: released without a reset query (it holds no session
+    state past a transaction)."""
 
     def get_reset_query(self) -> str:
         return ""
@@ -42,8 +47,8 @@ def connect_options(pooler: Pooler) -> dict[str, Any]:
     """The asyncpg options (``connect`` and ``create_pool``) for connections behind
     ``pooler``."""
     if pooler is Pooler.TRANSACTION:
-        return {"statement_cache_size": 0, "connection_class": TransactionPooledConnection}
-    return {}
+        return {"statement_cache_size": 0, "connection_class": StatelessConnection}
+    return {"connection_class": StatelessConnection}
 
 
 async def create_pool(dsn: str, *, pooler: Pooler, max_size: int,
