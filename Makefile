@@ -81,11 +81,15 @@ lint: $(DEV_STAMP) $(GEN_STAMP)
 	scripts/check-contract $(BIN)/buf
 
 ## test: the prerequisites, lint, promtool and pgbouncer (installed if missing), then the whole
-## suite against a throwaway database behind PgBouncer in transaction pooling mode
+## suite against a throwaway database behind PgBouncer in transaction pooling mode, in
+## TEST_WORKERS processes (pytest-xdist: each its own database and pooler, one test file per
+## process at a time; 0 runs it in this process, as it does against CE_TEST_DATABASE_URL,
+## which the processes would share)
+TEST_WORKERS ?= $(if $(CE_TEST_DATABASE_URL),0,2)
 test: prereqs-test lint
 	scripts/ensure-promtool
 	scripts/ensure-pgbouncer
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 ## bench: Build over loopback gRPC on seeded 200/1,000/3,000-item conversations, like with like:
 ## cold Build beside uncached langchain-core trim_messages and one raw pass of the service's own

@@ -6,11 +6,14 @@ Node.js 20+ and npm are required; a missing toolchain or a failed install fails 
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -67,13 +70,30 @@ def toolchain() -> tuple[str, str]:
 
 def build_package() -> tuple[str, str]:
     """The dependencies installed from package-lock.json when they are not yet, then
-    `npm run build`: types generated from proto/, compiled to dist/. Returns node and npm."""
+    `npm run build`: types generated from proto/, compiled to dist/. Returns node and npm.
+
+    One build at a time on this machine (a lock file), and under pytest-xdist once per run:
+    the run's workers share the package folder, and a second `npm ci` or build would rewrite
+    node_modules/ or dist/ under a test of another worker that is running from them."""
     node_bin, npm_bin = toolchain()
-    if _stale(PACKAGE / "node_modules"):
-        run_tool([npm_bin, "ci", "--no-audit", "--no-fund"], timeout=600,
-                 what="npm ci in clients/typescript")
-    run_tool([npm_bin, "run", "build"], timeout=300,
-             what="npm run build (buf generate with ts-proto, then tsc)")
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    place = Path(tempfile.gettempdir())
+    tag = hashlib.sha256(str(PACKAGE).encode()).hexdigest()[:16]
+    built = place / f"ce-ts-built-{tag}-{run_id}" if run_id else None
+    with open(place / f"ce-ts-build-{tag}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if built is not None and built.exists():
+                return node_bin, npm_bin
+            if _stale(PACKAGE / "node_modules"):
+                run_tool([npm_bin, "ci", "--no-audit", "--no-fund"], timeout=600,
+                         what="npm ci in clients/typescript")
+            run_tool([npm_bin, "run", "build"], timeout=300,
+                     what="npm run build (buf generate with ts-proto, then tsc)")
+            if built is not None:
+                built.touch()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
     return node_bin, npm_bin
 
 
