@@ -77,6 +77,29 @@ NORMALIZED = "builder:normalized"  # memo key (session key, NORMALIZED): the las
 COSTS = "builder:costs"  # memo key (session key, COSTS, encoding): the last build's item costs
 
 
+@dataclass(frozen=True, slots=True)
+class _KeptItems:
+    """The memo's NORMALIZED entry: a build's items, at what inline maximum, as normalized, and
+    which of them were excerpted (1) or not (0)."""
+
+    inline_maximum_bytes: int
+    items: tuple[ConversationItem, ...]
+    normalized: tuple[ConversationItem, ...]
+    excerpted: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _KeptCosts:
+    """The memo's COSTS entry: a build's candidates, at what pricing (base factor, factor),
+    their costs, and each result's pointer and its cost where a pointer step found them (the
+    list is filled in by later allocations of the same candidates)."""
+
+    pricing: tuple[float, float]
+    candidates: tuple[ContextItem, ...]
+    costs: list[int]
+    pointers: list[Pointed | None]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SkillBody:
     name: str
@@ -573,17 +596,17 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         costs = pointed = None
     else:
         costs_key = (session, COSTS, encoding)
-        known_costs = cast(tuple[Any, tuple[ContextItem, ...], list[int],
-                                 list[Pointed | None]] | None, memo.get(costs_key))
-        held = (shared_prefix(known_costs[1], candidates)
-                if known_costs is not None and known_costs[0] == pricing else 0)
+        known_costs = cast(_KeptCosts | None, memo.get(costs_key))
+        held = (shared_prefix(known_costs.candidates, candidates)
+                if known_costs is not None and known_costs.pricing == pricing else 0)
         if known_costs is not None and held:
-            costs = [*known_costs[2][:held], *map(cost, candidates[held:])]
-            pointed = [*known_costs[3][:held], *repeat(None, len(candidates) - held)]
+            costs = [*known_costs.costs[:held], *map(cost, candidates[held:])]
+            pointed = [*known_costs.pointers[:held], *repeat(None, len(candidates) - held)]
         else:
             costs = list(map(cost, candidates))
             pointed = [None] * len(candidates)
-        cast(MutableMapping[Any, Any], memo)[costs_key] = (pricing, candidates, costs, pointed)
+        cast(MutableMapping[Any, Any], memo)[costs_key] = _KeptCosts(pricing, candidates, costs,
+                                                                     pointed)
     alloc = allocate(budget=budget, prefix_tokens=prefix_tokens, factor=factor,
                      policy=policy, summary=summary, carried=carried, floor=floor,
                      active=active, fixed=fixed, knowledge=list(cp.knowledge),
@@ -643,17 +666,16 @@ def normalized(items: tuple[ConversationItem, ...], inline_maximum_bytes: int,
     if memo is None:
         return normalize_tool_results(items, inline_maximum_bytes)
     items = tuple(items)  # kept: a list the caller changes later must not be what is kept
-    known = cast(tuple[int, tuple[ConversationItem, ...], tuple[ConversationItem, ...],
-                       tuple[int, ...]] | None, memo.get(key))
-    held = (shared_prefix(known[1], items)
-            if known is not None and known[0] == inline_maximum_bytes else 0)
-    out = list(known[2][:held]) if known is not None and held else []
-    flags = list(known[3][:held]) if known is not None and held else []
+    known = cast(_KeptItems | None, memo.get(key))
+    held = (shared_prefix(known.items, items)
+            if known is not None and known.inline_maximum_bytes == inline_maximum_bytes else 0)
+    out = list(known.normalized[:held]) if known is not None and held else []
+    flags = list(known.excerpted[:held]) if known is not None and held else []
     for item in items[held:]:
         one, excerpted = normalize_tool_result(item, inline_maximum_bytes)
         out.append(one)
         flags.append(excerpted)
-    memo[key] = (inline_maximum_bytes, items, tuple(out), tuple(flags))
+    memo[key] = _KeptItems(inline_maximum_bytes, items, tuple(out), tuple(flags))
     return tuple(out), sum(flags)
 
 
