@@ -28,7 +28,7 @@ from context_engine.api.server import Running, start
 from context_engine.clock import SYSTEM_CLOCK, Clock
 from context_engine.config import Config, Pooler
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from prometheus_client import CollectorRegistry
 
 from tests.support.pgbouncer import PgBouncer
@@ -40,10 +40,10 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("CE_DEV_MODE", "1")
 # ... and, like every server the suite starts, behind the transaction pooler of `database_url`.
 os.environ.setdefault("CE_DB_POOLER", "transaction")
-# No hypothesis example has a time limit (its default is 200 ms): how long a test takes is not
-# what it checks, and the suite runs in parallel processes on a busy machine. Performance is
-# measured by `make bench`.
-settings.register_profile("suite", deadline=None)
+# No hypothesis example has a time limit (its default is 200 ms), nor is slow data generation
+# an error: how long a test takes is not what it checks, and the suite runs in parallel
+# processes on a busy machine. Performance is measured by `make bench`.
+settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("suite")
 # Server connections PgBouncer opens to PostgreSQL for the whole suite: few, so that clients'
 # transactions really share them.

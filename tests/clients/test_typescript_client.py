@@ -77,21 +77,20 @@ def build_package() -> tuple[str, str]:
     node_modules/ or dist/ under a test of another worker that is running from them."""
     node_bin, npm_bin = toolchain()
     run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    place = Path(tempfile.gettempdir())
+    built = PACKAGE / "node_modules" / ".ce-test-run"  # the run that built it last
     tag = hashlib.sha256(str(PACKAGE).encode()).hexdigest()[:16]
-    built = place / f"ce-ts-built-{tag}-{run_id}" if run_id else None
-    with open(place / f"ce-ts-build-{tag}.lock", "a+") as lock:
+    with open(Path(tempfile.gettempdir()) / f"ce-ts-build-{tag}.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if built is not None and built.exists():
+            if run_id and built.exists() and built.read_text() == run_id:
                 return node_bin, npm_bin
             if _stale(PACKAGE / "node_modules"):
                 run_tool([npm_bin, "ci", "--no-audit", "--no-fund"], timeout=600,
                          what="npm ci in clients/typescript")
             run_tool([npm_bin, "run", "build"], timeout=300,
                      what="npm run build (buf generate with ts-proto, then tsc)")
-            if built is not None:
-                built.touch()
+            if run_id:
+                built.write_text(run_id)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return node_bin, npm_bin

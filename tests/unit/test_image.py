@@ -328,10 +328,10 @@ def test_healthcheck_passes_on_a_serving_server(server):
 
 def test_healthcheck_fails_when_nothing_listens():
     command, _ = _healthcheck()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+    with socket.socket() as sock:  # bound and not listening while the probe dials it: refused
+        sock.bind(("127.0.0.1", 0))  # (and no other process can take the port meanwhile)
         port = sock.getsockname()[1]
-    done = cli(*command[1:], env=_probe_env(f"0.0.0.0:{port}"))
+        done = cli(*command[1:], env=_probe_env(f"0.0.0.0:{port}"))
     assert done.returncode != 0
     assert "UNAVAILABLE" in done.stderr
 
