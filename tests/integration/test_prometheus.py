@@ -105,13 +105,20 @@ class Prometheus:
             "scrape_configs": [{"job_name": "context-engine", "metrics_path": "/metrics",
                                 "static_configs": [{"targets": [target]}]}],
         }))
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.log = (workdir / "prometheus.log").open("w")
-        self.proc = subprocess.Popen(
-            [exe, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address={self.url.removeprefix('http://')}", "--log.level=warn"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        self.wait(lambda: self._ready(), "Prometheus ready", 30)
+        for attempt in range(3):  # a free port may be taken before Prometheus binds it
+            self.url = f"http://127.0.0.1:{free_port()}"
+            self.log = (workdir / "prometheus.log").open("w")
+            self.proc = subprocess.Popen(
+                [exe, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
+                 f"--web.listen-address={self.url.removeprefix('http://')}",
+                 "--log.level=warn"], stdout=self.log, stderr=subprocess.STDOUT)
+            try:
+                self.wait(lambda: self._ready(), "Prometheus ready", 30)
+                return
+            except AssertionError as exc:
+                if attempt == 2 or "address already in use" not in str(exc):
+                    raise
+                self.log.close()
 
     def _ready(self) -> bool:
         if self.proc.poll() is not None:
