@@ -947,3 +947,5 @@ def test_the_tool_results_class_counts_the_results_and_pointers_the_request_hold
     tool = klass(r, "tool_results")
     assert tool.items == len(results) > 0
     assert tool.yielded == sum("[elided]" in m.text for m in results) > 0
+    est = f.estimator(lp.plan.spec.model)
+    assert tool.used == sum(est.message(m, 1.0) for m in results)
