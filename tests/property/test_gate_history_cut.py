@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
-from context_engine.domain.history import select_history
+from context_engine.domain.budget import _cut
+from context_engine.domain.history import select_history, units
 from context_engine.domain.items import (
     AssistantMessageItem,
     ConversationItem,
@@ -347,3 +348,30 @@ def test_the_generators_produce_every_interleaving(shape: str) -> None:
     found = find(tool_exchanges(), EXCHANGE_SHAPES[shape],
                  settings=settings(derandomize=True, database=None, max_examples=200))
     assert EXCHANGE_SHAPES[shape](found)
+
+
+@GATE_SETTINGS
+@given(data=st.data())
+def test_the_allocators_search_finds_the_walks_cut(data: st.DataObject) -> None:
+    """The allocator's cut (``budget._cut``: no floor, found by a search of running sums)
+    against this gate's oracle and against the walk (``select_history``), with the units
+    given or found, for any room (below nothing too)."""
+    h = data.draw(histories(), label="history")
+    room = data.draw(st.one_of(budgets(h.costs), st.integers(-50, -1)), label="room")
+    spans = data.draw(st.sampled_from((None, units(h.items))), label="spans")
+    lowest = min((i.sequence for i in h.items), default=0) - 1  # below every item: no floor
+    want = expected_cut(h.items, lowest, max(room, 0), h.costs)
+    assert _cut(list(h.items), list(h.costs), room, spans) == want
+    assert select_history(h.items, None, max(room, 0), h.costs.__getitem__, spans) == want
+
+
+def test_the_allocators_search_walks_where_it_cannot_search() -> None:
+    """Units that do not cover the items end to end, or a negative cost: the walk's cut."""
+    items = [f.user("u", "q", 1), _call("c", 2, "a"), _result("ra", 3, "a"),
+             f.user("u2", "next", 4)]
+    for costs, spans, room, walked in (([5, 5, 5, 5], [(0, 1), (1, 3)], 10, 1),  # not to the end
+                                       ([5, 5, 5, 5], [(0, 1), (3, 4)], 12, 0),  # a gap
+                                       ([9, -8, 5, 0], [(0, 1), (1, 2), (2, 4)], 0, 4),
+                                       ([5, 5, 5, 5], [], 3, 4)):
+        assert select_history(items, None, room, costs.__getitem__, spans) == walked
+        assert _cut(items, costs, room, spans) == walked

@@ -26,11 +26,11 @@ from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from itertools import accumulate, chain, compress, repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter, not_, sub
 from typing import cast
 
 from context_engine.domain.errors import BudgetExceeded, HistoryFloorUnreachable
-from context_engine.domain.history import Span, select_history
+from context_engine.domain.history import Span, select_history, units
 from context_engine.domain.items import (
     ContextItem,
     ConversationItem,
@@ -55,6 +55,8 @@ STEPS = ("knowledge", "recall", "tool_results", "history")
 # a result's typed pointer and what the pointer costs
 Pointed = tuple[ToolResultItem, int]
 _IS_ELIDED = attrgetter("elided")
+_ID = attrgetter("id")
+_COST = itemgetter(1)  # of a Pointed
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -298,8 +300,9 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     # Pointer candidates, oldest first: carried history, then completed active results; each
     # as its index into ``carried[floor:]`` then ``active`` (one sequence, as ``costs`` is).
     held = len(ledger.history)
-    queue = ([j for j in compress(range(held), history_results)
-              if not cast(ToolResultItem, ledger.history[j]).elided]
+    history_result_at = list(compress(range(held), history_results))
+    queue = (list(compress(history_result_at, map(not_, map(_IS_ELIDED, map(
+                 ledger.history.__getitem__, history_result_at)))))
              + [held + i for i in compress(range(len(ledger.active)), active_results)
                 if not cast(ToolResultItem, ledger.active[i]).elided
                 and ledger.active[i].id not in never_pointer])
@@ -323,8 +326,8 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
                     pointed = to_elided(item)
                     known[q] = found[j] = (pointed, cost(pointed))
         contents = map((ledger.history_costs + ledger.active_costs).__getitem__, queue)
-        return [max(content - k[1], 0)  # type: ignore[index]
-                for content, k in zip(contents, known, strict=True)]
+        return list(map(max, map(sub, contents, map(_COST, cast(list[Pointed], known))),
+                        repeat(0)))
 
     def to_pointers(excess: int) -> list[str]:
         """Results become pointers, oldest first, while the tokens they have freed are fewer
@@ -340,21 +343,21 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         before = reach[taken - 1] if taken else 0
         # the first candidate after which the freed tokens reach the excess, and it too
         end = min(bisect_left(reach, before + excess, taken) + 1, len(queue))
-        ids: list[str] = []
+        # the candidates that free something (one that frees nothing keeps its content), and
+        # where each is: history's come first in the queue, then the active run's
+        chosen = list(compress(range(taken, end), gain[taken:end]))
+        at = list(map(queue.__getitem__, chosen))
+        split = bisect_left(at, held)
         history, history_costs = ledger.history, ledger.history_costs
         active, active_costs = ledger.active, ledger.active_costs
-        freed_in_history = 0
-        for q in range(taken, end):
-            if not gain[q]:
-                continue  # frees nothing: keeps its content
-            j = queue[q]
-            pointed, pointer_cost = found[j]  # type: ignore[misc]  # filled by gains()
+        ids: list[str] = list(map(_ID, map(history.__getitem__, at[:split])))
+        ids += [active[j - held].id for j in at[split:]]
+        freed_in_history = sum(map(gain.__getitem__, chosen[:split]))
+        pointed_at = cast(list[Pointed], list(map(found.__getitem__, at)))  # filled by gains()
+        for j, (pointed, pointer_cost) in zip(at, pointed_at, strict=True):
             if j < held:
-                ids.append(history[j].id)
-                freed_in_history += gain[q]
                 history[j], history_costs[j] = pointed, pointer_cost
             else:
-                ids.append(active[j - held].id)
                 active[j - held], active_costs[j - held] = pointed, pointer_cost
         freed = reach[end - 1] - before
         taken = end
@@ -411,7 +414,7 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         left_costs = ledger.history_costs[:ledger.cut]
         ledger.history_total -= sum(left_costs)
         ledger.results_total -= sum(compress(left_costs, history_results[:ledger.cut]))
-        left = [i.id for i in ledger.history[:ledger.cut]]
+        left = list(map(_ID, ledger.history[:ledger.cut]))
         record("history", left, start)
 
     total = ledger.total()
@@ -464,14 +467,27 @@ _FIXED_CAPS = {"skill_bodies": SKILL_BODY_TOKENS, "working_state": WORKING_STATE
 
 def _cut(history: list[ConversationItem], costs: list[int], history_tokens: int,
          spans: Sequence[Span] | None) -> int:
-    # the summary floor was applied by the caller: every item here is a candidate (a pointer
-    # has its result's units: the same type and call id)
-    return select_history(history, None, max(history_tokens, 0), costs.__getitem__, spans)
+    """``select_history`` with no floor (the caller applied it: every item here is a candidate;
+    a pointer has its result's units, the same type and call id), found by a search: where the
+    units follow each other to the last item and no cost is negative, a suffix's cost only
+    grows as it begins earlier, so the cut is the first unit whose suffix fits, at
+    ``bisect_left`` of the running sums (the same unit the walk from the newest stops after)."""
+    room = max(history_tokens, 0)
+    if spans is None:
+        spans = units(history)
+    begins = list(map(itemgetter(0), spans))
+    ends = list(map(itemgetter(1), spans))
+    if spans and (ends[-1] != len(history) or begins[1:] != ends[:-1] or min(costs) < 0):
+        return select_history(history, None, room, costs.__getitem__, spans)
+    sums = [0, *accumulate(costs)]  # sums[i]: the cost of history[:i]
+    # history[b:] fits when sums[-1] - sums[b] <= room
+    first = bisect_left(begins, sums[-1] - room, key=sums.__getitem__)
+    return begins[first] if first < len(begins) else len(history)
 
 
 def _merge(step: str, parts: list[YieldStep]) -> YieldStep:
     return YieldStep(step=step, units=sum(p.units for p in parts),
-                     ids=tuple(i for p in parts for i in p.ids),
+                     ids=tuple(chain.from_iterable(p.ids for p in parts)),
                      tokens_before=parts[0].tokens_before, tokens_after=parts[-1].tokens_after)
 
 

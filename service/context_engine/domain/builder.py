@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Generator, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import chain, repeat
+from operator import is_, itemgetter
 from typing import Any, cast
 
 from context_engine.domain.breakpoints import CacheBreakpoint, history_breakpoints, select
@@ -624,11 +625,15 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     if alloc.recall:
         body.append(RecallItem(lines=alloc.recall))
     body += inputs
-    messages: list[Message] = []
-    for item in in_row_order(body):
-        messages.extend(render(item)[0])
+    # Each item's messages, from its identity entry (every item costed above has one) at C
+    # speed; an item without one (a knowledge or recall block built here) is entered now.
+    ordered = in_row_order(body)
+    hits: list[Any] = list(map(seen_get, map(id, ordered)))
+    if None in hits or not all(map(is_, map(itemgetter(0), hits), ordered)):
+        hits = list(map(entry, ordered))
+    messages = tuple(chain.from_iterable(map(itemgetter(0), map(itemgetter(1), hits))))
     request = ModelRequest(prefix_blocks=loaded.rendered.blocks, tools=loaded.rendered.tools,
-                           messages=tuple(messages))
+                           messages=messages)
     assert_paired(request)
     ttl = plan.spec.cache_ttl
     marks = [CacheBreakpoint(name="after_system", ttl=ttl),
@@ -683,12 +688,11 @@ def in_row_order(body: list[ContextItem]) -> list[ContextItem]:
     """``assemble(body, Region.B)`` reading each type's declaration once: the same order (by
     row, stable within a row) and, for a type that declares no row or another region, the same
     error (assemble fails on the first such item, the first of its type)."""
-    first: dict[type, ContextItem] = {}
-    for item in body:
-        first.setdefault(type(item), item)
-    assemble(list(first.values()), Region.B)
-    rows = {kind: declaration(kind)[0] for kind in first}
-    return sorted(body, key=lambda item: rows[type(item)])
+    kinds = list(map(type, body))
+    one_of_each = dict(zip(kinds, body, strict=True))  # in the order the types first appear
+    assemble(list(one_of_each.values()), Region.B)
+    rows = list(map({kind: declaration(kind)[0] for kind in one_of_each}.__getitem__, kinds))
+    return list(map(body.__getitem__, sorted(range(len(body)), key=rows.__getitem__)))
 
 
 def assert_paired(request: ModelRequest) -> None:
