@@ -37,7 +37,8 @@ class BuildBase:
     # cumulative serialized sizes of the items: item_bytes[i] is the size of items[:i]
     item_bytes: tuple[int, ...]
     messages: tuple[Message, ...]
-    message_sizes: tuple[int, ...]  # serialized, one per message
+    # what each message adds to the serialized ModelRequest (its field's tag, length and bytes)
+    message_entries: tuple[int, ...]
     prefix: tuple[object, object]  # the request's prefix blocks and tools
     prefix_bytes: int  # what they add to the serialized ModelRequest
     texts: tuple[bytes, bytes, bytes]  # UTF-8 of the JSON bodies, in TEXTS order
@@ -55,7 +56,7 @@ class BuildBase:
 
     @staticmethod
     def index(messages: tuple[Message, ...]) -> dict[int, int]:
-        return {id(m): i for i, m in enumerate(messages)}
+        return dict(zip(map(id, messages), range(len(messages)), strict=True))
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from context_engine.build_cache import BuildBase, BuildCache
 
 def base(tenant: str, session: str, build_id: str, size: int) -> BuildBase:
     return BuildBase(tenant_id=tenant, session_id=session, incarnation=1, build_id=build_id,
-                     items=(), item_bytes=(0, size), messages=(), message_sizes=(),
+                     items=(), item_bytes=(0, size), messages=(), message_entries=(),
                      prefix=((), ()), prefix_bytes=0, texts=(b"", b"", b""), response_bytes=0)
 
 

@@ -70,7 +70,7 @@ def msg(text: str) -> Message:
 
 def base_of(messages: tuple[Message, ...]) -> BuildBase:
     return BuildBase(tenant_id="t", session_id="s", incarnation=1, build_id="b", items=(),
-                     item_bytes=(0,), messages=messages, message_sizes=(), prefix=((), ()),
+                     item_bytes=(0,), messages=messages, message_entries=(), prefix=((), ()),
                      prefix_bytes=0, texts=(b"", b"", b""), response_bytes=0,
                      positions=BuildBase.index(messages))
 
@@ -98,3 +98,56 @@ def test_nothing_in_common_sends_everything_without_spans() -> None:
     base = base_of(tuple(msg(f"m{i}") for i in range(3)))
     found, sent = message_spans(base, [msg("x"), msg("y")])
     assert found == [] and sent == [0, 1]
+
+
+def walked_spans(base: BuildBase, messages: list[Message]
+                 ) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """The reference: ``message_spans`` one message at a time (its definition: a message is
+    copied when it is one of the base's, or equals the base message after the one copied just
+    before it; consecutive copies extend a span; a message sent counts in the span before)."""
+    where = {id(m): i for i, m in enumerate(base.messages)}
+    spans: list[list[int]] = []
+    sent: list[int] = []
+    expect = -1
+    for j, m in enumerate(messages):
+        i = where.get(id(m))
+        if i is None and 0 <= expect < len(base.messages) and base.messages[expect] == m:
+            i = expect
+        if i is None:
+            if not spans:
+                spans.append([0, 0, 0])
+            spans[-1][2] += 1
+            sent.append(j)
+            expect = -1
+            continue
+        if spans and spans[-1][2] == 0 and i == spans[-1][0] + spans[-1][1]:
+            spans[-1][1] += 1
+        else:
+            spans.append([i, 1, 0])
+        expect = i + 1
+    if not any(c for _, c, _ in spans):
+        return [], list(range(len(messages)))
+    return [(s, c, n) for s, c, n in spans], sent
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(0, 12), st.lists(st.tuples(st.sampled_from(("run", "held", "again", "new")),
+                                              st.integers(0, 14)), max_size=16))
+def test_message_spans_are_the_walks(held_count: int,
+                                     picks: list[tuple[str, int]]) -> None:
+    """Any mix of the base's own messages (runs of consecutive ones, single ones, repeats, out
+    of order), equal copies of them (matched only right after a copy of the one before) and
+    new messages."""
+    held = tuple(msg(f"m{i % 5}") for i in range(held_count))  # equal values repeat
+    base = base_of(held)
+    now: list[Message] = []
+    for kind, k in picks:
+        if kind == "run" and held:
+            now += held[k % held_count:k % held_count + 1 + k % 4]
+        elif kind == "held" and held:
+            now.append(held[k % held_count])
+        elif kind == "again":
+            now.append(msg(f"m{k % 5}"))
+        else:
+            now.append(msg(f"new{k}"))
+    assert message_spans(base, now) == walked_spans(base, now)

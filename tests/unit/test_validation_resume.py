@@ -206,7 +206,7 @@ def test_a_base_counts_its_scan_state_in_its_size() -> None:
                                             f.result("r1", 3, "call-1", "a")]))
     assert scan.held == 3 + 3 * 1  # three item ids; call-1 named, in its run, answered
     plain = BuildBase(tenant_id="t", session_id="s", incarnation=1, build_id="b", items=(),
-                      item_bytes=(0, 500), messages=(), message_sizes=(), prefix=((), ()),
+                      item_bytes=(0, 500), messages=(), message_entries=(), prefix=((), ()),
                       prefix_bytes=0, texts=(b"", b"", b""), response_bytes=20)
     assert plain.size == 520
     assert replace(plain, scan=scan).size == 520 + SCAN_ID_BYTES * scan.held

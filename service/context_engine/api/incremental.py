@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, compress, repeat
+from operator import add, ne
 from typing import Any
 
 from context_engine.api import mapping
@@ -47,28 +48,40 @@ def item_bytes(items: Sequence[pb.ConversationItem], base: BuildBase | None = No
 def message_spans(base: BuildBase, messages: Sequence[Message]
                   ) -> tuple[list[tuple[int, int, int]], list[int]]:
     """(spans, indexes of the messages to send): each span is (base_start, base_count,
-    new_count). No spans when nothing is taken from the base."""
+    new_count). No spans when nothing is taken from the base.
+
+    A message is copied when it is one of the base's (by identity), or, not being one, equals
+    the base message after the one copied just before it (a message the memo rendered again);
+    copies of consecutive base messages extend one span, and messages sent are counted in the
+    span before them. The messages are looked up at C speed and walked only where a run of
+    consecutive base messages breaks: inside a run every message extends the span."""
+    n = len(messages)
+    held = base.messages
+    found = list(map(base.positions.get, map(id, messages), repeat(_NOT_HELD)))
+    # where a message does not continue the run before it (one not held never does)
+    breaks = [0, *compress(range(1, n), map(ne, found[1:], map(add, found, repeat(1))))] \
+        if n else []
     spans: list[tuple[int, int, int]] = []
     sent: list[int] = []
-    positions, held = base.positions, base.messages
     start = count = new = 0
     open_span = False
     copied = 0
     expect = -1  # the base message a copy would continue with
-    for j, m in enumerate(messages):
-        i = positions.get(id(m))
-        if i is None and 0 <= expect < len(held) and held[expect] == m:
-            i = expect
+    for b, j in enumerate(breaks):
+        run = (breaks[b + 1] if b + 1 < len(breaks) else n) - j
+        i: int | None = found[j]
+        if i == _NOT_HELD:
+            i = expect if 0 <= expect < len(held) and held[expect] == messages[j] else None
         if i is not None:
             if open_span and new == 0 and i == start + count:
-                count += 1
+                count += run
             else:
                 if open_span:
                     spans.append((start, count, new))
-                start, count, new, open_span = i, 1, 0, True
-            copied += 1
-            expect = i + 1
-        else:
+                start, count, new, open_span = i, run, 0, True
+            copied += run
+            expect = i + run
+        else:  # a run of one: a message not held continues no run
             if not open_span:
                 start, count, new, open_span = 0, 0, 0, True
             new += 1
@@ -77,8 +90,11 @@ def message_spans(base: BuildBase, messages: Sequence[Message]
     if open_span:
         spans.append((start, count, new))
     if copied == 0:
-        return [], list(range(len(messages)))
+        return [], list(range(n))
     return spans, sent
+
+
+_NOT_HELD = -2  # found for a message the base does not hold (never one more than an index)
 
 
 def _common_prefix(a: bytes, b: bytes, limit: int) -> int:
@@ -157,8 +173,8 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
     if base is None:
         out = mapping.build_pb(result, provider_format, catalog=catalog, memo=memo)
         out.build_id = build_id
-        message_sizes = tuple(m.ByteSize() for m in out.request.messages)
-        prefix_bytes = out.request.ByteSize() - sum(_entry(1, n) for n in message_sizes)
+        message_entries = tuple(_entry(1, m.ByteSize()) for m in out.request.messages)
+        prefix_bytes = out.request.ByteSize() - sum(message_entries)
         full_bytes = out.ByteSize()
         texts = _texts(out)
         sent = len(messages)
@@ -169,20 +185,21 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
                                messages=[messages[j] for j in send], prefix=not prefix_from_base,
                                memo=memo)
         out.build_id = build_id
-        sent_sizes = [m.ByteSize() for m in out.request.messages]
+        sent_entries = [_entry(1, m.ByteSize()) for m in out.request.messages]
         if spans:
             parts: list[int] = []
-            taken = iter(sent_sizes)
+            taken = 0
             for s, c, n in spans:
-                parts.extend(base.message_sizes[s:s + c])
-                parts.extend(next(taken) for _ in range(n))
-            message_sizes = tuple(parts)
+                parts += base.message_entries[s:s + c]
+                parts += sent_entries[taken:taken + n]
+                taken += n
+            message_entries = tuple(parts)
         else:
-            message_sizes = tuple(sent_sizes)
+            message_entries = tuple(sent_entries)
         sent_request = out.request.ByteSize()
         prefix_bytes = (base.prefix_bytes if prefix_from_base
-                        else sent_request - sum(_entry(1, n) for n in sent_sizes))
-        full_request = prefix_bytes + sum(_entry(1, n) for n in message_sizes)
+                        else sent_request - sum(sent_entries))
+        full_request = prefix_bytes + sum(message_entries)
         full_bytes = out.ByteSize() - _entry(1, sent_request) + _entry(1, full_request)
         texts = _texts(out)
         delta = pb.ResponseDelta(base_build_id=base.build_id, prefix_from_base=prefix_from_base,
@@ -206,7 +223,7 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
         sent = len(send)
     kept = BuildBase(tenant_id=tenant_id, session_id=session_id, incarnation=incarnation,
                      build_id=build_id, items=items, item_bytes=sizes, messages=messages,
-                     message_sizes=message_sizes, prefix=prefix, prefix_bytes=prefix_bytes,
+                     message_entries=message_entries, prefix=prefix, prefix_bytes=prefix_bytes,
                      texts=texts, response_bytes=full_bytes,
                      positions=BuildBase.index(messages), scan=scan)
     return Answer(response=out, base=kept, sent_messages=sent)

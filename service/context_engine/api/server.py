@@ -343,6 +343,8 @@ async def serve(config: Config) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    # health says NOT_SERVING before the line says so (a probe that read the line then asks)
+    await running.health.enter_graceful_shutdown()
     log("stopping", drain_seconds=config.drain_seconds, grace_seconds=config.grace_seconds)
     await running.stop(config.grace_seconds, drain=config.drain_seconds)
     log("stopped")
