@@ -81,11 +81,11 @@ lint: $(DEV_STAMP) $(GEN_STAMP)
 	scripts/check-contract $(BIN)/buf
 
 ## test: the prerequisites, lint, promtool and pgbouncer (installed if missing), then the whole
-## suite against a throwaway database behind PgBouncer in transaction pooling mode. In this
-## process by default; TEST_WORKERS=2 runs it in two (pytest-xdist: each its own database and
-## pooler, one test file per process at a time; not against CE_TEST_DATABASE_URL, which the
-## processes would share)
-TEST_WORKERS ?= 0
+## suite against a throwaway database behind PgBouncer in transaction pooling mode. In two
+## processes by default (pytest-xdist: each its own database and pooler, one test file per
+## process at a time); in one with TEST_WORKERS=0, and always against CE_TEST_DATABASE_URL
+## (one database, which two processes would share)
+TEST_WORKERS ?= $(if $(CE_TEST_DATABASE_URL),0,2)
 test: prereqs-test lint
 	scripts/ensure-promtool
 	scripts/ensure-pgbouncer

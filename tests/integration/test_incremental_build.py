@@ -133,6 +133,13 @@ def test_items_replaced_from_a_position(stub: pb_grpc.ContextEngineStub) -> None
     # replaced from the very start: nothing of the base's items is kept
     got0 = incremental(stub, session, first.build_id, 0, items2)
     assert same(reconstruct(got0, first), whole(stub, session, items2))
+    # a correction and a new round at once: two runs of the base's messages, each followed by
+    # messages sent (the full response's size takes the sent ones in order; read back checks it)
+    again = whole(stub, session, items)  # a base held again (a session keeps only its last few)
+    items3 = items2 + turn(4)
+    got3 = incremental(stub, session, again.build_id, 5, items3[5:])
+    assert sum(s.new_count > 0 for s in got3.delta.message_spans) == 2
+    assert same(reconstruct(got3, again), whole(stub, session, items3))
 
 
 def test_unknown_base_is_refused_and_changes_nothing(stub: pb_grpc.ContextEngineStub) -> None:

@@ -283,10 +283,11 @@ def test_tool_results_over_a_quarter_of_the_body_become_pointers_oldest_first() 
     assert r.body_tokens <= B and not r.pressure.compaction_needed
 
 
-def _exact_allocation(fixed: int, costs: list[int]) -> list[str]:
+def _exact_allocation(fixed: int, costs: list[int], *, active: bool = False) -> list[str]:
     """``allocate`` over results whose pointer costs 100 tokens (a result costs the number its
     content spells), a body of 10,000 (tool results' cap 2,500) and ``fixed`` tokens that
-    never yield; the ids of the results that became pointers."""
+    never yield; the ids of the results that became pointers. ``active``: the results are the
+    active run's (completed: an answer closes the run), not history's."""
     from context_engine.domain.budget import Budget, allocate
 
     results: list[ConversationItem] = [
@@ -295,12 +296,15 @@ def _exact_allocation(fixed: int, costs: list[int]) -> list[str]:
         for k, c in enumerate(costs)]
 
     def cost(item: Any) -> int:
-        return 100 if item.elided else int(item.content)
+        return 100 if getattr(item, "elided", False) else int(getattr(item, "content", "0"))
 
+    closing = assistant("a", "done", len(costs) + 1)
     a = allocate(budget=Budget(total_tokens=20_000, output_reserve=0, margin_tokens=0,
                                body_budget=10_000),
                  prefix_tokens=0, factor=1.0, policy=BudgetPolicy(), summary=None,
-                 carried=results, floor=0, active=[], fixed={"current_user_message": fixed},
+                 carried=[] if active else results, floor=0,
+                 active=[*results, closing] if active else [],
+                 fixed={"current_user_message": fixed},
                  knowledge=[], recall=[], cost=cost, legacy_tool_excerpts=0,
                  position=lambda i: i, pointer=lambda r: replace(r, elided=True))
     assert a.pressure.fits
@@ -314,6 +318,19 @@ def test_results_become_pointers_until_the_excess_is_freed_and_not_one_more() ->
     assert _exact_allocation(0, [1_000, 1_000, 1_000, 401]) == ["r0", "r1"]
     assert _exact_allocation(8_700, [1_000] * 4) == ["r0", "r1", "r2"]
     assert _exact_allocation(8_701, [1_000] * 4) == ["r0", "r1", "r2", "r3"]
+
+
+def test_the_active_runs_results_take_the_same_steps_from_its_first_item() -> None:
+    """Completed results of the active run become pointers like history's, the run's first
+    item included (here the run begins with a result)."""
+    assert _exact_allocation(0, [1_000, 1_000, 1_000, 401], active=True) == ["r0", "r1"]
+    assert _exact_allocation(8_700, [1_000] * 4, active=True) == ["r0", "r1", "r2"]
+
+
+def test_a_result_whose_pointer_frees_nothing_keeps_its_content() -> None:
+    """Results that cost no more than their pointer (100) are passed over: the step goes on to
+    the next ones, and names only the results that became pointers."""
+    assert _exact_allocation(0, [50, 100, 1_000, 1_000, 1_000, 1_000]) == ["r2", "r3"]
 
 
 def test_a_pointer_keeps_trust_envelope_bytes_event_and_artifact() -> None:
