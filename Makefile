@@ -81,15 +81,16 @@ lint: $(DEV_STAMP) $(GEN_STAMP)
 	scripts/check-contract $(BIN)/buf
 
 ## test: the prerequisites, lint, promtool and pgbouncer (installed if missing), then the whole
-## suite against a throwaway database behind PgBouncer in transaction pooling mode. In two
-## processes by default (pytest-xdist: each its own database and pooler, one test file per
-## process at a time); in one with TEST_WORKERS=0, and always against CE_TEST_DATABASE_URL
-## (one database, which two processes would share)
-TEST_WORKERS ?= $(if $(CE_TEST_DATABASE_URL),0,2)
+## suite against a throwaway database behind PgBouncer in transaction pooling mode. In
+## TEST_WORKERS processes (pytest-xdist: each its own database and pooler, one test file per
+## process at a time), two by default; in one with TEST_WORKERS=0, and always in one against
+## CE_TEST_DATABASE_URL (one database, which two processes would share)
+TEST_WORKERS ?= 2
+PYTEST_WORKERS = $(if $(CE_TEST_DATABASE_URL),0,$(TEST_WORKERS))
 test: prereqs-test lint
 	scripts/ensure-promtool
 	scripts/ensure-pgbouncer
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 ## bench: Build over loopback gRPC on seeded 200/1,000/3,000-item conversations, like with like:
 ## cold Build beside uncached langchain-core trim_messages and one raw pass of the service's own

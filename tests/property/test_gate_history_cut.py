@@ -366,12 +366,14 @@ def test_the_allocators_search_finds_the_walks_cut(data: st.DataObject) -> None:
 
 
 def test_the_allocators_search_walks_where_it_cannot_search() -> None:
-    """Units that do not cover the items end to end, or a negative cost: the walk's cut."""
+    """Units that do not run end to end (short of the last item, a gap, one running backwards)
+    or a negative cost: the walk's cut; no units at all: no cut, as the walk finds."""
     items = [f.user("u", "q", 1), _call("c", 2, "a"), _result("ra", 3, "a"),
              f.user("u2", "next", 4)]
     for costs, spans, room, walked in (([5, 5, 5, 5], [(0, 1), (1, 3)], 10, 1),  # not to the end
                                        ([5, 5, 5, 5], [(0, 1), (3, 4)], 12, 0),  # a gap
                                        ([9, -8, 5, 0], [(0, 1), (1, 2), (2, 4)], 0, 4),
+                                       ([5, 5, 5, 5], [(0, 2), (2, 1), (1, 4)], 14, 4),
                                        ([5, 5, 5, 5], [], 3, 4)):
         assert select_history(items, None, room, costs.__getitem__, spans) == walked
         assert _cut(items, costs, room, spans) == walked

@@ -9,13 +9,10 @@ That depends on timing, so only the setting is held here."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+
+import tests
 
 
-def test_the_suite_and_what_it_starts_run_with_grpcs_fork_handlers_off() -> None:
+def test_the_suite_runs_with_grpcs_fork_handlers_off() -> None:
     assert os.environ.get("GRPC_ENABLE_FORK_SUPPORT") == "0"
-    child = subprocess.run([sys.executable, "-c",
-                            "import os; print(os.environ['GRPC_ENABLE_FORK_SUPPORT'])"],
-                           capture_output=True, text=True, check=True, timeout=30)
-    assert child.stdout.strip() == "0"
+    assert not tests.GRPC_IMPORTED_FIRST, "gRPC was imported before the setting was made"

@@ -193,6 +193,9 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
                 parts += base.message_entries[s:s + c]
                 parts += sent_entries[taken:taken + n]
                 taken += n
+            if taken != len(sent_entries):
+                raise AssertionError(f"spans count {taken} messages sent, the response holds "
+                                     f"{len(sent_entries)}")
             message_entries = tuple(parts)
         else:
             message_entries = tuple(sent_entries)

@@ -26,7 +26,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from itertools import accumulate, chain, compress, repeat
-from operator import attrgetter, itemgetter, not_, sub
+from operator import attrgetter, itemgetter, lt, not_, sub
 from typing import cast
 
 from context_engine.domain.errors import BudgetExceeded, HistoryFloorUnreachable
@@ -469,15 +469,16 @@ def _cut(history: list[ConversationItem], costs: list[int], history_tokens: int,
          spans: Sequence[Span] | None) -> int:
     """``select_history`` with no floor (the caller applied it: every item here is a candidate;
     a pointer has its result's units, the same type and call id), found by a search: where the
-    units follow each other to the last item and no cost is negative, a suffix's cost only
-    grows as it begins earlier, so the cut is the first unit whose suffix fits, at
+    units (none empty) follow each other to the last item and no cost is negative, a suffix's
+    cost only grows as it begins earlier, so the cut is the first unit whose suffix fits, at
     ``bisect_left`` of the running sums (the same unit the walk from the newest stops after)."""
     room = max(history_tokens, 0)
     if spans is None:
         spans = units(history)
     begins = list(map(itemgetter(0), spans))
     ends = list(map(itemgetter(1), spans))
-    if spans and (ends[-1] != len(history) or begins[1:] != ends[:-1] or min(costs) < 0):
+    if spans and (ends[-1] != len(history) or begins[1:] != ends[:-1]
+                  or not all(map(lt, begins, ends)) or min(costs, default=0) < 0):
         return select_history(history, None, room, costs.__getitem__, spans)
     sums = [0, *accumulate(costs)]  # sums[i]: the cost of history[:i]
     # history[b:] fits when sums[-1] - sums[b] <= room

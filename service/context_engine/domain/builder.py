@@ -687,9 +687,10 @@ def normalized(items: tuple[ConversationItem, ...], inline_maximum_bytes: int,
 def in_row_order(body: list[ContextItem]) -> list[ContextItem]:
     """``assemble(body, Region.B)`` reading each type's declaration once: the same order (by
     row, stable within a row) and, for a type that declares no row or another region, the same
-    error (assemble fails on the first such item, the first of its type)."""
+    error (assemble fails on the first such type in the body's order, and names only the type:
+    one item of each type, the types in the order they first appear, is all it needs)."""
     kinds = list(map(type, body))
-    one_of_each = dict(zip(kinds, body, strict=True))  # in the order the types first appear
+    one_of_each = dict(zip(kinds, body, strict=True))  # keys in first-appearance order
     assemble(list(one_of_each.values()), Region.B)
     rows = list(map({kind: declaration(kind)[0] for kind in one_of_each}.__getitem__, kinds))
     return list(map(body.__getitem__, sorted(range(len(body)), key=rows.__getitem__)))
