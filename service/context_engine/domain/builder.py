@@ -496,9 +496,6 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         hit = seen[id(item)] = [item, found, None, 0, None, owner]
         return hit
 
-    def render(item: ContextItem) -> Rendered:
-        return cast(Rendered, entry(item)[1])
-
     seen_get = seen.get
 
     def cost(item: ContextItem) -> int:
