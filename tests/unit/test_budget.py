@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from context_engine.domain import calibration
@@ -283,7 +283,8 @@ def test_tool_results_over_a_quarter_of_the_body_become_pointers_oldest_first() 
     assert r.body_tokens <= B and not r.pressure.compaction_needed
 
 
-def _exact_allocation(fixed: int, costs: list[int], *, active: bool = False) -> list[str]:
+def _exact_allocation(fixed: int, costs: list[int], *, active: bool = False,
+                      sent: list[str] | None = None) -> list[str]:
     """``allocate`` over results whose pointer costs 100 tokens (a result costs the number its
     content spells), a body of 10,000 (tool results' cap 2,500) and ``fixed`` tokens that
     never yield; the ids of the results that became pointers. ``active``: the results are the
@@ -308,6 +309,9 @@ def _exact_allocation(fixed: int, costs: list[int], *, active: bool = False) -> 
                  knowledge=[], recall=[], cost=cost, legacy_tool_excerpts=0,
                  position=lambda i: i, pointer=lambda r: replace(r, elided=True))
     assert a.pressure.fits
+    if sent is not None:  # what the request holds of each result: "pointer" or its content
+        sent += [("pointer" if cast(ToolResultItem, r).elided else cast(ToolResultItem, r).content)
+                 for r in (*a.history, *a.active) if isinstance(r, ToolResultItem)]
     return [i for s in a.pressure.steps if s.step == "tool_results" for i in s.ids]
 
 
@@ -327,10 +331,42 @@ def test_the_active_runs_results_take_the_same_steps_from_its_first_item() -> No
     assert _exact_allocation(8_700, [1_000] * 4, active=True) == ["r0", "r1", "r2"]
 
 
+def test_what_pointers_free_comes_off_the_class_that_holds_them() -> None:
+    """The tokens a pointer frees come off the class of the item it replaced: with every
+    result in the active run (completed), history holds one plain message at its own cost and
+    the active run its results at their pointers' (100 each) or contents' costs."""
+    from context_engine.domain.budget import Budget, allocate
+
+    def cost(item: Any) -> int:
+        if isinstance(item, ToolResultItem):
+            return 100 if item.elided else int(item.content)
+        return 7
+
+    results: list[ConversationItem] = [
+        ToolResultItem(id=f"r{k}", sequence=k + 2, run_id="run-1", item_trust=TrustLevel.USER,
+                       call_id=f"c{k}", tool_name="t", content=str(c))
+        for k, c in enumerate([1_000, 1_000, 1_000, 401])]
+    a = allocate(budget=Budget(total_tokens=20_000, output_reserve=0, margin_tokens=0,
+                               body_budget=10_000),
+                 prefix_tokens=0, factor=1.0, policy=BudgetPolicy(), summary=None,
+                 carried=[assistant("h", "earlier", 1)], floor=0,
+                 active=[*results, assistant("a", "done", 9, run_id="run-1")],
+                 fixed={"current_user_message": 0}, knowledge=[], recall=[], cost=cost,
+                 legacy_tool_excerpts=0, position=lambda i: i,
+                 pointer=lambda r: replace(r, elided=True))
+    assert [i for s in a.pressure.steps for i in s.ids] == ["r0", "r1"]
+    used = {c.class_name: c.used for c in a.report.classes}
+    assert used["history"] == 7
+    assert used["active_run"] == 100 + 100 + 1_000 + 401 + 7
+    assert used["tool_results"] == 100 + 100 + 1_000 + 401
+
+
 def test_a_result_whose_pointer_frees_nothing_keeps_its_content() -> None:
     """Results that cost no more than their pointer (100) are passed over: the step goes on to
     the next ones, and names only the results that became pointers."""
-    assert _exact_allocation(0, [50, 100, 1_000, 1_000, 1_000, 1_000]) == ["r2", "r3"]
+    sent: list[str] = []
+    assert _exact_allocation(0, [50, 100, 1_000, 1_000, 1_000, 1_000], sent=sent) == ["r2", "r3"]
+    assert sent == ["50", "100", "pointer", "pointer", "1000", "1000"]
 
 
 def test_a_pointer_keeps_trust_envelope_bytes_event_and_artifact() -> None:

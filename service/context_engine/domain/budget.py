@@ -202,6 +202,46 @@ class Allocation:
     recall: tuple[MemoryLine, ...]
     report: BudgetReport
     pressure: Pressure
+    # what the pointer steps found over the history candidates, for a later allocation whose
+    # candidates begin alike (``KeptSteps``): a cache, not part of what was allocated
+    kept: KeptSteps | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class KeptSteps:
+    """What an allocation found over its first ``held`` history candidates (``carried[floor:]``),
+    for a later allocation whose candidates begin with the same items at the same pricing, so
+    with the same costs and pointers: which are results, their ids, the pointer queue over
+    them (the results not pointers already) with each queued result's id, gain and the running
+    sums of the gains (over the first ``len(gain)`` queued, where a pointer step found them),
+    and the history as the first ``taken`` queued results left it (a pointer in place of each
+    that frees something) with its costs (None when ``taken`` is 0). Each is a prefix-closed
+    fact of those candidates: ``truncated`` keeps what holds of fewer of them."""
+
+    held: int
+    results: list[bool]
+    ids: list[str]
+    queue: list[int]
+    queue_ids: list[str]
+    gain: list[int]
+    reach: list[int]
+    taken: int
+    history: list[ConversationItem] | None
+    history_costs: list[int] | None
+
+    def truncated(self, held: int) -> KeptSteps:
+        """What holds of the first ``held`` candidates alone."""
+        if held >= self.held:
+            return self
+        queued = bisect_left(self.queue, held)  # the queue is in candidate order
+        taken = min(self.taken, queued)  # the pointers past ``held`` are not in its history
+        return KeptSteps(
+            held=held, results=self.results[:held], ids=self.ids[:held],
+            queue=self.queue[:queued], queue_ids=self.queue_ids[:queued],
+            gain=self.gain[:queued], reach=self.reach[:queued], taken=taken,
+            history=(self.history[:held] if taken and self.history is not None else None),
+            history_costs=(self.history_costs[:held]
+                           if taken and self.history_costs is not None else None))
 
 
 _INIT_FIELDS: dict[type, tuple[str, ...]] = {}
@@ -246,7 +286,8 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
              pointer: Callable[[ToolResultItem], ToolResultItem] | None = None,
              spans: Sequence[Span] | None = None,
              costs: Sequence[int] | None = None,
-             pointers: list[Pointed | None] | None = None) -> Allocation:
+             pointers: list[Pointed | None] | None = None,
+             kept: KeptSteps | None = None) -> Allocation:
     """Fit the body into ``budget.body_budget``. ``fixed`` holds the costs of the classes that
     never yield (current user message, working state, corrections, skill bodies, summary,
     runtime metadata); ``carried[floor:]`` are the history candidates; ``active`` the active
@@ -257,7 +298,10 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     ``carried[floor:]`` then ``active``, when the caller has them. ``pointers``, aligned with
     the same items: each result's pointer and its cost where known (None where not yet); the
     entries a pointer step needs are filled in, so a caller may keep the list for a later
-    allocation of items that begin alike (at the same pricing)."""
+    allocation of items that begin alike (at the same pricing). ``kept``: what an earlier
+    allocation found over its first ``kept.held`` history candidates (``Allocation.kept``),
+    which the caller has checked are this one's first candidates at the same pricing; the
+    allocation takes from it what it would otherwise find again, and returns its own."""
     B = budget.body_budget
     to_elided = elided if pointer is None else pointer
     knowledge = sorted(knowledge, key=lambda p: (p.rank, p.id))
@@ -270,8 +314,18 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     ledger.fixed_total = sum(ledger.fixed.values())
     ledger.history_total = sum(ledger.history_costs)
     ledger.active_total = sum(ledger.active_costs)
-    # which items are results (a pointer is one too: it has its result's type), at C speed
-    history_results = list(map(isinstance, ledger.history, repeat(ToolResultItem)))
+    held = len(ledger.history)
+    if kept is not None:
+        kept = kept.truncated(held)
+    kept_held = kept.held if kept is not None else 0
+    # which items are results (a pointer is one too: it has its result's type), and their
+    # ids, at C speed: those of the kept candidates as found before
+    new_history = ledger.history[kept_held:]
+    history_results = list(map(isinstance, new_history, repeat(ToolResultItem)))
+    history_ids = list(map(_ID, new_history))
+    if kept is not None:
+        history_results = kept.results + history_results
+        history_ids = kept.ids + history_ids
     active_results = list(map(isinstance, ledger.active, repeat(ToolResultItem)))
     ledger.results_total = (sum(compress(ledger.history_costs, history_results))
                             + sum(compress(ledger.active_costs, active_results)))
@@ -298,36 +352,49 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         return dropped.id
 
     # Pointer candidates, oldest first: carried history, then completed active results; each
-    # as its index into ``carried[floor:]`` then ``active`` (one sequence, as ``costs`` is).
-    held = len(ledger.history)
-    history_result_at = list(compress(range(held), history_results))
-    queue = (list(compress(history_result_at, map(not_, map(_IS_ELIDED, map(
-                 ledger.history.__getitem__, history_result_at)))))
-             + [held + i for i in compress(range(len(ledger.active)), active_results)
-                if not cast(ToolResultItem, ledger.active[i]).elided
-                and ledger.active[i].id not in never_pointer])
+    # as its index into ``carried[floor:]`` then ``active`` (one sequence, as ``costs`` is),
+    # with its id. The kept candidates' are as found before.
+    history_result_at = list(compress(range(kept_held, held), history_results[kept_held:]))
+    history_queue = list(compress(history_result_at, map(not_, map(_IS_ELIDED, map(
+        ledger.history.__getitem__, history_result_at)))))
+    history_queue_ids = list(map(history_ids.__getitem__, history_queue))
+    if kept is not None:
+        history_queue = kept.queue + history_queue
+        history_queue_ids = kept.queue_ids + history_queue_ids
+    active_queue = [i for i in compress(range(len(ledger.active)), active_results)
+                    if not cast(ToolResultItem, ledger.active[i]).elided
+                    and ledger.active[i].id not in never_pointer]
+    queue = history_queue + [held + i for i in active_queue]
+    queue_ids = history_queue_ids + [ledger.active[i].id for i in active_queue]
+    queued_in_history = len(history_queue)
     found: list[Pointed | None] = ([None] * (held + len(ledger.active)) if pointers is None
                                    else pointers)
     # What each candidate frees as a pointer (0: a pointer no smaller than its content keeps
     # the content), and those sums running along the queue: found on the first step that
-    # has an excess, so a build that needs no pointer computes none.
+    # has an excess, so a build that needs no pointer computes none (those of the kept
+    # candidates' queue as found before).
     gain: list[int] = []
     reach: list[int] = []
     taken = 0  # candidates the pointer steps have gone past, oldest first
 
-    def gains() -> list[int]:
-        known = list(map(found.__getitem__, queue))
+    def gains() -> tuple[list[int], list[int]]:
+        """(gain, reach) over the whole queue."""
+        gain = kept.gain if kept is not None else []
+        reach = kept.reach if kept is not None else []
+        rest = queue[len(gain):]
+        known = list(map(found.__getitem__, rest))
         if None in known:  # found by no earlier allocation: found now
             history, active = ledger.history, ledger.active
-            for q, j in enumerate(queue):
+            for q, j in enumerate(rest):
                 if known[q] is None:
                     item = history[j] if j < held else active[j - held]
                     assert isinstance(item, ToolResultItem)
                     pointed = to_elided(item)
                     known[q] = found[j] = (pointed, cost(pointed))
-        contents = map((ledger.history_costs + ledger.active_costs).__getitem__, queue)
-        return list(map(max, map(sub, contents, map(_COST, cast(list[Pointed], known))),
+        contents = map((ledger.history_costs + ledger.active_costs).__getitem__, rest)
+        more = list(map(max, map(sub, contents, map(_COST, cast(list[Pointed], known))),
                         repeat(0)))
+        return gain + more, reach + list(accumulate(more, initial=reach[-1] if reach else 0))[1:]
 
     def to_pointers(excess: int) -> list[str]:
         """Results become pointers, oldest first, while the tokens they have freed are fewer
@@ -338,28 +405,42 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         if excess <= 0 or taken == len(queue):
             return []
         if not reach:
-            gain = gains()
-            reach = list(accumulate(gain))
+            gain, reach = gains()
         before = reach[taken - 1] if taken else 0
         # the first candidate after which the freed tokens reach the excess, and it too
         end = min(bisect_left(reach, before + excess, taken) + 1, len(queue))
-        # the candidates that free something (one that frees nothing keeps its content), and
-        # where each is: history's come first in the queue, then the active run's
-        chosen = list(compress(range(taken, end), gain[taken:end]))
-        at = list(map(queue.__getitem__, chosen))
-        split = bisect_left(at, held)
+        # the ids of the candidates that free something (one that frees nothing keeps its
+        # content), at C speed
+        ids = list(compress(queue_ids[taken:end], gain[taken:end]))
         history, history_costs = ledger.history, ledger.history_costs
         active, active_costs = ledger.active, ledger.active_costs
-        ids: list[str] = list(map(_ID, map(history.__getitem__, at[:split])))
-        ids += [active[j - held].id for j in at[split:]]
-        freed_in_history = sum(map(gain.__getitem__, chosen[:split]))
-        pointed_at = cast(list[Pointed], list(map(found.__getitem__, at)))  # filled by gains()
-        for j, (pointed, pointer_cost) in zip(at, pointed_at, strict=True):
+        start = taken
+        if (kept is not None and kept.history is not None and kept.history_costs is not None
+                and taken <= kept.taken <= end):
+            # the kept history is this one as the first kept.taken queued results leave it
+            # (those before ``taken`` are pointers already): taken whole
+            history[:kept.held] = kept.history
+            history_costs[:kept.held] = kept.history_costs
+            start = kept.taken
+        chosen = list(compress(range(start, end), gain[start:end]))
+        at = list(map(queue.__getitem__, chosen))
+        pointed_at = list(map(found.__getitem__, at))  # filled by gains() or an earlier one
+        if None in pointed_at:  # kept gains, but not the pointers they were found with
+            for q, j in enumerate(at):
+                if pointed_at[q] is None:
+                    item = history[j] if j < held else active[j - held]
+                    assert isinstance(item, ToolResultItem)
+                    pointed = to_elided(item)
+                    pointed_at[q] = found[j] = (pointed, cost(pointed))
+        for j, (pointed, pointer_cost) in zip(at, cast(list[Pointed], pointed_at), strict=True):
             if j < held:
                 history[j], history_costs[j] = pointed, pointer_cost
             else:
                 active[j - held], active_costs[j - held] = pointed, pointer_cost
         freed = reach[end - 1] - before
+        # history's come first in the queue, then the active run's
+        in_history = min(end, queued_in_history)
+        freed_in_history = reach[in_history - 1] - before if in_history > taken else 0
         taken = end
         ledger.results_total -= freed
         ledger.history_total -= freed_in_history
@@ -414,7 +495,7 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         left_costs = ledger.history_costs[:ledger.cut]
         ledger.history_total -= sum(left_costs)
         ledger.results_total -= sum(compress(left_costs, history_results[:ledger.cut]))
-        left = list(map(_ID, ledger.history[:ledger.cut]))
+        left = history_ids[:ledger.cut]  # a pointer has its result's id
         record("history", left, start)
 
     total = ledger.total()
@@ -457,9 +538,21 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         prefix_tokens=prefix_tokens, body_budget=B, body_tokens=total,
         estimated_total=prefix_tokens + total, estimator_factor=factor,
         history_floor=HISTORY_FLOOR_TOKENS, classes=classes)
+    # what holds of these history candidates for a later allocation (the history as the
+    # queued results before ``in_history`` left it: the cut changed none of it)
+    in_history = min(taken, queued_in_history)
+    if not reach and kept is not None:  # no step found gains: those found before still hold
+        gain, reach = kept.gain, kept.reach
+    found_steps = KeptSteps(
+        held=held, results=history_results, ids=history_ids, queue=history_queue,
+        queue_ids=history_queue_ids, gain=gain[:queued_in_history],
+        reach=reach[:queued_in_history], taken=in_history,
+        history=ledger.history if in_history else None,
+        history_costs=ledger.history_costs if in_history else None)
     return Allocation(summary=summary, history=tuple(ledger.history[ledger.cut:]),
                       active=tuple(ledger.active), knowledge=tuple(ledger.knowledge),
-                      recall=tuple(ledger.recall), report=report, pressure=pressure)
+                      recall=tuple(ledger.recall), report=report, pressure=pressure,
+                      kept=found_steps)
 
 
 _FIXED_CAPS = {"skill_bodies": SKILL_BODY_TOKENS, "working_state": WORKING_STATE_TOKENS}

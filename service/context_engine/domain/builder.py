@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Generator, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, repeat
-from operator import is_, itemgetter
+from itertools import chain, compress, repeat
+from operator import attrgetter, is_, itemgetter
 from typing import Any, cast
 
 from context_engine.domain.breakpoints import CacheBreakpoint, history_breakpoints, select
@@ -20,6 +20,7 @@ from context_engine.domain.budget import (
     WORKING_STATE_TOKENS,
     BudgetPolicy,
     BudgetReport,
+    KeptSteps,
     Pointed,
     Pressure,
     allocate,
@@ -89,16 +90,18 @@ class _KeptItems:
     excerpted: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _KeptCosts:
     """The memo's COSTS entry: a build's candidates, at what pricing (base factor, factor),
     their costs, and each result's pointer and its cost where a pointer step found them (the
-    list is filled in by later allocations of the same candidates)."""
+    list is filled in by later allocations of the same candidates); and what its allocation
+    found over the history candidates (``KeptSteps``; None until it has allocated)."""
 
     pricing: tuple[float, float]
     candidates: tuple[ContextItem, ...]
     costs: list[int]
     pointers: list[Pointed | None]
+    steps: KeptSteps | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -394,6 +397,9 @@ def working_state_tokens(estimator: TokenEstimator, ctx: RenderContext,
     return estimator.messages(WorkingStateItem(state=state).messages(ctx), 1.0)
 
 
+_ATTACHMENTS = attrgetter("attachments")
+
+
 def attachment_costs(items: Sequence[ConversationItem]) -> dict[str, int]:
     """Per user message: its attachments' content estimate, under one request-wide budget
     consumed newest first — what history keeps is a suffix, so a kept attachment is never
@@ -401,8 +407,10 @@ def attachment_costs(items: Sequence[ConversationItem]) -> dict[str, int]:
     counted in the message text itself)."""
     remaining = ATTACHMENT_BUDGET_TOKENS
     out: dict[str, int] = {}
-    for item in reversed(items):
-        if isinstance(item, UserMessageItem) and item.attachments:
+    # the user messages with attachments, newest first (found at C speed: they are few)
+    users = compress(items, map(isinstance, items, repeat(UserMessageItem)))
+    for item in reversed(list(filter(_ATTACHMENTS, users))):
+        if isinstance(item, UserMessageItem):
             want = sum(attachment_tokens(a) for a in item.attachments)
             out[item.id] = min(want, remaining)
             remaining -= out[item.id]
@@ -590,6 +598,8 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     # build found them (the allocation fills in what it needs).
     candidates = (*carried[floor:], *active)
     pointed: list[Pointed | None] | None
+    kept_costs: _KeptCosts | None = None
+    kept_steps: KeptSteps | None = None
     if memo is None or attach:
         costs = pointed = None
     else:
@@ -600,17 +610,22 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         if known_costs is not None and held:
             costs = [*known_costs.costs[:held], *map(cost, candidates[held:])]
             pointed = [*known_costs.pointers[:held], *repeat(None, len(candidates) - held)]
+            # what its allocation found over the candidates both begin with
+            if known_costs.steps is not None:
+                kept_steps = known_costs.steps.truncated(held)
         else:
             costs = list(map(cost, candidates))
             pointed = [None] * len(candidates)
-        cast(MutableMapping[Any, Any], memo)[costs_key] = _KeptCosts(pricing, candidates, costs,
-                                                                     pointed)
+        kept_costs = _KeptCosts(pricing, candidates, costs, pointed)
+        cast(MutableMapping[Any, Any], memo)[costs_key] = kept_costs
     alloc = allocate(budget=budget, prefix_tokens=prefix_tokens, factor=factor,
                      policy=policy, summary=summary, carried=carried, floor=floor,
                      active=active, fixed=fixed, knowledge=list(cp.knowledge),
                      recall=list(cp.recall), cost=cost, legacy_tool_excerpts=legacy,
                      position=position, pointer=pointer, spans=spans, costs=costs,
-                     pointers=pointed)
+                     pointers=pointed, kept=kept_steps)
+    if kept_costs is not None:
+        kept_costs.steps = alloc.kept
     yield alloc.pressure
 
     body: list[ContextItem] = []
