@@ -20,13 +20,19 @@ import pytest
 from context_engine.api import mapping
 from context_engine.domain import canonical
 from context_engine.domain.budget import elided
-from context_engine.domain.builder import build, checkpoint_violations, in_row_order
+from context_engine.domain.builder import (
+    build,
+    checkpoint_violations,
+    in_row_order,
+    in_row_order_around,
+)
 from context_engine.domain.canonical import parse_json_object, session_key
 from context_engine.domain.errors import AssemblyError
 from context_engine.domain.items import (
     AssistantMessageItem,
     ContextItem,
     CorrectionItem,
+    HistorySummary,
     KnowledgeItem,
     KnowledgePassage,
     MemoryLine,
@@ -329,6 +335,57 @@ def test_rows_are_ordered_as_assemble_orders_them() -> None:
         with pytest.raises(AssemblyError) as got:
             in_row_order(body)
         assert str(got.value) == str(want.value)
+
+
+def test_rows_around_a_block_of_one_row_are_the_rows_of_it_all() -> None:
+    """``in_row_order_around(head, block, tail)`` is ``in_row_order`` of the three together,
+    order and error: over heads, blocks and tails drawn from every row around the history's
+    (a summary's below it, the same row in the head and in the tail, higher ones), blocks of
+    one type, of several and of none, blocks holding a type of another row, of region A or
+    declaring no row."""
+    rnd = random.Random(5)
+
+    @dataclasses.dataclass(frozen=True)
+    class Undeclared(ContextItem):
+        pass
+
+    user = UserMessageItem(id="u", sequence=1, run_id="r", item_trust=TrustLevel.USER,
+                           text="hi")
+    said = AssistantMessageItem(id="a", sequence=2, run_id="r", item_trust=TrustLevel.USER,
+                                text="ok")
+    result = ToolResultItem(id="t", sequence=3, run_id="r", item_trust=TrustLevel.USER,
+                            call_id="c", tool_name="x", content="y")
+    conversation: list[ContextItem] = [user, said, result]
+    others: list[ContextItem] = [
+        HistorySummary(text="s", replaced_through_sequence=1), *conversation,
+        TrailingUserInput(message=user),
+        SkillBodyItem(name="s", body="b", skill_trust=TrustLevel.USER),
+        KnowledgeItem(passages=(KnowledgePassage(id="k", source="s", text="t", rank=1,
+                                                 trust=TrustLevel.MEMORY),)),
+        RecallItem(lines=(MemoryLine(id="m", text="t"),)),
+        CorrectionItem(lines=(MemoryLine(id="c", text="t"),)),
+        RuntimeMetadataItem(current_date="d", principal_scopes=(), surface="",
+                            browser_origins=())]
+    odd: list[ContextItem] = [Undeclared(), PlatformPolicy(text="p"), others[5]]
+
+    def outcome(order: Any, *parts: list[ContextItem]) -> Any:
+        try:
+            return [id(item) for item in order(*parts)]
+        except AssemblyError as exc:
+            return str(exc)
+
+    seen_errors = 0
+    for case in range(600):
+        head = [rnd.choice(others) for _ in range(rnd.randint(0, 2))]
+        block = [rnd.choice(conversation) for _ in range(rnd.randint(0, 6))]
+        if case % 4 == 0 and block:  # a type of another row, another region or none
+            block[rnd.randrange(len(block))] = rnd.choice(odd)
+        tail = [rnd.choice(others + odd[:1] * (case % 7 == 0))
+                for _ in range(rnd.randint(0, 6))]
+        want = outcome(lambda *p: in_row_order([*p[0], *p[1], *p[2]]), head, block, tail)
+        assert outcome(in_row_order_around, head, block, tail) == want, (head, block, tail)
+        seen_errors += isinstance(want, str)
+    assert 30 < seen_errors < 400
 
 
 def reference_parse(text: Any) -> Any:

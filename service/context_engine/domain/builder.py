@@ -628,18 +628,16 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         kept_costs.steps = alloc.kept
     yield alloc.pressure
 
-    body: list[ContextItem] = []
-    if alloc.summary is not None:
-        body.append(alloc.summary)
-    body += [*alloc.history, *alloc.active, *skills, *rows.values()]
+    head: list[ContextItem] = [alloc.summary] if alloc.summary is not None else []
+    tail: list[ContextItem] = [*skills, *rows.values()]
     if alloc.knowledge:
-        body.append(KnowledgeItem(passages=alloc.knowledge))
+        tail.append(KnowledgeItem(passages=alloc.knowledge))
     if alloc.recall:
-        body.append(RecallItem(lines=alloc.recall))
-    body += inputs
+        tail.append(RecallItem(lines=alloc.recall))
+    tail += inputs
     # Each item's messages, from its identity entry (every item costed above has one) at C
     # speed; an item without one (a knowledge or recall block built here) is entered now.
-    ordered = in_row_order(body)
+    ordered = in_row_order_around(head, [*alloc.history, *alloc.active], tail)
     hits: list[Any] = list(map(seen_get, map(id, ordered)))
     if None in hits or not all(map(is_, map(itemgetter(0), hits), ordered)):
         hits = list(map(entry, ordered))
@@ -706,6 +704,30 @@ def in_row_order(body: list[ContextItem]) -> list[ContextItem]:
     assemble(list(one_of_each.values()), Region.B)
     rows = list(map({kind: declaration(kind)[0] for kind in one_of_each}.__getitem__, kinds))
     return list(map(body.__getitem__, sorted(range(len(body)), key=rows.__getitem__)))
+
+
+def in_row_order_around(head: list[ContextItem], block: list[ContextItem],
+                        tail: list[ContextItem]) -> list[ContextItem]:
+    """``in_row_order([*head, *block, *tail])`` where every type in ``block`` (the history
+    and the active run: few types, found at C speed) declares the same row of region B: the
+    block then stays whole, after what sorts before it (a lower row, or its row in ``head``)
+    and before the rest, and only ``head`` and ``tail`` are sorted (the same order, and the
+    same error: no type of the block can raise one). Otherwise ``in_row_order`` of it all."""
+    try:
+        declared = {declaration(kind)[:2] for kind in set(map(type, block))}
+    except AssemblyError:
+        declared = set()
+    if len(declared) != 1:
+        return in_row_order([*head, *block, *tail])
+    ((row, region),) = declared
+    if region is not Region.B:
+        return in_row_order([*head, *block, *tail])
+    parts = [*head, *tail]
+    in_row_order(parts)  # what it raises, as for it all (the block's types are declared)
+    rows = [declaration(type(item))[0] for item in parts]
+    order = sorted(range(len(parts)), key=rows.__getitem__)  # in_row_order's, by position
+    split = sum(1 for i in order if rows[i] < row or (rows[i] == row and i < len(head)))
+    return [*map(parts.__getitem__, order[:split]), *block, *map(parts.__getitem__, order[split:])]
 
 
 def assert_paired(request: ModelRequest) -> None:
