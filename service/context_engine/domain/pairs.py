@@ -14,16 +14,20 @@ def orphans(messages: Sequence[Message]) -> list[str]:
     called: set[str] = set()
     answered: set[str] = set()
     problems: list[str] = []
+    call_made, call_answered, tool = called.add, answered.add, Role.TOOL  # read once
     for m in messages:
-        for call in m.tool_calls:
-            if call.call_id in called:
-                problems.append(f"{call.call_id}: called twice")
-            called.add(call.call_id)
-        if m.role is Role.TOOL:
-            if m.call_id not in called:
-                problems.append(f"{m.call_id}: result without an earlier call")
-            elif m.call_id in answered:
-                problems.append(f"{m.call_id}: answered twice")
-            answered.add(m.call_id)
+        calls = m.tool_calls
+        if calls:  # most messages make none
+            for call in calls:
+                if call.call_id in called:
+                    problems.append(f"{call.call_id}: called twice")
+                call_made(call.call_id)
+        if m.role is tool:
+            call_id = m.call_id
+            if call_id not in called:
+                problems.append(f"{call_id}: result without an earlier call")
+            elif call_id in answered:
+                problems.append(f"{call_id}: answered twice")
+            call_answered(call_id)
     problems += [f"{c}: call without a result" for c in sorted(called - answered)]
     return problems
