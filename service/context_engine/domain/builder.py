@@ -7,10 +7,10 @@ and factor always give the same bytes.
 
 from __future__ import annotations
 
-from collections.abc import Generator, MutableMapping, Sequence
+from collections.abc import Callable, Generator, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
-from operator import attrgetter, is_, itemgetter
+from operator import attrgetter, is_, itemgetter, not_
 from typing import Any, cast
 
 from context_engine.domain.breakpoints import CacheBreakpoint, history_breakpoints, select
@@ -93,14 +93,16 @@ class _KeptItems:
 @dataclass(slots=True)
 class _KeptCosts:
     """The memo's COSTS entry: a build's candidates, at what pricing (base factor, factor),
-    their costs, and each result's pointer and its cost where a pointer step found them (the
-    list is filled in by later allocations of the same candidates); and what its allocation
-    found over the history candidates (``KeptSteps``; None until it has allocated)."""
+    their costs and messages, and each result's pointer and its cost where a pointer step found
+    them (the list is filled in by later allocations of the same candidates); and what its
+    allocation found over the history candidates (``KeptSteps``; None until it has
+    allocated)."""
 
     pricing: tuple[float, float]
     candidates: tuple[ContextItem, ...]
     costs: list[int]
     pointers: list[Pointed | None]
+    messages: list[tuple[Message, ...]]  # each candidate's rendering (its content's)
     steps: KeptSteps | None = None
 
 
@@ -518,6 +520,10 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         owner = hit[5]
         return cast(int, hit[3] if owner is None else hit[3] + attach.get(owner, 0))
 
+    def said_by(item: ContextItem) -> tuple[Message, ...]:
+        """The item's messages, from its identity entry."""
+        return cast(tuple[Message, ...], entry(item)[1][0])
+
     # A result's typed pointer is a value of the result: kept in the memo beside renderings,
     # and in the result's identity entry.
     pointers = cast(MutableMapping[Any, ToolResultItem], renders)
@@ -609,14 +615,16 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
                 if known_costs is not None and known_costs.pricing == pricing else 0)
         if known_costs is not None and held:
             costs = [*known_costs.costs[:held], *map(cost, candidates[held:])]
+            said = [*known_costs.messages[:held], *map(said_by, candidates[held:])]
             pointed = [*known_costs.pointers[:held], *repeat(None, len(candidates) - held)]
             # what its allocation found over the candidates both begin with
             if known_costs.steps is not None:
                 kept_steps = known_costs.steps.truncated(held)
         else:
             costs = list(map(cost, candidates))
+            said = list(map(said_by, candidates))
             pointed = [None] * len(candidates)
-        kept_costs = _KeptCosts(pricing, candidates, costs, pointed)
+        kept_costs = _KeptCosts(pricing, candidates, costs, pointed, said)
         cast(MutableMapping[Any, Any], memo)[costs_key] = kept_costs
     alloc = allocate(budget=budget, prefix_tokens=prefix_tokens, factor=factor,
                      policy=policy, summary=summary, carried=carried, floor=floor,
@@ -637,11 +645,23 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     tail += inputs
     # Each item's messages, from its identity entry (every item costed above has one) at C
     # speed; an item without one (a knowledge or recall block built here) is entered now.
-    ordered = in_row_order_around(head, [*alloc.history, *alloc.active], tail)
-    hits: list[Any] = list(map(seen_get, map(id, ordered)))
-    if None in hits or not all(map(is_, map(itemgetter(0), hits), ordered)):
-        hits = list(map(entry, ordered))
-    messages = tuple(chain.from_iterable(map(itemgetter(0), map(itemgetter(1), hits))))
+    def messages_of(ordered: list[ContextItem]) -> Iterable[tuple[Message, ...]]:
+        hits: list[Any] = list(map(seen_get, map(id, ordered)))
+        if None in hits or not all(map(is_, map(itemgetter(0), hits), ordered)):
+            hits = list(map(entry, ordered))
+        return map(itemgetter(0), map(itemgetter(1), hits))
+
+    block: list[ContextItem] = [*alloc.history, *alloc.active]
+    around = rows_around(head, block, tail)
+    if around is None:
+        parts = messages_of(in_row_order([*head, *block, *tail]))
+    else:
+        before, after = around
+        parts = chain(messages_of(before),
+                      history_messages(alloc.history, len(alloc.active), kept_costs,
+                                       messages_of),
+                      messages_of(list(alloc.active)), messages_of(after))
+    messages = tuple(chain.from_iterable(parts))
     request = ModelRequest(prefix_blocks=loaded.rendered.blocks, tools=loaded.rendered.tools,
                            messages=messages)
     assert_paired(request)
@@ -706,28 +726,62 @@ def in_row_order(body: list[ContextItem]) -> list[ContextItem]:
     return list(map(body.__getitem__, sorted(range(len(body)), key=rows.__getitem__)))
 
 
+def history_messages(history: tuple[ConversationItem, ...], active: int,
+                     kept: _KeptCosts | None,
+                     messages_of: Callable[[list[ContextItem]], Iterable[tuple[Message, ...]]]
+                     ) -> Iterable[tuple[Message, ...]]:
+    """The messages of each item of ``history`` (what the allocation kept of the history
+    candidates: the last of them, before the ``active`` run's), read from the candidates'
+    kept renderings where the item is the candidate itself, at C speed, and from
+    ``messages_of`` where a pointer took its place (or with nothing kept: every item)."""
+    if kept is None:
+        return messages_of(list(history))
+    end = len(kept.candidates) - active  # the history candidates end where the run begins
+    start = end - len(history)
+    said = kept.messages[start:end]
+    same = list(map(is_, history, kept.candidates[start:end]))
+    if False in same:
+        at = list(compress(range(len(same)), map(not_, same)))
+        for k, messages in zip(at, messages_of(list(map(history.__getitem__, at))),
+                               strict=True):
+            said[k] = messages
+    return said
+
+
 def in_row_order_around(head: list[ContextItem], block: list[ContextItem],
                         tail: list[ContextItem]) -> list[ContextItem]:
-    """``in_row_order([*head, *block, *tail])`` where every type in ``block`` (the history
-    and the active run: few types, found at C speed) declares the same row of region B: the
-    block then stays whole, after what sorts before it (a lower row, or its row in ``head``)
-    and before the rest, and only ``head`` and ``tail`` are sorted (the same order, and the
-    same error: no type of the block can raise one). Otherwise ``in_row_order`` of it all."""
+    """``in_row_order([*head, *block, *tail])``, with the block kept whole where it can be
+    (``rows_around``)."""
+    around = rows_around(head, block, tail)
+    if around is None:
+        return in_row_order([*head, *block, *tail])
+    before, after = around
+    return [*before, *block, *after]
+
+
+def rows_around(head: list[ContextItem], block: list[ContextItem], tail: list[ContextItem]
+                ) -> tuple[list[ContextItem], list[ContextItem]] | None:
+    """Where every type in ``block`` (the history and the active run: few types, found at C
+    speed) declares the same row of region B, ``in_row_order([*head, *block, *tail])`` keeps
+    the block whole: (what comes before it, what comes after it), which are what sorts before
+    its row or at its row in ``head``, and the rest, each in ``in_row_order``'s order (and an
+    item that would make ``in_row_order`` fail makes this fail alike: no type of the block
+    can). None where the block's types declare another row, region or none."""
     try:
         declared = {declaration(kind)[:2] for kind in set(map(type, block))}
     except AssemblyError:
-        declared = set()
+        return None
     if len(declared) != 1:
-        return in_row_order([*head, *block, *tail])
+        return None
     ((row, region),) = declared
     if region is not Region.B:
-        return in_row_order([*head, *block, *tail])
+        return None
     parts = [*head, *tail]
     in_row_order(parts)  # what it raises, as for it all (the block's types are declared)
     rows = [declaration(type(item))[0] for item in parts]
     order = sorted(range(len(parts)), key=rows.__getitem__)  # in_row_order's, by position
     split = sum(1 for i in order if rows[i] < row or (rows[i] == row and i < len(head)))
-    return [*map(parts.__getitem__, order[:split]), *block, *map(parts.__getitem__, order[split:])]
+    return list(map(parts.__getitem__, order[:split])), list(map(parts.__getitem__, order[split:]))
 
 
 def assert_paired(request: ModelRequest) -> None:
