@@ -305,11 +305,12 @@ def test_what_a_session_left_in_the_memo_goes_with_its_erasure() -> None:
     assert any(holds((k, v), "STAYS-0002") for k, v in memo.items())
 
 
-def test_rows_are_ordered_as_assemble_orders_them() -> None:
-    rnd = random.Random(3)
+def region_b_items() -> list[ContextItem]:
+    """One item of each type the assembly orders in region B but a summary and a result: a
+    user message, the trailing input, an assistant message, then the rows after history."""
     user = UserMessageItem(id="u", sequence=1, run_id="r", item_trust=TrustLevel.USER,
                            text="hi")
-    kinds: list[ContextItem] = [
+    return [
         user, TrailingUserInput(message=user),
         AssistantMessageItem(id="a", sequence=2, run_id="r", item_trust=TrustLevel.USER,
                              text="ok"),
@@ -320,6 +321,11 @@ def test_rows_are_ordered_as_assemble_orders_them() -> None:
         CorrectionItem(lines=(MemoryLine(id="c", text="t"),)),
         RuntimeMetadataItem(current_date="d", principal_scopes=(), surface="",
                             browser_origins=())]
+
+
+def test_rows_are_ordered_as_assemble_orders_them() -> None:
+    rnd = random.Random(3)
+    kinds = region_b_items()
     for _ in range(50):
         body = [rnd.choice(kinds) for _ in range(rnd.randint(0, 30))]
         assert in_row_order(body) == assemble(body, Region.B)
@@ -349,23 +355,13 @@ def test_rows_around_a_block_of_one_row_are_the_rows_of_it_all() -> None:
     class Undeclared(ContextItem):
         pass
 
-    user = UserMessageItem(id="u", sequence=1, run_id="r", item_trust=TrustLevel.USER,
-                           text="hi")
-    said = AssistantMessageItem(id="a", sequence=2, run_id="r", item_trust=TrustLevel.USER,
-                                text="ok")
+    user, trailing, said, *after_history = region_b_items()
     result = ToolResultItem(id="t", sequence=3, run_id="r", item_trust=TrustLevel.USER,
                             call_id="c", tool_name="x", content="y")
     conversation: list[ContextItem] = [user, said, result]
     others: list[ContextItem] = [
-        HistorySummary(text="s", replaced_through_sequence=1), *conversation,
-        TrailingUserInput(message=user),
-        SkillBodyItem(name="s", body="b", skill_trust=TrustLevel.USER),
-        KnowledgeItem(passages=(KnowledgePassage(id="k", source="s", text="t", rank=1,
-                                                 trust=TrustLevel.MEMORY),)),
-        RecallItem(lines=(MemoryLine(id="m", text="t"),)),
-        CorrectionItem(lines=(MemoryLine(id="c", text="t"),)),
-        RuntimeMetadataItem(current_date="d", principal_scopes=(), surface="",
-                            browser_origins=())]
+        HistorySummary(text="s", replaced_through_sequence=1), *conversation, trailing,
+        *after_history]
     odd: list[ContextItem] = [Undeclared(), PlatformPolicy(text="p"), others[5]]
 
     def outcome(order: Any, *parts: list[ContextItem]) -> Any:

@@ -377,23 +377,28 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     reach: list[int] = []
     taken = 0  # candidates the pointer steps have gone past, oldest first
 
-    def gains() -> tuple[list[int], list[int]]:
-        """(gain, reach) over the whole queue."""
-        gain = kept.gain if kept is not None else []
-        reach = kept.reach if kept is not None else []
-        rest = queue[len(gain):]
-        known = list(map(found.__getitem__, rest))
-        if None in known:  # found by no earlier allocation: found now
+    def pointed_at(at: list[int]) -> list[Pointed]:
+        """The pointer and its cost of each candidate at ``at`` (indexes into the queue's
+        sequence), those no allocation has found yet found now and kept in ``found``."""
+        known = list(map(found.__getitem__, at))
+        if None in known:
             history, active = ledger.history, ledger.active
-            for q, j in enumerate(rest):
+            for q, j in enumerate(at):
                 if known[q] is None:
                     item = history[j] if j < held else active[j - held]
                     assert isinstance(item, ToolResultItem)
                     pointed = to_elided(item)
                     known[q] = found[j] = (pointed, cost(pointed))
+        return cast(list[Pointed], known)
+
+    def gains() -> tuple[list[int], list[int]]:
+        """(gain, reach) over the whole queue."""
+        gain = kept.gain if kept is not None else []
+        reach = kept.reach if kept is not None else []
+        rest = queue[len(gain):]
+        known = pointed_at(rest)
         contents = map((ledger.history_costs + ledger.active_costs).__getitem__, rest)
-        more = list(map(max, map(sub, contents, map(_COST, cast(list[Pointed], known))),
-                        repeat(0)))
+        more = list(map(max, map(sub, contents, map(_COST, known)), repeat(0)))
         return gain + more, reach + list(accumulate(more, initial=reach[-1] if reach else 0))[1:]
 
     def to_pointers(excess: int) -> list[str]:
@@ -424,15 +429,8 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
             start = kept.taken
         chosen = list(compress(range(start, end), gain[start:end]))
         at = list(map(queue.__getitem__, chosen))
-        pointed_at = list(map(found.__getitem__, at))  # filled by gains() or an earlier one
-        if None in pointed_at:  # kept gains, but not the pointers they were found with
-            for q, j in enumerate(at):
-                if pointed_at[q] is None:
-                    item = history[j] if j < held else active[j - held]
-                    assert isinstance(item, ToolResultItem)
-                    pointed = to_elided(item)
-                    pointed_at[q] = found[j] = (pointed, cost(pointed))
-        for j, (pointed, pointer_cost) in zip(at, cast(list[Pointed], pointed_at), strict=True):
+        # found by gains() or an earlier allocation (or now: kept gains, not their pointers)
+        for j, (pointed, pointer_cost) in zip(at, pointed_at(at), strict=True):
             if j < held:
                 history[j], history_costs[j] = pointed, pointer_cost
             else:
