@@ -215,8 +215,8 @@ class KeptSteps:
     them (the results not pointers already) with each queued result's id, gain and the running
     sums of the gains (over the first ``len(gain)`` queued, where a pointer step found them),
     and the history as the first ``taken`` queued results left it (a pointer in place of each
-    that frees something) with its costs (None when ``taken`` is 0). Each is a prefix-closed
-    fact of those candidates: ``truncated`` keeps what holds of fewer of them."""
+    that frees something) with its costs. Each is a prefix-closed fact of those candidates:
+    ``truncated`` keeps what holds of fewer of them."""
 
     held: int
     results: list[bool]
@@ -226,8 +226,8 @@ class KeptSteps:
     gain: list[int]
     reach: list[int]
     taken: int
-    history: list[ConversationItem] | None
-    history_costs: list[int] | None
+    history: list[ConversationItem]
+    history_costs: list[int]
 
     def truncated(self, held: int) -> KeptSteps:
         """What holds of the first ``held`` candidates alone."""
@@ -239,9 +239,7 @@ class KeptSteps:
             held=held, results=self.results[:held], ids=self.ids[:held],
             queue=self.queue[:queued], queue_ids=self.queue_ids[:queued],
             gain=self.gain[:queued], reach=self.reach[:queued], taken=taken,
-            history=(self.history[:held] if taken and self.history is not None else None),
-            history_costs=(self.history_costs[:held]
-                           if taken and self.history_costs is not None else None))
+            history=self.history[:held], history_costs=self.history_costs[:held])
 
 
 _INIT_FIELDS: dict[type, tuple[str, ...]] = {}
@@ -420,8 +418,7 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         history, history_costs = ledger.history, ledger.history_costs
         active, active_costs = ledger.active, ledger.active_costs
         start = taken
-        if (kept is not None and kept.history is not None and kept.history_costs is not None
-                and taken <= kept.taken <= end):
+        if kept is not None and kept.taken > 0 and taken <= kept.taken <= end:
             # the kept history is this one as the first kept.taken queued results leave it
             # (those before ``taken`` are pointers already): taken whole
             history[:kept.held] = kept.history
@@ -544,9 +541,8 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     found_steps = KeptSteps(
         held=held, results=history_results, ids=history_ids, queue=history_queue,
         queue_ids=history_queue_ids, gain=gain[:queued_in_history],
-        reach=reach[:queued_in_history], taken=in_history,
-        history=ledger.history if in_history else None,
-        history_costs=ledger.history_costs if in_history else None)
+        reach=reach[:queued_in_history], taken=in_history, history=ledger.history,
+        history_costs=ledger.history_costs)
     return Allocation(summary=summary, history=tuple(ledger.history[ledger.cut:]),
                       active=tuple(ledger.active), knowledge=tuple(ledger.knowledge),
                       recall=tuple(ledger.recall), report=report, pressure=pressure,

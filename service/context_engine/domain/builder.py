@@ -410,12 +410,12 @@ def attachment_costs(items: Sequence[ConversationItem]) -> dict[str, int]:
     remaining = ATTACHMENT_BUDGET_TOKENS
     out: dict[str, int] = {}
     # the user messages with attachments, newest first (found at C speed: they are few)
-    users = compress(items, map(isinstance, items, repeat(UserMessageItem)))
+    users = cast(Iterable[UserMessageItem],
+                 compress(items, map(isinstance, items, repeat(UserMessageItem))))
     for item in reversed(list(filter(_ATTACHMENTS, users))):
-        if isinstance(item, UserMessageItem):
-            want = sum(attachment_tokens(a) for a in item.attachments)
-            out[item.id] = min(want, remaining)
-            remaining -= out[item.id]
+        want = sum(attachment_tokens(a) for a in item.attachments)
+        out[item.id] = min(want, remaining)
+        remaining -= out[item.id]
     return out
 
 
@@ -719,11 +719,17 @@ def in_row_order(body: list[ContextItem]) -> list[ContextItem]:
     row, stable within a row) and, for a type that declares no row or another region, the same
     error (assemble fails on the first such type in the body's order, and names only the type:
     one item of each type, the types in the order they first appear, is all it needs)."""
+    return list(map(body.__getitem__, row_order(body)[0]))
+
+
+def row_order(body: list[ContextItem]) -> tuple[list[int], list[int]]:
+    """(the positions of ``body`` in ``in_row_order``'s order, each item's row), with its
+    checks."""
     kinds = list(map(type, body))
     one_of_each = dict(zip(kinds, body, strict=True))  # keys in first-appearance order
     assemble(list(one_of_each.values()), Region.B)
     rows = list(map({kind: declaration(kind)[0] for kind in one_of_each}.__getitem__, kinds))
-    return list(map(body.__getitem__, sorted(range(len(body)), key=rows.__getitem__)))
+    return sorted(range(len(body)), key=rows.__getitem__), rows
 
 
 def history_messages(history: tuple[ConversationItem, ...], active: int,
@@ -748,17 +754,6 @@ def history_messages(history: tuple[ConversationItem, ...], active: int,
     return said
 
 
-def in_row_order_around(head: list[ContextItem], block: list[ContextItem],
-                        tail: list[ContextItem]) -> list[ContextItem]:
-    """``in_row_order([*head, *block, *tail])``, with the block kept whole where it can be
-    (``rows_around``)."""
-    around = rows_around(head, block, tail)
-    if around is None:
-        return in_row_order([*head, *block, *tail])
-    before, after = around
-    return [*before, *block, *after]
-
-
 def rows_around(head: list[ContextItem], block: list[ContextItem], tail: list[ContextItem]
                 ) -> tuple[list[ContextItem], list[ContextItem]] | None:
     """Where every type in ``block`` (the history and the active run: few types, found at C
@@ -777,9 +772,9 @@ def rows_around(head: list[ContextItem], block: list[ContextItem], tail: list[Co
     if region is not Region.B:
         return None
     parts = [*head, *tail]
-    in_row_order(parts)  # what it raises, as for it all (the block's types are declared)
-    rows = [declaration(type(item))[0] for item in parts]
-    order = sorted(range(len(parts)), key=rows.__getitem__)  # in_row_order's, by position
+    # in_row_order's order by position (and what it raises, as for it all: the block's types
+    # are declared)
+    order, rows = row_order(parts)
     split = sum(1 for i in order if rows[i] < row or (rows[i] == row and i < len(head)))
     return list(map(parts.__getitem__, order[:split])), list(map(parts.__getitem__, order[split:]))
 
