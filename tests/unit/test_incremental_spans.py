@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from context_engine.api.incremental import message_spans, text_spans
+from context_engine.api.incremental import message_spans, positions_after, text_spans
 from context_engine.build_cache import BuildBase
 from context_engine.domain.request import Message, Role
 from context_engine.domain.trust import TrustLevel
@@ -130,17 +130,20 @@ def walked_spans(base: BuildBase, messages: list[Message]
     return [(s, c, n) for s, c, n in spans], sent
 
 
-@settings(max_examples=400, deadline=None)
-@given(st.integers(0, 12), st.lists(st.tuples(st.sampled_from(("run", "held", "again", "new")),
-                                              st.integers(0, 14)), max_size=16))
-def test_message_spans_are_the_walks(held_count: int,
-                                     picks: list[tuple[str, int]]) -> None:
-    """Any mix of the base's own messages (runs of consecutive ones, single ones, repeats, out
-    of order), equal copies of them (matched only right after a copy of the one before) and
-    new messages."""
+MIXES = (st.integers(0, 12), st.integers(0, 14), st.booleans(),
+         st.lists(st.tuples(st.sampled_from(("run", "held", "again", "new")),
+                            st.integers(0, 14)), max_size=16))
+
+
+def drawn(held_count: int, lead: int, twice: bool, picks: list[tuple[str, int]]
+          ) -> tuple[BuildBase, list[Message]]:
+    """A base and a mix of its own messages (the first ``lead`` of them first, in place: the
+    usual Build), equal copies and new messages; ``twice``: the base holds one object twice."""
     held = tuple(msg(f"m{i % 5}") for i in range(held_count))  # equal values repeat
+    if twice and held:
+        held = (*held, held[held_count // 2], *held[:1])
     base = base_of(held)
-    now: list[Message] = []
+    now: list[Message] = list(held[:lead])
     for kind, k in picks:
         if kind == "run" and held:
             now += held[k % held_count:k % held_count + 1 + k % 4]
@@ -150,4 +153,34 @@ def test_message_spans_are_the_walks(held_count: int,
             now.append(msg(f"m{k % 5}"))
         else:
             now.append(msg(f"new{k}"))
+    return base, now
+
+
+@settings(max_examples=600, deadline=None)
+@given(*MIXES)
+def test_message_spans_are_the_walks(held_count: int, lead: int, twice: bool,
+                                     picks: list[tuple[str, int]]) -> None:
+    """Any mix of the base's own messages (runs of consecutive ones, single ones, repeats, out
+    of order; its first ones in place), equal copies of them (matched only right after a copy
+    of the one before) and new messages, over bases that hold an object twice or do not."""
+    base, now = drawn(held_count, lead, twice, picks)
     assert message_spans(base, now) == walked_spans(base, now)
+
+
+@settings(max_examples=600, deadline=None)
+@given(*MIXES)
+def test_a_base_s_positions_come_from_its_base_s(held_count: int, lead: int, twice: bool,
+                                                 picks: list[tuple[str, int]]) -> None:
+    """The next base's index, found from this base's, is the index of its messages."""
+    base, now = drawn(held_count, lead, twice, picks)
+    messages = tuple(now)
+    assert positions_after(base, messages) == {id(m): i for i, m in enumerate(messages)}
+
+
+def test_a_turn_appended_sends_only_the_turn() -> None:
+    held = tuple(msg(f"m{i}") for i in range(40))
+    base = base_of(held)
+    now = [*held[:39], msg("call"), msg("result"), held[39]]
+    assert message_spans(base, now) == ([(0, 39, 2), (39, 1, 0)], [39, 40])
+    positions = positions_after(base, tuple(now))
+    assert positions == BuildBase.index(tuple(now)) and len(positions) == 42

