@@ -204,7 +204,12 @@ def test_fork_copies_every_container() -> None:
 def test_a_base_counts_its_scan_state_in_its_size() -> None:
     _, scan = checkpoint_scan(f.checkpoint([f.user("u1", "q", 1), f.call("c1", 2, "call-1"),
                                             f.result("r1", 3, "call-1", "a")]))
-    assert scan.held == 3 + 3 * 1  # three item ids; call-1 named, in its run, answered
+    # three item ids; call-1 answered (its name and run are kept only while it is open)
+    assert scan.held == 3 + 1
+    assert (scan.calls_by_id, scan.runs_by_call, scan.answered) == ({}, {}, {"call-1"})
+    _, opened = checkpoint_scan(f.checkpoint([f.user("u1", "q", 1), f.call("c1", 2, "call-1")]))
+    assert (opened.calls_by_id, opened.runs_by_call) == ({"call-1": "web.fetch"},
+                                                         {"call-1": "run-1"})
     plain = BuildBase(tenant_id="t", session_id="s", incarnation=1, build_id="b", items=(),
                       item_bytes=(0, 500), messages=(), message_entries=(), prefix=((), ()),
                       prefix_bytes=0, texts=(b"", b"", b""), response_bytes=20)

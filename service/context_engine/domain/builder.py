@@ -182,8 +182,8 @@ class ItemScan:
                  "open_calls", "runs_by_call", "seen_ids")
 
     def __init__(self) -> None:
-        self.calls_by_id: dict[str, str] = {}  # call id -> its tool name
-        self.runs_by_call: dict[str, str] = {}  # call id -> its run
+        self.calls_by_id: dict[str, str] = {}  # open call id -> its tool name
+        self.runs_by_call: dict[str, str] = {}  # open call id -> its run
         self.seen_ids: set[str] = set()
         self.open_calls: dict[str, int] = {}  # call id -> index of its item, until answered
         self.answered: set[str] = set()
@@ -280,20 +280,24 @@ class ItemScan:
                         f"no earlier tool call has id {item.call_id!r}: a result without its "
                         "call is an orphan"))
                 else:
+                    # an answered call's name and run are read here for the last time (a
+                    # later result for it is refused on ``answered``): the state keeps those
+                    # of open calls only, so a base's state stays small to fork
                     del open_calls[item.call_id]
                     answered.add(item.call_id)
-                    if runs_by_call[item.call_id] != run_id:
+                    call_run = runs_by_call.pop(item.call_id)
+                    if call_run != run_id:
                         violations.append(FieldViolation(
                             f"{path}.run_id",
                             f"the result of call {item.call_id!r} belongs to run {run_id!r} "
-                            f"but its call to run {runs_by_call[item.call_id]!r}: a tool pair "
+                            f"but its call to run {call_run!r}: a tool pair "
                             "never spans two runs"))
-                    called = calls_by_id[item.call_id]
+                    called = calls_by_id.pop(item.call_id)
                     if item.tool_name and called and item.tool_name != called:
                         violations.append(FieldViolation(
                             f"{path}.tool_result.tool_name",
                             f"{item.tool_name!r} does not match the call's tool "
-                            f"{calls_by_id[item.call_id]!r}"))
+                            f"{called!r}"))
         self.last_sequence = last_sequence
         self.count = len(items)
 
