@@ -8,10 +8,9 @@ import json
 import math
 from typing import Any
 
+from context_engine.adapters.postgres.store import event_json
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from context_engine.adapters.postgres.store import event_json
 
 KEYS = st.text(max_size=12)
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2 ** 63), 2 ** 63 - 1),

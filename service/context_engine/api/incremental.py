@@ -123,7 +123,7 @@ def positions_after(base: BuildBase, messages: tuple[Message, ...]) -> dict[int,
     positions = base.positions.copy()
     for gone in held[same:]:
         del positions[id(gone)]
-    positions.update(zip(map(id, messages[same:]), range(same, len(messages))))
+    positions.update(zip(map(id, messages[same:]), range(same, len(messages)), strict=True))
     return positions
 
 
