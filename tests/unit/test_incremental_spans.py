@@ -92,6 +92,9 @@ def test_a_message_rendered_again_is_matched_by_value() -> None:
     again = [held[0], msg("m1"), msg("m2"), held[3]]  # equal values, other objects
     found, sent = message_spans(base, again)
     assert found == [(0, 4, 0)] and sent == []
+    # a copy matched by value, then a run of the base's own objects: the span takes the run
+    mixed = [held[0], msg("m1"), held[2], held[3]]
+    assert message_spans(base, mixed) == ([(0, 4, 0)], [])
 
 
 def test_nothing_in_common_sends_everything_without_spans() -> None:
