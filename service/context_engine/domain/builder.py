@@ -7,6 +7,7 @@ and factor always give the same bytes.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Generator, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
@@ -81,13 +82,28 @@ COSTS = "builder:costs"  # memo key (session key, COSTS, encoding): the last bui
 
 @dataclass(frozen=True, slots=True)
 class _KeptItems:
-    """The memo's NORMALIZED entry: a build's items, at what inline maximum, as normalized, and
-    which of them were excerpted (1) or not (0)."""
+    """The memo's NORMALIZED entry: a build's items, at what inline maximum, as normalized,
+    and the positions (ascending) of those excerpted, of its reasoning items and of its user
+    messages with attachments: facts of each prefix of the items (``Normalized``)."""
 
     inline_maximum_bytes: int
     items: tuple[ConversationItem, ...]
     normalized: tuple[ConversationItem, ...]
     excerpted: tuple[int, ...]
+    reasoning: tuple[int, ...]
+    attaching: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Normalized:
+    """The checkpoint's items with their tool results normalized, with where (ascending
+    positions) its reasoning items and its user messages with attachments are: few, so a Build
+    asks of them without reading every item."""
+
+    items: tuple[ConversationItem, ...]
+    legacy: int  # the results excerpted here (legacy tool excerpts)
+    reasoning: tuple[int, ...]
+    attaching: tuple[int, ...]
 
 
 @dataclass(slots=True)
@@ -464,8 +480,9 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     prefix_tokens = prefix_cost(plan.prefix_tokens, factor, exact=prefix_exact(plan.spec))
     budget = compute_budget(window=model.context_window, output_reserve=model.output_reserve,
                             prefix_tokens=prefix_tokens, policy=policy)
-    items, legacy = normalized(cp.items, policy.inline_maximum_bytes, memo,
-                               (loaded.session_key, NORMALIZED))
+    found_items = normalized(cp.items, policy.inline_maximum_bytes, memo,
+                             (loaded.session_key, NORMALIZED))
+    items, legacy = found_items.items, found_items.legacy
 
     # Items are frozen values: (session key, encoding, item) determines the rendered messages
     # and their raw token counts. ``memo`` (a bounded mapping the caller may keep across
@@ -548,11 +565,13 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     # stretch of items are replayed, verbatim; every other one is dropped by type.
     first_active = active_start(history, cp.active_run_id)
     kept: Sequence[int]  # where each item kept was in ``history``
-    if any(map(isinstance, history[:first_active], repeat(ReasoningItem))):
+    reasoning = found_items.reasoning
+    if reasoning and reasoning[0] < first_active:  # one before the active run (history is
+        # a prefix of the items, where they are)
         kept = [i for i, item in enumerate(history)
                 if not (isinstance(item, ReasoningItem) and i < first_active)]
         history = [history[i] for i in kept]
-    else:  # none to drop (looked for at C speed)
+    else:  # none to drop
         kept = range(len(history))
     k = active_start(history, cp.active_run_id)
     carried, active = history[:k], history[k:]
@@ -570,14 +589,21 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     spans = (found_units.spans if floor == 0
              else [(begin - floor, end - floor) for begin, end in found_units.spans
                    if begin >= floor])
-    # only what can be sent spends the attachment budget (not what the summary replaced)
-    attach = attachment_costs([*carried[floor:], *active, *trailing])
 
     def position(i: int) -> int:
         """An index into ``carried`` as an index into the checkpoint's items."""
         if i < len(positions):
             return positions[i]
         return kept[k] if k < len(kept) else len(items) - len(trailing)
+
+    # only what can be sent spends the attachment budget (not what the summary replaced): the
+    # user messages with attachments of carried[floor:], active and trailing, which are those
+    # of the items from carried[floor]'s position on (what else is there, reasoning dropped,
+    # is not a user message)
+    sendable = position(floor)
+    attaching = found_items.attaching
+    attach = attachment_costs(list(map(items.__getitem__, attaching[
+        bisect_left(attaching, sendable):])))
 
     skills = [SkillBodyItem(name=s.name, body=s.body, skill_trust=s.trust)
               for s in cp.loaded_skills]
@@ -697,25 +723,49 @@ def shared_prefix(old: tuple[Any, ...], new: tuple[Any, ...]) -> int:
 
 
 def normalized(items: tuple[ConversationItem, ...], inline_maximum_bytes: int,
-               memo: MutableMapping[Any, Any] | None, key: tuple[str, str]
-               ) -> tuple[tuple[ConversationItem, ...], int]:
-    """``normalize_tool_results``, found from the last build's where the items begin with the
-    same ones at the same inline maximum (its output objects reused: an excerpted result keeps
-    its identity from Build to Build)."""
+               memo: MutableMapping[Any, Any] | None, key: tuple[str, str]) -> Normalized:
+    """``normalize_tool_results`` and where the reasoning items and the user messages with
+    attachments are, found from the last build's where the items begin with the same ones at
+    the same inline maximum (its output objects reused: an excerpted result keeps its identity
+    from Build to Build; its positions kept up to there)."""
     if memo is None:
-        return normalize_tool_results(items, inline_maximum_bytes)
+        out, legacy = normalize_tool_results(items, inline_maximum_bytes)
+        reasoning, attaching = where_of(out)
+        return Normalized(out, legacy, reasoning, attaching)
     items = tuple(items)  # kept: a list the caller changes later must not be what is kept
     known = cast(_KeptItems | None, memo.get(key))
     held = (shared_prefix(known.items, items)
             if known is not None and known.inline_maximum_bytes == inline_maximum_bytes else 0)
-    out = list(known.normalized[:held]) if known is not None and held else []
-    flags = list(known.excerpted[:held]) if known is not None and held else []
-    for item in items[held:]:
-        one, excerpted = normalize_tool_result(item, inline_maximum_bytes)
-        out.append(one)
-        flags.append(excerpted)
-    memo[key] = _KeptItems(inline_maximum_bytes, items, tuple(out), tuple(flags))
-    return tuple(out), sum(flags)
+    if known is not None and held:
+        head = known.normalized[:held]
+        excerpted = list(known.excerpted[:bisect_left(known.excerpted, held)])
+        reasoning = list(known.reasoning[:bisect_left(known.reasoning, held)])
+        attaching = list(known.attaching[:bisect_left(known.attaching, held)])
+    else:
+        head, excerpted, reasoning, attaching = (), [], [], []
+    tail = []
+    for i, item in enumerate(items[held:], held):
+        one, was_excerpted = normalize_tool_result(item, inline_maximum_bytes)
+        tail.append(one)
+        if was_excerpted:
+            excerpted.append(i)
+        elif isinstance(one, ReasoningItem):
+            reasoning.append(i)
+        elif isinstance(one, UserMessageItem) and one.attachments:
+            attaching.append(i)
+    out = head + tuple(tail)
+    kept = _KeptItems(inline_maximum_bytes, items, out, tuple(excerpted), tuple(reasoning),
+                      tuple(attaching))
+    memo[key] = kept
+    return Normalized(out, len(excerpted), kept.reasoning, kept.attaching)
+
+
+def where_of(items: Sequence[ConversationItem]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the positions of the reasoning items, those of the user messages with attachments)."""
+    reasoning = tuple(i for i, item in enumerate(items) if isinstance(item, ReasoningItem))
+    attaching = tuple(i for i, item in enumerate(items)
+                      if isinstance(item, UserMessageItem) and item.attachments)
+    return reasoning, attaching
 
 
 def in_row_order(body: list[ContextItem]) -> list[ContextItem]:
