@@ -729,21 +729,22 @@ def normalized(items: tuple[ConversationItem, ...], inline_maximum_bytes: int,
     the same inline maximum (its output objects reused: an excerpted result keeps its identity
     from Build to Build; its positions kept up to there)."""
     if memo is None:
-        out, legacy = normalize_tool_results(items, inline_maximum_bytes)
-        reasoning, attaching = where_of(out)
-        return Normalized(out, legacy, reasoning, attaching)
+        whole, legacy = normalize_tool_results(items, inline_maximum_bytes)
+        return Normalized(whole, legacy, *where_of(whole))
     items = tuple(items)  # kept: a list the caller changes later must not be what is kept
     known = cast(_KeptItems | None, memo.get(key))
     held = (shared_prefix(known.items, items)
             if known is not None and known.inline_maximum_bytes == inline_maximum_bytes else 0)
+    head: tuple[ConversationItem, ...] = ()
+    excerpted: list[int] = []
+    reasoning: list[int] = []
+    attaching: list[int] = []
     if known is not None and held:
         head = known.normalized[:held]
         excerpted = list(known.excerpted[:bisect_left(known.excerpted, held)])
         reasoning = list(known.reasoning[:bisect_left(known.reasoning, held)])
         attaching = list(known.attaching[:bisect_left(known.attaching, held)])
-    else:
-        head, excerpted, reasoning, attaching = (), [], [], []
-    tail = []
+    tail: list[ConversationItem] = []
     for i, item in enumerate(items[held:], held):
         one, was_excerpted = normalize_tool_result(item, inline_maximum_bytes)
         tail.append(one)
