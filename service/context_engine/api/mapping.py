@@ -10,7 +10,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from google.protobuf.message import Message as Message_
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -928,7 +928,8 @@ def build_pb(result: BuildResult, provider_format: str = "", *,
         body_tokens=result.body_tokens, estimated_input_tokens=result.estimated_input_tokens,
         context_window=result.context_window, output_reserve=result.output_reserve,
         estimator_factor=result.estimator_factor, tokenizer=result.tokenizer,
-        budget=budget_pb(result.budget), pressure=pressure_pb(result.pressure),
+        budget=budget_pb(result.budget),
+        pressure=pressure_pb(result.pressure, memo, result.session_key),
         cache_breakpoints=[pb.CacheBreakpoint(name=b.name, ttl=b.ttl, through_item=b.through_item,
                                               through_input_item=b.through_input_item)
                            for b in result.cache_breakpoints],
@@ -975,16 +976,56 @@ def budget_pb(b: BudgetReport) -> pb.BudgetReport:
                                 yielded=c.yielded) for c in b.classes])
 
 
-def pressure_pb(p: Pressure) -> pb.Pressure:
-    return pb.Pressure(
-        steps=[pb.YieldStep(step=s.step, units=s.units, item_ids=list(s.ids),
-                            tokens_before=s.tokens_before, tokens_after=s.tokens_after)
-               for s in p.steps],
+_STEP_IDS = "mapping:step-ids"  # render-memo keys (session key, _STEP_IDS, step name)
+STEP_IDS_KEPT = 256  # a step naming at least this many ids keeps them on the wire (memo)
+
+
+def pressure_pb(p: Pressure, memo: MutableMapping[Any, Any] | None = None,
+                session_key: str = "") -> pb.Pressure:
+    """``memo`` (the engine's render memo): a step naming many ids (STEP_IDS_KEPT) is copied
+    from the ids its session's last response named at that step, kept in protobuf form, once
+    they are brought up to these (see :func:`step_ids`): a long session's yielded ids move on
+    by a few per turn, and copying them inside protobuf does not read each id's string
+    again."""
+    out = pb.Pressure(
         fits=p.fits, tokens_before=p.tokens_before, tokens_after=p.tokens_after,
         compaction_needed=p.compaction_needed, left_out_items=p.left_out_items,
         left_out_tokens=p.left_out_tokens, history_cut_index=p.cut_index,
         summary_floor_index=p.floor_index, legacy_tool_excerpts=p.legacy_tool_excerpts,
         history_floor_shortfall=p.history_floor_shortfall)
+    for s in p.steps:
+        step = out.steps.add(step=s.step, units=s.units, tokens_before=s.tokens_before,
+                             tokens_after=s.tokens_after)
+        if memo is None or len(s.ids) < STEP_IDS_KEPT:
+            step.item_ids.extend(s.ids)
+        else:
+            step.MergeFrom(step_ids(s.ids, memo, (session_key, _STEP_IDS, s.step)))
+    return out
+
+
+def step_ids(ids: tuple[str, ...], memo: MutableMapping[Any, Any],
+             key: tuple[str, str, str]) -> pb.YieldStep:
+    """A YieldStep holding ``ids`` alone, kept in ``memo`` under ``key`` with the ids it
+    holds. Where the kept ids, less a few at their start, begin ``ids`` (the usual turn: the
+    cut moved on, what it leaves out or what is a pointer named anew at the end), the kept
+    message is brought up to ``ids`` in place; otherwise it is built anew."""
+    found = memo.get(key)
+    if found is not None and ids:
+        held, kept = cast(tuple[tuple[str, ...], pb.YieldStep], found)
+        if held == ids:
+            return kept
+        try:
+            start = held.index(ids[0])
+        except ValueError:
+            start = -1
+        if start >= 0 and held[start:] == ids[:len(held) - start]:
+            del kept.item_ids[:start]
+            kept.item_ids.extend(ids[len(held) - start:])
+            memo[key] = (ids, kept)
+            return kept
+    kept = pb.YieldStep(item_ids=ids)
+    memo[key] = (ids, kept)
+    return kept
 
 
 def usage_report(req: pb.ReportUsageRequest) -> UsageReport:
