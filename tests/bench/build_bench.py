@@ -273,6 +273,8 @@ class Row:
 # ---------------------------------------------------------------- the targets
 
 TARGET_SMALL, TARGET_LARGE = 200, 3_000  # target a: the incremental Build's growth between them
+# target a's smaller side, timed in the larger case's rounds beside its incremental Build
+BESIDE = "inc_beside"
 
 
 @dataclass(frozen=True)
@@ -311,9 +313,18 @@ def targets(rows: list[Row]) -> list[Target]:
         sizes = {r.case.items: r for r in rows}
         small, large = ((sizes[TARGET_SMALL], sizes[TARGET_LARGE])
                         if TARGET_SMALL in sizes and TARGET_LARGE in sizes else (rows[0], rows[-1]))
-        out.append(Target("a", f"{large.case.items:,} against {small.case.items:,} items",
-                          "incremental warm Build / the same at the smaller case",
-                          large.ms("inc") / small.ms("inc"), 2.0))
+        if large.samples.get(BESIDE):  # both sides timed in the same rounds
+            out.append(Target(
+                "a", f"{large.case.items:,} against {small.case.items:,} items",
+                f"incremental warm Build / the same at {small.case.items:,} items timed "
+                f"beside it in the same rounds ({large.ms('inc'):.2f} / "
+                f"{large.ms(BESIDE):.2f} ms)", large.ms("inc") / large.ms(BESIDE), 2.0,
+                f"/ the smaller case's own run {small.ms('inc'):.2f} ms, minutes apart "
+                f"{times(large.ms('inc') / small.ms('inc'))}"))
+        else:
+            out.append(Target("a", f"{large.case.items:,} against {small.case.items:,} items",
+                              "incremental warm Build / the same at the smaller case",
+                              large.ms("inc") / small.ms("inc"), 2.0))
     for r in rows:
         serde_inc = r.ratio(BY_KEY["inc/serde_inc"])
         echo_pb = r.ratio(BY_KEY["warm/echo_pb"])
@@ -595,7 +606,9 @@ class Bench:
         return self.server
 
     def measure(self, case: Case, conv: Conversation, warmup_request: pb.BuildRequest, *,
-                warm: int, cold: int) -> Row:
+                warm: int, cold: int, beside: tuple[Case, Conversation] | None = None) -> Row:
+        """``beside``: a smaller case whose incremental turn is timed in this case's warm
+        rounds too, beside this case's (target a's two sides, in the same rounds)."""
         assert self.echo is not None
         loop, echo = self.loop, self.echo
         request = build_request(case.session, conv)
@@ -666,9 +679,15 @@ class Bench:
         echo.set_incremental_reply(delta)
         echo.timed_echo_proto(turn.request)
         serialize_parse(turn.request, delta)
+        small: IncrementalTurn | None = None
+        if beside is not None:
+            small = IncrementalTurn(build_request(beside[0].session, beside[1]),
+                                    f"{beside[0].name} beside {case.name}: ")
+            _, small_delta = small.round(server)
+            samples[BESIDE] = []
         parts: list[tuple[float, ...]] = []
         inc_parts: list[tuple[float, ...]] = []
-        for _ in range(warm):  # one round of every warm-path measurement
+        for round_no in range(warm):  # one round of every warm-path measurement
             ms, again = timed_build(server, request)
             same(again)
             samples["warm"].append(ms)
@@ -679,9 +698,17 @@ class Bench:
             parts.append(split)
             ms, kept_memo = loop.run(lambda: trim(messages, max_tokens, memo))
             samples["trim_memo"].append(ms)
+            if small is not None and round_no % 2 == 0:  # before it in one round, after
+                ms, small_again = small.round(server)  # it in the next
+                small.same(small_again, small_delta)
+                samples[BESIDE].append(ms)
             ms, delta_again = turn.round(server)
             turn.same(delta_again, delta)
             samples["inc"].append(ms)
+            if small is not None and round_no % 2 == 1:
+                ms, small_again = small.round(server)
+                small.same(small_again, small_delta)
+                samples[BESIDE].append(ms)
             samples["echo_pb_inc"].append(echo.timed_echo_proto(turn.request)[0])
             total, split = serialize_parse(turn.request, delta)
             samples["serde_inc"].append(total)
@@ -721,9 +748,12 @@ def run(cases: tuple[Case, ...], *, warm: int, cold: int, profile: bool = False,
         for case in (*cases, WARMUP):
             bench.server.stub.Plan(plan_request(case), timeout=30)
         warmup_request = build_request(WARMUP.session, conversations[WARMUP.items])
+        small = next((c for c in cases if c.items == TARGET_SMALL), None)
         for case in cases:
+            beside = ((small, conversations[small.items])
+                      if small is not None and case.items == TARGET_LARGE else None)
             rows.append(bench.measure(case, conversations[case.items], warmup_request,
-                                      warm=warm, cold=cold))
+                                      warm=warm, cold=cold, beside=beside))
             if profile:
                 profiles.append(profile_case(bench, case,
                                              build_request(case.session,
@@ -922,8 +952,11 @@ def serde_split(rows: list[Row]) -> str:
 
 def report(rows: list[Row], *, warm: int, cold: int, elapsed: float, header: str) -> str:
     samples = "\n".join(
-        f"- {r.case.name}, {m.label}: {', '.join(f'{x:.2f}' for x in r.samples[m.key])}"
-        for r in rows for m in MEASURES)
+        f"- {r.case.name}, {label}: {', '.join(f'{x:.2f}' for x in r.samples[key])}"
+        for r in rows for key, label in (
+            *((m.key, m.label) for m in MEASURES),
+            (BESIDE, f"incremental Build warm at {TARGET_SMALL:,} items, beside it (target a)"))
+        if key in r.samples)
     return f"""# Build benchmark results
 
 Produced by `make bench` (`.venv/bin/python -m tests.bench.build_bench`); rewritten on every

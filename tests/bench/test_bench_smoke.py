@@ -277,6 +277,25 @@ def test_targets_are_ratios_of_medians_and_failing_ones_are_reported_not_raised(
     assert text in output.read_text() and text in capsys.readouterr().out
 
 
+def test_target_a_is_taken_in_the_same_rounds_where_the_smaller_turn_was_timed_beside() -> None:
+    def row(items: int, beside: float | None = None, **medians: float) -> Row:
+        samples = _samples(medians)
+        if beside is not None:
+            samples[build_bench.BESIDE] = [beside * f for f in (3.0, 1.0, 0.5)]
+        return _row(Case(f"{items:,} items", items, 32_000), samples)
+
+    rows = [row(200, inc=4.0), row(3_000, beside=5.0, inc=9.0)]
+    (a,) = [t for t in targets(rows) if t.key == "a"]
+    # 9.0 against the 5.0 timed beside it, not against the 4.0 of the smaller case's own run
+    assert a.value == pytest.approx(1.8) and a.holds
+    assert "timed beside it in the same rounds (9.00 / 5.00 ms)" in a.line()
+    assert "the smaller case's own run 4.00 ms, minutes apart 2.25x" in a.line()
+    text = report(rows, warm=3, cold=3, elapsed=1.0, header="h")
+    assert "- 3,000 items, incremental Build warm at 200 items, beside it (target a): 15.00, " \
+           "5.00, 2.50" in text
+    assert "200 items, incremental Build warm at 200 items, beside it" not in text
+
+
 def test_one_small_run_measures_and_reports_every_column(direct_database_url: str) -> None:
     # PostgreSQL itself, as `make bench` connects (its servers keep asyncpg's statement cache,
     # which a transaction pooler does not allow)
@@ -308,6 +327,18 @@ def test_one_small_run_measures_and_reports_every_column(direct_database_url: st
     incremental = profiles.split("#### incremental warm Build")[1].split("####")[0]
     assert "message spans over the base's (incremental.message_spans)" in incremental
     assert "base lookup (build cache get)" in incremental and "not called" in profiles
+
+
+def test_a_run_times_the_smaller_turn_beside_the_larger_one(
+        direct_database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(build_bench, "TARGET_SMALL", 12)
+    monkeypatch.setattr(build_bench, "TARGET_LARGE", 20)
+    small, large = Case("smoke small", 12, 32_000), Case("smoke large", 20, 32_000)
+    rows, _, _ = run((small, large), warm=2, cold=1, database_url=direct_database_url)
+    assert build_bench.BESIDE not in rows[0].samples
+    assert len(rows[1].samples[build_bench.BESIDE]) == 2  # one per round of the larger case
+    (a,) = [t for t in targets(rows) if t.key == "a"]
+    assert a.value == pytest.approx(rows[1].ms("inc") / rows[1].ms(build_bench.BESIDE))
 
 
 # ---------------------------------------------------------------- the cache bench
