@@ -22,10 +22,11 @@ import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import pytest
 from context_engine.domain.budget import _cut
-from context_engine.domain.history import select_history, units
+from context_engine.domain.history import select_history, units, units_of
 from context_engine.domain.items import (
     AssistantMessageItem,
     ConversationItem,
@@ -363,6 +364,12 @@ def test_the_allocators_search_finds_the_walks_cut(data: st.DataObject) -> None:
     want = expected_cut(h.items, lowest, max(room, 0), h.costs)
     assert _cut(list(h.items), list(h.costs), room, spans) == want
     assert select_history(h.items, None, max(room, 0), h.costs.__getitem__, spans) == want
+    # as the builder hands it the units (which tile the history) and the running sums
+    found = units_of(list(h.items))
+    assert found.tiles
+    assert _cut(list(h.items), list(h.costs), room, found.spans,
+                tiling=(found.begins, found.ends),
+                sums=[0, *accumulate(h.costs)]) == want
 
 
 def test_the_allocators_search_walks_where_it_cannot_search() -> None:
@@ -377,3 +384,8 @@ def test_the_allocators_search_walks_where_it_cannot_search() -> None:
                                        ([5, 5, 5, 5], [], 3, 4)):
         assert select_history(items, None, room, costs.__getitem__, spans) == walked
         assert _cut(items, costs, room, spans) == walked
+        if spans and [e for _, e in spans[:-1]] == [b for b, _ in spans[1:]] \
+                and spans[-1][1] == len(items) and all(b < e for b, e in spans):
+            # spans that tile, handed in as tiling: a negative cost still walks
+            tiling = ([b for b, _ in spans], [e for _, e in spans])
+            assert _cut(items, costs, room, spans, tiling=tiling) == walked

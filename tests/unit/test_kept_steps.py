@@ -23,6 +23,7 @@ from context_engine.domain.budget import (
     allocate,
 )
 from context_engine.domain.builder import BuildResult, LoadedPlan, build, shared_prefix
+from context_engine.domain.history import units_of
 from context_engine.domain.items import (
     AssistantMessageItem,
     ConversationItem,
@@ -30,7 +31,7 @@ from context_engine.domain.items import (
 )
 from context_engine.domain.trust import TrustLevel
 from context_engine.engine import BoundedMemo
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests import factories as f
@@ -49,13 +50,19 @@ def cost(item: Any) -> int:
 
 
 def allocation(items: list[ConversationItem], body: int, fixed: int,
-               kept: KeptSteps | None) -> Allocation:
+               kept: KeptSteps | None, tiled: bool = False) -> Allocation:
+    """``tiled``: with the units' spans and their tiling handed in, as the builder hands
+    them (otherwise the cut finds and checks the units itself)."""
+    found = units_of(items) if tiled else None
     return allocate(budget=Budget(total_tokens=body * 2, output_reserve=0, margin_tokens=0,
                                   body_budget=body),
                     prefix_tokens=0, factor=1.0, policy=BudgetPolicy(), summary=None,
                     carried=items, floor=0, active=[], fixed={"current_user_message": fixed},
                     knowledge=[], recall=[], cost=cost, legacy_tool_excerpts=0,
-                    position=lambda i: i, pointer=lambda r: replace(r, elided=True), kept=kept)
+                    position=lambda i: i, pointer=lambda r: replace(r, elided=True), kept=kept,
+                    spans=found.spans if found is not None else None,
+                    tiling=((found.begins, found.ends) if found is not None and found.tiles
+                            else None))
 
 
 def exchange(k: int, size: int, elided: bool = False) -> list[ConversationItem]:
@@ -68,11 +75,13 @@ def same_facts(a: KeptSteps, b: KeptSteps) -> None:
     assert (a.held, a.results, a.ids, a.queue, a.queue_ids, a.taken) == \
         (b.held, b.results, b.ids, b.queue, b.queue_ids, b.taken)
     assert (a.history, a.history_costs) == (b.history, b.history_costs)
+    assert a.sums == b.sums  # the running sums, where the cut found them
     shorter = min(len(a.gain), len(b.gain))  # gains are found only where a step needs them
     assert a.gain[:shorter] == b.gain[:shorter] and a.reach[:shorter] == b.reach[:shorter]
 
 
-EDITS = ("append", "append", "append", "drop", "rewrite", "body", "fixed", "plain")
+EDITS = ("append", "append", "append", "drop", "rewrite", "body", "fixed", "plain", "plain",
+         "plain")
 
 
 @SETTINGS
@@ -84,7 +93,7 @@ def test_an_allocation_given_what_the_last_found_is_the_allocation_given_nothing
     items: list[ConversationItem] = exchange(0, 900)
     body, fixed = 3_000, 100
     last: tuple[list[ConversationItem], Allocation] | None = None
-    used = 0
+    used = cuts = sums_kept = 0
     for kind, n in edits:
         k = next(numbers)
         if kind == "append":  # one result or more, some already pointers
@@ -94,26 +103,58 @@ def test_an_allocation_given_what_the_last_found_is_the_allocation_given_nothing
             items = items[:-2]
         elif kind == "rewrite":  # a result in the middle, same id, another size
             at = [i for i, item in enumerate(items) if isinstance(item, ToolResultItem)]
-            i = at[n % len(at)]
-            items = [*items[:i], replace(items[i], content=str(n % 2_000)), *items[i + 1:]]
+            if at:
+                i = at[n % len(at)]
+                items = [*items[:i], replace(items[i], content=str(n % 2_000)),
+                         *items[i + 1:]]
         elif kind == "body":
             body = (2_000, 3_000, 6_000, 12_000)[n % 4]
         elif kind == "fixed":  # what never yields moves: the ladder takes more or fewer
             fixed = (0, 100, 900, 1_500)[n % 4]
         elif kind == "plain":
             items.append(AssistantMessageItem(id=f"a{k}", sequence=2 * k, run_id="run-0",
-                                              item_trust=TrustLevel.USER, text="x" * (n % 300)))
+                                              item_trust=TrustLevel.USER, text="x" * (n % 3_000)))
         want = allocation(items, body, fixed, None)  # what never yields always fits here
         kept = None
         if last is not None and last[1].kept is not None:
             kept = last[1].kept.truncated(shared_prefix(tuple(last[0]), tuple(items)))
             used += 1
-        got = allocation(items, body, fixed, kept)
+        got = allocation(items, body, fixed, kept, tiled=True)
         assert got == want, (kind, len(items))
+        cuts += got.pressure.left_out_items > 0
+        sums_kept += kept is not None and kept.sums is not None
         assert got.kept is not None and want.kept is not None
         same_facts(got.kept, want.kept)
         last = (list(items), got)
     assert used == len(edits) - 1  # every allocation after the first was given what it found
+    event("history cut", cuts > 0)
+    event("given the running sums of the last cut", sums_kept > 0)
+
+
+def test_an_appended_turn_cuts_on_the_running_sums_the_last_cut_found() -> None:
+    """A session over its budget, a turn appended at a time: each cut after the first is
+    found on the last cut's running sums (the costs they sum are the same up to the pointer
+    this turn's steps made), and lands where a cut given nothing lands."""
+    def turn(k: int) -> list[ConversationItem]:
+        return [*exchange(k, 300 + 37 * k),
+                AssistantMessageItem(id=f"a{k}", sequence=2 * k + 1, run_id="run-0",
+                                     item_trust=TrustLevel.USER, text="x" * 400)]
+
+    items: list[ConversationItem] = [x for k in range(12) for x in turn(k)]
+    last = allocation(items, 2_500, 100, None, tiled=True)
+    assert last.kept is not None and last.kept.sums is not None and last.pressure.cut_index > 0
+    for k in range(12, 20):
+        before = list(items)
+        items += turn(k)
+        assert last.kept is not None
+        kept = last.kept.truncated(shared_prefix(tuple(before), tuple(items)))
+        assert kept.sums is not None and len(kept.sums) == kept.held + 1
+        got = allocation(items, 2_500, 100, kept, tiled=True)
+        want = allocation(items, 2_500, 100, None)
+        assert got == want and got.pressure.cut_index > 0
+        assert got.kept is not None and want.kept is not None
+        same_facts(got.kept, want.kept)
+        last = got
 
 
 def test_kept_steps_cut_to_fewer_candidates_hold_what_those_alone_would_give() -> None:

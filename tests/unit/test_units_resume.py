@@ -63,10 +63,23 @@ def first_units_of_calls(items: list[ConversationItem], spans: list[tuple[int, i
     return found
 
 
+def tile(spans: list[tuple[int, int]], length: int) -> bool:
+    """Written here: the spans, none empty, cover [0, length) one after another."""
+    at = 0
+    for begin, end in spans:
+        if begin != at or end <= begin:
+            return False
+        at = end
+    return at == length
+
+
 def assert_units(found: Units, items: list[ConversationItem]) -> None:
     assert found.spans == units(items)
     assert found.items == items
     assert found.unit_of_call == first_units_of_calls(items, found.spans)
+    assert found.begins == [b for b, _ in found.spans]
+    assert found.ends == [e for _, e in found.spans]
+    assert found.tiles == tile(found.spans, len(items))
 
 
 @SETTINGS

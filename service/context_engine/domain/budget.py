@@ -25,8 +25,8 @@ import math
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from itertools import accumulate, chain, compress, repeat
-from operator import attrgetter, itemgetter, lt, not_, sub
+from itertools import accumulate, chain, compress, count, repeat
+from operator import attrgetter, itemgetter, lt, ne, not_, sub
 from typing import cast
 
 from context_engine.domain.errors import BudgetExceeded, HistoryFloorUnreachable
@@ -228,6 +228,9 @@ class KeptSteps:
     taken: int
     history: list[ConversationItem]
     history_costs: list[int]
+    # the running sums of ``history_costs`` (sums[i]: the cost of the first i), where the
+    # history cut found them; None where it did not run
+    sums: list[int] | None = None
 
     def truncated(self, held: int) -> KeptSteps:
         """What holds of the first ``held`` candidates alone."""
@@ -239,7 +242,8 @@ class KeptSteps:
             held=held, results=self.results[:held], ids=self.ids[:held],
             queue=self.queue[:queued], queue_ids=self.queue_ids[:queued],
             gain=self.gain[:queued], reach=self.reach[:queued], taken=taken,
-            history=self.history[:held], history_costs=self.history_costs[:held])
+            history=self.history[:held], history_costs=self.history_costs[:held],
+            sums=self.sums[:held + 1] if self.sums is not None else None)
 
 
 _INIT_FIELDS: dict[type, tuple[str, ...]] = {}
@@ -285,7 +289,8 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
              spans: Sequence[Span] | None = None,
              costs: Sequence[int] | None = None,
              pointers: list[Pointed | None] | None = None,
-             kept: KeptSteps | None = None) -> Allocation:
+             kept: KeptSteps | None = None,
+             tiling: tuple[list[int], list[int]] | None = None) -> Allocation:
     """Fit the body into ``budget.body_budget``. ``fixed`` holds the costs of the classes that
     never yield (current user message, working state, corrections, skill bodies, summary,
     runtime metadata); ``carried[floor:]`` are the history candidates; ``active`` the active
@@ -299,7 +304,9 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     allocation of items that begin alike (at the same pricing). ``kept``: what an earlier
     allocation found over its first ``kept.held`` history candidates (``Allocation.kept``),
     which the caller has checked are this one's first candidates at the same pricing; the
-    allocation takes from it what it would otherwise find again, and returns its own."""
+    allocation takes from it what it would otherwise find again, and returns its own.
+    ``tiling``: the begins and ends of ``spans``, which the caller knows tile the candidates
+    (``Units.tiles``)."""
     B = budget.body_budget
     to_elided = elided if pointer is None else pointer
     knowledge = sorted(knowledge, key=lambda p: (p.rank, p.id))
@@ -480,13 +487,16 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
             ids.append(trim_recall())
         record("recall", ids, start)
     start = ledger.total()
+    sums: list[int] | None = None
     # Everything but history that is left is what never yields (knowledge and recall are gone
     # by now whenever history cannot keep its floor): the floor's shortfall is theirs.
     floor_tokens = min(HISTORY_FLOOR_TOKENS, ledger.history_cost())
     shortfall = max(floor_tokens - max(B - (start - ledger.history_cost()), 0), 0)
     if start > B:
         others = start - ledger.history_cost()
-        ledger.cut = _cut(ledger.history, ledger.history_costs, B - others, spans)
+        sums = running_sums(ledger.history_costs, kept)
+        ledger.cut = _cut(ledger.history, ledger.history_costs, B - others, spans,
+                          tiling=tiling, sums=sums)
         left_costs = ledger.history_costs[:ledger.cut]
         ledger.history_total -= sum(left_costs)
         ledger.results_total -= sum(compress(left_costs, history_results[:ledger.cut]))
@@ -542,7 +552,7 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         held=held, results=history_results, ids=history_ids, queue=history_queue,
         queue_ids=history_queue_ids, gain=gain[:queued_in_history],
         reach=reach[:queued_in_history], taken=in_history, history=ledger.history,
-        history_costs=ledger.history_costs)
+        history_costs=ledger.history_costs, sums=sums)
     return Allocation(summary=summary, history=tuple(ledger.history[ledger.cut:]),
                       active=tuple(ledger.active), knowledge=tuple(ledger.knowledge),
                       recall=tuple(ledger.recall), report=report, pressure=pressure,
@@ -552,22 +562,43 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
 _FIXED_CAPS = {"skill_bodies": SKILL_BODY_TOKENS, "working_state": WORKING_STATE_TOKENS}
 
 
+def running_sums(costs: list[int], kept: KeptSteps | None) -> list[int]:
+    """``[0, *accumulate(costs)]``: those ``kept`` found over the costs it holds taken up to
+    the first cost that differs from its (a pointer step of this allocation may have changed
+    some), the rest summed on from there."""
+    if kept is None or kept.sums is None:
+        return [0, *accumulate(costs)]
+    held = kept.history_costs
+    same = (len(held) if costs[:len(held)] == held
+            else next(compress(count(), map(ne, costs, held))))
+    return [*kept.sums[:same], *accumulate(costs[same:], initial=kept.sums[same])]
+
+
 def _cut(history: list[ConversationItem], costs: list[int], history_tokens: int,
-         spans: Sequence[Span] | None) -> int:
+         spans: Sequence[Span] | None, *, tiling: tuple[list[int], list[int]] | None = None,
+         sums: list[int] | None = None) -> int:
     """``select_history`` with no floor (the caller applied it: every item here is a candidate;
     a pointer has its result's units, the same type and call id), found by a search: where the
     units (none empty) follow each other to the last item and no cost is negative, a suffix's
     cost only grows as it begins earlier, so the cut is the first unit whose suffix fits, at
-    ``bisect_left`` of the running sums (the same unit the walk from the newest stops after)."""
+    ``bisect_left`` of the running sums (the same unit the walk from the newest stops after).
+    ``tiling``: the spans' begins and ends, known to tile the history (checked here only for
+    where they end); ``sums``: the running sums of ``costs``, where the caller has them."""
     room = max(history_tokens, 0)
     if spans is None:
         spans = units(history)
-    begins = list(map(itemgetter(0), spans))
-    ends = list(map(itemgetter(1), spans))
-    if spans and (ends[-1] != len(history) or begins[1:] != ends[:-1]
-                  or not all(map(lt, begins, ends)) or min(costs, default=0) < 0):
-        return select_history(history, None, room, costs.__getitem__, spans)
-    sums = [0, *accumulate(costs)]  # sums[i]: the cost of history[:i]
+    if tiling is not None and spans and tiling[1][-1] == len(history):
+        begins, ends = tiling
+        if min(costs, default=0) < 0:
+            return select_history(history, None, room, costs.__getitem__, spans)
+    else:
+        begins = list(map(itemgetter(0), spans))
+        ends = list(map(itemgetter(1), spans))
+        if spans and (ends[-1] != len(history) or begins[1:] != ends[:-1]
+                      or not all(map(lt, begins, ends)) or min(costs, default=0) < 0):
+            return select_history(history, None, room, costs.__getitem__, spans)
+    if sums is None:
+        sums = [0, *accumulate(costs)]  # sums[i]: the cost of history[:i]
     # history[b:] fits when sums[-1] - sums[b] <= room
     first = bisect_left(begins, sums[-1] - room, key=sums.__getitem__)
     return begins[first] if first < len(begins) else len(history)

@@ -661,7 +661,9 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
                      active=active, fixed=fixed, knowledge=list(cp.knowledge),
                      recall=list(cp.recall), cost=cost, legacy_tool_excerpts=legacy,
                      position=position, pointer=pointer, spans=spans, costs=costs,
-                     pointers=pointed, kept=kept_steps)
+                     pointers=pointed, kept=kept_steps,
+                     tiling=((found_units.begins, found_units.ends)
+                             if floor == 0 and found_units.tiles else None))
     if kept_costs is not None:
         kept_costs.steps = alloc.kept
     yield alloc.pressure

@@ -14,7 +14,7 @@ The function returns an index; ``items[cut:]`` is retained, so the result is a s
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from context_engine.domain.items import ConversationItem, ToolCallItem, ToolResultItem
 
@@ -58,6 +58,12 @@ class Units:
     spans: list[Span]
     # a call id -> the first unit whose call item names it
     unit_of_call: dict[str, int]
+    # each unit's begin and end, and whether the units tile the items: none empty, each
+    # beginning where the one before ends, from the first item to the last (what the history
+    # cut's search asks of them; found from the kept units' for what was appended)
+    begins: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    tiles: bool = False
 
 
 def units_of(items: Sequence[ConversationItem], known: Units | None = None) -> Units:
@@ -74,14 +80,19 @@ def units_of(items: Sequence[ConversationItem], known: Units | None = None) -> U
     kept = known.spans[:first]
     unit_of_call = ({c: u for c, u in known.unit_of_call.items() if u < first}
                     if first < len(known.spans) else dict(known.unit_of_call))
-    return _units_from(list(items), kept, unit_of_call, kept[-1][1] if kept else 0)
+    return _units_from(list(items), kept, unit_of_call, kept[-1][1] if kept else 0,
+                       (known.begins[:first], known.ends[:first], known.tiles or not first))
 
 
 def _units_from(items: list[ConversationItem], spans: list[Span], unit_of_call: dict[str, int],
-                start: int) -> Units:
+                start: int,
+                bounds: tuple[list[int], list[int], bool] = ([], [], True)) -> Units:
     """``spans`` (the units of ``items[:start]``) and what follows: the units of
-    ``items[start:]``, offset by ``start``, with the calls each names."""
+    ``items[start:]``, offset by ``start``, with the calls each names. ``bounds``: the begins
+    and ends of ``spans``, and whether they tile ``items[:start]``."""
     spans = list(spans)
+    begins, ends, tiles = list(bounds[0]), list(bounds[1]), bounds[2]
+    at = start  # where the next unit must begin for the units to tile the items
     for begin, end in units(items[start:]):
         unit = len(spans)
         for item in items[start + begin:start + end]:
@@ -89,7 +100,12 @@ def _units_from(items: list[ConversationItem], spans: list[Span], unit_of_call: 
                 for call in item.calls:
                     unit_of_call.setdefault(call.call_id, unit)
         spans.append((begin + start, end + start))
-    return Units(items=items, spans=spans, unit_of_call=unit_of_call)
+        begins.append(begin + start)
+        ends.append(end + start)
+        tiles = tiles and begin + start == at and end > begin
+        at = end + start
+    return Units(items=items, spans=spans, unit_of_call=unit_of_call, begins=begins, ends=ends,
+                 tiles=tiles and at == len(items))
 
 
 def floor_index(items: Sequence[ConversationItem], summary_floor: int,
