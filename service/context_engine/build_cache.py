@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import cast
 
 from context_engine.domain.builder import ItemScan
 from context_engine.domain.items import ConversationItem
@@ -43,8 +44,9 @@ class BuildBase:
     prefix_bytes: int  # what they add to the serialized ModelRequest
     texts: tuple[bytes, bytes, bytes]  # UTF-8 of the JSON bodies, in TEXTS order
     response_bytes: int  # the whole response, serialized
-    # id(message) -> its index in messages (the objects are alive as long as the base is)
-    positions: dict[int, int] = field(default_factory=dict)
+    # id(message) -> its index in messages (the objects are alive as long as the base is);
+    # None until a response looks up more messages than it scans for (``where``)
+    positions: dict[int, int] | None = None
     # the validation's scan state after all of items (a Build that appends to them resumes
     # it: only the items it adds are scanned); never scanned on, only forked
     scan: ItemScan | None = None
@@ -56,7 +58,14 @@ class BuildBase:
 
     @staticmethod
     def index(messages: tuple[Message, ...]) -> dict[int, int]:
+        """id(message) -> its index (the last, for an object held twice)."""
         return dict(zip(map(id, messages), range(len(messages)), strict=True))
+
+    def where(self) -> dict[int, int]:
+        """The messages' ``index``, built on first use and kept with the base."""
+        if self.positions is None:
+            object.__setattr__(self, "positions", self.index(self.messages))
+        return cast(dict[int, int], self.positions)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from context_engine.api.incremental import message_spans, positions_after, text_spans
+from context_engine.api.incremental import BaseLookup, message_spans, text_spans
 from context_engine.build_cache import BuildBase
 from context_engine.domain.request import Message, Role
 from context_engine.domain.trust import TrustLevel
@@ -68,11 +68,13 @@ def msg(text: str) -> Message:
     return Message(row=10, role=Role.USER, trust=TrustLevel.USER, item_id=text, text=text)
 
 
-def base_of(messages: tuple[Message, ...]) -> BuildBase:
+def base_of(messages: tuple[Message, ...], indexed: bool = False) -> BuildBase:
+    """A base of ``messages`` (``indexed``: its index already built, as after a response that
+    looked up more messages than the lookup scans for)."""
     return BuildBase(tenant_id="t", session_id="s", incarnation=1, build_id="b", items=(),
                      item_bytes=(0,), messages=messages, message_entries=(), prefix=((), ()),
                      prefix_bytes=0, texts=(b"", b"", b""), response_bytes=0,
-                     positions=BuildBase.index(messages))
+                     positions=BuildBase.index(messages) if indexed else None)
 
 
 def test_a_cut_that_moved_forward_starts_past_the_base_s_first_messages() -> None:
@@ -106,15 +108,18 @@ def test_nothing_in_common_sends_everything_without_spans() -> None:
 def walked_spans(base: BuildBase, messages: list[Message]
                  ) -> tuple[list[tuple[int, int, int]], list[int]]:
     """The reference: ``message_spans`` one message at a time (its definition: a message is
-    copied when it is one of the base's, or equals the base message after the one copied just
-    before it; consecutive copies extend a span; a message sent counts in the span before)."""
+    copied when it is the very base message after the one copied just before it, or one of
+    the base's (its last position), or equals the base message after the one copied just
+    before it; consecutive copies extend a span; a message sent counts in the span
+    before)."""
     where = {id(m): i for i, m in enumerate(base.messages)}
     spans: list[list[int]] = []
     sent: list[int] = []
     expect = -1
     for j, m in enumerate(messages):
-        i = where.get(id(m))
-        if i is None and 0 <= expect < len(base.messages) and base.messages[expect] == m:
+        follows = 0 <= expect < len(base.messages)
+        i = expect if follows and base.messages[expect] is m else where.get(id(m))
+        if i is None and follows and base.messages[expect] == m:
             i = expect
         if i is None:
             if not spans:
@@ -159,31 +164,42 @@ def drawn(held_count: int, lead: int, twice: bool, picks: list[tuple[str, int]]
     return base, now
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=800, deadline=None)
 @given(*MIXES)
 def test_message_spans_are_the_walks(held_count: int, lead: int, twice: bool,
                                      picks: list[tuple[str, int]]) -> None:
     """Any mix of the base's own messages (runs of consecutive ones, single ones, repeats, out
     of order; its first ones in place), equal copies of them (matched only right after a copy
-    of the one before) and new messages, over bases that hold an object twice or do not."""
+    of the one before) and new messages, over bases that hold an object twice or do not, with
+    their index built before or not (looked up by scans, then by the index)."""
     base, now = drawn(held_count, lead, twice, picks)
-    assert message_spans(base, now) == walked_spans(base, now)
-
-
-@settings(max_examples=600, deadline=None)
-@given(*MIXES)
-def test_a_base_s_positions_come_from_its_base_s(held_count: int, lead: int, twice: bool,
-                                                 picks: list[tuple[str, int]]) -> None:
-    """The next base's index, found from this base's, is the index of its messages."""
-    base, now = drawn(held_count, lead, twice, picks)
-    messages = tuple(now)
-    assert positions_after(base, messages) == {id(m): i for i, m in enumerate(messages)}
+    expected = walked_spans(base, now)
+    assert message_spans(base, now) == expected
+    assert message_spans(base_of(base.messages, indexed=True), now) == expected
 
 
 def test_a_turn_appended_sends_only_the_turn() -> None:
+    """The usual Build: the cut moved on (the history starts further into the base), a turn
+    appended, the row after the history as before: found by scans, the base's index never
+    built."""
     held = tuple(msg(f"m{i}") for i in range(40))
     base = base_of(held)
-    now = [*held[:39], msg("call"), msg("result"), held[39]]
-    assert message_spans(base, now) == ([(0, 39, 2), (39, 1, 0)], [39, 40])
-    positions = positions_after(base, tuple(now))
-    assert positions == BuildBase.index(tuple(now)) and len(positions) == 42
+    now = [*held[5:39], msg("call"), msg("result"), held[39]]
+    assert message_spans(base, now) == ([(5, 34, 2), (39, 1, 0)], [34, 35])
+    assert base.positions is None
+    past = [*held[30:], msg("after the base's last")]  # from inside the base past its end
+    assert message_spans(base, past) == ([(30, 10, 1)], [10]) == walked_spans(base, past)
+    many = [*held[5:39], *(msg(f"new{i}") for i in range(BaseLookup.SCANS + 1)), held[39]]
+    assert message_spans(base, many) == walked_spans(base, many)
+    assert base.positions == BuildBase.index(held)  # more lookups than scans: the index
+
+
+def test_a_message_the_base_holds_twice_is_found_at_its_last_position() -> None:
+    held = tuple(msg(f"m{i}") for i in range(6))
+    twice = (*held, held[1])
+    for base in (base_of(twice), base_of(twice, indexed=True)):
+        find = BaseLookup(base)
+        assert find(held[1]) == 6 and find(held[0]) == 0 and find(msg("m2")) is None
+    # a copy that continues the run takes the object there, not its last position
+    assert message_spans(base_of(twice), [held[0], held[1], held[2]]) == ([(0, 3, 0)], [])
+    assert message_spans(base_of(twice), [held[1], held[2]]) == ([(6, 1, 0), (2, 1, 0)], [])

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, compress, count, repeat
-from operator import add, is_not, ne
+from itertools import accumulate, compress, repeat
+from itertools import count as count_from
+from operator import is_, is_not
 from typing import Any
 
 from context_engine.api import mapping
@@ -50,51 +51,54 @@ def message_spans(base: BuildBase, messages: Sequence[Message]
     """(spans, indexes of the messages to send): each span is (base_start, base_count,
     new_count). No spans when nothing is taken from the base.
 
-    A message is copied when it is one of the base's (by identity), or, not being one, equals
-    the base message after the one copied just before it (a message the memo rendered again);
-    copies of consecutive base messages extend one span, and messages sent are counted in the
-    span before them. The messages are looked up at C speed and walked only where a run of
-    consecutive base messages breaks: inside a run every message extends the span."""
+    A message is copied when it is the very base message after the one copied just before it,
+    or one of the base's (its last position there), or, being neither, equals the base message
+    after the one copied just before it (a message the memo rendered again); copies of
+    consecutive base messages extend one span, and messages sent are counted in the span
+    before them. The usual response is a few runs of the base's own objects in order (the
+    history from where the cut now starts, the rows after it): each run is walked comparing
+    object pointers at C speed, and only the message that begins a run, or is sent, is looked
+    for in the base (``BaseLookup``)."""
     n = len(messages)
     held = base.messages
-    # The messages the base holds at their own positions, from the first: each found at its
-    # index without a lookup, and none of them begins a run (the usual Build: the history as
-    # before, one turn more). Only where the base holds no object twice (each found at its
-    # only index, as the lookup would find it).
-    same = identical_prefix(held, messages) if len(base.positions) == len(held) else 0
-    found = [*range(same), *map(base.positions.get, map(id, messages[same:]),
-                                repeat(_NOT_HELD))]
-    # where a message does not continue the run before it (one not held never does)
-    first = max(same, 1)
-    breaks = [0, *compress(range(first, n),
-                           map(ne, found[first:], map(add, found[first - 1:], repeat(1))))] \
-        if n else []
+    size = len(held)
+    find = BaseLookup(base)
     spans: list[tuple[int, int, int]] = []
     sent: list[int] = []
     start = count = new = 0
     open_span = False
     copied = 0
     expect = -1  # the base message a copy would continue with
-    for b, j in enumerate(breaks):
-        run = (breaks[b + 1] if b + 1 < len(breaks) else n) - j
-        i: int | None = found[j]
-        if i == _NOT_HELD:
-            i = expect if 0 <= expect < len(held) and held[expect] == messages[j] else None
-        if i is not None:
-            if open_span and new == 0 and i == start + count:
-                count += run
-            else:
-                if open_span:
-                    spans.append((start, count, new))
-                start, count, new, open_span = i, run, 0, True
-            copied += run
-            expect = i + run
-        else:  # a run of one: a message not held continues no run
+    j = 0
+    while j < n:
+        m = messages[j]
+        i: int | None
+        if 0 <= expect < size and held[expect] is m:
+            i = expect
+        else:
+            i = find(m)
+            if i is None and 0 <= expect < size and held[expect] == m:
+                i = expect
+        if i is None:  # sent: it continues no run
             if not open_span:
                 start, count, new, open_span = 0, 0, 0, True
             new += 1
             sent.append(j)
             expect = -1
+            j += 1
+            continue
+        # copied, with the base's objects that follow it in both
+        run = 1 + next(compress(count_from(), map(is_not, held[i + 1:], messages[j + 1:])),
+                       min(size - i - 1, n - j - 1))
+        if open_span and new == 0 and i == start + count:
+            count += run
+        else:
+            if open_span:
+                spans.append((start, count, new))
+            start, count, new, open_span = i, run, 0, True
+        copied += run
+        expect = i + run
+        j += run
     if open_span:
         spans.append((start, count, new))
     if copied == 0:
@@ -102,29 +106,25 @@ def message_spans(base: BuildBase, messages: Sequence[Message]
     return spans, sent
 
 
-_NOT_HELD = -2  # found for a message the base does not hold (never one more than an index)
+class BaseLookup:
+    """A message's last position among the base's, by identity: the base's pointers scanned
+    at C speed for the first ``SCANS`` messages looked for, then its index (``BuildBase.where``,
+    built once and kept with the base) for the rest."""
 
+    SCANS = 8
 
-def identical_prefix(held: Sequence[Message], messages: Sequence[Message]) -> int:
-    """How many leading messages are the very objects ``held`` has at the same positions
-    (compared at C speed)."""
-    return next(compress(count(), map(is_not, held, messages)), min(len(held), len(messages)))
+    def __init__(self, base: BuildBase) -> None:
+        self.base = base
+        self.scans = 0 if base.positions is None else self.SCANS
 
-
-def positions_after(base: BuildBase, messages: tuple[Message, ...]) -> dict[int, int]:
-    """``BuildBase.index(messages)``, found from the base's where ``messages`` begin with the
-    base's own objects (the base's index copied, its entries past that prefix replaced): the
-    same dict, built from the messages that differ. The whole index where the base holds an
-    object twice (its index keeps the last position) or shares no leading message."""
-    held = base.messages
-    same = identical_prefix(held, messages) if len(base.positions) == len(held) else 0
-    if not same:
-        return BuildBase.index(messages)
-    positions = base.positions.copy()
-    for gone in held[same:]:
-        del positions[id(gone)]
-    positions.update(zip(map(id, messages[same:]), range(same, len(messages)), strict=True))
-    return positions
+    def __call__(self, message: Message) -> int | None:
+        if self.scans < self.SCANS:
+            self.scans += 1
+            held = self.base.messages
+            last = next(compress(count_from(), map(is_, reversed(held), repeat(message))),
+                        None)
+            return None if last is None else len(held) - 1 - last
+        return self.base.where().get(id(message))
 
 
 def _common_prefix(a: bytes, b: bytes, limit: int) -> int:
@@ -257,7 +257,5 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
     kept = BuildBase(tenant_id=tenant_id, session_id=session_id, incarnation=incarnation,
                      build_id=build_id, items=items, item_bytes=sizes, messages=messages,
                      message_entries=message_entries, prefix=prefix, prefix_bytes=prefix_bytes,
-                     texts=texts, response_bytes=full_bytes,
-                     positions=(BuildBase.index(messages) if base is None
-                                else positions_after(base, messages)), scan=scan)
+                     texts=texts, response_bytes=full_bytes, scan=scan)
     return Answer(response=out, base=kept, sent_messages=sent)
