@@ -189,9 +189,12 @@ def test_a_turn_appended_sends_only_the_turn() -> None:
     assert base.positions is None
     past = [*held[30:], msg("after the base's last")]  # from inside the base past its end
     assert message_spans(base, past) == ([(30, 10, 1)], [10]) == walked_spans(base, past)
-    many = [*held[5:39], *(msg(f"new{i}") for i in range(BaseLookup.SCANS + 1)), held[39]]
+    many = [*held[5:39], *(msg(f"new{i}") for i in range(50)), held[39], held[0], held[20]]
     assert message_spans(base, many) == walked_spans(base, many)
-    assert base.positions == BuildBase.index(held)  # more lookups than scans: the index
+    assert base.positions is None  # the base holds each object once: no index
+    twice = base_of((*held, held[3]))
+    assert message_spans(twice, many) == walked_spans(twice, many)
+    assert twice.positions == BuildBase.index(twice.messages)  # held twice: the index
 
 
 def test_a_message_the_base_holds_twice_is_found_at_its_last_position() -> None:
@@ -200,6 +203,9 @@ def test_a_message_the_base_holds_twice_is_found_at_its_last_position() -> None:
     for base in (base_of(twice), base_of(twice, indexed=True)):
         find = BaseLookup(base)
         assert find(held[1]) == 6 and find(held[0]) == 0 and find(msg("m2")) is None
+    once = BaseLookup(base_of(held))
+    for hint in range(7):  # found before the hint as after it
+        assert [once(m, hint) for m in held] == list(range(6))
     # a copy that continues the run takes the object there, not its last position
     assert message_spans(base_of(twice), [held[0], held[1], held[2]]) == ([(0, 3, 0)], [])
     assert message_spans(base_of(twice), [held[1], held[2]]) == ([(6, 1, 0), (2, 1, 0)], [])

@@ -58,7 +58,7 @@ def message_spans(base: BuildBase, messages: Sequence[Message]
     before them. The usual response is a few runs of the base's own objects in order (the
     history from where the cut now starts, the rows after it): each run is walked comparing
     object pointers at C speed, and only the message that begins a run, or is sent, is looked
-    for in the base (``BaseLookup``)."""
+    for in the base (``BaseLookup``): no index of every message is built."""
     n = len(messages)
     held = base.messages
     size = len(held)
@@ -69,6 +69,7 @@ def message_spans(base: BuildBase, messages: Sequence[Message]
     open_span = False
     copied = 0
     expect = -1  # the base message a copy would continue with
+    after = 0  # where the last copied run ended (where a lookup starts)
     j = 0
     while j < n:
         m = messages[j]
@@ -76,7 +77,7 @@ def message_spans(base: BuildBase, messages: Sequence[Message]
         if 0 <= expect < size and held[expect] is m:
             i = expect
         else:
-            i = find(m)
+            i = find(m, after)
             if i is None and 0 <= expect < size and held[expect] == m:
                 i = expect
         if i is None:  # sent: it continues no run
@@ -97,7 +98,7 @@ def message_spans(base: BuildBase, messages: Sequence[Message]
                 spans.append((start, count, new))
             start, count, new, open_span = i, run, 0, True
         copied += run
-        expect = i + run
+        expect = after = i + run
         j += run
     if open_span:
         spans.append((start, count, new))
@@ -107,24 +108,36 @@ def message_spans(base: BuildBase, messages: Sequence[Message]
 
 
 class BaseLookup:
-    """A message's last position among the base's, by identity: the base's pointers scanned
-    at C speed for the first ``SCANS`` messages looked for, then its index (``BuildBase.where``,
-    built once and kept with the base) for the rest."""
-
-    SCANS = 8
+    """A message's last position among the base's, by identity. Where the base holds each
+    object once (known from the set of its objects' ids, made on the first lookup), a message
+    whose id is not in the set is not held, and one whose id is has one position, found by
+    scanning the base's pointers at C speed from ``hint`` on (where the last copied run ended:
+    the usual next copy lies there), then before it. Where the base holds an object twice, its
+    index (``BuildBase.where``, built once and kept with the base) names the last."""
 
     def __init__(self, base: BuildBase) -> None:
+        self.held = base.messages
+        self.ids: set[int] | None = None
+        self.index = base.positions  # used where the base holds an object twice
         self.base = base
-        self.scans = 0 if base.positions is None else self.SCANS
 
-    def __call__(self, message: Message) -> int | None:
-        if self.scans < self.SCANS:
-            self.scans += 1
-            held = self.base.messages
-            last = next(compress(count_from(), map(is_, reversed(held), repeat(message))),
-                        None)
-            return None if last is None else len(held) - 1 - last
-        return self.base.where().get(id(message))
+    def __call__(self, message: Message, hint: int = 0) -> int | None:
+        if self.index is not None:
+            return self.index.get(id(message))
+        if self.ids is None:
+            self.ids = set(map(id, self.held))
+            if len(self.ids) != len(self.held):
+                self.index = self.base.where()
+                return self.index.get(id(message))
+        if id(message) not in self.ids:
+            return None
+        # held: an id in the set is one of the base's objects (both are alive, so no other
+        # object has its id)
+        held = self.held
+        found = next(compress(count_from(hint), map(is_, held[hint:], repeat(message))), None)
+        if found is None:
+            found = next(compress(count_from(), map(is_, held[:hint], repeat(message))))
+        return found
 
 
 def _common_prefix(a: bytes, b: bytes, limit: int) -> int:
