@@ -109,16 +109,18 @@ class Normalized:
 @dataclass(slots=True)
 class _KeptCosts:
     """The memo's COSTS entry: a build's candidates, at what pricing (base factor, factor),
-    their costs and messages, and each result's pointer and its cost where a pointer step found
-    them (the list is filled in by later allocations of the same candidates); and what its
-    allocation found over the history candidates (``KeptSteps``; None until it has
-    allocated)."""
+    their costs, each result's pointer and its cost where a pointer step found them (the list
+    is filled in by later allocations of the same candidates), and each candidate as an
+    assembly last sent it (``shown``: the candidate, or the pointer in its place) with that
+    item's messages; and what its allocation found over the history candidates
+    (``KeptSteps``; None until it has allocated)."""
 
     pricing: tuple[float, float]
     candidates: tuple[ContextItem, ...]
     costs: list[int]
     pointers: list[Pointed | None]
-    messages: list[tuple[Message, ...]]  # each candidate's rendering (its content's)
+    messages: list[tuple[Message, ...]]  # the rendering of shown[i]
+    shown: list[ContextItem]
     steps: KeptSteps | None = None
 
 
@@ -646,6 +648,7 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         if known_costs is not None and held:
             costs = [*known_costs.costs[:held], *map(cost, candidates[held:])]
             said = [*known_costs.messages[:held], *map(said_by, candidates[held:])]
+            shown = [*known_costs.shown[:held], *candidates[held:]]
             pointed = [*known_costs.pointers[:held], *repeat(None, len(candidates) - held)]
             # what its allocation found over the candidates both begin with
             if known_costs.steps is not None:
@@ -653,8 +656,9 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         else:
             costs = list(map(cost, candidates))
             said = list(map(said_by, candidates))
+            shown = list(candidates)
             pointed = [None] * len(candidates)
-        kept_costs = _KeptCosts(pricing, candidates, costs, pointed, said)
+        kept_costs = _KeptCosts(pricing, candidates, costs, pointed, said, shown)
         cast(MutableMapping[Any, Any], memo)[costs_key] = kept_costs
     alloc = allocate(budget=budget, prefix_tokens=prefix_tokens, factor=factor,
                      policy=policy, summary=summary, carried=carried, floor=floor,
@@ -794,20 +798,22 @@ def history_messages(history: tuple[ConversationItem, ...], active: int,
                      messages_of: Callable[[list[ContextItem]], Iterable[tuple[Message, ...]]]
                      ) -> Iterable[tuple[Message, ...]]:
     """The messages of each item of ``history`` (what the allocation kept of the history
-    candidates: the last of them, before the ``active`` run's), read from the candidates'
-    kept renderings where the item is the candidate itself, at C speed, and from
-    ``messages_of`` where a pointer took its place (or with nothing kept: every item)."""
+    candidates: the last of them, before the ``active`` run's), read from the kept renderings
+    where the item is what an assembly last sent at its place (the candidate, or the same
+    pointer: found at C speed), and from ``messages_of`` elsewhere (a pointer taking a
+    candidate's place anew; with nothing kept, every item), which are kept for the next."""
     if kept is None:
         return messages_of(list(history))
     end = len(kept.candidates) - active  # the history candidates end where the run begins
     start = end - len(history)
     said = kept.messages[start:end]
-    same = list(map(is_, history, kept.candidates[start:end]))
+    same = list(map(is_, history, kept.shown[start:end]))
     if False in same:
         at = list(compress(range(len(same)), map(not_, same)))
         for k, messages in zip(at, messages_of(list(map(history.__getitem__, at))),
                                strict=True):
-            said[k] = messages
+            said[k] = kept.messages[start + k] = messages
+            kept.shown[start + k] = history[k]
     return said
 
 
