@@ -45,7 +45,7 @@ class BuildBase:
     texts: tuple[bytes, bytes, bytes]  # UTF-8 of the JSON bodies, in TEXTS order
     response_bytes: int  # the whole response, serialized
     # id(message) -> its index in messages (the objects are alive as long as the base is);
-    # None until a response looks up more messages than it scans for (``where``)
+    # None until a response is matched against a base that holds an object twice (``where``)
     positions: dict[int, int] | None = None
     # the validation's scan state after all of items (a Build that appends to them resumes
     # it: only the items it adds are scanned); never scanned on, only forked

@@ -47,3 +47,19 @@ def test_a_pressure_payload_of_thousands_of_ids() -> None:
     assert event_json(payload) == stdlib(payload)
     assert json.loads(event_json(payload))["steps"][0]["item_ids"] == ids
     assert not math.isnan(json.loads(event_json(payload))["estimator_factor"])
+
+
+def test_what_it_does_not_write_as_the_standard_library_does() -> None:
+    """The differences its docstring names: a float's spelling (the same value), a non-finite
+    float (null where the standard library refuses it), an integer past 64 bits and a key that
+    is not a string (refused)."""
+    assert event_json({"f": 1e-07}) == '{"f":1e-7}' != stdlib({"f": 1e-07})
+    assert json.loads(event_json({"f": 1e-07})) == {"f": 1e-07}
+    assert event_json({"f": float("nan")}) == '{"f":null}'
+    for bad in ({"i": 2 ** 64}, {1: "key"}):
+        try:
+            event_json(bad)
+        except TypeError:
+            continue
+        raise AssertionError(f"{bad} was written")
+

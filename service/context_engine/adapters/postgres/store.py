@@ -60,10 +60,13 @@ class PartitionMissing(StoreUnavailable):
 
 def event_json(payload: dict[str, Any]) -> str:
     """An event's payload as the JSON text its jsonb column is written from: sorted keys, no
-    insignificant whitespace, UTF-8 (``canonical_json``'s text for the payloads events carry:
-    strings, integers, finite floats, booleans, lists and string-keyed objects). orjson, since a
-    pressure event names thousands of item ids on every Build of a long session: about 6x
-    faster than the standard encoder on them."""
+    insignificant whitespace, UTF-8. For what the service's payloads hold (strings, 64-bit
+    integers, booleans, None, lists and string-keyed objects) it is ``canonical_json``'s text;
+    a float may be spelled otherwise (``1e-7`` for ``1e-07``: the same jsonb value), a
+    non-finite float would be written as null (the payloads' floats are validated finite) and
+    a larger integer or a key that is not a string raises TypeError. orjson, since a pressure
+    event names thousands of item ids on every Build of a long session: about 6x faster than
+    the standard encoder on them."""
     return orjson.dumps(payload, option=orjson.OPT_SORT_KEYS).decode()
 
 
