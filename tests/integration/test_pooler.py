@@ -127,20 +127,32 @@ def test_the_pooler_hands_statements_to_other_server_connections(small_pooler,
     async def scenario() -> tuple[set[int], int]:
         mine = await asyncpg.connect(small_pooler.url, statement_cache_size=0)
         others = [await asyncpg.connect(small_pooler.url, statement_cache_size=0)
-                  for _ in range(4)]
+                  for _ in range(2)]
         try:
-            seen: set[int] = set()
-            for _ in range(30):  # others' transactions in between take the free backend
-                busy = [asyncio.ensure_future(o.fetchval("SELECT pg_sleep(0.002)"))
-                        for o in others]
-                seen.add(await mine.fetchval("SELECT pg_backend_pid()"))
-                await asyncio.gather(*busy)
+            first = await mine.fetchval("SELECT pg_backend_pid()")
+            # the others open a transaction each: in transaction mode each holds a server
+            # connection until it ends, so together they hold both of the pool's
+            held = []
+            for other in others:
+                transaction = other.transaction()
+                await transaction.start()
+                held.append((await other.fetchval("SELECT pg_backend_pid()"), transaction))
+            assert {pid for pid, _ in held} >= {first}, (first, held)
+            # the one not on ``first``'s server connection ends: the next statement of
+            # ``mine`` can only go to the connection it frees
+            for pid, transaction in held:
+                if pid != first:
+                    await transaction.commit()
+            second = await mine.fetchval("SELECT pg_backend_pid()")
+            for pid, transaction in held:
+                if pid == first:
+                    await transaction.commit()
             direct = await asyncpg.connect(direct_database_url)
             try:
                 own = await direct.fetchval("SELECT pg_backend_pid()")
             finally:
                 await direct.close()
-            return seen, own
+            return {first, second}, own
         finally:
             for c in (mine, *others):
                 await c.close()

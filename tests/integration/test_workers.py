@@ -4,6 +4,7 @@ in PostgreSQL afterwards, a check shown here to fail on a lost plan)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import time
 import urllib.request
 import uuid
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import pytest
@@ -21,7 +23,7 @@ from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.integration.processes import ServerProcess
-from tests.integration.requests import plan_request
+from tests.integration.requests import build_request, plan_request
 from tests.load import run as load
 from tests.load.runtime import AckedPlan
 from tests.support.certs import make_pki
@@ -177,3 +179,36 @@ def test_the_lost_plan_check_fails_on_a_plan_that_is_not_stored(stub, database_u
     report = empty_report()
     load.check_acknowledged(report, [], database_url)  # nothing acknowledged: nothing proven
     assert report.failures == ["no Plan was acknowledged: there is nothing to check"]
+
+
+def test_every_worker_loads_the_catalogs_tokenizers_before_it_serves(database_url):
+    """A first load takes seconds (a worker's first Plan waited 2.4-2.6 s for it): each
+    worker loads every encoding the catalog names before health says SERVING, so Plans and
+    Builds of a model of each encoding, on both workers, load none."""
+    catalog = json.loads((Path(__file__).parents[2] / "service" / "context_engine" / "data"
+                          / "models.json").read_text())
+    models = {m["encoding"]: m["prefix"] + "x" for m in catalog["models"]}
+    encodings = set(models) | {"cl100k_base"}
+    server = ServerProcess({"DATABASE_URL": database_url, "CE_WORKERS": "2"}, timeout=120)
+    tenant = f"warm-{uuid.uuid4().hex[:8]}"
+    try:
+        serving_at = len(server.log)
+        assert server.log[-1]["event"] == "serving"
+        loaded = collections.Counter(r["encoding"] for r in server.log
+                                     if r.get("event") == "tokenizer_loaded")
+        assert loaded == {encoding: 2 for encoding in encodings}  # once in each worker
+        for n in range(12):  # channels of their own: connections spread over both workers
+            channel = grpc.insecure_channel(server.address, options=[
+                ("grpc.use_local_subchannel_pool", 1)])
+            stub = pb_grpc.ContextEngineStub(channel)
+            for encoding, model in sorted(models.items()):
+                session = f"s-{n}-{encoding}"
+                plan = stub.Plan(plan_request(tenant, session,
+                                              model=pb.ModelSpec(model_id=model)), timeout=30)
+                assert encoding in plan.plan.tokenizer, (model, plan.plan.tokenizer)
+                stub.Build(build_request(tenant, session), timeout=30)
+            channel.close()
+    finally:
+        assert server.terminate() == 0
+    late = [r for r in server.log[serving_at:] if r.get("event") == "tokenizer_loaded"]
+    assert late == []

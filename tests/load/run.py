@@ -390,8 +390,12 @@ def run(args: argparse.Namespace) -> Report:
                 report.failures.append(f"{len(broken)} calls ended with "
                                        f"{sorted({c.code for c in broken})}: {detail}")
             if in_flight_failed:
+                detail = "; ".join(
+                    f"{c.method} {c.code} ({c.details}) started {c.started - sigterm_at:+.3f} s "
+                    f"ended {c.started + c.seconds - sigterm_at:+.3f} s after SIGTERM"
+                    for c in in_flight_failed[:10])
                 report.failures.append(f"{len(in_flight_failed)} calls in flight at SIGTERM "
-                                       "did not complete OK")
+                                       f"did not complete OK: {detail}")
             if not_serving is None or not_serving > close_at:
                 report.failures.append("health did not report NOT_SERVING before the "
                                        "listener closed")

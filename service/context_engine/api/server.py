@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -182,6 +183,17 @@ async def initialise_metrics(metrics: Metrics, calibrations: PostgresCalibration
                        codes=ANSWERED_CODES, factors=factors)
 
 
+def tokenizer_loaded(encoding: str, counter: str, seconds: float) -> None:
+    log("tokenizer_loaded", encoding=encoding, counter=counter, seconds=round(seconds, 3))
+
+
+async def warm_tokenizers(tokenizers: TiktokenRegistry, encodings: tuple[str, ...]) -> None:
+    started = time.perf_counter()
+    await asyncio.to_thread(tokenizers.warm, encodings)
+    log("tokenizers_warm", encodings=list(encodings),
+        seconds=round(time.perf_counter() - started, 3))
+
+
 async def start(config: Config, *, database_url: str,
                 registry: CollectorRegistry = REGISTRY,
                 tracer_provider: trace.TracerProvider | None = None,
@@ -191,6 +203,24 @@ async def start(config: Config, *, database_url: str,
     else nowhere (a no-op tracer, no SDK loaded). With a provider, asyncpg is instrumented
     (after the start-up queries) so statements are spans under the RPC's. ``clock``: the
     server's clock (tests run a real server across midnight with one of their own)."""
+    # Every tokenizer the catalog names loads beside the start-up queries, and before health
+    # says SERVING: a first load takes seconds, which no call should wait for.
+    catalog = load_model_catalog(config.model_catalog)
+    tokenizers = TiktokenRegistry(on_load=tokenizer_loaded)
+    warming = asyncio.create_task(warm_tokenizers(tokenizers, catalog.encodings()))
+    try:
+        return await _start(config, database_url=database_url, registry=registry,
+                            tracer_provider=tracer_provider, clock=clock, catalog=catalog,
+                            tokenizers=tokenizers, warming=warming)
+    except BaseException:  # the load's thread ends (and its outcome is read) before we do
+        await asyncio.gather(warming, return_exceptions=True)
+        raise
+
+
+async def _start(config: Config, *, database_url: str, registry: CollectorRegistry,
+                 tracer_provider: trace.TracerProvider | None, clock: Clock,
+                 catalog: ModelCatalog, tokenizers: TiktokenRegistry,
+                 warming: asyncio.Task[None]) -> Running:
     applied = await migrate(database_url, config.migrations_dir)
     if applied:
         log("migrated", applied=applied)
@@ -212,7 +242,6 @@ async def start(config: Config, *, database_url: str,
     events = BufferedEventLog(PostgresEventLog(pool, command_timeout=timeout, tracer=tracer,
                                                clock=clock), clock=clock)
     calibrations = PostgresCalibrationStore(pool, command_timeout=timeout, tracer=tracer)
-    catalog = load_model_catalog(config.model_catalog)
     await initialise_metrics(metrics, calibrations, catalog)
     engine = Engine(
         store=LastKnownEpochs(PostgresPlanStore(pool, command_timeout=timeout, tracer=tracer,
@@ -221,7 +250,7 @@ async def start(config: Config, *, database_url: str,
         calibrations=calibrations,
         policy=config.budget_policy(), calibration_ttl=config.calibration_ttl_seconds,
         catalog=catalog,
-        tokenizers=TiktokenRegistry(),
+        tokenizers=tokenizers,
         assets=load_platform_assets(config.assets_dir),
         control_tools=load_control_tools(config.assets_dir),
         metrics=metrics, plan_cache_size=config.plan_cache_size,
@@ -263,6 +292,7 @@ async def start(config: Config, *, database_url: str,
         metrics_http, _ = start_http_server(port, addr=host, registry=registry)
         metrics_port = int(metrics_http.server_port)
 
+    await warming
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

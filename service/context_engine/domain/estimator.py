@@ -131,6 +131,11 @@ class ModelCatalog:
         """Every value ``family`` can take (the metrics create a series for each at start)."""
         return tuple(sorted({_family(e) for e in self._entries} | {_family(None)}))
 
+    def encodings(self) -> tuple[str, ...]:
+        """Every encoding a Plan can pin from this catalog (cl100k_base: a model it does not
+        know)."""
+        return tuple(sorted({e.encoding for e in self._entries} | {"cl100k_base"}))
+
     def resolve(self, model_id: str, *, context_window: int | None,
                 output_reserve: int | None, breakpoint_budget: int | None) -> ModelProfile:
         """Fill what the caller did not give from the catalog; a model the catalog does not know
