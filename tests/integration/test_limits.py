@@ -82,35 +82,6 @@ def test_an_item_over_the_byte_limit_is_resource_exhausted(limited_stub, ids, db
     assert db.counts(tenant) == before
 
 
-def test_the_served_shape_check_knows_each_request_s_size(limited_stub, ids, monkeypatch):
-    """gRPC decodes a request in the task that calls its handler: the check reads the size of
-    what it was given (no element measured one by one below ``max_item_bytes``), and still
-    refuses an element over it."""
-    from context_engine.api import limits
-
-    sizes: list[int | None] = []
-    original = limits.shape_violation
-
-    def recording(message, lim, path="", depth=0, size=None):
-        if depth == 0:
-            sizes.append(size)
-        return original(message, lim, path, depth, size)
-
-    monkeypatch.setattr(limits, "shape_violation", recording)
-    tenant, session = ids
-    plan = plan_request(tenant, session)
-    limited_stub.Plan(plan)
-    small = build_request(tenant, session, items=many_items(3))
-    limited_stub.Build(small)
-    items = many_items(3)
-    items[1] = item("big", 2, user=pb.UserMessage(text="y" * 5000))
-    big = build_request(tenant, session, items=items)
-    with pytest.raises(grpc.RpcError) as info:
-        limited_stub.Build(big)
-    assert failure(info.value).reason == "ITEM_TOO_LARGE"
-    assert sizes == [plan.ByteSize(), small.ByteSize(), big.ByteSize()]
-
-
 def test_a_message_over_the_receive_limit_is_resource_exhausted(limited_stub, ids, db):
     tenant, session = ids
     limited_stub.Plan(plan_request(tenant, session))

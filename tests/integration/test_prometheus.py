@@ -653,19 +653,28 @@ def check_rules(prom: Prometheus, truth: Truth, checks: Checks, phase: str) -> N
     # The alerts, from the truth: which ones are pending (each has a `for`) or firing. A
     # rule's guard on a count (at least 10 sessions, 20 reports) reads the recorded increase,
     # which Prometheus extrapolates over its window (checked against the truth above, within
-    # that tolerance): the guards here read it too, or a truth just under a threshold would
-    # be decided by when the scrapes fell (16 reports recorded as 20.56 in one run).
+    # that tolerance) and which moves with every scrape: the guards here read it as the
+    # alerts' last evaluation did, and the alerts are read at that evaluation, or a truth
+    # just under a threshold would be decided by when the scrapes fell (16 reports recorded
+    # as 20.56 in one run).
+    alerts_at = evaluated_at(prom.groups()["context-engine.alerts"])
+
+    def guard(name: str, label: str = "") -> defaultdict[str, float]:
+        return defaultdict(lambda: math.nan, {(m.get(label, "") if label else ""): v
+                                              for m, v in prom.query(f"context_engine:{name}",
+                                                                     alerts_at)})
     expected = set()
-    if epochs / truth.sessions > 1.2 and rec("sessions_opened:increase6h")[""] >= 10:
+    if epochs / truth.sessions > 1.2 and guard("sessions_opened:increase6h")[""] >= 10:
         expected.add(("ContextEngineEpochsPerSessionHigh", ""))
     if exceeded_share > 0.05:
         expected.add(("ContextEngineBudgetExceeded", ""))
     expected |= {("ContextEngineRpcErrors", m) for m, v in share.items() if v > 0.01}
     if quantile(0.5, RATIO_BOUNDS, truth.prefix_ratios) < 0.9 and \
-            rec("cached_prefix_ratio:reports1h")[""] >= 20:
+            guard("cached_prefix_ratio:reports1h")[""] >= 20:
         expected.add(("ContextEngineCachedPrefixRatioLow", ""))
     for family, values in truth.errors.items():
-        if sum(v > 0.05 for v in values) / len(values) > 0.1 and reports[family] >= 20:
+        if sum(v > 0.05 for v in values) / len(values) > 0.1 and \
+                guard("estimator_reports:increase1h", "model")[family] >= 20:
             expected.add(("ContextEngineEstimatorUndercount", family))
     if p99 > 1:
         expected.add(("ContextEngineBuildLatencyHigh", "Build"))
@@ -681,7 +690,7 @@ def check_rules(prom: Prometheus, truth: Truth, checks: Checks, phase: str) -> N
                              '"context_engine.v1.ContextEngine"})', at),
                  sum(truth.calls.values()))
     active = {(m["alertname"], m.get("method", m.get("model", ""))): m["alertstate"]
-              for m, _ in prom.query("ALERTS")}
+              for m, _ in prom.query("ALERTS", alerts_at)}
     checks.that(f"{phase}: active alerts {sorted(a for a, _ in expected)}",
                 set(active) == expected, f"got {sorted(active.items())}")
     checks.one_factor(phase)

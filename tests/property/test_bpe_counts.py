@@ -142,13 +142,14 @@ def test_the_bindings_load_without_the_package_s_start_up_and_count_as_it_does()
     script = textwrap.dedent("""
         import sys
         from context_engine.adapters.tokenizers import bundled_bpe_counter
+        from context_engine.adapters.tokenizers import _bpe_bindings
         count = bundled_bpe_counter("o200k_base")
         assert count is not None
         assert "bpe_openai" not in sys.modules, "the package's __init__ ran"
-        bindings = sys.modules["bpe_openai._bindings"]
+        bindings = _bpe_bindings()
         import bpe_openai
-        import importlib
-        assert importlib.import_module("bpe_openai._bindings") is bindings
+        import bpe_openai._bindings
+        assert bpe_openai._bindings is bindings
         text = "Hello, world: \u00e9t\u00e9 2026-12-02 \U0001F600 " * 20
         assert count(text) == len(bpe_openai.build_encoding_from_name("o200k_base").encode(text))
         print("ok")

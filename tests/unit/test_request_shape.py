@@ -1,6 +1,6 @@
-"""The request-shape check measures elements one by one only where the request could hold one
-over ``max_item_bytes``: its size comes from the bytes gRPC decoded, taken only beside the very
-request they decoded to."""
+"""The request-shape check measures each element as protobuf serializes it, not by the bytes
+that arrived: those can be fewer than an element measures (a negative enum sent in five bytes is
+measured at ten), so no size of the received request may stand in for the elements'."""
 
 from __future__ import annotations
 
@@ -8,47 +8,51 @@ import asyncio
 from typing import Any
 
 import grpc
-from context_engine.api import limits as limits_module
-from context_engine.api.limits import Limits, LimitsInterceptor, shape_violation
+from context_engine.api.limits import Limits, LimitsInterceptor
 from context_engine.telemetry.metrics import Metrics
 from context_engine.v1 import context_engine_pb2 as pb
 from prometheus_client import CollectorRegistry
 
-from tests.integration.requests import build_request, item
 
-LIMITS = Limits(max_concurrent=10, max_items=50, max_item_bytes=4096)
-
-
-def request_with(text_bytes: int) -> pb.BuildRequest:
-    items = [item(f"u{i}", i + 1, user=pb.UserMessage(text="x" * 10)) for i in range(3)]
-    items[1] = item("big", 2, user=pb.UserMessage(text="y" * text_bytes))
-    return build_request("t", "s", items=items)
-
-
-def test_an_element_over_the_limit_is_found_unless_the_whole_request_is_within_it():
-    big = request_with(5000)
-    found = shape_violation(big, LIMITS)
-    assert found is not None and found.field == "checkpoint.items[1]"
-    assert shape_violation(big, LIMITS, size=big.ByteSize()) == found
-    # the size is the caller's word: at most the limit, no element is measured
-    assert shape_violation(big, LIMITS, size=4096) is None
-    assert shape_violation(request_with(100), LIMITS) is None
-    # counts are checked whatever the size
-    many = build_request("t", "s", items=[item(f"u{i}", i + 1, user=pb.UserMessage(text="x"))
-                                          for i in range(51)])
-    found = shape_violation(many, LIMITS, size=10)
-    assert found is not None and found.reason == "TOO_MANY_ITEMS"
+def varint(n: int) -> bytes:
+    out = b""
+    while True:
+        low, n = n & 0x7F, n >> 7
+        if not n:
+            return out + bytes([low])
+        out += bytes([low | 0x80])
 
 
-def test_the_handler_takes_the_size_of_the_request_it_got_and_of_no_other(monkeypatch):
-    seen: list[int | None] = []
+def length_delimited(number: int, data: bytes) -> bytes:
+    return varint(number << 3 | 2) + varint(len(data)) + data
 
-    def recording(message: Any, limits: Limits, path: str = "", depth: int = 0,
-                  size: int | None = None) -> None:
-        seen.append(size)
-        return None
 
-    monkeypatch.setattr(limits_module, "shape_violation", recording)
+def test_an_element_measured_over_the_limit_is_refused_whatever_arrived():
+    fields = pb.ConversationItem.DESCRIPTOR.fields_by_name
+    attachments = pb.UserMessage.DESCRIPTOR.fields_by_name["attachments"].number
+    kind = pb.Attachment.DESCRIPTOR.fields_by_name["kind"].number
+    # Attachment.kind = -1 in its five-byte form: valid on the wire, measured at ten bytes
+    attachment = varint(kind << 3) + b"\xff\xff\xff\xff\x0f"
+    user = b"".join(length_delimited(attachments, attachment) for _ in range(120))
+    item = length_delimited(fields["user"].number, user)
+    checkpoint = length_delimited(
+        pb.Checkpoint.DESCRIPTOR.fields_by_name["items"].number, item)
+    data = length_delimited(pb.BuildRequest.DESCRIPTOR.fields_by_name["checkpoint"].number,
+                            checkpoint)
+    limits = Limits(max_concurrent=10, max_items=10_000, max_item_bytes=1024)
+    decoded = pb.BuildRequest.FromString(data)
+    assert len(data) < 1024 < decoded.checkpoint.items[0].ByteSize()
+
+    refused: list[tuple[Any, ...]] = []
+
+    class Context:
+        async def abort(self, code: grpc.StatusCode, details: str,
+                        trailing_metadata: Any = ()) -> None:
+            refused.append((code, details, dict(trailing_metadata)))
+            raise RuntimeError("aborted")
+
+        def __getattr__(self, name: str) -> Any:
+            return lambda *args, **kwargs: None
 
     async def inner(request: Any, context: Any) -> str:
         return "answered"
@@ -60,20 +64,16 @@ def test_the_handler_takes_the_size_of_the_request_it_got_and_of_no_other(monkey
     class Details:
         method = "/context_engine.v1.ContextEngine/Build"
 
-    async def scenario() -> list[str]:
-        interceptor = LimitsInterceptor(LIMITS, Metrics(CollectorRegistry()))
+    async def scenario() -> str:
+        interceptor = LimitsInterceptor(limits, Metrics(CollectorRegistry()))
         handler = await interceptor.intercept_service(continuation, Details())
         assert handler is not None and handler.request_deserializer is not None
-        data = request_with(100).SerializeToString()
-        answers = []
-        decoded = handler.request_deserializer(data)
-        answers.append(await handler.unary_unary(decoded, None))
-        # the size was taken once: a later call in the same context does not read it again
-        answers.append(await handler.unary_unary(decoded, None))
-        handler.request_deserializer(data)
-        # another request than the one decoded: its size is not known
-        answers.append(await handler.unary_unary(request_with(100), None))
-        return answers
+        try:
+            return str(await handler.unary_unary(handler.request_deserializer(data), Context()))
+        except RuntimeError as exc:
+            return str(exc)
 
-    assert asyncio.run(scenario()) == ["answered"] * 3
-    assert seen == [len(request_with(100).SerializeToString()), None, None]
+    assert asyncio.run(scenario()) == "aborted"
+    assert refused and refused[0][0] is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "checkpoint.items[0]" in refused[0][1], refused
+    assert "ITEM_TOO_LARGE" in repr(refused[0][2])

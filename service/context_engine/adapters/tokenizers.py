@@ -63,10 +63,12 @@ def _bpe_openai_dir() -> Path | None:
 _BINDINGS = "bpe_openai._bindings"
 
 
+@functools.cache
 def _bpe_bindings() -> Any | None:
-    """``bpe_openai._bindings`` (the Rust extension), loaded by itself and registered under its
-    own name, so the package, when something imports it later, finds it loaded (an extension
-    module initializes once per process)."""
+    """``bpe_openai._bindings`` (the Rust extension), loaded by itself. The loader registers
+    it in ``sys.modules``; it is taken out again unless the package is loaded, so the package,
+    imported later, imports it as its own submodule (and gets the same module: an extension
+    initializes once per process)."""
     loaded = sys.modules.get(_BINDINGS)
     if loaded is not None:
         return loaded
@@ -81,7 +83,8 @@ def _bpe_bindings() -> Any | None:
             assert spec is not None
             module = importlib.util.module_from_spec(spec)
             loader.exec_module(module)
-            sys.modules[_BINDINGS] = module
+            if "bpe_openai" not in sys.modules:
+                sys.modules.pop(_BINDINGS, None)
             return module
     return None
 
@@ -279,16 +282,10 @@ class TiktokenRegistry:
 
     def warm(self, encodings: Iterable[str]) -> None:
         """Loads the counter of each of ``encodings`` (and cl100k_base, every fallback's
-        base) now, so no call waits for one: a first load takes seconds."""
+        base) now, so no call waits for one (0.7-0.9 s for the catalog's, here)."""
         for encoding in sorted({"cl100k_base", *encodings}):
             counter, _ = self.counter_for(encoding)
             counter.count("warm")
-
-    @property
-    def loaded(self) -> frozenset[str]:
-        """The encodings whose counters this registry holds."""
-        with self._lock:
-            return frozenset(self._counters)
 
     def exact(self, encoding: str) -> TokenCounter | None:
         if encoding == "cl100k_base":
