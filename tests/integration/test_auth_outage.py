@@ -9,7 +9,6 @@ When the database returns, every token is looked up again.
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from tests.conftest import test_config as base_config
 from tests.integration.requests import build_request, failure, plan_request
 from tests.integration.test_auth import bearer, debug_logs
 from tests.integration.test_db_faults import Database
+from tests.support.logs import Captured
 
 pytestmark = pytest.mark.integration
 
@@ -36,15 +36,6 @@ def database() -> Iterator[Database]:
     db = Database()
     yield db
     db.close()
-
-
-class Events(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.names: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.names.append(record.getMessage())
 
 
 def refused(call, request, metadata) -> grpc.RpcError:
@@ -67,7 +58,7 @@ def test_table_tokens_ride_out_a_database_outage(database: Database) -> None:
     srv = ServerThread(config, database.url)
     channel = grpc.insecure_channel(srv.address)
     stub = pb_grpc.ContextEngineStub(channel)
-    events = Events()
+    events = Captured()
     try:
         with debug_logs(events):
             # before: the token is read once (and its session's plan cached by Plan)
@@ -96,7 +87,7 @@ def test_table_tokens_ride_out_a_database_outage(database: Database) -> None:
             assert (f.code, f.reason) == (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE")
             f = failure(refused(stub.Build, build_request(tenant, session), bearer(revoked)))
             assert (f.code, f.reason) == (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
-            assert events.names.count("auth_stale_grants") == 1
+            assert events.events.count("auth_stale_grants") == 1
 
             database.restart()
             deadline = time.monotonic() + 30
@@ -116,7 +107,7 @@ def test_table_tokens_ride_out_a_database_outage(database: Database) -> None:
             assert f.code is grpc.StatusCode.UNAUTHENTICATED
             assert stub.Build(build_request(tenant, session), metadata=bearer(token),
                               timeout=10).prefix_sha256 == built.prefix_sha256
-            assert events.names.count("auth_stale_grants") == 1
+            assert events.events.count("auth_stale_grants") == 1
     finally:
         channel.close()
         srv.stop()

@@ -30,6 +30,8 @@ from context_engine.config import Config, ConfigError, is_loopback
 from context_engine.domain.errors import StoreUnavailable
 from context_engine.v1 import context_engine_pb2 as pb
 
+from tests.support.logs import Captured
+
 TOKEN_A = "tok-a-6f1c0e9b"
 TOKEN_BUILD = "tok-build-2d7e"
 
@@ -189,15 +191,6 @@ def test_unknown_table_tokens_are_remembered_only_briefly() -> None:
     now[0] += 3.0
     assert asyncio.run(tokens.grant(digest)) == Grant(tenant_id="acme",
                                                        rpcs=frozenset({"Plan"}))
-
-
-class Captured(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.events: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.events.append(record.getMessage())
 
 
 def test_during_an_outage_recent_grants_answer_and_everything_else_is_unavailable() -> None:

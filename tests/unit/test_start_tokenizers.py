@@ -11,14 +11,7 @@ import threading
 import pytest
 from context_engine.api.server import joined, settled
 
-
-class Captured(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.events: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.events.append(record.getMessage())
+from tests.support.logs import Captured
 
 
 def slow_load(release: threading.Event, done: list[str], fail: bool = False) -> None:
