@@ -284,8 +284,7 @@ class TiktokenRegistry:
         """Loads the counter of each of ``encodings`` (and cl100k_base, every fallback's
         base) now, so no call waits for one (0.7-0.9 s for the catalog's, here)."""
         for encoding in sorted({"cl100k_base", *encodings}):
-            counter, _ = self.counter_for(encoding)
-            counter.count("warm")
+            self.counter_for(encoding)
 
     def exact(self, encoding: str) -> TokenCounter | None:
         if encoding == "cl100k_base":

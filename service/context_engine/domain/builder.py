@@ -42,7 +42,7 @@ from context_engine.domain.estimator import (
     TokenEstimator,
     attachment_tokens,
 )
-from context_engine.domain.excerpts import normalize_tool_result, normalize_tool_results
+from context_engine.domain.excerpts import normalize_tool_result
 from context_engine.domain.history import Units, floor_index, units_of
 from context_engine.domain.items import (
     ContextItem,
@@ -731,14 +731,11 @@ def shared_prefix(old: tuple[Any, ...], new: tuple[Any, ...]) -> int:
 def normalized(items: tuple[ConversationItem, ...], inline_maximum_bytes: int,
                memo: MutableMapping[Any, Any] | None, key: tuple[str, str]) -> Normalized:
     """``normalize_tool_results`` and where the reasoning items and the user messages with
-    attachments are, found from the last build's where the items begin with the same ones at
-    the same inline maximum (its output objects reused: an excerpted result keeps its identity
-    from Build to Build; its positions kept up to there)."""
-    if memo is None:
-        whole, legacy = normalize_tool_results(items, inline_maximum_bytes)
-        return Normalized(whole, legacy, *where_of(whole))
+    attachments are; with ``memo``, found from the last build's where the items begin with the
+    same ones at the same inline maximum (its output objects reused: an excerpted result keeps
+    its identity from Build to Build; its positions kept up to there)."""
     items = tuple(items)  # kept: a list the caller changes later must not be what is kept
-    known = cast(_KeptItems | None, memo.get(key))
+    known = cast(_KeptItems | None, memo.get(key)) if memo is not None else None
     held = (shared_prefix(known.items, items)
             if known is not None and known.inline_maximum_bytes == inline_maximum_bytes else 0)
     head: tuple[ConversationItem, ...] = ()
@@ -760,19 +757,11 @@ def normalized(items: tuple[ConversationItem, ...], inline_maximum_bytes: int,
             reasoning.append(i)
         elif isinstance(one, UserMessageItem) and one.attachments:
             attaching.append(i)
-    out = head + tuple(tail)
-    kept = _KeptItems(inline_maximum_bytes, items, out, tuple(excerpted), tuple(reasoning),
-                      tuple(attaching))
-    memo[key] = kept
-    return Normalized(out, len(excerpted), kept.reasoning, kept.attaching)
-
-
-def where_of(items: Sequence[ConversationItem]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(the positions of the reasoning items, those of the user messages with attachments)."""
-    reasoning = tuple(i for i, item in enumerate(items) if isinstance(item, ReasoningItem))
-    attaching = tuple(i for i, item in enumerate(items)
-                      if isinstance(item, UserMessageItem) and item.attachments)
-    return reasoning, attaching
+    found = Normalized(head + tuple(tail), len(excerpted), tuple(reasoning), tuple(attaching))
+    if memo is not None:
+        memo[key] = _KeptItems(inline_maximum_bytes, items, found.items, tuple(excerpted),
+                               found.reasoning, found.attaching)
+    return found
 
 
 def in_row_order(body: list[ContextItem]) -> list[ContextItem]:
