@@ -16,7 +16,7 @@ import tiktoken
 from context_engine.api.server import server_options
 from context_engine.v1 import context_engine_pb2 as pb
 
-from tests.bench import build_bench, cache_bench
+from tests.bench import build_bench, cache_bench, timeline
 from tests.bench.baselines import (
     MemoCounter,
     counter_pass,
@@ -389,3 +389,42 @@ def test_one_small_cache_bench_run_reports_every_format(direct_database_url: str
     written = (tmp_path / "results.md").read_text()
     assert all(p in written for p in providers) and cache_bench.SECTION in written
     assert any("cached prefix ratio" in line for line in lines)
+
+
+def test_the_timeline_times_each_phase_of_a_whole_and_an_incremental_build(
+        direct_database_url: str) -> None:
+    originals = [owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+                 for _, owner, name in timeline.PHASES]
+    # 3,000 items in a 32k window: every phase runs (the pressure event is written)
+    case = Case("smoke", 3_000, 32_000)
+    whole, inc = timeline.run((case,), rounds=2, database_url=direct_database_url)
+    labels = [label for label, _, _ in timeline.PHASES]
+    incremental_only = {label for label in labels
+                        if "incremental." in label or "BuildCache.put" in label}
+    assert list(inc.took) != [] and set(inc.took) == set(labels)
+    assert set(whole.took) == set(labels) - incremental_only
+    assert len(whole.client_ms) == len(inc.client_ms) == 2
+    for t in (whole, inc):
+        call_ends = statistics.median(t.ends[timeline.ORIGIN])
+        assert statistics.median(t.begins[timeline.ORIGIN]) == 0
+        assert 0 < call_ends < statistics.median(t.client_ms)
+        for label in t.took:  # each phase within the call, and as long as it lasted
+            begins, ends = (statistics.median(t.begins[label]),
+                            statistics.median(t.ends[label]))
+            assert 0 <= begins <= ends <= call_ends, label
+            assert 0 < statistics.median(t.took[label]) <= ends - begins + 1e-9, label
+
+    def at(label: str) -> tuple[float, float]:
+        key = next(x for x in labels if label in x)
+        return statistics.median(inc.begins[key]), statistics.median(inc.ends[key])
+    # in the Build's order: mapped, scanned, allocated, written while assembled, answered
+    assert at("mapping.checkpoint")[1] <= at("checkpoint_scan")[0]
+    assert at("checkpoint_scan")[1] <= at("budget.allocate")[0]
+    assert at("budget.allocate")[1] <= at("Engine._record")[0] <= at("builder.finish")[0]
+    assert at("builder.finish")[1] <= at("incremental.respond")[0]
+    assert at("incremental.respond")[1] <= at("Engine._record")[1] <= at("BuildCache.put")[0]
+    text = whole.table() + inc.table()
+    assert "| base kept (BuildCache.put) | | | not called | 0 |" in text
+    # the phases are the service's own functions again
+    assert [owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            for _, owner, name in timeline.PHASES] == originals
