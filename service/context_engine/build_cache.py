@@ -28,7 +28,7 @@ TEXTS = ("provider_body_json", "gemini_create_body_json", "gemini_cached_body_js
 SCAN_ID_BYTES = 100  # what one id a base's scan state holds is counted for (roughly)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class BuildBase:
     tenant_id: str
     session_id: str
@@ -97,9 +97,14 @@ class BuildCache:
             self._bases.move_to_end(build_id)
             return base
 
-    def put(self, build_id: str, base: BuildBase) -> None:
+    def put(self, build_id: str, base: BuildBase) -> list[BuildBase]:
+        """Keep ``base``; the bases it pushed out (no longer held: ``get`` finds none of them).
+        The caller holding the list decides when their memory is given back: a base of a long
+        session frees tens of thousands of objects, which the servicer leaves until its
+        response is on its way."""
         if base.size > self.max_bytes:
-            return  # larger than the whole cache: kept nowhere, the next Build goes in full
+            return []  # larger than the whole cache: kept nowhere, the next Build goes in full
+        out: list[BuildBase] = []
         with self._lock:
             key = (base.tenant_id, base.session_id)
             ids = self._by_session.setdefault(key, [])
@@ -107,10 +112,11 @@ class BuildCache:
             self._bases[build_id] = base
             self._bytes += base.size
             while len(ids) > self.per_session:
-                self._drop(ids[0])
+                out.append(self._drop(ids[0]))
             while self._bytes > self.max_bytes and self._bases:
-                self._drop(next(iter(self._bases)))
+                out.append(self._drop(next(iter(self._bases))))
                 self._evictions += 1
+        return out
 
     def forget(self, tenant_id: str, session_id: str, *, before: int | None = None) -> None:
         """Drop every base of one session (its erasure), or with ``before`` only those of its
@@ -139,7 +145,7 @@ class BuildCache:
             return CacheStats(entries=len(self._bases), bytes=self._bytes,
                               evictions=self._evictions)
 
-    def _drop(self, build_id: str) -> None:
+    def _drop(self, build_id: str) -> BuildBase:
         base = self._bases.pop(build_id)
         self._bytes -= base.size
         key = (base.tenant_id, base.session_id)
@@ -147,3 +153,4 @@ class BuildCache:
         ids.remove(build_id)
         if not ids:
             del self._by_session[key]
+        return base

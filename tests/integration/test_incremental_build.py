@@ -4,6 +4,8 @@ independent reading of the contract) it equals the response to the whole checkpo
 
 from __future__ import annotations
 
+import time
+import weakref
 from collections.abc import Iterator
 
 import grpc
@@ -207,6 +209,29 @@ def test_erased_session_forgets_its_bases(stub: pb_grpc.ContextEngineStub,
 
 
 
+
+
+def test_a_base_pushed_out_is_freed_once_the_build_has_answered(
+        stub: pb_grpc.ContextEngineStub, srv: ServerThread) -> None:
+    """A Build that pushes a base out of the cache (here the session's fifth: four are kept)
+    leaves its memory to be given back after the response, not kept."""
+    session = "pushed-out"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    builds = srv.running.engine.builds
+    items = opening()
+    first = whole(stub, session, items)
+    held = builds.get(TENANT, session, first.build_id)
+    assert held is not None
+    gone = weakref.ref(held)
+    del held
+    for n in range(1, builds.per_session + 1):
+        items += turn(n)
+        whole(stub, session, items)
+    assert builds.get(TENANT, session, first.build_id) is None
+    deadline = time.monotonic() + 5
+    while gone() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gone() is None, "the base pushed out is still held after its Build answered"
 
 PLAN_TTL = 30.0  # the replicas' plan-cache TTL (B's clock is moved past it, not waited)
 

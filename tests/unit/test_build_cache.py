@@ -38,6 +38,23 @@ def test_bytes_bound_evicts_the_least_recently_used() -> None:
     assert cache.get("t", "h", "huge") is None and cache.stats().entries == 2
 
 
+def test_put_hands_back_what_it_pushed_out() -> None:
+    """The bases a put evicts come back to the caller (who decides when their memory goes),
+    by either bound; a put that evicts nothing hands back nothing."""
+    cache = BuildCache(1_000, per_session=2)
+    first, second = base("t", "s", "s0", 100), base("t", "s", "s1", 100)
+    assert cache.put("s0", first) == [] and cache.put("s1", second) == []
+    third = base("t", "s", "s2", 100)
+    out = cache.put("s2", third)
+    assert len(out) == 1 and out[0] is first and cache.get("t", "s", "s0") is None
+    big = base("t", "o", "o", 950)  # over 1,000 bytes with either of s1 and s2: both go
+    out = cache.put("o", big)
+    assert [b.build_id for b in out] == ["s1", "s2"] and out[0] is second
+    assert cache.stats().entries == 1 and cache.stats().bytes == 950
+    assert cache.put("huge", base("t", "h", "huge", 5_000)) == []  # kept nowhere, none out
+    assert cache.get("t", "o", "o") is big
+
+
 def test_per_session_bound_and_forget() -> None:
     cache = BuildCache(1_000_000, per_session=2)
     for i in range(3):

@@ -262,7 +262,9 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                                      loaded.plan.epoch, checkpoint, factor, validated=True,
                                      incarnation=loaded.plan.incarnation, then=respond)
             if answer is not None:
-                self._engine.builds.put(response.build_id, answer.base)
+                evicted = self._engine.builds.put(response.build_id, answer.base)
+                if evicted:  # their memory is given back once the response is handed over
+                    asyncio.get_running_loop().call_soon(evicted.clear)
             if rendered:  # the format rendered: the asked one or the model's default
                 record.extra["provider_format"] = rendered
             if base is not None and answer is not None:
