@@ -929,12 +929,12 @@ def build_pb(result: BuildResult, provider_format: str = "", *,
         context_window=result.context_window, output_reserve=result.output_reserve,
         estimator_factor=result.estimator_factor, tokenizer=result.tokenizer,
         budget=budget_pb(result.budget),
-        pressure=pressure_pb(result.pressure, memo, result.session_key),
         cache_breakpoints=[pb.CacheBreakpoint(name=b.name, ttl=b.ttl, through_item=b.through_item,
                                               through_input_item=b.through_input_item)
                            for b in result.cache_breakpoints],
         provider_body_json=canonical_json(body) if body is not None else "",
         provider_format=FORMAT_TO_PB[fmt] if body is not None else pb.PROVIDER_FORMAT_UNSPECIFIED)
+    pressure_into(out.pressure, result.pressure, memo, result.session_key)  # in place, too
     request = out.request  # filled in place: no copy of the whole request
     request.SetInParent()  # present even when it carries nothing (an incremental response)
     if prefix:
@@ -987,12 +987,22 @@ def pressure_pb(p: Pressure, memo: MutableMapping[Any, Any] | None = None,
     they are brought up to these (see :func:`step_ids`): a long session's yielded ids move on
     by a few per turn, and copying them inside protobuf does not read each id's string
     again."""
-    out = pb.Pressure(
-        fits=p.fits, tokens_before=p.tokens_before, tokens_after=p.tokens_after,
-        compaction_needed=p.compaction_needed, left_out_items=p.left_out_items,
-        left_out_tokens=p.left_out_tokens, history_cut_index=p.cut_index,
-        summary_floor_index=p.floor_index, legacy_tool_excerpts=p.legacy_tool_excerpts,
-        history_floor_shortfall=p.history_floor_shortfall)
+    out = pb.Pressure()
+    pressure_into(out, p, memo, session_key)
+    return out
+
+
+def pressure_into(out: pb.Pressure, p: Pressure, memo: MutableMapping[Any, Any] | None = None,
+                  session_key: str = "") -> None:
+    """``pressure_pb`` written into ``out`` (an empty Pressure, such as a response's own: a
+    long session's yielded ids are not copied once more into the response), present even
+    where every field is its default."""
+    out.SetInParent()
+    out.fits, out.tokens_before, out.tokens_after = p.fits, p.tokens_before, p.tokens_after
+    out.compaction_needed, out.left_out_items = p.compaction_needed, p.left_out_items
+    out.left_out_tokens, out.history_cut_index = p.left_out_tokens, p.cut_index
+    out.summary_floor_index, out.legacy_tool_excerpts = p.floor_index, p.legacy_tool_excerpts
+    out.history_floor_shortfall = p.history_floor_shortfall
     for s in p.steps:
         step = out.steps.add(step=s.step, units=s.units, tokens_before=s.tokens_before,
                              tokens_after=s.tokens_after)
@@ -1000,7 +1010,6 @@ def pressure_pb(p: Pressure, memo: MutableMapping[Any, Any] | None = None,
             step.item_ids.extend(s.ids)
         else:
             step.MergeFrom(step_ids(s.ids, memo, (session_key, _STEP_IDS, s.step)))
-    return out
 
 
 def step_ids(ids: tuple[str, ...], memo: MutableMapping[Any, Any],
