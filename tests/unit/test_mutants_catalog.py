@@ -1,10 +1,14 @@
 """The deliberate bugs of ``make mutants`` stay applicable: each patch names its bug and the tests
-that kill it, and applies cleanly to the tree as it is (a patch that no longer applies would
-quietly stop testing anything)."""
+that kill it, applies cleanly to the tree as it is (a patch that no longer applies would
+quietly stop testing anything), and leaves the Python it touches compiling (a patch applied
+out of place can break the syntax, and a module that does not import "kills" every mutant
+without testing one)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +36,26 @@ def test_mutant_applies_and_names_its_killer(mutant: object) -> None:
                if line.startswith("+++ b/")]
     product = ("service/", "clients/", "scripts/", "deploy/")
     assert touched and all(p.startswith(product) for p in touched), touched
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+def test_mutant_leaves_the_python_it_touches_compiling(mutant: object, tmp_path: Path) -> None:
+    from tests.mutants.run import Mutant
+
+    assert isinstance(mutant, Mutant)
+    touched = [line[6:].split("\t")[0] for line in mutant.patch.read_text().splitlines()
+               if line.startswith("+++ b/")]
+    for path in touched:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / path, tmp_path / path)
+    done = subprocess.run(["git", "apply", "--whitespace=nowarn", str(mutant.patch)],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    for path in touched:
+        patched = (tmp_path / path).read_text(encoding="utf-8")
+        assert patched != (REPO / path).read_text(encoding="utf-8"), f"{path} unchanged"
+        if path.endswith(".py"):
+            compile(patched, path, "exec")  # a SyntaxError fails the mutant here
 
 
 def test_the_readme_lists_every_mutant() -> None:
