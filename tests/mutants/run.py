@@ -11,7 +11,9 @@ The copy holds the working tree as it is
 (tracked files and the generated code, not ``.git``, ``.venv`` or ``.data``); the copy's
 ``service/`` and ``clients/python/src`` come first on ``PYTHONPATH``, so the suite imports the
 mutated code, which the runner checks before it trusts a result. Every selection is first run
-on the unmutated copy: a selection that fails without the bug kills nothing.
+on the unmutated copy: a selection that fails without the bug kills nothing. A mutant is killed
+only when a test of its selection fails (pytest's exit 1): an import or collection error stops
+the tests before any of them judges the bug, and is reported as an error.
 
     python -m tests.mutants.run                 # every mutant
     python -m tests.mutants.run NAME [NAME...]  # some of them
@@ -155,11 +157,16 @@ def main(argv: list[str] | None = None) -> int:
         apply(root, m.patch)
         imports_from(root)
         code, secs = pytest(root, m.killed_by, work / f"{m.name}.log")
-        killed = code not in (0, 5)  # 5: no tests collected, which kills nothing
-        print(f"  {'killed  ' if killed else 'SURVIVED'}  {m.name} by pytest {m.selection} "
-              f"(exit {code}, {secs:.0f} s)", flush=True)
+        # killed: a test ran and failed (exit 1); 0 passes, 5 collects nothing, and 2-4 (an
+        # import or collection error, an internal error) stop before any test judges the bug
+        killed = code == 1
+        verdict = "killed  " if killed else "SURVIVED" if code in (0, 5) else "ERROR   "
+        print(f"  {verdict}  {m.name} by pytest {m.selection} (exit {code}, {secs:.0f} s)",
+              flush=True)
         if not killed:
-            failures.append(f"{m.name} survived pytest {m.selection}: {m.bug}")
+            why = ("survived" if code in (0, 5)
+                   else f"stopped its tests before any judged it (exit {code})")
+            failures.append(f"{m.name} {why}: pytest {m.selection}: {m.bug}")
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     if not args.keep:
