@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -37,7 +38,10 @@ class ServerProcess:
         for line in self.proc.stdout:
             self.lines.put(line)
 
-    def wait_for(self, event: str, timeout: float) -> dict[str, Any]:
+    def wait_for(self, event: str, timeout: float,
+                 where: Callable[[dict[str, Any]], bool] = lambda record: True
+                 ) -> dict[str, Any]:
+        """The first line of ``event`` (that ``where`` accepts) from now on."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -52,7 +56,7 @@ class ServerProcess:
             except ValueError:
                 continue
             self.log.append(record)
-            if record.get("event") == event:
+            if record.get("event") == event and where(record):
                 return dict(record)
         raise AssertionError(f"no {event!r} line within {timeout}s; output:\n{''.join(self.raw)}")
 

@@ -143,7 +143,12 @@ def test_sigterm_drains_then_stops_gracefully(database_url):
         health_pb2.HealthCheckResponse.SERVING
     stub.Plan(plan_request("t-sig", "s"))
     server.proc.send_signal(15)
-    server.wait_for("stopping", 10)
+    # a server says it is stopping once its health says NOT_SERVING; with several workers (one
+    # per CPU), the supervisor's line, naming them, comes before it signals them, and a call
+    # may reach any of them
+    first = server.wait_for("stopping", 10)
+    for _ in range(first.get("workers", 0)):
+        server.wait_for("stopping", 10, where=lambda record: "workers" not in record)
     # during the drain, health says NOT_SERVING and RPCs are still answered
     assert health.Check(health_pb2.HealthCheckRequest()).status == \
         health_pb2.HealthCheckResponse.NOT_SERVING
