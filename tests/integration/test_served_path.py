@@ -68,8 +68,11 @@ CLAUDE, GPT = "claude-sonnet-4-5", "gpt-4o"
 WINDOW = {CLAUDE: 11_600, GPT: 11_200}
 TURNS = 10
 USER, UNTRUSTED = pb.TRUST_LEVEL_USER, pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
-# how each tenant's provider usage compares to the estimate (its factor goes its own way)
-USAGE_RATIO = {"A": 1.18, "B": 0.85, "C": 1.32}
+# how each tenant's provider usage compares to the estimate (its factor goes its own way). The
+# pinned factors (at most 1.24) and tenant C's usage keep what never yields within the body
+# budget: pinned at 1.30, C/s-2's active run at its 23rd item came within a few tokens of it,
+# and the envelopes' nonces (from the run's random tenant ids) moved it over in some runs.
+USAGE_RATIO = {"A": 1.18, "B": 0.85, "C": 1.24}
 NONCE = re.compile(r'nonce="([0-9a-f]+)"')
 FORMATS = (pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES, pb.PROVIDER_FORMAT_UNSPECIFIED,
            pb.PROVIDER_FORMAT_OPENAI_RESPONSES)
@@ -378,7 +381,7 @@ def test_every_served_build_is_the_pure_build_with_empty_caches(processes, datab
                         checkpoint=s.checkpoint(t, step),
                         provider_format=FORMATS[(t + step + i) % 3])
                     if s.pin_every and (t * 2 + step) % s.pin_every == 0:
-                        request.estimator_factor = 1.0 + 0.05 * (i + 1)
+                        request.estimator_factor = 1.0 + 0.04 * (i + 1)
                     resp = checked_build(s, request, primary)
                     seen[(s.label, t, step)] = resp
                     if step == 2:  # the next model step retried on another process
