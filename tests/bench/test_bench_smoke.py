@@ -393,8 +393,7 @@ def test_one_small_cache_bench_run_reports_every_format(direct_database_url: str
 
 def test_the_timeline_times_each_phase_of_a_whole_and_an_incremental_build(
         direct_database_url: str) -> None:
-    originals = [owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-                 for _, owner, name in timeline.PHASES]
+    originals = [timeline.original(owner, name) for _, owner, name in timeline.PHASES]
     # 3,000 items in a 32k window: every phase runs (the pressure event is written)
     case = Case("smoke", 3_000, 32_000)
     whole, inc = timeline.run((case,), rounds=2, database_url=direct_database_url)
@@ -426,5 +425,4 @@ def test_the_timeline_times_each_phase_of_a_whole_and_an_incremental_build(
     text = whole.table() + inc.table()
     assert "| base kept (BuildCache.put) | | | not called | 0 |" in text
     # the phases are the service's own functions again
-    assert [owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-            for _, owner, name in timeline.PHASES] == originals
+    assert [timeline.original(owner, name) for _, owner, name in timeline.PHASES] == originals

@@ -109,13 +109,17 @@ def _timed(calls: Calls, label: str, fn: Callable[..., Any]) -> Callable[..., An
     return timed
 
 
+def original(owner: Any, name: str) -> Any:
+    """What ``owner.name`` holds: a class's own attribute as stored (a method, not bound)."""
+    return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+
+
 @contextmanager
 def instrumented(calls: Calls) -> Iterator[None]:
     """Every phase wrapped while the block runs (servers started inside it are wrapped: the
     servicer's methods are bound when it is registered), restored after it. A phase whose name
     is gone raises AttributeError here, not a silent gap in the table."""
-    originals = [(owner, name, owner.__dict__[name] if isinstance(owner, type)
-                  else getattr(owner, name)) for _, owner, name in PHASES]
+    originals = [(owner, name, original(owner, name)) for _, owner, name in PHASES]
     try:
         for (label, owner, name), (_, _, fn) in zip(PHASES, originals, strict=True):
             setattr(owner, name, _timed(calls, label, fn))

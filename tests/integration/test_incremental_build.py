@@ -7,9 +7,12 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
+from context_engine.api.servicer import ContextEngineServicer
+from context_engine.build_cache import BuildBase
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from google.rpc import error_details_pb2
@@ -208,30 +211,47 @@ def test_erased_session_forgets_its_bases(stub: pb_grpc.ContextEngineStub,
     assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
 
 
-
-
-
-def test_a_base_pushed_out_is_freed_once_the_build_has_answered(
-        stub: pb_grpc.ContextEngineStub, srv: ServerThread) -> None:
+def test_a_base_pushed_out_is_freed_after_its_build_answers_not_inside_it(
+        database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Build that pushes a base out of the cache (here the session's fifth: four are kept)
-    leaves its memory to be given back after the response, not kept."""
-    session = "pushed-out"
-    stub.Plan(plan_request(TENANT, session), timeout=30)
-    builds = srv.running.engine.builds
-    items = opening()
-    first = whole(stub, session, items)
-    held = builds.get(TENANT, session, first.build_id)
-    assert held is not None
-    gone = weakref.ref(held)
-    del held
-    for n in range(1, builds.per_session + 1):
-        items += turn(n)
-        whole(stub, session, items)
-    assert builds.get(TENANT, session, first.build_id) is None
-    deadline = time.monotonic() + 5
-    while gone() is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert gone() is None, "the base pushed out is still held after its Build answered"
+    still holds it when its handler returns (freeing tens of thousands of objects is left until
+    the response is handed to gRPC), and lets go of it then."""
+    watched: list[weakref.ref[BuildBase]] = []
+    alive_at_return: list[bool] = []
+    build = ContextEngineServicer.Build
+
+    async def watching(self: ContextEngineServicer, request: pb.BuildRequest,
+                       context: Any) -> pb.BuildResponse:
+        response = await build(self, request, context)
+        alive_at_return.append(all(ref() is not None for ref in watched))
+        return response
+    # bound when the server registers its handlers: patched before it starts
+    monkeypatch.setattr(ContextEngineServicer, "Build", watching)
+    server = ServerThread(base_config(), database_url)
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.ContextEngineStub(ch)
+            session = "pushed-out"
+            stub.Plan(plan_request(TENANT, session), timeout=30)
+            builds = server.running.engine.builds
+            items = opening()
+            first = whole(stub, session, items)
+            held = builds.get(TENANT, session, first.build_id)
+            assert held is not None
+            watched.append(weakref.ref(held))
+            del held
+            for n in range(1, builds.per_session + 1):
+                items += turn(n)
+                whole(stub, session, items)
+            assert builds.get(TENANT, session, first.build_id) is None
+            assert alive_at_return[-1], "the base pushed out was freed inside the Build"
+            deadline = time.monotonic() + 5
+            while watched[0]() is not None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert watched[0]() is None, "the base pushed out is still held after its Build"
+    finally:
+        server.stop()
+
 
 PLAN_TTL = 30.0  # the replicas' plan-cache TTL (B's clock is moved past it, not waited)
 

@@ -12,9 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.mutants.run import HERE, REPO, catalog
+from tests.mutants.run import HERE, REPO, Mutant, catalog
 
 MUTANTS = catalog()
+
+
+def touched_by(mutant: Mutant) -> list[str]:
+    """The paths a mutant's patch changes (without a timestamp after them)."""
+    return [line[6:].split("\t")[0] for line in mutant.patch.read_text().splitlines()
+            if line.startswith("+++ b/")]
 
 
 def test_there_are_mutants() -> None:
@@ -24,27 +30,21 @@ def test_there_are_mutants() -> None:
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_mutant_applies_and_names_its_killer(mutant: object) -> None:
-    from tests.mutants.run import Mutant
-
     assert isinstance(mutant, Mutant)
     assert mutant.patch.parent == HERE
     assert mutant.bug and mutant.killed_by
     done = subprocess.run(["git", "apply", "--check", "--whitespace=nowarn", str(mutant.patch)],
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    touched = [line[6:] for line in mutant.patch.read_text().splitlines()
-               if line.startswith("+++ b/")]
+    touched = touched_by(mutant)
     product = ("service/", "clients/", "scripts/", "deploy/")
     assert touched and all(p.startswith(product) for p in touched), touched
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_mutant_leaves_the_python_it_touches_compiling(mutant: object, tmp_path: Path) -> None:
-    from tests.mutants.run import Mutant
-
     assert isinstance(mutant, Mutant)
-    touched = [line[6:].split("\t")[0] for line in mutant.patch.read_text().splitlines()
-               if line.startswith("+++ b/")]
+    touched = touched_by(mutant)
     for path in touched:
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / path, tmp_path / path)
