@@ -75,3 +75,31 @@ def test_a_slide_is_brought_up_in_place() -> None:
     assert mapping.step_ids(slid, memo, ("s", mapping._STEP_IDS, "history")) is kept
     assert list(kept.item_ids) == list(slid)
     assert list(first.steps[0].item_ids) == list(ids)  # a copy, not the kept message
+
+
+def test_every_field_of_the_pressure_reaches_the_response() -> None:
+    """Each field of the domain's Pressure, set apart from its default and from every other,
+    lands in its protobuf field, in the Pressure alone and in a whole response (where it is
+    written in place), with and without the memo; the pb names written out here, not read from
+    the mapping."""
+    long_ids = tuple(POOL[:300])  # kept in protobuf form when a memo is given
+    p = Pressure(steps=(YieldStep(step="tool_results", units=300, ids=long_ids,
+                                  tokens_before=901, tokens_after=902),
+                        YieldStep(step="history", units=2, ids=("a", "b"), tokens_before=903,
+                                  tokens_after=904)),
+                 fits=True, tokens_before=11, tokens_after=12, body_budget=13,
+                 compaction_needed=True, left_out_items=14, left_out_tokens=15, cut_index=16,
+                 floor_index=17, legacy_tool_excerpts=18, history_floor_shortfall=19)
+    expected = {"fits": True, "tokens_before": 11, "tokens_after": 12,
+                "compaction_needed": True, "left_out_items": 14, "left_out_tokens": 15,
+                "history_cut_index": 16, "summary_floor_index": 17,
+                "legacy_tool_excerpts": 18, "history_floor_shortfall": 19}
+    steps = [("tool_results", 300, list(long_ids), 901, 902), ("history", 2, ["a", "b"], 903, 904)]
+    for memo in (None, {}):
+        out = mapping.pressure_pb(p, memo, "s")
+        response = mapping.pb.BuildResponse()
+        mapping.pressure_into(response.pressure, p, memo, "s")
+        for got in (out, response.pressure):
+            assert {k: getattr(got, k) for k in expected} == expected
+            assert [(s.step, s.units, list(s.item_ids), s.tokens_before, s.tokens_after)
+                    for s in got.steps] == steps
