@@ -117,6 +117,16 @@ def apply(root: Path, patch: Path, *, check: bool = False) -> None:
         raise SystemExit(f"{patch.name} does not apply to the tree: {done.stderr.strip()}")
 
 
+def verdict(code: int) -> str:
+    """What pytest's exit status says of a mutant: "killed" only where a test ran and failed
+    (1); "SURVIVED" where the tests passed (0) or none was collected (5); "ERROR" where an
+    import or collection error, an interruption or an internal error (2-4) stopped them before
+    any judged the bug."""
+    if code == 1:
+        return "killed"
+    return "SURVIVED" if code in (0, 5) else "ERROR"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make mutants", description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
@@ -157,14 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         apply(root, m.patch)
         imports_from(root)
         code, secs = pytest(root, m.killed_by, work / f"{m.name}.log")
-        # killed: a test ran and failed (exit 1); 0 passes, 5 collects nothing, and 2-4 (an
-        # import or collection error, an internal error) stop before any test judges the bug
-        killed = code == 1
-        verdict = "killed  " if killed else "SURVIVED" if code in (0, 5) else "ERROR   "
-        print(f"  {verdict}  {m.name} by pytest {m.selection} (exit {code}, {secs:.0f} s)",
+        found = verdict(code)
+        print(f"  {found:8s}  {m.name} by pytest {m.selection} (exit {code}, {secs:.0f} s)",
               flush=True)
-        if not killed:
-            why = ("survived" if code in (0, 5)
+        if found != "killed":
+            why = ("survived" if found == "SURVIVED"
                    else f"stopped its tests before any judged it (exit {code})")
             failures.append(f"{m.name} {why}: pytest {m.selection}: {m.bug}")
         if not args.keep:

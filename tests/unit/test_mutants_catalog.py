@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mutants.run import HERE, REPO, Mutant, catalog
+from tests.mutants.run import HERE, REPO, Mutant, catalog, verdict
 
 MUTANTS = catalog()
 
@@ -62,3 +62,10 @@ def test_the_readme_lists_every_mutant() -> None:
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     missing = [m.name for m in MUTANTS if f"| `{m.name}` |" not in readme]
     assert not missing, f"README's Testing section does not list {missing}"
+
+
+def test_only_a_failing_test_kills_a_mutant() -> None:
+    # pytest's exit statuses: 1 tests failed, 0 passed, 5 none collected, 2 interrupted (a
+    # collection error), 3 internal error, 4 usage error
+    assert [verdict(code) for code in (1, 0, 5, 2, 3, 4)] == [
+        "killed", "SURVIVED", "SURVIVED", "ERROR", "ERROR", "ERROR"]
