@@ -57,7 +57,7 @@ PHASES: tuple[tuple[str, Any, str], ...] = (
     ("  assembly (builder.finish)", engine, "finish"),
     ("    row order (builder.rows_around)", builder, "rows_around"),
     ("    kept history's messages (builder.history_messages)", builder, "history_messages"),
-    ("    pairing validator (builder.assert_paired)", builder, "assert_paired"),
+    ("    pairing validator (builder.assert_paired_since)", builder, "assert_paired_since"),
     ("  response relative to the base (incremental.respond)", incremental, "respond"),
     ("    message spans (incremental.message_spans)", incremental, "message_spans"),
     ("    domain -> proto (mapping.build_pb)", mapping, "build_pb"),

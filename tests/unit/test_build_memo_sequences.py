@@ -211,4 +211,7 @@ def test_shared_prefix_counts_the_leading_equal_items() -> None:
     assert shared_prefix((a, b), (a, b, c)) == 2 == shared_prefix((a, b, c), (a, b))
     assert shared_prefix((a, b, c), (a, c, b)) == 1
     assert shared_prefix((b,), (a,)) == 0
-    assert shared_prefix([a, b], (a, b, c)) == 2  # type: ignore[arg-type]  # a list: by item
+    assert shared_prefix([a, b], (a, b, c)) == 2  # a list: by item
+    # an equal copy is the same item, before and after the first object that is not the same
+    assert shared_prefix((a, b, c), (a, replace(b), replace(c), a)) == 3
+    assert shared_prefix((a, b, c), (replace(a), b, a)) == 2

@@ -66,8 +66,9 @@ from context_engine.domain.items import (
     assemble,
     declaration,
 )
-from context_engine.domain.pairs import orphans
+from context_engine.domain.pairs import Paired, orphans, orphans_since
 from context_engine.domain.plan import ContextPlan, PlanSpec, RenderedPrefix, render_prefix
+from context_engine.domain.prefixes import shared_prefix
 from context_engine.domain.request import Message, ModelRequest
 from context_engine.domain.trust import Region, TrustLevel
 
@@ -78,6 +79,7 @@ IDENTITY_SLACK = 1_024  # entries an identity map may hold beyond twice a build'
 UNITS = "builder:units"  # memo key (session key, UNITS): the units of the last build's history
 NORMALIZED = "builder:normalized"  # memo key (session key, NORMALIZED): the last build's items
 COSTS = "builder:costs"  # memo key (session key, COSTS, encoding): the last build's item costs
+PAIRED = "builder:paired"  # memo key (session key, PAIRED): the last request found well paired
 
 
 @dataclass(frozen=True, slots=True)
@@ -700,7 +702,10 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     messages = tuple(chain.from_iterable(parts))
     request = ModelRequest(prefix_blocks=loaded.rendered.blocks, tools=loaded.rendered.tools,
                            messages=messages)
-    assert_paired(request)
+    if memo is None:
+        assert_paired(request)
+    else:
+        assert_paired_since(request, cast(MutableMapping[Any, Any], memo), (session, PAIRED))
     ttl = plan.spec.cache_ttl
     marks = [CacheBreakpoint(name="after_system", ttl=ttl),
              CacheBreakpoint(name="after_tools", ttl=ttl),
@@ -717,15 +722,6 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         output_reserve=model.output_reserve, estimator_factor=factor,
         tokenizer=estimator.tokenizer, budget=report, pressure=alloc.pressure,
         cache_breakpoints=select(marks, model.breakpoint_budget))
-
-
-def shared_prefix(old: tuple[Any, ...], new: tuple[Any, ...]) -> int:
-    """How many leading items ``new`` has equal to ``old``'s (compared at C speed when one is
-    a prefix of the other, the usual case)."""
-    n = min(len(old), len(new))
-    if old[:n] == new[:n]:
-        return n
-    return next((i for i in range(n) if old[i] != new[i]), n)
 
 
 def normalized(items: tuple[ConversationItem, ...], inline_maximum_bytes: int,
@@ -836,6 +832,17 @@ def assert_paired(request: ModelRequest) -> None:
     found = orphans(request.messages)
     if found:
         raise AssemblyError(f"assembled request holds unpaired tool items: {found}")
+
+
+def assert_paired_since(request: ModelRequest, memo: MutableMapping[Any, Any],
+                        key: tuple[str, str]) -> None:
+    """``assert_paired``, resumed where the last request the memo holds under ``key`` (well
+    paired) and this one begin with the same messages (``pairs.orphans_since``); this request
+    is held there in its place when it is well paired, and nothing when it is not."""
+    found, paired = orphans_since(request.messages, cast(Paired | None, memo.pop(key, None)))
+    if found:
+        raise AssemblyError(f"assembled request holds unpaired tool items: {found}")
+    memo[key] = paired
 
 
 def load_plan(plan: ContextPlan) -> LoadedPlan:
