@@ -368,13 +368,14 @@ def test_the_response_is_made_while_the_pressure_event_is_written_and_waits_for_
             return render(*args, **kwargs)
 
         monkeypatch.setattr(mapping, "build_pb", rendering)
-        check_pairs = builder.assert_paired
+        # The last step of assembly is the pairing validator: the pure one, or the one a Build
+        # on the served path's memo resumes; both are marked.
+        for name in ("assert_paired", "assert_paired_since"):
+            def assembled(*args, _check=getattr(builder, name), **kwargs):
+                log.append("assembled")
+                return _check(*args, **kwargs)
 
-        def assembled(*args, **kwargs):
-            log.append("assembled")
-            return check_pairs(*args, **kwargs)
-
-        monkeypatch.setattr(builder, "assert_paired", assembled)
+            monkeypatch.setattr(builder, name, assembled)
         with grpc.insecure_channel(srv.address) as channel:
             stub = pb_grpc.ContextEngineStub(channel)
             stub.Plan(plan_request(tenant, session, model=SMALL))
