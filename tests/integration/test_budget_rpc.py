@@ -370,12 +370,14 @@ def test_the_response_is_made_while_the_pressure_event_is_written_and_waits_for_
         monkeypatch.setattr(mapping, "build_pb", rendering)
         # The last step of assembly is the pairing validator: the pure one, or the one a Build
         # on the served path's memo resumes; both are marked.
-        for name in ("assert_paired", "assert_paired_since"):
-            def assembled(*args, _check=getattr(builder, name), **kwargs):
+        def marked(check):
+            def assembled(*args, **kwargs):
                 log.append("assembled")
-                return _check(*args, **kwargs)
+                return check(*args, **kwargs)
+            return assembled
 
-            monkeypatch.setattr(builder, name, assembled)
+        for name in ("assert_paired", "assert_paired_since"):
+            monkeypatch.setattr(builder, name, marked(getattr(builder, name)))
         with grpc.insecure_channel(srv.address) as channel:
             stub = pb_grpc.ContextEngineStub(channel)
             stub.Plan(plan_request(tenant, session, model=SMALL))
