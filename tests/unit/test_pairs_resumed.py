@@ -18,27 +18,18 @@ from context_engine.domain.builder import build
 from context_engine.domain.errors import AssemblyError
 from context_engine.domain.items import ConversationItem
 from context_engine.domain.pairs import Paired, orphans, orphans_since
-from context_engine.domain.request import Message, ModelRequest, Role, ToolCall
+from context_engine.domain.request import Message, ModelRequest, Role
 from context_engine.domain.trust import TrustLevel
 from context_engine.engine import BoundedMemo
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests import factories as f
+from tests.unit.test_pairs import answer, calls
 
 pytestmark = pytest.mark.gate_tool_pairs
 
 IDS = ("a", "b", "c", "d", "e", "f")  # few: calls made twice and answers to nothing happen
-
-
-def calls(*ids: str) -> Message:
-    return Message(row=10, role=Role.ASSISTANT, trust=TrustLevel.USER,
-                   tool_calls=tuple(ToolCall(call_id=i, name="t", arguments_json="{}")
-                                    for i in ids))
-
-
-def answer(call_id: str) -> Message:
-    return Message(row=10, role=Role.TOOL, trust=TrustLevel.USER, text="out", call_id=call_id)
 
 
 SAID = Message(row=10, role=Role.USER, trust=TrustLevel.USER, text="go")
