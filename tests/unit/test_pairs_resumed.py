@@ -10,6 +10,7 @@ code with ``pairs.py``."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -74,11 +75,13 @@ def closed_at(messages: Sequence[Message]) -> list[int]:
 def requests(draw: Any) -> list[tuple[Message, ...]]:
     """A sequence of requests, each keeping a prefix of the one before (or all of it, or
     nothing), often with a stretch of it left out (whole exchanges, as a history cut leaves
-    out, or any stretch), and adding messages: mostly well-paired runs, now and then a stray
-    one (a call made again, an answer to nothing or given twice, a call never answered)."""
+    out, or any stretch), some kept messages sent as equal copies (other objects), and adding
+    messages: mostly well-paired runs, now and then a stray one (a call made again, an answer
+    to nothing or given twice, a call never answered) or a call answered in a later run."""
     fresh = (f"x{i}" for i in range(10_000))
     out: list[tuple[Message, ...]] = []
     last: tuple[Message, ...] = ()
+    due: list[str] = []  # calls made in a run and not answered yet
     for _ in range(draw(st.integers(1, 12))):
         cut = draw(st.sampled_from((len(last), len(last), 0,
                                     draw(st.integers(0, len(last))))))
@@ -91,11 +94,23 @@ def requests(draw: Any) -> list[tuple[Message, ...]]:
         else:
             begin = end = 0
         new = [*last[:begin], *last[end:cut]]
+        # some kept messages sent as copies: equal to the last request's, other objects
+        for k in draw(st.sets(st.integers(0, max(len(new) - 1, 0)), max_size=3)):
+            if k < len(new):
+                new[k] = replace(new[k])
         for _ in range(draw(st.integers(0, 4))):
             kind = draw(st.sampled_from(("run", "run", "run", "said", "stray call",
-                                         "stray answer")))
+                                         "stray answer", "call answered later",
+                                         "answers due")))
             if kind == "run":
                 new += paired_run(draw, fresh)
+            elif kind == "call answered later":  # answered in a later run, or never
+                made = next(fresh)
+                new.append(calls(made))
+                due.append(made)
+            elif kind == "answers due":
+                new += map(answer, due)
+                due.clear()
             elif kind == "said":
                 new.append(SAID)
             elif kind == "stray call":
