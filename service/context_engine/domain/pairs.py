@@ -42,8 +42,7 @@ def orphans_since(messages: tuple[Message, ...], known: Paired | None
     there, each of their ids was called or answered once: the ids of ``known``'s other
     messages are taken back out, and only the rest of ``messages`` is walked."""
     if known is None:
-        called, answered = set[str](), set[str]()
-        return _found(messages, _scan(messages, called, answered, []), called, answered)
+        return _walked(messages)
     old, called, answered = known.messages, known.called, known.answered
     held = shared_prefix(old, messages)
     start, resume, left_out = held, held, old[:0]  # messages[:start]: old[:held] + old[skip:resume]
@@ -54,11 +53,16 @@ def orphans_since(messages: tuple[Message, ...], known: Paired | None
             resume = skip + shared_prefix(old[skip:], messages[held:])
             start = held + resume - skip
     if 2 * start < len(old):  # taking the rest of old out would cost more than walking it all
-        called, answered = set[str](), set[str]()
-        return _found(messages, _scan(messages, called, answered, []), called, answered)
+        return _walked(messages)
     _take_out(left_out, called, answered)
     _take_out(old[resume:], called, answered)
     return _found(messages, _scan(messages[start:], called, answered, []), called, answered)
+
+
+def _walked(messages: tuple[Message, ...]) -> tuple[list[str], Paired | None]:
+    """``orphans_since`` walking every message afresh."""
+    called, answered = set[str](), set[str]()
+    return _found(messages, _scan(messages, called, answered, []), called, answered)
 
 
 def _made(messages: Sequence[Message]) -> set[str]:
