@@ -7,7 +7,9 @@ so a later response finds them again by identity) and the UTF-8 bytes of its JSO
 cache is bounded by an estimate of the bytes it holds (each base counts its checkpoint's and its
 response's serialized sizes in full, although bases of one session share most of their items,
 so the estimate errs high, and its checkpoint's scan state at ``SCAN_ID_BYTES`` per id held)
-and keeps at most ``per_session`` bases of one session; the least recently used go first.
+and keeps at most ``per_session`` bases of one session; the least recently used go first (a base a
+Build was just served from is the most recently used of its session). A base larger than the
+whole cache is kept nowhere, and the response that made it names none (``fits``).
 Nothing here is durable: a restart, another replica or an eviction answers BUILD_BASE_UNKNOWN
 and the client sends the Build in full.
 """
@@ -95,15 +97,24 @@ class BuildCache:
             if base is None or base.tenant_id != tenant_id or base.session_id != session_id:
                 return None
             self._bases.move_to_end(build_id)
+            ids = self._by_session[(tenant_id, session_id)]
+            if ids[-1] != build_id:  # the session's own order is by use too
+                ids.remove(build_id)
+                ids.append(build_id)
             return base
+
+    def fits(self, base: BuildBase) -> bool:
+        """Whether ``put`` would keep ``base`` (no larger than the whole cache; with a cache of
+        0 bytes, none is)."""
+        return base.size <= self.max_bytes
 
     def put(self, build_id: str, base: BuildBase) -> list[BuildBase]:
         """Keep ``base``; the bases it pushed out (no longer held: ``get`` finds none of them).
         The caller holding the list decides when their memory is given back: a base of a long
         session frees tens of thousands of objects, which the servicer leaves until its
         response is on its way."""
-        if base.size > self.max_bytes:
-            return []  # larger than the whole cache: kept nowhere, the next Build goes in full
+        if not self.fits(base):
+            return []  # larger than the whole cache: kept nowhere (its build_id names nothing)
         out: list[BuildBase] = []
         with self._lock:
             key = (base.tenant_id, base.session_id)

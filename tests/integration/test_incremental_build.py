@@ -445,8 +445,9 @@ def test_appended_items_are_validated_as_the_whole_checkpoint(
         item("x5", 34, tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
             call_id="call-5", name="web.fetch", arguments_json='{"url":"https://b.example"}')])),
         item("x6", 35, run="run-2", assistant=pb.AssistantMessage(text="inside the pair")),
-        item("x7", 36, trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
-             tool_result=pb.ToolResult(call_id="call-5", tool_name="web.fetch", content=".")),
+        item("x7", 36, trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,  # an item's own field
+             tool_result=pb.ToolResult(call_id="call-5", tool_name="web.fetch", content=".",
+                                       event_id=-1)),
     ]
     got = refused(stub, _incremental_request(session, held.build_id, 7, bad))
     want = refused(stub, request(session, items + bad))
@@ -455,16 +456,17 @@ def test_appended_items_are_validated_as_the_whole_checkpoint(
     for path in ("checkpoint.items[7].tool_result.call_id", "checkpoint.items[8].id",
                  "checkpoint.items[9].tool_calls.calls[0].call_id",
                  "checkpoint.items[10].tool_result.call_id", "checkpoint.items[11].sequence",
-                 "checkpoint.items[13].run_id"):
+                 "checkpoint.items[13].run_id", "checkpoint.items[14].tool_result.event_id"):
         assert path in fields, (path, fields)
     # replaced from a position: scanned whole (the base's state holds the replaced items)
     replaced = [item("x8", 21, trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
                      tool_result=pb.ToolResult(call_id="call-77", tool_name="web.fetch",
-                                               content="?")),
+                                               content="?", event_id=-1)),
                 item("x9", 22, assistant=pb.AssistantMessage(text="replaced"))]
     got = refused(stub, _incremental_request(session, held.build_id, 5, replaced))
     assert got == refused(stub, request(session, items[:5] + replaced))
-    assert "checkpoint.items[5].tool_result.call_id" in [f for f, _ in got]
+    assert {"checkpoint.items[5].tool_result.call_id",
+            "checkpoint.items[5].tool_result.event_id"} <= {f for f, _ in got}
     # the refused Builds left the base's state as it was, and so does a valid one: the same
     # turn twice from it (the whole Builds compared with keep no base: the session's bases
     # stay within the per-session bound)
@@ -480,3 +482,75 @@ def _incremental_request(session: str, base: str, kept: int,
     req = request(session, items)
     req.base_build_id, req.base_items_kept = base, kept
     return req
+
+
+def limit_refusal(err: grpc.RpcError) -> tuple[str, dict[str, str]]:
+    f = failure(err)
+    assert f.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    return f.reason, dict(f.metadata)
+
+
+def test_the_request_shape_limits_hold_for_the_whole_checkpoint(database_url: str) -> None:
+    """An incremental Build is refused by the item limits exactly when, and as, the same Build
+    sent whole is: its items counted with the base's kept ones, an item too large named by its
+    place in the whole checkpoint."""
+    server = ServerThread(base_config().replace(max_items_per_request=8, max_item_bytes=2048),
+                          database_url)
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.ContextEngineStub(ch)
+            session = "limits"
+            stub.Plan(plan_request(TENANT, session), timeout=30)
+            items = opening() + turn(1) + turn(2)  # 7
+            first = whole(stub, session, items)
+            assert first.build_id
+            cases = (turn(3)[:2],  # 9 in the whole checkpoint: too many
+                     [item("big", 30, assistant=pb.AssistantMessage(text="y" * 3000))])
+            for extra in cases:
+                answers = []
+                for req in (request(session, items + extra),
+                            _incremental_request(session, first.build_id, 7, extra)):
+                    with pytest.raises(grpc.RpcError) as err:
+                        stub.Build(req, timeout=30)
+                    answers.append(limit_refusal(err.value))
+                assert answers[0] == answers[1], answers
+            assert answers[0][1]["field"] == "checkpoint.items[7]"
+            # within the limits, the same Build from the base is served
+            fine = [item("fine", 30, assistant=pb.AssistantMessage(text="y" * 100))]
+            ok = incremental(stub, session, first.build_id, 7, fine)
+            assert same(reconstruct(ok, first), whole(stub, session, items + fine))
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("cache_mb", [0, 1])
+def test_a_base_kept_nowhere_gets_no_build_id(database_url: str, cache_mb: int) -> None:
+    """A base the process does not keep (any, with a cache of 0 bytes; one larger than the whole
+    cache) is named by no build_id, so no caller names it and is refused on every Build after;
+    the answer is otherwise the whole Build's. A Build from a base that is kept, whose own
+    result is too large to keep, is answered relative to its base and names nothing new."""
+    server = ServerThread(base_config().replace(build_cache_mb=cache_mb), database_url)
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.ContextEngineStub(ch)
+            session = f"kept-nowhere-{cache_mb}"
+            stub.Plan(plan_request(TENANT, session), timeout=30)
+            small = opening() + turn(1)
+            big = small + turn(2, "z" * 1_200_000)  # over 1 MiB: larger than either cache
+            for items in ([big] if cache_mb else [small, big]):
+                got = whole(stub, session, items)
+                assert got.build_id == "" and not got.HasField("delta")
+                unkept = request(session, items)
+                unkept.keep_base = False
+                assert got.SerializeToString(deterministic=True) == stub.Build(
+                    unkept, timeout=30).SerializeToString(deterministic=True)
+            assert server.running.engine.builds.stats().entries == 0
+            if cache_mb:
+                first = whole(stub, session, small)
+                assert first.build_id
+                grown = incremental(stub, session, first.build_id, len(small), big[len(small):])
+                assert grown.build_id == "" and grown.delta.base_build_id == first.build_id
+                assert same(reconstruct(grown, first), whole(stub, session, big))
+                assert server.running.engine.builds.stats().entries == 1
+    finally:
+        server.stop()

@@ -1,5 +1,5 @@
 """The bases of incremental Builds: only their own tenant and session reach them, the cache
-stays within its bytes and its per-session bound (least recently used out first), and an
+stays within its bytes and its per-session bound (least recently used out first, by either), and an
 erasure takes a session's bases with it."""
 
 from __future__ import annotations
@@ -82,3 +82,28 @@ def test_forget_before_an_incarnation_keeps_the_newer_ones() -> None:
     assert cache.stats().entries == 2 and cache.stats().bytes == 20
     cache.forget("t", "s")
     assert cache.get("t", "s", "new") is None and cache.stats().entries == 1
+
+
+def test_per_session_bound_drops_the_least_recently_used_not_the_oldest() -> None:
+    """A base a Build was just served from is its session's most recently used: a newer base
+    pushes out the one no Build used since, although it was kept later."""
+    cache = BuildCache(1_000_000, per_session=2)
+    cache.put("a", base("t", "s", "a", 10))
+    cache.put("b", base("t", "s", "b", 10))
+    assert cache.get("t", "s", "a") is not None  # a Build is served from a
+    out = cache.put("c", base("t", "s", "c", 10))
+    assert [x.build_id for x in out] == ["b"]
+    assert cache.get("t", "s", "a") is not None and cache.get("t", "s", "c") is not None
+    assert cache.get("t", "s", "b") is None
+    # an id of another session changes nothing of this one's order
+    assert cache.get("t", "other", "c") is None
+    out = cache.put("d", base("t", "s", "d", 10))
+    assert [x.build_id for x in out] == ["a"]
+
+
+def test_fits_says_what_put_keeps() -> None:
+    cache = BuildCache(1_000)
+    assert cache.fits(base("t", "s", "b", 1_000)) and not cache.fits(base("t", "s", "b", 1_001))
+    assert cache.put("b", base("t", "s", "b", 1_001)) == [] and cache.get("t", "s", "b") is None
+    none = BuildCache(0)
+    assert not none.fits(base("t", "s", "z", 1))

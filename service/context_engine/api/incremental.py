@@ -13,7 +13,7 @@ the parts not sent are kept with the base.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, compress, repeat
 from itertools import count as count_from
@@ -29,12 +29,16 @@ from context_engine.domain.request import Message
 from context_engine.v1 import context_engine_pb2 as pb
 
 CHUNK = 1 << 16
+# BuildResponse.build_id's tag (field 19, length-delimited): two bytes
+BUILD_ID_TAG_BYTES = len(pb.BuildResponse(build_id="x").SerializeToString()) - 2
 
 
 @dataclass(frozen=True, slots=True)
 class Answer:
     response: pb.BuildResponse
-    base: BuildBase  # what a later Build may name as its base
+    # what a later Build may name as its base; None when it is kept nowhere (the response then
+    # has no build_id)
+    base: BuildBase | None
     sent_messages: int  # messages the response carries (the others are the base's)
 
 
@@ -207,10 +211,13 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
             build_id: str, tenant_id: str, session_id: str, incarnation: int,
             items: tuple[ConversationItem, ...], sizes: tuple[int, ...],
             base: BuildBase | None, scan: ItemScan | None = None,
-            memo: MutableMapping[Any, Any] | None = None) -> Answer:
+            memo: MutableMapping[Any, Any] | None = None,
+            keeps: Callable[[BuildBase], bool] | None = None) -> Answer:
     """The response to send (whole without a base, relative to ``base`` with one) and the base
     this Build leaves for the next. ``scan``: the validation's scan state after all of
-    ``items`` (which found no violation), kept with the base for the next Build to resume."""
+    ``items`` (which found no violation), kept with the base for the next Build to resume.
+    ``keeps``: whether the cache will keep a base (``BuildCache.fits``); one it will not is
+    named by no build_id, or a caller would name it and be refused on every Build after."""
     messages = result.request.messages
     prefix = (result.request.prefix_blocks, result.request.tools)
     if base is None:
@@ -271,4 +278,10 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
                      build_id=build_id, items=items, item_bytes=sizes, messages=messages,
                      message_entries=message_entries, prefix=prefix, prefix_bytes=prefix_bytes,
                      texts=texts, response_bytes=full_bytes, scan=scan)
+    if keeps is not None and not keeps(kept):
+        out.ClearField("build_id")
+        if out.HasField("delta"):
+            out.delta.full_response_bytes = full_bytes - _entry(
+                BUILD_ID_TAG_BYTES, len(build_id.encode()))
+        return Answer(response=out, base=None, sent_messages=sent)
     return Answer(response=out, base=kept, sent_messages=sent)

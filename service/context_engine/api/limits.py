@@ -6,6 +6,9 @@
 * Shape: no repeated field of a request (at the top level or inside its singular messages, e.g.
   ``checkpoint.items``) may hold more than ``max_items`` elements, and no element of one may
   serialize to more than ``max_item_bytes`` (reasons ``TOO_MANY_ITEMS``, ``ITEM_TOO_LARGE``).
+  An incremental Build's checkpoint counts its base's kept items too, and its items are named
+  by their place in the whole checkpoint: it is refused exactly when the same Build sent whole
+  would be.
 * Shutting down: after the drain, new RPCs get ``UNAVAILABLE`` (``SHUTTING_DOWN``) while the
   running ones finish (:meth:`LimitsInterceptor.quiesce`).
 * The whole message is capped by gRPC itself (``grpc.max_receive_message_length``), which
@@ -31,6 +34,7 @@ from context_engine.telemetry.metrics import Metrics
 
 SERVICE_PREFIX = "/context_engine.v1.ContextEngine/"
 _MAX_DEPTH = 3  # PlanRequest.memory_snapshot.items, BuildRequest.checkpoint.items, ...
+BUILD_REQUEST = "context_engine.v1.BuildRequest"
 
 
 @dataclass(frozen=True)
@@ -53,28 +57,43 @@ class Violation:
         return f"{self.field} is {self.size} bytes, over the per-item limit of {self.limit}"
 
 
+def ahead_of(message: Message) -> dict[str, int]:
+    """Per repeated field, the elements that precede the ones ``message`` sends: an incremental
+    Build's ``checkpoint.items`` follow its base's first ``base_items_kept`` items. The limits
+    hold for the whole checkpoint, as they would for the same Build sent whole, and name its
+    items by their place in it."""
+    build: Any = message
+    if message.DESCRIPTOR.full_name == BUILD_REQUEST and build.base_build_id:
+        return {"checkpoint.items": int(build.base_items_kept)}
+    return {}
+
+
 def shape_violation(message: Message, limits: Limits, path: str = "",
-                    depth: int = 0) -> Violation | None:
-    """The first repeated field over ``max_items`` or element over ``max_item_bytes``."""
+                    depth: int = 0, ahead: dict[str, int] | None = None) -> Violation | None:
+    """The first repeated field over ``max_items`` or element over ``max_item_bytes``;
+    ``ahead``: see :func:`ahead_of` (at the top level, found from ``message``)."""
+    if ahead is None:
+        ahead = ahead_of(message)
     for field, value in message.ListFields():
         name = f"{path}{field.name}"
         if field.is_repeated:
-            if len(value) > limits.max_items:
-                return Violation("TOO_MANY_ITEMS", name, len(value), limits.max_items)
+            first = ahead.get(name, 0)
+            if first + len(value) > limits.max_items:
+                return Violation("TOO_MANY_ITEMS", name, first + len(value), limits.max_items)
             if field.type == FieldDescriptor.TYPE_MESSAGE:
-                for index, element in enumerate(value):
+                for index, element in enumerate(value, first):
                     size = element.ByteSize()
                     if size > limits.max_item_bytes:
                         return Violation("ITEM_TOO_LARGE", f"{name}[{index}]", size,
                                          limits.max_item_bytes)
             elif field.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES):
-                for index, element in enumerate(value):
+                for index, element in enumerate(value, first):
                     size = len(element.encode()) if isinstance(element, str) else len(element)
                     if size > limits.max_item_bytes:
                         return Violation("ITEM_TOO_LARGE", f"{name}[{index}]", size,
                                          limits.max_item_bytes)
         elif field.type == FieldDescriptor.TYPE_MESSAGE and depth < _MAX_DEPTH:
-            found = shape_violation(value, limits, f"{name}.", depth + 1)
+            found = shape_violation(value, limits, f"{name}.", depth + 1, ahead)
             if found is not None:
                 return found
     return None

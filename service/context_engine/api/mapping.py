@@ -461,20 +461,24 @@ def _memo_item(v: Violations, index: int, it: pb.ConversationItem,
 
 
 def checkpoint(v: Violations, cp: pb.Checkpoint, *, memo: MutableMapping[Any, Any] | None = None,
-               session_key: str = "") -> Checkpoint:
+               session_key: str = "", first_index: int = 0) -> Checkpoint:
     """The checkpoint as the domain's, its violations added to ``v``. With ``memo`` (the
     engine's render memo) and the session's key, each item's mapping is kept for the next Build
     of the session, which sends the same items again (see :func:`_memo_item`); the session's
-    erasure drops them with its renderings."""
+    erasure drops them with its renderings. ``first_index``: the position of ``cp.items[0]``
+    in the whole checkpoint (an incremental Build's: the base items it keeps), which names the
+    items in violations."""
     if len(cp.active_run_id) > MAX_ID_LENGTH or _CONTROL.search(cp.active_run_id):
         v.add("checkpoint.active_run_id", f"must be at most {MAX_ID_LENGTH} characters "
               "without control characters")
     if memo is None:
-        items = [_item(v, f"checkpoint.items[{i}]", it) for i, it in enumerate(cp.items)]
+        items = [_item(v, f"checkpoint.items[{i}]", it)
+                 for i, it in enumerate(cp.items, first_index)]
     else:
         if not session_key:
             raise ValueError("a memo of item mappings is kept per session: name its key")
-        items = [_memo_item(v, i, it, memo, session_key) for i, it in enumerate(cp.items)]
+        items = [_memo_item(v, i, it, memo, session_key)
+                 for i, it in enumerate(cp.items, first_index)]
     skills = tuple(SkillBody(name=s.name, body=s.body,
                              trust=v.trust(f"checkpoint.loaded_skills[{i}].trust", s.trust))
                    for i, s in enumerate(cp.loaded_skills))

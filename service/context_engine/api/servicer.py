@@ -182,8 +182,11 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             try:
                 # the render memo keeps each item's mapping for the session's next Build
                 memo = self._engine.render_memo if record.session_key else None
+                # an item is named by its position in the whole checkpoint (the base's first
+                # items, then those sent): a refusal is the whole Build's, field for field
                 checkpoint = mapping.checkpoint(v, request.checkpoint, memo=memo,
-                                                session_key=record.session_key)
+                                                session_key=record.session_key,
+                                                first_index=kept if base is not None else 0)
                 if base is not None:
                     checkpoint = replace(checkpoint,
                                          items=base.items[:kept] + checkpoint.items)
@@ -220,6 +223,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 self._engine.builds.forget(request.tenant_id, request.session_id,
                                            before=loaded.plan.incarnation)
                 raise BuildBaseUnknown(request.base_build_id, "the session was erased since")
+            builds = self._engine.builds
             answer = None  # an incremental Build's answer, and the base it leaves
             response = pb.BuildResponse()
             rendered = ""
@@ -240,7 +244,9 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                     record.span[f"context_engine.tokens.{c.class_name}"] = c.used
                 record.span["context_engine.yield_steps"] = record.extra["yield_steps"]
                 with child(self._tracer, "context_engine.render") as render_span:
-                    if base is not None or request.keep_base:
+                    # a cache of 0 bytes keeps no base (and holds none to name): a whole Build
+                    # that asks to be kept is answered as one that does not
+                    if base is not None or (request.keep_base and builds.max_bytes > 0):
                         answer = incremental.respond(
                             result, provider_format, self._engine.catalog,
                             build_id=self._new_id(), tenant_id=request.tenant_id,
@@ -248,7 +254,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                             incarnation=loaded.plan.incarnation, items=checkpoint.items,
                             scan=scan,
                             sizes=incremental.item_bytes(request.checkpoint.items, base, kept),
-                            base=base, memo=self._engine.render_memo)
+                            base=base, memo=self._engine.render_memo, keeps=builds.fits)
                         response = answer.response
                     else:  # nothing kept: no build_id, the same bytes as any whole Build
                         response = mapping.build_pb(result, provider_format,
@@ -261,8 +267,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             await self._engine.build(request.tenant_id, request.session_id,
                                      loaded.plan.epoch, checkpoint, factor, validated=True,
                                      incarnation=loaded.plan.incarnation, then=respond)
-            if answer is not None:
-                evicted = self._engine.builds.put(response.build_id, answer.base)
+            if answer is not None and answer.base is not None:  # else kept nowhere
+                evicted = builds.put(response.build_id, answer.base)
                 if evicted:  # their memory is given back once the response is handed over
                     asyncio.get_running_loop().call_soon(evicted.clear)
             if rendered:  # the format rendered: the asked one or the model's default

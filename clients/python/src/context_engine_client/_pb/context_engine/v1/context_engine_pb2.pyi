@@ -1972,8 +1972,9 @@ class BuildRequest(_message.Message):
     base checkpoint's first base_items_kept items: items appended (base_items_kept = all of the
     base's items) or items replaced from a position (after a compaction, a pointer change or a
     correction: base_items_kept = that position). Every other checkpoint field is sent whole,
-    as in any Build. The answer is exactly that of a Build of the whole checkpoint, and it is
-    relative to the base's response (BuildResponse.delta). Bases live in a bounded in-memory
+    as in any Build. The answer is exactly that of a Build of the whole checkpoint (a refusal
+    too: its field violations and limits name items by their place in the whole checkpoint),
+    and it is relative to the base's response (BuildResponse.delta). Bases live in a bounded in-memory
     cache of the replica that built them; a replica that does not hold the base (another
     replica, a restart, an eviction, or an id of another session) answers
     FAILED_PRECONDITION, reason BUILD_BASE_UNKNOWN, and changes nothing: send the Build again
@@ -2140,7 +2141,8 @@ class BuildResponse(_message.Message):
     the model has no default format).
     """
     build_id: _builtins.str
-    """This Build's id, when the request set keep_base or named a base (empty otherwise): a
+    """This Build's id, when the request set keep_base or named a base and the replica kept it
+    (empty otherwise: a base larger than the replica's whole build cache is kept nowhere): a
     later Build of the session may name it as its base_build_id. Unique and random; it names a
     cache entry of the replica that answered, never content.
     """
