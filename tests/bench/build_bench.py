@@ -523,7 +523,7 @@ class IncrementalTurn:
         if wire != self.request or base is None:
             raise AssertionError(f"{self.what}the client would send another incremental "
                                  "request than the one measured")
-        read_back = builds.absorb(self.whole, answer, base)
+        read_back = builds.absorb(wire, answer, base)
         if without_id(read_back) != without_id(full):
             raise AssertionError(f"{self.what}the incremental Build does not read back to "
                                  "the whole Build's answer")

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import Iterator, Sequence
+from concurrent import futures
 from typing import Any
 
 import grpc
 import pytest
+from context_engine.v1 import context_engine_pb2 as spb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from context_engine_client import (
     AsyncClient,
     BuildStats,
     Client,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     pb,
@@ -30,8 +34,12 @@ from context_engine_client._incremental import (
     BASE_UNKNOWN,
     DeltaMismatch,
     IncrementalBuilds,
+    Tally,
     base_unknown,
 )
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from tests.conftest import ServerThread
 from tests.conftest import test_config as base_config
@@ -144,7 +152,7 @@ def held(builds: IncrementalBuilds, req: pb.BuildRequest, resp: pb.BuildResponse
     """Builds holds ``resp`` as the answer to ``req`` (a whole Build)."""
     wire, base = builds.prepare(req)
     assert base is None and serialized(wire) == serialized(keeping(req))
-    return builds.absorb(req, resp, base)
+    return builds.absorb(wire, resp, base)
 
 
 def keeping(req: pb.BuildRequest) -> pb.BuildRequest:
@@ -175,7 +183,7 @@ def test_message_spans_read_back_the_full_response_skipping_base_messages():
     assert b is not None and wire_req.base_build_id == "b1"
     wire = delta_of(base, full, message_spans=spans)
     assert [m.item_id for m in wire.request.messages] == ["i90", "i91"]
-    got = builds.absorb(next_req, wire, b)
+    got = builds.absorb(wire_req, wire, b)
     assert not got.HasField("delta") and got.build_id == "b2"
     assert serialized(got) == serialized(full)
     s = builds.stats
@@ -191,8 +199,8 @@ def test_a_span_may_take_base_messages_in_any_order_and_more_than_once():
     held(builds, request([item(0)]), base)
     full = response("b2", [message(3), message(0), message(1), message(3), message(9, "x")])
     wire = delta_of(base, full, message_spans=[(3, 1, 0), (0, 2, 0), (3, 1, 1)])
-    _, b = builds.prepare(request([item(0), item(1)]))
-    assert serialized(builds.absorb(request([item(0), item(1)]), wire, b)) == serialized(full)
+    sent, b = builds.prepare(request([item(0), item(1)]))
+    assert serialized(builds.absorb(sent, wire, b)) == serialized(full)
 
 
 def test_text_spans_count_utf8_bytes_with_multibyte_characters_at_the_edges():
@@ -216,8 +224,8 @@ def test_text_spans_count_utf8_bytes_with_multibyte_characters_at_the_edges():
                     cached_spans=[(0, cached_len, len(" ∑".encode()))])
     assert wire.provider_body_json == '"new 🙃 ñ",'
     assert wire.gemini_cached_content.create_body_json == ""
-    _, b = builds.prepare(request([item(0), item(1)]))
-    got = builds.absorb(request([item(0), item(1)]), wire, b)
+    sent, b = builds.prepare(request([item(0), item(1)]))
+    got = builds.absorb(sent, wire, b)
     assert got.provider_body_json == body
     assert got.gemini_cached_content.create_body_json == create
     assert got.gemini_cached_content.cached_body_json == cached + " ∑"
@@ -231,8 +239,8 @@ def test_the_prefix_comes_from_the_base():
     full = response("b2", [message(0), message(1)])
     wire = delta_of(base, full, prefix_from_base=True, message_spans=[(0, 1, 1)])
     assert not wire.request.prefix_blocks and not wire.request.tools
-    _, b = builds.prepare(request([item(0), item(1)]))
-    got = builds.absorb(request([item(0), item(1)]), wire, b)
+    sent, b = builds.prepare(request([item(0), item(1)]))
+    got = builds.absorb(sent, wire, b)
     assert got.request.prefix_blocks == base.request.prefix_blocks
     assert got.request.tools == base.request.tools
     assert serialized(got) == serialized(full)
@@ -253,8 +261,8 @@ def test_a_delta_without_spans_is_sent_whole_and_a_chain_of_deltas_reads_back():
         else:  # messages and body whole, only the prefix from the base
             wire = delta_of(prev, full, prefix_from_base=True)
         req = request([item(k) for k in range(n + 1)])
-        _, b = builds.prepare(req)
-        got = builds.absorb(req, wire, b)
+        sent, b = builds.prepare(req)
+        got = builds.absorb(sent, wire, b)
         assert serialized(got) == serialized(full)
         prev = full
     assert builds.stats.incremental == 5
@@ -272,8 +280,8 @@ def test_the_response_handed_back_is_the_callers_own():
     full = response("b2", [message(0), message(1), message(2)], "body")
     wire = delta_of(base, full, prefix_from_base=True, message_spans=[(0, 2, 1)],
                     body_spans=[(0, 4, 0)])
-    _, b = builds.prepare(request([item(0), item(1)]))
-    got = builds.absorb(request([item(0), item(1)]), wire, b)
+    sent, b = builds.prepare(request([item(0), item(1)]))
+    got = builds.absorb(sent, wire, b)
     assert serialized(got) == serialized(full)
 
 
@@ -284,10 +292,10 @@ def _mismatch(wire_change: Any, *, base_id: str = "b1") -> None:
     full = response("b2", [message(0), message(1), message(2)], "héllo!")
     wire = delta_of(base, full, message_spans=[(0, 2, 1)], body_spans=[(0, 6, 1)])
     wire_change(wire)
-    _, b = builds.prepare(request([item(0), item(1)]))
+    sent, b = builds.prepare(request([item(0), item(1)]))
     before = len(builds), builds.stats
     with pytest.raises(DeltaMismatch):
-        builds.absorb(request([item(0), item(1)]), wire, b)
+        builds.absorb(sent, wire, b)
     assert (len(builds), builds.stats) == before  # nothing held, nothing counted
 
 
@@ -320,7 +328,7 @@ def test_a_delta_with_nothing_held_is_refused():
     wire = response("b2", [message(0)])
     wire.delta.base_build_id = "b1"
     with pytest.raises(DeltaMismatch):
-        builds.absorb(request([item(0)]), wire, None)
+        builds.absorb(keeping(request([item(0)])), wire, None)
 
 
 # ------------------------------------------------------------------------------ prepare
@@ -343,7 +351,11 @@ def test_nothing_held_sends_the_whole_request_asking_to_keep_it():
     wire, base = builds.prepare(req)
     assert base is None and wire is not req and wire.keep_base and not req.keep_base
     assert serialized(wire) == serialized(keeping(req)) and serialized(req) == before
-    assert builds.stats.request_bytes == wire.ByteSize()
+    assert builds.stats.request_bytes == 0  # counted when the Build returns
+    builds.absorb(wire, response("b1", [message(0)]), None)
+    s = builds.stats
+    assert (s.builds, s.request_bytes, s.full_request_bytes) == (
+        1, wire.ByteSize(), req.ByteSize())
 
 
 def test_a_response_the_service_did_not_keep_leaves_what_is_held():
@@ -353,9 +365,9 @@ def test_a_response_the_service_did_not_keep_leaves_what_is_held():
     got = held(builds, req, response("", [message(0)]))
     assert got.build_id == "" and len(builds) == 0 and builds.stats.builds == 1
     held(builds, req, response("b1", [message(0)]))
-    _, base = builds.prepare(req)
+    sent, base = builds.prepare(req)
     assert base is not None
-    builds.absorb(req, response("", [message(0)]), base)  # kept nothing: b1 is still the base
+    builds.absorb(sent, response("", [message(0)]), base)  # kept nothing: b1 is still the base
     assert builds.prepare(req)[0].base_build_id == "b1"
 
 
@@ -372,9 +384,10 @@ def test_appended_items_are_sent_alone_and_the_rest_of_the_request_whole():
     assert serialized(whole(wire, first.checkpoint.items[:3])) == before
     assert serialized(req) == before and not req.base_build_id  # the caller's is unchanged
     assert req.HasField("estimator_factor") and wire.HasField("estimator_factor")
-    assert builds.stats.request_bytes == keeping(first).ByteSize() + wire.ByteSize()
+    assert builds.stats.request_bytes == keeping(first).ByteSize()  # this one not yet
     assert not wire.keep_base  # a Build naming a base is kept anyway
-    builds.absorb(req, response("b2", [message(0)]), base)
+    builds.absorb(wire, response("b2", [message(0)]), base)
+    assert builds.stats.request_bytes == keeping(first).ByteSize() + wire.ByteSize()
     assert builds.stats.full_request_bytes == first.ByteSize() + req.ByteSize()
 
 
@@ -405,12 +418,12 @@ def test_an_item_the_caller_changed_in_place_is_sent_again():
     assert [i.id for i in wire.checkpoint.items] == ["i1", "i2", "i3", "i4"]
     assert wire.checkpoint.items[0].user.text == "edited after it was sent"
     # and once absorbed, the held copy is the edited one
-    builds.absorb(req, response("b2", [message(0)]), base)
+    builds.absorb(wire, response("b2", [message(0)]), base)
     req.checkpoint.items.append(item(5))
     wire, base = builds.prepare(req)
     assert wire.base_items_kept == 5 and [i.id for i in wire.checkpoint.items] == ["i5"]
     # an item first sent relative to a base (copied then), changed in place afterwards
-    builds.absorb(req, response("b3", [message(0)]), base)
+    builds.absorb(wire, response("b3", [message(0)]), base)
     req.checkpoint.items[5].user.text = "edited too"
     wire, base = builds.prepare(req)
     assert wire.base_items_kept == 5 and wire.checkpoint.items[0].user.text == "edited too"
@@ -445,24 +458,96 @@ def test_sessions_are_bounded_least_recently_used_first():
 
 
 def test_fallback_forgets_and_counts_a_whole_resend():
+    """A Build refused for its base and sent again whole counts both requests, the whole one's
+    answer, and one resend, once it returns."""
     builds = IncrementalBuilds()
     first = request([item(0)])
     held(builds, first, response("b1", []))
     req = request([item(0), item(1)])
-    wire, _ = builds.prepare(req)
-    again = builds.fallback(req)
+    tally = Tally()
+    wire, base = builds.prepare(req)
+    assert base is not None
+    tally.refused(wire)
+    again = builds.fallback(req, tally)
     assert serialized(again) == serialized(keeping(req))
     assert builds.prepare(req)[1] is None
+    before = builds.stats
+    assert before.full_resends == 0 and before.builds == 1  # not returned yet
+    answer = response("b2", [message(0)])
+    builds.absorb(again, answer, None, tally)
     s = builds.stats
-    assert s.full_resends == 1
+    assert (s.builds, s.full_resends, s.incremental) == (2, 1, 0)
     assert s.request_bytes == (keeping(first).ByteSize() + wire.ByteSize()
-                               + 2 * keeping(req).ByteSize())
+                               + keeping(req).ByteSize())
+    assert s.response_bytes - before.response_bytes == answer.ByteSize()
+    assert s.full_response_bytes - before.full_response_bytes == answer.ByteSize()
+    assert s.full_request_bytes == first.ByteSize() + req.ByteSize()
     assert BuildStats(full_request_bytes=10, full_response_bytes=5, request_bytes=3,
                       response_bytes=4).bytes_saved == 8
 
 
+def test_a_delta_that_did_not_read_back_is_counted_with_the_build_that_returns():
+    """The bytes of a delta that did not read back went on the wire: the Build that is then
+    sent whole and returns counts them; a Build that never returns counts nothing."""
+    builds = IncrementalBuilds()
+    first = request([item(0)])
+    base = response("b1", [message(0)])
+    held(builds, first, base)
+    req = request([item(0), item(1)])
+    bad = delta_of(base, response("b2", [message(0), message(1)]), message_spans=[(0, 1, 1)])
+    bad.delta.full_response_bytes += 1
+    tally = Tally()
+    wire, b = builds.prepare(req)
+    with pytest.raises(DeltaMismatch):
+        builds.absorb(wire, bad, b, tally)
+    assert (tally.request_bytes, tally.response_bytes) == (wire.ByteSize(), bad.ByteSize())
+    before = builds.stats
+    again = builds.fallback(req, tally)
+    whole_answer = response("b3", [message(0), message(1)])
+    builds.absorb(again, whole_answer, None, tally)
+    s = builds.stats
+    assert s.builds == before.builds + 1 and s.full_resends == 1
+    assert s.request_bytes - before.request_bytes == wire.ByteSize() + again.ByteSize()
+    assert s.response_bytes - before.response_bytes == bad.ByteSize() + whole_answer.ByteSize()
+    # a Build whose resend fails: nothing of it is counted
+    failing = Tally()
+    wire, b = builds.prepare(request([item(0), item(1), item(2)]))
+    failing.refused(wire)
+    builds.fallback(request([item(0), item(1), item(2)]), failing)
+    assert builds.stats == s
+
+
+def test_a_whole_build_holds_the_items_it_sent_not_the_callers_changed_in_flight():
+    """What the client holds of a whole Build is what went on the wire: the caller's item,
+    changed while the Build was in flight, is sent again on the next Build (the service's
+    base holds the item as it was sent)."""
+    builds = IncrementalBuilds()
+    req = request([item(n) for n in range(3)])
+    wire, base = builds.prepare(req)
+    req.checkpoint.items[1].user.text = "changed while the Build was in flight"
+    builds.absorb(wire, response("b1", [message(0)]), base)
+    again, base = builds.prepare(req)
+    assert base is not None and again.base_items_kept == 1
+    assert [i.user.text for i in again.checkpoint.items] == [
+        "changed while the Build was in flight", item(2).user.text]
+
+
+def test_absorb_takes_the_request_that_was_sent():
+    builds = IncrementalBuilds()
+    req = request([item(0)])
+    wire, base = builds.prepare(req)
+    with pytest.raises(ValueError, match="not the caller's"):
+        builds.absorb(req, response("b1", []), base)
+    builds.absorb(wire, response("b1", []), base)
+    wire, base = builds.prepare(request([item(0), item(1)]))
+    other = pb.BuildRequest()
+    other.CopyFrom(wire)
+    other.base_build_id = "b0"
+    with pytest.raises(ValueError, match="names base"):
+        builds.absorb(other, response("b2", []), base)
+
+
 def test_the_core_takes_the_services_own_generated_classes():
-    from context_engine.v1 import context_engine_pb2 as spb
     builds = IncrementalBuilds()
     items = [spb.ConversationItem(id=f"i{n}", user=spb.UserMessage(text="x")) for n in range(3)]
     req = spb.BuildRequest(tenant_id="t", session_id="s", checkpoint=spb.Checkpoint(items=items))
@@ -725,3 +810,120 @@ def test_without_incremental_build_is_as_before(server, session):
         assert engine.build_stats == BuildStats()
         engine.forget_session(tenant, sid)  # nothing held: nothing to do
     channel.close()
+
+
+@pytest.mark.integration
+def test_an_item_changed_while_a_build_is_in_flight_is_sent_again(server, session):
+    """The async caller changes an item of its request while the Build it sent is in flight:
+    the next Build's answer is the whole Build's of the request as it is then (the client held
+    the items it sent, not the caller's changed ones)."""
+    tenant, sid = session
+    channel = grpc.insecure_channel(server.address)
+    stub = pb_grpc.ContextEngineStub(channel)
+    corrected = "CORRECTED RESULT ✓"
+
+    async def scenario() -> tuple[pb.BuildRequest, pb.BuildResponse, pb.BuildResponse]:
+        async with AsyncClient(target=server.address) as engine:
+            await engine.plan(request=plan(tenant, sid))
+            req = build_request(tenant, sid, 3)
+            first = asyncio.ensure_future(engine.build(request=req))
+            await asyncio.sleep(0)  # the Build is on its way, a copy of req sent
+            req.checkpoint.items[2].tool_result.content = corrected
+            was = await first
+            req.checkpoint.items.extend(step(4))
+            return req, was, await engine.build(request=req)
+
+    req, was, got = asyncio.run(scenario())
+    assert not any(corrected in m.text for m in was.request.messages)  # sent before the change
+    check_same(got, stub, req, "the Build after the change")
+    assert any(corrected in m.text for m in got.request.messages)
+    channel.close()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("cache_mb", [0, 1])
+def test_a_replica_that_keeps_no_base_is_sent_each_build_once(database_url, session, cache_mb):
+    """A replica that keeps no base (a cache of 0 bytes, or a base larger than its cache) names
+    none: the client sends every Build whole, once, and counts no resend."""
+    tenant, sid = session
+    srv = ServerThread(base_config().replace(build_cache_mb=cache_mb), database_url)
+    channel = grpc.insecure_channel(srv.address)
+    stub = pb_grpc.ContextEngineStub(channel)
+    try:
+        with Client(target=srv.address) as engine:
+            engine.plan(request=plan(tenant, sid))
+            req = build_request(tenant, sid, 1)
+            if cache_mb:  # over 1 MiB
+                req.checkpoint.items[-1].tool_result.content = "x" * 1_200_000
+            for n in range(2, 6):
+                got = engine.build(request=req)
+                assert not got.build_id
+                want = stub.Build(req, timeout=30)
+                assert serialized(got) == serialized(want)
+                req.checkpoint.items.extend(step(n))
+            stats = engine.build_stats
+    finally:
+        channel.close()
+        srv.stop()
+    assert (stats.builds, stats.incremental, stats.full_resends) == (4, 0, 0)
+    assert stats.bytes_saved == -4 * 2  # each Build asked to be kept: its flag, two bytes
+
+
+class _SlowReplica(pb_grpc.ContextEngineServicer):
+    """Answers a session's first Build at once and keeps it; any later Build after ``delay``
+    seconds, refusing the ones naming a base (it does not hold them)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.calls: list[str] = []
+
+    def Build(self, request: Any, context: Any) -> Any:
+        self.calls.append(request.base_build_id)
+        if len(self.calls) > 1:
+            time.sleep(self.delay)
+        if request.base_build_id:
+            detail = any_pb2.Any()
+            detail.Pack(error_details_pb2.ErrorInfo(reason=BASE_UNKNOWN,
+                                                    domain="context-engine"))
+            context.abort_with_status(rpc_status.to_status(status_pb2.Status(
+                code=code_pb2.FAILED_PRECONDITION, message="unknown base",
+                details=[detail])))
+        return spb.BuildResponse(build_id=f"b{len(self.calls)}", epoch=1)
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_a_resend_after_an_unknown_base_keeps_the_builds_deadline(kind):
+    """``timeout`` is the deadline of the whole Build: the whole resend gets what the refused
+    attempt left of it, not a new one."""
+    replica = _SlowReplica(delay=0.6)
+    srv = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_ContextEngineServicer_to_server(replica, srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    req = build_request("t", "s", 0)
+    target = f"127.0.0.1:{port}"
+
+    def sync() -> float:
+        with Client(target=target) as engine:
+            engine.build(request=req)
+            req.checkpoint.items.extend(step(1))
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                engine.build(request=req, timeout=1.0)
+            return time.monotonic() - started
+
+    async def asyncio_() -> float:
+        async with AsyncClient(target=target) as engine:
+            await engine.build(request=req)
+            req.checkpoint.items.extend(step(1))
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                await engine.build(request=req, timeout=1.0)
+            return time.monotonic() - started
+
+    try:
+        took = sync() if kind == "sync" else asyncio.run(asyncio_())
+    finally:
+        srv.stop(0)
+    assert replica.calls[1] and not replica.calls[2]  # refused for its base, then sent whole
+    assert took < 1.15, f"the Build took {took:.2f} s for a timeout of 1 s"

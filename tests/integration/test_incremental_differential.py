@@ -247,6 +247,13 @@ def test_incremental_builds_equal_whole_builds(replicas: tuple[ServerThread, Ser
     assert incremental >= STEPS // 2 and resends >= 2, py_stats
     assert sum(x.bytes_saved for x in py_stats) > 0
     assert ts_stats["incremental"] >= STEPS // 2 and ts_stats["fullResends"] >= 2, ts_stats
+    # the two clients count the same Builds by the same rule (those that returned, every
+    # attempt's bytes): the same figures, to the byte
+    names = {"builds": "builds", "incremental": "incremental", "full_resends": "fullResends",
+             "request_bytes": "requestBytes", "response_bytes": "responseBytes",
+             "full_request_bytes": "fullRequestBytes", "full_response_bytes": "fullResponseBytes"}
+    summed = {ts: sum(getattr(x, py) for x in py_stats) for py, ts in names.items()}
+    assert summed == {ts: ts_stats[ts] for ts in names.values()}, (summed, ts_stats)
 
 
 def build_whole(stub: pb_grpc.ContextEngineStub, request: pb.BuildRequest) -> bytes | str:

@@ -236,13 +236,14 @@ class Runtime:
             builds.forget(self.tenant, self.session)  # the next Build goes whole
             return None
         try:
-            full = builds.absorb(request, response, base)
+            full = builds.absorb(wire, response, base)
         except DeltaMismatch:
             self.outcome.mismatches += 1
-            response = await self._call("Build", builds.fallback(request))
+            whole = builds.fallback(request)
+            response = await self._call("Build", whole)
             if not isinstance(response, pb.BuildResponse):
                 return None
-            return builds.absorb(request, response, None)
+            return builds.absorb(whole, response, None)
         if response.HasField("delta"):
             self.outcome.incremental_builds += 1
         return full

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -145,3 +146,12 @@ def check_timeout(timeout: float) -> float:
     if not timeout > 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
     return float(timeout)
+
+
+# what is left of a deadline that has passed: gRPC answers such a call DEADLINE_EXCEEDED
+EXPIRED = 1e-6
+
+
+def time_left(deadline: float) -> float:
+    """The seconds until ``deadline`` (``time.monotonic()``), as a call's timeout."""
+    return max(deadline - time.monotonic(), EXPIRED)

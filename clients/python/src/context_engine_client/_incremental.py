@@ -6,6 +6,7 @@ the last one (``BuildRequest.base_build_id``, ``BuildResponse.delta``).
 builds messages with ``type(message)()`` and reads field numbers from their descriptors), so the
 client's and the service's own generated classes both work. One Build goes::
 
+    tally = Tally()                             # what this Build moves, counted if it returns
     wire, base = builds.prepare(request)        # the request to send, and what it is based on
     try:
         response = stub.Build(wire)
@@ -13,9 +14,14 @@ client's and the service's own generated classes both work. One Build goes::
         if base is None or not base_unknown(err):
             builds.forget(request.tenant_id, request.session_id)
             raise
-        wire, base = builds.fallback(request), None  # the whole request, once
+        tally.refused(wire)
+        wire, base = builds.fallback(request, tally), None  # the whole request, once
         response = stub.Build(wire)
-    full = builds.absorb(request, response, base)  # DeltaMismatch: fallback, as above
+    full = builds.absorb(wire, response, base, tally)  # DeltaMismatch: fallback, as above
+
+``absorb`` takes the request that was sent (``wire``), never the caller's: a whole Build holds
+the items of that request, which is the client's own copy, so a caller that changes its items
+while the Build is in flight does not change what the client believes the service holds.
 
 A whole Build (the session's first, or a resend) asks the service to keep it as a base
 (``keep_base``); a Build naming a base is kept anyway. What is held per session (least recently
@@ -47,12 +53,14 @@ Resp = TypeVar("Resp", bound=Message)
 
 @dataclass(frozen=True, kw_only=True)
 class BuildStats:
-    """What the Builds of one client moved. ``builds``: Builds answered; ``incremental``: of
-    those, the ones served from a base (their response was a delta); ``full_resends``: Builds
-    sent again whole after ``BUILD_BASE_UNKNOWN`` (or after a delta that did not read back).
-    ``request_bytes`` and ``response_bytes``: serialized sizes of what went on the wire
-    (refused attempts' requests included); ``full_request_bytes`` and ``full_response_bytes``:
-    what the same Builds would have moved whole."""
+    """What the Builds of one client moved, counted for each Build that returned a response
+    (a Build that fails counts nothing). ``builds``: Builds answered; ``incremental``: of those,
+    the ones served from a base (their response was a delta); ``full_resends``: Builds sent
+    again whole after ``BUILD_BASE_UNKNOWN`` (or after a delta that did not read back).
+    ``request_bytes`` and ``response_bytes``: serialized sizes of what went on the wire, every
+    attempt of the Build included (a refused request, a delta that did not read back);
+    ``full_request_bytes`` and ``full_response_bytes``: what the same Builds would have moved
+    whole, without a base and without asking to keep one."""
 
     builds: int = 0
     incremental: int = 0
@@ -66,6 +74,20 @@ class BuildStats:
     def bytes_saved(self) -> int:
         return (self.full_request_bytes + self.full_response_bytes
                 - self.request_bytes - self.response_bytes)
+
+
+@dataclass
+class Tally:
+    """One Build's attempts, added to the counts when it returns (:meth:`IncrementalBuilds.absorb`)
+    and dropped when it fails."""
+
+    request_bytes: int = 0
+    response_bytes: int = 0
+    full_resends: int = 0
+
+    def refused(self, wire: Message) -> None:
+        """A request that was sent and refused (``BUILD_BASE_UNKNOWN``)."""
+        self.request_bytes += wire.ByteSize()
 
 
 class DeltaMismatch(Exception):
@@ -251,30 +273,43 @@ class IncrementalBuilds:
             wire.checkpoint.items.extend(new)
         wire.base_build_id = held.build_id
         wire.base_items_kept = k
-        self._count(request_bytes=wire.ByteSize())
         # our own copies: the caller may change its items once this returns
         return wire, Base(held=held, kept=k, new_items=_copies(new), new_item_bytes=new_bytes,
                           full_request_bytes=full_request_bytes)
 
-    def fallback(self, request: Req) -> Req:
+    def fallback(self, request: Req, tally: Tally | None = None) -> Req:
         """After ``BUILD_BASE_UNKNOWN`` (or :class:`DeltaMismatch`): forgets the session and
         returns the request to send again, whole (a copy of ``request`` that sets
         ``keep_base``; absorb its answer with base None)."""
         r: Any = request
         self.forget(r.tenant_id, r.session_id)
-        self._count(full_resends=1)
+        if tally is not None:
+            tally.full_resends += 1
         return self._whole(r)  # type: ignore[no-any-return]
 
-    def absorb(self, request: Message, response: Resp, base: Base | None) -> Resp:
-        """The full response to ``request`` (the caller's whole request) from ``response``, the
-        answer to what :meth:`prepare` returned for it (``base``: what prepare returned with it);
-        and holds it as the session's base. A response without a delta is returned as it is.
-        Raises :class:`DeltaMismatch` (holding nothing new) when the delta does not read back;
-        then send the request whole (:meth:`fallback`). A response without a ``build_id`` (the
-        service kept nothing) leaves what is held as it was."""
-        r: Any = request
+    def absorb(self, sent: Message, response: Resp, base: Base | None,
+               tally: Tally | None = None) -> Resp:
+        """The full response from ``response``, the answer to ``sent`` (the request
+        :meth:`prepare` or :meth:`fallback` returned, as it went on the wire; ``base``: what
+        prepare returned with it, None for a whole request); and holds it as the session's
+        base. A response without a delta is returned as it is. Raises :class:`DeltaMismatch`
+        (holding and counting nothing; ``tally`` has this attempt's bytes) when the delta does
+        not read back: then send the request whole (:meth:`fallback`). A response without a
+        ``build_id`` (the service kept nothing) leaves what is held as it was. The Build, with
+        the earlier attempts ``tally`` holds, is added to :attr:`stats`."""
+        r: Any = sent
         resp: Any = response
+        if base is None and not r.keep_base:
+            raise ValueError("absorb takes the request prepare or fallback returned (a whole "
+                             "one asks to be kept), not the caller's")
+        if base is not None and r.base_build_id != base.build_id:
+            raise ValueError(f"the request sent names base {r.base_build_id!r}, not "
+                             f"{base.build_id!r}: absorb takes what prepare returned with it")
+        t = tally if tally is not None else Tally()
+        sent_bytes = r.ByteSize()
         wire_bytes = resp.ByteSize()
+        t.request_bytes += sent_bytes
+        t.response_bytes += wire_bytes
         keep = bool(resp.build_id)
         answer: _Answer | None = None
         if resp.HasField("delta"):
@@ -297,9 +332,12 @@ class IncrementalBuilds:
                         accumulate(base.new_item_bytes, initial=sizes[kept]))[1:],
                     answer=answer)
         else:
-            full_request_bytes = r.ByteSize()
+            # the request without the keep_base flag: what the Build is, sent whole
+            full_request_bytes = sent_bytes - _varint_len(_number(r, "keep_base") << 3) - 1
             if answer is not None and keep:
-                items = _copies(r.checkpoint.items)
+                # the items that were sent: the client's own copy (``_whole``), which the
+                # caller never sees, so they are held as they are
+                items = tuple(r.checkpoint.items)
                 held = _Held(
                     build_id=resp.build_id, items=items,
                     item_bytes=tuple(accumulate(
@@ -315,7 +353,9 @@ class IncrementalBuilds:
             c = self._counts
             c["builds"] += 1
             c["incremental"] += 1 if full is not resp else 0
-            c["response_bytes"] += wire_bytes
+            c["full_resends"] += t.full_resends
+            c["request_bytes"] += t.request_bytes
+            c["response_bytes"] += t.response_bytes
             c["full_request_bytes"] += full_request_bytes
             c["full_response_bytes"] += full_bytes
         return full  # type: ignore[no-any-return]
@@ -327,13 +367,7 @@ class IncrementalBuilds:
         wire = type(request)()
         wire.CopyFrom(request)
         wire.keep_base = True
-        self._count(request_bytes=wire.ByteSize())
         return wire
-
-    def _count(self, **counts: int) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                self._counts[name] += n
 
 
 def _whole_answer(resp: Any) -> _Answer:

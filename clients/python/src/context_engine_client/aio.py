@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -18,12 +19,14 @@ from context_engine_client._channel import (
     check_timeout,
     has_idempotency_key,
     merge_metadata,
+    time_left,
 )
 from context_engine_client._incremental import (
     DEFAULT_MAX_SESSIONS,
     BuildStats,
     DeltaMismatch,
     IncrementalBuilds,
+    Tally,
     base_unknown,
 )
 from context_engine_client._pb.context_engine.v1 import context_engine_pb2 as pb
@@ -140,20 +143,26 @@ class AsyncClient:
         check_request("Build", request)
         if request.base_build_id or request.base_items_kept:
             return await self._invoke("Build", request, pb.BuildResponse, timeout, metadata)
+        # one deadline for the Build, its resend included
+        deadline = time.monotonic() + (
+            self._settings.timeout if timeout is None else check_timeout(timeout))
         try:
+            tally = Tally()
             wire, base = builds.prepare(request)
             try:
-                return builds.absorb(request, await self._invoke(
-                    "Build", wire, pb.BuildResponse, timeout, metadata), base)
+                return builds.absorb(wire, await self._invoke(
+                    "Build", wire, pb.BuildResponse, timeout, metadata), base, tally)
             except FailedPrecondition as err:
                 if base is None or not base_unknown(err):
                     raise
+                tally.refused(wire)
             except DeltaMismatch:
-                pass
-            whole = builds.fallback(request)  # forgets the session: sent whole, once
-            answer = await self._invoke("Build", whole, pb.BuildResponse, timeout, metadata)
+                pass  # its bytes are in the tally
+            whole = builds.fallback(request, tally)  # forgets the session: sent whole, once
+            answer = await self._invoke("Build", whole, pb.BuildResponse,
+                                      time_left(deadline), metadata)
             try:
-                return builds.absorb(request, answer, None)
+                return builds.absorb(whole, answer, None, tally)
             except DeltaMismatch as err:  # a delta answering no base: not a response to use
                 raise Internal(f"Build answered a whole request with a delta: {err}") from err
         except BaseException:
