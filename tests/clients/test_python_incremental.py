@@ -26,10 +26,11 @@ from context_engine_client import (
     Client,
     DeadlineExceeded,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     pb,
 )
-from context_engine_client._channel import service_config_text
+from context_engine_client._channel import service_config_text, time_left
 from context_engine_client._incremental import (
     BASE_UNKNOWN,
     DeltaMismatch,
@@ -468,7 +469,7 @@ def test_fallback_forgets_and_counts_a_whole_resend():
     wire, base = builds.prepare(req)
     assert base is not None
     tally.refused(wire)
-    again = builds.fallback(req, tally)
+    again = builds.fallback(wire, base, tally)
     assert serialized(again) == serialized(keeping(req))
     assert builds.prepare(req)[1] is None
     before = builds.stats
@@ -502,7 +503,7 @@ def test_a_delta_that_did_not_read_back_is_counted_with_the_build_that_returns()
         builds.absorb(wire, bad, b, tally)
     assert (tally.request_bytes, tally.response_bytes) == (wire.ByteSize(), bad.ByteSize())
     before = builds.stats
-    again = builds.fallback(req, tally)
+    again = builds.fallback(wire, b, tally)
     whole_answer = response("b3", [message(0), message(1)])
     builds.absorb(again, whole_answer, None, tally)
     s = builds.stats
@@ -512,8 +513,9 @@ def test_a_delta_that_did_not_read_back_is_counted_with_the_build_that_returns()
     # a Build whose resend fails: nothing of it is counted
     failing = Tally()
     wire, b = builds.prepare(request([item(0), item(1), item(2)]))
+    assert b is not None
     failing.refused(wire)
-    builds.fallback(request([item(0), item(1), item(2)]), failing)
+    builds.fallback(wire, b, failing)
     assert builds.stats == s
 
 
@@ -927,3 +929,86 @@ def test_a_resend_after_an_unknown_base_keeps_the_builds_deadline(kind):
         srv.stop(0)
     assert replica.calls[1] and not replica.calls[2]  # refused for its base, then sent whole
     assert took < 1.15, f"the Build took {took:.2f} s for a timeout of 1 s"
+
+
+def test_the_whole_resend_is_the_build_as_it_was_called():
+    """The caller changes its request while an incremental Build is in flight; the Build is
+    refused for its base: the resend is the same Build whole (the base's kept items and those
+    sent), not the caller's request as it is by then."""
+    builds = IncrementalBuilds()
+    first = request([item(n) for n in range(3)])
+    held(builds, first, response("b1", [message(0)]))
+    req = request([item(n) for n in range(5)])
+    as_called = keeping(req)
+    wire, base = builds.prepare(req)
+    assert base is not None and wire.base_items_kept == 3
+    req.checkpoint.items[1].user.text = "changed while the Build was in flight"
+    req.checkpoint.items.append(item(5))
+    again = builds.fallback(wire, base)
+    assert serialized(again) == serialized(as_called)
+    assert builds.prepare(req)[1] is None  # the session is forgotten
+    with pytest.raises(ValueError, match="names base"):
+        builds.fallback(again, base)
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_a_whole_build_counts_the_request_as_the_caller_gave_it(asked: bool):
+    """Whole, a Build's request is counted as the caller gave it: the keep_base flag the
+    client adds is not counted, one the caller set is."""
+    builds = IncrementalBuilds()
+    req = request([item(0), item(1)])
+    req.keep_base = asked
+    wire, base = builds.prepare(req)
+    builds.absorb(wire, response("b1", [message(0)]), base, Tally(keep_base=asked))
+    assert builds.stats.full_request_bytes == req.ByteSize()
+    assert builds.stats.request_bytes == wire.ByteSize()
+    assert builds.stats.bytes_saved == req.ByteSize() - wire.ByteSize()
+
+
+def test_a_deadline_that_has_passed_sends_nothing():
+    assert 0 < time_left(time.monotonic() + 5) <= 5
+    with pytest.raises(DeadlineExceeded):
+        time_left(time.monotonic())
+    with pytest.raises(DeadlineExceeded):
+        time_left(time.monotonic() - 1)
+
+
+class _DeltaForAWholeBuild(pb_grpc.ContextEngineServicer):
+    """A faulty replica: answers a whole Build with a delta."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def Build(self, request: Any, context: Any) -> Any:
+        self.calls += 1
+        answer = spb.BuildResponse(build_id="b1", epoch=1)
+        answer.delta.base_build_id = "b0"
+        return answer
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_a_delta_answering_a_whole_build_is_an_error_not_a_resend(kind):
+    replica = _DeltaForAWholeBuild()
+    srv = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_ContextEngineServicer_to_server(replica, srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    target = f"127.0.0.1:{port}"
+
+    def sync() -> BuildStats:
+        with Client(target=target) as engine:
+            with pytest.raises(Internal, match="whole request with a delta"):
+                engine.build(request=build_request("t", "s", 0))
+            return engine.build_stats
+
+    async def asyncio_() -> BuildStats:
+        async with AsyncClient(target=target) as engine:
+            with pytest.raises(Internal, match="whole request with a delta"):
+                await engine.build(request=build_request("t", "s", 0))
+            return engine.build_stats
+
+    try:
+        stats = sync() if kind == "sync" else asyncio.run(asyncio_())
+    finally:
+        srv.stop(0)
+    assert replica.calls == 1 and stats == BuildStats()

@@ -230,7 +230,7 @@ class Runtime:
             assert self.last_call is not None
             self.last_call.fallback = True
             self.outcome.fallbacks += 1
-            wire, base = builds.fallback(request), None
+            wire, base = builds.fallback(wire, base), None
             response = await self._call("Build", wire)
         if not isinstance(response, pb.BuildResponse):
             builds.forget(self.tenant, self.session)  # the next Build goes whole
@@ -239,7 +239,10 @@ class Runtime:
             full = builds.absorb(wire, response, base)
         except DeltaMismatch:
             self.outcome.mismatches += 1
-            whole = builds.fallback(request)
+            if base is None:  # a delta answering a whole request: not a response to use
+                builds.forget(self.tenant, self.session)
+                return None
+            whole = builds.fallback(wire, base)
             response = await self._call("Build", whole)
             if not isinstance(response, pb.BuildResponse):
                 return None

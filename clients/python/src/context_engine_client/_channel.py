@@ -13,6 +13,7 @@ import grpc
 from google.protobuf.message import Message
 
 from context_engine_client._pb.context_engine.v1 import context_engine_pb2 as pb
+from context_engine_client.errors import DeadlineExceeded
 
 SERVICE = "context_engine.v1.ContextEngine"
 DEFAULT_TIMEOUT = 10.0
@@ -148,10 +149,10 @@ def check_timeout(timeout: float) -> float:
     return float(timeout)
 
 
-# what is left of a deadline that has passed: gRPC answers such a call DEADLINE_EXCEEDED
-EXPIRED = 1e-6
-
-
 def time_left(deadline: float) -> float:
-    """The seconds until ``deadline`` (``time.monotonic()``), as a call's timeout."""
-    return max(deadline - time.monotonic(), EXPIRED)
+    """The seconds until ``deadline`` (``time.monotonic()``), as a call's timeout; a deadline
+    that has passed raises :class:`DeadlineExceeded` here, and the call is not made."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded("the call's deadline passed before it was sent")
+    return left

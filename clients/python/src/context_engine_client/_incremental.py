@@ -6,7 +6,7 @@ the last one (``BuildRequest.base_build_id``, ``BuildResponse.delta``).
 builds messages with ``type(message)()`` and reads field numbers from their descriptors), so the
 client's and the service's own generated classes both work. One Build goes::
 
-    tally = Tally()                             # what this Build moves, counted if it returns
+    tally = Tally(keep_base=request.keep_base)  # what this Build moves, counted if it returns
     wire, base = builds.prepare(request)        # the request to send, and what it is based on
     try:
         response = stub.Build(wire)
@@ -15,9 +15,10 @@ client's and the service's own generated classes both work. One Build goes::
             builds.forget(request.tenant_id, request.session_id)
             raise
         tally.refused(wire)
-        wire, base = builds.fallback(request, tally), None  # the whole request, once
+        wire, base = builds.fallback(wire, base, tally), None  # the same Build whole, once
         response = stub.Build(wire)
     full = builds.absorb(wire, response, base, tally)  # DeltaMismatch: fallback, as above
+                                                       # (from a whole request: a faulty answer)
 
 ``absorb`` takes the request that was sent (``wire``), never the caller's: a whole Build holds
 the items of that request, which is the client's own copy, so a caller that changes its items
@@ -60,7 +61,7 @@ class BuildStats:
     ``request_bytes`` and ``response_bytes``: serialized sizes of what went on the wire, every
     attempt of the Build included (a refused request, a delta that did not read back);
     ``full_request_bytes`` and ``full_response_bytes``: what the same Builds would have moved
-    whole, without a base and without asking to keep one."""
+    whole (the request as the caller gave it, the response as the service answers it whole)."""
 
     builds: int = 0
     incremental: int = 0
@@ -79,8 +80,10 @@ class BuildStats:
 @dataclass
 class Tally:
     """One Build's attempts, added to the counts when it returns (:meth:`IncrementalBuilds.absorb`)
-    and dropped when it fails."""
+    and dropped when it fails. ``keep_base``: the caller's request itself asked to be kept (its
+    size whole then counts the flag, which the client adds otherwise)."""
 
+    keep_base: bool = False
     request_bytes: int = 0
     response_bytes: int = 0
     full_resends: int = 0
@@ -277,15 +280,28 @@ class IncrementalBuilds:
         return wire, Base(held=held, kept=k, new_items=_copies(new), new_item_bytes=new_bytes,
                           full_request_bytes=full_request_bytes)
 
-    def fallback(self, request: Req, tally: Tally | None = None) -> Req:
-        """After ``BUILD_BASE_UNKNOWN`` (or :class:`DeltaMismatch`): forgets the session and
-        returns the request to send again, whole (a copy of ``request`` that sets
-        ``keep_base``; absorb its answer with base None)."""
-        r: Any = request
+    def fallback(self, sent: Req, base: Base, tally: Tally | None = None) -> Req:
+        """After ``BUILD_BASE_UNKNOWN`` (or :class:`DeltaMismatch`) for ``sent``, the request
+        :meth:`prepare` returned with ``base``: forgets the session and returns the request to
+        send again, whole: the Build ``sent`` was (the base's kept items and those sent; the
+        caller's request is not read again, since the caller may have changed it meanwhile),
+        asking to be kept. Absorb its answer with base None."""
+        r: Any = sent
+        if r.base_build_id != base.build_id:
+            raise ValueError(f"the request sent names base {r.base_build_id!r}, not "
+                             f"{base.build_id!r}: fallback takes what prepare returned")
         self.forget(r.tenant_id, r.session_id)
         if tally is not None:
             tally.full_resends += 1
-        return self._whole(r)  # type: ignore[no-any-return]
+        wire: Any = type(r)()
+        wire.CopyFrom(r)
+        wire.ClearField("base_build_id")
+        wire.ClearField("base_items_kept")
+        if r.HasField("checkpoint"):
+            del wire.checkpoint.items[:]
+            wire.checkpoint.items.extend(base.held.items[:base.kept] + base.new_items)
+        wire.keep_base = True
+        return wire  # type: ignore[no-any-return]
 
     def absorb(self, sent: Message, response: Resp, base: Base | None,
                tally: Tally | None = None) -> Resp:
@@ -332,8 +348,9 @@ class IncrementalBuilds:
                         accumulate(base.new_item_bytes, initial=sizes[kept]))[1:],
                     answer=answer)
         else:
-            # the request without the keep_base flag: what the Build is, sent whole
-            full_request_bytes = sent_bytes - _varint_len(_number(r, "keep_base") << 3) - 1
+            # the request as the caller gave it: without the keep_base flag the client added
+            full_request_bytes = sent_bytes - (
+                0 if t.keep_base else _varint_len(_number(r, "keep_base") << 3) + 1)
             if answer is not None and keep:
                 # the items that were sent: the client's own copy (``_whole``), which the
                 # caller never sees, so they are held as they are

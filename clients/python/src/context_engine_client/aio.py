@@ -147,7 +147,7 @@ class AsyncClient:
         deadline = time.monotonic() + (
             self._settings.timeout if timeout is None else check_timeout(timeout))
         try:
-            tally = Tally()
+            tally = Tally(keep_base=request.keep_base)
             wire, base = builds.prepare(request)
             try:
                 return builds.absorb(wire, await self._invoke(
@@ -156,9 +156,14 @@ class AsyncClient:
                 if base is None or not base_unknown(err):
                     raise
                 tally.refused(wire)
-            except DeltaMismatch:
-                pass  # its bytes are in the tally
-            whole = builds.fallback(request, tally)  # forgets the session: sent whole, once
+            except DeltaMismatch as err:  # its bytes are in the tally
+                if base is None:  # a delta answering no base: not a response to use
+                    raise Internal(f"Build answered a whole request with a delta: {err}") \
+                        from err
+            # the same Build (not the caller's request as it may be now), whole, once, in
+            # what is left of the deadline; the session is forgotten
+            assert base is not None  # refused for its base, or its delta did not read back
+            whole = builds.fallback(wire, base, tally)
             answer = await self._invoke("Build", whole, pb.BuildResponse,
                                       time_left(deadline), metadata)
             try:

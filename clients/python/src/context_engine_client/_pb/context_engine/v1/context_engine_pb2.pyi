@@ -1972,10 +1972,11 @@ class BuildRequest(_message.Message):
     base checkpoint's first base_items_kept items: items appended (base_items_kept = all of the
     base's items) or items replaced from a position (after a compaction, a pointer change or a
     correction: base_items_kept = that position). Every other checkpoint field is sent whole,
-    as in any Build. The answer is exactly that of a Build of the whole checkpoint (a refusal
-    too: its field violations and limits name items by their place in the whole checkpoint),
-    and it is relative to the base's response (BuildResponse.delta). Bases live in a bounded in-memory
-    cache of the replica that built them; a replica that does not hold the base (another
+    as in any Build. The answer is exactly that of a Build of the whole checkpoint, and it is
+    relative to the base's response (BuildResponse.delta); so are the checkpoint's field
+    violations and the item limits (TOO_MANY_ITEMS, ITEM_TOO_LARGE), which count the kept items
+    and name items by their place in the whole checkpoint (the message's own size limit applies
+    to what is sent). Bases live in a bounded in-memory cache of the replica that built them; a replica that does not hold the base (another
     replica, a restart, an eviction, or an id of another session) answers
     FAILED_PRECONDITION, reason BUILD_BASE_UNKNOWN, and changes nothing: send the Build again
     with the whole checkpoint and no base.
@@ -1983,7 +1984,8 @@ class BuildRequest(_message.Message):
     base_items_kept: _builtins.int
     keep_base: _builtins.bool
     """Keep this Build as a base for a later incremental Build: the response's build_id names
-    it. A Build naming a base is kept too. Otherwise nothing is kept and build_id is empty, so
+    it (none when the replica keeps no base that large; see BuildResponse.build_id). A Build
+    naming a base is kept too. Otherwise nothing is kept and build_id is empty, so
     the same inputs return the same bytes.
     """
     @_builtins.property
