@@ -328,8 +328,9 @@ def test_a_delta_with_nothing_held_is_refused():
     builds = IncrementalBuilds()
     wire = response("b2", [message(0)])
     wire.delta.base_build_id = "b1"
-    with pytest.raises(DeltaMismatch):
+    with pytest.raises(Internal, match="whole request with a delta"):
         builds.absorb(keeping(request([item(0)])), wire, None)
+    assert builds.stats == BuildStats() and len(builds) == 0
 
 
 # ------------------------------------------------------------------------------ prepare

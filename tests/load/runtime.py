@@ -239,9 +239,6 @@ class Runtime:
             full = builds.absorb(wire, response, base)
         except DeltaMismatch:
             self.outcome.mismatches += 1
-            if base is None:  # a delta answering a whole request: not a response to use
-                builds.forget(self.tenant, self.session)
-                return None
             whole = builds.fallback(wire, base)
             response = await self._call("Build", whole)
             if not isinstance(response, pb.BuildResponse):

@@ -18,7 +18,6 @@ client's and the service's own generated classes both work. One Build goes::
         wire, base = builds.fallback(wire, base, tally), None  # the same Build whole, once
         response = stub.Build(wire)
     full = builds.absorb(wire, response, base, tally)  # DeltaMismatch: fallback, as above
-                                                       # (from a whole request: a faulty answer)
 
 ``absorb`` takes the request that was sent (``wire``), never the caller's: a whole Build holds
 the items of that request, which is the client's own copy, so a caller that changes its items
@@ -43,7 +42,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from context_engine_client.errors import ContextEngineError, from_rpc_error
+from context_engine_client.errors import ContextEngineError, Internal, from_rpc_error
 
 BASE_UNKNOWN = "BUILD_BASE_UNKNOWN"
 DEFAULT_MAX_SESSIONS = 1024
@@ -280,16 +279,17 @@ class IncrementalBuilds:
         return wire, Base(held=held, kept=k, new_items=_copies(new), new_item_bytes=new_bytes,
                           full_request_bytes=full_request_bytes)
 
-    def fallback(self, sent: Req, base: Base, tally: Tally | None = None) -> Req:
+    def fallback(self, sent: Req, base: Base | None, tally: Tally | None = None) -> Req:
         """After ``BUILD_BASE_UNKNOWN`` (or :class:`DeltaMismatch`) for ``sent``, the request
         :meth:`prepare` returned with ``base``: forgets the session and returns the request to
         send again, whole: the Build ``sent`` was (the base's kept items and those sent; the
         caller's request is not read again, since the caller may have changed it meanwhile),
         asking to be kept. Absorb its answer with base None."""
         r: Any = sent
-        if r.base_build_id != base.build_id:
+        if base is None or r.base_build_id != base.build_id:
             raise ValueError(f"the request sent names base {r.base_build_id!r}, not "
-                             f"{base.build_id!r}: fallback takes what prepare returned")
+                             f"{base.build_id if base else None!r}: fallback resends what "
+                             "prepare returned with a base")
         self.forget(r.tenant_id, r.session_id)
         if tally is not None:
             tally.full_resends += 1
@@ -310,9 +310,10 @@ class IncrementalBuilds:
         prepare returned with it, None for a whole request); and holds it as the session's
         base. A response without a delta is returned as it is. Raises :class:`DeltaMismatch`
         (holding and counting nothing; ``tally`` has this attempt's bytes) when the delta does
-        not read back: then send the request whole (:meth:`fallback`). A response without a
-        ``build_id`` (the service kept nothing) leaves what is held as it was. The Build, with
-        the earlier attempts ``tally`` holds, is added to :attr:`stats`."""
+        not read back: then send the request whole (:meth:`fallback`); and
+        :class:`~context_engine_client.Internal` for a delta answering a whole request. A
+        response without a ``build_id`` (the service kept nothing) leaves what is held as it
+        was. The Build, with the earlier attempts ``tally`` holds, is added to :attr:`stats`."""
         r: Any = sent
         resp: Any = response
         if base is None and not r.keep_base:
@@ -329,9 +330,12 @@ class IncrementalBuilds:
         keep = bool(resp.build_id)
         answer: _Answer | None = None
         if resp.HasField("delta"):
-            if base is None or resp.delta.base_build_id != base.build_id:
+            if base is None:  # a faulty answer, not one a resend would mend
+                raise Internal("Build answered a whole request with a delta (relative to "
+                               f"{resp.delta.base_build_id!r})")
+            if resp.delta.base_build_id != base.build_id:
                 raise DeltaMismatch(f"the response is relative to {resp.delta.base_build_id!r},"
-                                    f" not to {base.build_id if base else None!r}")
+                                    f" not to {base.build_id!r}")
             full, answer, full_bytes = _reconstruct(resp, base.held.answer, wire_bytes)
         else:
             full, full_bytes = resp, wire_bytes

@@ -32,7 +32,7 @@ from context_engine_client._incremental import (
 from context_engine_client._pb.context_engine.v1 import context_engine_pb2 as pb
 from context_engine_client._pb.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from context_engine_client._settings import settings
-from context_engine_client.errors import FailedPrecondition, Internal, from_rpc_error
+from context_engine_client.errors import FailedPrecondition, from_rpc_error
 
 Resp = TypeVar("Resp", bound=Message)
 
@@ -156,20 +156,13 @@ class AsyncClient:
                 if base is None or not base_unknown(err):
                     raise
                 tally.refused(wire)
-            except DeltaMismatch as err:  # its bytes are in the tally
-                if base is None:  # a delta answering no base: not a response to use
-                    raise Internal(f"Build answered a whole request with a delta: {err}") \
-                        from err
+            except DeltaMismatch:
+                pass  # its bytes are in the tally
             # the same Build (not the caller's request as it may be now), whole, once, in
             # what is left of the deadline; the session is forgotten
-            assert base is not None  # refused for its base, or its delta did not read back
             whole = builds.fallback(wire, base, tally)
-            answer = await self._invoke("Build", whole, pb.BuildResponse,
-                                      time_left(deadline), metadata)
-            try:
-                return builds.absorb(whole, answer, None, tally)
-            except DeltaMismatch as err:  # a delta answering no base: not a response to use
-                raise Internal(f"Build answered a whole request with a delta: {err}") from err
+            return builds.absorb(whole, await self._invoke(
+                "Build", whole, pb.BuildResponse, time_left(deadline), metadata), None, tally)
         except BaseException:
             builds.forget(request.tenant_id, request.session_id)
             raise
