@@ -373,11 +373,16 @@ def test_a_response_the_service_did_not_keep_leaves_what_is_held():
     assert builds.prepare(req)[0].base_build_id == "b1"
 
 
-def test_appended_items_are_sent_alone_and_the_rest_of_the_request_whole():
+def three_held_five_asked() -> tuple[IncrementalBuilds, pb.BuildRequest, pb.BuildRequest]:
+    """A client that holds a Build of items 0-2 of a session, and a request of items 0-4."""
     builds = IncrementalBuilds()
     first = request([item(n) for n in range(3)])
     held(builds, first, response("b1", [message(0)]))
-    req = request([item(n) for n in range(5)])
+    return builds, first, request([item(n) for n in range(5)])
+
+
+def test_appended_items_are_sent_alone_and_the_rest_of_the_request_whole():
+    builds, first, req = three_held_five_asked()
     before = serialized(req)
     wire, base = builds.prepare(req)
     assert base is not None and base.kept == 3
@@ -936,10 +941,7 @@ def test_the_whole_resend_is_the_build_as_it_was_called():
     """The caller changes its request while an incremental Build is in flight; the Build is
     refused for its base: the resend is the same Build whole (the base's kept items and those
     sent), not the caller's request as it is by then."""
-    builds = IncrementalBuilds()
-    first = request([item(n) for n in range(3)])
-    held(builds, first, response("b1", [message(0)]))
-    req = request([item(n) for n in range(5)])
+    builds, _, req = three_held_five_asked()
     as_called = keeping(req)
     wire, base = builds.prepare(req)
     assert base is not None and wire.base_items_kept == 3
