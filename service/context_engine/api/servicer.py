@@ -244,9 +244,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                     record.span[f"context_engine.tokens.{c.class_name}"] = c.used
                 record.span["context_engine.yield_steps"] = record.extra["yield_steps"]
                 with child(self._tracer, "context_engine.render") as render_span:
-                    # a cache of 0 bytes keeps no base (and holds none to name): a whole Build
-                    # that asks to be kept is answered as one that does not
-                    if base is not None or (request.keep_base and builds.max_bytes > 0):
+                    if base is not None or request.keep_base:
                         answer = incremental.respond(
                             result, provider_format, self._engine.catalog,
                             build_id=self._new_id(), tenant_id=request.tenant_id,
