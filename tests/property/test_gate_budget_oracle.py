@@ -180,8 +180,27 @@ def arguments(draw: st.DrawFn, name: str, size: int, seed: int) -> str:
         "shell_exec": {"cmd": "grep -rn 'x' . | " + words(n, seed)},
     }[name]
     if draw(st.booleans()):
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-    return json.dumps(value, indent=draw(st.sampled_from((None, 2))))
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    else:
+        text = json.dumps(value, indent=draw(st.sampled_from((None, 2))))
+    if draw(st.integers(0, 3)) == 0:  # numbers in exponent form: sent parsed, they grow
+        text = text[:-1] + ',"scale":[' + ",".join(exponents(n // 2 + 1, seed)) + "]}"
+    return text
+
+
+def exponents(n: int, seed: int) -> list[str]:
+    """``n`` JSON numbers in exponent form (``3e15``, ``7E+15``), each of which a body that
+    parses the arguments sends re-serialized, several times longer (``3000000000000000.0``)."""
+    return [f"{(seed + k) % 9 + 1}{'eE'[k % 2]}{'+' if k % 3 == 0 else ''}15" for k in range(n)]
+
+
+# CJK Extension A: three UTF-8 bytes a character, and a tokenizer spends up to three tokens on
+# one (a payload's bytes / 3 counts one).
+RARE = "".join(chr(0x3400 + 37 * k % 6_500) for k in range(64))
+
+
+def rare_text(n: int, seed: int) -> str:
+    return "".join(RARE[(seed + 11 * k) % len(RARE)] for k in range(n))
 
 
 @st.composite
@@ -222,8 +241,10 @@ def oracle_cases(draw: st.DrawFn, model_ids: Sequence[str]) -> OracleCase:
                                else n_words(0.0, 0.1), next(item_no))))
             elif kind == "reasoning":
                 k = next(item_no)
+                thinking = words(draw(st.integers(5, 200)), k) if draw(st.booleans()) \
+                    else rare_text(draw(st.integers(5, 400)), k)
                 payload: dict[str, Any] = (
-                    {"type": "thinking", "thinking": words(draw(st.integers(5, 200)), k),
+                    {"type": "thinking", "thinking": thinking,
                      "signature": "c2ln" * 20} if draw(st.booleans()) else
                     {"type": "reasoning", "id": f"rs_{k}", "encrypted_content": "gAAAA" * 40,
                      "summary": [{"type": "summary_text",
@@ -231,7 +252,9 @@ def oracle_cases(draw: st.DrawFn, model_ids: Sequence[str]) -> OracleCase:
                 provider = "anthropic" if payload["type"] == "thinking" else "openai"
                 items.append(ReasoningItem(id=nid(), sequence=next(seq), run_id=run,
                                            item_trust=TrustLevel.USER, provider=provider,
-                                           opaque=json.dumps(payload).encode()))
+                                           opaque=json.dumps(
+                                               payload,
+                                               ensure_ascii=draw(st.booleans())).encode()))
             else:
                 parallel = draw(st.integers(1, 6), label="parallel calls")
                 size = n_words(0.01, 0.12)
@@ -389,6 +412,83 @@ def test_an_exact_model_estimates_calls_to_within_their_framing(model_id: str) -
     assert ratios["openai_chat_completions"] <= 1.03, ratios
     for fmt in (providers.ANTHROPIC_MESSAGES, BEDROCK_CONVERSE, "gemini_generate_content"):
         assert ratios[fmt] <= 1.2, ratios
+
+
+def single_batch_case(model_id: str, calls: Sequence[ToolCall],
+                      reasoning: bytes = b"", provider: str = "anthropic") -> OracleCase:
+    """The active run: the question, optionally a reasoning item, one batch of ``calls`` with
+    short results (the reasoning is replayed with the calls it led to); a window that needs no
+    yielding."""
+    items: list[ConversationItem] = [f.user("u0", "Go on.", 1, run="run-1")]
+    seq = itertools.count(2)
+    if reasoning:
+        items.append(ReasoningItem(id="rs", sequence=next(seq), run_id="run-1",
+                                   item_trust=TrustLevel.USER, provider=provider,
+                                   opaque=reasoning))
+    if calls:
+        items.append(ToolCallItem(id="c", sequence=next(seq), run_id="run-1",
+                                  item_trust=TrustLevel.USER, calls=tuple(calls)))
+        items += [ToolResultItem(id=f"r{k}", sequence=next(seq), run_id="run-1",
+                                 item_trust=TrustLevel.USER, call_id=c.call_id,
+                                 tool_name=c.name, content="ok")
+                  for k, c in enumerate(calls)]
+    return OracleCase(loaded=plan_for(model_id, 200_000, 2_048, len(TOOLS)),
+                      cp=f.checkpoint(items, run="run-1"), policy=BudgetPolicy(), factor=1.0)
+
+
+@pytest.mark.parametrize("model_id", EXACT_MODELS)
+def test_arguments_are_counted_as_the_bodies_that_parse_them_send_them(model_id: str) -> None:
+    """OpenAI sends a call's arguments verbatim; Anthropic, Gemini and Bedrock send the parsed
+    object, re-serialized: ``3e15`` arrives as ``3000000000000000.0``. The estimate covers the
+    longer form, by the oracle's count of each body."""
+    calls = [ToolCall(call_id=f"call_{k}", name="web.fetch",
+                      arguments_json='{"url":"https://example.com","scale":['
+                                     + ",".join(exponents(200, k)) + "]}")
+             for k in range(4)]
+    ratios = check_against_oracle(single_batch_case(model_id, calls).build())
+    assert set(ratios) == set(FORMATS)
+
+
+@pytest.mark.parametrize("model_id", EXACT_MODELS)
+def test_reasoning_text_of_rare_characters_is_counted_by_the_tokenizer(model_id: str) -> None:
+    """Thinking text of rare characters (three UTF-8 bytes each, up to three tokens each):
+    the payload's bytes / 3 would count one token a character; the Anthropic body sends the
+    text, and the estimate covers the tokenizer's count of it."""
+    payload = {"type": "thinking", "thinking": rare_text(3_000, 1), "signature": "c2ln"}
+    opaque = json.dumps(payload, ensure_ascii=False).encode()
+    call = ToolCall(call_id="call_1", name="files.read", arguments_json='{"path":"/a"}')
+    r = single_batch_case(model_id, [call], opaque).build()
+    assert any(m.reasoning_opaque == opaque for m in r.request.messages)
+    ratios = check_against_oracle(r)
+    assert set(ratios) == set(FORMATS)
+
+
+# Dotted names: "." is one token beside a letter, the "__" every body but Gemini's sends is
+# usually more; a leading digit gets Gemini's "_".
+DOTTED = tuple(
+    f.tool(name, description="d", schema={"type": "object"})
+    for name in ("a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p.q.r.s.t.u",
+                 "x.y.z.w.v.u.t.s.r.q.p.o.n.m.l.k.j.i.h.g.f",
+                 "q1.w2.e3.r4.t5.y6.u7.i8.o9.p0.a1.s2.d3.f4",
+                 "9.z.y.x.w.v.u.t.s.r.q.p.o.n.m.l.k.j.i.h"))
+
+
+@pytest.mark.parametrize("model_id", [*EXACT_MODELS, CLAUDE])
+def test_tool_definitions_are_counted_by_the_names_the_bodies_send(model_id: str) -> None:
+    """The plan's tool-definition class covers what every body spends on its tool
+    definitions (each "." sent as "__", Gemini's leading "_"): the prefix measure, not the
+    whole request's slack, is what is checked."""
+    loaded = f.loaded(f.inputs(
+        model_profile=f.model(model_id, context_window=200_000, output_reserve=2_048),
+        instructions="Use the tools.", enabled=tuple(t.name for t in DOTTED), catalog=DOTTED))
+    tools_class = next(c for c in loaded.plan.classes if c.class_name == "tool_definitions")
+    cp = f.checkpoint([f.user("u0", "Go.", 1)])
+    r = build(loaded, cp, estimator=f.estimator(loaded.plan.spec.model))
+    for fmt in providers.FORMATS:
+        parts = breakdown(providers.render(r, fmt), fmt, r.model_id)
+        sent = parts.get("tools", 0) + parts.get("tool_framing", 0)
+        assert sent <= tools_class.tokens, (fmt, sent, tools_class.tokens)
+    check_against_oracle(r)
 
 
 def ratio_figures(model_ids: Sequence[str], examples: int) -> dict[tuple[str, str], str]:

@@ -57,6 +57,39 @@ def parse_json_object(text: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def sent_object_json(text: str) -> str:
+    """A JSON object text as the provider bodies that send it parsed carry it: re-serialized
+    canonically (``{}`` where it is not an object, as they send it)."""
+    return canonical_json(parse_json_object(text) or {})
+
+
+# Keys whose string values a reasoning payload's provider reads as text: Anthropic's
+# ``thinking``, Bedrock's ``reasoningText.text``, OpenAI's summary ``text``.
+REASONING_TEXT_KEYS = frozenset({"thinking", "text"})
+
+
+def reasoning_texts(opaque: bytes) -> list[str]:
+    """Every string under a :data:`REASONING_TEXT_KEYS` key, at any depth, of a reasoning
+    payload that is a JSON object (none if it is not one)."""
+    try:
+        value = parse_json_object(opaque.decode("utf-8"))
+    except UnicodeDecodeError:
+        return []
+    found: list[str] = []
+    stack: list[Any] = [value] if value is not None else []
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, child in node.items():
+                if key in REASONING_TEXT_KEYS and isinstance(child, str):
+                    found.append(child)
+                elif isinstance(child, (dict, list)):
+                    stack.append(child)
+        elif isinstance(node, list):
+            stack.extend(c for c in node if isinstance(c, (dict, list)))
+    return found
+
+
 # Texts already found to be JSON objects (the same tool-call arguments are checked on every
 # Build of a session): speed only. Bounded in entries and in the length of a text kept; a text
 # that is not an object is never kept, so it is parsed (and refused) every time.

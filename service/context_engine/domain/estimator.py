@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from context_engine.domain.canonical import reasoning_texts, sent_object_json
 from context_engine.domain.errors import InvalidInput
 from context_engine.domain.model import ModelProfile
-from context_engine.domain.provider_formats import FORMATS
+from context_engine.domain.provider_formats import FORMATS, gemini_tool_name, sent_tool_names
 from context_engine.domain.request import Attachment, AttachmentKind, Message, Role
 
 # Provider chat framing per message (OpenAI cookbook: 3 per message, +1 per name; rounded up).
@@ -206,19 +207,40 @@ class TokenEstimator:
         else:
             raw = self._counter.count(message.text) if message.text else 0
         for call in message.tool_calls:
-            raw += self._counter.count(call.name) + self._counter.count(call.arguments_json) + 3
-            raw += self._counter.count(call.call_id) + self._name_mapping(call.name)
-            raw += self._counter.count(call.name) + RESPONSE_NAME_TOKENS
+            raw += self._name(call.name) + self._arguments(call.arguments_json) + 3
+            raw += self._counter.count(call.call_id)
+            raw += max(self._counter.count(call.name) + RESPONSE_NAME_TOKENS,
+                       self._counter.count(gemini_tool_name(call.name)))
         if message.call_id:
             raw += self._counter.count(message.call_id)
-        return raw + math.ceil(len(message.reasoning_opaque) / REASONING_BYTES_PER_TOKEN)
+        if message.reasoning_opaque:
+            raw += self._reasoning(message.reasoning_opaque)
+        return raw
 
-    def _name_mapping(self, name: str) -> int:
-        """What a tool name's provider form (each "." sent as "__", providers.py) costs beyond
-        the name itself."""
-        if "." not in name:
-            return 0
-        return max(self._counter.count(name.replace(".", "__")) - self._counter.count(name), 0)
+    def _name(self, name: str) -> int:
+        """A tool name in its costliest sent form (each "." sent as "__", a leading "_" for
+        Gemini where the name needs one: provider_formats.py)."""
+        return max(self._counter.count(form) for form in sent_tool_names(name))
+
+    def _arguments(self, text: str) -> int:
+        """A call's arguments as the costlier of their two sent forms: verbatim (OpenAI sends
+        the string) and as the parsed object re-serialized (Anthropic, Gemini and Bedrock send
+        ``input``/``args``, so ``1e15`` arrives as ``1000000000000000.0`` and ``\\u00e9`` as
+        ``é``)."""
+        raw = self._counter.count(text)
+        sent = sent_object_json(text)
+        if sent != text:
+            raw = max(raw, self._counter.count(sent))
+        return raw
+
+    def _reasoning(self, opaque: bytes) -> int:
+        """A reasoning payload: its bytes / REASONING_BYTES_PER_TOKEN, or where more, the
+        tokenizer's count of the text it carries (Anthropic ``thinking``, Bedrock
+        ``reasoningText``, OpenAI summary ``text``: what the provider reads as tokens; text of
+        rare characters costs up to a token a byte)."""
+        by_bytes = math.ceil(len(opaque) / REASONING_BYTES_PER_TOKEN)
+        texts = reasoning_texts(opaque)
+        return max(by_bytes, sum(self._counter.count(t) for t in texts)) if texts else by_bytes
 
     def scaled(self, raw: int, factor: float = 1.0) -> int:
         """A message's estimate from its raw count: the base factor on the count, the

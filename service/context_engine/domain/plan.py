@@ -50,6 +50,7 @@ from context_engine.domain.model import (
     SkillCatalogEntry,
     ToolSpec,
 )
+from context_engine.domain.provider_formats import sent_tool_names
 from context_engine.domain.request import PrefixBlock, ToolDefinition
 from context_engine.domain.tools import (
     INDEX_ITEM_CAP,
@@ -64,8 +65,9 @@ from context_engine.domain.tools import (
 from context_engine.domain.trust import Region, TrustLevel
 
 # @2: tool.call is defined only while the final deferred index is non-empty (an existing
-# session rotates once with builder_changed at its next Plan).
-BUILDER_VERSION = "context-engine-builder@2"
+# session rotates once with builder_changed at its next Plan). @3: a tool's name, a call's
+# arguments and a reasoning payload are counted in their costliest sent form.
+BUILDER_VERSION = "context-engine-builder@3"
 PREFIX_CEILING = 22_000
 TTL_DEFAULT = "5m"
 TTL_SCHEDULED = "1h"
@@ -281,10 +283,11 @@ def render_prefix(spec: PlanSpec, session_key: str, *,
 
 
 def tool_cost(tool: ToolSpec, estimator: TokenEstimator) -> int:
-    """Conservative model-visible cost: name, description and full schema plus framing."""
-    return estimator.text(canonical_json({"name": tool.name, "description": tool.description,
-                                          "input_schema": tool.input_schema})) \
-        + TOOL_OVERHEAD_TOKENS
+    """Conservative model-visible cost: name, description and full schema plus framing; the
+    name in its costliest sent form (``a.b`` goes out as ``a__b``: provider_formats.py)."""
+    return max(estimator.text(canonical_json({"name": name, "description": tool.description,
+                                              "input_schema": tool.input_schema}))
+               for name in sent_tool_names(tool.name)) + TOOL_OVERHEAD_TOKENS
 
 
 def request_framing(rendered: RenderedPrefix) -> int:

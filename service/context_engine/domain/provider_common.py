@@ -28,6 +28,7 @@ from context_engine.domain.provider_formats import (
     OPENAI_CHAT_COMPLETIONS as OPENAI_CHAT_COMPLETIONS,
 )
 from context_engine.domain.provider_formats import OPENAI_RESPONSES as OPENAI_RESPONSES
+from context_engine.domain.provider_formats import provider_tool_name as provider_tool_name
 from context_engine.domain.request import Message
 
 JSON = dict[str, Any]
@@ -58,11 +59,6 @@ class ProviderFormatError(InvalidInput):
 
 
 # ----------------------------------------------------------------------------- tool names
-
-def provider_tool_name(name: str) -> str:
-    """Our tool name as providers accept it: "." becomes "__"."""
-    return name.replace(".", "__")
-
 
 def provider_tool_names(names: Iterable[str], provider_format: str = "", *,
                         mapping: Callable[[str], str] = provider_tool_name,

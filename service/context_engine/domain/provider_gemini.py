@@ -65,6 +65,7 @@ from context_engine.domain.provider_common import (
     tool_schema,
     unreplayable,
 )
+from context_engine.domain.provider_formats import gemini_tool_name as gemini_tool_name
 from context_engine.domain.request import Message, Role
 
 GEMINI_TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,63}")
@@ -78,13 +79,6 @@ TTL_SECONDS = {"5m": "300s", "1h": "3600s"}
 # the catalog gives none, so a runtime never creates a cache Gemini would refuse.
 DEFAULT_MIN_CACHEABLE_TOKENS = 4096
 DATA_FIELDS = ("text", "functionCall", "functionResponse", "inlineData", "fileData")
-
-
-def gemini_tool_name(name: str) -> str:
-    """Our tool name as Gemini takes it: as it is, or with a leading "_" when it does not
-    start with a letter or an underscore."""
-    return name if name[:1].isascii() and (name[:1].isalpha() or name[:1] == "_") \
-        else "_" + name
 
 
 def gemini_tool_names(result: BuildResult) -> dict[str, str]:
