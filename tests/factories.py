@@ -97,6 +97,12 @@ def inputs(*, tenant_id: str = "tenant-a", session_id: str = "session-1",
         control_tools=CONTROL_TOOLS)
 
 
+def skill_catalog(*names: str) -> tuple[SkillCatalogEntry, ...]:
+    """A plan's skill catalog of ``names`` (a checkpoint loads skills only from it)."""
+    return tuple(SkillCatalogEntry(name=n, description=f"The {n} skill.",
+                                   trust=TrustLevel.TRUSTED_CONFIGURATION) for n in names)
+
+
 def draft(i: PlanInputs) -> PlanDraft:
     return draft_plan(i, session_key(i.tenant_id, i.session_id), estimator(i.model))
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from context_engine.config import Config, ConfigError
+from context_engine.config import Config, ConfigError, split_addr
 
 if TYPE_CHECKING:
     from context_engine.adapters.postgres.migrate import Entry
@@ -182,8 +182,20 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         log("dev_mode", logging.WARNING, credentials="none", grpc=config.grpc_addr,
             note="every RPC is accepted without credentials; loopback binds only")
     if args.command == "serve":
-        from context_engine.api.workers import WORKER_ENV, supervise
+        from context_engine.api.workers import WORKER_ENV, port_taken, supervise
 
+        if WORKER_ENV not in os.environ:  # a worker binds the port its supervisor holds
+            for setting, addr in (("CE_GRPC_ADDR", config.grpc_addr),
+                                  ("CE_METRICS_ADDR", config.metrics_addr)):
+                if not addr:
+                    continue
+                host, port = split_addr(addr)
+                taken = port_taken(host, port)
+                if taken is not None:
+                    print(f"{PROG}: cannot serve on {addr} ({setting}): "
+                          f"{taken.strerror or taken}; is a server already running there? "
+                          f"Stop it, or choose another address", file=sys.stderr)
+                    return 2
         count = config.worker_count()
         if count > 1 and WORKER_ENV not in os.environ:
             passed = ["--dev"] if getattr(args, "dev", False) else []

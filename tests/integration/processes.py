@@ -17,10 +17,11 @@ from typing import Any
 
 
 class ServerProcess:
-    def __init__(self, env: dict[str, str], *, timeout: float = 90.0) -> None:
+    def __init__(self, env: dict[str, str], *, timeout: float = 90.0,
+                 grpc_addr: str = "127.0.0.1:0") -> None:
         full_env = {**os.environ, "CE_GRACE_SECONDS": "5", "CE_DRAIN_SECONDS": "0.5", **env}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "context_engine", "serve", "--grpc-addr", "127.0.0.1:0",
+            [sys.executable, "-m", "context_engine", "serve", "--grpc-addr", grpc_addr,
              "--metrics-addr", "127.0.0.1:0"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, text=True)
         # A failing test must not leave a server (and its embedded PostgreSQL) running.

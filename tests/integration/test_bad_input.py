@@ -25,6 +25,15 @@ PLAN_CASES = {
                              "tool_catalog[0].input_schema_json"),
     "schema not json": ({"tool_catalog": [_tool(input_schema_json="{nope")]},
                         "tool_catalog[0].input_schema_json"),
+    "schema with a lone surrogate": ({"tool_catalog": [_tool(
+        input_schema_json='{"type":"object","description":"\\ud800"}')]},
+        "tool_catalog[0].input_schema_json"),
+    "schema with a NUL escape": ({"tool_catalog": [_tool(
+        input_schema_json='{"type":"object","description":"a\\u0000b"}')]},
+        "tool_catalog[0].input_schema_json"),
+    "schema key with a lone surrogate": ({"tool_catalog": [_tool(
+        input_schema_json='{"type":"object","\\udc00":1}')]},
+        "tool_catalog[0].input_schema_json"),
     "duplicate tool": ({"tool_catalog": [_tool(), _tool()]}, "tool_catalog[1]"),
     "reserved control tool": ({"tool_catalog": [_tool(name="tool.call")]},
                               "tool_catalog[0].name"),
@@ -99,6 +108,9 @@ BUILD_CASES = {
     "arguments not an object": ([item("c", 1, tool_calls=_call(args="[]")),
                                  item("r", 2, UT, tool_result=_result())],
                                 "checkpoint.items[0].tool_calls.calls[0].arguments_json"),
+    "arguments with a lone surrogate": ([item("c", 1, tool_calls=_call(args='{"url":"\\ud800"}')),
+                                         item("r", 2, UT, tool_result=_result())],
+                                        "checkpoint.items[0].tool_calls.calls[0].arguments_json"),
     "unknown trust": ([item("u", 1, trust=9, user=pb.UserMessage(text="x"))],
                       "checkpoint.items[0].trust"),
     "unspecified trust": ([item("u", 1, trust=0, user=pb.UserMessage(text="x"))],
@@ -123,6 +135,36 @@ def test_bad_build_requests(stub, ids, db, case):
     assert f.code is grpc.StatusCode.INVALID_ARGUMENT
     assert field in f.violations, f.violations
     assert db.counts(tenant) == before
+
+
+def test_arguments_with_a_nul_escape_build(stub, ids):
+    """Build stores nothing of a checkpoint, and every body re-escapes NUL: arguments carrying a
+    \\u0000 escape are a JSON object like any other (a schema is refused: plans are stored)."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    items = [item("c", 1, tool_calls=_call(args='{"url":"a\\u0000b"}')),
+             item("r", 2, UT, tool_result=_result())]
+    resp = stub.Build(build_request(tenant, session, items=items))
+    assert '\\u0000' in resp.provider_body_json
+
+
+def test_a_loaded_skill_the_plan_does_not_catalog(stub, ids, db):
+    """A loaded skill's name is rendered in the platform's voice: one the plan's catalog does not
+    pin is refused, naming the field, and nothing is written."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, skill_catalog=[pb.SkillCatalogEntry(
+        name="triage", description="d", trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION)]))
+    before = db.counts(tenant)
+    ghost = pb.SkillBody(name="ghost", body="b", trust=pb.TRUST_LEVEL_USER)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session, loaded_skills=[ghost]))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert f.violations == {"checkpoint.loaded_skills[0].name":
+                            "'ghost' is not a skill of the plan's catalog"}, f.violations
+    assert db.counts(tenant) == before
+    stub.Build(build_request(tenant, session, loaded_skills=[
+        pb.SkillBody(name="triage", body="b", trust=pb.TRUST_LEVEL_USER)]))
 
 
 def test_every_violation_is_reported_at_once(stub, ids):

@@ -172,7 +172,9 @@ def test_never_yield_overflow_fails_and_records_exceeded(stub, ids, db):
 
 def test_a_third_skill_is_rejected(stub, ids):
     tenant, session = ids
-    stub.Plan(plan_request(tenant, session))
+    stub.Plan(plan_request(tenant, session, skill_catalog=[pb.SkillCatalogEntry(
+        name=f"s{i}", description="d", trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION)
+        for i in range(3)]))
     req = build_request(tenant, session)
     req.checkpoint.loaded_skills.extend([
         pb.SkillBody(name=f"s{i}", body="Do it well.", trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION)

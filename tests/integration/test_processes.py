@@ -3,7 +3,11 @@ graceful stop on SIGTERM."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import uuid
@@ -109,6 +113,61 @@ def test_plans_survive_a_restart_and_build_identically(database_url):
         assert stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session)).plan == plan
         assert stub.Build(build_request(tenant, session)) == built
         assert not stub.Plan(plan_request(tenant, session)).created
+    finally:
+        assert second.terminate() == 0
+
+
+def serve_on(database_url: str, grpc_addr: str, metrics_addr: str = "127.0.0.1:0",
+             **env: str) -> subprocess.CompletedProcess[str]:
+    """``serve`` on given addresses, expected to refuse: killed after 30 s if it serves."""
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "context_engine", "serve", "--grpc-addr", grpc_addr,
+             "--metrics-addr", metrics_addr], capture_output=True, text=True, timeout=30,
+            env={**os.environ, "DATABASE_URL": database_url, **env})
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"serve on a busy address is serving: {exc.stdout!r}") from None
+
+
+def test_a_second_server_on_a_busy_port_refuses_to_start(two_servers, database_url):
+    """Serving sockets set SO_REUSEPORT (workers share theirs): a second server on a port a
+    running one holds would bind beside it and silently take part of its connections. It
+    exits 2 naming the address instead, whether it would serve alone or with workers, and for
+    the metrics port alike; the running server is untouched."""
+    running = two_servers[0]
+    for workers in ("1", "2"):
+        done = serve_on(database_url, running.address, CE_WORKERS=workers)
+        assert done.returncode == 2, (done.stdout, done.stderr)
+        assert (f"cannot serve on {running.address} (CE_GRPC_ADDR): Address already in use; "
+                "is a server already running there?") in done.stderr, done.stderr
+    done = serve_on(database_url, "127.0.0.1:0", running.metrics)
+    assert done.returncode == 2 and f"cannot serve on {running.metrics} (CE_METRICS_ADDR)" \
+        in done.stderr, done.stderr
+    stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(running.address))
+    tenant = f"tenant-{uuid.uuid4().hex[:10]}"
+    assert stub.Plan(plan_request(tenant, "still-serving"), timeout=30).created
+
+
+def test_a_restart_binds_the_port_its_last_run_held(database_url):
+    """The busy-port check does not refuse a restart on the same port (connections of the last
+    run may still be in TIME_WAIT)."""
+    first = ServerProcess({"DATABASE_URL": database_url})
+    address = first.address
+    stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(address))
+    stub.Plan(plan_request(f"tenant-{uuid.uuid4().hex[:10]}", "restart"), timeout=30)
+    # a connection the server's side closes first: its end of it stays in TIME_WAIT
+    host, port = address.rsplit(":", 1)
+    peer = socket.create_connection((host, int(port)), timeout=10)
+    assert first.terminate() == 0
+    while peer.recv(65536):  # read what the server sent, up to its close: a close with data
+        pass                 # unread would answer a reset, and leave no TIME_WAIT
+    peer.close()
+    states = subprocess.run(["ss", "-tanH", f"sport = :{port}"], capture_output=True,
+                            text=True).stdout
+    assert "TIME-WAIT" in states, states
+    second = ServerProcess({"DATABASE_URL": database_url}, grpc_addr=address)
+    try:
+        assert second.address == address
     finally:
         assert second.terminate() == 0
 

@@ -321,7 +321,10 @@ def test_every_served_build_is_the_pure_build_with_empty_caches(processes, datab
     for i, s in enumerate(sessions):
         caps = pb.ModelCapabilities(context_window=WINDOW[s.model], output_reserve=1_000)
         stubs[i % 3].Plan(plan_request(s.tenant_id, s.session_id,
-                                       model=pb.ModelSpec(model_id=s.model, capabilities=caps)),
+                                       model=pb.ModelSpec(model_id=s.model, capabilities=caps),
+                                       skill_catalog=[pb.SkillCatalogEntry(
+                                           name="report-writing", description="Short reports.",
+                                           trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION)]),
                           timeout=30)
     held: dict[tuple[str, str], set[float]] = {(t, m): {1.0} for t in tid.values()
                                                for m in (CLAUDE, GPT)}

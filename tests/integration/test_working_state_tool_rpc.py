@@ -156,6 +156,25 @@ def test_invalid_arguments_are_refused_with_violations_and_the_schema(stub, ids,
     assert tool_result(err.value) == ""
 
 
+def test_an_event_id_beyond_int64_is_refused_and_writes_nothing(stub, ids, db):
+    """Event ids are int64 on the wire and in the store: a larger one the model writes is a field
+    violation told to the model, not an event recorded and then a failure storing the state."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    for big in (2**63, 10**30):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.UpdateWorkingState(update(tenant, session, call(
+                {"add_facts": [{"statement": "the page states X", "source_event_ids": [3, big]}]})))
+        f = failure(err.value)
+        assert f.code is grpc.StatusCode.INVALID_ARGUMENT, f
+        assert set(f.violations) == {f"{ARGS}.add_facts[0].source_event_ids[1]"}
+        assert "- add_facts[0].source_event_ids[1]: " in tool_result(err.value)
+    assert events(db, tenant) == []
+    ok = stub.UpdateWorkingState(update(tenant, session, call(
+        {"add_facts": [{"statement": "the page states X", "source_event_ids": [2**63 - 1]}]})))
+    assert list(ok.state.facts[0].source_event_ids) == [2**63 - 1]
+
+
 def test_the_largest_refusal_still_reaches_the_client_whole(stub, ids):
     """Hundreds of long, non-ASCII unknown fields: the status (ErrorInfo, violations, tool
     result with the whole schema) stays within what gRPC clients accept in trailers."""

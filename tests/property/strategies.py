@@ -223,6 +223,11 @@ def plan_inputs(draw: st.DrawFn) -> PlanInputs:
     )
 
 
+def skills(plan: ContextPlan) -> list[str]:
+    """The names of the plan's pinned skill catalog: what a checkpoint may load."""
+    return [e.name for e in plan.spec.skill_catalog]
+
+
 def make_plan(i: PlanInputs) -> ContextPlan:
     """Pin a plan, rejecting the (rare) generated input that legitimately fails to open."""
     try:
@@ -426,8 +431,13 @@ knowledge = st.lists(
 ).map(lambda ps: tuple(KnowledgePassage(id=i, source=s, text=t, rank=r, trust=tr)
                        for i, s, t, r, tr in ps))
 
-loaded_skills = st.lists(st.tuples(safe_names, texts(), trust_levels), max_size=2).map(
-    lambda ss: tuple(SkillBody(name=n, body=b, trust=t) for n, b, t in ss))
+def loaded_skills(catalog: Sequence[str]) -> st.SearchStrategy[tuple[SkillBody, ...]]:
+    """Up to two skills loaded from the plan's ``catalog`` (skill.load takes no other name)."""
+    if not catalog:
+        return st.just(())
+    return st.lists(st.tuples(st.sampled_from(tuple(catalog)), texts(), trust_levels),
+                    max_size=2, unique_by=lambda s: s[0]).map(
+        lambda ss: tuple(SkillBody(name=n, body=b, trust=t) for n, b, t in ss))
 
 runtimes = st.builds(
     RuntimeMetadata,
@@ -441,11 +451,13 @@ runtimes = st.builds(
 
 
 @st.composite
-def checkpoints(draw: st.DrawFn, names: Sequence[str] = ()) -> Checkpoint:
-    """A valid checkpoint; ``names`` are tool names tool calls may use besides the usual."""
+def checkpoints(draw: st.DrawFn, names: Sequence[str] = (),
+                skills: Sequence[str] = ()) -> Checkpoint:
+    """A valid checkpoint; ``names`` are tool names tool calls may use besides the usual,
+    ``skills`` the plan's skill catalog its loaded skills come from."""
     active, items = draw(conversation(names))
     return Checkpoint(
-        active_run_id=active, items=items, loaded_skills=draw(loaded_skills),
+        active_run_id=active, items=items, loaded_skills=draw(loaded_skills(skills)),
         working_state=draw(working_states()), recall=draw(memory_lines),
         corrections=draw(memory_lines), knowledge=draw(knowledge), runtime=draw(runtimes))
 

@@ -63,7 +63,7 @@ def test_build_twice_and_after_a_storage_round_trip_is_byte_identical(
     i = data.draw(S.plan_inputs(), label="inputs")
     plan = S.make_plan(i)
     names = [t.name for t in i.tool_catalog]
-    cp: Checkpoint = data.draw(S.checkpoints(names).filter(active_run_last),
+    cp: Checkpoint = data.draw(S.checkpoints(names, S.skills(plan)).filter(active_run_last),
                                label="checkpoint")
     factor = data.draw(S.factors, label="factor")
     rnd: random.Random = data.draw(st.randoms(use_true_random=False), label="key order")
@@ -309,7 +309,8 @@ def sha256(text):
 def generated(data):
     i = data.draw(S.plan_inputs(), label="inputs")
     plan = S.make_plan(i)
-    cp = data.draw(S.checkpoints([t.name for t in i.tool_catalog]).filter(active_run_last),
+    cp = data.draw(S.checkpoints([t.name for t in i.tool_catalog],
+                                  S.skills(plan)).filter(active_run_last),
                    label="checkpoint")
     factor = data.draw(S.factors, label="factor")
     first = S.build(load_plan(plan), cp, factor)

@@ -91,8 +91,8 @@ def test_two_checkpoints_of_one_plan_share_region_a(data: st.DataObject) -> None
     i = data.draw(S.plan_inputs(), label="inputs")
     loaded = S.make_loaded(i)
     names = [t.name for t in i.tool_catalog]
-    one = data.draw(S.checkpoints(names), label="checkpoint one")
-    two = data.draw(S.checkpoints(names), label="checkpoint two")
+    one = data.draw(S.checkpoints(names, S.skills(loaded.plan)), label="checkpoint one")
+    two = data.draw(S.checkpoints(names, S.skills(loaded.plan)), label="checkpoint two")
     a = S.build(loaded, one, data.draw(S.factors, label="factor one"))
     b = S.build(loaded, two, data.draw(S.factors, label="factor two"))
     _assert_same_region_a(loaded, a, b)
@@ -104,8 +104,8 @@ def test_each_region_b_input_alone_leaves_region_a_unchanged(data: st.DataObject
     i = data.draw(S.plan_inputs(), label="inputs")
     loaded = S.make_loaded(i)
     names = [t.name for t in i.tool_catalog]
-    base = data.draw(S.checkpoints(names), label="base")
-    other = data.draw(S.checkpoints(names), label="other")
+    base = data.draw(S.checkpoints(names, S.skills(loaded.plan)), label="base")
+    other = data.draw(S.checkpoints(names, S.skills(loaded.plan)), label="other")
     fields = data.draw(st.frozensets(st.sampled_from(REGION_B_INPUTS), min_size=1,
                                      max_size=3), label="varied inputs")
     varied = _vary(base, other, fields)
@@ -126,7 +126,8 @@ def test_agent_instructions_change_the_prefix(data: st.DataObject) -> None:
     two = S.make_loaded(S.with_instructions(i, other_text))
     assert one.plan.prefix_sha256 != two.plan.prefix_sha256
 
-    cp = data.draw(S.checkpoints([t.name for t in i.tool_catalog]), label="checkpoint")
+    cp = data.draw(S.checkpoints([t.name for t in i.tool_catalog],
+                                  S.skills(one.plan)), label="checkpoint")
     a, b = S.build(one, cp), S.build(two, cp)
     assert a.prefix_sha256 != b.prefix_sha256
     # Only row 3 moved: every other Region A byte and the whole body are unchanged.
@@ -153,7 +154,8 @@ def test_region_a_never_contains_the_checkpoint_date(data: st.DataObject) -> Non
     date = data.draw(date_texts, label="date")
     # A date the caller itself wrote into the instructions may of course appear there.
     assume(date not in _caller_text(loaded))
-    cp = data.draw(S.checkpoints([t.name for t in i.tool_catalog]), label="checkpoint")
+    cp = data.draw(S.checkpoints([t.name for t in i.tool_catalog],
+                                  S.skills(loaded.plan)), label="checkpoint")
     cp = dataclasses.replace(cp, runtime=dataclasses.replace(cp.runtime, current_date=date))
     r = S.build(loaded, cp)
     assert date not in region_a_text(r)

@@ -121,11 +121,16 @@ def reasoning_payload(provider: str, seed: int, n: int) -> bytes:
 
 
 @functools.cache
-def loaded_for(model_id: str, window: int, reserve: int | None) -> LoadedPlan:
+def loaded_for(model_id: str, window: int, reserve: int | None,
+               skills: bool = False) -> LoadedPlan:
+    """A plan for the model; with ``skills``, a catalog of three skills a checkpoint may load
+    (and skill.load among the tools)."""
     caps = {"context_window": window}
     if reserve is not None:
         caps["output_reserve"] = reserve
-    return f.loaded(f.inputs(model_profile=f.model(model_id, **caps)))
+    return f.loaded(f.inputs(
+        model_profile=f.model(model_id, **caps),
+        skills=f.skill_catalog("skill-0", "skill-1", "skill-2") if skills else ()))
 
 
 # --------------------------------------------------------------------------- the case
@@ -216,7 +221,8 @@ def pressured_cases(draw: st.DrawFn, *, recall_floor: int | None = None,
     default_reserve = f.model(model_id).output_reserve
     if reserve is None and default_reserve * 2 > window:
         reserve = 4_096
-    lp = loaded_for(model_id, window, reserve)
+    with_skills = draw(st.booleans(), label="skill catalog")
+    lp = loaded_for(model_id, window, reserve, with_skills)
     model = lp.plan.spec.model
     capacity = min(window, cap or window) - model.output_reserve
     # Content is sized against what can fit (bounded, to keep the 1M window fast): a 1M
@@ -341,8 +347,8 @@ def pressured_cases(draw: st.DrawFn, *, recall_floor: int | None = None,
     if allow_failures and draw(st.integers(0, 29)) == 13:
         ws_words = 1_200  # over the working-state class's 1,000 tokens
     working_state = WorkingState(objective=words(ws_words, 9)) if ws_words else WorkingState()
-    n_skills = draw(st.sampled_from((0, 0, 1, 2)))
-    if allow_failures and draw(st.integers(0, 39)) == 17:
+    n_skills = draw(st.sampled_from((0, 1, 2))) if with_skills else 0
+    if with_skills and allow_failures and draw(st.integers(0, 19)) == 17:
         n_skills = 3  # a third loaded skill fails rather than evicting
     skills = tuple(SkillBody(name=f"skill-{k}", body=words(draw(st.integers(5, 400)), k),
                              trust=TrustLevel.TRUSTED_CONFIGURATION) for k in range(n_skills))

@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 from context_engine.domain.builder import BuildResult, Checkpoint, LoadedPlan, SkillBody
+from context_engine.domain.errors import InvalidInput
 from context_engine.domain.items import (
     ConversationItem,
     KnowledgePassage,
@@ -144,7 +145,8 @@ PLACEMENTS: dict[str, Callable[[list[str]], Checkpoint]] = {
 
 @functools.cache
 def default_plan() -> LoadedPlan:
-    return f.loaded(f.inputs(model_profile=f.model(context_window=2_000_000)))
+    return f.loaded(f.inputs(model_profile=f.model(context_window=2_000_000),
+                             skills=f.skill_catalog(*(f"skill-{i}" for i in range(20)))))
 
 
 def build(cp: Checkpoint, lp: LoadedPlan | None = None) -> BuildResult:
@@ -391,6 +393,25 @@ def test_no_canary_in_a_prefix_block_outside_an_envelope() -> None:
         except P.EnvelopeError as e:
             raise AssertionError(f"prefix row {b.row}: {e}") from None
     check_build(r, ALL_CANARIES)
+
+
+def test_a_loaded_skill_outside_the_catalog_is_refused() -> None:
+    """A skill body's name is rendered in the platform's line before its envelope, so only a name
+    the plan's catalog pins may appear there: a loaded skill named by an attack (the runtime
+    passing a tool argument through) is refused, naming the field, whatever its trust."""
+    for n, a in enumerate(SHORT_ATTACKS[:5]):
+        cp = f.checkpoint(_results(["ok"]), loaded_skills=(
+            SkillBody(name="skill-1", body="fine", trust=TrustLevel.USER),
+            SkillBody(name=a.text, body="x", trust=BELOW_CONFIGURATION[n % 3])))
+        with pytest.raises(InvalidInput) as err:
+            build(cp)
+        assert [v.field for v in err.value.violations] == ["checkpoint.loaded_skills[1].name"]
+        assert "not a skill of the plan's catalog" in err.value.violations[0].description
+    # the same body under a catalogued name builds, and its canary stays enveloped
+    a = SHORT_ATTACKS[0]
+    r = build(f.checkpoint(_results(["ok"]), loaded_skills=(
+        SkillBody(name="skill-3", body=a.text, trust=UNTRUSTED),)))
+    assert a.canary in check_build(r, [a.canary])
 
 
 # ----------------------------------------------------------------------------- summaries

@@ -74,7 +74,8 @@ def plan(model_id: str = "gpt-4o", window: int = 16_000, reserve: int | None = 4
         caps = {"context_window": window}
         if reserve is not None:
             caps["output_reserve"] = reserve
-        _PLANS[key] = f.loaded(f.inputs(model_profile=f.model(model_id, **caps)))
+        _PLANS[key] = f.loaded(f.inputs(model_profile=f.model(model_id, **caps),
+                                        skills=f.skill_catalog("a", "b", "c")))
     return _PLANS[key]
 
 

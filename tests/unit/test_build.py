@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from context_engine.domain.builder import (
     Checkpoint,
+    LoadedPlan,
     RuntimeMetadata,
     SkillBody,
 )
@@ -58,10 +59,15 @@ def fresh(**over: Any) -> dict[str, Any]:
     return fields
 
 
+def loaded() -> LoadedPlan:
+    """The default plan, with the skill catalog :func:`fresh`'s loaded skill comes from."""
+    return f.loaded(f.inputs(skills=f.skill_catalog("triage")))
+
+
 def messages(items: list[ConversationItem], run: str = "run-1",
              **fields: Any) -> tuple[Message, ...]:
     cp = f.checkpoint(items, run=run, **fields)
-    return f.run_build(f.loaded(), cp).request.messages
+    return f.run_build(loaded(), cp).request.messages
 
 
 def texts(msgs: tuple[Message, ...]) -> str:
@@ -143,7 +149,7 @@ def test_row_fourteen_carries_runtime_metadata() -> None:
                     runtime=RuntimeMetadata(current_date="2026-12-01",
                                             principal_scopes=("b.scope", "a.scope"),
                                             surface="web", browser_origins=("https://x",)))
-    msgs = f.run_build(f.loaded(), cp).request.messages
+    msgs = f.run_build(loaded(), cp).request.messages
     assert msgs[0].text == ("Runtime:\nCurrent date: 2026-12-01\n"
                             "Principal scopes: a.scope, b.scope\nSurface: web")
 
@@ -154,12 +160,12 @@ def test_browser_origins_only_when_the_plan_offers_navigate() -> None:
     bound = f.loaded(f.inputs(catalog=h.browser_tools(), website="profile-1"))
     msgs = f.run_build(bound, cp).request.messages
     assert "browser.navigate accepts these origins: https://shop.example" in msgs[0].text
-    unbound = f.run_build(f.loaded(), cp).request.messages
+    unbound = f.run_build(loaded(), cp).request.messages
     assert "origins" not in unbound[0].text
 
 
 def test_region_b_never_changes_the_prefix() -> None:
-    lp = f.loaded(f.inputs(catalog=(f.tool("web.fetch"),)))
+    lp = f.loaded(f.inputs(catalog=(f.tool("web.fetch"),), skills=f.skill_catalog("triage")))
     a = f.run_build(lp, f.checkpoint([f.user("u1", "a", 1)], date="2026-11-29"))
     b = f.run_build(lp, f.checkpoint([f.user("u1", "b", 1)], date="2026-11-30", **fresh()))
     assert a.prefix_sha256 == b.prefix_sha256 == lp.plan.prefix_sha256
@@ -171,9 +177,9 @@ def test_region_b_never_changes_the_prefix() -> None:
 def test_build_is_deterministic() -> None:
     items: list[ConversationItem] = [f.user("u1", "q", 1), f.call("c1", 2, "call-1"),
                                      f.result("r1", 3, "call-1", "</untrusted:00>")]
-    lp = f.loaded()
+    lp = loaded()
     one = f.request_bytes(f.run_build(lp, f.checkpoint(items, **fresh())))
-    two = f.request_bytes(f.run_build(f.loaded(), f.checkpoint(items, **fresh())))
+    two = f.request_bytes(f.run_build(loaded(), f.checkpoint(items, **fresh())))
     assert one == two
 
 
@@ -237,7 +243,7 @@ def test_reasoning_never_appears_in_message_text(encoding: str) -> None:
     }[encoding]
     assert needle not in texts(msgs)
     assert all("SECRET" not in b.text for b in f.run_build(
-        f.loaded(), f.checkpoint(_reasoning_run())).request.prefix_blocks)
+        loaded(), f.checkpoint(_reasoning_run())).request.prefix_blocks)
 
 
 def test_reasoning_of_the_active_run_is_dropped_when_the_run_changes() -> None:
@@ -260,7 +266,7 @@ def test_reasoning_item_repr_hides_the_payload() -> None:
 # ----------------------------------------------------------------------------- result shape
 
 def test_build_result_reports_its_accounting() -> None:
-    lp = f.loaded()
+    lp = loaded()
     r = f.run_build(lp, f.checkpoint([f.user("u1", "hello", 1)]))
     assert r.prefix_tokens == lp.plan.prefix_tokens
     assert r.estimated_input_tokens == r.prefix_tokens + r.body_tokens

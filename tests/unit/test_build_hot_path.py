@@ -407,7 +407,29 @@ def reference_parse(text: Any) -> Any:
         value = json.loads(text, parse_constant=constant, parse_float=finite)
     except (ValueError, RecursionError):
         return None
-    return value if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        return None
+    # a lone surrogate (an unpaired \\ud800-\\udfff escape) is no Unicode character: refused
+    strings, stack = [], [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            strings.append(node)
+        elif isinstance(node, dict):
+            stack += [*node.keys(), *node.values()]
+        elif isinstance(node, list):
+            stack += node
+    if any(0xD800 <= ord(c) <= 0xDFFF for t in strings for c in t):
+        return None
+    return value
+
+
+SURROGATE_TEXTS = [
+    '{"\\ud800": 1}', '{"a": "\\udc00"}', '{"a": ["x", {"b": "\\uDBFF"}]}',
+    '{"a": "\\ud83d\\ude00"}', '{"a": "\\ud83d"}', '{"a": "\\ude00\\ud83d"}',
+    '{"a": "\\\\ud800"}', '{"a": "\\u00e9\\ud800x"}',
+    b'{"a": "\\ud800"}', b'{"a": "\\ud83d\\ude00"}',
+    '{"a": "\\uD83D\\uDE00", "b": "\\uDFFF"}', '{"a": "\\uD7FF\\uE000"}']
 
 
 def test_json_objects_parse_as_json_loads_parses_them() -> None:
@@ -416,7 +438,7 @@ def test_json_objects_parse_as_json_loads_parses_them() -> None:
         "{}", "[]", '{"a": 1}', "{", "1", "null", '{"a": NaN}', '{"a": 1e400}', '{"a": -1e400}',
         '{"a": Infinity}', " {} ", '{"a": "' + "x" * 5_000 + '"}', deep, deep[:-1],
         "{}garbage", '{"a": 1, "a": 2}', "\ufeff{}", '{"a": 1.5e3, "b": [1, 2.0]}',
-        b'{"bytes": 1}', bytearray(b"{}"), '{"\\ud800": 1}', "{\n}", "", " "]
+        b'{"bytes": 1}', bytearray(b"{}"), "{\n}", "", " ", *SURROGATE_TEXTS]
     rnd = random.Random(5)
     alphabet = '{}[]":,.-+eE0123456789 \n\tabcnultrfsNIa\\'
     texts += ["".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 12)))
@@ -451,6 +473,13 @@ def test_the_identity_map_stays_bounded_when_every_build_brings_new_objects() ->
     assert min(sizes[1:]) <= per_build  # it was begun again
 
 
+def test_a_lone_surrogate_is_named_as_such() -> None:
+    assert canonical.json_object_problem('{"a": "\\ud800"}') == canonical.LONE_SURROGATE
+    assert canonical.json_object_problem('{"a": "\\ud83d\\ude00"}') is None
+    assert canonical.json_object_problem("[]") == canonical.NOT_AN_OBJECT
+    assert sum(reference_parse(t) is None for t in SURROGATE_TEXTS) == 8
+
+
 def test_known_json_objects_are_what_json_loads_says_every_time() -> None:
     """The remembered answer of ``is_json_object`` is json.loads' answer, asked again and again
     (first and remembered calls alike), for objects and for what is not one; long texts and a
@@ -458,7 +487,8 @@ def test_known_json_objects_are_what_json_loads_says_every_time() -> None:
     rnd = random.Random(9)
     alphabet = '{}[]":,.-+eE0123456789 \n\tabcnultrfsNIa\\'
     texts = ["{}", "[]", '{"a": 1}', "{", '{"a": NaN}', '{"a": 1e400}', "\ufeff{}", "",
-             '{"a": "' + "x" * (canonical.KNOWN_OBJECT_CHARS + 10) + '"}']
+             '{"a": "' + "x" * (canonical.KNOWN_OBJECT_CHARS + 10) + '"}',
+             *(t for t in SURROGATE_TEXTS if isinstance(t, str))]
     texts += ['{"k": ' + str(i) + "}" for i in range(canonical.KNOWN_OBJECTS_ENTRIES + 50)]
     texts += ["".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 12)))
               for _ in range(2_000)]

@@ -28,7 +28,12 @@ from context_engine.domain.builder import (
     SkillBody,
     checkpoint_violations,
 )
-from context_engine.domain.canonical import canonical_json, parse_json_object
+from context_engine.domain.canonical import (
+    NOT_AN_OBJECT,
+    canonical_json,
+    json_object_problem,
+    parse_json_object,
+)
 from context_engine.domain.compaction import (
     DEFAULT_SUMMARY_TOKENS,
     MAX_DEPTH,
@@ -204,7 +209,12 @@ def _tool(v: Violations, field: str, t: pb.ToolSpec) -> ToolSpec:
         v.add(f"{field}.name", f"{t.name!r} is a control tool the service defines itself")
     schema = parse_json_object(t.input_schema_json)
     if schema is None:
-        v.add(f"{field}.input_schema_json", "is not a JSON object")
+        v.add(f"{field}.input_schema_json",
+              json_object_problem(t.input_schema_json) or NOT_AN_OBJECT)
+    elif _holds_nul(schema):
+        v.add(f"{field}.input_schema_json",
+              "must not contain NUL characters (a \\u0000 escape): the plan is stored as "
+              "PostgreSQL jsonb, which cannot hold them")
     elif schema.get("type") != "object":
         v.add(f"{field}.input_schema_json",
               'must describe an object ("type": "object"): providers take tool input as one')
@@ -228,6 +238,22 @@ def _positive(v: Violations, field: str, msg: pb.ModelCapabilities, name: str) -
         v.add(f"{field}.{name}", f"must be positive, got {value}")
         return None
     return value
+
+
+def _holds_nul(value: object) -> bool:
+    """Whether a parsed JSON value has NUL in any string, key or value, at any depth."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if "\x00" in node:
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 def _nul_fields(msg: Message_, path: str, v: Violations) -> None:

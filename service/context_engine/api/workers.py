@@ -39,6 +39,26 @@ READY_ENV = "CE_WORKER_READY_DIR"  # a serving worker creates "<id>.<pid>" here
 RESTART_BACKOFF_SECONDS = 1.0
 
 
+def port_taken(host: str, port: int) -> OSError | None:
+    """Why ``host:port`` cannot be bound by a new server (None when it can, or port 0).
+
+    Every serving socket sets ``SO_REUSEPORT`` (the workers share their port with it), so a
+    second server started on a busy port would bind beside the first and silently take half
+    its connections, whatever its version or settings. A bind without ``SO_REUSEPORT`` fails
+    while any socket holds the port; ``SO_REUSEADDR`` lets a restart bind past connections of
+    the last run still in TIME_WAIT."""
+    if port == 0:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc
+    return None
+
+
 def reserve_port(host: str, port: int) -> socket.socket:
     """A bound (not listening) SO_REUSEPORT socket holding the port for the workers."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -91,7 +91,19 @@ TaskId = Annotated[str, Field(min_length=1, max_length=MAX_TASK_ID_CHARS),
                    AfterValidator(_identifier)]
 Title = Annotated[str, Field(max_length=MAX_TITLE_CHARS), AfterValidator(
     lambda v: _text(v) if v else v)]
-EventId = Annotated[int, Field(ge=1)]
+INT64_MAX = 2**63 - 1
+
+
+def _int64(value: int) -> int:
+    # Event ids are int64 on the wire and in the store. Checked here rather than as a schema
+    # "maximum", so the input schema assets/control_tools.json pins (and every plan with it)
+    # stays as it is.
+    if value > INT64_MAX:
+        raise ValueError(f"must be at most {INT64_MAX} (an int64 event id)")
+    return value
+
+
+EventId = Annotated[int, Field(ge=1), AfterValidator(_int64)]
 
 # extra="forbid" is the schema's "additionalProperties": false; strict refuses coercions
 # ("5" for an event id, 1 for a title) instead of guessing what the model meant.

@@ -29,7 +29,12 @@ from context_engine.domain.budget import (
     elided,
     prefix_cost,
 )
-from context_engine.domain.canonical import is_json_object, session_key
+from context_engine.domain.canonical import (
+    NOT_AN_OBJECT,
+    is_json_object,
+    json_object_problem,
+    session_key,
+)
 from context_engine.domain.errors import (
     AssemblyError,
     BudgetExceeded,
@@ -286,8 +291,9 @@ class ItemScan:
                     if not call.name:
                         violations.append(FieldViolation(f"{cpath}.name", "must not be empty"))
                     if not is_json_object(call.arguments_json):
-                        violations.append(FieldViolation(f"{cpath}.arguments_json",
-                                                         "is not a JSON object"))
+                        violations.append(FieldViolation(
+                            f"{cpath}.arguments_json",
+                            json_object_problem(call.arguments_json) or NOT_AN_OBJECT))
             elif isinstance(item, ToolResultItem):
                 path = f"{field}.items[{i}]"
                 if item.call_id in answered:
@@ -609,6 +615,15 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     attach = attachment_costs(list(map(items.__getitem__, attaching[
         bisect_left(attaching, sendable):])))
 
+    # A loaded skill is one of the plan's pinned catalog (skill.load takes no other name): its
+    # name is rendered in the platform's line before the envelope, so a name the catalog does
+    # not pin would put caller text in the platform's voice.
+    catalog = {e.name for e in loaded.plan.spec.skill_catalog}
+    unknown = [FieldViolation(f"checkpoint.loaded_skills[{i}].name",
+                              f"{s.name!r} is not a skill of the plan's catalog")
+               for i, s in enumerate(cp.loaded_skills) if s.name not in catalog]
+    if unknown:
+        raise InvalidInput(unknown)
     skills = [SkillBodyItem(name=s.name, body=s.body, skill_trust=s.trust)
               for s in cp.loaded_skills]
     if len(skills) > SKILL_BODY_ITEMS:  # a third load fails rather than evicting

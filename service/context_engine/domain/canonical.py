@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from typing import Any
 
 
@@ -44,8 +45,17 @@ def _finite(literal: str) -> float:
 _OBJECT_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite)
 
 
-def parse_json_object(text: str) -> dict[str, Any] | None:
-    """Parse ``text`` as a JSON object; None if it is not valid JSON or not an object."""
+# A \uD800-\uDFFF escape: half of a UTF-16 surrogate pair. Python's json decodes one that is not
+# in a pair to a lone surrogate, which is not a Unicode character: no UTF-8 text (a provider
+# body, a stored plan) can carry it. Texts arriving over gRPC are valid UTF-8, so such an escape
+# is the only way one gets in.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+NOT_AN_OBJECT = "is not a JSON object"
+LONE_SURROGATE = ("holds a lone surrogate escape (\\ud800-\\udfff outside a pair): not a "
+                  "Unicode character, so no UTF-8 request body can carry it")
+
+
+def _parse_object(text: str) -> dict[str, Any] | None:
     try:
         if not isinstance(text, str) or text.startswith("\ufeff"):
             # json.loads' own handling: bytes decoded, a byte-order mark refused
@@ -55,6 +65,34 @@ def parse_json_object(text: str) -> dict[str, Any] | None:
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
+
+
+def _lone_surrogate(text: str | bytes, value: dict[str, Any]) -> bool:
+    if isinstance(text, str) and not _SURROGATE_ESCAPE.search(text):
+        return False
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def json_object_problem(text: str) -> str | None:
+    """Why ``text`` is not a JSON object every request body can carry (None when it is one):
+    :data:`NOT_AN_OBJECT`, or :data:`LONE_SURROGATE`."""
+    value = _parse_object(text)
+    if value is None:
+        return NOT_AN_OBJECT
+    return LONE_SURROGATE if _lone_surrogate(text, value) else None
+
+
+def parse_json_object(text: str) -> dict[str, Any] | None:
+    """Parse ``text`` as a JSON object; None if it is not valid JSON, not an object, or holds a
+    lone surrogate (see :func:`json_object_problem`)."""
+    value = _parse_object(text)
+    if value is None or _lone_surrogate(text, value):
+        return None
+    return value
 
 
 def sent_object_json(text: str) -> str:
