@@ -170,6 +170,9 @@ Float = Annotated[float, BeforeValidator(_parse_float)]
 Bool = Annotated[bool, BeforeValidator(_parse_bool)]
 Positive = Annotated[Float, Field(gt=0)]
 NonNegative = Annotated[Float, Field(ge=0)]
+# gRPC takes message sizes and its timers (in milliseconds) as 32-bit integers.
+MessageBytes = Annotated[Int, Field(ge=1024, le=2**31 - 1)]
+GrpcSeconds = Annotated[Float, Field(gt=0, le=2_000_000)]  # 23 days in ms fits an int32
 
 
 class Config(BaseSettings):
@@ -187,16 +190,19 @@ class Config(BaseSettings):
     migrations_dir: Path = REPO_DIR / "migrations"
     assets_dir: Path = DEFAULT_ASSETS_DIR
     model_catalog: Path = DEFAULT_CATALOG
-    max_receive_bytes: Annotated[Int, Field(ge=1024)] = 64 * 1024 * 1024
+    max_receive_bytes: MessageBytes = 64 * 1024 * 1024
+    # largest response sent; the clients' default receive limit is the same 64 MiB
+    max_send_bytes: MessageBytes = 64 * 1024 * 1024
     # per process; the next one gets RESOURCE_EXHAUSTED
     max_concurrent_rpcs: Annotated[Int, Field(ge=1)] = 256
     max_items_per_request: Annotated[Int, Field(ge=1)] = 100_000  # elements of a repeated field
-    max_item_bytes: Annotated[Int, Field(ge=1024)] = 16 * 1024 * 1024  # of any one element
-    workers: Annotated[Int, Field(ge=0)] = 0  # serving processes on one port; 0: one per CPU
-    keepalive_time_seconds: Positive = 60.0  # server pings an idle connection this often
-    keepalive_timeout_seconds: Positive = 20.0  # and closes it if the ping is not answered
-    max_connection_age_seconds: Positive = 1800.0  # connections are recycled (rebalancing)
-    grace_seconds: Positive = 10.0
+    max_item_bytes: MessageBytes = 16 * 1024 * 1024  # of any one element
+    # serving processes on one port; 0: one per CPU
+    workers: Annotated[Int, Field(ge=0, le=1024)] = 0
+    keepalive_time_seconds: GrpcSeconds = 60.0  # server pings an idle connection this often
+    keepalive_timeout_seconds: GrpcSeconds = 20.0  # and closes it if the ping is not answered
+    max_connection_age_seconds: GrpcSeconds = 1800.0  # connections are recycled (rebalancing)
+    grace_seconds: GrpcSeconds = 10.0
     drain_seconds: NonNegative = 1.0
     db_pool_size: Annotated[Int, Field(ge=1)] = 10
     # transaction: no statement cache, nothing kept on a server connection between transactions
@@ -290,9 +296,12 @@ class Config(BaseSettings):
                                ("CE_METRICS_ADDR", self.metrics_addr)):
             if addr or variable == "CE_GRPC_ADDR":
                 try:
-                    split_addr(addr)
+                    _, port = split_addr(addr)
                 except ConfigError:
                     found.append(f"{variable}={addr!r} is not host:port")
+                    continue
+                if port > 65535:
+                    found.append(f"{variable}={addr!r}: port {port} is above 65535")
         if self.maintenance_interval_seconds >= self.event_partitions_ahead_days * 86_400:
             found.append(f"CE_MAINTENANCE_INTERVAL_SECONDS={self.maintenance_interval_seconds:g} "
                          f"must be shorter than CE_EVENT_PARTITIONS_AHEAD_DAYS="
@@ -311,6 +320,10 @@ class Config(BaseSettings):
                                ("CE_TLS_CLIENT_CA_FILE", self.tls_client_ca_file)):
             if path is not None and not path.is_file():
                 found.append(f"{variable}={str(path)!r} is not a readable file")
+        if not self.model_catalog.is_file():
+            found.append(f"CE_MODEL_CATALOG={str(self.model_catalog)!r} is not a readable file")
+        if not self.assets_dir.is_dir():
+            found.append(f"CE_ASSETS_DIR={str(self.assets_dir)!r} is not a directory")
         return found
 
     def validate(self) -> None:  # type: ignore[override]  # pydantic v1's validate is gone
@@ -400,6 +413,8 @@ def _message(exc: ValidationError, values: Mapping[str, Any]) -> str:
             problem = "must be positive" if ctx["gt"] == 0 else f"must be above {ctx['gt']}"
         elif kind == "less_than":
             problem = f"must be below {ctx['lt']}"
+        elif kind == "less_than_equal":
+            problem = f"is above {ctx['le']}"
         elif kind == "finite_number":
             problem = "is not a finite number"
         elif kind == "enum":

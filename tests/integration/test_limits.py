@@ -33,6 +33,7 @@ def slow() -> Iterator[FakeProvider]:
 def limited(database_url: str, slow: FakeProvider) -> Iterator[ServerThread]:
     config = base_config().replace(max_concurrent_rpcs=1, max_items_per_request=50,
                      max_item_bytes=4096, max_receive_bytes=256 * 1024,
+                     max_send_bytes=64 * 1024,
                      summarizer_url=slow.url, summarizer_model="fake",
                      summarizer_timeout_seconds=10.0)
     srv = ServerThread(config, database_url)
@@ -65,6 +66,25 @@ def test_too_many_items_is_resource_exhausted_and_writes_nothing(limited_stub, i
     assert db.counts(tenant) == before
     # at the limit it is served
     assert limited_stub.Build(build_request(tenant, session, items=many_items(50))).request
+
+
+def test_a_response_over_the_send_limit_is_resource_exhausted_with_its_size(limited_stub, ids):
+    """A Build whose response (the request, and a provider body repeating it) is over
+    CE_MAX_SEND_BYTES is answered RESPONSE_TOO_LARGE with its size and the limit, not gRPC's bare
+    RESOURCE_EXHAUSTED; the same checkpoint without a provider body fits and is served."""
+    tenant, session = ids
+    limited_stub.Plan(plan_request(tenant, session))
+    items = many_items(12, size=4000)  # about 48 KB of text: twice that with a body
+    with pytest.raises(grpc.RpcError) as info:
+        limited_stub.Build(build_request(tenant, session, items=items))
+    f = failure(info.value)
+    assert f.code is grpc.StatusCode.RESOURCE_EXHAUSTED and f.reason == "RESPONSE_TOO_LARGE"
+    assert f.metadata["limit"] == str(64 * 1024) and int(f.metadata["size"]) > 64 * 1024
+    assert "CE_MAX_SEND_BYTES" in f.message and "PROVIDER_FORMAT_NONE" in f.message
+    req = build_request(tenant, session, items=items)
+    req.provider_format = pb.PROVIDER_FORMAT_NONE
+    lean = limited_stub.Build(req)
+    assert 48_000 < lean.ByteSize() <= 64 * 1024 and not lean.provider_body_json
 
 
 def test_an_item_over_the_byte_limit_is_resource_exhausted(limited_stub, ids, db):

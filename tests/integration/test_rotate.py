@@ -48,6 +48,27 @@ def test_dropping_the_last_deferred_tool_retires_tool_call(stub, ids):
     assert not resp.plan.deferred_tool_names and "tool.call" not in resp.plan.tool_names
 
 
+def test_dropping_skill_load_retires_the_skill_catalog(stub, ids):
+    """The catalog is advertised only where skill.load is defined: a revocation of skill.load
+    takes the catalog (and its pins) out of the prefix, and a Build that still names a loaded
+    skill is refused rather than rendering a skill the plan no longer offers."""
+    tenant, session = ids
+    catalog = [pb.SkillCatalogEntry(name="triage", description="Sort the inbox.",
+                                    trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION)]
+    plan = stub.Plan(plan_request(tenant, session, skill_catalog=catalog)).plan
+    assert "skill.load" in plan.tool_names and [p.name for p in plan.skill_pins] == ["triage"]
+    assert any("skill.load" in b.text for b in plan.prefix_blocks)
+    resp = stub.Rotate(rotate(tenant, session, "k", pb.ROTATION_REASON_SECURITY_REVOCATION,
+                              drop_tools=["skill.load"]))
+    assert "skill.load" not in resp.plan.tool_names and not resp.plan.skill_pins
+    assert not any("skill.load" in b.text or "Sort the inbox." in b.text
+                   for b in resp.plan.prefix_blocks), [b.text for b in resp.plan.prefix_blocks]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session, loaded_skills=[pb.SkillBody(
+            name="triage", body="b", trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION)]))
+    assert "checkpoint.loaded_skills[0].name" in failure(err.value).violations
+
+
 def test_a_retried_key_rotates_once(stub, ids, db):
     tenant, session = ids
     stub.Plan(plan_request(tenant, session))

@@ -175,6 +175,22 @@ def test_a_state_the_service_accepted_builds_after_usage_moves_the_factor(stub, 
     assert again.state == state
 
 
+def test_a_new_task_without_a_title_is_named_where_the_request_has_it(stub, ids, db):
+    """The typed form's refusal names the request's field (transition.update...), as every
+    other violation of the call does."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    before = db.counts(tenant)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdateWorkingState(update_request(tenant, session, pb.WorkingStateTransition(
+            update=pb.WorkingStateUpdate(upsert_tasks=[pb.WorkingTask(id="t9", state="open")]))))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert f.violations == {"transition.update.upsert_tasks[0].title":
+                            "a new task ('t9') needs a title"}
+    assert db.counts(tenant) == before
+
+
 def test_unknown_session_is_not_found(stub, ids):
     tenant, session = ids
     with pytest.raises(grpc.RpcError) as err:

@@ -80,7 +80,7 @@ def test_upsert_keeps_title_and_new_task_needs_one():
     assert s.tasks[0].sequence == 2
     with pytest.raises(InvalidInput) as err:
         apply_update(s, Update(upsert_tasks=(task("t2", title=""),)), run_id="r", sequence=3)
-    assert err.value.violations[0].field == "update.upsert_tasks[0].title"
+    assert err.value.violations[0].field == "transition.update.upsert_tasks[0].title"
 
 
 def test_runtime_transitions():

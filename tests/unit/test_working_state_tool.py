@@ -390,7 +390,7 @@ def test_failures_of_a_valid_call_tell_the_model_what_to_do() -> None:
         "and this tool cannot remove one: ask the user whether one no longer applies.")
     over = wst.for_the_model(BudgetExceeded("working_state", 1204, 1000), FIELD)
     assert "would need 1,204 tokens, over the block's ceiling of 1,000" in over.tool_result
-    untitled = wst.for_the_model(InvalidInput.one("update.upsert_tasks[0].title",
+    untitled = wst.for_the_model(InvalidInput.one("transition.update.upsert_tasks[0].title",
                                                   "a new task ('t9') needs a title"), FIELD)
     assert isinstance(untitled, InvalidInput)
     assert [v.field for v in untitled.violations] == [f"{ARGS}.upsert_tasks[0].title"]

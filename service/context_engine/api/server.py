@@ -148,7 +148,8 @@ def server_options(config: Config) -> list[tuple[str, int]]:
         # gRPC's own cap is a backstop at twice the limit; up to it, a request over the
         # limit gets the service's REQUEST_TOO_LARGE status (size, limit) before parsing
         ("grpc.max_receive_message_length", min(2 * config.max_receive_bytes, 2**31 - 1)),
-        ("grpc.max_send_message_length", config.max_receive_bytes),
+        # likewise a backstop: a response over the limit is answered RESPONSE_TOO_LARGE
+        ("grpc.max_send_message_length", min(2 * config.max_send_bytes, 2**31 - 1)),
         ("grpc.keepalive_time_ms", int(config.keepalive_time_seconds * ms)),
         ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_seconds * ms)),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -293,7 +294,8 @@ async def _start(config: Config, *, database_url: str, registry: CollectorRegist
     server = grpc.aio.server(interceptors=[observed, *([auth] if auth else []), limits],
                              options=server_options(config))
     add_to_server(ContextEngineServicer(engine, metrics, tracer), server,
-                  max_request_bytes=config.max_receive_bytes)
+                  max_request_bytes=config.max_receive_bytes,
+                  max_response_bytes=config.max_send_bytes)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -9,7 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,6 +26,7 @@ from context_engine.domain.errors import (
     ContextEngineError,
     InvalidInput,
     RequestTooLarge,
+    ResponseTooLarge,
 )
 from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
@@ -74,6 +75,11 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
         self._new_id = new_id
         self._metrics = metrics
         self._tracer: Tracer = tracer or NoOpTracer()
+        # Set by add_to_server: every response is then serialized here, within the call, so one
+        # over the limit is answered RESPONSE_TOO_LARGE (size, limit) like any other error;
+        # gRPC's own send limit (twice it) would end the call RESOURCE_EXHAUSTED with no
+        # details. None (a servicer called directly): responses are returned as messages.
+        self.max_response_bytes: int | None = None
 
     async def _run(self, method: str, context: grpc.aio.ServicerContext[Any, Any],
                    call: Callable[[CallRecord], Awaitable[Resp]]) -> Resp:
@@ -87,7 +93,13 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 attributes={"rpc.system": "grpc", "rpc.service": SERVICE,
                             "rpc.method": method}) as span:
             try:
-                return await call(record)
+                response = await call(record)
+                if self.max_response_bytes is None:
+                    return response
+                data = response.SerializeToString()  # type: ignore[attr-defined]
+                if len(data) > self.max_response_bytes:
+                    raise ResponseTooLarge(len(data), self.max_response_bytes)
+                return cast(Resp, data)  # the handler's serializer passes bytes through
             except ContextEngineError as exc:
                 code, status = status_for(exc)
                 record.extra["reason"] = exc.reason
@@ -410,20 +422,27 @@ def _refusing_undecodable(servicer: ContextEngineServicer, method: str
     return handle
 
 
+def _serialize(response: Any) -> bytes:
+    """Bytes as ``_run`` serialized them; a message (a servicer without a limit) serialized."""
+    return response if isinstance(response, bytes) else bytes(response.SerializeToString())
+
+
 def add_to_server(servicer: ContextEngineServicer, server: grpc.aio.Server, *,
-                  max_request_bytes: int | None = None) -> None:
+                  max_request_bytes: int | None = None,
+                  max_response_bytes: int | None = None) -> None:
     """Registers ``servicer`` as the generated ``add_ContextEngineServicer_to_server`` does,
     except that a request that does not decode is answered INVALID_ARGUMENT with the rich
     status of every other malformed request (gRPC itself answers UNKNOWN, naming the parser's
     exception, with no details), and one over ``max_request_bytes`` RESOURCE_EXHAUSTED
-    (``REQUEST_TOO_LARGE``, with its size and the limit) before it is parsed."""
+    (``REQUEST_TOO_LARGE``, with its size and the limit) before it is parsed; a response over
+    ``max_response_bytes`` is likewise answered RESOURCE_EXHAUSTED (``RESPONSE_TOO_LARGE``)."""
+    servicer.max_response_bytes = max_response_bytes
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["ContextEngine"].methods:
         request_type = getattr(pb, method.input_type.name)
-        response_type = getattr(pb, method.output_type.name)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
             _refusing_undecodable(servicer, method.name),
             request_deserializer=_decoder(request_type, max_request_bytes),
-            response_serializer=response_type.SerializeToString)
+            response_serializer=_serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)

@@ -34,6 +34,7 @@ CODES: tuple[tuple[type[e.ContextEngineError], grpc.StatusCode], ...] = (
     (e.PrefixHashMismatch, grpc.StatusCode.INTERNAL),
     (e.StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
     (e.RequestTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (e.ResponseTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (e.TokenizerUnavailable, grpc.StatusCode.UNAVAILABLE),
     (e.AssemblyError, grpc.StatusCode.INTERNAL),
 )

@@ -351,9 +351,11 @@ def for_the_model(error: ContextEngineError, field: str) -> ContextEngineError:
 
 
 def rebased(error: InvalidInput, field: str) -> InvalidInput:
-    """A transition's own violations (``update.upsert_tasks[0].title``) at the raw call's
-    argument paths (``transition.tool_call.arguments.upsert_tasks[0].title``)."""
-    return InvalidInput([FieldViolation(f"{field}.arguments." + v.field.removeprefix("update.")
-                                        if v.field.startswith("update.") else v.field,
+    """A transition's own violations (``transition.update.upsert_tasks[0].title``, where the
+    typed form has them) at the raw call's argument paths
+    (``transition.tool_call.arguments.upsert_tasks[0].title``)."""
+    typed = "transition.update."
+    return InvalidInput([FieldViolation(f"{field}.arguments." + v.field.removeprefix(typed)
+                                        if v.field.startswith(typed) else v.field,
                                         v.description)
                          for v in error.violations])

@@ -300,6 +300,23 @@ class SummarizerUnavailable(ContextEngineError):
         return {"why": self.why}
 
 
+class ResponseTooLarge(ContextEngineError):
+    """A response over the service's send limit: not sent (gRPC would refuse it bare)."""
+
+    reason = "RESPONSE_TOO_LARGE"
+
+    def __init__(self, size: int, limit: int) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(f"the response is {size} bytes, over the limit of {limit} bytes "
+                         "(CE_MAX_SEND_BYTES): ask PROVIDER_FORMAT_NONE (a provider body "
+                         "repeats the request), Build incrementally, or raise the limit here "
+                         "and the client's receive limit")
+
+    def metadata(self) -> dict[str, str]:
+        return {"size": str(self.size), "limit": str(self.limit)}
+
+
 class RequestTooLarge(ContextEngineError):
     """A request over the service's receive limit: refused before it is decoded."""
 

@@ -442,7 +442,10 @@ def redraft(spec: PlanSpec, session_key: str, estimator: TokenEstimator, *,
     deferred = tuple(t for t in spec.deferred if t.name not in drop)
     tools = tuple(t for t in spec.tools if t.name not in drop
                   and not (t.name == TOOL_CALL and not deferred))  # nothing left to call
-    new = replace(spec, tools=tools, deferred=deferred, model=model or spec.model,
+    # the catalog is advertised only where skill.load is defined (as a first draft does)
+    catalog = spec.skill_catalog if any(t.name == SKILL_LOAD for t in tools) else ()
+    new = replace(spec, tools=tools, deferred=deferred, skill_catalog=catalog,
+                  model=model or spec.model,
                   memory_snapshot=spec.memory_snapshot if snapshot is None else snapshot,
                   tokenizer=estimator.tokenizer, encoding=estimator.encoding,
                   estimator_factor=estimator.base_factor)

@@ -266,7 +266,7 @@ class _Draft:
     def upsert_task(self, task: WorkingTask, index: int, run_id: str, sequence: int,
                     trust: TrustLevel) -> None:
         if task.state not in TASK_STATES:
-            raise InvalidInput.one(f"update.upsert_tasks[{index}].state",
+            raise InvalidInput.one(f"transition.update.upsert_tasks[{index}].state",
                                    f"unknown task state {task.state!r}")
         for i, t in enumerate(self.tasks):
             if t.id == task.id:
@@ -279,7 +279,7 @@ class _Draft:
                 break
         else:
             if not task.title:
-                raise InvalidInput.one(f"update.upsert_tasks[{index}].title",
+                raise InvalidInput.one(f"transition.update.upsert_tasks[{index}].title",
                                        f"a new task ({task.id!r}) needs a title")
             self.tasks.append(WorkingTask(id=task.id, title=task.title, state=task.state,
                                           sequence=sequence, run_id=run_id, trust=trust))
