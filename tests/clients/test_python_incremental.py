@@ -324,6 +324,14 @@ def test_a_delta_that_does_not_read_back_is_refused(change: str):
     _mismatch(apply)
 
 
+def test_a_build_naming_a_base_answered_without_a_delta_is_refused():
+    """A server that ignores base_build_id builds the items sent alone and answers whole: that
+    answer is not the Build's, and is refused (the client then sends the Build whole)."""
+    def apply(w: pb.BuildResponse) -> None:
+        w.ClearField("delta")
+    _mismatch(apply)
+
+
 def test_a_delta_with_nothing_held_is_refused():
     builds = IncrementalBuilds()
     wire = response("b2", [message(0)])
@@ -987,6 +995,51 @@ class _DeltaForAWholeBuild(pb_grpc.ContextEngineServicer):
         answer = spb.BuildResponse(build_id="b1", epoch=1)
         answer.delta.base_build_id = "b0"
         return answer
+
+
+class _IgnoresBases(pb_grpc.ContextEngineServicer):
+    """A replica that does not know base_build_id: it keeps every Build and answers each with
+    one message per item it was sent, whole."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+
+    def Build(self, request: Any, context: Any) -> Any:
+        self.sent.append(len(request.checkpoint.items))
+        answer = spb.BuildResponse(build_id=f"b{len(self.sent)}", epoch=1)
+        answer.request.messages.extend(spb.Message(item_id=i.id)
+                                       for i in request.checkpoint.items)
+        return answer
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_a_replica_that_ignores_bases_gets_each_build_whole(kind):
+    """Its answer to a Build naming a base covers the items sent alone: the client sends that
+    Build again whole, once, and returns the whole Build's answer."""
+    replica = _IgnoresBases()
+    srv = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_ContextEngineServicer_to_server(replica, srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    target = f"127.0.0.1:{port}"
+    reqs = [build_request("t", "s", n) for n in range(3)]
+
+    def sync() -> tuple[list[Any], BuildStats]:
+        with Client(target=target) as engine:
+            return [engine.build(request=r) for r in reqs], engine.build_stats
+
+    async def asyncio_() -> tuple[list[Any], BuildStats]:
+        async with AsyncClient(target=target) as engine:
+            return [await engine.build(request=r) for r in reqs], engine.build_stats
+
+    try:
+        got, stats = sync() if kind == "sync" else asyncio.run(asyncio_())
+    finally:
+        srv.stop(0)
+    for r, resp in zip(reqs, got, strict=True):
+        assert [m.item_id for m in resp.request.messages] == [i.id for i in r.checkpoint.items]
+    # the first whole; then each Build names the last as its base, and goes again whole
+    assert replica.sent == [1, 2, 3, 1, 4] and stats.full_resends == 2, replica.sent
 
 
 @pytest.mark.parametrize("kind", ["sync", "asyncio"])

@@ -116,6 +116,17 @@ interface Fills<T> {
  * carries an `idempotencyKey`, through a second channel (opened on first use) whose config adds
  * them.
  */
+/**
+ * A response that does not read back where no resend can mend it (a delta answering a Build
+ * that named no base, or the whole resend's answer): INTERNAL, as every other failure of a
+ * call is a ContextEngineError.
+ */
+function faulty(err: unknown): unknown {
+  if (!(err instanceof DeltaMismatchError)) return err;
+  return new ContextEngineError({ code: grpc.status.INTERNAL, method: "Build",
+    details: `the service's answer does not read back: ${err.message}`, cause: err });
+}
+
 export class ContextEngineClient {
   readonly target: string;
   private readonly channel: grpc.Client;
@@ -128,8 +139,10 @@ export class ContextEngineClient {
   constructor(options: ClientOptions) {
     this.token = checkToken(options.token);
     this.deadlineMs = options.deadlineMs ?? DEFAULT_DEADLINE_MS;
-    if (!(this.deadlineMs > 0)) {
-      throw new Error(`deadlineMs must be positive, got ${this.deadlineMs}`);
+    if (typeof this.deadlineMs !== "number" || !(this.deadlineMs > 0) ||
+        !Number.isFinite(this.deadlineMs)) {
+      throw new RangeError("deadlineMs must be a positive, finite number of milliseconds, " +
+        `got ${String(this.deadlineMs)}`);
     }
     const credentials = channelCredentials(options.insecure, options.tls);
     const limit = options.maxMessageBytes ?? DEFAULT_MAX_MESSAGE_BYTES;
@@ -255,7 +268,7 @@ export class ContextEngineClient {
       return this.call(ContextEngineService.build, BuildRequest, request, options);
     }
     // One deadline for the Build, a resend included.
-    const deadline = Date.now() + (options.deadlineMs ?? this.deadlineMs);
+    const deadline = this.deadlineOf(options);
     const tally: BuildTally = { incremental: false, fullResends: 0, requestBytes: 0,
       responseBytes: 0, fullRequestBytes: 0, fullResponseBytes: 0 };
     const attempt = async (prepared: Prepared): Promise<BuildResponse> => {
@@ -277,13 +290,18 @@ export class ContextEngineClient {
       const resend = first.base !== undefined && (err instanceof DeltaMismatchError ||
         (err instanceof ContextEngineError && err.code === grpc.status.FAILED_PRECONDITION &&
          err.reason === BUILD_BASE_UNKNOWN));
-      if (!resend) throw err;
+      if (!resend) throw faulty(err);
       tally.fullResends += 1;
+      if (Date.now() >= deadline) {  // nothing is sent past the Build's deadline
+        throw new ContextEngineError({ code: grpc.status.DEADLINE_EXCEEDED, method: "Build",
+          details: "the Build's deadline passed before it could be sent again whole",
+          cause: err });
+      }
       try {
         response = await attempt(builds.prepare(request, true));
       } catch (again) {
         builds.forget(request.tenantId, request.sessionId);
-        throw again;
+        throw faulty(again);
       }
     }
     builds.count(tally);
@@ -299,19 +317,30 @@ export class ContextEngineClient {
       (buf: Buffer) => [BuildResponse.decode(buf), buf], null, options, deadline);
   }
 
+  /** The call's deadline (epoch ms): its own `deadlineMs`, else the client's. */
+  private deadlineOf(options: CallOptions): number {
+    const ms = options.deadlineMs ?? this.deadlineMs;
+    if (typeof ms !== "number" || !(ms > 0) || !Number.isFinite(ms)) {
+      throw new RangeError(`deadlineMs must be a positive, finite number of milliseconds, ` +
+        `got ${String(ms)}`);
+    }
+    return Date.now() + ms;
+  }
+
   private call<Req, Res>(definition: grpc.MethodDefinition<Req, Res>, type: Fills<Req>,
                          input: DeepPartial<Req>, options: CallOptions = {}): Promise<Res> {
     const method = definition.path.slice(definition.path.lastIndexOf("/") + 1);
     let request: Req;
+    let deadline: number;
     try {
+      deadline = this.deadlineOf(options);
       request = type.fromPartial(input);
     } catch (err) {
       return Promise.reject(err);
     }
     return this.unary<Res>(definition.path, method,
       this.channelFor(method, request as { idempotencyKey?: string }),
-      definition.requestSerialize, definition.responseDeserialize, request, options,
-      Date.now() + (options.deadlineMs ?? this.deadlineMs));
+      definition.requestSerialize, definition.responseDeserialize, request, options, deadline);
   }
 
   private unary<Res>(path: string, method: string, channel: grpc.Client,

@@ -17,6 +17,7 @@ import {
   BuildRequest,
   BuildResponse,
   ContextEngineClient,
+  ContextEngineError,
   ContextEngineService,
   ConversationItem,
   DeltaMismatchError,
@@ -364,6 +365,8 @@ class FakeEngine {
   seen: BuildRequest[] = [];
   ignoresBases = false;
   corruptSize = false;
+  /** Answers a whole Build with a delta (a faulty server). */
+  deltaForWhole = false;
   refuse: grpc.status | undefined;
 
   async start(): Promise<void> {
@@ -417,6 +420,9 @@ class FakeEngine {
     const buildId = keep ? randomBytes(8).toString("hex") : "";
     const whole = this.render(req, items, buildId);
     if (keep) this.bases.set(buildId, { session, items, response: whole });
+    if (base === undefined && this.deltaForWhole) {
+      return BuildResponse.fromPartial({ ...whole, delta: { baseBuildId: "b0" } });
+    }
     if (base === undefined) return whole;
 
     const old = base.response;
@@ -545,6 +551,45 @@ describe("the client's incremental Build", () => {
     assert.deepEqual(engine.seen.map((r) => [r.baseBuildId !== "", r.checkpoint?.items.length]),
       [[false, 1], [false, 2], [true, 1], [false, 3], [false, 4]]);
   });
+
+  test("a faulty answer is a ContextEngineError (INTERNAL), never a bare mismatch", async () => {
+    const client = open();
+    engine.deltaForWhole = true;
+    try {
+      // a whole Build answered with a delta: no resend mends it
+      await assert.rejects(client.build(step(1)), (err: unknown) =>
+        err instanceof ContextEngineError && err.code === GrpcStatus.INTERNAL &&
+        err.method === "Build" && /a delta answers a Build that named no base/.test(err.details) &&
+        err.cause instanceof DeltaMismatchError);
+      // the whole resend after a mismatch answered with a delta: the same
+      engine.deltaForWhole = false;
+      await client.build(step(2));
+      engine.corruptSize = true;
+      engine.deltaForWhole = true;
+      await assert.rejects(client.build(step(3)), (err: unknown) =>
+        err instanceof ContextEngineError && err.code === GrpcStatus.INTERNAL);
+    } finally {
+      engine.deltaForWhole = false;
+      engine.corruptSize = false;
+    }
+    assert.deepEqual(engine.seen.map((r) => r.baseBuildId !== ""), [false, false, true, false]);
+  });
+
+  test("a per-call deadline that is not a positive, finite number is refused, nothing sent",
+    async () => {
+      const client = open();
+      for (const deadlineMs of [0, -5, Number.NaN, Number.POSITIVE_INFINITY]) {
+        for (const call of [() => client.build(step(1), { deadlineMs }),
+          () => client.getPlan({ tenantId: "t", sessionId: session }, { deadlineMs })]) {
+          await assert.rejects(call(), (err: unknown) => err instanceof RangeError &&
+            err.message.startsWith("deadlineMs must be a positive, finite number"));
+        }
+      }
+      assert.deepEqual(engine.seen, []);
+      for (const deadlineMs of [0, Number.NaN, Number.POSITIVE_INFINITY]) {
+        assert.throws(() => open({ deadlineMs }), RangeError);
+      }
+    });
 
   test("other errors propagate and drop the session's base", async () => {
     const client = open();

@@ -308,9 +308,11 @@ class IncrementalBuilds:
         """The full response from ``response``, the answer to ``sent`` (the request
         :meth:`prepare` or :meth:`fallback` returned, as it went on the wire; ``base``: what
         prepare returned with it, None for a whole request); and holds it as the session's
-        base. A response without a delta is returned as it is. Raises :class:`DeltaMismatch`
-        (holding and counting nothing; ``tally`` has this attempt's bytes) when the delta does
-        not read back: then send the request whole (:meth:`fallback`); and
+        base. A response without a delta to a whole request is returned as it is. Raises
+        :class:`DeltaMismatch` (holding and counting nothing; ``tally`` has this attempt's
+        bytes) when the delta does not read back, or when a request naming a base is answered
+        without one (a server that ignores bases built the items sent alone): then send the
+        request whole (:meth:`fallback`); and
         :class:`~context_engine_client.Internal` for a delta answering a whole request. A
         response without a ``build_id`` (the service kept nothing) leaves what is held as it
         was. The Build, with the earlier attempts ``tally`` holds, is added to :attr:`stats`."""
@@ -338,6 +340,9 @@ class IncrementalBuilds:
                                     f" not to {base.build_id!r}")
             full, answer, full_bytes = _reconstruct(resp, base.held.answer, wire_bytes)
         else:
+            if base is not None:  # a server that ignores base_build_id built the items sent
+                raise DeltaMismatch("the server answered a Build naming a base without a "
+                                    "delta: it built the items sent alone")
             full, full_bytes = resp, wire_bytes
             if keep:
                 answer = _whole_answer(resp)
