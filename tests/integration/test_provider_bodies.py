@@ -896,6 +896,10 @@ REPLAYS = {
                                    True),
     "bedrock reasoning of unknown shape": (pb.PROVIDER_FORMAT_BEDROCK_CONVERSE, "bedrock",
                                            {"reasoningContent": {"thinking": "x"}}, False),
+    "anthropic block that is not thinking": (pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES, "anthropic",
+                                             {"type": "text", "text": "x"}, False),
+    "openai item that is not reasoning": (pb.PROVIDER_FORMAT_OPENAI_RESPONSES, "openai",
+                                          {"type": "message", "content": []}, False),
 }
 
 
@@ -927,6 +931,8 @@ def test_replayed_reasoning_reaches_its_sdk_as_the_model_gave_it(stub, ids, case
         assert not valid, f"{case}: refused: {f.message}"
         assert f.code is grpc.StatusCode.INVALID_ARGUMENT
         assert f.reason == "PROVIDER_FORMAT_UNRENDERABLE" and f.metadata["provider_format"] == name
+        # the item's own field, at its position in the checkpoint
+        assert list(f.violations) == ["checkpoint.items[1].reasoning.opaque"], f.violations
         return
     body = json.loads(resp.provider_body_json)
     if valid and name == "bedrock_converse":  # verbatim, ahead of the calls it led to

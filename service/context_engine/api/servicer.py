@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
@@ -28,6 +29,8 @@ from context_engine.domain.errors import (
     RequestTooLarge,
     ResponseTooLarge,
 )
+from context_engine.domain.items import ConversationItem
+from context_engine.domain.provider_common import ProviderFormatError
 from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
@@ -255,7 +258,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 for c in result.budget.classes:
                     record.span[f"context_engine.tokens.{c.class_name}"] = c.used
                 record.span["context_engine.yield_steps"] = record.extra["yield_steps"]
-                with child(self._tracer, "context_engine.render") as render_span:
+                with child(self._tracer, "context_engine.render") as render_span, \
+                        _located(checkpoint.items):
                     if base is not None or request.keep_base:
                         answer = incremental.respond(
                             result, provider_format, self._engine.catalog,
@@ -420,6 +424,15 @@ def _refusing_undecodable(servicer: ContextEngineServicer, method: str
             raise InvalidInput.one("request", f"is not a valid {bad.message_type}: {bad.why}")
         return await servicer._run(method, context, refuse)
     return handle
+
+
+@contextlib.contextmanager
+def _located(items: Sequence[ConversationItem]) -> Iterator[None]:
+    """A render's refusal of an item at the item's position in the whole checkpoint."""
+    try:
+        yield
+    except ProviderFormatError as exc:
+        raise exc.located({it.id: i for i, it in enumerate(items)}) from None
 
 
 def _serialize(response: Any) -> bytes:

@@ -57,6 +57,24 @@ class ProviderFormatError(InvalidInput):
     def metadata(self) -> dict[str, str]:
         return {**super().metadata(), "provider_format": self.provider_format}
 
+    def located(self, positions: Mapping[str, int]) -> ProviderFormatError:
+        """The same refusal with each :class:`ItemViolation` at its item's position in the
+        checkpoint (``positions``: item id -> index), e.g.
+        ``checkpoint.items[3].reasoning.opaque``; the render knows items by id only."""
+        return ProviderFormatError(self.provider_format, [
+            FieldViolation(f"checkpoint.items[{positions[v.item_id]}]{v.suffix}", v.description)
+            if isinstance(v, ItemViolation) and v.item_id in positions else v
+            for v in self.violations])
+
+
+@dataclass(frozen=True)
+class ItemViolation(FieldViolation):
+    """A violation of one checkpoint item, known by its id: ``field`` is ``checkpoint.items``
+    until :meth:`ProviderFormatError.located` puts the item's position and ``suffix`` in."""
+
+    item_id: str = ""
+    suffix: str = ""
+
 
 # ----------------------------------------------------------------------------- tool names
 
@@ -130,9 +148,9 @@ def reasoning_object(m: Message) -> JSON | None:
 
 
 def unreplayable(m: Message, provider_format: str, expected: str) -> ProviderFormatError:
-    return ProviderFormatError(provider_format, [FieldViolation(
+    return ProviderFormatError(provider_format, [ItemViolation(
         "checkpoint.items", f"reasoning item {m.item_id!r} ({m.reasoning_provider}) is not "
-        f"{expected}: it cannot be replayed")])
+        f"{expected}: it cannot be replayed", item_id=m.item_id, suffix=".reasoning.opaque")])
 
 
 def tool_schema(text: str) -> JSON:
