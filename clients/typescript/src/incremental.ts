@@ -544,8 +544,10 @@ export class IncrementalBuilds {
     const layout = requestLayout(wireBytes, top);
     if (delta === undefined) {
       if (base !== undefined) {
-        // A server that does not know base_build_id answered for the items sent alone.
-        this.stopNamingBases();
+        // A server that does not know base_build_id answered for the items sent alone: the
+        // Build goes again whole. Only this Build: such a server keeps nothing (it answers no
+        // build_id), so no later Build names a base to it, while the replicas beside it that
+        // keep bases go on serving them.
         throw new DeltaMismatchError("the server answered a Build naming a base without a " +
           "delta: it ignores bases");
       }

@@ -339,10 +339,11 @@ describe("absorb", () => {
     assert.equal(prepared.baseBuildId, "b1");
     assert.throws(() => builds.absorb(prepared, ...received(full([message(1)], "{}",
       { buildId: "" }))), DeltaMismatchError);
-    assert.equal(builds.namesBases, false);
-    const again = builds.prepare(request([item(0), item(1)]));
-    assert.equal(again.base, undefined, "no base is named any more");
-    assert.equal(again.wire.keepBase, false);
+    // this Build goes again whole; bases are still named (a replica beside it may keep them)
+    assert.equal(builds.namesBases, true);
+    const again = builds.prepare(request([item(0), item(1)]), true);
+    assert.equal(again.base, undefined);
+    assert.equal(again.wire.keepBase, true);
     // and a delta answering a whole Build is refused likewise
     const whole = new IncrementalBuilds().prepare(request([item(0)]));
     assert.throws(() => new IncrementalBuilds().absorb(whole, ...received(deltaResponse(base, {},
@@ -536,7 +537,8 @@ describe("the client's incremental Build", () => {
     assert.deepEqual([client.buildStats().fullResends, client.buildStats().incremental], [1, 0]);
   });
 
-  test("a server that ignores bases: the Build again whole, and no base named after", async () => {
+  test("a server that ignores bases: that Build again whole; a replica keeping bases serves them",
+    async () => {
     const client = open();
     engine.ignoresBases = true;
     const first = await client.build(step(1));
@@ -548,8 +550,13 @@ describe("the client's incremental Build", () => {
     const got = await client.build(step(3));
     assert.deepEqual(encode(got), whole(step(3), ""));
     await client.build(step(4));
+    // a replica that keeps bases (a fleet being upgraded): bases are named to it again
+    engine.ignoresBases = false;
+    await client.build(step(5));
+    await client.build(step(6));
     assert.deepEqual(engine.seen.map((r) => [r.baseBuildId !== "", r.checkpoint?.items.length]),
-      [[false, 1], [false, 2], [true, 1], [false, 3], [false, 4]]);
+      [[false, 1], [false, 2], [true, 1], [false, 3], [false, 4], [false, 5], [true, 1]]);
+    assert.equal(client.buildStats().fullResends, 1);
   });
 
   test("a faulty answer is a ContextEngineError (INTERNAL), never a bare mismatch", async () => {
