@@ -156,6 +156,12 @@ def held(builds: IncrementalBuilds, req: pb.BuildRequest, resp: pb.BuildResponse
     return builds.absorb(wire, resp, base)
 
 
+def relative(base: Any, full: pb.BuildResponse) -> pb.BuildResponse:
+    """``full`` as the answer to a Build naming ``base`` (what prepare returned): a delta that
+    sends everything whole."""
+    return delta_of(pb.BuildResponse(build_id=base.build_id), full)
+
+
 def keeping(req: pb.BuildRequest) -> pb.BuildRequest:
     """The whole request, asking the service to keep it as a base."""
     out = pb.BuildRequest()
@@ -377,7 +383,13 @@ def test_a_response_the_service_did_not_keep_leaves_what_is_held():
     held(builds, req, response("b1", [message(0)]))
     sent, base = builds.prepare(req)
     assert base is not None
-    builds.absorb(sent, response("", [message(0)]), base)  # kept nothing: b1 is still the base
+    # kept nothing (a replica whose cache cannot hold it): b1 is still the base
+    builds.absorb(sent, relative(base, response("", [message(0)])), base)
+    assert builds.prepare(req)[0].base_build_id == "b1"
+    # a server that predates bases answers a Build naming one whole: refused, b1 still held
+    sent, base = builds.prepare(req)
+    with pytest.raises(DeltaMismatch, match="without a delta"):
+        builds.absorb(sent, response("", [message(0)]), base)
     assert builds.prepare(req)[0].base_build_id == "b1"
 
 
@@ -401,7 +413,7 @@ def test_appended_items_are_sent_alone_and_the_rest_of_the_request_whole():
     assert req.HasField("estimator_factor") and wire.HasField("estimator_factor")
     assert builds.stats.request_bytes == keeping(first).ByteSize()  # this one not yet
     assert not wire.keep_base  # a Build naming a base is kept anyway
-    builds.absorb(wire, response("b2", [message(0)]), base)
+    builds.absorb(wire, relative(base, response("b2", [message(0)])), base)
     assert builds.stats.request_bytes == keeping(first).ByteSize() + wire.ByteSize()
     assert builds.stats.full_request_bytes == first.ByteSize() + req.ByteSize()
 
@@ -433,12 +445,12 @@ def test_an_item_the_caller_changed_in_place_is_sent_again():
     assert [i.id for i in wire.checkpoint.items] == ["i1", "i2", "i3", "i4"]
     assert wire.checkpoint.items[0].user.text == "edited after it was sent"
     # and once absorbed, the held copy is the edited one
-    builds.absorb(wire, response("b2", [message(0)]), base)
+    builds.absorb(wire, relative(base, response("b2", [message(0)])), base)
     req.checkpoint.items.append(item(5))
     wire, base = builds.prepare(req)
     assert wire.base_items_kept == 5 and [i.id for i in wire.checkpoint.items] == ["i5"]
     # an item first sent relative to a base (copied then), changed in place afterwards
-    builds.absorb(wire, response("b3", [message(0)]), base)
+    builds.absorb(wire, relative(base, response("b3", [message(0)])), base)
     req.checkpoint.items[5].user.text = "edited too"
     wire, base = builds.prepare(req)
     assert wire.base_items_kept == 5 and wire.checkpoint.items[0].user.text == "edited too"
