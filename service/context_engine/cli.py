@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import hashlib
 import json
 import logging
@@ -192,9 +193,11 @@ def _run(args: argparse.Namespace, config: Config) -> int:
                 host, port = split_addr(addr)
                 taken = port_taken(host, port)
                 if taken is not None:
+                    hint = ("is a server already running there? Stop it, or choose another "
+                            "address" if taken.errno == errno.EADDRINUSE else
+                            "choose an address this machine can bind")
                     print(f"{PROG}: cannot serve on {addr} ({setting}): "
-                          f"{taken.strerror or taken}; is a server already running there? "
-                          f"Stop it, or choose another address", file=sys.stderr)
+                          f"{taken.strerror or taken}; {hint}", file=sys.stderr)
                     return 2
         count = config.worker_count()
         if count > 1 and WORKER_ENV not in os.environ:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import re
 import subprocess
 import sys
@@ -112,8 +113,9 @@ def test_service_and_client_messages_share_one_descriptor_in_a_process():
 
 
 def test_construction_checks_its_arguments():
-    with pytest.raises(ValueError, match="timeout"):
-        Client(target="127.0.0.1:1", timeout=0)
+    for timeout in (0, -1.0, math.nan, math.inf):  # an infinite timeout is no deadline to gRPC
+        with pytest.raises(ValueError, match="timeout must be positive, finite seconds"):
+            Client(target="127.0.0.1:1", timeout=timeout)
     with pytest.raises(ValueError, match="go together"):
         Client(target="127.0.0.1:1", client_certificate_chain=b"pem")
     with pytest.raises(ValueError, match="token"):

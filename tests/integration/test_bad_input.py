@@ -137,6 +137,24 @@ def test_bad_build_requests(stub, ids, db, case):
     assert db.counts(tenant) == before
 
 
+@pytest.mark.parametrize("fmt", [pb.PROVIDER_FORMAT_NONE, pb.PROVIDER_FORMAT_OPENAI_RESPONSES,
+                                 pb.PROVIDER_FORMAT_OPENAI_CHAT_COMPLETIONS,
+                                 pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES])
+def test_arguments_with_a_lone_surrogate_are_refused_in_every_format(stub, ids, fmt):
+    """Whether a checkpoint is valid does not depend on the format asked for: formats that send
+    arguments as text (OpenAI) refuse a lone surrogate as those that parse them do."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    items = BUILD_CASES["arguments with a lone surrogate"][0]
+    request = build_request(tenant, session, items=items)
+    request.provider_format = fmt
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(request)
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "checkpoint.items[0].tool_calls.calls[0].arguments_json" in f.violations
+
+
 def test_arguments_with_a_nul_escape_build(stub, ids):
     """Build stores nothing of a checkpoint, and every body re-escapes NUL: arguments carrying a
     \\u0000 escape are a JSON object like any other (a schema is refused: plans are stored)."""

@@ -87,6 +87,28 @@ def test_a_response_over_the_send_limit_is_resource_exhausted_with_its_size(limi
     assert 48_000 < lean.ByteSize() <= 64 * 1024 and not lean.provider_body_json
 
 
+def test_a_response_over_the_send_limit_keeps_no_base(limited_stub, ids):
+    """A Build asking to keep its base whose response is refused RESPONSE_TOO_LARGE keeps nothing:
+    its build_id never reached the caller, so a kept base would only evict (the session keeps 4)
+    the base the caller's next Build names."""
+    tenant, session = ids
+    limited_stub.Plan(plan_request(tenant, session))
+    small = many_items(3)
+    first = build_request(tenant, session, items=small)
+    first.keep_base = True
+    base_id = limited_stub.Build(first).build_id
+    assert base_id
+    for n in range(5):
+        big = build_request(tenant, session, items=many_items(12 + n, size=4000))
+        big.keep_base = True
+        with pytest.raises(grpc.RpcError) as info:
+            limited_stub.Build(big)
+        assert failure(info.value).reason == "RESPONSE_TOO_LARGE"
+    again = build_request(tenant, session, items=[])
+    again.base_build_id, again.base_items_kept = base_id, len(small)
+    assert limited_stub.Build(again).build_id  # served from the base: it was not evicted
+
+
 def test_an_item_over_the_byte_limit_is_resource_exhausted(limited_stub, ids, db):
     tenant, session = ids
     limited_stub.Plan(plan_request(tenant, session))

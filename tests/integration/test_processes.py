@@ -148,6 +148,16 @@ def test_a_second_server_on_a_busy_port_refuses_to_start(two_servers, database_u
     assert stub.Plan(plan_request(tenant, "still-serving"), timeout=30).created
 
 
+def test_an_address_this_machine_cannot_bind_is_refused_for_what_it_is(database_url):
+    """An address no interface here has (TEST-NET-1) is refused with exit 2 and the system's own
+    reason, not taken for a server already running there."""
+    done = serve_on(database_url, "127.0.0.1:0", "192.0.2.1:9464")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert ("cannot serve on 192.0.2.1:9464 (CE_METRICS_ADDR): Cannot assign requested address; "
+            "choose an address this machine can bind") in done.stderr, done.stderr
+    assert "already running" not in done.stderr and "Traceback" not in done.stderr
+
+
 def test_a_restart_binds_the_port_its_last_run_held(database_url):
     """The busy-port check does not refuse a restart on the same port (connections of the last
     run may still be in TIME_WAIT)."""

@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from context_engine.domain.builder import (
@@ -223,9 +223,10 @@ def plan_inputs(draw: st.DrawFn) -> PlanInputs:
     )
 
 
-def skills(plan: ContextPlan) -> list[str]:
-    """The names of the plan's pinned skill catalog: what a checkpoint may load."""
-    return [e.name for e in plan.spec.skill_catalog]
+def skills(plan: ContextPlan) -> dict[str, TrustLevel]:
+    """The plan's pinned skill catalog, each name with its pinned trust: what a checkpoint may
+    load, at that trust or below."""
+    return {e.name: e.trust for e in plan.spec.skill_catalog}
 
 
 def make_plan(i: PlanInputs) -> ContextPlan:
@@ -431,12 +432,15 @@ knowledge = st.lists(
 ).map(lambda ps: tuple(KnowledgePassage(id=i, source=s, text=t, rank=r, trust=tr)
                        for i, s, t, r, tr in ps))
 
-def loaded_skills(catalog: Sequence[str]) -> st.SearchStrategy[tuple[SkillBody, ...]]:
-    """Up to two skills loaded from the plan's ``catalog`` (skill.load takes no other name)."""
+def loaded_skills(catalog: Mapping[str, TrustLevel]) -> st.SearchStrategy[tuple[SkillBody, ...]]:
+    """Up to two skills loaded from the plan's ``catalog`` (skill.load takes no other name),
+    each at its pinned trust or below (a body never claims more than its pin)."""
     if not catalog:
         return st.just(())
-    return st.lists(st.tuples(st.sampled_from(tuple(catalog)), texts(), trust_levels),
-                    max_size=2, unique_by=lambda s: s[0]).map(
+    loaded = st.sampled_from(tuple(catalog)).flatmap(lambda n: st.tuples(
+        st.just(n), texts(),
+        st.sampled_from([t for t in TrustLevel if t.rank <= catalog[n].rank])))
+    return st.lists(loaded, max_size=2, unique_by=lambda s: s[0]).map(
         lambda ss: tuple(SkillBody(name=n, body=b, trust=t) for n, b, t in ss))
 
 runtimes = st.builds(
@@ -452,12 +456,12 @@ runtimes = st.builds(
 
 @st.composite
 def checkpoints(draw: st.DrawFn, names: Sequence[str] = (),
-                skills: Sequence[str] = ()) -> Checkpoint:
+                skills: Mapping[str, TrustLevel] | None = None) -> Checkpoint:
     """A valid checkpoint; ``names`` are tool names tool calls may use besides the usual,
     ``skills`` the plan's skill catalog its loaded skills come from."""
     active, items = draw(conversation(names))
     return Checkpoint(
-        active_run_id=active, items=items, loaded_skills=draw(loaded_skills(skills)),
+        active_run_id=active, items=items, loaded_skills=draw(loaded_skills(skills or {})),
         working_state=draw(working_states()), recall=draw(memory_lines),
         corrections=draw(memory_lines), knowledge=draw(knowledge), runtime=draw(runtimes))
 

@@ -414,6 +414,33 @@ def test_a_loaded_skill_outside_the_catalog_is_refused() -> None:
     assert a.canary in check_build(r, [a.canary])
 
 
+def test_a_loaded_skill_above_its_pinned_trust_is_refused() -> None:
+    """The catalog pins each skill's trust (where it comes from); a loaded body claiming more
+    would leave its envelope and speak as configuration. It is refused, naming the field, for
+    every level above the pin; at the pin or below it builds, and an attack in it stays
+    enveloped."""
+    levels = sorted(TrustLevel, key=lambda t: t.rank)
+    a = SHORT_ATTACKS[0]
+    for pinned in levels:
+        catalog = (SkillCatalogEntry(name="community", description="A community skill.",
+                                     trust=pinned),)
+        lp = f.loaded(f.inputs(model_profile=f.model(context_window=2_000_000), skills=catalog))
+        for claimed in levels:
+            cp = f.checkpoint(_results(["ok"]), loaded_skills=(
+                SkillBody(name="community", body=a.text, trust=claimed),))
+            if claimed.rank > pinned.rank:
+                with pytest.raises(InvalidInput) as err:
+                    build(cp, lp)
+                assert [v.field for v in err.value.violations] == \
+                    ["checkpoint.loaded_skills[0].trust"]
+                assert (f"{claimed.value} is above the {pinned.value} the plan's catalog pins"
+                        in err.value.violations[0].description)
+            elif claimed.enveloped:
+                assert a.canary in check_build(build(cp, lp), [a.canary])
+            else:
+                build(cp, lp)
+
+
 # ----------------------------------------------------------------------------- summaries
 
 class EchoSummarizer:

@@ -244,8 +244,9 @@ export class ContextEngineClient {
 
   /** Waits until the channel is connected, or rejects when the deadline passes. */
   waitForReady(deadlineMs = this.deadlineMs): Promise<void> {
+    const deadline = this.deadlineOf({ deadlineMs }); // RangeError for a deadline that is no time
     return new Promise((resolve, reject) => {
-      this.channel.waitForReady(Date.now() + deadlineMs, (err) => (err ? reject(err) : resolve()));
+      this.channel.waitForReady(deadline, (err) => (err ? reject(err) : resolve()));
     });
   }
 

@@ -386,8 +386,6 @@ export class IncrementalBuilds {
   readonly maxSessions: number;
   private readonly held = new Map<string, Held>();
   private readonly counts = emptyStats();
-  /** Set once a server answered a Build that named a base without a delta: it ignores bases. */
-  private basesIgnored = false;
 
   constructor(maxSessions = DEFAULT_MAX_SESSIONS) {
     if (!Number.isInteger(maxSessions) || maxSessions < 0) {
@@ -430,14 +428,9 @@ export class IncrementalBuilds {
     c.fullResponseBytes += tally.fullResponseBytes;
   }
 
-  /** Stops naming bases (a server that ignores them answered). */
-  stopNamingBases(): void {
-    this.basesIgnored = true;
-  }
-
   /** Whether Builds still name bases. */
   get namesBases(): boolean {
-    return !this.basesIgnored && this.maxSessions > 0;
+    return this.maxSessions > 0;
   }
 
   /**

@@ -595,6 +595,7 @@ describe("the client's incremental Build", () => {
       assert.deepEqual(engine.seen, []);
       for (const deadlineMs of [0, Number.NaN, Number.POSITIVE_INFINITY]) {
         assert.throws(() => open({ deadlineMs }), RangeError);
+        assert.throws(() => client.waitForReady(deadlineMs), RangeError);
       }
     });
 

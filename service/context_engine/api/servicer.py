@@ -97,12 +97,9 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                             "rpc.method": method}) as span:
             try:
                 response = await call(record)
-                if self.max_response_bytes is None:
-                    return response
-                data = response.SerializeToString()  # type: ignore[attr-defined]
-                if len(data) > self.max_response_bytes:
-                    raise ResponseTooLarge(len(data), self.max_response_bytes)
-                return cast(Resp, data)  # the handler's serializer passes bytes through
+                if self.max_response_bytes is None or isinstance(response, bytes):
+                    return response  # a message, or bytes a call has already sized
+                return cast(Resp, self._sized(response))
             except ContextEngineError as exc:
                 code, status = status_for(exc)
                 record.extra["reason"] = exc.reason
@@ -161,6 +158,14 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             record.epoch, record.prefix_sha256 = loaded.plan.epoch, loaded.plan.prefix_sha256
             return pb.GetPlanResponse(plan=mapping.plan_pb(loaded, catalog=self._engine.catalog))
         return await self._run("GetPlan", context, call)
+
+    def _sized(self, response: Any) -> bytes:
+        """``response`` serialized, refused RESPONSE_TOO_LARGE over ``max_response_bytes``
+        (the handler's serializer passes bytes through)."""
+        data: bytes = response.SerializeToString()
+        if self.max_response_bytes is not None and len(data) > self.max_response_bytes:
+            raise ResponseTooLarge(len(data), self.max_response_bytes)
+        return data
 
     async def Build(self, request: pb.BuildRequest,
                     context: grpc.aio.ServicerContext[Any, Any]) -> pb.BuildResponse:
@@ -281,7 +286,12 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             await self._engine.build(request.tenant_id, request.session_id,
                                      loaded.plan.epoch, checkpoint, factor, validated=True,
                                      incarnation=loaded.plan.incarnation, then=respond)
+            sized = None
             if answer is not None and answer.base is not None:  # else kept nowhere
+                if self.max_response_bytes is not None:
+                    # sized before the base is kept: one never handed over keeps nothing
+                    # (nor evicts a base the session's next Build names)
+                    sized = self._sized(response)
                 evicted = builds.put(response.build_id, answer.base)
                 if evicted:  # their memory is given back once the response is handed over
                     asyncio.get_running_loop().call_soon(evicted.clear)
@@ -290,7 +300,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             if base is not None and answer is not None:
                 record.extra["base_items_kept"] = kept
                 record.extra["messages_sent"] = answer.sent_messages
-            return response
+            return cast(pb.BuildResponse, sized) if sized is not None else response
         return await self._run("Build", context, call)
 
     async def ReportUsage(self, request: pb.ReportUsageRequest,

@@ -50,12 +50,12 @@ def port_taken(host: str, port: int) -> OSError | None:
     if port == 0:
         return None
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
+    try:  # an address family this machine lacks is as much a refusal as a busy port
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
-        except OSError as exc:
-            return exc
+    except OSError as exc:
+        return exc
     return None
 
 

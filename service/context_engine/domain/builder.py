@@ -618,10 +618,21 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     # A loaded skill is one of the plan's pinned catalog (skill.load takes no other name): its
     # name is rendered in the platform's line before the envelope, so a name the catalog does
     # not pin would put caller text in the platform's voice.
-    catalog = {e.name for e in loaded.plan.spec.skill_catalog}
-    unknown = [FieldViolation(f"checkpoint.loaded_skills[{i}].name",
-                              f"{s.name!r} is not a skill of the plan's catalog")
-               for i, s in enumerate(cp.loaded_skills) if s.name not in catalog]
+    # Its body may carry no more trust than the catalog pins for it: the pin says where the
+    # skill comes from, and a body claiming more would leave its envelope (less is kept: it
+    # only envelopes more).
+    catalog = {e.name: e.trust for e in loaded.plan.spec.skill_catalog}
+    unknown = []
+    for i, s in enumerate(cp.loaded_skills):
+        pinned = catalog.get(s.name)
+        if pinned is None:
+            unknown.append(FieldViolation(f"checkpoint.loaded_skills[{i}].name",
+                                          f"{s.name!r} is not a skill of the plan's catalog"))
+        elif s.trust.rank > pinned.rank:
+            unknown.append(FieldViolation(
+                f"checkpoint.loaded_skills[{i}].trust",
+                f"{s.trust.value} is above the {pinned.value} the plan's catalog pins for "
+                f"skill {s.name!r}"))
     if unknown:
         raise InvalidInput(unknown)
     skills = [SkillBodyItem(name=s.name, body=s.body, skill_trust=s.trust)

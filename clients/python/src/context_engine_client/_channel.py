@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -144,8 +145,9 @@ def merge_metadata(base: tuple[tuple[str, str], ...],
 
 
 def check_timeout(timeout: float) -> float:
-    if not timeout > 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+    # gRPC takes an infinite timeout as none at all: a call that may never end is refused too
+    if not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be positive, finite seconds, got {timeout!r}")
     return float(timeout)
 
 

@@ -1206,8 +1206,12 @@ class SkillBody(_message.Message):
     BODY_FIELD_NUMBER: _builtins.int
     TRUST_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    """A skill of the plan's pinned skill catalog (skill.load takes no other name)."""
     body: _builtins.str
     trust: Global___TrustLevel.ValueType
+    """At most the trust the catalog pins for the skill: a body claiming more is refused
+    INVALID_ARGUMENT at checkpoint.loaded_skills[i].trust. Less is kept (it only envelopes more).
+    """
     def __init__(
         self,
         *,
