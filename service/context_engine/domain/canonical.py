@@ -47,12 +47,14 @@ _OBJECT_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=
 
 # A \uD800-\uDFFF escape: half of a UTF-16 surrogate pair. Python's json decodes one that is not
 # in a pair to a lone surrogate, which is not a Unicode character: no UTF-8 text (a provider
-# body, a stored plan) can carry it. Texts arriving over gRPC are valid UTF-8, so such an escape
-# is the only way one gets in.
+# body that re-encodes it, a stored plan) can carry it. Texts arriving over gRPC are valid
+# UTF-8, so such an escape is the only way one gets in. A valid pair's escapes match too: one
+# encoding of the parsed value tells them apart.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 NOT_AN_OBJECT = "is not a JSON object"
 LONE_SURROGATE = ("holds a lone surrogate escape (\\ud800-\\udfff outside a pair): not a "
-                  "Unicode character, so no UTF-8 request body can carry it")
+                  "Unicode character, so a body sending it as JSON (Anthropic, Gemini, Bedrock) "
+                  "cannot carry it; refused in every format alike")
 
 
 def _parse_object(text: str) -> dict[str, Any] | None:
