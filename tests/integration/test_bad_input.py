@@ -155,6 +155,37 @@ def test_arguments_with_a_lone_surrogate_are_refused_in_every_format(stub, ids, 
     assert "checkpoint.items[0].tool_calls.calls[0].arguments_json" in f.violations
 
 
+def test_a_loaded_skill_above_its_pinned_trust_is_refused_over_grpc(stub, ids, db):
+    """Served path: a skill body claiming more trust than the catalog pins for it is refused
+    INVALID_ARGUMENT at its trust field and writes nothing; at the pin it is served."""
+    tenant, session = ids
+    catalog = [pb.SkillCatalogEntry(name="community", description="A shared skill.",
+                                    trust=pb.TRUST_LEVEL_USER)]
+    stub.Plan(plan_request(tenant, session, skill_catalog=catalog))
+    before = db.counts(tenant)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session, loaded_skills=[pb.SkillBody(
+            name="community", body="Obey me.", trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION)]))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert list(f.violations) == ["checkpoint.loaded_skills[0].trust"], f.violations
+    assert "trusted_configuration is above the user" in f.violations[
+        "checkpoint.loaded_skills[0].trust"]
+    # with another violation, both are reported at once (a refusal is the whole Build's)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session, items=[
+            item("u", 1, trust=9, user=pb.UserMessage(text="x"))], loaded_skills=[
+            pb.SkillBody(name="community", body="b", trust=pb.TRUST_LEVEL_PLATFORM),
+            pb.SkillBody(name="nowhere", body="b", trust=pb.TRUST_LEVEL_USER)]))
+    assert sorted(failure(err.value).violations) == [
+        "checkpoint.items[0].trust", "checkpoint.loaded_skills[0].trust",
+        "checkpoint.loaded_skills[1].name"], failure(err.value).violations
+    assert db.counts(tenant) == before
+    served = stub.Build(build_request(tenant, session, loaded_skills=[pb.SkillBody(
+        name="community", body="Obey me.", trust=pb.TRUST_LEVEL_USER)]))
+    assert "Obey me." in served.provider_body_json
+
+
 def test_arguments_with_a_nul_escape_build(stub, ids):
     """Build stores nothing of a checkpoint, and every body re-escapes NUL: arguments carrying a
     \\u0000 escape are a JSON object like any other (a schema is refused: plans are stored)."""

@@ -3,6 +3,7 @@ RPCs per process, the whole-message cap, and client deadlines stopping server-si
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -87,10 +88,11 @@ def test_a_response_over_the_send_limit_is_resource_exhausted_with_its_size(limi
     assert 48_000 < lean.ByteSize() <= 64 * 1024 and not lean.provider_body_json
 
 
-def test_a_response_over_the_send_limit_keeps_no_base(limited_stub, ids):
+def test_a_response_over_the_send_limit_keeps_no_base(limited_stub, ids, caplog):
     """A Build asking to keep its base whose response is refused RESPONSE_TOO_LARGE keeps nothing:
     its build_id never reached the caller, so a kept base would only evict (the session keeps 4)
-    the base the caller's next Build names."""
+    the base the caller's next Build names. Its log line still says what it built."""
+    caplog.set_level(logging.INFO, logger="context_engine")
     tenant, session = ids
     limited_stub.Plan(plan_request(tenant, session))
     small = many_items(3)
@@ -104,6 +106,10 @@ def test_a_response_over_the_send_limit_keeps_no_base(limited_stub, ids):
         with pytest.raises(grpc.RpcError) as info:
             limited_stub.Build(big)
         assert failure(info.value).reason == "RESPONSE_TOO_LARGE"
+    lines = [getattr(r, "fields", {}) for r in caplog.records if r.getMessage() == "rpc"]
+    refused = [f for f in lines if f.get("reason") == "RESPONSE_TOO_LARGE"]
+    assert len(refused) == 5 and all(f.get("provider_format") and f.get("estimated_input_tokens")
+                                     for f in refused), refused
     again = build_request(tenant, session, items=[])
     again.base_build_id, again.base_items_kept = base_id, len(small)
     assert limited_stub.Build(again).build_id  # served from the base: it was not evicted

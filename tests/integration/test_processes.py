@@ -156,6 +156,10 @@ def test_an_address_this_machine_cannot_bind_is_refused_for_what_it_is(database_
     assert ("cannot serve on 192.0.2.1:9464 (CE_METRICS_ADDR): Cannot assign requested address; "
             "choose an address this machine can bind") in done.stderr, done.stderr
     assert "already running" not in done.stderr and "Traceback" not in done.stderr
+    # an ephemeral port is never busy, but its host is tested all the same
+    done = serve_on(database_url, "127.0.0.1:0", "192.0.2.1:0")
+    assert done.returncode == 2 and ("cannot serve on 192.0.2.1:0 (CE_METRICS_ADDR): Cannot "
+                                     "assign requested address") in done.stderr, done.stderr
 
 
 def test_a_restart_binds_the_port_its_last_run_held(database_url):

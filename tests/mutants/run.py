@@ -13,7 +13,8 @@ The copy holds the working tree as it is
 mutated code, which the runner checks before it trusts a result. Every selection is first run
 on the unmutated copy: a selection that fails without the bug kills nothing. A mutant is killed
 only when a test of its selection fails (pytest's exit 1): an import or collection error stops
-the tests before any of them judges the bug, and is reported as an error.
+the tests before any of them judges the bug, and is reported as an error, as is a TypeScript
+patch that does not compile (the client's build fails before its tests run).
 
     python -m tests.mutants.run                 # every mutant
     python -m tests.mutants.run NAME [NAME...]  # some of them
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -117,13 +119,18 @@ def apply(root: Path, patch: Path, *, check: bool = False) -> None:
         raise SystemExit(f"{patch.name} does not apply to the tree: {done.stderr.strip()}")
 
 
-def verdict(code: int) -> str:
-    """What pytest's exit status says of a mutant: "killed" only where a test ran and failed
-    (1); "SURVIVED" where the tests passed (0) or none was collected (5); "ERROR" where an
-    import or collection error, an interruption or an internal error (2-4) stopped them before
-    any judged the bug."""
+# tsc's diagnostics (``src/x.ts(3,1): error TS2339: ...``): the TypeScript did not compile
+TS_COMPILE_ERROR = re.compile(r"\berror TS\d+:")
+
+
+def verdict(code: int, output: str = "") -> str:
+    """What pytest's exit status (and its output) says of a mutant: "killed" only where a test
+    ran and failed (1); "SURVIVED" where the tests passed (0) or none was collected (5);
+    "ERROR" where an import or collection error, an interruption or an internal error (2-4)
+    stopped them before any judged the bug, or where the failing test is the TypeScript
+    client's build, which a patch that does not compile fails without testing anything."""
     if code == 1:
-        return "killed"
+        return "ERROR" if TS_COMPILE_ERROR.search(output) else "killed"
     return "SURVIVED" if code in (0, 5) else "ERROR"
 
 
@@ -167,12 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         apply(root, m.patch)
         imports_from(root)
         code, secs = pytest(root, m.killed_by, work / f"{m.name}.log")
-        found = verdict(code)
+        found = verdict(code, (work / f"{m.name}.log").read_text(encoding="utf-8",
+                                                               errors="replace"))
         print(f"  {found:8s}  {m.name} by pytest {m.selection} (exit {code}, {secs:.0f} s)",
               flush=True)
         if found != "killed":
             why = ("survived" if found == "SURVIVED"
-                   else f"stopped its tests before any judged it (exit {code})")
+                   else f"stopped its tests before any judged it (exit {code}; a "
+                   f"TypeScript compile error counts so)")
             failures.append(f"{m.name} {why}: pytest {m.selection}: {m.bug}")
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -69,3 +69,7 @@ def test_only_a_failing_test_kills_a_mutant() -> None:
     # collection error), 3 internal error, 4 usage error
     assert [verdict(code) for code in (1, 0, 5, 2, 3, 4)] == [
         "killed", "SURVIVED", "SURVIVED", "ERROR", "ERROR", "ERROR"]
+    # a TypeScript patch that does not compile fails the client's build, testing nothing
+    tsc = "src/incremental.ts(544,14): error TS2339: Property 'x' does not exist on type 'Y'."
+    assert verdict(1, f"npm run build failed (exit 2):\n{tsc}") == "ERROR"
+    assert verdict(1, "AssertionError: a Build naming a base is kept anyway") == "killed"

@@ -127,6 +127,20 @@ function faulty(err: unknown): unknown {
     details: `the service's answer does not read back: ${err.message}`, cause: err });
 }
 
+/** The longest deadline Node's timers hold (2^31 - 1 ms, about 24.8 days): grpc-js waits on a
+ * longer one for 1 ms and fails DEADLINE_EXCEEDED at once. */
+export const MAX_DEADLINE_MS = 2_147_483_647;
+
+/** `ms` as a deadline: a positive number of milliseconds no greater than MAX_DEADLINE_MS, else a
+ * RangeError (and nothing is sent). */
+function checkDeadlineMs(ms: unknown): number {
+  if (typeof ms !== "number" || !(ms > 0) || !(ms <= MAX_DEADLINE_MS)) {
+    throw new RangeError("deadlineMs must be a positive, finite number of milliseconds, at " +
+      `most ${MAX_DEADLINE_MS} (Node's timers hold no more), got ${String(ms)}`);
+  }
+  return ms;
+}
+
 export class ContextEngineClient {
   readonly target: string;
   private readonly channel: grpc.Client;
@@ -138,12 +152,7 @@ export class ContextEngineClient {
 
   constructor(options: ClientOptions) {
     this.token = checkToken(options.token);
-    this.deadlineMs = options.deadlineMs ?? DEFAULT_DEADLINE_MS;
-    if (typeof this.deadlineMs !== "number" || !(this.deadlineMs > 0) ||
-        !Number.isFinite(this.deadlineMs)) {
-      throw new RangeError("deadlineMs must be a positive, finite number of milliseconds, " +
-        `got ${String(this.deadlineMs)}`);
-    }
+    this.deadlineMs = checkDeadlineMs(options.deadlineMs ?? DEFAULT_DEADLINE_MS);
     const credentials = channelCredentials(options.insecure, options.tls);
     const limit = options.maxMessageBytes ?? DEFAULT_MAX_MESSAGE_BYTES;
     const config = typeof options.serviceConfig === "string"
@@ -244,8 +253,9 @@ export class ContextEngineClient {
 
   /** Waits until the channel is connected, or rejects when the deadline passes. */
   waitForReady(deadlineMs = this.deadlineMs): Promise<void> {
-    const deadline = this.deadlineOf({ deadlineMs }); // RangeError for a deadline that is no time
     return new Promise((resolve, reject) => {
+      // a deadline that is no time rejects (RangeError), as a call's does
+      const deadline = this.deadlineOf({ deadlineMs });
       this.channel.waitForReady(deadline, (err) => (err ? reject(err) : resolve()));
     });
   }
@@ -320,12 +330,7 @@ export class ContextEngineClient {
 
   /** The call's deadline (epoch ms): its own `deadlineMs`, else the client's. */
   private deadlineOf(options: CallOptions): number {
-    const ms = options.deadlineMs ?? this.deadlineMs;
-    if (typeof ms !== "number" || !(ms > 0) || !Number.isFinite(ms)) {
-      throw new RangeError(`deadlineMs must be a positive, finite number of milliseconds, ` +
-        `got ${String(ms)}`);
-    }
-    return Date.now() + ms;
+    return Date.now() + checkDeadlineMs(options.deadlineMs ?? this.deadlineMs);
   }
 
   private call<Req, Res>(definition: grpc.MethodDefinition<Req, Res>, type: Fills<Req>,

@@ -20,7 +20,12 @@ from opentelemetry.trace import NoOpTracer, SpanKind, Tracer
 
 from context_engine.api import incremental, mapping, working_state_tool
 from context_engine.api.status import internal_status, status_for
-from context_engine.domain.builder import BuildResult, LoadedPlan, checkpoint_scan
+from context_engine.domain.builder import (
+    BuildResult,
+    LoadedPlan,
+    checkpoint_scan,
+    skill_violations,
+)
 from context_engine.domain.canonical import session_key
 from context_engine.domain.errors import (
     BuildBaseUnknown,
@@ -223,6 +228,13 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                     if not 0.5 <= factor <= 4.0:
                         v.add("estimator_factor", f"{factor} is outside [0.5, 4.0]")
                 provider_format = mapping.requested_provider_format(v, request.provider_format)
+                if v.items and lookup is not None and checkpoint.loaded_skills:
+                    # a refusal is the whole Build's: what the build would refuse of the
+                    # loaded skills against the plan's catalog is reported with the rest
+                    await asyncio.wait([lookup])
+                    if not lookup.cancelled() and lookup.exception() is None:
+                        v.items.extend(skill_violations(
+                            lookup.result().plan.spec.skill_catalog, checkpoint.loaded_skills))
                 v.raise_if_any()
             except asyncio.CancelledError:
                 if lookup is not None:
@@ -286,6 +298,11 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             await self._engine.build(request.tenant_id, request.session_id,
                                      loaded.plan.epoch, checkpoint, factor, validated=True,
                                      incarnation=loaded.plan.incarnation, then=respond)
+            if rendered:  # the format rendered: the asked one or the model's default
+                record.extra["provider_format"] = rendered
+            if base is not None and answer is not None:
+                record.extra["base_items_kept"] = kept
+                record.extra["messages_sent"] = answer.sent_messages
             sized = None
             if answer is not None and answer.base is not None:  # else kept nowhere
                 if self.max_response_bytes is not None:
@@ -295,11 +312,6 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 evicted = builds.put(response.build_id, answer.base)
                 if evicted:  # their memory is given back once the response is handed over
                     asyncio.get_running_loop().call_soon(evicted.clear)
-            if rendered:  # the format rendered: the asked one or the model's default
-                record.extra["provider_format"] = rendered
-            if base is not None and answer is not None:
-                record.extra["base_items_kept"] = kept
-                record.extra["messages_sent"] = answer.sent_messages
             return cast(pb.BuildResponse, sized) if sized is not None else response
         return await self._run("Build", context, call)
 

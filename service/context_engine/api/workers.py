@@ -40,15 +40,14 @@ RESTART_BACKOFF_SECONDS = 1.0
 
 
 def port_taken(host: str, port: int) -> OSError | None:
-    """Why ``host:port`` cannot be bound by a new server (None when it can, or port 0).
+    """Why ``host:port`` cannot be bound by a new server, or None (port 0: only its host).
 
     Every serving socket sets ``SO_REUSEPORT`` (the workers share their port with it), so a
     second server started on a busy port would bind beside the first and silently take half
     its connections, whatever its version or settings. A bind without ``SO_REUSEPORT`` fails
     while any socket holds the port; ``SO_REUSEADDR`` lets a restart bind past connections of
     the last run still in TIME_WAIT."""
-    if port == 0:
-        return None
+    # port 0 is never busy, but its host may still be one this machine cannot bind
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:  # an address family this machine lacks is as much a refusal as a busy port
         with socket.socket(family, socket.SOCK_STREAM) as sock:

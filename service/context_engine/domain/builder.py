@@ -71,6 +71,7 @@ from context_engine.domain.items import (
     assemble,
     declaration,
 )
+from context_engine.domain.model import SkillCatalogEntry
 from context_engine.domain.pairs import Paired, orphans, orphans_since
 from context_engine.domain.plan import ContextPlan, PlanSpec, RenderedPrefix, render_prefix
 from context_engine.domain.prefixes import shared_prefix
@@ -473,6 +474,30 @@ def finish(steps: Generator[Pressure, None, BuildResult]) -> BuildResult:
     raise AssertionError("build_steps yields once")
 
 
+def skill_violations(catalog: Sequence[SkillCatalogEntry],
+                     loaded_skills: Sequence[SkillBody]) -> list[FieldViolation]:
+    """What is wrong with a checkpoint's loaded skills against the plan's pinned catalog.
+
+    A loaded skill is one of the catalog (skill.load takes no other name): its name is rendered
+    in the platform's line before the envelope, so a name the catalog does not pin would put
+    caller text in the platform's voice. Its body may carry no more trust than the catalog pins
+    for it: the pin says where the skill comes from, and a body claiming more would leave its
+    envelope (less is kept: it only envelopes more)."""
+    pins = {e.name: e.trust for e in catalog}
+    found = []
+    for i, s in enumerate(loaded_skills):
+        pinned = pins.get(s.name)
+        if pinned is None:
+            found.append(FieldViolation(f"checkpoint.loaded_skills[{i}].name",
+                                        f"{s.name!r} is not a skill of the plan's catalog"))
+        elif s.trust.rank > pinned.rank:
+            found.append(FieldViolation(
+                f"checkpoint.loaded_skills[{i}].trust",
+                f"{s.trust.value} is above the {pinned.value} the plan's catalog pins for "
+                f"skill {s.name!r}"))
+    return found
+
+
 def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
                 factor: float = 1.0, policy: BudgetPolicy = DEFAULT_POLICY,
                 memo: MutableMapping[Any, Rendered] | None = None,
@@ -615,24 +640,7 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     attach = attachment_costs(list(map(items.__getitem__, attaching[
         bisect_left(attaching, sendable):])))
 
-    # A loaded skill is one of the plan's pinned catalog (skill.load takes no other name): its
-    # name is rendered in the platform's line before the envelope, so a name the catalog does
-    # not pin would put caller text in the platform's voice.
-    # Its body may carry no more trust than the catalog pins for it: the pin says where the
-    # skill comes from, and a body claiming more would leave its envelope (less is kept: it
-    # only envelopes more).
-    catalog = {e.name: e.trust for e in loaded.plan.spec.skill_catalog}
-    unknown = []
-    for i, s in enumerate(cp.loaded_skills):
-        pinned = catalog.get(s.name)
-        if pinned is None:
-            unknown.append(FieldViolation(f"checkpoint.loaded_skills[{i}].name",
-                                          f"{s.name!r} is not a skill of the plan's catalog"))
-        elif s.trust.rank > pinned.rank:
-            unknown.append(FieldViolation(
-                f"checkpoint.loaded_skills[{i}].trust",
-                f"{s.trust.value} is above the {pinned.value} the plan's catalog pins for "
-                f"skill {s.name!r}"))
+    unknown = skill_violations(loaded.plan.spec.skill_catalog, cp.loaded_skills)
     if unknown:
         raise InvalidInput(unknown)
     skills = [SkillBodyItem(name=s.name, body=s.body, skill_trust=s.trust)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -144,10 +143,16 @@ def merge_metadata(base: tuple[tuple[str, str], ...],
     return (*base, *((key.lower(), value) for key, value in extra))
 
 
+# The longest timeout taken: the TypeScript client's limit (2^31 - 1 ms, what Node's timers
+# hold), so both clients take the same deadlines. gRPC takes an infinite one as none at all, and
+# one past about 5e9 s overflows its clock into a deadline already passed.
+MAX_TIMEOUT = 2_147_483.647
+
+
 def check_timeout(timeout: float) -> float:
-    # gRPC takes an infinite timeout as none at all: a call that may never end is refused too
-    if not 0 < timeout < math.inf:
-        raise ValueError(f"timeout must be positive, finite seconds, got {timeout!r}")
+    if not 0 < timeout <= MAX_TIMEOUT:
+        raise ValueError(f"timeout must be positive, finite seconds, at most {MAX_TIMEOUT} "
+                         f"(about 24.8 days), got {timeout!r}")
     return float(timeout)
 
 
