@@ -88,13 +88,14 @@ class Failure:
     domain: str
     metadata: dict[str, str]
     violations: dict[str, str]
+    fields: tuple[str, ...] = ()  # every violation's field, in order (a field twice is twice)
 
 
 def failure(err: grpc.RpcError) -> Failure:
     assert isinstance(err, grpc.Call)
     status = rpc_status.from_call(err)
     assert status is not None, "the error carries no google.rpc.Status details"
-    infos, violations = [], {}
+    infos, violations, fields = [], {}, []
     for detail in status.details:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
@@ -104,7 +105,8 @@ def failure(err: grpc.RpcError) -> Failure:
             bad = error_details_pb2.BadRequest()
             detail.Unpack(bad)
             violations.update({v.field: v.description for v in bad.field_violations})
+            fields += [v.field for v in bad.field_violations]
     assert len(infos) == 1, f"expected exactly one ErrorInfo, got {len(infos)}"
     return Failure(code=err.code(), message=err.details() or "", reason=infos[0].reason,
                    domain=infos[0].domain, metadata=dict(infos[0].metadata),
-                   violations=violations)
+                   violations=violations, fields=tuple(fields))

@@ -106,10 +106,17 @@ def test_a_response_over_the_send_limit_keeps_no_base(limited_stub, ids, caplog)
         with pytest.raises(grpc.RpcError) as info:
             limited_stub.Build(big)
         assert failure(info.value).reason == "RESPONSE_TOO_LARGE"
+    # one naming the base, refused alike: its line names the base's items it kept
+    big = build_request(tenant, session, items=many_items(12, size=4000)[len(small):])
+    big.base_build_id, big.base_items_kept = base_id, len(small)
+    with pytest.raises(grpc.RpcError) as info:
+        limited_stub.Build(big)
+    assert failure(info.value).reason == "RESPONSE_TOO_LARGE"
     lines = [getattr(r, "fields", {}) for r in caplog.records if r.getMessage() == "rpc"]
     refused = [f for f in lines if f.get("reason") == "RESPONSE_TOO_LARGE"]
-    assert len(refused) == 5 and all(f.get("provider_format") and f.get("estimated_input_tokens")
+    assert len(refused) == 6 and all(f.get("provider_format") and f.get("estimated_input_tokens")
                                      for f in refused), refused
+    assert refused[-1].get("base_items_kept") == len(small) and refused[-1].get("messages_sent")
     again = build_request(tenant, session, items=[])
     again.base_build_id, again.base_items_kept = base_id, len(small)
     assert limited_stub.Build(again).build_id  # served from the base: it was not evicted

@@ -180,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         if found != "killed":
             why = ("survived" if found == "SURVIVED"
-                   else f"stopped its tests before any judged it (exit {code}; a "
-                   f"TypeScript compile error counts so)")
+                   else "its TypeScript did not compile: no test judged it" if code == 1
+                   else f"stopped its tests before any judged it (exit {code})")
             failures.append(f"{m.name} {why}: pytest {m.selection}: {m.bug}")
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

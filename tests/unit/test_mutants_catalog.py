@@ -6,6 +6,7 @@ without testing one)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -59,9 +60,16 @@ def test_mutant_leaves_the_python_it_touches_compiling(mutant: object, tmp_path:
 
 
 def test_the_readme_lists_every_mutant() -> None:
+    """The mutants table lists each mutant once, and nothing else (a row elsewhere, in another
+    table, once passed for a listed one)."""
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    missing = [m.name for m in MUTANTS if f"| `{m.name}` |" not in readme]
-    assert not missing, f"README's Testing section does not list {missing}"
+    start = readme.index("The mutants and what kills each:")
+    table = readme[start:readme.index("\n\n", readme.index("|---|", start))]
+    rows = re.findall(r"^\| `(\w+)` \|", table, re.M)
+    assert sorted(rows) == sorted(m.name for m in MUTANTS), (
+        f"README's mutants table: missing {sorted({m.name for m in MUTANTS} - set(rows))}, "
+        f"not a mutant {sorted(set(rows) - {m.name for m in MUTANTS})}, "
+        f"listed twice {sorted({r for r in rows if rows.count(r) > 1})}")
 
 
 def test_only_a_failing_test_kills_a_mutant() -> None:

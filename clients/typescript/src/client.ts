@@ -127,16 +127,21 @@ function faulty(err: unknown): unknown {
     details: `the service's answer does not read back: ${err.message}`, cause: err });
 }
 
-/** The longest deadline Node's timers hold (2^31 - 1 ms, about 24.8 days): grpc-js waits on a
- * longer one for 1 ms and fails DEADLINE_EXCEEDED at once. */
-export const MAX_DEADLINE_MS = 2_147_483_647;
+/** The longest wait `waitForReady` takes (2^31 - 1 ms, about 24.8 days): it waits on a Node
+ * timer, which fires a longer one after 1 ms. (A call's deadline may be longer: grpc-js takes
+ * one past it as none.) */
+export const MAX_WAIT_MS = 2_147_483_647;
 
-/** `ms` as a deadline: a positive number of milliseconds no greater than MAX_DEADLINE_MS, else a
+/** `ms` as a deadline: a positive, finite number of milliseconds (no more than `max`), else a
  * RangeError (and nothing is sent). */
-function checkDeadlineMs(ms: unknown): number {
-  if (typeof ms !== "number" || !(ms > 0) || !(ms <= MAX_DEADLINE_MS)) {
-    throw new RangeError("deadlineMs must be a positive, finite number of milliseconds, at " +
-      `most ${MAX_DEADLINE_MS} (Node's timers hold no more), got ${String(ms)}`);
+function checkDeadlineMs(ms: unknown, max = Number.MAX_VALUE): number {
+  if (typeof ms !== "number" || !(ms > 0) || !Number.isFinite(ms)) {
+    throw new RangeError("deadlineMs must be a positive, finite number of milliseconds, " +
+      `got ${String(ms)}`);
+  }
+  if (ms > max) {
+    throw new RangeError(`deadlineMs must be at most ${max} here (a Node timer holds no more), ` +
+      `got ${ms}`);
   }
   return ms;
 }
@@ -255,7 +260,7 @@ export class ContextEngineClient {
   waitForReady(deadlineMs = this.deadlineMs): Promise<void> {
     return new Promise((resolve, reject) => {
       // a deadline that is no time rejects (RangeError), as a call's does
-      const deadline = this.deadlineOf({ deadlineMs });
+      const deadline = Date.now() + checkDeadlineMs(deadlineMs, MAX_WAIT_MS);
       this.channel.waitForReady(deadline, (err) => (err ? reject(err) : resolve()));
     });
   }

@@ -6,7 +6,7 @@
  * changed since the session's previous Build); `formats` parses the provider body a
  * `BuildResponse` carries (`providerBody`, `chatCompletionsBody`, `geminiBody`, ...).
  */
-export { ContextEngineClient, MAX_DEADLINE_MS } from "./client";
+export { ContextEngineClient, MAX_WAIT_MS } from "./client";
 export type { CallOptions, ClientOptions, IncrementalOptions, Input } from "./client";
 export {
   BUILD_BASE_UNKNOWN,

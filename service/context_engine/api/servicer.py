@@ -233,8 +233,12 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                     # loaded skills against the plan's catalog is reported with the rest
                     await asyncio.wait([lookup])
                     if not lookup.cancelled() and lookup.exception() is None:
-                        v.items.extend(skill_violations(
-                            lookup.result().plan.spec.skill_catalog, checkpoint.loaded_skills))
+                        # a field already refused (an empty name, a level not accepted) is
+                        # not refused again
+                        seen = {f.field for f in v.items}
+                        v.items.extend(f for f in skill_violations(
+                            lookup.result().plan.spec.skill_catalog, checkpoint.loaded_skills)
+                            if f.field not in seen)
                 v.raise_if_any()
             except asyncio.CancelledError:
                 if lookup is not None:

@@ -143,16 +143,15 @@ def merge_metadata(base: tuple[tuple[str, str], ...],
     return (*base, *((key.lower(), value) for key, value in extra))
 
 
-# The longest timeout taken: the TypeScript client's limit (2^31 - 1 ms, what Node's timers
-# hold), so both clients take the same deadlines. gRPC takes an infinite one as none at all, and
-# one past about 5e9 s overflows its clock into a deadline already passed.
-MAX_TIMEOUT = 2_147_483.647
+# The longest timeout taken (about 31.7 years): gRPC takes an infinite one as none at all, and
+# one past about 7e9 s overflows its clock into a deadline already passed, failing at once.
+MAX_TIMEOUT = 1e9
 
 
 def check_timeout(timeout: float) -> float:
     if not 0 < timeout <= MAX_TIMEOUT:
-        raise ValueError(f"timeout must be positive, finite seconds, at most {MAX_TIMEOUT} "
-                         f"(about 24.8 days), got {timeout!r}")
+        raise ValueError(f"timeout must be positive, finite seconds, at most {MAX_TIMEOUT:.0e}, "
+                         f"got {timeout!r}")
     return float(timeout)
 
 
