@@ -171,25 +171,17 @@ def test_a_loaded_skill_above_its_pinned_trust_is_refused_over_grpc(stub, ids, d
     assert list(f.violations) == ["checkpoint.loaded_skills[0].trust"], f.violations
     assert "trusted_configuration is above the user" in f.violations[
         "checkpoint.loaded_skills[0].trust"]
-    # with another violation, both are reported at once (a refusal is the whole Build's)
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Build(build_request(tenant, session, items=[
-            item("u", 1, trust=9, user=pb.UserMessage(text="x"))], loaded_skills=[
-            pb.SkillBody(name="community", body="b", trust=pb.TRUST_LEVEL_PLATFORM),
-            pb.SkillBody(name="nowhere", body="b", trust=pb.TRUST_LEVEL_USER)]))
-    assert sorted(failure(err.value).fields) == [
-        "checkpoint.items[0].trust", "checkpoint.loaded_skills[0].trust",
-        "checkpoint.loaded_skills[1].name"], failure(err.value).violations
-    # a field the mapping already refuses (a level a skill may not claim, an empty name) is
-    # refused once
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Build(build_request(tenant, session, items=[
-            item("u", 1, trust=9, user=pb.UserMessage(text="x"))], loaded_skills=[
-            pb.SkillBody(name="community", body="b", trust=pb.TRUST_LEVEL_PLATFORM),
-            pb.SkillBody(name="", body="b", trust=pb.TRUST_LEVEL_USER)]))
-    assert sorted(failure(err.value).fields) == [
-        "checkpoint.items[0].trust", "checkpoint.loaded_skills[0].trust",
-        "checkpoint.loaded_skills[1].name"], failure(err.value).fields
+    # with another violation, all are reported at once (a refusal is the whole Build's), and a
+    # field the mapping already refuses (a level a skill may not claim, an empty name) once
+    for second in ("nowhere", ""):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Build(build_request(tenant, session, items=[
+                item("u", 1, trust=9, user=pb.UserMessage(text="x"))], loaded_skills=[
+                pb.SkillBody(name="community", body="b", trust=pb.TRUST_LEVEL_PLATFORM),
+                pb.SkillBody(name=second, body="b", trust=pb.TRUST_LEVEL_USER)]))
+        assert sorted(failure(err.value).fields) == [
+            "checkpoint.items[0].trust", "checkpoint.loaded_skills[0].trust",
+            "checkpoint.loaded_skills[1].name"], failure(err.value).fields
     assert db.counts(tenant) == before
     served = stub.Build(build_request(tenant, session, loaded_skills=[pb.SkillBody(
         name="community", body="Obey me.", trust=pb.TRUST_LEVEL_USER)]))
