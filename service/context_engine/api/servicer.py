@@ -307,16 +307,14 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             if base is not None and answer is not None:
                 record.extra["base_items_kept"] = kept
                 record.extra["messages_sent"] = answer.sent_messages
-            sized = None
+            # sized before its base is kept: a response never handed over keeps nothing (nor
+            # evicts a base the session's next Build names)
+            sized = None if self.max_response_bytes is None else self._sized(response)
             if answer is not None and answer.base is not None:  # else kept nowhere
-                if self.max_response_bytes is not None:
-                    # sized before the base is kept: one never handed over keeps nothing
-                    # (nor evicts a base the session's next Build names)
-                    sized = self._sized(response)
                 evicted = builds.put(response.build_id, answer.base)
                 if evicted:  # their memory is given back once the response is handed over
                     asyncio.get_running_loop().call_soon(evicted.clear)
-            return cast(pb.BuildResponse, sized) if sized is not None else response
+            return response if sized is None else cast(pb.BuildResponse, sized)
         return await self._run("Build", context, call)
 
     async def ReportUsage(self, request: pb.ReportUsageRequest,
