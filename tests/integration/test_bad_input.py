@@ -182,6 +182,14 @@ def test_a_loaded_skill_above_its_pinned_trust_is_refused_over_grpc(stub, ids, d
         assert sorted(failure(err.value).fields) == [
             "checkpoint.items[0].trust", "checkpoint.loaded_skills[0].trust",
             "checkpoint.loaded_skills[1].name"], failure(err.value).fields
+    # a refused base_items_kept leaves the plan readable: the skill is refused with it
+    request = build_request(tenant, session, loaded_skills=[
+        pb.SkillBody(name="community", body="b", trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION)])
+    request.base_items_kept = 3
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(request)
+    assert sorted(failure(err.value).fields) == [
+        "base_items_kept", "checkpoint.loaded_skills[0].trust"], failure(err.value).fields
     assert db.counts(tenant) == before
     served = stub.Build(build_request(tenant, session, loaded_skills=[pb.SkillBody(
         name="community", body="Obey me.", trust=pb.TRUST_LEVEL_USER)]))

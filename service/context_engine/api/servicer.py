@@ -179,6 +179,9 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             v = mapping.Violations()
             mapping.session_ids(v, request.tenant_id, request.session_id)
             epoch = mapping.epoch(v, request.epoch)
+            # the plan can be read once the session and the epoch are valid (a refused
+            # base_items_kept does not stop it: the loaded skills are checked against it)
+            readable = not v.items
             base = None
             kept = request.base_items_kept
             if request.base_build_id:
@@ -199,7 +202,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             # outlives its answer, and the concurrency limit still counts it): cancelling a
             # query would cost asyncpg a connection of its own. A cancelled call cancels it.
             lookup: asyncio.Future[LoadedPlan] | None = None
-            if not v.items:
+            if readable:
                 lookup = asyncio.ensure_future(
                     self._engine.loaded(request.tenant_id, request.session_id, epoch))
                 lookup.add_done_callback(_outcome_read)
