@@ -8,7 +8,7 @@ import grpc
 import pytest
 from context_engine.v1 import context_engine_pb2 as pb
 
-from tests.integration.requests import build_request, failure, plan_request
+from tests.integration.requests import build_request, catalog, failure, plan_request
 
 pytestmark = pytest.mark.integration
 
@@ -169,3 +169,49 @@ def test_bad_rotations_change_nothing(stub, ids, db):
     assert failure(err.value).code is grpc.StatusCode.NOT_FOUND
     assert db.val("SELECT count(*) FROM sessions WHERE tenant_id=$1 AND session_id=$2",
                   tenant, "no-such-session") == 0
+
+
+def test_a_revocation_rotates_a_plan_an_older_builder_counted_lower(server, stub, ids, db):
+    """A plan an older builder pinned may count over a class cap with this one (@3 counts a
+    tool's name in its costliest sent form): a security revocation still rotates it, keeping
+    the classes it only removed from as they measure now, and the next Plan rotates it once
+    more with builder_changed."""
+    import json
+
+    from context_engine.domain.canonical import canonical_json, session_key
+    from context_engine.domain.plan import PlanSpec, render_prefix
+
+    tenant, session = ids
+    big = pb.ToolSpec(name="notes.search", description="Search the notes.",
+                      input_schema_json='{"type":"object","properties":{}}',
+                      side_effect=pb.SIDE_EFFECT_NONE)
+    request = plan_request(tenant, session, tool_catalog=[*catalog(), big])
+    request.agent.enabled_tools.append("notes.search")
+    stub.Plan(request)
+    document = json.loads(db.val("SELECT spec_text FROM plans WHERE tenant_id=$1", tenant))
+    # as an older builder pinned it: a tool it counted within the cap, over it counted now
+    tool = next(t for t in document["tools"] if t["name"] == "notes.search")
+    tool["description"] = " ".join(f"word{i}" for i in range(3_400))
+    document["builder_version"] = "context-engine-builder@2"
+    rendered = render_prefix(PlanSpec.from_canonical(document), session_key(tenant, session))
+    db.fetch("UPDATE plans SET spec_text=$2, prefix_sha256=$3, builder_version=$4 "
+             "WHERE tenant_id=$1", tenant, canonical_json(document), rendered.prefix_sha256,
+             "context-engine-builder@2")
+    server.running.engine.cache.clear()
+    assert stub.Build(build_request(tenant, session)).prefix_sha256 == rendered.prefix_sha256
+
+    resp = stub.Rotate(rotate(tenant, session, "rev-old", pb.ROTATION_REASON_SECURITY_REVOCATION,
+                              drop_tools=["web.fetch"]))
+    assert resp.rotated and resp.plan.epoch == 2 and "web.fetch" not in resp.plan.tool_names
+    tools = next(c for c in resp.plan.prefix_classes if c.class_name == "tool_definitions")
+    assert tools.tokens > tools.cap == 9_000
+    built = stub.Build(build_request(tenant, session))
+    assert built.epoch == 2 and built.prefix_sha256 == resp.plan.prefix_sha256
+    # another model counts it all afresh: refused, nothing written
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Rotate(rotate(tenant, session, "routed", pb.ROTATION_REASON_MODEL_ROUTED,
+                           model=pb.ModelSpec(model_id="claude-sonnet-4-5")))
+    assert failure(err.value).reason == "PREFIX_CLASS_OVER_CAP"
+    assert db.val("SELECT max(epoch) FROM plans WHERE tenant_id=$1", tenant) == 2
+    replanned = stub.Plan(request)
+    assert replanned.created and replanned.plan.reason == "builder_changed"

@@ -29,9 +29,12 @@ from context_engine.domain.plan import (
     PREFIX_CEILING,
     PlanSpec,
     PrefixClass,
+    measure_prefix,
     prefix_items,
+    redraft,
     render_prefix,
     rotation_reason,
+    tool_cost,
 )
 from context_engine.domain.trust import Region, TrustLevel
 
@@ -366,3 +369,56 @@ def test_persona_revision_is_not_prompt_identity_but_content_is() -> None:
     assert a.rendered.prefix_sha256 == b.rendered.prefix_sha256
     c = f.draft(f.inputs(persona=persona(2, text="other")))
     assert c.rendered.prefix_sha256 != a.rendered.prefix_sha256
+
+
+# ----------------------------------------------------------------------------- rotations
+
+def _legacy_spec_over_the_tool_cap() -> tuple[PlanSpec, str]:
+    """A pinned spec whose tools count over their cap with this builder (as one an older
+    builder counted lower can: BUILDER_VERSION), with a small tool a revocation drops."""
+    heavy = tuple(f.tool(f"heavy_{i}", description=words(900)) for i in range(4))
+    small = f.tool("small")
+    d = f.draft(f.inputs(enabled=("heavy_0", "heavy_1", "heavy_2", "small"),
+                         catalog=(*heavy, small)))
+    spec = replace(d.spec, tools=(*d.spec.tools, heavy[3]))
+    return spec, session_key("tenant-a", "session-1")
+
+
+def test_a_rotation_that_keeps_the_model_never_fails_a_cap_the_pinned_plan_held() -> None:
+    spec, key = _legacy_spec_over_the_tool_cap()
+    est = f.estimator(spec.model)
+    with pytest.raises(PrefixClassOverCap):  # counted now, the pinned tools are over the cap
+        measure_prefix(spec, render_prefix(spec, key), est)
+    # a security revocation of the small tool rotates: the rest is counted as it measures now
+    d = redraft(spec, key, est, drop_tools=("small",))
+    assert "small" not in d.spec.tool_names
+    tools = {c.class_name: c for c in d.classes}["tool_definitions"]
+    assert tools.tokens == sum(tool_cost(t, est) for t in d.spec.tools) > tools.cap == 9_000
+    assert d.prefix_tokens == sum(c.tokens for c in d.classes)
+    assert redraft(spec, key, est).spec.tools == spec.tools  # operator: the same tools
+    # another model counts everything afresh: the cap fails, nothing is truncated
+    with pytest.raises(PrefixClassOverCap) as exc:
+        redraft(spec, key, est, drop_tools=("small",), model=spec.model)
+    _over(exc, "tool_definitions", "tokens", 9_000)
+    # a new snapshot is new content: its cap is held against it
+    with pytest.raises(PrefixClassOverCap) as exc:
+        redraft(spec, key, est, snapshot=snapshot(10, text=words(150)))
+    _over(exc, "memory_snapshot", "tokens", 1_500)
+    assert redraft(spec, key, est, snapshot=snapshot(2)).spec.memory_snapshot == snapshot(2)
+
+
+def test_the_prefix_ceiling_grants_only_what_held_classes_are_over(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ceiling guard (unreachable while the caps sum to it) lets a held class's overshoot
+    through, and nothing more: a ceiling lowered to test it."""
+    import context_engine.domain.plan as plan_module
+    spec, key = _legacy_spec_over_the_tool_cap()
+    est = f.estimator(spec.model)
+    d = redraft(spec, key, est, drop_tools=("small",))
+    over = {c.class_name: c for c in d.classes}["tool_definitions"].tokens - 9_000
+    monkeypatch.setattr(plan_module, "PREFIX_CEILING", d.prefix_tokens - over)
+    assert redraft(spec, key, est, drop_tools=("small",)).classes == d.classes
+    monkeypatch.setattr(plan_module, "PREFIX_CEILING", d.prefix_tokens - over - 1)
+    with pytest.raises(PrefixClassOverCap) as exc:
+        redraft(spec, key, est, drop_tools=("small",))
+    assert exc.value.class_name == "prefix" and exc.value.tokens == d.prefix_tokens

@@ -298,9 +298,15 @@ def request_framing(rendered: RenderedPrefix) -> int:
     return REQUEST_OVERHEAD_TOKENS + max(len(rendered.blocks) - 1, 0)
 
 
-def measure_prefix(spec: PlanSpec, rendered: RenderedPrefix,
-                   estimator: TokenEstimator) -> tuple[ClassUsage, ...]:
-    """Count every class by rendering and counting; fail on any cap, never truncate."""
+def measure_prefix(spec: PlanSpec, rendered: RenderedPrefix, estimator: TokenEstimator, *,
+                   held: frozenset[PrefixClass] = frozenset()) -> tuple[ClassUsage, ...]:
+    """Count every class by rendering and counting; fail on any cap, never truncate.
+
+    ``held``: classes whose content is a pinned plan's, or a part of it, counted with the
+    same tokenizer (a rotation that keeps the model): the pinned plan held them within their
+    caps, so they are counted and stored as they measure now and never fail a cap. A newer
+    builder may count the same content a few tokens higher (``BUILDER_VERSION``), and a
+    rotation that only removes (a security revocation) must never fail on that."""
     by_row: dict[int, int] = {}
     for block in rendered.blocks:
         by_row[block.row] = by_row.get(block.row, 0) + estimator.text(block.text)
@@ -316,16 +322,21 @@ def measure_prefix(spec: PlanSpec, rendered: RenderedPrefix,
         PrefixClass.MEMORY_SNAPSHOT: (by_row.get(8, 0), len(spec.memory_snapshot.items)),
     }
     usage: list[ClassUsage] = []
+    over = 0  # tokens of held classes past their caps: the ceiling grants them too
     for cls, (tokens, items) in measured.items():
-        if cls.item_cap is not None and items > cls.item_cap:
-            raise PrefixClassOverCap(cls.class_name, items, cls.item_cap, unit="items",
-                                     measured_tokens=tokens, token_cap=cls.token_cap)
-        if tokens > cls.token_cap:
-            raise PrefixClassOverCap(cls.class_name, tokens, cls.token_cap)
+        if cls in held:
+            over += max(tokens - cls.token_cap, 0)
+        else:
+            if cls.item_cap is not None and items > cls.item_cap:
+                raise PrefixClassOverCap(cls.class_name, items, cls.item_cap, unit="items",
+                                         measured_tokens=tokens, token_cap=cls.token_cap)
+            if tokens > cls.token_cap:
+                raise PrefixClassOverCap(cls.class_name, tokens, cls.token_cap)
         usage.append(ClassUsage(class_name=cls.class_name, tokens=tokens, cap=cls.token_cap,
                                 items=items, item_cap=cls.item_cap or 0))
     total = sum(u.tokens for u in usage)
-    if total > PREFIX_CEILING:  # unreachable while the caps sum to the ceiling; kept as a guard
+    # unreachable while the caps sum to the ceiling; kept as a guard
+    if total > PREFIX_CEILING + over:
         raise PrefixClassOverCap("prefix", total, PREFIX_CEILING)
     return tuple(usage)
 
@@ -431,7 +442,10 @@ def redraft(spec: PlanSpec, session_key: str, estimator: TokenEstimator, *,
             drop_tools: tuple[str, ...] = (), model: ModelProfile | None = None,
             snapshot: MemorySnapshot | None = None) -> PlanDraft:
     """An explicit rotation's plan: the pinned spec with tools removed, another model or
-    another snapshot, re-rendered and re-measured (caps still fail, never truncate)."""
+    another snapshot, re-rendered and re-measured (caps still fail, never truncate). With the
+    model kept, every class but a replaced snapshot holds the pinned plan's content or a part
+    of it, counted with the same tokenizer: those are held (``measure_prefix``), so a
+    revocation never fails on a cap, even on a plan an older builder counted lower."""
     pinned_names = set(spec.tool_names) | set(spec.deferred_tool_names)
     unknown = [n for n in drop_tools if n not in pinned_names]
     if unknown:
@@ -450,8 +464,12 @@ def redraft(spec: PlanSpec, session_key: str, estimator: TokenEstimator, *,
                   tokenizer=estimator.tokenizer, encoding=estimator.encoding,
                   estimator_factor=estimator.base_factor)
     rendered = render_prefix(new, session_key)
+    held: frozenset[PrefixClass] = frozenset()
+    if model is None:
+        held = frozenset(PrefixClass) - (
+            frozenset() if snapshot is None else {PrefixClass.MEMORY_SNAPSHOT})
     return PlanDraft(spec=new, rendered=rendered,
-                     classes=measure_prefix(new, rendered, estimator))
+                     classes=measure_prefix(new, rendered, estimator, held=held))
 
 
 def admission_reason(current: PlanSpec, *, unpinned: bool, principal_scopes: tuple[str, ...],
