@@ -9,6 +9,7 @@ metrics (a gauge summed across workers would read 2)."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ import grpc
 import pytest
 from context_engine.api.auth import token_sha256
 from context_engine.api.rpc_metrics import GRPC_CODES, served_methods
+from context_engine.telemetry.logs import LOGGER
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -32,6 +34,7 @@ from tests.conftest import ServerThread
 from tests.conftest import test_config as base_config
 from tests.integration.processes import ServerProcess
 from tests.integration.requests import build_request, failure, item, plan_request
+from tests.support.fake_llm import FakeProvider
 
 pytestmark = pytest.mark.integration
 
@@ -240,3 +243,80 @@ def test_build_info_is_one_across_worker_processes(database_url):
         assert series(samples, "grpc_server_handled_total")[key] - before[key] == 8
     finally:
         assert server.terminate() == 0
+
+
+@pytest.fixture(scope="module")
+def slow_summarizer(database_url: str) -> Iterator[tuple[ServerThread, FakeProvider]]:
+    """A server whose summarizer takes 3 s to answer (within its own 10 s timeout)."""
+    provider = FakeProvider(delay=3.0)
+    server = ServerThread(base_config().replace(summarizer_url=provider.url,
+                                                summarizer_model="fake",
+                                                summarizer_timeout_seconds=10.0),
+                          database_url)
+    yield server, provider
+    server.stop()
+    provider.stop()
+
+
+def _deadline_then_cancel(server: ServerThread, provider: FakeProvider, tenant: str,
+                          session: str) -> None:
+    """A Compact past its 0.5 s deadline, then one its caller cancels while the summarizer is
+    at work."""
+    from tests.integration.test_compact_rpc import compact_request
+
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.ContextEngineStub(channel)
+        stub.Plan(plan_request(tenant, session), timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Compact(compact_request(tenant, session, "late"), timeout=0.5)
+        assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        provider.started.clear()
+        future = stub.Compact.future(compact_request(tenant, session, "given-up"), timeout=30)
+        assert provider.started.wait(10)
+        future.cancel()
+
+
+def test_a_call_past_its_deadline_or_cancelled_is_counted_with_that_code(slow_summarizer, ids):
+    """A call cancelled under its handler is not OK: its caller's deadline passing is
+    DEADLINE_EXCEEDED, the caller giving up is CANCELLED, alike in the standard gRPC counter,
+    the service's own latency histogram and its log line (ContextEngineRpcErrors counts
+    DEADLINE_EXCEEDED as the server's failure)."""
+    server, provider = slow_summarizer
+    tenant, session = ids
+    address = metrics_address(server)
+    lines: list[dict[str, object]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            fields = getattr(record, "fields", {})
+            if record.getMessage() == "rpc" and fields.get("method") == "Compact":
+                lines.append({"code": fields["code"], "reason": fields.get("reason"),
+                              "level": record.levelname})
+
+    keep = Keep()
+    LOGGER.addHandler(keep)
+    try:
+        _deadline_then_cancel(server, provider, tenant, session)
+        deadline = time.monotonic() + 15
+        while len(lines) < 2 and time.monotonic() < deadline:  # both ended on the server
+            time.sleep(0.05)
+    finally:
+        LOGGER.removeHandler(keep)
+    assert sorted(map(str, lines)) == sorted(map(str, [
+        {"code": "DEADLINE_EXCEEDED", "reason": "DEADLINE_EXCEEDED", "level": "WARNING"},
+        {"code": "CANCELLED", "reason": "CANCELLED", "level": "WARNING"}]))
+
+    def counts() -> tuple[dict[str, float], dict[str, float]]:
+        samples = scrape(address)
+        handled = {key[3]: v for key, v in series(samples, "grpc_server_handled_total").items()
+                   if key[2] == "Compact" and v}
+        rpc = {dict(labels)["code"]: v for (name, labels), v in samples.items()
+               if name == "context_engine_rpc_seconds_count"
+               and dict(labels)["method"] == "Compact" and v}
+        return handled, rpc
+
+    expected = {"DEADLINE_EXCEEDED": 1.0, "CANCELLED": 1.0}
+    deadline = time.monotonic() + 15
+    while counts() != (expected, expected) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counts() == (expected, expected)

@@ -116,11 +116,24 @@ def _ended_with(context: grpc.aio.ServicerContext[Any, Any],
     if error is None:
         return grpc.StatusCode.OK
     if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            return grpc.StatusCode.DEADLINE_EXCEEDED
-        return grpc.StatusCode.CANCELLED
+        return cancelled_code(context)
     return grpc.StatusCode.UNKNOWN
+
+
+# A caller's deadline passes on its side first: the server's copy of it (sent as a timeout)
+# starts a network latency later. A call cancelled this close to its deadline is counted as
+# its deadline passing, not as the caller's own cancellation.
+DEADLINE_SLACK_SECONDS = 0.25
+
+
+def cancelled_code(context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode:
+    """The status of a call cancelled under its handler: DEADLINE_EXCEEDED when its deadline
+    has passed (or is within ``DEADLINE_SLACK_SECONDS``: the caller's copy of it has), else
+    CANCELLED (the caller gave up, or the server is stopping)."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= DEADLINE_SLACK_SECONDS:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
 
 
 class _CountingContext:

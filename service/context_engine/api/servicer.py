@@ -19,6 +19,7 @@ from grpc_status import rpc_status
 from opentelemetry.trace import NoOpTracer, SpanKind, Tracer
 
 from context_engine.api import incremental, mapping, working_state_tool
+from context_engine.api.rpc_metrics import cancelled_code
 from context_engine.api.status import internal_status, status_for
 from context_engine.domain.builder import (
     BuildResult,
@@ -108,6 +109,12 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             except ContextEngineError as exc:
                 code, status = status_for(exc)
                 record.extra["reason"] = exc.reason
+            except asyncio.CancelledError:
+                # the caller's deadline passed or it gave up (or the server is stopping): no
+                # answer is sent, but the call is counted and logged with the code it ends on
+                code = cancelled_code(context)
+                record.extra["reason"] = code.name
+                raise
             except Exception:  # an unexpected defect: logged with its type, answered INTERNAL
                 logging.getLogger("context_engine").exception("unhandled error in %s", method)
                 code, status = internal_status()
