@@ -24,6 +24,7 @@ import http.server
 import json
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -38,6 +39,7 @@ from context_engine.domain.items import (
 )
 from context_engine.domain.model import MemoryItem, MemorySnapshot, SkillCatalogEntry
 from context_engine.domain.providers import render
+from context_engine.domain.request import Attachment, AttachmentKind
 from context_engine.domain.trust import TrustLevel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -91,6 +93,18 @@ def history_user_messages(texts: list[str]) -> Checkpoint:
     return f.checkpoint(items)
 
 
+def attachment_names(texts: list[str]) -> Checkpoint:
+    """User messages at each level below configuration, each attaching a file whose name is
+    the text: the name is the sender's, as the message is."""
+    items: list[ConversationItem] = [
+        replace(f.user(f"u-{i + 1}", "See the attached file.", i + 1,
+                       trust=BELOW_CONFIGURATION[i % 3]),
+                attachments=(Attachment(kind=AttachmentKind.PDF, name=t, ref=f"file-{i}",
+                                        pages=1),))
+        for i, t in enumerate(texts)]
+    return f.checkpoint(items)
+
+
 def recall(texts: list[str]) -> Checkpoint:
     return f.checkpoint(_results(["ok"]),
                         recall=tuple(MemoryLine(id=f"m-{i}", text=t) for i, t in enumerate(texts)))
@@ -134,6 +148,7 @@ SHORT_ATTACKS = tuple(a for a in FOLDED_ATTACKS if len(a.text) <= 400)
 PLACEMENTS: dict[str, Callable[[list[str]], Checkpoint]] = {
     "tool_result": tool_results,
     "trailing_user": user_messages,
+    "attachment_name": attachment_names,
     "history_user": history_user_messages,
     "recall": recall,
     "corrections": corrections,

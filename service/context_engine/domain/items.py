@@ -381,10 +381,11 @@ class UserMessageItem(ConversationItem):
     attachments: tuple[Attachment, ...] = ()
 
     def messages(self, ctx: RenderContext) -> list[Message]:
+        # an attachment's label (its name is the sender's) is part of the message: inside its
+        # envelope, escaped with it; labels are counted for every reference (ADR-0120)
+        content = self.text + "".join(f"\n{a.label()}" for a in self.attachments)
         text = envelope(trust=self.item_trust, source="user", item_id=self.id,
-                        content=self.text, session_key=ctx.session_key)
-        if self.attachments:  # labels are counted for every reference (ADR-0120)
-            text += "".join(f"\n{a.label()}" for a in self.attachments)
+                        content=content, session_key=ctx.session_key)
         return [Message(row=self.row, role=Role.USER, trust=self.item_trust, item_id=self.id,
                         text=text, attachments=self.attachments)]
 
