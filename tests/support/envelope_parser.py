@@ -36,7 +36,12 @@ LETTER_HOMOGLYPHS = {
     "\u0435": "e", "\u0455": "s", "\u043e": "o", "\u0443": "y", "\u0440": "p",
     "\u057d": "u", "\u03c5": "u", "\u0578": "n", "\u03bf": "o", "\u0433": "r",
     "\u0442": "t", "\u043c": "m", "\u0501": "d",
+    # Lisu, Greek, Myanmar, Devanagari and Cyrillic letters, and a set operator
+    "\ua4f4": "u", "\u222a": "u", "\u03b7": "n", "\u101d": "o", "\u0966": "o",
+    "\u03b3": "y", "\u04af": "y",
 }
+# Strokes that read as "/" (Katakana no, a Kangxi radical and its CJK form).
+SLASH_CONFUSABLES = frozenset("\u30ce\u2f03\u4e3f")
 
 
 def invisible(ch: str) -> bool:
@@ -45,7 +50,7 @@ def invisible(ch: str) -> bool:
     code = ord(ch)
     if 0xFE00 <= code <= 0xFE0F or 0xE0100 <= code <= 0xE01EF:
         return True
-    return unicodedata.category(ch) in ("Cf", "Mn", "Me")
+    return unicodedata.category(ch) in ("Cc", "Cf", "Mn", "Me")  # a reader may drop controls
 
 
 def fold(text: str, *, confusables: bool = False) -> str:
@@ -58,7 +63,7 @@ def fold(text: str, *, confusables: bool = False) -> str:
             continue
         if ch in lt:
             out.append("<")
-        elif ch in SLASH_LIKE:
+        elif ch in SLASH_LIKE or (confusables and ch in SLASH_CONFUSABLES):
             out.append("/")
         elif confusables and ch in LETTER_HOMOGLYPHS:
             out.append(LETTER_HOMOGLYPHS[ch])

@@ -28,13 +28,13 @@ OPENING_RE = re.compile(
 _LT = {"\uff1c", "\ufe64", "\u2039", "\u3008", "\u2329", "\u27e8", "\u276e", "\u02c2"}
 _SLASH = {"\uff0f", "\u2044", "\u2215", "\u29f8", "\u2571"}
 _GT = {"\uff1e", "\ufe65", "\u203a", "\u3009", "\u232a", "\u27e9", "\u276f", "\u02c3"}
-# Invisible characters that are not Unicode format (Cf) characters.
+# Invisible characters that are neither Unicode format (Cf) nor control (Cc) characters.
 _EXTRA_INVISIBLE = {"\u034f", "\u115f", "\u1160", "\u3164", "\uffa0"} | {
     chr(c) for c in range(0xFE00, 0xFE10)}
 
 
 def _invisible(ch: str) -> bool:
-    return ch.isspace() or unicodedata.category(ch) == "Cf" or ch in _EXTRA_INVISIBLE
+    return ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf") or ch in _EXTRA_INVISIBLE
 
 
 def fold(text: str) -> tuple[str, list[int]]:

@@ -41,31 +41,33 @@ _CONFUSABLE = str.maketrans({
     "\u1d1c": "u", "\u0274": "n", "\u1d1b": "t", "\u0280": "r", "\ua731": "s",
     "\u1d07": "e", "\u1d05": "d", "\u1d0d": "m", "\u1d0f": "o", "\u028f": "y",
     "\u0131": "i", "\u0261": "g", "\u01b4": "y", "\u13e7": "d",
+    # more letters of other scripts and symbols that read as u, n, o or y
+    "\ua4f4": "u", "\u222a": "u", "\u03b7": "n", "\u101d": "o", "\u0966": "o",
+    "\u03b3": "y", "\u04af": "y",
 })
 # Characters that read as "/"; a backslash too, as in the escaped form "<\\/untrusted".
-_SLASH_LIKE = "/\\\uff0f\u2044\u2215\u29f8\u2571\ufe68\uff3c"
+_SLASH_LIKE = "/\\\uff0f\u2044\u2215\u29f8\u2571\ufe68\uff3c\u30ce\u2f03\u4e3f"
 _LT_RE = re.compile(f"[{_LT_LIKE}]")
 # Rendered as nothing, or as blank, although not format characters.
 _BLANK_LETTERS = frozenset("\u034f\u115f\u1160\u3164\uffa0\u180e\u2800")
 
 
 def _invisible(ch: str) -> bool:
-    """White space, format characters (zero-width, bidi controls, tags), combining marks,
-    variation selectors and blank letters: folded away when deciding whether text is a
-    delimiter."""
+    """White space, control characters (a reader may drop them), format characters
+    (zero-width, bidi controls, tags), combining marks, variation selectors and blank letters:
+    folded away when deciding whether text is a delimiter."""
     if ch.isspace() or ch in _BLANK_LETTERS:
         return True
     code = ord(ch)
     if 0xFE00 <= code <= 0xFE0F or 0xE0100 <= code <= 0xE01EF:
         return True
     # format characters, and combining marks that would decorate the next visible character
-    return unicodedata.category(ch) in ("Cf", "Mn", "Me")
+    return unicodedata.category(ch) in ("Cc", "Cf", "Mn", "Me")
 
 
-def _could_be_tag(folded: str) -> bool | None:
-    """True once ``folded`` (slashes stripped) starts with a tag name, False once it cannot,
-    None while it is still a prefix of one."""
-    name = folded.lstrip("/")
+def _could_be_tag(name: str) -> bool | None:
+    """True once ``name`` (the folded text after the slashes) starts with a tag name, False
+    once it cannot, None while it is still a prefix of one."""
     if any(name.startswith(tag) for tag in TAG_NAMES):
         return True
     if any(tag.startswith(name) for tag in TAG_NAMES):
@@ -81,16 +83,22 @@ def nonce(session_key: str, item_id: str, content: str) -> str:
 def _opens_delimiter(text: str, start: int) -> bool:
     """Does the "<"-like character at ``start`` begin an envelope tag once look-alikes,
     invisible characters, white space and letter case are folded away? There is no window:
-    any amount of invisible padding is skipped. Each scan stops at the first visible character
-    that settles the question, so escaping stays linear in the length of the content."""
-    folded = ""
+    any amount of invisible padding is skipped. Each scan stops at the first character that
+    settles the question (another "<" does), and what it keeps is the few letters after the
+    slashes, so escaping stays linear in the length of the content."""
+    name = ""  # the folded text after the leading slashes: at most a tag name long
     for i in range(start + 1, len(text)):
         ch = text[i]
         if _invisible(ch):
             continue
-        folded += ("/" if ch in _SLASH_LIKE
-                   else unicodedata.normalize("NFKC", ch).lower().translate(_CONFUSABLE))
-        verdict = _could_be_tag(folded)
+        piece = ("/" if ch in _SLASH_LIKE
+                 else unicodedata.normalize("NFKC", ch).lower().translate(_CONFUSABLE))
+        if not name:
+            piece = piece.lstrip("/")
+            if not piece:
+                continue  # still the slashes
+        name += piece
+        verdict = _could_be_tag(name)
         if verdict is not None:
             return verdict
     return False
