@@ -257,6 +257,25 @@ def test_restating_an_entry_never_raises_its_label():
     assert s.question_labels() == (MEMORY,)
 
 
+def test_a_restated_constraint_is_never_lowered_either():
+    """A call made after untrusted content that restates the user's constraint does not move
+    it into an untrusted envelope (which the framing says not to obey): that would remove the
+    constraint in effect, which the tool may never do."""
+    s, _ = apply_update(WorkingState(), Update(add_constraints=("ask before paying",)),
+                        run_id="r1", sequence=1)
+    s, changes = apply_update(s, Update(add_constraints=("ask before paying", "be brief"),
+                                        trust=UNTRUSTED), run_id="r1", sequence=2)
+    assert s.constraints == ("ask before paying", "be brief")
+    assert s.constraint_trust == (USER, UNTRUSTED) and changes.constraints_added == 1
+    (msg,) = WorkingStateItem(state=s).messages(CTX)
+    user_at = msg.text.index("ask before paying")
+    assert msg.text.rfind("<user ", 0, user_at) > msg.text.rfind("<untrusted ", 0, user_at)
+    carried = carry([LogEvent(sequence=1, run_id="r1", transition=Update(
+        add_constraints=("ask before paying",))), LogEvent(sequence=2, run_id="r1",
+        transition=Update(add_constraints=("ask before paying",), trust=UNTRUSTED))], 10)
+    assert carried.constraint_trust == (USER,)
+
+
 def test_a_task_title_takes_its_writers_label_and_an_outcome_keeps_it():
     s, _ = apply_update(WorkingState(), Update(
         upsert_tasks=(WorkingTask(id="t1", title="T", state="open"),), trust=UNTRUSTED),

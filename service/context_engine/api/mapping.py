@@ -539,7 +539,7 @@ def working_state(v: Violations, field: str, ws: pb.WorkingState) -> WorkingStat
             v.add(f"{field}.tasks[{i}].state",
                   f"unknown task state {t.state!r}; one of {', '.join(TASK_STATES)}")
     facts = tuple(WorkingFact(statement=f.statement, source_event_ids=tuple(f.source_event_ids),
-                              trust=v.trust(f"{field}.facts[{i}].trust", f.trust),
+                              trust=v.label(f"{field}.facts[{i}].trust", f.trust),
                               sequence=f.sequence, run_id=f.run_id)
                   for i, f in enumerate(ws.facts))
     if len(ws.removed_constraints) > ws_rules.MAX_REMOVED_CONSTRAINTS:

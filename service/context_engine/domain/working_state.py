@@ -235,14 +235,16 @@ class _Draft:
         self.flags.add("objective_changed")
 
     def add_constraints(self, constraints: Sequence[str], trust: TrustLevel) -> None:
-        """Append-only; at the cap the whole call fails, nothing is dropped."""
-        known = {c: i for i, (c, _) in enumerate(self.constraints)}
+        """Append-only; at the cap the whole call fails, nothing is dropped. A constraint
+        restated keeps the label it was added with: never raised (no laundering) and never
+        lowered (a call after untrusted content cannot weaken, in effect remove, a constraint
+        the user set)."""
+        known = {c for c, _ in self.constraints}
         new: list[str] = []
         for c in constraints:
             if c in known:
-                i = known[c]
-                self.constraints[i] = (c, lowest([self.constraints[i][1], trust], trust))
-            elif c and c not in new:
+                continue
+            if c and c not in new:
                 new.append(c)
         if len(self.constraints) + len(new) > MAX_CONSTRAINTS:
             raise ConstraintCapReached(len(self.constraints), len(new), MAX_CONSTRAINTS)
