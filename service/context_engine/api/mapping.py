@@ -8,6 +8,7 @@ import functools
 import hashlib
 import math
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from datetime import datetime
 from typing import Any, cast
@@ -111,6 +112,12 @@ from context_engine.v1 import context_engine_pb2 as pb
 MAX_ID_LENGTH = 256
 MAX_EPOCH = 2**31 - 1
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def skill_name(name: str) -> bool:
+    """A skill's name: 1 to 64 letters, digits or marks of any script, '_', '.' or '-'."""
+    return 0 < len(name) <= 64 and all(
+        c in "_.-" or unicodedata.category(c)[0] in "LMN" for c in name)
 _CONTROL = re.compile(r"[\x00-\x1f]")
 TASK_STATES = ("open", "in_progress", "blocked", "completed")
 
@@ -314,7 +321,12 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
         v.add("session.kind", f"unknown session kind {req.session.kind}")
     skills = []
     for i, s in enumerate(req.skill_catalog):
-        v.identifier(f"skill_catalog[{i}].name", s.name)
+        # a skill's name is rendered in the platform's own line before its body's envelope
+        # ("Loaded skill <name>:"), whatever the entry's trust: a name, not text
+        if not skill_name(s.name):
+            v.add(f"skill_catalog[{i}].name", "must be 1 to 64 letters, digits, marks, '_', "
+                  "'.' or '-' (a skill's name is rendered in the platform's own line, so it "
+                  "holds no white space, punctuation or control characters)")
         skills.append(SkillCatalogEntry(name=s.name, description=s.description,
                                         trust=v.trust(f"skill_catalog[{i}].trust", s.trust)))
     v.unique("skill_catalog", (s.name for s in req.skill_catalog), "skill name")
