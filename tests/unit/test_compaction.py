@@ -213,6 +213,11 @@ def test_the_narrative_reads_back_and_the_document_round_trips():
               "Narrative (trusted content only):\nWe talked.\n"
               "Constraints (verbatim, never merged away):\n- c\nSource event ids: 1")
     assert narrative_of(legacy) == "We talked."
+    # a narrative that quotes the legacy header is a narrative: nothing before it is dropped
+    quoting = ("Current goal: book flights. Booked TAP, confirmation XK42.\n"
+               "The user asked to quote 'Narrative (trusted content only):' as is.\n"
+               "Narrative (trusted content only):\nmore")
+    assert narrative_of(quoting) == quoting
 
 
 def test_opaque_reasoning_alone_is_nothing_to_compact():

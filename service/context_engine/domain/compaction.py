@@ -38,6 +38,7 @@ LLM one is an adapter. Everything else in this module is pure.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -247,13 +248,19 @@ def _trusted_line(item: ConversationItem) -> TrustedLine | None:
     return None
 
 
+# A legacy summary's rendering began with this line, then the narrative header on its own line.
+_LEGACY_OPENING = re.compile(r"Compacted history \(depth \d+\), replacing events through "
+                             r"-?\d+\.\n" + re.escape(NARRATIVE_HEADER) + r"\n")
+
+
 def narrative_of(text: str) -> str:
     """The narrative of a summary: its text, or for a legacy summary (which held the whole
-    rendering) the narrative section of it."""
-    start = text.find(NARRATIVE_HEADER)
-    if start < 0:
+    rendering, and began with its own opening line) the narrative section of it. A narrative
+    that merely quotes the legacy header is a narrative like any other."""
+    legacy = _LEGACY_OPENING.match(text)
+    if legacy is None:
         return text.strip()
-    body = text[start + len(NARRATIVE_HEADER):]
+    body = text[legacy.end():]
     ends = [i for i in (body.find("\n" + h) for h in (CONSTRAINTS_HEADER, ELIDED_HEADER,
                                                       SOURCES_HEADER)) if i >= 0]
     return (body[:min(ends)] if ends else body).strip()
