@@ -163,6 +163,16 @@ class Violations:
         if self.items:
             raise InvalidInput(self.items)
 
+    def platform_line(self, field: str, value: str) -> None:
+        """Text the platform renders as its own words (the runtime metadata of row 14): at
+        most MAX_ID_LENGTH characters on one line, no control, format or separator
+        characters (a line break there would read as a line of the platform's)."""
+        if len(value) > MAX_ID_LENGTH:
+            self.add(field, f"is {len(value)} characters; at most {MAX_ID_LENGTH}")
+        elif any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in value):
+            self.add(field, "must be one line without control, format or separator characters "
+                     "(it is rendered as the platform's own text)")
+
     def identifier(self, field: str, value: str) -> None:
         if not value:
             self.add(field, "must not be empty")
@@ -528,6 +538,12 @@ def checkpoint(v: Violations, cp: pb.Checkpoint, *, memo: MutableMapping[Any, An
     v.unique("checkpoint.knowledge", (p.id for p in cp.knowledge), "passage id")
     summary = history_summary(v, "checkpoint.summary", cp.summary) if cp.HasField(
         "summary") else None
+    runtime = cp.runtime
+    v.platform_line("checkpoint.runtime.current_date", runtime.current_date)
+    v.platform_line("checkpoint.runtime.surface", runtime.surface)
+    for name in ("principal_scopes", "browser_origins"):
+        for i, value in enumerate(getattr(runtime, name)):
+            v.platform_line(f"checkpoint.runtime.{name}[{i}]", value)
     return Checkpoint(
         summary=summary,
         active_run_id=cp.active_run_id,

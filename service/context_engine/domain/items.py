@@ -691,8 +691,9 @@ class RuntimeMetadataItem(ContextItem):
         if self.browser_origins:
             lines.append("browser.navigate accepts these origins: "
                          + ", ".join(self.browser_origins))
+        # each value on its line (a backstop: line breaks are refused at the boundary)
         return [Message(row=14, role=Role.USER, trust=TrustLevel.PLATFORM,
-                        text="\n".join(lines))]
+                        text="\n".join(one_line(line) for line in lines))]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
