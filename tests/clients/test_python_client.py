@@ -25,6 +25,8 @@ import context_engine_client
 import grpc
 import pytest
 from context_engine_client import (
+    DEFAULT_COMPACT_TIMEOUT,
+    DEFAULT_TIMEOUT,
     FORMAT_NAMES,
     AsyncClient,
     Client,
@@ -57,7 +59,8 @@ MODEL = "claude-sonnet-4-5"
 
 def test_public_names_are_pinned():
     assert context_engine_client.__all__ == [
-        "DEFAULT_TIMEOUT", "FORMAT_NAMES", "Aborted", "AlreadyExists", "AnthropicMessagesBody",
+        "DEFAULT_COMPACT_TIMEOUT", "DEFAULT_TIMEOUT", "FORMAT_NAMES", "Aborted", "AlreadyExists",
+        "AnthropicMessagesBody",
         "AsyncClient", "BedrockConverseBody", "BuildStats", "Cancelled", "ChatCompletionsBody",
         "Client",
         "ContextEngineError", "DataLoss", "DeadlineExceeded", "FailedPrecondition",
@@ -423,6 +426,7 @@ class Fake:
     delay: float = 0.0
     calls: dict[str, int] = field(default_factory=dict)
     metadata: list[dict[str, str]] = field(default_factory=list)
+    remaining: dict[str, float | None] = field(default_factory=dict)  # last call's time left
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -463,6 +467,7 @@ def handler(fake: Fake, name: str) -> grpc.RpcMethodHandler[Any, Any]:
             fake.calls[name] = fake.calls.get(name, 0) + 1
             n = fake.calls[name]
             fake.metadata.append({k: str(v) for k, v in context.invocation_metadata()})
+            fake.remaining[name] = context.time_remaining()
         if fake.delay:
             time.sleep(fake.delay)
         if n <= fake.failures:
@@ -562,6 +567,33 @@ def test_async_client_retries_like_the_sync_one(fake):
 
     asyncio.run(scenario())
     assert state.calls == {"GetPlan": 3, "DeleteSession": 3, "Compact": 3, "Rotate": 1}
+
+
+def test_compact_waits_on_a_summarizer_so_its_default_deadline_is_longer(fake):
+    """Compact's default deadline (60 s) outlasts the service's default summarizer deadline
+    (20 s), so a slow summarizer answers SUMMARIZER_UNAVAILABLE, not DEADLINE_EXCEEDED; every
+    other call keeps the client's timeout, and a call's own timeout wins."""
+    state, target = fake
+    with Client(target=target) as engine:
+        engine.compact(request=pb.CompactRequest())
+        engine.build(request=pb.BuildRequest())
+        # the server's view of a deadline (grpc-timeout) may be rounded up by a little
+        assert 55 < state.remaining["Compact"] < 61 and DEFAULT_COMPACT_TIMEOUT == 60
+        assert 5 < state.remaining["Build"] < 11 and DEFAULT_TIMEOUT == 10
+        engine.compact(request=pb.CompactRequest(), timeout=5)
+        assert state.remaining["Compact"] < 6
+    with Client(target=target, timeout=90, compact_timeout=120) as engine:
+        engine.compact(request=pb.CompactRequest())
+        assert 115 < state.remaining["Compact"] < 121
+    with pytest.raises(ValueError, match="timeout"):
+        Client(target=target, compact_timeout=0)
+
+    async def scenario() -> None:
+        async with AsyncClient(target=target, compact_timeout=30) as engine:
+            await engine.compact(request=pb.CompactRequest())
+
+    asyncio.run(scenario())
+    assert 25 < state.remaining["Compact"] < 31
 
 
 def test_a_slow_answer_is_deadline_exceeded(fake):

@@ -60,6 +60,11 @@ export interface ClientOptions {
   insecure?: boolean;
   /** Deadline of every call, retries included, unless the call passes its own (default 10 s). */
   deadlineMs?: number;
+  /**
+   * Deadline of a `compact` call that passes none (default 60 s): Compact waits on an LLM
+   * summarizer, which the service gives 20 s by default (CE_SUMMARIZER_TIMEOUT_SECONDS).
+   */
+  compactDeadlineMs?: number;
   /** Send and receive limit (default 64 MiB, the service's default receive limit). */
   maxMessageBytes?: number;
   /**
@@ -99,6 +104,7 @@ export interface CallOptions {
 export type Input<T> = DeepPartial<T>;
 
 const DEFAULT_DEADLINE_MS = 10_000;
+const DEFAULT_COMPACT_DEADLINE_MS = 60_000;
 
 /** What the client needs of a generated message: fill in the defaults of a partial one. */
 interface Fills<T> {
@@ -153,11 +159,14 @@ export class ContextEngineClient {
   private readonly openKeyed: () => grpc.Client;
   private readonly token: string | undefined;
   private readonly deadlineMs: number;
+  private readonly compactDeadlineMs: number;
   private readonly builds: IncrementalBuilds | undefined;
 
   constructor(options: ClientOptions) {
     this.token = checkToken(options.token);
     this.deadlineMs = checkDeadlineMs(options.deadlineMs ?? DEFAULT_DEADLINE_MS);
+    this.compactDeadlineMs = checkDeadlineMs(options.compactDeadlineMs
+      ?? DEFAULT_COMPACT_DEADLINE_MS);
     const credentials = channelCredentials(options.insecure, options.tls);
     const limit = options.maxMessageBytes ?? DEFAULT_MAX_MESSAGE_BYTES;
     const config = typeof options.serviceConfig === "string"
@@ -242,7 +251,8 @@ export class ContextEngineClient {
 
   /** Compacts the oldest carried history into a summary; retried only with a key. */
   compact(request: Input<CompactRequest>, options?: CallOptions): Promise<CompactResponse> {
-    return this.call(ContextEngineService.compact, CompactRequest, request, options);
+    return this.call(ContextEngineService.compact, CompactRequest, request,
+                     { ...options, deadlineMs: options?.deadlineMs ?? this.compactDeadlineMs });
   }
 
   /**

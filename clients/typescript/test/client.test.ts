@@ -76,6 +76,8 @@ describe("client behaviour", () => {
   const calls: Record<string, number> = {};
   /** Every attempt's request metadata, per RPC. */
   const seen: Record<string, grpc.Metadata[]> = {};
+  /** The last attempt's time left until its deadline (ms), per RPC, as the server sees it. */
+  const left: Record<string, number> = {};
   /** Attempts answered UNAVAILABLE before the next succeeds. */
   let failFirst = 0;
   let failWith: grpc.status = CODE.UNAVAILABLE;
@@ -127,6 +129,9 @@ describe("client behaviour", () => {
                      cb: grpc.sendUnaryData<unknown>) => {
         calls[name] = (calls[name] ?? 0) + 1;
         (seen[name] ??= []).push(call.metadata);
+        const deadline = call.getDeadline();
+        left[name] = (deadline instanceof Date ? deadline.getTime() : Number(deadline))
+          - Date.now();
         const handler = handlers[name];
         if (handler) handler(call, cb);
         else cb(failure(CODE.UNIMPLEMENTED, name));
@@ -317,6 +322,21 @@ describe("client behaviour", () => {
       (err: unknown) => err instanceof ContextEngineError &&
         err.code === GrpcStatus.DEADLINE_EXCEEDED && err.reason === "");
     assert.ok(Date.now() - started < 2_000);
+  });
+
+  test("compact waits on a summarizer: its default deadline is 60 s", async () => {
+    // the fake answers compact UNAVAILABLE: what matters is the deadline it was sent with
+    const attempt = (c: ContextEngineClient, options?: { deadlineMs: number }) =>
+      c.compact({ tenantId: "t", sessionId: "s" }, options).catch(() => undefined);
+    await attempt(client);
+    assert.ok(left.compact! > 55_000 && left.compact! <= 60_000, String(left.compact));
+    await attempt(client, { deadlineMs: 2_000 });
+    assert.ok(left.compact! <= 2_000, "a call's own deadline wins");
+    await attempt(open({ compactDeadlineMs: 120_000 }));
+    assert.ok(left.compact! > 115_000 && left.compact! <= 120_000, String(left.compact));
+    await client.getPlan({ tenantId: "t", sessionId: "s" });
+    assert.ok(left.getPlan! <= 5_000, "every other call keeps the client's deadline");
+    assert.throws(() => open({ compactDeadlineMs: 0 }), RangeError);
   });
 
   test("the deadline bounds the retries too", async () => {

@@ -17,7 +17,7 @@ session's last Build and reads the response back whole; ``build_stats`` (a :clas
 says what that saved.
 """
 
-from context_engine_client._channel import DEFAULT_TIMEOUT, RetryPolicy
+from context_engine_client._channel import DEFAULT_COMPACT_TIMEOUT, DEFAULT_TIMEOUT, RetryPolicy
 from context_engine_client._incremental import BuildStats
 from context_engine_client._pb.context_engine.v1 import context_engine_pb2 as pb
 from context_engine_client.aio import AsyncClient
@@ -64,6 +64,7 @@ from context_engine_client.formats import (
 )
 
 __all__ = [
+    "DEFAULT_COMPACT_TIMEOUT",
     "DEFAULT_TIMEOUT",
     "FORMAT_NAMES",
     "Aborted",

@@ -28,12 +28,14 @@ class Settings:
     keyed_options: tuple[tuple[str, Any], ...]  # the channel for requests with a key
     metadata: tuple[tuple[str, str], ...]
     timeout: float
+    compact_timeout: float
     policy: RetryPolicy
 
 
 def settings(*, target: str, token: str | None, tls: bool, root_certificates: bytes | None,
              client_certificate_chain: bytes | None, client_private_key: bytes | None,
-             server_name: str | None, timeout: float, max_message_bytes: int,
+             server_name: str | None, timeout: float, compact_timeout: float,
+             max_message_bytes: int,
              service_config: str | None,
              channel_options_extra: Sequence[tuple[str, Any]]) -> Settings:
     if not target:
@@ -52,4 +54,5 @@ def settings(*, target: str, token: str | None, tls: bool, root_certificates: by
         keyed_options=(*keyed, *channel_options_extra),
         metadata=call_metadata(token),
         timeout=check_timeout(timeout),
+        compact_timeout=check_timeout(compact_timeout),
         policy=retry_policy(config_text))

@@ -11,6 +11,7 @@ import grpc
 from google.protobuf.message import Message
 
 from context_engine_client._channel import (
+    DEFAULT_COMPACT_TIMEOUT,
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TIMEOUT,
     KEYED,
@@ -41,7 +42,8 @@ class AsyncClient:
     """An asyncio client of one context-engine endpoint (create it inside the event loop
     that uses it).
 
-    Every call has a deadline (``timeout`` seconds, overridable per call) that covers its
+    Every call has a deadline (``timeout`` seconds, overridable per call; Compact's is
+    ``compact_timeout``, 60 s by default, since it waits on an LLM summarizer) that covers its
     retries, sends ``authorization: Bearer <token>`` when a token is given, and raises a
     :class:`~context_engine_client.ContextEngineError` subclass on failure. ``UNAVAILABLE`` is
     retried for the idempotent RPCs (Plan, GetPlan, Build, UpdateWorkingState,
@@ -63,6 +65,7 @@ class AsyncClient:
                  client_certificate_chain: bytes | None = None,
                  client_private_key: bytes | None = None, server_name: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT,
+                 compact_timeout: float = DEFAULT_COMPACT_TIMEOUT,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  service_config: str | None = None,
                  channel_options: Sequence[tuple[str, Any]] = (),
@@ -72,6 +75,7 @@ class AsyncClient:
             target=target, token=token, tls=tls, root_certificates=root_certificates,
             client_certificate_chain=client_certificate_chain,
             client_private_key=client_private_key, server_name=server_name, timeout=timeout,
+            compact_timeout=compact_timeout,
             max_message_bytes=max_message_bytes, service_config=service_config,
             channel_options_extra=channel_options)
         self._incremental = IncrementalBuilds(incremental_sessions) if incremental else None
@@ -204,7 +208,9 @@ class AsyncClient:
                       metadata: Metadata | None = None) -> pb.CompactResponse:
         """Compacts the oldest carried history into a summary (a write); a retried idempotency
         key returns the stored result."""
-        return await self._invoke("Compact", request, pb.CompactResponse, timeout, metadata)
+        return await self._invoke("Compact", request, pb.CompactResponse,
+                                  self._settings.compact_timeout if timeout is None
+                                  else timeout, metadata)
 
     async def delete_session(self, *, request: pb.DeleteSessionRequest,
                              timeout: float | None = None,

@@ -472,6 +472,10 @@ class SkillCatalogEntry(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     TRUST_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    """1 to 64 letters, digits or marks of any script, '_', '.' or '-': the name is rendered in
+    the platform's own line before a loaded skill's envelope, so it holds no white space,
+    punctuation or control characters (INVALID_ARGUMENT at skill_catalog[i].name).
+    """
     description: _builtins.str
     trust: Global___TrustLevel.ValueType
     def __init__(
@@ -1354,7 +1358,8 @@ class WorkingState(_message.Message):
     """Labels of the text entries, set by the service from the transition that wrote each: the
     block renders every entry inside an envelope carrying its label. At most USER; unset
     means USER (the label of the user's and the model's own words). A restated entry keeps
-    the lowest label it was written with.
+    the lowest label it was written with; a restated constraint keeps the label it was added
+    with (never lowered: a call after untrusted content cannot weaken the user's constraint).
     """
     next_action_trust: Global___TrustLevel.ValueType
     @_builtins.property
@@ -1760,6 +1765,10 @@ Global___KnowledgePassage: _TypeAlias = KnowledgePassage  # noqa: Y015
 
 @_typing.final
 class RuntimeMetadata(_message.Message):
+    """Rendered as the platform's own lines (row 14): every value is at most 256 characters, with
+    no control, format or line-separator character (else INVALID_ARGUMENT at its field).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     CURRENT_DATE_FIELD_NUMBER: _builtins.int
