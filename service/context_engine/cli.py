@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from context_engine.config import Config, ConfigError, split_addr
+from context_engine.config import Config, ConfigError, redact_url, split_addr
 
 if TYPE_CHECKING:
     from context_engine.adapters.postgres.migrate import Entry
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--grpc-addr", help="host:port (env CE_GRPC_ADDR; port 0 picks one)")
     serve_p.add_argument("--metrics-addr", help="host:port, empty to disable (CE_METRICS_ADDR)")
     serve_p.add_argument("--workers", type=int, help="serving processes on the one port "
-                         "(env CE_WORKERS; default: the number of CPUs)")
+                         "(env CE_WORKERS, 0 to 1024; 0, the default: one per CPU)")
     serve_p.add_argument("--dev", action="store_true",
                          help="development mode: no credentials, loopback binds only "
                               "(CE_DEV_MODE=1)")
@@ -138,19 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         config = Config.from_env(os.environ)
         if args.command == "config":
             return _emit(_show_config(config, as_json=args.json))
-        updates: dict[str, Any] = {}
+        flags: dict[str, tuple[str, Any]] = {}
         if getattr(args, "grpc_addr", None):
-            updates["grpc_addr"] = args.grpc_addr
+            flags["grpc_addr"] = ("--grpc-addr", args.grpc_addr)
         if getattr(args, "metrics_addr", None) is not None:
-            updates["metrics_addr"] = args.metrics_addr
-        if getattr(args, "workers", None) is not None:
-            if args.workers < 1:
-                raise ConfigError(f"--workers={args.workers} must be at least 1")
-            updates["workers"] = args.workers
+            flags["metrics_addr"] = ("--metrics-addr", args.metrics_addr)
+        if getattr(args, "workers", None) is not None:  # 0: one per CPU, as CE_WORKERS
+            flags["workers"] = ("--workers", args.workers)
         if getattr(args, "dev", False):
-            updates["dev_mode"] = True
-        config = config.model_copy(update=updates)
-        config.validate()  # model_copy validates nothing
+            flags["dev_mode"] = ("--dev", True)
+        config = config.with_flags(flags)  # validated like the variables
         if args.command == "serve":
             config.validate_serving()
             if config.auth_tokens_file is not None:  # a malformed file fails here, not later
@@ -161,12 +158,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: configuration error: {exc}", file=sys.stderr)
         return 2
 
-    from context_engine.adapters.postgres.migrate import MigrationError
+    from context_engine.adapters.postgres.migrate import DatabaseUnreachable, MigrationError
     from context_engine.telemetry.logs import configure
 
     configure(config.log_level)
     try:
         return _run(args, config)
+    except DatabaseUnreachable as exc:  # the first connection of serve or migrate
+        where = ("DATABASE_URL " + redact_url(config.database_url)
+                 if config.database_url is not None
+                 else f"the embedded PostgreSQL under {config.data_dir}")
+        print(f"{PROG}: cannot reach the database ({where}): {exc}; nothing was applied "
+              f"(CE_DB_TIMEOUT_SECONDS={config.db_timeout_seconds:g} s to connect)",
+              file=sys.stderr)
+        return 1
     except MigrationError as exc:  # an applied migration no longer matches its file
         print(f"{PROG}: refusing to start: the applied migrations do not match "
               f"{config.migrations_dir}:", file=sys.stderr)
@@ -362,7 +367,8 @@ async def _migrate(config: Config) -> int:
     from context_engine.adapters.postgres.migrate import migrate
     from context_engine.telemetry.logs import log
 
-    applied = await migrate(await _database_url(config), config.migrations_dir)
+    applied = await migrate(await _database_url(config), config.migrations_dir,
+                            connect_timeout=config.db_timeout_seconds)
     log("migrated", applied=applied)
     return 0
 
@@ -374,7 +380,8 @@ async def _migration_status(config: Config) -> int:
         # No embedded database yet (and --status creates none): every migration is pending.
         entries = reconcile([], discover(config.migrations_dir))
     else:
-        entries = await status(await _database_url(config), config.migrations_dir)
+        entries = await status(await _database_url(config), config.migrations_dir,
+                               connect_timeout=config.db_timeout_seconds)
     print(format_status(entries))
     return 1 if any(e.check in BROKEN for e in entries) else 0
 

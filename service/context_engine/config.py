@@ -273,6 +273,16 @@ class Config(BaseSettings):
         except ValidationError as exc:
             raise ConfigError(_message(exc, values)) from None
 
+    def with_flags(self, flags: Mapping[str, tuple[str, Any]]) -> Config:
+        """A copy with settings given by command-line flags (``{setting: (flag, value)}``),
+        validated like the variables: ``ConfigError`` naming each bad flag."""
+        values = {name: value for name, (_, value) in flags.items()}
+        try:
+            return self.replace(**values)
+        except ValidationError as exc:
+            raise ConfigError(_message(exc, values, {name: flag for name, (flag, _)
+                                                     in flags.items()})) from None
+
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes``, validated like any other ``Config`` (pydantic's
         ``model_copy(update=...)`` validates nothing)."""
@@ -398,9 +408,11 @@ def _shown(name: str, raw: object) -> str:
     return repr(MASK) if name in SECRETS else repr(raw)
 
 
-def _message(exc: ValidationError, values: Mapping[str, Any]) -> str:
-    """One line per bad variable, ``VAR='value' <problem>``; a secret's value is masked."""
-    names = variables()
+def _message(exc: ValidationError, values: Mapping[str, Any],
+             flags: Mapping[str, str] | None = None) -> str:
+    """One line per bad variable, ``VAR='value' <problem>`` (``--flag='value'`` for a setting
+    a command-line flag gave, ``flags``); a secret's value is masked."""
+    names = {**variables(), **(flags or {})}
     lines: list[str] = []
     for error in exc.errors(include_input=False, include_url=False):
         ctx = error.get("ctx") or {}

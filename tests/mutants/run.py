@@ -28,6 +28,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -102,13 +103,27 @@ def imports_from(root: Path) -> None:
             raise SystemExit(f"the copy imports {path}, not its own code: results would lie")
 
 
-def pytest(root: Path, args: tuple[str, ...], log: Path) -> tuple[int, float]:
+# One selection's run may take this long; past it the run (its process group: servers and
+# databases it started included) is stopped and the mutant is not counted as killed. A test
+# that hangs under a bug proves nothing: it must fail.
+TIMEOUT_SECONDS = 900
+TIMED_OUT = -1  # pytest's "exit status" of a run stopped at TIMEOUT_SECONDS
+
+
+def pytest(root: Path, args: tuple[str, ...], log: Path,
+           timeout: float = TIMEOUT_SECONDS) -> tuple[int, float]:
     started = time.monotonic()
     with log.open("w", encoding="utf-8") as out:
-        code = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
              "-p", "no:randomly", *args], cwd=root, env=env_for(root), stdout=out,
-            stderr=subprocess.STDOUT).returncode
+            stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = TIMED_OUT
     return code, time.monotonic() - started
 
 
@@ -128,7 +143,10 @@ def verdict(code: int, output: str = "") -> str:
     ran and failed (1); "SURVIVED" where the tests passed (0) or none was collected (5);
     "ERROR" where an import or collection error, an interruption or an internal error (2-4)
     stopped them before any judged the bug, or where the failing test is the TypeScript
-    client's build, which a patch that does not compile fails without testing anything."""
+    client's build, which a patch that does not compile fails without testing anything;
+    "TIMEOUT" where the run was stopped at TIMEOUT_SECONDS (a hang is not a failing test)."""
+    if code == TIMED_OUT:
+        return "TIMEOUT"
     if code == 1:
         return "ERROR" if TS_COMPILE_ERROR.search(output) else "killed"
     return "SURVIVED" if code in (0, 5) else "ERROR"
@@ -180,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         if found != "killed":
             why = ("survived" if found == "SURVIVED"
+                   else f"hung its tests past {TIMEOUT_SECONDS} s: none failed"
+                   if found == "TIMEOUT"
                    else "its TypeScript did not compile: no test judged it" if code == 1
                    else f"stopped its tests before any judged it (exit {code})")
             failures.append(f"{m.name} {why}: pytest {m.selection}: {m.bug}")

@@ -206,3 +206,63 @@ def test_config_into_a_reader_that_stops_early_is_not_an_error():
         os.close(write_end)
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+# ---------------------------------------------------------------- flags and the database
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(("flag", "message"), [
+    ("5000", "--workers=5000 is above 1024"),
+    ("-1", "--workers=-1 is below 0"),
+])
+def test_a_flag_is_held_to_its_variables_bounds(env, capsys, flag, message):
+    env.setenv("CE_METRICS_ADDR", "")
+    # were a bad flag let through, serving would stop at once at a database nobody runs
+    env.setenv("DATABASE_URL", f"postgresql://ce@127.0.0.1:{_free_port()}/ce")
+    env.setenv("CE_DB_TIMEOUT_SECONDS", "2")
+    code, _, err = run(capsys, "serve", "--dev", "--grpc-addr", "127.0.0.1:0", "--workers", flag)
+    assert (code, err.strip()) == (2, f"context-engine: configuration error: {message}")
+    code, _, err = run(capsys, "serve", "--dev", "--grpc-addr", "nowhere")
+    assert code == 2 and "--grpc-addr='nowhere' is not host:port" in err
+
+
+@pytest.mark.parametrize("command", [("serve", "--dev", "--workers", "0"), ("migrate",),
+                                     ("migrate", "--status")])
+def test_an_unreachable_database_is_one_line_not_a_traceback(env, capsys, command):
+    """``--workers 0`` is one per CPU, as CE_WORKERS=0 is: it gets as far as the database,
+    whose refusal is one line naming it (its password masked), exit 1."""
+    port = _free_port()  # nothing listens there
+    env.setenv("DATABASE_URL", f"postgresql://ce:{SECRET}@127.0.0.1:{port}/ce")
+    env.setenv("CE_GRPC_ADDR", "127.0.0.1:0")
+    env.setenv("CE_METRICS_ADDR", "")
+    env.setenv("CE_DB_TIMEOUT_SECONDS", "2")
+    code, _, err = run(capsys, *command)
+    assert code == 1, err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("context-engine:")]
+    assert line.startswith(f"context-engine: cannot reach the database (DATABASE_URL "
+                           f"postgresql://ce:{MASK}@127.0.0.1:{port}/ce): ConnectionRefusedError")
+    assert "Traceback" not in err and SECRET not in err
+
+
+def test_migrate_gives_up_connecting_after_ce_db_timeout_seconds(env, capsys):
+    """A database that takes the connection and never answers (a listening socket nobody
+    accepts on): migrate gives up after CE_DB_TIMEOUT_SECONDS (1 s here), not asyncpg's 60."""
+    import time
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        env.setenv("DATABASE_URL", f"postgresql://ce@127.0.0.1:{port}/ce?sslmode=disable")
+        env.setenv("CE_DB_TIMEOUT_SECONDS", "1")
+        started = time.monotonic()
+        code, _, err = run(capsys, "migrate")
+        took = time.monotonic() - started
+    assert code == 1 and "cannot reach the database" in err and "TimeoutError" in err, err
+    assert took < 15, took

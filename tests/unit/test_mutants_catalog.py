@@ -9,11 +9,13 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.mutants.run import HERE, REPO, Mutant, catalog, verdict
+from tests.mutants.run import HERE, REPO, TIMED_OUT, Mutant, catalog, verdict
+from tests.mutants.run import pytest as run_pytest
 
 MUTANTS = catalog()
 
@@ -81,3 +83,28 @@ def test_only_a_failing_test_kills_a_mutant() -> None:
     tsc = "src/incremental.ts(544,14): error TS2339: Property 'x' does not exist on type 'Y'."
     assert verdict(1, f"npm run build failed (exit 2):\n{tsc}") == "ERROR"
     assert verdict(1, "AssertionError: a Build naming a base is kept anyway") == "killed"
+    assert verdict(TIMED_OUT) == "TIMEOUT"  # a hang is not a failing test
+
+
+def test_a_hanging_run_is_stopped_with_everything_it_started(tmp_path: Path) -> None:
+    """A selection that hangs (and has started a child of its own, as a server fixture does)
+    is stopped at the timeout, its whole process group with it."""
+    (tmp_path / "test_hang.py").write_text(
+        "import subprocess, sys, time\n"
+        "def test_hangs():\n"
+        "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "    open('child.pid', 'w').write(str(child.pid))\n"
+        "    time.sleep(600)\n")
+    code, secs = run_pytest(tmp_path, ("test_hang.py",), tmp_path / "log", timeout=5)
+    assert code == TIMED_OUT and secs < 60
+    pid = int((tmp_path / "child.pid").read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                break  # killed; its parent (also killed) leaves it to init to reap
+        except OSError:
+            break
+        time.sleep(0.1)
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().split()[2] == "Z", "the child outlived it"

@@ -210,7 +210,8 @@ async def start(config: Config, *, database_url: str,
     tokenizers = TiktokenRegistry(on_load=tokenizer_loaded)
     warming = asyncio.ensure_future(warm_tokenizers(tokenizers, catalog.encodings()))
     try:
-        applied = await migrate(database_url, config.migrations_dir)
+        applied = await migrate(database_url, config.migrations_dir,
+                                connect_timeout=config.db_timeout_seconds)
     except BaseException:
         await settled(warming)
         raise

@@ -216,7 +216,8 @@ async def supervise(config: Config, count: int, extra_args: list[str]) -> int:
     embedded = database_url is None
     if database_url is None:
         database_url = await asyncio.to_thread(embedded_database_url, config.data_dir)
-    applied = await migrate(database_url, config.migrations_dir)
+    applied = await migrate(database_url, config.migrations_dir,
+                            connect_timeout=config.db_timeout_seconds)
     if applied:
         log("migrated", applied=applied)
     supervisor = Supervisor(config, count=count, database_url=database_url,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 
@@ -147,6 +148,28 @@ def problems(entries: Sequence[Entry], directory: Path) -> list[str]:
     return found
 
 
+class DatabaseUnreachable(Exception):
+    """The migrator could not connect (refused, timed out, authentication, no such database):
+    nothing was read or applied."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}" if str(cause)
+                         else type(cause).__name__)
+        self.cause = cause
+
+
+# What connecting can fail with before anything is read: the network, the connect timeout,
+# the server's refusal (authentication, a database that does not exist), the protocol.
+_CONNECT_FAILURES = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+
+
+async def _connect(dsn: str, timeout: float, **options: Any) -> asyncpg.Connection:
+    try:
+        return await asyncpg.connect(dsn, statement_cache_size=0, timeout=timeout, **options)
+    except _CONNECT_FAILURES as exc:
+        raise DatabaseUnreachable(exc) from exc
+
+
 class MigrationError(Exception):
     """The applied migrations do not match the files: nothing was applied."""
 
@@ -160,7 +183,8 @@ def _applied(rows: Sequence[asyncpg.Record]) -> list[Applied]:
                     checksum=r["checksum"]) for r in rows]
 
 
-async def migrate(dsn: str, directory: Path, *, target: int | None = None) -> list[str]:
+async def migrate(dsn: str, directory: Path, *, target: int | None = None,
+                  connect_timeout: float = 60.0) -> list[str]:
     """Apply every migration not yet applied (only those numbered up to ``target`` when given);
     returns the names applied by this call. ``MigrationError`` (and nothing applied) when an
     applied migration no longer matches its file.
@@ -169,11 +193,12 @@ async def migrate(dsn: str, directory: Path, *, target: int | None = None) -> li
     (``pg_advisory_xact_lock``, released when the transaction ends) and then reads what is
     applied: concurrent migrators serialize and each migration is applied once, and nothing
     outlives a transaction on the server connection, so a pooler in transaction mode may stand
-    in between. The statement cache is off for the same reason."""
+    in between. The statement cache is off for the same reason. ``DatabaseUnreachable`` when
+    it cannot connect within ``connect_timeout`` seconds."""
     files = discover(directory)
     if target is not None and target not in {m.version for m in files}:
         raise ValueError(f"no migration numbered {target:04d} in {directory}")
-    conn = await asyncpg.connect(dsn, statement_cache_size=0)
+    conn = await _connect(dsn, connect_timeout)
     applied_now: list[str] = []
     try:
         while True:
@@ -209,12 +234,12 @@ async def migrate(dsn: str, directory: Path, *, target: int | None = None) -> li
         await conn.close()
 
 
-async def status(dsn: str, directory: Path) -> list[Entry]:
+async def status(dsn: str, directory: Path, *, connect_timeout: float = 60.0) -> list[Entry]:
     """The applied and pending migrations, read-only: creates, records and applies nothing
     (a database from before checksums shows its rows ``unrecorded``)."""
     files = discover(directory)
-    conn = await asyncpg.connect(dsn, statement_cache_size=0,
-                                 server_settings={"application_name": "context-engine migrate"})
+    conn = await _connect(dsn, connect_timeout,
+                          server_settings={"application_name": "context-engine migrate"})
     try:
         async with conn.transaction(readonly=True):  # PostgreSQL refuses any write in it
             rows = (await conn.fetch(queries.APPLIED_MIGRATIONS_READ_ONLY)
