@@ -165,7 +165,10 @@ class Split:
 def split(cp: Checkpoint) -> Split:
     items = list(cp.items)
     t = len(items)
-    while t > 0 and isinstance(items[t - 1], UserMessageItem):
+    # the current input: the active run's unanswered user messages at the end (an earlier
+    # run's unanswered message is carried history)
+    while t > 0 and isinstance(items[t - 1], UserMessageItem) and (
+            not cp.active_run_id or items[t - 1].run_id == cp.active_run_id):
         t -= 1
     trailing = tuple(i for i in items[t:] if isinstance(i, UserMessageItem))
     rest = items[:t]

@@ -274,3 +274,34 @@ def test_build_result_reports_its_accounting() -> None:
     assert r.epoch == 1 and r.model_id == "claude-sonnet-4-5"
     assert r.session_key == lp.session_key
     assert r.context_window == 200_000 and r.output_reserve == 8_192
+
+
+def test_a_message_an_earlier_run_left_unanswered_is_carried_history() -> None:
+    """Only the active run's unanswered trailing messages are the current input (row 15,
+    never yielding): one an earlier run left unanswered is history, so a summary that
+    replaced it is not followed by it again, and the history cut may leave it out rather
+    than the Build failing on it."""
+    from context_engine.domain.items import HistorySummary
+
+    lp = f.loaded(f.inputs(model_profile=f.model("gpt-4o", context_window=20_000,
+                                                 output_reserve=1_024)))
+    items = [f.user("u1", "first question", 1, run="run-1"),
+             f.call("c1", 2, "a", run="run-1"), f.result("r1", 3, "a", "page", run="run-1"),
+             f.user("u1b", "an earlier question nobody answered", 4, run="run-1"),
+             f.user("u2", "new question", 10, run="run-2")]
+    cp = f.checkpoint(items, run="run-2",
+                      summary=HistorySummary(text="the first run", replaced_through_sequence=4))
+    r = f.run_build(lp, cp)
+    assert [(m.row, m.item_id) for m in r.request.messages if m.item_id] == [(15, "u2")]
+    big = [f.user("u1", "q", 1, run="run-1"),
+           f.user("u1b", "word " * 30_000, 2, run="run-1"),
+           f.user("u2", "new question", 10, run="run-2")]
+    r = f.run_build(lp, f.checkpoint(big, run="run-2"))
+    assert r.pressure.fits and r.pressure.left_out_items == 2
+    assert [(m.row, m.item_id) for m in r.request.messages if m.item_id] == [(15, "u2")]
+    # supplemental input of the active run stays the current input, in order
+    more = [*items[:3], f.user("u3", "one", 11, run="run-2"), f.user("u4", "two", 12,
+                                                                     run="run-2")]
+    r = f.run_build(lp, f.checkpoint(more, run="run-2"))
+    assert [(m.row, m.item_id) for m in r.request.messages if m.row == 15] == [
+        (15, "u3"), (15, "u4")]

@@ -197,8 +197,11 @@ def test_a_long_narrative_is_trimmed_never_a_constraint():
 def test_nothing_to_compact():
     with pytest.raises(NothingToCompact):
         do([f.user("u1", "hi", 1, run="run-1")])
-    with pytest.raises(NothingToCompact):  # unanswered trailing input is not history
-        do([f.user("u0", "earlier", 1, run="run-0"), f.user("u1", "hi", 2, run="run-1")])
+    with pytest.raises(NothingToCompact):  # the active run's unanswered input is not history
+        do([f.user("u0", "first", 1, run="run-1"), f.user("u1", "and then", 2, run="run-1")])
+    # a message an earlier run left unanswered is: it is compacted like any carried item
+    r = do([f.user("u0", "earlier", 1, run="run-0"), f.user("u1", "hi", 2, run="run-1")])
+    assert r.replaced_through_sequence == 1
     with pytest.raises(InvalidInput):
         do(items(), target=Target())
 

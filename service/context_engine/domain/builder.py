@@ -48,7 +48,7 @@ from context_engine.domain.estimator import (
     attachment_tokens,
 )
 from context_engine.domain.excerpts import normalize_tool_result
-from context_engine.domain.history import Units, floor_index, units_of
+from context_engine.domain.history import Units, floor_index, trailing_start, units_of
 from context_engine.domain.items import (
     ContextItem,
     ConversationItem,
@@ -375,12 +375,10 @@ def checkpoint_scan(cp: Checkpoint, field: str = "checkpoint", *,
     return violations, scan
 
 
-def split_trailing(items: Sequence[ConversationItem]) -> tuple[list[ConversationItem],
-                                                               list[UserMessageItem]]:
-    """Unanswered trailing user messages (including supplemental input on resume) stay last."""
-    cut = len(items)
-    while cut > 0 and isinstance(items[cut - 1], UserMessageItem):
-        cut -= 1
+def split_trailing(items: Sequence[ConversationItem], active_run_id: str = ""
+                   ) -> tuple[list[ConversationItem], list[UserMessageItem]]:
+    """The items before the current input, and the current input (``trailing_start``)."""
+    cut = trailing_start(items, active_run_id)
     trailing = [i for i in items[cut:] if isinstance(i, UserMessageItem)]
     return list(items[:cut]), trailing
 
@@ -595,7 +593,7 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         hit[4] = found
         return found
 
-    history, trailing = split_trailing(items)
+    history, trailing = split_trailing(items, cp.active_run_id)
     # Reasoning items never cross a run boundary: only those inside the active run's trailing
     # stretch of items are replayed, verbatim; every other one is dropped by type.
     first_active = active_start(history, cp.active_run_id)

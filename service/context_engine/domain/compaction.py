@@ -49,7 +49,7 @@ from context_engine.domain.errors import (
     InvalidInput,
     NothingToCompact,
 )
-from context_engine.domain.history import floor_index, units
+from context_engine.domain.history import floor_index, trailing_start, units
 from context_engine.domain.items import (
     SUMMARY_CONSTRAINTS_HEADER,
     SUMMARY_ELIDED_HEADER,
@@ -281,11 +281,9 @@ def select(items: Sequence[ConversationItem], current: HistorySummary | None, *,
         raise InvalidInput.one("target", "name tokens_to_free or replace_through_sequence")
     floor = current.replaced_through_sequence if current is not None else 0
     start = floor_index(items, floor) if current is not None else 0
-    # Unanswered trailing user messages are Build's current input (they never yield): not
-    # history, never compacted.
-    limit = len(items)
-    while limit > 0 and isinstance(items[limit - 1], UserMessageItem):
-        limit -= 1
+    # The current input (the active run's unanswered trailing user messages) is Build's: it
+    # never yields, and is not history, never compacted.
+    limit = trailing_start(items, active_run_id)
     chosen: list[tuple[int, int]] = []
     freed = 0
     for begin, stop in units(items):

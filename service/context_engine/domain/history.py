@@ -16,7 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from context_engine.domain.items import ConversationItem, ToolCallItem, ToolResultItem
+from context_engine.domain.items import (
+    ConversationItem,
+    ToolCallItem,
+    ToolResultItem,
+    UserMessageItem,
+)
 
 Span = tuple[int, int]
 
@@ -144,4 +149,16 @@ def select_history(items: Sequence[ConversationItem], summary_floor: int | None,
             break
         used += unit_cost
         cut = begin
+    return cut
+
+
+def trailing_start(items: Sequence[ConversationItem], active_run_id: str) -> int:
+    """Where the current input begins: the unanswered user messages that end the items
+    (including supplemental input on resume), of the active run (any run's where there is
+    none). A user message an earlier run left unanswered is carried history, which the summary
+    may replace and the history cut may leave out: only the current input never yields."""
+    cut = len(items)
+    while cut > 0 and isinstance(items[cut - 1], UserMessageItem) and (
+            not active_run_id or items[cut - 1].run_id == active_run_id):
+        cut -= 1
     return cut
