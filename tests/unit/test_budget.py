@@ -751,6 +751,22 @@ def test_context_content_is_used_instead_of_content_and_is_not_a_legacy_excerpt(
     assert out.bytes == len(item.content.encode())  # a pointer still names the full size
 
 
+def test_a_persisted_excerpt_over_the_inline_maximum_is_cut_like_a_legacy_result() -> None:
+    """ADR-0137: a carried result whose content, once its persisted excerpt is selected,
+    still exceeds the inline maximum (a limit lowered since it was persisted) gets the same
+    head/tail excerpt, naming its event; the item keeps the canonical size."""
+    persisted = "P" * 3_000 + "Q" * 3_000 + "R" * 4_000
+    item = legacy("full canonical " * 5_000, context_content=persisted)
+    [out], n = normalize_tool_results([item], 2_000)
+    assert n == 1 and isinstance(out, ToolResultItem)
+    head, tail = 2_000 * 2 // 3, 2_000 - 2_000 * 2 // 3
+    assert out.content == ("P" * head + f"\n[... excerpt: {10_000 - head - tail:,} of 10,000 "
+                           "bytes omitted; full result: event:42 ...]\n" + "R" * tail)
+    assert out.context_content == "" and out.bytes == len(item.content.encode())
+    assert normalize_tool_results([item], 10_000) == ((replace(
+        item, content=persisted, context_content="", byte_length=item.bytes),), 0)
+
+
 def test_build_renders_excerpts_with_their_trust_and_counts_legacy_ones() -> None:
     lp = plan("claude-sonnet-4-5", 200_000, None)
     big = "<html>" + "row " * 10_000 + "</html>"

@@ -44,14 +44,19 @@ def head_tail_excerpt(item: ToolResultItem, inline_maximum_bytes: int) -> str:
 
 def normalize_tool_result(item: ConversationItem, inline_maximum_bytes: int
                           ) -> tuple[ConversationItem, bool]:
-    """The item to assemble, and whether it is a legacy result excerpted here."""
+    """The item to assemble, and whether it was excerpted here (head/tail). A persisted
+    ``context_content`` excerpt replaces the content; content that still exceeds the inline
+    maximum (a legacy result, or an excerpt persisted under a larger limit) gets the head/tail
+    excerpt, which names the original event."""
     if isinstance(item, ToolResultItem) and not item.elided:
+        selected = item
         if item.context_content:
-            return replace(item, content=item.context_content, context_content="",
-                           byte_length=item.bytes), False
-        if utf8_length(item.content) > inline_maximum_bytes:
-            return replace(item, content=head_tail_excerpt(item, inline_maximum_bytes),
+            selected = replace(item, content=item.context_content, context_content="",
+                               byte_length=item.bytes)
+        if utf8_length(selected.content) > inline_maximum_bytes:
+            return replace(selected, content=head_tail_excerpt(selected, inline_maximum_bytes),
                            byte_length=item.bytes), True
+        return selected, False
     return item, False
 
 

@@ -2556,6 +2556,9 @@ class Pressure(_message.Message):
     summary_floor_index: _builtins.int
     """Index into checkpoint.items of the first item above the summary floor."""
     legacy_tool_excerpts: _builtins.int
+    """Tool results cut to a head/tail excerpt naming their event because their content (a
+    persisted context_content excerpt where there is one) exceeds the inline maximum.
+    """
     history_floor_shortfall: _builtins.int
     """What never yields (the current user message, working state, corrections, skill bodies,
     the active run) left history less than its 8,000-token floor: the tokens it is short by
