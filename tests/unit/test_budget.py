@@ -469,6 +469,22 @@ def test_skill_bodies_over_6000_tokens_fail() -> None:
     assert info.value.tokens > 6_000
 
 
+def test_the_skill_cap_is_measured_without_the_correction_factor() -> None:
+    """Skills loaded within 6,000 tokens keep building once ReportUsage raises the factor (a
+    skill is never unloaded), and skills over it fail at any factor; the factor still scales
+    what they cost in the body."""
+    lp = plan("claude-sonnet-4-5", 200_000, None)
+    within = (skill("a", 1_000), skill("b", 1_000))
+    costs = [klass(run(lp, [last_user()], factor=factor, loaded_skills=within),
+                   "skill_bodies").used for factor in (1.0, 1.6, 4.0)]
+    assert costs[0] <= 6_000 < costs[1] < costs[2]  # built at every factor, scaled by it
+    for factor in (0.5, 1.0):
+        with pytest.raises(BudgetExceeded) as info:
+            run(lp, [last_user()], factor=factor,
+                loaded_skills=(skill("a", 1_800), skill("b", 1_800)))
+        assert info.value.class_name == "skill_bodies" and info.value.tokens > 6_000
+
+
 def test_a_working_state_over_1000_tokens_fails() -> None:
     lp = plan("claude-sonnet-4-5", 200_000, None)
     ok = run(lp, [last_user()], working_state=WorkingState(objective=words(200)))

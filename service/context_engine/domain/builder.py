@@ -654,10 +654,13 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
                if cp.summary is not None else None)
     if summary is not None:
         fixed["summary"] = cost(summary)
-    # classes that never yield fail instead; the working state's ceiling is measured as
-    # UpdateWorkingState measured it, without the correction factor
-    if fixed["skill_bodies"] > SKILL_BODY_TOKENS:
-        raise BudgetExceeded("skill_bodies", fixed["skill_bodies"], SKILL_BODY_TOKENS)
+    # classes that never yield fail instead. Their ceilings are properties of what was loaded
+    # or accepted, measured without the correction factor (the working state's as
+    # UpdateWorkingState measured it): skills loaded within the cap never fail a later Build
+    # because ReportUsage moved the factor (which still scales what they cost in the body)
+    skill_tokens = sum(estimator.messages(s.messages(ctx), 1.0) for s in skills)
+    if skill_tokens > SKILL_BODY_TOKENS:
+        raise BudgetExceeded("skill_bodies", skill_tokens, SKILL_BODY_TOKENS)
     if "working_state" in rows:
         state_tokens = working_state_tokens(estimator, ctx, cp.working_state)
         if state_tokens > WORKING_STATE_TOKENS:
