@@ -472,7 +472,6 @@ def check_failure(case: Case, e: BudgetExceeded) -> None:
     assert e.class_name in NEVER_YIELD, f"failed naming a class that yields: {e}"
     if currently_in_test_context():
         event(f"budget exceeded: {e.class_name}")
-    costs = Costs(case)
     if e.class_name == "skill_bodies" and e.unit == "items":
         assert len(case.cp.loaded_skills) > 2
         return
