@@ -45,6 +45,8 @@ def texts(max_parts: int = 2) -> st.SearchStrategy[str]:
 
 ids_ = S.safe_names
 trusts = st.sampled_from(DATA_TRUST)
+# A working-state entry's label: at most USER (unset means USER).
+labels = st.sampled_from((pb.TRUST_LEVEL_UNSPECIFIED, *DATA_TRUST[1:]))
 date_texts = st.one_of(S.dates, S.dates, st.just(""),
                        st.datetimes().map(lambda d: d.strftime("%A, %d %B %Y")))
 arguments_json = st.builds(
@@ -70,7 +72,7 @@ working_states = st.one_of(
                                  state=st.sampled_from(TASK_STATES)), max_size=2),
         facts=st.lists(st.builds(pb.WorkingFact, statement=texts(1),
                                  source_event_ids=st.lists(st.integers(1, 10**6), max_size=3),
-                                 trust=trusts), max_size=2),
+                                 trust=labels), max_size=2),
         open_questions=st.lists(texts(1), max_size=1),
         next_action=texts(1)))
 
