@@ -168,9 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         where = ("DATABASE_URL " + redact_url(config.database_url)
                  if config.database_url is not None
                  else f"the embedded PostgreSQL under {config.data_dir}")
-        print(f"{PROG}: cannot reach the database ({where}): {exc}; nothing was applied "
-              f"(CE_DB_TIMEOUT_SECONDS={config.db_timeout_seconds:g} s to connect)",
-              file=sys.stderr)
+        if exc.misconfigured:
+            print(f"{PROG}: cannot use the database URL ({where}): {exc}", file=sys.stderr)
+        else:
+            print(f"{PROG}: cannot reach the database ({where}): {exc}; nothing was applied "
+                  f"(CE_DB_TIMEOUT_SECONDS={config.db_timeout_seconds:g} s to connect)",
+                  file=sys.stderr)
         return 1
     except MigrationError as exc:  # an applied migration no longer matches its file
         print(f"{PROG}: refusing to start: the applied migrations do not match "

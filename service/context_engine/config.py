@@ -280,8 +280,12 @@ class Config(BaseSettings):
         try:
             return self.replace(**values)
         except ValidationError as exc:
-            raise ConfigError(_message(exc, values, {name: flag for name, (flag, _)
-                                                     in flags.items()})) from None
+            message = _message(exc, values, {name: flag for name, (flag, _) in flags.items()})
+            # the settings' joint checks name variables: a flag's value is the flag's
+            names = variables()
+            for name, (flag, _) in flags.items():
+                message = message.replace(f"{names.get(name, name)}=", f"{flag}=")
+            raise ConfigError(message) from None
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes``, validated like any other ``Config`` (pydantic's

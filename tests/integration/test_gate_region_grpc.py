@@ -45,8 +45,8 @@ def texts(max_parts: int = 2) -> st.SearchStrategy[str]:
 
 ids_ = S.safe_names
 trusts = st.sampled_from(DATA_TRUST)
-# A working-state entry's label: at most USER (unset means USER).
-labels = st.sampled_from((pb.TRUST_LEVEL_UNSPECIFIED, *DATA_TRUST[1:]))
+# A working-state fact's label: at most USER.
+labels = st.sampled_from(DATA_TRUST[1:])
 date_texts = st.one_of(S.dates, S.dates, st.just(""),
                        st.datetimes().map(lambda d: d.strftime("%A, %d %B %Y")))
 arguments_json = st.builds(

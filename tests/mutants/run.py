@@ -24,6 +24,7 @@ patch that does not compile (the client's build fails before its tests run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -103,27 +104,51 @@ def imports_from(root: Path) -> None:
             raise SystemExit(f"the copy imports {path}, not its own code: results would lie")
 
 
-# One selection's run may take this long; past it the run (its process group: servers and
-# databases it started included) is stopped and the mutant is not counted as killed. A test
-# that hangs under a bug proves nothing: it must fail.
+# One selection's run may take this long; past it the run is stopped with everything it
+# started (its process group, and the embedded PostgreSQL servers pg_ctl detached into
+# sessions of their own, found by their data directories under the run's temporary
+# directory) and the mutant is not counted as killed. A test that hangs under a bug proves
+# nothing: it must fail.
 TIMEOUT_SECONDS = 900
 TIMED_OUT = -1  # pytest's "exit status" of a run stopped at TIMEOUT_SECONDS
+
+
+def _processes_using(directory: Path) -> list[int]:
+    """Processes whose command line names a path under ``directory``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(str(directory).encode() in arg for arg in argv):
+            found.append(int(entry.name))
+    return found
 
 
 def pytest(root: Path, args: tuple[str, ...], log: Path,
            timeout: float = TIMEOUT_SECONDS) -> tuple[int, float]:
     started = time.monotonic()
+    # the run's own temporary directory (short: PostgreSQL's socket path is limited)
+    tmp = Path(tempfile.mkdtemp(prefix="t", dir=log.parent))
+    env = {**env_for(root), "TMPDIR": str(tmp)}
     with log.open("w", encoding="utf-8") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-             "-p", "no:randomly", *args], cwd=root, env=env_for(root), stdout=out,
+             "-p", "no:randomly", *args], cwd=root, env=env, stdout=out,
             stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            for pid in _processes_using(tmp):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             code = TIMED_OUT
+    shutil.rmtree(tmp, ignore_errors=True)
     return code, time.monotonic() - started
 
 

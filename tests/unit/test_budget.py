@@ -776,8 +776,10 @@ def test_a_persisted_excerpt_over_the_inline_maximum_is_cut_like_a_legacy_result
     [out], n = normalize_tool_results([item], 2_000)
     assert n == 1 and isinstance(out, ToolResultItem)
     head, tail = 2_000 * 2 // 3, 2_000 - 2_000 * 2 // 3
+    # the marker names the size of what was cut and of the whole result
     assert out.content == ("P" * head + f"\n[... excerpt: {10_000 - head - tail:,} of 10,000 "
-                           "bytes omitted; full result: event:42 ...]\n" + "R" * tail)
+                           "bytes omitted; full result (75,000 bytes): event:42 ...]\n"
+                           + "R" * tail)
     assert out.context_content == "" and out.bytes == len(item.content.encode())
     assert normalize_tool_results([item], 10_000) == ((replace(
         item, content=persisted, context_content="", byte_length=item.bytes),), 0)

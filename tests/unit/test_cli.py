@@ -230,6 +230,10 @@ def test_a_flag_is_held_to_its_variables_bounds(env, capsys, flag, message):
     assert (code, err.strip()) == (2, f"context-engine: configuration error: {message}")
     code, _, err = run(capsys, "serve", "--dev", "--grpc-addr", "nowhere")
     assert code == 2 and "--grpc-addr='nowhere' is not host:port" in err
+    # a check of the settings together names the flag too, not the variable it stands for
+    code, _, err = run(capsys, "serve", "--dev", "--metrics-addr", "127.0.0.1:70000")
+    assert code == 2 and "--metrics-addr='127.0.0.1:70000'" in err, err
+    assert "CE_METRICS_ADDR" not in err
 
 
 @pytest.mark.parametrize("command", [("serve", "--dev", "--workers", "0"), ("migrate",),
@@ -248,6 +252,18 @@ def test_an_unreachable_database_is_one_line_not_a_traceback(env, capsys, comman
     assert line.startswith(f"context-engine: cannot reach the database (DATABASE_URL "
                            f"postgresql://ce:{MASK}@127.0.0.1:{port}/ce): ConnectionRefusedError")
     assert "Traceback" not in err and SECRET not in err
+
+
+@pytest.mark.parametrize("query", ["", "?sslmode=bogus"])
+def test_an_unusable_database_url_is_one_line_not_a_traceback(env, capsys, query):
+    """A URL asyncpg cannot use at all (a port that is no number, an unknown sslmode) is said
+    to be so, in one line, not a database that could not be reached."""
+    port = "notaport" if not query else str(_free_port())
+    env.setenv("DATABASE_URL", f"postgresql://ce:{SECRET}@127.0.0.1:{port}/ce{query}")
+    code, _, err = run(capsys, "migrate")
+    assert code == 1 and "Traceback" not in err and SECRET not in err, err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("context-engine:")]
+    assert line.startswith("context-engine: cannot use the database URL (DATABASE_URL "), line
 
 
 def test_migrate_gives_up_connecting_after_ce_db_timeout_seconds(env, capsys):

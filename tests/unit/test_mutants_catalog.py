@@ -86,25 +86,36 @@ def test_only_a_failing_test_kills_a_mutant() -> None:
     assert verdict(TIMED_OUT) == "TIMEOUT"  # a hang is not a failing test
 
 
+def _gone(pid: int) -> bool:
+    """The process has ended (or is a zombie its killed parent left to init to reap)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def test_a_hanging_run_is_stopped_with_everything_it_started(tmp_path: Path) -> None:
-    """A selection that hangs (and has started a child of its own, as a server fixture does)
-    is stopped at the timeout, its whole process group with it."""
+    """A selection that hangs is stopped at the timeout with what it started: a child in its
+    process group (as a server fixture starts one), and one detached into a session of its
+    own whose command line names a path under the run's temporary directory (as pg_ctl
+    starts an embedded PostgreSQL, its data directory under TMPDIR)."""
     (tmp_path / "test_hang.py").write_text(
-        "import subprocess, sys, time\n"
+        "import os, subprocess, sys, tempfile, time\n"
+        "SLEEP = 'import time; time.sleep(600)'\n"
         "def test_hangs():\n"
-        "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        "    open('child.pid', 'w').write(str(child.pid))\n"
+        "    child = subprocess.Popen([sys.executable, '-c', SLEEP])\n"
+        "    data = os.path.join(tempfile.mkdtemp(), 'pg')\n"
+        "    detached = subprocess.Popen([sys.executable, '-c', SLEEP, '-D', data],\n"
+        "                                start_new_session=True)\n"
+        "    open('pids', 'w').write(f'{child.pid} {detached.pid}')\n"
         "    time.sleep(600)\n")
     code, secs = run_pytest(tmp_path, ("test_hang.py",), tmp_path / "log", timeout=5)
     assert code == TIMED_OUT and secs < 60
-    pid = int((tmp_path / "child.pid").read_text())
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
-                break  # killed; its parent (also killed) leaves it to init to reap
-        except OSError:
-            break
-        time.sleep(0.1)
-    stat = Path(f"/proc/{pid}/stat")
-    assert not stat.exists() or stat.read_text().split()[2] == "Z", "the child outlived it"
+    child, detached = map(int, (tmp_path / "pids").read_text().split())
+    assert _gone(child), "the child outlived the run"
+    assert _gone(detached), "the detached server outlived the run"

@@ -42,6 +42,7 @@ from context_engine.domain.compaction import (
     ElidedSpan,
     Target,
 )
+from context_engine.domain.envelope import plain_name
 from context_engine.domain.errors import FieldViolation, InvalidInput
 from context_engine.domain.estimator import ModelCatalog
 from context_engine.domain.items import (
@@ -115,9 +116,10 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def skill_name(name: str) -> bool:
-    """A skill's name: 1 to 64 letters, digits or marks of any script, '_', '.' or '-'."""
+    """A skill's name: 1 to 64 letters, digits or marks of any script, '_', '.' or '-', none
+    of them a letter that reads as "<" or "/" where a tag could begin, nor a blank one."""
     return 0 < len(name) <= 64 and all(
-        c in "_.-" or unicodedata.category(c)[0] in "LMN" for c in name)
+        c in "_.-" or unicodedata.category(c)[0] in "LMN" for c in name) and plain_name(name)
 _CONTROL = re.compile(r"[\x00-\x1f]")
 TASK_STATES = ("open", "in_progress", "blocked", "completed")
 
@@ -567,7 +569,10 @@ def working_state(v: Violations, field: str, ws: pb.WorkingState) -> WorkingStat
             v.add(f"{field}.tasks[{i}].state",
                   f"unknown task state {t.state!r}; one of {', '.join(TASK_STATES)}")
     facts = tuple(WorkingFact(statement=f.statement, source_event_ids=tuple(f.source_event_ids),
-                              trust=v.label(f"{field}.facts[{i}].trust", f.trust),
+                              # data derived from its source events, as in an update: a
+                              # label is required, at most USER (above it, it renders bare)
+                              trust=v.trust(f"{field}.facts[{i}].trust", f.trust,
+                                            at_most=TrustLevel.USER),
                               sequence=f.sequence, run_id=f.run_id)
                   for i, f in enumerate(ws.facts))
     if len(ws.removed_constraints) > ws_rules.MAX_REMOVED_CONSTRAINTS:

@@ -75,6 +75,13 @@ def _could_be_tag(name: str) -> bool | None:
     return False
 
 
+def plain_name(name: str) -> bool:
+    """Whether ``name`` can be written as the platform's own text: nothing in it reads as an
+    envelope tag once folded (``escape_general`` leaves it as it is) and it holds no blank
+    letter (a letter rendered as blank space)."""
+    return escape_general(name) == name and not any(c in _BLANK_LETTERS for c in name)
+
+
 def nonce(session_key: str, item_id: str, content: str) -> str:
     """Deterministic per-item nonce: truncated SHA-256 over session key, id and content digest."""
     return canonical_sha256([session_key, item_id, sha256_hex(content)])[:NONCE_HEX]

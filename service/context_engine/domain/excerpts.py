@@ -38,8 +38,10 @@ def head_tail_excerpt(item: ToolResultItem, inline_maximum_bytes: int) -> str:
     where = f"event:{item.event_id}" if item.event_id else f"item:{item.id}"
     if item.artifact_ref:
         where += f", {item.artifact_ref}"
+    # cutting a persisted excerpt: the whole result's size is another than what was cut
+    whole = f" ({item.bytes:,} bytes)" if item.bytes != len(data) else ""
     return (f"{head}\n[... excerpt: {omitted:,} of {len(data):,} bytes omitted; "
-            f"full result: {where} ...]\n{tail}")
+            f"full result{whole}: {where} ...]\n{tail}")
 
 
 def normalize_tool_result(item: ConversationItem, inline_maximum_bytes: int

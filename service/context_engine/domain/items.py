@@ -25,7 +25,8 @@ from context_engine.domain.request import Attachment, Message, Role, ToolCall, T
 from context_engine.domain.trust import Region, TrustLevel, lowest
 
 _UNDECLARED = object()
-_CONTROL = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")
+# every character str.splitlines() breaks at, and the other C0 and C1 controls
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def one_line(text: str) -> str:

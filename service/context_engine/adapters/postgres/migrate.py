@@ -149,13 +149,15 @@ def problems(entries: Sequence[Entry], directory: Path) -> list[str]:
 
 
 class DatabaseUnreachable(Exception):
-    """The migrator could not connect (refused, timed out, authentication, no such database):
-    nothing was read or applied."""
+    """The migrator could not connect (refused, timed out, authentication, no such database),
+    or its URL cannot be used at all (``misconfigured``: a port that is no number, an unknown
+    sslmode): nothing was read or applied."""
 
-    def __init__(self, cause: BaseException) -> None:
+    def __init__(self, cause: BaseException, *, misconfigured: bool = False) -> None:
         super().__init__(f"{type(cause).__name__}: {cause}" if str(cause)
                          else type(cause).__name__)
         self.cause = cause
+        self.misconfigured = misconfigured
 
 
 # What connecting can fail with before anything is read: the network, the connect timeout,
@@ -166,6 +168,8 @@ _CONNECT_FAILURES = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.Inter
 async def _connect(dsn: str, timeout: float, **options: Any) -> asyncpg.Connection:
     try:
         return await asyncpg.connect(dsn, statement_cache_size=0, timeout=timeout, **options)
+    except (ValueError, asyncpg.ClientConfigurationError) as exc:  # the URL itself
+        raise DatabaseUnreachable(exc, misconfigured=True) from exc
     except _CONNECT_FAILURES as exc:
         raise DatabaseUnreachable(exc) from exc
 

@@ -1283,6 +1283,9 @@ class WorkingFact(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     statement: _builtins.str
     trust: Global___TrustLevel.ValueType
+    """The trust of what the fact was derived from: required, at most USER (INVALID_ARGUMENT
+    otherwise, in a checkpoint's working state as in an update).
+    """
     sequence: _builtins.int
     """Provenance, set by the service: the event sequence the fact was established at and the
     run that established it. Leave unset in an update.
