@@ -280,8 +280,8 @@ class Config(BaseSettings):
         try:
             return self.replace(**values)
         except ValidationError as exc:
-            message = _message(exc, values, {name: flag for name, (flag, _) in flags.items()})
-            # the settings' joint checks name variables: a flag's value is the flag's
+            message = _message(exc, values)
+            # every problem names the variable it reads: a flag's value is the flag's
             names = variables()
             for name, (flag, _) in flags.items():
                 message = message.replace(f"{names.get(name, name)}=", f"{flag}=")
@@ -412,11 +412,9 @@ def _shown(name: str, raw: object) -> str:
     return repr(MASK) if name in SECRETS else repr(raw)
 
 
-def _message(exc: ValidationError, values: Mapping[str, Any],
-             flags: Mapping[str, str] | None = None) -> str:
-    """One line per bad variable, ``VAR='value' <problem>`` (``--flag='value'`` for a setting
-    a command-line flag gave, ``flags``); a secret's value is masked."""
-    names = {**variables(), **(flags or {})}
+def _message(exc: ValidationError, values: Mapping[str, Any]) -> str:
+    """One line per bad variable, ``VAR='value' <problem>``; a secret's value is masked."""
+    names = variables()
     lines: list[str] = []
     for error in exc.errors(include_input=False, include_url=False):
         ctx = error.get("ctx") or {}

@@ -113,6 +113,8 @@ from context_engine.v1 import context_engine_pb2 as pb
 MAX_ID_LENGTH = 256
 MAX_EPOCH = 2**31 - 1
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_CONTROL = re.compile(r"[\x00-\x1f]")
+TASK_STATES = ("open", "in_progress", "blocked", "completed")
 
 
 def skill_name(name: str) -> bool:
@@ -120,8 +122,7 @@ def skill_name(name: str) -> bool:
     of them a letter that reads as "<" or "/" where a tag could begin, nor a blank one."""
     return 0 < len(name) <= 64 and all(
         c in "_.-" or unicodedata.category(c)[0] in "LMN" for c in name) and plain_name(name)
-_CONTROL = re.compile(r"[\x00-\x1f]")
-TASK_STATES = ("open", "in_progress", "blocked", "completed")
+
 
 TRUST_FROM_PB: dict[pb.TrustLevel.ValueType, TrustLevel] = {
     pb.TRUST_LEVEL_PLATFORM: TrustLevel.PLATFORM,

@@ -658,7 +658,7 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     # or accepted, measured without the correction factor (the working state's as
     # UpdateWorkingState measured it): skills loaded within the cap never fail a later Build
     # because ReportUsage moved the factor (which still scales what they cost in the body)
-    skill_tokens = sum(estimator.messages(s.messages(ctx), 1.0) for s in skills)
+    skill_tokens = sum(scaled(raw, 1.0) for s in skills for raw in entry(s)[1][1])
     if skill_tokens > SKILL_BODY_TOKENS:
         raise BudgetExceeded("skill_bodies", skill_tokens, SKILL_BODY_TOKENS)
     if "working_state" in rows:
