@@ -9,7 +9,9 @@ its own clock and a warm plan cache), and ``context-engine purge-tenant`` as a p
   TTL (``plan_cache_seconds``), then NOT_FOUND.
 * The same session id planned again is a new session at epoch 1, and no replica serves it the
   erased session's plan.
-* Builds racing the erasure answer OK or NOT_FOUND and leave no context event behind.
+* Builds racing the erasure answer OK or NOT_FOUND and leave no context event behind; a Plan
+  racing it opens the session anew, and a session opened while its tenant is purged keeps its
+  rows.
 """
 
 from __future__ import annotations
@@ -563,3 +565,95 @@ def test_purge_tenant_erases_every_session_of_the_tenant_and_keeps_its_tokens(
 def test_purge_tenant_refuses_bad_arguments(args, capsys):
     assert cli.main(["purge-tenant", *args]) == 2
     assert "purge-tenant" not in capsys.readouterr().out
+
+
+async def _plan_waiting_on_a_lock(watcher: asyncpg.Connection, marker: str) -> bool:
+    """True once a statement holding ``marker`` waits on a lock (pg_stat_activity is read
+    afresh: each query here is its own transaction)."""
+    for _ in range(400):
+        if await watcher.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE $1", f"%{marker}%"):
+            return True
+        await asyncio.sleep(0.025)
+    return False
+
+
+def test_a_plan_racing_the_erasure_of_its_session_opens_a_new_one(replicas, db,
+                                                                  direct_database_url):
+    """The erasure locks the session's row, a Plan that rotates it waits for that lock, and the
+    erasure deletes the row and commits: the Plan creates the session anew (a new incarnation
+    at epoch 1), never INTERNAL."""
+    from context_engine.adapters.postgres.erasure import DELETE_SESSION_ROWS, LOCK_SESSIONS
+    r = replicas
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    first = db.val("SELECT incarnation FROM sessions WHERE tenant_id = $1 AND session_id = $2",
+                   tenant, session)
+    newer = plan_request(tenant, session)
+    newer.agent.version = "8"  # agent_version_changed: the Plan pins
+
+    async def erase_while_the_plan_waits() -> Any:
+        conn = await asyncpg.connect(direct_database_url)
+        watcher = await asyncpg.connect(direct_database_url)
+        try:
+            async with conn.transaction():
+                await conn.execute(LOCK_SESSIONS, tenant, [session])
+                answer = r.a.stub.Plan.future(newer, timeout=30)
+                assert await _plan_waiting_on_a_lock(watcher, "INSERT INTO sessions")
+                for _, sql in DELETE_SESSION_ROWS:
+                    await conn.execute(sql, tenant, [session])
+            return answer
+        finally:
+            await conn.close()
+            await watcher.close()
+
+    answer = asyncio.run(erase_while_the_plan_waits()).result()
+    assert answer.created and answer.plan.epoch == 1
+    row = db.fetch("SELECT incarnation, current_epoch FROM sessions "
+                   "WHERE tenant_id = $1 AND session_id = $2", tenant, session)
+    assert len(row) == 1 and row[0]["current_epoch"] == 1 and row[0]["incarnation"] != first
+    built = r.b.stub.Build(build_request(tenant, session), timeout=30)
+    assert built.prefix_sha256 == answer.plan.prefix_sha256
+
+
+def test_a_session_opened_while_the_tenant_is_purged_keeps_its_plan(replicas, db,
+                                                                    direct_database_url):
+    """purge-tenant's last transaction (no session left in its batch) removes what the tenant
+    holds outside its sessions; a session a caller opens meanwhile keeps every row of its own.
+    The tenant has no session when the purge starts, so its first transaction is that last
+    one; a SHARE lock on idempotency_keys (the first table that transaction deletes from) holds it
+    at that point while the Plan commits."""
+    r = replicas
+    tenant, session = new_ids()
+    populate(r, tenant, "erased")  # its usage report leaves the tenant a calibration
+    delete(r.a.stub, tenant, "erased")  # no session left: the purge's first transaction is last
+
+    async def purge_around_a_plan() -> tuple[Any, Any]:
+        pool = await asyncpg.create_pool(direct_database_url, min_size=1, max_size=2)
+        holder = await asyncpg.connect(direct_database_url)
+        watcher = await asyncpg.connect(direct_database_url)
+        try:
+            async with holder.transaction():
+                await holder.execute("LOCK TABLE idempotency_keys IN SHARE MODE")
+                purge = asyncio.ensure_future(PostgresErasure(pool).purge_tenant(
+                    tenant, requested_by="operator-cli", now=SYSTEM_CLOCK.now))
+                assert await _plan_waiting_on_a_lock(watcher, "DELETE FROM idempotency_keys")
+                opened = await asyncio.to_thread(r.b.stub.Plan, plan_request(tenant, session),
+                                                 timeout=30)
+            return opened, await purge
+        finally:
+            await holder.close()
+            await watcher.close()
+            await pool.close()
+
+    opened, erased = asyncio.run(purge_around_a_plan())
+    assert opened.created and opened.plan.epoch == 1
+    assert (erased.sessions, erased.plans, erased.calibrations) == (0, 0, 1)
+    kept = session_rows(db, tenant, session)
+    assert (kept["sessions"], kept["plans"]) == (1, 1) and kept["context_events"] >= 1, kept
+    for replica in (r.a, r.b):
+        built = replica.stub.Build(build_request(tenant, session), timeout=30)
+        assert built.prefix_sha256 == opened.plan.prefix_sha256
+    again = r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    assert not again.created and again.plan.prefix_sha256 == opened.plan.prefix_sha256

@@ -53,13 +53,18 @@ DELETE FROM sessions WHERE tenant_id = $1 AND session_id = ANY($2::text[])"""),
 
 # What a tenant may still hold once its sessions are gone: idempotency keys that name no session
 # (written before keys named one), rows of sessions that have no row, and the tenant's
-# estimator calibrations. The tenant's API tokens and its erasure records are kept.
+# estimator calibrations. The tenant's API tokens and its erasure records are kept. A session
+# opened meanwhile (a caller of the tenant planning while the purge runs) keeps its rows: each
+# statement sees that session's row with its rows, or neither (one snapshot per statement).
+_NO_SESSION = """NOT EXISTS (SELECT 1 FROM sessions s
+                  WHERE s.tenant_id = x.tenant_id AND s.session_id = x.session_id)"""
 DELETE_TENANT_ROWS: tuple[tuple[str, str], ...] = (
-    ("idempotency_keys", "DELETE FROM idempotency_keys WHERE tenant_id = $1"),
-    ("compactions", "DELETE FROM compactions WHERE tenant_id = $1"),
-    ("usage_rows", "DELETE FROM epoch_usage WHERE tenant_id = $1"),
-    ("plans", "DELETE FROM plans WHERE tenant_id = $1"),
-    ("events", "DELETE FROM context_events WHERE tenant_id = $1"),
+    ("idempotency_keys", f"""
+DELETE FROM idempotency_keys x WHERE tenant_id = $1 AND (session_id IS NULL OR {_NO_SESSION})"""),
+    ("compactions", f"DELETE FROM compactions x WHERE tenant_id = $1 AND {_NO_SESSION}"),
+    ("usage_rows", f"DELETE FROM epoch_usage x WHERE tenant_id = $1 AND {_NO_SESSION}"),
+    ("plans", f"DELETE FROM plans x WHERE tenant_id = $1 AND {_NO_SESSION}"),
+    ("events", f"DELETE FROM context_events x WHERE tenant_id = $1 AND {_NO_SESSION}"),
     ("calibrations", "DELETE FROM estimator_calibration WHERE tenant_id = $1"),
 )
 
@@ -142,8 +147,8 @@ class PostgresErasure:
         (last transaction). One tenant-scope erasure record, created by the first transaction
         that removes anything and brought up to date by each later one: a purge interrupted
         midway records what it removed, and running it again finishes the job (with a record
-        of its own). Sessions created meanwhile are taken by a later batch. ``on_batch``: told
-        each batch's number of sessions."""
+        of its own). Sessions created meanwhile are taken by a later batch, or kept whole when
+        created after the last one. ``on_batch``: told each batch's number of sessions."""
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         totals = dict.fromkeys(KINDS, 0)

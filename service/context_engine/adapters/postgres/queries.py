@@ -26,18 +26,18 @@ APPLIED_MIGRATIONS_READ_ONLY = """
 SELECT version, name, applied_at, to_jsonb(m) ->> 'checksum' AS checksum
 FROM schema_migrations AS m ORDER BY version"""
 
-ENSURE_SESSION = """
-INSERT INTO sessions (tenant_id, session_id) VALUES ($1, $2)
-ON CONFLICT (tenant_id, session_id) DO NOTHING"""
-
-# NO KEY UPDATE: pins of one session serialize on it, while the key-share locks that foreign
-# keys take on the row (an event, a keyed write naming the session, in this transaction or
-# another) do not conflict with it. FOR UPDATE would: two Rotates whose keys had each taken a
-# key-share lock would then wait for each other (a deadlock). Erasure's FOR UPDATE still
-# excludes all of them.
+# The session's row, created or locked in one statement: an erasure that deletes the row while
+# this waits on its lock leaves the insert to create a new incarnation (two statements, an
+# insert then a lock, would find no row to lock). The no-op update takes a NO KEY UPDATE lock
+# (no key column changes): pins of one session serialize on it, while the key-share locks that
+# foreign keys take on the row (an event, a keyed write naming the session, in this
+# transaction or another) do not conflict with it. FOR UPDATE would: two Rotates whose keys had
+# each taken a key-share lock would then wait for each other (a deadlock). Erasure's FOR UPDATE
+# still excludes all of them.
 LOCK_SESSION = """
-SELECT current_epoch, incarnation FROM sessions WHERE tenant_id = $1 AND session_id = $2
-FOR NO KEY UPDATE"""
+INSERT INTO sessions (tenant_id, session_id) VALUES ($1, $2)
+ON CONFLICT (tenant_id, session_id) DO UPDATE SET current_epoch = sessions.current_epoch
+RETURNING current_epoch, incarnation"""
 
 CURRENT_EPOCH = "SELECT current_epoch FROM sessions WHERE tenant_id = $1 AND session_id = $2"
 

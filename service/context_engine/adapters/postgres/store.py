@@ -202,8 +202,6 @@ class PostgresPlanStore:
                     row = await conn.fetchrow(queries.GET_PLAN, tenant_id, session_id,
                                               stored["epoch"], timeout=self._timeout)
                     return _plan_from_row(row), False
-            await conn.execute(queries.ENSURE_SESSION, tenant_id, session_id,
-                               timeout=self._timeout)
             locked = await conn.fetchrow(queries.LOCK_SESSION, tenant_id, session_id,
                                          timeout=self._timeout)
             epoch, incarnation = int(locked["current_epoch"]), int(locked["incarnation"])
