@@ -8,7 +8,8 @@ cache is bounded by an estimate of the bytes it holds (each base counts its chec
 response's serialized sizes in full, although bases of one session share most of their items,
 so the estimate errs high, and its checkpoint's scan state at ``SCAN_ID_BYTES`` per id held)
 and keeps at most ``per_session`` bases of one session; the least recently used go first (a base a
-Build was just served from is the most recently used of its session). A base larger than the
+Build just succeeded on is the most recently used of its session: ``touch``; a refused one
+only ``peek``-ed it). A base larger than the
 whole cache is kept nowhere, and the response that made it names none (``fits``).
 Nothing here is durable: a restart, another replica or an eviction answers BUILD_BASE_UNKNOWN
 and the client sends the Build in full.
@@ -90,18 +91,34 @@ class BuildCache:
         self._evictions = 0
         self._lock = threading.Lock()
 
-    def get(self, tenant_id: str, session_id: str, build_id: str) -> BuildBase | None:
-        """The base, only to its own tenant and session (another's id is unknown here)."""
+    def peek(self, tenant_id: str, session_id: str, build_id: str) -> BuildBase | None:
+        """The base, only to its own tenant and session (another's id is unknown here), left
+        where it is in the eviction order: a Build refused after its lookup refreshes nothing."""
         with self._lock:
             base = self._bases.get(build_id)
             if base is None or base.tenant_id != tenant_id or base.session_id != session_id:
                 return None
+            return base
+
+    def touch(self, build_id: str) -> None:
+        """The base (if still held) becomes the most recently used, in the whole cache and in
+        its session's own order: a Build made on it succeeded."""
+        with self._lock:
+            base = self._bases.get(build_id)
+            if base is None:
+                return
             self._bases.move_to_end(build_id)
-            ids = self._by_session[(tenant_id, session_id)]
-            if ids[-1] != build_id:  # the session's own order is by use too
+            ids = self._by_session[(base.tenant_id, base.session_id)]
+            if ids[-1] != build_id:
                 ids.remove(build_id)
                 ids.append(build_id)
-            return base
+
+    def get(self, tenant_id: str, session_id: str, build_id: str) -> BuildBase | None:
+        """``peek`` and ``touch``: the base, refreshed in the eviction order."""
+        base = self.peek(tenant_id, session_id, build_id)
+        if base is not None:
+            self.touch(build_id)
+        return base
 
     def fits(self, base: BuildBase) -> bool:
         """Whether ``put`` would keep ``base`` (no larger than the whole cache; with a cache of

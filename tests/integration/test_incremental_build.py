@@ -194,6 +194,33 @@ def test_bad_incremental_fields_are_invalid(stub: pb_grpc.ContextEngineStub) -> 
     assert any("duplicate item id" in d for d in f.violations.values())
 
 
+def test_only_a_build_that_succeeds_on_a_base_refreshes_it(stub: pb_grpc.ContextEngineStub,
+                                                           srv: ServerThread) -> None:
+    """A session keeps its four most recently used bases. A Build refused after naming its base
+    leaves that base where it was in the eviction order; one that succeeds makes it the most
+    recent."""
+    session = "refresh-order"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    builds = srv.running.engine.builds
+    assert builds.per_session == 4
+    ids = [whole(stub, session, opening() + turn(n)).build_id for n in range(1, 5)]
+    refused = request(session, turn(9))
+    refused.base_build_id, refused.base_items_kept = ids[0], 4
+    refused.estimator_factor = 10.0  # out of range: INVALID_ARGUMENT, after the base's lookup
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(refused, timeout=30)
+    assert failure(err.value).code is grpc.StatusCode.INVALID_ARGUMENT
+
+    def held() -> list[bool]:
+        return [builds.peek(TENANT, session, i) is not None for i in ids]
+
+    whole(stub, session, opening())  # a fifth base: the least recently used one goes
+    assert held() == [False, True, True, True]
+    # a Build on the second makes it the most recent: the third goes next
+    incremental(stub, session, ids[1], 4, turn(5))
+    assert held() == [False, True, False, True]
+
+
 def test_erased_session_forgets_its_bases(stub: pb_grpc.ContextEngineStub,
                                           srv: ServerThread) -> None:
     session = "erased"

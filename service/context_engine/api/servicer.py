@@ -193,8 +193,9 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             kept = request.base_items_kept
             if request.base_build_id:
                 # an incremental Build: the base's first items, then the ones sent
-                base = self._engine.builds.get(request.tenant_id, request.session_id,
-                                               request.base_build_id)
+                # looked up without refreshing it: only a Build that succeeds on it does
+                base = self._engine.builds.peek(request.tenant_id, request.session_id,
+                                                request.base_build_id)
                 if base is None:
                     raise BuildBaseUnknown(request.base_build_id, "unknown here or evicted")
                 if kept > len(base.items):
@@ -320,6 +321,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             # sized before its base is kept: a response never handed over keeps nothing (nor
             # evicts a base the session's next Build names)
             sized = None if self.max_response_bytes is None else self._sized(response)
+            if base is not None:  # used: the most recent in its session's order too
+                builds.touch(request.base_build_id)
             if answer is not None and answer.base is not None:  # else kept nowhere
                 evicted = builds.put(response.build_id, answer.base)
                 if evicted:  # their memory is given back once the response is handed over
