@@ -87,6 +87,7 @@ from context_engine.domain.ports import (
     EpochUsage,
     Erased,
     EventLog,
+    IncarnationChanged,
     InMemoryCompactionStore,
     PlanStore,
     Rotation,
@@ -724,8 +725,12 @@ class Engine:
                              payload={"run_id": run_id, "epoch": plan.epoch,
                                       "recall_trace_id": snapshot.recall_trace_id,
                                       "snapshot_id": snapshot.snapshot_id})
-        await self._events.append_once_durably(event,
-                                               f"{plan.session_id}:{plan.epoch}:{run_id}")
+        try:  # bound only while the session is still this plan's incarnation
+            await self._events.append_once_durably(
+                event, f"{plan.session_id}:{plan.epoch}:{run_id}", incarnation=plan.incarnation)
+        except IncarnationChanged as changed:
+            self.forget_incarnation(changed)
+            raise
         self._snapshot_runs[key] = None
         while len(self._snapshot_runs) > 65_536:
             self._snapshot_runs.popitem(last=False)
@@ -750,8 +755,30 @@ class Engine:
 
     # ------------------------------------------------------------------ ReportUsage
 
+    def forget_incarnation(self, changed: IncarnationChanged) -> None:
+        """A write found the session erased and planned again since its plan was read (a plan
+        this replica cached, named by its epoch within the plan-cache TTL): the erased
+        incarnation's plans and bases go, and the plan is read again."""
+        self.cache.forget(changed.tenant_id, changed.session_id)
+        self.builds.forget(changed.tenant_id, changed.session_id, before=changed.found)
+
     async def report_usage(self, report: UsageReport) -> UsageOutcome:
+        """Counted against the session's incarnation the plan was read for, checked when the
+        report is written: a plan cached from before the session was erased and planned again
+        is read again (once), and the report counts against the new session's epoch."""
         loaded = await self.loaded(report.tenant_id, report.session_id, report.epoch)
+        try:
+            return await self._report_usage(report, loaded)
+        except IncarnationChanged as changed:
+            self.forget_incarnation(changed)
+        loaded = await self.loaded(report.tenant_id, report.session_id, report.epoch)
+        try:
+            return await self._report_usage(report, loaded)
+        except IncarnationChanged as again:  # erased and planned again once more meanwhile
+            self.forget_incarnation(again)
+            raise SessionNotFound(report.tenant_id, report.session_id, report.epoch) from again
+
+    async def _report_usage(self, report: UsageReport, loaded: LoadedPlan) -> UsageOutcome:
         spec = loaded.plan.spec
         model = spec.model
         # No request of this plan can hold more than the model's window: a report that says so
@@ -785,7 +812,8 @@ class Engine:
         outcome, earlier = await self._calibrations.reconcile(
             report.tenant_id, model.model_id, report.idempotency_key, apply, fingerprint,
             usage=EpochUsage(session_id=report.session_id, epoch=loaded.plan.epoch,
-                             input_tokens=report.input_tokens))
+                             input_tokens=report.input_tokens,
+                             incarnation=loaded.plan.incarnation))
         counted = earlier is not None
         if earlier is not None:  # a retried key observes nothing (its stored factor is old)
             self._metrics.estimator_error_ratio.labels(model=model.family).observe(

@@ -316,6 +316,79 @@ def test_a_run_of_the_session_planned_again_is_bound_to_its_snapshot_again(repli
     assert db.val(used, tenant, session) == 1  # the new session's binding
 
 
+def snapshot_of(trace: str, text: str) -> pb.MemorySnapshot:
+    return pb.MemorySnapshot(snapshot_id=f"snap-{trace}", recall_trace_id=trace,
+                             items=[pb.MemoryItem(id=f"m-{trace}", text=text)])
+
+
+def test_a_new_run_naming_an_epoch_cached_from_the_erased_session_is_bound_to_the_new_one(
+        replicas, db):
+    """B cached epoch 1 of the erased session (within the TTL, not read since). The first
+    Build of a run of the session planned again, naming epoch 1 on B: its snapshot binding
+    finds another incarnation, so B reads the plan again and builds on the new session's plan,
+    and the run is bound to the new snapshot's recall trace, never the erased one's."""
+    r = replicas
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session,
+                               memory_snapshot=snapshot_of("trace-old", "likes tea")),
+                  timeout=30)
+    r.b.stub.Build(build_request(tenant, session, epoch=1), timeout=30)
+    delete(r.a.stub, tenant, session)
+    new = r.a.stub.Plan(plan_request(tenant, session,
+                                     memory_snapshot=snapshot_of("trace-new", "likes coffee")),
+                        timeout=30).plan
+    request = build_request(tenant, session, epoch=1)
+    request.checkpoint.active_run_id = "run-2"
+    for it in request.checkpoint.items:
+        it.run_id = "run-2"
+    built = r.b.stub.Build(request, timeout=30)
+    assert built.prefix_sha256 == new.prefix_sha256
+    text = json.dumps([b.text for b in built.request.prefix_blocks])
+    assert "likes coffee" in text and "likes tea" not in text
+    used = db.fetch("SELECT payload->>'run_id' AS run, payload->>'recall_trace_id' AS trace "
+                    "FROM context_events WHERE tenant_id = $1 AND session_id = $2 "
+                    "AND type = 'context.snapshot.used'", tenant, session)
+    assert [(u["run"], u["trace"]) for u in used] == [("run-2", "trace-new")]
+    # and B serves the new session's plan from then on
+    assert r.b.stub.Build(build_request(tenant, session, epoch=1),
+                          timeout=30).prefix_sha256 == new.prefix_sha256
+
+
+def test_usage_naming_an_epoch_cached_from_the_erased_session_counts_against_the_new_one(
+        replicas, db):
+    """B cached epochs 1 and 2 of the erased session (within the TTL, not read since), which
+    used another model. A report naming epoch 2, which the new session does not have, is
+    NOT_FOUND; one naming epoch 1 counts against the new session's plan (its model), once."""
+    r = replicas
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session, model=SMALL), timeout=30)
+    r.a.stub.Rotate(pb.RotateRequest(tenant_id=tenant, session_id=session,
+                                     reason=pb.ROTATION_REASON_OPERATOR,
+                                     idempotency_key=f"rotate-{session}"), timeout=30)
+    for epoch in (1, 2):
+        r.b.stub.Build(build_request(tenant, session, epoch=epoch), timeout=30)
+    delete(r.a.stub, tenant, session)
+    new = r.a.stub.Plan(plan_request(tenant, session), timeout=30).plan
+    assert new.epoch == 1 and new.model_id != SMALL.model_id
+
+    second = usage_request(tenant, session, 1_000, "usage-epoch-2")
+    second.epoch = 2
+    assert not_found(r.b.stub.ReportUsage, second)
+    first = usage_request(tenant, session, 1_000, "usage-epoch-1")
+    first.epoch = 1
+    answer = r.b.stub.ReportUsage(first, timeout=30)
+    assert answer.counted and answer.model_id == new.model_id
+    models = {row["model_id"] for row in db.fetch(
+        "SELECT model_id FROM estimator_calibration WHERE tenant_id = $1", tenant)}
+    assert models == {new.model_id}
+    usage = db.fetch("SELECT epoch, reports FROM epoch_usage WHERE tenant_id = $1 "
+                     "AND session_id = $2", tenant, session)
+    assert [(u["epoch"], u["reports"]) for u in usage] == [(1, 1)]
+    keys = db.fetch("SELECT key FROM idempotency_keys WHERE tenant_id = $1 AND rpc = $2",
+                    tenant, "ReportUsage")
+    assert [k["key"] for k in keys] == ["usage-epoch-1"]
+
+
 def test_builds_racing_the_erasure_leave_no_event_behind(replicas, db):
     r = replicas
     tenant, session = new_ids()

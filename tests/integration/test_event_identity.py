@@ -58,8 +58,9 @@ class AnswerLost:
         self._lost()
         return appended
 
-    async def append_once_durably(self, event: ContextEvent, key: str) -> bool:
-        return await self.inner.append_once_durably(event, key)
+    async def append_once_durably(self, event: ContextEvent, key: str, *,
+                                  incarnation: int | None = None) -> bool:
+        return await self.inner.append_once_durably(event, key, incarnation=incarnation)
 
 
 class Away:
@@ -81,8 +82,9 @@ class Away:
             raise StoreUnavailable("database unavailable: OSError")
         return await self.inner.append_once(event, key)
 
-    async def append_once_durably(self, event: ContextEvent, key: str) -> bool:
-        return await self.inner.append_once_durably(event, key)
+    async def append_once_durably(self, event: ContextEvent, key: str, *,
+                                  incarnation: int | None = None) -> bool:
+        return await self.inner.append_once_durably(event, key, incarnation=incarnation)
 
 
 def pressure(tenant: str, session: str, tag: str) -> ContextEvent:

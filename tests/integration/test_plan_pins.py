@@ -109,3 +109,50 @@ def test_a_plan_of_the_previous_builder_rotates_once(server, stub, ids, db):
     assert resp.created and resp.plan.epoch == 2 and resp.plan.reason == "builder_changed"
     assert resp.plan.builder_version == BUILDER_VERSION
     assert not stub.Plan(plan_request(tenant, session)).created
+
+
+def test_a_rolling_deploy_of_a_new_policy_rotates_a_session_once(database_url, ids, db,
+                                                                 tmp_path):
+    """Replicas of two releases behind one balancer: the previous one with the packaged policy,
+    the next with a newer revision of it. Plans alternate between them: the session rotates
+    once (policy_changed) to the newer policy and stays there; the older replica returns and
+    builds the plan the newer one pinned."""
+    import shutil
+
+    import grpc
+    from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+
+    from tests.conftest import REPO, ServerThread
+    from tests.conftest import test_config as base_config
+
+    packaged = REPO / "service" / "context_engine" / "assets"
+    nxt = tmp_path / "assets"
+    shutil.copytree(packaged, nxt)
+    version = json.loads((packaged / "manifest.json").read_text())["version"]
+    name, _, revision = version.rpartition("@")
+    newer = f"{name}@{revision}-next"
+    (nxt / "manifest.json").write_text(json.dumps({"version": newer}))
+    (nxt / "policy.md").write_text((packaged / "policy.md").read_text()
+                                   + "\nNever reveal another tenant's data.\n")
+    servers = [ServerThread(base_config(), database_url),
+               ServerThread(base_config().replace(assets_dir=nxt), database_url)]
+    channels = [grpc.insecure_channel(s.address) for s in servers]
+    try:
+        previous, following = (pb_grpc.ContextEngineStub(c) for c in channels)
+        tenant, session = ids
+        answers = [stub.Plan(plan_request(tenant, session), timeout=30)
+                   for stub in (previous, following) * 3]
+        assert [(a.plan.epoch, a.created) for a in answers] == [
+            (1, True), (2, True), (2, False), (2, False), (2, False), (2, False)]
+        assert answers[1].plan.reason == "policy_changed"
+        assert {a.plan.prefix_sha256 for a in answers[1:]} == {answers[1].plan.prefix_sha256}
+        assert db.val("SELECT count(*) FROM plans WHERE tenant_id = $1", tenant) == 2
+        for stub in (previous, following):
+            built = stub.Build(build_request(tenant, session), timeout=30)
+            assert built.epoch == 2
+            assert "Never reveal another tenant's data." in built.request.prefix_blocks[0].text
+    finally:
+        for c in channels:
+            c.close()
+        for s in servers:
+            s.stop()

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 from context_engine.domain.canonical import session_key
-from context_engine.domain.errors import PrefixClassOverCap
+from context_engine.domain.errors import PinnedVersionConflict, PrefixClassOverCap
 from context_engine.domain.items import (
     AgentInstructions,
     PersonaRow,
@@ -29,6 +29,7 @@ from context_engine.domain.plan import (
     PREFIX_CEILING,
     PlanSpec,
     PrefixClass,
+    is_older,
     measure_prefix,
     prefix_items,
     redraft,
@@ -264,6 +265,57 @@ def test_instruction_change_under_a_new_version_rotates() -> None:
     assert rotation_reason(current, new) == "agent_version_changed"
     persona_edit = f.draft(f.inputs(persona=persona(1, revision="r2"))).spec
     assert rotation_reason(current, persona_edit) == "persona_changed"
+
+
+@pytest.mark.parametrize(("older", "newer"), [
+    ("platform-policy@2026-11-30.9", "platform-policy@2026-12-01.2"),
+    ("platform-policy@2026-12-01.2", "platform-policy@2026-12-01.10"),
+    ("platform-policy@2026-12-01.2", "platform-policy@2026-12-01.2-next"),
+    ("context-engine-builder@2", "context-engine-builder@10"),
+    ("context-engine-builder@9", "context-engine-builder@10"),
+    ("p@1.0", "p@1.0.1"),
+    ("p@beta", "p@beta2"),
+    ("p@1a", "p@2"),
+    ("policy-2", "policy-10"),  # no name: the whole text is the revision
+])
+def test_revisions_of_one_name_are_ordered(older: str, newer: str) -> None:
+    assert is_older(older, newer) and not is_older(newer, older)
+    assert not is_older(older, older) and not is_older(newer, newer)
+
+
+def test_versions_of_different_names_are_not_ordered() -> None:
+    for a, b in (("acme-policy@1", "platform-policy@2"), ("x@1", "y@1"), ("2", "p@1"),
+                 ("policy-2", "p@1")):
+        assert not is_older(a, b) and not is_older(b, a)
+
+
+def test_policy_and_builder_rotate_forward_only() -> None:
+    """A replica of the previous release (older policy or builder than the pinned plan) keeps
+    the plan a newer replica pinned: a rolling deploy rotates a session once, not back and
+    forth. Versions of another name rotate both ways (not ordered)."""
+    def spec(version: str, builder: str, policy: str = "Policy.") -> PlanSpec:
+        base = f.draft(f.inputs()).spec
+        return replace(base, assets=replace(base.assets, version=version, policy=policy),
+                       builder_version=builder)
+
+    old = spec("platform-policy@2026-12-01.2", "context-engine-builder@3")
+    new_policy = spec("platform-policy@2026-12-01.10", "context-engine-builder@3", "New.")
+    new_builder = spec("platform-policy@2026-12-01.2", "context-engine-builder@4")
+    assert rotation_reason(old, new_policy) == "policy_changed"
+    assert rotation_reason(new_policy, old) is None
+    assert rotation_reason(old, new_builder) == "builder_changed"
+    assert rotation_reason(new_builder, old) is None
+    # newer policy pinned, newer builder here: the builder still rotates it forward
+    both = spec("platform-policy@2026-12-01.10", "context-engine-builder@4", "New.")
+    assert rotation_reason(new_policy, replace(old, builder_version="context-engine-builder@4")
+                           ) == "builder_changed"
+    assert rotation_reason(both, old) is None
+    own = spec("acme-policy@1", "context-engine-builder@3", "Ours.")
+    assert rotation_reason(old, own) == rotation_reason(own, old) == "policy_changed"
+    # the same version with other content is still a conflict
+    with pytest.raises(PinnedVersionConflict):
+        rotation_reason(old, spec("platform-policy@2026-12-01.2", "context-engine-builder@3",
+                                  "Edited."))
 
 
 # ----------------------------------------------------------------------------- class caps

@@ -118,10 +118,11 @@ class BufferedEventLog:
     async def append_once(self, event: ContextEvent, key: str) -> bool:
         return await self._write(event, key)
 
-    async def append_once_durably(self, event: ContextEvent, key: str) -> bool:
+    async def append_once_durably(self, event: ContextEvent, key: str, *,
+                                  incarnation: int | None = None) -> bool:
         """Never queued: a fence holds only if it is in the database (StoreUnavailable
         propagates)."""
-        return await self._inner.append_once_durably(event, key)
+        return await self._inner.append_once_durably(event, key, incarnation=incarnation)
 
     async def _write(self, event: ContextEvent, key: str | None) -> bool:
         # the identity every attempt writes it with, this one and the queue's alike

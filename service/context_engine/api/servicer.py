@@ -34,8 +34,10 @@ from context_engine.domain.errors import (
     InvalidInput,
     RequestTooLarge,
     ResponseTooLarge,
+    SessionNotFound,
 )
 from context_engine.domain.items import ConversationItem
+from context_engine.domain.ports import IncarnationChanged
 from context_engine.domain.provider_common import ProviderFormatError
 from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
@@ -328,7 +330,22 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 if evicted:  # their memory is given back once the response is handed over
                     asyncio.get_running_loop().call_soon(evicted.clear)
             return response if sized is None else cast(pb.BuildResponse, sized)
-        return await self._run("Build", context, call)
+
+        async def read_again_if_replanned(record: CallRecord) -> pb.BuildResponse:
+            """A run's snapshot binding found the session erased and planned again since this
+            replica cached the plan the Build named (nothing was written or answered): the
+            erased incarnation's plan is forgotten and the Build made again, once, on the plan
+            read now."""
+            try:
+                return await call(record)
+            except IncarnationChanged:
+                pass
+            try:
+                return await call(record)
+            except IncarnationChanged as again:  # erased and planned again once more
+                raise SessionNotFound(request.tenant_id, request.session_id,
+                                      request.epoch or None) from again
+        return await self._run("Build", context, read_again_if_replanned)
 
     async def ReportUsage(self, request: pb.ReportUsageRequest,
                           context: grpc.aio.ServicerContext[Any, Any]

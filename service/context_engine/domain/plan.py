@@ -7,6 +7,7 @@ pinned tool specifications, and ``prefix_tokens`` is measured by rendering and c
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -407,6 +408,23 @@ def rotation_reason(current: PlanSpec, new: PlanSpec) -> str | None:
                                builder_version=new.builder_version)
 
 
+def _version_order(version: str) -> tuple[str, tuple[tuple[int, int | str], ...]]:
+    """A version's name (the text up to its last ``@``) and its revision (the rest), split
+    into runs of digits, compared as numbers, and of other text, compared as text."""
+    name, _, revision = version.rpartition("@")
+    runs = re.findall(r"[0-9]+|[^0-9]+", revision)
+    return name, tuple((0, int(r)) if r[0] in "0123456789" else (1, r) for r in runs)
+
+
+def is_older(version: str, than: str) -> bool:
+    """Whether ``version`` is an older revision of the same name as ``than``
+    (``platform-policy@2026-11-30.9`` is older than ``platform-policy@2026-12-01.2``, ``@2``
+    than ``@10``, ``@1.0`` than ``@1.0-hotfix``). Versions of different names are not
+    ordered: neither is older."""
+    mine, theirs = _version_order(version), _version_order(than)
+    return mine[0] == theirs[0] and mine[1] < theirs[1]
+
+
 def rotation_reason_for(current: PlanSpec, *, agent: AgentSpec, persona: Persona,
                         model_id: str, assets: PlatformAssets,
                         builder_version: str) -> str | None:
@@ -415,6 +433,9 @@ def rotation_reason_for(current: PlanSpec, *, agent: AgentSpec, persona: Persona
     The tool set, scopes and snapshot are pinned at session open: a change to them alone
     never rotates (revocation is enforced at call time), so they are not even looked at.
     Pinned versions pin content: the same version with other content is a conflict.
+    Platform policy and builder rotate forward only: a replica whose own version is older
+    than the pinned one (a rolling deploy: the newer replicas pinned it) keeps the pinned plan,
+    so replicas of two releases never rotate a session back and forth.
     """
     if current.model.model_id != model_id:
         return "model_changed"
@@ -427,10 +448,12 @@ def rotation_reason_for(current: PlanSpec, *, agent: AgentSpec, persona: Persona
     if current.persona != persona:
         raise PinnedVersionConflict("persona", persona.revision)
     if current.assets.version != assets.version:
-        return "policy_changed"
-    if current.assets != assets:
+        if not is_older(assets.version, current.assets.version):
+            return "policy_changed"
+    elif current.assets != assets:
         raise PinnedVersionConflict("policy", assets.version)
-    if current.builder_version != builder_version:
+    if current.builder_version != builder_version and not is_older(
+            builder_version, current.builder_version):
         return "builder_changed"
     return None
 

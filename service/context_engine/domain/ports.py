@@ -60,6 +60,18 @@ class EventRejected(Exception):
         super().__init__(f"{event.type} event of tenant {event.tenant_id} rejected: {reason}")
 
 
+class IncarnationChanged(Exception):
+    """A write made for a plan of one incarnation of its session found another: the session
+    was erased and planned again since the plan was read (``found``: the incarnation now).
+    Nothing was written; the plan is to be read again."""
+
+    def __init__(self, tenant_id: str, session_id: str, expected: int, found: int) -> None:
+        self.tenant_id, self.session_id = tenant_id, session_id
+        self.expected, self.found = expected, found
+        super().__init__(f"session of tenant {tenant_id} is incarnation {found} now, "
+                         f"not {expected}")
+
+
 @dataclass(frozen=True, slots=True)
 class CurrentEpoch:
     """A session's current epoch, and which incarnation of the session it is: a session erased
@@ -199,11 +211,13 @@ class EventLog(Protocol):
         Returns whether it was appended now."""
         ...
 
-    async def append_once_durably(self, event: ContextEvent, key: str) -> bool:
+    async def append_once_durably(self, event: ContextEvent, key: str, *,
+                                  incarnation: int | None = None) -> bool:
         """``append_once``, written before it returns, never deferred to a later retry: raises
         StoreUnavailable when it cannot be written now, SessionNotFound when its session was
-        erased. For an event that fences what the caller may do next
-        (``context.snapshot.used``)."""
+        erased, and, given the ``incarnation`` of the plan it is written for,
+        IncarnationChanged when the session is another one now (erased and planned again).
+        For an event that fences what the caller may do next (``context.snapshot.used``)."""
         ...
 
 
@@ -218,6 +232,7 @@ class EpochUsage:
     session_id: str
     epoch: int
     input_tokens: int
+    incarnation: int | None = None  # the plan's: another one now is IncarnationChanged
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -261,7 +276,8 @@ class InMemoryEventLog:
         self.events.append(event)
         return True
 
-    async def append_once_durably(self, event: ContextEvent, key: str) -> bool:
+    async def append_once_durably(self, event: ContextEvent, key: str, *,
+                                  incarnation: int | None = None) -> bool:
         return await self.append_once(event, key)
 
 

@@ -39,6 +39,12 @@ INSERT INTO sessions (tenant_id, session_id) VALUES ($1, $2)
 ON CONFLICT (tenant_id, session_id) DO UPDATE SET current_epoch = sessions.current_epoch
 RETURNING current_epoch, incarnation"""
 
+# The session's incarnation, the row held (as the foreign keys hold it) until the transaction
+# ends: a keyed write made for one incarnation's plan checks it first (the session may have been
+# erased and planned again since the plan was read).
+SESSION_INCARNATION = """
+SELECT incarnation FROM sessions WHERE tenant_id = $1 AND session_id = $2 FOR KEY SHARE"""
+
 CURRENT_EPOCH = "SELECT current_epoch FROM sessions WHERE tenant_id = $1 AND session_id = $2"
 
 # The current epoch with the session's incarnation (a session erased and planned again is a new

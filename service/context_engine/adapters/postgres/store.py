@@ -34,6 +34,7 @@ from context_engine.domain.ports import (
     EpochHistory,
     EpochUsage,
     EventRejected,
+    IncarnationChanged,
     Reconcile,
     StoredCompaction,
     check_stored,
@@ -104,6 +105,20 @@ def _plan_from_row(row: asyncpg.Record) -> ContextPlan:
                        prefix_sha256=row["prefix_sha256"], prefix_tokens=row["prefix_tokens"],
                        classes=classes, created_at=row["created_at"], recorded=document,
                        incarnation=int(row["incarnation"]))
+
+
+async def _same_incarnation(conn: Any, tenant_id: str, session_id: str,
+                            incarnation: int | None, *, timeout: float) -> None:
+    """The session is still the incarnation a write is made for (its row then held until the
+    transaction ends); erased: SessionNotFound; erased and planned again: IncarnationChanged."""
+    if incarnation is None:
+        return
+    found = await conn.fetchval(queries.SESSION_INCARNATION, tenant_id, session_id,
+                                timeout=timeout)
+    if found is None:
+        raise SessionNotFound(tenant_id, session_id)
+    if int(found) != incarnation:
+        raise IncarnationChanged(tenant_id, session_id, incarnation, int(found))
 
 
 @contextmanager
@@ -286,24 +301,29 @@ class PostgresEventLog:
                 raise
             raise rejected from missing
 
-    async def append_once(self, event: ContextEvent, key: str) -> bool:
+    async def append_once(self, event: ContextEvent, key: str, *,
+                          incarnation: int | None = None) -> bool:
         with db_call(self._tracer, "events.append_once") as span:
             span.set_attribute("context_engine.event_type", event.type)
-            return await self._append_once(self._identified(event), key)
+            return await self._append_once(self._identified(event), key, incarnation)
 
-    async def append_once_durably(self, event: ContextEvent, key: str) -> bool:
+    async def append_once_durably(self, event: ContextEvent, key: str, *,
+                                  incarnation: int | None = None) -> bool:
         # every write here is durable or raises; a fence of an erased session is NOT_FOUND
         try:
-            return await self.append_once(event, key)
+            return await self.append_once(event, key, incarnation=incarnation)
         except EventRejected as exc:
             if exc.reason == EventRejected.SESSION_ERASED:
                 raise SessionNotFound(event.tenant_id, event.session_id) from exc
             raise StoreUnavailable(str(exc)) from exc
 
-    async def _append_once(self, event: ContextEvent, key: str) -> bool:
+    async def _append_once(self, event: ContextEvent, key: str,
+                           incarnation: int | None) -> bool:
         try:
             async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                         conn.transaction()):
+                await _same_incarnation(conn, event.tenant_id, event.session_id, incarnation,
+                                        timeout=self._timeout)
                 try:
                     claimed = await conn.fetchval(queries.CLAIM_KEY, event.tenant_id,
                                                   event.type, key, event.session_id,
@@ -379,6 +399,8 @@ class PostgresCalibrationStore:
                          usage: EpochUsage) -> tuple[Reconciled, EpochHistory | None]:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
+            await _same_incarnation(conn, tenant_id, usage.session_id, usage.incarnation,
+                                    timeout=self._timeout)
             with _session_required(tenant_id, usage.session_id):
                 claimed = await conn.fetchval(queries.CLAIM_KEY, tenant_id, self.RPC,
                                               idempotency_key, usage.session_id,
@@ -399,8 +421,10 @@ class PostgresCalibrationStore:
                                c.factor, c.reports, timeout=self._timeout)
             await conn.execute(queries.SET_KEY_RESPONSE, tenant_id, self.RPC, idempotency_key,
                                _reconciled_json(outcome, fingerprint), timeout=self._timeout)
-            epoch = await conn.fetchrow(queries.COUNT_EPOCH_REPORT, tenant_id, usage.session_id,
-                                        usage.epoch, usage.input_tokens, timeout=self._timeout)
+            with _session_required(tenant_id, usage.session_id):  # the epoch's plan is gone
+                epoch = await conn.fetchrow(queries.COUNT_EPOCH_REPORT, tenant_id,
+                                            usage.session_id, usage.epoch, usage.input_tokens,
+                                            timeout=self._timeout)
             return outcome, EpochHistory(reports_before=int(epoch["reports"]) - 1,
                                          previous_input_tokens=int(
                                              epoch["previous_input_tokens"] or 0))
