@@ -417,11 +417,15 @@ class Engine:
         if current is not None and cmd.reason_to_rotate(current.spec, self._assets) is None:
             # Pinned: tools, scopes and snapshot are not even re-resolved (a revocation is
             # enforced at call time, never by rewriting the prefix).
-            loaded = await self.loaded(cmd.tenant_id, cmd.session_id, current.epoch,
-                                       incarnation=current.incarnation)
-            if loaded.legacy:
-                return await self._canonicalize(loaded)
-            return current, False
+            try:
+                loaded = await self.loaded(cmd.tenant_id, cmd.session_id, current.epoch,
+                                           incarnation=current.incarnation)
+            except SessionNotFound:
+                loaded = None  # erased since it was read: opened anew below
+            if loaded is not None:  # (planned again meanwhile: the response reads that plan)
+                if loaded.legacy:
+                    return await self._canonicalize(loaded)
+                return current, False
 
         profile = self._catalog.resolve(
             cmd.model.model_id, context_window=cmd.model.context_window,

@@ -730,3 +730,57 @@ def test_a_session_opened_while_the_tenant_is_purged_keeps_its_plan(replicas, db
         assert built.prefix_sha256 == opened.plan.prefix_sha256
     again = r.a.stub.Plan(plan_request(tenant, session), timeout=30)
     assert not again.created and again.plan.prefix_sha256 == opened.plan.prefix_sha256
+
+
+@pytest.mark.parametrize("planned_again", [False, True])
+def test_a_plan_that_finds_its_session_erased_after_reading_it_opens_a_new_one(
+        replicas, db, direct_database_url, planned_again):
+    """The session is erased after a Plan read its current epoch (nothing to rotate) and before
+    it loaded that plan (not cached here): the Plan opens the session anew, never NOT_FOUND;
+    or, when another replica planned it again meanwhile (another snapshot, which never rotates),
+    answers that new session's plan. Never the erased plan."""
+    from context_engine.adapters.postgres.erasure import DELETE_SESSION_ROWS, LOCK_SESSIONS
+    r = replicas
+    tenant, session = new_ids()
+    old = r.a.stub.Plan(plan_request(tenant, session), timeout=30).plan
+    engine = r.a.server.running.engine
+    store = engine._store
+    replanned: list[pb.ContextPlan] = []
+
+    class ErasedAfterRead:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        async def get(self, *args: Any, **kwargs: Any) -> Any:
+            found = await store.get(*args, **kwargs)
+            engine._store = store  # once
+            conn = await asyncpg.connect(direct_database_url)
+            try:
+                async with conn.transaction():
+                    await conn.execute(LOCK_SESSIONS, tenant, [session])
+                    for _, sql in DELETE_SESSION_ROWS:
+                        await conn.execute(sql, tenant, [session])
+            finally:
+                await conn.close()
+            if planned_again:
+                request = plan_request(tenant, session,
+                                       memory_snapshot=snapshot_of("trace-new", "likes tea"))
+                replanned.append((await asyncio.to_thread(r.b.stub.Plan, request,
+                                                          timeout=30)).plan)
+            return found
+
+    engine.cache.clear()
+    engine._store = ErasedAfterRead()
+    try:
+        again = r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    finally:
+        engine._store = store
+    assert again.plan.epoch == 1 and again.plan.created_at != old.created_at
+    if planned_again:
+        assert not again.created
+        assert again.plan.prefix_sha256 == replanned[0].prefix_sha256 != old.prefix_sha256
+    else:
+        assert again.created and again.plan.prefix_sha256 == old.prefix_sha256
+    (row,) = db.fetch("SELECT current_epoch FROM sessions WHERE tenant_id = $1 "
+                      "AND session_id = $2", tenant, session)
+    assert row["current_epoch"] == 1
