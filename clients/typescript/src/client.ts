@@ -211,7 +211,7 @@ export class ContextEngineClient {
 
   /** What incremental Build moved so far (zeros with `incremental: false`). */
   buildStats(): BuildStats {
-    return (this.builds ?? new IncrementalBuilds(0)).stats();
+    return (this.builds ?? new IncrementalBuilds()).stats();
   }
 
   /** Drops the session's held Build: its next Build is sent whole. */

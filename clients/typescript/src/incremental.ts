@@ -388,8 +388,9 @@ export class IncrementalBuilds {
   private readonly counts = emptyStats();
 
   constructor(maxSessions = DEFAULT_MAX_SESSIONS) {
-    if (!Number.isInteger(maxSessions) || maxSessions < 0) {
-      throw new Error(`maxSessions must be a non-negative integer, got ${maxSessions}`);
+    if (!Number.isInteger(maxSessions) || maxSessions < 1) {
+      throw new Error(`maxSessions must be an integer of at least 1 (incremental: false turns ` +
+        `incremental Build off), got ${maxSessions}`);
     }
     this.maxSessions = maxSessions;
   }
@@ -428,11 +429,6 @@ export class IncrementalBuilds {
     c.fullResponseBytes += tally.fullResponseBytes;
   }
 
-  /** Whether Builds still name bases. */
-  get namesBases(): boolean {
-    return this.maxSessions > 0;
-  }
-
   /**
    * The wire request for `request` (whole, defaults filled in; not changed): the items past
    * the longest common prefix with the session's held items, naming the held Build as base.
@@ -443,7 +439,7 @@ export class IncrementalBuilds {
       throw new Error("the request names a base itself: send it as it is");
     }
     const key = sessionKey(request.tenantId, request.sessionId);
-    const base = this.namesBases && !whole ? this.held.get(key) : undefined;
+    const base = whole ? undefined : this.held.get(key);
     if (base !== undefined) {  // most recently used
       this.held.delete(key);
       this.held.set(key, base);
@@ -467,7 +463,7 @@ export class IncrementalBuilds {
     const baseBuildId = base?.buildId ?? "";
     // A whole Build asks the replica to keep it as the next one's base (one naming a base is
     // kept anyway).
-    const keepBase = request.keepBase || (base === undefined && this.namesBases);
+    const keepBase = request.keepBase || base === undefined;
     const wire: BuildRequest = base === undefined ? { ...request, keepBase } : {
       ...request, baseBuildId, baseItemsKept: kept,
       checkpoint: checkpoint === undefined ? undefined : { ...checkpoint,
@@ -647,7 +643,7 @@ export class IncrementalBuilds {
     prefixBytes: number; messageSizes: readonly number[]; body: Uint8Array;
     geminiCreate: Uint8Array; geminiCached: Uint8Array;
   }): void {
-    if (this.maxSessions === 0 || full.buildId === "") return;
+    if (full.buildId === "") return;
     const key = sessionKey(prepared.request.tenantId, prepared.request.sessionId);
     this.held.delete(key);
     this.held.set(key, {
