@@ -73,7 +73,10 @@ def shape_violation(message: Message, limits: Limits, path: str = "",
     """The first repeated field over ``max_items`` or element over ``max_item_bytes``;
     ``ahead``: see :func:`ahead_of` (at the top level, found from ``message``)."""
     if ahead is None:
-        ahead = ahead_of(message)
+        # A base never holds more than max_items items: a kept count past that names items no
+        # base has, for the servicer to refuse as such (BUILD_BASE_UNKNOWN, or base_items_kept
+        # over the base's items), not a request of that many items.
+        ahead = {k: n for k, n in ahead_of(message).items() if n <= limits.max_items}
     for field, value in message.ListFields():
         name = f"{path}{field.name}"
         if field.is_repeated:
