@@ -76,6 +76,7 @@ from context_engine.domain.plan import (
     RenderedPrefix,
     admission_reason,
     draft_plan,
+    is_older,
     redraft,
     render_prefix,
     rotation_reason_for,
@@ -437,7 +438,7 @@ class Engine:
             principal_scopes=cmd.principal_scopes, model=profile,
             session_kind=cmd.session_kind, website_profile_id=cmd.website_profile_id,
             skill_catalog=cmd.skill_catalog, memory_snapshot=cmd.memory_snapshot,
-            assets=self._assets, control_tools=self._control_tools)
+            assets=self._newest_assets(current), control_tools=self._control_tools)
         key = session_key(cmd.tenant_id, cmd.session_id)
         # Drafting is pure and may fail (caps, required tools): then nothing is written.
         with child(self._tracer, "context_engine.plan.render",
@@ -461,6 +462,14 @@ class Engine:
         if created:
             self._pinned(plan, draft.rendered, key)
         return plan, created
+
+    def _newest_assets(self, current: ContextPlan | None) -> PlatformAssets:
+        """The platform policy a new epoch pins: this replica's, unless the session's plan
+        holds a newer revision (a rolling deploy: a newer replica pinned it), which a rotation
+        for any other reason keeps, so it never takes a session's policy back."""
+        if current is not None and is_older(self._assets.version, current.spec.assets.version):
+            return current.spec.assets
+        return self._assets
 
     def _pinned(self, plan: ContextPlan, rendered: RenderedPrefix, key: str) -> None:
         """A new epoch was written from ``rendered``: cache it (nothing to re-verify, it was
@@ -787,14 +796,15 @@ class Engine:
         model = spec.model
         # No request of this plan can hold more than the model's window: a report that says so
         # is not usage of it, and one such outlier would throw the shared factor to its cap.
+        # Refused once the report is written for this plan's incarnation (``apply`` runs in
+        # the store's transaction, after that check), so a plan cached from before the session
+        # was erased and planned again never refuses a report the new plan's model takes.
         too_big = [FieldViolation(name, f"{value} is over the model's window of "
                                         f"{model.context_window}")
                    for name, value in (("input_tokens", report.input_tokens),
                                        ("estimated_input_tokens",
                                         report.estimated_input_tokens))
                    if value > model.context_window]
-        if too_big:
-            raise InvalidInput(too_big)
 
         # An exact prefix count (the model's own tokenizer) is not scaled and carries no error:
         # the body absorbs all of it. An approximate one was scaled with the body, so the
@@ -802,6 +812,8 @@ class Engine:
         fixed = loaded.plan.prefix_tokens if prefix_exact(spec) else 0
 
         def apply(current: Calibration | None) -> Reconciled:
+            if too_big:  # raised in the transaction: nothing is written
+                raise InvalidInput(too_big)
             return reconcile(current, model_id=model.model_id, encoding=spec.encoding,
                              estimated=report.estimated_input_tokens,
                              actual=report.input_tokens, factor_used=report.estimator_factor,

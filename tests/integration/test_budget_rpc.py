@@ -309,7 +309,7 @@ def test_concurrent_reports_are_each_counted_once(stub, ids, db):
     assert db.val("SELECT count(*) FROM idempotency_keys WHERE tenant_id=$1", tenant) == 5
 
 
-def test_bad_usage_reports(stub, ids):
+def test_bad_usage_reports(stub, ids, db):
     tenant, session = ids
     stub.Plan(plan_request(tenant, session))
     cases = {
@@ -324,6 +324,9 @@ def test_bad_usage_reports(stub, ids):
         with pytest.raises(grpc.RpcError) as err:
             stub.ReportUsage(req)
         assert field in failure(err.value).violations
+    # nothing of them was written (the window's refusal comes inside the report's transaction)
+    assert db.val("SELECT count(*) FROM idempotency_keys WHERE tenant_id=$1", tenant) == 0
+    assert db.val("SELECT count(*) FROM epoch_usage WHERE tenant_id=$1", tenant) == 0
 
 
 class SlowPressureWrites:

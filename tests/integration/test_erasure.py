@@ -389,6 +389,23 @@ def test_usage_naming_an_epoch_cached_from_the_erased_session_counts_against_the
     assert [k["key"] for k in keys] == ["usage-epoch-1"]
 
 
+def test_usage_over_the_erased_plans_window_is_checked_against_the_new_one(replicas):
+    """B cached epoch 1 of the erased session (a 16k window). The new session's epoch 1 has a
+    large window: a 20k-token report naming epoch 1 on B counts against it, as on A."""
+    r = replicas
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session, model=SMALL), timeout=30)
+    r.b.stub.Build(build_request(tenant, session, epoch=1), timeout=30)
+    delete(r.a.stub, tenant, session)
+    new = r.a.stub.Plan(plan_request(tenant, session), timeout=30).plan
+    assert new.model_id != SMALL.model_id
+    for replica, key in ((r.a, "usage-a"), (r.b, "usage-b")):
+        report = usage_request(tenant, session, 20_000, key)
+        report.epoch = 1
+        answer = replica.stub.ReportUsage(report, timeout=30)
+        assert answer.counted and answer.model_id == new.model_id
+
+
 def test_builds_racing_the_erasure_leave_no_event_behind(replicas, db):
     r = replicas
     tenant, session = new_ids()

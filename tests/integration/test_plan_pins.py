@@ -151,6 +151,18 @@ def test_a_rolling_deploy_of_a_new_policy_rotates_a_session_once(database_url, i
             built = stub.Build(build_request(tenant, session), timeout=30)
             assert built.epoch == 2
             assert "Never reveal another tenant's data." in built.request.prefix_blocks[0].text
+        # a rotation for another reason on the previous release keeps the newer policy
+        changed = plan_request(tenant, session)
+        changed.agent.version = "8"
+        bumped = previous.Plan(changed, timeout=30).plan
+        assert (bumped.epoch, bumped.reason) == (3, "agent_version_changed")
+        assert bumped.policy_version == newer
+        for stub in (following, previous):
+            again = stub.Plan(changed, timeout=30)
+            assert not again.created and again.plan.epoch == 3
+        built = previous.Build(build_request(tenant, session), timeout=30)
+        assert built.epoch == 3
+        assert "Never reveal another tenant's data." in built.request.prefix_blocks[0].text
     finally:
         for c in channels:
             c.close()

@@ -276,7 +276,8 @@ def test_instruction_change_under_a_new_version_rotates() -> None:
     ("p@1.0", "p@1.0.1"),
     ("p@beta", "p@beta2"),
     ("p@1a", "p@2"),
-    ("policy-2", "policy-10"),  # no name: the whole text is the revision
+    ("p@1.0", "p@1.00"),  # alike as numbers: then by the text, never unordered
+    ("p@01", "p@1"),
 ])
 def test_revisions_of_one_name_are_ordered(older: str, newer: str) -> None:
     assert is_older(older, newer) and not is_older(newer, older)
@@ -285,7 +286,8 @@ def test_revisions_of_one_name_are_ordered(older: str, newer: str) -> None:
 
 def test_versions_of_different_names_are_not_ordered() -> None:
     for a, b in (("acme-policy@1", "platform-policy@2"), ("x@1", "y@1"), ("2", "p@1"),
-                 ("policy-2", "p@1")):
+                 ("policy-2", "p@1"), ("policy-2", "policy-10"),
+                 ("acme-policy", "tenant-policy")):  # no @: a name without a revision
         assert not is_older(a, b) and not is_older(b, a)
 
 

@@ -408,21 +408,25 @@ def rotation_reason(current: PlanSpec, new: PlanSpec) -> str | None:
                                builder_version=new.builder_version)
 
 
-def _version_order(version: str) -> tuple[str, tuple[tuple[int, int | str], ...]]:
-    """A version's name (the text up to its last ``@``) and its revision (the rest), split
-    into runs of digits, compared as numbers, and of other text, compared as text."""
-    name, _, revision = version.rpartition("@")
+def _version_order(version: str) -> tuple[str, tuple[tuple[int, int | str], ...], str]:
+    """A version's name (the text up to its last ``@``; without one, the whole text, and no
+    revision) and its revision (the rest), split into runs of digits, compared as numbers,
+    and of other text, compared as text; then the text itself, so that two revisions that
+    compare alike (``@1.0`` and ``@1.00``) are still ordered."""
+    name, at, revision = version.rpartition("@")
+    if not at:
+        return version, (), version
     runs = re.findall(r"[0-9]+|[^0-9]+", revision)
-    return name, tuple((0, int(r)) if r[0] in "0123456789" else (1, r) for r in runs)
+    return name, tuple((0, int(r)) if r[0] in "0123456789" else (1, r) for r in runs), version
 
 
 def is_older(version: str, than: str) -> bool:
     """Whether ``version`` is an older revision of the same name as ``than``
     (``platform-policy@2026-11-30.9`` is older than ``platform-policy@2026-12-01.2``, ``@2``
-    than ``@10``, ``@1.0`` than ``@1.0-hotfix``). Versions of different names are not
-    ordered: neither is older."""
+    than ``@10``, ``@1.0`` than ``@1.0-hotfix``). Versions of different names, or without a
+    revision (no ``@``), are not ordered: neither is older."""
     mine, theirs = _version_order(version), _version_order(than)
-    return mine[0] == theirs[0] and mine[1] < theirs[1]
+    return mine[0] == theirs[0] and bool(mine[1]) and mine[1:] < theirs[1:]
 
 
 def rotation_reason_for(current: PlanSpec, *, agent: AgentSpec, persona: Persona,
