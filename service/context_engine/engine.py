@@ -6,9 +6,9 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from opentelemetry.trace import NoOpTracer, Tracer
 
@@ -107,6 +107,8 @@ from context_engine.domain.working_state import (
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
 from context_engine.telemetry.tracing import child
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -738,12 +740,10 @@ class Engine:
                              payload={"run_id": run_id, "epoch": plan.epoch,
                                       "recall_trace_id": snapshot.recall_trace_id,
                                       "snapshot_id": snapshot.snapshot_id})
-        try:  # bound only while the session is still this plan's incarnation
-            await self._events.append_once_durably(
-                event, f"{plan.session_id}:{plan.epoch}:{run_id}", incarnation=plan.incarnation)
-        except IncarnationChanged as changed:
-            self.forget_incarnation(changed)
-            raise
+        # bound only while the session is still this plan's incarnation (else
+        # IncarnationChanged: see ``once_more_if_replanned``)
+        await self._events.append_once_durably(
+            event, f"{plan.session_id}:{plan.epoch}:{run_id}", incarnation=plan.incarnation)
         self._snapshot_runs[key] = None
         while len(self._snapshot_runs) > 65_536:
             self._snapshot_runs.popitem(last=False)
@@ -768,28 +768,30 @@ class Engine:
 
     # ------------------------------------------------------------------ ReportUsage
 
-    def forget_incarnation(self, changed: IncarnationChanged) -> None:
-        """A write found the session erased and planned again since its plan was read (a plan
-        this replica cached, named by its epoch within the plan-cache TTL): the erased
-        incarnation's plans and bases go, and the plan is read again."""
-        self.cache.forget(changed.tenant_id, changed.session_id)
-        self.builds.forget(changed.tenant_id, changed.session_id, before=changed.found)
+    async def once_more_if_replanned(self, tenant_id: str, session_id: str,
+                                     epoch: int | None,
+                                     attempt: Callable[[], Awaitable[T]]) -> T:
+        """``attempt()``, made again once if a write of it found the session erased and planned
+        again since its plan was read (a plan this replica cached, named by its epoch within
+        the plan-cache TTL; nothing was written): the erased incarnation's plans and bases are
+        forgotten first, so the attempt reads the plan again. Found so twice: SessionNotFound."""
+        for _ in range(2):
+            try:
+                return await attempt()
+            except IncarnationChanged as changed:
+                self.cache.forget(tenant_id, session_id)
+                self.builds.forget(tenant_id, session_id, before=changed.found)
+        raise SessionNotFound(tenant_id, session_id, epoch)
 
     async def report_usage(self, report: UsageReport) -> UsageOutcome:
         """Counted against the session's incarnation the plan was read for, checked when the
         report is written: a plan cached from before the session was erased and planned again
-        is read again (once), and the report counts against the new session's epoch."""
-        loaded = await self.loaded(report.tenant_id, report.session_id, report.epoch)
-        try:
+        is read again, and the report counts against the new session's epoch."""
+        async def attempt() -> UsageOutcome:
+            loaded = await self.loaded(report.tenant_id, report.session_id, report.epoch)
             return await self._report_usage(report, loaded)
-        except IncarnationChanged as changed:
-            self.forget_incarnation(changed)
-        loaded = await self.loaded(report.tenant_id, report.session_id, report.epoch)
-        try:
-            return await self._report_usage(report, loaded)
-        except IncarnationChanged as again:  # erased and planned again once more meanwhile
-            self.forget_incarnation(again)
-            raise SessionNotFound(report.tenant_id, report.session_id, report.epoch) from again
+        return await self.once_more_if_replanned(report.tenant_id, report.session_id,
+                                                 report.epoch, attempt)
 
     async def _report_usage(self, report: UsageReport, loaded: LoadedPlan) -> UsageOutcome:
         spec = loaded.plan.spec

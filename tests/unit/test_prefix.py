@@ -287,7 +287,8 @@ def test_revisions_of_one_name_are_ordered(older: str, newer: str) -> None:
 def test_versions_of_different_names_are_not_ordered() -> None:
     for a, b in (("acme-policy@1", "platform-policy@2"), ("x@1", "y@1"), ("2", "p@1"),
                  ("policy-2", "p@1"), ("policy-2", "policy-10"),
-                 ("acme-policy", "tenant-policy")):  # no @: a name without a revision
+                 ("acme-policy", "tenant-policy"),  # no @: a name without a revision
+                 ("p", "p@1")):
         assert not is_older(a, b) and not is_older(b, a)
 
 

@@ -34,10 +34,8 @@ from context_engine.domain.errors import (
     InvalidInput,
     RequestTooLarge,
     ResponseTooLarge,
-    SessionNotFound,
 )
 from context_engine.domain.items import ConversationItem
-from context_engine.domain.ports import IncarnationChanged
 from context_engine.domain.provider_common import ProviderFormatError
 from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
@@ -332,19 +330,11 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             return response if sized is None else cast(pb.BuildResponse, sized)
 
         async def read_again_if_replanned(record: CallRecord) -> pb.BuildResponse:
-            """A run's snapshot binding found the session erased and planned again since this
-            replica cached the plan the Build named (nothing was written or answered): the
-            erased incarnation's plan is forgotten and the Build made again, once, on the plan
-            read now."""
-            try:
-                return await call(record)
-            except IncarnationChanged:
-                pass
-            try:
-                return await call(record)
-            except IncarnationChanged as again:  # erased and planned again once more
-                raise SessionNotFound(request.tenant_id, request.session_id,
-                                      request.epoch or None) from again
+            # a run's snapshot binding may find the session erased and planned again since
+            # this replica cached the plan the Build named: made again on the plan read now
+            return await self._engine.once_more_if_replanned(
+                request.tenant_id, request.session_id, request.epoch or None,
+                lambda: call(record))
         return await self._run("Build", context, read_again_if_replanned)
 
     async def ReportUsage(self, request: pb.ReportUsageRequest,

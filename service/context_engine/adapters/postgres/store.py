@@ -421,10 +421,8 @@ class PostgresCalibrationStore:
                                c.factor, c.reports, timeout=self._timeout)
             await conn.execute(queries.SET_KEY_RESPONSE, tenant_id, self.RPC, idempotency_key,
                                _reconciled_json(outcome, fingerprint), timeout=self._timeout)
-            with _session_required(tenant_id, usage.session_id):  # the epoch's plan is gone
-                epoch = await conn.fetchrow(queries.COUNT_EPOCH_REPORT, tenant_id,
-                                            usage.session_id, usage.epoch, usage.input_tokens,
-                                            timeout=self._timeout)
+            epoch = await conn.fetchrow(queries.COUNT_EPOCH_REPORT, tenant_id, usage.session_id,
+                                        usage.epoch, usage.input_tokens, timeout=self._timeout)
             return outcome, EpochHistory(reports_before=int(epoch["reports"]) - 1,
                                          previous_input_tokens=int(
                                              epoch["previous_input_tokens"] or 0))
