@@ -74,6 +74,12 @@ def test_the_readme_lists_every_mutant() -> None:
         f"listed twice {sorted({r for r in rows if rows.count(r) > 1})}")
 
 
+def test_the_readme_counts_the_mutants() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    stated = re.findall(r"There are (\d+) mutants\.", readme)
+    assert stated == [str(len(MUTANTS))], stated
+
+
 def test_only_a_failing_test_kills_a_mutant() -> None:
     # pytest's exit statuses: 1 tests failed, 0 passed, 5 none collected, 2 interrupted (a
     # collection error), 3 internal error, 4 usage error
