@@ -47,6 +47,7 @@ from context_engine_client import (
     provider_body,
     provider_format_name,
 )
+from context_engine_client._channel import keyed_service_config, retry_policy
 from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
@@ -567,6 +568,80 @@ def test_async_client_retries_like_the_sync_one(fake):
 
     asyncio.run(scenario())
     assert state.calls == {"GetPlan": 3, "DeleteSession": 3, "Compact": 3, "Rotate": 1}
+
+
+def packaged_config() -> dict[str, Any]:
+    return json.loads((REPO / "clients" / "retry_service_config.json").read_text())
+
+
+def test_a_service_config_may_set_a_keyed_write_of_its_own(fake):
+    """An entry naming Rotate (here its deadline) keeps its settings on the keyed channel, and
+    takes the retry policy there: gRPC refuses a config naming a method twice, which once
+    failed every keyed Rotate before it was sent."""
+    state, target = fake
+    config = packaged_config()
+    config["methodConfig"].append({"name": [{"service": SERVICE, "method": "Rotate"}],
+                                   "timeout": "30s"})
+    state.failures = 2
+    with Client(target=target, service_config=json.dumps(config)) as engine:
+        engine.rotate(request=pb.RotateRequest(tenant_id="t", idempotency_key="k"))
+        assert state.calls["Rotate"] == 3  # sent, and retried under the policy
+        state.calls.clear()
+        state.failures = 1
+        with pytest.raises(Unavailable):  # without a key: not retried
+            engine.rotate(request=pb.RotateRequest(tenant_id="t"))
+        assert state.calls["Rotate"] == 1
+    keyed = json.loads(keyed_service_config(json.dumps(config)))
+    named = [n["method"] for m in keyed["methodConfig"] for n in m["name"]]
+    assert sorted(named) == sorted(set(named))  # each method named once
+    (rotate,) = [m for m in keyed["methodConfig"] if {"service": SERVICE, "method": "Rotate"}
+                 in m["name"]]
+    assert rotate["timeout"] == "30s" and rotate["retryPolicy"] == (
+        config["methodConfig"][0]["retryPolicy"])
+
+
+def test_a_service_config_may_retry_nothing(fake):
+    state, target = fake
+    config = {"methodConfig": [{"name": [{"service": SERVICE}], "timeout": "5s"}]}
+    state.failures = 1
+    with Client(target=target, service_config=json.dumps(config)) as engine:
+        with pytest.raises(Unavailable):
+            engine.plan(request=pb.PlanRequest(tenant_id="t"))
+        with pytest.raises(Unavailable):
+            engine.rotate(request=pb.RotateRequest(tenant_id="t", idempotency_key="k"))
+    assert state.calls == {"Plan": 1, "Rotate": 1}
+    assert retry_policy(json.dumps(config)) is None
+    two = packaged_config()
+    two["methodConfig"].append({**two["methodConfig"][0], "name": [
+        {"service": SERVICE, "method": "Rotate"}]})
+    with pytest.raises(ValueError, match="at most one retryPolicy"):
+        Client(target=target, service_config=json.dumps(two))
+
+
+def test_no_call_reaches_the_server_after_close(fake):
+    """A keyed write after close() fails as every call does, and opens no channel."""
+    state, target = fake
+    engine = Client(target=target)
+    engine.close()
+    with pytest.raises(ValueError) as plain:
+        engine.plan(request=pb.PlanRequest(tenant_id="t"))
+    with pytest.raises(ValueError) as keyed:
+        engine.rotate(request=pb.RotateRequest(tenant_id="t", idempotency_key="k"))
+    assert str(keyed.value) == str(plain.value)
+    assert state.calls == {} and engine._keyed is None
+
+    async def scenario() -> None:
+        engine = AsyncClient(target=target)
+        await engine.close()
+        with pytest.raises(Exception) as plain:
+            await engine.plan(request=pb.PlanRequest(tenant_id="t"))
+        with pytest.raises(Exception) as keyed:
+            await engine.compact(request=pb.CompactRequest(tenant_id="t", idempotency_key="k"))
+        assert type(keyed.value) is type(plain.value) and str(keyed.value) == str(plain.value)
+        assert engine._keyed is None
+
+    asyncio.run(scenario())
+    assert state.calls == {}
 
 
 def test_compact_waits_on_a_summarizer_so_its_default_deadline_is_longer(fake):

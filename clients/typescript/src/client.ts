@@ -156,6 +156,7 @@ export class ContextEngineClient {
   readonly target: string;
   private readonly channel: grpc.Client;
   private keyedChannel: grpc.Client | undefined;
+  private closed = false; // a keyed channel is never opened after close()
   private readonly openKeyed: () => grpc.Client;
   private readonly token: string | undefined;
   private readonly deadlineMs: number;
@@ -277,12 +278,16 @@ export class ContextEngineClient {
 
   /** Closes the channels; calls in flight fail with `CANCELLED`. */
   close(): void {
+    this.closed = true;
     this.channel.close();
     this.keyedChannel?.close();
   }
 
   private channelFor(method: string, request: { idempotencyKey?: string }): grpc.Client {
-    if (!KEYED_METHODS.includes(method) || !request.idempotencyKey) return this.channel;
+    // after close() a keyed write fails on the closed channel, as every call does
+    if (!KEYED_METHODS.includes(method) || !request.idempotencyKey || this.closed) {
+      return this.channel;
+    }
     this.keyedChannel ??= this.openKeyed();
     return this.keyedChannel;
   }

@@ -270,6 +270,20 @@ describe("client behaviour", () => {
     assert.equal(calls.getPlan, 1, "a config without a retry policy retries nothing");
   });
 
+  test("after close() a keyed write fails as every call does and opens no channel", async () => {
+    const closed = open();
+    closed.close();
+    const plain = await closed.getPlan({ tenantId: "t", sessionId: "s" }).then(
+      () => assert.fail("answered after close()"), (err: unknown) => err);
+    const keyed = await closed.rotate({ tenantId: "t", sessionId: "s",
+      reason: "ROTATION_REASON_OPERATOR", idempotencyKey: "k-closed" }).then(
+      () => assert.fail("answered after close()"), (err: unknown) => err);
+    assert.ok(keyed instanceof Error && plain instanceof Error);
+    assert.equal(keyed.message, plain.message);
+    assert.equal(calls.rotate, undefined, "nothing reached the server");
+    assert.equal(calls.getPlan, undefined);
+  });
+
   test("status details decode into reason, domain, metadata, violations, tool result, delay",
     async () => {
       await assert.rejects(client.plan({ tenantId: "t", sessionId: "s" }), (err: unknown) => {

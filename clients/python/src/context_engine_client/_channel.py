@@ -67,12 +67,16 @@ def service_config_text() -> str:
         encoding="utf-8")
 
 
-def retry_policy(config_text: str) -> RetryPolicy:
-    """The retry policy of the service config (one policy for every retried method)."""
+def retry_policy(config_text: str) -> RetryPolicy | None:
+    """The retry policy of the service config (one policy for every retried method; it is
+    also the keyed writes' policy), or None when the config retries nothing."""
     config = json.loads(config_text)
     policies = [m["retryPolicy"] for m in config.get("methodConfig", ()) if "retryPolicy" in m]
-    if len(policies) != 1:
-        raise ValueError("the service config must hold exactly one retryPolicy")
+    if len(policies) > 1:
+        raise ValueError("the service config must hold at most one retryPolicy: it is also the "
+                         "policy of the writes that carry an idempotency key")
+    if not policies:
+        return None
     p = policies[0]
     return RetryPolicy(max_attempts=int(p["maxAttempts"]),
                        initial_backoff=_seconds(p["initialBackoff"]),
@@ -82,15 +86,36 @@ def retry_policy(config_text: str) -> RetryPolicy:
                                                  for c in p["retryableStatusCodes"]))
 
 
+def _is_keyed(name: dict[str, Any]) -> bool:
+    return name.get("service") == SERVICE and name.get("method") in KEYED
+
+
 def keyed_service_config(config_text: str) -> str:
-    """The service config of the channel for keyed requests: the same policy, extended to the
-    RPCs in :data:`KEYED`."""
+    """The service config of the channel for keyed requests: the RPCs in :data:`KEYED` under
+    the config's retry policy (an entry that names one keeps its other settings: gRPC refuses a
+    config naming a method twice). Unchanged when the config retries nothing."""
     config = json.loads(config_text)
-    for method in config.get("methodConfig", ()):
-        if "retryPolicy" in method:
-            names = method.setdefault("name", [])
-            names.extend({"service": SERVICE, "method": m} for m in sorted(KEYED)
-                         if {"service": SERVICE, "method": m} not in names)
+    entries = config.get("methodConfig", [])
+    policy = next((m["retryPolicy"] for m in entries if "retryPolicy" in m), None)
+    if policy is None:
+        return json.dumps(config)
+    method_config: list[dict[str, Any]] = []
+    named: set[str] = set()
+    for entry in entries:
+        names = entry.get("name", [])
+        keyed = [n for n in names if _is_keyed(n)]
+        others = [n for n in names if not _is_keyed(n)]
+        if others:
+            method_config.append({**entry, "name": others})
+        if keyed:
+            method_config.append({**entry, "name": keyed,
+                                  "retryPolicy": entry.get("retryPolicy", policy)})
+            named.update(n["method"] for n in keyed)
+    missing = sorted(KEYED - named)
+    if missing:
+        method_config.append({"name": [{"service": SERVICE, "method": m} for m in missing],
+                              "retryPolicy": policy})
+    config["methodConfig"] = method_config
     return json.dumps(config)
 
 

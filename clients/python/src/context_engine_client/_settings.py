@@ -29,7 +29,7 @@ class Settings:
     metadata: tuple[tuple[str, str], ...]
     timeout: float
     compact_timeout: float
-    policy: RetryPolicy
+    policy: RetryPolicy | None  # None: the service config retries nothing
 
 
 def settings(*, target: str, token: str | None, tls: bool, root_certificates: bytes | None,

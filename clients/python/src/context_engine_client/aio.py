@@ -86,6 +86,7 @@ class AsyncClient:
             self._channel = grpc.aio.secure_channel(s.target, s.credentials, options=s.options)
         self._stubs = pb_grpc.ContextEngineStub(self._channel)
         self._keyed: tuple[grpc.aio.Channel, pb_grpc.ContextEngineAsyncStub] | None = None
+        self._closed = False  # a keyed channel is never opened after close()
 
     @property
     def target(self) -> str:
@@ -104,6 +105,7 @@ class AsyncClient:
 
     async def close(self, grace: float | None = None) -> None:
         """Closes the channel; calls still in flight after ``grace`` seconds are cancelled."""
+        self._closed = True
         await self._channel.close(grace)
         if self._keyed is not None:
             await self._keyed[0].close(grace)
@@ -229,6 +231,8 @@ class AsyncClient:
 
     def _stub(self, method: str, request: Message) -> pb_grpc.ContextEngineAsyncStub:
         if method in KEYED and has_idempotency_key(request):
+            if self._closed:  # fails on the closed channel, as every call after close()
+                return self._stubs
             if self._keyed is None:  # opened on first use: most runtimes never need it
                 s = self._settings
                 if s.credentials is None:

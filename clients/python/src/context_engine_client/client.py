@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from types import TracebackType
@@ -85,6 +86,8 @@ class Client:
             self._channel = grpc.secure_channel(s.target, s.credentials, options=s.options)
         self._stubs = pb_grpc.ContextEngineStub(self._channel)
         self._keyed: tuple[grpc.Channel, pb_grpc.ContextEngineStub] | None = None
+        self._closed = False
+        self._keyed_lock = threading.Lock()  # a keyed channel is never opened after close()
 
     @property
     def target(self) -> str:
@@ -103,9 +106,12 @@ class Client:
 
     def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""
+        with self._keyed_lock:
+            self._closed = True
+            keyed = self._keyed
         self._channel.close()
-        if self._keyed is not None:
-            self._keyed[0].close()
+        if keyed is not None:
+            keyed[0].close()
 
     def __enter__(self) -> Self:
         return self
@@ -225,15 +231,18 @@ class Client:
 
     def _stub(self, method: str, request: Message) -> pb_grpc.ContextEngineStub:
         if method in KEYED and has_idempotency_key(request):
-            if self._keyed is None:  # opened on first use: most runtimes never need it
-                s = self._settings
-                if s.credentials is None:
-                    channel = grpc.insecure_channel(s.target, options=s.keyed_options)
-                else:
-                    channel = grpc.secure_channel(s.target, s.credentials,
-                                                  options=s.keyed_options)
-                self._keyed = (channel, pb_grpc.ContextEngineStub(channel))
-            return self._keyed[1]
+            with self._keyed_lock:
+                if self._closed:  # fails on the closed channel, as every call after close()
+                    return self._stubs
+                if self._keyed is None:  # opened on first use: most runtimes never need it
+                    s = self._settings
+                    if s.credentials is None:
+                        channel = grpc.insecure_channel(s.target, options=s.keyed_options)
+                    else:
+                        channel = grpc.secure_channel(s.target, s.credentials,
+                                                      options=s.keyed_options)
+                    self._keyed = (channel, pb_grpc.ContextEngineStub(channel))
+                return self._keyed[1]
         return self._stubs
 
     def _invoke(self, method: str, request: Message, response: type[Resp],
