@@ -31,7 +31,7 @@ from context_engine.domain.builder import (
     prefix_exact,
     working_state_tokens,
 )
-from context_engine.domain.calibration import Calibration, Reconciled, reconcile
+from context_engine.domain.calibration import Calibration, Reconciled, least_factor, reconcile
 from context_engine.domain.canonical import canonical_sha256, session_key
 from context_engine.domain.compaction import (
     DEFAULT_SUMMARY_TOKENS,
@@ -634,18 +634,34 @@ class Engine:
 
     async def correction_factor(self, tenant_id: str, spec: PlanSpec) -> float:
         """The model's reconciled factor (shared in PostgreSQL), cached for a few seconds;
-        1.0 for a new model or one whose encoding changed."""
+        1.0 for a new model or one whose encoding changed; never below the plan's
+        ``least_factor`` (a factor stored lower, or reconciled for a plan counted another
+        way, is raised to it)."""
+        floor = least_factor(prefix_exact(spec))
         key = (tenant_id, spec.model.model_id)
         now = self._clock.monotonic()
         cached = self._factors.get(key)
         if cached is not None and cached[1] > now:
-            return cached[0]
+            return max(cached[0], floor)
         try:
             row = await self._calibrations.calibration(tenant_id, spec.model.model_id)
         except StoreUnavailable:
-            return cached[0] if cached is not None else 1.0
+            return max(cached[0], floor) if cached is not None else 1.0
         factor = row.factor if row is not None and row.encoding == spec.encoding else 1.0
         self._factors[key] = (factor, now + self._calibration_ttl)
+        return max(factor, floor)
+
+    @staticmethod
+    def pinned_factor(factor: float, spec: PlanSpec) -> float:
+        """A caller's ``estimator_factor`` (within [0.5, 4.0], checked with the request), or
+        InvalidInput below the plan's ``least_factor``: for a model counted with its own
+        tokenizer, a factor under 1 could send a request over the window."""
+        floor = least_factor(prefix_exact(spec))
+        if factor < floor:
+            raise InvalidInput.one(
+                "estimator_factor",
+                f"{factor} is below {floor}, the least for {spec.model.model_id}, whose own "
+                "tokenizer counts the request: a lower factor could send it over the window")
         return factor
 
     async def build(self, tenant_id: str, session_id: str, epoch: int | None,
@@ -661,6 +677,8 @@ class Engine:
         estimator = self.plan_estimator(spec)
         if factor is None:
             factor = await self.correction_factor(tenant_id, spec)
+        else:
+            factor = self.pinned_factor(factor, spec)
         started = time.perf_counter()
         steps = build_steps(loaded, checkpoint, estimator=estimator, factor=factor,
                             policy=self.policy, memo=self.render_memo, validated=validated)
@@ -819,7 +837,7 @@ class Engine:
             return reconcile(current, model_id=model.model_id, encoding=spec.encoding,
                              estimated=report.estimated_input_tokens,
                              actual=report.input_tokens, factor_used=report.estimator_factor,
-                             fixed=fixed)
+                             fixed=fixed, floor=least_factor(prefix_exact(spec)))
 
         # The request as sent (epoch 0 is "current"), not the epoch it resolved to: a retry
         # after a rotation repeats the same request and must get the first answer back.
@@ -840,9 +858,12 @@ class Engine:
                 outcome.calibration.factor)
             # An epoch's first request writes its prefix to the provider's cache: a necessary
             # miss, not a leak, so only the later ones measure the prefix ratio.
-            if earlier.reports_before and loaded.plan.prefix_tokens:
+            # A request holds no more prefix than its whole input: the plan's count is an
+            # upper bound (tools framed conservatively), so a request cached whole reads 1.
+            prefix = min(loaded.plan.prefix_tokens, report.input_tokens)
+            if earlier.reports_before and prefix:
                 self._metrics.cached_prefix_ratio.observe(
-                    min(report.cached_tokens / loaded.plan.prefix_tokens, 1.0))
+                    min(report.cached_tokens / prefix, 1.0))
             # History reuse: what was cached against the preceding call's full input.
             if earlier.previous_input_tokens:
                 self._metrics.cached_input_ratio.observe(
@@ -899,6 +920,8 @@ class Engine:
         factor = cmd.factor
         if factor is None:
             factor = await self.correction_factor(cmd.tenant_id, loaded.plan.spec)
+        else:
+            factor = self.pinned_factor(factor, loaded.plan.spec)
         used = factor
 
         def measure(messages: Any) -> int:

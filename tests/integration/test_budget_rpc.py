@@ -13,6 +13,7 @@ from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
 from tests.integration.requests import build_request, failure, item, plan_request
+from tests.support.provider_tokens import count_body
 
 pytestmark = pytest.mark.integration
 
@@ -399,3 +400,121 @@ def test_the_response_is_made_while_the_pressure_event_is_written_and_waits_for_
             assert not fits.pressure.steps and log == ["assembled", "rendered"]
     finally:
         srv.stop()
+
+
+def _tools(n: int) -> list[pb.ToolSpec]:
+    schema = '{"type":"object","properties":{"q":{"type":"string"}},"required":["q"]}'
+    return [pb.ToolSpec(name=f"t{i:02d}", description=f"Does t{i:02d}. More detail here.",
+                        input_schema_json=schema, side_effect=pb.SIDE_EFFECT_NONE)
+            for i in range(n)]
+
+
+def _many_tools_plan(tenant: str, session: str, model_id: str = "gpt-4o") -> pb.PlanRequest:
+    """30 small tools: the plan's prefix count frames each conservatively, more than the
+    provider counts."""
+    req = plan_request(tenant, session, model=pb.ModelSpec(model_id=model_id),
+                       tool_catalog=_tools(30), principal_scopes=[])
+    req.agent.ClearField("enabled_tools")
+    req.agent.enabled_tools.extend(f"t{i:02d}" for i in range(30))
+    req.agent.ClearField("deferred_tools")
+    req.agent.enables_tool_call = False
+    return req
+
+
+@pytest.mark.gate_budget
+def test_honest_reports_never_take_an_exact_count_below_itself(stub, ids):
+    """Reports of a request's true count (tiktoken over the body sent: the oracle) once took
+    gpt-4o's factor from 1.0 to 0.507 in 12 turns, the estimate's designed slack (the tools'
+    conservative framing) read as drift; the next Build of a long conversation, counted 105,060
+    tokens, was 204,279 against a window less reserve of 111,616."""
+    tenant, session = ids
+    stub.Plan(_many_tools_plan(tenant, session))
+    factors = []
+    for turn in range(12):
+        items = [item(f"u{turn}", 1, run="run-1",
+                      user=pb.UserMessage(text="What is on my calendar today?"))]
+        built = stub.Build(build_request(tenant, session, items))
+        actual = count_body(json.loads(built.provider_body_json), "openai_responses", "gpt-4o")
+        assert actual < built.estimated_input_tokens  # the slack the reports measure
+        got = stub.ReportUsage(_report(tenant, session, f"k{turn}",
+                                       built.estimated_input_tokens, actual,
+                                       factor=built.estimator_factor))
+        factors.append(got.correction_factor)
+    assert factors == [1.0] * 12
+    text = " ".join(f"word{i} alpha beta gamma" for i in range(400))
+    items = [item(f"h{i}", i + 1, run="run-0", user=pb.UserMessage(text=text))
+             for i in range(200)]
+    items.append(item("now", 1000, run="run-1", user=pb.UserMessage(text="Summarize.")))
+    built = stub.Build(build_request(tenant, session, items))
+    assert built.estimator_factor == 1.0
+    actual = count_body(json.loads(built.provider_body_json), "openai_responses", "gpt-4o")
+    assert actual <= built.budget.total_tokens - built.output_reserve
+    assert actual <= built.estimated_input_tokens
+
+
+def test_a_factor_stored_below_the_floor_is_raised_to_it(stub, ids, db):
+    """A factor reconciled below 1.0 for an exact count before the floor held is read as 1.0
+    and moves up from there; an approximate count keeps its lower factor."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-4o")))
+    other = f"{session}-claude"
+    stub.Plan(plan_request(tenant, other))
+    for model_id, encoding in (("gpt-4o", "o200k_base"), ("claude-sonnet-4-5", "cl100k_base")):
+        db.fetch("INSERT INTO estimator_calibration (tenant_id, model_id, encoding, factor, "
+                 "reports) VALUES ($1, $2, $3, 0.6, 9) RETURNING 1", tenant, model_id, encoding)
+    assert stub.Build(build_request(tenant, session)).estimator_factor == 1.0
+    assert stub.Build(build_request(tenant, other)).estimator_factor == pytest.approx(0.6)
+    built = stub.Build(build_request(tenant, session))
+    est = built.estimated_input_tokens
+    down = stub.ReportUsage(_report(tenant, session, "low", est, est // 2))
+    assert down.previous_factor == pytest.approx(0.6) and down.correction_factor == 1.0
+
+
+def test_a_pinned_factor_below_an_exact_count_is_refused(stub, ids):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-4o")))
+    pinned = build_request(tenant, session)
+    pinned.estimator_factor = 0.8
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(pinned)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "below 1.0" in failure(err.value).violations["estimator_factor"]
+    compact = pb.CompactRequest(tenant_id=tenant, session_id=session,
+                                checkpoint=pinned.checkpoint, reason="budget_pressure",
+                                idempotency_key="pinned", tokens_to_free=1_000,
+                                estimator_factor=0.8)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Compact(compact)
+    assert "estimator_factor" in failure(err.value).violations
+    pinned.estimator_factor = 1.0
+    stub.Build(pinned)
+    # an approximate count (Claude) may be scaled down to 0.5
+    claude = f"{session}-claude"
+    stub.Plan(plan_request(tenant, claude))
+    low = build_request(tenant, claude)
+    low.estimator_factor = 0.5
+    assert stub.Build(low).estimator_factor == 0.5
+
+
+def test_a_request_cached_whole_reads_a_whole_prefix(stub, ids, server):
+    """The plan's prefix count frames tools conservatively: a request read whole from the cache
+    held fewer tokens than it, and the ratio read 0.864 (the alert fires below 0.9)."""
+    tenant, session = ids
+    stub.Plan(_many_tools_plan(tenant, session))
+    registry = server.registry
+
+    def sample(name: str) -> float:
+        return registry.get_sample_value(name) or 0.0
+    before = (sample("context_engine_cached_prefix_ratio_sum"),
+              sample("context_engine_cached_prefix_ratio_count"))
+    items = [item("u0", 1, run="run-1", user=pb.UserMessage(text="What is on my calendar?"))]
+    for turn in range(2):
+        built = stub.Build(build_request(tenant, session, items))
+        total = count_body(json.loads(built.provider_body_json), "openai_responses", "gpt-4o")
+        assert total < built.prefix_tokens
+        stub.ReportUsage(_report(tenant, session, f"c{turn}", built.estimated_input_tokens,
+                                 total, cached=total))
+    after = (sample("context_engine_cached_prefix_ratio_sum"),
+             sample("context_engine_cached_prefix_ratio_count"))
+    # the epoch's first report writes the cache and is not measured; the second is whole
+    assert after[1] - before[1] == 1 and after[0] - before[0] == pytest.approx(1.0)

@@ -344,7 +344,9 @@ class Script:
         assert resp.error_ratio == pytest.approx((input_tokens - estimated) / input_tokens)
         self.truth.factors[family] = resp.correction_factor
         if s.reports:  # the epoch's first report is a necessary miss: not a prefix ratio
-            self.truth.prefix_ratios.append(min(cached / s.prefix_tokens, 1.0))
+            # a request holds no more prefix than its whole input
+            self.truth.prefix_ratios.append(
+                min(cached / min(s.prefix_tokens, input_tokens), 1.0))
         if s.last_input:
             self.truth.input_ratios.append(min(cached / s.last_input, 1.0))
         s.reports += 1

@@ -18,6 +18,20 @@ from dataclasses import dataclass
 MIN_FACTOR = 0.5
 MAX_FACTOR = 4.0
 DOWN_RATE = 0.3
+# The least factor where the model's own tokenizer counts the request: at 1.0 the estimate is
+# already an upper bound of what the provider counts (every form counted at its costliest, each
+# tool with conservative framing), so a report below it measures that designed slack, not
+# drift, and the slack differs by content: a factor under 1 learned on one request's mix
+# (tool-heavy, say) under-counts a request of another and sends it over the window.
+EXACT_MIN_FACTOR = 1.0
+
+
+def least_factor(exact: bool) -> float:
+    """The floor of the correction factor: :data:`EXACT_MIN_FACTOR` where the plan's prefix
+    and body are counted with the model's own tokenizer (``builder.prefix_exact``), else
+    :data:`MIN_FACTOR` (an approximate count, cl100k_base x 1.3 for Claude and Gemini, whose
+    ratio to the provider's is what reconciliation learns)."""
+    return EXACT_MIN_FACTOR if exact else MIN_FACTOR
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,21 +50,23 @@ class Reconciled:
 
 
 def reconcile(current: Calibration | None, *, model_id: str, encoding: str, estimated: int,
-              actual: int, factor_used: float, fixed: int = 0) -> Reconciled:
+              actual: int, factor_used: float, fixed: int = 0,
+              floor: float = MIN_FACTOR) -> Reconciled:
     """``estimated`` was computed with ``factor_used`` applied to everything but ``fixed``
     tokens (an exact prefix, measured once at plan time and never scaled; 0 when the prefix
     count is approximate and was scaled too). The factor that would have matched is
     ``factor_used * (actual - fixed) / (estimated - fixed)``: what was scaled absorbs the whole
     error, so one report corrects an under-count at once. With ``fixed`` = 0 that is the
-    observed ratio over the whole estimate."""
+    observed ratio over the whole estimate. The factor never falls below ``floor``
+    (:func:`least_factor`), and one stored below it is raised to it."""
     if current is None or current.encoding != encoding or current.model_id != model_id:
         current = Calibration(model_id=model_id, encoding=encoding)
     body_estimated = estimated - fixed
     body_actual = max(actual - fixed, 1)
     target = (factor_used * body_actual / body_estimated if body_estimated > 0
               else current.factor)
-    target = min(max(target, MIN_FACTOR), MAX_FACTOR)
-    if target > current.factor:
+    target = min(max(target, floor), MAX_FACTOR)
+    if target > current.factor:  # a factor stored under the floor rises to it at least
         factor = target
     else:
         factor = current.factor + (target - current.factor) * DOWN_RATE
