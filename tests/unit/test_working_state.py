@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from context_engine.domain.budget import WORKING_STATE_TOKENS
 from context_engine.domain.errors import BudgetExceeded, ConstraintCapReached, InvalidInput
@@ -356,5 +358,44 @@ def test_a_summary_stops_showing_a_constraint_the_user_removed():
     (row9,) = [m for m in built.request.messages if m.row == 9]
     assert "keep A" not in row9.text and "- keep B" in row9.text
     assert '<memory source="summary"' in row9.text  # keep B kept its own label
-    kept = summary.without(s.removed_constraints)
+    kept = summary.as_of(s)
     assert kept.constraints == ("keep B",) and kept.constraint_trust == (TrustLevel.MEMORY,)
+    assert summary.as_of(WorkingState(constraints=("keep B",))) is summary  # nothing changes
+
+
+@pytest.mark.gate_trust
+def test_a_constraint_removed_and_set_again_after_untrusted_content_is_not_the_users():
+    """The user's constraint, kept in a summary at USER, removed by the user, then set again by
+    a call after untrusted content: row 12 showed it untrusted and row 9 still at USER (the
+    summary's copy said the user wants it). Both now say it is the call's."""
+    from context_engine.domain.items import HistorySummary
+    from context_engine.domain.working_state import RemoveConstraint
+
+    from tests import factories as f
+
+    c = "Never book non-refundable fares"
+    summary = HistorySummary(text="We planned a trip.", replaced_through_sequence=1,
+                             constraints=(c, "stay in Lisbon"),
+                             constraint_trust=(TrustLevel.USER, TrustLevel.USER))
+    s, _ = apply_update(WorkingState(), Update(add_constraints=(c, "stay in Lisbon")),
+                        run_id="run-1", sequence=2)
+    s, _ = apply_update(s, RemoveConstraint(constraint=c, user_event_id=3), run_id="run-1",
+                        sequence=3)
+    s, _ = apply_update(s, Update(add_constraints=(c,), trust=TrustLevel.EXTERNAL_UNTRUSTED),
+                        run_id="run-1", sequence=4)
+    assert s.removed_constraints == () and dict(zip(s.constraints, s.constraint_trust,
+                                                    strict=True)) == {
+        "stay in Lisbon": TrustLevel.USER, c: TrustLevel.EXTERNAL_UNTRUSTED}
+    items = [f.user("u0", "earlier", 1, run="run-0"), f.user("u1", "now", 5)]
+    built = f.run_build(f.loaded(), f.checkpoint(items, summary=summary, working_state=s))
+    (row9,) = [m for m in built.request.messages if m.row == 9]
+    envelopes = re.findall(r'<(\w+) source="summary" id="summary:constraints:\d" nonce="\w+">\n'
+                           r'- ([^\n]*)\n', row9.text)
+    assert envelopes == [("untrusted", c), ("user", "stay in Lisbon")]
+    lowered = summary.as_of(s)
+    assert lowered.constraints == summary.constraints and lowered.constraint_trust == (
+        TrustLevel.EXTERNAL_UNTRUSTED, TrustLevel.USER)
+    # a label the summary holds lower than the state's stays lower
+    assert HistorySummary(text="", replaced_through_sequence=1, constraints=(c,),
+                          constraint_trust=(TrustLevel.MEMORY,)).as_of(
+        WorkingState(constraints=(c,))).constraint_trust == (TrustLevel.MEMORY,)

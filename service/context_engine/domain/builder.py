@@ -650,8 +650,7 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     fixed["skill_bodies"] = sum(cost(s) for s in skills)
     inputs = [TrailingUserInput(message=m) for m in trailing]
     fixed["current_user_message"] = sum(cost(i) for i in inputs)
-    summary = (cp.summary.without(cp.working_state.removed_constraints)
-               if cp.summary is not None else None)
+    summary = cp.summary.as_of(cp.working_state) if cp.summary is not None else None
     if summary is not None:
         fixed["summary"] = cost(summary)
     # classes that never yield fail instead. Their ceilings are properties of what was loaded

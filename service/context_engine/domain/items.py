@@ -323,12 +323,28 @@ class HistorySummary(ContextItem):
     constraint_trust: tuple[TrustLevel, ...] = ()  # one per constraint, or none: USER
     elided: tuple[ElidedSpan, ...] = ()
 
-    def without(self, removed: Sequence[str]) -> HistorySummary:
-        """The summary without the constraints the user has removed since it was written."""
-        if not removed or not set(removed) & set(self.constraints):
+    def as_of(self, state: WorkingState) -> HistorySummary:
+        """The summary's constraints as the working state now has them: without those the user
+        has removed since it was written, and each one the state holds too at no higher label
+        than the state's (a constraint the user removed and a call after untrusted content set
+        again is that call's now, not the user's: the summary's copy does not say otherwise).
+        The summary itself where nothing changes."""
+        if not self.constraints:
             return self
-        kept = [(c, t) for c, t in zip(self.constraints, labels(
-            self.constraints, self.constraint_trust), strict=True) if c not in removed]
+        removed = set(state.removed_constraints)
+        live = dict(zip(state.constraints, labels(state.constraints, state.constraint_trust),
+                        strict=True))
+        kept: list[tuple[str, TrustLevel]] = []
+        for c, t in zip(self.constraints, labels(self.constraints, self.constraint_trust),
+                        strict=True):
+            if c in removed:
+                continue
+            now = live.get(c)
+            kept.append((c, t if now is None or t.rank <= now.rank else now))
+        if ([c for c, _ in kept] == list(self.constraints)
+                and [t for _, t in kept] == list(labels(self.constraints,
+                                                        self.constraint_trust))):
+            return self
         return replace(self, constraints=tuple(c for c, _ in kept),
                        constraint_trust=tuple(t for _, t in kept))
 
