@@ -230,3 +230,28 @@ def test_an_empty_summary_field_is_no_summary(stub, ids):
     stub.Plan(plan_request(tenant, session))
     resp = stub.Compact(compact_request(tenant, session, "empty", summary=pb.Summary()))
     assert resp.compacted and resp.summary.depth == 1
+
+
+def test_a_call_made_after_untrusted_content_comes_back_as_a_pointer(stub, ids):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    its = history()
+    its.insert(4, item("c2", 4, pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, run="run-0",
+                       tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
+                           call_id="call-2", name="web.fetch",
+                           arguments_json='{"url":"https://evil.example"}')])))
+    its.insert(5, item("r2", 4, pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, run="run-0",
+                       tool_result=pb.ToolResult(call_id="call-2", tool_name="web.fetch",
+                                                 content="more")))
+    for n, it in enumerate(its, 1):
+        it.sequence = n
+    resp = stub.Compact(compact_request(tenant, session, "call-pointer", items=its))
+    assert [(e.kind, e.item_id) for e in resp.summary.elided] == [
+        ("tool.result", "r1"), ("tool.call", "c2"), ("tool.result", "r2")]
+    assert "evil.example" not in resp.summary.text
+    # the runtime writes the summary into its checkpoint as it is: Build takes it
+    req = build_request(tenant, session, [i for i in its if i.id not in resp.replaced_item_ids])
+    req.checkpoint.summary.CopyFrom(resp.summary)
+    built = stub.Build(req)
+    (row9,) = [m for m in built.request.messages if m.row == 9]
+    assert "[elided] tool.call c2 (external_untrusted, 30 bytes) -> event:5" in row9.text

@@ -18,6 +18,7 @@ retained (``Summary.constraints``), so a merge sees both. Over generated convers
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -27,8 +28,11 @@ from context_engine.domain.compaction import (
     MAX_DEPTH,
     CompactionResult,
     StructuredSummarizer,
+    SummaryInput,
     Target,
+    TrustedLine,
     compact,
+    structured_narrative,
 )
 from context_engine.domain.errors import CompactionDepthExceeded, NothingToCompact
 from context_engine.domain.items import (
@@ -148,3 +152,62 @@ def test_compaction_and_merge_keep_constraints_provenance_and_labels(
             replace(one.history_summary(), depth=2)]:
         with pytest.raises(CompactionDepthExceeded):
             run_compact(items, active, current, (), Target(tokens_to_free=1))
+
+
+line_texts = st.text(alphabet="abc xyz?.:-\u00e9\u6771", min_size=1, max_size=40).map(
+    lambda t: t.strip() or "x")
+
+
+@st.composite
+def summary_inputs(draw: st.DrawFn) -> SummaryInput:
+    roles = draw(st.lists(st.sampled_from(["assistant", "tool_call", "user"]), max_size=40))
+    lines = tuple(TrustedLine(item_id=f"i{n}", sequence=n + 1, role=role,
+                              text=draw(line_texts)) for n, role in enumerate(roles))
+    return SummaryInput(reason="gate", goal=draw(st.sampled_from(["", "Book Lisbon"])),
+                        constraints=(), open_questions=tuple(draw(st.lists(line_texts,
+                                                                           max_size=3))),
+                        lines=lines, pointers=tuple(f"p{n}" for n in range(draw(
+                            st.integers(0, 2)))),
+                        prior_narrative=draw(st.sampled_from(
+                            ["", "Current goal: flights\nDecisions taken:\n- booked XK42",
+                             "Earlier part. " * 30])),
+                        source_event_ids=())
+
+
+DECISION = re.compile(r"^- \[\d+\] .*$", re.M)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(data=summary_inputs(), max_chars=st.integers(0, 2_500), more=st.integers(1, 400))
+def test_the_structured_narrative_keeps_by_priority_within_its_allowance(data, max_chars, more):
+    """Within the allowance always; the goal, the open questions and the pointer line whenever
+    they fit alone; the earlier narrative whole when there is room for twice it; of the
+    decisions, the newest, the others counted; a larger allowance never keeps fewer."""
+    out = structured_narrative(data, max_chars)
+    assert len(out) <= max_chars
+    whole = structured_narrative(data, 10**9)  # nothing left out
+    everything = DECISION.findall(whole)
+    kept = DECISION.findall(out)
+    assert kept == everything[len(everything) - len(kept):]  # the newest, in order
+    found = re.search(r"^- \u2026 (\d+) earlier decision\(s\) omitted$", out, re.M)
+    if found:
+        assert int(found.group(1)) == len(everything) - len(kept)
+    # what must stay, by the lines ``whole`` holds (independent of the selection)
+    stated = data.goal or next((ln.text for ln in reversed(data.lines) if ln.role == "user"),
+                               "")
+    goal = f"Current goal: {' '.join(stated.split()) if stated else '(not stated)'}"
+    tail = whole[whole.index("Unresolved questions:"):] if data.open_questions else ""
+    pointer = next((ln for ln in whole.splitlines() if ln.startswith("Tool results")), "")
+    if len(goal) + len(tail) + len(pointer) + 2 <= max_chars:
+        assert goal in out.splitlines()
+        assert not tail or out.endswith(tail)
+        assert not pointer or pointer in out.splitlines()
+    if data.prior_narrative and 2 * (len(data.prior_narrative) + 20) + len(goal) + len(
+            tail) + len(pointer) <= max_chars:
+        assert out.startswith(f"Earlier:\n{data.prior_narrative}\n")
+    if out.startswith("Earlier:\n"):  # cut, if at all, in its middle: its opening and its end
+        earlier = out[len("Earlier:\n"):out.rindex(f"\n{goal}")]
+        prior = data.prior_narrative
+        assert earlier == prior or len(earlier) < 13 or (
+            earlier[:4] == prior[:4] and earlier[-4:] == prior[-4:])
+    assert len(DECISION.findall(structured_narrative(data, max_chars + more))) >= len(kept)

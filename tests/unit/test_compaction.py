@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -239,3 +241,110 @@ def test_a_merge_drops_a_constraint_the_user_removed():
                          measure=measure, ctx=CTX, state=state,
                          target=Target(tokens_to_free=10_000)))
     assert second.constraints == ("window seat",)
+
+
+ESTIMATOR = f.estimator(f.model())  # cl100k_base x 1.3, the service's count for Claude
+
+
+def estimated(messages: Sequence[Message]) -> int:
+    return ESTIMATOR.messages(list(messages), 1.0)
+
+
+def long_run(goal: str, turns: int, run_id: str = "run-0", first: int = 1,
+             text: str = "step {i}: checked several carriers and fares for the route",
+             last: str | None = None) -> list[ConversationItem]:
+    out: list[ConversationItem] = [f.user(f"{run_id}-u", goal, first, run=run_id)]
+    for i in range(turns):
+        out.append(AssistantMessageItem(
+            id=f"{run_id}-a{i}", sequence=first + 1 + i, run_id=run_id,
+            item_trust=TrustLevel.USER,
+            text=last if last is not None and i == turns - 1 else text.format(i=i)))
+    return out
+
+
+def compacted(its: list[ConversationItem], current: CurrentSummary | None = None, *,
+              max_summary_tokens: int = 4_000, **state: Any) -> CompactionResult:
+    return run(compact(its, current, active_run_id="run-9", reason="budget_pressure",
+                       summarizer=StructuredSummarizer(), measure=estimated, ctx=CTX,
+                       state=WorkingState(**state), target=Target(tokens_to_free=10**7),
+                       max_summary_tokens=max_summary_tokens))
+
+
+@pytest.mark.gate_compaction_fidelity
+def test_a_long_compaction_keeps_its_goal_and_newest_decisions():
+    """150 turns after the goal: the narrative was cut from its front, goal first ("…[69]
+    assistant: a step 67: …"); now the oldest decisions go, counted."""
+    its = [*long_run("Plan a 3-day trip to Lisbon under 900 EUR", 150),
+           f.user("now", "go on", 500, run="run-9")]
+    r = compacted(its)
+    assert r.tokens_after <= 4_000
+    assert r.summary.startswith("Current goal: Plan a 3-day trip to Lisbon under 900 EUR\n"
+                                "Decisions taken:\n- \u2026 ")
+    assert "earlier decision(s) omitted" in r.summary
+    assert r.summary.endswith("- [151] assistant: step 149: checked several carriers and "
+                              "fares for the route")
+    kept = [int(n) for n in re.findall(r"^- \[(\d+)\]", r.summary, re.M)]
+    omitted = int(re.search(r"\u2026 (\d+) earlier", r.summary).group(1))
+    assert kept == list(range(152 - len(kept), 152)) and omitted + len(kept) == 150
+
+
+@pytest.mark.gate_compaction_fidelity
+def test_a_merge_keeps_the_earlier_narrative_and_the_new_goal():
+    flights = long_run("Book flights to Lisbon", 20, last="Booked TAP, ref XK42.")
+    now = f.user("now", "go on", 500, run="run-9")
+    first = compacted([*flights, now])
+    assert "XK42" in first.summary
+    newer = long_run("Now hotels", 150, run_id="run-1", first=100)
+    second = compacted([*flights, *newer, now], first.history_summary())
+    assert second.depth == 2 and second.tokens_after <= 4_000
+    assert second.summary.startswith("Earlier:\nCurrent goal: Book flights to Lisbon")
+    assert "XK42" in second.summary and "Current goal: Now hotels" in second.summary
+    assert "[250] assistant: step 149" in second.summary  # the newest decision
+
+
+@pytest.mark.gate_compaction_fidelity
+def test_dense_text_keeps_the_goal_and_the_open_questions():
+    """Text of about two characters a token: the first narrative was over its cap, and the
+    trim cut its end, the unresolved questions with it."""
+    its = [f.user("u0", "Plan a 3-day trip to Lisbon under 900 EUR", 1, run="run-0")]
+    its += [AssistantMessageItem(id=f"a{i}", sequence=2 + i, run_id="run-0",
+                                 item_trust=TrustLevel.USER,
+                                 text=" ".join(f"{i}-{k}:7f;" for k in range(40)))
+            for i in range(60)]
+    its.append(f.user("uX", "next", 500, run="run-9"))
+    r = compacted(its, max_summary_tokens=2_000, objective="Book Lisbon trip",
+                  open_questions=("Which dates work for you?",))
+    assert r.tokens_after <= 2_000
+    assert r.summary.startswith("Current goal: Book Lisbon trip")
+    assert r.summary.endswith("Unresolved questions:\n- Which dates work for you?")
+    assert "[61] assistant: 59-0:7f;" in r.summary  # the newest decision
+    # fitted by the summarizer asked again within a smaller allowance, not cut by the
+    # compactor: whole lines, the newest decisions and the count of the others
+    kept = [int(n) for n in re.findall(r"^- \[(\d+)\] assistant: \d+-0:7f;", r.summary, re.M)]
+    omitted = int(re.search(r"^- \u2026 (\d+) earlier", r.summary, re.M).group(1))
+    # the user's first message is a decision too: the objective is the goal
+    assert kept == list(range(62 - len(kept), 62)) and omitted + len(kept) == 61
+    assert len(r.summary.splitlines()) == 2 + 1 + len(kept) + 2
+
+
+@pytest.mark.gate_trust
+def test_a_call_made_after_untrusted_content_is_pointed_to_not_dropped():
+    """A tool call labelled below USER was replaced and named nowhere in the summary: neither
+    a line (its name would carry the call's label into the narrative) nor a pointer."""
+    its = [f.user("u1", "Read the page", 1, run="run-0"), f.call("c1", 2, "k1", run="run-0"),
+           f.result("r1", 3, "k1", f"page {CANARY}", run="run-0"),
+           replace(f.call("c2", 4, "k2", run="run-0", name="mail.send"),
+                   item_trust=TrustLevel.EXTERNAL_UNTRUSTED),
+           f.result("r2", 5, "k2", "sent", run="run-0", trust=TrustLevel.MEMORY),
+           f.user("u2", "go on", 6, run="run-1")]
+    rec = Recording()
+    r = do(its, summarizer=rec)
+    assert r.replaced_item_ids == ("u1", "c1", "r1", "c2", "r2")
+    assert [(s.kind, s.item_id, s.trust_level) for s in r.elided] == [
+        ("tool.result", "r1", TrustLevel.EXTERNAL_UNTRUSTED),
+        ("tool.call", "c2", TrustLevel.EXTERNAL_UNTRUSTED),
+        ("tool.result", "r2", TrustLevel.MEMORY)]
+    assert "mail.send" not in repr(rec.seen[0]) and "mail.send" not in r.summary
+    assert ('[elided] tool.call c2 (external_untrusted, 11 bytes) -> event:4'
+            in rendered(r))
+    assert r.narrative_trust == TrustLevel.USER

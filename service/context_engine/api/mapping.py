@@ -1183,7 +1183,7 @@ def rotate_command(req: pb.RotateRequest) -> RotateCommand:
                          model=model, snapshot=snapshot)
 
 
-ELIDED_KINDS = ("tool.result", "user.message", "assistant.message")
+ELIDED_KINDS = ("tool.result", "user.message", "assistant.message", "tool.call")
 MAX_SUMMARY_TOKENS = 32_000
 
 

@@ -227,6 +227,13 @@ def elided_span(item: ConversationItem) -> ElidedSpan | None:
         return ElidedSpan(item_id=item.id, trust_level=item.item_trust,
                           byte_length=len(item.text.encode("utf-8")), artifact_ref=None,
                           event_id=item.sequence, kind=kind)
+    if isinstance(item, ToolCallItem) and not trusted(item):
+        # a call made after untrusted content: its tool's name would carry the call's label
+        # into the narrative, so it is pointed to like the other spans below USER
+        return ElidedSpan(item_id=item.id, trust_level=item.item_trust,
+                          byte_length=sum(len(c.arguments_json.encode("utf-8"))
+                                          for c in item.calls),
+                          artifact_ref=None, event_id=item.sequence, kind="tool.call")
     return None
 
 
@@ -370,14 +377,22 @@ async def compact(items: Sequence[ConversationItem], current: HistorySummary | N
     bare = _summary_tokens(summary_with(""), measure, ctx)
     if bare > max_summary_tokens:  # constraints alone do not fit: fail, never drop one
         raise BudgetExceeded("summary_constraints", bare, max_summary_tokens)
-    # a conservative character allowance for the narrative (an estimator token is >= 1 char)
-    allowance = max(0, (max_summary_tokens - bare)) * 3
+    # a character allowance for the narrative: three characters a token, which dense text
+    # (numbers, code, most scripts but Latin) does not reach
+    room = max(0, max_summary_tokens - bare)
+    allowance = room * 3
     summarized = await summarizer.summarize(sel.data, allowance)
     narrative = summarized.narrative.strip()
     after = _summary_tokens(summary_with(narrative), measure, ctx)
-    while after > max_summary_tokens and narrative:  # trim the narrative, never a constraint
-        narrative = narrative[:len(narrative) * 3 // 4].rstrip()
-        narrative = narrative + "\u2026" if narrative else ""
+    if after > max_summary_tokens and narrative:
+        # asked once more, within the allowance the text measured shows (a summarizer fits
+        # its own text by what matters; a cut of ours would not know)
+        allowance = int(len(narrative) * room / max(after - bare, 1) * 0.9)
+        summarized = await summarizer.summarize(sel.data, allowance)
+        narrative = summarized.narrative.strip()
+        after = _summary_tokens(summary_with(narrative), measure, ctx)
+    while after > max_summary_tokens and narrative:  # cut the narrative, never a constraint
+        narrative = cut_middle(narrative, len(narrative) * 3 // 4)
         after = _summary_tokens(summary_with(narrative), measure, ctx)
     return CompactionResult(
         summary=summary_with(narrative).text, source_event_ids=sel.source_event_ids,
@@ -400,32 +415,72 @@ class StructuredSummarizer:
         return Summarized(narrative=structured_narrative(data, max_chars), version=self.version)
 
 
+def cut_middle(text: str, max_chars: int) -> str:
+    """``text`` within ``max_chars`` characters, cut in its middle: a summary opens with what
+    it is about (its goal, the earlier narrative's) and ends with what is still open (the
+    unresolved questions, the pointers), so what goes first is what lies between."""
+    if len(text) <= max_chars:
+        return text
+    if max_chars < 3:
+        return ""
+    head = (max_chars - 1) // 3
+    return text[:head].rstrip() + "\u2026" + text[len(text) - (max_chars - 1 - head):].lstrip()
+
+
 def structured_narrative(data: SummaryInput, max_chars: int) -> str:
+    """Within ``max_chars`` by priority: the current goal, the unresolved questions and the
+    pointer line always (cut in their middle only if they alone are over); then the earlier
+    narrative of a merge, up to half of what is left (cut in its middle); then the newest
+    decisions that fit, the older ones counted as omitted."""
     goal = data.goal
     if not goal:
         users = [ln for ln in data.lines if ln.role == "user"]
         goal = users[-1].text if users else ""
-    out: list[str] = []
-    if data.prior_narrative:
-        out += ["Earlier:", data.prior_narrative]
-    out.append(f"Current goal: {_line(goal) if goal else '(not stated)'}")
+    goal_line = f"Current goal: {_line(goal) if goal else '(not stated)'}"
     decisions = [f"- [{ln.sequence}] " + (f"called {ln.text}" if ln.role == "tool_call"
                                           else f"{ln.role}: {_line(ln.text)}")
                  for ln in data.lines if ln.role != "user" or ln.text != goal]
-    if decisions:
-        out.append("Decisions taken:")
-        out += decisions
     questions = list(data.open_questions) or [
         _line(ln.text) for ln in data.lines[-1:] if ln.role == "user"
         and ln.text.rstrip().endswith("?")]
+    tail: list[str] = []
     if questions:
-        out.append("Unresolved questions:")
-        out += [f"- {q}" for q in questions]
+        tail.append("Unresolved questions:")
+        tail += [f"- {q}" for q in questions]
     if data.pointers:
-        out.append(f"Tool results needed downstream: {len(data.pointers)} pointer(s) below.")
-    text = "\n".join(out)
-    if len(text) > max_chars:  # keep the newest: drop from the oldest end of the narrative
-        text = "\u2026" + text[len(text) - max_chars + 1:] if max_chars > 1 else ""
+        tail.append(f"Tool results needed downstream: {len(data.pointers)} pointer(s) below.")
+
+    def joined(earlier: str, kept: list[str], omitted: int) -> str:
+        out = ["Earlier:", earlier] if earlier else []
+        out.append(goal_line)
+        if kept or omitted:
+            out.append("Decisions taken:")
+            if omitted:
+                out.append(f"- \u2026 {omitted} earlier decision(s) omitted")
+            out += kept
+        return "\n".join(out + tail)
+
+    essential = len(joined("", [], 0))
+    if essential > max_chars:
+        return cut_middle(joined("", [], 0), max_chars)
+    earlier = data.prior_narrative
+    if earlier:
+        share = (max_chars - essential - len("Earlier:\n\n")) // 2
+        earlier = cut_middle(earlier, share) if share > 0 else ""
+    # the newest k decisions: each line adds its length and a line break, the heading and
+    # the omission line (while one is left out) theirs; the most that fit are kept
+    n, base = len(decisions), len(joined(earlier, [], 0))
+    best, lines = 0, 0
+    for k in range(1, n + 1):
+        lines += len(decisions[n - k]) + 1
+        omission = len(f"- \u2026 {n - k} earlier decision(s) omitted") + 1 if k < n else 0
+        if base + len("Decisions taken:") + 1 + omission + lines <= max_chars:
+            best = k
+    if best == 0 and n and base + len("Decisions taken:") + 1 + len(
+            f"- \u2026 {n} earlier decision(s) omitted") + 1 > max_chars:
+        n = 0  # not even the count of them fits
+    text = joined(earlier, decisions[n - best:] if n else [], n - best)
+    assert len(text) <= max_chars  # every part above was counted
     return text
 
 

@@ -285,7 +285,7 @@ class ElidedSpan:
     byte_length: int
     artifact_ref: str | None
     event_id: int
-    kind: str = "tool.result"  # tool.result, user.message or assistant.message
+    kind: str = "tool.result"  # tool.result, user.message, assistant.message or tool.call
 
     def pointer(self) -> str:
         event = f"event:{self.event_id}" if self.event_id else ""

@@ -1883,7 +1883,9 @@ class ElidedSpan(_message.Message):
     """Empty when the span was not stored as an artifact."""
     event_id: _builtins.int
     kind: _builtins.str
-    """tool.result, user.message or assistant.message."""
+    """tool.result, user.message, assistant.message or tool.call (a call made after untrusted
+    content).
+    """
     def __init__(
         self,
         *,
