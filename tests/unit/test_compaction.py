@@ -348,3 +348,17 @@ def test_a_call_made_after_untrusted_content_is_pointed_to_not_dropped():
     assert ('[elided] tool.call c2 (external_untrusted, 11 bytes) -> event:4'
             in rendered(r))
     assert r.narrative_trust == TrustLevel.USER
+
+
+def test_a_summary_without_a_narrative_is_not_a_merge():
+    """A depth-0 summary carrying only a constraint and a floor made the first compaction
+    depth 2, and the next one COMPACTION_DEPTH_EXCEEDED."""
+    carrier = CurrentSummary(text="", replaced_through_sequence=0, depth=0,
+                             constraints=("window seat",))
+    first = do(items(), carrier, target=Target(replace_through=3))
+    assert first.depth == 1 and "window seat" in first.constraints
+    assert do(items(), first.history_summary()).depth == 2  # and a merge of it is the one
+    # a narrative the runtime wrote itself is summarized again by a compaction: a merge
+    written = CurrentSummary(text="We talked about flights.", replaced_through_sequence=0,
+                             depth=0)
+    assert do(items(), written).depth == 2

@@ -281,7 +281,10 @@ def select(items: Sequence[ConversationItem], current: HistorySummary | None, *,
     the checkpoint's working state, whose objective (the goal), constraints and open questions
     the summary retains, each with its label."""
     state = state if state is not None else WorkingState()
-    depth = 1 if current is None else max(current.depth, 1) + 1
+    # a summary without a narrative (depth 0: the runtime's own carrier of constraints or of
+    # a floor) holds nothing a merge would summarize again: compacting over it is the first
+    depth = (1 if current is None or (current.depth == 0 and not narrative_of(current.text))
+             else max(current.depth, 1) + 1)
     if depth > MAX_DEPTH:
         raise CompactionDepthExceeded(current.depth if current else 0)
     if target.tokens_to_free <= 0 and target.replace_through is None:
