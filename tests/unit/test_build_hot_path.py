@@ -210,15 +210,19 @@ def test_a_remembered_item_keeps_its_violations_at_its_new_index() -> None:
                             trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION,
                             tool_result=pb.ToolResult(call_id="c", content="data")),
         pb.ConversationItem(id="none", sequence=5, run_id="r"),
-        # no control character (NEL is not one here): valid, as it always was
-        pb.ConversationItem(id="naïve\x85", sequence=6, run_id="rün",
+        # NEL (a C1 control: a line break to some readers) and a line separator in ids
+        pb.ConversationItem(id="naïve\x85", sequence=6, run_id="rün\u2028",
                             trust=pb.TRUST_LEVEL_USER, user=pb.UserMessage(text="ok")),
+        # no control, format or separator character: valid
+        pb.ConversationItem(id="naïve", sequence=7, run_id="rün", trust=pb.TRUST_LEVEL_USER,
+                            user=pb.UserMessage(text="ok")),
     ]
     memo = BoundedMemo(1_000)
     first = pb.Checkpoint(active_run_id="r", items=bad)
     found, mapped = violations_of(first, memo, "s")
     want, plain = violations_of(first, None)
-    reference = "must be at most 256 characters without control characters"
+    reference = ("must be at most 256 characters on one line, without control, format or "
+                 "separator characters")
     assert want == [
         ("checkpoint.items[0].trust", "platform is not accepted here; at most "
                                       "trusted_configuration"),
@@ -235,7 +239,9 @@ def test_a_remembered_item_keeps_its_violations_at_its_new_index() -> None:
         ("checkpoint.items[3].trust", "trusted_configuration is not accepted here; at most "
                                       "user"),
         ("checkpoint.items[4].trust", "unknown trust level 0 (unspecified)"),
-        ("checkpoint.items[4].kind", "no item kind is set")]
+        ("checkpoint.items[4].kind", "no item kind is set"),
+        ("checkpoint.items[5].id", reference),
+        ("checkpoint.items[5].run_id", reference)]
     assert found == want
     assert mapped == plain
     assert plain[2].item_trust is TrustLevel.EXTERNAL_UNTRUSTED  # unknown: the lowest

@@ -113,7 +113,6 @@ from context_engine.v1 import context_engine_pb2 as pb
 MAX_ID_LENGTH = 256
 MAX_EPOCH = 2**31 - 1
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_CONTROL = re.compile(r"[\x00-\x1f]")
 TASK_STATES = ("open", "in_progress", "blocked", "completed")
 
 
@@ -416,7 +415,8 @@ def attachments_pb(items: Iterable[Attachment]) -> list[pb.Attachment]:
                           pages=a.pages, text_chars=a.text_chars) for a in items]
 
 
-_REFERENCE_RULE = f"must be at most {MAX_ID_LENGTH} characters without control characters"
+_REFERENCE_RULE = (f"must be at most {MAX_ID_LENGTH} characters on one line, without control, "
+                   "format or separator characters")
 _NAME_RULE = "must match [A-Za-z0-9_.-]{1,64} (what providers accept)"
 # the trust levels an item may carry without a violation, by kind: a tool result is data and
 # can never claim to be configuration
@@ -425,12 +425,19 @@ _ITEM_TRUST = {ceiling: {value: level for value, level in TRUST_FROM_PB.items()
                for ceiling in (TrustLevel.USER, TrustLevel.TRUSTED_CONFIGURATION)}
 
 
+_NOT_ONE_LINE = frozenset(("Cc", "Cf", "Zl", "Zp"))
+
+
 def _bad_reference(value: str) -> bool:
-    """What ``_reference`` refuses: too long, or a control character (printable ASCII has
-    none, so only other text is searched). Checkpoint items are checked with it inline."""
+    """What ``_reference`` refuses: too long, or a character that breaks or hides part of a
+    line of platform text (a pointer line prints ids and references as the platform's own
+    words): a control character (C0, DEL, C1 such as NEL), a format character (bidi controls,
+    zero-width ones) or a line or paragraph separator. Printable ASCII has none, so only other
+    text is searched. Checkpoint items are checked with it inline."""
     if len(value) > MAX_ID_LENGTH:
         return True
-    return not (value.isascii() and value.isprintable()) and _CONTROL.search(value) is not None
+    return not (value.isascii() and value.isprintable()) and any(
+        unicodedata.category(c) in _NOT_ONE_LINE for c in value)
 
 
 def _item(v: Violations, field: str, it: pb.ConversationItem) -> ConversationItem | None:
@@ -519,9 +526,8 @@ def checkpoint(v: Violations, cp: pb.Checkpoint, *, memo: MutableMapping[Any, An
     erasure drops them with its renderings. ``first_index``: the position of ``cp.items[0]``
     in the whole checkpoint (an incremental Build's: the base items it keeps), which names the
     items in violations."""
-    if len(cp.active_run_id) > MAX_ID_LENGTH or _CONTROL.search(cp.active_run_id):
-        v.add("checkpoint.active_run_id", f"must be at most {MAX_ID_LENGTH} characters "
-              "without control characters")
+    if _bad_reference(cp.active_run_id):
+        v.add("checkpoint.active_run_id", _REFERENCE_RULE)
     if memo is None:
         items = [_item(v, f"checkpoint.items[{i}]", it)
                  for i, it in enumerate(cp.items, first_index)]

@@ -27,7 +27,9 @@ TOOL_OVERHEAD_TOKENS = 12
 # blocks (a message's framing, as above) and the primer of the reply (3). Counted once, with the
 # prefix (plan.py).
 REQUEST_OVERHEAD_TOKENS = MESSAGE_OVERHEAD_TOKENS + 3
-# An opaque reasoning payload is counted as if it were text of its base64 length / 4 chars.
+# An opaque reasoning payload is counted at a token per three of its bytes at least (its
+# base64 form, four characters per three bytes, at about four characters a token), or the
+# count of the text it carries where that is more (``TokenEstimator._reasoning``).
 REASONING_BYTES_PER_TOKEN = 3
 # Beyond the name itself, what naming the function in a Gemini functionResponse may cost: the
 # leading "_" a name starting with a digit, "-" or "." gets (provider_gemini.py).
