@@ -207,7 +207,8 @@ class Config(BaseSettings):
     db_pool_size: Annotated[Int, Field(ge=1)] = 10
     # transaction: no statement cache, nothing kept on a server connection between transactions
     db_pooler: Pooler = Pooler.NONE
-    db_timeout_seconds: Positive = 5.0
+    # at most a day: it is also PostgreSQL's lock_timeout of maintenance (an int32 of ms)
+    db_timeout_seconds: Annotated[Float, Field(gt=0, le=86_400)] = 5.0
     plan_cache_size: Annotated[Int, Field(ge=1)] = 4096
     # how long a cached plan serves a Build naming its epoch before the database confirms the
     # session again: the bound on serving an erased session (DeleteSession's plan_cache_seconds)
@@ -224,9 +225,9 @@ class Config(BaseSettings):
     # The data lifecycle (adapters/postgres/maintenance.py): context events are kept this many
     # days (whole UTC days: a partition is a day), partitions are made this many days ahead,
     # retry keys and compaction records are kept this many hours, and a cycle runs this often.
-    events_retention_days: Annotated[Int, Field(ge=1)] = 30
+    events_retention_days: Annotated[Int, Field(ge=1, le=36_500)] = 30  # dates stay in range
     event_partitions_ahead_days: Annotated[Int, Field(ge=1, le=366)] = 7
-    idempotency_key_ttl_hours: Annotated[Int, Field(ge=1)] = 24
+    idempotency_key_ttl_hours: Annotated[Int, Field(ge=1, le=876_000)] = 24  # 100 years
     maintenance_interval_seconds: Positive = 3600.0
     # Compaction's summarizer: unset URL means the deterministic structured summarizer.
     summarizer_url: Annotated[str, AfterValidator(_http_url)] = ""

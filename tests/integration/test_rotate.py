@@ -146,6 +146,31 @@ def test_concurrent_rotations_never_skip_or_duplicate_an_epoch(stub, ids, db):
     assert sum(r.rotated for r in results) == 6
 
 
+def test_dropping_tool_call_retires_the_deferred_index(stub, ids):
+    """The index advertised mail.send "through tool.call" after tool.call was revoked."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    resp = stub.Rotate(rotate(tenant, session, "k", pb.ROTATION_REASON_SECURITY_REVOCATION,
+                              drop_tools=["tool.call"]))
+    assert "tool.call" not in resp.plan.tool_names and not resp.plan.deferred_tool_names
+    built = stub.Build(build_request(tenant, session))
+    assert not [b for b in built.request.prefix_blocks if "mail.send" in b.text]
+    assert stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session)).plan.epoch == 2
+
+
+def test_a_snapshot_whose_trace_is_invalidated_is_refused(stub, ids, db):
+    """The same Plan rotated on every call (snapshot_invalidated 2, 3, 4...)."""
+    tenant, session = ids
+    req = plan_request(tenant, session)
+    req.memory_snapshot.recall_trace_id = "trace-1"
+    req.memory_snapshot.items.add(id="m1", text="likes tea")
+    req.invalidated_recall_trace_ids.append("trace-1")
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Plan(req)
+    assert "memory_snapshot.recall_trace_id" in failure(err.value).violations
+    assert db.counts(tenant)["plans"] == 0
+
+
 def test_bad_rotations_change_nothing(stub, ids, db):
     tenant, session = ids
     stub.Plan(plan_request(tenant, session))
@@ -157,6 +182,17 @@ def test_bad_rotations_change_nothing(stub, ids, db):
         "reason": rotate(tenant, session, "x", pb.ROTATION_REASON_UNSPECIFIED),
         "idempotency_key": rotate(tenant, session, ""),
         "model.model_id": rotate(tenant, session, "x", pb.ROTATION_REASON_MODEL_ROUTED),
+        # refused as Plan refuses them (a negative budget was stored, and every later Plan
+        # and GetPlan of the session failed INTERNAL)
+        "model.capabilities.breakpoint_budget": rotate(
+            tenant, session, "x", pb.ROTATION_REASON_MODEL_ROUTED, model=pb.ModelSpec(
+                model_id="gpt-4o", capabilities=pb.ModelCapabilities(breakpoint_budget=-1))),
+        "memory_snapshot.items[0].id": rotate(
+            tenant, session, "x", pb.ROTATION_REASON_SNAPSHOT_INVALIDATED,
+            memory_snapshot=pb.MemorySnapshot(items=[pb.MemoryItem(id="", text="t")])),
+        "memory_snapshot.watermark": rotate(
+            tenant, session, "x", pb.ROTATION_REASON_SNAPSHOT_INVALIDATED,
+            memory_snapshot=pb.MemorySnapshot(watermark=-5)),
     }
     for field, req in cases.items():
         with pytest.raises(grpc.RpcError) as err:

@@ -145,6 +145,13 @@ def test_booleans(raw: str, value: bool):
      "CE_MAX_CONNECTION_AGE_SECONDS='1e300' is above 2000000"),
     ({"CE_GRACE_SECONDS": "3000000"}, "CE_GRACE_SECONDS='3000000' is above 2000000"),
     ({"CE_WORKERS": "5000"}, "CE_WORKERS='5000' is above 1024"),
+    # values that validated and then crashed serve (dates out of range) or failed every
+    # maintenance cycle (PostgreSQL's lock_timeout is an int32 of ms)
+    ({"CE_EVENTS_RETENTION_DAYS": "1000000"},
+     "CE_EVENTS_RETENTION_DAYS='1000000' is above 36500"),
+    ({"CE_IDEMPOTENCY_KEY_TTL_HOURS": "100000000000"},
+     "CE_IDEMPOTENCY_KEY_TTL_HOURS='100000000000' is above 876000"),
+    ({"CE_DB_TIMEOUT_SECONDS": "3000000"}, "CE_DB_TIMEOUT_SECONDS='3000000' is above 86400"),
     ({"CE_MODEL_CATALOG": "/no/such/models.json"},
      "CE_MODEL_CATALOG='/no/such/models.json' is not a readable file"),
     ({"CE_ASSETS_DIR": "/no/such/assets"}, "CE_ASSETS_DIR='/no/such/assets' is not a directory"),

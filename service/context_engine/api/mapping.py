@@ -322,12 +322,7 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
     caps = req.model.capabilities
     window = _positive(v, "model.capabilities", caps, "context_window")
     reserve = _positive(v, "model.capabilities", caps, "output_reserve")
-    breakpoints = None
-    if caps.HasField("breakpoint_budget"):
-        if caps.breakpoint_budget < 0:
-            v.add("model.capabilities.breakpoint_budget", "must not be negative")
-        else:
-            breakpoints = caps.breakpoint_budget
+    breakpoints = _breakpoint_budget(v, "model.capabilities", caps)
     kind = SESSION_KIND_FROM_PB.get(req.session.kind)
     if kind is None:
         v.add("session.kind", f"unknown session kind {req.session.kind}")
@@ -343,11 +338,10 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
                                         trust=v.trust(f"skill_catalog[{i}].trust", s.trust)))
     v.unique("skill_catalog", (s.name for s in req.skill_catalog), "skill name")
     snap = req.memory_snapshot
-    for i, item in enumerate(snap.items):
-        v.identifier(f"memory_snapshot.items[{i}].id", item.id)
-    v.unique("memory_snapshot.items", (i.id for i in snap.items), "memory item id")
-    if snap.watermark < 0:
-        v.add("memory_snapshot.watermark", "must not be negative")
+    _snapshot_checked(v, "memory_snapshot", snap)
+    if snap.recall_trace_id and snap.recall_trace_id in req.invalidated_recall_trace_ids:
+        # contradicts itself: the snapshot would be planned and found invalid on every Plan
+        v.add("memory_snapshot.recall_trace_id", "is listed in invalidated_recall_trace_ids")
     if req.HasField("run"):
         v.identifier("run.run_id", req.run.run_id)
     v.raise_if_any()
@@ -377,6 +371,26 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
         else True,
         invalidated_trace_ids=tuple(req.invalidated_recall_trace_ids),
     )
+
+
+def _breakpoint_budget(v: Violations, field: str, caps: pb.ModelCapabilities) -> int | None:
+    """A model's breakpoint budget where the caller sets one (Plan and a model_routed Rotate
+    alike: a negative one stored would fail every later read of the plan)."""
+    if not caps.HasField("breakpoint_budget"):
+        return None
+    if caps.breakpoint_budget < 0:
+        v.add(f"{field}.breakpoint_budget", "must not be negative")
+        return None
+    return caps.breakpoint_budget
+
+
+def _snapshot_checked(v: Violations, field: str, snap: pb.MemorySnapshot) -> None:
+    """A memory snapshot's checks, for Plan and a snapshot_invalidated Rotate alike."""
+    for i, item in enumerate(snap.items):
+        v.identifier(f"{field}.items[{i}].id", item.id)
+    v.unique(f"{field}.items", (i.id for i in snap.items), "memory item id")
+    if snap.watermark < 0:
+        v.add(f"{field}.watermark", "must not be negative")
 
 
 def session_ids(v: Violations, tenant_id: str, session_id: str) -> None:
@@ -1167,14 +1181,13 @@ def rotate_command(req: pb.RotateRequest) -> RotateCommand:
             model_id=req.model.model_id,
             context_window=_positive(v, "model.capabilities", caps, "context_window"),
             output_reserve=_positive(v, "model.capabilities", caps, "output_reserve"),
-            breakpoint_budget=(caps.breakpoint_budget if caps.HasField("breakpoint_budget")
-                               else None))
+            breakpoint_budget=_breakpoint_budget(v, "model.capabilities", caps))
     elif req.HasField("model"):
         v.add("model", "only a model_routed rotation takes a model")
     snapshot = None
     if reason == "snapshot_invalidated":
         snap = req.memory_snapshot
-        v.unique("memory_snapshot.items", (i.id for i in snap.items), "memory item id")
+        _snapshot_checked(v, "memory_snapshot", snap)
         snapshot = MemorySnapshot(
             snapshot_id=snap.snapshot_id, recall_trace_id=snap.recall_trace_id,
             watermark=snap.watermark,

@@ -480,7 +480,10 @@ def redraft(spec: PlanSpec, session_key: str, estimator: TokenEstimator, *,
                                            f"{n!r} is not advertised by the current plan")
                             for n in unknown])
     drop = set(drop_tools)
-    deferred = tuple(t for t in spec.deferred if t.name not in drop)
+    # the index advertises tools to call through tool.call: without it, none (ADR-0123: the
+    # index and tool.call come and go together)
+    deferred = (() if TOOL_CALL in drop
+                else tuple(t for t in spec.deferred if t.name not in drop))
     tools = tuple(t for t in spec.tools if t.name not in drop
                   and not (t.name == TOOL_CALL and not deferred))  # nothing left to call
     # the catalog is advertised only where skill.load is defined (as a first draft does)
