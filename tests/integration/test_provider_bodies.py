@@ -978,3 +978,53 @@ def test_the_sdk_gates_refuse_what_the_providers_refuse():
         {"text": "hi", "cachePoint": {"type": "default"}}]}]})
     assert bedrock_problems({**bedrock, "system": [{"text": " "}]})
     assert bedrock_problems({**bedrock, "sytem": []})
+
+
+def test_a_call_id_anthropic_refuses_is_refused_at_build(stub, ids):
+    """Anthropic answers 400 to a tool_use id outside ^[a-zA-Z0-9_-]+$, which a session routed
+    from another provider carries ("functions.web_fetch:0"); the body was sent as it was."""
+    tenant, session = ids
+    entries = [item("u1", 1, user=pb.UserMessage(text="Fetch it.")),
+               item("c1", 2, tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
+                   call_id="functions.web_fetch:0", name="web.fetch", arguments_json="{}")])),
+               item("r1", 3, trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, tool_result=pb.ToolResult(
+                   call_id="functions.web_fetch:0", tool_name="web.fetch", content="A."))]
+    plan_for(stub, tenant, session, pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build(tenant, session, entries, pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert f.reason == "PROVIDER_FORMAT_UNRENDERABLE"
+    assert f.metadata["provider_format"] == "anthropic_messages"
+    assert "functions.web_fetch:0" in f.violations["checkpoint.items"]
+    # Bedrock takes it, and the neutral request is always there
+    for fmt in (pb.PROVIDER_FORMAT_BEDROCK_CONVERSE, pb.PROVIDER_FORMAT_NONE):
+        stub.Build(build(tenant, session, entries, fmt))
+
+
+@pytest.mark.parametrize("fmt", [pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES,
+                                 pb.PROVIDER_FORMAT_BEDROCK_CONVERSE])
+def test_white_space_the_model_wrote_is_no_text_block_and_markers_stay(stub, ids, fmt):
+    """An assistant message of white space only ("\\n\\n" before a call) became a text block
+    Anthropic refuses (with the history marker on it) and failed Bedrock's Build INTERNAL; an
+    item that renders nothing took the run marker out of the body."""
+    tenant, session = ids
+    entries = [item("u0", 1, run="run-0", user=pb.UserMessage(text="Hi.")),
+               item("a0", 2, run="run-0", assistant=pb.AssistantMessage(text="\n\n")),
+               item("u1", 3, user=pb.UserMessage(text="Fetch it.")),
+               item("c1", 4, tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
+                   call_id="call-1", name="web.fetch", arguments_json="{}")])),
+               item("r1", 5, trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, tool_result=pb.ToolResult(
+                   call_id="call-1", tool_name="web.fetch", content="A.")),
+               item("a1", 6, assistant=pb.AssistantMessage(text=" ")),
+               item("u2", 7, user=pb.UserMessage(text="And?"))]
+    plan_for(stub, tenant, session, fmt)
+    resp = stub.Build(build(tenant, session, entries, fmt))
+    body = json.loads(resp.provider_body_json)
+    texts = [b.get("text") for m in body["messages"] for b in m["content"] if "text" in b]
+    assert all(t.strip() for t in texts), texts
+    assert tool_pairs.body_problems(resp.provider_body_json, fmt) == []
+    history = [b for b in resp.cache_breakpoints if b.through_item]
+    marks = sum(1 for m in body["messages"] for b in m["content"]
+                if "cache_control" in b or "cachePoint" in b)
+    assert marks == len(history) >= 1, (marks, [b.through_item for b in history])

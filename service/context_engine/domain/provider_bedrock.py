@@ -75,7 +75,7 @@ UNCACHEABLE = frozenset({"reasoningContent", "cachePoint"})
 def _cacheable(block: JSON) -> bool:
     if any(k in block for k in UNCACHEABLE):
         return False
-    return not ("text" in block and not block["text"])
+    return not ("text" in block and not str(block["text"]).strip())
 
 
 def _cache_point(ttl: str) -> JSON:
@@ -147,7 +147,7 @@ def bedrock_converse(result: BuildResult) -> JSON:
             if m.reasoning_provider == BEDROCK_REASONING:
                 turns.add(role, _reasoning(m), key)
             continue
-        if m.text:
+        if m.text.strip():  # Bedrock refuses a blank text block
             turns.add(role, {"text": m.text}, key)
         for c in m.tool_calls:
             turns.add(role, {"toolUse": {"toolUseId": c.call_id, "name": names[c.name],

@@ -297,6 +297,20 @@ def history_block(flat: Sequence[JSON], position: Mapping[int, int], block_ids: 
     return None
 
 
+def _before(result: BuildResult, turns: Turns, item: str) -> list[int]:
+    """The blocks of the nearest message before ``item``'s that has any, for a marker whose
+    item renders none in this body (an assistant message without text or calls, or only
+    another provider's reasoning): the marker then ends there rather than vanishing."""
+    keys = [message_key(m) for m in result.request.messages]
+    if item not in keys:
+        return []
+    for key in reversed(keys[:len(keys) - 1 - keys[::-1].index(item)]):
+        found = turns.by_key.get(key)
+        if found:
+            return found
+    return []
+
+
 def marked_blocks(result: BuildResult, *, tools: Sequence[JSON], system: Sequence[JSON],
                   turns: Turns, cacheable: Callable[[JSON], bool],
                   limit: int = MAX_BREAKPOINTS) -> list[tuple[JSON, str]]:
@@ -318,8 +332,8 @@ def marked_blocks(result: BuildResult, *, tools: Sequence[JSON], system: Sequenc
             if system:
                 placed.append((rank, (1, len(system) - 1), system[-1], mark.ttl))
         elif mark.through_item:
-            block = history_block(flat, position, turns.by_key.get(mark.through_item, []),
-                                  cacheable)
+            block = history_block(flat, position, turns.by_key.get(mark.through_item, [])
+                                  or _before(result, turns, mark.through_item), cacheable)
             if block is not None:
                 placed.append((rank, (2, position[id(block)]), block, mark.ttl))
     seen: set[int] = set()

@@ -36,6 +36,7 @@ files themselves is the provider adapter's job (request.py), so no file block is
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -99,16 +100,23 @@ def _cache_control(ttl: str) -> JSON:
     return {"type": "ephemeral", "ttl": LONG_TTL} if ttl == LONG_TTL else {"type": "ephemeral"}
 
 
+ANTHROPIC_TOOL_USE_ID = re.compile(r"[a-zA-Z0-9_-]+")
+
+
 def _cacheable(block: JSON) -> bool:
     if block.get("type") in UNCACHEABLE_BLOCKS:
         return False
-    return not (block.get("type") == "text" and not block.get("text"))
+    return not (block.get("type") == "text" and not str(block.get("text", "")).strip())
 
 
 def anthropic_messages(result: BuildResult) -> JSON:
     """The request as an Anthropic Messages API body (see the module docstring)."""
     fmt = ANTHROPIC_MESSAGES
     names = tool_names(result, fmt)
+    # Anthropic refuses a tool_use id outside ^[a-zA-Z0-9_-]+$ (an OpenAI-style
+    # "functions.web_fetch:0" of a session routed from another provider, say)
+    check_call_ids(result, fmt, limit=256, pattern=ANTHROPIC_TOOL_USE_ID,
+                   rule="made of [a-zA-Z0-9_-] only (a tool_use id)")
     req = result.request
     tools: list[JSON] = []
     for t in req.tools:
@@ -131,7 +139,7 @@ def anthropic_messages(result: BuildResult) -> JSON:
             if m.reasoning_provider == "anthropic":
                 turns.add(role, reasoning_payload(m, fmt, ANTHROPIC_REASONING), key)
             continue  # another provider's reasoning means nothing here
-        if m.text:
+        if m.text.strip():  # Anthropic refuses a text block of white space only
             turns.add(role, {"type": "text", "text": m.text}, key)
         for c in m.tool_calls:
             turns.add(role, {"type": "tool_use", "id": c.call_id, "name": names[c.name],
@@ -329,8 +337,8 @@ def _anthropic_blocks(turns: Sequence[tuple[str, list[JSON]]]) -> list[str]:
             where = f"messages[{i}].content[{j}]"
             if role and kind not in allowed[role]:
                 problems.append(f"{where}: a {kind!r} block is not allowed in a {role} turn")
-            if kind == "text" and (not isinstance(b.get("text"), str) or not b["text"]):
-                problems.append(f"{where}: text blocks must not be empty")
+            if kind == "text" and (not isinstance(b.get("text"), str) or not b["text"].strip()):
+                problems.append(f"{where}: text blocks must hold more than white space")
             if kind == "tool_use":
                 name = b.get("name")
                 if not isinstance(name, str) or PROVIDER_TOOL_NAME.fullmatch(name) is None:
