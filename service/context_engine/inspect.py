@@ -41,6 +41,9 @@ _OMITTED = frozenset({"epoch", "builder_version", "policy_version", "tokenizer"}
 # ---------------------------------------------------------------------------- arguments
 
 
+INT32_MAX = 2_147_483_647
+
+
 def _non_negative(raw: str) -> int:
     try:
         value = int(raw)
@@ -48,6 +51,8 @@ def _non_negative(raw: str) -> int:
         raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from exc
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative")
+    if value > INT32_MAX:  # epochs are PostgreSQL integers; no session holds more events
+        raise argparse.ArgumentTypeError(f"{value} is above {INT32_MAX}")
     return value
 
 

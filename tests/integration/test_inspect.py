@@ -258,6 +258,9 @@ def test_unknown_session_or_epoch_exits_1(stub, ids, database_url):
     ["--tenant", "t", "--session", "s", "--events", "many"],
     ["--tenant", "t", "--session", "s", "--epoch", "0"],
     ["--tenant", "", "--session", "s"],
+    # past PostgreSQL's integer: the query failed (DataError) and exited 1
+    ["--tenant", "t", "--session", "s", "--epoch", "99999999999"],
+    ["--tenant", "t", "--session", "s", "--events", "99999999999999999999"],
 ])
 def test_bad_arguments_exit_2(args, capsys):
     with pytest.raises(SystemExit) as exited:
