@@ -633,23 +633,26 @@ class Engine:
     # ------------------------------------------------------------------ Build
 
     async def correction_factor(self, tenant_id: str, spec: PlanSpec) -> float:
+        """The model's reconciled factor, never below the plan's ``least_factor`` (a factor
+        stored lower, or reconciled for a plan counted another way, is raised to it)."""
+        return max(await self._reconciled_factor(tenant_id, spec),
+                   least_factor(prefix_exact(spec)))
+
+    async def _reconciled_factor(self, tenant_id: str, spec: PlanSpec) -> float:
         """The model's reconciled factor (shared in PostgreSQL), cached for a few seconds;
-        1.0 for a new model or one whose encoding changed; never below the plan's
-        ``least_factor`` (a factor stored lower, or reconciled for a plan counted another
-        way, is raised to it)."""
-        floor = least_factor(prefix_exact(spec))
+        1.0 for a new model or one whose encoding changed."""
         key = (tenant_id, spec.model.model_id)
         now = self._clock.monotonic()
         cached = self._factors.get(key)
         if cached is not None and cached[1] > now:
-            return max(cached[0], floor)
+            return cached[0]
         try:
             row = await self._calibrations.calibration(tenant_id, spec.model.model_id)
         except StoreUnavailable:
-            return max(cached[0], floor) if cached is not None else 1.0
+            return cached[0] if cached is not None else 1.0
         factor = row.factor if row is not None and row.encoding == spec.encoding else 1.0
         self._factors[key] = (factor, now + self._calibration_ttl)
-        return max(factor, floor)
+        return factor
 
     @staticmethod
     def pinned_factor(factor: float, spec: PlanSpec) -> float:

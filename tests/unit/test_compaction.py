@@ -362,3 +362,30 @@ def test_a_summary_without_a_narrative_is_not_a_merge():
     written = CurrentSummary(text="We talked about flights.", replaced_through_sequence=0,
                              depth=0)
     assert do(items(), written).depth == 2
+
+
+class Overshooting:
+    """A summarizer that writes past any allowance (as a model may): the goal first, the open
+    question last."""
+
+    version = "overshooting/1"
+
+    def __init__(self) -> None:
+        self.allowances: list[int] = []
+
+    async def summarize(self, data: SummaryInput, max_chars: int) -> Summarized:
+        self.allowances.append(max_chars)
+        middle = " ".join(f"decision {i}." for i in range(2_000))
+        return Summarized(narrative=f"Current goal: Lisbon.\n{middle}\nOpen: which dates?",
+                          version=self.version)
+
+
+def test_a_summarizer_that_overshoots_is_asked_again_then_cut_in_its_middle():
+    writer = Overshooting()
+    r = run(compact(items(), None, active_run_id="run-1", reason="budget_pressure",
+                    summarizer=writer, measure=measure, ctx=CTX, state=WorkingState(),
+                    target=Target(tokens_to_free=10_000), max_summary_tokens=300))
+    assert len(writer.allowances) == 2  # asked once more, within what its text measured
+    assert r.tokens_after <= 300
+    assert r.summary.startswith("Current goal: Lisbon.") and r.summary.endswith(
+        "Open: which dates?") and "\u2026" in r.summary

@@ -338,7 +338,7 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
                                         trust=v.trust(f"skill_catalog[{i}].trust", s.trust)))
     v.unique("skill_catalog", (s.name for s in req.skill_catalog), "skill name")
     snap = req.memory_snapshot
-    _snapshot_checked(v, "memory_snapshot", snap)
+    snapshot = _snapshot(v, "memory_snapshot", snap)
     if snap.recall_trace_id and snap.recall_trace_id in req.invalidated_recall_trace_ids:
         # contradicts itself: the snapshot would be planned and found invalid on every Plan
         v.add("memory_snapshot.recall_trace_id", "is listed in invalidated_recall_trace_ids")
@@ -362,10 +362,7 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
         session_kind=kind or SessionKind.INTERACTIVE,
         website_profile_id=req.session.website_profile_id,
         skill_catalog=tuple(skills),
-        memory_snapshot=MemorySnapshot(
-            snapshot_id=snap.snapshot_id, recall_trace_id=snap.recall_trace_id,
-            watermark=snap.watermark,
-            items=tuple(MemoryItem(id=i.id, text=i.text) for i in snap.items)),
+        memory_snapshot=snapshot,
         run_id=req.run.run_id if req.HasField("run") else "",
         run_pinned=(req.run.tools_pinned or req.run.has_pending_calls) if req.HasField("run")
         else True,
@@ -384,13 +381,16 @@ def _breakpoint_budget(v: Violations, field: str, caps: pb.ModelCapabilities) ->
     return caps.breakpoint_budget
 
 
-def _snapshot_checked(v: Violations, field: str, snap: pb.MemorySnapshot) -> None:
-    """A memory snapshot's checks, for Plan and a snapshot_invalidated Rotate alike."""
+def _snapshot(v: Violations, field: str, snap: pb.MemorySnapshot) -> MemorySnapshot:
+    """A memory snapshot, checked alike for Plan and a snapshot_invalidated Rotate."""
     for i, item in enumerate(snap.items):
         v.identifier(f"{field}.items[{i}].id", item.id)
     v.unique(f"{field}.items", (i.id for i in snap.items), "memory item id")
     if snap.watermark < 0:
         v.add(f"{field}.watermark", "must not be negative")
+    return MemorySnapshot(snapshot_id=snap.snapshot_id, recall_trace_id=snap.recall_trace_id,
+                          watermark=snap.watermark,
+                          items=tuple(MemoryItem(id=i.id, text=i.text) for i in snap.items))
 
 
 def session_ids(v: Violations, tenant_id: str, session_id: str) -> None:
@@ -1186,12 +1186,7 @@ def rotate_command(req: pb.RotateRequest) -> RotateCommand:
         v.add("model", "only a model_routed rotation takes a model")
     snapshot = None
     if reason == "snapshot_invalidated":
-        snap = req.memory_snapshot
-        _snapshot_checked(v, "memory_snapshot", snap)
-        snapshot = MemorySnapshot(
-            snapshot_id=snap.snapshot_id, recall_trace_id=snap.recall_trace_id,
-            watermark=snap.watermark,
-            items=tuple(MemoryItem(id=i.id, text=i.text) for i in snap.items))
+        snapshot = _snapshot(v, "memory_snapshot", req.memory_snapshot)
     elif req.HasField("memory_snapshot"):
         v.add("memory_snapshot", "only a snapshot_invalidated rotation takes a snapshot")
     _nul_fields(req, "", v)

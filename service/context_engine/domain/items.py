@@ -334,16 +334,11 @@ class HistorySummary(ContextItem):
         removed = set(state.removed_constraints)
         live = dict(zip(state.constraints, labels(state.constraints, state.constraint_trust),
                         strict=True))
-        kept: list[tuple[str, TrustLevel]] = []
-        for c, t in zip(self.constraints, labels(self.constraints, self.constraint_trust),
-                        strict=True):
-            if c in removed:
-                continue
-            now = live.get(c)
-            kept.append((c, t if now is None or t.rank <= now.rank else now))
-        if ([c for c, _ in kept] == list(self.constraints)
-                and [t for _, t in kept] == list(labels(self.constraints,
-                                                        self.constraint_trust))):
+        pairs = list(zip(self.constraints, labels(self.constraints, self.constraint_trust),
+                         strict=True))
+        kept = [(c, t if c not in live or t.rank <= live[c].rank else live[c])
+                for c, t in pairs if c not in removed]
+        if kept == pairs:
             return self
         return replace(self, constraints=tuple(c for c, _ in kept),
                        constraint_trust=tuple(t for _, t in kept))

@@ -302,13 +302,8 @@ def _before(result: BuildResult, turns: Turns, item: str) -> list[int]:
     item renders none in this body (an assistant message without text or calls, or only
     another provider's reasoning): the marker then ends there rather than vanishing."""
     keys = [message_key(m) for m in result.request.messages]
-    if item not in keys:
-        return []
-    for key in reversed(keys[:len(keys) - 1 - keys[::-1].index(item)]):
-        found = turns.by_key.get(key)
-        if found:
-            return found
-    return []
+    at = max((i for i, key in enumerate(keys) if key == item), default=0)
+    return next((turns.by_key[k] for k in reversed(keys[:at]) if turns.by_key.get(k)), [])
 
 
 def marked_blocks(result: BuildResult, *, tools: Sequence[JSON], system: Sequence[JSON],
