@@ -6,8 +6,8 @@ serves:
 * ``grpc_server_handled_total{grpc_type, grpc_service, grpc_method, grpc_code}``: calls
   finished, by the status code the caller got;
 * ``grpc_server_msg_received_total`` and ``grpc_server_msg_sent_total`` (same labels as
-  started): messages read from and written to the stream (one each way for a unary call that
-  ends ``OK``; none sent when it ends with an error);
+  started): messages read from the stream and handed to gRPC to write on it (one each way for a
+  unary call that ends ``OK``; none sent when it ends with an error);
 * ``grpc_server_handling_seconds{grpc_type, grpc_service, grpc_method}``: from the start of a
   call to its status, whatever the code;
 * ``context_engine_build_info{version, contract, policy, builder}``: 1, the values that
@@ -151,8 +151,10 @@ class _CountingContext:
         return message
 
     async def write(self, message: Any) -> None:
-        await self._context.write(message)
+        # Counted when handed to gRPC, as a response an async generator yields is: a caller that
+        # reads the message and cancels can cancel this task before the awaited write resumes.
         self._call.sent()
+        await self._context.write(message)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
