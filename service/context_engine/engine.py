@@ -724,7 +724,9 @@ class Engine:
             except BudgetExceeded as exc:
                 self._metrics.budget_exceeded.labels(**{"class": exc.class_name}).inc()
                 payload: dict[str, Any] = {"epoch": loaded.plan.epoch, **exc.metadata()}
-                if isinstance(exc.pressure, Pressure):
+                # A pressure event records that a yield step ran (spec): an overflow that
+                # yielded nothing is recorded by the exceeded event alone.
+                if isinstance(exc.pressure, Pressure) and exc.pressure.yielded:
                     self._count_pressure(exc.pressure)
                     await self._record(tenant_id, session_id, loaded.plan.epoch,
                                        "context.budget.pressure",

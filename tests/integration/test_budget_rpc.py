@@ -168,7 +168,28 @@ def test_never_yield_overflow_fails_and_records_exceeded(stub, ids, db):
     assert f.metadata["class"] == "current_user_message"
     types = [r["type"] for r in db.fetch(
         "SELECT type FROM context_events WHERE tenant_id=$1 ORDER BY id", tenant)]
-    assert types[-1] == "context.budget.exceeded"
+    # nothing yielded (the only item never yields): no pressure event, only the exceeded one
+    assert types == ["context.plan.created", "context.budget.exceeded"]
+
+
+def test_an_overflow_that_yielded_records_its_pressure_then_exceeded(stub, ids, db, server):
+    """An overflow after yield steps ran records them (fits false) before the exceeded event;
+    one that yielded nothing records only the exceeded event (above)."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=SMALL))
+    items = long_history(20)
+    items[-1].user.text = "word " * 20_000  # never yields, and over the window on its own
+    before = pressure_count(server, "history", "false")
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session, items=items))
+    assert failure(err.value).reason == "BUDGET_EXCEEDED"
+    rows = db.fetch("SELECT type, payload::text AS payload FROM context_events "
+                    "WHERE tenant_id=$1 ORDER BY id", tenant)
+    assert [r["type"] for r in rows] == ["context.plan.created", "context.budget.pressure",
+                                         "context.budget.exceeded"]
+    payload = json.loads(rows[1]["payload"])
+    assert payload["fits"] is False and "history" in [s["step"] for s in payload["steps"]]
+    assert pressure_count(server, "history", "false") == before + 1
 
 
 def test_a_third_skill_is_rejected(stub, ids):
