@@ -75,6 +75,7 @@ from context_engine.domain.plan import (
     PlanSpec,
     RenderedPrefix,
     admission_reason,
+    draft_pinned,
     draft_plan,
     is_older,
     redraft,
@@ -357,6 +358,11 @@ def pressure_payload(p: Pressure, epoch: int) -> dict[str, Any]:
     }
 
 
+class _ErasedMeanwhile(Exception):
+    """The session was erased between reading its plan and locking it (raised under the lock,
+    so nothing is written)."""
+
+
 class Engine:
     def __init__(self, *, store: PlanStore, events: EventLog, calibrations: CalibrationStore,
                  catalog: ModelCatalog, tokenizers: TokenizerRegistry, assets: PlatformAssets,
@@ -427,42 +433,69 @@ class Engine:
                 loaded = None  # erased since it was read: opened anew below
             if loaded is not None:  # (planned again meanwhile: the response reads that plan)
                 if loaded.legacy:
-                    return await self._canonicalize(loaded)
-                return current, False
+                    try:
+                        return await self._canonicalize(loaded)
+                    except _ErasedMeanwhile:
+                        pass  # opened anew below
+                else:
+                    return current, False
+            current = None
 
         profile = self._catalog.resolve(
             cmd.model.model_id, context_window=cmd.model.context_window,
             output_reserve=cmd.model.output_reserve,
             breakpoint_budget=cmd.model.breakpoint_budget)
-        inputs = PlanInputs(
-            tenant_id=cmd.tenant_id, session_id=cmd.session_id, agent=cmd.agent,
-            persona=cmd.persona, tool_catalog=cmd.tool_catalog,
-            principal_scopes=cmd.principal_scopes, model=profile,
-            session_kind=cmd.session_kind, website_profile_id=cmd.website_profile_id,
-            skill_catalog=cmd.skill_catalog, memory_snapshot=cmd.memory_snapshot,
-            assets=self._newest_assets(current), control_tools=self._control_tools)
         key = session_key(cmd.tenant_id, cmd.session_id)
-        # Drafting is pure and may fail (caps, required tools): then nothing is written.
-        with child(self._tracer, "context_engine.plan.render",
-                   attributes={"context_engine.render.source": "draft"}):
-            draft = draft_plan(inputs, key, self.estimator_for(profile))
-        # A prefix that leaves no body can never build, and a body that cannot hold history's
-        # floor can never keep it: refuse both now, not on every Build.
-        budget = compute_budget(window=profile.context_window,
-                                output_reserve=profile.output_reserve,
-                                prefix_tokens=draft.prefix_tokens, policy=self.policy)
-        require_history_floor(budget, model_id=profile.model_id, window=profile.context_window,
-                              prefix_tokens=draft.prefix_tokens, policy=self.policy)
+        estimator = self.estimator_for(profile)
+
+        def draft_for(base: ContextPlan | None) -> PlanDraft:
+            """The next epoch over ``base`` (None: a session opened). Pure, and may fail
+            (caps, required tools): then nothing is written."""
+            inputs = PlanInputs(
+                tenant_id=cmd.tenant_id, session_id=cmd.session_id, agent=cmd.agent,
+                persona=cmd.persona, tool_catalog=cmd.tool_catalog,
+                principal_scopes=cmd.principal_scopes, model=profile,
+                session_kind=cmd.session_kind, website_profile_id=cmd.website_profile_id,
+                skill_catalog=cmd.skill_catalog, memory_snapshot=cmd.memory_snapshot,
+                assets=self._newest_assets(base), control_tools=self._control_tools)
+            with child(self._tracer, "context_engine.plan.render",
+                       attributes={"context_engine.render.source": "draft"}):
+                # A run with tool pins or pending calls keeps what the plan advertises and the
+                # authority it was resolved under, whatever else rotates.
+                draft = (draft_pinned(inputs, base.spec, key, estimator)
+                         if base is not None and cmd.run_pinned
+                         else draft_plan(inputs, key, estimator))
+            # A prefix that leaves no body can never build, and a body that cannot hold
+            # history's floor can never keep it: refuse both now, not on every Build.
+            budget = compute_budget(window=profile.context_window,
+                                    output_reserve=profile.output_reserve,
+                                    prefix_tokens=draft.prefix_tokens, policy=self.policy)
+            require_history_floor(budget, model_id=profile.model_id,
+                                  window=profile.context_window,
+                                  prefix_tokens=draft.prefix_tokens, policy=self.policy)
+            return draft
+
+        drafts = [draft_for(current)]
 
         def decide(locked: ContextPlan | None) -> Rotation | None:
             if locked is None:
-                return Rotation(reason=SESSION_OPENED, draft=draft)
+                if current is not None:  # erased since it was read
+                    drafts.append(draft_for(None))
+                return Rotation(reason=SESSION_OPENED, draft=drafts[-1])
             reason = cmd.reason_to_rotate(locked.spec, self._assets)
-            return None if reason is None else Rotation(reason=reason, draft=draft)
+            if reason is None:
+                return None
+            # Moved on since it was read (another replica rotated it, or it was erased and
+            # planned again): drafted again over the plan under the lock, whose policy may be
+            # newer and whose advertisement a pinned run keeps.
+            if current is None or (locked.epoch, locked.incarnation) != (
+                    current.epoch, current.incarnation):
+                drafts.append(draft_for(locked))
+            return Rotation(reason=reason, draft=drafts[-1])
 
         plan, created = await self._store.pin(cmd.tenant_id, cmd.session_id, decide)
         if created:
-            self._pinned(plan, draft.rendered, key)
+            self._pinned(plan, drafts[-1].rendered, key)
         return plan, created
 
     def _newest_assets(self, current: ContextPlan | None) -> PlatformAssets:
@@ -494,7 +527,9 @@ class Engine:
             rendered = render_prefix(stale.spec, loaded.session_key)
 
         def decide(locked: ContextPlan | None) -> Rotation | None:
-            if locked is None or locked.epoch != stale.epoch:
+            if locked is None:  # erased since it was read: Plan opens it anew
+                raise _ErasedMeanwhile
+            if locked.epoch != stale.epoch:
                 return None  # another replica already moved the session on
             draft = PlanDraft(spec=locked.spec, rendered=rendered, classes=locked.classes)
             return Rotation(reason="prefix_hash_canonicalized", draft=draft)

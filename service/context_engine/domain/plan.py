@@ -398,6 +398,26 @@ def draft_plan(inputs: PlanInputs, session_key: str, estimator: TokenEstimator) 
                      classes=measure_prefix(spec, rendered, estimator))
 
 
+def draft_pinned(inputs: PlanInputs, pinned: PlanSpec, session_key: str,
+                 estimator: TokenEstimator) -> PlanDraft:
+    """A rebuild under a pinned run (tool pins or pending calls): the request's identities
+    (agent, persona, model, policy, snapshot) with the pinned plan's advertisement and authority
+    (defined and deferred tools, skill catalog, scope hashes, website profile), never resolved
+    again from the request's catalog and scopes (spec: "retries and approval resumes must not
+    refresh authority or rewrite their advertised tools"). Measured whole: caps still fail,
+    never truncate."""
+    spec = replace(
+        pinned, builder_version=BUILDER_VERSION, assets=inputs.assets, agent=inputs.agent,
+        persona=inputs.persona, memory_snapshot=inputs.memory_snapshot, model=inputs.model,
+        session_kind=inputs.session_kind,
+        cache_ttl=TTL_SCHEDULED if inputs.session_kind is SessionKind.SCHEDULED else TTL_DEFAULT,
+        tokenizer=estimator.tokenizer, encoding=estimator.encoding,
+        estimator_factor=estimator.base_factor)
+    rendered = render_prefix(spec, session_key)
+    return PlanDraft(spec=spec, rendered=rendered,
+                     classes=measure_prefix(spec, rendered, estimator))
+
+
 SESSION_OPENED = "session_opened"
 
 
