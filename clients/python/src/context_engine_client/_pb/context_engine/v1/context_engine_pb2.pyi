@@ -581,7 +581,9 @@ class PlanRequest(_message.Message):
     @_builtins.property
     def run(self) -> Global___RunAdmission:
         """The run being admitted. Some rotations apply only at an unpinned admission: before the
-        run has initialized its tool pins and while it has no pending calls.
+        run has initialized its tool pins and while it has no pending calls. Under a pinned run
+        (tools pinned or calls pending) any rotation keeps the plan's advertised tools and
+        authority.
         """
 
     @_builtins.property
