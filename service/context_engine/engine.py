@@ -461,9 +461,10 @@ class Engine:
             with child(self._tracer, "context_engine.plan.render",
                        attributes={"context_engine.render.source": "draft"}):
                 # A run with tool pins or pending calls keeps what the plan advertises and the
-                # authority it was resolved under, whatever else rotates.
+                # authority it was resolved under, whatever else rotates (without a run
+                # named, the request's catalog and scopes are resolved, as at an opening).
                 draft = (draft_pinned(inputs, base.spec, key, estimator)
-                         if base is not None and cmd.run_pinned
+                         if base is not None and cmd.run_id and cmd.run_pinned
                          else draft_plan(inputs, key, estimator))
             # A prefix that leaves no body can never build, and a body that cannot hold
             # history's floor can never keep it: refuse both now, not on every Build.

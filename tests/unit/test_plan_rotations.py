@@ -168,3 +168,35 @@ def test_a_session_erased_while_its_legacy_plan_is_canonicalized_is_opened_anew(
         assert again.spec == first.spec
         assert session_key(again.tenant_id, again.session_id)
     asyncio.run(go())
+
+
+def test_a_pinned_run_rotates_a_plan_an_older_builder_counted_lower():
+    """The kept tools are held, as an explicit rotation holds them: a tool an older builder
+    counted within the cap, over it as counted now, never fails a pinned run's rotation (its
+    Plan would fail on every retry); a run named as unpinned resolves the request's catalog."""
+    async def go() -> None:
+        store = InMemoryPlanStore()
+        e = engine(store)
+        first, _ = await e.plan(command(("scope.a", "scope.b")))
+        epochs = store.plans[(first.tenant_id, first.session_id)]
+        wordy = replace(first.spec.tools[0],
+                        description=" ".join(f"word{i}" for i in range(3_400)))
+        epochs[-1] = replace(first, spec=replace(
+            first.spec, tools=(wordy, *first.spec.tools[1:]),
+            builder_version="context-engine-builder@2"))
+        second, created = await e.plan(command(("scope.a", "scope.b"), pinned=True))
+        assert created and second.reason == "builder_changed"
+        assert second.spec.tools[0] == wordy
+        tools = next(c for c in second.classes if c.class_name == "tool_definitions")
+        assert tools.tokens > tools.cap
+    asyncio.run(go())
+
+
+def test_without_a_run_a_rotation_resolves_the_request_again():
+    async def go() -> None:
+        e = engine(InMemoryPlanStore())
+        await e.plan(command(("scope.a", "scope.b")))
+        moved, _ = await e.plan(command(("scope.a",), run_id="", pinned=True,
+                                        model_id="gpt-4o"))
+        assert moved.reason == "model_changed" and "b.read" not in moved.spec.tool_names
+    asyncio.run(go())

@@ -404,8 +404,10 @@ def draft_pinned(inputs: PlanInputs, pinned: PlanSpec, session_key: str,
     (agent, persona, model, policy, snapshot) with the pinned plan's advertisement and authority
     (defined and deferred tools, skill catalog, scope hashes, website profile), never resolved
     again from the request's catalog and scopes (spec: "retries and approval resumes must not
-    refresh authority or rewrite their advertised tools"). Measured whole: caps still fail,
-    never truncate."""
+    refresh authority or rewrite their advertised tools"). With the model kept, the classes
+    kept whole are held (``measure_prefix``), as an explicit rotation holds them: a plan an
+    older builder counted lower never fails a cap here. Everything else is measured afresh:
+    caps fail, never truncate."""
     spec = replace(
         pinned, builder_version=BUILDER_VERSION, assets=inputs.assets, agent=inputs.agent,
         persona=inputs.persona, memory_snapshot=inputs.memory_snapshot, model=inputs.model,
@@ -414,8 +416,11 @@ def draft_pinned(inputs: PlanInputs, pinned: PlanSpec, session_key: str,
         tokenizer=estimator.tokenizer, encoding=estimator.encoding,
         estimator_factor=estimator.base_factor)
     rendered = render_prefix(spec, session_key)
+    held = (frozenset({PrefixClass.TOOL_DEFINITIONS, PrefixClass.DEFERRED_TOOL_INDEX,
+                       PrefixClass.SKILL_CATALOG})
+            if inputs.model == pinned.model else frozenset())
     return PlanDraft(spec=spec, rendered=rendered,
-                     classes=measure_prefix(spec, rendered, estimator))
+                     classes=measure_prefix(spec, rendered, estimator, held=held))
 
 
 SESSION_OPENED = "session_opened"
