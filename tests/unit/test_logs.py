@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from context_engine.telemetry.logs import LOGGER, JsonFormatter, configure, correlate, log
+from context_engine.telemetry.logs import LOGGER, JsonFormatter, correlate, log
 from context_engine.telemetry.tracing import caller_context, tracer_for
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
@@ -94,21 +94,3 @@ def test_an_exception_is_named_never_its_message(lines):
         LOGGER.exception("failed", extra={"fields": {"method": "Build"}})
     [line] = logged(lines)
     assert line["exception"] == "ValueError" and "secret value" not in json.dumps(line)
-
-
-def test_lines_go_to_the_stdout_of_the_moment(monkeypatch):
-    """A stdout replaced and closed after ``configure()`` (a redirect, a test's capture) does
-    not swallow later lines: they go to the stdout current when they are logged."""
-    saved = (LOGGER.handlers[:], LOGGER.level, LOGGER.propagate)
-    first, second = io.StringIO(), io.StringIO()
-    try:
-        monkeypatch.setattr("sys.stdout", first)
-        configure("info")
-        log("one")
-        first.close()
-        monkeypatch.setattr("sys.stdout", second)
-        log("two", answer=42)
-    finally:
-        LOGGER.handlers[:], LOGGER.level, LOGGER.propagate = saved
-    [line] = logged(second)
-    assert line["event"] == "two" and line["answer"] == 42

@@ -53,22 +53,8 @@ def correlate() -> None:
                                 enable_log_auto_instrumentation=False)
 
 
-class _Stdout(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes to ``sys.stdout`` as it is when a line is logged, not as it was at
-    ``configure()``: a stream replaced and closed since (a redirect, a test's capture) would
-    otherwise lose every later line."""
-
-    @property
-    def stream(self) -> Any:
-        return sys.stdout
-
-    @stream.setter
-    def stream(self, value: Any) -> None:
-        pass  # StreamHandler.__init__ assigns it
-
-
 def configure(level: str = "INFO") -> None:
-    handler = _Stdout()
+    handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(JsonFormatter())
     LOGGER.handlers[:] = [handler]
     LOGGER.setLevel(level.upper())
