@@ -6,7 +6,9 @@ keys, never copied), the messages of its response (the same objects the render m
 so a later response finds them again by identity) and the UTF-8 bytes of its JSON bodies. The
 cache is bounded by an estimate of the bytes it holds (each base counts its checkpoint's and its
 response's serialized sizes in full, although bases of one session share most of their items,
-so the estimate errs high, and its checkpoint's scan state at ``SCAN_ID_BYTES`` per id held)
+the objects that hold them at ``ITEM_OVERHEAD_BYTES`` per item and ``MESSAGE_OVERHEAD_BYTES``
+per message, and its checkpoint's scan state at ``SCAN_ID_BYTES`` per id held; a base that is
+the only holder of its objects counts at least what freeing it frees)
 and keeps at most ``per_session`` bases of one session; the least recently used go first (a base a
 Build just succeeded on is the most recently used of its session: ``touch``; a refused one
 only ``peek``-ed it). A base larger than the
@@ -29,6 +31,11 @@ from context_engine.domain.request import Message
 # the three JSON bodies a response may carry, in ResponseDelta's order
 TEXTS = ("provider_body_json", "gemini_create_body_json", "gemini_cached_body_json")
 SCAN_ID_BYTES = 100  # what one id a base's scan state holds is counted for (roughly)
+# What a base holds beside the serialized sizes: per item its domain value, per message its
+# Message, their strings and their entries in the base's tuples (measured with tracemalloc at
+# 320-355 bytes per item and message together; tests/integration/test_build_cache_memory.py)
+ITEM_OVERHEAD_BYTES = 300
+MESSAGE_OVERHEAD_BYTES = 200
 
 
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
@@ -57,7 +64,9 @@ class BuildBase:
     @property
     def size(self) -> int:
         held = self.scan.held if self.scan is not None else 0
-        return self.item_bytes[-1] + self.response_bytes + SCAN_ID_BYTES * held
+        return (self.item_bytes[-1] + self.response_bytes + SCAN_ID_BYTES * held
+                + ITEM_OVERHEAD_BYTES * len(self.items)
+                + MESSAGE_OVERHEAD_BYTES * len(self.messages))
 
     @staticmethod
     def index(messages: tuple[Message, ...]) -> dict[int, int]:
