@@ -226,6 +226,39 @@ def test_knowledge_keeps_at_most_three_passages_dropping_the_lowest_ranked_whole
     assert klass(r, "knowledge").items == 3
 
 
+class CountingCounter:
+    """A token counter that adds up the characters it is asked to count."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.name, self.encoding = inner.name, inner.encoding
+        self.characters = 0
+
+    def count(self, text: str) -> int:
+        self.characters += len(text)
+        return int(self._inner.count(text))
+
+
+def test_passages_past_the_item_cap_are_counted_once_not_once_each() -> None:
+    """4,000 one-word passages took 235 s: each dropped passage re-rendered and re-counted the
+    whole block (quadratic). The characters counted now grow with the passages, not with their
+    square, and the step still names every dropped passage, lowest-ranked first."""
+    lp = plan("gpt-4o", 128_000, None)
+    counted = []
+    for n in (500, 2_000):
+        ps = tuple(KnowledgePassage(id=f"k{k}", source="s", text="x", rank=k,
+                                    trust=TrustLevel.EXTERNAL_UNTRUSTED) for k in range(n))
+        counter = CountingCounter(f.REGISTRY.counter_for(lp.plan.spec.encoding)[0])
+        r = build(lp, f.checkpoint([last_user()], knowledge=ps),
+                  estimator=TokenEstimator(counter, lp.plan.spec.estimator_factor),
+                  policy=BudgetPolicy())
+        step = next(s for s in r.pressure.steps if s.step == "knowledge")
+        assert step.ids == tuple(f"k{k}" for k in reversed(range(3, n)))
+        assert klass(r, "knowledge").items == 3
+        counted.append(counter.characters)
+    assert counted[1] < 6 * counted[0], counted  # 4x the passages: 4x, not 16x
+
+
 def test_the_knowledge_class_reports_how_many_passages_yielded() -> None:
     lp = plan("claude-sonnet-4-5", 200_000, None)
     ps = tuple(passage(f"p{k}", 50, k) for k in range(5))

@@ -454,9 +454,14 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
 
     # Class caps first: knowledge 3 passages / 3,000 tokens (dropped whole, lowest-ranked
     # first), recall 2,000 tokens, tool results 25% of the body (oldest become pointers).
-    start, ids = ledger.total(), []
-    while ledger.knowledge and (len(ledger.knowledge) > KNOWLEDGE_ITEMS
-                                or ledger.knowledge_cost > KNOWLEDGE_TOKENS):
+    start, ids = ledger.total(), list[str]()
+    if len(ledger.knowledge) > KNOWLEDGE_ITEMS:
+        # past the item cap, dropped as one at a time would drop them (the lowest-ranked
+        # first) but with the block counted once, not once per passage: quadratic otherwise
+        ids.extend(p.id for p in reversed(ledger.knowledge[KNOWLEDGE_ITEMS:]))
+        del ledger.knowledge[KNOWLEDGE_ITEMS:]
+        ledger.knowledge_cost = block_cost.knowledge(ledger.knowledge)
+    while ledger.knowledge and ledger.knowledge_cost > KNOWLEDGE_TOKENS:
         ids.append(drop_knowledge())
     record("knowledge", ids, start)
     start, ids = ledger.total(), []
