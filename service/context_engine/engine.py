@@ -910,7 +910,10 @@ class Engine:
                 self._metrics.cached_input_ratio.observe(
                     min(report.cached_tokens / earlier.previous_input_tokens, 1.0))
         self._factors.pop((report.tenant_id, model.model_id), None)
-        return UsageOutcome(model_id=model.model_id, reconciled=outcome, counted=counted)
+        # a retry answers what was counted, under the model it was counted for (a rotation to
+        # another model since then does not relabel it)
+        return UsageOutcome(model_id=outcome.calibration.model_id, reconciled=outcome,
+                            counted=counted)
 
     # ------------------------------------------------------------------ working state
 

@@ -539,3 +539,24 @@ def test_a_request_cached_whole_reads_a_whole_prefix(stub, ids, server):
              sample("context_engine_cached_prefix_ratio_count"))
     # the epoch's first report writes the cache and is not measured; the second is whole
     assert after[1] - before[1] == 1 and after[0] - before[0] == pytest.approx(1.0)
+
+
+def test_a_usage_retry_after_a_model_routed_rotation_names_the_model_it_was_counted_for(
+        stub, ids):
+    """A retried ReportUsage answers its first call's factors; it named the new plan's model
+    beside them after a rotation to another model."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    report = pb.ReportUsageRequest(tenant_id=tenant, session_id=session,
+                                   estimated_input_tokens=5_000, estimator_factor=1.0,
+                                   input_tokens=5_200, output_tokens=10,
+                                   idempotency_key="usage-routed")
+    first = stub.ReportUsage(report)
+    assert first.counted and first.model_id == "claude-sonnet-4-5"
+    stub.Rotate(pb.RotateRequest(tenant_id=tenant, session_id=session,
+                                 reason=pb.ROTATION_REASON_MODEL_ROUTED,
+                                 model=pb.ModelSpec(model_id="gpt-4o-2024-08-06"),
+                                 idempotency_key="route-1"))
+    retry = stub.ReportUsage(report)
+    assert not retry.counted and retry.correction_factor == first.correction_factor
+    assert retry.model_id == "claude-sonnet-4-5"
