@@ -358,6 +358,18 @@ def pressure_payload(p: Pressure, epoch: int) -> dict[str, Any]:
     }
 
 
+def snapshot_fence_key(session_id: str, epoch: int, run_id: str) -> str:
+    """The idempotency key of a run's ``context.snapshot.used``: ``<session>:<epoch>:<run>``
+    where that is unambiguous (no ``:`` in the session id) and short (a key is part of a
+    B-tree index's row); otherwise ``sha256:`` and the hash of the three, so that two sessions
+    of a tenant never share a key ("a", run "2:r" and "a:1", run "r" did) and long ids never
+    fail the insert. Keys written before keep their form: a bound run is not bound again."""
+    key = f"{session_id}:{epoch}:{run_id}"
+    if ":" not in session_id and len(key.encode()) <= 512:
+        return key
+    return "sha256:" + canonical_sha256([session_id, epoch, run_id])
+
+
 class _ErasedMeanwhile(Exception):
     """The session was erased between reading its plan and locking it (raised under the lock,
     so nothing is written)."""
@@ -802,7 +814,8 @@ class Engine:
         # bound only while the session is still this plan's incarnation (else
         # IncarnationChanged: see ``once_more_if_replanned``)
         await self._events.append_once_durably(
-            event, f"{plan.session_id}:{plan.epoch}:{run_id}", incarnation=plan.incarnation)
+            event, snapshot_fence_key(plan.session_id, plan.epoch, run_id),
+            incarnation=plan.incarnation)
         self._snapshot_runs[key] = None
         while len(self._snapshot_runs) > 65_536:
             self._snapshot_runs.popitem(last=False)
