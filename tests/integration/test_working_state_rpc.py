@@ -277,3 +277,40 @@ def test_a_constraint_the_user_removed_leaves_the_state_and_the_summary(stub, id
                                   working_state=s))
     (row9,) = [m for m in out.request.messages if m.row == 9]
     assert "- EUR only" in row9.text and "no red-eye" not in row9.text
+
+
+def test_an_update_listing_more_than_the_state_holds_is_refused_before_it_is_applied(
+        stub, ids, db):
+    """5,000 facts in one typed update (100 KB, far under the item limit) held the event loop
+    for seconds: applying them costs the square of their count, and no more than 40 can be
+    held. Refused like the control tool's arguments, nothing recorded."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    update = pb.WorkingStateUpdate(
+        add_facts=[pb.WorkingFact(statement=f"fact {i}", trust=pb.TRUST_LEVEL_USER)
+                   for i in range(5_000)],
+        add_constraints=[f"c{i}" for i in range(21)],
+        upsert_tasks=[pb.WorkingTask(id=f"t{i}", title="t", state="open") for i in range(31)],
+        resolve_questions=[f"q{i}" for i in range(21)])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdateWorkingState(update_request(tenant, session,
+                                               pb.WorkingStateTransition(update=update)))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert {k.rsplit(".", 1)[-1]: v for k, v in f.violations.items()} == {
+        "add_facts": "lists 5000 entries; an update lists at most 40, as many as the working "
+                     "state holds",
+        "add_constraints": "lists 21 entries; an update lists at most 20, as many as the "
+                           "working state holds",
+        "upsert_tasks": "lists 31 entries; an update lists at most 30, as many as the working "
+                        "state holds",
+        "resolve_questions": "lists 21 entries; an update lists at most 20, as many as the "
+                             "working state holds"}
+    assert events(db, tenant) == []
+    # at the bounds an update applies
+    ok = pb.WorkingStateUpdate(
+        add_facts=[pb.WorkingFact(statement=f"fact {i}", trust=pb.TRUST_LEVEL_USER)
+                   for i in range(40)])
+    applied = stub.UpdateWorkingState(update_request(
+        tenant, session, pb.WorkingStateTransition(update=ok)))
+    assert applied.change.facts_added == 40  # (the 1,000-token block evicts the oldest)

@@ -86,6 +86,10 @@ from context_engine.domain.request import (
 from context_engine.domain.tools import CONTROL_TOOLS
 from context_engine.domain.trust import TrustLevel
 from context_engine.domain.working_state import (
+    MAX_CONSTRAINTS,
+    MAX_FACTS,
+    MAX_OPEN_QUESTIONS,
+    MAX_OPEN_TASKS,
     AskUser,
     Changes,
     LogEvent,
@@ -663,6 +667,15 @@ def _text(v: Violations, field: str, value: str) -> None:
 
 
 def _update(v: Violations, field: str, u: pb.WorkingStateUpdate) -> Update:
+    # One update lists no more than the working state holds (the control tool's own bounds):
+    # longer lists could never apply, and applying them costs the square of their length.
+    for name, listed, most in (("add_constraints", u.add_constraints, MAX_CONSTRAINTS),
+                               ("upsert_tasks", u.upsert_tasks, MAX_OPEN_TASKS),
+                               ("add_facts", u.add_facts, MAX_FACTS),
+                               ("resolve_questions", u.resolve_questions, MAX_OPEN_QUESTIONS)):
+        if len(listed) > most:
+            v.add(f"{field}.{name}", f"lists {len(listed)} entries; an update lists at most "
+                                     f"{most}, as many as the working state holds")
     if u.HasField("objective"):
         _text(v, f"{field}.objective", u.objective)
     for i, c in enumerate(u.add_constraints):
