@@ -370,6 +370,11 @@ def snapshot_fence_key(session_id: str, epoch: int, run_id: str) -> str:
     return "sha256:" + canonical_sha256([session_id, epoch, run_id])
 
 
+def _epoch_of(plan: ContextPlan | None) -> tuple[int, int] | None:
+    """Which epoch of which incarnation ``plan`` is (None: no session)."""
+    return None if plan is None else (plan.epoch, plan.incarnation)
+
+
 class _ErasedMeanwhile(Exception):
     """The session was erased between reading its plan and locking it (raised under the lock,
     so nothing is written)."""
@@ -491,18 +496,14 @@ class Engine:
         drafts = [draft_for(current)]
 
         def decide(locked: ContextPlan | None) -> Rotation | None:
-            if locked is None:
-                if current is not None:  # erased since it was read
-                    drafts.append(draft_for(None))
-                return Rotation(reason=SESSION_OPENED, draft=drafts[-1])
-            reason = cmd.reason_to_rotate(locked.spec, self._assets)
+            reason = (SESSION_OPENED if locked is None
+                      else cmd.reason_to_rotate(locked.spec, self._assets))
             if reason is None:
                 return None
-            # Moved on since it was read (another replica rotated it, or it was erased and
+            # Moved on since it was read (rotated by another replica, erased, or erased and
             # planned again): drafted again over the plan under the lock, whose policy may be
             # newer and whose advertisement a pinned run keeps.
-            if current is None or (locked.epoch, locked.incarnation) != (
-                    current.epoch, current.incarnation):
+            if _epoch_of(locked) != _epoch_of(current):
                 drafts.append(draft_for(locked))
             return Rotation(reason=reason, draft=drafts[-1])
 

@@ -342,6 +342,11 @@ def measure_prefix(spec: PlanSpec, rendered: RenderedPrefix, estimator: TokenEst
     return tuple(usage)
 
 
+def cache_ttl_for(kind: SessionKind) -> str:
+    """The prefix's cache TTL: an hour for scheduled sessions, the default otherwise."""
+    return TTL_SCHEDULED if kind is SessionKind.SCHEDULED else TTL_DEFAULT
+
+
 def make_spec(inputs: PlanInputs, estimator: TokenEstimator, session_key: str) -> PlanSpec:
     """Resolve and pin a plan's inputs: tool selection, TTL, scope hashes."""
     ctx = RenderContext(session_key=session_key)
@@ -371,7 +376,7 @@ def make_spec(inputs: PlanInputs, estimator: TokenEstimator, session_key: str) -
         session_kind=inputs.session_kind,
         website_profile_id=inputs.website_profile_id,
         authority_scope_hashes=authority_scope_hashes(inputs.principal_scopes),
-        cache_ttl=TTL_SCHEDULED if inputs.session_kind is SessionKind.SCHEDULED else TTL_DEFAULT,
+        cache_ttl=cache_ttl_for(inputs.session_kind),
         tokenizer=estimator.tokenizer,
         encoding=estimator.encoding,
         estimator_factor=estimator.base_factor,
@@ -412,7 +417,7 @@ def draft_pinned(inputs: PlanInputs, pinned: PlanSpec, session_key: str,
         pinned, builder_version=BUILDER_VERSION, assets=inputs.assets, agent=inputs.agent,
         persona=inputs.persona, memory_snapshot=inputs.memory_snapshot, model=inputs.model,
         session_kind=inputs.session_kind,
-        cache_ttl=TTL_SCHEDULED if inputs.session_kind is SessionKind.SCHEDULED else TTL_DEFAULT,
+        cache_ttl=cache_ttl_for(inputs.session_kind),
         tokenizer=estimator.tokenizer, encoding=estimator.encoding,
         estimator_factor=estimator.base_factor)
     rendered = render_prefix(spec, session_key)
