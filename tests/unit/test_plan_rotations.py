@@ -200,3 +200,27 @@ def test_without_a_run_a_rotation_resolves_the_request_again():
                                         model_id="gpt-4o"))
         assert moved.reason == "model_changed" and "b.read" not in moved.spec.tool_names
     asyncio.run(go())
+
+
+def test_a_pinned_run_moved_to_another_model_counts_its_tools_afresh():
+    """Held only while the model is kept: on another tokenizer the kept tools are counted
+    again and a cap fails (as Rotate's model_routed does), never truncated."""
+    from context_engine.domain.errors import PrefixClassOverCap
+
+    async def go() -> None:
+        store = InMemoryPlanStore()
+        e = engine(store)
+        first, _ = await e.plan(command(("scope.a", "scope.b")))
+        epochs = store.plans[(first.tenant_id, first.session_id)]
+        wordy = replace(first.spec.tools[0],
+                        description=" ".join(f"word{i}" for i in range(3_400)))
+        epochs[-1] = replace(first, spec=replace(first.spec,
+                                                 tools=(wordy, *first.spec.tools[1:])))
+        try:
+            await e.plan(command(("scope.a", "scope.b"), pinned=True, model_id="gpt-4o"))
+        except PrefixClassOverCap as over:
+            assert over.class_name == "tool_definitions"
+        else:
+            raise AssertionError("a cap held the kept tools on another model")
+        assert len(store.plans[(first.tenant_id, first.session_id)]) == 1  # nothing written
+    asyncio.run(go())
