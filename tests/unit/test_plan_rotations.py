@@ -170,6 +170,20 @@ def test_a_session_erased_while_its_legacy_plan_is_canonicalized_is_opened_anew(
     asyncio.run(go())
 
 
+async def pinned_over_the_tool_cap(e: Engine, store: InMemoryPlanStore,
+                                   builder: str | None = None) -> tuple[Any, Any]:
+    """A session opened, then its plan's first tool given a description over the tool cap as
+    counted now (as an older builder, counting lower, could have pinned it): (plan, tool)."""
+    first, _ = await e.plan(command(("scope.a", "scope.b")))
+    wordy = replace(first.spec.tools[0],
+                    description=" ".join(f"word{i}" for i in range(3_400)))
+    spec = replace(first.spec, tools=(wordy, *first.spec.tools[1:]))
+    if builder is not None:
+        spec = replace(spec, builder_version=builder)
+    store.plans[(first.tenant_id, first.session_id)][-1] = replace(first, spec=spec)
+    return first, wordy
+
+
 def test_a_pinned_run_rotates_a_plan_an_older_builder_counted_lower():
     """The kept tools are held, as an explicit rotation holds them: a tool an older builder
     counted within the cap, over it as counted now, never fails a pinned run's rotation (its
@@ -177,13 +191,7 @@ def test_a_pinned_run_rotates_a_plan_an_older_builder_counted_lower():
     async def go() -> None:
         store = InMemoryPlanStore()
         e = engine(store)
-        first, _ = await e.plan(command(("scope.a", "scope.b")))
-        epochs = store.plans[(first.tenant_id, first.session_id)]
-        wordy = replace(first.spec.tools[0],
-                        description=" ".join(f"word{i}" for i in range(3_400)))
-        epochs[-1] = replace(first, spec=replace(
-            first.spec, tools=(wordy, *first.spec.tools[1:]),
-            builder_version="context-engine-builder@2"))
+        _, wordy = await pinned_over_the_tool_cap(e, store, "context-engine-builder@2")
         second, created = await e.plan(command(("scope.a", "scope.b"), pinned=True))
         assert created and second.reason == "builder_changed"
         assert second.spec.tools[0] == wordy
@@ -210,12 +218,7 @@ def test_a_pinned_run_moved_to_another_model_counts_its_tools_afresh():
     async def go() -> None:
         store = InMemoryPlanStore()
         e = engine(store)
-        first, _ = await e.plan(command(("scope.a", "scope.b")))
-        epochs = store.plans[(first.tenant_id, first.session_id)]
-        wordy = replace(first.spec.tools[0],
-                        description=" ".join(f"word{i}" for i in range(3_400)))
-        epochs[-1] = replace(first, spec=replace(first.spec,
-                                                 tools=(wordy, *first.spec.tools[1:])))
+        first, _ = await pinned_over_the_tool_cap(e, store)
         try:
             await e.plan(command(("scope.a", "scope.b"), pinned=True, model_id="gpt-4o"))
         except PrefixClassOverCap as over:
