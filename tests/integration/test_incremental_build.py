@@ -544,19 +544,23 @@ def test_the_request_shape_limits_hold_for_the_whole_checkpoint(database_url: st
             assert answers[0][1]["field"] == "checkpoint.items[7]"
             # within the limits, the same Build from the base is served
             fine = [item("fine", 30, assistant=pb.AssistantMessage(text="y" * 100))]
-            # a kept count no base can have is refused as such, not as a request that size
-            for base, code, reason in ((first.build_id, grpc.StatusCode.INVALID_ARGUMENT, ""),
-                                       ("0" * 32, grpc.StatusCode.FAILED_PRECONDITION,
-                                        "BUILD_BASE_UNKNOWN")):
-                with pytest.raises(grpc.RpcError) as err:
-                    stub.Build(_incremental_request(session, base, 1_000_000, fine), timeout=30)
-                f = failure(err.value)
-                assert f.code is code, f
-                if reason:
-                    assert f.reason == reason
-                else:
-                    assert f.violations["base_items_kept"] == \
-                        "1000000 is more than the base's 7 items"
+            # a kept count its base does not have is refused as such, not as a request that
+            # size: one no base can have (over the item limit), and one within the limit that
+            # is over this base's 7 items (8 + 1 sent would be 9, over the limit of 8)
+            for kept in (1_000_000, 8):
+                for base, code, reason in ((first.build_id, grpc.StatusCode.INVALID_ARGUMENT,
+                                            ""),
+                                           ("0" * 32, grpc.StatusCode.FAILED_PRECONDITION,
+                                            "BUILD_BASE_UNKNOWN")):
+                    with pytest.raises(grpc.RpcError) as err:
+                        stub.Build(_incremental_request(session, base, kept, fine), timeout=30)
+                    f = failure(err.value)
+                    assert f.code is code, (kept, f)
+                    if reason:
+                        assert f.reason == reason
+                    else:
+                        assert f.violations["base_items_kept"] == \
+                            f"{kept} is more than the base's 7 items"
             ok = incremental(stub, session, first.build_id, 7, fine)
             assert same(reconstruct(ok, first), whole(stub, session, items + fine))
     finally:

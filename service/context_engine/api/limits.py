@@ -57,26 +57,42 @@ class Violation:
         return f"{self.field} is {self.size} bytes, over the per-item limit of {self.limit}"
 
 
-def ahead_of(message: Message) -> dict[str, int]:
+# (tenant_id, session_id, build_id) -> how many items that base holds, None if not held here
+BaseItems = Callable[[str, str, str], "int | None"]
+
+
+def ahead_of(message: Message, base_items: BaseItems | None = None) -> dict[str, int]:
     """Per repeated field, the elements that precede the ones ``message`` sends: an incremental
     Build's ``checkpoint.items`` follow its base's first ``base_items_kept`` items. The limits
     hold for the whole checkpoint, as they would for the same Build sent whole, and name its
-    items by their place in it."""
+    items by their place in it.
+
+    With ``base_items``, a kept count that names items its base does not hold (or a base not
+    held here) precedes nothing: the servicer refuses that Build as such (INVALID_ARGUMENT on
+    ``base_items_kept``, or BUILD_BASE_UNKNOWN), not as a request of that many items."""
     build: Any = message
     if message.DESCRIPTOR.full_name == BUILD_REQUEST and build.base_build_id:
-        return {"checkpoint.items": int(build.base_items_kept)}
+        kept = int(build.base_items_kept)
+        if base_items is not None:
+            held = base_items(build.tenant_id, build.session_id, build.base_build_id)
+            if held is None or kept > held:
+                return {}
+        return {"checkpoint.items": kept}
     return {}
 
 
 def shape_violation(message: Message, limits: Limits, path: str = "",
-                    depth: int = 0, ahead: dict[str, int] | None = None) -> Violation | None:
+                    depth: int = 0, ahead: dict[str, int] | None = None,
+                    base_items: BaseItems | None = None) -> Violation | None:
     """The first repeated field over ``max_items`` or element over ``max_item_bytes``;
-    ``ahead``: see :func:`ahead_of` (at the top level, found from ``message``)."""
+    ``ahead``: see :func:`ahead_of` (at the top level, found from ``message`` and
+    ``base_items``)."""
     if ahead is None:
         # A base never holds more than max_items items: a kept count past that names items no
         # base has, for the servicer to refuse as such (BUILD_BASE_UNKNOWN, or base_items_kept
         # over the base's items), not a request of that many items.
-        ahead = {k: n for k, n in ahead_of(message).items() if n <= limits.max_items}
+        ahead = {k: n for k, n in ahead_of(message, base_items).items()
+                 if n <= limits.max_items}
     for field, value in message.ListFields():
         name = f"{path}{field.name}"
         if field.is_repeated:
@@ -103,9 +119,11 @@ def shape_violation(message: Message, limits: Limits, path: str = "",
 
 
 class LimitsInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, limits: Limits, metrics: Metrics) -> None:
+    def __init__(self, limits: Limits, metrics: Metrics,
+                 base_items: BaseItems | None = None) -> None:
         self._limits = limits
         self._metrics = metrics
+        self._base_items = base_items
         self.in_flight = 0
         self.refusing = False
 
@@ -148,7 +166,7 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
                                    "process; retry with backoff",
                                    {"limit": str(self._limits.max_concurrent)})
             if isinstance(request, Message):
-                found = shape_violation(request, self._limits)
+                found = shape_violation(request, self._limits, base_items=self._base_items)
                 if found is not None:
                     await self._reject(context, name, found.reason, found.message(),
                                        {"field": found.field, "size": str(found.size),

@@ -285,9 +285,14 @@ async def _start(config: Config, *, database_url: str, registry: CollectorRegist
     if provider is not None:
         instrument_database(provider)  # after the start-up queries, which are no RPC's
 
+    def base_items(tenant_id: str, session_id: str, build_id: str) -> int | None:
+        base = engine.builds.peek(tenant_id, session_id, build_id)
+        return None if base is None else len(base.items)
+
     limits = LimitsInterceptor(Limits(max_concurrent=config.max_concurrent_rpcs,
                                       max_items=config.max_items_per_request,
-                                      max_item_bytes=config.max_item_bytes), metrics)
+                                      max_item_bytes=config.max_item_bytes), metrics,
+                               base_items=base_items)
     # Credentials first: an unauthenticated caller takes no concurrency slot. None in dev mode.
     auth = auth_interceptor(config, pool, metrics)
     # gRPC server metrics outermost: they count the calls the others refuse, with their codes.
