@@ -104,7 +104,7 @@ def checkpoints(draw: st.DrawFn) -> Checkpoint:
 def state(scan: ItemScan) -> tuple[Any, ...]:
     return (dict(scan.calls_by_id), dict(scan.runs_by_call), set(scan.seen_ids),
             list(scan.open_calls.items()), set(scan.answered), scan.last_sequence,
-            set(scan.interrupted), scan.count)
+            set(scan.interrupted), list(scan.pending), scan.count)
 
 
 def head_scan(items: tuple[ConversationItem, ...], k: int, field: str) -> ItemScan | None:
@@ -133,12 +133,87 @@ def test_resumed_scan_finds_what_the_whole_scan_finds(cp: Checkpoint, field: str
         assert state(base) == before
 
 
+def spans_oracle(items: tuple[ConversationItem, ...], field: str) -> list[FieldViolation]:
+    """The "another run's item sits inside an open pair" violations, found the slow way: for
+    each item, the calls open just before it are worked out again from the start (a call id
+    opens when it is neither open nor answered, a result answers an open call), and those of
+    another run that no earlier item reported are reported, in the order they were made."""
+    out: list[FieldViolation] = []
+    reported: set[str] = set()
+    for i, item in enumerate(items):
+        opened: dict[str, str] = {}  # call id -> its run, in the order made
+        done: set[str] = set()
+        for earlier in items[:i]:
+            if isinstance(earlier, ToolCallItem):
+                for call in earlier.calls:
+                    if call.call_id and call.call_id not in opened and call.call_id not in done:
+                        opened[call.call_id] = earlier.run_id
+            elif isinstance(earlier, ToolResultItem) and earlier.call_id in opened:
+                del opened[earlier.call_id]
+                done.add(earlier.call_id)
+        inside = [c for c, run in opened.items() if run != item.run_id and c not in reported]
+        if inside:
+            reported.update(inside)
+            out.append(FieldViolation(
+                f"{field}.items[{i}].run_id",
+                f"run {item.run_id!r} sits between call(s) {', '.join(map(repr, inside))} "
+                f"of run {opened[inside[0]]!r} and their results: a tool pair never spans "
+                "two runs"))
+    return out
+
+
+@SETTINGS
+@given(checkpoints())
+def test_pairs_spanning_runs_are_found_as_the_slow_oracle_finds_them(cp: Checkpoint) -> None:
+    """Checked against an oracle that shares no state with the scan, whole and resumed."""
+    expected = spans_oracle(cp.items, "checkpoint")
+    whole = [v for v in checkpoint_violations(cp) if "sits between" in v.description]
+    assert whole == expected
+    for k in range(1, len(cp.items) + 1):
+        base = head_scan(cp.items, k, "checkpoint")
+        if base is None:
+            break
+        resumed = checkpoint_violations(cp, resume=base)
+        assert [v for v in resumed if "sits between" in v.description] == expected
+
+
+def test_the_pairs_check_looks_at_one_run_per_item_not_every_open_call() -> None:
+    """One item of 2,000 parallel calls, then their 2,000 results, then another run's item:
+    every item is checked against the open calls in one look (their run), not one look per
+    open call (4,000 items x up to 2,000 open calls, seconds at 20,000 calls)."""
+
+    class Counting(dict[str, str]):
+        reads = 0
+
+        def __getitem__(self, key: str) -> str:
+            Counting.reads += 1
+            return super().__getitem__(key)
+
+    n = 2000
+    calls = [f.call("c", 1, *[f"call-{j}" for j in range(n)])]
+    results = [f.result(f"r{j}", 2 + j, f"call-{j}", "a") for j in range(n)]
+    items = [f.user("u1", "q", 0), *calls, *results[:-1],
+             f.user("u2", "q", n + 1, run="run-2"), results[-1]]
+    scan = ItemScan()
+    scan.runs_by_call = Counting()
+    found: list[FieldViolation] = []
+    scan.scan(items, found)
+    assert Counting.reads <= 2 * len(items) + n, Counting.reads
+    # and it found the one call still open when run-2's item came, as the oracle does
+    assert found == spans_oracle(tuple(items), "checkpoint")
+    assert [v.field for v in found] == ["checkpoint.items[2001].run_id"]
+    assert "call(s) 'call-1999' of run 'run-1'" in found[0].description
+
+
 def test_the_checkpoints_drawn_break_each_rule_after_a_clean_head() -> None:
     """The strategy reaches what the property is about: violations of every kind found by a
     scan resumed after at least one clean item."""
     kinds: set[str] = set()
 
-    @settings(max_examples=150, deadline=None, derandomize=True, database=None)
+    # the rarest kind (an empty call id after a clean head) turns up in about 3% of the
+    # checkpoints drawn: 400 of them miss it with a chance of about 1 in 200,000, where 150
+    # missed it with about 1 in 100 (and did, on one machine's draw)
+    @settings(max_examples=400, deadline=None, derandomize=True, database=None)
     @given(checkpoints())
     def collect(cp: Checkpoint) -> None:
         k = 0  # the longest head that scans clean
@@ -195,7 +270,7 @@ def test_fork_copies_every_container() -> None:
     _, scan = checkpoint_scan(f.checkpoint([f.user("u1", "q", 1), f.call("c1", 2, "call-1")]))
     other = scan.fork()
     for name in ("calls_by_id", "runs_by_call", "seen_ids", "open_calls", "answered",
-                 "interrupted"):
+                 "interrupted", "pending"):
         assert getattr(other, name) == getattr(scan, name)
         assert getattr(other, name) is not getattr(scan, name), name
     assert (other.count, other.last_sequence) == (scan.count, scan.last_sequence) == (2, 2)

@@ -205,7 +205,7 @@ class ItemScan:
     scanned on, only forked."""
 
     __slots__ = ("answered", "calls_by_id", "count", "interrupted", "last_sequence",
-                 "open_calls", "runs_by_call", "seen_ids")
+                 "open_calls", "pending", "runs_by_call", "seen_ids")
 
     def __init__(self) -> None:
         self.calls_by_id: dict[str, str] = {}  # open call id -> its tool name
@@ -215,6 +215,10 @@ class ItemScan:
         self.answered: set[str] = set()
         self.last_sequence: int | None = None
         self.interrupted: set[str] = set()  # open calls another run's item already sat after
+        # the open calls no other run's item has sat after yet, in the order they were made:
+        # all of one run, the last item's (an item of another run interrupts them all), so an
+        # item is checked against them in one look, not against every open call
+        self.pending: dict[str, None] = {}
         self.count = 0  # items scanned
 
     def fork(self) -> ItemScan:
@@ -227,6 +231,7 @@ class ItemScan:
         other.answered = self.answered.copy()
         other.last_sequence = self.last_sequence
         other.interrupted = self.interrupted.copy()
+        other.pending = self.pending.copy()
         other.count = self.count
         return other
 
@@ -234,7 +239,8 @@ class ItemScan:
     def held(self) -> int:
         """How many ids the state holds (its size, roughly)."""
         return (len(self.seen_ids) + len(self.calls_by_id) + len(self.runs_by_call)
-                + len(self.open_calls) + len(self.answered) + len(self.interrupted))
+                + len(self.open_calls) + len(self.answered) + len(self.interrupted)
+                + len(self.pending))
 
     def scan(self, items: Sequence[ConversationItem], violations: list[FieldViolation],
              field: str = "checkpoint") -> None:
@@ -242,7 +248,7 @@ class ItemScan:
         their violations (indexes into ``items``)."""
         calls_by_id, runs_by_call = self.calls_by_id, self.runs_by_call
         seen_ids, open_calls, answered = self.seen_ids, self.open_calls, self.answered
-        interrupted, last_sequence = self.interrupted, self.last_sequence
+        interrupted, pending, last_sequence = self.interrupted, self.pending, self.last_sequence
         start = self.count
         if len(items) < start:
             raise ValueError(f"{start} items were scanned, these are {len(items)}")
@@ -250,15 +256,16 @@ class ItemScan:
             run_id = item.run_id  # paths are written only for a violation: a valid item builds none
             # a tool pair never spans two runs: nor may another run's item sit inside one (the
             # history cut and compaction see the two runs apart, and would split the pair)
-            if open_calls:
-                inside = [c for c in open_calls if runs_by_call[c] != run_id
-                          and c not in interrupted]
-                if inside:
+            if pending:
+                pending_run = runs_by_call[next(iter(pending))]
+                if pending_run != run_id:
+                    inside = list(pending)
+                    pending.clear()
                     interrupted.update(inside)
                     violations.append(FieldViolation(
                         f"{field}.items[{i}].run_id",
                         f"run {run_id!r} sits between call(s) {', '.join(map(repr, inside))} "
-                        f"of run {runs_by_call[inside[0]]!r} and their results: a tool pair "
+                        f"of run {pending_run!r} and their results: a tool pair "
                         "never spans two runs"))
             item_id = item.id
             if not item_id:
@@ -287,6 +294,7 @@ class ItemScan:
                                                          f"duplicate call id {call.call_id!r}"))
                     else:
                         open_calls[call.call_id] = i
+                        pending[call.call_id] = None
                         calls_by_id[call.call_id] = call.name
                         runs_by_call[call.call_id] = run_id
                     if not call.name:
@@ -311,6 +319,7 @@ class ItemScan:
                     # later result for it is refused on ``answered``): the state keeps those
                     # of open calls only, so a base's state stays small to fork
                     del open_calls[item.call_id]
+                    pending.pop(item.call_id, None)
                     answered.add(item.call_id)
                     call_run = runs_by_call.pop(item.call_id)
                     if call_run != run_id:
