@@ -43,6 +43,7 @@ from context_engine.domain.items import (
     KnowledgePassage,
     MemoryLine,
     ReasoningItem,
+    RecallItem,
     RenderContext,
     ToolResultItem,
     UserMessageItem,
@@ -292,6 +293,80 @@ def test_recall_is_capped_at_2000_tokens_trimmed_from_the_end() -> None:
     text = "".join(m.text for m in r.request.messages if m.text.startswith("Recalled"))
     assert all(f"[m{k}] " in text for k in range(rec.items))
     assert not any(f"[m{k}] " in text for k in range(rec.items, 6))
+
+
+def recall_kept_one_line_at_a_time(lp: LoadedPlan, lines: tuple[MemoryLine, ...],
+                                   thresholds: tuple[int, ...]) -> int:
+    """The reference: for each threshold in turn, the last line dropped while the block costs
+    more than it (the block re-rendered and re-counted for every line); the count kept."""
+    k = len(lines)
+    for threshold in thresholds:
+        while k and cost_of(lp, RecallItem(lines=lines[:k])) > threshold:
+            k -= 1
+    return k
+
+
+@pytest.mark.parametrize("model_id", ["gpt-4o", "claude-sonnet-4-5"])
+@pytest.mark.parametrize("floor", [500, 0])
+@pytest.mark.parametrize("with_history", [False, True])
+def test_recall_keeps_the_lines_dropping_one_at_a_time_keeps(model_id: str, floor: int,
+                                                            with_history: bool) -> None:
+    """Against the reference above, through the class cap and the three ladder steps that trim
+    recall. No results and no knowledge: what is not recall is a fixed total and history, so
+    each step is a threshold on the block's cost: recall's cap; the body budget less the rest
+    but not below recall's floor; the room history's floor (8,000 tokens, or all of it) leaves.
+    Windows from roomy to too small to keep any line."""
+    lines = tuple(MemoryLine(id=f"m{k}", text=words(5 + (k * 37) % 90, k)) for k in range(60))
+    history: list[ConversationItem] = [
+        f.user(f"h{k}", words(60, k), k + 1, run="run-0") if k % 2 == 0
+        else assistant(f"h{k}", words(60, k), k + 1) for k in range(40)] if with_history else []
+    # the reference agrees with any search only where a longer head never costs less
+    roomy = plan(model_id, 200_000, None)
+    costs = [cost_of(roomy, RecallItem(lines=lines[:k])) if k else 0
+             for k in range(len(lines) + 1)]
+    assert costs == sorted(costs)
+    alone = run(roomy, [last_user()], recall=lines)
+    fixed = alone.pressure.tokens_after - klass(alone, "recall").used  # the turn's own rows
+    seen = set()
+    for window in (*range(1_100, 2_000, 20), *range(2_000, 12_001, 100), 20_000):
+        lp = plan(model_id, window, 1_000)
+        try:
+            r = run(lp, [*history, last_user()], recall=lines,
+                    policy=BudgetPolicy(recall_floor_tokens=floor))
+        except (BudgetExceeded, HistoryFloorUnreachable):
+            continue
+        rec = klass(r, "recall")
+        # what is not recall as the recall steps saw it: before history's cut
+        others = r.pressure.tokens_after - rec.used + r.pressure.left_out_tokens
+        held = others - fixed  # history's cost
+        B = r.pressure.body_budget
+        expected = recall_kept_one_line_at_a_time(lp, lines, (
+            2_000, max(B - others, floor), B - min(8_000, held) - (others - held)))
+        assert rec.items == expected, window
+        assert rec.used == (cost_of(lp, RecallItem(lines=lines[:expected])) if expected else 0)
+        dropped = tuple(f"m{k}" for k in reversed(range(expected, len(lines))))
+        assert next(s for s in r.pressure.steps if s.step == "recall").ids == dropped
+        seen.add("none" if not expected else "under the cap" if B - others < 2_000 else "cap")
+    assert seen == {"none", "under the cap", "cap"}, seen
+
+
+def test_recall_over_its_cap_is_counted_a_few_times_not_once_per_line() -> None:
+    """4,000 recall lines took 13-23 s: each line dropped re-rendered and re-counted the whole
+    block (quadratic). The characters counted now grow with the lines times their logarithm,
+    not with their square."""
+    lp = plan("gpt-4o", 128_000, None)
+    counted = []
+    for n in (500, 2_000):
+        lines = tuple(MemoryLine(id=f"m{k}", text=f"fact {k}") for k in range(n))
+        counter = CountingCounter(f.REGISTRY.counter_for(lp.plan.spec.encoding)[0])
+        r = build(lp, f.checkpoint([last_user()], recall=lines),
+                  estimator=TokenEstimator(counter, lp.plan.spec.estimator_factor),
+                  policy=BudgetPolicy())
+        rec = klass(r, "recall")
+        assert rec.used <= 2_000 and rec.items + rec.yielded == n
+        assert rec.items == recall_kept_one_line_at_a_time(lp, lines, (2_000,))
+        counted.append(counter.characters)
+    assert counted[1] < 7 * counted[0], counted  # 4x the lines: about 5x, not 16x
 
 
 def test_tool_results_over_a_quarter_of_the_body_become_pointers_oldest_first() -> None:

@@ -351,10 +351,37 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         ledger.knowledge_cost = block_cost.knowledge(ledger.knowledge)
         return dropped.id
 
-    def trim_recall() -> str:
-        dropped = ledger.recall.pop()
-        ledger.recall_cost = block_cost.recall(ledger.recall)
-        return dropped.id
+    def trim_recall(threshold: int) -> list[str]:
+        """Recall lines dropped from the end while the block costs more than ``threshold``;
+        their ids, the last line first. How many are kept is found in a few renderings of the
+        block, galloping down from all of them and then bisecting, not one rendering per line
+        dropped (each re-counts the whole block: 4,000 lines took seconds). That is the count
+        dropping one line at a time keeps whenever a block costs no less than any of its
+        shorter heads. Where a tokenizer's merges would let a longer head cost less than a
+        shorter one, the count may be lower; it always fits ``threshold`` (none kept costs 0),
+        and so does no head one line longer."""
+        lines = ledger.recall
+        if not lines or ledger.recall_cost <= threshold:
+            return []
+        fits, fit_cost, over, step = 0, 0, len(lines), 1
+        while len(lines) - step > fits:
+            probe = len(lines) - step
+            probe_cost = block_cost.recall(lines[:probe])
+            if probe_cost <= threshold:
+                fits, fit_cost = probe, probe_cost
+                break
+            over, step = probe, step * 2
+        while over - fits > 1:
+            mid = (fits + over) // 2
+            mid_cost = block_cost.recall(lines[:mid])
+            if mid_cost <= threshold:
+                fits, fit_cost = mid, mid_cost
+            else:
+                over = mid
+        dropped = [line.id for line in reversed(lines[fits:])]
+        del lines[fits:]
+        ledger.recall_cost = fit_cost
+        return dropped
 
     # Pointer candidates, oldest first: carried history, then completed active results; each
     # as its index into ``carried[floor:]`` then ``active`` (one sequence, as ``costs`` is),
@@ -464,10 +491,8 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     while ledger.knowledge and ledger.knowledge_cost > KNOWLEDGE_TOKENS:
         ids.append(drop_knowledge())
     record("knowledge", ids, start)
-    start, ids = ledger.total(), []
-    while ledger.recall and ledger.recall_cost > RECALL_TOKENS:
-        ids.append(trim_recall())
-    record("recall", ids, start)
+    start = ledger.total()
+    record("recall", trim_recall(RECALL_TOKENS), start)
     tool_cap = int(B * TOOL_RESULT_SHARE)
     start = ledger.total()
     record("tool_results", to_pointers(tool_result_tokens() - tool_cap), start)
@@ -477,20 +502,20 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     while ledger.total() > B and ledger.knowledge:
         ids.append(drop_knowledge())
     record("knowledge", ids, start)
-    start, ids = ledger.total(), []
-    while ledger.total() > B and ledger.recall and ledger.recall_cost > policy.recall_floor_tokens:
-        ids.append(trim_recall())
-    record("recall", ids, start)
+    # while the body is over and recall above its floor: recall's cost over both bounds
+    start = ledger.total()
+    record("recall", trim_recall(max(B - (start - ledger.recall_cost),
+                                     policy.recall_floor_tokens)), start)
     start = ledger.total()
     record("tool_results", to_pointers(start - B), start)
     # History's floor (8,000 tokens, or all of it if less) outranks recall's floor: when the
     # room left for history is below it, recall goes below its own floor first.
     if ledger.total() > B:
-        start, ids = ledger.total(), []
+        start = ledger.total()
         floor_tokens = min(HISTORY_FLOOR_TOKENS, ledger.history_cost())
-        while ledger.recall and ledger.total() - ledger.history_cost() > B - floor_tokens:
-            ids.append(trim_recall())
-        record("recall", ids, start)
+        # while what is not history is over the room history's floor leaves
+        record("recall", trim_recall(B - floor_tokens - (start - ledger.history_cost()
+                                                         - ledger.recall_cost)), start)
     start = ledger.total()
     sums: list[int] | None = None
     # Everything but history that is left is what never yields (knowledge and recall are gone
