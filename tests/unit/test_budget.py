@@ -308,18 +308,19 @@ def recall_kept_one_line_at_a_time(lp: LoadedPlan, lines: tuple[MemoryLine, ...]
 
 @pytest.mark.parametrize("model_id", ["gpt-4o", "claude-sonnet-4-5"])
 @pytest.mark.parametrize("floor", [500, 0])
-@pytest.mark.parametrize("with_history", [False, True])
+@pytest.mark.parametrize("history_items", [0, 40, 160])
 def test_recall_keeps_the_lines_dropping_one_at_a_time_keeps(model_id: str, floor: int,
-                                                            with_history: bool) -> None:
+                                                            history_items: int) -> None:
     """Against the reference above, through the class cap and the three ladder steps that trim
     recall. No results and no knowledge: what is not recall is a fixed total and history, so
     each step is a threshold on the block's cost: recall's cap; the body budget less the rest
     but not below recall's floor; the room history's floor (8,000 tokens, or all of it) leaves.
-    Windows from roomy to too small to keep any line."""
+    Windows from roomy to too small to keep any line; histories of none, of less than history's
+    floor and of more (where recall keeps its floor and history is cut instead)."""
     lines = tuple(MemoryLine(id=f"m{k}", text=words(5 + (k * 37) % 90, k)) for k in range(60))
     history: list[ConversationItem] = [
         f.user(f"h{k}", words(60, k), k + 1, run="run-0") if k % 2 == 0
-        else assistant(f"h{k}", words(60, k), k + 1) for k in range(40)] if with_history else []
+        else assistant(f"h{k}", words(60, k), k + 1) for k in range(history_items)]
     # the reference agrees with any search only where a longer head never costs less
     roomy = plan(model_id, 200_000, None)
     costs = [cost_of(roomy, RecallItem(lines=lines[:k])) if k else 0
@@ -328,10 +329,11 @@ def test_recall_keeps_the_lines_dropping_one_at_a_time_keeps(model_id: str, floo
     alone = run(roomy, [last_user()], recall=lines)
     fixed = alone.pressure.tokens_after - klass(alone, "recall").used  # the turn's own rows
     seen = set()
-    for window in (*range(1_100, 2_000, 20), *range(2_000, 12_001, 100), 20_000):
+    for window in (*range(1_100, 2_000, 20), *range(2_000, 12_000, 100),
+                   *range(12_000, 30_001, 500), 200_000):
         lp = plan(model_id, window, 1_000)
         try:
-            r = run(lp, [*history, last_user()], recall=lines,
+            r = run(lp, [*history, last_user(seq=1_000)], recall=lines,
                     policy=BudgetPolicy(recall_floor_tokens=floor))
         except (BudgetExceeded, HistoryFloorUnreachable):
             continue
