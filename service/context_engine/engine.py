@@ -105,6 +105,7 @@ from context_engine.domain.working_state import (
     apply_update,
     replay,
 )
+from context_engine.render_memo import BoundedMemo
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
 from context_engine.telemetry.tracing import child
@@ -304,19 +305,6 @@ class PlanCache:
         self._sessions.clear()
 
 
-class BoundedMemo(OrderedDict[Any, Any]):
-    """A least-recently-inserted bounded mapping for Build's render memo (speed only)."""
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__()
-        self.capacity = capacity
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(key, value)
-        if len(self) > self.capacity:
-            self.popitem(last=False)
-
-
 def derived_spans(tracer: Tracer, pressure: Pressure, at: int,
                   history: tuple[int, int] | None) -> None:
     """History selection and the yield ladder run inside the pure build, which keeps no clock:
@@ -386,7 +374,7 @@ class Engine:
                  control_tools: dict[str, ToolSpec], metrics: Metrics,
                  policy: BudgetPolicy = DEFAULT_POLICY, plan_cache_size: int = 4096,
                  plan_cache_ttl: float = 60.0,
-                 calibration_ttl: float = 5.0, render_memo_size: int = 100_000,
+                 calibration_ttl: float = 5.0, render_memo_bytes: int = 512 * 1024 * 1024,
                  build_cache_bytes: int = 256 * 1024 * 1024,
                  clock: Clock = SYSTEM_CLOCK,
                  compactions: CompactionStore | None = None,
@@ -410,7 +398,7 @@ class Engine:
         self._factors: dict[tuple[str, str], tuple[float, float]] = {}
         # runs bound to their snapshot: (tenant, session, incarnation, epoch, run id)
         self._snapshot_runs: OrderedDict[tuple[str, str, int, int, str], None] = OrderedDict()
-        self.render_memo = BoundedMemo(render_memo_size)
+        self.render_memo = BoundedMemo(render_memo_bytes)
         # the bases of incremental Builds (BuildRequest.base_build_id), per process
         self.builds = BuildCache(build_cache_bytes)
         self._calibration_ttl = calibration_ttl
@@ -1034,7 +1022,4 @@ class Engine:
         self.builds.forget(tenant_id, session_id)
         for key in [k for k in self._snapshot_runs if k[0] == tenant_id and k[1] == session_id]:
             del self._snapshot_runs[key]
-        prefix = session_key(tenant_id, session_id)
-        for memo_key in [k for k in self.render_memo
-                         if isinstance(k, tuple) and k and k[0] == prefix]:
-            del self.render_memo[memo_key]
+        self.render_memo.drop(session_key(tenant_id, session_id))

@@ -132,7 +132,7 @@ def served(lp: Any, cp_pb: pb.Checkpoint, memo: BoundedMemo | None, *, factor: f
 def test_builds_with_the_memo_are_the_builds_without_it() -> None:
     """Two sessions with the same items (ids and content) interleaved on one memo, growing turn
     by turn, an item rewritten in place, factors moving: byte for byte the memo-less path."""
-    memo = BoundedMemo(100_000)
+    memo = BoundedMemo(64 << 20)
     sessions = [loaded("same-a"), loaded("same-b")]
     items = conversation(12, "MARK")
     factors = (1.0, 1.7, 0.6)
@@ -167,7 +167,7 @@ def test_one_checkpoint_object_built_for_two_sessions_and_factors() -> None:
     factors, on one memo (its identity map of renderings and costs): each result is the
     memo-less one, byte for byte (a session's envelope nonces are its own; a cost is the
     factor's)."""
-    memo = BoundedMemo(100_000)
+    memo = BoundedMemo(64 << 20)
     v = mapping.Violations()
     sent = conversation(12, "SHARED")[:27]
     while sent[-1].WhichOneof("kind") == "tool_calls":
@@ -217,7 +217,7 @@ def test_a_remembered_item_keeps_its_violations_at_its_new_index() -> None:
         pb.ConversationItem(id="naïve", sequence=7, run_id="rün", trust=pb.TRUST_LEVEL_USER,
                             user=pb.UserMessage(text="ok")),
     ]
-    memo = BoundedMemo(1_000)
+    memo = BoundedMemo(64 << 20)
     first = pb.Checkpoint(active_run_id="r", items=bad)
     found, mapped = violations_of(first, memo, "s")
     want, plain = violations_of(first, None)
@@ -254,7 +254,7 @@ def test_a_remembered_item_keeps_its_violations_at_its_new_index() -> None:
 
 
 def test_an_item_sent_again_with_other_content_is_mapped_again() -> None:
-    memo = BoundedMemo(1_000)
+    memo = BoundedMemo(64 << 20)
     items = conversation(2, "first")
     _, before = violations_of(pb.Checkpoint(items=items), memo, "s")
     changed = [pb.ConversationItem() for _ in items]
@@ -460,7 +460,7 @@ def test_the_identity_map_stays_bounded_when_every_build_brings_new_objects() ->
     words, so no earlier object equals them): the session's identity map is begun again instead
     of growing past twice a build's items (and its slack)."""
     from context_engine.domain.builder import IDENTITY, IDENTITY_SLACK
-    memo = BoundedMemo(100_000)
+    memo = BoundedMemo(64 << 20)
     lp = loaded("bounded")
     est = f.estimator(lp.plan.spec.model)
     key = (lp.session_key, IDENTITY, est.encoding)

@@ -70,7 +70,7 @@ def outcome(lp: LoadedPlan, cp: Any, factor: float, policy: BudgetPolicy,
        st.booleans())
 def test_builds_on_one_memo_across_edits_are_the_builds_without_it(
         edits: list[tuple[str, int]], two_sessions: bool) -> None:
-    memo = BoundedMemo(100_000)
+    memo = BoundedMemo(64 << 20)
     sessions = [plan("memo-a"), plan("memo-b")] if two_sessions else [plan("memo-a")]
     numbers = itertools.count(1)
     run = 1
@@ -143,7 +143,7 @@ def test_an_older_attachment_costs_what_is_left_of_the_budget_when_a_newer_one_c
     """Attachments spend one request-wide budget newest first: a second large file shrinks the
     first one's share, so the first owner's cost changes with no change to the owner itself
     (its left-out tokens say so)."""
-    memo = BoundedMemo(100_000)
+    memo = BoundedMemo(64 << 20)
     lp = plan("memo-attach")
 
     def pdf(item_id: str, seq: int, run: str) -> ConversationItem:
@@ -190,7 +190,7 @@ def test_items_given_as_a_list_then_as_a_tuple_and_a_list_changed_in_place() -> 
     """A direct caller may hand ``build()`` its items as a list, keep that list and append to
     it, or switch to a tuple: what the memo keeps is its own copy, and each Build is the
     memo-less one."""
-    memo = BoundedMemo(100_000)
+    memo = BoundedMemo(64 << 20)
     lp = plan("memo-lists")
     items: list[ConversationItem] = [f.user("u0", "start", 0, run="run-1")]
     for k in range(1, 8):

@@ -203,7 +203,7 @@ def test_builds_that_yield_results_on_one_memo_are_the_builds_without_it(
     rewritten in place (same id, other content), at another correction factor, and between
     them long replies that no pointer shortens, so that history is cut too."""
     lp = plan()
-    memo = BoundedMemo(100_000)
+    memo = BoundedMemo(64 << 20)
     words = ("alpha", "beta", "gamma", "delta", "42", "line\nbreak")
     numbers = itertools.count(1)
     items: list[ConversationItem] = [f.user("u0", "start", 0, run="run-0")]

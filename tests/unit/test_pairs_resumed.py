@@ -208,7 +208,7 @@ def test_a_build_on_a_memo_rejects_an_assembly_that_drops_a_result(
     for k in range(1, 6):
         items += [f.call(f"c{k}", 2 * k - 1, f"call{k}", run="run-1"),
                   f.result(f"r{k}", 2 * k, f"call{k}", f"out {k}", run="run-1")]
-    memo = BoundedMemo(10_000)
+    memo = BoundedMemo(64 << 20)
     before = build(lp, f.checkpoint(items[:-2], run="run-1"), estimator=estimator, memo=memo)
     assert sum(m.role is Role.TOOL for m in before.request.messages) == 4
     cp = f.checkpoint(items, run="run-1")

@@ -278,6 +278,7 @@ async def _start(config: Config, *, database_url: str, registry: CollectorRegist
         metrics=metrics, plan_cache_size=config.plan_cache_size,
         plan_cache_ttl=config.plan_cache_ttl_seconds,
         build_cache_bytes=config.build_cache_mb * 1024 * 1024,
+        render_memo_bytes=config.render_memo_mb * 1024 * 1024,
         erasure=PostgresErasure(pool, command_timeout=timeout, tracer=tracer),
         compactions=PostgresCompactionStore(pool, command_timeout=timeout, tracer=tracer,
                                             clock=clock),

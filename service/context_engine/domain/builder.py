@@ -749,6 +749,8 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         assert_paired(request)
     else:
         assert_paired_since(request, cast(MutableMapping[Any, Any], memo), (session, PAIRED))
+        # written again, so that a memo that weighs its entries sees what the map now holds
+        cast(MutableMapping[Any, Any], memo)[(session, IDENTITY, encoding)] = seen
     ttl = plan.spec.cache_ttl
     marks = [CacheBreakpoint(name="after_system", ttl=ttl),
              CacheBreakpoint(name="after_tools", ttl=ttl),

@@ -1,0 +1,164 @@
+"""Build's render memo: what a session's next Build finds again instead of mapping, rendering,
+counting and serializing it anew (speed only: an entry missing is made again).
+
+Every key begins with the key of the session it belongs to, and the memo is kept per session:
+a session's entries hold each other's objects (its identity map holds the items and renderings
+its other entries hold), so only dropping all of them frees the memory. The session written
+least recently goes first, whole, while the entries weigh more than the capacity in all; a
+session that alone weighs more than half of it is begun again (the entries of items it no
+longer sends would otherwise pile up for as long as it lives). An entry's weight
+(:func:`memo_weight`) is roughly the bytes it keeps alive: the text and bytes it holds, and a
+fixed overhead per object. Hand-written: the weight and the eviction by session are what no
+bounded mapping of the standard library or PyPI offers.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, MutableMapping
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+from google.protobuf.message import Message as ProtoMessage
+
+from context_engine.domain.request import Message
+
+OBJECT_BYTES = 200  # an object and its slots, roughly
+REFERENCE_BYTES = 8
+IDENTITY_ENTRY_BYTES = 150  # one item's entry in a session's identity map (a list of six)
+SEQUENCE_ELEMENT_BYTES = 40  # an element of a sequence a session entry holds (a reference, an int)
+
+
+def _message_weight(m: Message) -> int:
+    return (OBJECT_BYTES + len(m.text) + len(m.reasoning_opaque)
+            + sum(OBJECT_BYTES + len(c.arguments_json) for c in m.tool_calls))
+
+
+def _part_weight(value: Any) -> int:
+    if isinstance(value, (str, bytes)):
+        return len(value) + 50
+    if isinstance(value, ProtoMessage):  # a copy of what was sent, and the item mapped from it
+        return 2 * value.ByteSize() + 3 * OBJECT_BYTES
+    if isinstance(value, Message):
+        return _message_weight(value)
+    if isinstance(value, (tuple, list)):
+        return 60 + sum(_message_weight(v) if isinstance(v, Message)
+                        else len(v) + 50 if isinstance(v, (str, bytes))
+                        else REFERENCE_BYTES for v in value)
+    return REFERENCE_BYTES  # held by another entry, or small
+
+
+def memo_weight(value: Any) -> int:
+    """Roughly the bytes a render-memo entry keeps alive. An item mapped from the wire (a copy
+    of it and the domain item), a rendering (its messages), a message's wire form, a pointer: the
+    text and bytes in them. A session's identity map (written empty, written again at every
+    Build): its entries. A session's record of its last Build (normalized items, costs, units,
+    the request found well paired): its sequences, element by element, whose objects other
+    entries hold."""
+    if isinstance(value, tuple):
+        return 100 + sum(map(_part_weight, value))
+    if isinstance(value, dict):
+        return 100 + IDENTITY_ENTRY_BYTES * len(value)
+    if isinstance(value, (str, bytes, ProtoMessage, Message)):
+        return _part_weight(value)
+    if is_dataclass(value):
+        weight = OBJECT_BYTES
+        # a record of normalized items: the excerpts it made are new text (few, and found by
+        # their positions); its other items are the checkpoint's, held by their own entries
+        normalized, excerpted = (getattr(value, "normalized", None),
+                                 getattr(value, "excerpted", None))
+        if isinstance(normalized, tuple) and isinstance(excerpted, tuple):
+            weight += sum(len(getattr(normalized[i], "content", "")) + OBJECT_BYTES
+                          for i in excerpted)
+        for f in fields(value):
+            v = getattr(value, f.name)
+            if isinstance(v, (str, bytes)):
+                weight += len(v) + 50
+            elif isinstance(v, (tuple, list, dict, set, frozenset)):
+                weight += 60 + SEQUENCE_ELEMENT_BYTES * len(v)
+            else:
+                weight += REFERENCE_BYTES
+        return weight
+    return OBJECT_BYTES
+
+
+class BoundedMemo(MutableMapping[Any, Any]):
+    """The render memo, bounded by the estimated bytes its entries keep alive (see the module's
+    doc). Keys are tuples whose first element is the session's key."""
+
+    def __init__(self, capacity_bytes: int,
+                 weigh: Callable[[Any], int] = memo_weight) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._weigh = weigh
+        self._data: dict[Any, Any] = {}
+        self._weights: dict[Any, int] = {}
+        # per session, least recently written first: its keys, and what they weigh
+        self._sessions: OrderedDict[Any, dict[Any, None]] = OrderedDict()
+        self._session_bytes: dict[Any, int] = {}
+        self.bytes = 0
+        # looked up on every Build for every item and message: at C speed
+        self.get = self._data.get  # type: ignore[method-assign]
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._data[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        session = key[0]
+        weight = self._weigh(value)
+        keys = self._sessions.get(session)
+        if keys is None:
+            keys = self._sessions[session] = {}
+            self._session_bytes[session] = 0
+        else:
+            self._sessions.move_to_end(session)
+        delta = weight - self._weights.get(key, 0)
+        keys[key] = None
+        self._data[key] = value
+        self._weights[key] = weight
+        self._session_bytes[session] += delta
+        self.bytes += delta
+        if self._session_bytes[session] > self.capacity_bytes // 2:
+            self.drop(session)  # begun again: this Build still holds what it uses
+        while self.bytes > self.capacity_bytes and self._sessions:
+            self.drop(next(iter(self._sessions)))
+
+    def __delitem__(self, key: Any) -> None:
+        del self._data[key]
+        session = key[0]
+        weight = self._weights.pop(key)
+        keys = self._sessions[session]
+        del keys[key]
+        self._session_bytes[session] -= weight
+        self.bytes -= weight
+        if not keys:
+            del self._sessions[session]
+            del self._session_bytes[session]
+
+    def drop(self, session: Any) -> None:
+        """Every entry of ``session`` (its key, the first element of each of its keys)."""
+        keys = self._sessions.pop(session, None)
+        if keys is None:
+            return
+        for key in keys:
+            del self._data[key]
+            del self._weights[key]
+        self.bytes -= self._session_bytes.pop(session)
+
+    def sessions(self) -> int:
+        return len(self._sessions)
+
+    def clear(self) -> None:
+        self._data.clear()
+        self._weights.clear()
+        self._sessions.clear()
+        self._session_bytes.clear()
+        self.bytes = 0

@@ -1,0 +1,114 @@
+"""The render memo's bound: entries weighed, sessions evicted whole, least recently written
+first, and the weights it holds always the sum of its entries' (a model of its own: a dict
+and a list, no eviction logic shared)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from context_engine.render_memo import BoundedMemo, memo_weight
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+def weigh(value: Any) -> int:
+    return int(value)
+
+
+def test_sessions_go_whole_least_recently_written_first() -> None:
+    memo = BoundedMemo(100, weigh=weigh)
+    memo[("a", 1)] = 20
+    memo[("b", 1)] = 20
+    memo[("a", 2)] = 20  # a written after b: b is the least recent
+    memo[("c", 1)] = 45  # 105 in all: b goes, whole
+    assert sorted(memo) == [("a", 1), ("a", 2), ("c", 1)] and memo.bytes == 85
+    memo[("d", 1)] = 30  # 115: a goes (both its entries), c and d stay
+    assert sorted(memo) == [("c", 1), ("d", 1)] and memo.bytes == 75
+    assert memo.sessions() == 2
+
+
+def test_a_session_over_half_the_capacity_is_begun_again() -> None:
+    memo = BoundedMemo(100, weigh=weigh)
+    memo[("a", 1)] = 10
+    memo[("b", 1)] = 30
+    memo[("b", 2)] = 25  # b at 55, over half: all of b dropped, a kept
+    assert sorted(memo) == [("a", 1)] and memo.bytes == 10
+    memo[("b", 3)] = 5
+    assert memo.get(("b", 3)) == 5 and memo.get(("b", 1)) is None
+
+
+def test_writing_a_key_again_weighs_it_again() -> None:
+    memo = BoundedMemo(100, weigh=weigh)
+    memo[("a", 1)] = 40
+    memo[("a", 1)] = 5
+    assert memo.bytes == 5
+    memo[("b", 1)] = 40
+    memo[("a", 2)] = 40  # 85: nothing to evict, had the first weight stayed counted it would
+    assert len(memo) == 3
+
+
+def test_deleting_popping_dropping_and_clearing_give_their_weight_back() -> None:
+    memo = BoundedMemo(1_000, weigh=weigh)
+    for k in range(4):
+        memo[("a", k)] = 10
+        memo[("b", k)] = 20
+    del memo[("a", 0)]
+    assert memo.pop(("b", 0)) == 20 and memo.pop(("b", 0), None) is None
+    assert memo.bytes == 3 * 10 + 3 * 20
+    memo.drop("a")
+    memo.drop("nobody")
+    assert memo.bytes == 60 and memo.sessions() == 1 and ("a", 1) not in memo
+    for k in (1, 2, 3):
+        del memo[("b", k)]
+    assert memo.bytes == 0 and memo.sessions() == 0
+    memo[("c", 1)] = 7
+    memo.clear()
+    assert (memo.bytes, len(memo), memo.sessions()) == (0, 0, 0)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.tuples(st.sampled_from(("set", "set", "set", "del", "drop")),
+                          st.sampled_from("abcd"), st.integers(0, 3), st.integers(0, 60)),
+                max_size=60))
+def test_the_memo_matches_a_model_of_its_rule(ops: list[tuple[str, str, int, int]]) -> None:
+    """Against a model: a dict of entries and a list of sessions, least recently written
+    first; after each write, a session over half the capacity is emptied, then sessions go
+    from the front while the total is over it."""
+    cap = 100
+    memo = BoundedMemo(cap, weigh=weigh)
+    entries: dict[tuple[str, int], int] = {}
+    order: list[str] = []
+    for op, session, k, weight in ops:
+        key = (session, k)
+        if op == "set":
+            memo[key] = weight
+            entries[key] = weight
+            if session in order:
+                order.remove(session)
+            order.append(session)
+            if sum(w for (t, _), w in entries.items() if t == session) > cap // 2:
+                entries = {e: w for e, w in entries.items() if e[0] != session}
+                order.remove(session)
+            while sum(entries.values()) > cap and order:
+                gone = order.pop(0)
+                entries = {e: w for e, w in entries.items() if e[0] != gone}
+        elif op == "del" and key in entries:
+            del memo[key]
+            del entries[key]
+            if not any(e[0] == session for e in entries):
+                order.remove(session)
+        elif op == "drop":
+            memo.drop(session)
+            entries = {e: w for e, w in entries.items() if e[0] != session}
+            if session in order:
+                order.remove(session)
+        assert dict(memo.items()) == entries
+        assert memo.bytes == sum(entries.values())
+        assert memo.sessions() == len(order)
+
+
+def test_an_entry_weighs_what_it_holds() -> None:
+    """Text and bytes count in full wherever an entry holds them, one level down."""
+    small, large = memo_weight(("x", b"y")), memo_weight(("x" * 10_000, b"y" * 5_000))
+    assert large - small == 10_000 - 1 + 5_000 - 1
+    assert memo_weight({1: 1, 2: 2}) - memo_weight({}) == 2 * 150
