@@ -47,6 +47,7 @@ from context_engine.domain.items import (
 )
 from context_engine.domain.trust import Region, TrustLevel
 from context_engine.engine import BoundedMemo, Engine
+from context_engine.render_memo import memo_weight
 from context_engine.v1 import context_engine_pb2 as pb
 from google.protobuf.message import Message as ProtoMessage
 
@@ -160,6 +161,9 @@ def test_builds_with_the_memo_are_the_builds_without_it() -> None:
                 served(lp, cp, None, messages=slice(1, None, 2), prefix=False)
     # the runs above went down the ladder: pointers and a history cut were memoized too
     assert {"knowledge", "tool_results", "history"} <= yielded
+    # what the memo counts is what its entries weigh now: none grew after it was weighed (the
+    # identity maps, filled in during a build, are written again at its end)
+    assert memo.bytes == sum(map(memo_weight, memo.values())) > 0
 
 
 def test_one_checkpoint_object_built_for_two_sessions_and_factors() -> None:
