@@ -13,6 +13,7 @@ import grpc
 import pytest
 from context_engine.api.servicer import ContextEngineServicer
 from context_engine.build_cache import BuildBase
+from context_engine.domain.canonical import session_key
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from google.rpc import error_details_pb2
@@ -228,10 +229,19 @@ def test_erased_session_forgets_its_bases(stub: pb_grpc.ContextEngineStub,
     first = whole(stub, session, opening())
     builds = srv.running.engine.builds
     assert builds.get(TENANT, session, first.build_id) is not None
+    memo = srv.running.engine.render_memo
+    key = session_key(TENANT, session)
+
+    def memoized() -> int:
+        return sum(1 for k in memo if k[0] == key)
+
+    assert memoized() > 0
     stub.DeleteSession(pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session),
                        timeout=30)
-    # its content leaves this process's memory with it, not only its use
+    # its content leaves this process's memory with it, not only its use: its bases, and
+    # what the render memo holds of it
     assert builds.get(TENANT, session, first.build_id) is None
+    assert memoized() == 0
     stub.Plan(plan_request(TENANT, session), timeout=30)
     with pytest.raises(grpc.RpcError) as err:
         incremental(stub, session, first.build_id, 1, turn(1))
