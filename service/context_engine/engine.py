@@ -368,6 +368,9 @@ class _ErasedMeanwhile(Exception):
     so nothing is written)."""
 
 
+FORGOTTEN_KEPT = 4_096  # the sessions forgotten most recently whose turn is remembered
+
+
 class Engine:
     def __init__(self, *, store: PlanStore, events: EventLog, calibrations: CalibrationStore,
                  catalog: ModelCatalog, tokenizers: TokenizerRegistry, assets: PlatformAssets,
@@ -398,6 +401,10 @@ class Engine:
         self._factors: dict[tuple[str, str], tuple[float, float]] = {}
         # runs bound to their snapshot: (tenant, session, incarnation, epoch, run id)
         self._snapshot_runs: OrderedDict[tuple[str, str, int, int, str], None] = OrderedDict()
+        # sessions forgotten (erased), counted, and when each last was: a Build that ran
+        # meanwhile forgets again what it kept of one (``forgotten_since``)
+        self.forgets = 0
+        self._forgotten: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.render_memo = BoundedMemo(render_memo_bytes)
         # the bases of incremental Builds (BuildRequest.base_build_id), per process
         self.builds = BuildCache(build_cache_bytes)
@@ -1023,3 +1030,18 @@ class Engine:
         for key in [k for k in self._snapshot_runs if k[0] == tenant_id and k[1] == session_id]:
             del self._snapshot_runs[key]
         self.render_memo.drop(session_key(tenant_id, session_id))
+        self.forgets += 1
+        self._forgotten[(tenant_id, session_id)] = self.forgets
+        self._forgotten.move_to_end((tenant_id, session_id))
+        while len(self._forgotten) > FORGOTTEN_KEPT:
+            self._forgotten.popitem(last=False)
+
+    def forgotten_since(self, tenant_id: str, session_id: str, mark: int) -> bool:
+        """Whether this process forgot the session after ``mark`` (``forgets`` when a call
+        began): what the call keeps of it afterwards is to be forgotten too. True as well when
+        more sessions were forgotten since than are remembered (forgetting again is harmless)."""
+        if self.forgets == mark:
+            return False
+        if self.forgets - mark > FORGOTTEN_KEPT:
+            return True
+        return self._forgotten.get((tenant_id, session_id), 0) > mark

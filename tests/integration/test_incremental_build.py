@@ -4,6 +4,8 @@ independent reading of the contract) it equals the response to the whole checkpo
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -246,6 +248,51 @@ def test_erased_session_forgets_its_bases(stub: pb_grpc.ContextEngineStub,
     with pytest.raises(grpc.RpcError) as err:
         incremental(stub, session, first.build_id, 1, turn(1))
     assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
+
+
+def test_a_build_running_while_its_session_is_erased_keeps_nothing_of_it(
+        stub: pb_grpc.ContextEngineStub, srv: ServerThread,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Build waits on the database (its snapshot binding, its pressure event) after it has
+    rendered the session's items into the memo and before it keeps its base: an erasure that
+    lands in that wait drops what the process holds then, and the Build, once it goes on,
+    leaves nothing of the session behind either."""
+    session = "erased-meanwhile"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    engine = srv.running.engine
+    entered, release = threading.Event(), threading.Event()
+    original = engine._snapshot_used
+
+    async def held(loaded: Any, run_id: str) -> None:
+        entered.set()
+        await asyncio.to_thread(release.wait, 30)
+        await original(loaded, run_id)
+
+    monkeypatch.setattr(engine, "_snapshot_used", held)
+    outcome: list[Any] = []
+
+    def build() -> None:
+        try:
+            outcome.append(whole(stub, session, opening() + turn(1)))
+        except grpc.RpcError as err:
+            outcome.append(err)
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    try:
+        assert entered.wait(30)
+        key = session_key(TENANT, session)
+        assert any(k[0] == key for k in engine.render_memo)  # rendered before the wait
+        stub.DeleteSession(pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session),
+                           timeout=30)
+    finally:
+        release.set()
+        builder.join(60)
+    # it answers (its plan was read before the erasure), and what it kept is gone
+    assert outcome and isinstance(outcome[0], pb.BuildResponse), outcome
+    assert outcome[0].build_id
+    assert engine.builds.get(TENANT, session, outcome[0].build_id) is None
+    assert not any(k[0] == key for k in engine.render_memo)
 
 
 def test_a_base_pushed_out_is_freed_after_its_build_answers_not_inside_it(

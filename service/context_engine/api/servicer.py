@@ -332,9 +332,17 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
         async def read_again_if_replanned(record: CallRecord) -> pb.BuildResponse:
             # a run's snapshot binding may find the session erased and planned again since
             # this replica cached the plan the Build named: made again on the plan read now
-            return await self._engine.once_more_if_replanned(
-                request.tenant_id, request.session_id, request.epoch or None,
-                lambda: call(record))
+            mark = self._engine.forgets
+            try:
+                return await self._engine.once_more_if_replanned(
+                    request.tenant_id, request.session_id, request.epoch or None,
+                    lambda: call(record))
+            finally:
+                # a session erased while this Build ran (it waits on the database) loses
+                # what the Build kept of it after the erasure dropped it: its renderings in
+                # the memo, the base it kept
+                if self._engine.forgotten_since(request.tenant_id, request.session_id, mark):
+                    self._engine.forget_session(request.tenant_id, request.session_id)
         return await self._run("Build", context, read_again_if_replanned)
 
     async def ReportUsage(self, request: pb.ReportUsageRequest,
