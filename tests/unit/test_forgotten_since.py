@@ -1,0 +1,38 @@
+"""Engine.forgotten_since: whether a session was forgotten (erased) after a call's mark, so
+that a Build that ran meanwhile forgets again what it kept of it, and only of it."""
+
+from __future__ import annotations
+
+from context_engine.engine import FORGOTTEN_KEPT, Engine
+
+from tests import factories as f
+
+
+def engine() -> Engine:
+    return Engine(store=None, events=None, calibrations=None,  # type: ignore[arg-type]
+                  catalog=f.CATALOG, tokenizers=f.REGISTRY, assets=f.ASSETS,
+                  control_tools=f.CONTROL_TOOLS, metrics=None)  # type: ignore[arg-type]
+
+
+def test_only_the_session_forgotten_after_the_mark_is() -> None:
+    e = engine()
+    e.forget_session("t", "before")
+    mark = e.forgets
+    assert not e.forgotten_since("t", "a", mark)  # nothing forgotten since
+    e.forget_session("t", "a")
+    assert e.forgotten_since("t", "a", mark)
+    assert not e.forgotten_since("t", "b", mark)  # another session's erasure
+    assert not e.forgotten_since("t", "before", mark)  # forgotten before the call began
+    assert not e.forgotten_since("u", "a", mark)  # another tenant's session of that name
+    later = e.forgets
+    e.forget_session("t", "b")
+    assert not e.forgotten_since("t", "a", later) and e.forgotten_since("t", "b", later)
+
+
+def test_past_what_is_remembered_every_session_counts_as_forgotten() -> None:
+    e = engine()
+    mark = e.forgets
+    for k in range(FORGOTTEN_KEPT + 1):
+        e.forget_session("t", f"s{k}")
+    assert e.forgotten_since("t", "never", mark)  # not known either way: forget (harmless)
+    assert not e.forgotten_since("t", "never", e.forgets - 1)
