@@ -612,6 +612,14 @@ class Engine:
             raise SessionNotFound(tenant_id, session_id, epoch)
         return await self.loaded(tenant_id, session_id, epoch, incarnation=found)
 
+    def _forget_erased(self, tenant_id: str, session_id: str, found: int | None) -> None:
+        """A session found erased (by any replica), and planned again as incarnation ``found``
+        if not None: its cached plans, its bases of older incarnations and its renderings (the
+        render memo keeps no incarnation; a new one's are made again) leave this process."""
+        self.cache.forget(tenant_id, session_id)
+        self.builds.forget(tenant_id, session_id, before=found)
+        self.render_memo.drop(session_key(tenant_id, session_id))
+
     async def loaded(self, tenant_id: str, session_id: str, epoch: int | None, *,
                      incarnation: int | None = None) -> LoadedPlan:
         """The verified plan of the session's current epoch (``epoch`` None), or of ``epoch``.
@@ -625,8 +633,8 @@ class Engine:
         if epoch is None:
             current = await self._store.current(tenant_id, session_id)
             if current is None:
-                self.cache.forget(tenant_id, session_id)  # erased, maybe by another replica
-                self.builds.forget(tenant_id, session_id)
+                # erased, maybe by another replica
+                self._forget_erased(tenant_id, session_id, None)
                 raise SessionNotFound(tenant_id, session_id)
             hit = self.cache.get((tenant_id, session_id, current.incarnation, current.epoch),
                                  verified_at=self._clock.monotonic())
@@ -648,8 +656,7 @@ class Engine:
             if found == hit.plan.incarnation:
                 self.cache.get(key, verified_at=now)
                 return hit
-            self.cache.forget(tenant_id, session_id)  # erased (and maybe planned again)
-            self.builds.forget(tenant_id, session_id, before=found)
+            self._forget_erased(tenant_id, session_id, found)  # (and maybe planned again)
             if found is None:
                 raise SessionNotFound(tenant_id, session_id, epoch)
         return await self._load(tenant_id, session_id, epoch)
@@ -847,8 +854,7 @@ class Engine:
             try:
                 return await attempt()
             except IncarnationChanged as changed:
-                self.cache.forget(tenant_id, session_id)
-                self.builds.forget(tenant_id, session_id, before=changed.found)
+                self._forget_erased(tenant_id, session_id, changed.found)
         raise SessionNotFound(tenant_id, session_id, epoch)
 
     async def report_usage(self, report: UsageReport) -> UsageOutcome:

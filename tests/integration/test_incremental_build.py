@@ -426,8 +426,8 @@ def test_a_build_naming_its_epoch_refuses_the_erased_base_once_past_the_plan_ttl
 
 def test_a_replica_that_finds_the_session_erased_drops_its_bases(
         replicas: tuple[ServerThread, ServerThread, StepClock]) -> None:
-    """B answers NOT_FOUND for a session erased through A, and forgets its bases with it
-    (whether the Build named a base or not)."""
+    """B answers NOT_FOUND for a session erased through A, and forgets its bases and its
+    renderings with it (whether the Build named a base or not)."""
     a_server, b_server, _ = replicas
     session = "erased-not-planned"
     with grpc.insecure_channel(a_server.address) as ca, \
@@ -437,12 +437,15 @@ def test_a_replica_that_finds_the_session_erased_drops_its_bases(
         first = b.Build(request(session, opening()), timeout=30)
         builds = b_server.running.engine.builds
         assert builds.get(TENANT, session, first.build_id) is not None
+        memo, key = b_server.running.engine.render_memo, session_key(TENANT, session)
+        assert any(k[0] == key for k in memo)
         a.DeleteSession(pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session),
                         timeout=30)
         with pytest.raises(grpc.RpcError) as err:
             b.Build(request(session, opening()), timeout=30)
         assert err.value.code() is grpc.StatusCode.NOT_FOUND
         assert builds.get(TENANT, session, first.build_id) is None
+        assert not any(k[0] == key for k in memo)
 
 
 def test_a_small_cache_evicts_and_the_base_is_unknown(database_url: str) -> None:
