@@ -36,3 +36,13 @@ def test_past_what_is_remembered_every_session_counts_as_forgotten() -> None:
         e.forget_session("t", f"s{k}")
     assert e.forgotten_since("t", "never", mark)  # not known either way: forget (harmless)
     assert not e.forgotten_since("t", "never", e.forgets - 1)
+
+
+def test_a_build_dropping_what_it_kept_is_no_erasure_of_its_own() -> None:
+    """A Build that ran across an erasure drops what it kept without counting as one: the
+    session's other Builds, begun after the erasure, keep what they keep (no cascade)."""
+    e = engine()
+    e.forget_session("t", "a")
+    after = e.forgets
+    e.forget_session("t", "a", counted=False)
+    assert e.forgets == after and not e.forgotten_since("t", "a", after)

@@ -342,7 +342,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 # what the Build kept of it after the erasure dropped it: its renderings in
                 # the memo, the base it kept
                 if self._engine.forgotten_since(request.tenant_id, request.session_id, mark):
-                    self._engine.forget_session(request.tenant_id, request.session_id)
+                    self._engine.forget_session(request.tenant_id, request.session_id,
+                                                counted=False)
         return await self._run("Build", context, read_again_if_replanned)
 
     async def ReportUsage(self, request: pb.ReportUsageRequest,
