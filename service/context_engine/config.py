@@ -218,7 +218,7 @@ class Config(BaseSettings):
     build_cache_mb: Annotated[Int, Field(ge=0, le=1_048_576)] = 256
     # what Build's render memo keeps of sessions' mapped items, renderings and wire forms
     # (estimated MiB; least recently built session out first); 0 keeps nothing
-    render_memo_mb: Annotated[Int, Field(ge=0, le=1_048_576)] = 512
+    render_memo_mb: Annotated[Int, Field(ge=0, le=1_048_576)] = 256
     log_level: Annotated[str, AfterValidator(_log_level)] = "INFO"
     safety_margin_ratio: Annotated[Float, Field(ge=0, lt=0.5)] = 0.05
     policy_cap_tokens: Annotated[Int, Field(ge=0)] = 0  # 0: the model window is the only limit

@@ -377,7 +377,7 @@ class Engine:
                  control_tools: dict[str, ToolSpec], metrics: Metrics,
                  policy: BudgetPolicy = DEFAULT_POLICY, plan_cache_size: int = 4096,
                  plan_cache_ttl: float = 60.0,
-                 calibration_ttl: float = 5.0, render_memo_bytes: int = 512 * 1024 * 1024,
+                 calibration_ttl: float = 5.0, render_memo_bytes: int = 256 * 1024 * 1024,
                  build_cache_bytes: int = 256 * 1024 * 1024,
                  clock: Clock = SYSTEM_CLOCK,
                  compactions: CompactionStore | None = None,
