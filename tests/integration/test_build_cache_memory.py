@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
+from collections.abc import Callable
 
 import grpc
 import pytest
+from context_engine.config import Config
+from context_engine.engine import Engine
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
@@ -27,40 +30,56 @@ def items(n: int, text: str) -> list[pb.ConversationItem]:
             for i in range(n)]
 
 
+def counted_then_freed(database_url: str, config: Config, sessions: list[str],
+                       fill: Callable[[pb_grpc.ContextEngineStub, str], None],
+                       counted: Callable[[Engine], int], free: Callable[[Engine], None]) -> None:
+    """Each session planned and ``fill``-ed on a server of ``config``: what the cache counts
+    then is at least what ``free`` frees (tracemalloc), and less than twice that (an estimate,
+    not a wild one)."""
+    server = ServerThread(config, database_url)
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+            engine = server.running.engine
+            for session in sessions:
+                stub.Plan(plan_request(TENANT, session), timeout=30)
+            engine.render_memo.clear()
+            tracemalloc.start()
+            try:
+                for session in sessions:
+                    fill(stub, session)
+                if engine.builds.stats().entries:  # measuring the bases: they alone hold it
+                    engine.render_memo.clear()
+                gc.collect()
+                before = tracemalloc.get_traced_memory()[0]
+                held = counted(engine)
+                free(engine)
+                gc.collect()
+                freed = before - tracemalloc.get_traced_memory()[0]
+            finally:
+                tracemalloc.stop()
+            assert freed > 0 and freed <= held, (held, freed)
+            assert held < 2 * freed, (held, freed)
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize(("text", "n"), [("ok", 2_000), ("word " * 40, 800)])
 def test_freeing_the_bases_frees_no_more_than_they_counted(database_url: str, text: str,
                                                            n: int) -> None:
     """Short items, where the objects outweigh the bytes, counted 2.9x too low before the
     per-object overheads; long ones 1.5x."""
-    server = ServerThread(base_config().replace(build_cache_mb=64), database_url)
-    try:
-        with grpc.insecure_channel(server.address) as channel:
-            stub = pb_grpc.ContextEngineStub(channel)
-            engine = server.running.engine
-            sessions = [f"memory-{k}" for k in range(3)]
-            for session in sessions:
-                stub.Plan(plan_request(TENANT, session), timeout=30)
-            tracemalloc.start()
-            try:
-                for session in sessions:
-                    req = build_request(TENANT, session, items(n, text))
-                    req.keep_base = True
-                    req.provider_format = pb.PROVIDER_FORMAT_NONE
-                    assert stub.Build(req, timeout=60).build_id
-                engine.render_memo.clear()
-                gc.collect()
-                before = tracemalloc.get_traced_memory()[0]
-                counted = engine.builds.stats().bytes
-                assert engine.builds.stats().entries == len(sessions)
-                engine.builds.clear()
-                gc.collect()
-                freed = before - tracemalloc.get_traced_memory()[0]
-            finally:
-                tracemalloc.stop()
-            assert freed > 0 and freed <= counted, (counted, freed)
-            assert counted < 2 * freed, (counted, freed)  # an estimate, not a wild one
-    finally:
-        server.stop()
+
+    def fill(stub: pb_grpc.ContextEngineStub, session: str) -> None:
+        req = build_request(TENANT, session, items(n, text))
+        req.keep_base = True
+        req.provider_format = pb.PROVIDER_FORMAT_NONE
+        assert stub.Build(req, timeout=60).build_id
+
+    counted_then_freed(database_url, base_config().replace(build_cache_mb=64),
+                       [f"memory-{k}" for k in range(3)], fill,
+                       lambda engine: engine.builds.stats().bytes,
+                       lambda engine: engine.builds.clear())
 
 
 def tool_items(n: int, text: str) -> list[pb.ConversationItem]:
@@ -85,33 +104,15 @@ def test_freeing_the_render_memo_frees_no_more_than_it_counted(
     """The render memo's byte bound, the same way: its sessions' entries the only holders of
     what they keep (no base kept), freeing the memo frees no more than it counted (1.2x, 1.4x
     and 1.4x what it freed, when this was written)."""
-    server = ServerThread(base_config().replace(build_cache_mb=0), database_url)
-    try:
-        with grpc.insecure_channel(server.address) as channel:
-            stub = pb_grpc.ContextEngineStub(channel)
-            engine = server.running.engine
-            sessions = [f"memo-{kind}-{n}-{k}" for k in range(3)]
-            for session in sessions:
-                stub.Plan(plan_request(TENANT, session), timeout=30)
-            engine.render_memo.clear()
-            tracemalloc.start()
-            try:
-                for session in sessions:
-                    content = items(n, text) if kind == "messages" else tool_items(n, text)
-                    stub.Build(build_request(TENANT, session, content), timeout=60)
-                gc.collect()
-                before = tracemalloc.get_traced_memory()[0]
-                counted = engine.render_memo.bytes
-                assert engine.render_memo.sessions() == len(sessions)
-                engine.render_memo.clear()
-                gc.collect()
-                freed = before - tracemalloc.get_traced_memory()[0]
-            finally:
-                tracemalloc.stop()
-            assert freed > 0 and freed <= counted, (counted, freed)
-            assert counted < 2 * freed, (counted, freed)  # an estimate, not a wild one
-    finally:
-        server.stop()
+
+    def fill(stub: pb_grpc.ContextEngineStub, session: str) -> None:
+        content = items(n, text) if kind == "messages" else tool_items(n, text)
+        stub.Build(build_request(TENANT, session, content), timeout=60)
+
+    counted_then_freed(database_url, base_config().replace(build_cache_mb=0),
+                       [f"memo-{kind}-{n}-{k}" for k in range(3)], fill,
+                       lambda engine: engine.render_memo.bytes,
+                       lambda engine: engine.render_memo.clear())
 
 
 @pytest.mark.parametrize("memo_mb", [0, 1])
