@@ -21,6 +21,7 @@ from context_engine.api import mapping
 from context_engine.domain import canonical
 from context_engine.domain.budget import elided
 from context_engine.domain.builder import (
+    IDENTITY,
     build,
     checkpoint_violations,
     in_row_order,
@@ -164,6 +165,24 @@ def test_builds_with_the_memo_are_the_builds_without_it() -> None:
     # what the memo counts is what its entries weigh now: none grew after it was weighed (the
     # identity maps, filled in during a build, are written again at its end)
     assert memo.bytes == sum(map(memo_weight, memo.values())) > 0
+
+
+def test_a_memo_that_drops_the_session_mid_build_keeps_no_identity_map_of_it() -> None:
+    """A memo too small for the session drops it during its Builds (half the capacity): an
+    identity map it holds points only at renderings it also holds (else the map alone keeps
+    them alive, counted at a fraction of their size)."""
+    memo = BoundedMemo(200_000)
+    lp = loaded("small-memo")
+    items = conversation(12, "SMALL")
+    for turn in range(6, len(items) + 1, 6):
+        sent = list(items[:turn])
+        while sent[-1].WhichOneof("kind") == "tool_calls":
+            sent.pop()
+        served(lp, checkpoint_pb(sent), memo)
+        for key, seen in list(memo.items()):
+            if key[1] == IDENTITY:
+                for hit in seen.values():
+                    assert memo.get((key[0], key[2], hit[0])) is hit[1], turn
 
 
 def test_one_checkpoint_object_built_for_two_sessions_and_factors() -> None:

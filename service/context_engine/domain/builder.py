@@ -749,8 +749,12 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         assert_paired(request)
     else:
         assert_paired_since(request, cast(MutableMapping[Any, Any], memo), (session, PAIRED))
-        # written again, so that a memo that weighs its entries sees what the map now holds
-        cast(MutableMapping[Any, Any], memo)[(session, IDENTITY, encoding)] = seen
+        # written again, so that a memo that weighs its entries sees what the map now holds;
+        # not when the memo dropped the session meanwhile (the renderings the map points to
+        # went with it: written back, it alone would hold them, weighed as if it did not)
+        identity_key = (session, IDENTITY, encoding)
+        if cast(MutableMapping[Any, Any], memo).get(identity_key) is seen:
+            cast(MutableMapping[Any, Any], memo)[identity_key] = seen
     ttl = plan.spec.cache_ttl
     marks = [CacheBreakpoint(name="after_system", ttl=ttl),
              CacheBreakpoint(name="after_tools", ttl=ttl),
