@@ -95,9 +95,8 @@ class BoundedMemo(MutableMapping[Any, Any]):
         self.capacity_bytes = capacity_bytes
         self._weigh = weigh
         self._data: dict[Any, Any] = {}
-        self._weights: dict[Any, int] = {}
-        # per session, least recently written first: its keys, and what they weigh
-        self._sessions: OrderedDict[Any, dict[Any, None]] = OrderedDict()
+        # per session, least recently written first: its keys with their weights, and their sum
+        self._sessions: OrderedDict[Any, dict[Any, int]] = OrderedDict()
         self._session_bytes: dict[Any, int] = {}
         self.bytes = 0
         # looked up on every Build for every item and message: at C speed
@@ -124,10 +123,9 @@ class BoundedMemo(MutableMapping[Any, Any]):
             self._session_bytes[session] = 0
         else:
             self._sessions.move_to_end(session)
-        delta = weight - self._weights.get(key, 0)
-        keys[key] = None
+        delta = weight - keys.get(key, 0)
+        keys[key] = weight
         self._data[key] = value
-        self._weights[key] = weight
         self._session_bytes[session] += delta
         self.bytes += delta
         if self._session_bytes[session] > self.capacity_bytes // 2:
@@ -138,9 +136,8 @@ class BoundedMemo(MutableMapping[Any, Any]):
     def __delitem__(self, key: Any) -> None:
         del self._data[key]
         session = key[0]
-        weight = self._weights.pop(key)
         keys = self._sessions[session]
-        del keys[key]
+        weight = keys.pop(key)
         self._session_bytes[session] -= weight
         self.bytes -= weight
         if not keys:
@@ -154,7 +151,6 @@ class BoundedMemo(MutableMapping[Any, Any]):
             return
         for key in keys:
             del self._data[key]
-            del self._weights[key]
         self.bytes -= self._session_bytes.pop(session)
 
     def sessions(self) -> int:
@@ -162,7 +158,6 @@ class BoundedMemo(MutableMapping[Any, Any]):
 
     def clear(self) -> None:
         self._data.clear()
-        self._weights.clear()
         self._sessions.clear()
         self._session_bytes.clear()
         self.bytes = 0
