@@ -45,7 +45,8 @@ class BuildBase:
     incarnation: int
     build_id: str
     items: tuple[ConversationItem, ...]
-    # cumulative serialized sizes of the items: item_bytes[i] is the size of items[:i]
+    # cumulative sizes counted for the items: item_bytes[i] is items[:i]'s serialized size plus
+    # what their texts hold in memory beyond one byte per character (render_memo.wide_bytes)
     item_bytes: tuple[int, ...]
     messages: tuple[Message, ...]
     # what each message adds to the serialized ModelRequest (its field's tag, length and bytes)
@@ -60,11 +61,14 @@ class BuildBase:
     # the validation's scan state after all of items (a Build that appends to them resumes
     # it: only the items it adds are scanned); never scanned on, only forked
     scan: ItemScan | None = None
+    # each message's text's wide_bytes (in the order of messages); None: every text is ASCII
+    message_wide: tuple[int, ...] | None = None
 
     @property
     def size(self) -> int:
         held = self.scan.held if self.scan is not None else 0
-        return (self.item_bytes[-1] + self.response_bytes + SCAN_ID_BYTES * held
+        wide = sum(self.message_wide) if self.message_wide is not None else 0
+        return (self.item_bytes[-1] + self.response_bytes + wide + SCAN_ID_BYTES * held
                 + ITEM_OVERHEAD_BYTES * len(self.items)
                 + MESSAGE_OVERHEAD_BYTES * len(self.messages))
 

@@ -14,6 +14,7 @@ bounded mapping of the standard library or PyPI offers.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import fields, is_dataclass
@@ -21,6 +22,13 @@ from typing import Any
 
 from google.protobuf.message import Message as ProtoMessage
 
+from context_engine.domain.items import (
+    AssistantMessageItem,
+    ConversationItem,
+    ToolCallItem,
+    ToolResultItem,
+    UserMessageItem,
+)
 from context_engine.domain.request import Message
 
 OBJECT_BYTES = 200  # an object and its slots, roughly
@@ -28,16 +36,56 @@ REFERENCE_BYTES = 8
 IDENTITY_ENTRY_BYTES = 150  # one item's entry in a session's identity map (a list of six)
 SEQUENCE_ELEMENT_BYTES = 40  # an element of a sequence a session entry holds (a reference, an int)
 SHORT_SEQUENCE = 16  # an item's rendered messages, its counts: weighed element by element
+# a str of non-ASCII text: this, then its characters and a terminating 0 (1, 2 or 4 bytes each)
+_NON_ASCII_HEADER = sys.getsizeof("\u00e9") - 2
+
+
+def wide_bytes(text: str) -> int:
+    """What ``text`` holds in memory beyond one byte per character: 0 for ASCII. A str of
+    other text takes 1, 2 or 4 bytes per character, as its widest character needs (one emoji
+    makes an English text four bytes a character), and once it has been put in a protobuf
+    message, a copy of its UTF-8 too: both are counted, the copy whether made yet or not, so
+    the count is the same before and after (the width read from a fresh str, which has none).
+    A count of one byte per character (its UTF-8 size, or its length) plus this is at least
+    what the str holds."""
+    if text.isascii():
+        return 0
+    width = (sys.getsizeof(text + "\x00") - _NON_ASCII_HEADER) // (len(text) + 2)
+    return (_NON_ASCII_HEADER + width * (len(text) + 1) - len(text)
+            + len(text.encode("utf-8", "surrogatepass")) + 1)
+
+
+def item_wide_bytes(item: ConversationItem | None) -> int:
+    """:func:`wide_bytes` of the texts of a conversation item (its serialized size counts them
+    one byte per character at least)."""
+    if isinstance(item, ToolResultItem):
+        return wide_bytes(item.content) + wide_bytes(item.context_content)
+    if isinstance(item, (UserMessageItem, AssistantMessageItem)):
+        return wide_bytes(item.text)
+    if isinstance(item, ToolCallItem):
+        return sum(wide_bytes(c.arguments_json) for c in item.calls)
+    return 0
+
+
+def _text_weight(value: str | bytes) -> int:
+    if isinstance(value, bytes):
+        return len(value) + 33
+    # an ASCII str: its header (49 bytes) and a byte per character; any other: wide_bytes
+    # counts its header
+    return len(value) + (wide_bytes(value) or 49)
 
 
 def _message_weight(m: Message) -> int:
-    return (OBJECT_BYTES + len(m.text) + len(m.reasoning_opaque)
-            + sum(OBJECT_BYTES + len(c.arguments_json) for c in m.tool_calls))
+    return (OBJECT_BYTES + _text_weight(m.text) + len(m.reasoning_opaque)
+            + sum(OBJECT_BYTES + _text_weight(c.arguments_json) for c in m.tool_calls))
 
 
 def _part_weight(value: Any) -> int:
     if isinstance(value, (str, bytes)):
-        return len(value) + 50
+        return _text_weight(value)
+    if isinstance(value, ConversationItem):  # mapped from the wire, beside a copy of it (whose
+        # weight counts the item's objects and texts at one byte per character)
+        return item_wide_bytes(value)
     if isinstance(value, ProtoMessage):  # a copy of what was sent, and the item mapped from it
         return 2 * value.ByteSize() + 3 * OBJECT_BYTES
     if isinstance(value, Message):
@@ -47,7 +95,7 @@ def _part_weight(value: Any) -> int:
             # references to what the items hold (walking them cost a warm Build 0.6 ms)
             return 60 + REFERENCE_BYTES * len(value)
         return 60 + sum(_message_weight(v) if isinstance(v, Message)
-                        else len(v) + 50 if isinstance(v, (str, bytes))
+                        else _text_weight(v) if isinstance(v, (str, bytes))
                         else REFERENCE_BYTES for v in value)
     return REFERENCE_BYTES  # held by another entry, or small
 
@@ -72,12 +120,12 @@ def memo_weight(value: Any) -> int:
         normalized, excerpted = (getattr(value, "normalized", None),
                                  getattr(value, "excerpted", None))
         if isinstance(normalized, tuple) and isinstance(excerpted, tuple):
-            weight += sum(len(getattr(normalized[i], "content", "")) + OBJECT_BYTES
+            weight += sum(_text_weight(getattr(normalized[i], "content", "")) + OBJECT_BYTES
                           for i in excerpted)
         for f in fields(value):
             v = getattr(value, f.name)
             if isinstance(v, (str, bytes)):
-                weight += len(v) + 50
+                weight += _text_weight(v)
             elif isinstance(v, (tuple, list, dict, set, frozenset)):
                 weight += 60 + SEQUENCE_ELEMENT_BYTES * len(v)
             else:

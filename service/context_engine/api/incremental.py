@@ -17,7 +17,7 @@ from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, compress, repeat
 from itertools import count as count_from
-from operator import is_, is_not
+from operator import add, attrgetter, is_, is_not
 from typing import Any
 
 from context_engine.api import mapping
@@ -26,6 +26,7 @@ from context_engine.domain.builder import BuildResult, ItemScan
 from context_engine.domain.estimator import ModelCatalog
 from context_engine.domain.items import ConversationItem
 from context_engine.domain.request import Message
+from context_engine.render_memo import wide_bytes
 from context_engine.v1 import context_engine_pb2 as pb
 
 CHUNK = 1 << 16
@@ -42,12 +43,26 @@ class Answer:
     sent_messages: int  # messages the response carries (the others are the base's)
 
 
-def item_bytes(items: Sequence[pb.ConversationItem], base: BuildBase | None = None,
-               kept: int = 0) -> tuple[int, ...]:
-    """Cumulative serialized sizes (entry i: the size of the first i items): the base's first
-    ``kept`` items, then ``items``."""
+def item_bytes(items: Sequence[pb.ConversationItem], wides: Sequence[int],
+               base: BuildBase | None = None, kept: int = 0) -> tuple[int, ...]:
+    """Cumulative sizes a base counts its items for (entry i: the first i items'), each item's
+    serialized size plus its domain value's ``item_wide_bytes`` (``wides``, in order): the base's
+    first ``kept`` items, then ``items``."""
+    if len(wides) != len(items):
+        raise ValueError(f"{len(wides)} wide sizes for {len(items)} items")
     start = base.item_bytes[:kept + 1] if base is not None else (0,)
-    return (*start[:-1], *accumulate((it.ByteSize() for it in items), initial=start[-1]))
+    return (*start[:-1], *accumulate(map(add, (it.ByteSize() for it in items), wides),
+                                     initial=start[-1]))
+
+
+_TEXT = attrgetter("text")
+
+
+def message_wide(messages: Sequence[Message]) -> tuple[int, ...] | None:
+    """Each message's text's ``wide_bytes``; None when every text is ASCII (all 0)."""
+    if all(map(str.isascii, map(_TEXT, messages))):
+        return None
+    return tuple(wide_bytes(m.text) for m in messages)
 
 
 def message_spans(base: BuildBase, messages: Sequence[Message]
@@ -224,6 +239,7 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
         out = mapping.build_pb(result, provider_format, catalog=catalog, memo=memo)
         out.build_id = build_id
         message_entries = tuple(_entry(1, m.ByteSize()) for m in out.request.messages)
+        wide = message_wide(messages)
         prefix_bytes = out.request.ByteSize() - sum(message_entries)
         full_bytes = out.ByteSize()
         texts = _texts(out)
@@ -236,6 +252,7 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
                                memo=memo)
         out.build_id = build_id
         sent_entries = [_entry(1, m.ByteSize()) for m in out.request.messages]
+        sent_wide = message_wide([messages[j] for j in send])
         if spans:
             parts: list[int] = []
             taken = 0
@@ -247,8 +264,21 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
                 raise AssertionError(f"spans count {taken} messages sent, the response holds "
                                      f"{len(sent_entries)}")
             message_entries = tuple(parts)
+            if base.message_wide is None and sent_wide is None:
+                wide = None
+            else:  # in the order of message_entries
+                base_wide = base.message_wide or (0,) * len(base.message_entries)
+                new_wide = sent_wide or (0,) * len(sent_entries)
+                wide_parts: list[int] = []
+                taken = 0
+                for s, c, n in spans:
+                    wide_parts += base_wide[s:s + c]
+                    wide_parts += new_wide[taken:taken + n]
+                    taken += n
+                wide = tuple(wide_parts)
         else:
             message_entries = tuple(sent_entries)
+            wide = sent_wide
         sent_request = out.request.ByteSize()
         prefix_bytes = (base.prefix_bytes if prefix_from_base
                         else sent_request - sum(sent_entries))
@@ -276,7 +306,8 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
         sent = len(send)
     kept = BuildBase(tenant_id=tenant_id, session_id=session_id, incarnation=incarnation,
                      build_id=build_id, items=items, item_bytes=sizes, messages=messages,
-                     message_entries=message_entries, prefix=prefix, prefix_bytes=prefix_bytes,
+                     message_entries=message_entries, message_wide=wide,
+                     prefix=prefix, prefix_bytes=prefix_bytes,
                      texts=texts, response_bytes=full_bytes, scan=scan)
     if keeps is not None and not keeps(kept):
         out.ClearField("build_id")

@@ -112,6 +112,7 @@ from context_engine.engine import (
     UsageReport,
     WorkingStateCommand,
 )
+from context_engine.render_memo import item_wide_bytes
 from context_engine.v1 import context_engine_pb2 as pb
 
 MAX_ID_LENGTH = 256
@@ -515,44 +516,53 @@ _ITEM = "mapping:item"  # render-memo keys (session key, _ITEM, item id)
 
 
 def _memo_item(v: Violations, index: int, it: pb.ConversationItem,
-               memo: MutableMapping[Any, Any], session_key: str) -> ConversationItem | None:
+               memo: MutableMapping[Any, Any], session_key: str,
+               wides: list[int] | None) -> ConversationItem | None:
     """``_item(v, f"checkpoint.items[{index}]", it)``, remembered in ``memo`` under (session
     key, _ITEM, item id) with a copy of ``it``: an item equal to the copy maps to the same
     domain item (the same object, whose strings are hashed already) and the same violations,
-    under its index in this checkpoint."""
+    under its index in this checkpoint. Its ``item_wide_bytes`` is appended to ``wides``."""
     key = (session_key, _ITEM, it.id)
     found = memo.get(key)
     if found is None or found[0] != it:
         own = Violations()
         held = pb.ConversationItem()
         held.CopyFrom(it)
-        found = (held, _item(own, "", it), tuple((x.field, x.description) for x in own.items))
+        mapped = _item(own, "", it)
+        found = (held, mapped, tuple((x.field, x.description) for x in own.items),
+                 item_wide_bytes(mapped))
         memo[key] = found
     if found[2]:
         field = f"checkpoint.items[{index}]"
         for suffix, description in found[2]:
             v.add(field + suffix, description)
+    if wides is not None:
+        wides.append(found[3])
     item: ConversationItem | None = found[1]
     return item
 
 
 def checkpoint(v: Violations, cp: pb.Checkpoint, *, memo: MutableMapping[Any, Any] | None = None,
-               session_key: str = "", first_index: int = 0) -> Checkpoint:
+               session_key: str = "", first_index: int = 0,
+               wides: list[int] | None = None) -> Checkpoint:
     """The checkpoint as the domain's, its violations added to ``v``. With ``memo`` (the
     engine's render memo) and the session's key, each item's mapping is kept for the next Build
     of the session, which sends the same items again (see :func:`_memo_item`); the session's
     erasure drops them with its renderings. ``first_index``: the position of ``cp.items[0]``
     in the whole checkpoint (an incremental Build's: the base items it keeps), which names the
-    items in violations."""
+    items in violations. ``wides``: each item's ``item_wide_bytes`` is appended to it (what a
+    kept base counts its items for beyond their serialized sizes)."""
     if _bad_reference(cp.active_run_id):
         v.add("checkpoint.active_run_id", _REFERENCE_RULE)
     if memo is None:
         items = [_item(v, f"checkpoint.items[{i}]", it)
                  for i, it in enumerate(cp.items, first_index)]
+        if wides is not None:
+            wides.extend(map(item_wide_bytes, items))
     else:
         if not session_key:
             raise ValueError("a memo of item mappings is kept per session: name its key")
-        items = [_memo_item(v, i, it, memo, session_key)
+        items = [_memo_item(v, i, it, memo, session_key, wides)
                  for i, it in enumerate(cp.items, first_index)]
     skills = tuple(SkillBody(name=s.name, body=s.body,
                              trust=v.trust(f"checkpoint.loaded_skills[{i}].trust", s.trust))

@@ -220,9 +220,11 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 memo = self._engine.render_memo if record.session_key else None
                 # an item is named by its position in the whole checkpoint (the base's first
                 # items, then those sent): a refusal is the whole Build's, field for field
+                wides: list[int] = []  # what a kept base counts the items for beyond bytes
                 checkpoint = mapping.checkpoint(v, request.checkpoint, memo=memo,
                                                 session_key=record.session_key,
-                                                first_index=kept if base is not None else 0)
+                                                first_index=kept if base is not None else 0,
+                                                wides=wides)
                 if base is not None:
                     checkpoint = replace(checkpoint,
                                          items=base.items[:kept] + checkpoint.items)
@@ -299,7 +301,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                             session_id=request.session_id,
                             incarnation=loaded.plan.incarnation, items=checkpoint.items,
                             scan=scan,
-                            sizes=incremental.item_bytes(request.checkpoint.items, base, kept),
+                            sizes=incremental.item_bytes(request.checkpoint.items, wides,
+                                                         base, kept),
                             base=base, memo=self._engine.render_memo, keeps=builds.fits)
                         response = answer.response
                     else:  # nothing kept: no build_id, the same bytes as any whole Build
