@@ -6,6 +6,7 @@ keys, never copied), the messages of its response (the same objects the render m
 so a later response finds them again by identity) and the UTF-8 bytes of its JSON bodies. The
 cache is bounded by an estimate of the bytes it holds (each base counts its checkpoint's and its
 response's serialized sizes in full, although bases of one session share most of their items,
+plus what their non-ASCII texts hold beyond a byte per character (``render_memo.wide_bytes``),
 the objects that hold them at ``ITEM_OVERHEAD_BYTES`` per item and ``MESSAGE_OVERHEAD_BYTES``
 per message, and its checkpoint's scan state at ``SCAN_ID_BYTES`` per id held; a base that is
 the only holder of its objects counts at least what freeing it frees)

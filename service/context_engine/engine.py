@@ -615,10 +615,13 @@ class Engine:
     def _forget_erased(self, tenant_id: str, session_id: str, found: int | None) -> None:
         """A session found erased (by any replica), and planned again as incarnation ``found``
         if not None: its cached plans, its bases of older incarnations and its renderings (the
-        render memo keeps no incarnation; a new one's are made again) leave this process."""
+        render memo keeps no incarnation; a new one's are made again) leave this process, and
+        so does what a Build of the session running meanwhile keeps of it (``forgotten_since``):
+        the erasure may have come through another replica while that Build ran here."""
         self.cache.forget(tenant_id, session_id)
         self.builds.forget(tenant_id, session_id, before=found)
         self.render_memo.drop(session_key(tenant_id, session_id))
+        self._count_forgotten(tenant_id, session_id)
 
     async def loaded(self, tenant_id: str, session_id: str, epoch: int | None, *,
                      incarnation: int | None = None) -> LoadedPlan:
@@ -1039,8 +1042,10 @@ class Engine:
         for key in [k for k in self._snapshot_runs if k[0] == tenant_id and k[1] == session_id]:
             del self._snapshot_runs[key]
         self.render_memo.drop(session_key(tenant_id, session_id))
-        if not counted:
-            return
+        if counted:
+            self._count_forgotten(tenant_id, session_id)
+
+    def _count_forgotten(self, tenant_id: str, session_id: str) -> None:
         self.forgets += 1
         self._forgotten[(tenant_id, session_id)] = self.forgets
         self._forgotten.move_to_end((tenant_id, session_id))

@@ -106,7 +106,8 @@ def tool_items(n: int, text: str) -> list[pb.ConversationItem]:
                                                  ("messages", "word " * 40, 800),
                                                  ("tools", "data " * 200, 300),
                                                  ("messages", "word \U0001f642 " * 40, 800),
-                                                 ("tools", "data \u4e2d " * 200, 300)])
+                                                 ("tools", "data \u4e2d " * 200, 300),
+                                                 ("tools", "data \U0001f642 " * 200, 300)])
 def test_freeing_the_render_memo_frees_no_more_than_it_counted(
         database_url: str, kind: str, text: str, n: int) -> None:
     """The render memo's byte bound, the same way: its sessions' entries the only holders of

@@ -341,8 +341,12 @@ def test_a_new_run_naming_an_epoch_cached_from_the_erased_session_is_bound_to_th
     request.checkpoint.active_run_id = "run-2"
     for it in request.checkpoint.items:
         it.run_id = "run-2"
+    request.keep_base = True
     built = r.b.stub.Build(request, timeout=30)
     assert built.prefix_sha256 == new.prefix_sha256
+    # made again on the new session's plan, it keeps its base (the erased one's are gone)
+    kept = r.b.server.running.engine.builds.peek(tenant, session, built.build_id)
+    assert kept is not None
     text = json.dumps([b.text for b in built.request.prefix_blocks])
     assert "likes coffee" in text and "likes tea" not in text
     used = db.fetch("SELECT payload->>'run_id' AS run, payload->>'recall_trace_id' AS trace "

@@ -295,6 +295,57 @@ def test_a_build_running_while_its_session_is_erased_keeps_nothing_of_it(
     assert not any(k[0] == key for k in engine.render_memo)
 
 
+def test_a_build_running_while_another_replica_erases_its_session_keeps_nothing_of_it(
+        database_url: str, stub: pb_grpc.ContextEngineStub, srv: ServerThread,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same, the session erased through another replica: this one learns of it when a call
+    reads the session (here GetPlan, NOT_FOUND) while the Build waits, and drops what it holds
+    of the session then; the Build, once it goes on, leaves nothing of it behind either."""
+    session = "erased-elsewhere-meanwhile"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    engine = srv.running.engine
+    entered, release = threading.Event(), threading.Event()
+    original = engine._snapshot_used
+
+    async def held(loaded: Any, run_id: str) -> None:
+        entered.set()
+        await asyncio.to_thread(release.wait, 30)
+        await original(loaded, run_id)
+
+    monkeypatch.setattr(engine, "_snapshot_used", held)
+    outcome: list[Any] = []
+
+    def build() -> None:
+        try:
+            outcome.append(whole(stub, session, opening() + turn(1)))
+        except grpc.RpcError as err:
+            outcome.append(err)
+
+    other = ServerThread(base_config(), database_url)
+    builder = threading.Thread(target=build)
+    builder.start()
+    try:
+        assert entered.wait(30)
+        key = session_key(TENANT, session)
+        assert any(k[0] == key for k in engine.render_memo)  # rendered before the wait
+        with grpc.insecure_channel(other.address) as channel:
+            pb_grpc.ContextEngineStub(channel).DeleteSession(
+                pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session), timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session), timeout=30)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert not any(k[0] == key for k in engine.render_memo)  # dropped on learning it
+    finally:
+        release.set()
+        builder.join(60)
+        other.stop()
+    assert outcome, "the Build never answered"
+    if isinstance(outcome[0], pb.BuildResponse):
+        assert engine.builds.get(TENANT, session, outcome[0].build_id) is None
+    assert not any(k[0] == key for k in engine.render_memo)
+    assert engine.builds.peek(TENANT, session, "") is None
+
+
 def test_a_base_pushed_out_is_freed_after_its_build_answers_not_inside_it(
         database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Build that pushes a base out of the cache (here the session's fifth: four are kept)
@@ -449,7 +500,7 @@ def test_a_replica_that_finds_the_session_erased_drops_its_bases(
 
 
 def test_a_small_cache_evicts_and_the_base_is_unknown(database_url: str) -> None:
-    server = ServerThread(base_config().replace(build_cache_mb=1), database_url)
+    server = ServerThread(base_config().replace(build_cache_mb=3), database_url)
     try:
         with grpc.insecure_channel(server.address) as ch:
             stub = pb_grpc.ContextEngineStub(ch)
@@ -458,8 +509,8 @@ def test_a_small_cache_evicts_and_the_base_is_unknown(database_url: str) -> None
             big = opening() + [x for n in range(1, 40) for x in turn(n, "x" * 9000)]
             a = whole(stub, "evict-a", big)
             held = server.running.engine.builds.stats()
-            assert held.entries == 1 and held.bytes > 512 * 1024
-            whole(stub, "evict-b", big)  # over 1 MiB together: a's base goes
+            assert held.entries == 1 and held.bytes > 1536 * 1024
+            whole(stub, "evict-b", big)  # over 3 MiB together: a's base goes
             assert server.running.engine.builds.stats().evictions >= 1
             with pytest.raises(grpc.RpcError) as err:
                 incremental(stub, "evict-a", a.build_id, len(big), turn(40))

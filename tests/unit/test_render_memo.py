@@ -4,9 +4,14 @@ and a list, no eviction logic shared)."""
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
 from typing import Any
 
+import pytest
+from context_engine.api import mapping
 from context_engine.render_memo import BoundedMemo, memo_weight
+from context_engine.v1 import context_engine_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -112,3 +117,39 @@ def test_an_entry_weighs_what_it_holds() -> None:
     small, large = memo_weight(("x", b"y")), memo_weight(("x" * 10_000, b"y" * 5_000))
     assert large - small == 10_000 - 1 + 5_000 - 1
     assert memo_weight({1: 1, 2: 2}) - memo_weight({}) == 2 * 150
+
+
+@pytest.mark.parametrize("text", ["plain words " * 800, "word \U0001f642 " * 1_000,
+                                  "\u4e2d\u6587 " * 2_000, "caf\u00e9 " * 2_000])
+@pytest.mark.parametrize("kind", ["user", "tool_result"])
+def test_a_mapped_item_weighs_at_least_what_the_memo_keeps_of_it(kind: str, text: str) -> None:
+    """An item mapped from the wire and remembered (a copy of the wire item, the domain item,
+    their strings): the memo's count of it is at least what it keeps alive (tracemalloc, once
+    the mapping's answer is let go), and less than four times that (the copy is counted at twice
+    its UTF-8 size, for itself and for the domain item's byte a character, and a non-ASCII str
+    with the UTF-8 copy CPython makes of it once C code asks, made or not: here none is).
+    English with emoji holds four bytes a character in the domain item's str: counted at the
+    wire copy's UTF-8 size (1.4 bytes a character) it falls short."""
+    if kind == "user":
+        it = pb.ConversationItem(id="u1", sequence=1, run_id="run-1",
+                                 trust=pb.TRUST_LEVEL_USER, user=pb.UserMessage(text=text))
+    else:
+        it = pb.ConversationItem(id="r1", sequence=2, run_id="run-1",
+                                 trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
+                                 tool_result=pb.ToolResult(call_id="c1", tool_name="web.fetch",
+                                                           content=text))
+    cp = pb.Checkpoint(active_run_id="run-1", items=[it])
+    memo = BoundedMemo(1 << 30)
+    mapping.checkpoint(mapping.Violations(), cp, memo=memo, session_key="s")  # warms what it creates once
+    memo.clear()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        mapping.checkpoint(mapping.Violations(), cp, memo=memo, session_key="s")
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(memo) == 1
+    assert kept <= memo.bytes < 4 * kept, (kept, memo.bytes)

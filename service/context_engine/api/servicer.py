@@ -336,14 +336,21 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             # a run's snapshot binding may find the session erased and planned again since
             # this replica cached the plan the Build named: made again on the plan read now
             mark = self._engine.forgets
+
+            def attempt() -> Awaitable[pb.BuildResponse]:
+                # marked when the attempt begins: one made again after the erased session's
+                # plans were forgotten runs on the plan read then, and keeps what it makes
+                nonlocal mark
+                mark = self._engine.forgets
+                return call(record)
             try:
                 return await self._engine.once_more_if_replanned(
-                    request.tenant_id, request.session_id, request.epoch or None,
-                    lambda: call(record))
+                    request.tenant_id, request.session_id, request.epoch or None, attempt)
             finally:
-                # a session erased while this Build ran (it waits on the database) loses
-                # what the Build kept of it after the erasure dropped it: its renderings in
-                # the memo, the base it kept
+                # a session erased while this Build ran (it waits on the database), here or
+                # through another replica this one has heard of since, loses what the Build
+                # kept of it after the erasure dropped it: its renderings in the memo, the
+                # base it kept
                 if self._engine.forgotten_since(request.tenant_id, request.session_id, mark):
                     self._engine.forget_session(request.tenant_id, request.session_id,
                                                 counted=False)
