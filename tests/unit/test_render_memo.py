@@ -140,7 +140,8 @@ def test_a_mapped_item_weighs_at_least_what_the_memo_keeps_of_it(kind: str, text
                                                            content=text))
     cp = pb.Checkpoint(active_run_id="run-1", items=[it])
     memo = BoundedMemo(1 << 30)
-    mapping.checkpoint(mapping.Violations(), cp, memo=memo, session_key="s")  # warms what it creates once
+    # warms what the first mapping creates once
+    mapping.checkpoint(mapping.Violations(), cp, memo=memo, session_key="s")
     memo.clear()
     gc.collect()
     tracemalloc.start()
