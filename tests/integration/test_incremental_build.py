@@ -475,12 +475,13 @@ def test_a_build_naming_its_epoch_refuses_the_erased_base_once_past_the_plan_ttl
                            epoch=1)
 
 
+@pytest.mark.parametrize("via", ["Build", "GetPlan"])
 def test_a_replica_that_finds_the_session_erased_drops_its_bases(
-        replicas: tuple[ServerThread, ServerThread, StepClock]) -> None:
+        replicas: tuple[ServerThread, ServerThread, StepClock], via: str) -> None:
     """B answers NOT_FOUND for a session erased through A, and forgets its bases and its
-    renderings with it (whether the Build named a base or not)."""
+    renderings with it (whether the Build named a base or not), whichever call finds it so."""
     a_server, b_server, _ = replicas
-    session = "erased-not-planned"
+    session = f"erased-not-planned-{via}"
     with grpc.insecure_channel(a_server.address) as ca, \
             grpc.insecure_channel(b_server.address) as cb:
         a, b = pb_grpc.ContextEngineStub(ca), pb_grpc.ContextEngineStub(cb)
@@ -493,7 +494,10 @@ def test_a_replica_that_finds_the_session_erased_drops_its_bases(
         a.DeleteSession(pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session),
                         timeout=30)
         with pytest.raises(grpc.RpcError) as err:
-            b.Build(request(session, opening()), timeout=30)
+            if via == "Build":
+                b.Build(request(session, opening()), timeout=30)
+            else:
+                b.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session), timeout=30)
         assert err.value.code() is grpc.StatusCode.NOT_FOUND
         assert builds.get(TENANT, session, first.build_id) is None
         assert not any(k[0] == key for k in memo)

@@ -154,3 +154,38 @@ def test_a_mapped_item_weighs_at_least_what_the_memo_keeps_of_it(kind: str, text
         tracemalloc.stop()
     assert len(memo) == 1
     assert kept <= memo.bytes < 4 * kept, (kept, memo.bytes)
+
+
+@pytest.mark.parametrize("text", ["plain words " * 800, "word \U0001f642 " * 1_000,
+                                  "\u4e2d\u6587 " * 2_000, "caf\u00e9 " * 2_000])
+def test_a_text_weighs_at_least_what_it_holds_before_and_after_protobuf_reads_it(
+        text: str) -> None:
+    """A text an entry holds (a rendering's message, a wire form): its weight is at least what
+    freeing the str frees (tracemalloc), as made and after a protobuf message has been given it
+    (CPython then keeps a UTF-8 copy with the str), the same both times, and less than twice
+    what it frees after the read."""
+
+    def fresh() -> str:
+        return "".join([text[:1], text[1:]])  # a str of its own, no UTF-8 copy yet
+
+    pb.UserMessage(text=fresh())  # what the first message makes once
+    gc.collect()
+    tracemalloc.start()
+    try:
+        made = fresh()
+        weight = memo_weight(made)
+        held = tracemalloc.get_traced_memory()[0]
+        del made
+        freed_made = held - tracemalloc.get_traced_memory()[0]
+        read = fresh()
+        pb.UserMessage(text=read)
+        gc.collect()
+        weight_read = memo_weight(read)
+        held = tracemalloc.get_traced_memory()[0]
+        del read
+        freed_read = held - tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert freed_made <= weight and freed_read <= weight, (freed_made, freed_read, weight)
+    assert weight_read == weight
+    assert weight < 2 * freed_read, (freed_read, weight)
