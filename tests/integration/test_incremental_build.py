@@ -250,14 +250,17 @@ def test_erased_session_forgets_its_bases(stub: pb_grpc.ContextEngineStub,
     assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
 
 
+@pytest.mark.parametrize("through", ["this replica", "another replica"])
 def test_a_build_running_while_its_session_is_erased_keeps_nothing_of_it(
-        stub: pb_grpc.ContextEngineStub, srv: ServerThread,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        database_url: str, stub: pb_grpc.ContextEngineStub, srv: ServerThread,
+        monkeypatch: pytest.MonkeyPatch, through: str) -> None:
     """A Build waits on the database (its snapshot binding, its pressure event) after it has
     rendered the session's items into the memo and before it keeps its base: an erasure that
     lands in that wait drops what the process holds then, and the Build, once it goes on,
-    leaves nothing of the session behind either."""
-    session = "erased-meanwhile"
+    leaves nothing of the session behind either. Erased through another replica, this one
+    learns of it when a call reads the session (here GetPlan, NOT_FOUND) while the Build
+    waits."""
+    session = f"erased-meanwhile-{through.split()[0]}"
     stub.Plan(plan_request(TENANT, session), timeout=30)
     engine = srv.running.engine
     entered, release = threading.Event(), threading.Event()
@@ -277,73 +280,34 @@ def test_a_build_running_while_its_session_is_erased_keeps_nothing_of_it(
         except grpc.RpcError as err:
             outcome.append(err)
 
+    other = ServerThread(base_config(), database_url) if through == "another replica" else None
     builder = threading.Thread(target=build)
     builder.start()
     try:
         assert entered.wait(30)
         key = session_key(TENANT, session)
         assert any(k[0] == key for k in engine.render_memo)  # rendered before the wait
-        stub.DeleteSession(pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session),
-                           timeout=30)
+        erase = pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session)
+        if other is None:
+            stub.DeleteSession(erase, timeout=30)
+        else:
+            with grpc.insecure_channel(other.address) as channel:
+                pb_grpc.ContextEngineStub(channel).DeleteSession(erase, timeout=30)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session),
+                             timeout=30)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert not any(k[0] == key for k in engine.render_memo)  # dropped on learning it
     finally:
         release.set()
         builder.join(60)
+        if other is not None:
+            other.stop()
     # it answers (its plan was read before the erasure), and what it kept is gone
     assert outcome and isinstance(outcome[0], pb.BuildResponse), outcome
     assert outcome[0].build_id
     assert engine.builds.get(TENANT, session, outcome[0].build_id) is None
     assert not any(k[0] == key for k in engine.render_memo)
-
-
-def test_a_build_running_while_another_replica_erases_its_session_keeps_nothing_of_it(
-        database_url: str, stub: pb_grpc.ContextEngineStub, srv: ServerThread,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same, the session erased through another replica: this one learns of it when a call
-    reads the session (here GetPlan, NOT_FOUND) while the Build waits, and drops what it holds
-    of the session then; the Build, once it goes on, leaves nothing of it behind either."""
-    session = "erased-elsewhere-meanwhile"
-    stub.Plan(plan_request(TENANT, session), timeout=30)
-    engine = srv.running.engine
-    entered, release = threading.Event(), threading.Event()
-    original = engine._snapshot_used
-
-    async def held(loaded: Any, run_id: str) -> None:
-        entered.set()
-        await asyncio.to_thread(release.wait, 30)
-        await original(loaded, run_id)
-
-    monkeypatch.setattr(engine, "_snapshot_used", held)
-    outcome: list[Any] = []
-
-    def build() -> None:
-        try:
-            outcome.append(whole(stub, session, opening() + turn(1)))
-        except grpc.RpcError as err:
-            outcome.append(err)
-
-    other = ServerThread(base_config(), database_url)
-    builder = threading.Thread(target=build)
-    builder.start()
-    try:
-        assert entered.wait(30)
-        key = session_key(TENANT, session)
-        assert any(k[0] == key for k in engine.render_memo)  # rendered before the wait
-        with grpc.insecure_channel(other.address) as channel:
-            pb_grpc.ContextEngineStub(channel).DeleteSession(
-                pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session), timeout=30)
-        with pytest.raises(grpc.RpcError) as err:
-            stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session), timeout=30)
-        assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        assert not any(k[0] == key for k in engine.render_memo)  # dropped on learning it
-    finally:
-        release.set()
-        builder.join(60)
-        other.stop()
-    assert outcome, "the Build never answered"
-    if isinstance(outcome[0], pb.BuildResponse):
-        assert engine.builds.get(TENANT, session, outcome[0].build_id) is None
-    assert not any(k[0] == key for k in engine.render_memo)
-    assert engine.builds.peek(TENANT, session, "") is None
 
 
 def test_a_base_pushed_out_is_freed_after_its_build_answers_not_inside_it(
