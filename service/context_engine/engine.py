@@ -1030,15 +1030,18 @@ class Engine:
         self.forget_session(tenant_id, session_id)
         return erased
 
-    def forget_session(self, tenant_id: str, session_id: str, *, counted: bool = True) -> None:
+    def forget_session(self, tenant_id: str, session_id: str, *, counted: bool = True,
+                       incarnation: int | None = None) -> None:
         """Drop what this process keeps of one session: its cached plans, the bases of its
         incremental Builds, the runs whose snapshot binding it remembers, and the rendered
         items of its render memo. ``counted`` False: a Build that ran across an erasure
         dropping what it kept, which is no erasure of its own (else every Build of the session
         still running would drop the session's memo again when it ends, and so on while the
-        session's Builds overlap)."""
+        session's Builds overlap). ``incarnation``: the one that Build ran on; the bases of a
+        later one (the session planned anew meanwhile) stay."""
         self.cache.forget(tenant_id, session_id)
-        self.builds.forget(tenant_id, session_id)
+        self.builds.forget(tenant_id, session_id,
+                           before=None if incarnation is None else incarnation + 1)
         for key in [k for k in self._snapshot_runs if k[0] == tenant_id and k[1] == session_id]:
             del self._snapshot_runs[key]
         self.render_memo.drop(session_key(tenant_id, session_id))

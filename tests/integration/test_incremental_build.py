@@ -310,6 +310,52 @@ def test_a_build_running_while_its_session_is_erased_keeps_nothing_of_it(
     assert not any(k[0] == key for k in engine.render_memo)
 
 
+def test_a_build_of_the_erased_session_leaves_the_new_sessions_bases(
+        stub: pb_grpc.ContextEngineStub, srv: ServerThread,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Build held across the erasure of its session, while the session id is planned anew
+    and built on (keeping a base), drops what it kept of the erased session when it goes on,
+    and leaves the new session's base in place (a later Build naming it is served)."""
+    session = "erased-and-planned-anew"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    engine = srv.running.engine
+    entered, release = threading.Event(), threading.Event()
+    original = engine._snapshot_used
+
+    async def held(loaded: Any, run_id: str) -> None:
+        if not entered.is_set():  # the first Build only
+            entered.set()
+            await asyncio.to_thread(release.wait, 30)
+        await original(loaded, run_id)
+
+    monkeypatch.setattr(engine, "_snapshot_used", held)
+    outcome: list[Any] = []
+
+    def build() -> None:
+        try:
+            outcome.append(whole(stub, session, opening() + turn(1)))
+        except grpc.RpcError as err:
+            outcome.append(err)
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    try:
+        assert entered.wait(30)
+        stub.DeleteSession(pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session),
+                           timeout=30)
+        stub.Plan(plan_request(TENANT, session), timeout=30)
+        anew = whole(stub, session, opening())
+        assert engine.builds.get(TENANT, session, anew.build_id) is not None
+    finally:
+        release.set()
+        builder.join(60)
+    assert outcome and isinstance(outcome[0], pb.BuildResponse), outcome
+    assert engine.builds.get(TENANT, session, outcome[0].build_id) is None
+    assert engine.builds.get(TENANT, session, anew.build_id) is not None
+    nxt = incremental(stub, session, anew.build_id, len(opening()), turn(1))
+    assert same(reconstruct(nxt, anew), whole(stub, session, opening() + turn(1)))
+
+
 def test_a_base_pushed_out_is_freed_after_its_build_answers_not_inside_it(
         database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Build that pushes a base out of the cache (here the session's fifth: four are kept)

@@ -181,6 +181,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
 
     async def Build(self, request: pb.BuildRequest,
                     context: grpc.aio.ServicerContext[Any, Any]) -> pb.BuildResponse:
+        ran_on: list[int] = []  # the incarnation each attempt read the plan of
+
         async def call(record: CallRecord) -> pb.BuildResponse:
             record.session(request.tenant_id, request.session_id)
             v = mapping.Violations()
@@ -265,6 +267,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             # the build's own lookup is then a plan-cache hit.
             assert lookup is not None  # no violations: the lookup was started
             loaded = await lookup
+            ran_on.append(loaded.plan.incarnation)
             record.epoch, record.prefix_sha256 = loaded.plan.epoch, loaded.plan.prefix_sha256
             if base is not None and base.incarnation != loaded.plan.incarnation:
                 # erased (perhaps through another replica) and planned again: the erased
@@ -350,10 +353,11 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 # a session erased while this Build ran (it waits on the database), here or
                 # through another replica this one has heard of since, loses what the Build
                 # kept of it after the erasure dropped it: its renderings in the memo, the
-                # base it kept
+                # base it kept (a session planned anew meanwhile keeps its own bases)
                 if self._engine.forgotten_since(request.tenant_id, request.session_id, mark):
                     self._engine.forget_session(request.tenant_id, request.session_id,
-                                                counted=False)
+                                                counted=False,
+                                                incarnation=ran_on[-1] if ran_on else None)
         return await self._run("Build", context, read_again_if_replanned)
 
     async def ReportUsage(self, request: pb.ReportUsageRequest,
