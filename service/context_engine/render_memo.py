@@ -55,6 +55,14 @@ def wide_bytes(text: str) -> int:
             + len(text.encode("utf-8", "surrogatepass")) + 1)
 
 
+def held_wide_bytes(text: str) -> int:
+    """What ``text`` holds in memory now beyond one byte per character: 0 for ASCII, else its
+    size less its length, the UTF-8 copy included once made (for a text a protobuf message has
+    been given, as a response's messages have: then what :func:`wide_bytes` counts, read at
+    once instead of copying and encoding the text)."""
+    return 0 if text.isascii() else sys.getsizeof(text) - len(text)
+
+
 def item_wide_bytes(item: ConversationItem | None) -> int:
     """:func:`wide_bytes` of the texts of a conversation item (its serialized size counts them
     one byte per character at least)."""

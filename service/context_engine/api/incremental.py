@@ -26,7 +26,7 @@ from context_engine.domain.builder import BuildResult, ItemScan
 from context_engine.domain.estimator import ModelCatalog
 from context_engine.domain.items import ConversationItem
 from context_engine.domain.request import Message
-from context_engine.render_memo import wide_bytes
+from context_engine.render_memo import held_wide_bytes
 from context_engine.v1 import context_engine_pb2 as pb
 
 CHUNK = 1 << 16
@@ -59,10 +59,12 @@ _TEXT = attrgetter("text")
 
 
 def message_wide(messages: Sequence[Message]) -> tuple[int, ...] | None:
-    """Each message's text's ``wide_bytes``; None when every text is ASCII (all 0)."""
-    if all(map(str.isascii, map(_TEXT, messages))):
+    """Each message's text's ``held_wide_bytes`` (the messages of a response: each has been
+    put in a protobuf message, so its UTF-8 copy is made); None when every text is ASCII."""
+    texts = list(map(_TEXT, messages))
+    if all(map(str.isascii, texts)):
         return None
-    return tuple(wide_bytes(m.text) for m in messages)
+    return tuple(map(held_wide_bytes, texts))
 
 
 def message_spans(base: BuildBase, messages: Sequence[Message]
