@@ -9,6 +9,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -250,74 +251,13 @@ def test_erased_session_forgets_its_bases(stub: pb_grpc.ContextEngineStub,
     assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
 
 
-@pytest.mark.parametrize("through", ["this replica", "another replica"])
-def test_a_build_running_while_its_session_is_erased_keeps_nothing_of_it(
-        database_url: str, stub: pb_grpc.ContextEngineStub, srv: ServerThread,
-        monkeypatch: pytest.MonkeyPatch, through: str) -> None:
-    """A Build waits on the database (its snapshot binding, its pressure event) after it has
-    rendered the session's items into the memo and before it keeps its base: an erasure that
-    lands in that wait drops what the process holds then, and the Build, once it goes on,
-    leaves nothing of the session behind either. Erased through another replica, this one
-    learns of it when a call reads the session (here GetPlan, NOT_FOUND) while the Build
-    waits."""
-    session = f"erased-meanwhile-{through.split()[0]}"
-    stub.Plan(plan_request(TENANT, session), timeout=30)
-    engine = srv.running.engine
-    entered, release = threading.Event(), threading.Event()
-    original = engine._snapshot_used
-
-    async def held(loaded: Any, run_id: str) -> None:
-        entered.set()
-        await asyncio.to_thread(release.wait, 30)
-        await original(loaded, run_id)
-
-    monkeypatch.setattr(engine, "_snapshot_used", held)
-    outcome: list[Any] = []
-
-    def build() -> None:
-        try:
-            outcome.append(whole(stub, session, opening() + turn(1)))
-        except grpc.RpcError as err:
-            outcome.append(err)
-
-    other = ServerThread(base_config(), database_url) if through == "another replica" else None
-    builder = threading.Thread(target=build)
-    builder.start()
-    try:
-        assert entered.wait(30)
-        key = session_key(TENANT, session)
-        assert any(k[0] == key for k in engine.render_memo)  # rendered before the wait
-        erase = pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session)
-        if other is None:
-            stub.DeleteSession(erase, timeout=30)
-        else:
-            with grpc.insecure_channel(other.address) as channel:
-                pb_grpc.ContextEngineStub(channel).DeleteSession(erase, timeout=30)
-            with pytest.raises(grpc.RpcError) as err:
-                stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session),
-                             timeout=30)
-            assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        assert not any(k[0] == key for k in engine.render_memo)  # dropped on learning it
-    finally:
-        release.set()
-        builder.join(60)
-        if other is not None:
-            other.stop()
-    # it answers (its plan was read before the erasure), and what it kept is gone
-    assert outcome and isinstance(outcome[0], pb.BuildResponse), outcome
-    assert outcome[0].build_id
-    assert engine.builds.get(TENANT, session, outcome[0].build_id) is None
-    assert not any(k[0] == key for k in engine.render_memo)
-
-
-def test_a_build_of_the_erased_session_leaves_the_new_sessions_bases(
-        stub: pb_grpc.ContextEngineStub, srv: ServerThread,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Build held across the erasure of its session, while the session id is planned anew
-    and built on (keeping a base), drops what it kept of the erased session when it goes on,
-    and leaves the new session's base in place (a later Build naming it is served)."""
-    session = "erased-and-planned-anew"
-    stub.Plan(plan_request(TENANT, session), timeout=30)
+@contextmanager
+def build_held_in_its_wait(stub: pb_grpc.ContextEngineStub, srv: ServerThread, session: str,
+                           monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """A whole Build of ``session`` held where it waits on the database (its snapshot binding),
+    after it has rendered the session's items into the memo and before it keeps its base (other
+    Builds meanwhile go through); the body runs while it waits. Yields the list that holds its
+    outcome (a response or an RpcError) once the body is done and the Build has gone on."""
     engine = srv.running.engine
     entered, release = threading.Event(), threading.Event()
     original = engine._snapshot_used
@@ -341,14 +281,66 @@ def test_a_build_of_the_erased_session_leaves_the_new_sessions_bases(
     builder.start()
     try:
         assert entered.wait(30)
+        key = session_key(TENANT, session)
+        assert any(k[0] == key for k in engine.render_memo)  # rendered before the wait
+        yield outcome
+    finally:
+        release.set()
+        builder.join(60)
+
+
+@pytest.mark.parametrize("through", ["this replica", "another replica"])
+def test_a_build_running_while_its_session_is_erased_keeps_nothing_of_it(
+        database_url: str, stub: pb_grpc.ContextEngineStub, srv: ServerThread,
+        monkeypatch: pytest.MonkeyPatch, through: str) -> None:
+    """A Build waits on the database (its snapshot binding, its pressure event) after it has
+    rendered the session's items into the memo and before it keeps its base: an erasure that
+    lands in that wait drops what the process holds then, and the Build, once it goes on,
+    leaves nothing of the session behind either. Erased through another replica, this one
+    learns of it when a call reads the session (here GetPlan, NOT_FOUND) while the Build
+    waits."""
+    session = f"erased-meanwhile-{through.split()[0]}"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    engine, key = srv.running.engine, session_key(TENANT, session)
+    other = ServerThread(base_config(), database_url) if through == "another replica" else None
+    try:
+        with build_held_in_its_wait(stub, srv, session, monkeypatch) as outcome:
+            erase = pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session)
+            if other is None:
+                stub.DeleteSession(erase, timeout=30)
+            else:
+                with grpc.insecure_channel(other.address) as channel:
+                    pb_grpc.ContextEngineStub(channel).DeleteSession(erase, timeout=30)
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.GetPlan(pb.GetPlanRequest(tenant_id=TENANT, session_id=session),
+                                 timeout=30)
+                assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            assert not any(k[0] == key for k in engine.render_memo)  # dropped on learning it
+    finally:
+        if other is not None:
+            other.stop()
+    # it answers (its plan was read before the erasure), and what it kept is gone
+    assert outcome and isinstance(outcome[0], pb.BuildResponse), outcome
+    assert outcome[0].build_id
+    assert engine.builds.get(TENANT, session, outcome[0].build_id) is None
+    assert not any(k[0] == key for k in engine.render_memo)
+
+
+def test_a_build_of_the_erased_session_leaves_the_new_sessions_bases(
+        stub: pb_grpc.ContextEngineStub, srv: ServerThread,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Build held across the erasure of its session, while the session id is planned anew
+    and built on (keeping a base), drops what it kept of the erased session when it goes on,
+    and leaves the new session's base in place (a later Build naming it is served)."""
+    session = "erased-and-planned-anew"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    engine = srv.running.engine
+    with build_held_in_its_wait(stub, srv, session, monkeypatch) as outcome:
         stub.DeleteSession(pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session),
                            timeout=30)
         stub.Plan(plan_request(TENANT, session), timeout=30)
         anew = whole(stub, session, opening())
         assert engine.builds.get(TENANT, session, anew.build_id) is not None
-    finally:
-        release.set()
-        builder.join(60)
     assert outcome and isinstance(outcome[0], pb.BuildResponse), outcome
     assert engine.builds.get(TENANT, session, outcome[0].build_id) is None
     assert engine.builds.get(TENANT, session, anew.build_id) is not None

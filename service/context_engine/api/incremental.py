@@ -220,6 +220,22 @@ def _texts(response: pb.BuildResponse) -> tuple[bytes, bytes, bytes]:
             g.cached_body_json.encode())
 
 
+def _along(spans: list[tuple[int, int, int]], of_base: Sequence[int],
+           of_sent: Sequence[int]) -> tuple[int, ...]:
+    """A value per message of the response, in its order: the base's for the messages each
+    span copies, then the sent ones' (``of_sent``, in order, all of them)."""
+    parts: list[int] = []
+    taken = 0
+    for s, c, n in spans:
+        parts += of_base[s:s + c]
+        parts += of_sent[taken:taken + n]
+        taken += n
+    if taken != len(of_sent):
+        raise AssertionError(f"spans count {taken} messages sent, the response holds "
+                             f"{len(of_sent)}")
+    return tuple(parts)
+
+
 def _spans_pb(spans: list[tuple[int, int, int]]) -> list[pb.Span]:
     return [pb.Span(base_start=s, base_count=c, new_count=n) for s, c, n in spans]
 
@@ -256,28 +272,12 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
         sent_entries = [_entry(1, m.ByteSize()) for m in out.request.messages]
         sent_wide = message_wide([messages[j] for j in send])
         if spans:
-            parts: list[int] = []
-            taken = 0
-            for s, c, n in spans:
-                parts += base.message_entries[s:s + c]
-                parts += sent_entries[taken:taken + n]
-                taken += n
-            if taken != len(sent_entries):
-                raise AssertionError(f"spans count {taken} messages sent, the response holds "
-                                     f"{len(sent_entries)}")
-            message_entries = tuple(parts)
+            message_entries = _along(spans, base.message_entries, sent_entries)
             if base.message_wide is None and sent_wide is None:
                 wide = None
             else:  # in the order of message_entries
-                base_wide = base.message_wide or (0,) * len(base.message_entries)
-                new_wide = sent_wide or (0,) * len(sent_entries)
-                wide_parts: list[int] = []
-                taken = 0
-                for s, c, n in spans:
-                    wide_parts += base_wide[s:s + c]
-                    wide_parts += new_wide[taken:taken + n]
-                    taken += n
-                wide = tuple(wide_parts)
+                wide = _along(spans, base.message_wide or (0,) * len(base.message_entries),
+                              sent_wide or (0,) * len(sent_entries))
         else:
             message_entries = tuple(sent_entries)
             wide = sent_wide
