@@ -22,6 +22,7 @@ from typing import Any
 
 from google.protobuf.message import Message as ProtoMessage
 
+from context_engine.domain.budget import KeptSteps
 from context_engine.domain.items import (
     AssistantMessageItem,
     ConversationItem,
@@ -113,8 +114,9 @@ def memo_weight(value: Any) -> int:
     of it and the domain item), a rendering (its messages), a message's wire form, a pointer: the
     text and bytes in them. A session's identity map (written empty, written again at every
     Build): its entries. A session's record of its last Build (normalized items, costs, units,
-    the request found well paired): its sequences, element by element, whose objects other
-    entries hold."""
+    the request found well paired, what its allocation found): its sequences, element by
+    element, whose objects other entries hold; written again once the allocation has found
+    them, so weighed with them."""
     if isinstance(value, tuple):
         return 100 + sum(map(_part_weight, value))
     if isinstance(value, dict):
@@ -130,16 +132,26 @@ def memo_weight(value: Any) -> int:
         if isinstance(normalized, tuple) and isinstance(excerpted, tuple):
             weight += sum(_text_weight(getattr(normalized[i], "content", "")) + OBJECT_BYTES
                           for i in excerpted)
-        for f in fields(value):
-            v = getattr(value, f.name)
-            if isinstance(v, (str, bytes)):
-                weight += _text_weight(v)
-            elif isinstance(v, (tuple, list, dict, set, frozenset)):
-                weight += 60 + SEQUENCE_ELEMENT_BYTES * len(v)
-            else:
-                weight += REFERENCE_BYTES
-        return weight
+        return weight + _fields_weight(value)
     return OBJECT_BYTES
+
+
+def _fields_weight(value: Any) -> int:
+    """A record's fields: its texts, its sequences element by element, and those of what an
+    allocation found over its candidates (``KeptSteps``: its own sequences, as long as the
+    history); anything else a reference."""
+    weight = 0
+    for f in fields(value):
+        v = getattr(value, f.name)
+        if isinstance(v, (str, bytes)):
+            weight += _text_weight(v)
+        elif isinstance(v, (tuple, list, dict, set, frozenset)):
+            weight += 60 + SEQUENCE_ELEMENT_BYTES * len(v)
+        elif isinstance(v, KeptSteps):
+            weight += OBJECT_BYTES + _fields_weight(v)
+        else:
+            weight += REFERENCE_BYTES
+    return weight
 
 
 class BoundedMemo(MutableMapping[Any, Any]):

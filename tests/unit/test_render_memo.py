@@ -189,3 +189,37 @@ def test_a_text_weighs_at_least_what_it_holds_before_and_after_protobuf_reads_it
     assert freed_made <= weight and freed_read <= weight, (freed_made, freed_read, weight)
     assert weight_read == weight
     assert weight < 2 * freed_read, (freed_read, weight)
+
+
+def test_a_session_entries_weigh_what_they_hold_when_its_build_ends() -> None:
+    """After each Build of a session whose tool results pass their cap (pointer steps run), the
+    memo's count is its entries' weights as they hold now: the record of the last Build's costs
+    is weighed with what its allocation found (``KeptSteps``, found after the record is first
+    written), and that weighs at least what its lists take (``sys.getsizeof``, an oracle of its
+    own)."""
+    import sys
+    from dataclasses import fields, replace
+
+    from context_engine.domain.budget import KeptSteps
+    from context_engine.domain.builder import COSTS, build
+
+    from tests import factories as f
+
+    lp = f.loaded(f.inputs(session_id="memo-steps", model_profile=f.model(
+        "gpt-4o", context_window=16_000, output_reserve=4_096)))
+    memo = BoundedMemo(64 << 20)
+    items = [f.user("u0", "start", 0, run="run-0")]
+    for k in range(1, 13):
+        items += [f.call(f"c{k}", 2 * k, f"call{k}", run="run-0"),
+                  f.result(f"r{k}", 2 * k + 1, f"call{k}", f"line {k} " * 2_000, run="run-0")]
+        asked = f.user("u-next", "and now?", 1_000_000, run="run-9")
+        got = build(lp, f.checkpoint([*items, asked], run="run-9"),
+                    estimator=f.estimator(lp.plan.spec.model), factor=1.0, memo=memo)
+        assert memo.bytes == sum(map(memo_weight, memo.values()))
+        (record,) = [v for key, v in memo.items() if key[1] == COSTS]
+        steps = record.steps
+        assert isinstance(steps, KeptSteps) and len(steps.history) > 0
+        lists = sum(sys.getsizeof(v) for v in (getattr(steps, x.name) for x in fields(steps))
+                    if isinstance(v, list))
+        assert memo_weight(record) - memo_weight(replace(record, steps=None)) >= lists
+    assert any(s.step == "tool_results" for s in got.pressure.steps)

@@ -713,8 +713,9 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
                      pointers=pointed, kept=kept_steps,
                      tiling=((found_units.begins, found_units.ends)
                              if floor == 0 and found_units.tiles else None))
-    if kept_costs is not None:
+    if kept_costs is not None:  # written again: weighed with what the allocation found
         kept_costs.steps = alloc.kept
+        cast(MutableMapping[Any, Any], memo)[costs_key] = kept_costs
     yield alloc.pressure
 
     head: list[ContextItem] = [alloc.summary] if alloc.summary is not None else []
