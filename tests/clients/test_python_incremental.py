@@ -28,6 +28,7 @@ from context_engine_client import (
     FailedPrecondition,
     Internal,
     InvalidArgument,
+    ResourceExhausted,
     pb,
 )
 from context_engine_client._channel import service_config_text, time_left
@@ -821,6 +822,34 @@ def test_errors_deletion_and_forgetting_drop_the_sessions_base(server, session):
         engine.build(request=req)
         stats = engine.build_stats
         assert stats.incremental == before.incremental + 1 and stats.full_resends == 0
+
+
+@pytest.mark.integration
+def test_an_item_too_large_for_a_replica_without_the_base_is_named_by_its_place(
+        database_url, session):
+    """A replica that does not hold the base is sent the Build whole, and refuses an item
+    too large by its place in the whole checkpoint, as it would the Build sent whole at once:
+    never by its place among the items an incremental Build sent."""
+    tenant, sid = session
+    srv = ServerThread(base_config().replace(max_item_bytes=4096), database_url)
+    try:
+        with Client(target=srv.address) as engine:
+            engine.plan(request=plan(tenant, sid))
+            req = build_request(tenant, sid, 2)
+            engine.build(request=req)
+            engine.build(request=req)
+            assert engine.build_stats.incremental == 1
+            srv.running.engine.builds.clear()  # evicted: the base is held nowhere now
+            at = len(req.checkpoint.items)
+            req.checkpoint.items.append(pb.ConversationItem(
+                id="big", sequence=1_000, run_id="run-1", trust=pb.TRUST_LEVEL_USER,
+                assistant=pb.AssistantMessage(text="y" * 5_000)))
+            with pytest.raises(ResourceExhausted) as err:
+                engine.build(request=req)
+            assert err.value.reason == "ITEM_TOO_LARGE"
+            assert err.value.metadata["field"] == f"checkpoint.items[{at}]"
+    finally:
+        srv.stop()
 
 
 @pytest.mark.integration

@@ -678,6 +678,15 @@ def test_the_request_shape_limits_hold_for_the_whole_checkpoint(database_url: st
                     else:
                         assert f.violations["base_items_kept"] == \
                             f"{kept} is more than the base's 7 items"
+            # an item too large whose place is unknown (a base not held here, a kept count over
+            # the base's items) is refused as its Build is, not named by its place among the
+            # items sent: checkpoint.items[0] is no item of the whole checkpoint
+            big = cases[1]
+            for base, kept, code in (("0" * 32, 7, grpc.StatusCode.FAILED_PRECONDITION),
+                                     (first.build_id, 8, grpc.StatusCode.INVALID_ARGUMENT)):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Build(_incremental_request(session, base, kept, big), timeout=30)
+                assert failure(err.value).code is code, (base, kept, failure(err.value))
             ok = incremental(stub, session, first.build_id, 7, fine)
             assert same(reconstruct(ok, first), whole(stub, session, items + fine))
     finally:

@@ -8,7 +8,10 @@
   serialize to more than ``max_item_bytes`` (reasons ``TOO_MANY_ITEMS``, ``ITEM_TOO_LARGE``).
   An incremental Build's checkpoint counts its base's kept items too, and its items are named
   by their place in the whole checkpoint: it is refused exactly when the same Build sent whole
-  would be.
+  would be. Items that cannot be placed so are not judged here, for the servicer refuses their
+  Build as such: a base not held here, ``BUILD_BASE_UNKNOWN`` before it reads them (which the
+  clients answer by sending the Build whole, judged then); a kept count over what the base
+  holds, ``INVALID_ARGUMENT`` on ``base_items_kept``.
 * Shutting down: after the drain, new RPCs get ``UNAVAILABLE`` (``SHUTTING_DOWN``) while the
   running ones finish (:meth:`LimitsInterceptor.quiesce`).
 * The whole message is capped by gRPC itself (``grpc.max_receive_message_length``), which
@@ -61,28 +64,30 @@ class Violation:
 BaseItems = Callable[[str, str, str], "int | None"]
 
 
-def ahead_of(message: Message, base_items: BaseItems | None = None) -> dict[str, int]:
+def ahead_of(message: Message, base_items: BaseItems | None = None) -> dict[str, int | None]:
     """Per repeated field, the elements that precede the ones ``message`` sends: an incremental
     Build's ``checkpoint.items`` follow its base's first ``base_items_kept`` items. The limits
     hold for the whole checkpoint, as they would for the same Build sent whole, and name its
     items by their place in it.
 
-    With ``base_items``, a kept count that names items its base does not hold (or a base not
-    held here) precedes nothing: the servicer refuses that Build as such (INVALID_ARGUMENT on
-    ``base_items_kept``, or BUILD_BASE_UNKNOWN), not as a request of that many items."""
+    With ``base_items``, items whose place is unknown (a kept count that names items its base
+    does not hold, or a base not held here) are None, not judged: the servicer refuses that
+    Build as such (INVALID_ARGUMENT on ``base_items_kept``, or BUILD_BASE_UNKNOWN), not as a
+    request of that many items nor with an item named by a place it would not have in the
+    checkpoint sent whole."""
     build: Any = message
     if message.DESCRIPTOR.full_name == BUILD_REQUEST and build.base_build_id:
         kept = int(build.base_items_kept)
         if base_items is not None:
             held = base_items(build.tenant_id, build.session_id, build.base_build_id)
             if held is None or kept > held:
-                return {}
+                return {"checkpoint.items": None}
         return {"checkpoint.items": kept}
     return {}
 
 
 def shape_violation(message: Message, limits: Limits, path: str = "",
-                    depth: int = 0, ahead: dict[str, int] | None = None,
+                    depth: int = 0, ahead: dict[str, int | None] | None = None,
                     base_items: BaseItems | None = None) -> Violation | None:
     """The first repeated field over ``max_items`` or element over ``max_item_bytes``;
     ``ahead``: see :func:`ahead_of` (at the top level, found from ``message`` and
@@ -91,12 +96,14 @@ def shape_violation(message: Message, limits: Limits, path: str = "",
         # A base never holds more than max_items items: a kept count past that names items no
         # base has, for the servicer to refuse as such (BUILD_BASE_UNKNOWN, or base_items_kept
         # over the base's items), not a request of that many items.
-        ahead = {k: n for k, n in ahead_of(message, base_items).items()
-                 if n <= limits.max_items}
+        ahead = {k: n if n is not None and n <= limits.max_items else None
+                 for k, n in ahead_of(message, base_items).items()}
     for field, value in message.ListFields():
         name = f"{path}{field.name}"
         if field.is_repeated:
             first = ahead.get(name, 0)
+            if first is None:  # elements of unknown place: the servicer refuses their request
+                continue
             if first + len(value) > limits.max_items:
                 return Violation("TOO_MANY_ITEMS", name, first + len(value), limits.max_items)
             if field.type == FieldDescriptor.TYPE_MESSAGE:
