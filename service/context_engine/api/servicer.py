@@ -218,8 +218,10 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 lookup.add_done_callback(_outcome_read)
                 await asyncio.sleep(0)  # the query goes out before the CPU work below
             try:
-                # the render memo keeps each item's mapping for the session's next Build
-                memo = self._engine.render_memo if record.session_key else None
+                # the render memo keeps each item's mapping for the session's next Build; not
+                # for a request refused before its plan is read (nothing would find the
+                # session erased and drop what it kept)
+                memo = self._engine.render_memo if record.session_key and readable else None
                 # an item is named by its position in the whole checkpoint (the base's first
                 # items, then those sent): a refusal is the whole Build's, field for field
                 wides: list[int] = []  # what a kept base counts the items for beyond bytes
