@@ -3,8 +3,6 @@ sent: sent for a session erased meanwhile, no lookup would find it erased and dr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import grpc
 import pytest
 from context_engine.api.mapping import MAX_EPOCH
@@ -13,27 +11,19 @@ from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
 from tests.conftest import ServerThread
-from tests.conftest import test_config as base_config
 from tests.integration.requests import build_request, failure, plan_request
 
 pytestmark = pytest.mark.integration
 TENANT = "t-refused-memo"
 
 
-@pytest.fixture(scope="module")
-def srv(database_url: str) -> Iterator[ServerThread]:
-    server = ServerThread(base_config(), database_url)
-    yield server
-    server.stop()
-
-
 @pytest.mark.parametrize(("epoch", "code"), [(0, grpc.StatusCode.NOT_FOUND),
                                              (MAX_EPOCH + 1, grpc.StatusCode.INVALID_ARGUMENT)])
-def test_a_refused_build_of_an_erased_session_keeps_nothing(srv: ServerThread, epoch: int,
+def test_a_refused_build_of_an_erased_session_keeps_nothing(server: ServerThread, epoch: int,
                                                             code: grpc.StatusCode) -> None:
     session = f"erased-then-built-{epoch}"
-    memo, key = srv.running.engine.render_memo, session_key(TENANT, session)
-    with grpc.insecure_channel(srv.address) as ch:
+    memo, key = server.running.engine.render_memo, session_key(TENANT, session)
+    with grpc.insecure_channel(server.address) as ch:
         stub = pb_grpc.ContextEngineStub(ch)
         stub.Plan(plan_request(TENANT, session), timeout=30)
         stub.Build(build_request(TENANT, session), timeout=30)
