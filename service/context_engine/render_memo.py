@@ -115,8 +115,8 @@ def memo_weight(value: Any) -> int:
     text and bytes in them. A session's identity map (written empty, written again at every
     Build): its entries. A session's record of its last Build (normalized items, costs, units,
     the request found well paired, what its allocation found): its sequences, element by
-    element, whose objects other entries hold; written again once the allocation has found
-    them, so weighed with them."""
+    element, whose objects other entries hold; written once the allocation has found them, so
+    weighed with them."""
     if isinstance(value, tuple):
         return 100 + sum(map(_part_weight, value))
     if isinstance(value, dict):

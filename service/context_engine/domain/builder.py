@@ -704,7 +704,6 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
             shown = list(candidates)
             pointed = [None] * len(candidates)
         kept_costs = _KeptCosts(pricing, candidates, costs, pointed, said, shown)
-        cast(MutableMapping[Any, Any], memo)[costs_key] = kept_costs
     alloc = allocate(budget=budget, prefix_tokens=prefix_tokens, factor=factor,
                      policy=policy, summary=summary, carried=carried, floor=floor,
                      active=active, fixed=fixed, knowledge=list(cp.knowledge),
@@ -713,7 +712,7 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
                      pointers=pointed, kept=kept_steps,
                      tiling=((found_units.begins, found_units.ends)
                              if floor == 0 and found_units.tiles else None))
-    if kept_costs is not None:  # written again: weighed with what the allocation found
+    if kept_costs is not None:  # kept once complete: weighed with what the allocation found
         kept_costs.steps = alloc.kept
         cast(MutableMapping[Any, Any], memo)[costs_key] = kept_costs
     yield alloc.pressure
