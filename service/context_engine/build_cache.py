@@ -169,6 +169,12 @@ class BuildCache:
                 if before is None or self._bases[build_id].incarnation < before:
                     self._drop(build_id)
 
+    def oldest_incarnation(self, tenant_id: str, session_id: str) -> int | None:
+        """The oldest incarnation of the session a base is held of (None: no base)."""
+        with self._lock:
+            ids = self._by_session.get((tenant_id, session_id))
+            return min(self._bases[i].incarnation for i in ids) if ids else None
+
     def evict(self, build_id: str) -> bool:
         with self._lock:
             if build_id not in self._bases:

@@ -290,6 +290,12 @@ class PlanCache:
         else:
             self._sessions[session] = (latest, count - 1)
 
+    def incarnation(self, tenant_id: str, session_id: str) -> int | None:
+        """The incarnation of the session its entries are of (None: none cached): a put of a
+        later one drops them, an older one is never put."""
+        known = self._sessions.get((tenant_id, session_id))
+        return None if known is None else known[0]
+
     def forget(self, tenant_id: str, session_id: str) -> None:
         """Drop every entry of the session: it was erased, here or on another replica."""
         if (tenant_id, session_id) not in self._sessions:
@@ -401,10 +407,12 @@ class Engine:
         self._factors: dict[tuple[str, str], tuple[float, float]] = {}
         # runs bound to their snapshot: (tenant, session, incarnation, epoch, run id)
         self._snapshot_runs: OrderedDict[tuple[str, str, int, int, str], None] = OrderedDict()
-        # sessions forgotten (erased), counted, and when each last was: a Build that ran
-        # meanwhile forgets again what it kept of one (``forgotten_since``)
+        # sessions forgotten (erased), counted, and when each last was, with the incarnation
+        # it was found planned again as (None: erased): a Build that ran meanwhile forgets
+        # again what it kept of one (``forgotten_since``)
         self.forgets = 0
-        self._forgotten: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._forgotten: OrderedDict[tuple[str, str], tuple[int, int | None]] = \
+            OrderedDict()
         self.render_memo = BoundedMemo(render_memo_bytes)
         # the bases of incremental Builds (BuildRequest.base_build_id), per process
         self.builds = BuildCache(build_cache_bytes)
@@ -618,13 +626,36 @@ class Engine:
         render memo keeps no incarnation; a new one's are made again) leave this process, and
         so does what a Build of the session running meanwhile keeps of it (``forgotten_since``):
         the erasure may have come through another replica while that Build ran here."""
-        self.cache.forget(tenant_id, session_id)
+        if found is None or self.cache.incarnation(tenant_id, session_id) != found:
+            self.cache.forget(tenant_id, session_id)  # (the new incarnation's plans stay)
         self.builds.forget(tenant_id, session_id, before=found)
         self.render_memo.drop(session_key(tenant_id, session_id))
-        self._count_forgotten(tenant_id, session_id)
+        self._count_forgotten(tenant_id, session_id, found)
+
+    def _named(self, tenant_id: str, session_id: str, incarnation: int) -> None:
+        """A plan read named ``incarnation`` the session's: what this process keeps of an
+        older one (cached plans, bases, renderings) was erased, perhaps through another
+        replica, and is forgotten (``_forget_erased``); the render memo records the
+        incarnation its entries of the session are of from then on."""
+        key = session_key(tenant_id, session_id)
+        held = (self.cache.incarnation(tenant_id, session_id),
+                self.builds.oldest_incarnation(tenant_id, session_id),
+                self.render_memo.incarnation(key))
+        if any(h is not None and h < incarnation for h in held):
+            self._forget_erased(tenant_id, session_id, incarnation)
+        self.render_memo.name_incarnation(key, incarnation)
 
     async def loaded(self, tenant_id: str, session_id: str, epoch: int | None, *,
                      incarnation: int | None = None) -> LoadedPlan:
+        """The verified plan of the session's current epoch (``epoch`` None), or of ``epoch``
+        (see ``_loaded``). Its incarnation, later than one this process keeps something of,
+        makes it forget what it keeps of the older one (``_named``)."""
+        loaded = await self._loaded(tenant_id, session_id, epoch, incarnation=incarnation)
+        self._named(tenant_id, session_id, loaded.plan.incarnation)
+        return loaded
+
+    async def _loaded(self, tenant_id: str, session_id: str, epoch: int | None, *,
+                      incarnation: int | None = None) -> LoadedPlan:
         """The verified plan of the session's current epoch (``epoch`` None), or of ``epoch``.
 
         Without an epoch, the database names the session's incarnation and current epoch on
@@ -1048,19 +1079,29 @@ class Engine:
         if counted:
             self._count_forgotten(tenant_id, session_id)
 
-    def _count_forgotten(self, tenant_id: str, session_id: str) -> None:
+    def _count_forgotten(self, tenant_id: str, session_id: str,
+                         found: int | None = None) -> None:
+        """``found``: the incarnation the session was found planned again as (None: erased)."""
         self.forgets += 1
-        self._forgotten[(tenant_id, session_id)] = self.forgets
+        self._forgotten[(tenant_id, session_id)] = (self.forgets, found)
         self._forgotten.move_to_end((tenant_id, session_id))
         while len(self._forgotten) > FORGOTTEN_KEPT:
             self._forgotten.popitem(last=False)
 
-    def forgotten_since(self, tenant_id: str, session_id: str, mark: int) -> bool:
+    def forgotten_since(self, tenant_id: str, session_id: str, mark: int,
+                        incarnation: int | None = None) -> bool:
         """Whether this process forgot the session after ``mark`` (``forgets`` when a call
-        began): what the call keeps of it afterwards is to be forgotten too. True as well when
-        more sessions were forgotten since than are remembered (forgetting again is harmless)."""
+        began): what the call keeps of it afterwards is to be forgotten too. Not when the call
+        ran on ``incarnation`` and the last forget found the session planned again as that
+        one or an earlier one (what was forgotten is older than what the call ran on: a Build
+        that found the session planned anew keeps what it made of the new one). True as well
+        when more sessions were forgotten since than are remembered (forgetting again is
+        harmless)."""
         if self.forgets == mark:
             return False
         if self.forgets - mark > FORGOTTEN_KEPT:
             return True
-        return self._forgotten.get((tenant_id, session_id), 0) > mark
+        when, found = self._forgotten.get((tenant_id, session_id), (0, None))
+        if when <= mark:
+            return False
+        return incarnation is None or found is None or found > incarnation

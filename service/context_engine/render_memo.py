@@ -166,6 +166,10 @@ class BoundedMemo(MutableMapping[Any, Any]):
         # per session, least recently written first: its keys with their weights, and their sum
         self._sessions: OrderedDict[Any, dict[Any, int]] = OrderedDict()
         self._session_bytes: dict[Any, int] = {}
+        # per session that has entries: the latest incarnation a plan read named for it (the
+        # memo's keys name none: a session erased and planned again through another replica
+        # is found out by a read naming a later one, and its entries are then dropped)
+        self._incarnations: dict[Any, int] = {}
         self.bytes = 0
         # looked up on every Build for every item and message: at C speed
         self.get = self._data.get  # type: ignore[method-assign]
@@ -211,6 +215,7 @@ class BoundedMemo(MutableMapping[Any, Any]):
         if not keys:
             del self._sessions[session]
             del self._session_bytes[session]
+            self._incarnations.pop(session, None)
 
     def drop(self, session: Any) -> None:
         """Every entry of ``session`` (its key, the first element of each of its keys)."""
@@ -220,6 +225,18 @@ class BoundedMemo(MutableMapping[Any, Any]):
         for key in keys:
             del self._data[key]
         self.bytes -= self._session_bytes.pop(session)
+        self._incarnations.pop(session, None)
+
+    def incarnation(self, session: Any) -> int | None:
+        """The latest incarnation of ``session`` a plan read named while the memo held entries
+        of it (None: none named yet, or no entries)."""
+        return self._incarnations.get(session)
+
+    def name_incarnation(self, session: Any, incarnation: int) -> None:
+        """A plan read named ``incarnation`` the session's: recorded while the memo holds
+        entries of the session (they go with them), never lowered."""
+        if session in self._sessions and incarnation > self._incarnations.get(session, -1):
+            self._incarnations[session] = incarnation
 
     def sessions(self) -> int:
         return len(self._sessions)
@@ -228,4 +245,5 @@ class BoundedMemo(MutableMapping[Any, Any]):
         self._data.clear()
         self._sessions.clear()
         self._session_bytes.clear()
+        self._incarnations.clear()
         self.bytes = 0

@@ -39,12 +39,13 @@ from context_engine import cli
 from context_engine.adapters.postgres.erasure import PostgresErasure
 from context_engine.adapters.postgres.migrate import migrate
 from context_engine.clock import SYSTEM_CLOCK
+from context_engine.domain.canonical import session_key
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
 from tests.conftest import REPO, Db, ServerThread
 from tests.conftest import test_config as base_config
-from tests.integration.requests import build_request, failure, plan_request
+from tests.integration.requests import build_request, failure, item, plan_request
 from tests.integration.test_budget_rpc import SMALL, long_history
 from tests.integration.test_compact_rpc import compact_request
 from tests.integration.test_db_faults import Database
@@ -805,3 +806,55 @@ def test_a_plan_that_finds_its_session_erased_after_reading_it_opens_a_new_one(
     (row,) = db.fetch("SELECT current_epoch FROM sessions WHERE tenant_id = $1 "
                       "AND session_id = $2", tenant, session)
     assert row["current_epoch"] == 1
+
+
+def _held_of(server: ServerThread, tenant: str, session: str, text: str) -> int:
+    """How many render-memo entries of the session hold ``text``, on ``server``."""
+    memo, key = server.running.engine.render_memo, session_key(tenant, session)
+    return sum(text in repr(memo[k]) for k in list(memo) if k[0] == key)
+
+
+@pytest.mark.parametrize("held", ["a base", "a base it names", "renderings alone"])
+def test_a_replica_finding_the_session_planned_again_forgets_what_it_kept_of_the_erased_one(
+        replicas, held):
+    """B built the session (its items in B's render memo, perhaps a base kept); A erased it
+    and planned it again. B's next Build of the current epoch reads the new incarnation: B
+    forgets the erased session's renderings and bases, whether or not the Build names the
+    erased base, and even when all B still holds of it is renderings (its plan no longer
+    cached); it keeps the plan it read and the base it makes on the new one."""
+    r = replicas
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    old = build_request(tenant, session, items=[
+        item("u1", 1, user=pb.UserMessage(text="the erased secret is 4711"))])
+    old.keep_base = held != "renderings alone"
+    erased = r.b.stub.Build(old, timeout=30)
+    engine = r.b.server.running.engine
+    assert (engine.builds.peek(tenant, session, erased.build_id) is not None) is old.keep_base
+    assert _held_of(r.b.server, tenant, session, "4711") > 0
+    delete(r.a.stub, tenant, session)
+    new_plan = r.a.stub.Plan(plan_request(tenant, session), timeout=30).plan
+    if held == "renderings alone":  # its plan evicted from B's cache meanwhile
+        engine.cache.forget(tenant, session)
+    new = build_request(tenant, session, items=[
+        item("u1", 1, user=pb.UserMessage(text="a new session's question"))])
+    new.keep_base = True
+    if held == "a base it names":
+        new.base_build_id, new.base_items_kept = erased.build_id, 0
+        with pytest.raises(grpc.RpcError) as err:
+            r.b.stub.Build(new, timeout=30)
+        assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
+        new.ClearField("base_build_id")
+        new.base_items_kept = 0
+    built = r.b.stub.Build(new, timeout=30)
+    assert built.prefix_sha256 == new_plan.prefix_sha256
+    assert engine.builds.peek(tenant, session, erased.build_id) is None
+    assert _held_of(r.b.server, tenant, session, "4711") == 0
+    assert engine.cache.newest(tenant, session, 1) is not None  # the new plan, read
+    # what B made of the new session stays: its base, and its items for the next Build
+    assert engine.builds.peek(tenant, session, built.build_id) is not None
+    again = build_request(tenant, session, items=[
+        item("u1", 1, user=pb.UserMessage(text="a new session's question"))])
+    again.base_build_id, again.base_items_kept = built.build_id, 1
+    again.checkpoint.ClearField("items")
+    assert r.b.stub.Build(again, timeout=30).build_id  # on the base: no BUILD_BASE_UNKNOWN

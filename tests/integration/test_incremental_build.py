@@ -196,6 +196,20 @@ def test_bad_incremental_fields_are_invalid(stub: pb_grpc.ContextEngineStub) -> 
     f = failure(err.value)
     assert f.code is grpc.StatusCode.INVALID_ARGUMENT
     assert any("duplicate item id" in d for d in f.violations.values())
+    # a kept count over the base's items: the items sent have no place in the whole
+    # checkpoint, so none of their problems is named at one; the rest of the checkpoint is
+    # judged as ever
+    bad = [item("u0", 0, trust=99, user=pb.UserMessage(text="x")),
+           pb.ConversationItem(id="", sequence=0, run_id="other")]
+    req = request(session, bad)
+    req.base_build_id, req.base_items_kept = first.build_id, 3
+    req.checkpoint.runtime.surface = "two\nlines"
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(req, timeout=30)
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert f.fields == ("base_items_kept", "checkpoint.runtime.surface",
+                        "checkpoint.active_run_id"), f.fields
 
 
 def test_only_a_build_that_succeeds_on_a_base_refreshes_it(stub: pb_grpc.ContextEngineStub,

@@ -276,6 +276,38 @@ def test_a_remembered_item_keeps_its_violations_at_its_new_index() -> None:
     assert all(a is b for a, b in zip(mapped, remapped[2:], strict=True))
 
 
+@pytest.mark.parametrize("memo", [None, BoundedMemo(64 << 20)], ids=["plain", "memo"])
+def test_an_item_without_a_kind_keeps_its_place_and_the_items_after_it_theirs(
+        memo: BoundedMemo | None) -> None:
+    """A kindless item is refused in its place, and checked like any item (its id, sequence
+    and run): the items after it are named by their own positions, as the whole checkpoint
+    numbers them."""
+    def user(item_id: str, seq: int, **fields: Any) -> pb.ConversationItem:
+        return pb.ConversationItem(id=item_id, sequence=seq, run_id="r",
+                                   trust=pb.TRUST_LEVEL_USER,
+                                   user=pb.UserMessage(text="x"), **fields)
+    cp = pb.Checkpoint(active_run_id="r", items=[
+        user("a", 1),
+        pb.ConversationItem(id="k", sequence=2, run_id="r", trust=pb.TRUST_LEVEL_USER),
+        user("a", 3),  # a duplicate id, the third item
+        pb.ConversationItem(id="a", sequence=1, run_id="r", trust=pb.TRUST_LEVEL_USER),
+    ])
+    v = mapping.Violations()
+    if memo is None:
+        mapped = mapping.checkpoint(v, cp)
+    else:
+        mapped = mapping.checkpoint(v, cp, memo=memo, session_key="s")
+    assert len(mapped.items) == 4
+    found = [(x.field, x.description) for x in v.items + checkpoint_violations(mapped)]
+    assert found == [
+        ("checkpoint.items[1].kind", "no item kind is set"),
+        ("checkpoint.items[3].kind", "no item kind is set"),
+        ("checkpoint.items[2].id", "duplicate item id 'a'"),
+        ("checkpoint.items[3].id", "duplicate item id 'a'"),
+        ("checkpoint.items[3].sequence",
+         "1 is below the previous item's 3: items are ordered oldest first")]
+
+
 def test_an_item_sent_again_with_other_content_is_mapped_again() -> None:
     memo = BoundedMemo(64 << 20)
     items = conversation(2, "first")

@@ -46,3 +46,19 @@ def test_a_build_dropping_what_it_kept_is_no_erasure_of_its_own() -> None:
     after = e.forgets
     e.forget_session("t", "a", counted=False)
     assert e.forgets == after and not e.forgotten_since("t", "a", after)
+
+
+def test_a_forget_that_found_the_session_planned_again_spares_calls_on_the_new_incarnation(
+        ) -> None:
+    """A session found planned again as incarnation 3: a call that ran on 3 (or later) keeps
+    what it made; one that ran on an older incarnation, or whose incarnation is not known,
+    forgets it. An erasure (no incarnation found) reaches every call."""
+    e = engine()
+    mark = e.forgets
+    e._forget_erased("t", "a", 3)
+    assert not e.forgotten_since("t", "a", mark, 3)
+    assert not e.forgotten_since("t", "a", mark, 4)
+    assert e.forgotten_since("t", "a", mark, 2)
+    assert e.forgotten_since("t", "a", mark)
+    e._forget_erased("t", "a", None)
+    assert e.forgotten_since("t", "a", mark, 3)

@@ -459,7 +459,7 @@ def _bad_reference(value: str) -> bool:
         unicodedata.category(c) in _NOT_ONE_LINE for c in value)
 
 
-def _item(v: Violations, field: str, it: pb.ConversationItem) -> ConversationItem | None:
+def _item(v: Violations, field: str, it: pb.ConversationItem) -> ConversationItem:
     kind = it.WhichOneof("kind")
     # a tool result is data: it can never claim to be configuration
     ceiling = TrustLevel.USER if kind == "tool_result" else TrustLevel.TRUSTED_CONFIGURATION
@@ -509,7 +509,10 @@ def _item(v: Violations, field: str, it: pb.ConversationItem) -> ConversationIte
         return ReasoningItem(id=item_id, sequence=sequence, run_id=run_id, item_trust=trust,
                              provider=it.reasoning.provider, opaque=it.reasoning.opaque)
     v.add(f"{field}.kind", "no item kind is set")
-    return None
+    # refused, but still in its place: the checks of every item (its id, sequence and run)
+    # name it and the items after it by their own positions
+    return AssistantMessageItem(id=item_id, sequence=sequence, run_id=run_id, item_trust=trust,
+                                text="")
 
 
 _ITEM = "mapping:item"  # render-memo keys (session key, _ITEM, item id)
@@ -517,7 +520,7 @@ _ITEM = "mapping:item"  # render-memo keys (session key, _ITEM, item id)
 
 def _memo_item(v: Violations, index: int, it: pb.ConversationItem,
                memo: MutableMapping[Any, Any], session_key: str,
-               wides: list[int] | None) -> ConversationItem | None:
+               wides: list[int] | None) -> ConversationItem:
     """``_item(v, f"checkpoint.items[{index}]", it)``, remembered in ``memo`` under (session
     key, _ITEM, item id) with a copy of ``it``: an item equal to the copy maps to the same
     domain item (the same object, whose strings are hashed already) and the same violations,
@@ -538,7 +541,7 @@ def _memo_item(v: Violations, index: int, it: pb.ConversationItem,
             v.add(field + suffix, description)
     if wides is not None:
         wides.append(found[3])
-    item: ConversationItem | None = found[1]
+    item: ConversationItem = found[1]
     return item
 
 
@@ -584,7 +587,7 @@ def checkpoint(v: Violations, cp: pb.Checkpoint, *, memo: MutableMapping[Any, An
     return Checkpoint(
         summary=summary,
         active_run_id=cp.active_run_id,
-        items=tuple(i for i in items if i is not None),
+        items=tuple(items),
         loaded_skills=skills,
         working_state=state,
         recall=tuple(MemoryLine(id=r.id, text=r.text) for r in cp.recall),

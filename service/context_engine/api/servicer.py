@@ -31,6 +31,7 @@ from context_engine.domain.canonical import session_key
 from context_engine.domain.errors import (
     BuildBaseUnknown,
     ContextEngineError,
+    FieldViolation,
     InvalidInput,
     RequestTooLarge,
     ResponseTooLarge,
@@ -67,6 +68,13 @@ class CallRecord:
         self.tenant = tenant_id
         if tenant_id and session_id:
             self.session_key = session_key(tenant_id, session_id)
+
+
+def _unplaced(violations: Sequence[FieldViolation]) -> list[FieldViolation]:
+    """``violations`` but those of the items of a checkpoint whose items have no known place
+    (an incremental Build keeping more items than its base holds): any position would be
+    wrong, and the Build is refused on its kept count anyway."""
+    return [f for f in violations if not f.field.startswith("checkpoint.items[")]
 
 
 def _outcome_read(future: asyncio.Future[Any]) -> None:
@@ -193,6 +201,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             readable = not v.items
             base = None
             kept = request.base_items_kept
+            placed = True  # whether the items sent have a place in the whole checkpoint
             if request.base_build_id:
                 # an incremental Build: the base's first items, then the ones sent
                 # looked up without refreshing it: only a Build that succeeds on it does
@@ -203,7 +212,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 if kept > len(base.items):
                     v.add("base_items_kept", f"{kept} is more than the base's "
                           f"{len(base.items)} items")
-                    kept = len(base.items)
+                    kept, placed = len(base.items), False
             elif kept:
                 v.add("base_items_kept", "is set without base_build_id")
             # The plan is read (a query without an epoch) while the checkpoint is mapped and
@@ -225,10 +234,14 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 # an item is named by its position in the whole checkpoint (the base's first
                 # items, then those sent): a refusal is the whole Build's, field for field
                 wides: list[int] = []  # what a kept base counts the items for beyond bytes
-                checkpoint = mapping.checkpoint(v, request.checkpoint, memo=memo,
+                # items with no place (a kept count over the base's items) are not judged,
+                # as the limits judge none of them: a violation would name a wrong place
+                mapped = mapping.Violations()
+                checkpoint = mapping.checkpoint(mapped, request.checkpoint, memo=memo,
                                                 session_key=record.session_key,
                                                 first_index=kept if base is not None else 0,
                                                 wides=wides)
+                v.items.extend(mapped.items if placed else _unplaced(mapped.items))
                 if base is not None:
                     checkpoint = replace(checkpoint,
                                          items=base.items[:kept] + checkpoint.items)
@@ -238,7 +251,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 # whole
                 resume = base.scan if base is not None and kept == len(base.items) else None
                 violations, scan = checkpoint_scan(checkpoint, resume=resume)
-                v.items.extend(violations)
+                v.items.extend(violations if placed else _unplaced(violations))
                 factor = None
                 if request.HasField("estimator_factor"):
                     factor = request.estimator_factor
@@ -356,10 +369,11 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 # through another replica this one has heard of since, loses what the Build
                 # kept of it after the erasure dropped it: its renderings in the memo, the
                 # base it kept (a session planned anew meanwhile keeps its own bases)
-                if self._engine.forgotten_since(request.tenant_id, request.session_id, mark):
+                ran = ran_on[-1] if ran_on else None
+                if self._engine.forgotten_since(request.tenant_id, request.session_id, mark,
+                                                ran):
                     self._engine.forget_session(request.tenant_id, request.session_id,
-                                                counted=False,
-                                                incarnation=ran_on[-1] if ran_on else None)
+                                                counted=False, incarnation=ran)
         return await self._run("Build", context, read_again_if_replanned)
 
     async def ReportUsage(self, request: pb.ReportUsageRequest,
