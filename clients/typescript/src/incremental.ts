@@ -27,6 +27,8 @@ export const BUILD_BASE_UNKNOWN = "BUILD_BASE_UNKNOWN";
 
 /** Sessions whose last Build a client holds unless told otherwise. */
 export const DEFAULT_MAX_SESSIONS = 1_024;
+/** The sessions forgotten most recently whose turn is remembered (see `forget`). */
+const FORGOTTEN_KEPT = 4_096;
 
 /** What incremental Build moved, over the Builds that returned a response. */
 export interface BuildStats {
@@ -94,6 +96,8 @@ export interface Prepared {
   readonly base: Held | undefined;
   /** The whole request's items, as the session will hold them. */
   readonly items: readonly HeldItem[];
+  /** When it was prepared: a session forgotten since is not held again by its answer. */
+  readonly mark: number;
 }
 
 /** The full response and what it weighs. */
@@ -386,6 +390,10 @@ export class IncrementalBuilds {
   readonly maxSessions: number;
   private readonly held = new Map<string, Held>();
   private readonly counts = emptyStats();
+  // Forgets counted, and when each session (of the last FORGOTTEN_KEPT) last was: a Build in
+  // flight across one holds nothing of its answer.
+  private forgets = 0;
+  private readonly forgotten = new Map<string, number>();
 
   constructor(maxSessions = DEFAULT_MAX_SESSIONS) {
     if (!Number.isInteger(maxSessions) || maxSessions < 1) {
@@ -405,9 +413,20 @@ export class IncrementalBuilds {
     return this.held.has(sessionKey(tenantId, sessionId));
   }
 
-  /** Drops a session's held Build: its next Build goes whole. */
+  /**
+   * Drops a session's held Build: its next Build goes whole. A Build of the session in flight
+   * holds nothing of its answer either (it was based on what is forgotten, or on a session
+   * deleted since).
+   */
   forget(tenantId: string, sessionId: string): void {
-    this.held.delete(sessionKey(tenantId, sessionId));
+    const key = sessionKey(tenantId, sessionId);
+    this.held.delete(key);
+    this.forgets += 1;
+    this.forgotten.delete(key);
+    this.forgotten.set(key, this.forgets);
+    while (this.forgotten.size > FORGOTTEN_KEPT) {
+      this.forgotten.delete(this.forgotten.keys().next().value as string);
+    }
   }
 
   /** The counts so far. */
@@ -517,7 +536,8 @@ export class IncrementalBuilds {
     bytes.set(tail, pos);
     const fullRequestBytes = head.length + checkpointField(fullCheckpoint) + tail.length -
       baseFields;
-    return { request, wire, bytes, fullRequestBytes, baseBuildId, kept, base, items: held };
+    return { request, wire, bytes, fullRequestBytes, baseBuildId, kept, base, items: held,
+      mark: this.forgets };
   }
 
   /**
@@ -639,12 +659,20 @@ export class IncrementalBuilds {
     return { response: cloneValue(full), fullResponseBytes: size, incremental: true };
   }
 
+  /** Whether the session was forgotten after `mark` (or more were than are remembered). */
+  private forgottenSince(key: string, mark: number): boolean {
+    if (this.forgets === mark) return false;
+    if (this.forgets - mark > FORGOTTEN_KEPT) return true;
+    return (this.forgotten.get(key) ?? 0) > mark;
+  }
+
   private hold(prepared: Prepared, full: BuildResponse, sizes: {
     prefixBytes: number; messageSizes: readonly number[]; body: Uint8Array;
     geminiCreate: Uint8Array; geminiCached: Uint8Array;
   }): void {
     if (full.buildId === "") return;
     const key = sessionKey(prepared.request.tenantId, prepared.request.sessionId);
+    if (this.forgottenSince(key, prepared.mark)) return;  // forgotten while in flight
     this.held.delete(key);
     this.held.set(key, {
       buildId: full.buildId,

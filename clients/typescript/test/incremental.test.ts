@@ -192,6 +192,28 @@ describe("prepare", () => {
       assert.throws(() => new IncrementalBuilds(bad), /maxSessions must be an integer of at least 1/);
     }
   });
+
+  test("a session forgotten while one of its Builds is in flight is not held again", () => {
+    for (const between of ["forget this session", "forget another session"]) {
+      const builds = holding(request([item(0)]), full([], "", { buildId: "b1" }));
+      const inFlight = builds.prepare(request([item(0), item(1)]));  // a delta, then...
+      const whole = builds.prepare(request([item(0)]), true);  // ...and a whole Build
+      builds.forget("t", between === "forget this session" ? "s" : "other");
+      builds.absorb(whole, ...received(full([], "", { buildId: "b2" })));
+      const answered = full([], "", { buildId: "b3" });
+      builds.absorb(inFlight, ...received(deltaResponse(answered, {}, { baseBuildId: "b1" })));
+      if (between === "forget this session") {
+        assert.equal(builds.holds("t", "s"), false, "a deleted session's Build came back");
+      } else {
+        assert.equal(builds.prepare(request([item(0), item(1)])).baseBuildId, "b3");
+      }
+    }
+    // a Build prepared after the forget holds its answer
+    const builds = holding(request([item(0)]), full([], "", { buildId: "b1" }));
+    builds.forget("t", "s");
+    holding(request([item(0)]), full([], "", { buildId: "b4" }), builds);
+    assert.equal(builds.prepare(request([item(0)])).baseBuildId, "b4");
+  });
 });
 
 // ------------------------------------------------------------------------------- absorb

@@ -7,7 +7,7 @@ builds messages with ``type(message)()`` and reads field numbers from their desc
 client's and the service's own generated classes both work. One Build goes::
 
     tally = Tally(keep_base=request.keep_base)  # what this Build moves, counted if it returns
-    wire, base = builds.prepare(request)        # the request to send, and what it is based on
+    wire, base = builds.prepare(request, tally)  # the request to send, and what it is based on
     try:
         response = stub.Build(wire)
     except grpc.RpcError as err:
@@ -21,7 +21,9 @@ client's and the service's own generated classes both work. One Build goes::
 
 ``absorb`` takes the request that was sent (``wire``), never the caller's: a whole Build holds
 the items of that request, which is the client's own copy, so a caller that changes its items
-while the Build is in flight does not change what the client believes the service holds.
+while the Build is in flight does not change what the client believes the service holds. A
+session forgotten (``forget``: deleted, or forgotten by the caller) while one of its Builds is
+in flight is not held again when that Build returns: the tally marks when it was prepared.
 
 A whole Build (the session's first, or a resend) asks the service to keep it as a base
 (``keep_base``); a Build naming a base is kept anyway. What is held per session (least recently
@@ -46,6 +48,7 @@ from context_engine_client.errors import ContextEngineError, Internal, from_rpc_
 
 BASE_UNKNOWN = "BUILD_BASE_UNKNOWN"
 DEFAULT_MAX_SESSIONS = 1024
+FORGOTTEN_KEPT = 4096  # the sessions forgotten most recently whose turn is remembered
 
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
@@ -80,9 +83,12 @@ class BuildStats:
 class Tally:
     """One Build's attempts, added to the counts when it returns (:meth:`IncrementalBuilds.absorb`)
     and dropped when it fails. ``keep_base``: the caller's request itself asked to be kept (its
-    size whole then counts the flag, which the client adds otherwise)."""
+    size whole then counts the flag, which the client adds otherwise). ``mark``: set by
+    :meth:`IncrementalBuilds.prepare`, when the Build began (a session forgotten since is not
+    held again by its answer)."""
 
     keep_base: bool = False
+    mark: int | None = None
     request_bytes: int = 0
     response_bytes: int = 0
     full_resends: int = 0
@@ -216,6 +222,11 @@ class IncrementalBuilds:
         self._held: OrderedDict[tuple[str, str], _Held] = OrderedDict()
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(BuildStats.__dataclass_fields__, 0)
+        # forgets counted, and when each session (of the last FORGOTTEN_KEPT) and all of them
+        # (``clear``) last were: a Build in flight across one holds nothing of its answer
+        self._forgets = 0
+        self._forgotten: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._cleared = 0
 
     # -------------------------------------------------------------------------- public
 
@@ -229,22 +240,36 @@ class IncrementalBuilds:
             return len(self._held)
 
     def forget(self, tenant_id: str, session_id: str) -> None:
-        """Drops what is held of one session: its next Build goes whole."""
+        """Drops what is held of one session: its next Build goes whole. A Build of the
+        session in flight holds nothing of its answer either (it was based on what is
+        forgotten, or on a session deleted since)."""
+        key = (tenant_id, session_id)
         with self._lock:
-            self._held.pop((tenant_id, session_id), None)
+            self._held.pop(key, None)
+            self._forgets += 1
+            self._forgotten[key] = self._forgets
+            self._forgotten.move_to_end(key)
+            while len(self._forgotten) > FORGOTTEN_KEPT:
+                self._forgotten.popitem(last=False)
 
     def clear(self) -> None:
+        """``forget`` of every session."""
         with self._lock:
             self._held.clear()
+            self._forgets += 1
+            self._cleared = self._forgets
 
-    def prepare(self, request: Req) -> tuple[Req, Base | None]:
+    def prepare(self, request: Req, tally: Tally | None = None) -> tuple[Req, Base | None]:
         """The request to send for ``request`` (a BuildRequest with the whole checkpoint, which
         is not changed) and the base it names; with nothing held of the session, a copy of
-        ``request`` that sets ``keep_base``, and None."""
+        ``request`` that sets ``keep_base``, and None. ``tally``: the Build's, marked with
+        when it began (:meth:`absorb` then holds nothing of a session forgotten since)."""
         r: Any = request
         if r.base_build_id or r.base_items_kept:
             raise ValueError("the request names a base already; prepare takes whole Builds")
         with self._lock:
+            if tally is not None:
+                tally.mark = self._forgets
             key = (r.tenant_id, r.session_id)
             held = self._held.get(key)
             if held is not None:
@@ -290,7 +315,8 @@ class IncrementalBuilds:
             raise ValueError(f"the request sent names base {r.base_build_id!r}, not "
                              f"{base.build_id if base else None!r}: fallback resends what "
                              "prepare returned with a base")
-        self.forget(r.tenant_id, r.session_id)
+        with self._lock:  # the Build's own doing: not a forget that Builds in flight heed
+            self._held.pop((r.tenant_id, r.session_id), None)
         if tally is not None:
             tally.full_resends += 1
         wire: Any = type(r)()
@@ -315,7 +341,8 @@ class IncrementalBuilds:
         request whole (:meth:`fallback`); and
         :class:`~context_engine_client.Internal` for a delta answering a whole request. A
         response without a ``build_id`` (the service kept nothing) leaves what is held as it
-        was. The Build, with the earlier attempts ``tally`` holds, is added to :attr:`stats`."""
+        was, and so does a session forgotten since ``tally``'s mark (:meth:`prepare`). The
+        Build, with the earlier attempts ``tally`` holds, is added to :attr:`stats`."""
         r: Any = sent
         resp: Any = response
         if base is None and not r.keep_base:
@@ -370,8 +397,10 @@ class IncrementalBuilds:
                         _items_bytes(items, _number(r.checkpoint, "items")), initial=0)),
                     answer=answer)
         with self._lock:
+            key = (r.tenant_id, r.session_id)
+            if held is not None and self._forgotten_since(key, t.mark):
+                held = None  # forgotten while in flight: the answer is the caller's only
             if held is not None:  # else the service kept nothing: what is held stays
-                key = (r.tenant_id, r.session_id)
                 self._held[key] = held
                 self._held.move_to_end(key)
                 while len(self._held) > self.max_sessions:
@@ -387,6 +416,15 @@ class IncrementalBuilds:
         return full  # type: ignore[no-any-return]
 
     # -------------------------------------------------------------------------- internals
+
+    def _forgotten_since(self, key: tuple[str, str], mark: int | None) -> bool:
+        """Whether the session was forgotten after ``mark`` (None: not known, so not); also
+        true when more were forgotten since than are remembered. Under the lock."""
+        if mark is None or self._forgets == mark:
+            return False
+        if self._cleared > mark or self._forgets - mark > FORGOTTEN_KEPT:
+            return True
+        return self._forgotten.get(key, 0) > mark
 
     def _whole(self, request: Any) -> Any:
         """A copy of the whole request that asks the service to keep it as a base."""

@@ -154,7 +154,7 @@ class AsyncClient:
             self._settings.timeout if timeout is None else check_timeout(timeout))
         try:
             tally = Tally(keep_base=request.keep_base)
-            wire, base = builds.prepare(request)
+            wire, base = builds.prepare(request, tally)
             try:
                 return builds.absorb(wire, await self._invoke(
                     "Build", wire, pb.BuildResponse, timeout, metadata), base, tally)

@@ -155,7 +155,7 @@ class Client:
             self._settings.timeout if timeout is None else check_timeout(timeout))
         try:
             tally = Tally(keep_base=request.keep_base)
-            wire, base = builds.prepare(request)
+            wire, base = builds.prepare(request, tally)
             try:
                 return builds.absorb(wire, self._invoke(
                     "Build", wire, pb.BuildResponse, timeout, metadata), base, tally)
