@@ -485,6 +485,50 @@ def test_sessions_are_bounded_least_recently_used_first():
         IncrementalBuilds(max_sessions=0)
 
 
+@pytest.mark.parametrize("between", ["forget", "clear", "forget another"])
+def test_a_session_forgotten_while_a_build_is_in_flight_is_not_held_again(between: str):
+    """A session forgotten (deleted, or by the caller) while Builds of it are in flight: their
+    answers go to their callers, and none is held again (the next Build of a session of that
+    id, a new one after a delete, would name a base of the deleted one). A Build prepared
+    after the forget holds its answer; a resend after BUILD_BASE_UNKNOWN is no forget."""
+    builds = IncrementalBuilds()
+    held(builds, request([item(0)]), response("b1", [message(0)]))
+    delta_tally, whole_tally = Tally(), Tally()
+    wire, base = builds.prepare(request([item(0), item(1)]), delta_tally)
+    assert base is not None
+    # a whole Build of another session, in flight as well
+    whole, none = builds.prepare(request([item(0)], session="s2"), whole_tally)
+    assert none is None
+    if between == "forget":
+        builds.forget("t", "s")
+        builds.forget("t", "s2")
+    elif between == "clear":
+        builds.clear()
+    else:
+        builds.forget("t", "elsewhere")
+    answer = response("b2", [message(0), message(1)])
+    assert builds.absorb(wire, relative(base, answer), base, delta_tally) == answer
+    builds.absorb(whole, response("b3", []), None, whole_tally)
+    named = [builds.prepare(request([item(0), item(1)]))[0].base_build_id,
+             builds.prepare(request([item(0)], session="s2"))[0].base_build_id]
+    assert named == (["", ""] if between != "forget another" else ["b2", "b3"])
+    assert builds.stats.builds == 3  # answered and counted all the same
+    # prepared after the forget: held
+    builds.forget("t", "s")
+    after = Tally()
+    again, _ = builds.prepare(request([item(0)]), after)
+    builds.absorb(again, response("b4", []), None, after)
+    assert builds.prepare(request([item(0)]))[0].base_build_id == "b4"
+    # a resend whole after BUILD_BASE_UNKNOWN drops the base without forgetting the session
+    resend_tally = Tally()
+    wire, base = builds.prepare(request([item(0), item(1)]), resend_tally)
+    assert base is not None
+    resend_tally.refused(wire)
+    resent = builds.fallback(wire, base, resend_tally)
+    builds.absorb(resent, response("b5", []), None, resend_tally)
+    assert builds.prepare(request([item(0), item(1)]))[0].base_build_id == "b5"
+
+
 def test_fallback_forgets_and_counts_a_whole_resend():
     """A Build refused for its base and sent again whole counts both requests, the whole one's
     answer, and one resend, once it returns."""
@@ -822,6 +866,80 @@ def test_errors_deletion_and_forgetting_drop_the_sessions_base(server, session):
         engine.build(request=req)
         stats = engine.build_stats
         assert stats.incremental == before.incremental + 1 and stats.full_resends == 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("how", ["delete_session", "forget_session"])
+def test_a_build_in_flight_across_the_sessions_deletion_is_not_held_again(replica, session,
+                                                                          kind, how):
+    """A Build of the session is in flight (held at the replica) while the same client
+    deletes or forgets the session: its answer goes to its caller, and the client holds
+    nothing of the session after it, so the session planned again is built whole at once
+    (naming the deleted session's base would be refused, and sent again)."""
+    import threading
+
+    tenant, sid = session
+    engine_ = replica.running.engine
+    entered, release = threading.Event(), threading.Event()
+    used = engine_._snapshot_used
+
+    async def held_up(loaded: Any, run_id: str) -> None:
+        if loaded.plan.tenant_id == tenant and run_id == "run-1" and not release.is_set():
+            entered.set()
+            await asyncio.to_thread(release.wait, 30)
+        await used(loaded, run_id)
+
+    def erase(client: Any) -> Any:
+        if how == "forget_session":
+            client.forget_session(tenant, sid)
+            return None
+        return client.delete_session(request=pb.DeleteSessionRequest(tenant_id=tenant,
+                                                                      session_id=sid))
+
+    first, second = build_request(tenant, sid, 1), build_request(tenant, sid, 2)
+    try:
+        if kind == "sync":
+            with Client(target=replica.address) as client:
+                client.plan(request=plan(tenant, sid))
+                client.build(request=first)
+                engine_._snapshot_used = held_up  # type: ignore[method-assign]
+                with futures.ThreadPoolExecutor(1) as pool:
+                    flight = pool.submit(client.build, request=second)
+                    assert entered.wait(30)
+                    erase(client)
+                    release.set()
+                    assert flight.result(30).build_id
+                held_after = len(client._incremental or ())
+                if how == "delete_session":
+                    client.plan(request=plan(tenant, sid))
+                client.build(request=second)
+                stats = client.build_stats
+        else:
+            async def scenario() -> tuple[int, BuildStats]:
+                async with AsyncClient(target=replica.address) as client:
+                    await client.plan(request=plan(tenant, sid))
+                    await client.build(request=first)
+                    engine_._snapshot_used = held_up  # type: ignore[method-assign]
+                    flight = asyncio.ensure_future(client.build(request=second))
+                    assert await asyncio.to_thread(entered.wait, 30)
+                    done = erase(client)
+                    if done is not None:
+                        await done
+                    release.set()
+                    assert (await flight).build_id
+                    held = len(client._incremental or ())
+                    if how == "delete_session":
+                        await client.plan(request=plan(tenant, sid))
+                    await client.build(request=second)
+                    return held, client.build_stats
+            held_after, stats = asyncio.run(scenario())
+    finally:
+        release.set()
+        del engine_._snapshot_used
+    assert held_after == 0, "the session came back when its Build in flight returned"
+    assert stats.full_resends == 0  # no Build named a base of the deleted session
+    assert (stats.builds, stats.incremental) == (3, 1)  # the last one whole
 
 
 @pytest.mark.integration
