@@ -846,11 +846,25 @@ def test_a_replica_finding_the_session_planned_again_forgets_what_it_kept_of_the
         assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
         new.ClearField("base_build_id")
         new.base_items_kept = 0
-    built = r.b.stub.Build(new, timeout=30)
+    reads: list[str] = []
+    get_plan = engine.get_plan
+
+    async def counted(tenant_id: str, session_id: str, epoch: int | None) -> Any:
+        if tenant_id == tenant:
+            reads.append(session_id)
+        return await get_plan(tenant_id, session_id, epoch)
+
+    engine.get_plan = counted  # type: ignore[method-assign]
+    try:
+        built = r.b.stub.Build(new, timeout=30)
+    finally:
+        del engine.get_plan
     assert built.prefix_sha256 == new_plan.prefix_sha256
     assert engine.builds.peek(tenant, session, erased.build_id) is None
     assert _held_of(r.b.server, tenant, session, "4711") == 0
-    assert engine.cache.newest(tenant, session, 1) is not None  # the new plan, read
+    # the new plan, read once and kept (not dropped with the erased one's, to be read again)
+    assert reads == ([] if held == "a base it names" else [session])
+    assert engine.cache.newest(tenant, session, 1) is not None
     # what B made of the new session stays: its base, and its items for the next Build
     assert engine.builds.peek(tenant, session, built.build_id) is not None
     again = build_request(tenant, session, items=[
