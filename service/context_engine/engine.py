@@ -407,12 +407,12 @@ class Engine:
         self._factors: dict[tuple[str, str], tuple[float, float]] = {}
         # runs bound to their snapshot: (tenant, session, incarnation, epoch, run id)
         self._snapshot_runs: OrderedDict[tuple[str, str, int, int, str], None] = OrderedDict()
-        # sessions forgotten (erased), counted, and when each last was, with the incarnation
-        # it was found planned again as (None: erased): a Build that ran meanwhile forgets
-        # again what it kept of one (``forgotten_since``)
+        # sessions forgotten (erased), counted, and per session when it last was, the latest
+        # incarnation a forget found it planned again as (-1: none) and when it was last erased
+        # (0: not since remembered): a Build that ran meanwhile forgets again what it kept of
+        # one (``forgotten_since``)
         self.forgets = 0
-        self._forgotten: OrderedDict[tuple[str, str], tuple[int, int | None]] = \
-            OrderedDict()
+        self._forgotten: OrderedDict[tuple[str, str], tuple[int, int, int]] = OrderedDict()
         self.render_memo = BoundedMemo(render_memo_bytes)
         # the bases of incremental Builds (BuildRequest.base_build_id), per process
         self.builds = BuildCache(build_cache_bytes)
@@ -629,14 +629,15 @@ class Engine:
         if found is None or self.cache.incarnation(tenant_id, session_id) != found:
             self.cache.forget(tenant_id, session_id)  # (the new incarnation's plans stay)
         self.builds.forget(tenant_id, session_id, before=found)
-        self.render_memo.drop(session_key(tenant_id, session_id))
+        self.render_memo.forget(session_key(tenant_id, session_id))
         self._count_forgotten(tenant_id, session_id, found)
 
-    def _named(self, tenant_id: str, session_id: str, incarnation: int) -> None:
-        """A plan read named ``incarnation`` the session's: what this process keeps of an
-        older one (cached plans, bases, renderings) was erased, perhaps through another
-        replica, and is forgotten (``_forget_erased``); the render memo records the
-        incarnation its entries of the session are of from then on."""
+    def named(self, tenant_id: str, session_id: str, incarnation: int) -> None:
+        """A plan read (or a Build ending, of the plan it ran on) named ``incarnation`` the
+        session's: what this process keeps of an older one (cached plans, bases, renderings)
+        was erased, perhaps through another replica, and is forgotten (``_forget_erased``);
+        the render memo records the incarnation its entries of the session, held and made
+        later, are of."""
         key = session_key(tenant_id, session_id)
         held = (self.cache.incarnation(tenant_id, session_id),
                 self.builds.oldest_incarnation(tenant_id, session_id),
@@ -649,9 +650,9 @@ class Engine:
                      incarnation: int | None = None) -> LoadedPlan:
         """The verified plan of the session's current epoch (``epoch`` None), or of ``epoch``
         (see ``_loaded``). Its incarnation, later than one this process keeps something of,
-        makes it forget what it keeps of the older one (``_named``)."""
+        makes it forget what it keeps of the older one (``named``)."""
         loaded = await self._loaded(tenant_id, session_id, epoch, incarnation=incarnation)
-        self._named(tenant_id, session_id, loaded.plan.incarnation)
+        self.named(tenant_id, session_id, loaded.plan.incarnation)
         return loaded
 
     async def _loaded(self, tenant_id: str, session_id: str, epoch: int | None, *,
@@ -1075,15 +1076,21 @@ class Engine:
                            before=None if incarnation is None else incarnation + 1)
         for key in [k for k in self._snapshot_runs if k[0] == tenant_id and k[1] == session_id]:
             del self._snapshot_runs[key]
-        self.render_memo.drop(session_key(tenant_id, session_id))
+        self.render_memo.forget(session_key(tenant_id, session_id))
         if counted:
             self._count_forgotten(tenant_id, session_id)
 
     def _count_forgotten(self, tenant_id: str, session_id: str,
                          found: int | None = None) -> None:
-        """``found``: the incarnation the session was found planned again as (None: erased)."""
+        """``found``: the incarnation the session was found planned again as (None: erased).
+        Remembered per session: when it was last forgotten, the latest incarnation any of its
+        forgets found, and when it was last erased (a forget that found it planned again,
+        read before an erasure here and ended after it, does not hide the erasure)."""
         self.forgets += 1
-        self._forgotten[(tenant_id, session_id)] = (self.forgets, found)
+        key = (tenant_id, session_id)
+        _, latest, erased = self._forgotten.get(key, (0, -1, 0))
+        self._forgotten[key] = ((self.forgets, max(latest, found), erased) if found is not None
+                                else (self.forgets, latest, self.forgets))
         self._forgotten.move_to_end((tenant_id, session_id))
         while len(self._forgotten) > FORGOTTEN_KEPT:
             self._forgotten.popitem(last=False)
@@ -1092,8 +1099,8 @@ class Engine:
                         incarnation: int | None = None) -> bool:
         """Whether this process forgot the session after ``mark`` (``forgets`` when a call
         began): what the call keeps of it afterwards is to be forgotten too. Not when the call
-        ran on ``incarnation`` and the last forget found the session planned again as that
-        one or an earlier one (what was forgotten is older than what the call ran on: a Build
+        ran on ``incarnation``, the session was not erased since and no forget found it planned
+        again as a later one (what was forgotten is older than what the call ran on: a Build
         that found the session planned anew keeps what it made of the new one). True as well
         when more sessions were forgotten since than are remembered (forgetting again is
         harmless)."""
@@ -1101,7 +1108,7 @@ class Engine:
             return False
         if self.forgets - mark > FORGOTTEN_KEPT:
             return True
-        when, found = self._forgotten.get((tenant_id, session_id), (0, None))
+        when, latest, erased = self._forgotten.get((tenant_id, session_id), (0, -1, 0))
         if when <= mark:
             return False
-        return incarnation is None or found is None or found > incarnation
+        return incarnation is None or erased > mark or latest > incarnation

@@ -40,6 +40,7 @@ from context_engine.adapters.postgres.erasure import PostgresErasure
 from context_engine.adapters.postgres.migrate import migrate
 from context_engine.clock import SYSTEM_CLOCK
 from context_engine.domain.canonical import session_key
+from context_engine.domain.errors import StoreUnavailable
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
@@ -872,3 +873,86 @@ def test_a_replica_finding_the_session_planned_again_forgets_what_it_kept_of_the
     again.base_build_id, again.base_items_kept = built.build_id, 1
     again.checkpoint.ClearField("items")
     assert r.b.stub.Build(again, timeout=30).build_id  # on the base: no BUILD_BASE_UNKNOWN
+
+
+@pytest.mark.parametrize("made", ["by a refused Build", "after the session was begun again",
+                                  "by the Build that found the session planned again",
+                                  "by a Build that never read its plan"])
+def test_renderings_are_forgotten_with_their_incarnation_whenever_they_were_made(
+        replicas, made):
+    """What B rendered of a session is of the incarnation a plan read named for it, whether
+    the renderings were made before or after the read: by a Build refused once its plan was
+    read, after the session alone outgrew half the memo mid-Build (begun again), or after
+    the Build found the session planned again (its own renderings, made once it had
+    forgotten the erased ones). Once A erases the session and plans it again, B's next Build
+    reads the later incarnation and forgets them, even with the plan gone from B's cache. A
+    Build that never read its plan (the database away) keeps nothing it rendered: no read
+    could name what it was of."""
+    r = replicas
+    engine = r.b.server.running.engine
+    memo = engine.render_memo
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    secret = "the erased secret is 4711"
+    said = [item("u1", 1, user=pb.UserMessage(text=secret))]
+    if made == "by a refused Build":
+        r.b.stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session), timeout=30)
+        bad = build_request(tenant, session, epoch=1, items=said)  # a plan-cache hit
+        bad.estimator_factor = 10.0
+        with pytest.raises(grpc.RpcError) as err:
+            r.b.stub.Build(bad, timeout=30)
+        assert failure(err.value).code is grpc.StatusCode.INVALID_ARGUMENT
+    elif made == "after the session was begun again":
+        said = [item(f"f{i}", i, user=pb.UserMessage(text=f"filler {i} " * 40))
+                for i in range(1, 6)] + [item("u9", 9, user=pb.UserMessage(text=secret))]
+        t0, s0 = new_ids()  # what one Build of these items keeps in the memo
+        r.a.stub.Plan(plan_request(t0, s0), timeout=30)
+        r.b.stub.Build(build_request(t0, s0, items=said), timeout=30)
+        weight = memo._session_bytes[session_key(t0, s0)]
+        capacity = memo.capacity_bytes
+        memo.capacity_bytes = int(weight * 1.2)  # over half of it: begun again mid-Build
+        try:
+            r.b.stub.Build(build_request(tenant, session, items=said), timeout=30)
+        finally:
+            memo.capacity_bytes = capacity
+    elif made == "by the Build that found the session planned again":
+        r.b.stub.Build(build_request(tenant, session, items=[
+            item("u1", 1, user=pb.UserMessage(text="an earlier incarnation's"))]), timeout=30)
+        delete(r.a.stub, tenant, session)
+        r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+        engine.cache.forget(tenant, session)  # its plan evicted from B's cache (LRU)
+        r.b.stub.Build(build_request(tenant, session, items=said), timeout=30)
+        assert _held_of(r.b.server, tenant, session, "an earlier incarnation's") == 0
+    else:
+        store = engine._store
+        current = store.current
+        seen: list[int] = []
+
+        async def away(tenant_id: str, session_id: str) -> Any:
+            if tenant_id != tenant:
+                return await current(tenant_id, session_id)
+            for _ in range(200):  # the checkpoint is mapped while the query is out
+                await asyncio.sleep(0.005)
+                if _held_of(r.b.server, tenant, session, secret):
+                    break
+            seen.append(_held_of(r.b.server, tenant, session, secret))
+            raise StoreUnavailable("database unavailable: OSError")
+
+        store.current = away
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                r.b.stub.Build(build_request(tenant, session, items=said), timeout=30)
+        finally:
+            del store.current
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert seen and seen[0] > 0  # rendered while the plan was being read
+        assert _held_of(r.b.server, tenant, session, secret) == 0
+    if made != "by a Build that never read its plan":
+        assert _held_of(r.b.server, tenant, session, secret) > 0
+    delete(r.a.stub, tenant, session)
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    engine.cache.forget(tenant, session)  # its plan evicted from B's cache meanwhile (LRU)
+    r.b.stub.Build(build_request(tenant, session, items=[
+        item("n1", 1, user=pb.UserMessage(text="a new session's question"))]), timeout=30)
+    assert _held_of(r.b.server, tenant, session, secret) == 0
+    assert _held_of(r.b.server, tenant, session, "a new session's question") > 0

@@ -62,3 +62,21 @@ def test_a_forget_that_found_the_session_planned_again_spares_calls_on_the_new_i
     assert e.forgotten_since("t", "a", mark)
     e._forget_erased("t", "a", None)
     assert e.forgotten_since("t", "a", mark, 3)
+
+
+def test_an_erasure_is_not_hidden_by_a_later_forget_that_found_the_session_planned_again(
+        ) -> None:
+    """A session erased here after a call began, then found planned again as incarnation 2 by
+    a read begun before the erasure (it ends after): a call that ran on 2 ran on what was
+    erased and forgets what it kept. So does one that ran on 1 once any forget found 2,
+    whatever a later forget found."""
+    e = engine()
+    mark = e.forgets
+    e.forget_session("t", "a")  # erased here
+    e._forget_erased("t", "a", 2)  # a read named 2, late
+    assert e.forgotten_since("t", "a", mark, 2)
+    later = e.forgets
+    e._forget_erased("t", "a", 3)
+    e._forget_erased("t", "a", 2)  # a stale read naming 2 after one named 3
+    assert e.forgotten_since("t", "a", later, 2)  # 3 was found since: 2 is erased
+    assert not e.forgotten_since("t", "a", later, 3)  # no erasure since the mark
