@@ -527,6 +527,15 @@ def test_a_session_forgotten_while_a_build_is_in_flight_is_not_held_again(betwee
     resent = builds.fallback(wire, base, resend_tally)
     builds.absorb(resent, response("b5", []), None, resend_tally)
     assert builds.prepare(request([item(0), item(1)]))[0].base_build_id == "b5"
+    # ... and one forgotten during its first attempt is not held after the resend either
+    late = Tally()
+    wire, base = builds.prepare(request([item(0), item(1)]), late)
+    assert base is not None
+    builds.forget("t", "s")
+    late.refused(wire)
+    resent = builds.fallback(wire, base, late)
+    builds.absorb(resent, response("b6", []), None, late)
+    assert builds.prepare(request([item(0), item(1)]))[0].base_build_id == ""
 
 
 def test_fallback_forgets_and_counts_a_whole_resend():
@@ -940,6 +949,68 @@ def test_a_build_in_flight_across_the_sessions_deletion_is_not_held_again(replic
     assert held_after == 0, "the session came back when its Build in flight returned"
     assert stats.full_resends == 0  # no Build named a base of the deleted session
     assert (stats.builds, stats.incremental) == (3, 1)  # the last one whole
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_build_answered_while_delete_session_runs_is_not_held_after_it(replica, session,
+                                                                         kind):
+    """delete_session forgets the session, and the erasure takes a while at the replica: a
+    Build of the session the client sends meanwhile is answered (the session is not erased
+    yet), and what it holds of that answer goes once delete_session returns: the session
+    planned again is built whole (naming the erased session's base would be refused)."""
+    import threading
+
+    tenant, sid = session
+    engine_ = replica.running.engine
+    entered, release = threading.Event(), threading.Event()
+    erase = engine_.delete_session
+
+    async def held_up(tenant_id: str, session_id: str, *, requested_by: str) -> Any:
+        if tenant_id == tenant:
+            entered.set()
+            await asyncio.to_thread(release.wait, 30)
+        return await erase(tenant_id, session_id, requested_by=requested_by)
+
+    deleting = pb.DeleteSessionRequest(tenant_id=tenant, session_id=sid)
+    first, second = build_request(tenant, sid, 1), build_request(tenant, sid, 2)
+    engine_.delete_session = held_up  # type: ignore[method-assign]
+    try:
+        if kind == "sync":
+            with Client(target=replica.address) as client:
+                client.plan(request=plan(tenant, sid))
+                client.build(request=first)
+                with futures.ThreadPoolExecutor(1) as pool:
+                    deleted = pool.submit(client.delete_session, request=deleting)
+                    assert entered.wait(30)  # forgotten by the client; the erasure runs
+                    assert client.build(request=second).build_id  # answered meanwhile
+                    release.set()
+                    assert deleted.result(30).deleted
+                held_after = len(client._incremental or ())
+                client.plan(request=plan(tenant, sid))
+                client.build(request=second)
+                stats = client.build_stats
+        else:
+            async def scenario() -> tuple[int, BuildStats]:
+                async with AsyncClient(target=replica.address) as client:
+                    await client.plan(request=plan(tenant, sid))
+                    await client.build(request=first)
+                    deleted = asyncio.ensure_future(client.delete_session(request=deleting))
+                    assert await asyncio.to_thread(entered.wait, 30)
+                    assert (await client.build(request=second)).build_id
+                    release.set()
+                    assert (await deleted).deleted
+                    held = len(client._incremental or ())
+                    await client.plan(request=plan(tenant, sid))
+                    await client.build(request=second)
+                    return held, client.build_stats
+            held_after, stats = asyncio.run(scenario())
+    finally:
+        release.set()
+        del engine_.delete_session
+    assert held_after == 0, "the erased session's Build is held after delete_session returned"
+    assert stats.full_resends == 0  # no Build named a base of the erased session
+    assert (stats.builds, stats.incremental) == (3, 0)
 
 
 @pytest.mark.integration

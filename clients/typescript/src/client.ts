@@ -259,12 +259,19 @@ export class ContextEngineClient {
   /**
    * Erases a session: its plans, events, compactions, usage rows and idempotency keys (audited,
    * no content kept). Idempotent (`deleted` is false when there was nothing to erase), so it is
-   * retried; replicas stop serving it from their plan caches within `planCacheSeconds`.
+   * retried; replicas stop serving it from their plan caches within `planCacheSeconds`. The
+   * client forgets what it held of the session's last Build, and of a Build of the session
+   * answered while the erasure runs.
    */
-  deleteSession(request: Input<DeleteSessionRequest>,
-                options?: CallOptions): Promise<DeleteSessionResponse> {
+  async deleteSession(request: Input<DeleteSessionRequest>,
+                      options?: CallOptions): Promise<DeleteSessionResponse> {
     this.forgetSession(request.tenantId ?? "", request.sessionId ?? "");
-    return this.call(ContextEngineService.deleteSession, DeleteSessionRequest, request, options);
+    try {
+      return await this.call(ContextEngineService.deleteSession, DeleteSessionRequest, request,
+        options);
+    } finally {  // a Build answered meanwhile ran on what is being erased
+      this.forgetSession(request.tenantId ?? "", request.sessionId ?? "");
+    }
   }
 
   /** Waits until the channel is connected, or rejects when the deadline passes. */
@@ -317,11 +324,16 @@ export class ContextEngineClient {
     try {
       response = await attempt(first);
     } catch (err) {
-      builds.forget(request.tenantId, request.sessionId);
       const resend = first.base !== undefined && (err instanceof DeltaMismatchError ||
         (err instanceof ContextEngineError && err.code === grpc.status.FAILED_PRECONDITION &&
          err.reason === BUILD_BASE_UNKNOWN));
-      if (!resend) throw faulty(err);
+      if (!resend) {
+        builds.forget(request.tenantId, request.sessionId);
+        throw faulty(err);
+      }
+      // the base is dropped, no forget counted: the resend is of the first attempt's turn, so
+      // a forget since it began (the caller's) still keeps its answer from being held
+      builds.drop(request.tenantId, request.sessionId);
       tally.fullResends += 1;
       if (Date.now() >= deadline) {  // nothing is sent past the Build's deadline
         throw new ContextEngineError({ code: grpc.status.DEADLINE_EXCEEDED, method: "Build",
@@ -329,7 +341,7 @@ export class ContextEngineClient {
           cause: err });
       }
       try {
-        response = await attempt(builds.prepare(request, true));
+        response = await attempt(builds.prepare(request, true, first.mark));
       } catch (again) {
         builds.forget(request.tenantId, request.sessionId);
         throw faulty(again);

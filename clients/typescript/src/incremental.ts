@@ -429,6 +429,11 @@ export class IncrementalBuilds {
     }
   }
 
+  /** Drops a session's held Build without counting a forget (a resend of a Build in flight). */
+  drop(tenantId: string, sessionId: string): void {
+    this.held.delete(sessionKey(tenantId, sessionId));
+  }
+
   /** The counts so far. */
   stats(): BuildStats {
     const c = this.counts;
@@ -451,9 +456,10 @@ export class IncrementalBuilds {
   /**
    * The wire request for `request` (whole, defaults filled in; not changed): the items past
    * the longest common prefix with the session's held items, naming the held Build as base.
-   * Without a held Build, or with `whole`, the request whole.
+   * Without a held Build, or with `whole`, the request whole. `mark`: the forgets counted when
+   * the Build began (a resend carries its first attempt's).
    */
-  prepare(request: BuildRequest, whole = false): Prepared {
+  prepare(request: BuildRequest, whole = false, mark = this.forgets): Prepared {
     if (request.baseBuildId !== "" || request.baseItemsKept !== 0) {
       throw new Error("the request names a base itself: send it as it is");
     }
@@ -537,7 +543,7 @@ export class IncrementalBuilds {
     const fullRequestBytes = head.length + checkpointField(fullCheckpoint) + tail.length -
       baseFields;
     return { request, wire, bytes, fullRequestBytes, baseBuildId, kept, base, items: held,
-      mark: this.forgets };
+      mark };
   }
 
   /**

@@ -20,6 +20,7 @@ import {
   ContextEngineError,
   ContextEngineService,
   ConversationItem,
+  DeleteSessionResponse,
   DeltaMismatchError,
   type DeepPartial,
   GrpcStatus,
@@ -390,9 +391,20 @@ class FakeEngine {
   /** Answers a whole Build with a delta (a faulty server). */
   deltaForWhole = false;
   refuse: grpc.status | undefined;
+  /** Called with each Build request as it arrives (before it is answered). */
+  onBuild: ((req: BuildRequest) => void) | undefined;
+  /** DeleteSession: told when the erasure begins, answered once `erased` resolves. */
+  deleting: { begun: () => void; erased: Promise<void> } | undefined;
 
   async start(): Promise<void> {
     this.server.addService(ContextEngineService, {
+      deleteSession: (_call: grpc.ServerUnaryCall<unknown, DeleteSessionResponse>,
+                      cb: grpc.sendUnaryData<DeleteSessionResponse>) => {
+        const deleting = this.deleting;
+        deleting?.begun();
+        void (deleting?.erased ?? Promise.resolve()).then(() =>
+          cb(null, DeleteSessionResponse.fromPartial({ deleted: true })));
+      },
       build: (call: grpc.ServerUnaryCall<BuildRequest, BuildResponse>,
               cb: grpc.sendUnaryData<BuildResponse>) => {
         try {
@@ -418,6 +430,7 @@ class FakeEngine {
 
   build(req: BuildRequest): BuildResponse {
     this.seen.push(req);
+    this.onBuild?.(req);
     if (this.refuse !== undefined) {
       throw Object.assign(new Error("refused"), { code: this.refuse, details: "refused" });
     }
@@ -506,6 +519,8 @@ describe("the client's incremental Build", () => {
     engine.ignoresBases = false;
     engine.corruptSize = false;
     engine.refuse = undefined;
+    engine.onBuild = undefined;
+    engine.deleting = undefined;
   });
 
   test("each Build after the first sends only new items and returns the full response",
@@ -661,6 +676,37 @@ describe("the client's incremental Build", () => {
         [["", false], ["", false]]);
       assert.equal(plain.buildStats().builds, 0);
     });
+
+  test("a session forgotten while a Build is sent whole again is not held after it", async () => {
+    const client = open();
+    await client.build(step(2));
+    engine.bases.clear();  // the next Build's base: unknown to the replica
+    engine.onBuild = (req) => {  // the caller forgets the session during the first attempt
+      if (req.baseBuildId !== "") client.forgetSession("t", session);
+    };
+    const got = await client.build(step(3));
+    engine.onBuild = undefined;
+    assert.deepEqual(encode(got), whole(step(3), got.buildId));
+    await client.build(step(4));
+    assert.deepEqual(engine.seen.map((r) => r.baseBuildId !== ""), [false, true, false, false]);
+    assert.equal(client.buildStats().fullResends, 1);
+  });
+
+  test("a Build answered while deleteSession runs is not held after it", async () => {
+    const client = open();
+    await client.build(step(2));
+    let begun!: () => void;
+    let erase!: () => void;
+    const entered = new Promise<void>((resolve) => { begun = resolve; });
+    engine.deleting = { begun, erased: new Promise<void>((resolve) => { erase = resolve; }) };
+    const deleting = client.deleteSession({ tenantId: "t", sessionId: session });
+    await entered;  // the client forgot the session; the erasure runs
+    await client.build(step(3));  // whole, and answered meanwhile
+    erase();
+    assert.equal((await deleting).deleted, true);
+    await client.build(step(4));
+    assert.deepEqual(engine.seen.map((r) => r.baseBuildId !== ""), [false, false, false]);
+  });
 
   test("a request naming a base itself goes as it is; its delta comes back as received",
     async () => {

@@ -221,11 +221,15 @@ class AsyncClient:
         (audited, no content kept). Idempotent (``deleted`` is false when there was nothing to
         erase), so it is retried on ``UNAVAILABLE``. Replicas stop serving it from their plan
         caches within the response's ``plan_cache_seconds``. The client forgets what it held
-        of the session's last Build."""
+        of the session's last Build, and of a Build of the session answered while the erasure
+        runs."""
         check_request("DeleteSession", request)
         self.forget_session(request.tenant_id, request.session_id)
-        return await self._invoke("DeleteSession", request, pb.DeleteSessionResponse, timeout,
-                                  metadata)
+        try:
+            return await self._invoke("DeleteSession", request, pb.DeleteSessionResponse,
+                                      timeout, metadata)
+        finally:  # a Build answered meanwhile ran on what is being erased
+            self.forget_session(request.tenant_id, request.session_id)
 
     # ------------------------------------------------------------------------------ internals
 
