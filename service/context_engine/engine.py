@@ -632,12 +632,11 @@ class Engine:
         self.render_memo.forget(session_key(tenant_id, session_id))
         self._count_forgotten(tenant_id, session_id, found)
 
-    def named(self, tenant_id: str, session_id: str, incarnation: int) -> None:
-        """A plan read (or a Build ending, of the plan it ran on) named ``incarnation`` the
-        session's: what this process keeps of an older one (cached plans, bases, renderings)
-        was erased, perhaps through another replica, and is forgotten (``_forget_erased``);
-        the render memo records the incarnation its entries of the session, held and made
-        later, are of."""
+    def _named(self, tenant_id: str, session_id: str, incarnation: int) -> None:
+        """A plan read named ``incarnation`` the session's: what this process keeps of an
+        older one (cached plans, bases, renderings) was erased, perhaps through another
+        replica, and is forgotten (``_forget_erased``); the render memo records the
+        incarnation its entries of the session, held and made later, are of."""
         key = session_key(tenant_id, session_id)
         held = (self.cache.incarnation(tenant_id, session_id),
                 self.builds.oldest_incarnation(tenant_id, session_id),
@@ -650,9 +649,9 @@ class Engine:
                      incarnation: int | None = None) -> LoadedPlan:
         """The verified plan of the session's current epoch (``epoch`` None), or of ``epoch``
         (see ``_loaded``). Its incarnation, later than one this process keeps something of,
-        makes it forget what it keeps of the older one (``named``)."""
+        makes it forget what it keeps of the older one (``_named``)."""
         loaded = await self._loaded(tenant_id, session_id, epoch, incarnation=incarnation)
-        self.named(tenant_id, session_id, loaded.plan.incarnation)
+        self._named(tenant_id, session_id, loaded.plan.incarnation)
         return loaded
 
     async def _loaded(self, tenant_id: str, session_id: str, epoch: int | None, *,

@@ -277,8 +277,6 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             except BaseException:
                 if lookup is not None:
                     await asyncio.wait([lookup])  # its outcome is read, never raised here
-                    if not lookup.cancelled() and lookup.exception() is None:
-                        ran_on.append(lookup.result().plan.incarnation)  # (its renderings')
                 raise
             # Resolved first so a failed build still logs the epoch and prefix it ran on;
             # the build's own lookup is then a plan-cache hit.
@@ -376,9 +374,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                                                 ran):
                     self._engine.forget_session(request.tenant_id, request.session_id,
                                                 counted=False, incarnation=ran)
-                elif ran is not None:  # the renderings it made are of the plan it ran on
-                    self._engine.named(request.tenant_id, request.session_id, ran)
-                else:  # it never read its plan: nothing would tell what it rendered erased
+                elif ran is None:  # it never read its plan: no read named what it rendered
                     self._engine.render_memo.drop_unnamed(
                         session_key(request.tenant_id, request.session_id))
         return await self._run("Build", context, read_again_if_replanned)
