@@ -375,6 +375,7 @@ class _ErasedMeanwhile(Exception):
 
 
 FORGOTTEN_KEPT = 4_096  # the sessions forgotten most recently whose turn is remembered
+NAMED_KEPT = 16_384  # the sessions read most recently whose latest incarnation is remembered
 
 
 class Engine:
@@ -413,6 +414,9 @@ class Engine:
         # one (``forgotten_since``)
         self.forgets = 0
         self._forgotten: OrderedDict[tuple[str, str], tuple[int, int, int]] = OrderedDict()
+        # per session read most recently: the latest incarnation a read named (or a forget
+        # found): a Build that ran on an older one ran on an erased session (``forgotten_since``)
+        self._newest: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.render_memo = BoundedMemo(render_memo_bytes)
         # the bases of incremental Builds (BuildRequest.base_build_id), per process
         self.builds = BuildCache(build_cache_bytes)
@@ -626,24 +630,33 @@ class Engine:
         render memo keeps no incarnation; a new one's are made again) leave this process, and
         so does what a Build of the session running meanwhile keeps of it (``forgotten_since``):
         the erasure may have come through another replica while that Build ran here."""
+        if found is not None:
+            self._note_newest(tenant_id, session_id, found)
         if found is None or self.cache.incarnation(tenant_id, session_id) != found:
             self.cache.forget(tenant_id, session_id)  # (the new incarnation's plans stay)
         self.builds.forget(tenant_id, session_id, before=found)
-        self.render_memo.forget(session_key(tenant_id, session_id))
+        self.render_memo.drop(session_key(tenant_id, session_id))
         self._count_forgotten(tenant_id, session_id, found)
 
     def _named(self, tenant_id: str, session_id: str, incarnation: int) -> None:
         """A plan read named ``incarnation`` the session's: what this process keeps of an
-        older one (cached plans, bases, renderings) was erased, perhaps through another
-        replica, and is forgotten (``_forget_erased``); the render memo records the
-        incarnation its entries of the session, held and made later, are of."""
-        key = session_key(tenant_id, session_id)
+        older one (cached plans, bases, renderings of ended Builds) was erased, perhaps
+        through another replica, and is forgotten (``_forget_erased``); a Build of the older
+        one still running forgets what it keeps when it ends (``forgotten_since``)."""
+        self._note_newest(tenant_id, session_id, incarnation)
         held = (self.cache.incarnation(tenant_id, session_id),
                 self.builds.oldest_incarnation(tenant_id, session_id),
-                self.render_memo.incarnation(key))
+                self.render_memo.incarnation(session_key(tenant_id, session_id)))
         if any(h is not None and h < incarnation for h in held):
             self._forget_erased(tenant_id, session_id, incarnation)
-        self.render_memo.name_incarnation(key, incarnation)
+
+    def _note_newest(self, tenant_id: str, session_id: str, incarnation: int) -> None:
+        key = (tenant_id, session_id)
+        if incarnation > self._newest.get(key, -1):
+            self._newest[key] = incarnation
+        self._newest.move_to_end(key)
+        while len(self._newest) > NAMED_KEPT:
+            self._newest.popitem(last=False)
 
     async def loaded(self, tenant_id: str, session_id: str, epoch: int | None, *,
                      incarnation: int | None = None) -> LoadedPlan:
@@ -1075,7 +1088,7 @@ class Engine:
                            before=None if incarnation is None else incarnation + 1)
         for key in [k for k in self._snapshot_runs if k[0] == tenant_id and k[1] == session_id]:
             del self._snapshot_runs[key]
-        self.render_memo.forget(session_key(tenant_id, session_id))
+        self.render_memo.drop(session_key(tenant_id, session_id))
         if counted:
             self._count_forgotten(tenant_id, session_id)
 
@@ -1102,7 +1115,12 @@ class Engine:
         again as a later one (what was forgotten is older than what the call ran on: a Build
         that found the session planned anew keeps what it made of the new one). True as well
         when more sessions were forgotten since than are remembered (forgetting again is
-        harmless)."""
+        harmless), and when the call ran on an incarnation older than the latest one read here
+        (or the session is no longer among those whose latest is remembered): it ran on a
+        session erased since, whether or not a forget was counted for it."""
+        if incarnation is not None and incarnation < self._newest.get((tenant_id, session_id),
+                                                                      incarnation + 1):
+            return True
         if self.forgets == mark:
             return False
         if self.forgets - mark > FORGOTTEN_KEPT:

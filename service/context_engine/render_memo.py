@@ -37,7 +37,6 @@ REFERENCE_BYTES = 8
 IDENTITY_ENTRY_BYTES = 150  # one item's entry in a session's identity map (a list of six)
 SEQUENCE_ELEMENT_BYTES = 40  # an element of a sequence a session entry holds (a reference, an int)
 SHORT_SEQUENCE = 16  # an item's rendered messages, its counts: weighed element by element
-NAMED_KEPT = 4_096  # the sessions named most recently whose incarnation is remembered
 # a str of non-ASCII text: this, then its characters and a terminating 0 (1, 2 or 4 bytes each)
 _NON_ASCII_HEADER = sys.getsizeof("\u00e9") - 2
 
@@ -167,14 +166,12 @@ class BoundedMemo(MutableMapping[Any, Any]):
         # per session, least recently written first: its keys with their weights, and their sum
         self._sessions: OrderedDict[Any, dict[Any, int]] = OrderedDict()
         self._session_bytes: dict[Any, int] = {}
-        # per session that has entries: the latest incarnation a plan read named for it (the
-        # memo's keys name none: a session erased and planned again through another replica
-        # is found out by a read naming a later one, and its entries are then dropped)
+        # per session that has entries: the incarnation of the session the Builds that made
+        # them ran on, once they ended (the memo's keys name none: a session erased and
+        # planned again through another replica is found out by a read naming a later one,
+        # and its entries are then dropped). Entries a Build still running makes are of none
+        # yet: that Build judges them when it ends (``settle``, or they are dropped).
         self._incarnations: dict[Any, int] = {}
-        # the same for the sessions named most recently, entries or not: a session's entries
-        # made after its plan was read (or made again after it was begun again or evicted)
-        # are of the incarnation named
-        self._named: OrderedDict[Any, int] = OrderedDict()
         self.bytes = 0
         # looked up on every Build for every item and message: at C speed
         self.get = self._data.get  # type: ignore[method-assign]
@@ -198,9 +195,6 @@ class BoundedMemo(MutableMapping[Any, Any]):
         if keys is None:
             keys = self._sessions[session] = {}
             self._session_bytes[session] = 0
-            named = self._named.get(session)
-            if named is not None:
-                self._incarnations[session] = named
         else:
             self._sessions.move_to_end(session)
         delta = weight - keys.get(key, 0)
@@ -223,58 +217,29 @@ class BoundedMemo(MutableMapping[Any, Any]):
         if not keys:
             del self._sessions[session]
             del self._session_bytes[session]
-            self._unname(session)
+            self._incarnations.pop(session, None)
 
     def drop(self, session: Any) -> None:
-        """Every entry of ``session`` (its key, the first element of each of its keys), as
-        memory asks: the incarnation named for it stays, for the entries made again."""
+        """Every entry of ``session`` (its key, the first element of each of its keys)."""
         keys = self._sessions.pop(session, None)
         if keys is None:
             return
         for key in keys:
             del self._data[key]
         self.bytes -= self._session_bytes.pop(session)
-        self._unname(session)
-
-    def forget(self, session: Any) -> None:
-        """Every entry of ``session`` and the incarnation named for it: the session was erased
-        (or found planned again: the read that found it names the new incarnation)."""
-        self.drop(session)
-        self._named.pop(session, None)
-
-    def drop_unnamed(self, session: Any) -> None:
-        """The entries of ``session`` if no plan read named an incarnation for them (a Build
-        that made them never read its plan: nothing could tell them erased later)."""
-        if session in self._sessions and session not in self._incarnations:
-            self.drop(session)
-
-    def _unname(self, session: Any) -> None:
-        """``session`` has no entries left: its incarnation stays among the named."""
-        named = self._incarnations.pop(session, None)
-        if named is not None and named > self._named.get(session, -1):
-            self._remember(session, named)
-
-    def _remember(self, session: Any, incarnation: int) -> None:
-        self._named[session] = incarnation
-        self._named.move_to_end(session)
-        while len(self._named) > NAMED_KEPT:
-            self._named.popitem(last=False)
+        self._incarnations.pop(session, None)
 
     def incarnation(self, session: Any) -> int | None:
-        """The latest incarnation of ``session`` a plan read named, while the memo holds
-        entries of it (None: no entries, or none named)."""
+        """The oldest incarnation of ``session`` a Build that made its entries ran on (None:
+        no entries, or none made by a Build that has ended)."""
         return self._incarnations.get(session)
 
-    def name_incarnation(self, session: Any, incarnation: int) -> None:
-        """A plan read named ``incarnation`` the session's: recorded, never lowered, for its
-        entries (those it holds and those made later, while the session is among the
-        ``NAMED_KEPT`` named most recently or has entries)."""
-        if incarnation > self._named.get(session, -1):
-            self._remember(session, incarnation)
-        else:
-            self._named.move_to_end(session)
-        if session in self._sessions and incarnation > self._incarnations.get(session, -1):
-            self._incarnations[session] = incarnation
+    def settle(self, session: Any, incarnation: int) -> None:
+        """A Build of ``session`` that ran on ``incarnation`` ended and keeps what it made:
+        the session's entries are of it (or of an older one some were already of)."""
+        if session in self._sessions:
+            held = self._incarnations.get(session)
+            self._incarnations[session] = incarnation if held is None else min(held, incarnation)
 
     def sessions(self) -> int:
         return len(self._sessions)
@@ -284,5 +249,4 @@ class BoundedMemo(MutableMapping[Any, Any]):
         self._sessions.clear()
         self._session_bytes.clear()
         self._incarnations.clear()
-        self._named.clear()
         self.bytes = 0

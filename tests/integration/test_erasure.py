@@ -956,3 +956,177 @@ def test_renderings_are_forgotten_with_their_incarnation_whenever_they_were_made
         item("n1", 1, user=pb.UserMessage(text="a new session's question"))]), timeout=30)
     assert _held_of(r.b.server, tenant, session, secret) == 0
     assert _held_of(r.b.server, tenant, session, "a new session's question") > 0
+
+
+class Held:
+    """Holds the first ``n`` calls of the engine's ``correction_factor`` for ``tenant`` (a
+    Build makes it once its plan is read, before it renders the request) until released;
+    ``on_enter(i)`` runs as the i-th is held."""
+
+    def __init__(self, engine: Any, tenant: str, n: int, on_enter: Any = None) -> None:
+        self.engine = engine
+        self.entered = [threading.Event() for _ in range(n)]
+        self.release = [threading.Event() for _ in range(n)]
+        self.calls = 0
+        factor = engine.correction_factor
+
+        async def held(tenant_id: str, spec: Any) -> float:
+            if tenant_id == tenant and self.calls < n:
+                i = self.calls
+                self.calls += 1
+                if on_enter is not None:
+                    on_enter(i)
+                self.entered[i].set()
+                await asyncio.to_thread(self.release[i].wait, 30)
+            return await factor(tenant_id, spec)
+
+        engine.correction_factor = held
+
+    def undo(self) -> None:
+        for e in self.release:
+            e.set()
+        del self.engine.correction_factor
+
+
+def _said(text: str, item_id: str = "u1") -> list[pb.ConversationItem]:
+    return [item(item_id, 1, user=pb.UserMessage(text=text))]
+
+
+@pytest.mark.parametrize("learnt", ["by a read alone, the Build's renderings evicted meanwhile",
+                                    "by a Build of the new one, which the old one outlives"])
+def test_a_build_that_ran_on_an_incarnation_read_as_erased_since_keeps_nothing_of_it(
+        replicas, learnt):
+    """Build X of incarnation 1 runs on B while the session is erased and planned again
+    through A, and B reads incarnation 2 before X ends: by a GetPlan alone (X's renderings
+    evicted from B's memo meanwhile, so B holds nothing of 1 to forget then), or by a Build Y
+    of incarnation 2 running beside X, which X outlives. X keeps none of what it rendered; Y
+    keeps what it rendered of 2, until 2 is erased and planned again in its turn."""
+    r = replicas
+    engine = r.b.server.running.engine
+    memo = engine.render_memo
+    tenant, session = new_ids()
+    key = session_key(tenant, session)
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+
+    def evict(i: int) -> None:  # another session written while X waits: X's entries go
+        if learnt.startswith("by a read") and i == 0:
+            capacity, weight = memo.capacity_bytes, memo._session_bytes[key]
+            memo.capacity_bytes = weight
+            memo[("another session", "x")] = "y" * (weight // 2 - 49)
+            memo.capacity_bytes = capacity
+            assert _held_of(r.b.server, tenant, session, "4711") == 0
+
+    held = Held(engine, tenant, 2, on_enter=evict)
+    try:
+        x = r.b.stub.Build.future(build_request(tenant, session,
+                                                items=_said("the erased secret is 4711")),
+                                  timeout=30)
+        assert held.entered[0].wait(30)
+        delete(r.a.stub, tenant, session)
+        r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+        if learnt.startswith("by a read"):
+            held.release[1].set()
+            r.b.stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session),
+                             timeout=30)
+            held.release[0].set()
+            x.result(30)
+        else:
+            y = r.b.stub.Build.future(build_request(tenant, session,
+                                                    items=_said("the next secret is 2222")),
+                                      timeout=30)
+            assert held.entered[1].wait(30)  # Y read 2, forgot what was held of 1
+            held.release[0].set()
+            x.result(30)  # X ends while Y is still rendering
+            held.release[1].set()
+            y.result(30)
+            assert _held_of(r.b.server, tenant, session, "2222") > 0  # Y's, of 2, kept
+    finally:
+        held.undo()
+    assert _held_of(r.b.server, tenant, session, "4711") == 0
+    delete(r.a.stub, tenant, session)  # 2 erased and planned again in its turn: 3
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    r.b.stub.Build(build_request(tenant, session, items=_said("a third", "n1")), timeout=30)
+    assert _held_of(r.b.server, tenant, session, "4711") == 0
+    assert _held_of(r.b.server, tenant, session, "2222") == 0
+
+
+def test_a_build_whose_plan_read_is_answered_late_keeps_nothing_of_an_erased_incarnation(
+        replicas):
+    """X's read of incarnation 1 is answered after the session was erased and planned again
+    through A, and after a Build of incarnation 2 on B: X ran on an erased incarnation and
+    keeps none of what it rendered."""
+    r = replicas
+    engine = r.b.server.running.engine
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    store = engine._store
+    get = store.get
+    entered, release = threading.Event(), threading.Event()
+
+    async def late(tenant_id: str, session_id: str, epoch: Any) -> Any:
+        got = await get(tenant_id, session_id, epoch)
+        if tenant_id == tenant and not entered.is_set():
+            entered.set()
+            await asyncio.to_thread(release.wait, 30)
+        return got
+
+    store.get = late
+    try:
+        x = r.b.stub.Build.future(build_request(tenant, session,
+                                                items=_said("the erased secret is 4711")),
+                                  timeout=30)
+        assert entered.wait(30)
+        delete(r.a.stub, tenant, session)
+        r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+        r.b.stub.Build(build_request(tenant, session, items=_said("a new question", "n1")),
+                       timeout=30)
+        release.set()
+        x.result(30)
+    finally:
+        release.set()
+        del store.get
+    assert _held_of(r.b.server, tenant, session, "4711") == 0
+    r.b.stub.Build(build_request(tenant, session, items=_said("a new question", "n1")),
+                   timeout=30)
+    assert _held_of(r.b.server, tenant, session, "4711") == 0
+    assert _held_of(r.b.server, tenant, session, "a new question") > 0
+
+
+def test_a_build_that_never_read_its_plan_keeps_nothing_though_a_read_names_one_meanwhile(
+        replicas):
+    """P's plan query is out while the session is erased and planned again through A and a
+    GetPlan on B reads incarnation 2; the query then fails (the database away). What P
+    rendered is of no incarnation known: none of it stays."""
+    r = replicas
+    engine = r.b.server.running.engine
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    store = engine._store
+    current = store.current
+    entered, release = threading.Event(), threading.Event()
+
+    async def away(tenant_id: str, session_id: str) -> Any:
+        if tenant_id == tenant and not entered.is_set():
+            entered.set()
+            await asyncio.to_thread(release.wait, 30)
+            raise StoreUnavailable("database unavailable: OSError")
+        return await current(tenant_id, session_id)
+
+    store.current = away
+    try:
+        p = r.b.stub.Build.future(build_request(tenant, session,
+                                                items=_said("the erased secret is 4711")),
+                                  timeout=30)
+        assert entered.wait(30)
+        delete(r.a.stub, tenant, session)
+        r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+        r.b.stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session), timeout=30)
+        assert _held_of(r.b.server, tenant, session, "4711") > 0  # rendered, plan not read
+        release.set()
+        with pytest.raises(grpc.RpcError) as err:
+            p.result(30)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        release.set()
+        del store.current
+    assert _held_of(r.b.server, tenant, session, "4711") == 0

@@ -3,7 +3,7 @@ that a Build that ran meanwhile forgets again what it kept of it, and only of it
 
 from __future__ import annotations
 
-from context_engine.engine import FORGOTTEN_KEPT, Engine
+from context_engine.engine import FORGOTTEN_KEPT, NAMED_KEPT, Engine
 
 from tests import factories as f
 
@@ -80,3 +80,27 @@ def test_an_erasure_is_not_hidden_by_a_later_forget_that_found_the_session_plann
     e._forget_erased("t", "a", 2)  # a stale read naming 2 after one named 3
     assert e.forgotten_since("t", "a", later, 2)  # 3 was found since: 2 is erased
     assert not e.forgotten_since("t", "a", later, 3)  # no erasure since the mark
+
+
+def test_a_call_on_an_incarnation_older_than_one_read_since_ran_on_an_erased_session() -> None:
+    """A read here named incarnation 2 (the session erased and planned again through another
+    replica, nothing of 1 held here to forget, so no forget counted): a call that ran on 1
+    forgets what it kept; one on 2 keeps it. A session no longer among those whose latest
+    incarnation is remembered counts as read again (forgetting is harmless)."""
+    e = engine()
+    e._named("t", "a", 1)
+    mark = e.forgets
+    assert not e.forgotten_since("t", "a", mark, 1)
+    e._named("t", "a", 2)
+    assert e.forgets == mark  # nothing held of 1: no forget counted
+    assert e.forgotten_since("t", "a", mark, 1)
+    assert not e.forgotten_since("t", "a", mark, 2)
+    e._named("t", "a", 1)  # a late read of the older one does not lower it
+    assert e.forgotten_since("t", "a", mark, 1)
+    e._forget_erased("t", "b", 5)  # a forget that found the session planned again as 5
+    assert e.forgotten_since("t", "b", e.forgets, 4)
+    assert not e.forgotten_since("t", "b", e.forgets, 5)
+    for k in range(NAMED_KEPT):
+        e._named("t", f"s{k}", 1)
+    assert e.forgotten_since("t", "a", mark, 2)
+    assert not e.forgotten_since("t", f"s{NAMED_KEPT - 1}", mark, 1)

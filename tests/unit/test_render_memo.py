@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from context_engine.api import mapping
-from context_engine.render_memo import NAMED_KEPT, BoundedMemo, memo_weight
+from context_engine.render_memo import BoundedMemo, memo_weight
 from context_engine.v1 import context_engine_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -42,50 +42,37 @@ def test_a_session_over_half_the_capacity_is_begun_again() -> None:
     assert memo.get(("b", 3)) == 5 and memo.get(("b", 1)) is None
 
 
-def test_entries_are_of_the_incarnation_named_before_or_after_they_were_made() -> None:
-    """A plan read names the session's incarnation whether or not the memo holds entries of
-    it: entries made later are of it too, and so are those made again after the session was
-    begun again or evicted; never lowered. Forgetting the session (erased) drops the name with
-    the entries; entries no read named are dropped by ``drop_unnamed``, named ones are not."""
+def test_entries_are_of_the_oldest_incarnation_the_builds_that_made_them_ran_on() -> None:
+    """Entries are of no incarnation until a Build that made them ends (``settle``); then of
+    the oldest one a Build that ended ran on. Memory dropping them, or their last one deleted,
+    drops that too: entries made again are of none until their Build ends."""
     memo = BoundedMemo(100, weigh=weigh)
-    memo.name_incarnation("a", 2)  # read before any entry was made
-    assert memo.incarnation("a") is None  # no entries: none to be of it
+    memo.settle("a", 2)  # no entries: nothing to be of it
+    assert memo.incarnation("a") is None
     memo[("a", 1)] = 10
+    assert memo.incarnation("a") is None  # its Build still running
+    memo.settle("a", 2)
     assert memo.incarnation("a") == 2
-    memo.name_incarnation("a", 1)  # a read of an older one, late: not lowered
+    memo.settle("a", 3)  # a Build of a later one ended too: some entries are of 2
     assert memo.incarnation("a") == 2
+    memo.settle("a", 1)
+    assert memo.incarnation("a") == 1
     memo[("a", 2)] = 45  # 55: over half, begun again
     assert len(memo) == 0 and memo.incarnation("a") is None
-    memo[("a", 3)] = 10  # made again: of the incarnation named
-    assert memo.incarnation("a") == 2
+    memo[("a", 3)] = 10
+    assert memo.incarnation("a") is None
+    memo.settle("a", 4)
     memo[("b", 1)] = 50
     memo[("c", 1)] = 45  # 105: a evicted
-    assert ("a", 3) not in memo
+    assert ("a", 3) not in memo and memo.incarnation("a") is None
     memo[("a", 4)] = 5
-    assert memo.incarnation("a") == 2
-    memo.drop_unnamed("a")  # named: kept
-    assert ("a", 4) in memo
-    memo.forget("a")  # erased: entries and name go
-    assert ("a", 4) not in memo
+    memo.settle("a", 4)
+    del memo[("a", 4)]
     memo[("a", 5)] = 5
     assert memo.incarnation("a") is None
-    memo.drop_unnamed("a")
-    assert ("a", 5) not in memo and memo.bytes == 95
-
-
-def test_the_sessions_named_without_entries_are_bounded() -> None:
-    memo = BoundedMemo(100, weigh=weigh)
-    memo[("held", 1)] = 1
-    memo.name_incarnation("held", 1)
-    for k in range(NAMED_KEPT + 5):
-        memo.name_incarnation(f"s{k}", 1)
-    assert len(memo._named) == NAMED_KEPT
-    memo[("s0", 1)] = 1  # named longest ago, forgotten: of no incarnation known
-    assert memo.incarnation("s0") is None
-    assert memo.incarnation("held") == 1  # entries keep their session's
-    memo.drop("held")  # ... and it stays named once they go
-    memo[("held", 2)] = 1
-    assert memo.incarnation("held") == 1
+    memo.settle("a", 5)
+    memo.clear()
+    assert memo.incarnation("a") is None
 
 
 def test_writing_a_key_again_weighs_it_again() -> None:

@@ -190,6 +190,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
     async def Build(self, request: pb.BuildRequest,
                     context: grpc.aio.ServicerContext[Any, Any]) -> pb.BuildResponse:
         ran_on: list[int] = []  # the incarnation each attempt read the plan of
+        reading: list[bool] = []  # an attempt began reading its plan (and rendering)
 
         async def call(record: CallRecord) -> pb.BuildResponse:
             record.session(request.tenant_id, request.session_id)
@@ -222,6 +223,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             # query would cost asyncpg a connection of its own. A cancelled call cancels it.
             lookup: asyncio.Future[LoadedPlan] | None = None
             if readable:
+                reading.append(True)
                 lookup = asyncio.ensure_future(
                     self._engine.loaded(request.tenant_id, request.session_id, epoch))
                 lookup.add_done_callback(_outcome_read)
@@ -277,6 +279,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             except BaseException:
                 if lookup is not None:
                     await asyncio.wait([lookup])  # its outcome is read, never raised here
+                    if not lookup.cancelled() and lookup.exception() is None:
+                        ran_on.append(lookup.result().plan.incarnation)  # what it rendered
                 raise
             # Resolved first so a failed build still logs the epoch and prefix it ran on;
             # the build's own lookup is then a plan-cache hit.
@@ -366,17 +370,23 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                     request.tenant_id, request.session_id, request.epoch or None, attempt)
             finally:
                 # a session erased while this Build ran (it waits on the database), here or
-                # through another replica this one has heard of since, loses what the Build
-                # kept of it after the erasure dropped it: its renderings in the memo, the
-                # base it kept (a session planned anew meanwhile keeps its own bases)
+                # through another replica this one has heard of since (a forget, or a read
+                # naming a later incarnation than the Build's), loses what the Build kept of
+                # it after the erasure dropped it: its renderings in the memo, the base it
+                # kept (a session planned anew meanwhile keeps its own bases)
                 ran = ran_on[-1] if ran_on else None
                 if self._engine.forgotten_since(request.tenant_id, request.session_id, mark,
                                                 ran):
                     self._engine.forget_session(request.tenant_id, request.session_id,
                                                 counted=False, incarnation=ran)
-                elif ran is None:  # it never read its plan: no read named what it rendered
-                    self._engine.render_memo.drop_unnamed(
-                        session_key(request.tenant_id, request.session_id))
+                elif ran is None:
+                    if reading:  # began rendering, never read its plan: what it rendered is
+                        # of no incarnation known (the session may have been erased meanwhile)
+                        self._engine.render_memo.drop(
+                            session_key(request.tenant_id, request.session_id))
+                else:  # what it rendered is of the incarnation it ran on
+                    self._engine.render_memo.settle(
+                        session_key(request.tenant_id, request.session_id), ran)
         return await self._run("Build", context, read_again_if_replanned)
 
     async def ReportUsage(self, request: pb.ReportUsageRequest,
