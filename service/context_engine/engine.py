@@ -650,6 +650,11 @@ class Engine:
         if any(h is not None and h < incarnation for h in held):
             self._forget_erased(tenant_id, session_id, incarnation)
 
+    def latest_incarnation(self, tenant_id: str, session_id: str) -> int | None:
+        """The latest incarnation of the session a read here named (or a forget found), if
+        the session is among those whose latest is remembered."""
+        return self._newest.get((tenant_id, session_id))
+
     def _note_newest(self, tenant_id: str, session_id: str, incarnation: int) -> None:
         key = (tenant_id, session_id)
         if incarnation > self._newest.get(key, -1):

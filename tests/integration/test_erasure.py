@@ -713,6 +713,45 @@ def test_a_plan_racing_the_erasure_of_its_session_opens_a_new_one(replicas, db,
     assert built.prefix_sha256 == answer.plan.prefix_sha256
 
 
+def test_a_plan_that_waited_on_the_erasure_numbers_its_session_after_the_wait(
+        replicas, db, direct_database_url):
+    """A Plan waits on an erasure's lock on the session's row while incarnations are handed
+    out (a session of that id opened, read on a replica and erased in that time stands for
+    them): once it creates the session anew, its incarnation is later than all of them, so a
+    replica that read one never takes the live session for an erased one."""
+    from context_engine.adapters.postgres.erasure import DELETE_SESSION_ROWS, LOCK_SESSIONS
+    r = replicas
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    newer = plan_request(tenant, session)
+    newer.agent.version = "8"
+
+    async def erase_while_the_plan_waits() -> tuple[Any, int]:
+        conn = await asyncpg.connect(direct_database_url)
+        watcher = await asyncpg.connect(direct_database_url)
+        try:
+            async with conn.transaction():
+                await conn.execute(LOCK_SESSIONS, tenant, [session])
+                answer = r.a.stub.Plan.future(newer, timeout=30)
+                assert await _plan_waiting_on_a_lock(watcher, "INSERT INTO sessions")
+                handed = int(await watcher.fetchval("SELECT nextval('session_incarnations')"))
+                for _, sql in DELETE_SESSION_ROWS:
+                    await conn.execute(sql, tenant, [session])
+            return answer, handed
+        finally:
+            await conn.close()
+            await watcher.close()
+
+    answer, handed = asyncio.run(erase_while_the_plan_waits())
+    assert answer.result().created
+    live = db.val("SELECT incarnation FROM sessions WHERE tenant_id = $1 AND session_id = $2",
+                  tenant, session)
+    assert live > handed
+    built = r.b.stub.Build(build_request(tenant, session), timeout=30)
+    assert built.prefix_sha256 == answer.result().plan.prefix_sha256
+    assert engine_incarnation(r.b, tenant, session) == live
+
+
 def test_a_session_opened_while_the_tenant_is_purged_keeps_its_plan(replicas, db,
                                                                     direct_database_url):
     """purge-tenant's last transaction (no session left in its batch) removes what the tenant
@@ -807,6 +846,11 @@ def test_a_plan_that_finds_its_session_erased_after_reading_it_opens_a_new_one(
     (row,) = db.fetch("SELECT current_epoch FROM sessions WHERE tenant_id = $1 "
                       "AND session_id = $2", tenant, session)
     assert row["current_epoch"] == 1
+
+
+def engine_incarnation(replica: Replica, tenant: str, session: str) -> int | None:
+    """The incarnation of the session ``replica`` holds its current plan of."""
+    return replica.server.running.engine.cache.incarnation(tenant, session)
 
 
 def _held_of(server: ServerThread, tenant: str, session: str, text: str) -> int:
@@ -1130,3 +1174,75 @@ def test_a_build_that_never_read_its_plan_keeps_nothing_though_a_read_names_one_
         release.set()
         del store.current
     assert _held_of(r.b.server, tenant, session, "4711") == 0
+
+
+@pytest.mark.parametrize("unread", ["its deadline passed", "the database away",
+                                    "its epoch not found"])
+def test_a_build_that_never_read_its_plan_keeps_the_live_sessions_renderings(replicas,
+                                                                            unread):
+    """A Build of a session the replica has read, which never reads its plan itself (its
+    caller's deadline passes while the query is out, the database is away, or the epoch it
+    names does not exist), rendered for the incarnation known when it began: what the
+    session's earlier Builds keep in the memo stays, and so does what it rendered, until a
+    read names a later incarnation."""
+    r = replicas
+    engine = r.b.server.running.engine
+    tenant, session = new_ids()
+    key = session_key(tenant, session)
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    r.b.stub.Build(build_request(tenant, session), timeout=30)
+    before = {k for k in engine.render_memo if k[0] == key}
+    assert before
+    store = engine._store
+    current = store.current
+    entered, release = threading.Event(), threading.Event()
+
+    async def held_up(tenant_id: str, session_id: str) -> Any:
+        if tenant_id == tenant and not entered.is_set():
+            entered.set()
+            await asyncio.to_thread(release.wait, 30)
+            if unread == "the database away":
+                raise StoreUnavailable("database unavailable: OSError")
+        return await current(tenant_id, session_id)
+
+    request = build_request(tenant, session, items=_said("a question of the live session"))
+    ended = threading.Event()
+    judged = engine.forgotten_since
+
+    def judging(tenant_id: str, *args: Any) -> bool:
+        if tenant_id == tenant:
+            ended.set()  # the Build's end: what it keeps is judged now
+        return judged(tenant_id, *args)
+
+    store.current = held_up
+    engine.forgotten_since = judging
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            if unread == "its deadline passed":
+                r.b.stub.Build(request, timeout=0.5)
+            elif unread == "the database away":
+                answer = r.b.stub.Build.future(request, timeout=30)
+                assert entered.wait(30)
+                release.set()
+                answer.result(30)
+            else:
+                request.epoch = 7
+                r.b.stub.Build(request, timeout=30)
+        assert err.value.code() is {"its deadline passed": grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    "the database away": grpc.StatusCode.UNAVAILABLE,
+                                    "its epoch not found": grpc.StatusCode.NOT_FOUND}[unread]
+        release.set()
+        assert ended.wait(30)  # on the server, after its caller gave up
+        # a call behind it on the server's loop: the Build's end has run
+        r.b.stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session), timeout=30)
+    finally:
+        release.set()
+        del store.current
+        del engine.forgotten_since
+    assert {k for k in engine.render_memo if k[0] == key} >= before
+    assert _held_of(r.b.server, tenant, session, "a question of the live session") > 0
+    delete(r.a.stub, tenant, session)
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    r.b.stub.Build(build_request(tenant, session, items=_said("a new question", "n1")),
+                   timeout=30)
+    assert _held_of(r.b.server, tenant, session, "a question of the live session") == 0

@@ -190,7 +190,9 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
     async def Build(self, request: pb.BuildRequest,
                     context: grpc.aio.ServicerContext[Any, Any]) -> pb.BuildResponse:
         ran_on: list[int] = []  # the incarnation each attempt read the plan of
-        reading: list[bool] = []  # an attempt began reading its plan (and rendering)
+        # per attempt that began reading its plan (and rendering): the latest incarnation of
+        # the session known here then (None: none)
+        reading: list[int | None] = []
 
         async def call(record: CallRecord) -> pb.BuildResponse:
             record.session(request.tenant_id, request.session_id)
@@ -223,7 +225,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             # query would cost asyncpg a connection of its own. A cancelled call cancels it.
             lookup: asyncio.Future[LoadedPlan] | None = None
             if readable:
-                reading.append(True)
+                reading.append(self._engine.latest_incarnation(request.tenant_id,
+                                                               request.session_id))
                 lookup = asyncio.ensure_future(
                     self._engine.loaded(request.tenant_id, request.session_id, epoch))
                 lookup.add_done_callback(_outcome_read)
@@ -374,19 +377,20 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 # naming a later incarnation than the Build's), loses what the Build kept of
                 # it after the erasure dropped it: its renderings in the memo, the base it
                 # kept (a session planned anew meanwhile keeps its own bases)
-                ran = ran_on[-1] if ran_on else None
+                # one that never read its plan (the database away, its deadline passed)
+                # rendered for the latest incarnation known when it began, or a later one: taken
+                # for that one, it is judged as a Build of it (an older one is dropped sooner)
+                ran = ran_on[-1] if ran_on else reading[-1] if reading else None
+                key = session_key(request.tenant_id, request.session_id)
                 if self._engine.forgotten_since(request.tenant_id, request.session_id, mark,
                                                 ran):
                     self._engine.forget_session(request.tenant_id, request.session_id,
                                                 counted=False, incarnation=ran)
-                elif ran is None:
-                    if reading:  # began rendering, never read its plan: what it rendered is
-                        # of no incarnation known (the session may have been erased meanwhile)
-                        self._engine.render_memo.drop(
-                            session_key(request.tenant_id, request.session_id))
-                else:  # what it rendered is of the incarnation it ran on
-                    self._engine.render_memo.settle(
-                        session_key(request.tenant_id, request.session_id), ran)
+                elif ran is not None:  # what it rendered is of the incarnation it ran on
+                    self._engine.render_memo.settle(key, ran)
+                elif reading:  # it rendered knowing no incarnation of the session: what it
+                    # rendered is of none known (the session may have been erased meanwhile)
+                    self._engine.render_memo.drop(key)
         return await self._run("Build", context, read_again_if_replanned)
 
     async def ReportUsage(self, request: pb.ReportUsageRequest,

@@ -37,7 +37,16 @@ FROM schema_migrations AS m ORDER BY version"""
 LOCK_SESSION = """
 INSERT INTO sessions (tenant_id, session_id) VALUES ($1, $2)
 ON CONFLICT (tenant_id, session_id) DO UPDATE SET current_epoch = sessions.current_epoch
-RETURNING current_epoch, incarnation"""
+RETURNING current_epoch, incarnation, xmax = 0 AS inserted"""
+
+# A row LOCK_SESSION inserted is numbered again, now that it is held: the column's default was
+# taken when the insert began, and an insert that waited on an erasure's lock meanwhile may
+# have seen a later incarnation of the session opened, read and erased in that time. Numbered
+# here, a session's incarnations only grow (replicas take an older one for an erased one).
+NUMBER_SESSION = """
+UPDATE sessions SET incarnation = nextval('session_incarnations')
+WHERE tenant_id = $1 AND session_id = $2
+RETURNING incarnation"""
 
 # The session's incarnation, the row held (as the foreign keys hold it) until the transaction
 # ends: a keyed write made for one incarnation's plan checks it first (the session may have been

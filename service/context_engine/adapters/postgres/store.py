@@ -220,6 +220,9 @@ class PostgresPlanStore:
             locked = await conn.fetchrow(queries.LOCK_SESSION, tenant_id, session_id,
                                          timeout=self._timeout)
             epoch, incarnation = int(locked["current_epoch"]), int(locked["incarnation"])
+            if locked["inserted"]:
+                incarnation = int(await conn.fetchval(queries.NUMBER_SESSION, tenant_id,
+                                                      session_id, timeout=self._timeout))
             current = None
             if epoch:
                 row = await conn.fetchrow(queries.GET_PLAN, tenant_id, session_id, epoch,
