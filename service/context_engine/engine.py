@@ -1086,12 +1086,16 @@ class Engine:
         items of its render memo. ``counted`` False: a Build that ran across an erasure
         dropping what it kept, which is no erasure of its own (else every Build of the session
         still running would drop the session's memo again when it ends, and so on while the
-        session's Builds overlap). ``incarnation``: the one that Build ran on; the bases of a
-        later one (the session planned anew meanwhile) stay."""
-        self.cache.forget(tenant_id, session_id)
+        session's Builds overlap). ``incarnation``: the one that Build ran on; what this process
+        keeps of a later one (the session planned anew meanwhile: its plans, bases and runs)
+        stays."""
+        cached = self.cache.incarnation(tenant_id, session_id)
+        if incarnation is None or cached is None or cached <= incarnation:
+            self.cache.forget(tenant_id, session_id)
         self.builds.forget(tenant_id, session_id,
                            before=None if incarnation is None else incarnation + 1)
-        for key in [k for k in self._snapshot_runs if k[0] == tenant_id and k[1] == session_id]:
+        for key in [k for k in self._snapshot_runs if k[0] == tenant_id and k[1] == session_id
+                    and (incarnation is None or k[2] <= incarnation)]:
             del self._snapshot_runs[key]
         self.render_memo.drop(session_key(tenant_id, session_id))
         if counted:

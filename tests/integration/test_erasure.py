@@ -1084,6 +1084,8 @@ def test_a_build_that_ran_on_an_incarnation_read_as_erased_since_keeps_nothing_o
             held.release[1].set()
             y.result(30)
             assert _held_of(r.b.server, tenant, session, "2222") > 0  # Y's, of 2, kept
+            live = engine.latest_incarnation(tenant, session)  # and the plan Y read
+            assert live is not None and engine.cache.incarnation(tenant, session) == live
     finally:
         held.undo()
     assert _held_of(r.b.server, tenant, session, "4711") == 0
