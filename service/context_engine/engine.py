@@ -632,6 +632,8 @@ class Engine:
         the erasure may have come through another replica while that Build ran here."""
         if found is not None:
             self._note_newest(tenant_id, session_id, found)
+        else:  # erased: a Build that began knowing an incarnation of it ran on an erased one
+            self._newest.pop((tenant_id, session_id), None)
         if found is None or self.cache.incarnation(tenant_id, session_id) != found:
             self.cache.forget(tenant_id, session_id)  # (the new incarnation's plans stay)
         self.builds.forget(tenant_id, session_id, before=found)
@@ -1098,7 +1100,8 @@ class Engine:
                     and (incarnation is None or k[2] <= incarnation)]:
             del self._snapshot_runs[key]
         self.render_memo.drop(session_key(tenant_id, session_id))
-        if counted:
+        if counted:  # erased here: no incarnation of it is known any more
+            self._newest.pop((tenant_id, session_id), None)
             self._count_forgotten(tenant_id, session_id)
 
     def _count_forgotten(self, tenant_id: str, session_id: str,

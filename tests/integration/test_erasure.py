@@ -1248,3 +1248,44 @@ def test_a_build_that_never_read_its_plan_keeps_the_live_sessions_renderings(rep
     r.b.stub.Build(build_request(tenant, session, items=_said("a new question", "n1")),
                    timeout=30)
     assert _held_of(r.b.server, tenant, session, "a question of the live session") == 0
+
+
+@pytest.mark.parametrize("learnt", ["by its DeleteSession", "by a read NOT_FOUND"])
+def test_a_build_that_never_read_its_plan_keeps_nothing_of_a_session_known_erased(replicas,
+                                                                                 learnt):
+    """B knows the session erased (erased through B, or a read on B found it gone), and a
+    caller that does not know yet sends B its conversation while B cannot reach the database:
+    that Build never reads its plan, knows no live incarnation of the session, and keeps
+    nothing it rendered."""
+    r = replicas
+    engine = r.b.server.running.engine
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    said = _said("the erased conversation")
+    r.b.stub.Build(build_request(tenant, session, items=said), timeout=30)
+    assert engine.latest_incarnation(tenant, session) is not None
+    if learnt == "by its DeleteSession":
+        delete(r.b.stub, tenant, session)
+    else:
+        delete(r.a.stub, tenant, session)
+        with pytest.raises(grpc.RpcError) as gone:
+            r.b.stub.Build(build_request(tenant, session), timeout=30)
+        assert gone.value.code() is grpc.StatusCode.NOT_FOUND
+    assert _held_of(r.b.server, tenant, session, "the erased conversation") == 0
+    assert engine.latest_incarnation(tenant, session) is None
+    store = engine._store
+    current = store.current
+
+    async def away(tenant_id: str, session_id: str) -> Any:
+        if tenant_id == tenant:
+            raise StoreUnavailable("database unavailable: OSError")
+        return await current(tenant_id, session_id)
+
+    store.current = away
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            r.b.stub.Build(build_request(tenant, session, items=said), timeout=30)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        del store.current
+    assert _held_of(r.b.server, tenant, session, "the erased conversation") == 0
