@@ -28,6 +28,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -679,7 +680,9 @@ def test_a_plan_racing_the_erasure_of_its_session_opens_a_new_one(replicas, db,
                                                                   direct_database_url):
     """The erasure locks the session's row, a Plan that rotates it waits for that lock, and the
     erasure deletes the row and commits: the Plan creates the session anew (a new incarnation
-    at epoch 1), never INTERNAL."""
+    at epoch 1), never INTERNAL. Its incarnation is later than every one handed out while it
+    waited (a session of that id opened, read on a replica and erased in that time stands for
+    them), so a replica that read one never takes the live session for an erased one."""
     from context_engine.adapters.postgres.erasure import DELETE_SESSION_ROWS, LOCK_SESSIONS
     r = replicas
     tenant, session = new_ids()
@@ -688,43 +691,6 @@ def test_a_plan_racing_the_erasure_of_its_session_opens_a_new_one(replicas, db,
                    tenant, session)
     newer = plan_request(tenant, session)
     newer.agent.version = "8"  # agent_version_changed: the Plan pins
-
-    async def erase_while_the_plan_waits() -> Any:
-        conn = await asyncpg.connect(direct_database_url)
-        watcher = await asyncpg.connect(direct_database_url)
-        try:
-            async with conn.transaction():
-                await conn.execute(LOCK_SESSIONS, tenant, [session])
-                answer = r.a.stub.Plan.future(newer, timeout=30)
-                assert await _plan_waiting_on_a_lock(watcher, "INSERT INTO sessions")
-                for _, sql in DELETE_SESSION_ROWS:
-                    await conn.execute(sql, tenant, [session])
-            return answer
-        finally:
-            await conn.close()
-            await watcher.close()
-
-    answer = asyncio.run(erase_while_the_plan_waits()).result()
-    assert answer.created and answer.plan.epoch == 1
-    row = db.fetch("SELECT incarnation, current_epoch FROM sessions "
-                   "WHERE tenant_id = $1 AND session_id = $2", tenant, session)
-    assert len(row) == 1 and row[0]["current_epoch"] == 1 and row[0]["incarnation"] != first
-    built = r.b.stub.Build(build_request(tenant, session), timeout=30)
-    assert built.prefix_sha256 == answer.plan.prefix_sha256
-
-
-def test_a_plan_that_waited_on_the_erasure_numbers_its_session_after_the_wait(
-        replicas, db, direct_database_url):
-    """A Plan waits on an erasure's lock on the session's row while incarnations are handed
-    out (a session of that id opened, read on a replica and erased in that time stands for
-    them): once it creates the session anew, its incarnation is later than all of them, so a
-    replica that read one never takes the live session for an erased one."""
-    from context_engine.adapters.postgres.erasure import DELETE_SESSION_ROWS, LOCK_SESSIONS
-    r = replicas
-    tenant, session = new_ids()
-    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
-    newer = plan_request(tenant, session)
-    newer.agent.version = "8"
 
     async def erase_while_the_plan_waits() -> tuple[Any, int]:
         conn = await asyncpg.connect(direct_database_url)
@@ -742,14 +708,16 @@ def test_a_plan_that_waited_on_the_erasure_numbers_its_session_after_the_wait(
             await conn.close()
             await watcher.close()
 
-    answer, handed = asyncio.run(erase_while_the_plan_waits())
-    assert answer.result().created
-    live = db.val("SELECT incarnation FROM sessions WHERE tenant_id = $1 AND session_id = $2",
-                  tenant, session)
-    assert live > handed
+    waited, handed = asyncio.run(erase_while_the_plan_waits())
+    answer = waited.result()
+    assert answer.created and answer.plan.epoch == 1
+    row = db.fetch("SELECT incarnation, current_epoch FROM sessions "
+                   "WHERE tenant_id = $1 AND session_id = $2", tenant, session)
+    assert len(row) == 1 and row[0]["current_epoch"] == 1 and row[0]["incarnation"] != first
+    assert row[0]["incarnation"] > handed
     built = r.b.stub.Build(build_request(tenant, session), timeout=30)
-    assert built.prefix_sha256 == answer.result().plan.prefix_sha256
-    assert engine_incarnation(r.b, tenant, session) == live
+    assert built.prefix_sha256 == answer.plan.prefix_sha256
+    assert engine_incarnation(r.b, tenant, session) == row[0]["incarnation"]
 
 
 def test_a_session_opened_while_the_tenant_is_purged_keeps_its_plan(replicas, db,
@@ -919,6 +887,12 @@ def test_a_replica_finding_the_session_planned_again_forgets_what_it_kept_of_the
     assert r.b.stub.Build(again, timeout=30).build_id  # on the base: no BUILD_BASE_UNKNOWN
 
 
+def planned_again(r: Replicas, tenant: str, session: str) -> None:
+    """The session erased and planned again through replica A."""
+    delete(r.a.stub, tenant, session)
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+
+
 @pytest.mark.parametrize("made", ["by a refused Build", "after the session was begun again",
                                   "by the Build that found the session planned again",
                                   "by a Build that never read its plan"])
@@ -962,8 +936,7 @@ def test_renderings_are_forgotten_with_their_incarnation_whenever_they_were_made
     elif made == "by the Build that found the session planned again":
         r.b.stub.Build(build_request(tenant, session, items=[
             item("u1", 1, user=pb.UserMessage(text="an earlier incarnation's"))]), timeout=30)
-        delete(r.a.stub, tenant, session)
-        r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+        planned_again(r, tenant, session)
         engine.cache.forget(tenant, session)  # its plan evicted from B's cache (LRU)
         r.b.stub.Build(build_request(tenant, session, items=said), timeout=30)
         assert _held_of(r.b.server, tenant, session, "an earlier incarnation's") == 0
@@ -993,8 +966,7 @@ def test_renderings_are_forgotten_with_their_incarnation_whenever_they_were_made
         assert _held_of(r.b.server, tenant, session, secret) == 0
     if made != "by a Build that never read its plan":
         assert _held_of(r.b.server, tenant, session, secret) > 0
-    delete(r.a.stub, tenant, session)
-    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    planned_again(r, tenant, session)
     engine.cache.forget(tenant, session)  # its plan evicted from B's cache meanwhile (LRU)
     r.b.stub.Build(build_request(tenant, session, items=[
         item("n1", 1, user=pb.UserMessage(text="a new session's question"))]), timeout=30)
@@ -1066,8 +1038,7 @@ def test_a_build_that_ran_on_an_incarnation_read_as_erased_since_keeps_nothing_o
                                                 items=_said("the erased secret is 4711")),
                                   timeout=30)
         assert held.entered[0].wait(30)
-        delete(r.a.stub, tenant, session)
-        r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+        planned_again(r, tenant, session)
         if learnt.startswith("by a read"):
             held.release[1].set()
             r.b.stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session),
@@ -1089,8 +1060,7 @@ def test_a_build_that_ran_on_an_incarnation_read_as_erased_since_keeps_nothing_o
     finally:
         held.undo()
     assert _held_of(r.b.server, tenant, session, "4711") == 0
-    delete(r.a.stub, tenant, session)  # 2 erased and planned again in its turn: 3
-    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    planned_again(r, tenant, session)  # 2 erased and planned again in its turn: 3
     r.b.stub.Build(build_request(tenant, session, items=_said("a third", "n1")), timeout=30)
     assert _held_of(r.b.server, tenant, session, "4711") == 0
     assert _held_of(r.b.server, tenant, session, "2222") == 0
@@ -1122,8 +1092,7 @@ def test_a_build_whose_plan_read_is_answered_late_keeps_nothing_of_an_erased_inc
                                                 items=_said("the erased secret is 4711")),
                                   timeout=30)
         assert entered.wait(30)
-        delete(r.a.stub, tenant, session)
-        r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+        planned_again(r, tenant, session)
         r.b.stub.Build(build_request(tenant, session, items=_said("a new question", "n1")),
                        timeout=30)
         release.set()
@@ -1138,6 +1107,32 @@ def test_a_build_whose_plan_read_is_answered_late_keeps_nothing_of_an_erased_inc
     assert _held_of(r.b.server, tenant, session, "a new question") > 0
 
 
+@contextmanager
+def current_held(engine: Any, tenant: str, *,
+                 then_away: bool = True) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """The engine's first read of a session of ``tenant``'s current incarnation waits until
+    released, then fails as with the database away (``then_away``) or is answered; yields the
+    events (entered, release)."""
+    store = engine._store
+    current = store.current
+    entered, release = threading.Event(), threading.Event()
+
+    async def held(tenant_id: str, session_id: str) -> Any:
+        if tenant_id == tenant and not entered.is_set():
+            entered.set()
+            await asyncio.to_thread(release.wait, 30)
+            if then_away:
+                raise StoreUnavailable("database unavailable: OSError")
+        return await current(tenant_id, session_id)
+
+    store.current = held
+    try:
+        yield entered, release
+    finally:
+        release.set()
+        del store.current
+
+
 def test_a_build_that_never_read_its_plan_keeps_nothing_though_a_read_names_one_meanwhile(
         replicas):
     """P's plan query is out while the session is erased and planned again through A and a
@@ -1147,34 +1142,18 @@ def test_a_build_that_never_read_its_plan_keeps_nothing_though_a_read_names_one_
     engine = r.b.server.running.engine
     tenant, session = new_ids()
     r.a.stub.Plan(plan_request(tenant, session), timeout=30)
-    store = engine._store
-    current = store.current
-    entered, release = threading.Event(), threading.Event()
-
-    async def away(tenant_id: str, session_id: str) -> Any:
-        if tenant_id == tenant and not entered.is_set():
-            entered.set()
-            await asyncio.to_thread(release.wait, 30)
-            raise StoreUnavailable("database unavailable: OSError")
-        return await current(tenant_id, session_id)
-
-    store.current = away
-    try:
+    with current_held(engine, tenant) as (entered, release):
         p = r.b.stub.Build.future(build_request(tenant, session,
                                                 items=_said("the erased secret is 4711")),
                                   timeout=30)
         assert entered.wait(30)
-        delete(r.a.stub, tenant, session)
-        r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+        planned_again(r, tenant, session)
         r.b.stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session), timeout=30)
         assert _held_of(r.b.server, tenant, session, "4711") > 0  # rendered, plan not read
         release.set()
         with pytest.raises(grpc.RpcError) as err:
             p.result(30)
         assert err.value.code() is grpc.StatusCode.UNAVAILABLE
-    finally:
-        release.set()
-        del store.current
     assert _held_of(r.b.server, tenant, session, "4711") == 0
 
 
@@ -1195,18 +1174,6 @@ def test_a_build_that_never_read_its_plan_keeps_the_live_sessions_renderings(rep
     r.b.stub.Build(build_request(tenant, session), timeout=30)
     before = {k for k in engine.render_memo if k[0] == key}
     assert before
-    store = engine._store
-    current = store.current
-    entered, release = threading.Event(), threading.Event()
-
-    async def held_up(tenant_id: str, session_id: str) -> Any:
-        if tenant_id == tenant and not entered.is_set():
-            entered.set()
-            await asyncio.to_thread(release.wait, 30)
-            if unread == "the database away":
-                raise StoreUnavailable("database unavailable: OSError")
-        return await current(tenant_id, session_id)
-
     request = build_request(tenant, session, items=_said("a question of the live session"))
     ended = threading.Event()
     judged = engine.forgotten_since
@@ -1216,10 +1183,10 @@ def test_a_build_that_never_read_its_plan_keeps_the_live_sessions_renderings(rep
             ended.set()  # the Build's end: what it keeps is judged now
         return judged(tenant_id, *args)
 
-    store.current = held_up
     engine.forgotten_since = judging
     try:
-        with pytest.raises(grpc.RpcError) as err:
+        with current_held(engine, tenant, then_away=unread == "the database away") as (
+                entered, release), pytest.raises(grpc.RpcError) as err:
             if unread == "its deadline passed":
                 r.b.stub.Build(request, timeout=0.5)
             elif unread == "the database away":
@@ -1233,18 +1200,14 @@ def test_a_build_that_never_read_its_plan_keeps_the_live_sessions_renderings(rep
         assert err.value.code() is {"its deadline passed": grpc.StatusCode.DEADLINE_EXCEEDED,
                                     "the database away": grpc.StatusCode.UNAVAILABLE,
                                     "its epoch not found": grpc.StatusCode.NOT_FOUND}[unread]
-        release.set()
         assert ended.wait(30)  # on the server, after its caller gave up
         # a call behind it on the server's loop: the Build's end has run
         r.b.stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session), timeout=30)
     finally:
-        release.set()
-        del store.current
         del engine.forgotten_since
     assert {k for k in engine.render_memo if k[0] == key} >= before
     assert _held_of(r.b.server, tenant, session, "a question of the live session") > 0
-    delete(r.a.stub, tenant, session)
-    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    planned_again(r, tenant, session)
     r.b.stub.Build(build_request(tenant, session, items=_said("a new question", "n1")),
                    timeout=30)
     assert _held_of(r.b.server, tenant, session, "a question of the live session") == 0
