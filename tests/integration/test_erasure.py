@@ -665,12 +665,12 @@ def test_purge_tenant_refuses_bad_arguments(args, capsys):
 
 
 async def _plan_waiting_on_a_lock(watcher: asyncpg.Connection, marker: str) -> bool:
-    """True once a statement holding ``marker`` waits on a lock (pg_stat_activity is read
-    afresh: each query here is its own transaction)."""
+    """True once a statement of this database holding ``marker`` waits on a lock
+    (pg_stat_activity is read afresh: each query here is its own transaction)."""
     for _ in range(400):
         if await watcher.fetchval(
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND query LIKE $1", f"%{marker}%"):
+                "AND datname = current_database() AND query LIKE $1", f"%{marker}%"):
             return True
         await asyncio.sleep(0.025)
     return False
@@ -699,7 +699,8 @@ def test_a_plan_racing_the_erasure_of_its_session_opens_a_new_one(replicas, db,
             async with conn.transaction():
                 await conn.execute(LOCK_SESSIONS, tenant, [session])
                 answer = r.a.stub.Plan.future(newer, timeout=30)
-                assert await _plan_waiting_on_a_lock(watcher, "INSERT INTO sessions")
+                # the Plan's statement on the session's row (whatever it is), waiting
+                assert await _plan_waiting_on_a_lock(watcher, "sessions")
                 handed = int(await watcher.fetchval("SELECT nextval('session_incarnations')"))
                 for _, sql in DELETE_SESSION_ROWS:
                     await conn.execute(sql, tenant, [session])
