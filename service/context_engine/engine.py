@@ -621,8 +621,20 @@ class Engine:
             return await self.loaded(tenant_id, session_id, None)
         found = await self._store.incarnation(tenant_id, session_id, epoch)
         if found is None:
+            await self._found_missing(tenant_id, session_id)
             raise SessionNotFound(tenant_id, session_id, epoch)
         return await self.loaded(tenant_id, session_id, epoch, incarnation=found)
+
+    async def _found_missing(self, tenant_id: str, session_id: str) -> None:
+        """A read naming an epoch found none: if the session itself is gone (erased, maybe
+        through another replica), what this process keeps of it is forgotten, as a read
+        naming no epoch forgets it."""
+        try:
+            current = await self._store.current(tenant_id, session_id)
+        except StoreUnavailable:
+            return  # not known either way: the next read that reaches the database tells
+        if current is None:
+            self._forget_erased(tenant_id, session_id, None)
 
     def _forget_erased(self, tenant_id: str, session_id: str, found: int | None) -> None:
         """A session found erased (by any replica), and planned again as incarnation ``found``
@@ -638,6 +650,9 @@ class Engine:
             self.cache.forget(tenant_id, session_id)  # (the new incarnation's plans stay)
         self.builds.forget(tenant_id, session_id, before=found)
         self.render_memo.drop(session_key(tenant_id, session_id))
+        for key in [k for k in self._snapshot_runs if k[0] == tenant_id and k[1] == session_id
+                    and (found is None or k[2] < found)]:
+            del self._snapshot_runs[key]
         self._count_forgotten(tenant_id, session_id, found)
 
     def _named(self, tenant_id: str, session_id: str, incarnation: int) -> None:
@@ -670,9 +685,25 @@ class Engine:
         """The verified plan of the session's current epoch (``epoch`` None), or of ``epoch``
         (see ``_loaded``). Its incarnation, later than one this process keeps something of,
         makes it forget what it keeps of the older one (``_named``)."""
+        mark = self.forgets
         loaded = await self._loaded(tenant_id, session_id, epoch, incarnation=incarnation)
+        if self._erased_since(tenant_id, session_id, mark):
+            # erased here while the read ran: what it read may be the erased incarnation; it
+            # is answered, and kept nowhere (the caller's Build forgets what it makes of it)
+            self.cache.forget(tenant_id, session_id)
+            self._newest.pop((tenant_id, session_id), None)
+            return loaded
         self._named(tenant_id, session_id, loaded.plan.incarnation)
         return loaded
+
+    def _erased_since(self, tenant_id: str, session_id: str, mark: int) -> bool:
+        """Whether the session was erased (here, or found erased) after ``mark``, or more
+        sessions were forgotten since than are remembered."""
+        if self.forgets == mark:
+            return False
+        if self.forgets - mark > FORGOTTEN_KEPT:
+            return True
+        return self._forgotten.get((tenant_id, session_id), (0, -1, 0))[2] > mark
 
     async def _loaded(self, tenant_id: str, session_id: str, epoch: int | None, *,
                       incarnation: int | None = None) -> LoadedPlan:
@@ -718,7 +749,11 @@ class Engine:
     async def _load(self, tenant_id: str, session_id: str, epoch: int) -> LoadedPlan:
         """The epoch's plan read from the database, re-rendered and verified against its hash
         (unless this incarnation's epoch is cached already), and cached."""
-        plan = await self.get_plan(tenant_id, session_id, epoch)
+        try:
+            plan = await self.get_plan(tenant_id, session_id, epoch)
+        except SessionNotFound:
+            await self._found_missing(tenant_id, session_id)
+            raise
         key = (tenant_id, session_id, plan.incarnation, plan.epoch)
         now = self._clock.monotonic()
         hit = self.cache.get(key, verified_at=now)

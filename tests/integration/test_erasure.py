@@ -1253,3 +1253,110 @@ def test_a_build_that_never_read_its_plan_keeps_nothing_of_a_session_known_erase
     finally:
         del store.current
     assert _held_of(r.b.server, tenant, session, "the erased conversation") == 0
+
+
+def test_a_read_naming_an_epoch_that_finds_the_session_gone_forgets_it(replicas):
+    """B holds a Build's renderings and base of the session, its plan no longer cached; A
+    erases the session. A Build and a GetPlan on B naming the epoch are NOT_FOUND, and B
+    forgets what it kept, the conversation that Build was sent included, as a read naming no
+    epoch would."""
+    r = replicas
+    engine = r.b.server.running.engine
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    kept = build_request(tenant, session, items=_said("the erased secret is 4711"))
+    kept.keep_base = True
+    built = r.b.stub.Build(kept, timeout=30)
+    engine.cache.forget(tenant, session)  # its plan evicted from B's cache (LRU)
+    delete(r.a.stub, tenant, session)
+    for call, request in [
+            (r.b.stub.Build, build_request(tenant, session, epoch=1,
+                                           items=_said("sent after the erasure 9999"))),
+            (r.b.stub.GetPlan, pb.GetPlanRequest(tenant_id=tenant, session_id=session,
+                                                 epoch=1))]:
+        with pytest.raises(grpc.RpcError) as err:
+            call(request, timeout=30)
+        assert err.value.code() is grpc.StatusCode.NOT_FOUND
+        assert (_held_of(r.b.server, tenant, session, "4711"),
+                _held_of(r.b.server, tenant, session, "9999"),
+                engine.builds.peek(tenant, session, built.build_id),
+                engine.latest_incarnation(tenant, session)) == (0, 0, None, None)
+
+
+@pytest.mark.parametrize("reader", ["GetPlan", "Build"])
+def test_a_read_answered_after_the_replica_erased_the_session_keeps_nothing_of_it(
+        replicas, reader):
+    """A read on B of the session's plan is answered by the database before B erases the
+    session, and resumes after: it is answered, but B caches nothing of it and knows no
+    incarnation of the session, so B serves the erased plan to no Build naming its epoch,
+    and a Build that then never reads its plan (the database away) keeps nothing. (A Build
+    reading late may also find the session gone further on: NOT_FOUND.)"""
+    r = replicas
+    engine = r.b.server.running.engine
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    store = engine._store
+    get = store.get
+    entered, release = threading.Event(), threading.Event()
+
+    async def late(tenant_id: str, session_id: str, epoch: Any) -> Any:
+        got = await get(tenant_id, session_id, epoch)
+        if tenant_id == tenant and not entered.is_set():
+            entered.set()
+            await asyncio.to_thread(release.wait, 30)
+        return got
+
+    store.get = late
+    try:
+        read = (r.b.stub.GetPlan.future(pb.GetPlanRequest(tenant_id=tenant,
+                                                          session_id=session), timeout=30)
+                if reader == "GetPlan" else
+                r.b.stub.Build.future(build_request(tenant, session,
+                                                    items=_said("the first 1111")), timeout=30))
+        assert entered.wait(30)
+        delete(r.b.stub, tenant, session)  # erased through B
+        release.set()
+        try:
+            read.result(30)  # answered on what it read, or NOT_FOUND further on (a Build)
+        except grpc.RpcError as gone:
+            assert reader == "Build" and gone.code() is grpc.StatusCode.NOT_FOUND
+    finally:
+        release.set()
+        del store.get
+    assert engine.cache.incarnation(tenant, session) is None
+    assert engine.latest_incarnation(tenant, session) is None
+    assert _held_of(r.b.server, tenant, session, "1111") == 0
+    with pytest.raises(grpc.RpcError) as err:
+        r.b.stub.Build(build_request(tenant, session, epoch=1,
+                                     items=_said("sent after the erasure 5555")), timeout=30)
+    assert err.value.code() is grpc.StatusCode.NOT_FOUND
+    with current_held(engine, tenant) as (_, release):
+        release.set()
+        with pytest.raises(grpc.RpcError) as err:
+            r.b.stub.Build(build_request(tenant, session,
+                                         items=_said("sent after the erasure 7777")),
+                           timeout=30)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert _held_of(r.b.server, tenant, session, "5555") == 0
+    assert _held_of(r.b.server, tenant, session, "7777") == 0
+
+
+def test_the_runs_bound_to_a_snapshot_go_when_a_read_finds_the_session_erased(replicas):
+    """B remembers a run bound to the session's memory snapshot; A erases the session, and a
+    GetPlan on B finds it gone: B forgets the run with the rest."""
+    r = replicas
+    engine = r.b.server.running.engine
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session,
+                               memory_snapshot=snapshot_of("trace-x", "likes tea")), timeout=30)
+    r.b.stub.Build(build_request(tenant, session), timeout=30)
+
+    def runs() -> list[Any]:
+        return [k for k in engine._snapshot_runs if k[:2] == (tenant, session)]
+
+    assert runs()
+    delete(r.a.stub, tenant, session)
+    with pytest.raises(grpc.RpcError) as err:
+        r.b.stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session), timeout=30)
+    assert err.value.code() is grpc.StatusCode.NOT_FOUND
+    assert runs() == []
