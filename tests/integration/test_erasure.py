@@ -1195,7 +1195,8 @@ def test_a_build_that_never_read_its_plan_keeps_the_live_sessions_renderings(rep
                 assert entered.wait(30)
                 release.set()
                 answer.result(30)
-            else:
+            else:  # the session's row is read (it is there): not held
+                release.set()
                 request.epoch = 7
                 r.b.stub.Build(request, timeout=30)
         assert err.value.code() is {"its deadline passed": grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -1255,10 +1256,11 @@ def test_a_build_that_never_read_its_plan_keeps_nothing_of_a_session_known_erase
     assert _held_of(r.b.server, tenant, session, "the erased conversation") == 0
 
 
-def test_a_read_naming_an_epoch_that_finds_the_session_gone_forgets_it(replicas):
+@pytest.mark.parametrize("reader", ["Build", "GetPlan"])
+def test_a_read_naming_an_epoch_that_finds_the_session_gone_forgets_it(replicas, reader):
     """B holds a Build's renderings and base of the session, its plan no longer cached; A
-    erases the session. A Build and a GetPlan on B naming the epoch are NOT_FOUND, and B
-    forgets what it kept, the conversation that Build was sent included, as a read naming no
+    erases the session. A Build or a GetPlan on B naming the epoch is NOT_FOUND, and B
+    forgets what it kept (and the conversation that Build was sent), as a read naming no
     epoch would."""
     r = replicas
     engine = r.b.server.running.engine
@@ -1269,18 +1271,19 @@ def test_a_read_naming_an_epoch_that_finds_the_session_gone_forgets_it(replicas)
     built = r.b.stub.Build(kept, timeout=30)
     engine.cache.forget(tenant, session)  # its plan evicted from B's cache (LRU)
     delete(r.a.stub, tenant, session)
-    for call, request in [
-            (r.b.stub.Build, build_request(tenant, session, epoch=1,
-                                           items=_said("sent after the erasure 9999"))),
-            (r.b.stub.GetPlan, pb.GetPlanRequest(tenant_id=tenant, session_id=session,
-                                                 epoch=1))]:
-        with pytest.raises(grpc.RpcError) as err:
-            call(request, timeout=30)
-        assert err.value.code() is grpc.StatusCode.NOT_FOUND
-        assert (_held_of(r.b.server, tenant, session, "4711"),
-                _held_of(r.b.server, tenant, session, "9999"),
-                engine.builds.peek(tenant, session, built.build_id),
-                engine.latest_incarnation(tenant, session)) == (0, 0, None, None)
+    with pytest.raises(grpc.RpcError) as err:
+        if reader == "Build":
+            r.b.stub.Build(build_request(tenant, session, epoch=1,
+                                         items=_said("sent after the erasure 9999")),
+                           timeout=30)
+        else:
+            r.b.stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session, epoch=1),
+                             timeout=30)
+    assert err.value.code() is grpc.StatusCode.NOT_FOUND
+    assert (_held_of(r.b.server, tenant, session, "4711"),
+            _held_of(r.b.server, tenant, session, "9999"),
+            engine.builds.peek(tenant, session, built.build_id),
+            engine.latest_incarnation(tenant, session)) == (0, 0, None, None)
 
 
 @pytest.mark.parametrize("reader", ["GetPlan", "Build"])
