@@ -1286,12 +1286,14 @@ def test_a_read_naming_an_epoch_that_finds_the_session_gone_forgets_it(replicas,
             engine.latest_incarnation(tenant, session)) == (0, 0, None, None)
 
 
+@pytest.mark.parametrize("erased", ["through B", "through A, found by a read on B"])
 @pytest.mark.parametrize("reader", ["GetPlan", "Build"])
 def test_a_read_answered_after_the_replica_erased_the_session_keeps_nothing_of_it(
-        replicas, reader):
+        replicas, reader, erased):
     """A read on B of the session's plan is answered by the database before B erases the
-    session, and resumes after: it is answered, but B caches nothing of it and knows no
-    incarnation of the session, so B serves the erased plan to no Build naming its epoch,
+    session (or finds it erased), and resumes after: it is answered, but B caches nothing of
+    it and knows no incarnation of the session, so B serves the erased plan to no Build
+    naming its epoch,
     and a Build that then never reads its plan (the database away) keeps nothing. (A Build
     reading late may also find the session gone further on: NOT_FOUND.)"""
     r = replicas
@@ -1317,7 +1319,14 @@ def test_a_read_answered_after_the_replica_erased_the_session_keeps_nothing_of_i
                 r.b.stub.Build.future(build_request(tenant, session,
                                                     items=_said("the first 1111")), timeout=30))
         assert entered.wait(30)
-        delete(r.b.stub, tenant, session)  # erased through B
+        if erased == "through B":
+            delete(r.b.stub, tenant, session)
+        else:
+            delete(r.a.stub, tenant, session)
+            with pytest.raises(grpc.RpcError) as gone:
+                r.b.stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session),
+                                 timeout=30)
+            assert gone.value.code() is grpc.StatusCode.NOT_FOUND
         release.set()
         try:
             read.result(30)  # answered on what it read, or NOT_FOUND further on (a Build)
