@@ -375,6 +375,7 @@ class _ErasedMeanwhile(Exception):
 
 
 FORGOTTEN_KEPT = 4_096  # the sessions forgotten most recently whose turn is remembered
+RUNS_KEPT = 65_536  # the runs bound to their snapshot most recently that are remembered
 NAMED_KEPT = 16_384  # the sessions read most recently whose latest incarnation is remembered
 
 
@@ -408,6 +409,7 @@ class Engine:
         self._factors: dict[tuple[str, str], tuple[float, float]] = {}
         # runs bound to their snapshot: (tenant, session, incarnation, epoch, run id)
         self._snapshot_runs: OrderedDict[tuple[str, str, int, int, str], None] = OrderedDict()
+        self._run_counts: dict[tuple[str, str], int] = {}  # how many of those per session
         # sessions forgotten (erased), counted, and per session when it last was, the latest
         # incarnation a forget found it planned again as (-1: none) and when it was last erased
         # (0: not since remembered): a Build that ran meanwhile forgets again what it kept of
@@ -650,9 +652,7 @@ class Engine:
             self.cache.forget(tenant_id, session_id)  # (the new incarnation's plans stay)
         self.builds.forget(tenant_id, session_id, before=found)
         self.render_memo.drop(session_key(tenant_id, session_id))
-        for key in [k for k in self._snapshot_runs if k[0] == tenant_id and k[1] == session_id
-                    and (found is None or k[2] < found)]:
-            del self._snapshot_runs[key]
+        self._forget_runs(tenant_id, session_id, None if found is None else found - 1)
         self._count_forgotten(tenant_id, session_id, found)
 
     def _named(self, tenant_id: str, session_id: str, incarnation: int) -> None:
@@ -908,9 +908,33 @@ class Engine:
         await self._events.append_once_durably(
             event, snapshot_fence_key(plan.session_id, plan.epoch, run_id),
             incarnation=plan.incarnation)
+        self._remember_run(key)
+
+    def _remember_run(self, key: tuple[str, str, int, int, str]) -> None:
+        """A run bound to its snapshot: remembered, the least recent forgotten past
+        ``RUNS_KEPT``."""
         self._snapshot_runs[key] = None
-        while len(self._snapshot_runs) > 65_536:
-            self._snapshot_runs.popitem(last=False)
+        self._run_counts[key[:2]] = self._run_counts.get(key[:2], 0) + 1
+        while len(self._snapshot_runs) > RUNS_KEPT:
+            self._run_gone(self._snapshot_runs.popitem(last=False)[0])
+
+    def _forget_runs(self, tenant_id: str, session_id: str, up_to: int | None) -> None:
+        """The runs bound to the session's snapshot that this process remembers, of
+        incarnation ``up_to`` or older (None: all); nothing is walked for a session with none
+        (a read that finds a session never planned here costs no scan)."""
+        if not self._run_counts.get((tenant_id, session_id)):
+            return
+        for key in [k for k in self._snapshot_runs if k[0] == tenant_id and k[1] == session_id
+                    and (up_to is None or k[2] <= up_to)]:
+            del self._snapshot_runs[key]
+            self._run_gone(key)
+
+    def _run_gone(self, key: tuple[str, str, int, int, str]) -> None:
+        left = self._run_counts[key[:2]] - 1
+        if left:
+            self._run_counts[key[:2]] = left
+        else:
+            del self._run_counts[key[:2]]
 
     def _count_pressure(self, pressure: Pressure) -> None:
         fits = "true" if pressure.fits else "false"
@@ -1131,9 +1155,7 @@ class Engine:
             self.cache.forget(tenant_id, session_id)
         self.builds.forget(tenant_id, session_id,
                            before=None if incarnation is None else incarnation + 1)
-        for key in [k for k in self._snapshot_runs if k[0] == tenant_id and k[1] == session_id
-                    and (incarnation is None or k[2] <= incarnation)]:
-            del self._snapshot_runs[key]
+        self._forget_runs(tenant_id, session_id, incarnation)
         self.render_memo.drop(session_key(tenant_id, session_id))
         if counted:  # erased here: no incarnation of it is known any more
             self._newest.pop((tenant_id, session_id), None)

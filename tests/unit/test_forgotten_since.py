@@ -3,6 +3,10 @@ that a Build that ran meanwhile forgets again what it kept of it, and only of it
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import Any
+
+from context_engine import engine as engine_module
 from context_engine.engine import FORGOTTEN_KEPT, NAMED_KEPT, Engine
 
 from tests import factories as f
@@ -104,3 +108,38 @@ def test_a_call_on_an_incarnation_older_than_one_read_since_ran_on_an_erased_ses
         e._named("t", f"s{k}", 1)
     assert e.forgotten_since("t", "a", mark, 2)
     assert not e.forgotten_since("t", f"s{NAMED_KEPT - 1}", mark, 1)
+
+
+class Walked(OrderedDict[Any, None]):
+    """The runs remembered, counting the walks over them."""
+
+    walks = 0
+
+    def __iter__(self) -> Any:
+        self.walks += 1
+        return super().__iter__()
+
+
+def test_the_runs_bound_to_a_snapshot_go_with_their_incarnation_and_are_counted(
+        monkeypatch: Any) -> None:
+    """A forget drops the session's remembered runs of the incarnations it names, and only
+    those; a session with none (one never planned here, a read finding it gone) walks none
+    of the remembered runs; the counts per session follow additions, forgets and the bound."""
+    e = engine()
+    e._snapshot_runs = Walked()
+    for key in [("t", "a", 1, 1, "r1"), ("t", "a", 2, 1, "r1"), ("t", "b", 1, 1, "r1")]:
+        e._remember_run(key)
+    e._forget_erased("t", "never", None)
+    assert e._snapshot_runs.walks == 0
+    e._forget_erased("t", "a", 2)  # found planned again as 2: 1's runs go, 2's stay
+    assert list(e._snapshot_runs) == [("t", "a", 2, 1, "r1"), ("t", "b", 1, 1, "r1")]
+    assert e._run_counts == {("t", "a"): 1, ("t", "b"): 1}
+    e.forget_session("t", "a", counted=False, incarnation=1)  # a Build on 1 ended: 2 stays
+    assert e._run_counts == {("t", "a"): 1, ("t", "b"): 1}
+    e.forget_session("t", "a")  # erased here: all of them
+    assert list(e._snapshot_runs) == [("t", "b", 1, 1, "r1")] and e._run_counts == {
+        ("t", "b"): 1}
+    monkeypatch.setattr(engine_module, "RUNS_KEPT", 2)
+    e._remember_run(("t", "c", 1, 1, "r1"))
+    e._remember_run(("t", "c", 1, 1, "r2"))  # over the bound: b's goes
+    assert e._run_counts == {("t", "c"): 2}
