@@ -1067,15 +1067,10 @@ def test_a_build_that_ran_on_an_incarnation_read_as_erased_since_keeps_nothing_o
     assert _held_of(r.b.server, tenant, session, "2222") == 0
 
 
-def test_a_build_whose_plan_read_is_answered_late_keeps_nothing_of_an_erased_incarnation(
-        replicas):
-    """X's read of incarnation 1 is answered after the session was erased and planned again
-    through A, and after a Build of incarnation 2 on B: X ran on an erased incarnation and
-    keeps none of what it rendered."""
-    r = replicas
-    engine = r.b.server.running.engine
-    tenant, session = new_ids()
-    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+@contextmanager
+def plan_read_held(engine: Any, tenant: str) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """The engine's first read of a plan of ``tenant`` is answered by the database, then waits
+    until released before its caller sees it; yields the events (entered, release)."""
     store = engine._store
     get = store.get
     entered, release = threading.Event(), threading.Event()
@@ -1089,6 +1084,22 @@ def test_a_build_whose_plan_read_is_answered_late_keeps_nothing_of_an_erased_inc
 
     store.get = late
     try:
+        yield entered, release
+    finally:
+        release.set()
+        del store.get
+
+
+def test_a_build_whose_plan_read_is_answered_late_keeps_nothing_of_an_erased_incarnation(
+        replicas):
+    """X's read of incarnation 1 is answered after the session was erased and planned again
+    through A, and after a Build of incarnation 2 on B: X ran on an erased incarnation and
+    keeps none of what it rendered."""
+    r = replicas
+    engine = r.b.server.running.engine
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    with plan_read_held(engine, tenant) as (entered, release):
         x = r.b.stub.Build.future(build_request(tenant, session,
                                                 items=_said("the erased secret is 4711")),
                                   timeout=30)
@@ -1098,9 +1109,6 @@ def test_a_build_whose_plan_read_is_answered_late_keeps_nothing_of_an_erased_inc
                        timeout=30)
         release.set()
         x.result(30)
-    finally:
-        release.set()
-        del store.get
     assert _held_of(r.b.server, tenant, session, "4711") == 0
     r.b.stub.Build(build_request(tenant, session, items=_said("a new question", "n1")),
                    timeout=30)
@@ -1293,26 +1301,13 @@ def test_a_read_answered_after_the_replica_erased_the_session_keeps_nothing_of_i
     """A read on B of the session's plan is answered by the database before B erases the
     session (or finds it erased), and resumes after: it is answered, but B caches nothing of
     it and knows no incarnation of the session, so B serves the erased plan to no Build
-    naming its epoch,
-    and a Build that then never reads its plan (the database away) keeps nothing. (A Build
-    reading late may also find the session gone further on: NOT_FOUND.)"""
+    naming its epoch, and a Build that then never reads its plan (the database away) keeps
+    nothing. (A Build reading late may also find the session gone further on: NOT_FOUND.)"""
     r = replicas
     engine = r.b.server.running.engine
     tenant, session = new_ids()
     r.a.stub.Plan(plan_request(tenant, session), timeout=30)
-    store = engine._store
-    get = store.get
-    entered, release = threading.Event(), threading.Event()
-
-    async def late(tenant_id: str, session_id: str, epoch: Any) -> Any:
-        got = await get(tenant_id, session_id, epoch)
-        if tenant_id == tenant and not entered.is_set():
-            entered.set()
-            await asyncio.to_thread(release.wait, 30)
-        return got
-
-    store.get = late
-    try:
+    with plan_read_held(engine, tenant) as (entered, release):
         read = (r.b.stub.GetPlan.future(pb.GetPlanRequest(tenant_id=tenant,
                                                           session_id=session), timeout=30)
                 if reader == "GetPlan" else
@@ -1332,9 +1327,6 @@ def test_a_read_answered_after_the_replica_erased_the_session_keeps_nothing_of_i
             read.result(30)  # answered on what it read, or NOT_FOUND further on (a Build)
         except grpc.RpcError as gone:
             assert reader == "Build" and gone.code() is grpc.StatusCode.NOT_FOUND
-    finally:
-        release.set()
-        del store.get
     assert engine.cache.incarnation(tenant, session) is None
     assert engine.latest_incarnation(tenant, session) is None
     assert _held_of(r.b.server, tenant, session, "1111") == 0
