@@ -1190,11 +1190,7 @@ class Engine:
         if incarnation is not None and incarnation < self._newest.get((tenant_id, session_id),
                                                                       incarnation + 1):
             return True
-        if self.forgets == mark:
-            return False
-        if self.forgets - mark > FORGOTTEN_KEPT:
+        if self._erased_since(tenant_id, session_id, mark):
             return True
-        when, latest, erased = self._forgotten.get((tenant_id, session_id), (0, -1, 0))
-        if when <= mark:
-            return False
-        return incarnation is None or erased > mark or latest > incarnation
+        when, latest, _ = self._forgotten.get((tenant_id, session_id), (0, -1, 0))
+        return when > mark and (incarnation is None or latest > incarnation)

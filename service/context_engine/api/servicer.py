@@ -376,10 +376,10 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 # through another replica this one has heard of since (a forget, or a read
                 # naming a later incarnation than the Build's), loses what the Build kept of
                 # it after the erasure dropped it: its renderings in the memo, the base it
-                # kept (a session planned anew meanwhile keeps its own bases)
-                # one that never read its plan (the database away, its deadline passed)
-                # rendered for the latest incarnation known when it began, or a later one: taken
-                # for that one, it is judged as a Build of it (an older one is dropped sooner)
+                # kept (a session planned anew meanwhile keeps its own bases). A Build that never
+                # read its plan (the database away, its deadline passed) rendered for the latest
+                # incarnation known when it began, or a later one: taken for that one, it is
+                # judged as a Build of it (an older one is dropped sooner)
                 ran = ran_on[-1] if ran_on else reading[-1] if reading else None
                 key = session_key(request.tenant_id, request.session_id)
                 if self._engine.forgotten_since(request.tenant_id, request.session_id, mark,
