@@ -34,6 +34,9 @@ PLAN_CASES = {
     "schema key with a lone surrogate": ({"tool_catalog": [_tool(
         input_schema_json='{"type":"object","\\udc00":1}')]},
         "tool_catalog[0].input_schema_json"),
+    "schema with a name twice": ({"tool_catalog": [_tool(
+        input_schema_json='{"type":"object","properties":{},"properties":{"a":{}}}')]},
+        "tool_catalog[0].input_schema_json"),
     "duplicate tool": ({"tool_catalog": [_tool(), _tool()]}, "tool_catalog[1]"),
     "reserved control tool": ({"tool_catalog": [_tool(name="tool.call")]},
                               "tool_catalog[0].name"),
@@ -130,6 +133,20 @@ BUILD_CASES = {
                           "checkpoint.items[0].trust"),
     "no kind": ([pb.ConversationItem(id="u", sequence=1, trust=pb.TRUST_LEVEL_USER)],
                 "checkpoint.items[0].kind"),
+    "negative sequence": ([item("a", -3, user=pb.UserMessage(text="x")),
+                           item("b", 1, user=pb.UserMessage(text="y"))],
+                          "checkpoint.items[0].sequence"),
+    "arguments with a name twice": ([item("c", 1, tool_calls=_call(args='{"url":"a","url":"b"}')),
+                                     item("r", 2, UT, tool_result=_result())],
+                                    "checkpoint.items[0].tool_calls.calls[0].arguments_json"),
+    "arguments with a nested name twice": (
+        [item("c", 1, tool_calls=_call(args='{"url":"a","q":[{"k":1,"k":1}]}')),
+         item("r", 2, UT, tool_result=_result())],
+        "checkpoint.items[0].tool_calls.calls[0].arguments_json"),
+    "arguments with a number beyond a float": (
+        [item("c", 1, tool_calls=_call(args='{"url":"a","n":1e400}')),
+         item("r", 2, UT, tool_result=_result())],
+        "checkpoint.items[0].tool_calls.calls[0].arguments_json"),
     "sequence goes backwards": ([item("a", 5, user=pb.UserMessage(text="x")),
                                  item("b", 4, user=pb.UserMessage(text="y"))],
                                 "checkpoint.items[1].sequence"),
@@ -290,3 +307,126 @@ def test_runtime_metadata_is_one_line_of_the_platforms_text(stub, ids, db):
     assert row14.text.splitlines() == [
         "Runtime:", "Current date: Friday, 4 December 2026", "Principal scopes: mail, mail.send",
         "Surface: web app"]
+
+
+@pytest.mark.parametrize("args, said", [
+    ('{"url":"a","url":"b"}', "holds the name 'url' twice in one object"),
+    ('{"url":"a","n":-2.5e999}', "holds the number -2.5e999, beyond the range of a 64-bit float"),
+    ('{"url":"a","n":NaN}', "is not a JSON object"),
+])
+def test_arguments_a_parsed_body_would_change_are_refused_saying_why(stub, ids, args, said):
+    """Anthropic, Gemini and Bedrock send arguments parsed, the OpenAI formats as written: a
+    name twice (one value kept) or a number no float holds would reach the model otherwise in
+    one format and not another, so they are refused in every format alike, saying which."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    for fmt in (pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES, pb.PROVIDER_FORMAT_OPENAI_RESPONSES):
+        request = build_request(tenant, session, items=[
+            item("c", 1, tool_calls=_call(args=args)), item("r", 2, UT, tool_result=_result())])
+        request.provider_format = fmt
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Build(request)
+        violations = failure(err.value).violations
+        assert said in violations["checkpoint.items[0].tool_calls.calls[0].arguments_json"], \
+            violations
+
+
+def test_an_item_below_every_floor_is_refused_by_compact_and_build(stub, ids, db):
+    """A negative sequence is refused wherever a checkpoint arrives: a summary's floor (0 or
+    more) would cover the item, so a Compact that replaced only what came before it would
+    leave a summary whose floor drops the item from the next Build unsummarized."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    before = db.counts(tenant)
+    items = [item("u0", -9, run="run-0", user=pb.UserMessage(text="old question " + "w " * 50)),
+             item("a0", -8, run="run-0", assistant=pb.AssistantMessage(text="old answer")),
+             item("u1", 1, user=pb.UserMessage(text="now"))]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Compact(pb.CompactRequest(
+            tenant_id=tenant, session_id=session, reason="budget_pressure", idempotency_key="k",
+            tokens_to_free=10, checkpoint=pb.Checkpoint(active_run_id="run-1", items=items)))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert list(f.violations) == ["checkpoint.items[0].sequence"], f.violations
+    assert "-9 is negative" in f.violations["checkpoint.items[0].sequence"]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session, items=items))
+    assert list(failure(err.value).violations) == ["checkpoint.items[0].sequence"]
+    assert db.counts(tenant) == before
+    # an unknown sequence (0, proto's default) is no sequence below the others
+    served = stub.Build(build_request(tenant, session, items=[
+        item("u0", 0, run="run-0", user=pb.UserMessage(text="old question")),
+        item("u1", 0, user=pb.UserMessage(text="now"))]))
+    assert "old question" in served.provider_body_json
+
+
+@pytest.mark.parametrize("field, state", [
+    ("constraints", pb.WorkingState(constraints=[f"c{i}" for i in range(21)])),
+    ("tasks", pb.WorkingState(tasks=[pb.WorkingTask(id=f"t{i}", title="t", state="open",
+                                                    trust=pb.TRUST_LEVEL_USER)
+                                     for i in range(31)])),
+    ("facts", pb.WorkingState(facts=[pb.WorkingFact(statement=f"f{i}", trust=pb.TRUST_LEVEL_USER)
+                                     for i in range(41)])),
+    ("open_questions", pb.WorkingState(open_questions=[f"q{i}?" for i in range(21)])),
+    ("tasks[1]", pb.WorkingState(tasks=[pb.WorkingTask(id="t", title=n, state="open",
+                                                       trust=pb.TRUST_LEVEL_USER)
+                                        for n in ("one", "two")])),
+])
+def test_a_working_state_over_its_caps_is_refused_wherever_it_arrives(stub, ids, db, field,
+                                                                       state):
+    """Build and Compact refuse the working state UpdateWorkingState refuses: one over a cap of
+    the spec (20 constraints, 30 open tasks, 40 facts, 20 open questions) or naming a task
+    twice, at the field, writing nothing; one at the caps is served."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    before = db.counts(tenant)
+    where = f"checkpoint.working_state.{field}"
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session, working_state=state))
+    assert list(failure(err.value).violations) == [where], failure(err.value).violations
+    compact = pb.CompactRequest(tenant_id=tenant, session_id=session, reason="budget_pressure",
+                                idempotency_key="k", tokens_to_free=10,
+                                checkpoint=build_request(tenant, session,
+                                                         working_state=state).checkpoint)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Compact(compact)
+    assert list(failure(err.value).violations) == [where], failure(err.value).violations
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdateWorkingState(pb.UpdateWorkingStateRequest(
+            tenant_id=tenant, session_id=session, run_id="run-1", current=state, sequence=10,
+            transition=pb.WorkingStateTransition(update=pb.WorkingStateUpdate(next_action="go"))))
+    assert list(failure(err.value).violations) == [f"current.{field}"]
+    assert db.counts(tenant) == before
+    at_caps = pb.WorkingState(constraints=[f"c{i}" for i in range(20)],
+                              open_questions=[f"q{i}?" for i in range(20)])
+    served = stub.Build(build_request(tenant, session, working_state=at_caps))
+    assert "c19" in served.provider_body_json and "q19?" in served.provider_body_json
+
+
+def test_a_skill_loaded_twice_is_refused(stub, ids, db):
+    """Two bodies under one skill's name would both render as that skill: refused at the
+    second, naming the first."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, skill_catalog=[pb.SkillCatalogEntry(
+        name="triage", description="d", trust=pb.TRUST_LEVEL_TRUSTED_CONFIGURATION)]))
+    before = db.counts(tenant)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session, loaded_skills=[
+            pb.SkillBody(name="triage", body="one", trust=pb.TRUST_LEVEL_USER),
+            pb.SkillBody(name="triage", body="two, contradicting", trust=pb.TRUST_LEVEL_USER)]))
+    f = failure(err.value)
+    assert f.violations == {"checkpoint.loaded_skills[1].name": "'triage' is loaded already "
+                            "(loaded_skills[0]): a skill is loaded once and stays"}, f.violations
+    assert db.counts(tenant) == before
+
+
+def test_an_incremental_build_with_bad_ids_is_told_so_before_its_base_is_looked_up(stub, ids):
+    """A Build naming a base this replica does not hold, whose session id is empty, is refused
+    for the id (what a resend would be refused for), not BUILD_BASE_UNKNOWN."""
+    tenant, _ = ids
+    request = build_request(tenant, "")
+    request.base_build_id, request.base_items_kept = "whatever", 1
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(request)
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT and list(f.violations) == ["session_id"]

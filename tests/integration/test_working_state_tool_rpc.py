@@ -148,6 +148,14 @@ def test_invalid_arguments_are_refused_with_violations_and_the_schema(stub, ids,
         stub.UpdateWorkingState(update(tenant, session, call("not json")))
     assert set(failure(err.value).violations) == {"transition.tool_call.arguments_json"}
     assert "- arguments: is not valid JSON\n" in tool_result(err.value)
+    # a name twice: the parse would keep the last value, the call as logged holds both
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdateWorkingState(update(tenant, session, call(
+            '{"next_action":"book it","next_action":"cancel it"}')))
+    assert failure(err.value).violations == {"transition.tool_call.arguments_json": (
+        "holds the name 'next_action' twice in one object: a body that sends it parsed would "
+        "keep one value; refused in every format alike")}
+    assert "holds the name 'next_action' twice" in tool_result(err.value)
     # what the runtime got wrong is not the model's to hear about
     with pytest.raises(grpc.RpcError) as err:
         stub.UpdateWorkingState(update(tenant, session, call("{}", call_id="", name="x")))

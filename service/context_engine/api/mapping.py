@@ -231,10 +231,10 @@ def _tool(v: Violations, field: str, t: pb.ToolSpec) -> ToolSpec:
         v.add(f"{field}.name", "must match [A-Za-z0-9_.-]{1,64} (what providers accept)")
     if t.name in CONTROL_TOOLS:
         v.add(f"{field}.name", f"{t.name!r} is a control tool the service defines itself")
-    schema = parse_json_object(t.input_schema_json)
+    problem = json_object_problem(t.input_schema_json)
+    schema = None if problem is not None else parse_json_object(t.input_schema_json)
     if schema is None:
-        v.add(f"{field}.input_schema_json",
-              json_object_problem(t.input_schema_json) or NOT_AN_OBJECT)
+        v.add(f"{field}.input_schema_json", problem or NOT_AN_OBJECT)
     elif _holds_nul(schema):
         v.add(f"{field}.input_schema_json",
               "must not contain NUL characters (a \\u0000 escape): the plan is stored as "
@@ -619,6 +619,17 @@ def working_state(v: Violations, field: str, ws: pb.WorkingState) -> WorkingStat
     if ws.question_origins and len(ws.question_origins) != len(ws.open_questions):
         v.add(f"{field}.question_origins", f"has {len(ws.question_origins)} entries for "
               f"{len(ws.open_questions)} open questions; one per question or none")
+    # within the spec's caps, as every state the service writes is: an over-cap state would
+    # render more than a working state holds (Build, Compact's summary) and make every later
+    # transition fail for a reason the transition did not cause (UpdateWorkingState)
+    for name, count, cap in (
+            ("constraints", len(ws.constraints), ws_rules.MAX_CONSTRAINTS),
+            ("tasks", sum(t.state != "completed" for t in ws.tasks), ws_rules.MAX_OPEN_TASKS),
+            ("facts", len(ws.facts), ws_rules.MAX_FACTS),
+            ("open_questions", len(ws.open_questions), ws_rules.MAX_OPEN_QUESTIONS)):
+        if count > cap:
+            v.add(f"{field}.{name}", f"holds {count}, over the cap of {cap}")
+    v.unique(f"{field}.tasks", (t.id for t in ws.tasks), "task id")
     return WorkingState(
         objective=ws.objective, constraints=tuple(ws.constraints),
         tasks=tuple(WorkingTask(id=t.id, title=t.title, state=t.state, sequence=t.sequence,
@@ -792,17 +803,6 @@ def update_working_state_command(req: pb.UpdateWorkingStateRequest) -> WorkingSt
     if req.sequence <= 0:
         v.add("sequence", "must be the positive session event sequence of the transition")
     current = working_state(v, "current", req.current)
-    # the state the caller holds must itself be within the caps: an over-cap state would
-    # make every later transition fail for a reason the transition did not cause
-    for name, count, cap in (
-            ("constraints", len(current.constraints), ws_rules.MAX_CONSTRAINTS),
-            ("tasks", sum(t.state != "completed" for t in current.tasks),
-             ws_rules.MAX_OPEN_TASKS),
-            ("facts", len(current.facts), ws_rules.MAX_FACTS),
-            ("open_questions", len(current.open_questions), ws_rules.MAX_OPEN_QUESTIONS)):
-        if count > cap:
-            v.add(f"current.{name}", f"holds {count}, over the cap of {cap}")
-    v.unique("current.tasks", (t.id for t in current.tasks), "task id")
     found = transition(v, "transition", req.transition)
     if isinstance(found, RefusedCall):
         v.items.extend(found.violations)

@@ -211,6 +211,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 base = self._engine.builds.peek(request.tenant_id, request.session_id,
                                                 request.base_build_id)
                 if base is None:
+                    v.raise_if_any()  # what to fix first: a resend would be refused for it
                     raise BuildBaseUnknown(request.base_build_id, "unknown here or evicted")
                 if kept > len(base.items):
                     v.add("base_items_kept", f"{kept} is more than the base's "

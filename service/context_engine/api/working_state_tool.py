@@ -23,7 +23,7 @@ from pydantic.json_schema import GenerateJsonSchema, JsonSchemaMode, JsonSchemaV
 from pydantic_core import CoreSchema
 
 from context_engine.domain.budget import WORKING_STATE_TOKENS
-from context_engine.domain.canonical import canonical_json
+from context_engine.domain.canonical import canonical_json, json_object_problem
 from context_engine.domain.errors import (
     BudgetExceeded,
     ConstraintCapReached,
@@ -240,6 +240,9 @@ def parse_arguments(arguments_json: str, *, trust: TrustLevel,
         call = UpdateWorkingStateInput.model_validate_json(arguments_json)
     except ValidationError as error:
         return _violations(error, field)
+    problem = json_object_problem(arguments_json)
+    if problem is not None:  # a name twice (read as its last by the parse above), say
+        return [FieldViolation(f"{field}.arguments_json", problem)]
     seen: set[str] = set()
     duplicates: list[FieldViolation] = []
     for i, t in enumerate(call.upsert_tasks):

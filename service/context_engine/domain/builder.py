@@ -275,7 +275,13 @@ class ItemScan:
                                                  f"duplicate item id {item_id!r}"))
             seen_ids.add(item_id)
             sequence = item.sequence
-            if last_sequence is not None and sequence < last_sequence:
+            if last_sequence is None:
+                if sequence < 0:  # (a later item below it is below the first one too)
+                    violations.append(FieldViolation(
+                        f"{field}.items[{i}].sequence", f"{sequence} is negative: an item's "
+                        "sequence is the session event sequence it was built from, and a "
+                        "summary's floor (0 or more) would cover it unsummarized"))
+            elif sequence < last_sequence:
                 violations.append(FieldViolation(
                     f"{field}.items[{i}].sequence", f"{sequence} is below the previous item's "
                     f"{last_sequence}: items are ordered oldest first"))
@@ -492,9 +498,16 @@ def skill_violations(catalog: Sequence[SkillCatalogEntry],
     envelope (less is kept: it only envelopes more)."""
     pins = {e.name: e.trust for e in catalog}
     found = []
+    loaded: dict[str, int] = {}
     for i, s in enumerate(loaded_skills):
         pinned = pins.get(s.name)
-        if pinned is None:
+        first = loaded.setdefault(s.name, i)
+        if first != i:  # two bodies under one name, each rendered as the skill's
+            found.append(FieldViolation(
+                f"checkpoint.loaded_skills[{i}].name",
+                f"{s.name!r} is loaded already (loaded_skills[{first}]): a skill is loaded "
+                "once and stays"))
+        elif pinned is None:
             found.append(FieldViolation(f"checkpoint.loaded_skills[{i}].name",
                                         f"{s.name!r} is not a skill of the plan's catalog"))
         elif s.trust.rank > pinned.rank:

@@ -34,15 +34,40 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(name)
 
 
+class _Unsendable(ValueError):
+    """Valid JSON holding what a body that sends the object parsed cannot carry as written;
+    its message says what (a field violation's text)."""
+
+
 def _finite(literal: str) -> float:
     value = float(literal)
     if math.isinf(value):  # e.g. 1e400: not representable, and not canonical JSON
-        raise ValueError(literal)
+        raise _Unsendable(
+            f"holds the number {literal[:40]}, beyond the range of a 64-bit float: a body that "
+            "sends it parsed cannot carry it; refused in every format alike")
     return value
 
 
-# What json.loads(text, parse_constant=..., parse_float=...) builds anew for every call.
+def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members, refused when a name occurs twice: a parsed body would keep only
+    the last, while the formats that send the text as it is would send both."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise _Unsendable(
+                    f"holds the name {name[:40]!r} twice in one object: a body that sends it "
+                    "parsed would keep one value; refused in every format alike")
+            seen.add(name)
+    return value
+
+
+# What json.loads(text, parse_constant=..., parse_float=...) builds anew for every call; the
+# strict one (validation) also refuses a name repeated in an object.
 _OBJECT_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite)
+_STRICT_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite,
+                                   object_pairs_hook=_unique_names)
 
 
 # A \uD800-\uDFFF escape: half of a UTF-16 surrogate pair. Python's json decodes one that is not
@@ -57,13 +82,18 @@ LONE_SURROGATE = ("holds a lone surrogate escape (\\ud800-\\udfff outside a pair
                   "cannot carry it; refused in every format alike")
 
 
+def _decode(text: str, decoder: json.JSONDecoder) -> Any:
+    if not isinstance(text, str) or text.startswith("\ufeff"):
+        # json.loads' own handling: bytes decoded, a byte-order mark refused
+        return json.loads(text, parse_constant=decoder.parse_constant,
+                          parse_float=decoder.parse_float,
+                          object_pairs_hook=decoder.object_pairs_hook)
+    return decoder.decode(text)
+
+
 def _parse_object(text: str) -> dict[str, Any] | None:
     try:
-        if not isinstance(text, str) or text.startswith("\ufeff"):
-            # json.loads' own handling: bytes decoded, a byte-order mark refused
-            value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
-        else:
-            value = _OBJECT_DECODER.decode(text)
+        value = _decode(text, _OBJECT_DECODER)
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
@@ -81,9 +111,15 @@ def _lone_surrogate(text: str | bytes, value: dict[str, Any]) -> bool:
 
 def json_object_problem(text: str) -> str | None:
     """Why ``text`` is not a JSON object every request body can carry (None when it is one):
-    :data:`NOT_AN_OBJECT`, or :data:`LONE_SURROGATE`."""
-    value = _parse_object(text)
-    if value is None:
+    :data:`NOT_AN_OBJECT`, :data:`LONE_SURROGATE`, a name repeated in one of its objects or a
+    number beyond a 64-bit float (what a body that sends it parsed would change)."""
+    try:
+        value = _decode(text, _STRICT_DECODER)
+    except _Unsendable as e:
+        return str(e)
+    except (ValueError, RecursionError):
+        return NOT_AN_OBJECT
+    if not isinstance(value, dict):
         return NOT_AN_OBJECT
     return LONE_SURROGATE if _lone_surrogate(text, value) else None
 
@@ -139,10 +175,10 @@ _known_objects: dict[str, None] = {}
 
 
 def is_json_object(text: str) -> bool:
-    """``parse_json_object(text) is not None``, remembered for short texts that are."""
+    """``json_object_problem(text) is None``, remembered for short texts that are."""
     if text in _known_objects:
         return True
-    if parse_json_object(text) is None:
+    if json_object_problem(text) is not None:
         return False
     if len(text) <= KNOWN_OBJECT_CHARS:
         if len(_known_objects) >= KNOWN_OBJECTS_ENTRIES:
