@@ -6,8 +6,9 @@ keys, never copied), the messages of its response (the same objects the render m
 so a later response finds them again by identity) and the UTF-8 bytes of its JSON bodies. The
 cache is bounded by an estimate of the bytes it holds (each base counts its checkpoint's and its
 response's serialized sizes in full, although bases of one session share most of their items,
-plus what their non-ASCII texts hold beyond a byte per character (``render_memo.wide_bytes``),
-the objects that hold them at ``ITEM_OVERHEAD_BYTES`` per item and ``MESSAGE_OVERHEAD_BYTES``
+plus what their non-ASCII texts hold beyond a byte per character (``render_memo.wide_bytes``)
+and their attachments and calls as objects (``render_memo.item_held_bytes``), the objects that
+hold them at ``ITEM_OVERHEAD_BYTES`` per item and ``MESSAGE_OVERHEAD_BYTES``
 per message, and its checkpoint's scan state at ``SCAN_ID_BYTES`` per id held; a base that is
 the only holder of its objects counts at least what freeing it frees)
 and keeps at most ``per_session`` bases of one session; the least recently used go first (a base a
@@ -47,7 +48,8 @@ class BuildBase:
     build_id: str
     items: tuple[ConversationItem, ...]
     # cumulative sizes counted for the items: item_bytes[i] is items[:i]'s serialized size plus
-    # what their texts hold in memory beyond one byte per character (render_memo.wide_bytes)
+    # what they hold in memory beyond it counted a byte per character (render_memo's
+    # item_held_bytes: non-ASCII texts, the objects of attachments and calls)
     item_bytes: tuple[int, ...]
     messages: tuple[Message, ...]
     # what each message adds to the serialized ModelRequest (its field's tag, length and bytes)

@@ -76,6 +76,25 @@ def item_wide_bytes(item: ConversationItem | None) -> int:
     return 0
 
 
+# What an attachment and a tool call hold as objects of their own beyond their few wire bytes
+# (measured with tracemalloc at about 125 bytes an attachment, its object and name shared by
+# the item and its message, and 160 a call with its id, the message's objects included;
+# tests/integration/test_build_cache_memory.py)
+ATTACHMENT_BYTES = 160
+CALL_BYTES = 250
+
+
+def item_held_bytes(item: ConversationItem | None) -> int:
+    """What a mapped conversation item holds in memory beyond its serialized size counted a
+    byte per character: its texts' :func:`item_wide_bytes`, and the objects of its attachments
+    and calls (each an object of its own, and its message's, for a few bytes on the wire)."""
+    if isinstance(item, ToolCallItem):
+        return item_wide_bytes(item) + CALL_BYTES * len(item.calls)
+    if isinstance(item, UserMessageItem):
+        return item_wide_bytes(item) + ATTACHMENT_BYTES * len(item.attachments)
+    return item_wide_bytes(item)
+
+
 def _text_weight(value: str | bytes) -> int:
     if isinstance(value, bytes):
         return len(value) + 33
@@ -94,7 +113,7 @@ def _part_weight(value: Any) -> int:
         return _text_weight(value)
     if isinstance(value, ConversationItem):  # mapped from the wire, beside a copy of it (whose
         # weight counts the item's objects and texts at one byte per character)
-        return item_wide_bytes(value)
+        return item_held_bytes(value)
     if isinstance(value, ProtoMessage):  # a copy of what was sent, and the item mapped from it
         return 2 * value.ByteSize() + 3 * OBJECT_BYTES
     if isinstance(value, Message):

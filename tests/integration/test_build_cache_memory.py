@@ -69,15 +69,49 @@ def counted_then_freed(database_url: str, config: Config, sessions: list[str],
         server.stop()
 
 
-@pytest.mark.parametrize(("text", "n"), [("ok", 2_000), ("word " * 40, 800),
-                                         ("word \U0001f642 " * 40, 800)])
-def test_freeing_the_bases_frees_no_more_than_they_counted(database_url: str, text: str,
-                                                           n: int) -> None:
+def attached(n: int, per: int) -> list[pb.ConversationItem]:
+    """User messages of ``per`` attachments each: a few wire bytes an attachment, an object of
+    its own in the item and in the message."""
+    return [item(f"u{i}", i + 1, user=pb.UserMessage(text="go", attachments=[
+        pb.Attachment(kind=pb.ATTACHMENT_KIND_TEXT, name=f"n{j}", ref="r")
+        for j in range(per)])) for i in range(n)]
+
+
+def rounds_of_calls(rounds: int, per: int) -> list[pb.ConversationItem]:
+    """``rounds`` items of ``per`` calls each (arguments ``{}``), each call's result after."""
+    out = [item("u0", 1, user=pb.UserMessage(text="go"))]
+    seq = 2
+    for k in range(rounds):
+        run = "run-1" if k == rounds - 1 else f"old-{k}"
+        ids = [f"k{k}-{j}" for j in range(per)]
+        out.append(item(f"c{k}", seq, run=run, tool_calls=pb.ToolCalls(calls=[
+            pb.ToolCall(call_id=c, name="web.fetch", arguments_json="{}") for c in ids])))
+        for j, c in enumerate(ids, seq + 1):
+            out.append(item(f"r{c}", j, trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, run=run,
+                            tool_result=pb.ToolResult(call_id=c, tool_name="web.fetch",
+                                                      content="x")))
+        seq += per + 1
+    out.append(item("u-last", seq, user=pb.UserMessage(text="and?")))
+    return out
+
+
+CONTENTS: dict[str, Callable[[], list[pb.ConversationItem]]] = {
+    "short": lambda: items(2_000, "ok"), "long": lambda: items(800, "word " * 40),
+    "emoji": lambda: items(800, "word \U0001f642 " * 40),
+    "attachments": lambda: attached(30, 300), "calls": lambda: rounds_of_calls(10, 200)}
+
+
+@pytest.mark.parametrize("content", sorted(CONTENTS))
+def test_freeing_the_bases_frees_no_more_than_they_counted(database_url: str,
+                                                           content: str) -> None:
     """Short items, where the objects outweigh the bytes, counted 2.9x too low before the
-    per-object overheads; long ones 1.5x."""
+    per-object overheads; long ones 1.5x. Attachments and calls are objects of their own, in
+    the item and in the message: counted at their wire bytes, 300 attachments a message freed
+    3x what they counted, 200 calls an item 1.2x."""
+    text = "".join(it.user.text + it.assistant.text for it in CONTENTS[content]()[:2])
 
     def fill(stub: pb_grpc.ContextEngineStub, session: str) -> None:
-        req = build_request(TENANT, session, items(n, text))
+        req = build_request(TENANT, session, CONTENTS[content]())
         req.keep_base = True
         req.provider_format = pb.PROVIDER_FORMAT_NONE
         assert stub.Build(req, timeout=60).build_id
@@ -107,17 +141,22 @@ def tool_items(n: int, text: str) -> list[pb.ConversationItem]:
                                                  ("tools", "data " * 200, 300),
                                                  ("messages", "word \U0001f642 " * 40, 800),
                                                  ("tools", "data \u4e2d " * 200, 300),
-                                                 ("tools", "data \U0001f642 " * 200, 300)])
+                                                 ("tools", "data \U0001f642 " * 200, 300),
+                                                 ("attachments", "", 30),
+                                                 ("calls", "", 10)])
 def test_freeing_the_render_memo_frees_no_more_than_it_counted(
         database_url: str, kind: str, text: str, n: int) -> None:
     """The render memo's byte bound, the same way: its sessions' entries the only holders of
     what they keep (no base kept), freeing the memo frees no more than it counted (1.3x, 1.5x
     and 1.5x what it freed for the ASCII cases when this was written, 1.7x and 1.6x for the
     others: English with emoji, four bytes a character in memory, and Chinese, two; counted
-    at their UTF-8 size, the emoji messages freed 1.9x what the memo counted)."""
+    at their UTF-8 size, the emoji messages freed 1.9x what the memo counted; messages of 300
+    attachments, counted at their wire bytes, 1.7x)."""
 
     def fill(stub: pb_grpc.ContextEngineStub, session: str) -> None:
-        content = items(n, text) if kind == "messages" else tool_items(n, text)
+        content = (items(n, text) if kind == "messages" else attached(n, 300)
+                   if kind == "attachments" else rounds_of_calls(n, 200) if kind == "calls"
+                   else tool_items(n, text))
         stub.Build(build_request(TENANT, session, content), timeout=60)
 
     counted_then_freed(database_url, base_config().replace(build_cache_mb=0),

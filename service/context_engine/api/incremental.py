@@ -46,7 +46,7 @@ class Answer:
 def item_bytes(items: Sequence[pb.ConversationItem], wides: Sequence[int],
                base: BuildBase | None = None, kept: int = 0) -> tuple[int, ...]:
     """Cumulative sizes a base counts its items for (entry i: the first i items'), each item's
-    serialized size plus its domain value's ``item_wide_bytes`` (``wides``, in order): the base's
+    serialized size plus its domain value's ``item_held_bytes`` (``wides``, in order): the base's
     first ``kept`` items, then ``items``."""
     if len(wides) != len(items):
         raise ValueError(f"{len(wides)} wide sizes for {len(items)} items")

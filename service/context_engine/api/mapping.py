@@ -112,7 +112,7 @@ from context_engine.engine import (
     UsageReport,
     WorkingStateCommand,
 )
-from context_engine.render_memo import item_wide_bytes
+from context_engine.render_memo import item_held_bytes
 from context_engine.v1 import context_engine_pb2 as pb
 
 MAX_ID_LENGTH = 256
@@ -524,7 +524,7 @@ def _memo_item(v: Violations, index: int, it: pb.ConversationItem,
     """``_item(v, f"checkpoint.items[{index}]", it)``, remembered in ``memo`` under (session
     key, _ITEM, item id) with a copy of ``it``: an item equal to the copy maps to the same
     domain item (the same object, whose strings are hashed already) and the same violations,
-    under its index in this checkpoint. Its ``item_wide_bytes`` is appended to ``wides``."""
+    under its index in this checkpoint. Its ``item_held_bytes`` is appended to ``wides``."""
     key = (session_key, _ITEM, it.id)
     found = memo.get(key)
     if found is None or found[0] != it:
@@ -533,7 +533,7 @@ def _memo_item(v: Violations, index: int, it: pb.ConversationItem,
         held.CopyFrom(it)
         mapped = _item(own, "", it)
         found = (held, mapped, tuple((x.field, x.description) for x in own.items),
-                 item_wide_bytes(mapped))
+                 item_held_bytes(mapped))
         memo[key] = found
     if found[2]:
         field = f"checkpoint.items[{index}]"
@@ -553,7 +553,7 @@ def checkpoint(v: Violations, cp: pb.Checkpoint, *, memo: MutableMapping[Any, An
     of the session, which sends the same items again (see :func:`_memo_item`); the session's
     erasure drops them with its renderings. ``first_index``: the position of ``cp.items[0]``
     in the whole checkpoint (an incremental Build's: the base items it keeps), which names the
-    items in violations. ``wides``: each item's ``item_wide_bytes`` is appended to it (what a
+    items in violations. ``wides``: each item's ``item_held_bytes`` is appended to it (what a
     kept base counts its items for beyond their serialized sizes)."""
     if _bad_reference(cp.active_run_id):
         v.add("checkpoint.active_run_id", _REFERENCE_RULE)
@@ -561,7 +561,7 @@ def checkpoint(v: Violations, cp: pb.Checkpoint, *, memo: MutableMapping[Any, An
         items = [_item(v, f"checkpoint.items[{i}]", it)
                  for i, it in enumerate(cp.items, first_index)]
         if wides is not None:
-            wides.extend(map(item_wide_bytes, items))
+            wides.extend(map(item_held_bytes, items))
     else:
         if not session_key:
             raise ValueError("a memo of item mappings is kept per session: name its key")
