@@ -17,8 +17,8 @@ from context_engine_client.errors import DeadlineExceeded
 
 SERVICE = "context_engine.v1.ContextEngine"
 DEFAULT_TIMEOUT = 10.0
-# Compact calls an LLM summarizer: the service gives it 20 s by default
-# (CE_SUMMARIZER_TIMEOUT_SECONDS), so its default deadline leaves room for that and a retry.
+# Compact calls an LLM summarizer, at most twice: the service gives each call 20 s by default
+# (CE_SUMMARIZER_TIMEOUT_SECONDS), so its default deadline leaves room for both.
 DEFAULT_COMPACT_TIMEOUT = 60.0
 # The service accepts 64 MiB by default; a 1,000-item conversation is about 3 MB.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
