@@ -37,7 +37,18 @@ PLAN_CASES = {
     "schema with a name twice": ({"tool_catalog": [_tool(
         input_schema_json='{"type":"object","properties":{},"properties":{"a":{}}}')]},
         "tool_catalog[0].input_schema_json"),
+    "schema nested too deep": ({"tool_catalog": [_tool(
+        input_schema_json='{"type":"object","a":' + "[" * 100 + "]" * 100 + "}")]},
+        "tool_catalog[0].input_schema_json"),
     "duplicate tool": ({"tool_catalog": [_tool(), _tool()]}, "tool_catalog[1]"),
+    # 64 characters, 95 once each "." is sent as "__" (Anthropic, OpenAI, Bedrock take 64)
+    "name too long once sent": ({"tool_catalog": [_tool(name="a." * 31 + "bb")]},
+                                "tool_catalog[0].name"),
+    # Gemini puts "_" before a leading digit: 65 characters, and "1x" is "_1x" to it
+    "name too long to Gemini": ({"tool_catalog": [_tool(name="1" + "a" * 63)]},
+                                "tool_catalog[0].name"),
+    "names one to Gemini": ({"tool_catalog": [_tool(name="1x"), _tool(name="_1x")]},
+                            "tool_catalog[1].name"),
     "reserved control tool": ({"tool_catalog": [_tool(name="tool.call")]},
                               "tool_catalog[0].name"),
     "unspecified side effect": ({"tool_catalog": [_tool(side_effect=0)]},
@@ -141,6 +152,10 @@ BUILD_CASES = {
                                     "checkpoint.items[0].tool_calls.calls[0].arguments_json"),
     "arguments with a nested name twice": (
         [item("c", 1, tool_calls=_call(args='{"url":"a","q":[{"k":1,"k":1}]}')),
+         item("r", 2, UT, tool_result=_result())],
+        "checkpoint.items[0].tool_calls.calls[0].arguments_json"),
+    "arguments nested too deep": (
+        [item("c", 1, tool_calls=_call(args='{"url":"a","q":' + '{"q":' * 100 + "1" + "}" * 101)),
          item("r", 2, UT, tool_result=_result())],
         "checkpoint.items[0].tool_calls.calls[0].arguments_json"),
     "arguments with a number beyond a float": (
@@ -430,3 +445,24 @@ def test_an_incremental_build_with_bad_ids_is_told_so_before_its_base_is_looked_
         stub.Build(request)
     f = failure(err.value)
     assert f.code is grpc.StatusCode.INVALID_ARGUMENT and list(f.violations) == ["session_id"]
+
+
+def test_tool_names_and_schemas_at_the_limits_plan_and_build_in_every_format(stub, ids):
+    """The limits the refusals above hold are the providers' own: a name that is 64 characters
+    once sent, in each mapping, and a schema and arguments nested 100 levels, plan and build in
+    every format."""
+    tenant, session = ids
+    deep = '{"type":"object","a":' + "[" * 99 + "]" * 99 + "}"
+    names = ["a." * 21 + "b", "1" + "a" * 62]  # 64 once sent as "__" / with Gemini's "_"
+    request = plan_request(tenant, session, tool_catalog=[
+        _tool(name=n, input_schema_json=deep) for n in names] + [_tool(name="web.fetch")])
+    request.agent.enabled_tools.extend(names)
+    assert set(names) <= set(stub.Plan(request).plan.tool_names)
+    args = '{"url":"a","q":' + '{"q":' * 98 + "1" + "}" * 99
+    for fmt in (pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES, pb.PROVIDER_FORMAT_OPENAI_RESPONSES,
+                pb.PROVIDER_FORMAT_OPENAI_CHAT_COMPLETIONS,
+                pb.PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT, pb.PROVIDER_FORMAT_BEDROCK_CONVERSE):
+        build = build_request(tenant, session, items=[
+            item("c", 1, tool_calls=_call(args=args)), item("r", 2, UT, tool_result=_result())])
+        build.provider_format = fmt
+        assert stub.Build(build).provider_body_json

@@ -73,6 +73,8 @@ from context_engine.domain.model import (
     ToolSpec,
 )
 from context_engine.domain.ports import Erased
+from context_engine.domain.provider_common import PROVIDER_TOOL_NAME
+from context_engine.domain.provider_gemini import GEMINI_TOOL_NAME, gemini_tool_name
 from context_engine.domain.providers import provider_tool_name
 from context_engine.domain.request import (
     Attachment,
@@ -313,13 +315,23 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
     v.unique("persona.entries", (e.key for e in req.persona.entries), "persona key")
     tools = tuple(_tool(v, f"tool_catalog[{i}]", t) for i, t in enumerate(req.tool_catalog))
     v.unique("tool_catalog", (t.name for t in req.tool_catalog), "tool name")
-    # providers accept [A-Za-z0-9_-] only: two names that map to one would be unrenderable
-    mapped: dict[str, str] = {}
-    for i, t in enumerate(req.tool_catalog):
-        other = mapped.setdefault(provider_tool_name(t.name), t.name)
-        if other != t.name:
-            v.add(f"tool_catalog[{i}].name", f"{t.name!r} and {other!r} are the same tool "
-                  f"name to a provider ({provider_tool_name(t.name)!r})")
+    # providers accept [A-Za-z0-9_-] only, Gemini a letter or "_" first: a name that maps to
+    # one too long, or two that map to one, would leave every Build of the plan unrenderable
+    # in the formats that send them so
+    for provider, sent, taken in (("a provider", provider_tool_name, PROVIDER_TOOL_NAME),
+                                  ("Gemini", gemini_tool_name, GEMINI_TOOL_NAME)):
+        mapped: dict[str, str] = {}
+        for i, t in enumerate(req.tool_catalog):
+            if not TOOL_NAME.fullmatch(t.name):
+                continue  # refused for itself
+            theirs = sent(t.name)
+            other = mapped.setdefault(theirs, t.name)
+            if other != t.name:
+                v.add(f"tool_catalog[{i}].name", f"{t.name!r} and {other!r} are the same tool "
+                      f"name to {provider} ({theirs!r})")
+            elif not taken.fullmatch(theirs):
+                v.add(f"tool_catalog[{i}].name", f"{t.name!r} is sent to {provider} as "
+                      f"{theirs!r}, {len(theirs)} characters: over the 64 it takes")
     for i, scope in enumerate(req.principal_scopes):
         if not scope:
             v.add(f"principal_scopes[{i}]", "must not be empty")

@@ -77,6 +77,12 @@ _STRICT_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=
 # encoding of the parsed value tells them apart.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 NOT_AN_OBJECT = "is not a JSON object"
+# How deep a JSON object may nest (objects and arrays): far more than any tool's input takes,
+# and far from the depth where writing it into a body or a stored plan (recursively, a few
+# levels deeper) would fail.
+MAX_JSON_DEPTH = 100
+TOO_DEEP = (f"nests objects and arrays more than {MAX_JSON_DEPTH} levels deep: a body or a "
+            "stored plan that holds it could not be written")
 LONE_SURROGATE = ("holds a lone surrogate escape (\\ud800-\\udfff outside a pair): not a "
                   "Unicode character, so a body sending it as JSON (Anthropic, Gemini, Bedrock) "
                   "cannot carry it; refused in every format alike")
@@ -111,17 +117,35 @@ def _lone_surrogate(text: str | bytes, value: dict[str, Any]) -> bool:
 
 def json_object_problem(text: str) -> str | None:
     """Why ``text`` is not a JSON object every request body can carry (None when it is one):
-    :data:`NOT_AN_OBJECT`, :data:`LONE_SURROGATE`, a name repeated in one of its objects or a
-    number beyond a 64-bit float (what a body that sends it parsed would change)."""
+    :data:`NOT_AN_OBJECT`, :data:`LONE_SURROGATE`, :data:`TOO_DEEP`, a name repeated in one of
+    its objects or a number beyond a 64-bit float (what a body that sends it parsed would
+    change)."""
     try:
         value = _decode(text, _STRICT_DECODER)
     except _Unsendable as e:
         return str(e)
-    except (ValueError, RecursionError):
+    except RecursionError:
+        return TOO_DEEP
+    except ValueError:
         return NOT_AN_OBJECT
     if not isinstance(value, dict):
         return NOT_AN_OBJECT
+    if text.count("{") + text.count("[") > MAX_JSON_DEPTH and _too_deep(value):
+        return TOO_DEEP  # (fewer brackets than that cannot nest so deep: nothing to walk)
     return LONE_SURROGATE if _lone_surrogate(text, value) else None
+
+
+def _too_deep(value: dict[str, Any]) -> bool:
+    """Whether ``value`` nests objects and arrays more than :data:`MAX_JSON_DEPTH` levels."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
 
 
 def parse_json_object(text: str) -> dict[str, Any] | None:
