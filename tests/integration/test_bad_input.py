@@ -452,7 +452,8 @@ def test_tool_names_and_schemas_at_the_limits_plan_and_build_in_every_format(stu
     once sent, in each mapping, and a schema and arguments nested 100 levels, plan and build in
     every format."""
     tenant, session = ids
-    deep = '{"type":"object","a":' + "[" * 99 + "]" * 99 + "}"
+    # 100 levels, with brackets enough beside them that the nesting is walked
+    deep = '{"type":"object","b":[[],{}],"a":' + "[" * 99 + "]" * 99 + "}"
     names = ["a." * 21 + "b", "1" + "a" * 62]  # 64 once sent as "__" / with Gemini's "_"
     request = plan_request(tenant, session, tool_catalog=[
         _tool(name=n, input_schema_json=deep) for n in names] + [_tool(name="web.fetch")])
