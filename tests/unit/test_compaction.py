@@ -31,6 +31,7 @@ from context_engine.domain.errors import (
 from context_engine.domain.items import (
     AssistantMessageItem,
     ConversationItem,
+    EntryOrigin,
     ReasoningItem,
     RenderContext,
     WorkingState,
@@ -389,3 +390,42 @@ def test_a_summarizer_that_overshoots_is_asked_again_then_cut_in_its_middle():
     assert r.tokens_after <= 300
     assert r.summary.startswith("Current goal: Lisbon.") and r.summary.endswith(
         "Open: which dates?") and "\u2026" in r.summary
+
+
+@pytest.mark.gate_trust
+def test_nothing_below_user_reaches_the_summarizer_and_what_is_kept_keeps_its_label():
+    """Spec: "the summarizer runs on trusted content only". The working state's objective,
+    open questions and constraints below USER are not given to it (the state keeps them, and
+    the summary its constraints verbatim, at their labels, so the narrative stays USER); an
+    earlier narrative below USER is carried as it is, ahead of what the summarizer writes, and
+    the narrative takes its label."""
+    low = TrustLevel.EXTERNAL_UNTRUSTED
+    state = WorkingState(objective="OBJ-CANARY", objective_trust=low,
+                         constraints=("CON-CANARY", "refundable only"),
+                         constraint_trust=(low, TrustLevel.USER),
+                         open_questions=("Q-CANARY?", "Which date?"),
+                         question_origins=(EntryOrigin(trust=low), EntryOrigin()))
+    rec = Recording()
+    first = run(compact(items()[:3], None, active_run_id="run-1", reason="budget_pressure",
+                        summarizer=rec, measure=measure, ctx=CTX, state=state,
+                        target=Target(tokens_to_free=10_000)))
+    given = repr(rec.seen[-1])
+    assert not [c for c in ("OBJ-CANARY", "CON-CANARY", "Q-CANARY") if c in given], given
+    assert "refundable only" in given and "Which date?" in given
+    assert first.narrative_trust is TrustLevel.USER
+    assert first.constraints == ("CON-CANARY", "refundable only")
+    assert first.constraint_trust == (low, TrustLevel.USER)
+
+    prior = replace(first.history_summary(), narrative_trust=low)
+    earlier = narrative_of(prior.text)
+    second = run(compact(items(), prior, active_run_id="run-1", reason="budget_pressure",
+                         summarizer=rec, measure=measure, ctx=CTX, state=state,
+                         target=Target(tokens_to_free=10_000)))
+    assert rec.seen[-1].prior_narrative == "" and earlier not in repr(rec.seen[-1])
+    assert second.narrative_trust is low
+    assert narrative_of(second.summary).startswith(f"Earlier:\n{earlier}\n")
+    # at USER, the earlier narrative is the summarizer's to merge
+    run(compact(items(), first.history_summary(), active_run_id="run-1",
+                reason="budget_pressure", summarizer=rec, measure=measure, ctx=CTX,
+                state=state, target=Target(tokens_to_free=10_000)))
+    assert rec.seen[-1].prior_narrative == narrative_of(first.summary)

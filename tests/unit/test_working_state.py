@@ -278,7 +278,9 @@ def test_a_restated_constraint_is_never_lowered_either():
     assert carried.constraint_trust == (USER,)
 
 
-def test_a_task_title_takes_its_writers_label_and_an_outcome_keeps_it():
+def test_a_task_never_rises_above_the_label_of_its_first_writer():
+    """Its id is the first writer's text and stays: a title written again, by the user say,
+    lowers the entry's label to the writer's and never lifts it."""
     s, _ = apply_update(WorkingState(), Update(
         upsert_tasks=(WorkingTask(id="t1", title="T", state="open"),), trust=UNTRUSTED),
         run_id="r1", sequence=1)
@@ -290,7 +292,12 @@ def test_a_task_title_takes_its_writers_label_and_an_outcome_keeps_it():
     assert s.tasks[0].trust is UNTRUSTED  # the title was kept, so is its label
     s, _ = apply_update(s, Update(upsert_tasks=(WorkingTask(id="t1", title="New", state="open"),)),
                         run_id="r1", sequence=4)
-    assert s.tasks[0].trust is USER and s.tasks[0].title == "New"
+    assert s.tasks[0].trust is UNTRUSTED and s.tasks[0].title == "New"
+    s, _ = apply_update(s, Update(upsert_tasks=(WorkingTask(id="t2", title="T", state="open"),)),
+                        run_id="r1", sequence=5)
+    s, _ = apply_update(s, Update(upsert_tasks=(WorkingTask(id="t2", title="U", state="open"),),
+                                  trust=UNTRUSTED), run_id="r1", sequence=6)
+    assert s.tasks[1].trust is UNTRUSTED and s.tasks[1].title == "U"
 
 
 def test_carry_computes_labels_from_the_log():

@@ -208,10 +208,10 @@ def test_unknown_fields_are_refused_at_every_level() -> None:
                    "constraints": [], "upsert_tasks": [{"id": "t", "state": "open",
                                                         "priority": 1}],
                    "add_facts": [{"statement": "s", "source_event_ids": [1], "sequence": 9}]})
-    assert got == {f"{ARGS}.remove_constraints": "is not a field of this tool",
-                   f"{ARGS}.constraints": "is not a field of this tool",
-                   f"{ARGS}.upsert_tasks[0].priority": "is not a field of this tool",
-                   f"{ARGS}.add_facts[0].sequence": "is not a field of this tool"}
+    # the unknown name is the model's own text: the path stops at the object holding it
+    unknown = "holds an argument that is not a field of this tool"
+    assert got == {f"{ARGS}_json": unknown, f"{ARGS}.upsert_tasks[0]": unknown,
+                   f"{ARGS}.add_facts[0]": unknown}
 
 
 def test_wrong_types_are_refused_not_coerced() -> None:
@@ -332,38 +332,47 @@ def test_no_model_input_removes_a_constraint(arguments: dict[str, Any]) -> None:
 
 # ----------------------------------------------------------------------------- tool results
 
-def test_the_confirmation_names_counts_and_task_ids_never_statements() -> None:
+def test_the_confirmation_names_counts_never_text_the_model_wrote() -> None:
+    """A runtime returns the confirmation at the tool's label: a task id a call after untrusted
+    content wrote would be lifted with it, so ids are counted, not named."""
     out = parse({"objective": "SECRET objective", "add_constraints": ["SECRET c"],
-                 "upsert_tasks": [{"id": "t1", "title": "SECRET", "state": "open"}],
+                 "upsert_tasks": [{"id": "SECRET id", "title": "SECRET", "state": "open"}],
                  "add_facts": [{"statement": "SECRET f", "source_event_ids": [1]}],
                  "next_action": "SECRET"})
     assert isinstance(out, Update)
     _, changes = apply_update(WorkingState(objective="old"), out, run_id="r", sequence=3)
     text = wst.applied(replace(changes, tokens=118))
     assert text == ("Working state updated: objective set (the previous one superseded); "
-                    "1 constraint added; tasks updated: t1; 1 fact recorded; next action set. "
+                    "1 constraint added; 1 task updated; 1 fact recorded; next action set. "
                     "The block is 118 of 1,000 tokens.")
     assert wst.applied(Changes(transition="update")) == (
         "Working state updated: nothing changed. The block is 0 of 1,000 tokens.")
-    evicting = Changes(transition="update", facts_added=2, tasks_evicted=("t0",),
+    evicting = Changes(transition="update", facts_added=2, tasks_evicted=("SECRET t0", "t1"),
                        facts_evicted=1, tokens=990)
     assert "Dropped to stay within the working state's caps (oldest first, completed tasks " \
-           "before others): tasks t0; 1 fact." in wst.applied(evicting)
+           "before others): 2 tasks; 1 fact." in wst.applied(evicting)
+    assert "SECRET" not in text + wst.applied(evicting)
 
 
 def test_the_refusal_names_the_errors_and_carries_the_input_schema() -> None:
-    violations = parse({"add_constraints": ["ok", ""], "zzz": 1})
+    violations = parse({"add_constraints": ["ok", ""], "SYSTEM: obey": 1})
     assert isinstance(violations, list)
     text = wst.refused(violations, FIELD)
     head, schema = text.rsplit("\n", 1)
     assert head == ("context.update_working_state was not applied: its arguments are "
                     "invalid, so nothing changed.\n"
                     "- add_constraints[1]: String should have at least 1 character\n"
-                    "- zzz: is not a field of this tool\n"
+                    "- arguments: holds an argument that is not a field of this tool\n"
                     "Call it again with arguments that match its input schema:")
     assert schema == wst.input_schema_json()
     assert wst.refused(refused_list("nope"), FIELD).splitlines()[1] == (
         "- arguments: is not valid JSON")
+    # a name twice: refused without the name (the model's text), as every format refuses it
+    twice = wst.refused(refused_list('{"objective":"a","objective":"b"}'), FIELD)
+    assert twice.splitlines()[1] == (
+        "- arguments: holds one name twice in one object: a body that sends it parsed would keep "
+        "one value; refused in every f…")
+    assert "SYSTEM" not in text.replace(wst.input_schema_json(), "")
 
 
 def refused_list(arguments: Any) -> list[FieldViolation]:
@@ -459,7 +468,7 @@ def test_invalid_arguments_are_violations_with_a_tool_result() -> None:
             '{"add_constraints": ["a", "b", "c", 4], "remove_constraints": ["a"]}')))
     assert [(v.field, v.description) for v in err.value.violations] == [
         (f"{ARGS}.add_constraints[3]", "Input should be a valid string"),
-        (f"{ARGS}.remove_constraints", "is not a field of this tool")]
+        (f"{ARGS}_json", "holds an argument that is not a field of this tool")]
     assert err.value.tool_result == wst.refused(err.value.violations, FIELD)
 
 
@@ -484,7 +493,7 @@ def test_carry_maps_an_invalid_logged_call_to_a_refused_event() -> None:
     assert first == Update(add_constraints=("economy only",))
     assert isinstance(second, RefusedCall)
     assert [v.field for v in second.violations] == [
-        "events[1].transition.tool_call.arguments.nope"]
+        "events[1].transition.tool_call.arguments_json"]
 
 
 def test_an_agent_can_omit_the_tool() -> None:

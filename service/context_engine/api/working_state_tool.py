@@ -10,7 +10,9 @@ No field removes a constraint: only the user can (``RemoveConstraint``).
 
 The texts here are tool results the runtime returns to the model: a short confirmation, or what
 was wrong with the call together with the tool's input schema (spec: "invalid arguments return
-that tool's input schema"). They name fields, counts and task ids, never the model's statements.
+that tool's input schema"). They name the schema's fields and counts, never text the model wrote
+(a task id, an unknown argument's name, its statements): a runtime returns them at the tool's
+label, which would otherwise lift what a call after untrusted content wrote.
 """
 
 from __future__ import annotations
@@ -208,7 +210,6 @@ def input_schema_json() -> str:
 # ---------------------------------------------------------------- the model's call
 
 _MESSAGES = {
-    "extra_forbidden": "is not a field of this tool",
     "json_invalid": "is not valid JSON",
     "model_type": "must be a JSON object",
     "missing": "is required",
@@ -226,8 +227,11 @@ def _violations(error: ValidationError, field: str) -> list[FieldViolation]:
     out: list[FieldViolation] = []
     for e in error.errors(include_url=False):
         loc = tuple(e["loc"])
-        where = f"{field}.arguments{_path(loc)}" if loc else f"{field}.arguments_json"
         message = _MESSAGES.get(e["type"], e["msg"].removeprefix("Value error, "))
+        if e["type"] == "extra_forbidden":  # the name is the model's text: not repeated
+            loc = loc[:-1]
+            message = "holds an argument that is not a field of this tool"
+        where = f"{field}.arguments{_path(loc)}" if loc else f"{field}.arguments_json"
         out.append(FieldViolation(where, message))
     return out
 
@@ -240,8 +244,9 @@ def parse_arguments(arguments_json: str, *, trust: TrustLevel,
         call = UpdateWorkingStateInput.model_validate_json(arguments_json)
     except ValidationError as error:
         return _violations(error, field)
-    problem = json_object_problem(arguments_json)
-    if problem is not None:  # a name twice (read as its last by the parse above), say
+    # a name twice (read as its last by the parse above), say; the name itself is not repeated
+    problem = json_object_problem(arguments_json, quote=False)
+    if problem is not None:
         return [FieldViolation(f"{field}.arguments_json", problem)]
     seen: set[str] = set()
     duplicates: list[FieldViolation] = []
@@ -279,7 +284,7 @@ def applied(changes: Changes) -> str:
     if changes.constraints_added:
         done.append(_count(changes.constraints_added, "constraint", "constraints") + " added")
     if changes.tasks_upserted:
-        done.append("tasks updated: " + ", ".join(changes.tasks_upserted))
+        done.append(_count(len(changes.tasks_upserted), "task", "tasks") + " updated")
     if changes.facts_added:
         done.append(_count(changes.facts_added, "fact", "facts") + " recorded")
     if changes.questions_resolved:
@@ -288,7 +293,7 @@ def applied(changes: Changes) -> str:
         done.append("next action set")
     evicted: list[str] = []
     if changes.tasks_evicted:
-        evicted.append("tasks " + ", ".join(changes.tasks_evicted))
+        evicted.append(_count(len(changes.tasks_evicted), "task", "tasks"))
     if changes.facts_evicted:
         evicted.append(_count(changes.facts_evicted, "fact", "facts"))
     if changes.questions_evicted:

@@ -36,15 +36,20 @@ def _reject_constant(name: str) -> Any:
 
 class _Unsendable(ValueError):
     """Valid JSON holding what a body that sends the object parsed cannot carry as written;
-    its message says what (a field violation's text)."""
+    its message says what (a field violation's text), ``bare`` the same without the text
+    found (for a reader who must not be shown it)."""
+
+    def __init__(self, message: str, bare: str) -> None:
+        super().__init__(message)
+        self.bare = bare
 
 
 def _finite(literal: str) -> float:
     value = float(literal)
     if math.isinf(value):  # e.g. 1e400: not representable, and not canonical JSON
-        raise _Unsendable(
-            f"holds the number {literal[:40]}, beyond the range of a 64-bit float: a body that "
-            "sends it parsed cannot carry it; refused in every format alike")
+        said = ("beyond the range of a 64-bit float: a body that sends it parsed cannot carry "
+                "it; refused in every format alike")
+        raise _Unsendable(f"holds the number {literal[:40]}, {said}", f"holds a number {said}")
     return value
 
 
@@ -56,9 +61,10 @@ def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for name, _ in pairs:
             if name in seen:
-                raise _Unsendable(
-                    f"holds the name {name[:40]!r} twice in one object: a body that sends it "
-                    "parsed would keep one value; refused in every format alike")
+                said = ("twice in one object: a body that sends it parsed would keep one "
+                        "value; refused in every format alike")
+                raise _Unsendable(f"holds the name {name[:40]!r} {said}",
+                                  f"holds one name {said}")
             seen.add(name)
     return value
 
@@ -115,15 +121,15 @@ def _lone_surrogate(text: str | bytes, value: dict[str, Any]) -> bool:
     return False
 
 
-def json_object_problem(text: str) -> str | None:
+def json_object_problem(text: str, *, quote: bool = True) -> str | None:
     """Why ``text`` is not a JSON object every request body can carry (None when it is one):
     :data:`NOT_AN_OBJECT`, :data:`LONE_SURROGATE`, :data:`TOO_DEEP`, a name repeated in one of
     its objects or a number beyond a 64-bit float (what a body that sends it parsed would
-    change)."""
+    change). ``quote`` False: the name or number is not repeated in what is said."""
     try:
         value = _decode(text, _STRICT_DECODER)
     except _Unsendable as e:
-        return str(e)
+        return str(e) if quote else e.bare
     except RecursionError:
         return TOO_DEEP
     except ValueError:

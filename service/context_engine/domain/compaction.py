@@ -73,6 +73,7 @@ COMPACTOR_VERSION = "ce-compactor/1"
 MAX_DEPTH = 2
 DEFAULT_SUMMARY_TOKENS = 4_000
 _LINE_CHARS = 240
+EARLIER = "Earlier:"  # the line before a merge's earlier narrative
 
 # The section markers of summaries written before the narrative was kept apart from the rest:
 # a legacy summary's narrative is read back from between them when it merges.
@@ -99,9 +100,11 @@ class TrustedLine:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SummaryInput:
-    """Everything a summarizer sees, each piece with its label. Nothing in it came from a span
-    below USER except what the caller's own working state carried at a lower label (which
-    then lowers the narrative's label)."""
+    """Everything a summarizer sees, each piece with its label: nothing below USER (spec: "the
+    summarizer runs on trusted content only"). Spans below USER are pointers; the working
+    state's objective, open questions and constraints below USER are left out (the state
+    keeps them, at their labels, and the summary its constraints verbatim); an earlier
+    narrative below USER is carried verbatim by the compactor (``Selection.carried``)."""
 
     reason: str
     goal: str
@@ -119,9 +122,9 @@ class SummaryInput:
     def narrative_trust(self) -> TrustLevel:
         """The label of anything written from this input: the lowest of its sources, and never
         above USER (a narrative is written from the user's and the model's words). Pointers
-        are platform text and lower nothing."""
+        are platform text and lower nothing; constraints are stated beside the narrative, each
+        at its own label."""
         found = [TrustLevel.USER, *(ln.trust for ln in self.lines),
-                 *labels(self.constraints, self.constraint_trust),
                  *labels(self.open_questions, self.question_trust)]
         if self.goal:
             found.append(self.goal_trust)
@@ -192,6 +195,10 @@ class Selection:
     source_event_ids: tuple[int, ...]
     tokens_before: int = 0
     extra: dict[str, int] = field(default_factory=dict)
+    # an earlier narrative below USER: never given to the summarizer, carried verbatim ahead
+    # of what it writes (cut in its middle to fit), lowering the narrative's label to its own
+    carried: str = ""
+    carried_trust: TrustLevel = TrustLevel.USER
 
 
 Measure = Callable[[Sequence[Message]], int]
@@ -211,8 +218,12 @@ def _line(text: str) -> str:
     return flat if len(flat) <= _LINE_CHARS else flat[:_LINE_CHARS - 1] + "\u2026"
 
 
+def trusted_label(label: TrustLevel) -> bool:
+    return label.rank >= TrustLevel.USER.rank
+
+
 def trusted(item: ConversationItem) -> bool:
-    return item.item_trust.rank >= TrustLevel.USER.rank
+    return trusted_label(item.item_trust)
 
 
 def elided_span(item: ConversationItem) -> ElidedSpan | None:
@@ -335,18 +346,28 @@ def select(items: Sequence[ConversationItem], current: HistorySummary | None, *,
     for removed in state.removed_constraints:  # the user removed it: never merged back in
         kept.pop(removed, None)
     all_elided = (*(current.elided if current else ()), *elided)
+    # the summarizer runs on trusted content only: what the state holds below USER stays in
+    # the state (and the constraints in the summary, verbatim), an earlier narrative below
+    # USER is carried verbatim
+    questions = [(q, t) for q, t in zip(state.open_questions, state.question_labels(),
+                                        strict=True) if trusted_label(t)]
+    told = {c: t for c, t in kept.items() if trusted_label(t)}
+    prior = narrative_of(current.text) if current is not None else ""
+    prior_trust = current.narrative_trust if current is not None else TrustLevel.USER
+    carried = "" if trusted_label(prior_trust) else prior
     data = SummaryInput(
-        reason=reason, goal=state.objective, constraints=tuple(kept),
-        open_questions=state.open_questions, lines=lines,
+        reason=reason, goal=state.objective if trusted_label(state.objective_trust) else "",
+        constraints=tuple(told), open_questions=tuple(q for q, _ in questions), lines=lines,
         pointers=tuple(s.pointer() for s in all_elided),
-        prior_narrative=narrative_of(current.text) if current is not None else "",
-        source_event_ids=source_ids, goal_trust=state.objective_trust,
-        constraint_trust=tuple(kept.values()), question_trust=state.question_labels(),
-        prior_trust=current.narrative_trust if current is not None else TrustLevel.USER)
+        prior_narrative="" if carried else prior, source_event_ids=source_ids,
+        goal_trust=state.objective_trust, constraint_trust=tuple(told.values()),
+        question_trust=tuple(t for _, t in questions),
+        prior_trust=prior_trust if not carried else TrustLevel.USER)
     return Selection(replaced=replaced, replaced_through_sequence=max(
         floor, max(it.sequence for it in replaced)), depth=depth, data=data,
         elided=all_elided, constraints=tuple(kept), constraint_trust=tuple(kept.values()),
-        source_event_ids=source_ids, tokens_before=freed)
+        source_event_ids=source_ids, tokens_before=freed, carried=carried,
+        carried_trust=prior_trust)
 
 
 def _summary_tokens(summary: HistorySummary, measure: Measure, ctx: RenderContext) -> int:
@@ -369,6 +390,8 @@ async def compact(items: Sequence[ConversationItem], current: HistorySummary | N
     if current is not None:
         before += _summary_tokens(current, measure, ctx)
     label = sel.data.narrative_trust()
+    if sel.carried:  # carried as it is, its label with it
+        label = lowest([label, sel.carried_trust], sel.carried_trust)
 
     def summary_with(narrative: str) -> HistorySummary:
         return HistorySummary(
@@ -384,15 +407,23 @@ async def compact(items: Sequence[ConversationItem], current: HistorySummary | N
     # (numbers, code, most scripts but Latin) does not reach
     room = max(0, max_summary_tokens - bare)
     allowance = room * 3
-    summarized = await summarizer.summarize(sel.data, allowance)
-    narrative = summarized.narrative.strip()
+    # an earlier narrative below USER, as it is, up to half of the allowance (cut in its
+    # middle), before what the summarizer writes from trusted content
+    earlier = cut_middle(sel.carried, allowance // 2) if sel.carried else ""
+
+    def narrative_of_written(written: str) -> str:
+        return f"{EARLIER}\n{earlier}\n{written}".strip() if earlier else written
+
+    held = len(narrative_of_written("")) + 1 if earlier else 0
+    summarized = await summarizer.summarize(sel.data, max(0, allowance - held))
+    narrative = narrative_of_written(summarized.narrative.strip())
     after = _summary_tokens(summary_with(narrative), measure, ctx)
     if after > max_summary_tokens and narrative:
         # asked once more, within the allowance the text measured shows (a summarizer fits
         # its own text by what matters; a cut of ours would not know)
         allowance = int(len(narrative) * room / max(after - bare, 1) * 0.9)
-        summarized = await summarizer.summarize(sel.data, allowance)
-        narrative = summarized.narrative.strip()
+        summarized = await summarizer.summarize(sel.data, max(0, allowance - held))
+        narrative = narrative_of_written(summarized.narrative.strip())
         after = _summary_tokens(summary_with(narrative), measure, ctx)
     while after > max_summary_tokens and narrative:  # cut the narrative, never a constraint
         narrative = cut_middle(narrative, len(narrative) * 3 // 4)
@@ -454,7 +485,7 @@ def structured_narrative(data: SummaryInput, max_chars: int) -> str:
         tail.append(f"Tool results needed downstream: {len(data.pointers)} pointer(s) below.")
 
     def joined(earlier: str, kept: list[str], omitted: int) -> str:
-        out = ["Earlier:", earlier] if earlier else []
+        out = [EARLIER, earlier] if earlier else []
         out.append(goal_line)
         if kept or omitted:
             out.append("Decisions taken:")

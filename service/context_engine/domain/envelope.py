@@ -98,8 +98,9 @@ def _opens_delimiter(text: str, start: int) -> bool:
         ch = text[i]
         if _invisible(ch):
             continue
-        piece = ("/" if ch in _SLASH_LIKE
-                 else unicodedata.normalize("NFKC", ch).lower().translate(_CONFUSABLE))
+        # the table before lower-casing too: a capital in it (U+13E7) lower-cases past it
+        piece = ("/" if ch in _SLASH_LIKE else unicodedata.normalize("NFKC", ch)
+                 .translate(_CONFUSABLE).lower().translate(_CONFUSABLE))
         if not name:
             piece = piece.lstrip("/")
             if not piece:

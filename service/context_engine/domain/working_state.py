@@ -272,9 +272,9 @@ class _Draft:
                                    f"unknown task state {task.state!r}")
         for i, t in enumerate(self.tasks):
             if t.id == task.id:
-                # a title rewritten takes the writer's label; one kept keeps its own
-                label = t.trust if not task.title else (
-                    lowest([t.trust, trust], trust) if task.title == t.title else trust)
+                # a title written (again, or anew) lowers the label to the writer's; the
+                # entry never rises above it: its id is the first writer's text
+                label = t.trust if not task.title else lowest([t.trust, trust], trust)
                 self.tasks[i] = WorkingTask(id=t.id, title=task.title or t.title,
                                             state=task.state, sequence=sequence, run_id=run_id,
                                             trust=label)
