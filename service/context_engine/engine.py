@@ -776,7 +776,7 @@ class Engine:
         """The model's reconciled factor, never below the plan's ``least_factor`` (a factor
         stored lower, or reconciled for a plan counted another way, is raised to it)."""
         return max(await self._reconciled_factor(tenant_id, spec),
-                   least_factor(prefix_exact(spec)))
+                   least_factor(prefix_exact(spec), spec.estimator_factor))
 
     async def _reconciled_factor(self, tenant_id: str, spec: PlanSpec) -> float:
         """The model's reconciled factor (shared in PostgreSQL), cached for a few seconds;
@@ -798,13 +798,19 @@ class Engine:
     def pinned_factor(factor: float, spec: PlanSpec) -> float:
         """A caller's ``estimator_factor`` (within [0.5, 4.0], checked with the request), or
         InvalidInput below the plan's ``least_factor``: for a model counted with its own
-        tokenizer, a factor under 1 could send a request over the window."""
-        floor = least_factor(prefix_exact(spec))
+        tokenizer, a factor under 1 could send a request over the window; for one counted
+        with another encoding times a base factor, one under its inverse counts less than
+        that encoding does."""
+        exact = prefix_exact(spec)
+        floor = least_factor(exact, spec.estimator_factor)
         if factor < floor:
+            why = ("whose own tokenizer counts the request" if exact else
+                   f"counted as {spec.encoding} x {spec.estimator_factor:g}, which a lower "
+                   f"factor would take below {spec.encoding}'s own count")
             raise InvalidInput.one(
                 "estimator_factor",
-                f"{factor} is below {floor}, the least for {spec.model.model_id}, whose own "
-                "tokenizer counts the request: a lower factor could send it over the window")
+                f"{factor} is below {round(floor, 4)}, the least for {spec.model.model_id}, {why}: "
+                "a lower factor could send the request over the window")
         return factor
 
     async def build(self, tenant_id: str, session_id: str, epoch: int | None,
@@ -1006,7 +1012,7 @@ class Engine:
             return reconcile(current, model_id=model.model_id, encoding=spec.encoding,
                              estimated=report.estimated_input_tokens,
                              actual=report.input_tokens, factor_used=report.estimator_factor,
-                             fixed=fixed, floor=least_factor(prefix_exact(spec)))
+                             fixed=fixed, floor=least_factor(prefix_exact(spec), spec.estimator_factor))
 
         # The request as sent (epoch 0 is "current"), not the epoch it resolved to: a retry
         # after a rotation repeats the same request and must get the first answer back.

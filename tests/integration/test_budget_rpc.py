@@ -475,20 +475,33 @@ def test_honest_reports_never_take_an_exact_count_below_itself(stub, ids):
 
 def test_a_factor_stored_below_the_floor_is_raised_to_it(stub, ids, db):
     """A factor reconciled below 1.0 for an exact count before the floor held is read as 1.0
-    and moves up from there; an approximate count keeps its lower factor."""
+    and moves up from there; an approximate count (cl100k_base x 1.3) keeps a lower factor down
+    to 1 / 1.3, where the estimate is cl100k_base's own count, which Claude's does not go below,
+    and one stored lower is read as that."""
     tenant, session = ids
     stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-4o")))
-    other = f"{session}-claude"
+    other, third = f"{session}-claude", f"{session}-gemini"
     stub.Plan(plan_request(tenant, other))
-    for model_id, encoding in (("gpt-4o", "o200k_base"), ("claude-sonnet-4-5", "cl100k_base")):
+    stub.Plan(plan_request(tenant, third, model=pb.ModelSpec(model_id="gemini-2.5-pro")))
+    for model_id, encoding, factor in (("gpt-4o", "o200k_base", 0.6),
+                                       ("claude-sonnet-4-5", "cl100k_base", 0.6),
+                                       ("gemini-2.5-pro", "cl100k_base", 0.8)):
         db.fetch("INSERT INTO estimator_calibration (tenant_id, model_id, encoding, factor, "
-                 "reports) VALUES ($1, $2, $3, 0.6, 9) RETURNING 1", tenant, model_id, encoding)
+                 "reports) VALUES ($1, $2, $3, $4, 9) RETURNING 1", tenant, model_id, encoding,
+                 factor)
     assert stub.Build(build_request(tenant, session)).estimator_factor == 1.0
-    assert stub.Build(build_request(tenant, other)).estimator_factor == pytest.approx(0.6)
+    assert stub.Build(build_request(tenant, other)).estimator_factor == pytest.approx(1 / 1.3)
+    assert stub.Build(build_request(tenant, third)).estimator_factor == pytest.approx(0.8)
     built = stub.Build(build_request(tenant, session))
     est = built.estimated_input_tokens
     down = stub.ReportUsage(_report(tenant, session, "low", est, est // 2))
     assert down.previous_factor == pytest.approx(0.6) and down.correction_factor == 1.0
+    # reports far below Claude's estimate (its input_tokens without the cached ones, say) walk
+    # its factor down to 1 / 1.3 and no lower
+    est = stub.Build(build_request(tenant, third)).estimated_input_tokens
+    for k in range(12):
+        down = stub.ReportUsage(_report(tenant, third, f"low-{k}", est, est // 4))
+    assert 1 / 1.3 <= down.correction_factor < 1 / 1.3 + 1e-3  # (it falls slowly to it)
 
 
 def test_a_pinned_factor_below_an_exact_count_is_refused(stub, ids):
@@ -509,12 +522,17 @@ def test_a_pinned_factor_below_an_exact_count_is_refused(stub, ids):
     assert "estimator_factor" in failure(err.value).violations
     pinned.estimator_factor = 1.0
     stub.Build(pinned)
-    # an approximate count (Claude) may be scaled down to 0.5
+    # an approximate count (Claude: cl100k_base x 1.3) may be scaled down to 1 / 1.3, no lower
     claude = f"{session}-claude"
     stub.Plan(plan_request(tenant, claude))
     low = build_request(tenant, claude)
-    low.estimator_factor = 0.5
-    assert stub.Build(low).estimator_factor == 0.5
+    low.estimator_factor = 0.76
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(low)
+    assert failure(err.value).violations["estimator_factor"].startswith(
+        "0.76 is below 0.7692, the least for claude-sonnet-4-5, counted as cl100k_base x 1.3")
+    low.estimator_factor = 1 / 1.3
+    assert stub.Build(low).estimator_factor == pytest.approx(1 / 1.3)
 
 
 def test_a_request_cached_whole_reads_a_whole_prefix(stub, ids, server):
