@@ -1012,7 +1012,8 @@ class Engine:
             return reconcile(current, model_id=model.model_id, encoding=spec.encoding,
                              estimated=report.estimated_input_tokens,
                              actual=report.input_tokens, factor_used=report.estimator_factor,
-                             fixed=fixed, floor=least_factor(prefix_exact(spec), spec.estimator_factor))
+                             fixed=fixed,
+                             floor=least_factor(prefix_exact(spec), spec.estimator_factor))
 
         # The request as sent (epoch 0 is "current"), not the epoch it resolved to: a retry
         # after a rotation repeats the same request and must get the first answer back.

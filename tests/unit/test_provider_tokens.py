@@ -315,7 +315,33 @@ def test_the_platform_policy_class_carries_the_requests_own_framing() -> None:
     policy = next(c for c in d.classes if c.class_name == "platform_policy")
     text = sum(e.text(b.text) for b in blocks if b.row in (1, 2))
     assert request_framing(d.rendered) == REQUEST_OVERHEAD_TOKENS + 2
-    assert policy.tokens == text + REQUEST_OVERHEAD_TOKENS + len(blocks) - 1
+    # and the user turn Anthropic, Gemini and Bedrock open with when history begins with the
+    # model's own turn (any Build may send it)
+    lead = n("o200k_base", "(Earlier conversation omitted.)") + MESSAGE_OVERHEAD_TOKENS
+    assert policy.tokens == text + REQUEST_OVERHEAD_TOKENS + len(blocks) - 1 + lead
     # the OpenAI body sends the blocks as one instructions text: the joins are counted
     joined = "\n\n".join(b.text for b in blocks)
     assert n("o200k_base", joined) <= sum(e.text(b.text) for b in blocks) + len(blocks) - 1
+
+
+@pytest.mark.gate_budget
+@pytest.mark.parametrize("fmt", [pt.ANTHROPIC_MESSAGES, pt.GEMINI_GENERATE_CONTENT,
+                                 pt.BEDROCK_CONVERSE, pt.OPENAI_RESPONSES])
+def test_a_history_that_begins_with_the_models_turn_counts_the_line_that_opens_it(
+        fmt: str) -> None:
+    """Anthropic, Gemini and Bedrock open a body with a user turn when the history kept begins
+    with the model's own: a minimal request on gpt-4 counted 563 in those bodies against an
+    estimate of 562 before the turn was counted with the request's framing."""
+    from context_engine.domain.builder import Checkpoint, build
+    from context_engine.domain.canonical import canonical_json
+    from context_engine.domain.items import AssistantMessageItem
+
+    lp = f.loaded(f.inputs(model_profile=f.model("gpt-4", context_window=12_500,
+                                                 output_reserve=2_048)))
+    items = (AssistantMessageItem(id="a1", sequence=1, run_id="run-1",
+                                  item_trust=TrustLevel.USER, text="ok"),
+             f.user("u2", "hi", 2, run="run-2"))
+    r = build(lp, Checkpoint(active_run_id="run-2", items=items),
+              estimator=f.estimator(lp.plan.spec.model))
+    body = json.loads(canonical_json(providers.render(r, fmt)))
+    assert pt.count_body(body, fmt, r.model_id) <= r.estimated_input_tokens

@@ -52,7 +52,13 @@ from context_engine.domain.model import (
     ToolSpec,
 )
 from context_engine.domain.provider_formats import sent_tool_names
-from context_engine.domain.request import PrefixBlock, ToolDefinition
+from context_engine.domain.request import (
+    LEADING_USER_TEXT,
+    Message,
+    PrefixBlock,
+    Role,
+    ToolDefinition,
+)
 from context_engine.domain.tools import (
     INDEX_ITEM_CAP,
     INDEX_TOKEN_CAP,
@@ -291,11 +297,17 @@ def tool_cost(tool: ToolSpec, estimator: TokenEstimator) -> int:
                for name in sent_tool_names(tool.name)) + TOOL_OVERHEAD_TOKENS
 
 
+# The user turn Anthropic's, Gemini's and Bedrock's bodies open with when the history a Build
+# keeps begins with the model's own turn (provider_common ``Turns.lead``): request framing
+# any Build may send, counted with the platform policy like the rest of it.
+_LEADING_TURN = Message(row=9, role=Role.USER, trust=TrustLevel.PLATFORM, text=LEADING_USER_TEXT)
+
+
 def request_framing(rendered: RenderedPrefix) -> int:
     """Tokens the request's own framing costs, counted with the platform policy that opens
     it: the system message and the reply primer, and one separator per join where a provider
     body sends the prefix blocks as one text (OpenAI ``instructions`` joins them with a blank
-    line)."""
+    line). The leading user turn some bodies add is counted beside it (``measure_prefix``)."""
     return REQUEST_OVERHEAD_TOKENS + max(len(rendered.blocks) - 1, 0)
 
 
@@ -313,7 +325,8 @@ def measure_prefix(spec: PlanSpec, rendered: RenderedPrefix, estimator: TokenEst
         by_row[block.row] = by_row.get(block.row, 0) + estimator.text(block.text)
     measured = {
         PrefixClass.PLATFORM_POLICY: (by_row.get(1, 0) + by_row.get(2, 0)
-                                      + request_framing(rendered), 2),
+                                      + request_framing(rendered)
+                                      + estimator.message(_LEADING_TURN), 2),
         PrefixClass.AGENT_INSTRUCTIONS: (by_row.get(3, 0), 1),
         PrefixClass.PERSONA: (by_row.get(4, 0), len(spec.persona.entries)),
         PrefixClass.TOOL_DEFINITIONS: (sum(tool_cost(t, estimator) for t in spec.tools),

@@ -29,6 +29,7 @@ from context_engine.domain.provider_formats import (
 )
 from context_engine.domain.provider_formats import OPENAI_RESPONSES as OPENAI_RESPONSES
 from context_engine.domain.provider_formats import provider_tool_name as provider_tool_name
+from context_engine.domain.request import LEADING_USER_TEXT as LEADING_USER_TEXT
 from context_engine.domain.request import Message
 
 JSON = dict[str, Any]
@@ -38,10 +39,6 @@ PROVIDER_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_BREAKPOINTS = 4  # Anthropic, and Bedrock's cache checkpoints: a fifth is a 400
 LONG_TTL = "1h"
 TTL_RANK = {"1h": 2, "5m": 1}
-# Anthropic's, Gemini's and Bedrock's first message must be a user turn. When the retained
-# history starts with the model's own turn (a history cut without a summary yet), this fixed
-# platform line opens it.
-LEADING_USER_TEXT = "(Earlier conversation omitted.)"
 
 
 class ProviderFormatError(InvalidInput):

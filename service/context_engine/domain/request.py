@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 from context_engine.domain.trust import TrustLevel
 
+# Anthropic's, Gemini's and Bedrock's first message must be a user turn. When the retained
+# history starts with the model's own turn (a history cut without a summary yet), this fixed
+# platform line opens it (provider_common ``Turns.lead``); every Build's estimate counts it.
+LEADING_USER_TEXT = "(Earlier conversation omitted.)"
+
 
 class Role(enum.Enum):
     USER = "user"
