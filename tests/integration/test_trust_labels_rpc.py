@@ -108,8 +108,10 @@ def test_labels_of_working_state_entries_survive_update_carry_compact_and_build(
         P.check_labels(text, canaries)
 
     first = compact(stub, tenant, session, "k1", repro(), working_state=carried).summary
-    # the objective and the question reached the narrative: it carries their lowest label
-    assert "CANARY-OBJ" in first.text and first.trust == untrusted
+    # nothing below USER reaches the summarizer: the objective and the question stay in the
+    # working state at their labels, and the narrative is written from USER content alone
+    assert "CANARY-OBJ" not in first.text and "CANARY-Q" not in first.text
+    assert "CANARY-U0" in first.text and first.trust == pb.TRUST_LEVEL_USER
     assert list(first.constraints) == ["Pay by card CANARY-CON", "No refunds CANARY-USERCON"]
     assert list(first.constraint_trust) == [untrusted, pb.TRUST_LEVEL_USER]
     later = [
@@ -118,12 +120,18 @@ def test_labels_of_working_state_entries_survive_update_carry_compact_and_build(
         item("a1", 4, run="run-1", assistant=pb.AssistantMessage(text="Sure.")),
         item("now2", 5, run="run-2", user=pb.UserMessage(text="Go on."))]
     canaries["CANARY-U1"] = "user"
+    # a narrative below USER (one written before that rule, say) is not the summarizer's to
+    # merge: it is carried as it is, and the merged narrative takes its label
+    legacy = pb.Summary()
+    legacy.CopyFrom(first)
+    legacy.trust = untrusted
     merged_resp = stub.Compact(pb.CompactRequest(
         tenant_id=tenant, session_id=session, idempotency_key="k2", reason="budget_pressure",
         tokens_to_free=1_000_000, checkpoint=pb.Checkpoint(
-            active_run_id="run-2", items=later, summary=first, working_state=carried)))
+            active_run_id="run-2", items=later, summary=legacy, working_state=carried)))
     merged = merged_resp.summary
     assert merged.depth == 2 and merged.trust == untrusted  # the prior narrative's label
+    assert merged.text.startswith("Earlier:\n" + first.text.split("\n", 1)[0])
     out = stub.Build(pb.BuildRequest(tenant_id=tenant, session_id=session, checkpoint=pb.Checkpoint(
         active_run_id="run-2", items=later, summary=merged, working_state=carried)))
     for _, text in rendered(out):

@@ -129,6 +129,29 @@ def test_every_problem_is_reported_at_once() -> None:
                        "checkpoint.items[2].tool_calls"]
 
 
+def test_a_negative_sequence_is_refused_on_the_pure_path_too() -> None:
+    v = violations([f.user("u1", "a", -1), f.user("u2", "b", 0)])
+    assert list(v) == ["checkpoint.items[0].sequence"]
+    validate_checkpoint(f.checkpoint([f.user("u1", "a", 0), f.user("u2", "b", 0)]))
+
+
+def test_a_working_state_over_its_caps_is_refused_by_the_pure_build() -> None:
+    """The pure build() refuses what the served one does: a checkpoint's working state over a
+    cap of the spec, or naming a task twice."""
+    from context_engine.domain.items import WorkingState, WorkingTask
+
+    lp = f.loaded()
+    over = WorkingState(constraints=tuple(f"c{i}" for i in range(21)), tasks=(
+        WorkingTask(id="t", title="a", state="open"), WorkingTask(id="t", title="b",
+                                                                 state="open")))
+    with pytest.raises(InvalidInput) as exc:
+        f.run_build(lp, f.checkpoint([f.user("u1", "go", 1)], working_state=over))
+    assert [v.field for v in exc.value.violations] == [
+        "checkpoint.working_state.constraints", "checkpoint.working_state.tasks[1]"]
+    at_caps = WorkingState(constraints=tuple(f"c{i}" for i in range(20)))
+    f.run_build(lp, f.checkpoint([f.user("u1", "go", 1)], working_state=at_caps))
+
+
 def test_build_rejects_a_malformed_checkpoint() -> None:
     lp = f.loaded()
     with pytest.raises(InvalidInput) as exc:

@@ -400,10 +400,10 @@ def test_failures_of_a_valid_call_tell_the_model_what_to_do() -> None:
     over = wst.for_the_model(BudgetExceeded("working_state", 1204, 1000), FIELD)
     assert "would need 1,204 tokens, over the block's ceiling of 1,000" in over.tool_result
     untitled = wst.for_the_model(InvalidInput.one("transition.update.upsert_tasks[0].title",
-                                                  "a new task ('t9') needs a title"), FIELD)
+                                                  "a new task needs a title"), FIELD)
     assert isinstance(untitled, InvalidInput)
     assert [v.field for v in untitled.violations] == [f"{ARGS}.upsert_tasks[0].title"]
-    assert "- upsert_tasks[0].title: a new task ('t9') needs a title" in untitled.tool_result
+    assert "- upsert_tasks[0].title: a new task needs a title" in untitled.tool_result
     assert untitled.tool_result.endswith(wst.input_schema_json())
     # a failure that is not the model's to act on carries no tool result
     assert wst.for_the_model(BudgetExceeded("skill_bodies", 9, 1), FIELD).tool_result == ""
@@ -494,6 +494,21 @@ def test_carry_maps_an_invalid_logged_call_to_a_refused_event() -> None:
     assert isinstance(second, RefusedCall)
     assert [v.field for v in second.violations] == [
         "events[1].transition.tool_call.arguments_json"]
+
+
+def test_a_logged_call_holding_a_name_twice_is_carried_as_it_was_applied() -> None:
+    """A release that took a name's last value applied such a call when it was made: carried,
+    it is applied again the same way (its constraints never drop), though a call made now is
+    refused."""
+    args = '{"add_constraints":["economy class only"],"next_action":"search","next_action":"book"}'
+    cmd = mapping.carry_command(pb.CarryWorkingStateRequest(
+        tenant_id="t", session_id="s", seed_event_sequence=9, events=[
+            pb.WorkingStateEvent(sequence=3, run_id="r", transition=raw(args))]))
+    (event,) = cmd.events
+    assert event.transition == Update(add_constraints=("economy class only",), next_action="book")
+    with pytest.raises(InvalidInput) as err:
+        mapping.update_working_state_command(update_request(raw(args)))
+    assert [v.field for v in err.value.violations] == [f"{ARGS}_json"]
 
 
 def test_an_agent_can_omit_the_tool() -> None:

@@ -187,16 +187,18 @@ describe("context-engine over gRPC", { skip: target ? false :
     assert.deepEqual(applied.state?.constraints, ["rail only"]);
     assert.equal(applied.change?.transition, "update");
     assert.match(applied.toolResult,
-      /^Working state updated: objective set; tasks updated: t1\. The block is \d+ of 1,000/);
+      /^Working state updated: objective set; 1 task updated\. The block is \d+ of 1,000/);
 
-    // The model cannot remove a constraint: the field does not exist, and it is told so.
+    // The model cannot remove a constraint: the field does not exist, and it is told so (the
+    // name it wrote is not repeated to it: the schema after the errors names the fields).
     await assert.rejects(client.updateWorkingState(request(
       JSON.stringify({ remove_constraints: ["rail only"] }))), (err: unknown) => {
       assert.ok(err instanceof ContextEngineError);
       assert.equal(err.code, GrpcStatus.INVALID_ARGUMENT);
       assert.deepEqual(err.violations.map((v) => v.field),
-        ["transition.tool_call.arguments.remove_constraints"]);
-      assert.match(err.toolResult, /- remove_constraints: is not a field of this tool\n/);
+        ["transition.tool_call.arguments_json"]);
+      assert.match(err.toolResult, /- arguments: holds an argument that is not a field of this tool\n/);
+      assert.ok(!err.toolResult.split("\n").slice(0, -1).join("\n").includes("remove_constraints"));
       const schema = JSON.parse(err.toolResult.slice(err.toolResult.lastIndexOf("\n") + 1)) as
         { additionalProperties: boolean };
       assert.equal(schema.additionalProperties, false);

@@ -244,6 +244,8 @@ def _tool(v: Violations, field: str, t: pb.ToolSpec) -> ToolSpec:
     elif schema.get("type") != "object":
         v.add(f"{field}.input_schema_json",
               'must describe an object ("type": "object"): providers take tool input as one')
+    if _bad_reference(t.server):  # an envelope's attribute in the tool index (row 6)
+        v.add(f"{field}.server", _REFERENCE_RULE)
     effect = SIDE_EFFECT_FROM_PB.get(t.side_effect)
     if effect is None:
         v.add(f"{field}.side_effect", f"unknown side effect {t.side_effect}"
@@ -316,11 +318,11 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
     tools = tuple(_tool(v, f"tool_catalog[{i}]", t) for i, t in enumerate(req.tool_catalog))
     v.unique("tool_catalog", (t.name for t in req.tool_catalog), "tool name")
     # providers accept [A-Za-z0-9_-] only, Gemini a letter or "_" first: a name that maps to
-    # one too long, or two that map to one, would leave every Build of the plan unrenderable
-    # in the formats that send them so
+    # one too long, or two that map to one (the control tools the service defines included),
+    # would leave every Build of the plan unrenderable in the formats that send them so
     for provider, sent, taken in (("a provider", provider_tool_name, PROVIDER_TOOL_NAME),
                                   ("Gemini", gemini_tool_name, GEMINI_TOOL_NAME)):
-        mapped: dict[str, str] = {}
+        mapped = {sent(name): name for name in sorted(CONTROL_TOOLS)}
         for i, t in enumerate(req.tool_catalog):
             if not TOOL_NAME.fullmatch(t.name):
                 continue  # refused for itself
@@ -405,6 +407,8 @@ def _snapshot(v: Violations, field: str, snap: pb.MemorySnapshot) -> MemorySnaps
     v.unique(f"{field}.items", (i.id for i in snap.items), "memory item id")
     if snap.watermark < 0:
         v.add(f"{field}.watermark", "must not be negative")
+    if _bad_reference(snap.snapshot_id):  # the snapshot envelope's id (row 8)
+        v.add(f"{field}.snapshot_id", _REFERENCE_RULE)
     return MemorySnapshot(snapshot_id=snap.snapshot_id, recall_trace_id=snap.recall_trace_id,
                           watermark=snap.watermark,
                           items=tuple(MemoryItem(id=i.id, text=i.text) for i in snap.items))
@@ -588,6 +592,11 @@ def checkpoint(v: Violations, cp: pb.Checkpoint, *, memo: MutableMapping[Any, An
         trust=v.trust(f"checkpoint.knowledge[{i}].trust", p.trust))
         for i, p in enumerate(cp.knowledge))
     v.unique("checkpoint.knowledge", (p.id for p in cp.knowledge), "passage id")
+    for i, p in enumerate(cp.knowledge):  # its envelope's attributes (row 12)
+        if _bad_reference(p.id):
+            v.add(f"checkpoint.knowledge[{i}].id", _REFERENCE_RULE)
+        if _bad_reference(p.source):
+            v.add(f"checkpoint.knowledge[{i}].source", _REFERENCE_RULE)
     summary = history_summary(v, "checkpoint.summary", cp.summary) if cp.HasField(
         "summary") else None
     runtime = cp.runtime
@@ -631,17 +640,6 @@ def working_state(v: Violations, field: str, ws: pb.WorkingState) -> WorkingStat
     if ws.question_origins and len(ws.question_origins) != len(ws.open_questions):
         v.add(f"{field}.question_origins", f"has {len(ws.question_origins)} entries for "
               f"{len(ws.open_questions)} open questions; one per question or none")
-    # within the spec's caps, as every state the service writes is: an over-cap state would
-    # render more than a working state holds (Build, Compact's summary) and make every later
-    # transition fail for a reason the transition did not cause (UpdateWorkingState)
-    for name, count, cap in (
-            ("constraints", len(ws.constraints), ws_rules.MAX_CONSTRAINTS),
-            ("tasks", sum(t.state != "completed" for t in ws.tasks), ws_rules.MAX_OPEN_TASKS),
-            ("facts", len(ws.facts), ws_rules.MAX_FACTS),
-            ("open_questions", len(ws.open_questions), ws_rules.MAX_OPEN_QUESTIONS)):
-        if count > cap:
-            v.add(f"{field}.{name}", f"holds {count}, over the cap of {cap}")
-    v.unique(f"{field}.tasks", (t.id for t in ws.tasks), "task id")
     return WorkingState(
         objective=ws.objective, constraints=tuple(ws.constraints),
         tasks=tuple(WorkingTask(id=t.id, title=t.title, state=t.state, sequence=t.sequence,
@@ -749,24 +747,28 @@ def _update(v: Violations, field: str, u: pb.WorkingStateUpdate) -> Update:
                   trust=v.label(f"{field}.trust", u.trust))
 
 
-def _tool_call(v: Violations, field: str, c: pb.WorkingStateToolCall) -> Update | RefusedCall:
+def _tool_call(v: Violations, field: str, c: pb.WorkingStateToolCall, *,
+               replay: bool = False) -> Update | RefusedCall:
     """The model's raw call. What the runtime states about it (call id, name, label) is checked
     here; the arguments are the model's, and invalid ones are a refused call: violations with
-    a tool result in UpdateWorkingState, a skipped event when carried."""
+    a tool result in UpdateWorkingState, a skipped event when carried. ``replay``: a logged
+    call carried, read as it was when made (see ``parse_arguments``)."""
     v.identifier(f"{field}.call_id", c.call_id)
     if c.name not in working_state_tool.NAMES:
         v.add(f"{field}.name", f"{c.name[:80]!r} is not {' or '.join(working_state_tool.NAMES)}")
     trust = v.label(f"{field}.trust", c.trust)
-    parsed = working_state_tool.parse_arguments(c.arguments_json, trust=trust, field=field)
+    parsed = working_state_tool.parse_arguments(c.arguments_json, trust=trust, field=field,
+                                                replay=replay)
     return parsed if isinstance(parsed, Update) else RefusedCall(violations=tuple(parsed))
 
 
-def transition(v: Violations, field: str, t: pb.WorkingStateTransition) -> Transition | None:
+def transition(v: Violations, field: str, t: pb.WorkingStateTransition, *,
+               replay: bool = False) -> Transition | None:
     kind = t.WhichOneof("kind")
     if kind == "update":
         return _update(v, f"{field}.update", t.update)
     if kind == "tool_call":
-        return _tool_call(v, f"{field}.tool_call", t.tool_call)
+        return _tool_call(v, f"{field}.tool_call", t.tool_call, replay=replay)
     if kind == "remove_constraint":
         r = t.remove_constraint
         _text(v, f"{field}.remove_constraint.constraint", r.constraint)
@@ -815,6 +817,7 @@ def update_working_state_command(req: pb.UpdateWorkingStateRequest) -> WorkingSt
     if req.sequence <= 0:
         v.add("sequence", "must be the positive session event sequence of the transition")
     current = working_state(v, "current", req.current)
+    v.items.extend(ws_rules.state_violations(current, "current"))  # (a checkpoint's: the scan)
     found = transition(v, "transition", req.transition)
     if isinstance(found, RefusedCall):
         v.items.extend(found.violations)
@@ -845,7 +848,7 @@ def carry_command(req: pb.CarryWorkingStateRequest) -> CarryCommand:
         if e.sequence <= 0:
             v.add(f"{where}.sequence", "must be a positive session event sequence")
         v.identifier(f"{where}.run_id", e.run_id)
-        found = transition(v, f"{where}.transition", e.transition)
+        found = transition(v, f"{where}.transition", e.transition, replay=True)
         if found is not None:
             events.append(LogEvent(sequence=e.sequence, run_id=e.run_id, transition=found))
     v.unique("events", (str(e.sequence) for e in req.events), "event sequence")

@@ -202,6 +202,15 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             # the plan can be read once the session and the epoch are valid (a refused
             # base_items_kept does not stop it: the loaded skills are checked against it)
             readable = not v.items
+            # what the request alone decides is checked before its base is looked up: a
+            # base not held here is BUILD_BASE_UNKNOWN only for a request a resend would not
+            # have refused for it
+            factor = None
+            if request.HasField("estimator_factor"):
+                factor = request.estimator_factor
+                if not 0.5 <= factor <= 4.0:
+                    v.add("estimator_factor", f"{factor} is outside [0.5, 4.0]")
+            provider_format = mapping.requested_provider_format(v, request.provider_format)
             base = None
             kept = request.base_items_kept
             placed = True  # whether the items sent have a place in the whole checkpoint
@@ -211,7 +220,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 base = self._engine.builds.peek(request.tenant_id, request.session_id,
                                                 request.base_build_id)
                 if base is None:
-                    v.raise_if_any()  # what to fix first: a resend would be refused for it
+                    v.raise_if_any()  # (the ids, the epoch, the factor, the format)
                     raise BuildBaseUnknown(request.base_build_id, "unknown here or evicted")
                 if kept > len(base.items):
                     v.add("base_items_kept", f"{kept} is more than the base's "
@@ -258,12 +267,6 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 resume = base.scan if base is not None and kept == len(base.items) else None
                 violations, scan = checkpoint_scan(checkpoint, resume=resume)
                 v.items.extend(violations if placed else _unplaced(violations))
-                factor = None
-                if request.HasField("estimator_factor"):
-                    factor = request.estimator_factor
-                    if not 0.5 <= factor <= 4.0:
-                        v.add("estimator_factor", f"{factor} is outside [0.5, 4.0]")
-                provider_format = mapping.requested_provider_format(v, request.provider_format)
                 if v.items and lookup is not None and checkpoint.loaded_skills:
                     # a refusal is the whole Build's: what the build would refuse of the
                     # loaded skills against the plan's catalog is reported with the rest

@@ -77,6 +77,7 @@ from context_engine.domain.plan import ContextPlan, PlanSpec, RenderedPrefix, re
 from context_engine.domain.prefixes import shared_prefix
 from context_engine.domain.request import Message, ModelRequest
 from context_engine.domain.trust import Region, TrustLevel
+from context_engine.domain.working_state import state_violations
 
 DEFAULT_POLICY = BudgetPolicy()
 POINTER = "builder:pointer"  # memo keys (session key, POINTER, result): the result's typed pointer
@@ -387,6 +388,7 @@ def checkpoint_scan(cp: Checkpoint, field: str = "checkpoint", *,
         if not skill.name:
             violations.append(FieldViolation(f"{field}.loaded_skills[{i}].name",
                                              "must not be empty"))
+    violations += state_violations(cp.working_state, f"{field}.working_state")
     return violations, scan
 
 

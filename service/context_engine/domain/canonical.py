@@ -197,21 +197,29 @@ def reasoning_texts(opaque: bytes) -> list[str]:
 
 
 # Texts already found to be JSON objects (the same tool-call arguments are checked on every
-# Build of a session): speed only. Bounded in entries and in the length of a text kept; a text
-# that is not an object is never kept, so it is parsed (and refused) every time.
+# whole Build of a session): speed only. Bounded in entries; a short text is kept as it is, a
+# longer one by its BLAKE2b digest (hashing 12 KB takes some microseconds, parsing it strictly
+# a few hundred); a text that is not an object is never kept, so it is parsed (and refused)
+# every time.
 KNOWN_OBJECTS_ENTRIES = 16_384
 KNOWN_OBJECT_CHARS = 1_024
-_known_objects: dict[str, None] = {}
+_known_objects: dict[str | bytes, None] = {}
+
+
+def _known_key(text: str) -> str | bytes:
+    if len(text) <= KNOWN_OBJECT_CHARS:
+        return text
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def is_json_object(text: str) -> bool:
-    """``json_object_problem(text) is None``, remembered for short texts that are."""
-    if text in _known_objects:
+    """``json_object_problem(text) is None``, remembered for texts that are."""
+    key = _known_key(text)
+    if key in _known_objects:
         return True
     if json_object_problem(text) is not None:
         return False
-    if len(text) <= KNOWN_OBJECT_CHARS:
-        if len(_known_objects) >= KNOWN_OBJECTS_ENTRIES:
-            _known_objects.clear()
-        _known_objects[text] = None
+    if len(_known_objects) >= KNOWN_OBJECTS_ENTRIES:
+        _known_objects.clear()
+    _known_objects[key] = None
     return True

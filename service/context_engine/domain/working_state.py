@@ -55,6 +55,26 @@ OUTCOME_STATES = {"started": "in_progress", "succeeded": "completed", "failed": 
 Measure = Callable[[WorkingState], int]
 
 
+def state_violations(state: WorkingState, field: str) -> list[FieldViolation]:
+    """What is wrong with a working state a caller holds (a checkpoint's, UpdateWorkingState's
+    current one): over a cap of the spec, as no state the service writes is (it would render
+    more than a working state holds, and make every later transition fail for a reason the
+    transition did not cause), or a task id twice."""
+    found = [FieldViolation(f"{field}.{name}", f"holds {count}, over the cap of {cap}")
+             for name, count, cap in (
+                 ("constraints", len(state.constraints), MAX_CONSTRAINTS),
+                 ("tasks", sum(t.state != "completed" for t in state.tasks), MAX_OPEN_TASKS),
+                 ("facts", len(state.facts), MAX_FACTS),
+                 ("open_questions", len(state.open_questions), MAX_OPEN_QUESTIONS))
+             if count > cap]
+    seen: set[str] = set()
+    for i, t in enumerate(state.tasks):
+        if t.id in seen:
+            found.append(FieldViolation(f"{field}.tasks[{i}]", f"duplicate task id {t.id!r}"))
+        seen.add(t.id)
+    return found
+
+
 # ---------------------------------------------------------------- transitions
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -282,7 +302,7 @@ class _Draft:
         else:
             if not task.title:
                 raise InvalidInput.one(f"transition.update.upsert_tasks[{index}].title",
-                                       f"a new task ({task.id!r}) needs a title")
+                                       "a new task needs a title")  # (the id: its path)
             self.tasks.append(WorkingTask(id=task.id, title=task.title, state=task.state,
                                           sequence=sequence, run_id=run_id, trust=trust))
         if task.id not in self.upserted:

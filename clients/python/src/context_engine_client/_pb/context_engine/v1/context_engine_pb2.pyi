@@ -2623,7 +2623,7 @@ class ReportUsageRequest(_message.Message):
     cached_tokens: _builtins.int
     output_tokens: _builtins.int
     idempotency_key: _builtins.str
-    """A retried report with the same key is counted once."""
+    """Required: a retried report with the same key is counted once."""
     def __init__(
         self,
         *,
@@ -3015,7 +3015,7 @@ class CompactRequest(_message.Message):
     history_cut_index); rounded down so a tool pair is never split.
     """
     reason: _builtins.str
-    """Why the runtime compacts (e.g. "budget_pressure"); recorded on the event."""
+    """Required: why the runtime compacts (e.g. "budget_pressure"); recorded on the event."""
     idempotency_key: _builtins.str
     """Required: a retried key returns the stored result and stores nothing new."""
     max_summary_tokens: _builtins.int
