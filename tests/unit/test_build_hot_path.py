@@ -588,6 +588,21 @@ def test_known_json_objects_are_what_json_loads_says_every_time() -> None:
                for k in canonical._known_objects)
 
 
+def test_long_json_objects_are_remembered_by_their_digest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arguments over KNOWN_OBJECT_CHARS are remembered too (a whole Build checks every call's
+    on every turn; a strict parse of 12 KB takes some hundred microseconds), by a 16-byte
+    digest rather than the text itself; one that is not an object never is."""
+    monkeypatch.setattr(canonical, "_known_objects", {})
+    text = '{"a": "' + "x" * (canonical.KNOWN_OBJECT_CHARS * 10) + '"}'
+    assert canonical.is_json_object(text)
+    assert canonical.is_json_object(text[:-1]) is False
+    (key,) = canonical._known_objects
+    assert isinstance(key, bytes) and len(key) == 16
+    monkeypatch.setattr(canonical, "json_object_problem", lambda *_, **__: "parsed again")
+    assert canonical.is_json_object(text)  # remembered: not parsed again
+
+
 def test_a_pointer_is_the_result_elided() -> None:
     item = ToolResultItem(id="r", sequence=3, run_id="run", item_trust=TrustLevel.USER,
                           call_id="c", tool_name="t", content="body", artifact_ref="art",
