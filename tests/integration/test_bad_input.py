@@ -129,6 +129,14 @@ def _result(call_id="k1"):
 
 
 UT = pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED
+
+
+def _arguments(args: str) -> tuple[list[pb.ConversationItem], str]:
+    """A case of a call whose arguments are ``args``, answered: refused at its arguments."""
+    return ([item("c", 1, tool_calls=_call(args=args)), item("r", 2, UT, tool_result=_result())],
+            "checkpoint.items[0].tool_calls.calls[0].arguments_json")
+
+
 BUILD_CASES = {
     "duplicate item ids": ([item("a", 1, user=pb.UserMessage(text="x")),
                             item("a", 2, user=pb.UserMessage(text="y"))], "checkpoint.items[1].id"),
@@ -142,12 +150,8 @@ BUILD_CASES = {
     "duplicate result": ([item("c", 1, tool_calls=_call()), item("r", 2, UT, tool_result=_result()),
                           item("r2", 3, UT, tool_result=_result())],
                          "checkpoint.items[2].tool_result.call_id"),
-    "arguments not an object": ([item("c", 1, tool_calls=_call(args="[]")),
-                                 item("r", 2, UT, tool_result=_result())],
-                                "checkpoint.items[0].tool_calls.calls[0].arguments_json"),
-    "arguments with a lone surrogate": ([item("c", 1, tool_calls=_call(args='{"url":"\\ud800"}')),
-                                         item("r", 2, UT, tool_result=_result())],
-                                        "checkpoint.items[0].tool_calls.calls[0].arguments_json"),
+    "arguments not an object": _arguments("[]"),
+    "arguments with a lone surrogate": _arguments('{"url":"\\ud800"}'),
     "unknown trust": ([item("u", 1, trust=9, user=pb.UserMessage(text="x"))],
                       "checkpoint.items[0].trust"),
     "unspecified trust": ([item("u", 1, trust=0, user=pb.UserMessage(text="x"))],
@@ -157,21 +161,10 @@ BUILD_CASES = {
     "negative sequence": ([item("a", -3, user=pb.UserMessage(text="x")),
                            item("b", 1, user=pb.UserMessage(text="y"))],
                           "checkpoint.items[0].sequence"),
-    "arguments with a name twice": ([item("c", 1, tool_calls=_call(args='{"url":"a","url":"b"}')),
-                                     item("r", 2, UT, tool_result=_result())],
-                                    "checkpoint.items[0].tool_calls.calls[0].arguments_json"),
-    "arguments with a nested name twice": (
-        [item("c", 1, tool_calls=_call(args='{"url":"a","q":[{"k":1,"k":1}]}')),
-         item("r", 2, UT, tool_result=_result())],
-        "checkpoint.items[0].tool_calls.calls[0].arguments_json"),
-    "arguments nested too deep": (
-        [item("c", 1, tool_calls=_call(args='{"url":"a","q":' + '{"q":' * 100 + "1" + "}" * 101)),
-         item("r", 2, UT, tool_result=_result())],
-        "checkpoint.items[0].tool_calls.calls[0].arguments_json"),
-    "arguments with a number beyond a float": (
-        [item("c", 1, tool_calls=_call(args='{"url":"a","n":1e400}')),
-         item("r", 2, UT, tool_result=_result())],
-        "checkpoint.items[0].tool_calls.calls[0].arguments_json"),
+    "arguments with a name twice": _arguments('{"url":"a","url":"b"}'),
+    "arguments with a nested name twice": _arguments('{"url":"a","q":[{"k":1,"k":1}]}'),
+    "arguments nested too deep": _arguments('{"url":"a","q":' + '{"q":' * 100 + "1" + "}" * 101),
+    "arguments with a number beyond a float": _arguments('{"url":"a","n":1e400}'),
     "sequence goes backwards": ([item("a", 5, user=pb.UserMessage(text="x")),
                                  item("b", 4, user=pb.UserMessage(text="y"))],
                                 "checkpoint.items[1].sequence"),
