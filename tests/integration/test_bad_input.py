@@ -493,7 +493,8 @@ def test_tool_names_and_schemas_at_the_limits_plan_and_build_in_every_format(stu
 ])
 def test_a_knowledge_passages_envelope_attributes_are_one_line(stub, ids, db, passage, field):
     """A passage's id and source are its envelope's attributes: a line break in one would put
-    a line of the caller's choosing inside the envelope's opening tag."""
+    a line of the caller's choosing inside the envelope's opening tag. A long one (a signed
+    document URL) is one line like any other."""
     tenant, session = ids
     stub.Plan(plan_request(tenant, session))
     before = db.counts(tenant)
@@ -501,3 +502,7 @@ def test_a_knowledge_passages_envelope_attributes_are_one_line(stub, ids, db, pa
         stub.Build(build_request(tenant, session, knowledge=[passage]))
     assert list(failure(err.value).violations) == [field]
     assert db.counts(tenant) == before
+    url = "https://docs.example.com/sites/" + "travel-policy-2026-" * 20 + ".pdf?sig=abc"
+    served = stub.Build(build_request(tenant, session, knowledge=[pb.KnowledgePassage(
+        id="k" * 300, source=url, text="Economy only.", trust=pb.TRUST_LEVEL_MEMORY)]))
+    assert url in served.provider_body_json

@@ -184,18 +184,24 @@ def test_an_event_id_beyond_int64_is_refused_and_writes_nothing(stub, ids, db):
 
 
 def test_the_largest_refusal_still_reaches_the_client_whole(stub, ids):
-    """Hundreds of long, non-ASCII unknown fields: the status (ErrorInfo, violations, tool
-    result with the whole schema) stays within what gRPC clients accept in trailers."""
+    """Hundreds of violations (every field of every entry wrong, and unknown fields of long,
+    non-ASCII names, named once an object): the status (ErrorInfo, violations, tool result
+    with the whole schema) stays within what gRPC clients accept in trailers."""
     tenant, session = ids
     stub.Plan(plan_request(tenant, session))
+    wrong = {f"{'ключ' * 100}{i}": "значение" * 50 for i in range(20)}
     with pytest.raises(grpc.RpcError) as err:
         stub.UpdateWorkingState(update(tenant, session, call(
-            {f"{'ключ' * 100}{i}": "значение" * 50 for i in range(400)})))
+            {"upsert_tasks": [{"id": 1, "title": True, "state": "x" * 300, **wrong}] * 30,
+             "add_facts": [{"statement": 5, "source_event_ids": ["a"], **wrong}] * 40,
+             **wrong})))
     f = failure(err.value)
-    assert f.code is grpc.StatusCode.INVALID_ARGUMENT and f.metadata["violations"] == "400"
-    assert 0 < len(f.violations) < 400
+    count = int(f.metadata["violations"])
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT and count > 200
+    assert 0 < len(f.violations) < count
     text = tool_result(err.value)
-    assert text.endswith(wst.input_schema_json()) and "- and 394 more" in text
+    assert text.endswith(wst.input_schema_json()) and f"- and {count - 6} more" in text
+    assert "ключ" not in text  # the names the model wrote: not repeated to it
 
 
 def test_a_valid_call_the_state_refuses_tells_the_model_why(stub, ids, db):

@@ -152,6 +152,17 @@ def test_a_working_state_over_its_caps_is_refused_by_the_pure_build() -> None:
     f.run_build(lp, f.checkpoint([f.user("u1", "go", 1)], working_state=at_caps))
 
 
+def test_a_knowledge_passages_attributes_are_one_line_on_the_pure_path_too() -> None:
+    from context_engine.domain.items import KnowledgePassage
+
+    passages = (KnowledgePassage(id="k\u2028x", source="docs", text="t", rank=1,
+                                 trust=TrustLevel.MEMORY),
+                KnowledgePassage(id="k2", source="a\rb", text="t", rank=2,
+                                 trust=TrustLevel.MEMORY))
+    v = violations([f.user("u1", "a", 1)], knowledge=passages)
+    assert list(v) == ["checkpoint.knowledge[0].id", "checkpoint.knowledge[1].source"]
+
+
 def test_build_rejects_a_malformed_checkpoint() -> None:
     lp = f.loaded()
     with pytest.raises(InvalidInput) as exc:

@@ -383,8 +383,9 @@ def refused_list(arguments: Any) -> list[FieldViolation]:
 
 def test_the_refusal_is_bounded_and_never_cuts_the_schema() -> None:
     """However many and however long the errors, the text fits the status's bound whole."""
-    key = "ключ" * 200
-    many = refused_list({f"{key}{i}": 1 for i in range(300)})
+    many = refused_list({"upsert_tasks": [{"id": 1, "title": True, "state": "x" * 300}] * 30,
+                         "add_facts": [{"statement": 5, "source_event_ids": ["a"]}] * 40})
+    assert len(many) > 100
     text = wst.refused(many, FIELD)
     assert len(text.encode()) <= MAX_TOOL_RESULT_BYTES
     assert text.endswith("\n" + wst.input_schema_json())
@@ -496,19 +497,26 @@ def test_carry_maps_an_invalid_logged_call_to_a_refused_event() -> None:
         "events[1].transition.tool_call.arguments_json"]
 
 
-def test_a_logged_call_holding_a_name_twice_is_carried_as_it_was_applied() -> None:
-    """A release that took a name's last value applied such a call when it was made: carried,
-    it is applied again the same way (its constraints never drop), though a call made now is
-    refused."""
+def test_a_logged_call_holding_a_name_twice_is_skipped_when_carried_as_it_was_refused() -> None:
+    """Carried, a call is read as UpdateWorkingState reads it now: one holding a name twice was
+    refused when made (the model was told nothing changed), so it changes nothing now."""
     args = '{"add_constraints":["economy class only"],"next_action":"search","next_action":"book"}'
     cmd = mapping.carry_command(pb.CarryWorkingStateRequest(
         tenant_id="t", session_id="s", seed_event_sequence=9, events=[
             pb.WorkingStateEvent(sequence=3, run_id="r", transition=raw(args))]))
     (event,) = cmd.events
-    assert event.transition == Update(add_constraints=("economy class only",), next_action="book")
+    assert isinstance(event.transition, RefusedCall)
     with pytest.raises(InvalidInput) as err:
         mapping.update_working_state_command(update_request(raw(args)))
     assert [v.field for v in err.value.violations] == [f"{ARGS}_json"]
+
+
+def test_two_unknown_arguments_of_one_object_are_one_violation() -> None:
+    got = parse({"objective": "x", "remove_constraints": ["a"], "drop_facts": True,
+                 "upsert_tasks": [{"id": "t", "state": "open", "a": 1, "b": 2}]})
+    assert isinstance(got, list)
+    assert sorted(v.field for v in got) == [f"{ARGS}.upsert_tasks[0]", f"{ARGS}_json"]
+    assert wst.refused(got, FIELD).count("holds an argument that is not a field") == 2
 
 
 def test_an_agent_can_omit_the_tool() -> None:

@@ -46,6 +46,7 @@ from context_engine.domain.envelope import plain_name
 from context_engine.domain.errors import FieldViolation, InvalidInput
 from context_engine.domain.estimator import ModelCatalog
 from context_engine.domain.items import (
+    ONE_LINE_RULE,
     AssistantMessageItem,
     ConversationItem,
     EntryOrigin,
@@ -59,6 +60,7 @@ from context_engine.domain.items import (
     WorkingFact,
     WorkingState,
     WorkingTask,
+    breaks_line,
     labels,
 )
 from context_engine.domain.model import (
@@ -244,8 +246,8 @@ def _tool(v: Violations, field: str, t: pb.ToolSpec) -> ToolSpec:
     elif schema.get("type") != "object":
         v.add(f"{field}.input_schema_json",
               'must describe an object ("type": "object"): providers take tool input as one')
-    if _bad_reference(t.server):  # an envelope's attribute in the tool index (row 6)
-        v.add(f"{field}.server", _REFERENCE_RULE)
+    if breaks_line(t.server):  # an envelope's attribute in the tool index (row 6)
+        v.add(f"{field}.server", ONE_LINE_RULE)
     effect = SIDE_EFFECT_FROM_PB.get(t.side_effect)
     if effect is None:
         v.add(f"{field}.side_effect", f"unknown side effect {t.side_effect}"
@@ -407,8 +409,8 @@ def _snapshot(v: Violations, field: str, snap: pb.MemorySnapshot) -> MemorySnaps
     v.unique(f"{field}.items", (i.id for i in snap.items), "memory item id")
     if snap.watermark < 0:
         v.add(f"{field}.watermark", "must not be negative")
-    if _bad_reference(snap.snapshot_id):  # the snapshot envelope's id (row 8)
-        v.add(f"{field}.snapshot_id", _REFERENCE_RULE)
+    if breaks_line(snap.snapshot_id):  # the snapshot envelope's id (row 8)
+        v.add(f"{field}.snapshot_id", ONE_LINE_RULE)
     return MemorySnapshot(snapshot_id=snap.snapshot_id, recall_trace_id=snap.recall_trace_id,
                           watermark=snap.watermark,
                           items=tuple(MemoryItem(id=i.id, text=i.text) for i in snap.items))
@@ -460,7 +462,6 @@ _ITEM_TRUST = {ceiling: {value: level for value, level in TRUST_FROM_PB.items()
                for ceiling in (TrustLevel.USER, TrustLevel.TRUSTED_CONFIGURATION)}
 
 
-_NOT_ONE_LINE = frozenset(("Cc", "Cf", "Zl", "Zp"))
 
 
 def _bad_reference(value: str) -> bool:
@@ -469,10 +470,7 @@ def _bad_reference(value: str) -> bool:
     words): a control character (C0, DEL, C1 such as NEL), a format character (bidi controls,
     zero-width ones) or a line or paragraph separator. Printable ASCII has none, so only other
     text is searched. Checkpoint items are checked with it inline."""
-    if len(value) > MAX_ID_LENGTH:
-        return True
-    return not (value.isascii() and value.isprintable()) and any(
-        unicodedata.category(c) in _NOT_ONE_LINE for c in value)
+    return len(value) > MAX_ID_LENGTH or breaks_line(value)
 
 
 def _item(v: Violations, field: str, it: pb.ConversationItem) -> ConversationItem:
@@ -592,11 +590,6 @@ def checkpoint(v: Violations, cp: pb.Checkpoint, *, memo: MutableMapping[Any, An
         trust=v.trust(f"checkpoint.knowledge[{i}].trust", p.trust))
         for i, p in enumerate(cp.knowledge))
     v.unique("checkpoint.knowledge", (p.id for p in cp.knowledge), "passage id")
-    for i, p in enumerate(cp.knowledge):  # its envelope's attributes (row 12)
-        if _bad_reference(p.id):
-            v.add(f"checkpoint.knowledge[{i}].id", _REFERENCE_RULE)
-        if _bad_reference(p.source):
-            v.add(f"checkpoint.knowledge[{i}].source", _REFERENCE_RULE)
     summary = history_summary(v, "checkpoint.summary", cp.summary) if cp.HasField(
         "summary") else None
     runtime = cp.runtime
@@ -747,28 +740,24 @@ def _update(v: Violations, field: str, u: pb.WorkingStateUpdate) -> Update:
                   trust=v.label(f"{field}.trust", u.trust))
 
 
-def _tool_call(v: Violations, field: str, c: pb.WorkingStateToolCall, *,
-               replay: bool = False) -> Update | RefusedCall:
+def _tool_call(v: Violations, field: str, c: pb.WorkingStateToolCall) -> Update | RefusedCall:
     """The model's raw call. What the runtime states about it (call id, name, label) is checked
     here; the arguments are the model's, and invalid ones are a refused call: violations with
-    a tool result in UpdateWorkingState, a skipped event when carried. ``replay``: a logged
-    call carried, read as it was when made (see ``parse_arguments``)."""
+    a tool result in UpdateWorkingState, a skipped event when carried."""
     v.identifier(f"{field}.call_id", c.call_id)
     if c.name not in working_state_tool.NAMES:
         v.add(f"{field}.name", f"{c.name[:80]!r} is not {' or '.join(working_state_tool.NAMES)}")
     trust = v.label(f"{field}.trust", c.trust)
-    parsed = working_state_tool.parse_arguments(c.arguments_json, trust=trust, field=field,
-                                                replay=replay)
+    parsed = working_state_tool.parse_arguments(c.arguments_json, trust=trust, field=field)
     return parsed if isinstance(parsed, Update) else RefusedCall(violations=tuple(parsed))
 
 
-def transition(v: Violations, field: str, t: pb.WorkingStateTransition, *,
-               replay: bool = False) -> Transition | None:
+def transition(v: Violations, field: str, t: pb.WorkingStateTransition) -> Transition | None:
     kind = t.WhichOneof("kind")
     if kind == "update":
         return _update(v, f"{field}.update", t.update)
     if kind == "tool_call":
-        return _tool_call(v, f"{field}.tool_call", t.tool_call, replay=replay)
+        return _tool_call(v, f"{field}.tool_call", t.tool_call)
     if kind == "remove_constraint":
         r = t.remove_constraint
         _text(v, f"{field}.remove_constraint.constraint", r.constraint)
@@ -848,7 +837,7 @@ def carry_command(req: pb.CarryWorkingStateRequest) -> CarryCommand:
         if e.sequence <= 0:
             v.add(f"{where}.sequence", "must be a positive session event sequence")
         v.identifier(f"{where}.run_id", e.run_id)
-        found = transition(v, f"{where}.transition", e.transition, replay=True)
+        found = transition(v, f"{where}.transition", e.transition)
         if found is not None:
             events.append(LogEvent(sequence=e.sequence, run_id=e.run_id, transition=found))
     v.unique("events", (str(e.sequence) for e in req.events), "event sequence")

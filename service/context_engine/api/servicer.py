@@ -203,8 +203,9 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             # base_items_kept does not stop it: the loaded skills are checked against it)
             readable = not v.items
             # what the request alone decides is checked before its base is looked up: a
-            # base not held here is BUILD_BASE_UNKNOWN only for a request a resend would not
-            # have refused for it
+            # base not held here is not BUILD_BASE_UNKNOWN for a request a resend would be
+            # refused for on its own fields (a factor under the plan's floor, which needs the
+            # plan read, and the checkpoint's own items are judged with the resend)
             factor = None
             if request.HasField("estimator_factor"):
                 factor = request.estimator_factor

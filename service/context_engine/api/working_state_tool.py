@@ -232,23 +232,22 @@ def _violations(error: ValidationError, field: str) -> list[FieldViolation]:
             loc = loc[:-1]
             message = "holds an argument that is not a field of this tool"
         where = f"{field}.arguments{_path(loc)}" if loc else f"{field}.arguments_json"
-        out.append(FieldViolation(where, message))
+        found = FieldViolation(where, message)
+        if found not in out:  # (two unknown arguments of one object: one line)
+            out.append(found)
     return out
 
 
-def parse_arguments(arguments_json: str, *, trust: TrustLevel, field: str,
-                    replay: bool = False) -> Update | list[FieldViolation]:
+def parse_arguments(arguments_json: str, *, trust: TrustLevel,
+                    field: str) -> Update | list[FieldViolation]:
     """The call's arguments as an ``Update`` labelled ``trust`` (a fact's own label can only
-    lower it), or every violation, at ``{field}.arguments...`` paths. ``replay``: a logged call
-    carried into a new run, read as it was when made: a name given twice (refused now, applied
-    by a release that took its last value) is read as that release read it, so a call applied
-    when made is applied again."""
+    lower it), or every violation, at ``{field}.arguments...`` paths."""
     try:
         call = UpdateWorkingStateInput.model_validate_json(arguments_json)
     except ValidationError as error:
         return _violations(error, field)
     # a name twice (read as its last by the parse above), say; the name itself is not repeated
-    problem = None if replay else json_object_problem(arguments_json, quote=False)
+    problem = json_object_problem(arguments_json, quote=False)
     if problem is not None:
         return [FieldViolation(f"{field}.arguments_json", problem)]
     seen: set[str] = set()

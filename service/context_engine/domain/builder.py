@@ -50,6 +50,7 @@ from context_engine.domain.estimator import (
 from context_engine.domain.excerpts import normalize_tool_result
 from context_engine.domain.history import Units, floor_index, trailing_start, units_of
 from context_engine.domain.items import (
+    ONE_LINE_RULE,
     ContextItem,
     ConversationItem,
     CorrectionItem,
@@ -69,6 +70,7 @@ from context_engine.domain.items import (
     WorkingState,
     WorkingStateItem,
     assemble,
+    breaks_line,
     declaration,
 )
 from context_engine.domain.model import SkillCatalogEntry
@@ -389,6 +391,11 @@ def checkpoint_scan(cp: Checkpoint, field: str = "checkpoint", *,
             violations.append(FieldViolation(f"{field}.loaded_skills[{i}].name",
                                              "must not be empty"))
     violations += state_violations(cp.working_state, f"{field}.working_state")
+    for i, passage in enumerate(cp.knowledge):  # its envelope's attributes (row 12)
+        for name in ("id", "source"):
+            if breaks_line(getattr(passage, name)):
+                violations.append(FieldViolation(f"{field}.knowledge[{i}].{name}",
+                                                 ONE_LINE_RULE))
     return violations, scan
 
 

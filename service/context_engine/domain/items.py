@@ -8,6 +8,7 @@ so a type that forgets its declaration fails at assembly (``assemble``), never b
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -27,6 +28,22 @@ from context_engine.domain.trust import Region, TrustLevel, lowest
 _UNDECLARED = object()
 # every character str.splitlines() breaks at, and the other C0 and C1 controls
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+# categories of the characters that break or hide part of a line: controls (C0, DEL, C1 such
+# as NEL), format characters (bidi controls, zero-width ones), line and paragraph separators
+_NOT_ONE_LINE = frozenset(("Cc", "Cf", "Zl", "Zp"))
+
+
+ONE_LINE_RULE = ("must be one line, without control, format or separator characters: it is "
+                 "an envelope's attribute")
+
+
+def breaks_line(text: str) -> bool:
+    """Whether ``text`` holds a character that breaks or hides part of a line (printable ASCII
+    holds none, so only other text is searched)."""
+    return not (text.isascii() and text.isprintable()) and any(
+        unicodedata.category(c) in _NOT_ONE_LINE for c in text)
 
 
 def one_line(text: str) -> str:

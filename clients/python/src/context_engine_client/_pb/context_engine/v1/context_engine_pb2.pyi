@@ -1824,7 +1824,9 @@ class Summary(_message.Message):
     TRUST_FIELD_NUMBER: _builtins.int
     CONSTRAINT_TRUST_FIELD_NUMBER: _builtins.int
     text: _builtins.str
-    """The narrative, written by the summarizer from the replaced conversation."""
+    """The narrative, written by the summarizer from the replaced conversation's content at USER
+    (an earlier narrative below USER is carried as it is ahead of it).
+    """
     replaced_through_sequence: _builtins.int
     """Items at or below this event sequence are represented by the summary and never retained."""
     depth: _builtins.int
@@ -2763,7 +2765,7 @@ class UpdateWorkingStateRequest(_message.Message):
     sequence: _builtins.int
     """The session event sequence of the transition: the age stamp of what it writes."""
     estimator_factor: _builtins.float
-    """Checked like Build's. The 1,000-token ceiling is measured without the correction factor,
+    """Within [0.5, 4.0], as Build's. The 1,000-token ceiling is measured without the correction factor,
     as Build measures it, so a state accepted here always builds.
     """
     @_builtins.property
