@@ -68,8 +68,10 @@ working_states = st.one_of(
         pb.WorkingState,
         objective=texts(1),
         constraints=st.lists(texts(1), max_size=2),
+        # a task id once (a state naming one twice is refused, as no state the service writes)
         tasks=st.lists(st.builds(pb.WorkingTask, id=ids_, title=texts(1),
-                                 state=st.sampled_from(TASK_STATES)), max_size=2),
+                                 state=st.sampled_from(TASK_STATES)), max_size=2,
+                       unique_by=lambda t: t.id),
         facts=st.lists(st.builds(pb.WorkingFact, statement=texts(1),
                                  source_event_ids=st.lists(st.integers(1, 10**6), max_size=3),
                                  trust=labels), max_size=2),
