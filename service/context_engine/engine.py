@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -96,6 +96,13 @@ from context_engine.domain.ports import (
     SessionEraser,
     check_stored,
 )
+from context_engine.domain.provider_common import PROVIDER_TOOL_NAME
+from context_engine.domain.provider_formats import (
+    GEMINI_GENERATE_CONTENT,
+    gemini_tool_name,
+    provider_tool_name,
+)
+from context_engine.domain.provider_gemini import GEMINI_TOOL_NAME
 from context_engine.domain.working_state import (
     Carried,
     Changes,
@@ -364,6 +371,46 @@ def snapshot_fence_key(session_id: str, epoch: int, run_id: str) -> str:
     return "sha256:" + canonical_sha256([session_id, epoch, run_id])
 
 
+def sent_name_violations(names: Sequence[str], provider_format: str,
+                         catalog: Sequence[ToolSpec]) -> list[FieldViolation]:
+    """What a drafted plan's tool definitions (``names``, control tools included) break when
+    sent in ``provider_format``, the model's own: a name over the 64 characters the provider
+    takes once mapped (dots as "__"; Gemini's "_" before a leading digit, "-" or "."), or two
+    names that map to one. Every Build of the plan in that format would be unrenderable; a
+    Build asking another format is judged when it asks (PROVIDER_FORMAT_UNRENDERABLE)."""
+    if not provider_format:
+        return []
+    gemini = provider_format == GEMINI_GENERATE_CONTENT
+    sent, taken = ((gemini_tool_name, GEMINI_TOOL_NAME) if gemini
+                   else (provider_tool_name, PROVIDER_TOOL_NAME))
+    where = {t.name: i for i, t in enumerate(catalog)}
+    # the service's own tools first: a catalog name colliding with one is the one named
+    ordered = sorted(names, key=lambda n: (n in where, where.get(n, 0)))
+    mapped: dict[str, str] = {}
+    found = []
+    for name in ordered:
+        theirs = sent(name)
+        other = mapped.setdefault(theirs, name)
+        field = f"tool_catalog[{where[name]}].name" if name in where else "tool_catalog"
+        if other != name:
+            found.append(FieldViolation(field, f"{name!r} and {other!r} are the same tool name "
+                                        f"to {provider_format} ({theirs!r})"))
+        elif not taken.fullmatch(theirs):
+            found.append(FieldViolation(field, f"{name!r} is sent to {provider_format} as "
+                                        f"{theirs!r}, {len(theirs)} characters: over the 64 it "
+                                        "takes"))
+    return found
+
+
+def factor_floor(spec: PlanSpec) -> float:
+    """The plan's ``least_factor``: an approximation of the model's own count (Claude's and
+    Gemini's cl100k_base x 1.3) never below the encoding's own count; a fallback encoding
+    (another model's tokenizer standing in, times 1.1), which the model's own may count well
+    below, keeps the general floor."""
+    own = spec.encoding == spec.model.encoding
+    return least_factor(prefix_exact(spec), spec.estimator_factor if own else 0.0)
+
+
 def _epoch_of(plan: ContextPlan | None) -> tuple[int, int] | None:
     """Which epoch of which incarnation ``plan`` is (None: no session)."""
     return None if plan is None else (plan.epoch, plan.incarnation)
@@ -500,6 +547,12 @@ class Engine:
             require_history_floor(budget, model_id=profile.model_id,
                                   window=profile.context_window,
                                   prefix_tokens=draft.prefix_tokens, policy=self.policy)
+            # a definition the model's own format cannot send: refused now, not every Build
+            unsendable = sent_name_violations(draft.spec.tool_names,
+                                              self._catalog.default_format(profile.model_id),
+                                              cmd.tool_catalog)
+            if unsendable:
+                raise InvalidInput(unsendable)
             return draft
 
         drafts = [draft_for(current)]
@@ -776,7 +829,7 @@ class Engine:
         """The model's reconciled factor, never below the plan's ``least_factor`` (a factor
         stored lower, or reconciled for a plan counted another way, is raised to it)."""
         return max(await self._reconciled_factor(tenant_id, spec),
-                   least_factor(prefix_exact(spec), spec.estimator_factor))
+                   factor_floor(spec))
 
     async def _reconciled_factor(self, tenant_id: str, spec: PlanSpec) -> float:
         """The model's reconciled factor (shared in PostgreSQL), cached for a few seconds;
@@ -802,7 +855,7 @@ class Engine:
         with another encoding times a base factor, one under its inverse counts less than
         that encoding does."""
         exact = prefix_exact(spec)
-        floor = least_factor(exact, spec.estimator_factor)
+        floor = factor_floor(spec)
         if factor < floor:
             why = ("whose own tokenizer counts the request" if exact else
                    f"counted as {spec.encoding} x {spec.estimator_factor:g}, which a lower "
@@ -1013,7 +1066,7 @@ class Engine:
                              estimated=report.estimated_input_tokens,
                              actual=report.input_tokens, factor_used=report.estimator_factor,
                              fixed=fixed,
-                             floor=least_factor(prefix_exact(spec), spec.estimator_factor))
+                             floor=factor_floor(spec))
 
         # The request as sent (epoch 0 is "current"), not the epoch it resolved to: a retry
         # after a rotation repeats the same request and must get the first answer back.

@@ -50,11 +50,6 @@ PLAN_CASES = {
     # 64 characters, 95 once each "." is sent as "__" (Anthropic, OpenAI, Bedrock take 64)
     "name too long once sent": ({"tool_catalog": [_tool(name="a." * 31 + "bb")]},
                                 "tool_catalog[0].name"),
-    # Gemini puts "_" before a leading digit: 65 characters, and "1x" is "_1x" to it
-    "name too long to Gemini": ({"tool_catalog": [_tool(name="1" + "a" * 63)]},
-                                "tool_catalog[0].name"),
-    "names one to Gemini": ({"tool_catalog": [_tool(name="1x"), _tool(name="_1x")]},
-                            "tool_catalog[1].name"),
     # the control tools the service defines are sent beside the catalog's
     "name one with a control tool's": (
         {"tool_catalog": [_tool(name="context__update_working_state")]},
@@ -506,3 +501,47 @@ def test_a_knowledge_passages_envelope_attributes_are_one_line(stub, ids, db, pa
     served = stub.Build(build_request(tenant, session, knowledge=[pb.KnowledgePassage(
         id="k" * 300, source=url, text="Economy only.", trust=pb.TRUST_LEVEL_MEMORY)]))
     assert url in served.provider_body_json
+    # joiners, marks, soft hyphens and tabs are text of one line (Persian needs the
+    # zero-width non-joiner, an emoji family the joiner)
+    persian = "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645.pdf"
+    family = "\U0001f468\u200d\U0001f469\u200d\U0001f467 Family handbook.pdf"
+    for i, source in enumerate((persian, family, "\u05e2\u05d1\u05e8\u05d9\u05ea\u200f.pdf",
+                                "soft\u00adhyphen", "a\tb")):
+        stub.Build(build_request(tenant, session, knowledge=[pb.KnowledgePassage(
+            id=f"p{i}", source=source, text="t", trust=pb.TRUST_LEVEL_MEMORY)]))
+
+
+@pytest.mark.parametrize("model_id, names, refused", [
+    # Gemini puts "_" before a leading digit: 65 characters, and "1x" is "_1x" to it
+    ("gemini-2.5-pro", ["1" + "a" * 63], "tool_catalog[0].name"),
+    ("gemini-2.5-pro", ["1x", "_1x"], "tool_catalog[1].name"),
+    # sent as they are to Claude; a Gemini plan sends dotted names as they are
+    ("claude-sonnet-4-5", ["1" + "a" * 63], None),
+    ("claude-sonnet-4-5", ["1x", "_1x"], None),
+    ("gemini-2.5-pro", ["srv." + "x" * 57 + ".y"], None),
+])
+def test_tool_names_are_held_to_the_models_own_format(stub, ids, db, model_id, names, refused):
+    """Plan refuses a definition its model's own format cannot send (every Build of the plan
+    in it would be unrenderable), and no more: a Build asking another format is judged when it
+    asks."""
+    tenant, session = ids
+    request = plan_request(tenant, session, model=pb.ModelSpec(model_id=model_id),
+                           tool_catalog=[_tool(name=n) for n in names])
+    request.agent.enabled_tools.extend(names)
+    if refused is None:
+        assert set(names) <= set(stub.Plan(request).plan.tool_names)
+        return
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Plan(request)
+    assert list(failure(err.value).violations) == [refused]
+    assert db.counts(tenant) == {"sessions": 0, "plans": 0, "context_events": 0}
+
+
+def test_a_tool_the_plan_does_not_define_may_have_any_name_a_provider_takes(stub, ids):
+    """Names are held to what is sent: a tool the plan leaves out (a scope not granted) is
+    never sent, however long it is once mapped."""
+    tenant, session = ids
+    long = "srv." + "x" * 57 + ".y"  # 63 characters, 65 once its dots are sent as "__"
+    request = plan_request(tenant, session, tool_catalog=[_tool(name=long,
+                                                                required_scopes=["admin"])])
+    assert long not in stub.Plan(request).plan.tool_names

@@ -62,6 +62,7 @@ from context_engine.domain.items import (
     WorkingTask,
     breaks_line,
     labels,
+    splits_line,
 )
 from context_engine.domain.model import (
     AgentSpec,
@@ -75,8 +76,6 @@ from context_engine.domain.model import (
     ToolSpec,
 )
 from context_engine.domain.ports import Erased
-from context_engine.domain.provider_common import PROVIDER_TOOL_NAME
-from context_engine.domain.provider_gemini import GEMINI_TOOL_NAME, gemini_tool_name
 from context_engine.domain.providers import provider_tool_name
 from context_engine.domain.request import (
     Attachment,
@@ -246,7 +245,7 @@ def _tool(v: Violations, field: str, t: pb.ToolSpec) -> ToolSpec:
     elif schema.get("type") != "object":
         v.add(f"{field}.input_schema_json",
               'must describe an object ("type": "object"): providers take tool input as one')
-    if breaks_line(t.server):  # an envelope's attribute in the tool index (row 6)
+    if splits_line(t.server):  # an envelope's attribute in the tool index (row 6)
         v.add(f"{field}.server", ONE_LINE_RULE)
     effect = SIDE_EFFECT_FROM_PB.get(t.side_effect)
     if effect is None:
@@ -319,23 +318,15 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
     v.unique("persona.entries", (e.key for e in req.persona.entries), "persona key")
     tools = tuple(_tool(v, f"tool_catalog[{i}]", t) for i, t in enumerate(req.tool_catalog))
     v.unique("tool_catalog", (t.name for t in req.tool_catalog), "tool name")
-    # providers accept [A-Za-z0-9_-] only, Gemini a letter or "_" first: a name that maps to
-    # one too long, or two that map to one (the control tools the service defines included),
-    # would leave every Build of the plan unrenderable in the formats that send them so
-    for provider, sent, taken in (("a provider", provider_tool_name, PROVIDER_TOOL_NAME),
-                                  ("Gemini", gemini_tool_name, GEMINI_TOOL_NAME)):
-        mapped = {sent(name): name for name in sorted(CONTROL_TOOLS)}
-        for i, t in enumerate(req.tool_catalog):
-            if not TOOL_NAME.fullmatch(t.name):
-                continue  # refused for itself
-            theirs = sent(t.name)
-            other = mapped.setdefault(theirs, t.name)
-            if other != t.name:
-                v.add(f"tool_catalog[{i}].name", f"{t.name!r} and {other!r} are the same tool "
-                      f"name to {provider} ({theirs!r})")
-            elif not taken.fullmatch(theirs):
-                v.add(f"tool_catalog[{i}].name", f"{t.name!r} is sent to {provider} as "
-                      f"{theirs!r}, {len(theirs)} characters: over the 64 it takes")
+    # providers accept [A-Za-z0-9_-] only: two names that map to one would be unrenderable
+    # (what the plan defines is checked in the model's own format once drafted: the engine's
+    # ``sent_name_violations``)
+    mapped: dict[str, str] = {}
+    for i, t in enumerate(req.tool_catalog):
+        other = mapped.setdefault(provider_tool_name(t.name), t.name)
+        if other != t.name:
+            v.add(f"tool_catalog[{i}].name", f"{t.name!r} and {other!r} are the same tool "
+                  f"name to a provider ({provider_tool_name(t.name)!r})")
     for i, scope in enumerate(req.principal_scopes):
         if not scope:
             v.add(f"principal_scopes[{i}]", "must not be empty")
@@ -409,7 +400,7 @@ def _snapshot(v: Violations, field: str, snap: pb.MemorySnapshot) -> MemorySnaps
     v.unique(f"{field}.items", (i.id for i in snap.items), "memory item id")
     if snap.watermark < 0:
         v.add(f"{field}.watermark", "must not be negative")
-    if breaks_line(snap.snapshot_id):  # the snapshot envelope's id (row 8)
+    if splits_line(snap.snapshot_id):  # the snapshot envelope's id (row 8)
         v.add(f"{field}.snapshot_id", ONE_LINE_RULE)
     return MemorySnapshot(snapshot_id=snap.snapshot_id, recall_trace_id=snap.recall_trace_id,
                           watermark=snap.watermark,

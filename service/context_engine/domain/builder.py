@@ -70,8 +70,8 @@ from context_engine.domain.items import (
     WorkingState,
     WorkingStateItem,
     assemble,
-    breaks_line,
     declaration,
+    splits_line,
 )
 from context_engine.domain.model import SkillCatalogEntry
 from context_engine.domain.pairs import Paired, orphans, orphans_since
@@ -393,7 +393,7 @@ def checkpoint_scan(cp: Checkpoint, field: str = "checkpoint", *,
     violations += state_violations(cp.working_state, f"{field}.working_state")
     for i, passage in enumerate(cp.knowledge):  # its envelope's attributes (row 12)
         for name in ("id", "source"):
-            if breaks_line(getattr(passage, name)):
+            if splits_line(getattr(passage, name)):
                 violations.append(FieldViolation(f"{field}.knowledge[{i}].{name}",
                                                  ONE_LINE_RULE))
     return violations, scan

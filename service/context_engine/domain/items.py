@@ -35,8 +35,19 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 _NOT_ONE_LINE = frozenset(("Cc", "Cf", "Zl", "Zp"))
 
 
-ONE_LINE_RULE = ("must be one line, without control, format or separator characters: it is "
+ONE_LINE_RULE = ("must be one line, without control characters (a tab aside), line or "
+                 "paragraph separators or bidi embedding, override or isolate controls: it is "
                  "an envelope's attribute")
+# what breaks an attribute's line or reorders it: controls but the tab, separators, and the
+# bidi embeddings, overrides and isolates (joiners, marks and soft hyphens are text: Persian
+# needs the zero-width non-joiner, an emoji family the joiner)
+_SPLITS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def splits_line(text: str) -> bool:
+    """Whether ``text``, an envelope's attribute, holds a character that breaks its line or
+    reorders it (:data:`ONE_LINE_RULE`)."""
+    return _SPLITS.search(text) is not None
 
 
 def breaks_line(text: str) -> bool:
