@@ -646,6 +646,13 @@ class Engine:
                 require_history_floor(budget, model_id=model.model_id,
                                       window=model.context_window,
                                       prefix_tokens=draft.prefix_tokens, policy=self.policy)
+                # and one whose own format cannot send a tool the plan defines
+                unsendable = sent_name_violations(
+                    draft.spec.tool_names, self._catalog.default_format(model.model_id), ())
+                if unsendable:
+                    raise InvalidInput([FieldViolation(
+                        "model.model_id", f"the plan defines a tool {model.model_id} cannot be "
+                        f"sent in its own format: {v.description}") for v in unsendable])
             drafts.append(draft)
             return Rotation(reason=cmd.reason, draft=draft)
 

@@ -112,6 +112,30 @@ def test_model_routed_re_measures_for_the_new_model(stub, ids):
     assert resp.plan.prefix_tokens != plan.prefix_tokens  # Claude's factor is gone
 
 
+def test_model_routed_refuses_a_model_whose_format_cannot_send_a_defined_tool(stub, ids, db):
+    """A Claude plan may define "1" + 63 letters (64 characters, as Anthropic takes it); Gemini
+    puts "_" before a leading digit: routed to Gemini, every Build of the epoch in Gemini's
+    format would be unrenderable, so the rotation is refused and nothing is written."""
+    tenant, session = ids
+    name = "1" + "a" * 63
+    request = plan_request(tenant, session, tool_catalog=[*catalog(), pb.ToolSpec(
+        name=name, description="A tool.", input_schema_json='{"type":"object"}',
+        side_effect=pb.SIDE_EFFECT_NONE)])
+    request.agent.enabled_tools.append(name)
+    assert name in stub.Plan(request).plan.tool_names
+    before = db.counts(tenant)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Rotate(rotate(tenant, session, "route", pb.ROTATION_REASON_MODEL_ROUTED,
+                           model=pb.ModelSpec(model_id="gemini-2.5-pro")))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT and list(f.violations) == ["model.model_id"]
+    assert "gemini-2.5-pro cannot be sent in its own format" in f.violations["model.model_id"]
+    assert db.counts(tenant) == before
+    routed = stub.Rotate(rotate(tenant, session, "route-2", pb.ROTATION_REASON_MODEL_ROUTED,
+                                model=pb.ModelSpec(model_id="gpt-4o-2024-08-06")))
+    assert name in routed.plan.tool_names
+
+
 def test_snapshot_invalidated_replaces_the_snapshot(stub, ids):
     tenant, session = ids
     snap = pb.MemorySnapshot(snapshot_id="s1", recall_trace_id="t1",
