@@ -536,9 +536,9 @@ class Engine:
                 # A run with tool pins or pending calls keeps what the plan advertises and the
                 # authority it was resolved under, whatever else rotates (without a run
                 # named, the request's catalog and scopes are resolved, as at an opening).
-                draft = (draft_pinned(inputs, base.spec, key, estimator)
-                         if base is not None and cmd.run_id and cmd.run_pinned
-                         else draft_plan(inputs, key, estimator))
+                pinned = base is not None and bool(cmd.run_id) and cmd.run_pinned
+                draft = (draft_pinned(inputs, base.spec, key, estimator) if base is not None
+                         and pinned else draft_plan(inputs, key, estimator))
             # A prefix that leaves no body can never build, and a body that cannot hold
             # history's floor can never keep it: refuse both now, not on every Build.
             budget = compute_budget(window=profile.context_window,
@@ -548,9 +548,15 @@ class Engine:
                                   window=profile.context_window,
                                   prefix_tokens=draft.prefix_tokens, policy=self.policy)
             # a definition the model's own format cannot send: refused now, not every Build
+            # (a run's pinned tools are the pinned plan's, not this catalog's: the model is
+            # what cannot send them)
             unsendable = sent_name_violations(draft.spec.tool_names,
                                               self._catalog.default_format(profile.model_id),
-                                              cmd.tool_catalog)
+                                              () if pinned else cmd.tool_catalog)
+            if unsendable and pinned:
+                unsendable = [FieldViolation("model.model_id", "the run's pinned tools cannot "
+                                             f"all be sent in its own format: {v.description}")
+                              for v in unsendable]
             if unsendable:
                 raise InvalidInput(unsendable)
             return draft

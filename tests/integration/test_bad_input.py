@@ -519,6 +519,9 @@ def test_a_knowledge_passages_envelope_attributes_are_one_line(stub, ids, db, pa
     ("claude-sonnet-4-5", ["1" + "a" * 63], None),
     ("claude-sonnet-4-5", ["1x", "_1x"], None),
     ("gemini-2.5-pro", ["srv." + "x" * 57 + ".y"], None),
+    # "." is "__" to Claude, not to Gemini
+    ("claude-sonnet-4-5", ["a.b", "a__b"], "tool_catalog[1].name"),
+    ("gemini-2.5-pro", ["a.b", "a__b"], None),
 ])
 def test_tool_names_are_held_to_the_models_own_format(stub, ids, db, model_id, names, refused):
     """Plan refuses a definition its model's own format cannot send (every Build of the plan
@@ -542,6 +545,9 @@ def test_a_tool_the_plan_does_not_define_may_have_any_name_a_provider_takes(stub
     never sent, however long it is once mapped."""
     tenant, session = ids
     long = "srv." + "x" * 57 + ".y"  # 63 characters, 65 once its dots are sent as "__"
-    request = plan_request(tenant, session, tool_catalog=[_tool(name=long,
-                                                                required_scopes=["admin"])])
-    assert long not in stub.Plan(request).plan.tool_names
+    request = plan_request(tenant, session, tool_catalog=[
+        _tool(name=long, required_scopes=["admin"]),
+        _tool(name="a.b", required_scopes=["admin"]), _tool(name="a__b")])
+    request.agent.enabled_tools.append("a__b")  # "a.b" is "a__b" too, and is never sent
+    planned = stub.Plan(request).plan.tool_names
+    assert long not in planned and "a.b" not in planned and "a__b" in planned

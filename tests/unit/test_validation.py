@@ -158,9 +158,13 @@ def test_a_knowledge_passages_attributes_are_one_line_on_the_pure_path_too() -> 
     passages = (KnowledgePassage(id="k\u2028x", source="docs", text="t", rank=1,
                                  trust=TrustLevel.MEMORY),
                 KnowledgePassage(id="k2", source="a\rb", text="t", rank=2,
-                                 trust=TrustLevel.MEMORY))
+                                 trust=TrustLevel.MEMORY),
+                # tag characters: text a reader does not see and a model may read
+                KnowledgePassage(id="k3", source="docs\U000e0053\U000e0059\U000e0053", text="t",
+                                 rank=3, trust=TrustLevel.MEMORY))
     v = violations([f.user("u1", "a", 1)], knowledge=passages)
-    assert list(v) == ["checkpoint.knowledge[0].id", "checkpoint.knowledge[1].source"]
+    assert list(v) == ["checkpoint.knowledge[0].id", "checkpoint.knowledge[1].source",
+                       "checkpoint.knowledge[2].source"]
 
 
 def test_build_rejects_a_malformed_checkpoint() -> None:

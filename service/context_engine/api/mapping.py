@@ -76,7 +76,6 @@ from context_engine.domain.model import (
     ToolSpec,
 )
 from context_engine.domain.ports import Erased
-from context_engine.domain.providers import provider_tool_name
 from context_engine.domain.request import (
     Attachment,
     AttachmentKind,
@@ -318,15 +317,8 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
     v.unique("persona.entries", (e.key for e in req.persona.entries), "persona key")
     tools = tuple(_tool(v, f"tool_catalog[{i}]", t) for i, t in enumerate(req.tool_catalog))
     v.unique("tool_catalog", (t.name for t in req.tool_catalog), "tool name")
-    # providers accept [A-Za-z0-9_-] only: two names that map to one would be unrenderable
-    # (what the plan defines is checked in the model's own format once drafted: the engine's
-    # ``sent_name_violations``)
-    mapped: dict[str, str] = {}
-    for i, t in enumerate(req.tool_catalog):
-        other = mapped.setdefault(provider_tool_name(t.name), t.name)
-        if other != t.name:
-            v.add(f"tool_catalog[{i}].name", f"{t.name!r} and {other!r} are the same tool "
-                  f"name to a provider ({provider_tool_name(t.name)!r})")
+    # (names as providers take them, two mapped to one among them: what the plan defines is
+    # checked in its model's own format once drafted, the engine's ``sent_name_violations``)
     for i, scope in enumerate(req.principal_scopes):
         if not scope:
             v.add(f"principal_scopes[{i}]", "must not be empty")
