@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -1090,6 +1090,22 @@ def plan_read_held(engine: Any, tenant: str) -> Iterator[tuple[threading.Event, 
         del store.get
 
 
+def secret_build_across_a_replan(r: Any, tenant: str, session: str, held: Any,
+                                 meanwhile: Callable[[], None]) -> Any:
+    """A Build on B of "the erased secret is 4711" whose read ``held`` (a context yielding the
+    events entered, release) holds while the session is erased and planned again through A
+    and ``meanwhile`` runs; released then: the Build's future."""
+    with held as (entered, release):
+        build = r.b.stub.Build.future(build_request(tenant, session,
+                                                    items=_said("the erased secret is 4711")),
+                                      timeout=30)
+        assert entered.wait(30)
+        planned_again(r, tenant, session)
+        meanwhile()
+        release.set()
+    return build
+
+
 def test_a_build_whose_plan_read_is_answered_late_keeps_nothing_of_an_erased_incarnation(
         replicas):
     """X's read of incarnation 1 is answered after the session was erased and planned again
@@ -1099,16 +1115,13 @@ def test_a_build_whose_plan_read_is_answered_late_keeps_nothing_of_an_erased_inc
     engine = r.b.server.running.engine
     tenant, session = new_ids()
     r.a.stub.Plan(plan_request(tenant, session), timeout=30)
-    with plan_read_held(engine, tenant) as (entered, release):
-        x = r.b.stub.Build.future(build_request(tenant, session,
-                                                items=_said("the erased secret is 4711")),
-                                  timeout=30)
-        assert entered.wait(30)
-        planned_again(r, tenant, session)
+    def meanwhile() -> None:  # a Build of incarnation 2 on B
         r.b.stub.Build(build_request(tenant, session, items=_said("a new question", "n1")),
                        timeout=30)
-        release.set()
-        x.result(30)
+
+    x = secret_build_across_a_replan(r, tenant, session, plan_read_held(engine, tenant),
+                                     meanwhile)
+    x.result(30)
     assert _held_of(r.b.server, tenant, session, "4711") == 0
     r.b.stub.Build(build_request(tenant, session, items=_said("a new question", "n1")),
                    timeout=30)
@@ -1151,18 +1164,15 @@ def test_a_build_that_never_read_its_plan_keeps_nothing_though_a_read_names_one_
     engine = r.b.server.running.engine
     tenant, session = new_ids()
     r.a.stub.Plan(plan_request(tenant, session), timeout=30)
-    with current_held(engine, tenant) as (entered, release):
-        p = r.b.stub.Build.future(build_request(tenant, session,
-                                                items=_said("the erased secret is 4711")),
-                                  timeout=30)
-        assert entered.wait(30)
-        planned_again(r, tenant, session)
+
+    def meanwhile() -> None:
         r.b.stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session), timeout=30)
         assert _held_of(r.b.server, tenant, session, "4711") > 0  # rendered, plan not read
-        release.set()
-        with pytest.raises(grpc.RpcError) as err:
-            p.result(30)
-        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+
+    p = secret_build_across_a_replan(r, tenant, session, current_held(engine, tenant), meanwhile)
+    with pytest.raises(grpc.RpcError) as err:
+        p.result(30)
+    assert err.value.code() is grpc.StatusCode.UNAVAILABLE
     assert _held_of(r.b.server, tenant, session, "4711") == 0
 
 
