@@ -408,7 +408,7 @@ def factor_floor(spec: PlanSpec) -> float:
     (another model's tokenizer standing in, times 1.1), which the model's own may count well
     below, keeps the general floor."""
     own = spec.encoding == spec.model.encoding
-    return least_factor(prefix_exact(spec), spec.estimator_factor if own else 0.0)
+    return least_factor(prefix_exact(spec), spec.estimator_factor if own else None)
 
 
 def _epoch_of(plan: ContextPlan | None) -> tuple[int, int] | None:

@@ -26,17 +26,18 @@ DOWN_RATE = 0.3
 EXACT_MIN_FACTOR = 1.0
 
 
-def least_factor(exact: bool, base_factor: float = 1.0) -> float:
+def least_factor(exact: bool, base_factor: float | None = None) -> float:
     """The floor of the correction factor: :data:`EXACT_MIN_FACTOR` where the plan's prefix
     and body are counted with the model's own tokenizer (``builder.prefix_exact``). Else an
     approximate count, its encoding's times ``base_factor`` (cl100k_base x 1.3 for Claude and
     Gemini, whose ratio to the provider's is what reconciliation learns): never below
     ``1 / base_factor``, where the estimate would be less than the encoding's own count,
     which the providers' tokenizers do not count below (Claude's counts more than cl100k_base
-    for the same text), nor below :data:`MIN_FACTOR`."""
+    for the same text), nor below :data:`MIN_FACTOR`. ``base_factor`` None: the encoding stands
+    in for another (a fallback), which may count below it: :data:`MIN_FACTOR`."""
     if exact:
         return EXACT_MIN_FACTOR
-    return max(MIN_FACTOR, 1.0 / base_factor) if base_factor > 0 else MIN_FACTOR
+    return MIN_FACTOR if base_factor is None else max(MIN_FACTOR, 1.0 / base_factor)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
