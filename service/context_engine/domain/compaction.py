@@ -362,7 +362,7 @@ def select(items: Sequence[ConversationItem], current: HistorySummary | None, *,
         prior_narrative="" if carried else prior, source_event_ids=source_ids,
         goal_trust=state.objective_trust, constraint_trust=tuple(told.values()),
         question_trust=tuple(t for _, t in questions),
-        prior_trust=prior_trust if not carried else TrustLevel.USER)
+        prior_trust=prior_trust)  # (read only with the prior narrative given)
     return Selection(replaced=replaced, replaced_through_sequence=max(
         floor, max(it.sequence for it in replaced)), depth=depth, data=data,
         elided=all_elided, constraints=tuple(kept), constraint_trust=tuple(kept.values()),
