@@ -400,3 +400,29 @@ def test_idempotency_keys_reused_with_other_payloads(stub, ids, db):
         status = rpc_status.from_call(err.value)
         assert status is not None
         assert rows(db, tenant) == before, (rpc, msg)
+
+
+@pytest.mark.parametrize("planned", [True, False], ids=["planned", "unplanned"])
+def test_every_certain_violation_is_refused_on_its_base_request(channel, stub, db, ids,
+                                                                planned):
+    """Stages 4 and 5 send each violation after random noise, so a violation that has stopped
+    being one is only drawn now and then. Here every one is sent on its plain base request, to a
+    planned session and to one that is not: each is refused with a structured error, and no
+    row changes."""
+    tenant, session = ids
+    if planned:
+        stub.Plan(fuzz.base_request("Plan", tenant, session))
+    before = rows(db, tenant)
+    sender = Sender(channel, seed=0)
+    cases = []
+    for rpc in fuzz.RPCS:
+        for index, violate in enumerate(fuzz.VIOLATIONS[rpc]):
+            msg = fuzz.base_request(rpc, tenant, session)
+            violate(msg)
+            cases.append(fuzz.Case(rpc, msg.SerializeToString(), malformed=True,
+                                   label=f"violation:{rpc}#{index}"))
+    sender.add(cases)
+    sender.flush()
+    sender.assert_clean()
+    assert sender.sent == sum(map(len, fuzz.VIOLATIONS.values())) > 100
+    assert rows(db, tenant) == before

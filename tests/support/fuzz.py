@@ -322,6 +322,10 @@ def unpaired_items() -> list[list[pb.ConversationItem]]:
     ]
 
 
+# Each mutator makes a violation that is certain on any session, planned or not, after any
+# noise: a catalog's names that collide once sent (``a.b``, ``a__b``) are not one, since a
+# re-Plan that has no reason to rotate resolves no tools (tests/integration/test_bad_input.py
+# holds that case). test_fuzz.py sends every mutator on its plain base request too.
 Mutator = Callable[[Message], None]
 
 
@@ -357,7 +361,7 @@ def _plan_violations() -> list[Mutator]:
         add_tools(tool(side_effect=0)), add_tools(tool(side_effect=123456)),
         add_tools(tool(input_schema_json="[1]")), add_tools(tool(input_schema_json="{")),
         add_tools(tool(name="tool.call")), add_tools(tool(), tool()),
-        add_tools(tool(name="a.b"), tool(name="a__b")), add_tools(tool(name="has space")),
+        add_tools(tool(name="x" * 65)), add_tools(tool(name="has space")),
         lambda m: m.skill_catalog.add(name="s", description="d", trust=42),  # type: ignore[attr-defined]
         lambda m: m.skill_catalog.add(name="s", description="d",  # type: ignore[attr-defined]
                                       trust=pb.TRUST_LEVEL_PLATFORM),
