@@ -325,23 +325,40 @@ def test_the_platform_policy_class_carries_the_requests_own_framing() -> None:
 
 
 @pytest.mark.gate_budget
+@pytest.mark.parametrize("pinned_by", ["current", "builder@3"])
 @pytest.mark.parametrize("fmt", [pt.ANTHROPIC_MESSAGES, pt.GEMINI_GENERATE_CONTENT,
                                  pt.BEDROCK_CONVERSE, pt.OPENAI_RESPONSES])
 def test_a_history_that_begins_with_the_models_turn_counts_the_line_that_opens_it(
-        fmt: str) -> None:
+        fmt: str, pinned_by: str) -> None:
     """Anthropic, Gemini and Bedrock open a body with a user turn when the history kept begins
     with the model's own: a minimal request on gpt-4 counted 563 in those bodies against an
-    estimate of 562 before the turn was counted with the request's framing."""
+    estimate of 562 before the turn was counted with the request's framing. A plan a builder
+    before @4 pinned stored its count without the turn, and no Plan rotates it until the
+    session's next one: its Builds count the turn beside it, and estimate what a plan pinned
+    now does."""
+    from dataclasses import replace
+
+    from context_engine.domain import plan as plans
     from context_engine.domain.builder import Checkpoint, build
     from context_engine.domain.canonical import canonical_json
     from context_engine.domain.items import AssistantMessageItem
 
     lp = f.loaded(f.inputs(model_profile=f.model("gpt-4", context_window=12_500,
                                                  output_reserve=2_048)))
+    estimator = f.estimator(lp.plan.spec.model)
     items = (AssistantMessageItem(id="a1", sequence=1, run_id="run-1",
                                   item_trust=TrustLevel.USER, text="ok"),
              f.user("u2", "hi", 2, run="run-2"))
-    r = build(lp, Checkpoint(active_run_id="run-2", items=items),
-              estimator=f.estimator(lp.plan.spec.model))
+    cp = Checkpoint(active_run_id="run-2", items=items)
+    current = build(lp, cp, estimator=estimator)
+    if pinned_by != "current":  # what builder@3 stored: the same plan, counted without the turn
+        turn = estimator.message(plans._LEADING_TURN)
+        assert turn > 0
+        old = replace(lp.plan, spec=replace(lp.plan.spec,
+                                            builder_version="context-engine-builder@3"),
+                      prefix_tokens=lp.plan.prefix_tokens - turn)
+        lp = replace(lp, plan=old)
+    r = build(lp, cp, estimator=estimator)
     body = json.loads(canonical_json(providers.render(r, fmt)))
     assert pt.count_body(body, fmt, r.model_id) <= r.estimated_input_tokens
+    assert r.estimated_input_tokens == current.estimated_input_tokens

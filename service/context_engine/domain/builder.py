@@ -75,7 +75,14 @@ from context_engine.domain.items import (
 )
 from context_engine.domain.model import SkillCatalogEntry
 from context_engine.domain.pairs import Paired, orphans, orphans_since
-from context_engine.domain.plan import ContextPlan, PlanSpec, RenderedPrefix, render_prefix
+from context_engine.domain.plan import (
+    ContextPlan,
+    PlanSpec,
+    RenderedPrefix,
+    folded_before,
+    render_prefix,
+    uncounted_framing,
+)
 from context_engine.domain.prefixes import shared_prefix
 from context_engine.domain.request import Message, ModelRequest
 from context_engine.domain.trust import Region, TrustLevel
@@ -541,7 +548,8 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     ctx = RenderContext(session_key=loaded.session_key)
     # an approximate prefix count is scaled like the body (reconciliation measures the whole
     # estimate for such models); an exact one never is
-    prefix_tokens = prefix_cost(plan.prefix_tokens, factor, exact=prefix_exact(plan.spec))
+    prefix_tokens = prefix_cost(plan.prefix_tokens + uncounted_framing(plan.spec, estimator),
+                                factor, exact=prefix_exact(plan.spec))
     budget = compute_budget(window=model.context_window, output_reserve=model.output_reserve,
                             prefix_tokens=prefix_tokens, policy=policy)
     found_items = normalized(cp.items, policy.inline_maximum_bytes, memo,
@@ -921,13 +929,23 @@ def load_plan(plan: ContextPlan) -> LoadedPlan:
 
     A legacy plan whose hash covered its tool specifications as recorded (scope sets in the
     writer's hash-seed order) renders the same bytes: it is served under its recorded hash
-    and marked ``legacy``, and the next Plan canonicalizes it (prefix_hash_canonicalized)."""
+    and marked ``legacy``, and the next Plan canonicalizes it (prefix_hash_canonicalized).
+
+    A plan a builder before @4 pinned may hold envelope content that builder escaped with its
+    own fold (``folded_before``): re-rendered with that fold, it is served as it was pinned
+    (the provider's cache holds those bytes) until the next Plan rotates it
+    (builder_changed)."""
     key = session_key(plan.tenant_id, plan.session_id)
     rendered = render_prefix(plan.spec, key)
     if rendered.prefix_sha256 == plan.prefix_sha256:
         return LoadedPlan(plan=plan, rendered=rendered, session_key=key)
-    if plan.recorded is not None:
-        legacy = render_prefix(plan.spec, key, recorded=plan.recorded)
-        if legacy.prefix_sha256 == plan.prefix_sha256:
-            return LoadedPlan(plan=plan, rendered=legacy, session_key=key, legacy=True)
+    folds = (False, True) if folded_before(plan.spec) else (False,)
+    for legacy_fold in folds:
+        for recorded in ((None, plan.recorded) if plan.recorded is not None else (None,)):
+            if recorded is None and not legacy_fold:
+                continue  # rendered above
+            legacy = render_prefix(plan.spec, key, recorded=recorded, legacy_fold=legacy_fold)
+            if legacy.prefix_sha256 == plan.prefix_sha256:
+                return LoadedPlan(plan=plan, rendered=legacy, session_key=key,
+                                  legacy=recorded is not None)
     raise PrefixHashMismatch(plan.prefix_sha256, rendered.prefix_sha256, plan.epoch)

@@ -87,20 +87,28 @@ def nonce(session_key: str, item_id: str, content: str) -> str:
     return canonical_sha256([session_key, item_id, sha256_hex(content)])[:NONCE_HEX]
 
 
-def _opens_delimiter(text: str, start: int) -> bool:
+def _opens_delimiter(text: str, start: int, legacy_fold: bool = False) -> bool:
     """Does the "<"-like character at ``start`` begin an envelope tag once look-alikes,
     invisible characters, white space and letter case are folded away? There is no window:
     any amount of invisible padding is skipped. Each scan stops at the first character that
     settles the question (another "<" does), and what it keeps is the few letters after the
-    slashes, so escaping stays linear in the length of the content."""
+    slashes, so escaping stays linear in the length of the content.
+
+    ``legacy_fold``: the fold of builders before ``context-engine-builder@4``, which lower-cased
+    and then applied the look-alike table once; only to re-render a plan one of them pinned
+    (``builder.load_plan``), never to escape anything new."""
     name = ""  # the folded text after the leading slashes: at most a tag name long
     for i in range(start + 1, len(text)):
         ch = text[i]
         if _invisible(ch):
             continue
-        # the table before lower-casing too: a capital in it (U+13E7) lower-cases past it
-        piece = ("/" if ch in _SLASH_LIKE else unicodedata.normalize("NFKC", ch)
-                 .translate(_CONFUSABLE).lower().translate(_CONFUSABLE))
+        if ch in _SLASH_LIKE:
+            piece = "/"
+        elif legacy_fold:
+            piece = unicodedata.normalize("NFKC", ch).lower().translate(_CONFUSABLE)
+        else:  # the table before lower-casing too: a capital in it (U+13E7) lowers past it
+            piece = (unicodedata.normalize("NFKC", ch)
+                     .translate(_CONFUSABLE).lower().translate(_CONFUSABLE))
         if not name:
             piece = piece.lstrip("/")
             if not piece:
@@ -112,7 +120,7 @@ def _opens_delimiter(text: str, start: int) -> bool:
     return False
 
 
-def escape_general(content: str) -> str:
+def escape_general(content: str, *, legacy_fold: bool = False) -> str:
     """The escaping rule, for any text: every "<"-like character that opens a delimiter once
     folded (``_opens_delimiter``) becomes the entity ``&lt;``."""
     if not _LT_RE.search(content):
@@ -124,7 +132,7 @@ def escape_general(content: str) -> str:
         nxt = content[i + 1:i + 2]
         if nxt in _CANNOT_OPEN:  # settles it without folding (most "<" in HTML)
             continue
-        if _opens_delimiter(content, i):
+        if _opens_delimiter(content, i, legacy_fold):
             out.append(content[last:i])
             out.append("&lt;")
             last = i + 1
@@ -153,12 +161,13 @@ _CANNOT_OPEN = frozenset(
     and c.lower() not in {name[0] for name in TAG_NAMES})
 
 
-def escape_content(content: str) -> str:
+def escape_content(content: str, *, legacy_fold: bool = False) -> str:
     """Neutralize every delimiter-like sequence: its "<" becomes the entity ``&lt;``. ASCII
-    text takes the one-pass form of the same rule (``escape_general`` is the rule)."""
+    text takes the one-pass form of the same rule (``escape_general`` is the rule; the two
+    folds agree on ASCII, where folding is lower-casing)."""
     if content.isascii():
         return _ASCII_DELIMITER.sub("&lt;", content)
-    return escape_general(content)
+    return escape_general(content, legacy_fold=legacy_fold)
 
 
 def escape_attr(value: str) -> str:
@@ -167,12 +176,13 @@ def escape_attr(value: str) -> str:
 
 
 def envelope(*, trust: TrustLevel, source: str, item_id: str, content: str,
-             session_key: str) -> str:
+             session_key: str, legacy_fold: bool = False) -> str:
     """Render ``content`` inside its envelope. Trust at or above TRUSTED_CONFIGURATION is
-    returned unchanged: it is not data but configuration or platform text."""
+    returned unchanged: it is not data but configuration or platform text. ``legacy_fold``:
+    as ``_opens_delimiter``."""
     if not trust.enveloped:
         return content
     tag = TAGS[trust]
     n = nonce(session_key, item_id, content)
     return (f'<{tag} source="{escape_attr(source)}" id="{escape_attr(item_id)}" '
-            f'nonce="{n}">\n{escape_content(content)}\n</{tag}:{n}>')
+            f'nonce="{n}">\n{escape_content(content, legacy_fold=legacy_fold)}\n</{tag}:{n}>')

@@ -68,9 +68,12 @@ def one_line(text: str) -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RenderContext:
-    """What rendering may depend on besides the item: the session key, for envelope nonces."""
+    """What rendering may depend on besides the item: the session key, for envelope nonces,
+    and for Region A re-rendered from a plan an older builder pinned, that builder's fold of
+    look-alikes (``envelope._opens_delimiter``)."""
 
     session_key: str
+    legacy_fold: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -217,7 +220,8 @@ def index_line(tool: ToolSpec, ctx: RenderContext) -> str:
     """One rendered index entry; external entries in their own envelope."""
     return "- " + envelope(trust=entry_trust(tool), source=f"tool-index:{tool.server}",
                            item_id=tool.name, content=index_entry(tool),
-                           session_key=ctx.session_key)
+                           session_key=ctx.session_key,
+                           legacy_fold=ctx.legacy_fold)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -253,7 +257,8 @@ class SkillCatalogRow(ContextItem):
         for e in self.entries:
             lines.append("- " + envelope(trust=e.trust, source="skill-catalog", item_id=e.name,
                                          content=f"{e.name}: {e.description}",
-                                         session_key=ctx.session_key))
+                                         session_key=ctx.session_key,
+                                         legacy_fold=ctx.legacy_fold))
         return "\n".join(lines)
 
 
@@ -271,7 +276,8 @@ class MemorySnapshotRow(ContextItem):
         return "Memory at session open:\n" + envelope(
             trust=TrustLevel.MEMORY, source="memory:snapshot",
             item_id=self.snapshot.snapshot_id or "snapshot", content=body,
-            session_key=ctx.session_key)
+            session_key=ctx.session_key,
+            legacy_fold=ctx.legacy_fold)
 
 
 RegionAItem = (PlatformPolicy | Framing | AgentInstructions | PersonaRow | ToolDefinitions

@@ -73,8 +73,12 @@ from context_engine.domain.trust import Region, TrustLevel
 
 # @2: tool.call is defined only while the final deferred index is non-empty (an existing
 # session rotates once with builder_changed at its next Plan). @3: a tool's name, a call's
-# arguments and a reasoning payload are counted in their costliest sent form.
-BUILDER_VERSION = "context-engine-builder@3"
+# arguments and a reasoning payload are counted in their costliest sent form. @4: envelope
+# escaping folds look-alikes before lower-casing too, and the platform policy's count holds the
+# leading user turn some bodies open with; a plan an older builder pinned is re-rendered with
+# its fold (builder.load_plan) and its Builds count the turn beside it (``uncounted_framing``).
+BUILDER_VERSION = "context-engine-builder@4"
+_FOURTH = "context-engine-builder@4"
 PREFIX_CEILING = 22_000
 TTL_DEFAULT = "5m"
 TTL_SCHEDULED = "1h"
@@ -256,13 +260,16 @@ def _block_trust(item: ContextItem) -> TrustLevel:
 
 
 def render_prefix(spec: PlanSpec, session_key: str, *,
-                  recorded: dict[str, Any] | None = None) -> RenderedPrefix:
+                  recorded: dict[str, Any] | None = None,
+                  legacy_fold: bool = False) -> RenderedPrefix:
     """Render Region A. Pure; the same spec and session key always give the same bytes.
 
     ``recorded`` is a stored plan document: its tool specifications then enter the hash as
     they were recorded (a legacy plan may hold scope sets in its writer's iteration order),
-    which is how a legacy hash is recognised. The rendered bytes are the same either way."""
-    ctx = RenderContext(session_key=session_key)
+    which is how a legacy hash is recognised. The rendered bytes are the same either way.
+    ``legacy_fold``: envelopes escaped as builders before @4 escaped them (``folded_before``),
+    to re-render a plan one of them pinned."""
+    ctx = RenderContext(session_key=session_key, legacy_fold=legacy_fold)
     blocks: list[PrefixBlock] = []
     tools: tuple[ToolDefinition, ...] = ()
     for item in assemble(prefix_items(spec), Region.A):
@@ -301,6 +308,19 @@ def tool_cost(tool: ToolSpec, estimator: TokenEstimator) -> int:
 # keeps begins with the model's own turn (provider_common ``Turns.lead``): request framing
 # any Build may send, counted with the platform policy like the rest of it.
 _LEADING_TURN = Message(row=9, role=Role.USER, trust=TrustLevel.PLATFORM, text=LEADING_USER_TEXT)
+
+
+def folded_before(spec: PlanSpec) -> bool:
+    """Whether a builder before @4 pinned ``spec``: its envelopes lower-cased look-alikes
+    before folding them, and its platform policy's count left out the leading user turn."""
+    return is_older(spec.builder_version, _FOURTH)
+
+
+def uncounted_framing(spec: PlanSpec, estimator: TokenEstimator) -> int:
+    """Request framing a pinned plan's stored count leaves out and every Build of it must
+    count: the leading user turn, for a plan a builder before @4 measured (a Build may send
+    the turn whichever builder pinned the plan)."""
+    return estimator.message(_LEADING_TURN) if folded_before(spec) else 0
 
 
 def request_framing(rendered: RenderedPrefix) -> int:
