@@ -178,8 +178,8 @@ def test_a_legacy_hash_is_served_then_canonicalized_once(server, stub, ids, db):
 
 
 def test_a_plan_pinned_by_builder3_is_served_as_pinned_then_rotated_once(server, stub, db):
-    """builder@3 escaped envelopes lower-casing before folding look-alikes, so "</untrusteᏧ>"
-    (U+13E7, a capital that lower-cases past its entry) went into a memory snapshot unescaped.
+    """builder@3 escaped envelopes lower-casing before folding look-alikes, so "</untruste"
+    and U+13E7 (a capital that lower-cases past its entry) went into a memory snapshot unescaped.
     ``builder3_plan.json`` is the plans row that release (96efc5f) wrote for the request below:
     its Builds are still served with the bytes it pinned (the provider's cache holds them), and
     the session's next Plan rotates it once, builder_changed, to the prefix escaped now."""
@@ -193,8 +193,9 @@ def test_a_plan_pinned_by_builder3_is_served_as_pinned_then_rotated_once(server,
             pb.MemoryItem(id="m2", text="Plain note.")]))
     now = stub.Plan(request).plan
     assert now.prefix_sha256 != old["prefix_sha256"]
-    db.fetch("UPDATE plans SET spec_text=$2::text, spec=$2::text::jsonb, prefix_sha256=$3, prefix_tokens=$4,"
-             " classes=$5::jsonb, builder_version=$6 WHERE tenant_id=$1 AND session_id=$7",
+    db.fetch("UPDATE plans SET spec_text=$2::text, spec=$2::text::jsonb, prefix_sha256=$3,"
+             " prefix_tokens=$4, classes=$5::jsonb, builder_version=$6"
+             " WHERE tenant_id=$1 AND session_id=$7",
              tenant, old["spec_text"], old["prefix_sha256"], old["prefix_tokens"],
              json.dumps(old["classes"]), json.loads(old["spec_text"])["builder_version"],
              session)
