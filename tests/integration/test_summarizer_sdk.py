@@ -251,3 +251,23 @@ def test_one_summarizer_serves_several_event_loops(endpoint):
 
     asyncio.run(twice())
     assert len(endpoint.seen) == 5
+
+
+def test_the_sdk_is_loaded_with_the_summarizer_not_at_the_first_compact():
+    """A server without a summarizer URL never loads the SDK; one with it loads it at start-up,
+    when the summarizer is made: loaded by the first Compact, the import held the event loop
+    and was spent from that Compact's deadline."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from context_engine.api.server import summarizer_for\n"
+            "from context_engine.config import Config\n"
+            "assert 'openai' not in sys.modules\n"
+            "summarizer_for(Config(summarizer_url=''))\n"
+            "assert 'openai' not in sys.modules, 'loaded without a summarizer URL'\n"
+            "summarizer_for(Config(summarizer_url='http://127.0.0.1:9/v1', summarizer_model='m'))\n"
+            "assert 'openai' in sys.modules, 'not loaded with the summarizer'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

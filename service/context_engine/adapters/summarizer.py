@@ -90,6 +90,11 @@ def _status_why(status: int, code: object) -> str:
 class OpenAISummarizer:
     def __init__(self, *, url: str, model: str, api_key: str = "", timeout: float = 20.0,
                  prompt: Prompt | None = None, max_retries: int = MAX_RETRIES) -> None:
+        # The SDK is loaded with the summarizer (a server with a summarizer URL makes it at
+        # start-up): loaded at the first Compact instead, its import (0.6 s here) held the
+        # event loop, every RPC of the replica, and was spent from that Compact's deadline.
+        import openai  # noqa: F401
+
         self._base_url = base_url(url)
         self._model = model
         self._key = api_key
@@ -106,8 +111,7 @@ class OpenAISummarizer:
     def _client_here(self) -> AsyncOpenAI:
         """One client (and its connection pool) per event loop: a server has one loop; a
         caller that runs each call in a loop of its own gets a client for each."""
-        # imported here: only a server with a summarizer URL pays for loading the SDK
-        from openai import AsyncOpenAI, omit
+        from openai import AsyncOpenAI, omit  # loaded with the summarizer
 
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:
