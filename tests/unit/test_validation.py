@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from context_engine.domain.budget import BudgetPolicy
 from context_engine.domain.builder import SkillBody, build, validate_checkpoint
@@ -165,6 +167,31 @@ def test_a_knowledge_passages_attributes_are_one_line_on_the_pure_path_too() -> 
     v = violations([f.user("u1", "a", 1)], knowledge=passages)
     assert list(v) == ["checkpoint.knowledge[0].id", "checkpoint.knowledge[1].source",
                        "checkpoint.knowledge[2].source"]
+
+
+def test_a_plans_envelope_attributes_are_one_line_on_the_pure_path_too() -> None:
+    """A tool's server (the index entry's source, row 6) and the snapshot's id (row 8): the
+    pure drafts refuse what the API refuses, a line break or a bidi override in either."""
+    from context_engine.domain.canonical import session_key
+    from context_engine.domain.model import MemoryItem, MemorySnapshot
+    from context_engine.domain.plan import draft_pinned, redraft
+
+    bad = MemorySnapshot(snapshot_id="s\u2028\u202e1", items=(MemoryItem(id="m", text="t"),))
+    i = f.inputs(tool_call=True, deferred=("mail.send",), catalog=(
+        f.tool("web.fetch", server="web"), f.tool("mail.send", server="srv\u2028\u202eevil")),
+                 snapshot=bad)
+    with pytest.raises(InvalidInput) as exc:
+        f.draft(i)
+    assert [v.field for v in exc.value.violations] == ["tool_catalog[1].server",
+                                                       "memory_snapshot.snapshot_id"]
+    good = f.inputs()
+    key, est = session_key(good.tenant_id, good.session_id), f.estimator(good.model)
+    pinned = f.draft(good).spec
+    for draft in (lambda: draft_pinned(replace(good, memory_snapshot=bad), pinned, key, est),
+                  lambda: redraft(pinned, key, est, snapshot=bad)):
+        with pytest.raises(InvalidInput) as exc:
+            draft()
+        assert [v.field for v in exc.value.violations] == ["memory_snapshot.snapshot_id"]
 
 
 def test_build_rejects_a_malformed_checkpoint() -> None:

@@ -26,6 +26,7 @@ from context_engine.domain.estimator import (
 )
 from context_engine.domain.items import (
     INDEX_HEADER,
+    ONE_LINE_RULE,
     AgentInstructions,
     ContextItem,
     DeferredToolIndex,
@@ -39,6 +40,7 @@ from context_engine.domain.items import (
     assemble,
     declaration,
     index_line,
+    splits_line,
 )
 from context_engine.domain.model import (
     AgentSpec,
@@ -429,7 +431,25 @@ class PlanDraft:
         return sum(c.tokens for c in self.classes)
 
 
+def attribute_violations(inputs: PlanInputs) -> list[FieldViolation]:
+    """Values the prefix renders as an envelope's attributes (a tool's server in the index,
+    row 6; the snapshot's id, row 8) that would break or reorder its line (``splits_line``).
+    The API refuses them with the rest of a request's violations; checked here too, so the
+    pure path renders no such prefix either."""
+    found = [FieldViolation(f"tool_catalog[{i}].server", ONE_LINE_RULE)
+             for i, tool in enumerate(inputs.tool_catalog) if splits_line(tool.server)]
+    return found + _snapshot_violations(inputs.memory_snapshot, "memory_snapshot")
+
+
+def _snapshot_violations(snapshot: MemorySnapshot, field: str) -> list[FieldViolation]:
+    return ([FieldViolation(f"{field}.snapshot_id", ONE_LINE_RULE)]
+            if splits_line(snapshot.snapshot_id) else [])
+
+
 def draft_plan(inputs: PlanInputs, session_key: str, estimator: TokenEstimator) -> PlanDraft:
+    violations = attribute_violations(inputs)
+    if violations:
+        raise InvalidInput(violations)
     spec = make_spec(inputs, estimator, session_key)
     rendered = render_prefix(spec, session_key)
     return PlanDraft(spec=spec, rendered=rendered,
@@ -446,6 +466,9 @@ def draft_pinned(inputs: PlanInputs, pinned: PlanSpec, session_key: str,
     kept whole are held (``measure_prefix``), as an explicit rotation holds them: a plan an
     older builder counted lower never fails a cap here. Everything else is measured afresh:
     caps fail, never truncate."""
+    violations = _snapshot_violations(inputs.memory_snapshot, "memory_snapshot")
+    if violations:  # the pinned tools were checked when they were pinned
+        raise InvalidInput(violations)
     spec = replace(
         pinned, builder_version=BUILDER_VERSION, assets=inputs.assets, agent=inputs.agent,
         persona=inputs.persona, memory_snapshot=inputs.memory_snapshot, model=inputs.model,
@@ -536,6 +559,8 @@ def redraft(spec: PlanSpec, session_key: str, estimator: TokenEstimator, *,
     model kept, every class but a replaced snapshot holds the pinned plan's content or a part
     of it, counted with the same tokenizer: those are held (``measure_prefix``), so a
     revocation never fails on a cap, even on a plan an older builder counted lower."""
+    if snapshot is not None and (violations := _snapshot_violations(snapshot, "memory_snapshot")):
+        raise InvalidInput(violations)
     pinned_names = set(spec.tool_names) | set(spec.deferred_tool_names)
     unknown = [n for n in drop_tools if n not in pinned_names]
     if unknown:
