@@ -1981,7 +1981,10 @@ class BuildRequest(_message.Message):
     """0 means the current epoch."""
     estimator_factor: _builtins.float
     """Pins the estimator correction factor so a replay reproduces the bytes; absent uses the
-    model's reconciled factor (1.0 until ReportUsage has taught it one).
+    model's reconciled factor (1.0 until ReportUsage has taught it one). A factor below the
+    plan's floor is refused (INVALID_ARGUMENT): 1 / 1.3 where the count approximates the
+    model's own tokenizer (Claude, Gemini), 0.5 otherwise; an earlier release answered
+    factors down to 0.5 for every model, and those do not replay.
     """
     provider_format: Global___ProviderFormat.ValueType
     """Also render the request as a provider body (provider_body_json in the response).
