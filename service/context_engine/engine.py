@@ -81,6 +81,7 @@ from context_engine.domain.plan import (
     redraft,
     render_prefix,
     rotation_reason_for,
+    uncounted_framing,
 )
 from context_engine.domain.ports import (
     CalibrationStore,
@@ -1070,7 +1071,9 @@ class Engine:
         # An exact prefix count (the model's own tokenizer) is not scaled and carries no error:
         # the body absorbs all of it. An approximate one was scaled with the body, so the
         # factor comes from the observed ratio over the whole estimate.
-        fixed = loaded.plan.prefix_tokens if prefix_exact(spec) else 0
+        # (with the framing the Build counted beside a plan's stored count)
+        fixed = (loaded.plan.prefix_tokens + uncounted_framing(spec, self.plan_estimator(spec))
+                 if prefix_exact(spec) else 0)
 
         def apply(current: Calibration | None) -> Reconciled:
             if too_big:  # raised in the transaction: nothing is written

@@ -477,3 +477,23 @@ def test_the_prefix_ceiling_grants_only_what_held_classes_are_over(
     with pytest.raises(PrefixClassOverCap) as exc:
         redraft(spec, key, est, drop_tools=("small",))
     assert exc.value.class_name == "prefix" and exc.value.tokens == d.prefix_tokens
+
+
+def test_a_plans_document_says_whether_its_count_holds_the_leading_turn() -> None:
+    """A plan measured before the leading user turn was counted has no word of it in its
+    document (the row a release before wrote, ``builder3_plan.json``): read back, it does not
+    count the turn, and its Builds count it beside (``uncounted_framing``). A plan drafted now
+    says it does, and keeps saying so through its document."""
+    import json
+    from pathlib import Path
+
+    from context_engine.domain.plan import PlanSpec, uncounted_framing
+
+    row = json.loads((Path(__file__).parents[1] / "integration" / "builder3_plan.json")
+                     .read_text("utf-8"))
+    before = PlanSpec.from_canonical(json.loads(row["spec_text"]))
+    estimator = f.estimator(before.model)
+    assert not before.counts_leading_turn and uncounted_framing(before, estimator) > 0
+    now = f.draft(f.inputs()).spec
+    assert now.counts_leading_turn and uncounted_framing(now, estimator) == 0
+    assert PlanSpec.from_canonical(json.loads(now.canonical_json())).counts_leading_turn

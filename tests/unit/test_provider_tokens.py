@@ -354,7 +354,7 @@ def test_a_history_that_begins_with_the_models_turn_counts_the_line_that_opens_i
     if pinned_by != "current":  # what builder@3 stored: the same plan, counted without the turn
         turn = estimator.message(plans._LEADING_TURN)
         assert turn > 0
-        old = replace(lp.plan, spec=replace(lp.plan.spec,
+        old = replace(lp.plan, spec=replace(lp.plan.spec, counts_leading_turn=False,
                                             builder_version="context-engine-builder@3"),
                       prefix_tokens=lp.plan.prefix_tokens - turn)
         lp = replace(lp, plan=old)

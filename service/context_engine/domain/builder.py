@@ -79,7 +79,6 @@ from context_engine.domain.plan import (
     ContextPlan,
     PlanSpec,
     RenderedPrefix,
-    folded_before,
     render_prefix,
     uncounted_framing,
 )
@@ -931,16 +930,15 @@ def load_plan(plan: ContextPlan) -> LoadedPlan:
     writer's hash-seed order) renders the same bytes: it is served under its recorded hash
     and marked ``legacy``, and the next Plan canonicalizes it (prefix_hash_canonicalized).
 
-    A plan a builder before @4 pinned may hold envelope content that builder escaped with its
-    own fold (``folded_before``): re-rendered with that fold, it is served as it was pinned
-    (the provider's cache holds those bytes) until the next Plan rotates it
-    (builder_changed)."""
+    A plan a builder before @4 pinned, or a replica of such a release rotated whatever its
+    label says, may hold envelope content escaped with that builder's fold: re-rendered with
+    that fold, it is served as it was pinned (the provider's cache holds those bytes) until a
+    rotation renders it anew (builder_changed at the next Plan, for a plan labelled older)."""
     key = session_key(plan.tenant_id, plan.session_id)
     rendered = render_prefix(plan.spec, key)
     if rendered.prefix_sha256 == plan.prefix_sha256:
         return LoadedPlan(plan=plan, rendered=rendered, session_key=key)
-    folds = (False, True) if folded_before(plan.spec) else (False,)
-    for legacy_fold in folds:
+    for legacy_fold in (False, True):
         for recorded in ((None, plan.recorded) if plan.recorded is not None else (None,)):
             if recorded is None and not legacy_fold:
                 continue  # rendered above

@@ -77,10 +77,11 @@ from context_engine.domain.trust import Region, TrustLevel
 # session rotates once with builder_changed at its next Plan). @3: a tool's name, a call's
 # arguments and a reasoning payload are counted in their costliest sent form. @4: envelope
 # escaping folds look-alikes before lower-casing too, and the platform policy's count holds the
-# leading user turn some bodies open with; a plan an older builder pinned is re-rendered with
-# its fold (builder.load_plan) and its Builds count the turn beside it (``uncounted_framing``).
+# leading user turn some bodies open with. Neither is read from the label, which a replica of
+# an older release keeps when it rotates a newer plan: a prefix whose hash its bytes miss is
+# re-rendered with the older fold (builder.load_plan), and a plan whose document does not say
+# it counts the turn has it counted beside its count (``uncounted_framing``).
 BUILDER_VERSION = "context-engine-builder@4"
-_FOURTH = "context-engine-builder@4"
 PREFIX_CEILING = 22_000
 TTL_DEFAULT = "5m"
 TTL_SCHEDULED = "1h"
@@ -147,6 +148,10 @@ class PlanSpec:
     tokenizer: str  # label of what measured the prefix
     encoding: str  # the encoding actually loaded: Build counts with exactly this
     estimator_factor: float  # the model's base factor times any fallback factor
+    # Whether the stored count holds the leading user turn (``uncounted_framing``): False for
+    # a plan from before it was counted, and for one a replica of such a release rotated (its
+    # documents leave out what it does not know).
+    counts_leading_turn: bool = True
 
     def canonical(self) -> dict[str, Any]:
         return {
@@ -170,6 +175,7 @@ class PlanSpec:
             "tokenizer": self.tokenizer,
             "encoding": self.encoding,
             "estimator_factor": self.estimator_factor,
+            "counts_leading_turn": self.counts_leading_turn,
         }
 
     @classmethod
@@ -197,6 +203,7 @@ class PlanSpec:
             tokenizer=d["tokenizer"],
             encoding=d["encoding"],
             estimator_factor=d["estimator_factor"],
+            counts_leading_turn=d.get("counts_leading_turn", False),
         )
 
     def canonical_json(self) -> str:
@@ -269,8 +276,8 @@ def render_prefix(spec: PlanSpec, session_key: str, *,
     ``recorded`` is a stored plan document: its tool specifications then enter the hash as
     they were recorded (a legacy plan may hold scope sets in its writer's iteration order),
     which is how a legacy hash is recognised. The rendered bytes are the same either way.
-    ``legacy_fold``: envelopes escaped as builders before @4 escaped them (``folded_before``),
-    to re-render a plan one of them pinned."""
+    ``legacy_fold``: envelopes escaped as builders before @4 escaped them, to re-render a
+    plan one of them pinned or rotated."""
     ctx = RenderContext(session_key=session_key, legacy_fold=legacy_fold)
     blocks: list[PrefixBlock] = []
     tools: tuple[ToolDefinition, ...] = ()
@@ -312,17 +319,11 @@ def tool_cost(tool: ToolSpec, estimator: TokenEstimator) -> int:
 _LEADING_TURN = Message(row=9, role=Role.USER, trust=TrustLevel.PLATFORM, text=LEADING_USER_TEXT)
 
 
-def folded_before(spec: PlanSpec) -> bool:
-    """Whether a builder before @4 pinned ``spec``: its envelopes lower-cased look-alikes
-    before folding them, and its platform policy's count left out the leading user turn."""
-    return is_older(spec.builder_version, _FOURTH)
-
-
 def uncounted_framing(spec: PlanSpec, estimator: TokenEstimator) -> int:
     """Request framing a pinned plan's stored count leaves out and every Build of it must
-    count: the leading user turn, for a plan a builder before @4 measured (a Build may send
-    the turn whichever builder pinned the plan)."""
-    return estimator.message(_LEADING_TURN) if folded_before(spec) else 0
+    count: the leading user turn, for a plan measured before it was counted
+    (``PlanSpec.counts_leading_turn``; a Build may send the turn whatever measured the plan)."""
+    return 0 if spec.counts_leading_turn else estimator.message(_LEADING_TURN)
 
 
 def request_framing(rendered: RenderedPrefix) -> int:
@@ -470,7 +471,8 @@ def draft_pinned(inputs: PlanInputs, pinned: PlanSpec, session_key: str,
     if violations:  # the pinned tools were checked when they were pinned
         raise InvalidInput(violations)
     spec = replace(
-        pinned, builder_version=BUILDER_VERSION, assets=inputs.assets, agent=inputs.agent,
+        pinned, builder_version=BUILDER_VERSION, counts_leading_turn=True,
+        assets=inputs.assets, agent=inputs.agent,
         persona=inputs.persona, memory_snapshot=inputs.memory_snapshot, model=inputs.model,
         session_kind=inputs.session_kind,
         cache_ttl=cache_ttl_for(inputs.session_kind),
@@ -576,7 +578,11 @@ def redraft(spec: PlanSpec, session_key: str, estimator: TokenEstimator, *,
                   and not (t.name == TOOL_CALL and not deferred))  # nothing left to call
     # the catalog is advertised only where skill.load is defined (as a first draft does)
     catalog = spec.skill_catalog if any(t.name == SKILL_LOAD for t in tools) else ()
-    new = replace(spec, tools=tools, deferred=deferred, skill_catalog=catalog,
+    # Measured by this builder, so its count holds the leading turn; the builder version stays
+    # the pinned plan's: what it holds was selected under that builder's rules, which the next
+    # Plan applies anew (builder_changed) when they are older.
+    new = replace(spec, counts_leading_turn=True,
+                  tools=tools, deferred=deferred, skill_catalog=catalog,
                   model=model or spec.model,
                   memory_snapshot=spec.memory_snapshot if snapshot is None else snapshot,
                   tokenizer=estimator.tokenizer, encoding=estimator.encoding,
