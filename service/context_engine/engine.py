@@ -607,7 +607,9 @@ class Engine:
         stale = loaded.plan
         with child(self._tracer, "context_engine.plan.render",
                    attributes={"context_engine.render.source": "canonicalize"}):
-            rendered = render_prefix(stale.spec, loaded.session_key)
+            # the bytes as served: with the fold they were escaped with
+            rendered = render_prefix(stale.spec, loaded.session_key,
+                                     legacy_fold=loaded.legacy_fold)
 
         def decide(locked: ContextPlan | None) -> Rotation | None:
             if locked is None:  # erased since it was read: Plan opens it anew
@@ -1071,8 +1073,10 @@ class Engine:
         # An exact prefix count (the model's own tokenizer) is not scaled and carries no error:
         # the body absorbs all of it. An approximate one was scaled with the body, so the
         # factor comes from the observed ratio over the whole estimate.
-        # (with the framing the Build counted beside a plan's stored count)
-        fixed = (loaded.plan.prefix_tokens + uncounted_framing(spec, self.plan_estimator(spec))
+        # (with the framing the Build counted beside a plan's stored count; the tokenizer is
+        # asked for only then)
+        fixed = ((loaded.plan.prefix_tokens if spec.counts_leading_turn else
+                  loaded.plan.prefix_tokens + uncounted_framing(spec, self.plan_estimator(spec)))
                  if prefix_exact(spec) else 0)
 
         def apply(current: Calibration | None) -> Reconciled:

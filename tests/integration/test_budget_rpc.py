@@ -591,3 +591,21 @@ def test_a_usage_retry_after_a_model_routed_rotation_names_the_model_it_was_coun
     retry = stub.ReportUsage(report)
     assert not retry.counted and retry.correction_factor == first.correction_factor
     assert retry.model_id == "claude-sonnet-4-5"
+
+
+def test_report_usage_asks_for_no_tokenizer_where_the_plan_counts_its_framing(
+        server, stub, ids, db, monkeypatch):
+    """Reconciliation adds the leading turn to an exact prefix's count only for a plan whose
+    count leaves it out, and only then asks for the plan's tokenizer: a plan pinned now
+    reconciles without it (asked for on every report, a replica without the encoding refused
+    them all, and loading it costs milliseconds on the event loop)."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-4o")))
+    est = stub.Build(build_request(tenant, session)).estimated_input_tokens
+
+    def unavailable(spec):  # type: ignore[no-untyped-def]
+        raise AssertionError("the tokenizer was asked for")
+
+    monkeypatch.setattr(server.running.engine, "plan_estimator", unavailable)
+    up = stub.ReportUsage(_report(tenant, session, "r1", est, int(est * 1.1)))
+    assert up.counted and up.correction_factor > 1.0

@@ -177,6 +177,7 @@ class LoadedPlan:
     rendered: RenderedPrefix
     session_key: str
     legacy: bool = False  # verified under its recorded (non-canonical) hash
+    legacy_fold: bool = False  # its envelopes escaped with the fold of builders before @4
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -945,5 +946,5 @@ def load_plan(plan: ContextPlan) -> LoadedPlan:
             legacy = render_prefix(plan.spec, key, recorded=recorded, legacy_fold=legacy_fold)
             if legacy.prefix_sha256 == plan.prefix_sha256:
                 return LoadedPlan(plan=plan, rendered=legacy, session_key=key,
-                                  legacy=recorded is not None)
+                                  legacy=recorded is not None, legacy_fold=legacy_fold)
     raise PrefixHashMismatch(plan.prefix_sha256, rendered.prefix_sha256, plan.epoch)
