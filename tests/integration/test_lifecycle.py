@@ -82,12 +82,23 @@ class OwnDatabase:
 
 @pytest.fixture
 def own(direct_database_url: str, database_url: str) -> Iterator[OwnDatabase]:
-    """A migrated database of the test's own: its clocks move days and drop partitions."""
+    """A migrated database of the test's own: its clocks move days and drop partitions.
+
+    The migration makes today's partitions by the database's clock and the replicas start
+    from the wall clock read after it: a run that began in the last minutes of a UTC day
+    would find one day apart from the other, so it waits for the day to turn first."""
+    left = (midnight(datetime.now(UTC).date() + timedelta(days=1))
+            - datetime.now(UTC)).total_seconds()
+    if left < MIDNIGHT_GUARD_SECONDS:
+        time.sleep(left + 2)
     name = run(create_database(direct_database_url, "ce_lifecycle"))
     direct = with_database(direct_database_url, name)
     run(migrate(direct, REPO / "migrations"))
     yield OwnDatabase(direct=direct, pooled=with_database(database_url, name))
     run(drop_database(direct_database_url, name))
+
+
+MIDNIGHT_GUARD_SECONDS = 180  # longer than the tests of this file take, with their fixtures
 
 
 def lifecycle_config() -> Config:
