@@ -497,6 +497,9 @@ class Engine:
 
     async def plan(self, cmd: PlanCommand) -> tuple[ContextPlan, bool]:
         current = await self._store.get(cmd.tenant_id, cmd.session_id)
+        # served with an older builder's escaping whatever its label says (a replica of that
+        # release rotated it): drafted anew, as a builder change
+        escaped_before = False
         if current is not None and cmd.reason_to_rotate(current.spec, self._assets) is None:
             # Pinned: tools, scopes and snapshot are not even re-resolved (a revocation is
             # enforced at call time, never by rewriting the prefix).
@@ -505,15 +508,18 @@ class Engine:
                                            incarnation=current.incarnation)
             except SessionNotFound:
                 loaded = None  # erased since it was read: opened anew below
-            if loaded is not None:  # (planned again meanwhile: the response reads that plan)
-                if loaded.legacy:
-                    try:
-                        return await self._canonicalize(loaded)
-                    except _ErasedMeanwhile:
-                        pass  # opened anew below
-                else:
-                    return current, False
-            current = None
+            # (planned again meanwhile: the response reads that plan)
+            if loaded is None:
+                current = None
+            elif loaded.legacy_fold:
+                escaped_before = True
+            elif loaded.legacy:
+                try:
+                    return await self._canonicalize(loaded)
+                except _ErasedMeanwhile:
+                    current = None  # opened anew below
+            else:
+                return current, False
 
         profile = self._catalog.resolve(
             cmd.model.model_id, context_window=cmd.model.context_window,
@@ -566,7 +572,9 @@ class Engine:
 
         def decide(locked: ContextPlan | None) -> Rotation | None:
             reason = (SESSION_OPENED if locked is None
-                      else cmd.reason_to_rotate(locked.spec, self._assets))
+                      else cmd.reason_to_rotate(locked.spec, self._assets)
+                      or ("builder_changed" if escaped_before
+                          and _epoch_of(locked) == _epoch_of(current) else None))
             if reason is None:
                 return None
             # Moved on since it was read (rotated by another replica, erased, or erased and

@@ -252,8 +252,9 @@ def test_a_plan_pinned_by_builder3_is_served_as_pinned_then_rotated_once(server,
 def test_a_plan_a_builder3_replica_rotated_under_a_newer_label_is_served(server, stub, db):
     """A replica of builder@3 keeps the label of the plan it rotates: during a rolling deploy
     a plan labelled @4 can hold that builder's bytes and count. The label is not what the
-    service goes by: the prefix is still re-rendered with the fold that matches its hash, and
-    no Plan rotates it for its builder (until another rotation renders it anew)."""
+    service goes by: the prefix is still re-rendered with the fold that matches its hash and
+    served as pinned, and the next Plan rotates it once, builder_changed, as a plan labelled
+    @3 would be."""
     old, request, now = _builder3_session(stub)
     tenant, session = old["tenant_id"], old["session_id"]
     document = json.loads(old["spec_text"])
@@ -265,7 +266,11 @@ def test_a_plan_a_builder3_replica_rotated_under_a_newer_label_is_served(server,
     server.running.engine.cache.clear()
     for _ in range(2):
         assert stub.Build(build_request(tenant, session)).prefix_sha256 == old["prefix_sha256"]
-        assert not stub.Plan(request).created
+    resp = stub.Plan(request)
+    assert resp.created and (resp.plan.epoch, resp.plan.reason) == (2, "builder_changed")
+    assert resp.plan.prefix_sha256 == now.prefix_sha256
+    assert not stub.Plan(request).created
+    assert stub.Build(build_request(tenant, session)).prefix_sha256 == now.prefix_sha256
 
 
 def test_a_legacy_plan_without_scope_hashes_rebuilds_once(server, stub, ids, db):

@@ -934,7 +934,7 @@ def load_plan(plan: ContextPlan) -> LoadedPlan:
     A plan a builder before @4 pinned, or a replica of such a release rotated whatever its
     label says, may hold envelope content escaped with that builder's fold: re-rendered with
     that fold, it is served as it was pinned (the provider's cache holds those bytes) until a
-    rotation renders it anew (builder_changed at the next Plan, for a plan labelled older)."""
+    rotation renders it anew (``legacy_fold``: the next Plan rotates it, builder_changed)."""
     key = session_key(plan.tenant_id, plan.session_id)
     rendered = render_prefix(plan.spec, key)
     if rendered.prefix_sha256 == plan.prefix_sha256:
