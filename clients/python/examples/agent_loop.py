@@ -344,7 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--token-stdin", action="store_true",
                         help="read the bearer token from one line of standard input (default: "
                              "env CE_TOKEN; none in dev mode)")
-    parser.add_argument("--tenant", default="demo")
+    parser.add_argument("--tenant", default=None,
+                        help="default: a new tenant (its reports teach the estimator factor "
+                             "of a tenant and model: a fixed one would be taught by every run)")
     parser.add_argument("--session", default=None, help="default: a new session")
     parser.add_argument("--estimator-factor", type=float, default=None,
                         help="pin the estimator factor (default: the model's reconciled one)")
@@ -358,9 +360,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not token:
             parser.error("no token on standard input")
     session = args.session or f"agent-loop-{uuid.uuid4().hex[:12]}"
+    tenant = args.tenant or f"demo-{uuid.uuid4().hex[:12]}"
     try:
         with Client(target=args.grpc_addr, token=token, timeout=30) as engine:
-            run(engine, args.tenant, session, args.estimator_factor, args.print_body)
+            run(engine, tenant, session, args.estimator_factor, args.print_body)
     except ContextEngineError as err:
         print(f"error: {err} {dict(err.metadata)}", file=sys.stderr)
         return 1
