@@ -348,6 +348,11 @@ def test_colliding_tool_names_are_rejected_clearly() -> None:
             render(r)
         assert "'a.b', 'a__b'" in str(err.value) and "'a__b'" in str(err.value)
         assert err.value.violations[0].field == "provider_format"
+        # the usual cause named: a call stored under the provider's form of a defined name
+        assert "'a__b' is already the provider's form of 'a.b'" in str(err.value)
+    with pytest.raises(p.ProviderFormatError) as err:
+        p.provider_tool_names(["a.b", "a..b"], mapping=lambda n: "x")
+    assert "already" not in str(err.value)  # neither is the provider's form of the other
 
 
 def test_a_replayed_call_colliding_with_a_definition_is_rejected() -> None:

@@ -95,9 +95,15 @@ def provider_tool_names(names: Iterable[str], provider_format: str = "", *,
                 "provider_format", f"tool name {ours!r} maps to {theirs!r}, which is not {rule}"))
     for theirs, ours_list in owners.items():
         if len(ours_list) > 1:
+            # the usual cause: a runtime stored the model's call under the provider's form
+            hint = (f" ({theirs!r} is already the provider's form of "
+                    + ", ".join(repr(n) for n in sorted(ours_list) if n != theirs)
+                    + ": a checkpoint holds tool names as the plan defines them, so a runtime "
+                    "maps the model's calls back before storing them)"
+                    if theirs in ours_list else "")
             violations.append(FieldViolation(
                 "provider_format", "tool names " + ", ".join(repr(n) for n in sorted(ours_list))
-                + f" all map to the provider name {theirs!r}"))
+                + f" all map to the provider name {theirs!r}" + hint))
     if violations:
         raise ProviderFormatError(provider_format, violations)
     return mapped
