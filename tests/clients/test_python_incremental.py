@@ -1302,3 +1302,14 @@ def test_a_delta_answering_a_whole_build_is_an_error_not_a_resend(kind):
     finally:
         srv.stop(0)
     assert replica.calls == 1 and stats == BuildStats()
+
+
+def test_build_stats_print_the_bytes_saved():
+    from context_engine_client import BuildStats
+
+    stats = BuildStats(builds=2, incremental=1, request_bytes=100, response_bytes=50,
+                       full_request_bytes=1_000, full_response_bytes=550)
+    assert stats.bytes_saved == 1_400
+    assert repr(stats) == ("BuildStats(builds=2, incremental=1, full_resends=0, "
+                           "request_bytes=100, response_bytes=50, full_request_bytes=1000, "
+                           "full_response_bytes=550, bytes_saved=1400)")

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from itertools import accumulate, chain
 from typing import Any, TypeVar
 
@@ -77,6 +77,10 @@ class BuildStats:
     def bytes_saved(self) -> int:
         return (self.full_request_bytes + self.full_response_bytes
                 - self.request_bytes - self.response_bytes)
+
+    def __repr__(self) -> str:  # printed, it shows the figure the counts are kept for
+        counts = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return f"BuildStats({counts}, bytes_saved={self.bytes_saved})"
 
 
 @dataclass
