@@ -74,6 +74,19 @@ class _Version(argparse.Action):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line. A reader that stops early (``| head``) ends it quietly, exit 1, as
+    Python's own advice for SIGPIPE has it: no traceback for a pipe closed by its reader."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # inside: a pipe closed meanwhile fails here, not at exit
+        return code
+    except BrokenPipeError:
+        # what is still buffered for stdout goes nowhere, not into a second error at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog=PROG)
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)

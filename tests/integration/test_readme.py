@@ -177,3 +177,19 @@ def test_architecture_names_only_paths_that_exist():
     assert len(named) >= 30, sorted(named)
     missing = sorted(p for p in named if not (REPO / p.rstrip("/")).exists())
     assert not missing, missing
+
+
+def test_a_reader_that_stops_early_ends_the_demo_quietly(server):
+    """``context-engine demo | head -3``: the reader is gone while the demo still prints (here
+    before it prints at all); it ends with status 1 and no traceback."""
+    session = f"pipe-{uuid.uuid4().hex[:8]}"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([str(Path(sys.executable).parent / "context-engine"), "demo",
+                               "--grpc-addr", server.address, "--session", session],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
