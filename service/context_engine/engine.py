@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -97,13 +97,7 @@ from context_engine.domain.ports import (
     SessionEraser,
     check_stored,
 )
-from context_engine.domain.provider_common import PROVIDER_TOOL_NAME
-from context_engine.domain.provider_formats import (
-    GEMINI_GENERATE_CONTENT,
-    gemini_tool_name,
-    provider_tool_name,
-)
-from context_engine.domain.provider_gemini import GEMINI_TOOL_NAME
+from context_engine.domain.providers import sent_name_violations
 from context_engine.domain.working_state import (
     Carried,
     Changes,
@@ -370,37 +364,6 @@ def snapshot_fence_key(session_id: str, epoch: int, run_id: str) -> str:
     if ":" not in session_id and len(key.encode()) <= 512:
         return key
     return "sha256:" + canonical_sha256([session_id, epoch, run_id])
-
-
-def sent_name_violations(names: Sequence[str], provider_format: str,
-                         catalog: Sequence[ToolSpec]) -> list[FieldViolation]:
-    """What a drafted plan's tool definitions (``names``, control tools included) break when
-    sent in ``provider_format``, the model's own: a name over the 64 characters the provider
-    takes once mapped (dots as "__"; Gemini's "_" before a leading digit, "-" or "."), or two
-    names that map to one. Every Build of the plan in that format would be unrenderable; a
-    Build asking another format is judged when it asks (PROVIDER_FORMAT_UNRENDERABLE)."""
-    if not provider_format:
-        return []
-    gemini = provider_format == GEMINI_GENERATE_CONTENT
-    sent, taken = ((gemini_tool_name, GEMINI_TOOL_NAME) if gemini
-                   else (provider_tool_name, PROVIDER_TOOL_NAME))
-    where = {t.name: i for i, t in enumerate(catalog)}
-    # the service's own tools first: a catalog name colliding with one is the one named
-    ordered = sorted(names, key=lambda n: (n in where, where.get(n, 0)))
-    mapped: dict[str, str] = {}
-    found = []
-    for name in ordered:
-        theirs = sent(name)
-        other = mapped.setdefault(theirs, name)
-        field = f"tool_catalog[{where[name]}].name" if name in where else "tool_catalog"
-        if other != name:
-            found.append(FieldViolation(field, f"{name!r} and {other!r} are the same tool name "
-                                        f"to {provider_format} ({theirs!r})"))
-        elif not taken.fullmatch(theirs):
-            found.append(FieldViolation(field, f"{name!r} is sent to {provider_format} as "
-                                        f"{theirs!r}, {len(theirs)} characters: over the 64 it "
-                                        "takes"))
-    return found
 
 
 def factor_floor(spec: PlanSpec) -> float:

@@ -318,7 +318,7 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
     tools = tuple(_tool(v, f"tool_catalog[{i}]", t) for i, t in enumerate(req.tool_catalog))
     v.unique("tool_catalog", (t.name for t in req.tool_catalog), "tool name")
     # (names as providers take them, two mapped to one among them: what the plan defines is
-    # checked in its model's own format once drafted, the engine's ``sent_name_violations``)
+    # checked in its model's own format once drafted, ``providers.sent_name_violations``)
     for i, scope in enumerate(req.principal_scopes):
         if not scope:
             v.add(f"principal_scopes[{i}]", "must not be empty")
@@ -443,8 +443,6 @@ _NAME_RULE = "must match [A-Za-z0-9_.-]{1,64} (what providers accept)"
 _ITEM_TRUST = {ceiling: {value: level for value, level in TRUST_FROM_PB.items()
                          if level.rank <= ceiling.rank}
                for ceiling in (TrustLevel.USER, TrustLevel.TRUSTED_CONFIGURATION)}
-
-
 
 
 def _bad_reference(value: str) -> bool:

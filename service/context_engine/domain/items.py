@@ -31,18 +31,18 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 # categories of the characters that break or hide part of a line: controls (C0, DEL, C1 such
-# as NEL), format characters (bidi controls, zero-width ones), line and paragraph separators
+# as NEL), format characters (bidi controls, zero-width ones), line and paragraph separators;
+# what ids may not hold
 _NOT_ONE_LINE = frozenset(("Cc", "Cf", "Zl", "Zp"))
-
 
 ONE_LINE_RULE = ("must be one line, without control characters (a tab aside), line or "
                  "paragraph separators, bidi embedding, override or isolate controls, tag "
                  "characters or annotation marks: it is an envelope's attribute")
-# what breaks an attribute's line or reorders it: controls but the tab, separators, and the
-# bidi embeddings, overrides and isolates (joiners, marks and soft hyphens are text: Persian
-# needs the zero-width non-joiner, an emoji family the joiner)
-# ... and what carries text unseen: the tag characters (text a reader does not see, a model
-# may read) and the interlinear annotation marks
+# what an envelope's attribute may not hold, fewer than an id: what breaks its line or
+# reorders it (controls but the tab, separators, bidi embeddings, overrides and isolates) and
+# what carries text unseen (tag characters, which a model may read, and the interlinear
+# annotation marks); joiners, marks and soft hyphens are text (Persian needs the zero-width
+# non-joiner, an emoji family the joiner)
 _SPLITS = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
                      "\ufff9-\ufffb\U000e0000-\U000e007f]")
 

@@ -43,7 +43,8 @@ from typing import Any
 from context_engine.domain.breakpoints import DEFAULT_TTL
 from context_engine.domain.builder import BuildResult
 from context_engine.domain.canonical import parse_json_object
-from context_engine.domain.errors import AssemblyError, InvalidInput
+from context_engine.domain.errors import AssemblyError, FieldViolation, InvalidInput
+from context_engine.domain.model import ToolSpec
 from context_engine.domain.provider_bedrock import bedrock_converse as bedrock_converse
 from context_engine.domain.provider_bedrock import validate_bedrock as validate_bedrock
 from context_engine.domain.provider_chat import (
@@ -79,6 +80,8 @@ from context_engine.domain.provider_common import (
 from context_engine.domain.provider_common import provider_schema as provider_schema
 from context_engine.domain.provider_common import provider_tool_name as provider_tool_name
 from context_engine.domain.provider_common import provider_tool_names as provider_tool_names
+from context_engine.domain.provider_formats import gemini_tool_name
+from context_engine.domain.provider_gemini import GEMINI_TOOL_NAME
 from context_engine.domain.provider_gemini import GeminiCachedContent as GeminiCachedContent
 from context_engine.domain.provider_gemini import gemini_cached_content as gemini_cached_content
 from context_engine.domain.provider_gemini import (
@@ -227,6 +230,40 @@ def render(result: BuildResult, provider_format: str) -> JSON:
     if problems:
         raise AssemblyError(f"rendered {provider_format} body is invalid: {problems}")
     return body
+
+
+# ----------------------------------------------------------------------------- plan time
+
+def sent_name_violations(names: Sequence[str], provider_format: str,
+                         catalog: Sequence[ToolSpec]) -> list[FieldViolation]:
+    """What a drafted plan's tool definitions (``names``, control tools included) break when
+    sent in ``provider_format``, the model's own: a name over the 64 characters the provider
+    takes once mapped (dots as "__"; Gemini's "_" before a leading digit, "-" or "."), or two
+    names that map to one. Every Build of the plan in that format would be unrenderable; a
+    Build asking another format is judged when it asks (PROVIDER_FORMAT_UNRENDERABLE)."""
+    if not provider_format:
+        return []
+    gemini = provider_format == GEMINI_GENERATE_CONTENT
+    sent, taken = ((gemini_tool_name, GEMINI_TOOL_NAME) if gemini
+                   else (provider_tool_name, PROVIDER_TOOL_NAME))
+    where = {t.name: i for i, t in enumerate(catalog)}
+    # the service's own tools first: a catalog name colliding with one is the one named
+    ordered = sorted(names, key=lambda n: (n in where, where.get(n, 0)))
+    mapped: dict[str, str] = {}
+    found = []
+    for name in ordered:
+        theirs = sent(name)
+        other = mapped.setdefault(theirs, name)
+        field = f"tool_catalog[{where[name]}].name" if name in where else "tool_catalog"
+        if other != name:
+            found.append(FieldViolation(field, f"{name!r} and {other!r} are the same tool name "
+                                        f"to {provider_format} ({theirs!r})"))
+        elif not taken.fullmatch(theirs):
+            found.append(FieldViolation(field, f"{name!r} is sent to {provider_format} as "
+                                        f"{theirs!r}, {len(theirs)} characters: over the 64 it "
+                                        "takes"))
+    return found
+
 
 
 # ----------------------------------------------------------------------------- validators
