@@ -29,7 +29,9 @@ from context_engine_client import (
     DEFAULT_TIMEOUT,
     FORMAT_NAMES,
     AsyncClient,
+    Cancelled,
     Client,
+    ClientClosed,
     ContextEngineError,
     DeadlineExceeded,
     FieldViolation,
@@ -63,7 +65,7 @@ def test_public_names_are_pinned():
         "DEFAULT_COMPACT_TIMEOUT", "DEFAULT_TIMEOUT", "FORMAT_NAMES", "Aborted", "AlreadyExists",
         "AnthropicMessagesBody",
         "AsyncClient", "BedrockConverseBody", "BuildStats", "Cancelled", "ChatCompletionsBody",
-        "Client",
+        "Client", "ClientClosed",
         "ContextEngineError", "DataLoss", "DeadlineExceeded", "FailedPrecondition",
         "FieldViolation", "GeminiCachedContentBodies", "GeminiGenerateContentBody", "Internal",
         "InvalidArgument", "NotFound", "OpenAIResponsesBody", "OutOfRange", "PermissionDenied",
@@ -82,9 +84,10 @@ def test_public_names_are_pinned():
     errors = [getattr(context_engine_client, n) for n in context_engine_client.__all__
               if isinstance(getattr(context_engine_client, n), type)
               and issubclass(getattr(context_engine_client, n), ContextEngineError)]
-    # one class per non-OK status code, each under the root
-    assert sorted(e.code.name for e in errors if e is not ContextEngineError) == sorted(
-        c.name for c in grpc.StatusCode if c is not grpc.StatusCode.OK)
+    # one class per non-OK status code, each under the root; ClientClosed is a Cancelled
+    assert sorted(e.code.name for e in errors if e not in (ContextEngineError, ClientClosed)
+                  ) == sorted(c.name for c in grpc.StatusCode if c is not grpc.StatusCode.OK)
+    assert ClientClosed.__mro__[1] is Cancelled
 
 
 def test_the_packaged_retry_policy_is_the_documented_one():
@@ -621,29 +624,107 @@ def test_a_service_config_may_retry_nothing(fake):
 
 
 def test_no_call_reaches_the_server_after_close(fake):
-    """A keyed write after close() fails as every call does, and opens no channel."""
+    """Every call after close(), a keyed write and a Build included, raises the client's own
+    typed error (a Cancelled) and opens no channel; nothing reaches the server."""
     state, target = fake
     engine = Client(target=target)
+    engine.build(request=pb.BuildRequest(tenant_id="t", session_id="s"))
+    state.calls.clear()
+    stats = engine.build_stats
     engine.close()
-    with pytest.raises(ValueError) as plain:
-        engine.plan(request=pb.PlanRequest(tenant_id="t"))
-    with pytest.raises(ValueError) as keyed:
-        engine.rotate(request=pb.RotateRequest(tenant_id="t", idempotency_key="k"))
-    assert str(keyed.value) == str(plain.value)
+    for name, call in [*IDEMPOTENT.items(), *((n, lambda c, k=k: k(c, "key"))
+                                              for n, k in KEYED.items())]:
+        with pytest.raises(ClientClosed, match="the client is closed") as raised:
+            call(engine)
+        assert isinstance(raised.value, Cancelled), name
+        assert raised.value.code is grpc.StatusCode.CANCELLED and raised.value.reason == ""
     assert state.calls == {} and engine._keyed is None
+    assert engine.build_stats == stats, "a refused Build moved nothing"
 
     async def scenario() -> None:
         engine = AsyncClient(target=target)
         await engine.close()
-        with pytest.raises(Exception) as plain:
-            await engine.plan(request=pb.PlanRequest(tenant_id="t"))
-        with pytest.raises(Exception) as keyed:
-            await engine.compact(request=pb.CompactRequest(tenant_id="t", idempotency_key="k"))
-        assert type(keyed.value) is type(plain.value) and str(keyed.value) == str(plain.value)
+        for _name, call in [*IDEMPOTENT.items(), *((n, lambda c, k=k: k(c, "key"))
+                                                  for n, k in KEYED.items())]:
+            with pytest.raises(ClientClosed):
+                await call(engine)
         assert engine._keyed is None
 
     asyncio.run(scenario())
     assert state.calls == {}
+
+
+def test_a_client_closed_by_another_thread_as_a_call_is_made_raises_the_same_error(fake,
+                                                                                  monkeypatch):
+    """close() from another thread after the client's own check: grpc's error (ValueError)
+    is raised as ClientClosed, and a keyed write opens no channel. (AsyncClient awaits
+    nothing between its check and the call, so close() cannot come between them.)"""
+    state, target = fake
+    for call in (lambda c: c.get_plan(request=pb.GetPlanRequest(tenant_id="t")),
+                 lambda c: c.rotate(request=pb.RotateRequest(tenant_id="t",
+                                                             idempotency_key="k"))):
+        engine = Client(target=target)
+        stub = engine._stub
+
+        def closing(method: str, request: Message, engine: Client = engine,
+                    stub: Any = stub) -> Any:
+            engine.close()
+            return stub(method, request)
+
+        monkeypatch.setattr(engine, "_stub", closing)
+        with pytest.raises(ClientClosed, match="nothing was sent"):
+            call(engine)
+        assert state.calls == {} and engine._keyed is None
+
+
+def test_a_call_in_flight_when_the_client_closes_raises_client_closed(fake):
+    """close() cancels the calls in flight: each raises ClientClosed saying it may have
+    reached the service (not grpc's CANCELLED, and on AsyncClient not the caller's own
+    asyncio.CancelledError); a task its caller cancels is still cancelled."""
+    state, target = fake
+    state.delay = 1.0
+    engine = Client(target=target)
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            engine.get_plan(request=pb.GetPlanRequest(tenant_id="t"))
+        except BaseException as err:
+            raised.append(err)
+
+    def started(name: str) -> None:
+        limit = time.monotonic() + 5
+        while not state.calls.get(name) and time.monotonic() < limit:
+            time.sleep(0.01)
+        assert state.calls.get(name), "the call never reached the server"
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    started("GetPlan")
+    engine.close()
+    thread.join(5)
+    assert len(raised) == 1 and type(raised[0]) is ClientClosed, raised
+    assert "during the call" in str(raised[0])
+
+    async def scenario() -> None:
+        engine = AsyncClient(target=target)
+        task = asyncio.ensure_future(engine.plan(request=pb.PlanRequest(tenant_id="t")))
+        while not state.calls.get("Plan"):
+            await asyncio.sleep(0.01)
+        await engine.close()
+        with pytest.raises(ClientClosed, match="during the call"):
+            await task
+
+        engine = AsyncClient(target=target)
+        mine = asyncio.ensure_future(engine.build(request=pb.BuildRequest(tenant_id="t")))
+        while not state.calls.get("Build"):
+            await asyncio.sleep(0.01)
+        mine.cancel()
+        await engine.close()
+        with pytest.raises(asyncio.CancelledError):
+            await mine
+
+    asyncio.run(scenario())
 
 
 def test_compact_waits_on_a_summarizer_so_its_default_deadline_is_longer(fake):

@@ -283,16 +283,24 @@ export class ContextEngineClient {
     });
   }
 
-  /** Closes the channels; calls in flight fail with `CANCELLED`. */
+  /**
+   * Closes the channels; calls in flight fail with `CANCELLED`, and every call after it
+   * rejects with a `CANCELLED` {@link ContextEngineError} without sending anything.
+   */
   close(): void {
     this.closed = true;
     this.channel.close();
     this.keyedChannel?.close();
   }
 
+  /** What a call made after close() rejects with: the typed error, nothing sent. */
+  private closedError(method: string): ContextEngineError {
+    return new ContextEngineError({ code: grpc.status.CANCELLED, method,
+      details: "the client is closed: nothing was sent" });
+  }
+
   private channelFor(method: string, request: { idempotencyKey?: string }): grpc.Client {
-    // after close() a keyed write fails on the closed channel, as every call does
-    if (!KEYED_METHODS.includes(method) || !request.idempotencyKey || this.closed) {
+    if (!KEYED_METHODS.includes(method) || !request.idempotencyKey) {
       return this.channel;
     }
     this.keyedChannel ??= this.openKeyed();
@@ -301,6 +309,7 @@ export class ContextEngineClient {
 
   private async buildIncremental(builds: IncrementalBuilds, input: Input<BuildRequest>,
                                  options: CallOptions): Promise<BuildResponse> {
+    if (this.closed) throw this.closedError("Build");  // before the session's last Build is read
     const request = BuildRequest.fromPartial(input);
     if (request.baseBuildId !== "" || request.baseItemsKept !== 0) {
       return this.call(ContextEngineService.build, BuildRequest, request, options);
@@ -368,6 +377,8 @@ export class ContextEngineClient {
   private call<Req, Res>(definition: grpc.MethodDefinition<Req, Res>, type: Fills<Req>,
                          input: DeepPartial<Req>, options: CallOptions = {}): Promise<Res> {
     const method = definition.path.slice(definition.path.lastIndexOf("/") + 1);
+    // a keyed write too: no channel is opened after close()
+    if (this.closed) return Promise.reject(this.closedError(method));
     let request: Req;
     let deadline: number;
     try {

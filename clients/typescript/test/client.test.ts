@@ -270,7 +270,7 @@ describe("client behaviour", () => {
     assert.equal(calls.getPlan, 1, "a config without a retry policy retries nothing");
   });
 
-  test("after close() a keyed write fails as every call does and opens no channel", async () => {
+  test("after close() every call, a keyed write and a Build too, rejects CANCELLED and opens no channel", async () => {
     const closed = open();
     closed.close();
     const plain = await closed.getPlan({ tenantId: "t", sessionId: "s" }).then(
@@ -278,10 +278,18 @@ describe("client behaviour", () => {
     const keyed = await closed.rotate({ tenantId: "t", sessionId: "s",
       reason: "ROTATION_REASON_OPERATOR", idempotencyKey: "k-closed" }).then(
       () => assert.fail("answered after close()"), (err: unknown) => err);
-    assert.ok(keyed instanceof Error && plain instanceof Error);
-    assert.equal(keyed.message, plain.message);
+    const build = await closed.build({ tenantId: "t", sessionId: "s" }).then(
+      () => assert.fail("answered after close()"), (err: unknown) => err);
+    for (const [err, method] of [[plain, "GetPlan"], [keyed, "Rotate"], [build, "Build"]]) {
+      assert.ok(err instanceof ContextEngineError, `${String(method)}: ${String(err)}`);
+      assert.equal(err.code, GrpcStatus.CANCELLED);
+      assert.equal(err.method, method);
+      assert.equal(err.details, "the client is closed: nothing was sent");
+      assert.equal(err.reason, "");
+    }
     assert.equal(calls.rotate, undefined, "nothing reached the server");
     assert.equal(calls.getPlan, undefined);
+    assert.equal(calls.build, undefined);
   });
 
   test("status details decode into reason, domain, metadata, violations, tool result, delay",

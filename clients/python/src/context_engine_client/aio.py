@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from types import TracebackType
@@ -33,7 +34,12 @@ from context_engine_client._incremental import (
 from context_engine_client._pb.context_engine.v1 import context_engine_pb2 as pb
 from context_engine_client._pb.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from context_engine_client._settings import settings
-from context_engine_client.errors import FailedPrecondition, from_rpc_error
+from context_engine_client.errors import (
+    CLOSED_DURING,
+    ClientClosed,
+    FailedPrecondition,
+    from_rpc_error,
+)
 
 Resp = TypeVar("Resp", bound=Message)
 
@@ -235,8 +241,6 @@ class AsyncClient:
 
     def _stub(self, method: str, request: Message) -> pb_grpc.ContextEngineAsyncStub:
         if method in KEYED and has_idempotency_key(request):
-            if self._closed:  # fails on the closed channel, as every call after close()
-                return self._stubs
             if self._keyed is None:  # opened on first use: most runtimes never need it
                 s = self._settings
                 if s.credentials is None:
@@ -251,6 +255,8 @@ class AsyncClient:
     async def _invoke(self, method: str, request: Message, response: type[Resp],
                       timeout: float | None, metadata: Metadata | None) -> Resp:
         check_request(method, request)
+        if self._closed:  # nothing awaits from here to the call: close() cannot come between
+            raise ClientClosed
         s = self._settings
         call: grpc.aio.UnaryUnaryMultiCallable[Message, Resp] = getattr(
             self._stub(method, request), method)
@@ -260,3 +266,10 @@ class AsyncClient:
                               metadata=merge_metadata(s.metadata, metadata))
         except grpc.RpcError as err:
             raise from_rpc_error(err) from err
+        except asyncio.CancelledError:
+            # close() cancels the calls in flight, which grpc raises as the caller's own
+            # cancellation; one that was not the caller's is the client's error
+            task = asyncio.current_task()
+            if self._closed and (task is None or not task.cancelling()):
+                raise ClientClosed(CLOSED_DURING) from None
+            raise

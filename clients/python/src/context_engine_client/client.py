@@ -34,7 +34,12 @@ from context_engine_client._incremental import (
 from context_engine_client._pb.context_engine.v1 import context_engine_pb2 as pb
 from context_engine_client._pb.context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from context_engine_client._settings import settings
-from context_engine_client.errors import FailedPrecondition, from_rpc_error
+from context_engine_client.errors import (
+    CLOSED_DURING,
+    ClientClosed,
+    FailedPrecondition,
+    from_rpc_error,
+)
 
 Resp = TypeVar("Resp", bound=Message)
 
@@ -252,6 +257,8 @@ class Client:
     def _invoke(self, method: str, request: Message, response: type[Resp],
                 timeout: float | None, metadata: Metadata | None) -> Resp:
         check_request(method, request)
+        if self._closed:  # another thread may close it from here on: see below and _stub
+            raise ClientClosed
         s = self._settings
         call: grpc.UnaryUnaryMultiCallable[Message, Resp] = getattr(self._stub(method, request),
                                                                    method)
@@ -259,4 +266,11 @@ class Client:
             return call(request, timeout=s.timeout if timeout is None else check_timeout(timeout),
                         metadata=merge_metadata(s.metadata, metadata))
         except grpc.RpcError as err:
+            if self._closed and isinstance(err, grpc.Call) and (
+                    err.code() is grpc.StatusCode.CANCELLED):
+                raise ClientClosed(CLOSED_DURING) from err
             raise from_rpc_error(err) from err
+        except ValueError:
+            if self._closed:  # closed after the check above; grpc's own error says the same
+                raise ClientClosed from None
+            raise

@@ -67,6 +67,18 @@ class Cancelled(ContextEngineError):
     code = grpc.StatusCode.CANCELLED
 
 
+CLOSED = "the client is closed: nothing was sent"
+CLOSED_DURING = "the client was closed during the call: it may have reached the service"
+
+
+class ClientClosed(Cancelled):
+    """A call made on a client after its ``close()`` (nothing was sent), or cancelled by it
+    while in flight (the message says which)."""
+
+    def __init__(self, message: str = CLOSED) -> None:
+        super().__init__(message)
+
+
 class Unknown(ContextEngineError):
     code = grpc.StatusCode.UNKNOWN
 
