@@ -90,6 +90,15 @@ def test_public_names_are_pinned():
     assert ClientClosed.__mro__[1] is Cancelled
 
 
+def test_a_reason_that_is_the_codes_own_name_is_said_once():
+    """Malformed input's reason is INVALID_ARGUMENT: the message does not repeat it."""
+    err = InvalidArgument("checkpoint.items[0].trust: unknown", reason="INVALID_ARGUMENT")
+    assert str(err) == "INVALID_ARGUMENT: checkpoint.items[0].trust: unknown"
+    assert err.reason == "INVALID_ARGUMENT"
+    assert str(NotFound("no such session", reason="SESSION_NOT_FOUND")) == (
+        "NOT_FOUND SESSION_NOT_FOUND: no such session")
+
+
 def test_the_packaged_retry_policy_is_the_documented_one():
     documented = (REPO / "clients" / "retry_service_config.json").read_bytes()
     packaged = (resources.files("context_engine_client") / "retry_service_config.json")

@@ -261,6 +261,31 @@ def test_agent_loop_example_reads_its_token_from_stdin_or_the_environment(
     assert "context-engine error UNAUTHENTICATED" in refused.stderr, refused.stderr[-2000:]
 
 
+def test_agent_loop_example_answers_help_and_a_bad_command_line_in_one_line(node: str) -> None:
+    """--help prints the usage (exit 0); an unknown option, a missing value, an unknown
+    format or an empty --token-stdin is one line on stderr and exit 2, no stack trace, and
+    nothing is sent (the address is unreachable)."""
+    example = "dist/examples/agent_loop.js"
+    env = client_env("127.0.0.1:1")
+    helped = subprocess.run([node, example, "--help"], cwd=PACKAGE, env=env,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: "), helped
+    assert "--print-body FORMAT" in helped.stdout and "bedrock_converse" in helped.stdout
+    for argv, stdin, said in (
+            (["--nope"], None, "Unknown option '--nope'"),
+            (["--tenant"], None, "--tenant"),
+            (["--print-body", "nope"], None, 'unknown provider format "nope"'),
+            (["--token-stdin"], "\n", "standard input has no token")):
+        done = subprocess.run([node, example, *argv], cwd=PACKAGE, env=env, input=stdin,
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 2, (argv, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and said in lines[0], (argv, done.stderr)
+        assert lines[0].startswith("context-engine-agent-loop: ") and lines[0].endswith(
+            "(see --help)"), lines
+        assert done.stdout == "", (argv, done.stdout)
+
+
 # The top-level keys each format's body has (tools, a system prompt, a user message).
 BODY_KEYS = {
     "anthropic_messages": {"model", "max_tokens", "system", "messages", "tools"},

@@ -233,18 +233,53 @@ async function readLine(): Promise<string> {
   }
 }
 
-async function main(): Promise<void> {
-  const { values: args } = parseArgs({ options: {
+const USAGE = `usage: context-engine-agent-loop [--grpc-addr HOST:PORT] [--tls] [--token-stdin]
+                                 [--tenant ID] [--session ID] [--print-body FORMAT]
+
+A multi-turn, tool-using agent session against a context-engine server, with a fake model.
+  --grpc-addr HOST:PORT  the server (default: CE_GRPC_ADDR, else 127.0.0.1:50051)
+  --tls                  TLS with the system roots (default: plaintext, as dev mode on loopback)
+  --token-stdin          read the bearer token from one line of standard input (else CE_TOKEN)
+  --tenant ID            the tenant (default: CE_TENANT_ID, else a fresh one)
+  --session ID           the session (default: CE_SESSION_ID, else a fresh one)
+  --print-body FORMAT    print the first Build's provider body: ${Object.keys(FORMAT_NAMES).join(", ")}
+`;
+
+/** A bad command line: one line and the exit status 2, no stack trace. */
+class UsageError extends Error {}
+
+function parseCommandLine(): ReturnType<typeof parseOptions> {
+  try {
+    return parseOptions();
+  } catch (err) {
+    // node's own parse errors (an unknown option, a missing value) carry an ERR_PARSE_ARGS code
+    if (err instanceof TypeError && String((err as { code?: unknown }).code)
+      .startsWith("ERR_PARSE_ARGS")) throw new UsageError(err.message);
+    throw err;
+  }
+}
+
+function parseOptions() {
+  return parseArgs({ options: {
     "grpc-addr": { type: "string" },
     "token-stdin": { type: "boolean", default: false },
     tenant: { type: "string" },
     session: { type: "string" },
     tls: { type: "boolean", default: false },
     "print-body": { type: "string" },
+    help: { type: "boolean", short: "h", default: false },
   } });
+}
+
+async function main(): Promise<void> {
+  const { values: args } = parseCommandLine();
+  if (args.help) {
+    process.stdout.write(USAGE);
+    return;
+  }
   const printBodyOf = args["print-body"];
   if (printBodyOf !== undefined && !Object.hasOwn(FORMAT_NAMES, printBodyOf)) {
-    throw new Error(`--print-body: unknown provider format ${JSON.stringify(printBodyOf)}: ` +
+    throw new UsageError(`--print-body: unknown provider format ${JSON.stringify(printBodyOf)}: ` +
       `one of ${Object.keys(FORMAT_NAMES).join(", ")}`);
   }
   const bodyFormat = printBodyOf as FormatName | undefined;
@@ -258,7 +293,9 @@ async function main(): Promise<void> {
   const sessionId = args.session ?? process.env.CE_SESSION_ID ??
     `agent-loop-${randomBytes(6).toString("hex")}`;
   const token = args["token-stdin"] ? (await readLine()).trim() : process.env.CE_TOKEN || undefined;
-  if (args["token-stdin"] && !token) throw new Error("--token-stdin: standard input has no token");
+  if (args["token-stdin"] && !token) {
+    throw new UsageError("--token-stdin: standard input has no token");
+  }
   const client = new ContextEngineClient({ target, deadlineMs: 20_000,
     ...(args.tls ? {} : { insecure: true }), ...(token ? { token } : {}) });
 
@@ -442,6 +479,11 @@ async function main(): Promise<void> {
 }
 
 main().catch((err: unknown) => {
+  if (err instanceof UsageError) {
+    console.error(`context-engine-agent-loop: ${err.message} (see --help)`);
+    process.exitCode = 2;
+    return;
+  }
   console.error(err);
   process.exitCode = 1;
 });

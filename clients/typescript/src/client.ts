@@ -274,12 +274,22 @@ export class ContextEngineClient {
     }
   }
 
-  /** Waits until the channel is connected, or rejects when the deadline passes. */
+  /**
+   * Waits until the channel is connected, or rejects with a `DEADLINE_EXCEEDED`
+   * {@link ContextEngineError} when the deadline passes (a `CANCELLED` one after `close()`).
+   */
   waitForReady(deadlineMs = this.deadlineMs): Promise<void> {
     return new Promise((resolve, reject) => {
       // a deadline that is no time rejects (RangeError), as a call's does
       const deadline = Date.now() + checkDeadlineMs(deadlineMs, MAX_WAIT_MS);
-      this.channel.waitForReady(deadline, (err) => (err ? reject(err) : resolve()));
+      if (this.closed) {
+        reject(this.closedError("waitForReady"));
+        return;
+      }
+      this.channel.waitForReady(deadline, (err) => (err
+        ? reject(new ContextEngineError({ code: grpc.status.DEADLINE_EXCEEDED,
+          method: "waitForReady", details: err.message, cause: err }))
+        : resolve()));
     });
   }
 

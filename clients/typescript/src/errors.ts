@@ -117,7 +117,9 @@ export class ContextEngineError extends Error {
   }) {
     const info = init.parsed?.errorInfo;
     const reason = info?.reason ?? "";
-    super(`${init.method}: ${codeName(init.code)}${reason ? ` ${reason}` : ""}: ${init.details}`,
+    // a reason that is the code's own name (malformed input's) is not said twice
+    const said = reason && reason !== codeName(init.code) ? ` ${reason}` : "";
+    super(`${init.method}: ${codeName(init.code)}${said}: ${init.details}`,
       init.cause === undefined ? undefined : { cause: init.cause });
     this.code = init.code;
     this.codeName = codeName(init.code);

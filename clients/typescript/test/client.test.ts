@@ -29,6 +29,7 @@ import {
   googleRpc,
   keyedServiceConfig,
   packagedServiceConfig,
+  parseStatusDetails,
   retryPolicyOf,
 } from "../src";
 
@@ -290,6 +291,43 @@ describe("client behaviour", () => {
     assert.equal(calls.rotate, undefined, "nothing reached the server");
     assert.equal(calls.getPlan, undefined);
     assert.equal(calls.build, undefined);
+  });
+
+  test("waitForReady rejects with the typed error: after close(), and at its deadline",
+    async () => {
+      const closed = open();
+      closed.close();
+      await assert.rejects(closed.waitForReady(5_000), (err: unknown) =>
+        err instanceof ContextEngineError && err.code === GrpcStatus.CANCELLED &&
+        err.method === "waitForReady" && err.details === "the client is closed: nothing was sent");
+      const nowhere = new ContextEngineClient({ target: "127.0.0.1:1", insecure: true });
+      try {
+        await assert.rejects(nowhere.waitForReady(200), (err: unknown) =>
+          err instanceof ContextEngineError && err.code === GrpcStatus.DEADLINE_EXCEEDED &&
+          err.method === "waitForReady" && err.cause instanceof Error);
+      } finally {
+        nowhere.close();
+      }
+    });
+
+  test("a reason that is the code's own name (malformed input's) is said once", () => {
+    const info = googleRpc.ErrorInfo.encode(googleRpc.ErrorInfo.fromPartial({
+      reason: "INVALID_ARGUMENT", domain: "context-engine" })).finish();
+    const bin = googleRpc.Status.encode(googleRpc.Status.fromPartial({
+      code: CODE.INVALID_ARGUMENT, message: "checkpoint.items[0].trust: unknown",
+      details: [googleRpc.Any.fromPartial({ typeUrl: "type.googleapis.com/google.rpc.ErrorInfo",
+        value: Buffer.from(info) })] })).finish();
+    const err = new ContextEngineError({ code: CODE.INVALID_ARGUMENT, method: "Build",
+      details: "checkpoint.items[0].trust: unknown", parsed: parseStatusDetails(bin) });
+    assert.equal(err.reason, "INVALID_ARGUMENT");
+    assert.equal(err.message, "Build: INVALID_ARGUMENT: checkpoint.items[0].trust: unknown");
+    const other = new ContextEngineError({ code: CODE.NOT_FOUND, method: "GetPlan",
+      details: "no such session", parsed: parseStatusDetails(googleRpc.Status.encode(
+        googleRpc.Status.fromPartial({ code: CODE.NOT_FOUND, details: [googleRpc.Any.fromPartial({
+          typeUrl: "type.googleapis.com/google.rpc.ErrorInfo",
+          value: Buffer.from(googleRpc.ErrorInfo.encode(googleRpc.ErrorInfo.fromPartial({
+            reason: "SESSION_NOT_FOUND" })).finish()) })] })).finish()) });
+    assert.equal(other.message, "GetPlan: NOT_FOUND SESSION_NOT_FOUND: no such session");
   });
 
   test("status details decode into reason, domain, metadata, violations, tool result, delay",

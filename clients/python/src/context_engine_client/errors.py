@@ -54,7 +54,7 @@ class ContextEngineError(Exception):
 
     def __str__(self) -> str:
         head = f"{self.code.name}"
-        if self.reason:
+        if self.reason and self.reason != head:  # malformed input's reason is the code's name
             head += f" {self.reason}"
         return f"{head}: {self.message}" if self.message else head
 
