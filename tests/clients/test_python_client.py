@@ -49,7 +49,7 @@ from context_engine_client import (
     provider_body,
     provider_format_name,
 )
-from context_engine_client._channel import keyed_service_config, retry_policy
+from context_engine_client._channel import is_loopback, keyed_service_config, retry_policy
 from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
@@ -775,6 +775,42 @@ def test_a_slow_answer_is_deadline_exceeded(fake):
 
     with pytest.raises(DeadlineExceeded):
         asyncio.run(scenario(lambda e: e.build(request=pb.BuildRequest(), timeout=0.05)))
+
+
+@pytest.mark.parametrize(("target", "local"), [
+    ("127.0.0.1:50051", True), ("127.8.9.10:1", True), ("localhost:50051", True),
+    ("LOCALHOST:1", True), ("[::1]:50051", True), ("dns:///localhost:50051", True),
+    ("dns:127.0.0.1:1", True), ("ipv4:127.0.0.1:1,127.0.0.2:2", True), ("ipv6:[::1]:5", True),
+    ("ipv6:::1", True), ("unix:/tmp/ce.sock", True), ("unix-abstract:ce", True),
+    ("127.0.0.1", True),
+    ("10.0.0.5:50051", False), ("0.0.0.0:50051", False), ("example.com:443", False),
+    ("dns:///example.com:443", False), ("localhost.example.com:1", False),
+    ("ipv4:127.0.0.1:1,10.0.0.1:2", False), ("[2001:db8::1]:443", False), ("dns:///", False),
+    ("128.0.0.1:1", False), ("[::ffff:10.0.0.1]:1", False)])
+def test_which_targets_are_on_this_machine(target, local):
+    assert is_loopback(target) is local
+
+
+def test_a_token_leaves_the_machine_in_plaintext_only_when_tls_false_says_so():
+    """Unset tls: plaintext, and a token to a target off this machine is refused before any
+    channel is made; tls=True or a certificate encrypts it; tls=False sends it as asked."""
+    with pytest.raises(ValueError, match=r"the token would travel in plaintext to "
+                                         r"10\.0\.0\.5:50051.*tls=True.*tls=False"):
+        Client(target="10.0.0.5:50051", token="s3cret")
+    for ok in ({"token": "s3cret", "tls": False}, {"token": "s3cret", "tls": True},
+               {"token": "s3cret", "root_certificates": b"-----BEGIN CERTIFICATE-----"},
+               {}, {"tls": False}):
+        Client(target="10.0.0.5:50051", **ok).close()
+    Client(target="127.0.0.1:50051", token="s3cret").close()
+    Client(target="unix:/tmp/ce.sock", token="s3cret").close()
+
+    async def scenario() -> None:
+        with pytest.raises(ValueError, match="the token would travel in plaintext"):
+            AsyncClient(target="example.com:443", token="s3cret")
+        await AsyncClient(target="example.com:443", token="s3cret", tls=False).close()
+        await AsyncClient(target="[::1]:50051", token="s3cret").close()
+
+    asyncio.run(scenario())
 
 
 def test_the_bearer_token_is_sent_on_every_call(fake):

@@ -101,6 +101,21 @@ def test_agent_loop_example_refuses_an_unknown_format():
     assert out.returncode == 2 and "invalid choice: 'gemini'" in out.stderr, out.stderr
 
 
+def test_agent_loop_example_sends_a_token_off_the_machine_only_as_asked():
+    """A token to another machine without --tls or --plaintext: one usage line, exit 2,
+    nothing sent. (10.255.255.1 is not contacted: the client refuses before any call.)"""
+    env = {**os.environ, "CE_TOKEN": "t0ken"}
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--grpc-addr", "10.255.255.1:50051"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2, out.stderr
+    assert "the token would travel in plaintext to 10.255.255.1:50051" in out.stderr
+    assert "pass --tls" in out.stderr and "or --plaintext" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    both = subprocess.run([sys.executable, str(EXAMPLE), "--tls", "--plaintext"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr, both.stderr
+
+
 def check_agent_loop_output(text: str) -> None:
     """What one run of the example must print (also run from an installed wheel)."""
     plan = re.search(r"^plan: epoch 1 prefix_sha256 ([0-9a-f]{64}) (\d+) tokens", text, re.M)

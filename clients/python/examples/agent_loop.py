@@ -13,7 +13,9 @@ returned them, and what the engine answers goes back to the model as that call's
 
 The server's address comes from ``--grpc-addr`` or ``CE_GRPC_ADDR``; a bearer token (none in
 dev mode) from ``CE_TOKEN`` or, with ``--token-stdin``, from one line of standard input. Tokens
-never go on the command line, where other users of the machine can read them.
+never go on the command line, where other users of the machine can read them. ``--tls``
+connects over TLS with the system roots; without it a token is sent only to this machine,
+unless ``--plaintext`` says otherwise.
 
 ``--print-body FORMAT`` (anthropic_messages, openai_responses, openai_chat_completions,
 gemini_generate_content, bedrock_converse) asks every ``Build`` for that provider's body and
@@ -344,6 +346,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--token-stdin", action="store_true",
                         help="read the bearer token from one line of standard input (default: "
                              "env CE_TOKEN; none in dev mode)")
+    transport = parser.add_mutually_exclusive_group()
+    transport.add_argument("--tls", dest="tls", action="store_const", const=True, default=None,
+                           help="TLS with the system roots")
+    transport.add_argument("--plaintext", dest="tls", action="store_const", const=False,
+                           help="plaintext even with a token to another machine (default: "
+                                "plaintext, a token only to this machine)")
     parser.add_argument("--tenant", default=None,
                         help="default: a new tenant (its reports teach the estimator factor "
                              "of a tenant and model: a fixed one would be taught by every run)")
@@ -362,7 +370,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     session = args.session or f"agent-loop-{uuid.uuid4().hex[:12]}"
     tenant = args.tenant or f"demo-{uuid.uuid4().hex[:12]}"
     try:
-        with Client(target=args.grpc_addr, token=token, timeout=30) as engine:
+        engine = Client(target=args.grpc_addr, token=token, tls=args.tls, timeout=30)
+    except ValueError as err:  # e.g. a token to another machine without --tls or --plaintext
+        parser.error(str(err).replace("tls=True", "--tls").replace("tls=False", "--plaintext"))
+    try:
+        with engine:
             run(engine, tenant, session, args.estimator_factor, args.print_body)
     except ContextEngineError as err:
         print(f"error: {err} {dict(err.metadata)}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import time
 from collections.abc import Sequence
@@ -134,7 +135,48 @@ def channel_options(*, config_text: str, max_message_bytes: int,
     return options
 
 
-def credentials(*, tls: bool, root_certificates: bytes | None,
+def is_loopback(target: str) -> bool:
+    """Whether every address ``target`` names is on this machine: a Unix socket, localhost, or
+    a loopback IP (``127.0.0.0/8``, ``::1``), with or without a ``dns:``/``ipv4:``/``ipv6:``
+    scheme. Anything else, a name resolved elsewhere included, is not."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return True
+    rest = target
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if rest.startswith(scheme):
+            rest = rest[len(scheme):]
+            break
+    if not rest:
+        return False
+    for address in rest.split(","):
+        if address.startswith("["):  # [v6]:port
+            host = address[1:address.find("]")] if "]" in address else ""
+        elif address.count(":") > 1:  # a bare IPv6 address (ipv6: scheme), no port
+            host = address
+        else:
+            host = address.rpartition(":")[0] if ":" in address else address
+        if host.lower() == "localhost":
+            continue
+        try:
+            if not ipaddress.ip_address(host).is_loopback:
+                return False
+        except ValueError:
+            return False
+    return True
+
+
+def check_token_transport(*, target: str, token: str | None, tls: bool | None,
+                          encrypted: bool) -> None:
+    """A token is sent in plaintext off this machine only when asked for by ``tls=False``:
+    left unset, ``tls`` means plaintext to a loopback target and refuses a token elsewhere."""
+    if token is not None and tls is None and not encrypted and not is_loopback(target):
+        raise ValueError(
+            f"the token would travel in plaintext to {target}, which is not on this machine: "
+            "pass tls=True (or a certificate) for TLS, or tls=False to send it in plaintext "
+            "deliberately (e.g. to a service-mesh sidecar that encrypts the hop)")
+
+
+def credentials(*, tls: bool | None, root_certificates: bytes | None,
                 client_certificate_chain: bytes | None,
                 client_private_key: bytes | None) -> grpc.ChannelCredentials | None:
     """Channel credentials, or None for plaintext. Any certificate turns TLS on; a client

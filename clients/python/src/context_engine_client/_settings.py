@@ -13,6 +13,7 @@ from context_engine_client._channel import (
     call_metadata,
     channel_options,
     check_timeout,
+    check_token_transport,
     credentials,
     keyed_service_config,
     retry_policy,
@@ -32,7 +33,7 @@ class Settings:
     policy: RetryPolicy | None  # None: the service config retries nothing
 
 
-def settings(*, target: str, token: str | None, tls: bool, root_certificates: bytes | None,
+def settings(*, target: str, token: str | None, tls: bool | None, root_certificates: bytes | None,
              client_certificate_chain: bytes | None, client_private_key: bytes | None,
              server_name: str | None, timeout: float, compact_timeout: float,
              max_message_bytes: int,
@@ -45,11 +46,14 @@ def settings(*, target: str, token: str | None, tls: bool, root_certificates: by
                               server_name=server_name)
     keyed = channel_options(config_text=keyed_service_config(config_text),
                             max_message_bytes=max_message_bytes, server_name=server_name)
+    channel_credentials = credentials(tls=tls, root_certificates=root_certificates,
+                                      client_certificate_chain=client_certificate_chain,
+                                      client_private_key=client_private_key)
+    check_token_transport(target=target, token=token, tls=tls,
+                          encrypted=channel_credentials is not None)
     return Settings(
         target=target,
-        credentials=credentials(tls=tls, root_certificates=root_certificates,
-                                client_certificate_chain=client_certificate_chain,
-                                client_private_key=client_private_key),
+        credentials=channel_credentials,
         options=(*options, *channel_options_extra),
         keyed_options=(*keyed, *channel_options_extra),
         metadata=call_metadata(token),

@@ -55,17 +55,20 @@ class Client:
     CarryWorkingState, DeleteSession) and, only when the request carries an idempotency key,
     for Rotate, Compact and ReportUsage.
 
-    ``tls`` (or any certificate) turns TLS on: ``root_certificates`` to trust (PEM; the system
-    roots when absent), ``client_certificate_chain`` and ``client_private_key`` for mutual TLS,
-    ``server_name`` to check the server's certificate against another name. ``service_config``
-    replaces the packaged retry policy (gRPC service config JSON).
+    ``tls=True`` (or any certificate) turns TLS on: ``root_certificates`` to trust (PEM; the
+    system roots when absent), ``client_certificate_chain`` and ``client_private_key`` for
+    mutual TLS, ``server_name`` to check the server's certificate against another name.
+    Without TLS the channel is plaintext; a ``token`` is then refused (``ValueError``) unless
+    the target is on this machine (loopback, a Unix socket) or ``tls=False`` says plaintext
+    is meant. ``service_config`` replaces the packaged retry policy (gRPC service config
+    JSON).
 
     ``incremental`` (on by default): :meth:`build` sends only the checkpoint items that changed
     since the session's last Build and reads the response back from its delta (see
     :attr:`build_stats`); what it holds is bounded by ``incremental_sessions`` sessions.
     """
 
-    def __init__(self, *, target: str, token: str | None = None, tls: bool = False,
+    def __init__(self, *, target: str, token: str | None = None, tls: bool | None = None,
                  root_certificates: bytes | None = None,
                  client_certificate_chain: bytes | None = None,
                  client_private_key: bytes | None = None, server_name: str | None = None,
