@@ -57,6 +57,10 @@ def test_workers_share_one_port_and_one_metrics_endpoint(database_url):
         workers = [r for r in server.log if r.get("event") == "worker_serving"]
         assert sorted(r["worker"] for r in workers) == ["0", "1"]
         assert {r["grpc"] for r in workers} == {server.address}
+        # a worker's line says nothing the supervisor's says (its database, its metrics)
+        # that would be wrong of the worker: the database it was handed, no endpoint of its own
+        assert sorted(r["pid"] for r in workers) == sorted(pids)
+        assert not {"database", "metrics", "data_dir"} & {k for r in workers for k in r}
 
         tenant = f"tenant-{uuid.uuid4().hex[:8]}"
         before = plan_count(scrape(server.metrics))

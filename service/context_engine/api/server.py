@@ -386,12 +386,15 @@ async def serve(config: Config) -> None:
     running = await start(config, database_url=database_url)
     host, _ = split_addr(config.grpc_addr)
     worker = os.environ.get(WORKER_ENV)
-    log("serving" if worker is None else "worker_serving", grpc=f"{host}:{running.grpc_port}",
-        worker=worker,
-        metrics=(f"{split_addr(config.metrics_addr)[0]}:{running.metrics_port}"
-                 if running.metrics_port is not None else None),
-        database="embedded" if embedded else "external",
-        data_dir=str(config.data_dir) if embedded else None)
+    if worker is None:
+        log("serving", grpc=f"{host}:{running.grpc_port}",
+            metrics=(f"{split_addr(config.metrics_addr)[0]}:{running.metrics_port}"
+                     if running.metrics_port is not None else None),
+            database="embedded" if embedded else "external",
+            data_dir=str(config.data_dir) if embedded else None)
+    else:  # the supervisor's line says where the metrics and the database are
+        log("worker_serving", grpc=f"{host}:{running.grpc_port}", worker=worker,
+            pid=os.getpid())
     ready = os.environ.get(READY_ENV)
     if worker is not None and ready:  # tells the supervisor this worker serves
         (Path(ready) / f"{worker}.{os.getpid()}").touch()
