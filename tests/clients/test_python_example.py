@@ -118,6 +118,10 @@ def test_agent_loop_example_sends_a_token_off_the_machine_only_as_asked():
 
 def check_agent_loop_output(text: str) -> None:
     """What one run of the example must print (also run from an installed wheel)."""
+    # the estimate against the input limit (window less output reserve), as the demo and the
+    # TypeScript example say it: 16,000 less 2,000 for the example's model, not the window
+    limits = set(re.findall(r"^   estimated \d+ of (\d+) tokens: ", text, re.M))
+    assert limits == {"14000"}, limits
     plan = re.search(r"^plan: epoch 1 prefix_sha256 ([0-9a-f]{64}) (\d+) tokens", text, re.M)
     assert plan, text
     prefix = plan.group(1)

@@ -183,7 +183,9 @@ class Session:
 def print_build(label: str, resp: pb.BuildResponse) -> None:
     b = resp.budget
     print(f"-- {label}: epoch {resp.epoch} prefix_sha256 {resp.prefix_sha256}")
-    print(f"   estimated {resp.estimated_input_tokens} of {b.total_tokens} tokens: prefix "
+    # the input limit: the window less the output reserve, as every example says it
+    print(f"   estimated {resp.estimated_input_tokens} of "
+          f"{resp.context_window - resp.output_reserve} tokens: prefix "
           f"{b.prefix_tokens}, body {b.body_tokens} of {b.body_budget}, factor "
           f"{resp.estimator_factor:.3f}")
     print(f"   {'class':<24}{'cap':>8}{'used':>8}{'items':>7}{'yielded':>9}")
