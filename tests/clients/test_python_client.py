@@ -9,6 +9,7 @@ import base64
 import json
 import math
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -811,6 +812,43 @@ def test_a_token_leaves_the_machine_in_plaintext_only_when_tls_false_says_so():
         await AsyncClient(target="[::1]:50051", token="s3cret").close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("variable", ["http_proxy", "grpc_proxy"])
+def test_a_token_to_this_machine_goes_straight_not_through_a_proxy(fake, monkeypatch,
+                                                                   variable):
+    """A proxy named by the environment would carry the plaintext token off the machine:
+    with tls unset the channel to a loopback target takes no proxy. tls=False (plaintext as
+    asked) leaves grpc's proxy handling as it is."""
+    state, target = fake
+    proxy = socket.socket()
+    proxy.bind(("127.0.0.1", 0))
+    proxy.listen(8)
+    proxy.settimeout(0.5)
+    monkeypatch.setenv(variable, f"http://127.0.0.1:{proxy.getsockname()[1]}")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+
+    def proxied() -> bool:
+        try:
+            conn, _ = proxy.accept()
+        except TimeoutError:
+            return False
+        conn.close()
+        return True
+
+    try:
+        with Client(target=target, token="s3cret", timeout=5) as engine:
+            engine.get_plan(request=pb.GetPlanRequest(tenant_id="t"))
+            engine.rotate(request=pb.RotateRequest(tenant_id="t", idempotency_key="k"))
+        assert not proxied(), "the token went through the proxy"
+        assert state.calls == {"GetPlan": 1, "Rotate": 1}
+        with Client(target=target, token="s3cret", tls=False, timeout=1) as engine:
+            with pytest.raises(ContextEngineError):
+                engine.get_plan(request=pb.GetPlanRequest(tenant_id="t"))
+        assert proxied(), "tls=False: grpc's own proxy handling"
+    finally:
+        proxy.close()
 
 
 def test_the_bearer_token_is_sent_on_every_call(fake):

@@ -374,7 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         engine = Client(target=args.grpc_addr, token=token, tls=args.tls, timeout=30)
     except ValueError as err:  # e.g. a token to another machine without --tls or --plaintext
-        parser.error(str(err).replace("tls=True", "--tls").replace("tls=False", "--plaintext"))
+        parser.error(str(err).replace("tls=True (or a certificate)", "--tls")
+                     .replace("tls=False", "--plaintext"))
     try:
         with engine:
             run(engine, tenant, session, args.estimator_factor, args.print_body)

@@ -165,15 +165,20 @@ def is_loopback(target: str) -> bool:
     return True
 
 
-def check_token_transport(*, target: str, token: str | None, tls: bool | None,
-                          encrypted: bool) -> None:
+def token_transport_options(*, target: str, token: str | None, tls: bool | None,
+                            encrypted: bool) -> tuple[tuple[str, Any], ...]:
     """A token is sent in plaintext off this machine only when asked for by ``tls=False``:
-    left unset, ``tls`` means plaintext to a loopback target and refuses a token elsewhere."""
-    if token is not None and tls is None and not encrypted and not is_loopback(target):
-        raise ValueError(
-            f"the token would travel in plaintext to {target}, which is not on this machine: "
-            "pass tls=True (or a certificate) for TLS, or tls=False to send it in plaintext "
-            "deliberately (e.g. to a service-mesh sidecar that encrypts the hop)")
+    left unset, ``tls`` means plaintext to a loopback target, where the channel then goes
+    straight (no ``http_proxy``/``grpc_proxy``: a proxy would carry the token elsewhere), and
+    refuses a token anywhere else. The channel options that rule needs."""
+    if token is None or tls is not None or encrypted:
+        return ()
+    if is_loopback(target):
+        return (("grpc.enable_http_proxy", 0),)
+    raise ValueError(
+        f"the token would travel in plaintext to {target}, which is not on this machine: "
+        "pass tls=True (or a certificate) for TLS, or tls=False to send it in plaintext "
+        "deliberately (e.g. to a service-mesh sidecar that encrypts the hop)")
 
 
 def credentials(*, tls: bool | None, root_certificates: bytes | None,

@@ -13,11 +13,11 @@ from context_engine_client._channel import (
     call_metadata,
     channel_options,
     check_timeout,
-    check_token_transport,
     credentials,
     keyed_service_config,
     retry_policy,
     service_config_text,
+    token_transport_options,
 )
 
 
@@ -49,13 +49,13 @@ def settings(*, target: str, token: str | None, tls: bool | None, root_certifica
     channel_credentials = credentials(tls=tls, root_certificates=root_certificates,
                                       client_certificate_chain=client_certificate_chain,
                                       client_private_key=client_private_key)
-    check_token_transport(target=target, token=token, tls=tls,
-                          encrypted=channel_credentials is not None)
+    direct = token_transport_options(target=target, token=token, tls=tls,
+                                     encrypted=channel_credentials is not None)
     return Settings(
         target=target,
         credentials=channel_credentials,
-        options=(*options, *channel_options_extra),
-        keyed_options=(*keyed, *channel_options_extra),
+        options=(*options, *direct, *channel_options_extra),
+        keyed_options=(*keyed, *direct, *channel_options_extra),
         metadata=call_metadata(token),
         timeout=check_timeout(timeout),
         compact_timeout=check_timeout(compact_timeout),
