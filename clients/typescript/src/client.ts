@@ -157,6 +157,8 @@ export class ContextEngineClient {
   private readonly channel: grpc.Client;
   private keyedChannel: grpc.Client | undefined;
   private closed = false; // a keyed channel is never opened after close()
+  /** What close() ends: each call in flight and each pending waitForReady. */
+  private readonly pending = new Set<() => void>();
   private readonly openKeyed: () => grpc.Client;
   private readonly token: string | undefined;
   private readonly deadlineMs: number;
@@ -286,19 +288,33 @@ export class ContextEngineClient {
         reject(this.closedError("waitForReady"));
         return;
       }
-      this.channel.waitForReady(deadline, (err) => (err
-        ? reject(new ContextEngineError({ code: grpc.status.DEADLINE_EXCEEDED,
-          method: "waitForReady", details: err.message, cause: err }))
-        : resolve()));
+      // grpc-js does not wake a wait when its channel closes: close() ends it
+      const closing = (): void => reject(new ContextEngineError({ code: grpc.status.CANCELLED,
+        method: "waitForReady", details: "the client was closed while waiting" }));
+      this.pending.add(closing);
+      this.channel.waitForReady(deadline, (err) => {
+        this.pending.delete(closing);
+        if (err) {
+          reject(new ContextEngineError({ code: grpc.status.DEADLINE_EXCEEDED,
+            method: "waitForReady", details: err.message, cause: err }));
+        } else {
+          resolve();
+        }
+      });
     });
   }
 
   /**
-   * Closes the channels; calls in flight fail with `CANCELLED`, and every call after it
-   * rejects with a `CANCELLED` {@link ContextEngineError} without sending anything.
+   * Closes the channels. Calls in flight are cancelled: each rejects with a `CANCELLED`
+   * {@link ContextEngineError} saying it may have reached the service; a pending
+   * `waitForReady` rejects `CANCELLED` too. Every call after it rejects with a `CANCELLED`
+   * one without sending anything.
    */
   close(): void {
     this.closed = true;
+    const ending = [...this.pending];
+    this.pending.clear();
+    for (const end of ending) end();
     this.channel.close();
     this.keyedChannel?.close();
   }
@@ -319,7 +335,6 @@ export class ContextEngineClient {
 
   private async buildIncremental(builds: IncrementalBuilds, input: Input<BuildRequest>,
                                  options: CallOptions): Promise<BuildResponse> {
-    if (this.closed) throw this.closedError("Build");  // before the session's last Build is read
     const request = BuildRequest.fromPartial(input);
     if (request.baseBuildId !== "" || request.baseItemsKept !== 0) {
       return this.call(ContextEngineService.build, BuildRequest, request, options);
@@ -412,22 +427,40 @@ export class ContextEngineClient {
           details: "cancelled before the call", cause: signal.reason }));
         return;
       }
+      if (this.closed) {  // every path: a call, a Build, the resend of a Build
+        reject(this.closedError(method));
+        return;
+      }
       let call: grpc.ClientUnaryCall;
+      let closedDuring = false;
       const cancel = (): void => call.cancel();
+      const closing = (): void => {  // grpc-js lets calls in flight run on after close()
+        closedDuring = true;
+        call.cancel();
+      };
       try {
         call = channel.makeUnaryRequest(
           path, serialize as (value: unknown) => Buffer, deserialize, request,
           callMetadata(this.token, options.metadata), { deadline },
           (err: grpc.ServiceError | null, value?: Res) => {
             signal?.removeEventListener("abort", cancel);
-            if (err) reject(fromServiceError(err, method));
-            else resolve(value as Res);
+            this.pending.delete(closing);
+            if (err && closedDuring && !signal?.aborted && err.code === grpc.status.CANCELLED) {
+              reject(new ContextEngineError({ code: grpc.status.CANCELLED, method, cause: err,
+                details: "the client was closed during the call: it may have reached the service",
+              }));
+            } else if (err) {
+              reject(fromServiceError(err, method));
+            } else {
+              resolve(value as Res);
+            }
           });
       } catch (err) {
         // A request that cannot be encoded, or metadata grpc-js refuses: nothing was sent.
         reject(err);
         return;
       }
+      this.pending.add(closing);
       signal?.addEventListener("abort", cancel, { once: true });
     });
   }

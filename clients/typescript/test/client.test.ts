@@ -288,6 +288,8 @@ describe("client behaviour", () => {
       assert.equal(err.details, "the client is closed: nothing was sent");
       assert.equal(err.reason, "");
     }
+    assert.equal((closed as unknown as { keyedChannel?: unknown }).keyedChannel, undefined,
+      "no keyed channel was opened");
     assert.equal(calls.rotate, undefined, "nothing reached the server");
     assert.equal(calls.getPlan, undefined);
     assert.equal(calls.build, undefined);
@@ -309,6 +311,38 @@ describe("client behaviour", () => {
         nowhere.close();
       }
     });
+
+  test("close() cancels the calls in flight and a pending waitForReady, typed", async () => {
+    const DURING = "the client was closed during the call: it may have reached the service";
+    const closing = open();
+    const whole = open({ incremental: false });
+    // build never answers: both are in flight (the incremental path and the plain one)
+    const incremental = closing.build({ tenantId: "t", sessionId: "s-closed" });
+    const plain = whole.build({ tenantId: "t", sessionId: "s-closed" });
+    const controller = new AbortController();
+    const aborted = whole.build({ tenantId: "t", sessionId: "s-aborted" },
+      { signal: controller.signal });
+    const nowhere = new ContextEngineClient({ target: "10.255.255.1:50051", insecure: true });
+    const waiting = nowhere.waitForReady(3_000);
+    await new Promise((r) => setTimeout(r, 100));
+    const started = Date.now();
+    controller.abort();  // the caller's own cancellation stays the caller's
+    closing.close();
+    whole.close();
+    nowhere.close();
+    for (const [pending, name] of [[incremental, "incremental"], [plain, "plain"]] as const) {
+      await assert.rejects(pending, (err: unknown) =>
+        err instanceof ContextEngineError && err.code === GrpcStatus.CANCELLED &&
+        err.method === "Build" && err.details === DURING, name);
+    }
+    await assert.rejects(aborted, (err: unknown) =>
+      err instanceof ContextEngineError && err.code === GrpcStatus.CANCELLED &&
+      err.details !== DURING);
+    await assert.rejects(waiting, (err: unknown) =>
+      err instanceof ContextEngineError && err.code === GrpcStatus.CANCELLED &&
+      err.method === "waitForReady" && err.details === "the client was closed while waiting");
+    assert.ok(Date.now() - started < 1_000, "ended by close(), not by a deadline");
+  });
 
   test("a reason that is the code's own name (malformed input's) is said once", () => {
     const info = googleRpc.ErrorInfo.encode(googleRpc.ErrorInfo.fromPartial({
