@@ -843,9 +843,9 @@ def test_a_token_to_this_machine_goes_straight_not_through_a_proxy(fake, monkeyp
             engine.rotate(request=pb.RotateRequest(tenant_id="t", idempotency_key="k"))
         assert not proxied(), "the token went through the proxy"
         assert state.calls == {"GetPlan": 1, "Rotate": 1}
-        with Client(target=target, token="s3cret", tls=False, timeout=1) as engine:
-            with pytest.raises(ContextEngineError):
-                engine.get_plan(request=pb.GetPlanRequest(tenant_id="t"))
+        with (Client(target=target, token="s3cret", tls=False, timeout=1) as engine,
+              pytest.raises(ContextEngineError)):
+            engine.get_plan(request=pb.GetPlanRequest(tenant_id="t"))
         assert proxied(), "tls=False: grpc's own proxy handling"
     finally:
         proxy.close()
