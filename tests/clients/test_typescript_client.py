@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
 import uuid
@@ -275,7 +276,11 @@ def test_agent_loop_example_answers_help_and_a_bad_command_line_in_one_line(node
             (["--nope"], None, "Unknown option '--nope'"),
             (["--tenant"], None, "--tenant"),
             (["--print-body", "nope"], None, 'unknown provider format "nope"'),
-            (["--token-stdin"], "\n", "standard input has no token")):
+            (["--token-stdin"], "\n", "standard input has no token"),
+            (["--tls", "--plaintext"], None, "--tls and --plaintext exclude each other"),
+            (["--grpc-addr", "10.255.255.1:50051", "--token-stdin"], "t0ken\n",
+             "the token would travel in plaintext to 10.255.255.1:50051, which is not on this "
+             "machine: pass --tls for TLS, or --plaintext")):
         done = subprocess.run([node, example, *argv], cwd=PACKAGE, env=env, input=stdin,
                               capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode == 2, (argv, done.stderr)
@@ -284,6 +289,31 @@ def test_agent_loop_example_answers_help_and_a_bad_command_line_in_one_line(node
         assert lines[0].startswith("context-engine-agent-loop: ") and lines[0].endswith(
             "(see --help)"), lines
         assert done.stdout == "", (argv, done.stdout)
+
+
+def test_agent_loop_example_sends_its_token_to_this_machine_straight(
+        node: str, secured: tuple[ServerThread, str, str]) -> None:
+    """Plaintext with a token to this machine: not through the environment's proxy, which
+    would carry the token elsewhere (grpc-js honours http_proxy and grpc_proxy)."""
+    server, tenant, token = secured
+    proxy = socket.socket()
+    proxy.bind(("127.0.0.1", 0))
+    proxy.listen(8)
+    proxy.settimeout(0.5)
+    at = f"http://127.0.0.1:{proxy.getsockname()[1]}"
+    env = {k: v for k, v in client_env(server.address).items()
+           if k.lower() not in ("no_proxy", "http_proxy", "https_proxy", "grpc_proxy")}
+    try:
+        done = run_tool([node, "dist/examples/agent_loop.js", "--tenant", tenant, "--session",
+                         f"proxy-{uuid.uuid4().hex[:12]}", "--token-stdin"],
+                        stdin=f"{token}\n", timeout=120,
+                        env={**env, "http_proxy": at, "grpc_proxy": at},
+                        what="the agent_loop example with a proxy in the environment")
+        assert re.search(r"^RESULT \{", done.stdout, re.M), done.stdout[-2000:]
+        with pytest.raises(TimeoutError):
+            proxy.accept()
+    finally:
+        proxy.close()
 
 
 # The top-level keys each format's body has (tools, a system prompt, a user message).

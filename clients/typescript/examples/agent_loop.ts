@@ -21,7 +21,8 @@
  * standard input. Tokens never go on the command line, where other users of the machine can
  * read them. `--tenant` or CE_TENANT_ID, `--session` or CE_SESSION_ID: default fresh ids.
  * `--tls` connects over TLS with the system roots (plaintext otherwise, as a dev-mode server
- * on loopback expects). `--print-body FORMAT` (anthropic_messages, openai_responses,
+ * on loopback expects; a token then goes only to this machine unless `--plaintext`).
+ * `--print-body FORMAT` (anthropic_messages, openai_responses,
  * openai_chat_completions, gemini_generate_content, bedrock_converse; default: none) asks every
  * Build for that provider's body and prints the first one as JSON (for Gemini also the body
  * that creates the cached content of the pinned prefix).
@@ -233,17 +234,35 @@ async function readLine(): Promise<string> {
   }
 }
 
-const USAGE = `usage: context-engine-agent-loop [--grpc-addr HOST:PORT] [--tls] [--token-stdin]
+const USAGE = `usage: context-engine-agent-loop [--grpc-addr HOST:PORT] [--tls | --plaintext]
+                                 [--token-stdin]
                                  [--tenant ID] [--session ID] [--print-body FORMAT]
 
 A multi-turn, tool-using agent session against a context-engine server, with a fake model.
   --grpc-addr HOST:PORT  the server (default: CE_GRPC_ADDR, else 127.0.0.1:50051)
-  --tls                  TLS with the system roots (default: plaintext, as dev mode on loopback)
+  --tls                  TLS with the system roots (default: plaintext, a token only to this
+                         machine)
+  --plaintext            plaintext even with a token to another machine
   --token-stdin          read the bearer token from one line of standard input (else CE_TOKEN)
   --tenant ID            the tenant (default: CE_TENANT_ID, else a fresh one)
   --session ID           the session (default: CE_SESSION_ID, else a fresh one)
   --print-body FORMAT    print the first Build's provider body: ${Object.keys(FORMAT_NAMES).join(", ")}
 `;
+
+/**
+ * Whether every address of a gRPC target is on this machine (loopback, localhost, a Unix
+ * socket): the example sends a token in plaintext only there, unless told `--plaintext`.
+ */
+function isLocal(target: string): boolean {
+  if (/^unix(-abstract)?:/.test(target)) return true;
+  const rest = target.replace(/^(dns:\/\/\/|dns:|ipv4:|ipv6:)/, "");
+  return rest !== "" && rest.split(",").every((address) => {
+    const host = address.startsWith("[") ? address.slice(1, address.indexOf("]"))
+      : (address.match(/:/g) ?? []).length > 1 ? address : address.replace(/:[^:]*$/, "");
+    return host.toLowerCase() === "localhost" || host === "::1" ||
+      /^127\.\d{1,3}\.\d{1,3}\.\d{1,3}$/.test(host);
+  });
+}
 
 /** A bad command line: one line and the exit status 2, no stack trace. */
 class UsageError extends Error {}
@@ -266,6 +285,7 @@ function parseOptions() {
     tenant: { type: "string" },
     session: { type: "string" },
     tls: { type: "boolean", default: false },
+    plaintext: { type: "boolean", default: false },
     "print-body": { type: "string" },
     help: { type: "boolean", short: "h", default: false },
   } });
@@ -296,7 +316,15 @@ async function main(): Promise<void> {
   if (args["token-stdin"] && !token) {
     throw new UsageError("--token-stdin: standard input has no token");
   }
-  const client = new ContextEngineClient({ target, deadlineMs: 20_000,
+  if (args.tls && args.plaintext) throw new UsageError("--tls and --plaintext exclude each other");
+  if (token && !args.tls && !args.plaintext && !isLocal(target)) {
+    throw new UsageError(`the token would travel in plaintext to ${target}, which is not on ` +
+      "this machine: pass --tls for TLS, or --plaintext to send it in plaintext deliberately");
+  }
+  // to this machine, a token goes straight: a proxy from the environment would carry it away
+  const local = token && !args.tls && !args.plaintext ? { channelOptions: {
+    "grpc.enable_http_proxy": 0 } } : {};
+  const client = new ContextEngineClient({ target, deadlineMs: 20_000, ...local,
     ...(args.tls ? {} : { insecure: true }), ...(token ? { token } : {}) });
 
   const planRequest: Input<PlanRequest> = {
