@@ -648,6 +648,10 @@ def test_no_call_reaches_the_server_after_close(fake):
             call(engine)
         assert isinstance(raised.value, Cancelled), name
         assert raised.value.code is grpc.StatusCode.CANCELLED and raised.value.reason == ""
+    with pytest.raises(ClientClosed):  # the closed client first, as for every call
+        engine.build(request=pb.BuildRequest(tenant_id="t", session_id="s"), timeout=-1)
+    with pytest.raises(ClientClosed):
+        engine.get_plan(request=pb.GetPlanRequest(tenant_id="t"), timeout=-1)
     assert state.calls == {} and engine._keyed is None
     assert engine.build_stats == stats, "a refused Build moved nothing"
 
@@ -659,6 +663,9 @@ def test_no_call_reaches_the_server_after_close(fake):
             with pytest.raises(ClientClosed):
                 await call(engine)
         assert engine._keyed is None
+        with pytest.raises(ClientClosed):
+            await engine.build(request=pb.BuildRequest(tenant_id="t", session_id="s"),
+                               timeout=-1)
 
     asyncio.run(scenario())
     assert state.calls == {}
@@ -814,7 +821,8 @@ def test_a_token_leaves_the_machine_in_plaintext_only_when_tls_false_says_so():
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("variable", ["http_proxy", "grpc_proxy"])
+@pytest.mark.parametrize("variable", ["http_proxy", "https_proxy", "grpc_proxy",
+                                      "GRPC_ADDRESS_HTTP_PROXY"])
 def test_a_token_to_this_machine_goes_straight_not_through_a_proxy(fake, monkeypatch,
                                                                    variable):
     """A proxy named by the environment would carry the plaintext token off the machine:
@@ -825,7 +833,11 @@ def test_a_token_to_this_machine_goes_straight_not_through_a_proxy(fake, monkeyp
     proxy.bind(("127.0.0.1", 0))
     proxy.listen(8)
     proxy.settimeout(0.5)
-    monkeypatch.setenv(variable, f"http://127.0.0.1:{proxy.getsockname()[1]}")
+    if variable == "GRPC_ADDRESS_HTTP_PROXY":  # grpc's address-level proxy: host:port
+        monkeypatch.setenv(variable, f"127.0.0.1:{proxy.getsockname()[1]}")
+        monkeypatch.setenv("GRPC_ADDRESS_HTTP_PROXY_ENABLED_ADDRESSES", "127.0.0.0/8")
+    else:
+        monkeypatch.setenv(variable, f"http://127.0.0.1:{proxy.getsockname()[1]}")
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.delenv("NO_PROXY", raising=False)
 
@@ -842,7 +854,16 @@ def test_a_token_to_this_machine_goes_straight_not_through_a_proxy(fake, monkeyp
             engine.get_plan(request=pb.GetPlanRequest(tenant_id="t"))
             engine.rotate(request=pb.RotateRequest(tenant_id="t", idempotency_key="k"))
         assert not proxied(), "the token went through the proxy"
-        assert state.calls == {"GetPlan": 1, "Rotate": 1}
+
+        async def scenario() -> None:
+            async with AsyncClient(target=target, token="s3cret", timeout=5) as engine:
+                await engine.get_plan(request=pb.GetPlanRequest(tenant_id="t"))
+                await engine.rotate(request=pb.RotateRequest(tenant_id="t",
+                                                             idempotency_key="k2"))
+
+        asyncio.run(scenario())
+        assert not proxied(), "the asyncio client's token went through the proxy"
+        assert state.calls == {"GetPlan": 2, "Rotate": 2}
         with (Client(target=target, token="s3cret", tls=False, timeout=1) as engine,
               pytest.raises(ContextEngineError)):
             engine.get_plan(request=pb.GetPlanRequest(tenant_id="t"))

@@ -280,7 +280,10 @@ def test_agent_loop_example_answers_help_and_a_bad_command_line_in_one_line(node
             (["--tls", "--plaintext"], None, "--tls and --plaintext exclude each other"),
             (["--grpc-addr", "10.255.255.1:50051", "--token-stdin"], "t0ken\n",
              "the token would travel in plaintext to 10.255.255.1:50051, which is not on this "
-             "machine: pass --tls for TLS, or --plaintext")):
+             "machine: pass --tls for TLS, or --plaintext"),
+            # a name shaped like a loopback address, which DNS could answer with any host
+            (["--grpc-addr", "127.999.0.1:50051", "--token-stdin"], "t0ken\n",
+             "the token would travel in plaintext to 127.999.0.1:50051")):
         done = subprocess.run([node, example, *argv], cwd=PACKAGE, env=env, input=stdin,
                               capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode == 2, (argv, done.stderr)

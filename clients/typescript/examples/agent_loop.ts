@@ -28,6 +28,7 @@
  * that creates the cached content of the pinned prefix).
  */
 import { createHash, randomBytes } from "node:crypto";
+import { isIPv4, isIPv6 } from "node:net";
 import * as readline from "node:readline";
 import { parseArgs } from "node:util";
 
@@ -259,8 +260,9 @@ function isLocal(target: string): boolean {
   return rest !== "" && rest.split(",").every((address) => {
     const host = address.startsWith("[") ? address.slice(1, address.indexOf("]"))
       : (address.match(/:/g) ?? []).length > 1 ? address : address.replace(/:[^:]*$/, "");
-    return host.toLowerCase() === "localhost" || host === "::1" ||
-      /^127\.\d{1,3}\.\d{1,3}\.\d{1,3}$/.test(host);
+    // addresses as Node reads them: 127.999.0.1 is a name, which DNS could send anywhere
+    return host.toLowerCase() === "localhost" || (isIPv4(host) && host.startsWith("127.")) ||
+      (isIPv6(host) && new URL(`http://[${host}]/`).hostname === "[::1]");
   });
 }
 

@@ -288,19 +288,30 @@ export class ContextEngineClient {
         reject(this.closedError("waitForReady"));
         return;
       }
-      // grpc-js does not wake a wait when its channel closes: close() ends it
+      // The channel's own states are watched, not grpc-js's Client.waitForReady: woken by the
+      // channel's shutdown, that one asks the closed channel to connect again (and keeps its
+      // timer, so the process, alive until the deadline). Here a wake after close() stops.
       const closing = (): void => reject(new ContextEngineError({ code: grpc.status.CANCELLED,
         method: "waitForReady", details: "the client was closed while waiting" }));
       this.pending.add(closing);
-      this.channel.waitForReady(deadline, (err) => {
-        this.pending.delete(closing);
+      const channel = this.channel.getChannel();
+      const check = (err?: Error): void => {
+        if (this.closed) return;  // close() rejected it; the closed channel is left alone
         if (err) {
+          this.pending.delete(closing);
           reject(new ContextEngineError({ code: grpc.status.DEADLINE_EXCEEDED,
             method: "waitForReady", details: err.message, cause: err }));
-        } else {
-          resolve();
+          return;
         }
-      });
+        const state = channel.getConnectivityState(true);
+        if (state === grpc.connectivityState.READY) {
+          this.pending.delete(closing);
+          resolve();
+          return;
+        }
+        channel.watchConnectivityState(state, deadline, check);
+      };
+      check();
     });
   }
 
@@ -335,6 +346,8 @@ export class ContextEngineClient {
 
   private async buildIncremental(builds: IncrementalBuilds, input: Input<BuildRequest>,
                                  options: CallOptions): Promise<BuildResponse> {
+    // before its deadline or the session's last Build is read: as every call after close()
+    if (this.closed) throw this.closedError("Build");
     const request = BuildRequest.fromPartial(input);
     if (request.baseBuildId !== "" || request.baseItemsKept !== 0) {
       return this.call(ContextEngineService.build, BuildRequest, request, options);

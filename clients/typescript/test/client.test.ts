@@ -279,7 +279,8 @@ describe("client behaviour", () => {
     const keyed = await closed.rotate({ tenantId: "t", sessionId: "s",
       reason: "ROTATION_REASON_OPERATOR", idempotencyKey: "k-closed" }).then(
       () => assert.fail("answered after close()"), (err: unknown) => err);
-    const build = await closed.build({ tenantId: "t", sessionId: "s" }).then(
+    // the closed client's error comes first, before a bad deadline's, as for any call
+    const build = await closed.build({ tenantId: "t", sessionId: "s" }, { deadlineMs: -1 }).then(
       () => assert.fail("answered after close()"), (err: unknown) => err);
     for (const [err, method] of [[plain, "GetPlan"], [keyed, "Rotate"], [build, "Build"]]) {
       assert.ok(err instanceof ContextEngineError, `${String(method)}: ${String(err)}`);
@@ -342,6 +343,10 @@ describe("client behaviour", () => {
       err instanceof ContextEngineError && err.code === GrpcStatus.CANCELLED &&
       err.method === "waitForReady" && err.details === "the client was closed while waiting");
     assert.ok(Date.now() - started < 1_000, "ended by close(), not by a deadline");
+    // and the closed channel stays shut: the wait does not make it connect again
+    await new Promise((r) => setTimeout(r, 300));
+    const shut = (nowhere as unknown as { channel: grpc.Client }).channel.getChannel();
+    assert.equal(shut.getConnectivityState(false), grpc.connectivityState.SHUTDOWN);
   });
 
   test("a reason that is the code's own name (malformed input's) is said once", () => {

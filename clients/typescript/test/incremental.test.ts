@@ -692,6 +692,24 @@ describe("the client's incremental Build", () => {
     assert.equal(client.buildStats().fullResends, 1);
   });
 
+  test("a client closed as a Build is about to be sent again whole: the typed error", async () => {
+    const client = open();
+    await client.build(step(2));
+    engine.bases.clear();  // the next Build's base: unknown to the replica
+    // close() between the refusal and the resend (from a microtask of the same tick)
+    const builds = (client as unknown as { builds: { drop: (t: string, s: string) => void } })
+      .builds;
+    const drop = builds.drop.bind(builds);
+    builds.drop = (t: string, s: string) => {
+      drop(t, s);
+      client.close();
+    };
+    await assert.rejects(client.build(step(3)), (err: unknown) =>
+      err instanceof ContextEngineError && err.code === grpc.status.CANCELLED &&
+      err.details === "the client is closed: nothing was sent");
+    assert.deepEqual(engine.seen.map((r) => r.baseBuildId !== ""), [false, true]);
+  });
+
   test("a Build answered while deleteSession runs is not held after it", async () => {
     const client = open();
     await client.build(step(2));

@@ -169,12 +169,14 @@ def token_transport_options(*, target: str, token: str | None, tls: bool | None,
                             encrypted: bool) -> tuple[tuple[str, Any], ...]:
     """A token is sent in plaintext off this machine only when asked for by ``tls=False``:
     left unset, ``tls`` means plaintext to a loopback target, where the channel then goes
-    straight (no ``http_proxy``/``grpc_proxy``: a proxy would carry the token elsewhere), and
+    straight (no proxy of the environment: it would carry the token elsewhere), and
     refuses a token anywhere else. The channel options that rule needs."""
     if token is None or tls is not None or encrypted:
         return ()
     if is_loopback(target):
-        return (("grpc.enable_http_proxy", 0),)
+        # neither the proxy of http_proxy/https_proxy/grpc_proxy nor grpc's address-level one
+        # (GRPC_ADDRESS_HTTP_PROXY and the addresses it is enabled for)
+        return (("grpc.enable_http_proxy", 0), ("grpc.address_http_proxy", ""))
     raise ValueError(
         f"the token would travel in plaintext to {target}, which is not on this machine: "
         "pass tls=True (or a certificate) for TLS, or tls=False to send it in plaintext "

@@ -156,6 +156,8 @@ class Client:
         if builds is None:
             return self._invoke("Build", request, pb.BuildResponse, timeout, metadata)
         check_request("Build", request)
+        if self._closed:  # before its deadline is read, as every call after close()
+            raise ClientClosed
         if request.base_build_id or request.base_items_kept:
             return self._invoke("Build", request, pb.BuildResponse, timeout, metadata)
         # one deadline for the Build, its resend included
