@@ -56,13 +56,8 @@ class AsyncClient:
     CarryWorkingState, DeleteSession) and, only when the request carries an idempotency key,
     for Rotate, Compact and ReportUsage.
 
-    ``tls=True`` (or any certificate) turns TLS on: ``root_certificates`` to trust (PEM; the
-    system roots when absent), ``client_certificate_chain`` and ``client_private_key`` for
-    mutual TLS, ``server_name`` to check the server's certificate against another name.
-    Without TLS the channel is plaintext; a ``token`` is then refused (``ValueError``) unless
-    the target is on this machine (loopback, a Unix socket) or ``tls=False`` says plaintext
-    is meant. ``service_config`` replaces the packaged retry policy (gRPC service config
-    JSON).
+    Its arguments are :class:`~context_engine_client.Client`'s, TLS and the token's
+    plaintext rule included.
 
     ``incremental`` (on by default): :meth:`build` sends only the checkpoint items that changed
     since the session's last Build and reads the response back from its delta (see
