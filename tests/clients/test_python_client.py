@@ -823,7 +823,7 @@ def test_a_token_leaves_the_machine_in_plaintext_only_when_tls_false_says_so():
 
 @pytest.mark.parametrize("variable", ["http_proxy", "https_proxy", "grpc_proxy",
                                       "GRPC_ADDRESS_HTTP_PROXY"])
-def test_a_token_to_this_machine_goes_straight_not_through_a_proxy(fake, monkeypatch,
+def test_a_token_to_this_machine_goes_straight_not_through_a_proxy(fake, monkeypatch, capfd,
                                                                    variable):
     """A proxy named by the environment would carry the plaintext token off the machine:
     with tls unset the channel to a loopback target takes no proxy. tls=False (plaintext as
@@ -863,6 +863,8 @@ def test_a_token_to_this_machine_goes_straight_not_through_a_proxy(fake, monkeyp
 
         asyncio.run(scenario())
         assert not proxied(), "the asyncio client's token went through the proxy"
+        # and grpc logged nothing about it (an empty proxy address is logged as unparsable)
+        assert "http_proxy_mapper" not in capfd.readouterr().err
         assert state.calls == {"GetPlan": 2, "Rotate": 2}
         with (Client(target=target, token="s3cret", tls=False, timeout=1) as engine,
               pytest.raises(ContextEngineError)):

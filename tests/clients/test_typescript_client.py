@@ -283,7 +283,9 @@ def test_agent_loop_example_answers_help_and_a_bad_command_line_in_one_line(node
              "machine: pass --tls for TLS, or --plaintext"),
             # a name shaped like a loopback address, which DNS could answer with any host
             (["--grpc-addr", "127.999.0.1:50051", "--token-stdin"], "t0ken\n",
-             "the token would travel in plaintext to 127.999.0.1:50051")):
+             "the token would travel in plaintext to 127.999.0.1:50051"),
+            (["--grpc-addr", "[::1%lo]:50051", "--token-stdin"], "t0ken\n",
+             "the token would travel in plaintext to [::1%lo]:50051")):
         done = subprocess.run([node, example, *argv], cwd=PACKAGE, env=env, input=stdin,
                               capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode == 2, (argv, done.stderr)

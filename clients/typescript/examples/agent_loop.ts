@@ -262,7 +262,8 @@ function isLocal(target: string): boolean {
       : (address.match(/:/g) ?? []).length > 1 ? address : address.replace(/:[^:]*$/, "");
     // addresses as Node reads them: 127.999.0.1 is a name, which DNS could send anywhere
     return host.toLowerCase() === "localhost" || (isIPv4(host) && host.startsWith("127.")) ||
-      (isIPv6(host) && new URL(`http://[${host}]/`).hostname === "[::1]");
+      // a zone id (::1%lo) is refused: URL does not read it
+      (isIPv6(host) && !host.includes("%") && new URL(`http://[${host}]/`).hostname === "[::1]");
   });
 }
 

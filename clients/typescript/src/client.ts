@@ -282,12 +282,12 @@ export class ContextEngineClient {
    */
   waitForReady(deadlineMs = this.deadlineMs): Promise<void> {
     return new Promise((resolve, reject) => {
-      // a deadline that is no time rejects (RangeError), as a call's does
-      const deadline = Date.now() + checkDeadlineMs(deadlineMs, MAX_WAIT_MS);
-      if (this.closed) {
+      if (this.closed) {  // before its deadline is read, as every call after close()
         reject(this.closedError("waitForReady"));
         return;
       }
+      // a deadline that is no time rejects (RangeError), as a call's does
+      const deadline = Date.now() + checkDeadlineMs(deadlineMs, MAX_WAIT_MS);
       // The channel's own states are watched, not grpc-js's Client.waitForReady: woken by the
       // channel's shutdown, that one asks the closed channel to connect again (and keeps its
       // timer, so the process, alive until the deadline). Here a wake after close() stops.
@@ -300,7 +300,8 @@ export class ContextEngineClient {
         if (err) {
           this.pending.delete(closing);
           reject(new ContextEngineError({ code: grpc.status.DEADLINE_EXCEEDED,
-            method: "waitForReady", details: err.message, cause: err }));
+            method: "waitForReady", cause: err, details: "no connection before the deadline " +
+              `(the channel is ${grpc.connectivityState[channel.getConnectivityState(false)]})` }));
           return;
         }
         const state = channel.getConnectivityState(true);

@@ -300,14 +300,15 @@ describe("client behaviour", () => {
     async () => {
       const closed = open();
       closed.close();
-      await assert.rejects(closed.waitForReady(5_000), (err: unknown) =>
+      await assert.rejects(closed.waitForReady(-1), (err: unknown) =>
         err instanceof ContextEngineError && err.code === GrpcStatus.CANCELLED &&
         err.method === "waitForReady" && err.details === "the client is closed: nothing was sent");
       const nowhere = new ContextEngineClient({ target: "127.0.0.1:1", insecure: true });
       try {
         await assert.rejects(nowhere.waitForReady(200), (err: unknown) =>
           err instanceof ContextEngineError && err.code === GrpcStatus.DEADLINE_EXCEEDED &&
-          err.method === "waitForReady" && err.cause instanceof Error);
+          err.method === "waitForReady" && err.cause instanceof Error &&
+          /^no connection before the deadline \(the channel is [A-Z_]+\)$/.test(err.details));
       } finally {
         nowhere.close();
       }

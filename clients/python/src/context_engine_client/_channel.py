@@ -175,8 +175,9 @@ def token_transport_options(*, target: str, token: str | None, tls: bool | None,
         return ()
     if is_loopback(target):
         # neither the proxy of http_proxy/https_proxy/grpc_proxy nor grpc's address-level one
-        # (GRPC_ADDRESS_HTTP_PROXY and the addresses it is enabled for)
-        return (("grpc.enable_http_proxy", 0), ("grpc.address_http_proxy", ""))
+        # (GRPC_ADDRESS_HTTP_PROXY: enabled here for no address; an empty proxy address
+        # instead would be logged as an unparsable GRPC_ADDRESS_HTTP_PROXY on every channel)
+        return (("grpc.enable_http_proxy", 0), ("grpc.address_http_proxy_enabled_addresses", ""))
     raise ValueError(
         f"the token would travel in plaintext to {target}, which is not on this machine: "
         "pass tls=True (or a certificate) for TLS, or tls=False to send it in plaintext "
