@@ -1044,11 +1044,12 @@ class Engine:
         # An exact prefix count (the model's own tokenizer) is not scaled and carries no error:
         # the body absorbs all of it. An approximate one was scaled with the body, so the
         # factor comes from the observed ratio over the whole estimate.
-        # (with the framing the Build counted beside a plan's stored count; the tokenizer is
-        # asked for only then)
-        fixed = ((loaded.plan.prefix_tokens if spec.counts_leading_turn else
-                  loaded.plan.prefix_tokens + uncounted_framing(spec, self.plan_estimator(spec)))
-                 if prefix_exact(spec) else 0)
+        fixed = 0
+        if prefix_exact(spec):
+            fixed = loaded.plan.prefix_tokens
+            if not spec.counts_leading_turn:  # the framing the Build counted beside the
+                # stored count; the tokenizer is asked for only then
+                fixed += uncounted_framing(spec, self.plan_estimator(spec))
 
         def apply(current: Calibration | None) -> Reconciled:
             if too_big:  # raised in the transaction: nothing is written

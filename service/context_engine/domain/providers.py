@@ -265,7 +265,6 @@ def sent_name_violations(names: Sequence[str], provider_format: str,
     return found
 
 
-
 # ----------------------------------------------------------------------------- validators
 
 def validate(body: Mapping[str, Any], provider_format: str) -> list[str]:
