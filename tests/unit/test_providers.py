@@ -324,6 +324,28 @@ def test_openai_body() -> None:
     assert p.validate_openai(body) == []
 
 
+# Which OpenAI models reason, written out by hand from OpenAI's model pages rather than derived
+# from the rule under test: a model that does not reason answers a request asking for its
+# encrypted reasoning with 400 "Encrypted content is not supported with this model."
+REASONS = {"gpt-5": True, "gpt-5-mini": True, "gpt-5.1": True, "gpt-5-codex": True,
+           "o1": True, "o1-mini": True, "o3": True, "o3-mini": True, "o3-pro": True,
+           "o4-mini": True,
+           "gpt-5-chat-latest": False, "gpt-4o": False, "gpt-4o-mini": False,
+           "gpt-4.1": False, "gpt-4.1-mini": False, "gpt-4.5-preview": False,
+           "gpt-4-turbo": False, "gpt-4": False, "gpt-3.5-turbo": False}
+
+
+@pytest.mark.parametrize("model_id", sorted(REASONS))
+def test_openai_asks_only_a_model_that_reasons_for_its_reasoning(model_id: str) -> None:
+    body = p.openai_responses(built(two_runs(), model_id=model_id))
+    assert ("include" in body) is REASONS[model_id]
+    if REASONS[model_id]:
+        assert body["include"] == ["reasoning.encrypted_content"]
+    assert p.validate_openai(body) == []
+    asked = {**body, "include": ["reasoning.encrypted_content"]}
+    assert (p.validate_openai(asked) == []) is REASONS[model_id]
+
+
 def test_openai_pointer_results() -> None:
     pointer = replace(f.result("r1", 3, "k1", "y" * 4000), elided=True)
     body = p.openai_responses(built([f.user("u1", "Fetch.", 1), f.call("c1", 2, "k1"),

@@ -138,7 +138,9 @@ export interface AnthropicMessagesBody {
 /**
  * An OpenAI Responses API body (`openai.responses.create(body)`): `instructions`, `input` items
  * (messages, `function_call`, `function_call_output`), `tools`, `prompt_cache_key` (the session
- * key), stateless (`store` false).
+ * key), stateless (`store` false); `include` asks a model that reasons (o-series, gpt-5 but
+ * gpt-5-chat) for its encrypted reasoning back, and is absent for any other (OpenAI refuses it
+ * there).
  */
 export interface OpenAIResponsesBody {
   model: string;
@@ -147,7 +149,7 @@ export interface OpenAIResponsesBody {
   prompt_cache_key: string;
   max_output_tokens: number;
   store: boolean;
-  include: string[];
+  include?: string[];
   tools?: JsonObject[];
 }
 

@@ -19,7 +19,8 @@ a provider's wire format requires:
 - OpenAI: one input item per message and per call; ``prompt_cache_key`` is the session key
   (spec: "Session identity and OpenAI history lookback"); only OpenAI reasoning items are
   replayed, verbatim (the builder already limits them to the active run, ADR-0007); the
-  request is stateless (``store: false``) and asks for the encrypted reasoning back.
+  request is stateless (``store: false``) and asks a model that reasons (``openai_reasons``)
+  for its encrypted reasoning back.
 
 Tool names: providers accept ``[A-Za-z0-9_-]{1,64}``; ours may contain dots. Each "." becomes
 "__" (the same mapping for definitions and for replayed calls); two names that map to one, or a
@@ -94,6 +95,17 @@ UNCACHEABLE_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 ANTHROPIC_REASONING = UNCACHEABLE_BLOCKS  # what an Anthropic reasoning item may replay
 OPENAI_REASONING = frozenset({"reasoning"})
 OPENAI_INCLUDE = ("reasoning.encrypted_content",)
+# The OpenAI models that reason: the o-series and gpt-5, but gpt-5-chat. OpenAI refuses a
+# request that asks any other model for its encrypted reasoning (400 "Encrypted content is
+# not supported with this model.", param ``include``), so only these are asked.
+OPENAI_REASONING_PREFIXES = ("o1", "o3", "o4", "gpt-5")
+OPENAI_NON_REASONING_PREFIXES = ("gpt-5-chat",)
+
+
+def openai_reasons(model_id: str) -> bool:
+    """Whether an OpenAI model reasons, and so takes ``include``'s encrypted reasoning."""
+    return (model_id.startswith(OPENAI_REASONING_PREFIXES)
+            and not model_id.startswith(OPENAI_NON_REASONING_PREFIXES))
 RESPONSES_CALL_ID_MAX = 64  # "Invalid 'input[i].call_id': ... maximum length 64"
 
 
@@ -202,8 +214,9 @@ def openai_responses(result: BuildResult) -> JSON:
         "prompt_cache_key": result.session_key,
         "max_output_tokens": result.output_reserve,
         "store": False,
-        "include": list(OPENAI_INCLUDE),
     }
+    if openai_reasons(result.model_id):
+        body["include"] = list(OPENAI_INCLUDE)
     if tools:
         body["tools"] = tools
     return body
@@ -473,6 +486,11 @@ def validate_openai(body: Mapping[str, Any]) -> list[str]:
     key = body.get("prompt_cache_key")
     if key is not None and (not isinstance(key, str) or not key):
         problems.append("prompt_cache_key: must be a non-empty string")
+    include = body.get("include")
+    if (isinstance(include, list) and OPENAI_INCLUDE[0] in include
+            and not openai_reasons(str(body.get("model") or ""))):
+        problems.append(f"include: {OPENAI_INCLUDE[0]} asked of a model that does not reason "
+                        "(OpenAI refuses it)")
     for i, t in enumerate(_tool_defs(body.get("tools"), "name", problems)):
         if t.get("type") != "function":
             problems.append(f"tools[{i}].type: must be 'function'")

@@ -153,7 +153,9 @@ class AnthropicMessagesBody(TypedDict):
 class OpenAIResponsesBody(TypedDict):
     """An OpenAI Responses API body (``client.responses.create(**body)``): ``instructions``,
     ``input`` items (messages, ``function_call``, ``function_call_output``), ``tools``,
-    ``prompt_cache_key`` (the session key), stateless (``store`` false)."""
+    ``prompt_cache_key`` (the session key), stateless (``store`` false); ``include`` asks a
+    model that reasons (o-series, gpt-5 but gpt-5-chat) for its encrypted reasoning back, and
+    is absent for any other (OpenAI refuses it there)."""
 
     model: str
     instructions: str
@@ -161,7 +163,7 @@ class OpenAIResponsesBody(TypedDict):
     prompt_cache_key: str
     max_output_tokens: int
     store: bool
-    include: list[str]
+    include: NotRequired[list[str]]
     tools: NotRequired[list[JSONObject]]
 
 
