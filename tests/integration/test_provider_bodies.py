@@ -1028,3 +1028,61 @@ def test_white_space_the_model_wrote_is_no_text_block_and_markers_stay(stub, ids
     marks = sum(1 for m in body["messages"] for b in m["content"]
                 if "cache_control" in b or "cachePoint" in b)
     assert marks == len(history) >= 1, (marks, [b.through_item for b in history])
+
+
+# MCP servers and zod write a union as alternatives at the schema's top level; Claude answers
+# 400 "input_schema does not support oneOf, allOf, or anyOf at the top level" to every request
+# that defines such a tool, through Anthropic's API and Bedrock's alike.
+UNION_SCHEMA = {"type": "object", "properties": {"id": {"type": "string"},
+                                                  "path": {"type": "string"}}}
+
+
+def _union_catalog(keyword: str) -> list[pb.ToolSpec]:
+    tools = catalog()
+    schema = {**UNION_SCHEMA, keyword: [{"required": ["id"]}, {"required": ["path"]}]}
+    tools[0].input_schema_json = json.dumps(schema)
+    return tools
+
+
+@pytest.mark.parametrize("keyword", ["anyOf", "oneOf", "allOf"])
+def test_a_schema_with_alternatives_at_its_top_level_never_reaches_claude(stub, ids, db,
+                                                                          keyword):
+    tenant, session = ids
+    # planned for a Claude model: refused at Plan, at the tool's schema, and nothing written
+    for fmt in (pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES, pb.PROVIDER_FORMAT_BEDROCK_CONVERSE):
+        model = pb.ModelSpec(model_id=MODELS[fmt])
+        if fmt == pb.PROVIDER_FORMAT_BEDROCK_CONVERSE:
+            model.capabilities.context_window = 200_000
+            model.capabilities.output_reserve = 8_192
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Plan(plan_request(tenant, session, model=model,
+                                   tool_catalog=_union_catalog(keyword)))
+        f = failure(err.value)
+        assert f.code is grpc.StatusCode.INVALID_ARGUMENT and f.reason == "INVALID_ARGUMENT"
+        why = f.violations["tool_catalog[0].input_schema_json"]
+        assert "'web.fetch'" in why and keyword in why and FORMATS[fmt] in why
+        assert db.counts(tenant) == {"sessions": 0, "plans": 0, "context_events": 0}
+    # planned for OpenAI: the plan stands, and a Build asking Claude's formats is refused
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-5"),
+                           tool_catalog=_union_catalog(keyword)))
+    entries = items()
+    for fmt in (pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES, pb.PROVIDER_FORMAT_BEDROCK_CONVERSE):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Build(build(tenant, session, entries, fmt))
+        f = failure(err.value)
+        assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert f.reason == "PROVIDER_FORMAT_UNRENDERABLE"
+        assert f.metadata["provider_format"] == FORMATS[fmt]
+        assert "'web.fetch'" in f.violations["provider_format"]
+    # the other formats send the schema as it is
+    for fmt in (pb.PROVIDER_FORMAT_OPENAI_RESPONSES, pb.PROVIDER_FORMAT_OPENAI_CHAT_COMPLETIONS,
+                pb.PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT):
+        body = stub.Build(build(tenant, session, entries, fmt)).provider_body_json
+        assert f'"{keyword}":[{{"required":["id"]}}' in body, fmt
+    # a schema holding alternatives under a property is Claude's to take
+    nested = catalog()
+    nested[0].input_schema_json = json.dumps({"type": "object", "properties": {
+        "target": {keyword: [{"type": "string"}, {"type": "integer"}]}}})
+    other = session + "-nested"
+    stub.Plan(plan_request(tenant, other, tool_catalog=nested))
+    stub.Build(build(tenant, other, entries, pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES))

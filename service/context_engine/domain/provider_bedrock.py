@@ -54,12 +54,12 @@ from context_engine.domain.provider_common import (
     ProviderFormatError,
     Turns,
     check_call_ids,
+    claude_tool_schemas,
     marked_blocks,
     message_key,
     pair_problems,
     reasoning_object,
     tool_names,
-    tool_schema,
     unreplayable,
 )
 from context_engine.domain.request import Message, Role
@@ -122,11 +122,11 @@ def bedrock_converse(result: BuildResult) -> JSON:
                    rule="1-64 characters of [a-zA-Z0-9_.:-] (a toolUseId)")
     req = result.request
     tools: list[JSON] = []
-    for t in req.tools:
+    for t, schema in zip(req.tools, claude_tool_schemas(result, fmt), strict=True):
         spec: JSON = {"name": names[t.name]}
         if t.description:
             spec["description"] = t.description
-        spec["inputSchema"] = {"json": tool_schema(t.input_schema_json)}
+        spec["inputSchema"] = {"json": schema}
         tools.append({"toolSpec": spec})
     system: list[JSON] = [{"text": b.text} for b in req.prefix_blocks if b.text]
     if not tools and any(m.tool_calls for m in req.messages):

@@ -156,6 +156,38 @@ def unreplayable(m: Message, provider_format: str, expected: str) -> ProviderFor
         f"{expected}: it cannot be replayed", item_id=m.item_id, suffix=".reasoning.opaque")])
 
 
+# Claude refuses a tool whose input schema holds alternatives at its top level (400
+# "input_schema does not support oneOf, allOf, or anyOf at the top level"), through Anthropic's
+# API and Bedrock's alike; a union written by MCP servers and zod has that shape.
+CLAUDE_FORMATS = frozenset({ANTHROPIC_MESSAGES, BEDROCK_CONVERSE})
+TOP_LEVEL_ALTERNATIVES = ("allOf", "anyOf", "oneOf")
+
+
+def top_level_refusal(name: str, schema: Mapping[str, Any], provider_format: str) -> str | None:
+    """Why ``provider_format`` cannot send tool ``name`` with this input schema, or None."""
+    if provider_format not in CLAUDE_FORMATS:
+        return None
+    found = [k for k in TOP_LEVEL_ALTERNATIVES if k in schema]
+    if not found:
+        return None
+    return (f"tool {name!r} has {' and '.join(found)} at the top level of its input schema, "
+            f"which Claude refuses in {provider_format} (\"input_schema does not support "
+            "oneOf, allOf, or anyOf at the top level\"): put the alternatives under a "
+            "property, or list their properties as optional ones")
+
+
+def claude_tool_schemas(result: BuildResult, provider_format: str) -> list[JSON]:
+    """Each definition's schema as a Claude body sends it (:func:`tool_schema`), refusing
+    the render when one holds alternatives at its top level (:func:`top_level_refusal`)."""
+    schemas = [tool_schema(t.input_schema_json) for t in result.request.tools]
+    refusals = [why for t, s in zip(result.request.tools, schemas, strict=True)
+                if (why := top_level_refusal(t.name, s, provider_format)) is not None]
+    if refusals:
+        raise ProviderFormatError(provider_format,
+                                  [FieldViolation("provider_format", r) for r in refusals])
+    return schemas
+
+
 def tool_schema(text: str) -> JSON:
     """A definition's input schema as provider bodies send it (:func:`provider_schema`)."""
     value = parse_json_object(text)

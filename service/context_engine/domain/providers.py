@@ -72,11 +72,13 @@ from context_engine.domain.provider_common import ProviderFormatError as Provide
 from context_engine.domain.provider_common import (
     Turns,
     check_call_ids,
+    claude_tool_schemas,
     marked_blocks,
     message_key,
     reasoning_payload,
     tool_names,
     tool_schema,
+    top_level_refusal,
 )
 from context_engine.domain.provider_common import provider_schema as provider_schema
 from context_engine.domain.provider_common import provider_tool_name as provider_tool_name
@@ -134,8 +136,8 @@ def anthropic_messages(result: BuildResult) -> JSON:
                    rule="made of [a-zA-Z0-9_-] only (a tool_use id)")
     req = result.request
     tools: list[JSON] = []
-    for t in req.tools:
-        tool: JSON = {"name": names[t.name], "input_schema": tool_schema(t.input_schema_json)}
+    for t, schema in zip(req.tools, claude_tool_schemas(result, fmt), strict=True):
+        tool: JSON = {"name": names[t.name], "input_schema": schema}
         if t.description:
             tool["description"] = t.description
         tools.append(tool)
@@ -275,6 +277,23 @@ def sent_name_violations(names: Sequence[str], provider_format: str,
             found.append(FieldViolation(field, f"{name!r} is sent to {provider_format} as "
                                         f"{theirs!r}, {len(theirs)} characters: over the 64 it "
                                         "takes"))
+    return found
+
+
+def sent_schema_violations(tools: Sequence[ToolSpec], provider_format: str,
+                           catalog: Sequence[ToolSpec]) -> list[FieldViolation]:
+    """What a drafted plan's tool definitions break in ``provider_format``, the model's own,
+    by their input schemas: alternatives at the top level, which Claude refuses
+    (:func:`top_level_refusal`). Like :func:`sent_name_violations`, every Build of the plan in
+    that format would be unrenderable; another format is judged when a Build asks it."""
+    where = {t.name: i for i, t in enumerate(catalog)}
+    found = []
+    for t in tools:
+        why = top_level_refusal(t.name, t.input_schema, provider_format)
+        if why is not None:
+            field = (f"tool_catalog[{where[t.name]}].input_schema_json" if t.name in where
+                     else "tool_catalog")
+            found.append(FieldViolation(field, why))
     return found
 
 
