@@ -587,3 +587,34 @@ def test_provider_schema_survives_the_deepest_schema_the_parser_admits() -> None
         assert "title" not in node
         node = node["items"]
     assert node == {}
+
+
+def _sent_tool_names(body: dict[str, Any], fmt: str) -> list[str]:
+    """The tool names a body defines, in its order, read from each provider's own shape."""
+    if fmt == "gemini_generate_content":
+        return [d["name"] for t in body.get("tools", []) for d in t["functionDeclarations"]]
+    if fmt == "bedrock_converse":
+        return [t["toolSpec"]["name"] for t in body.get("toolConfig", {}).get("tools", [])
+                if "toolSpec" in t]  # a cachePoint entry defines nothing
+    if fmt == "openai_chat_completions":
+        return [t["function"]["name"] for t in body.get("tools", [])]
+    return [t["name"] for t in body.get("tools", [])]
+
+
+@pytest.mark.parametrize("fmt", sorted(p.RENDERERS))
+def test_a_body_defines_the_requests_tools_in_their_order(fmt: str) -> None:
+    """What the README tells a runtime to map the model's calls back with: the body's tool
+    names paired with the request's, in order. A plan name holding "__" itself comes back as
+    it is, which replacing "__" with "." would not give."""
+    catalog = (f.tool("web.fetch"), f.tool("mcp__github__search"), f.tool("a_.b"),
+               f.tool("clock_now"))
+    result = built([f.user("u1", "Hi.", 1)], catalog=catalog, model_id="gpt-5")
+    body = p.render(result, fmt)
+    sent = _sent_tool_names(body, fmt)
+    ours = [t.name for t in result.request.tools]
+    assert len(sent) == len(ours) and {"web.fetch", "mcp__github__search", "a_.b"} <= set(ours)
+    back = dict(zip(sent, ours, strict=True))
+    assert back[sent[ours.index("mcp__github__search")]] == "mcp__github__search"
+    if fmt != "gemini_generate_content":
+        assert sent[ours.index("web.fetch")] == "web__fetch"
+        assert sent[ours.index("a_.b")] == "a___b"
