@@ -582,7 +582,7 @@ class Engine:
                    attributes={"context_engine.render.source": "canonicalize"}):
             # the bytes as served: with the fold they were escaped with
             rendered = render_prefix(stale.spec, loaded.session_key,
-                                     legacy_fold=loaded.legacy_fold)
+                                     fold=loaded.fold)
 
         def decide(locked: ContextPlan | None) -> Rotation | None:
             if locked is None:  # erased since it was read: Plan opens it anew

@@ -31,6 +31,8 @@ LOOKALIKES = {"u": ("\u03c5", "\u057d", "\u1d1c"), "s": ("\u0455", "\ua731"),
               "e": ("\u0435", "\u03b5"), "o": ("\u043e", "\u03bf"), "r": ("\u0433", "\u0280"),
               "t": ("\u0442", "\u03c4"), "m": ("\u043c", "\u03bc"), "y": ("\u0443",),
               "n": ("\u0578", "\u0274"), "d": ("\u0501",)}
+# builder@5 reads "rn" as "m" and "0" as "o" (Unicode's confusables), on both paths
+ASCII_LOOKALIKES = {"m": ("rn", "RN", "r n"), "o": ("0",)}
 LT = ("<", "<", "<", "\uff1c", "\ufe64", "\u2039", "\u27e8")
 SLASHES = ("/", "\\", "\\/", "//", "\uff0f", "\u2215", "\uff3c")
 
@@ -46,6 +48,8 @@ def tag_name(draw: st.DrawFn, ascii_only: bool) -> str:
     for letter in name:
         if not ascii_only and letter in LOOKALIKES and draw(st.booleans()):
             letter = draw(st.sampled_from(LOOKALIKES[letter]))
+        elif letter in ASCII_LOOKALIKES and draw(st.integers(0, 3)) == 0:
+            letter = draw(st.sampled_from(ASCII_LOOKALIKES[letter]))
         elif draw(st.booleans()):
             letter = letter.upper()
         out.append(letter)

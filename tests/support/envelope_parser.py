@@ -12,6 +12,7 @@ strict parser and a lenient reader (a model) would.
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -75,9 +76,51 @@ def fold(text: str, *, confusables: bool = False) -> str:
 _TAGLIKE = re.compile(r"<\s*/*\s*(?:" + "|".join(TAG_NAMES) + ")")
 
 
-def taglike(body: str, *, confusables: bool = False) -> list[str]:
+def _bare(ch: str) -> str:
+    return "".join(c for c in unicodedata.normalize("NFKD", ch)
+                   if unicodedata.category(c) not in ("Mn", "Me"))
+
+
+def unicode_group(target: str) -> set[str]:
+    """``target`` and its single-character confusables, as Unicode lists them."""
+    from confusable_homoglyphs import confusables
+
+    data = confusables.confusables_data
+    return {target} | {e["c"] for e in data.get(target, []) if len(e["c"]) == 1}
+
+
+@functools.cache
+def _unicode_tables() -> tuple[set[str], set[str], dict[str, str]]:
+    letters = {c: letter for letter in "abcdefghijklmnopqrstuvwxyz"
+               for c in unicode_group(letter) | unicode_group(letter.upper())}
+    return unicode_group("<"), unicode_group("/") | unicode_group("\\"), letters
+
+
+def unicode_fold(text: str) -> str:
+    """A model's view of ``text`` read with Unicode's own confusables (confusables.txt as the
+    package confusable-homoglyphs ships it, read here, not the service's table): each
+    character decomposed without its marks, a confusable of "<", "/" or "\\" as that
+    character, a confusable of a Latin letter as that letter, case-folded; "rn" as "m"."""
+    lt, slash, letters = _unicode_tables()
+    out: list[str] = []
+    for ch in text:
+        if invisible(ch):
+            continue
+        bare = _bare(ch)
+        if ch in lt or bare in lt:
+            out.append("<")
+        elif ch in slash or bare in slash:
+            out.append("/")
+        else:
+            out.append(letters.get(ch) or letters.get(bare) or bare.casefold())
+    return "".join(out).replace("rn", "m")
+
+
+def taglike(body: str, *, confusables: bool = False, unicode: bool = False) -> list[str]:
     """Every sequence in ``body`` a lenient reader takes for an envelope tag (opening or
-    closing, any nonce)."""
+    closing, any nonce). ``unicode``: read with Unicode's confusables (``unicode_fold``)."""
+    if unicode:
+        return _TAGLIKE.findall(unicode_fold(body))
     return _TAGLIKE.findall(fold(body, confusables=confusables))
 
 

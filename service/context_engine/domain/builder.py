@@ -35,6 +35,7 @@ from context_engine.domain.canonical import (
     json_object_problem,
     session_key,
 )
+from context_engine.domain.envelope import FOLD, FOLDS
 from context_engine.domain.errors import (
     AssemblyError,
     BudgetExceeded,
@@ -177,7 +178,12 @@ class LoadedPlan:
     rendered: RenderedPrefix
     session_key: str
     legacy: bool = False  # verified under its recorded (non-canonical) hash
-    legacy_fold: bool = False  # its envelopes escaped with the fold of builders before @4
+    fold: int = FOLD  # the fold its envelopes were escaped with (``envelope.FOLDS``)
+
+    @property
+    def legacy_fold(self) -> bool:
+        """Escaped with an older builder's fold: served as pinned, rotated by the next Plan."""
+        return self.fold != FOLD
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -931,20 +937,21 @@ def load_plan(plan: ContextPlan) -> LoadedPlan:
     writer's hash-seed order) renders the same bytes: it is served under its recorded hash
     and marked ``legacy``, and the next Plan canonicalizes it (prefix_hash_canonicalized).
 
-    A plan a builder before @4 pinned, or a replica of such a release rotated whatever its
+    A plan an older builder pinned, or a replica of an older release rotated whatever its
     label says, may hold envelope content escaped with that builder's fold: re-rendered with
-    that fold, it is served as it was pinned (the provider's cache holds those bytes) until a
-    rotation renders it anew (``legacy_fold``: the next Plan rotates it, builder_changed)."""
+    that fold (newest first), it is served as it was pinned (the provider's cache holds those
+    bytes) until a rotation renders it anew (``legacy_fold``: the next Plan rotates it,
+    builder_changed)."""
     key = session_key(plan.tenant_id, plan.session_id)
     rendered = render_prefix(plan.spec, key)
     if rendered.prefix_sha256 == plan.prefix_sha256:
         return LoadedPlan(plan=plan, rendered=rendered, session_key=key)
-    for legacy_fold in (False, True):
+    for fold in FOLDS:
         for recorded in ((None, plan.recorded) if plan.recorded is not None else (None,)):
-            if recorded is None and not legacy_fold:
+            if recorded is None and fold == FOLD:
                 continue  # rendered above
-            legacy = render_prefix(plan.spec, key, recorded=recorded, legacy_fold=legacy_fold)
+            legacy = render_prefix(plan.spec, key, recorded=recorded, fold=fold)
             if legacy.prefix_sha256 == plan.prefix_sha256:
                 return LoadedPlan(plan=plan, rendered=legacy, session_key=key,
-                                  legacy=recorded is not None, legacy_fold=legacy_fold)
+                                  legacy=recorded is not None, fold=fold)
     raise PrefixHashMismatch(plan.prefix_sha256, rendered.prefix_sha256, plan.epoch)

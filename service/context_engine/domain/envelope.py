@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
+from context_engine.domain import lookalikes
 from context_engine.domain.canonical import canonical_sha256, sha256_hex
 from context_engine.domain.trust import TrustLevel
 
@@ -22,7 +23,17 @@ TAGS: dict[TrustLevel, str] = {
 TAG_NAMES = tuple(sorted(set(TAGS.values())))
 NONCE_HEX = 16
 
-# Characters that read as "<" or "/" to a model.
+# The escaping rule's fold, by the builder that introduced it. A pinned prefix was escaped with
+# its builder's fold and is re-rendered with that fold (``builder.load_plan``); everything new
+# is escaped with the current one.
+FOLD_3 = 3  # builders before @4: lower-cased, then the look-alike table once
+FOLD_4 = 4  # @4: the look-alike table before lower-casing too
+FOLD_5 = 5  # @5: each character decomposed (NFKD) and stripped of its marks first, Unicode's
+#             confusables of "<", "/" and the tag letters (``lookalikes``), "rn" read as "m"
+FOLD = FOLD_5
+FOLDS = (FOLD_5, FOLD_4, FOLD_3)  # newest first
+
+# Characters that read as "<" or "/" to a model (folds 3 and 4).
 _LT_LIKE = ("<\uff1c\ufe64\u2039\u3008\u2329\u27e8\u276e\u02c2\u1438\u276c\u29fc\u2770"
             "\u3014\u27ea\u2991\u2993\u29d8\u1445\u2264\u227a")
 # Letters from other scripts that read as the Latin letters of the tag names (a subset of
@@ -47,7 +58,12 @@ _CONFUSABLE = str.maketrans({
 })
 # Characters that read as "/"; a backslash too, as in the escaped form "<\\/untrusted".
 _SLASH_LIKE = "/\\\uff0f\u2044\u2215\u29f8\u2571\ufe68\uff3c\u30ce\u2f03\u4e3f"
-_LT_RE = re.compile(f"[{_LT_LIKE}]")
+_LT_RES = {FOLD_3: re.compile(f"[{_LT_LIKE}]"), FOLD_4: re.compile(f"[{_LT_LIKE}]"),
+           FOLD_5: re.compile(f"[{re.escape(lookalikes.LT_LIKE)}]")}
+_CONFUSABLE_5 = str.maketrans({**{chr(k): v for k, v in _CONFUSABLE.items()
+                                  if isinstance(v, str)}, **lookalikes.LETTERS})
+_SLASH_LIKE_5 = frozenset(lookalikes.SLASH_LIKE)
+_MARKS = frozenset(("Mn", "Me"))
 # Rendered as nothing, or as blank, although not format characters.
 _BLANK_LETTERS = frozenset("\u034f\u115f\u1160\u3164\uffa0\u180e\u2800")
 
@@ -65,14 +81,36 @@ def _invisible(ch: str) -> bool:
     return unicodedata.category(ch) in ("Cc", "Cf", "Mn", "Me")
 
 
-def _could_be_tag(name: str) -> bool | None:
+def _could_be_tag(name: str, fold: int = FOLD) -> bool | None:
     """True once ``name`` (the folded text after the slashes) starts with a tag name, False
-    once it cannot, None while it is still a prefix of one."""
-    if any(name.startswith(tag) for tag in TAG_NAMES):
+    once it cannot, None while it is still a prefix of one. From fold 5, "rn" reads as "m"
+    (no tag name holds "rn"), and a trailing "r" may still begin one."""
+    names = [name]
+    if fold >= FOLD_5:
+        names = [name.replace("rn", "m")]
+        if name.endswith("r"):
+            names.append(name[:-1].replace("rn", "m") + "m")
+    if any(n.startswith(tag) for n in names for tag in TAG_NAMES):
         return True
-    if any(tag.startswith(name) for tag in TAG_NAMES):
+    if any(tag.startswith(n) for n in names for tag in TAG_NAMES):
         return None
     return False
+
+
+def _bare(text: str) -> str:
+    """``text`` decomposed (NFKD) without its combining marks: "ü" is "u", "≮" is "<"."""
+    return "".join(c for c in unicodedata.normalize("NFKD", text)
+                   if unicodedata.category(c) not in _MARKS)
+
+
+def _fold_5(ch: str) -> str:
+    """One character as fold 5 reads it: "/" for anything slash-like, else its bare form
+    through the look-alike table, lower-cased, and bare again (a capital may lower to a letter
+    and a mark)."""
+    bare = _bare(ch)
+    if bare in _SLASH_LIKE_5:
+        return "/"
+    return _bare(bare.translate(_CONFUSABLE_5).lower().translate(_CONFUSABLE_5))
 
 
 def plain_name(name: str) -> bool:
@@ -87,24 +125,25 @@ def nonce(session_key: str, item_id: str, content: str) -> str:
     return canonical_sha256([session_key, item_id, sha256_hex(content)])[:NONCE_HEX]
 
 
-def _opens_delimiter(text: str, start: int, legacy_fold: bool = False) -> bool:
+def _opens_delimiter(text: str, start: int, fold: int = FOLD) -> bool:
     """Does the "<"-like character at ``start`` begin an envelope tag once look-alikes,
     invisible characters, white space and letter case are folded away? There is no window:
     any amount of invisible padding is skipped. Each scan stops at the first character that
     settles the question (another "<" does), and what it keeps is the few letters after the
     slashes, so escaping stays linear in the length of the content.
 
-    ``legacy_fold``: the fold of builders before ``context-engine-builder@4``, which lower-cased
-    and then applied the look-alike table once; only to re-render a plan one of them pinned
-    (``builder.load_plan``), never to escape anything new."""
+    ``fold``: ``FOLD`` escapes everything new; an older one (``FOLD_4``, ``FOLD_3``) only
+    re-renders a plan its builder pinned (``builder.load_plan``)."""
     name = ""  # the folded text after the leading slashes: at most a tag name long
     for i in range(start + 1, len(text)):
         ch = text[i]
         if _invisible(ch):
             continue
-        if ch in _SLASH_LIKE:
+        if fold >= FOLD_5:
+            piece = _fold_5(ch)
+        elif ch in _SLASH_LIKE:
             piece = "/"
-        elif legacy_fold:
+        elif fold == FOLD_3:
             piece = unicodedata.normalize("NFKC", ch).lower().translate(_CONFUSABLE)
         else:  # the table before lower-casing too: a capital in it (U+13E7) lowers past it
             piece = (unicodedata.normalize("NFKC", ch)
@@ -114,25 +153,27 @@ def _opens_delimiter(text: str, start: int, legacy_fold: bool = False) -> bool:
             if not piece:
                 continue  # still the slashes
         name += piece
-        verdict = _could_be_tag(name)
+        verdict = _could_be_tag(name, fold)
         if verdict is not None:
             return verdict
     return False
 
 
-def escape_general(content: str, *, legacy_fold: bool = False) -> str:
+def escape_general(content: str, *, fold: int = FOLD) -> str:
     """The escaping rule, for any text: every "<"-like character that opens a delimiter once
     folded (``_opens_delimiter``) becomes the entity ``&lt;``."""
-    if not _LT_RE.search(content):
+    lt_re = _LT_RES[fold]
+    if not lt_re.search(content):
         return content
+    cannot_open = _CANNOT_OPEN[fold]
     out: list[str] = []
     last = 0
-    for match in _LT_RE.finditer(content):
+    for match in lt_re.finditer(content):
         i = match.start()
         nxt = content[i + 1:i + 2]
-        if nxt in _CANNOT_OPEN:  # settles it without folding (most "<" in HTML)
+        if nxt in cannot_open:  # settles it without folding (most "<" in HTML)
             continue
-        if _opens_delimiter(content, i, legacy_fold):
+        if _opens_delimiter(content, i, fold):
             out.append(content[last:i])
             out.append("&lt;")
             last = i + 1
@@ -143,31 +184,48 @@ def escape_general(content: str, *, legacy_fold: bool = False) -> str:
 # The same rule on ASCII text, as one regex pass. It is derived from the fold, not written
 # beside it: in ASCII the only invisible characters are those ``_invisible`` says are (white
 # space, including the separators \x1c-\x1f), the only slash-like ones are "/" and "\\", and
-# folding is lower-casing. So a delimiter is "<", any run of invisible and slash-like
-# characters, then a tag name with invisible characters anywhere between its letters. A
-# property test holds the two paths to identical output.
+# folding is lower-casing (from fold 5 also "0" as "o", and "rn" as "m"). So a delimiter is
+# "<", any run of invisible and slash-like characters, then a tag name with invisible
+# characters anywhere between its letters. A property test holds the two paths to identical
+# output.
 _ASCII_INVISIBLE = "".join(c for c in map(chr, range(128)) if _invisible(c))
 _ASCII_SLASHES = "".join(c for c in _SLASH_LIKE if c.isascii())
 _W = "[" + re.escape(_ASCII_INVISIBLE) + "]*"
-_ASCII_DELIMITER = re.compile(
-    "<(?=[" + re.escape(_ASCII_INVISIBLE + _ASCII_SLASHES) + "]*(?:"
-    + "|".join(_W.join(re.escape(letter) for letter in name) for name in TAG_NAMES) + "))",
-    re.IGNORECASE | re.ASCII)
-# An ASCII character after "<" that is not invisible, slash-like or the first letter of a tag
-# name: that "<" cannot open a delimiter.
-_CANNOT_OPEN = frozenset(
+# fold 5: each letter of a tag name as the ASCII characters that fold to it
+_ASCII_LETTERS_5 = {letter: "|".join(
+    [re.escape(letter)] + [re.escape(c) for c, to in lookalikes.LETTERS.items()
+                           if c.isascii() and to == letter]
+    + (["r" + _W + "n"] if letter == "m" else [])) for letter in set("".join(TAG_NAMES))}
+
+
+def _ascii_delimiter(fold: int) -> re.Pattern[str]:
+    def letter(c: str) -> str:
+        return f"(?:{_ASCII_LETTERS_5[c]})" if fold >= FOLD_5 else re.escape(c)
+    return re.compile(
+        "<(?=[" + re.escape(_ASCII_INVISIBLE + _ASCII_SLASHES) + "]*(?:"
+        + "|".join(_W.join(letter(c) for c in name) for name in TAG_NAMES) + "))",
+        re.IGNORECASE | re.ASCII)
+
+
+_ASCII_DELIMITER = {fold: _ascii_delimiter(fold) for fold in FOLDS}
+# An ASCII character after "<" that is not invisible, slash-like or what the first letter of a
+# tag name folds from (from fold 5, "r" too: it may begin "rn", read as "m"): that "<" cannot
+# open a delimiter.
+_FIRST = {name[0] for name in TAG_NAMES}
+_FIRST_5 = _FIRST | {c for c, to in lookalikes.LETTERS.items() if c.isascii() and to in _FIRST}
+_CANNOT_OPEN = {fold: frozenset(
     c for c in map(chr, range(1, 128))
     if c not in _ASCII_INVISIBLE and c not in _ASCII_SLASHES
-    and c.lower() not in {name[0] for name in TAG_NAMES})
+    and c.lower() not in (_FIRST_5 | {"r"} if fold >= FOLD_5 else _FIRST)) for fold in FOLDS}
 
 
-def escape_content(content: str, *, legacy_fold: bool = False) -> str:
+def escape_content(content: str, *, fold: int = FOLD) -> str:
     """Neutralize every delimiter-like sequence: its "<" becomes the entity ``&lt;``. ASCII
     text takes the one-pass form of the same rule (``escape_general`` is the rule; the two
-    folds agree on ASCII, where folding is lower-casing)."""
+    agree on ASCII)."""
     if content.isascii():
-        return _ASCII_DELIMITER.sub("&lt;", content)
-    return escape_general(content, legacy_fold=legacy_fold)
+        return _ASCII_DELIMITER[fold].sub("&lt;", content)
+    return escape_general(content, fold=fold)
 
 
 def escape_attr(value: str) -> str:
@@ -176,13 +234,13 @@ def escape_attr(value: str) -> str:
 
 
 def envelope(*, trust: TrustLevel, source: str, item_id: str, content: str,
-             session_key: str, legacy_fold: bool = False) -> str:
+             session_key: str, fold: int = FOLD) -> str:
     """Render ``content`` inside its envelope. Trust at or above TRUSTED_CONFIGURATION is
-    returned unchanged: it is not data but configuration or platform text. ``legacy_fold``:
-    as ``_opens_delimiter``."""
+    returned unchanged: it is not data but configuration or platform text. ``fold``: as
+    ``_opens_delimiter``."""
     if not trust.enveloped:
         return content
     tag = TAGS[trust]
     n = nonce(session_key, item_id, content)
     return (f'<{tag} source="{escape_attr(source)}" id="{escape_attr(item_id)}" '
-            f'nonce="{n}">\n{escape_content(content, legacy_fold=legacy_fold)}\n</{tag}:{n}>')
+            f'nonce="{n}">\n{escape_content(content, fold=fold)}\n</{tag}:{n}>')

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from context_engine.domain.canonical import canonical_json
-from context_engine.domain.envelope import envelope
+from context_engine.domain.envelope import FOLD, envelope
 from context_engine.domain.errors import AssemblyError
 from context_engine.domain.model import (
     MemorySnapshot,
@@ -73,7 +73,7 @@ class RenderContext:
     look-alikes (``envelope._opens_delimiter``)."""
 
     session_key: str
-    legacy_fold: bool = False
+    fold: int = FOLD
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -221,7 +221,7 @@ def index_line(tool: ToolSpec, ctx: RenderContext) -> str:
     return "- " + envelope(trust=entry_trust(tool), source=f"tool-index:{tool.server}",
                            item_id=tool.name, content=index_entry(tool),
                            session_key=ctx.session_key,
-                           legacy_fold=ctx.legacy_fold)
+                           fold=ctx.fold)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -258,7 +258,7 @@ class SkillCatalogRow(ContextItem):
             lines.append("- " + envelope(trust=e.trust, source="skill-catalog", item_id=e.name,
                                          content=f"{e.name}: {e.description}",
                                          session_key=ctx.session_key,
-                                         legacy_fold=ctx.legacy_fold))
+                                         fold=ctx.fold))
         return "\n".join(lines)
 
 
@@ -277,7 +277,7 @@ class MemorySnapshotRow(ContextItem):
             trust=TrustLevel.MEMORY, source="memory:snapshot",
             item_id=self.snapshot.snapshot_id or "snapshot", content=body,
             session_key=ctx.session_key,
-            legacy_fold=ctx.legacy_fold)
+            fold=ctx.fold)
 
 
 RegionAItem = (PlatformPolicy | Framing | AgentInstructions | PersonaRow | ToolDefinitions

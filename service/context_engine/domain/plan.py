@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from context_engine.domain.canonical import canonical_json, canonical_sha256
+from context_engine.domain.envelope import FOLD
 from context_engine.domain.errors import (
     FieldViolation,
     InvalidInput,
@@ -80,8 +81,14 @@ from context_engine.domain.trust import Region, TrustLevel
 # leading user turn some bodies open with. Neither is read from the label, which a replica of
 # an older release keeps when it rotates a newer plan: a prefix whose hash its bytes miss is
 # re-rendered with the older fold (builder.load_plan), and a plan whose document does not say
-# it counts the turn has it counted beside its count (``uncounted_framing``).
-BUILDER_VERSION = "context-engine-builder@4"
+# it counts the turn has it counted beside its count (``uncounted_framing``). @5: the fold
+# decomposes each character and drops its marks ("ü" reads as "u"), and takes Unicode's
+# confusables of "<", "/" and the tag letters (``envelope.FOLD_5``). A @4 plan is current
+# where it renders the same bytes, as nearly all do (``SAME_BYTES``): re-planning it could move
+# its selection under a run parked on an approval. One holding a look-alike only @5 escapes
+# misses its hash, is served with @4's fold and rotated by the next Plan (builder_changed).
+BUILDER_VERSION = "context-engine-builder@5"
+SAME_BYTES = frozenset({"context-engine-builder@4"})
 PREFIX_CEILING = 22_000
 TTL_DEFAULT = "5m"
 TTL_SCHEDULED = "1h"
@@ -270,15 +277,15 @@ def _block_trust(item: ContextItem) -> TrustLevel:
 
 def render_prefix(spec: PlanSpec, session_key: str, *,
                   recorded: dict[str, Any] | None = None,
-                  legacy_fold: bool = False) -> RenderedPrefix:
+                  fold: int = FOLD) -> RenderedPrefix:
     """Render Region A. Pure; the same spec and session key always give the same bytes.
 
     ``recorded`` is a stored plan document: its tool specifications then enter the hash as
     they were recorded (a legacy plan may hold scope sets in its writer's iteration order),
     which is how a legacy hash is recognised. The rendered bytes are the same either way.
-    ``legacy_fold``: envelopes escaped as builders before @4 escaped them, to re-render a
-    plan one of them pinned or rotated."""
-    ctx = RenderContext(session_key=session_key, legacy_fold=legacy_fold)
+    ``fold``: envelopes escaped with an older builder's fold (``envelope.FOLDS``), to re-render
+    a plan one of them pinned or rotated."""
+    ctx = RenderContext(session_key=session_key, fold=fold)
     blocks: list[PrefixBlock] = []
     tools: tuple[ToolDefinition, ...] = ()
     for item in assemble(prefix_items(spec), Region.A):
@@ -544,8 +551,9 @@ def rotation_reason_for(current: PlanSpec, *, agent: AgentSpec, persona: Persona
             return "policy_changed"
     elif current.assets != assets:
         raise PinnedVersionConflict("policy", assets.version)
-    if current.builder_version != builder_version and not is_older(
-            builder_version, current.builder_version):
+    if (current.builder_version != builder_version
+            and current.builder_version not in SAME_BYTES
+            and not is_older(builder_version, current.builder_version)):
         return "builder_changed"
     return None
 
