@@ -308,6 +308,7 @@ def test_a_plan_pinned_by_builder4_is_current_unless_its_bytes_moved(server, stu
     request = plan_request(tenant, session, memory_snapshot=pb.MemorySnapshot(
         snapshot_id="snap-1", watermark=3, items=[pb.MemoryItem(id="m1", text=text)]))
     now = stub.Plan(request).plan
+    assert now.builder_version == "context-engine-builder@5"  # pinned now: today's fold
     document = json.loads(db.val("SELECT spec_text FROM plans WHERE tenant_id=$1", tenant))
     document["builder_version"] = "context-engine-builder@4"
     pinned = render_prefix(PlanSpec.from_canonical(document), session_key(tenant, session),

@@ -393,6 +393,8 @@ def test_every_look_alike_in_the_fold_table_is_escaped_in_place_of_its_letter() 
                 continue
             tried += 1
             forged = f"</{name[:i]}{chr(code)}{name[i + 1:]}:0123456789abcdef>"
-            if not escape_general("Page " + forged).startswith("Page &lt;"):
-                missed.append((hex(code), forged))
+            # today's fold, and builder@4's, which its plans are re-rendered with
+            for fold in (envelope_mod.FOLD, envelope_mod.FOLD_4):
+                if not escape_general("Page " + forged, fold=fold).startswith("Page &lt;"):
+                    missed.append((hex(code), fold, forged))
     assert tried > 50 and not missed, missed

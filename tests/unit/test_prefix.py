@@ -301,24 +301,29 @@ def test_policy_and_builder_rotate_forward_only() -> None:
         return replace(base, assets=replace(base.assets, version=version, policy=policy),
                        builder_version=builder)
 
-    old = spec("platform-policy@2026-12-01.2", "context-engine-builder@3")
-    new_policy = spec("platform-policy@2026-12-01.10", "context-engine-builder@3", "New.")
-    new_builder = spec("platform-policy@2026-12-01.2", "context-engine-builder@4")
+    old = spec("platform-policy@2026-12-01.2", "context-engine-builder@2")
+    new_policy = spec("platform-policy@2026-12-01.10", "context-engine-builder@2", "New.")
+    new_builder = spec("platform-policy@2026-12-01.2", "context-engine-builder@3")
     assert rotation_reason(old, new_policy) == "policy_changed"
     assert rotation_reason(new_policy, old) is None
     assert rotation_reason(old, new_builder) == "builder_changed"
     assert rotation_reason(new_builder, old) is None
     # newer policy pinned, newer builder here: the builder still rotates it forward
-    both = spec("platform-policy@2026-12-01.10", "context-engine-builder@4", "New.")
-    assert rotation_reason(new_policy, replace(old, builder_version="context-engine-builder@4")
+    both = spec("platform-policy@2026-12-01.10", "context-engine-builder@3", "New.")
+    assert rotation_reason(new_policy, replace(old, builder_version="context-engine-builder@3")
                            ) == "builder_changed"
     assert rotation_reason(both, old) is None
-    own = spec("acme-policy@1", "context-engine-builder@3", "Ours.")
+    own = spec("acme-policy@1", "context-engine-builder@2", "Ours.")
     assert rotation_reason(old, own) == rotation_reason(own, old) == "policy_changed"
     # the same version with other content is still a conflict
     with pytest.raises(PinnedVersionConflict):
-        rotation_reason(old, spec("platform-policy@2026-12-01.2", "context-engine-builder@3",
+        rotation_reason(old, spec("platform-policy@2026-12-01.2", "context-engine-builder@2",
                                   "Edited."))
+    # builder@5 renders what builder@4 pinned as @4 did, wherever it holds no look-alike only
+    # @5 escapes (that one is found by its hash, not here): a @4 plan is current, not rotated
+    at4 = spec("platform-policy@2026-12-01.2", "context-engine-builder@4")
+    at5 = spec("platform-policy@2026-12-01.2", "context-engine-builder@5")
+    assert rotation_reason(at4, at5) is None and rotation_reason(at5, at4) is None
 
 
 # ----------------------------------------------------------------------------- class caps

@@ -7,6 +7,7 @@ so a type that forgets its declaration fails at assembly (``assemble``), never b
 
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
 from collections.abc import Sequence
@@ -14,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from context_engine.domain.canonical import canonical_json
-from context_engine.domain.envelope import FOLD, envelope
+from context_engine.domain.envelope import FOLD, envelope, escape_content
 from context_engine.domain.errors import AssemblyError
 from context_engine.domain.model import (
     MemorySnapshot,
@@ -58,6 +59,35 @@ def breaks_line(text: str) -> bool:
     holds none, so only other text is searched)."""
     return not (text.isascii() and text.isprintable()) and any(
         unicodedata.category(c) in _NOT_ONE_LINE for c in text)
+
+
+# What a pointer line prints as it is: one token of the characters ids and references are
+# usually made of. Anything else (white space, parentheses, quotes, brackets, "<" or ">", any
+# non-ASCII character) is printed as a JSON string with its delimiter syntax escaped, so that
+# an id cannot write a trust label, a size, an arrow or an envelope tag into a line the
+# platform speaks.
+_PLAIN_TOKEN = re.compile(r"[A-Za-z0-9._:/@#=+?&%~,;!*$'-]+")
+
+
+def pointer_token(value: str) -> str:
+    """``value`` as a pointer line prints it (``_PLAIN_TOKEN``)."""
+    if _PLAIN_TOKEN.fullmatch(value):
+        return value
+    return escape_content(json.dumps(value, ensure_ascii=False))
+
+
+def pointer_line(kind: str, item_id: str, trust: TrustLevel, size: int, artifact_ref: str,
+                 event_id: int) -> str:
+    """``[elided] <kind> <id> (<trust>, <size> bytes) -> <ref>``: where the whole content
+    lives (its artifact and its event, when known), every caller-supplied part a
+    ``pointer_token``."""
+    event = f"event:{event_id}" if event_id else ""
+    if artifact_ref:
+        ref = pointer_token(artifact_ref) + (f" ({event})" if event else "")
+    else:
+        ref = event or f"item:{pointer_token(item_id)}"
+    return one_line(f"[elided] {kind} {pointer_token(item_id)} ({trust.value}, {size:,} bytes)"
+                    f" -> {ref}")
 
 
 def one_line(text: str) -> str:
@@ -325,13 +355,8 @@ class ElidedSpan:
     kind: str = "tool.result"  # tool.result, user.message, assistant.message or tool.call
 
     def pointer(self) -> str:
-        event = f"event:{self.event_id}" if self.event_id else ""
-        if self.artifact_ref:
-            ref = f"{self.artifact_ref} ({event})" if event else self.artifact_ref
-        else:
-            ref = event or f"item:{self.item_id}"
-        return one_line(f"[elided] {self.kind} {self.item_id} ({self.trust_level.value}, "
-                        f"{self.byte_length:,} bytes) -> {ref}")
+        return pointer_line(self.kind, self.item_id, self.trust_level, self.byte_length,
+                            self.artifact_ref or "", self.event_id)
 
 
 SUMMARY_CONSTRAINTS_HEADER = "Constraints (verbatim, never merged away):"
@@ -481,18 +506,11 @@ class ToolResultItem(ConversationItem):
     def bytes(self) -> int:
         return self.byte_length or len(self.content.encode("utf-8"))
 
-    def reference(self) -> str:
-        """Where the whole result lives: its artifact and its event, when known."""
-        event = f"event:{self.event_id}" if self.event_id else ""
-        if self.artifact_ref:
-            return f"{self.artifact_ref} ({event})" if event else self.artifact_ref
-        return event or f"item:{self.id}"
-
     def pointer(self) -> str:
         """spec: "Untrusted content is elided, never paraphrased" — the pointer states that
         content existed, what it was, how large, where it lives, and its trust."""
-        return one_line(f"[elided] tool.result {self.id} ({self.item_trust.value}, "
-                        f"{self.bytes:,} bytes) -> {self.reference()}")
+        return pointer_line("tool.result", self.id, self.item_trust, self.bytes,
+                            self.artifact_ref, self.event_id)
 
     def messages(self, ctx: RenderContext) -> list[Message]:
         content = self.pointer() if self.elided else self.content
