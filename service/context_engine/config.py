@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import ipaddress
-import logging
 import os
 import re
 from collections.abc import Mapping
@@ -150,10 +149,15 @@ def _http_url(value: str) -> str:
     return value
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def _log_level(value: str) -> str:
+    """One of the five levels the error names (NOTSET would inherit the root logger's WARNING
+    and silence every info line; WARN and FATAL are aliases logging keeps for old code)."""
     level = value.strip().upper()
-    if level not in logging.getLevelNamesMapping():
-        raise _problem("log_level", "is not a log level (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
+    if level not in LOG_LEVELS:
+        raise _problem("log_level", f"is not a log level ({', '.join(LOG_LEVELS)})")
     return level
 
 
@@ -203,7 +207,8 @@ class Config(BaseSettings):
     keepalive_timeout_seconds: GrpcSeconds = 20.0  # and closes it if the ping is not answered
     max_connection_age_seconds: GrpcSeconds = 1800.0  # connections are recycled (rebalancing)
     grace_seconds: GrpcSeconds = 10.0
-    drain_seconds: NonNegative = 1.0
+    # at most an hour: a stop waits for it, and only SIGKILL ends a longer one
+    drain_seconds: Annotated[Float, Field(ge=0, le=3_600)] = 1.0
     db_pool_size: Annotated[Int, Field(ge=1)] = 10
     # transaction: no statement cache, nothing kept on a server connection between transactions
     db_pooler: Pooler = Pooler.NONE
@@ -320,6 +325,9 @@ class Config(BaseSettings):
                     continue
                 if port > 65535:
                     found.append(f"{variable}={addr!r}: port {port} is above 65535")
+        if self.metrics_addr and self._same_port(self.grpc_addr, self.metrics_addr):
+            found.append(f"CE_GRPC_ADDR={self.grpc_addr!r} and CE_METRICS_ADDR="
+                         f"{self.metrics_addr!r} name one port: give metrics another one")
         if self.maintenance_interval_seconds >= self.event_partitions_ahead_days * 86_400:
             found.append(f"CE_MAINTENANCE_INTERVAL_SECONDS={self.maintenance_interval_seconds:g} "
                          f"must be shorter than CE_EVENT_PARTITIONS_AHEAD_DAYS="
@@ -342,7 +350,23 @@ class Config(BaseSettings):
             found.append(f"CE_MODEL_CATALOG={str(self.model_catalog)!r} is not a readable file")
         if not self.assets_dir.is_dir():
             found.append(f"CE_ASSETS_DIR={str(self.assets_dir)!r} is not a directory")
+        if not self.migrations_dir.is_dir():
+            found.append(f"CE_MIGRATIONS_DIR={str(self.migrations_dir)!r} is not a directory")
+        elif not any(self.migrations_dir.glob("*.sql")):
+            found.append(f"CE_MIGRATIONS_DIR={str(self.migrations_dir)!r} holds no migration "
+                         "(*.sql): a database migrated from it would hold no tables")
         return found
+
+    @staticmethod
+    def _same_port(a: str, b: str) -> bool:
+        """Whether two addresses would bind one port: the same port on the same host, or on
+        any host where one of them binds every interface."""
+        try:
+            (host_a, port_a), (host_b, port_b) = split_addr(a), split_addr(b)
+        except ConfigError:
+            return False  # reported as not host:port
+        every = ("0.0.0.0", "::")
+        return port_a == port_b and (host_a == host_b or host_a in every or host_b in every)
 
     def validate(self) -> None:  # type: ignore[override]  # pydantic v1's validate is gone
         """``ConfigError`` when ``problems()`` finds any (after ``model_copy(update=...)``,

@@ -157,11 +157,31 @@ def test_booleans(raw: str, value: bool):
     ({"CE_ASSETS_DIR": "/no/such/assets"}, "CE_ASSETS_DIR='/no/such/assets' is not a directory"),
     ({"CE_AUTH_TOKENS_FILE": "/no/such/tokens.json"},
      "CE_AUTH_TOKENS_FILE='/no/such/tokens.json' is not a readable file"),
+    # values that were taken and then misbehaved: migrate "succeeded" on an empty database,
+    # serve died binding its second endpoint, every info line went silent, a stop never ended
+    ({"CE_MIGRATIONS_DIR": "/no/such/migrations"},
+     "CE_MIGRATIONS_DIR='/no/such/migrations' is not a directory"),
+    ({"CE_MIGRATIONS_DIR": "/"}, "CE_MIGRATIONS_DIR='/' holds no migration (*.sql)"),
+    ({"CE_GRPC_ADDR": "127.0.0.1:7000", "CE_METRICS_ADDR": "127.0.0.1:7000"},
+     "CE_GRPC_ADDR='127.0.0.1:7000' and CE_METRICS_ADDR='127.0.0.1:7000' name one port"),
+    ({"CE_GRPC_ADDR": "0.0.0.0:7000", "CE_METRICS_ADDR": "127.0.0.1:7000"}, "name one port"),
+    ({"CE_GRPC_ADDR": "127.0.0.1:7000", "CE_METRICS_ADDR": "[::]:7000"}, "name one port"),
+    ({"CE_LOG_LEVEL": "notset"}, "CE_LOG_LEVEL='notset' is not a log level"),
+    ({"CE_LOG_LEVEL": "warn"}, "CE_LOG_LEVEL='warn' is not a log level"),
+    ({"CE_DRAIN_SECONDS": "1e300"}, "CE_DRAIN_SECONDS='1e300' is above 3600"),
 ])
 def test_a_bad_value_names_the_variable_and_the_value(env: dict[str, str], message: str):
     with pytest.raises(ConfigError) as caught:
         Config.from_env(env)
     assert message in str(caught.value)
+
+
+@pytest.mark.parametrize("grpc, metrics", [("127.0.0.1:7000", "127.0.0.1:7001"),
+                                           ("127.0.0.1:7000", "10.0.0.1:7000"),
+                                           ("127.0.0.1:7000", "")])
+def test_metrics_on_another_port_or_host_or_off_is_fine(grpc: str, metrics: str):
+    config = Config.from_env({"CE_GRPC_ADDR": grpc, "CE_METRICS_ADDR": metrics})
+    assert (config.grpc_addr, config.metrics_addr) == (grpc, metrics)
 
 
 def test_every_bad_variable_is_reported_at_once():
