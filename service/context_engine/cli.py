@@ -75,7 +75,8 @@ class _Version(argparse.Action):
 
 def main(argv: list[str] | None = None) -> int:
     """The command line. A reader that stops early (``| head``) ends it quietly, exit 1, as
-    Python's own advice for SIGPIPE has it: no traceback for a pipe closed by its reader."""
+    Python's own advice for SIGPIPE has it: no traceback for a pipe closed by its reader; nor
+    for Ctrl-C, exit 130."""
     try:
         code = _main(argv)
         sys.stdout.flush()  # inside: a pipe closed meanwhile fails here, not at exit
@@ -84,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         # what is still buffered for stdout goes nowhere, not into a second error at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C before a command's own handling of it (a server still starting, a prompt):
+        # one line, and the shell's code for SIGINT, not a traceback
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _main(argv: list[str] | None) -> int:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -229,3 +231,26 @@ def test_sigterm_drains_then_stops_gracefully(database_url):
     assert server.terminate() == 0
     events = [r["event"] for r in server.log]
     assert events.index("stopping") < events.index("stopped")
+
+
+@pytest.mark.parametrize("after", [0.3, 1.0, 2.0])
+def test_ctrl_c_while_the_server_starts_prints_no_traceback(after):
+    """SIGINT while the embedded database starts or the migrations run (before the server
+    installs its own handling) printed a KeyboardInterrupt traceback of 35-52 lines."""
+    data_dir = Path(tempfile.mkdtemp(prefix="ce-data-"))
+    env = {**os.environ, "DATABASE_URL": "", "CE_DATA_DIR": str(data_dir), "CE_WORKERS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "context_engine", "serve", "--dev",
+                             "--grpc-addr", "127.0.0.1:0", "--metrics-addr", ""],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        time.sleep(after)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        shutil.rmtree(data_dir, ignore_errors=True)
+    assert "Traceback" not in err + out, err
+    # interrupted while starting, or stopped as a server stops
+    assert proc.returncode in (0, 130), (proc.returncode, err)
+    if proc.returncode == 130:
+        assert err.strip().endswith("context-engine: interrupted"), err
