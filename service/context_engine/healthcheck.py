@@ -93,13 +93,28 @@ def check(address: str, *, service: str = "", timeout: float = 2.0,
     return SERVING if reply.status == health_pb2.HealthCheckResponse.SERVING else NOT_SERVING
 
 
+def _timeout(text: str) -> float:
+    """A probe's timeout: a finite number of seconds above 0 and at most a day. Anything else
+    would fail every probe as DEADLINE_EXCEEDED (exit 1, "not serving"), marking a healthy
+    server dead; it is a usage error (exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 86_400:  # nan fails both comparisons
+        raise argparse.ArgumentTypeError(f"{text!r}: give more than 0 and at most 86400 "
+                                         "seconds")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-addr", help="the server's gRPC address, host:port (default: "
                                             "CE_GRPC_ADDR; a wildcard host is probed over "
                                             "loopback)")
     parser.add_argument("--service", default="",
                         help="health service name: '' (default) or context_engine.v1.ContextEngine")
-    parser.add_argument("--timeout", type=float, default=2.0, help="seconds (default 2)")
+    parser.add_argument("--timeout", type=_timeout, default=2.0,
+                        help="seconds, more than 0 and at most a day (default 2)")
     parser.add_argument("--tls-ca-file", type=Path,
                         help="dial with TLS, trusting this CA (for a server run with "
                              "CE_TLS_CERT_FILE)")

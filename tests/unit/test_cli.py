@@ -189,6 +189,14 @@ def test_health_takes_the_address_as_grpc_addr(env, capsys):
     assert code == 2 and "is not host:port" in err
 
 
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf", "86401", "soon"])
+def test_a_probe_timeout_no_probe_could_meet_is_a_usage_error(env, capsys, timeout):
+    """Each of these failed the probe as DEADLINE_EXCEEDED (exit 1: "not serving") without
+    waiting at all, marking a healthy server dead; it is the probe that is wrong (exit 2)."""
+    code, out, err = run(capsys, "health", "--grpc-addr", "127.0.0.1:1", f"--timeout={timeout}")
+    assert code == 2 and not out and "argument --timeout" in err, err
+
+
 def test_config_into_a_reader_that_stops_early_is_not_an_error():
     """`context-engine config | head -1`: no traceback, exit 0. The reader is gone before the
     command writes (a pipe whose read end is closed), so the write fails every time."""
