@@ -366,7 +366,8 @@ class Config(BaseSettings):
         except ConfigError:
             return False  # reported as not host:port
         every = ("0.0.0.0", "::")
-        return port_a == port_b and (host_a == host_b or host_a in every or host_b in every)
+        return (port_a == port_b != 0  # port 0: each gets a port of its own
+                and (host_a == host_b or host_a in every or host_b in every))
 
     def validate(self) -> None:  # type: ignore[override]  # pydantic v1's validate is gone
         """``ConfigError`` when ``problems()`` finds any (after ``model_copy(update=...)``,

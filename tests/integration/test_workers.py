@@ -9,6 +9,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -76,6 +78,7 @@ def test_workers_share_one_port_and_one_metrics_endpoint(database_url):
         os.kill(pids[0], signal.SIGKILL)
         exited = server.wait_for("worker_exited", 30)
         assert exited["pid"] == pids[0] and exited["code"] == -signal.SIGKILL
+        assert exited["level"] == "warning"  # nothing asked it to stop: an operator looks
         server.wait_for("worker_serving", 60)
         stub = pb_grpc.ContextEngineStub(channel(server.address))
         for i in range(6):
@@ -216,3 +219,27 @@ def test_every_worker_loads_the_catalogs_tokenizers_before_it_serves(database_ur
         assert server.terminate() == 0
     late = [r for r in server.log[serving_at:] if r.get("event") == "tokenizer_loaded"]
     assert late == []
+
+
+def test_a_stop_while_the_workers_start_is_not_held_until_they_serve(database_url):
+    """SIGTERM while the workers start stopped them only once all of them served (7.9 s for
+    two, measured); the supervisor now stops them at once and exits 0."""
+    env = {**os.environ, "DATABASE_URL": database_url, "CE_WORKERS": "2",
+           "CE_GRACE_SECONDS": "5", "CE_DRAIN_SECONDS": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "context_engine", "serve", "--dev",
+                             "--grpc-addr", "127.0.0.1:0", "--metrics-addr", ""],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # a worker's first line: spawned, and some way from serving
+            if '"dev_mode"' in line and '127.0.0.1:0"' not in line:
+                break
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and '"serving"' not in out.split('"stopping"')[0], out
+    assert '"while_starting": true' in out and took < 5, (took, out)

@@ -145,3 +145,20 @@ def unicode_soup(draw: st.DrawFn) -> str:
 def test_escaped_text_reads_as_no_tag_to_unicodes_confusables(text: str) -> None:
     escaped = escape_content(text)
     assert P.taglike(escaped, unicode=True) == [], (text, escaped)
+
+
+def test_builder4s_sets_are_kept_as_that_release_shipped_them() -> None:
+    """Plans builder@4 pinned are re-rendered with its fold: its "<" and "/" sets must stay
+    what that release had (written out again in the generator, which builds today's sets on
+    them)."""
+    import importlib.util
+
+    from context_engine.domain import envelope
+
+    spec = importlib.util.spec_from_file_location("gen_lookalikes",
+                                                  ROOT / "scripts/gen_lookalikes.py")
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert envelope._LT_LIKE == gen.FOLD4_LT and envelope._SLASH_LIKE == gen.FOLD4_SLASH
+    assert "\u30ce" in envelope._SLASH_LIKE and "\u4e3f" in envelope._SLASH_LIKE

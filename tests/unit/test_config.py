@@ -178,7 +178,8 @@ def test_a_bad_value_names_the_variable_and_the_value(env: dict[str, str], messa
 
 @pytest.mark.parametrize("grpc, metrics", [("127.0.0.1:7000", "127.0.0.1:7001"),
                                            ("127.0.0.1:7000", "10.0.0.1:7000"),
-                                           ("127.0.0.1:7000", "")])
+                                           ("127.0.0.1:7000", ""),
+                                           ("127.0.0.1:0", "127.0.0.1:0")])
 def test_metrics_on_another_port_or_host_or_off_is_fine(grpc: str, metrics: str):
     config = Config.from_env({"CE_GRPC_ADDR": grpc, "CE_METRICS_ADDR": metrics})
     assert (config.grpc_addr, config.metrics_addr) == (grpc, metrics)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -124,12 +125,14 @@ class Supervisor:
         server, _ = start_http_server(port, addr=host, registry=registry)
         return server
 
-    async def wait_serving(self, timeout: float) -> bool:
+    async def wait_serving(self, timeout: float, stop: asyncio.Event | None = None) -> bool:
         """True once every worker reports that it serves (a file in the ready directory:
-        this works whatever credentials or TLS the port requires); False if one exits or
-        the time runs out."""
+        this works whatever credentials or TLS the port requires); False if one exits, the
+        time runs out or ``stop`` is set (a stop asked for while they start)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if stop is not None and stop.is_set():
+                return False
             if any(w.proc.poll() is not None for w in self.workers.values()):
                 return False
             if all((self.ready_dir / f"{w.index}.{w.proc.pid}").exists()
@@ -147,8 +150,13 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         try:
-            if not await self.wait_serving(timeout=120.0):
-                log("workers_failed_to_start", workers=self.count)
+            if not await self.wait_serving(timeout=120.0, stop=stop):
+                if stop.is_set():  # stopped while starting: no worker failed
+                    log("stopping", workers=self.count, while_starting=True)
+                    await self._stop_workers()
+                    log("stopped")
+                    return 0
+                log("workers_failed_to_start", logging.ERROR, workers=self.count)
                 await self._stop_workers()
                 return 1
             metrics_port = (int(metrics_http.server_port) if metrics_http is not None
@@ -181,7 +189,7 @@ class Supervisor:
             if code is None or self.stopping:
                 continue
             self._mark_dead(worker)
-            log("worker_exited", worker=index, pid=worker.proc.pid, code=code)
+            log("worker_exited", logging.WARNING, worker=index, pid=worker.proc.pid, code=code)
             if time.monotonic() - worker.started < RESTART_BACKOFF_SECONDS:
                 await asyncio.sleep(RESTART_BACKOFF_SECONDS)
             self.workers[index] = self._spawn(index)
