@@ -1828,7 +1828,11 @@ class Summary(_message.Message):
     (an earlier narrative below USER is carried as it is ahead of it).
     """
     replaced_through_sequence: _builtins.int
-    """Items at or below this event sequence are represented by the summary and never retained."""
+    """Items at or below this event sequence are represented by the summary and never retained.
+    A floor inside a tool call's unit (past its call, before some of its results) covers the
+    whole unit: never half a pair, so its items above the floor are not sent either (Build's
+    summary_floor_index is past them). Compact never writes such a floor.
+    """
     depth: _builtins.int
     trust: Global___TrustLevel.ValueType
     """The narrative's label: the lowest label of what it was written from (set by Compact). At
@@ -2566,7 +2570,9 @@ class Pressure(_message.Message):
     history_cut_index: _builtins.int
     """Index into checkpoint.items of the first retained history item."""
     summary_floor_index: _builtins.int
-    """Index into checkpoint.items of the first item above the summary floor."""
+    """Index into checkpoint.items of the first item above the summary floor (past the whole
+    unit of a tool call the floor falls inside: Summary.replaced_through_sequence).
+    """
     legacy_tool_excerpts: _builtins.int
     """Tool results cut to a head/tail excerpt naming their event because their content (a
     persisted context_content excerpt where there is one) exceeds the inline maximum.
