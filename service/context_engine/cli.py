@@ -189,6 +189,10 @@ def _main(argv: list[str] | None) -> int:
                  else f"the embedded PostgreSQL under {config.data_dir}")
         if exc.misconfigured:
             print(f"{PROG}: cannot use the database URL ({where}): {exc}", file=sys.stderr)
+        elif exc.refused:
+            print(f"{PROG}: the database refused the connection ({where}): {exc}; nothing was "
+                  "applied: check the user, the password and the database name",
+                  file=sys.stderr)
         else:
             print(f"{PROG}: cannot reach the database ({where}): {exc}; nothing was applied "
                   f"(CE_DB_TIMEOUT_SECONDS={config.db_timeout_seconds:g} s to connect)",
@@ -332,10 +336,18 @@ def _purge_tenant(config: Config, args: argparse.Namespace) -> int:
             return 1
     from context_engine.domain.errors import StoreUnavailable
 
+    if config.database_url is None and not (config.data_dir / "pg").is_dir():
+        # never created here: a purge of nothing is an error, not a fresh cluster
+        print(f"{PROG}: DATABASE_URL is not set and there is no embedded database under "
+              f"{config.data_dir}; nothing was erased", file=sys.stderr)
+        return 1
     try:
         erased = asyncio.run(_purge(config, tenant, args.batch_size))
+    except _NotStarted as exc:
+        print(f"{PROG}: {exc}; nothing was erased", file=sys.stderr)
+        return 1
     except StoreUnavailable as exc:
-        print(f"{PROG}: cannot reach the database ({type(exc).__name__}); what was erased "
+        print(f"{PROG}: the database failed during the purge ({exc}); what was erased "
               "before is recorded, run purge-tenant again to finish", file=sys.stderr)
         return 1
     document = {"tenant_id": tenant, "sessions": erased.sessions, "plans": erased.plans,
@@ -355,17 +367,35 @@ def _purge_tenant(config: Config, args: argparse.Namespace) -> int:
     return _emit("\n".join(lines))
 
 
+class _NotStarted(Exception):
+    """A purge that could not begin: nothing was erased."""
+
+
 async def _purge(config: Config, tenant: str, batch_size: int) -> Erased:
+    import asyncpg
+
     from context_engine.adapters.postgres.erasure import PostgresErasure
-    from context_engine.adapters.postgres.errors import translated
     from context_engine.adapters.postgres.pool import create_pool
     from context_engine.clock import SYSTEM_CLOCK
 
     url = await _database_url(config)
-    async with translated():
+    where = ("DATABASE_URL " + redact_url(url) if config.database_url is not None
+             else f"the embedded PostgreSQL under {config.data_dir}")
+    try:
         pool = await create_pool(url, pooler=config.db_pooler, max_size=1,
                                  timeout=config.db_timeout_seconds)
+    except asyncpg.PostgresError as exc:  # answered, and refused
+        raise _NotStarted(f"the database refused the connection ({where}): "
+                          f"{type(exc).__name__}: {exc}") from exc
+    except (OSError, TimeoutError, asyncpg.InterfaceError, ValueError) as exc:
+        raise _NotStarted(f"cannot reach the database ({where}): {type(exc).__name__}"
+                          + (f": {exc}" if str(exc) else "")) from exc
     try:
+        async with pool.acquire() as conn:
+            migrated = await conn.fetchval("SELECT to_regclass('sessions') IS NOT NULL")
+        if not migrated:
+            raise _NotStarted(f"the database is not migrated ({where}): run "
+                              f"`{PROG} migrate` first")
         return await PostgresErasure(pool, command_timeout=config.db_timeout_seconds
                                      ).purge_tenant(tenant, requested_by=PURGE_REQUESTED_BY,
                                                     now=SYSTEM_CLOCK.now,

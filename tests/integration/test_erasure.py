@@ -664,6 +664,43 @@ def test_purge_tenant_refuses_bad_arguments(args, capsys):
     assert "purge-tenant" not in capsys.readouterr().out
 
 
+def test_purge_tenant_that_cannot_begin_says_why_in_one_line(direct_database_url, tmp_path):
+    """A refused connection, an unmigrated database and a data directory with no embedded
+    database each printed a traceback (and the last one created a database to purge nothing
+    from); each is one line now, saying nothing was erased, exit 1."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(direct_database_url)
+    unmigrated = f"ce_unmigrated_{uuid.uuid4().hex[:8]}"
+    run_sql(direct_database_url, f"CREATE DATABASE {unmigrated}")
+    cases = {
+        "refused": ({"DATABASE_URL": urlunsplit(parts._replace(path="/no_such_database"))},
+                    "the database refused the connection"),
+        "unmigrated": ({"DATABASE_URL": urlunsplit(parts._replace(path=f"/{unmigrated}"))},
+                       "the database is not migrated"),
+        "no embedded database": ({"DATABASE_URL": "", "CE_DATA_DIR": str(tmp_path)},
+                                 "there is no embedded database under"),
+    }
+    for name, (env, said) in cases.items():
+        done = subprocess.run([str(CLI), "purge-tenant", "--tenant-id", "t", "--yes"],
+                              env={**os.environ, **env}, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, (name, done.stderr)
+        (line,) = done.stderr.strip().splitlines()
+        assert said in line and line.endswith("nothing was erased"), (name, line)
+    assert list(tmp_path.iterdir()) == []  # no database was made to purge nothing from
+
+
+def run_sql(url: str, statement: str) -> None:
+    async def go() -> None:
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute(statement)
+        finally:
+            await conn.close()
+    asyncio.run(go())
+
+
 async def _plan_waiting_on_a_lock(watcher: asyncpg.Connection, marker: str) -> bool:
     """True once a statement of this database holding ``marker`` waits on a lock
     (pg_stat_activity is read afresh: each query here is its own transaction)."""

@@ -273,3 +273,20 @@ def test_a_database_from_before_checksums_is_backfilled_once(fresh, files):
     assert "migration_checksums_backfilled" not in again.stdout
     assert set(status_rows(cli(fresh, files, "migrate", "--status").stdout).values()) == {
         ("applied", "ok")}
+
+
+def test_a_database_that_refuses_the_connection_is_not_called_unreachable(direct_database_url):
+    """A database name that does not exist (or a wrong password: the server answers, and says
+    no) was reported as "cannot reach the database ... (CE_DB_TIMEOUT_SECONDS=5 s to
+    connect)", pointing at the network and a timeout; it is a refusal, said as one."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(direct_database_url)
+    wrong = urlunsplit(parts._replace(path="/no_such_database_here"))
+    env = {**os.environ, "DATABASE_URL": wrong}
+    done = subprocess.run([sys.executable, "-m", "context_engine", "migrate"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("context-engine:")]
+    assert line.startswith("context-engine: the database refused the connection (DATABASE_URL ")
+    assert "no_such_database_here" in line and "CE_DB_TIMEOUT_SECONDS" not in line, line

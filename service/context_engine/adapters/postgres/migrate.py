@@ -158,6 +158,9 @@ class DatabaseUnreachable(Exception):
                          else type(cause).__name__)
         self.cause = cause
         self.misconfigured = misconfigured
+        # the server answered and said no (a password, a role, a database that does not
+        # exist): reached, so no timeout is to blame
+        self.refused = isinstance(cause, asyncpg.PostgresError)
 
 
 # What connecting can fail with before anything is read: the network, the connect timeout,
