@@ -49,6 +49,26 @@ def test_claude_on_bedrock_is_sized_as_claude_and_defaults_to_converse(region: s
         assert CATALOG.default_format(region + model) == p.BEDROCK_CONVERSE
 
 
+# Each model's maximum output, from its provider's model page: the output reserve is what
+# max_tokens / max_output_tokens asks, and a provider answers 400 to more than the model takes.
+MAX_OUTPUT = {
+    "claude-3-haiku-20240307": 4_096, "claude-3-opus-20240229": 4_096,
+    "claude-3-5-haiku-20241022": 8_192, "claude-3-5-sonnet-20241022": 8_192,
+    "claude-3-7-sonnet-20250219": 64_000, "claude-sonnet-4-5": 64_000,
+    "o1-mini": 65_536, "o1-preview": 32_768, "o1": 100_000, "o3-mini": 100_000,
+    "gpt-5-chat-latest": 16_384, "gpt-5": 128_000, "gpt-4o": 16_384, "gpt-4o-mini": 16_384,
+}
+
+
+@pytest.mark.parametrize(("sent", "model_id"), [
+    (region + model_id, model_id) for model_id in sorted(MAX_OUTPUT)
+    for region in (["", *[r + "anthropic." for r in BEDROCK_PREFIXES]]
+                   if model_id.startswith("claude-") else [""])])  # Bedrock's: Claude
+def test_the_output_reserve_is_within_what_the_model_returns(sent: str, model_id: str) -> None:
+    e = entry(sent)
+    assert 0 < e.output_reserve <= MAX_OUTPUT[model_id], (e.prefix, e.output_reserve)
+
+
 @pytest.mark.parametrize(("model_id", "minimum"), [
     ("gemini-2.5-flash", 1_024),
     ("gemini-2.5-flash-preview-09-2025", 1_024),
