@@ -3,19 +3,35 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import errno
-import hashlib
-import json
-import logging
 import os
+import signal
 import sys
-from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-from context_engine.config import Config, ConfigError, redact_url, split_addr
+
+def _interrupted_while_loading(signum: int, frame: object) -> None:
+    """Ctrl-C while the command's modules load, before ``main`` can catch it: one line and
+    the shell's code for SIGINT (nothing has started that needs stopping)."""
+    os.write(2, b"context-engine: interrupted\n")
+    os._exit(130)
+
+
+# First, before the modules that take a while to load; only as the program (the console
+# script, or python -m context_engine), not when imported.
+if (os.path.basename(sys.argv[0]) in ("context-engine", "__main__.py")
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+    signal.signal(signal.SIGINT, _interrupted_while_loading)
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import errno  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+from collections.abc import Mapping, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
+from context_engine.config import Config, ConfigError, redact_url, split_addr  # noqa: E402
 
 if TYPE_CHECKING:
     from context_engine.adapters.postgres.migrate import Entry
@@ -77,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     """The command line. A reader that stops early (``| head``) ends it quietly, exit 1, as
     Python's own advice for SIGPIPE has it: no traceback for a pipe closed by its reader; nor
     for Ctrl-C, exit 130."""
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # loaded: caught below
     try:
         code = _main(argv)
         sys.stdout.flush()  # inside: a pipe closed meanwhile fails here, not at exit

@@ -739,6 +739,21 @@ def test_a_bedrock_body_needs_the_tools_its_calls_use() -> None:
     assert tool_pairs.bedrock_problems(body) == []
 
 
+def test_an_anthropic_body_needs_the_tools_its_calls_use() -> None:
+    """Anthropic answers 400 "Requests which include `tool_use` or `tool_result` blocks must
+    define tools." to a body whose history holds calls and whose plan pins no tools (an email
+    session's): refused as Bedrock's is, and rendered once the tools are defined."""
+    r = synthetic_overflow(0).build()
+    assert not r.request.tools and any(m.tool_calls for m in r.request.messages)
+    with pytest.raises(InvalidInput, match="defines tools"):
+        providers.render(r, "anthropic_messages")
+    body = providers.render(with_called_tools(r), "anthropic_messages")
+    assert body["tools"] and providers.validate(body, "anthropic_messages") == []
+    # the formats whose APIs take a tool-bearing history without tools still render it
+    for fmt in ("openai_responses", "openai_chat_completions", "gemini_generate_content"):
+        providers.render(r, fmt)
+
+
 def test_the_envelope_check_notices_a_body_that_changes_an_envelope() -> None:
     r = synthetic_overflow(0).build()
     bodies = check_provider_bodies(r)

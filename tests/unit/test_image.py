@@ -239,6 +239,12 @@ def test_exposed_ports_are_the_default_ports_on_every_interface():
 
 def test_the_image_environment_is_read_by_config_and_demands_credentials():
     env = image_env()
+    # the migrations the image copies in, where this checkout holds them (the settings are
+    # checked against the files they name)
+    assert env["CE_MIGRATIONS_DIR"] == "/app/migrations"
+    assert any(srcs == ["migrations/"] and dst == "/app/migrations/"
+               for _, srcs, dst, _ in copies())
+    env["CE_MIGRATIONS_DIR"] = str(REPO / "migrations")
     config, read = config_reading(env)
     assert {n for n in env if n.startswith("CE_")} <= read
     # Bound to every interface with no credentials configured, `serve` refuses to start: the

@@ -142,6 +142,11 @@ def anthropic_messages(result: BuildResult) -> JSON:
             tool["description"] = t.description
         tools.append(tool)
     system: list[JSON] = [{"type": "text", "text": b.text} for b in req.prefix_blocks if b.text]
+    if not tools and any(m.tool_calls for m in req.messages):
+        # 400 "Requests which include `tool_use` or `tool_result` blocks must define tools."
+        raise ProviderFormatError(fmt, [FieldViolation(
+            "checkpoint.items", "Anthropic takes tool_use and tool_result blocks only in a "
+            "request that defines tools, and the plan pins none")])
 
     turns = Turns(model_role="assistant")
     for m in req.messages:
