@@ -9,6 +9,7 @@ import json
 import os
 import re
 import socket
+import sys
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
@@ -290,3 +291,24 @@ def test_migrate_gives_up_connecting_after_ce_db_timeout_seconds(env, capsys):
         took = time.monotonic() - started
     assert code == 1 and "cannot reach the database" in err and "TimeoutError" in err, err
     assert took < 15, took
+
+
+def test_ctrl_c_while_the_program_loads_is_one_line():
+    """SIGINT after cli is loaded as the program and before main runs (the window a slow
+    import leaves): one line and exit 130, not a traceback. Deterministic: the signal is sent
+    from inside, right after the import."""
+    import subprocess
+
+    code = ("import os, signal, sys, time\n"
+            "sys.argv[0] = 'context-engine'\n"
+            "import context_engine.cli\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(10)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stderr) == (130, "context-engine: interrupted\n"), done
+    # imported by anything else (a test, a library), cli leaves SIGINT to Python
+    code = code.replace("sys.argv[0] = 'context-engine'\n", "")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 130 and "KeyboardInterrupt" in done.stderr, done
