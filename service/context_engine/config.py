@@ -30,7 +30,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from context_engine.adapters.assets import DEFAULT_ASSETS_DIR, DEFAULT_CATALOG
 from context_engine.domain.budget import BudgetPolicy
-from context_engine.telemetry.tracing import otlp_requested
+from context_engine.telemetry.tracing import otel_problems, otlp_requested
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 # What a set secret is shown as (`context-engine config`, error messages).
@@ -278,9 +278,13 @@ class Config(BaseSettings):
         if otlp_requested(env):
             values["trace_export"] = True
         try:
-            return cls(**values)
+            config = cls(**values)
         except ValidationError as exc:
-            raise ConfigError(_message(exc, values)) from None
+            raise ConfigError("; ".join([_message(exc, values), *otel_problems(env)])) from None
+        problems = otel_problems(env)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        return config
 
     def with_flags(self, flags: Mapping[str, tuple[str, Any]]) -> Config:
         """A copy with settings given by command-line flags (``{setting: (flag, value)}``),
@@ -376,10 +380,48 @@ class Config(BaseSettings):
         if problems:
             raise ConfigError("; ".join(problems))
 
+    def tls_problems(self) -> list[str]:
+        """What ``serve`` would fail on in its TLS files, said before it binds anything (a
+        certificate and key that do not load were reported as a failure to bind the address):
+        each file unreadable, the certificate and key no PEM pair, the client CA no PEM."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return []
+        import ssl
+
+        found = []
+        for variable, path in (("CE_TLS_CERT_FILE", self.tls_cert_file),
+                               ("CE_TLS_KEY_FILE", self.tls_key_file),
+                               ("CE_TLS_CLIENT_CA_FILE", self.tls_client_ca_file)):
+            if path is None:
+                continue
+            try:
+                path.read_bytes()
+            except OSError as exc:
+                found.append(f"{variable}={str(path)!r} cannot be read: {exc.strerror}")
+        if found:
+            return found
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:  # an encrypted key is refused, never prompted for
+            context.load_cert_chain(self.tls_cert_file, self.tls_key_file, password="")
+        except ssl.SSLError as exc:
+            found.append(f"CE_TLS_CERT_FILE={str(self.tls_cert_file)!r} and CE_TLS_KEY_FILE="
+                         f"{str(self.tls_key_file)!r} are not a PEM certificate and its "
+                         f"unencrypted key ({exc.reason or exc})")
+        if self.tls_client_ca_file is not None:
+            try:
+                context.load_verify_locations(cafile=self.tls_client_ca_file)
+            except ssl.SSLError as exc:
+                found.append(f"CE_TLS_CLIENT_CA_FILE={str(self.tls_client_ca_file)!r} holds no "
+                             f"PEM certificate ({exc.reason or exc})")
+        return found
+
     def validate_serving(self) -> None:
-        """What ``serve`` needs beyond ``validate``: credentials outside dev mode, and dev mode
-        only where no one else can connect."""
+        """What ``serve`` needs beyond ``validate``: credentials outside dev mode, dev mode
+        only where no one else can connect, and TLS files that load."""
         self.validate()
+        tls = self.tls_problems()
+        if tls:
+            raise ConfigError("; ".join(tls))
         # The host as written: gRPC binds every interface for an empty one (":50051").
         host = self.grpc_addr.rpartition(":")[0].strip("[]")
         tokens = self.auth_tokens_file is not None or self.auth_db_tokens

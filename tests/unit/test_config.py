@@ -169,6 +169,15 @@ def test_booleans(raw: str, value: bool):
     ({"CE_LOG_LEVEL": "notset"}, "CE_LOG_LEVEL='notset' is not a log level"),
     ({"CE_LOG_LEVEL": "warn"}, "CE_LOG_LEVEL='warn' is not a log level"),
     ({"CE_DRAIN_SECONDS": "1e300"}, "CE_DRAIN_SECONDS='1e300' is above 3600"),
+    # the SDK's configurator failed on these after the migrations, with a traceback
+    ({"OTEL_TRACES_EXPORTER": "bogus"},
+     "OTEL_TRACES_EXPORTER='bogus': no trace exporter 'bogus' is installed"),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon"},
+     "OTEL_EXPORTER_OTLP_PROTOCOL='carrier-pigeon' is not an OTLP protocol (grpc, "
+     "http/protobuf)"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
+      "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"},
+     "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/json' is not an OTLP protocol"),
 ])
 def test_a_bad_value_names_the_variable_and_the_value(env: dict[str, str], message: str):
     with pytest.raises(ConfigError) as caught:
@@ -183,6 +192,53 @@ def test_a_bad_value_names_the_variable_and_the_value(env: dict[str, str], messa
 def test_metrics_on_another_port_or_host_or_off_is_fine(grpc: str, metrics: str):
     config = Config.from_env({"CE_GRPC_ADDR": grpc, "CE_METRICS_ADDR": metrics})
     assert (config.grpc_addr, config.metrics_addr) == (grpc, metrics)
+
+
+@pytest.mark.parametrize("env", [
+    {"OTEL_TRACES_EXPORTER": "console"},
+    {"OTEL_TRACES_EXPORTER": "otlp,console", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
+    {"OTEL_TRACES_EXPORTER": "otlp_proto_grpc"},
+    {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"},
+    {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_PROTOCOL": "unused-when-off"},
+    {"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "bogus"}])
+def test_what_the_sdk_takes_is_taken(env: dict[str, str]):
+    Config.from_env(env)
+
+
+def _tls(tmp_path: Path, **files: str | Path) -> Config:
+    env = {"CE_AUTH_TOKENS_FILE": str(tmp_path / "tokens.json")}
+    (tmp_path / "tokens.json").write_text("[]")
+    names = {"cert": "CE_TLS_CERT_FILE", "key": "CE_TLS_KEY_FILE", "ca": "CE_TLS_CLIENT_CA_FILE"}
+    for what, value in files.items():
+        path = value if isinstance(value, Path) else tmp_path / f"{what}.pem"
+        if not isinstance(value, Path):
+            path.write_text(value)
+        env[names[what]] = str(path)
+    return Config.from_env(env)
+
+
+def test_tls_files_that_do_not_load_stop_serve_before_it_binds(tmp_path: Path):
+    """A certificate and key that do not load were reported as a failure to bind the address
+    (after the migrations ran); an unreadable one was a traceback."""
+    from tests.support.certs import make_pki
+
+    pki = make_pki(tmp_path, ca_name="config-test-ca", server_alt_names="IP:127.0.0.1")
+    _tls(tmp_path, cert=pki.server_cert, key=pki.server_key, ca=pki.ca).validate_serving()
+    cases = [
+        ({"cert": "junk", "key": pki.server_key}, "are not a PEM certificate and its"),
+        ({"cert": "", "key": pki.server_key}, "are not a PEM certificate and its"),
+        ({"cert": pki.server_cert, "key": pki.client_key}, "are not a PEM certificate and its"),
+        ({"cert": pki.server_cert, "key": pki.server_key, "ca": "junk"},
+         "holds no PEM certificate"),
+        ({"cert": tmp_path, "key": pki.server_key}, "is not a readable file"),
+        # a file that exists and cannot be read (a secret mounted with a mode the service's
+        # user lacks; here, a file whose every read fails)
+        ({"cert": Path("/proc/self/mem"), "key": pki.server_key}, "cannot be read"),
+    ]
+    for files, said in cases:
+        with pytest.raises(ConfigError) as caught:
+            _tls(tmp_path, **files).validate_serving()
+        assert said in str(caught.value), (files, str(caught.value))
 
 
 def test_every_bad_variable_is_reported_at_once():

@@ -50,6 +50,33 @@ def otlp_requested(env: Mapping[str, str]) -> bool:
     return any(env.get(name) for name in _ENDPOINTS)
 
 
+OTLP_PROTOCOLS = ("grpc", "http/protobuf")  # what the SDK's configurator maps "otlp" by
+_PROTOCOLS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+
+
+def otel_problems(env: Mapping[str, str]) -> list[str]:
+    """What in the standard variables the SDK's configurator would fail on when trace export
+    is asked for: an exporter no installed package provides, an OTLP protocol it does not
+    know. Checked with the rest of the configuration, before the server starts."""
+    if not otlp_requested(env):
+        return []
+    from importlib.metadata import entry_points
+
+    found: list[str] = []
+    installed = sorted({ep.name for ep in entry_points(group="opentelemetry_traces_exporter")})
+    raw = env.get("OTEL_TRACES_EXPORTER", "")
+    for name in (n.strip() for n in raw.split(",") if raw.strip()):
+        if name != "otlp" and name not in installed:
+            found.append(f"OTEL_TRACES_EXPORTER={raw!r}: no trace exporter {name!r} is "
+                         f"installed (otlp, {', '.join(installed)})")
+    for variable in _PROTOCOLS:
+        protocol = env.get(variable, "").strip()
+        if protocol and protocol not in OTLP_PROTOCOLS:
+            found.append(f"{variable}={protocol!r} is not an OTLP protocol "
+                         f"({', '.join(OTLP_PROTOCOLS)})")
+    return found
+
+
 def configured_provider(version: str = "") -> trace.TracerProvider:
     """The process's tracer provider: built once by the SDK's configurator from the
     ``OTEL_*`` variables (``os.environ``, as the SDK reads them) and set as the global
