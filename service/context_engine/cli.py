@@ -308,17 +308,29 @@ def _hash_token(args: argparse.Namespace) -> int:
     from context_engine.api.auth import ALL_RPCS, RPC_NAMES, token_sha256
 
     if args.tenant_id is None:
+        if args.rpc:  # it says what a minted token may call: there is none without a tenant
+            print(f"{PROG}: --rpc goes with --tenant-id (it names what a minted token may "
+                  "call); without --tenant-id, hash-token hashes a token from stdin",
+                  file=sys.stderr)
+            return 2
         token = sys.stdin.readline().strip()
         if not token:
             print(f"{PROG}: hash-token reads a token from stdin", file=sys.stderr)
             return 2
         print(token_sha256(token))
         return 0
-    rpcs = args.rpc or [ALL_RPCS]
+    rpcs = list(dict.fromkeys(args.rpc or [ALL_RPCS]))  # a name given twice, once
     unknown = sorted(set(rpcs) - RPC_NAMES - {ALL_RPCS})
-    if not args.tenant_id or unknown:
-        print(f"{PROG}: unknown RPC names {unknown}" if unknown
-              else f"{PROG}: --tenant-id is empty", file=sys.stderr)
+    tenant = args.tenant_id
+    problem = (f"unknown RPC names {unknown}" if unknown
+               else "--tenant-id is empty" if not tenant
+               else "--tenant-id must be a tenant id (no surrounding white space or control "
+                    "characters)" if tenant != tenant.strip()
+               or any(ord(c) < 32 for c in tenant)
+               else f"--rpc {ALL_RPCS} (every RPC) goes alone" if ALL_RPCS in rpcs
+               and len(rpcs) > 1 else None)
+    if problem is not None:
+        print(f"{PROG}: {problem}", file=sys.stderr)
         return 2
     token = secrets.token_urlsafe(32)
     print(json.dumps({"token": token,

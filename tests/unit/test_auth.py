@@ -356,3 +356,26 @@ def test_cli_hash_token_reads_stdin_and_mints_entries(monkeypatch: pytest.Monkey
     # the entry is exactly what a tokens file accepts
     assert parse_tokens([minted["entry"]], "minted")[0][1].allows("Build")
     assert cli.main(["hash-token", "--tenant-id", "acme", "--rpc", "Plna"]) == 2
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--rpc", "Build"], "--rpc goes with --tenant-id"),
+    (["--tenant-id", " acme "], "--tenant-id must be a tenant id"),
+    (["--tenant-id", "acme\t"], "--tenant-id must be a tenant id"),
+    (["--tenant-id", "acme", "--rpc", "*", "--rpc", "Build"], "goes alone"),
+])
+def test_cli_hash_token_refuses_what_it_would_have_ignored_or_minted_wrong(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        args: list[str], said: str) -> None:
+    """--rpc without --tenant-id was dropped (the command hashed stdin instead), a padded
+    tenant id was minted (purge-tenant refuses such an id), and "*" beside a name was kept."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("s3cret-token\n"))
+    assert cli.main(["hash-token", *args]) == 2
+    out, err = capsys.readouterr()
+    assert not out and said in err, err
+
+
+def test_cli_hash_token_names_an_rpc_once(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["hash-token", "--tenant-id", "acme", "--rpc", "Build", "--rpc", "Build",
+                     "--rpc", "GetPlan"]) == 0
+    assert json.loads(capsys.readouterr().out)["entry"]["rpcs"] == ["Build", "GetPlan"]
