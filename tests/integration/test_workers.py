@@ -5,6 +5,7 @@ in PostgreSQL afterwards, a check shown here to fail on a lost plan)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -243,3 +244,44 @@ def test_a_stop_while_the_workers_start_is_not_held_until_they_serve(database_ur
     assert proc.returncode == 0, out
     assert "Traceback" not in out and '"serving"' not in out.split('"stopping"')[0], out
     assert '"while_starting": true' in out and took < 5, (took, out)
+
+
+def test_workers_stop_when_their_supervisor_is_killed(database_url):
+    """SIGKILL of the supervisor (an OOM kill, say) left both workers serving, re-parented to
+    init, with no metrics endpoint and no one to restart them, and a new serve refused their
+    port. The kernel now stops each (SIGTERM, as a stop does) when its supervisor dies."""
+    env = {**os.environ, "DATABASE_URL": database_url, "CE_WORKERS": "2",
+           "CE_GRACE_SECONDS": "2", "CE_DRAIN_SECONDS": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "context_engine", "serve", "--dev",
+                             "--grpc-addr", "127.0.0.1:0", "--metrics-addr", ""],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if '"event": "serving"' in line:
+                pids = json.loads(line)["pids"]
+                break
+        assert len(pids) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in pids if _running(p)]
+            time.sleep(0.2)
+        assert alive == [], alive
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a worker re-parented to init is reaped by it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,26 @@ from context_engine.telemetry.logs import log
 
 WORKER_ENV = "CE_WORKER_ID"
 READY_ENV = "CE_WORKER_READY_DIR"  # a serving worker creates "<id>.<pid>" here
+SUPERVISOR_ENV = "CE_WORKER_SUPERVISOR_PID"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_supervisor(environ: Mapping[str, str] = os.environ) -> bool:
+    """In a worker, on Linux: have the kernel send it SIGTERM when its supervisor dies (a
+    SIGKILL included), so no worker serves on without the process that restarts it and
+    exports its metrics. A supervisor already gone by then is found by the parent pid.
+    True when the request was made."""
+    supervisor = environ.get(SUPERVISOR_ENV)
+    if supervisor is None or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return False
+    if os.getppid() != int(supervisor):  # it died before the request: stop now
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 RESTART_BACKOFF_SECONDS = 1.0
 
 
@@ -106,6 +127,7 @@ class Supervisor:
             "CE_WORKERS": "1",
             "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
             READY_ENV: str(self.ready_dir),
+            SUPERVISOR_ENV: str(os.getpid()),
         }
         proc = subprocess.Popen(
             [sys.executable, "-m", "context_engine", "serve", "--workers", "1",
