@@ -313,12 +313,13 @@ def check_against_oracle(r: BuildResult) -> dict[str, float]:
     assert set(providers.FORMATS) == set(FORMATS), "the oracle counts every format"
     ratios: dict[str, float] = {}
     for fmt in providers.FORMATS:
-        if fmt == BEDROCK_CONVERSE and not r.request.tools \
+        if fmt in (BEDROCK_CONVERSE, providers.ANTHROPIC_MESSAGES) and not r.request.tools \
                 and any(m.tool_calls for m in r.request.messages):
-            # Bedrock refuses calls in a request without tools, and so does the renderer
+            # Bedrock and Anthropic refuse calls in a request without tools, and so does the
+            # renderer
             with pytest.raises(InvalidInput, match="defines tools"):
                 providers.render(r, fmt)
-            event("bedrock: calls without tools, refused")
+            event(f"{fmt}: calls without tools, refused")
             continue
         body = providers.render(r, fmt)
         counted = count_body(body, fmt, r.model_id)

@@ -60,6 +60,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests import factories as f
+from tests.property.test_gate_tool_pairs import with_called_tools
 from tests.property.test_gate_trust import body_strings, echo_provider
 from tests.support import envelope_parser as P
 from tests.support.attacks import FOLDED_ATTACKS
@@ -205,7 +206,9 @@ def check(r: BuildResult, s: Session) -> None:
         except P.EnvelopeError as e:
             raise AssertionError(f"row {m.row} {m.role.value}: {e}") from None
     for fmt in PROVIDERS:
-        body = render(r, fmt)
+        # a definition for each tool called (Anthropic refuses calls without tools; these
+        # plans pin none): it changes no label
+        body = render(with_called_tools(r), fmt)
         replayed = list(assistant_parts(body, fmt))
         rest = {k: v for k, v in body.items() if k not in ("messages", "input")}
         turns = body["messages"] if fmt == "anthropic_messages" else body["input"]

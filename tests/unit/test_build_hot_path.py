@@ -110,7 +110,9 @@ def checkpoint_pb(items: list[pb.ConversationItem]) -> pb.Checkpoint:
 def loaded(session: str) -> Any:
     model = f.CATALOG.resolve("hot-path-model", context_window=20_000, output_reserve=2_000,
                               breakpoint_budget=None)
-    return f.loaded(f.inputs(tenant_id=TENANT, session_id=session, model_profile=model))
+    # the tool its calls name is defined: Anthropic and Bedrock refuse calls without tools
+    return f.loaded(f.inputs(tenant_id=TENANT, session_id=session, model_profile=model,
+                             enabled=("web.fetch",), catalog=(f.tool("web.fetch"),)))
 
 
 def served(lp: Any, cp_pb: pb.Checkpoint, memo: BoundedMemo | None, *, factor: float = 1.0,
