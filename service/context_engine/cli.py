@@ -15,10 +15,18 @@ def _interrupted_while_loading(signum: int, frame: object) -> None:
     os._exit(130)
 
 
-# First, before the modules that take a while to load; only as the program (the console
-# script, or python -m context_engine), not when imported.
-if (os.path.basename(sys.argv[0]) in ("context-engine", "__main__.py")
-        and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+def _the_program() -> bool:
+    """Whether this process is context-engine itself: ``python -m context_engine`` (its
+    ``__main__`` module is ours), or the console script (a ``__main__`` of no module, named
+    context-engine), not a program that imports cli (``python -m pytest``)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None:
+        return bool(spec.name == "context_engine.__main__")
+    return os.path.basename(sys.argv[0]) == "context-engine"
+
+
+# First, before the modules that take a while to load; only as the program.
+if _the_program() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, _interrupted_while_loading)
 
 import argparse  # noqa: E402
@@ -185,6 +193,8 @@ def _main(argv: list[str] | None) -> int:
         if getattr(args, "dev", False):
             flags["dev_mode"] = ("--dev", True)
         config = config.with_flags(flags)  # validated like the variables
+        if args.command == "migrate":
+            config.validate_migrations()
         if args.command == "serve":
             config.validate_serving()
             if config.auth_tokens_file is not None:  # a malformed file fails here, not later
@@ -414,6 +424,9 @@ async def _purge(config: Config, tenant: str, batch_size: int) -> Erased:
     try:
         pool = await create_pool(url, pooler=config.db_pooler, max_size=1,
                                  timeout=config.db_timeout_seconds)
+    except (asyncpg.CannotConnectNowError, asyncpg.TooManyConnectionsError) as exc:
+        raise _NotStarted(f"the database cannot take the connection now ({where}): "
+                          f"{type(exc).__name__}: {exc}") from exc
     except asyncpg.PostgresError as exc:  # answered, and refused
         raise _NotStarted(f"the database refused the connection ({where}): "
                           f"{type(exc).__name__}: {exc}") from exc

@@ -354,12 +354,22 @@ class Config(BaseSettings):
             found.append(f"CE_MODEL_CATALOG={str(self.model_catalog)!r} is not a readable file")
         if not self.assets_dir.is_dir():
             found.append(f"CE_ASSETS_DIR={str(self.assets_dir)!r} is not a directory")
-        if not self.migrations_dir.is_dir():
-            found.append(f"CE_MIGRATIONS_DIR={str(self.migrations_dir)!r} is not a directory")
-        elif not any(self.migrations_dir.glob("*.sql")):
-            found.append(f"CE_MIGRATIONS_DIR={str(self.migrations_dir)!r} holds no migration "
-                         "(*.sql): a database migrated from it would hold no tables")
         return found
+
+    def migration_problems(self) -> list[str]:
+        """What ``serve`` and ``migrate`` need of ``CE_MIGRATIONS_DIR`` (only they read it: a
+        package installed without the checkout's migrations still probes and inspects)."""
+        if not self.migrations_dir.is_dir():
+            return [f"CE_MIGRATIONS_DIR={str(self.migrations_dir)!r} is not a directory"]
+        if not any(self.migrations_dir.glob("*.sql")):
+            return [f"CE_MIGRATIONS_DIR={str(self.migrations_dir)!r} holds no migration "
+                    "(*.sql): a database migrated from it would hold no tables"]
+        return []
+
+    def validate_migrations(self) -> None:
+        problems = self.migration_problems()
+        if problems:
+            raise ConfigError("; ".join(problems))
 
     @staticmethod
     def _same_port(a: str, b: str) -> bool:
@@ -370,6 +380,8 @@ class Config(BaseSettings):
         except ConfigError:
             return False  # reported as not host:port
         every = ("0.0.0.0", "::")
+        same = {"localhost": "127.0.0.1"}  # what a bind of "localhost" takes first
+        host_a, host_b = same.get(host_a, host_a), same.get(host_b, host_b)
         return (port_a == port_b != 0  # port 0: each gets a port of its own
                 and (host_a == host_b or host_a in every or host_b in every))
 
@@ -419,9 +431,9 @@ class Config(BaseSettings):
         """What ``serve`` needs beyond ``validate``: credentials outside dev mode, dev mode
         only where no one else can connect, and TLS files that load."""
         self.validate()
-        tls = self.tls_problems()
-        if tls:
-            raise ConfigError("; ".join(tls))
+        problems = self.migration_problems() + self.tls_problems()
+        if problems:
+            raise ConfigError("; ".join(problems))
         # The host as written: gRPC binds every interface for an empty one (":50051").
         host = self.grpc_addr.rpartition(":")[0].strip("[]")
         tokens = self.auth_tokens_file is not None or self.auth_db_tokens

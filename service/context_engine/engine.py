@@ -524,7 +524,8 @@ class Engine:
             unsendable = sent_name_violations(draft.spec.tool_names, own_format,
                                               () if pinned else cmd.tool_catalog)
             unsendable += sent_schema_violations(draft.spec.tools, own_format,
-                                                 () if pinned else cmd.tool_catalog)
+                                                 () if pinned else cmd.tool_catalog,
+                                                 profile.model_id)
             if unsendable and pinned:
                 unsendable = [FieldViolation("model.model_id", "the run's pinned tools cannot "
                                              f"all be sent in its own format: {v.description}")
@@ -631,7 +632,8 @@ class Engine:
                 # and one whose own format cannot send a tool the plan defines
                 own_format = self._catalog.default_format(model.model_id)
                 unsendable = (sent_name_violations(draft.spec.tool_names, own_format, ())
-                              + sent_schema_violations(draft.spec.tools, own_format, ()))
+                              + sent_schema_violations(draft.spec.tools, own_format, (),
+                                                       model.model_id))
                 if unsendable:
                     raise InvalidInput([FieldViolation(
                         "model.model_id", f"the plan defines a tool {model.model_id} cannot be "

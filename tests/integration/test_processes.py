@@ -250,7 +250,8 @@ def test_ctrl_c_while_the_server_starts_prints_no_traceback(after):
         proc.kill()
         shutil.rmtree(data_dir, ignore_errors=True)
     assert "Traceback" not in err + out, err
-    # interrupted while starting, or stopped as a server stops
-    assert proc.returncode in (0, 130), (proc.returncode, err)
-    if proc.returncode == 130:
+    # interrupted while starting (130, or ended by the signal itself, which a shell also
+    # reports as 130), or stopped as a server stops
+    assert proc.returncode in (0, 130, -signal.SIGINT), (proc.returncode, err)
+    if proc.returncode != 0:
         assert err.strip().endswith("context-engine: interrupted"), err

@@ -312,3 +312,36 @@ def test_ctrl_c_while_the_program_loads_is_one_line():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode != 130 and "KeyboardInterrupt" in done.stderr, done
+
+
+def test_a_program_run_with_python_m_that_imports_cli_keeps_its_ctrl_c(tmp_path: Path):
+    """`python -m pytest` runs a __main__.py too: cli took its Ctrl-C (exit 130, no teardown)
+    when its test files imported it. Only context_engine's own __main__ is the program."""
+    import subprocess
+
+    (tmp_path / "probe_program.py").write_text(
+        "import os, signal, time\n"
+        "import context_engine.cli\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(10)\n"
+        "finally:\n"
+        "    print('teardown ran', flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "probe_program"], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert "teardown ran" in done.stdout and "KeyboardInterrupt" in done.stderr, done
+
+
+def test_a_database_starting_up_or_out_of_connections_is_not_said_to_refuse_the_url():
+    """Both are errors the server answers with, like a wrong password, but nothing in the URL
+    is wrong and the next try may pass: reported as not reachable now, not as a refusal."""
+    import asyncpg
+    from context_engine.adapters.postgres.migrate import DatabaseUnreachable
+
+    assert DatabaseUnreachable(asyncpg.InvalidPasswordError("no")).refused
+    assert DatabaseUnreachable(asyncpg.InvalidCatalogNameError("no")).refused
+    assert not DatabaseUnreachable(asyncpg.CannotConnectNowError("starting up")).refused
+    assert not DatabaseUnreachable(asyncpg.TooManyConnectionsError("full")).refused
+    assert not DatabaseUnreachable(ConnectionRefusedError()).refused

@@ -159,13 +159,11 @@ def test_booleans(raw: str, value: bool):
      "CE_AUTH_TOKENS_FILE='/no/such/tokens.json' is not a readable file"),
     # values that were taken and then misbehaved: migrate "succeeded" on an empty database,
     # serve died binding its second endpoint, every info line went silent, a stop never ended
-    ({"CE_MIGRATIONS_DIR": "/no/such/migrations"},
-     "CE_MIGRATIONS_DIR='/no/such/migrations' is not a directory"),
-    ({"CE_MIGRATIONS_DIR": "/"}, "CE_MIGRATIONS_DIR='/' holds no migration (*.sql)"),
     ({"CE_GRPC_ADDR": "127.0.0.1:7000", "CE_METRICS_ADDR": "127.0.0.1:7000"},
      "CE_GRPC_ADDR='127.0.0.1:7000' and CE_METRICS_ADDR='127.0.0.1:7000' name one port"),
     ({"CE_GRPC_ADDR": "0.0.0.0:7000", "CE_METRICS_ADDR": "127.0.0.1:7000"}, "name one port"),
     ({"CE_GRPC_ADDR": "127.0.0.1:7000", "CE_METRICS_ADDR": "[::]:7000"}, "name one port"),
+    ({"CE_GRPC_ADDR": "localhost:7000", "CE_METRICS_ADDR": "127.0.0.1:7000"}, "name one port"),
     ({"CE_LOG_LEVEL": "notset"}, "CE_LOG_LEVEL='notset' is not a log level"),
     ({"CE_LOG_LEVEL": "warn"}, "CE_LOG_LEVEL='warn' is not a log level"),
     ({"CE_DRAIN_SECONDS": "1e300"}, "CE_DRAIN_SECONDS='1e300' is above 3600"),
@@ -200,9 +198,29 @@ def test_metrics_on_another_port_or_host_or_off_is_fine(grpc: str, metrics: str)
     {"OTEL_TRACES_EXPORTER": "otlp_proto_grpc"},
     {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"},
     {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_PROTOCOL": "unused-when-off"},
-    {"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "bogus"}])
+    {"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "bogus"},
+    # the SDK reads the traces protocol before the general one, and only for otlp: a general
+    # protocol meant for other signals is not this one's to refuse
+    {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317",
+     "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+    {"OTEL_TRACES_EXPORTER": "console", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}])
 def test_what_the_sdk_takes_is_taken(env: dict[str, str]):
     Config.from_env(env)
+
+
+@pytest.mark.parametrize(("directory", "said"), [
+    ("/no/such/migrations", "CE_MIGRATIONS_DIR='/no/such/migrations' is not a directory"),
+    ("/", "CE_MIGRATIONS_DIR='/' holds no migration (*.sql)")])
+def test_serve_and_migrate_need_the_migrations_and_nothing_else_does(directory: str, said: str):
+    """A CE_MIGRATIONS_DIR holding no migration let migrate report success on an empty
+    database. Only serve and migrate read it: a package installed without the checkout's
+    migrations still probes health, inspects and prints its configuration."""
+    config = Config.from_env({"CE_MIGRATIONS_DIR": directory, "CE_DEV_MODE": "1"})
+    for check in (config.validate_migrations, config.validate_serving):
+        with pytest.raises(ConfigError) as caught:
+            check()
+        assert said in str(caught.value)
+    Config.from_env({"CE_MIGRATIONS_DIR": directory}).validate()
 
 
 def _tls(tmp_path: Path, **files: str | Path) -> Config:

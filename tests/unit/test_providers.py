@@ -618,3 +618,26 @@ def test_a_body_defines_the_requests_tools_in_their_order(fmt: str) -> None:
     if fmt != "gemini_generate_content":
         assert sent[ours.index("web.fetch")] == "web__fetch"
         assert sent[ours.index("a_.b")] == "a___b"
+
+
+@pytest.mark.parametrize(("model_id", "reasons"), [
+    ("codex-mini-latest", True), ("ft:o4-mini-2025-04-16:acme::abc123", True),
+    ("ft:gpt-4o-mini-2024-07-18:acme::abc123", False), ("ft:gpt-4.1-2025-04-14:acme::x", False)])
+def test_models_the_catalog_does_not_size_are_judged_by_their_base(model_id: str,
+                                                                   reasons: bool) -> None:
+    """A fine-tuned model reasons as its base does; codex-mini is an o4-mini."""
+    assert p.openai_reasons(model_id) is reasons
+
+
+def test_only_claude_on_bedrock_is_held_to_claudes_schema_rule() -> None:
+    from context_engine.domain.provider_common import top_level_refusal
+
+    union = {"type": "object", "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}
+    assert top_level_refusal("t", union, "bedrock_converse",
+                             "us.anthropic.claude-sonnet-4-5-20250929-v1:0") is not None
+    assert top_level_refusal("t", union, "anthropic_messages", "claude-sonnet-4-5") is not None
+    # Bedrock serves other models, whose rules are theirs
+    assert top_level_refusal("t", union, "bedrock_converse", "amazon.nova-pro-v1:0") is None
+    assert top_level_refusal("t", union, "openai_responses", "gpt-5") is None
+    assert top_level_refusal("t", {"type": "object"}, "anthropic_messages",
+                             "claude-sonnet-4-5") is None

@@ -163,9 +163,13 @@ CLAUDE_FORMATS = frozenset({ANTHROPIC_MESSAGES, BEDROCK_CONVERSE})
 TOP_LEVEL_ALTERNATIVES = ("allOf", "anyOf", "oneOf")
 
 
-def top_level_refusal(name: str, schema: Mapping[str, Any], provider_format: str) -> str | None:
-    """Why ``provider_format`` cannot send tool ``name`` with this input schema, or None."""
-    if provider_format not in CLAUDE_FORMATS:
+def top_level_refusal(name: str, schema: Mapping[str, Any], provider_format: str,
+                      model_id: str) -> str | None:
+    """Why ``provider_format`` cannot send tool ``name`` with this input schema to
+    ``model_id``, or None: Claude's rule, in Anthropic's format and in Bedrock's for a Claude
+    model (Bedrock serves other models, whose rules are theirs)."""
+    if provider_format not in CLAUDE_FORMATS or (
+            provider_format == BEDROCK_CONVERSE and "claude" not in model_id):
         return None
     found = [k for k in TOP_LEVEL_ALTERNATIVES if k in schema]
     if not found:
@@ -181,7 +185,8 @@ def claude_tool_schemas(result: BuildResult, provider_format: str) -> list[JSON]
     the render when one holds alternatives at its top level (:func:`top_level_refusal`)."""
     schemas = [tool_schema(t.input_schema_json) for t in result.request.tools]
     refusals = [why for t, s in zip(result.request.tools, schemas, strict=True)
-                if (why := top_level_refusal(t.name, s, provider_format)) is not None]
+                if (why := top_level_refusal(t.name, s, provider_format, result.model_id))
+                is not None]
     if refusals:
         raise ProviderFormatError(provider_format,
                                   [FieldViolation("provider_format", r) for r in refusals])

@@ -100,14 +100,16 @@ OPENAI_INCLUDE = ("reasoning.encrypted_content",)
 # The OpenAI models that reason: the o-series and gpt-5, but gpt-5-chat. OpenAI refuses a
 # request that asks any other model for its encrypted reasoning (400 "Encrypted content is
 # not supported with this model.", param ``include``), so only these are asked.
-OPENAI_REASONING_PREFIXES = ("o1", "o3", "o4", "gpt-5")
+OPENAI_REASONING_PREFIXES = ("o1", "o3", "o4", "gpt-5", "codex-mini")
 OPENAI_NON_REASONING_PREFIXES = ("gpt-5-chat",)
 
 
 def openai_reasons(model_id: str) -> bool:
-    """Whether an OpenAI model reasons, and so takes ``include``'s encrypted reasoning."""
-    return (model_id.startswith(OPENAI_REASONING_PREFIXES)
-            and not model_id.startswith(OPENAI_NON_REASONING_PREFIXES))
+    """Whether an OpenAI model reasons, and so takes ``include``'s encrypted reasoning (a
+    fine-tuned model, ``ft:<base>:...``, as its base does)."""
+    base = model_id.removeprefix("ft:")
+    return (base.startswith(OPENAI_REASONING_PREFIXES)
+            and not base.startswith(OPENAI_NON_REASONING_PREFIXES))
 RESPONSES_CALL_ID_MAX = 64  # "Invalid 'input[i].call_id': ... maximum length 64"
 
 
@@ -286,7 +288,7 @@ def sent_name_violations(names: Sequence[str], provider_format: str,
 
 
 def sent_schema_violations(tools: Sequence[ToolSpec], provider_format: str,
-                           catalog: Sequence[ToolSpec]) -> list[FieldViolation]:
+                           catalog: Sequence[ToolSpec], model_id: str) -> list[FieldViolation]:
     """What a drafted plan's tool definitions break in ``provider_format``, the model's own,
     by their input schemas: alternatives at the top level, which Claude refuses
     (:func:`top_level_refusal`). Like :func:`sent_name_violations`, every Build of the plan in
@@ -294,7 +296,7 @@ def sent_schema_violations(tools: Sequence[ToolSpec], provider_format: str,
     where = {t.name: i for i, t in enumerate(catalog)}
     found = []
     for t in tools:
-        why = top_level_refusal(t.name, t.input_schema, provider_format)
+        why = top_level_refusal(t.name, t.input_schema, provider_format, model_id)
         if why is not None:
             field = (f"tool_catalog[{where[t.name]}].input_schema_json" if t.name in where
                      else "tool_catalog")

@@ -65,13 +65,15 @@ def otel_problems(env: Mapping[str, str]) -> list[str]:
     found: list[str] = []
     installed = sorted({ep.name for ep in entry_points(group="opentelemetry_traces_exporter")})
     raw = env.get("OTEL_TRACES_EXPORTER", "")
-    for name in (n.strip() for n in raw.split(",") if raw.strip()):
+    names = [n.strip() for n in raw.split(",")] if raw.strip() else ["otlp"]  # endpoint only
+    for name in names:
         if name != "otlp" and name not in installed:
             found.append(f"OTEL_TRACES_EXPORTER={raw!r}: no trace exporter {name!r} is "
                          f"installed (otlp, {', '.join(installed)})")
-    for variable in _PROTOCOLS:
-        protocol = env.get(variable, "").strip()
-        if protocol and protocol not in OTLP_PROTOCOLS:
+    if "otlp" in names:  # the protocol the SDK maps "otlp" by: the traces one, else the general
+        variable = next((v for v in _PROTOCOLS if env.get(v, "").strip()), None)
+        protocol = env.get(variable, "").strip() if variable else ""
+        if variable and protocol not in OTLP_PROTOCOLS:
             found.append(f"{variable}={protocol!r} is not an OTLP protocol "
                          f"({', '.join(OTLP_PROTOCOLS)})")
     return found

@@ -159,8 +159,10 @@ class DatabaseUnreachable(Exception):
         self.cause = cause
         self.misconfigured = misconfigured
         # the server answered and said no (a password, a role, a database that does not
-        # exist): reached, so no timeout is to blame
-        self.refused = isinstance(cause, asyncpg.PostgresError)
+        # exist): reached, so no timeout is to blame. Starting up or out of connections is
+        # not a refusal of what the URL says: it may answer in a moment.
+        self.refused = (isinstance(cause, asyncpg.PostgresError) and not isinstance(
+            cause, (asyncpg.CannotConnectNowError, asyncpg.TooManyConnectionsError)))
 
 
 # What connecting can fail with before anything is read: the network, the connect timeout,
