@@ -1062,21 +1062,20 @@ def test_a_schema_with_alternatives_at_its_top_level_never_reaches_claude(stub, 
         why = f.violations["tool_catalog[0].input_schema_json"]
         assert "'web.fetch'" in why and keyword in why and FORMATS[fmt] in why
         assert db.counts(tenant) == {"sessions": 0, "plans": 0, "context_events": 0}
-    # planned for OpenAI: the plan stands, and a Build asking Claude's formats is refused
+    # planned for OpenAI: the plan stands, and a Build asking Anthropic's format is refused
     stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-5"),
                            tool_catalog=_union_catalog(keyword)))
     entries = items()
-    for fmt in (pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES, pb.PROVIDER_FORMAT_BEDROCK_CONVERSE):
-        with pytest.raises(grpc.RpcError) as err:
-            stub.Build(build(tenant, session, entries, fmt))
-        f = failure(err.value)
-        assert f.code is grpc.StatusCode.INVALID_ARGUMENT
-        assert f.reason == "PROVIDER_FORMAT_UNRENDERABLE"
-        assert f.metadata["provider_format"] == FORMATS[fmt]
-        assert "'web.fetch'" in f.violations["provider_format"]
-    # the other formats send the schema as it is
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build(tenant, session, entries, pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert f.reason == "PROVIDER_FORMAT_UNRENDERABLE"
+    assert f.metadata["provider_format"] == "anthropic_messages"
+    assert "'web.fetch'" in f.violations["provider_format"]
+    # the other formats send the schema as it is (Bedrock's too: the model is no Claude)
     for fmt in (pb.PROVIDER_FORMAT_OPENAI_RESPONSES, pb.PROVIDER_FORMAT_OPENAI_CHAT_COMPLETIONS,
-                pb.PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT):
+                pb.PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT, pb.PROVIDER_FORMAT_BEDROCK_CONVERSE):
         body = stub.Build(build(tenant, session, entries, fmt)).provider_body_json
         assert f'"{keyword}":[{{"required":["id"]}}' in body, fmt
     # a schema holding alternatives under a property is Claude's to take
