@@ -980,6 +980,18 @@ def test_the_sdk_gates_refuse_what_the_providers_refuse():
     assert bedrock_problems({**bedrock, "sytem": []})
 
 
+def unrenderable(stub: Any, request: pb.BuildRequest) -> dict[str, str]:
+    """The field violations of a Build refused PROVIDER_FORMAT_UNRENDERABLE in the format it
+    asked."""
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(request)
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert f.reason == "PROVIDER_FORMAT_UNRENDERABLE"
+    assert f.metadata["provider_format"] == FORMATS[request.provider_format]
+    return f.violations
+
+
 def test_a_call_id_anthropic_refuses_is_refused_at_build(stub, ids):
     """Anthropic answers 400 to a tool_use id outside ^[a-zA-Z0-9_-]+$, which a session routed
     from another provider carries ("functions.web_fetch:0"); the body was sent as it was."""
@@ -990,13 +1002,9 @@ def test_a_call_id_anthropic_refuses_is_refused_at_build(stub, ids):
                item("r1", 3, trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, tool_result=pb.ToolResult(
                    call_id="functions.web_fetch:0", tool_name="web.fetch", content="A."))]
     plan_for(stub, tenant, session, pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES)
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Build(build(tenant, session, entries, pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES))
-    f = failure(err.value)
-    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
-    assert f.reason == "PROVIDER_FORMAT_UNRENDERABLE"
-    assert f.metadata["provider_format"] == "anthropic_messages"
-    assert "functions.web_fetch:0" in f.violations["checkpoint.items"]
+    violations = unrenderable(stub, build(tenant, session, entries,
+                                          pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES))
+    assert "functions.web_fetch:0" in violations["checkpoint.items"]
     # Bedrock takes it, and the neutral request is always there
     for fmt in (pb.PROVIDER_FORMAT_BEDROCK_CONVERSE, pb.PROVIDER_FORMAT_NONE):
         stub.Build(build(tenant, session, entries, fmt))
@@ -1066,13 +1074,9 @@ def test_a_schema_with_alternatives_at_its_top_level_never_reaches_claude(stub, 
     stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-5"),
                            tool_catalog=_union_catalog(keyword)))
     entries = items()
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Build(build(tenant, session, entries, pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES))
-    f = failure(err.value)
-    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
-    assert f.reason == "PROVIDER_FORMAT_UNRENDERABLE"
-    assert f.metadata["provider_format"] == "anthropic_messages"
-    assert "'web.fetch'" in f.violations["provider_format"]
+    violations = unrenderable(stub, build(tenant, session, entries,
+                                          pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES))
+    assert "'web.fetch'" in violations["provider_format"]
     # the other formats send the schema as it is (Bedrock's too: the model is no Claude)
     for fmt in (pb.PROVIDER_FORMAT_OPENAI_RESPONSES, pb.PROVIDER_FORMAT_OPENAI_CHAT_COMPLETIONS,
                 pb.PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT, pb.PROVIDER_FORMAT_BEDROCK_CONVERSE):
