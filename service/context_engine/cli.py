@@ -200,7 +200,12 @@ def _main(argv: list[str] | None) -> int:
             if config.auth_tokens_file is not None:  # a malformed file fails here, not later
                 from context_engine.api.auth import FileTokens
 
-                FileTokens.load(config.auth_tokens_file)
+                tokens = FileTokens.load(config.auth_tokens_file)
+                if not len(tokens) and not config.auth_db_tokens:
+                    raise ConfigError(
+                        f"CE_AUTH_TOKENS_FILE={str(config.auth_tokens_file)!r} holds no token "
+                        "and CE_AUTH_DB_TOKENS is off: every call would be refused; mint one "
+                        "with `context-engine hash-token --tenant-id <tenant>`")
     except ConfigError as exc:
         print(f"{PROG}: configuration error: {exc}", file=sys.stderr)
         return 2

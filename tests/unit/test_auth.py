@@ -340,6 +340,24 @@ def test_cli_serve_exits_2_with_a_clear_message(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("CE_AUTH_TOKENS_FILE", str(bad))
     assert cli.main(["serve"]) == 2
     assert "64 hex" in capsys.readouterr().err
+    # a file of no token admitted no one, silently; with the token table on, it may. A
+    # database nothing answers for: a serve that got past the check ends there, exit 1
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("DATABASE_URL", f"postgresql://ce@127.0.0.1:{port}/ce")
+    monkeypatch.setenv("CE_GRPC_ADDR", "127.0.0.1:0")
+    monkeypatch.setenv("CE_METRICS_ADDR", "")
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    monkeypatch.setenv("CE_AUTH_TOKENS_FILE", str(empty))
+    assert cli.main(["serve"]) == 2
+    assert "holds no token and CE_AUTH_DB_TOKENS is off" in capsys.readouterr().err
+    monkeypatch.setenv("CE_AUTH_DB_TOKENS", "1")
+    assert cli.main(["serve"]) == 1
+    assert "holds no token" not in capsys.readouterr().err
 
 
 def test_cli_hash_token_reads_stdin_and_mints_entries(monkeypatch: pytest.MonkeyPatch,
