@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 from context_engine.config import Config, ConfigError, redact_url, split_addr  # noqa: E402
 
 if TYPE_CHECKING:
-    from context_engine.adapters.postgres.migrate import Entry
+    from context_engine.adapters.postgres.migrate import DatabaseUnreachable, Entry
     from context_engine.domain.ports import Erased
 
 PROG = "context-engine"
@@ -116,6 +116,31 @@ def main(argv: list[str] | None = None) -> int:
         # one line, and the shell's code for SIGINT, not a traceback
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+
+
+def _unreachable(exc: DatabaseUnreachable, config: Config) -> str:
+    """Why a command's first connection failed, and where it went: a URL that cannot be used,
+    a server that refused it (its user, password or database), or one not reached in time."""
+    where = ("DATABASE_URL " + redact_url(config.database_url)
+             if config.database_url is not None
+             else f"the embedded PostgreSQL under {config.data_dir}")
+    if exc.misconfigured:
+        return f"cannot use the database URL ({where}): {exc}"
+    if exc.refused:
+        return (f"the database refused the connection ({where}): {exc}: check the user, the "
+                "password and the database name")
+    return (f"cannot reach the database ({where}): {exc} "
+            f"(CE_DB_TIMEOUT_SECONDS={config.db_timeout_seconds:g} s to connect)")
+
+
+def _tenant_problem(tenant: str) -> str | None:
+    """What makes ``tenant`` no tenant id (hash-token and purge-tenant alike)."""
+    if not tenant:
+        return "--tenant-id is empty"
+    if tenant != tenant.strip() or any(ord(c) < 32 for c in tenant):
+        return ("--tenant-id must be a tenant id (no surrounding white space or control "
+                "characters)")
+    return None
 
 
 def _main(argv: list[str] | None) -> int:
@@ -217,19 +242,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         return _run(args, config)
     except DatabaseUnreachable as exc:  # the first connection of serve or migrate
-        where = ("DATABASE_URL " + redact_url(config.database_url)
-                 if config.database_url is not None
-                 else f"the embedded PostgreSQL under {config.data_dir}")
-        if exc.misconfigured:
-            print(f"{PROG}: cannot use the database URL ({where}): {exc}", file=sys.stderr)
-        elif exc.refused:
-            print(f"{PROG}: the database refused the connection ({where}): {exc}; nothing was "
-                  "applied: check the user, the password and the database name",
-                  file=sys.stderr)
-        else:
-            print(f"{PROG}: cannot reach the database ({where}): {exc}; nothing was applied "
-                  f"(CE_DB_TIMEOUT_SECONDS={config.db_timeout_seconds:g} s to connect)",
-                  file=sys.stderr)
+        print(f"{PROG}: {_unreachable(exc, config)}; nothing was applied", file=sys.stderr)
         return 1
     except MigrationError as exc:  # an applied migration no longer matches its file
         print(f"{PROG}: refusing to start: the applied migrations do not match "
@@ -336,14 +349,10 @@ def _hash_token(args: argparse.Namespace) -> int:
         return 0
     rpcs = list(dict.fromkeys(args.rpc or [ALL_RPCS]))  # a name given twice, once
     unknown = sorted(set(rpcs) - RPC_NAMES - {ALL_RPCS})
-    tenant = args.tenant_id
     problem = (f"unknown RPC names {unknown}" if unknown
-               else "--tenant-id is empty" if not tenant
-               else "--tenant-id must be a tenant id (no surrounding white space or control "
-                    "characters)" if tenant != tenant.strip()
-               or any(ord(c) < 32 for c in tenant)
-               else f"--rpc {ALL_RPCS} (every RPC) goes alone" if ALL_RPCS in rpcs
-               and len(rpcs) > 1 else None)
+               else _tenant_problem(args.tenant_id)
+               or (f"--rpc {ALL_RPCS} (every RPC) goes alone" if ALL_RPCS in rpcs
+                   and len(rpcs) > 1 else None))
     if problem is not None:
         print(f"{PROG}: {problem}", file=sys.stderr)
         return 2
@@ -363,9 +372,9 @@ def _purge_tenant(config: Config, args: argparse.Namespace) -> int:
     """Exit 0 purged (or nothing to purge), 1 not confirmed or the database unreachable,
     2 bad arguments."""
     tenant = args.tenant_id
-    if not tenant or tenant != tenant.strip() or any(ord(c) < 32 for c in tenant):
-        print(f"{PROG}: --tenant-id must be a tenant id (no surrounding white space or "
-              "control characters)", file=sys.stderr)
+    problem = _tenant_problem(tenant)
+    if problem is not None:
+        print(f"{PROG}: {problem}", file=sys.stderr)
         return 2
     if args.batch_size < 1:
         print(f"{PROG}: --batch-size must be at least 1", file=sys.stderr)
@@ -379,6 +388,7 @@ def _purge_tenant(config: Config, args: argparse.Namespace) -> int:
         if typed != tenant:
             print(f"{PROG}: not confirmed; nothing was erased", file=sys.stderr)
             return 1
+    from context_engine.adapters.postgres.migrate import DatabaseUnreachable
     from context_engine.domain.errors import StoreUnavailable
 
     if config.database_url is None and not (config.data_dir / "pg").is_dir():
@@ -388,7 +398,10 @@ def _purge_tenant(config: Config, args: argparse.Namespace) -> int:
         return 1
     try:
         erased = asyncio.run(_purge(config, tenant, args.batch_size))
-    except _NotStarted as exc:
+    except DatabaseUnreachable as exc:
+        print(f"{PROG}: {_unreachable(exc, config)}; nothing was erased", file=sys.stderr)
+        return 1
+    except _NotMigrated as exc:
         print(f"{PROG}: {exc}; nothing was erased", file=sys.stderr)
         return 1
     except StoreUnavailable as exc:
@@ -412,38 +425,25 @@ def _purge_tenant(config: Config, args: argparse.Namespace) -> int:
     return _emit("\n".join(lines))
 
 
-class _NotStarted(Exception):
-    """A purge that could not begin: nothing was erased."""
+class _NotMigrated(Exception):
+    """A purge of a database without the service's tables: nothing was erased."""
 
 
 async def _purge(config: Config, tenant: str, batch_size: int) -> Erased:
-    import asyncpg
-
     from context_engine.adapters.postgres.erasure import PostgresErasure
+    from context_engine.adapters.postgres.migrate import connecting
     from context_engine.adapters.postgres.pool import create_pool
     from context_engine.clock import SYSTEM_CLOCK
 
     url = await _database_url(config)
-    where = ("DATABASE_URL " + redact_url(url) if config.database_url is not None
-             else f"the embedded PostgreSQL under {config.data_dir}")
-    try:
+    async with connecting():  # a refusal or no answer: DatabaseUnreachable, as for migrate
         pool = await create_pool(url, pooler=config.db_pooler, max_size=1,
                                  timeout=config.db_timeout_seconds)
-    except (asyncpg.CannotConnectNowError, asyncpg.TooManyConnectionsError) as exc:
-        raise _NotStarted(f"the database cannot take the connection now ({where}): "
-                          f"{type(exc).__name__}: {exc}") from exc
-    except asyncpg.PostgresError as exc:  # answered, and refused
-        raise _NotStarted(f"the database refused the connection ({where}): "
-                          f"{type(exc).__name__}: {exc}") from exc
-    except (OSError, TimeoutError, asyncpg.InterfaceError, ValueError) as exc:
-        raise _NotStarted(f"cannot reach the database ({where}): {type(exc).__name__}"
-                          + (f": {exc}" if str(exc) else "")) from exc
     try:
         async with pool.acquire() as conn:
             migrated = await conn.fetchval("SELECT to_regclass('sessions') IS NOT NULL")
         if not migrated:
-            raise _NotStarted(f"the database is not migrated ({where}): run "
-                              f"`{PROG} migrate` first")
+            raise _NotMigrated(f"the database is not migrated: run `{PROG} migrate` first")
         return await PostgresErasure(pool, command_timeout=config.db_timeout_seconds
                                      ).purge_tenant(tenant, requested_by=PURGE_REQUESTED_BY,
                                                     now=SYSTEM_CLOCK.now,

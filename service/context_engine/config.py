@@ -179,6 +179,12 @@ MessageBytes = Annotated[Int, Field(ge=1024, le=2**31 - 1)]
 GrpcSeconds = Annotated[Float, Field(gt=0, le=2_000_000)]  # 23 days in ms fits an int32
 
 
+def _raise(problems: list[str]) -> None:
+    """``ConfigError`` naming every problem, when there is any."""
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 class Config(BaseSettings):
     """Every setting of the service; the variable of each is ``CE_<NAME>`` (``variables()``)."""
 
@@ -277,13 +283,13 @@ class Config(BaseSettings):
                     values[name] = raw
         if otlp_requested(env):
             values["trace_export"] = True
+        otel = otel_problems(env)
         try:
             config = cls(**values)
         except ValidationError as exc:
-            raise ConfigError("; ".join([_message(exc, values), *otel_problems(env)])) from None
-        problems = otel_problems(env)
-        if problems:
-            raise ConfigError("; ".join(problems))
+            raise ConfigError("; ".join([_message(exc, values), *otel])) from None
+        if otel:
+            raise ConfigError("; ".join(otel))
         return config
 
     def with_flags(self, flags: Mapping[str, tuple[str, Any]]) -> Config:
@@ -367,9 +373,7 @@ class Config(BaseSettings):
         return []
 
     def validate_migrations(self) -> None:
-        problems = self.migration_problems()
-        if problems:
-            raise ConfigError("; ".join(problems))
+        _raise(self.migration_problems())
 
     @staticmethod
     def _same_port(a: str, b: str) -> bool:
@@ -388,9 +392,7 @@ class Config(BaseSettings):
     def validate(self) -> None:  # type: ignore[override]  # pydantic v1's validate is gone
         """``ConfigError`` when ``problems()`` finds any (after ``model_copy(update=...)``,
         which validates nothing)."""
-        problems = self.problems()
-        if problems:
-            raise ConfigError("; ".join(problems))
+        _raise(self.problems())
 
     def tls_problems(self) -> list[str]:
         """What ``serve`` would fail on in its TLS files, said before it binds anything (a
@@ -431,9 +433,7 @@ class Config(BaseSettings):
         """What ``serve`` needs beyond ``validate``: credentials outside dev mode, dev mode
         only where no one else can connect, and TLS files that load."""
         self.validate()
-        problems = self.migration_problems() + self.tls_problems()
-        if problems:
-            raise ConfigError("; ".join(problems))
+        _raise(self.migration_problems() + self.tls_problems())
         # The host as written: gRPC binds every interface for an empty one (":50051").
         host = self.grpc_addr.rpartition(":")[0].strip("[]")
         tokens = self.auth_tokens_file is not None or self.auth_db_tokens

@@ -97,7 +97,7 @@ from context_engine.domain.ports import (
     SessionEraser,
     check_stored,
 )
-from context_engine.domain.providers import sent_name_violations, sent_schema_violations
+from context_engine.domain.providers import unsendable_definitions
 from context_engine.domain.working_state import (
     Carried,
     Changes,
@@ -520,12 +520,9 @@ class Engine:
             # a definition the model's own format cannot send: refused now, not every Build
             # (a run's pinned tools are the pinned plan's, not this catalog's: the model is
             # what cannot send them)
-            own_format = self._catalog.default_format(profile.model_id)
-            unsendable = sent_name_violations(draft.spec.tool_names, own_format,
-                                              () if pinned else cmd.tool_catalog)
-            unsendable += sent_schema_violations(draft.spec.tools, own_format,
-                                                 () if pinned else cmd.tool_catalog,
-                                                 profile.model_id)
+            unsendable = unsendable_definitions(
+                draft.spec, self._catalog.default_format(profile.model_id),
+                () if pinned else cmd.tool_catalog, profile.model_id)
             if unsendable and pinned:
                 unsendable = [FieldViolation("model.model_id", "the run's pinned tools cannot "
                                              f"all be sent in its own format: {v.description}")
@@ -630,10 +627,9 @@ class Engine:
                                       window=model.context_window,
                                       prefix_tokens=draft.prefix_tokens, policy=self.policy)
                 # and one whose own format cannot send a tool the plan defines
-                own_format = self._catalog.default_format(model.model_id)
-                unsendable = (sent_name_violations(draft.spec.tool_names, own_format, ())
-                              + sent_schema_violations(draft.spec.tools, own_format, (),
-                                                       model.model_id))
+                unsendable = unsendable_definitions(
+                    draft.spec, self._catalog.default_format(model.model_id), (),
+                    model.model_id)
                 if unsendable:
                     raise InvalidInput([FieldViolation(
                         "model.model_id", f"the plan defines a tool {model.model_id} cannot be "

@@ -58,7 +58,8 @@ _CONFUSABLE = str.maketrans({
 })
 # Characters that read as "/"; a backslash too, as in the escaped form "<\\/untrusted".
 _SLASH_LIKE = "/\\\uff0f\u2044\u2215\u29f8\u2571\ufe68\uff3c\u30ce\u2f03\u4e3f"
-_LT_RES = {FOLD_3: re.compile(f"[{_LT_LIKE}]"), FOLD_4: re.compile(f"[{_LT_LIKE}]"),
+_LT_RE_4 = re.compile(f"[{_LT_LIKE}]")  # folds 3 and 4 read the same characters as "<"
+_LT_RES = {FOLD_3: _LT_RE_4, FOLD_4: _LT_RE_4,
            FOLD_5: re.compile(f"[{re.escape(lookalikes.LT_LIKE)}]")}
 _CONFUSABLE_5 = str.maketrans({**{chr(k): v for k, v in _CONFUSABLE.items()
                                   if isinstance(v, str)}, **lookalikes.LETTERS})

@@ -46,6 +46,7 @@ from context_engine.domain.builder import BuildResult
 from context_engine.domain.canonical import parse_json_object
 from context_engine.domain.errors import AssemblyError, FieldViolation, InvalidInput
 from context_engine.domain.model import ToolSpec
+from context_engine.domain.plan import PlanSpec
 from context_engine.domain.provider_bedrock import bedrock_converse as bedrock_converse
 from context_engine.domain.provider_bedrock import validate_bedrock as validate_bedrock
 from context_engine.domain.provider_chat import (
@@ -285,6 +286,15 @@ def sent_name_violations(names: Sequence[str], provider_format: str,
                                         f"{theirs!r}, {len(theirs)} characters: over the 64 it "
                                         "takes"))
     return found
+
+
+def unsendable_definitions(spec: PlanSpec, provider_format: str, catalog: Sequence[ToolSpec],
+                           model_id: str) -> list[FieldViolation]:
+    """What a drafted plan's tool definitions break in ``provider_format``, the model's own:
+    their names (:func:`sent_name_violations`) and their schemas
+    (:func:`sent_schema_violations`)."""
+    return (sent_name_violations(spec.tool_names, provider_format, catalog)
+            + sent_schema_violations(spec.tools, provider_format, catalog, model_id))
 
 
 def sent_schema_violations(tools: Sequence[ToolSpec], provider_format: str,

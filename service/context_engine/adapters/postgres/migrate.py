@@ -10,10 +10,11 @@ before checksums were kept are backfilled once from the files on disk, and the l
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -170,13 +171,21 @@ class DatabaseUnreachable(Exception):
 _CONNECT_FAILURES = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
 
 
-async def _connect(dsn: str, timeout: float, **options: Any) -> asyncpg.Connection:
+@contextlib.asynccontextmanager
+async def connecting() -> AsyncIterator[None]:
+    """Connecting (a connection, or a pool's first ones): what fails before anything is read
+    raised as ``DatabaseUnreachable``."""
     try:
-        return await asyncpg.connect(dsn, statement_cache_size=0, timeout=timeout, **options)
+        yield
     except (ValueError, asyncpg.ClientConfigurationError) as exc:  # the URL itself
         raise DatabaseUnreachable(exc, misconfigured=True) from exc
     except _CONNECT_FAILURES as exc:
         raise DatabaseUnreachable(exc) from exc
+
+
+async def _connect(dsn: str, timeout: float, **options: Any) -> asyncpg.Connection:
+    async with connecting():
+        return await asyncpg.connect(dsn, statement_cache_size=0, timeout=timeout, **options)
 
 
 class MigrationError(Exception):
