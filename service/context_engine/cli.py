@@ -39,7 +39,13 @@ from collections.abc import Mapping, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
-from context_engine.config import Config, ConfigError, redact_url, split_addr  # noqa: E402
+from context_engine.config import (  # noqa: E402
+    Config,
+    ConfigError,
+    redact_url,
+    split_addr,
+    unknown_variables,
+)
 
 if TYPE_CHECKING:
     from context_engine.adapters.postgres.migrate import DatabaseUnreachable, Entry
@@ -144,6 +150,12 @@ def _tenant_problem(tenant: str) -> str | None:
 
 
 def _main(argv: list[str] | None) -> int:
+    args = parser().parse_args(argv)
+    return _command(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    """Every command and its arguments."""
     parser = argparse.ArgumentParser(prog=PROG)
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -165,7 +177,8 @@ def _main(argv: list[str] | None) -> int:
     token_p = sub.add_parser("hash-token", help="print the SHA-256 of a token read from stdin; "
                                                 "with --tenant-id, mint a new token and its "
                                                 "CE_AUTH_TOKENS_FILE entry")
-    token_p.add_argument("--tenant-id", help="mint a random token bound to this tenant")
+    token_p.add_argument("--tenant-id", "--tenant", help="mint a random token bound to this "
+                                                        "tenant")
     token_p.add_argument("--rpc", action="append",
                          help="an RPC the minted token may call (repeatable; default: all)")
     inspect_p = sub.add_parser("inspect", help="print a session's epochs and recent context "
@@ -177,7 +190,7 @@ def _main(argv: list[str] | None) -> int:
                              help="erase every session of a tenant and its estimator "
                                   "calibrations (its API tokens are kept), recording one audit "
                                   "row; asks to type the tenant id unless --yes")
-    purge_p.add_argument("--tenant-id", required=True, help="the tenant to erase")
+    purge_p.add_argument("--tenant-id", "--tenant", required=True, help="the tenant to erase")
     purge_p.add_argument("--yes", action="store_true",
                          help="do not ask for confirmation (scripts)")
     purge_p.add_argument("--json", action="store_true", help="print the counts as one JSON "
@@ -196,16 +209,29 @@ def _main(argv: list[str] | None) -> int:
     from context_engine import demo
 
     demo.add_arguments(demo_p)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _command(args: argparse.Namespace) -> int:
     if args.command == "hash-token":  # needs no configuration
         return _hash_token(args)
     if args.command == "health":  # a probe: it needs only the listen address, never the database
+        from context_engine import healthcheck
+
         return healthcheck.run(args, os.environ)
     if args.command == "demo":  # a client of a running server: no database, no configuration
+        from context_engine import demo
+
         return demo.run(args, os.environ)
+
+    from context_engine.api.workers import WORKER_ENV
 
     try:
         config = Config.from_env(os.environ)
+        ignored = [] if WORKER_ENV in os.environ else unknown_variables(os.environ)
+        if args.command != "serve":  # serve logs them, once its log is configured
+            for line in ignored:
+                print(f"{PROG}: warning: {line}", file=sys.stderr)
         if args.command == "config":
             return _emit(_show_config(config, as_json=args.json))
         flags: dict[str, tuple[str, Any]] = {}
@@ -239,6 +265,11 @@ def _main(argv: list[str] | None) -> int:
     from context_engine.telemetry.logs import configure
 
     configure(config.log_level)
+    if args.command == "serve":
+        from context_engine.telemetry.logs import log
+
+        for line in ignored:
+            log("unknown_variable", logging.WARNING, problem=line)
     try:
         return _run(args, config)
     except DatabaseUnreachable as exc:  # the first connection of serve or migrate
@@ -253,14 +284,17 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _run(args: argparse.Namespace, config: Config) -> int:
-    if args.command == "serve" and config.dev_mode:
-        from context_engine.telemetry.logs import log
+    from context_engine.api.workers import WORKER_ENV
+    from context_engine.telemetry.logs import log
 
+    if args.command == "serve" and WORKER_ENV in os.environ:
+        log("worker_starting", worker=os.environ[WORKER_ENV], pid=os.getpid())
+    elif args.command == "serve" and config.dev_mode:  # by the supervisor, not each worker
         # The first line a dev-mode server prints, so no one mistakes it for a secured one.
         log("dev_mode", logging.WARNING, credentials="none", grpc=config.grpc_addr,
             note="every RPC is accepted without credentials; loopback binds only")
     if args.command == "serve":
-        from context_engine.api.workers import WORKER_ENV, port_taken, supervise
+        from context_engine.api.workers import port_taken, supervise
 
         if WORKER_ENV not in os.environ:  # a worker binds the port its supervisor holds
             for setting, addr in (("CE_GRPC_ADDR", config.grpc_addr),

@@ -9,6 +9,7 @@ one ``ConfigError`` naming the variable and its value (a secret's value never).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import ipaddress
 import os
@@ -152,6 +153,15 @@ def _http_url(value: str) -> str:
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+def _database_url(value: str) -> str:
+    # asyncpg takes these two schemes and reports any other only when it connects, after the
+    # configuration has been accepted
+    if urlsplit(value).scheme not in ("postgresql", "postgres"):
+        raise _problem("database_url", "is not a PostgreSQL URL: "
+                       "postgresql://user:password@host:port/database")
+    return value
+
+
 def _log_level(value: str) -> str:
     """One of the five levels the error names (NOTSET would inherit the root logger's WARNING
     and silence every info line; WARN and FATAL are aliases logging keeps for old code)."""
@@ -195,7 +205,8 @@ class Config(BaseSettings):
     # empty: no metrics endpoint
     metrics_addr: Annotated[str, AfterValidator(_optional_address)] = "127.0.0.1:9464"
     # None: embedded PostgreSQL under data_dir. A DSN may hold a password: never in repr.
-    database_url: str | None = Field(default=None, repr=False)
+    database_url: Annotated[str, AfterValidator(_database_url)] | None = Field(default=None,
+                                                                             repr=False)
     data_dir: Path = REPO_DIR / ".data"
     migrations_dir: Path = REPO_DIR / "migrations"
     assets_dir: Path = DEFAULT_ASSETS_DIR
@@ -489,6 +500,28 @@ def variables() -> dict[str, str]:
     conventional ``DATABASE_URL``."""
     return {name: "DATABASE_URL" if name == "database_url" else f"CE_{name.upper()}"
             for name in Config.model_fields if name not in _DERIVED}
+
+
+# CE_* variables that are not settings of the server but are read by the tools beside it
+# (the demo's and the examples' bearer token and ids, the health probe's TLS, a worker's
+# supervisor): not reported as unknown.
+OTHER_VARIABLES = frozenset({"CE_TOKEN", "CE_TENANT_ID", "CE_SESSION_ID"})
+OTHER_PREFIXES = ("CE_HEALTH_TLS_", "CE_WORKER_")
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """One line for each ``CE_*`` variable of ``env`` that nothing reads (a misspelt setting
+    would otherwise be ignored without a word), naming the setting it most resembles."""
+    known = set(variables().values())
+    lines = []
+    for variable in sorted(env):
+        if (not variable.startswith("CE_") or variable in known or variable in OTHER_VARIABLES
+                or variable.startswith(OTHER_PREFIXES)):
+            continue
+        close = difflib.get_close_matches(variable, sorted(known), n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        lines.append(f"{variable} is not a setting and is ignored{hint}")
+    return lines
 
 
 def _shown(name: str, raw: object) -> str:

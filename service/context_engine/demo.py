@@ -363,7 +363,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                             "CE_GRPC_ADDR, else 127.0.0.1:50051)")
     parser.add_argument("--session", default="tour",
                         help="a session id the tenant has not used yet (default 'tour')")
-    parser.add_argument("--tenant", default=TENANT,
+    parser.add_argument("--tenant", "--tenant-id", default=TENANT,
                         help="tenant id (default 'tour'; with a token, the token's tenant)")
     parser.add_argument("--token-stdin", action="store_true",
                         help="read the bearer token from the first line of standard input "

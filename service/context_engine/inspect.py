@@ -71,7 +71,8 @@ def _identifier(raw: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``inspect`` subcommand's arguments (bad ones exit with code 2)."""
-    parser.add_argument("--tenant", required=True, type=_identifier, help="tenant id")
+    parser.add_argument("--tenant", "--tenant-id", required=True, type=_identifier,
+                        help="tenant id")
     parser.add_argument("--session", required=True, type=_identifier, help="session id")
     parser.add_argument("--events", type=_non_negative, default=DEFAULT_EVENTS, metavar="N",
                         help=f"show the last N context events (default {DEFAULT_EVENTS})")

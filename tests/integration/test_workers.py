@@ -51,12 +51,23 @@ def channel(address: str) -> grpc.Channel:
 
 
 def test_workers_share_one_port_and_one_metrics_endpoint(database_url):
-    server = ServerProcess({"DATABASE_URL": database_url, "CE_WORKERS": "2"})
+    server = ServerProcess({"DATABASE_URL": database_url, "CE_WORKERS": "2",
+                            "CE_DEV_MODE": "1", "CE_DRAIN_SECOND": "0.5"})
     try:
         serving = server.log[-1]
         assert serving["event"] == "serving" and serving["workers"] == 2
         pids = serving["pids"]
         assert len(set(pids)) == 2 and server.proc.pid not in pids
+        # the supervisor's warnings are said once, not again by each worker it starts
+        events = [r.get("event") for r in server.log]
+        assert events.count("dev_mode") == 1
+        misspelt = [r["problem"] for r in server.log if r.get("event") == "unknown_variable"
+                    and r["problem"].startswith("CE_DRAIN_SECOND ")]
+        assert misspelt == ["CE_DRAIN_SECOND is not a setting and is ignored "
+                            "(did you mean CE_DRAIN_SECONDS?)"]
+        starting = [r for r in server.log if r.get("event") == "worker_starting"]
+        assert sorted(r["worker"] for r in starting) == ["0", "1"]
+        assert sorted(r["pid"] for r in starting) == sorted(pids)
         workers = [r for r in server.log if r.get("event") == "worker_serving"]
         assert sorted(r["worker"] for r in workers) == ["0", "1"]
         assert {r["grpc"] for r in workers} == {server.address}
@@ -233,7 +244,7 @@ def test_a_stop_while_the_workers_start_is_not_held_until_they_serve(database_ur
     try:
         assert proc.stdout is not None
         for line in proc.stdout:  # a worker's first line: spawned, and some way from serving
-            if '"dev_mode"' in line and '127.0.0.1:0"' not in line:
+            if '"worker_starting"' in line:
                 break
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)

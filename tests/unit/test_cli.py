@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc_tools
 import pytest
-from context_engine.cli import main
+from context_engine.cli import main, parser
 from context_engine.config import MASK, Config, variables
 from google.protobuf import descriptor_pb2
 from grpc_tools import protoc
@@ -154,6 +154,38 @@ def test_config_exits_2_on_a_bad_environment_without_showing_secrets(env, capsys
     assert code == 2 and not out
     assert "CE_SUMMARIZER_URL is set without CE_SUMMARIZER_MODEL" in err
     assert SECRET not in err
+
+
+def test_a_misspelt_variable_is_said_not_ignored_without_a_word(env, capsys):
+    """CE_DRAIN_SECOND (for CE_DRAIN_SECONDS) was ignored: the default served, silently."""
+    env.setenv("CE_DRAIN_SECOND", "30")
+    env.setenv("CE_TOKEN", "read by the demo and the examples, not a setting")
+    env.setenv("CE_HEALTH_TLS_SERVER_NAME", "read by the health probe")
+    code, out, err = run(capsys, "config")
+    assert code == 0 and "drain_seconds" in out
+    assert err == ("context-engine: warning: CE_DRAIN_SECOND is not a setting and is ignored "
+                   "(did you mean CE_DRAIN_SECONDS?)\n")
+
+
+def test_a_database_url_of_another_scheme_is_a_configuration_error(env, capsys):
+    """asyncpg takes postgresql:// and postgres:// only; another scheme failed at connect
+    time (exit 1, after the configuration was accepted)."""
+    env.setenv("DATABASE_URL", f"mysql://ce:{SECRET}@127.0.0.1:3306/ce")
+    code, _, err = run(capsys, "migrate")
+    assert code == 2 and SECRET not in err
+    assert err == (f"context-engine: configuration error: DATABASE_URL='{MASK}' is not a "
+                   "PostgreSQL URL: postgresql://user:password@host:port/database\n")
+
+
+@pytest.mark.parametrize("command", [["inspect", "--session", "s"], ["demo"],
+                                     ["purge-tenant"], ["hash-token"]])
+def test_every_command_takes_the_tenant_as_tenant_id_and_as_tenant(command):
+    """inspect and demo took --tenant where purge-tenant and hash-token took --tenant-id, and
+    each refused the other's spelling."""
+    dest = "tenant" if command[0] in ("inspect", "demo") else "tenant_id"
+    for flag in ("--tenant", "--tenant-id"):
+        args = parser().parse_args([*command, flag, "acme"])
+        assert getattr(args, dest) == "acme"
 
 
 # ---------------------------------------------------------------------------- migrate --status
