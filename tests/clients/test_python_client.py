@@ -826,8 +826,8 @@ def test_a_token_leaves_the_machine_in_plaintext_only_when_tls_false_says_so():
 def test_a_token_to_this_machine_goes_straight_not_through_a_proxy(fake, monkeypatch, capfd,
                                                                    variable):
     """A proxy named by the environment would carry the plaintext token off the machine:
-    with tls unset the channel to a loopback target takes no proxy. tls=False (plaintext as
-    asked) leaves grpc's proxy handling as it is."""
+    a channel carrying a token in plaintext to a loopback target takes no proxy, with tls
+    unset and with tls=False alike. Without a token grpc's proxy handling is left as it is."""
     state, target = fake
     proxy = socket.socket()
     proxy.bind(("127.0.0.1", 0))
@@ -866,10 +866,14 @@ def test_a_token_to_this_machine_goes_straight_not_through_a_proxy(fake, monkeyp
         # and grpc logged nothing about it (an empty proxy address is logged as unparsable)
         assert "http_proxy_mapper" not in capfd.readouterr().err
         assert state.calls == {"GetPlan": 2, "Rotate": 2}
-        with (Client(target=target, token="s3cret", tls=False, timeout=1) as engine,
+        with Client(target=target, token="s3cret", tls=False, timeout=5) as engine:
+            engine.get_plan(request=pb.GetPlanRequest(tenant_id="t"))
+        assert not proxied(), "tls=False: the token went through the proxy"
+        # without a token, the same channel does take the proxy: the test can fail
+        with (Client(target=target, tls=False, timeout=1) as engine,
               pytest.raises(ContextEngineError)):
             engine.get_plan(request=pb.GetPlanRequest(tenant_id="t"))
-        assert proxied(), "tls=False: grpc's own proxy handling"
+        assert proxied(), "no token: grpc's own proxy handling"
     finally:
         proxy.close()
 

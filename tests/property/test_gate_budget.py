@@ -127,6 +127,15 @@ def budgeted_prefix(case: Case) -> int:
     return math.ceil(measured * case.factor)
 
 
+def check_steps_add_up(pressure: Pressure) -> None:
+    """What the steps say they freed is what the body lost, no token counted twice: a class that
+    yielded twice (at its cap, then on the ladder) reported the span from its first part's start
+    to its last part's end, the steps run between them included."""
+    freed = [s.tokens_before - s.tokens_after for s in pressure.steps]
+    assert sum(freed) == pressure.tokens_before - pressure.tokens_after, pressure.steps
+    assert all(s.tokens_before <= pressure.tokens_before for s in pressure.steps)
+
+
 def check_window(case: Case, r: BuildResult) -> None:
     model = case.loaded.plan.spec.model
     policy = case.policy
@@ -492,6 +501,7 @@ def check_failure(case: Case, e: BudgetExceeded) -> None:
     body_budget = total - model.output_reserve - margin - budgeted_prefix(case)
     assert e.limit == body_budget
     if isinstance(e.pressure, Pressure):  # every yield ran, and history got no room at all
+        check_steps_add_up(e.pressure)
         assert e.pressure.history_floor_shortfall == min(HISTORY_FLOOR_TOKENS,
                                                          history_with_pointers(case))
     assert never_yield_floor(case) > body_budget, \
@@ -510,6 +520,7 @@ def test_no_request_exceeds_the_window_and_the_reserve_is_intact(case: Case) -> 
         return
     for step in r.pressure.steps:
         event(f"yielded: {step.step}")
+    check_steps_add_up(r.pressure)
     check_window(case, r)
     check_never_yield_present(case, r)
     ladder = reconstruct(case, r)

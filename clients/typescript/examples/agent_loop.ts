@@ -28,7 +28,6 @@
  * that creates the cached content of the pinned prefix).
  */
 import { createHash, randomBytes } from "node:crypto";
-import { isIPv4, isIPv6 } from "node:net";
 import * as readline from "node:readline";
 import { parseArgs } from "node:util";
 
@@ -48,6 +47,7 @@ import {
   WorkingState,
   bodyOf,
   geminiCachedContent,
+  isLoopback,
 } from "@context-engine/client";
 
 const SMALL_MODEL: Input<ModelSpec> = {
@@ -250,23 +250,6 @@ A multi-turn, tool-using agent session against a context-engine server, with a f
   --print-body FORMAT    print the first Build's provider body: ${Object.keys(FORMAT_NAMES).join(", ")}
 `;
 
-/**
- * Whether every address of a gRPC target is on this machine (loopback, localhost, a Unix
- * socket): the example sends a token in plaintext only there, unless told `--plaintext`.
- */
-function isLocal(target: string): boolean {
-  if (/^unix(-abstract)?:/.test(target)) return true;
-  const rest = target.replace(/^(dns:\/\/\/|dns:|ipv4:|ipv6:)/, "");
-  return rest !== "" && rest.split(",").every((address) => {
-    const host = address.startsWith("[") ? address.slice(1, address.indexOf("]"))
-      : (address.match(/:/g) ?? []).length > 1 ? address : address.replace(/:[^:]*$/, "");
-    // addresses as Node reads them: 127.999.0.1 is a name, which DNS could send anywhere
-    return host.toLowerCase() === "localhost" || (isIPv4(host) && host.startsWith("127.")) ||
-      // a zone id (::1%lo) is refused: URL does not read it
-      (isIPv6(host) && !host.includes("%") && new URL(`http://[${host}]/`).hostname === "[::1]");
-  });
-}
-
 /** A bad command line: one line and the exit status 2, no stack trace. */
 class UsageError extends Error {}
 
@@ -320,14 +303,12 @@ async function main(): Promise<void> {
     throw new UsageError("--token-stdin: standard input has no token");
   }
   if (args.tls && args.plaintext) throw new UsageError("--tls and --plaintext exclude each other");
-  if (token && !args.tls && !args.plaintext && !isLocal(target)) {
+  if (token && !args.tls && !args.plaintext && !isLoopback(target)) {
     throw new UsageError(`the token would travel in plaintext to ${target}, which is not on ` +
       "this machine: pass --tls for TLS, or --plaintext to send it in plaintext deliberately");
   }
-  // to this machine, a token goes straight: a proxy from the environment would carry it away
-  const local = token && !args.tls && !args.plaintext ? { channelOptions: {
-    "grpc.enable_http_proxy": 0 } } : {};
-  const client = new ContextEngineClient({ target, deadlineMs: 20_000, ...local,
+  // to this machine, the client sends a token straight, never through a proxy of the environment
+  const client = new ContextEngineClient({ target, deadlineMs: 20_000,
     ...(args.tls ? {} : { insecure: true }), ...(token ? { token } : {}) });
 
   const planRequest: Input<PlanRequest> = {

@@ -3,6 +3,8 @@
  * limits, credentials and call metadata. Retries are grpc-js's own, driven by the service
  * config; this client has no retry loop.
  */
+import { isIPv4, isIPv6 } from "node:net";
+
 import * as grpc from "@grpc/grpc-js";
 
 import { RETRY_SERVICE_CONFIG } from "./gen/retry_service_config";
@@ -123,6 +125,34 @@ export interface TlsOptions {
   certChain?: Buffer;
   /** Client private key, for mutual TLS. */
   privateKey?: Buffer;
+}
+
+/**
+ * Whether every address of a gRPC target is on this machine: a Unix socket, `localhost`, or a
+ * loopback IP (`127.0.0.0/8`, `::1`), with or without a `dns:`/`ipv4:`/`ipv6:` scheme.
+ * Addresses are read as Node reads them: `127.999.0.1` is a name, which DNS could answer with
+ * any host, and a zone id (`[::1%lo]`) is not read as loopback.
+ */
+export function isLoopback(target: string): boolean {
+  if (/^unix(-abstract)?:/.test(target)) return true;
+  const rest = target.replace(/^(dns:\/\/\/|dns:|ipv4:|ipv6:)/, "");
+  return rest !== "" && rest.split(",").every((address) => {
+    const host = address.startsWith("[") ? address.slice(1, address.indexOf("]"))
+      : (address.match(/:/g) ?? []).length > 1 ? address : address.replace(/:[^:]*$/, "");
+    return host.toLowerCase() === "localhost" || (isIPv4(host) && host.startsWith("127.")) ||
+      (isIPv6(host) && !host.includes("%") && new URL(`http://[${host}]/`).hostname === "[::1]");
+  });
+}
+
+/**
+ * The channel options a plaintext channel carrying a token needs: to a loopback target it
+ * goes straight, never through a proxy of the environment (`grpc_proxy`, `https_proxy`,
+ * `http_proxy`), which would carry the token off this machine in plaintext.
+ */
+export function tokenTransportOptions(target: string, insecure: boolean | undefined,
+                                      token: string | undefined): grpc.ChannelOptions {
+  return insecure && token !== undefined && isLoopback(target)
+    ? { "grpc.enable_http_proxy": 0 } : {};
 }
 
 export function channelCredentials(insecure: boolean | undefined,

@@ -13,6 +13,7 @@ import {
   checkToken,
   keyedServiceConfig,
   packagedServiceConfig,
+  tokenTransportOptions,
 } from "./channel";
 import { ContextEngineError, fromServiceError } from "./errors";
 import {
@@ -56,7 +57,12 @@ export interface ClientOptions {
   tls?: TlsOptions;
   /** Check the server's certificate against this name instead of the target's host. */
   serverName?: string;
-  /** Plaintext channel (local development; the service allows it only on loopback). */
+  /**
+   * Plaintext channel: a dev-mode server on loopback, or a hop another layer encrypts (a
+   * service-mesh sidecar). With a token it is sent in plaintext, deliberately, as the Python
+   * client's `tls=False` sends it; to a loopback target it goes straight, never through a
+   * proxy of the environment.
+   */
   insecure?: boolean;
   /** Deadline of every call, retries included, unless the call passes its own (default 10 s). */
   deadlineMs?: number;
@@ -176,8 +182,9 @@ export class ContextEngineClient {
       ? JSON.parse(options.serviceConfig) as ServiceConfig
       : options.serviceConfig ?? packagedServiceConfig();
     const keyedConfig = keyedServiceConfig(config);
+    const straight = tokenTransportOptions(options.target, options.insecure, this.token);
     const open = (c: ServiceConfig): grpc.Client => new grpc.Client(options.target, credentials,
-      { ...channelOptions(c, limit, options.serverName), ...options.channelOptions });
+      { ...channelOptions(c, limit, options.serverName), ...straight, ...options.channelOptions });
     this.target = options.target;
     const incremental = options.incremental ?? true;
     this.builds = incremental === false ? undefined : new IncrementalBuilds(

@@ -19,9 +19,11 @@ export {
   DEFAULT_MAX_MESSAGE_BYTES,
   KEYED_METHODS,
   SERVICE,
+  isLoopback,
   keyedServiceConfig,
   packagedServiceConfig,
   retryPolicyOf,
+  tokenTransportOptions,
 } from "./channel";
 export type {
   MetadataInit,

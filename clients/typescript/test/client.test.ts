@@ -7,6 +7,7 @@
  */
 import assert from "node:assert/strict";
 import * as fs from "node:fs";
+import * as net from "node:net";
 import * as path from "node:path";
 import { after, before, beforeEach, describe, test } from "node:test";
 
@@ -27,10 +28,12 @@ import {
   SERVICE,
   type ServiceConfig,
   googleRpc,
+  isLoopback,
   keyedServiceConfig,
   packagedServiceConfig,
   parseStatusDetails,
   retryPolicyOf,
+  tokenTransportOptions,
 } from "../src";
 
 const POLICY = retryPolicyOf(packagedServiceConfig())!;
@@ -466,5 +469,60 @@ describe("client behaviour", () => {
   test("a token must be one line", () => {
     assert.throws(() => new ContextEngineClient({ target: address, insecure: true,
       token: "a\nb" }), /one non-empty line/);
+  });
+
+  test("a plaintext token to this machine goes straight, not through the environment's proxy",
+    async () => {
+      // a proxy that takes connections and never answers: a call through it cannot succeed
+      const proxied: net.Socket[] = [];
+      const proxy = net.createServer((socket) => { proxied.push(socket); });
+      await new Promise<void>((resolve) => proxy.listen(0, "127.0.0.1", resolve));
+      const at = `http://127.0.0.1:${(proxy.address() as net.AddressInfo).port}`;
+      const saved = { grpc_proxy: process.env.grpc_proxy, no_proxy: process.env.no_proxy,
+        no_grpc_proxy: process.env.no_grpc_proxy };
+      process.env.grpc_proxy = at;
+      delete process.env.no_proxy;
+      delete process.env.no_grpc_proxy;
+      try {
+        const withToken = open();
+        assert.equal((await withToken.getPlan({ tenantId: "t", sessionId: "s" })).plan?.epoch, 3);
+        assert.equal(proxied.length, 0);
+        // the same channel without a token does go through the proxy: the test can fail
+        const withoutToken = open({ token: undefined, deadlineMs: 1_000 });
+        await assert.rejects(withoutToken.getPlan({ tenantId: "t", sessionId: "s" }));
+        assert.ok(proxied.length > 0);
+      } finally {
+        for (const [key, value] of Object.entries(saved)) {
+          if (value === undefined) delete process.env[key];
+          else process.env[key] = value;
+        }
+        for (const socket of proxied) socket.destroy();
+        proxy.close();
+      }
+    });
+});
+
+describe("which targets are this machine", () => {
+  test("loopback addresses, localhost and Unix sockets, as Node reads them", () => {
+    for (const target of ["127.0.0.1:50051", "127.255.0.9:1", "localhost:50051",
+      "LOCALHOST:1", "[::1]:50051", "dns:///localhost:50051", "dns:127.0.0.1:1",
+      "ipv4:127.0.0.1:1,127.0.0.2:2", "ipv6:[::1]:1", "unix:/tmp/ce.sock",
+      "unix-abstract:ce"]) {
+      assert.equal(isLoopback(target), true, target);
+    }
+    for (const target of ["10.255.255.1:50051", "ce.internal:50051", "127.999.0.1:50051",
+      "[::1%lo]:50051", "ipv4:127.0.0.1:1,10.0.0.1:2", "dns:///", "", "0.0.0.0:50051",
+      "[::]:50051"]) {
+      assert.equal(isLoopback(target), false, target);
+    }
+  });
+
+  test("a token in plaintext to this machine turns the proxy off; nothing else does", () => {
+    const off = { "grpc.enable_http_proxy": 0 };
+    assert.deepEqual(tokenTransportOptions("127.0.0.1:1", true, "t"), off);
+    assert.deepEqual(tokenTransportOptions("127.0.0.1:1", true, undefined), {});
+    assert.deepEqual(tokenTransportOptions("127.0.0.1:1", false, "t"), {});
+    // to another machine, plaintext is the caller's deliberate choice (a sidecar's hop)
+    assert.deepEqual(tokenTransportOptions("10.0.0.1:1", true, "t"), {});
   });
 });

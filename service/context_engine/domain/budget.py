@@ -635,9 +635,15 @@ def _cut(history: list[ConversationItem], costs: list[int], history_tokens: int,
 
 
 def _merge(step: str, parts: list[YieldStep]) -> YieldStep:
+    """One step of a class that yielded more than once (at its cap, on the ladder, recall below
+    its floor): it begins where its first part began and frees what its parts freed, not the
+    span between its first part's start and its last part's end, which holds the other steps
+    that ran between them."""
+    freed = sum(p.tokens_before - p.tokens_after for p in parts)
     return YieldStep(step=step, units=sum(p.units for p in parts),
                      ids=tuple(chain.from_iterable(p.ids for p in parts)),
-                     tokens_before=parts[0].tokens_before, tokens_after=parts[-1].tokens_after)
+                     tokens_before=parts[0].tokens_before,
+                     tokens_after=parts[0].tokens_before - freed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -168,16 +168,18 @@ def is_loopback(target: str) -> bool:
 def token_transport_options(*, target: str, token: str | None, tls: bool | None,
                             encrypted: bool) -> tuple[tuple[str, Any], ...]:
     """A token is sent in plaintext off this machine only when asked for by ``tls=False``:
-    left unset, ``tls`` means plaintext to a loopback target, where the channel then goes
-    straight (no proxy of the environment: it would carry the token elsewhere), and
-    refuses a token anywhere else. The channel options that rule needs."""
-    if token is None or tls is not None or encrypted:
+    left unset, ``tls`` means plaintext to a loopback target and refuses a token anywhere
+    else. In plaintext to a loopback target the channel goes straight (no proxy of the
+    environment: it would carry the token elsewhere). The channel options that rule needs."""
+    if token is None or encrypted:
         return ()
     if is_loopback(target):
         # neither the proxy of http_proxy/https_proxy/grpc_proxy nor grpc's address-level one
         # (GRPC_ADDRESS_HTTP_PROXY: enabled here for no address; an empty proxy address
         # instead would be logged as an unparsable GRPC_ADDRESS_HTTP_PROXY on every channel)
         return (("grpc.enable_http_proxy", 0), ("grpc.address_http_proxy_enabled_addresses", ""))
+    if tls is False:  # deliberate: a hop another layer encrypts, a service-mesh sidecar's
+        return ()
     raise ValueError(
         f"the token would travel in plaintext to {target}, which is not on this machine: "
         "pass tls=True (or a certificate) for TLS, or tls=False to send it in plaintext "
