@@ -180,6 +180,8 @@ class UsageOutcome:
     model_id: str
     reconciled: Reconciled
     counted: bool
+    epoch: int  # the plan the report counted against (its log line and span name it)
+    prefix_sha256: str
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -222,6 +224,7 @@ class CompactOutcome:
     result: CompactionResult
     compacted: bool
     epoch: int
+    prefix_sha256: str
 
 
 PlanKey = tuple[str, str, int, int]  # tenant, session, incarnation, epoch
@@ -1094,7 +1097,8 @@ class Engine:
         # a retry answers what was counted, under the model it was counted for (a rotation to
         # another model since then does not relabel it)
         return UsageOutcome(model_id=outcome.calibration.model_id, reconciled=outcome,
-                            counted=counted)
+                            counted=counted, epoch=loaded.plan.epoch,
+                            prefix_sha256=loaded.plan.prefix_sha256)
 
     # ------------------------------------------------------------------ working state
 
@@ -1140,7 +1144,8 @@ class Engine:
         seen = await self._compactions.stored(cmd.tenant_id, cmd.idempotency_key)
         if seen is not None:
             return CompactOutcome(result=check_stored(seen, cmd.session_id, cmd.fingerprint),
-                                  compacted=False, epoch=epoch)
+                                  compacted=False, epoch=epoch,
+                                  prefix_sha256=loaded.plan.prefix_sha256)
         estimator = self.plan_estimator(loaded.plan.spec)
         factor = cmd.factor
         if factor is None:
@@ -1176,7 +1181,8 @@ class Engine:
         if created:
             self._metrics.compactions.labels(depth=str(stored.depth)).inc()
             self._metrics.elided_spans.inc(max(0, len(stored.elided) - previous))
-        return CompactOutcome(result=stored, compacted=created, epoch=epoch)
+        return CompactOutcome(result=stored, compacted=created, epoch=epoch,
+                              prefix_sha256=loaded.plan.prefix_sha256)
 
     # ------------------------------------------------------------------ DeleteSession
 

@@ -69,21 +69,53 @@ def test_metrics_are_exported_and_move(server, stub, ids):
     assert tenant not in text and session not in text  # no unbounded labels
 
 
-def test_tampered_plan_fails_build_with_both_hashes(server, stub, ids, db):
+def _rpc_lines(caplog: pytest.LogCaptureFixture, method: str) -> list[dict[str, object]]:
+    return [fields for r in caplog.records if r.getMessage() == "rpc"
+            and (fields := getattr(r, "fields", {})).get("method") == method]
+
+
+def test_tampered_plan_fails_build_with_both_hashes(server, stub, ids, db, caplog):
     tenant, session = ids
     plan = stub.Plan(plan_request(tenant, session)).plan
     db.fetch("UPDATE plans SET spec_text = replace(spec_text, "
              "'You are a helpful agent.', 'Tampered.') WHERE tenant_id=$1", tenant)
     server.running.engine.cache.clear()  # as a replica that has not seen this plan yet
     before = _value(_scrape(server), "context_engine_prefix_hash_mismatch_total")
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Build(build_request(tenant, session))
+    with caplog.at_level(logging.INFO, logger="context_engine"):
+        for _ in range(2):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Build(build_request(tenant, session))
     f = failure(err.value)
     assert f.code is grpc.StatusCode.INTERNAL and f.reason == "PREFIX_HASH_MISMATCH"
     assert f.metadata["stored_sha256"] == plan.prefix_sha256
     assert len(f.metadata["rendered_sha256"]) == 64
     assert plan.prefix_sha256 in f.message and f.metadata["rendered_sha256"] in f.message
-    assert _value(_scrape(server), "context_engine_prefix_hash_mismatch_total") == before + 1
+    # a plan that fails the check is not cached: the counter counts calls, as its help says
+    assert _value(_scrape(server), "context_engine_prefix_hash_mismatch_total") == before + 2
+    # the runbook's log line: which tenant and epoch, pinned and rendered how
+    (line, _) = [x for x in _rpc_lines(caplog, "Build") if x.get("tenant") == tenant]
+    assert line["reason"] == "PREFIX_HASH_MISMATCH" and line["epoch"] == plan.epoch
+    assert line["prefix_sha256"] == plan.prefix_sha256
+    assert line["rendered_sha256"] == f.metadata["rendered_sha256"]
+
+
+def test_report_usage_and_compact_log_the_epoch_and_prefix_they_counted_against(
+        stub, ids, caplog):
+    """Their log lines said epoch 0 and no prefix_sha256, where every other call on a plan
+    names both (an operator follows a session's epochs through them)."""
+    from tests.integration.test_compact_rpc import compact_request
+
+    tenant, session = ids
+    plan = stub.Plan(plan_request(tenant, session)).plan
+    with caplog.at_level(logging.INFO, logger="context_engine"):
+        stub.ReportUsage(pb.ReportUsageRequest(
+            tenant_id=tenant, session_id=session, estimated_input_tokens=1_000,
+            estimator_factor=1.0, input_tokens=1_100, output_tokens=10, idempotency_key="u1"))
+        stub.Compact(compact_request(tenant, session, "c1"))
+    for method in ("ReportUsage", "Compact"):
+        (line,) = [x for x in _rpc_lines(caplog, method) if x.get("tenant") == tenant]
+        assert (line["code"], line["epoch"], line["prefix_sha256"]) == \
+            ("OK", plan.epoch, plan.prefix_sha256), method
 
 
 def test_reordered_jsonb_keys_do_not_change_the_hash(server, stub, ids, db):

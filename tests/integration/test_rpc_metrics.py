@@ -284,6 +284,11 @@ def test_a_call_past_its_deadline_or_cancelled_is_counted_with_that_code(slow_su
     server, provider = slow_summarizer
     tenant, session = ids
     address = metrics_address(server)
+    # both series exist at zero before the first such call: increase() counts that call
+    fresh = {dict(labels)["code"]: v for (name, labels), v in scrape(address).items()
+             if name == "context_engine_rpc_seconds_count"
+             and dict(labels)["method"] == "Compact"}
+    assert (fresh.get("DEADLINE_EXCEEDED"), fresh.get("CANCELLED")) == (0.0, 0.0), fresh
     lines: list[dict[str, object]] = []
 
     class Keep(logging.Handler):

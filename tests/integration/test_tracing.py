@@ -393,6 +393,59 @@ def test_the_log_line_of_an_rpc_names_its_span(tstub, ids, exporter):
     assert built["span_id"] == format(rpc.context.span_id, "016x")
 
 
+def test_a_call_an_interceptor_turns_away_has_its_span_and_its_log_line_names_it(
+        database_url, ids, tmp_path: Path):
+    """Calls refused before the servicer (a wrong token, over a limit) got no span, and their
+    log line no trace ids, although each RPC is a server span continuing the caller's."""
+    tenant, session = ids
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([{"sha256": token_sha256(TOKEN), "tenant_id": tenant,
+                                   "rpcs": ["*"]}]))
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    srv = TracedServer(base_config().replace(dev_mode=False, auth_tokens_file=tokens,
+                                             max_items_per_request=2), database_url, provider)
+    correlate()
+    out, handler = capture_logs()
+    level = LOGGER.level
+    LOGGER.setLevel(logging.INFO)
+    refused: dict[str, tuple[str, str, str]] = {}
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.ContextEngineStub(ch)
+            trace_id, span_id, md = caller()
+            wrong = [(k, v) if k != "authorization" else (k, "Bearer not-the-token")
+                     for k, v in md]
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Plan(plan_request(tenant, session), metadata=wrong)
+            refused["Plan"] = (trace_id, span_id, failure(err.value).reason)
+            trace_id, span_id, md = caller()
+            many = [item(f"u{i}", i + 1, user=pb.UserMessage(text="hi")) for i in range(3)]
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Build(build_request(tenant, session, items=many), metadata=md)
+            refused["Build"] = (trace_id, span_id, failure(err.value).reason)
+    finally:
+        LOGGER.removeHandler(handler)
+        LOGGER.setLevel(level)
+        srv.stop()
+        provider.shutdown()
+    assert refused["Plan"][2] == "UNAUTHENTICATED"
+    assert refused["Build"][2] == "TOO_MANY_ITEMS", refused
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    for method, (trace_id, span_id, reason) in refused.items():
+        rpc = one(spans_of(exporter, trace_id), f"{SERVICE}/{method}")
+        assert rpc.kind is SpanKind.SERVER and rpc.parent is not None
+        assert rpc.parent.span_id == int(span_id, 16)  # the caller's span
+        assert rpc.status.status_code is StatusCode.ERROR and rpc.attributes is not None
+        assert rpc.attributes["error.type"] == reason
+        assert rpc.context is not None
+        [line] = [x for x in lines if x.get("event") == "rpc" and x.get("method") == method
+                  and x.get("trace_id") == trace_id]
+        assert line["span_id"] == format(rpc.context.span_id, "016x") and line["reason"] == reason
+        assert_clean([rpc], TOKEN)
+
+
 # ------------------------------------------------------------ configured by the variables
 # Real `context-engine serve` processes: the SDK reads os.environ once per process, so each
 # configuration is a process of its own.

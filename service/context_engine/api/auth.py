@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import asyncpg
 import grpc
+from opentelemetry.trace import Tracer
 
 from context_engine.adapters.postgres.errors import translated
 from context_engine.api.servicer import CALLER, Undecodable
@@ -307,9 +308,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Authenticates every ContextEngine RPC and binds it to the token's tenant. The handler is
     wrapped (not the servicer changed): the tenant check needs the deserialized request."""
 
-    def __init__(self, authenticator: Authenticator, metrics: Metrics | None = None) -> None:
+    def __init__(self, authenticator: Authenticator, metrics: Metrics | None = None,
+                 tracer: Tracer | None = None) -> None:
         self._auth = authenticator
         self._metrics = metrics
+        self._tracer = tracer
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails],
@@ -352,11 +355,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                      code: grpc.StatusCode, reason: str, message: str,
                      metadata: dict[str, str]) -> None:
         await refuse(context, self._metrics, method=rpc, code=code, reason=reason,
-                     message=message, metadata=metadata, tenant=metadata.get("tenant_id", ""))
+                     message=message, metadata=metadata, tenant=metadata.get("tenant_id", ""),
+                     tracer=self._tracer)
 
 
-def auth_interceptor(config: Config, pool: asyncpg.Pool,
-                     metrics: Metrics | None = None) -> AuthInterceptor | None:
+def auth_interceptor(config: Config, pool: asyncpg.Pool, metrics: Metrics | None = None,
+                     tracer: Tracer | None = None) -> AuthInterceptor | None:
     """None in dev mode (no credentials). Otherwise an interceptor over the configured token
     sources; with none configured every call is refused (the CLI refuses to start earlier)."""
     if config.dev_mode:
@@ -367,7 +371,7 @@ def auth_interceptor(config: Config, pool: asyncpg.Pool,
     if config.auth_db_tokens:
         sources.append(DatabaseTokens(pool, ttl=config.auth_cache_seconds,
                                       command_timeout=config.db_timeout_seconds))
-    return AuthInterceptor(Authenticator(sources), metrics)
+    return AuthInterceptor(Authenticator(sources), metrics, tracer)
 
 
 def _read(path: Path, name: str) -> bytes:

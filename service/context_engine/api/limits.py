@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
+from opentelemetry.trace import Tracer
 
 from context_engine.api.status import refuse
 from context_engine.telemetry.metrics import Metrics
@@ -127,9 +128,10 @@ def shape_violation(message: Message, limits: Limits, path: str = "",
 
 class LimitsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, limits: Limits, metrics: Metrics,
-                 base_items: BaseItems | None = None) -> None:
+                 base_items: BaseItems | None = None, tracer: Tracer | None = None) -> None:
         self._limits = limits
         self._metrics = metrics
+        self._tracer = tracer
         self._base_items = base_items
         self.in_flight = 0
         self.refusing = False
@@ -192,4 +194,4 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
                       reason: str, message: str, metadata: dict[str, str], *,
                       code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED) -> None:
         await refuse(context, self._metrics, method=method, code=code, reason=reason,
-                     message=message, metadata=metadata)
+                     message=message, metadata=metadata, tracer=self._tracer)

@@ -162,10 +162,11 @@ def server_options(config: Config) -> list[tuple[str, int]]:
 
 
 # Every status code a call can end with: OK, the domain errors' (status.CODES), INTERNAL (a
-# defect), and the interceptors' (credentials, limits, shutdown).
+# defect), the interceptors' (credentials, limits, shutdown), and a call cancelled under its
+# handler (rpc_metrics.cancelled_code: its deadline passed, or its caller gave up).
 ANSWERED_CODES = tuple(sorted({"OK", "INTERNAL", "UNAUTHENTICATED", "PERMISSION_DENIED",
-                               "RESOURCE_EXHAUSTED", "UNAVAILABLE",
-                               *(code.name for _, code in CODES)}))
+                               "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED",
+                               "CANCELLED", *(code.name for _, code in CODES)}))
 
 
 async def initialise_metrics(metrics: Metrics, calibrations: PostgresCalibrationStore,
@@ -293,9 +294,9 @@ async def _start(config: Config, *, database_url: str, registry: CollectorRegist
     limits = LimitsInterceptor(Limits(max_concurrent=config.max_concurrent_rpcs,
                                       max_items=config.max_items_per_request,
                                       max_item_bytes=config.max_item_bytes), metrics,
-                               base_items=base_items)
+                               base_items=base_items, tracer=tracer)
     # Credentials first: an unauthenticated caller takes no concurrency slot. None in dev mode.
-    auth = auth_interceptor(config, pool, metrics)
+    auth = auth_interceptor(config, pool, metrics, tracer)
     # gRPC server metrics outermost: they count the calls the others refuse, with their codes.
     observed = rpc_metrics_interceptor(metrics, config, clock)
     server = grpc.aio.server(interceptors=[observed, *([auth] if auth else []), limits],

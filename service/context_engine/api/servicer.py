@@ -16,11 +16,11 @@ import grpc
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 from grpc_status import rpc_status
-from opentelemetry.trace import NoOpTracer, SpanKind, Tracer
+from opentelemetry.trace import NoOpTracer, Tracer
 
 from context_engine.api import incremental, mapping, working_state_tool
 from context_engine.api.rpc_metrics import cancelled_code
-from context_engine.api.status import internal_status, status_for
+from context_engine.api.status import SERVICE, internal_status, status_for
 from context_engine.domain.builder import (
     BuildResult,
     LoadedPlan,
@@ -33,6 +33,7 @@ from context_engine.domain.errors import (
     ContextEngineError,
     FieldViolation,
     InvalidInput,
+    PrefixHashMismatch,
     RequestTooLarge,
     ResponseTooLarge,
 )
@@ -41,13 +42,12 @@ from context_engine.domain.provider_common import ProviderFormatError
 from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
-from context_engine.telemetry.tracing import caller_context, child, failed
+from context_engine.telemetry.tracing import child, failed, server_span
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
-SERVICE = pb.DESCRIPTOR.services_by_name["ContextEngine"].full_name
 # Who is calling, as an erasure records it: set by the credentials interceptor for each call
 # ("token:" and the first 12 hex of the token's SHA-256); "dev" when no credentials are checked.
 CALLER: ContextVar[str] = ContextVar("context_engine_caller", default="dev")
@@ -104,11 +104,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
         record = CallRecord()
         code = grpc.StatusCode.OK
         # The RPC span continues the caller's trace (W3C traceparent in the metadata).
-        with self._tracer.start_as_current_span(
-                f"{SERVICE}/{method}", context=caller_context(context.invocation_metadata()),
-                kind=SpanKind.SERVER, record_exception=False, set_status_on_exception=False,
-                attributes={"rpc.system": "grpc", "rpc.service": SERVICE,
-                            "rpc.method": method}) as span:
+        with server_span(self._tracer, SERVICE, method,
+                         context.invocation_metadata()) as span:
             try:
                 response = await call(record)
                 if self.max_response_bytes is None or isinstance(response, bytes):
@@ -117,6 +114,9 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             except ContextEngineError as exc:
                 code, status = status_for(exc)
                 record.extra["reason"] = exc.reason
+                if isinstance(exc, PrefixHashMismatch):  # which epoch, pinned and rendered how
+                    record.epoch, record.prefix_sha256 = exc.epoch, exc.stored
+                    record.extra["rendered_sha256"] = exc.rendered
             except asyncio.CancelledError:
                 # the caller's deadline passed or it gave up (or the server is stopping): no
                 # answer is sent, but the call is counted and logged with the code it ends on
@@ -404,6 +404,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
         async def call(record: CallRecord) -> pb.ReportUsageResponse:
             record.session(request.tenant_id, request.session_id)
             outcome = await self._engine.report_usage(mapping.usage_report(request))
+            record.epoch, record.prefix_sha256 = outcome.epoch, outcome.prefix_sha256
             record.extra["counted"] = outcome.counted
             record.span["context_engine.input_tokens"] = request.input_tokens
             record.span["context_engine.cached_tokens"] = request.cached_tokens
@@ -460,7 +461,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
         async def call(record: CallRecord) -> pb.CompactResponse:
             record.session(request.tenant_id, request.session_id)
             outcome = await self._engine.compact(mapping.compact_command(request))
-            record.epoch = outcome.epoch
+            record.epoch, record.prefix_sha256 = outcome.epoch, outcome.prefix_sha256
             record.extra["compacted"] = outcome.compacted
             record.extra["depth"] = outcome.result.depth
             record.extra["elided"] = len(outcome.result.elided)

@@ -10,10 +10,16 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
+from opentelemetry.trace import NoOpTracer, Tracer
 
 from context_engine.domain import errors as e
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
+from context_engine.telemetry.tracing import failed, server_span
+from context_engine.v1 import context_engine_pb2 as pb
+
+# The service's full name, as spans and service configs name it.
+SERVICE = pb.DESCRIPTOR.services_by_name["ContextEngine"].full_name
 
 DOMAIN = "context-engine"
 
@@ -33,6 +39,7 @@ CODES: tuple[tuple[type[e.ContextEngineError], grpc.StatusCode], ...] = (
     (e.SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (e.PrefixHashMismatch, grpc.StatusCode.INTERNAL),
     (e.StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (e.StoreConflict, grpc.StatusCode.UNAVAILABLE),  # retried by the clients, as it may be
     (e.RequestTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (e.ResponseTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (e.TokenizerUnavailable, grpc.StatusCode.UNAVAILABLE),
@@ -126,13 +133,21 @@ def internal_status() -> tuple[grpc.StatusCode, status_pb2.Status]:
 
 async def refuse(context: grpc.aio.ServicerContext[Any, Any], metrics: Metrics | None, *,
                  method: str, code: grpc.StatusCode, reason: str, message: str,
-                 metadata: dict[str, str], tenant: str = "") -> None:
+                 metadata: dict[str, str], tenant: str = "",
+                 tracer: Tracer | None = None) -> None:
     """Answer a call an interceptor turns away before the servicer runs (credentials,
     limits, shutdown) as the servicer answers its own failures: the rich status, the RPC's
     latency sample and its one log line. Raises, as ``context.abort`` does."""
-    if metrics is not None:
-        metrics.rpc_seconds.labels(method=method, code=code.name).observe(0.0)
-    log("rpc", logging.WARNING, method=method, code=code.name, duration_ms=0.0,
-        reason=reason, tenant=tenant)
+    # a span of its own, as the servicer's calls have: its log line carries the caller's trace
+    with server_span(tracer or NoOpTracer(), SERVICE, method,
+                     context.invocation_metadata()) as span:
+        if metrics is not None:
+            metrics.rpc_seconds.labels(method=method, code=code.name).observe(0.0)
+        log("rpc", logging.WARNING, method=method, code=code.name, duration_ms=0.0,
+            reason=reason, tenant=tenant)
+        if span.is_recording():
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            span.set_attribute("context_engine.status_code", code.name)
+            failed(span, reason)
     status = rich_status(code, message, reason, metadata)
     await context.abort(code, message, rpc_status.to_status(status).trailing_metadata)

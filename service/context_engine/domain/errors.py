@@ -230,6 +230,13 @@ class StoreUnavailable(ContextEngineError):
     reason = "STORE_UNAVAILABLE"
 
 
+class StoreConflict(ContextEngineError):
+    """The database rolled the call's transaction back on a conflict with a concurrent one (a
+    deadlock, a serialization failure): the call changed nothing, and a retry can succeed."""
+
+    reason = "STORE_CONFLICT"
+
+
 class AssemblyError(ContextEngineError):
     """An item type without a declared region or row reached assembly: a build failure."""
 

@@ -58,7 +58,8 @@ class Metrics:
             ["reason"], registry=registry)
         self.prefix_hash_mismatch = Counter(
             "context_engine_prefix_hash_mismatch",
-            "Stored plans whose re-rendered prefix did not match their pinned hash.",
+            "Calls that found a stored plan's re-rendered prefix unlike its pinned hash (each "
+            "such call counts: a plan that fails the check is never cached).",
             registry=registry)
         self.prefix_tokens = Histogram(
             "context_engine_prefix_tokens", "Measured prefix tokens of each new epoch.",

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from opentelemetry import propagate, trace
@@ -172,6 +172,17 @@ def caller_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Contex
     carrier = {key.lower(): value for key, value in metadata or ()
                if isinstance(value, str)}
     return propagate.extract(carrier, context=Context())
+
+
+def server_span(tracer: Tracer, service: str, method: str,
+                metadata: Iterable[tuple[str, str | bytes]] | None
+                ) -> AbstractContextManager[Span]:
+    """The server span of one RPC (the servicer's, or an interceptor's that turns the call
+    away), a child of the caller's span when the call's metadata carries one."""
+    return tracer.start_as_current_span(
+        f"{service}/{method}", context=caller_context(metadata), kind=SpanKind.SERVER,
+        record_exception=False, set_status_on_exception=False,
+        attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method})
 
 
 def failed(span: Span, reason: str) -> None:

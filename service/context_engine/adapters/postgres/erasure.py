@@ -1,7 +1,8 @@
 """Erasure on PostgreSQL: one session's rows (``DeleteSession``) or a whole tenant's
 (``context-engine purge-tenant``), each recorded by one row of ``erasures`` that holds no content.
 
-A session's rows go in one transaction that first locks the session's row ``FOR UPDATE``.
+A session's rows go in one transaction that first locks the session's row ``FOR UPDATE`` (or,
+when it has none, holds its key with an uncommitted row of its own: ``HOLD_ABSENT_SESSION``).
 Every other write of a session's rows takes a key-share lock on that row through a foreign key
 (its plans, context events, compactions and idempotency keys all reference it) and holds it
 until its transaction ends: the erasure waits for a write that got there first, and sees its
@@ -22,6 +23,7 @@ import asyncpg
 from opentelemetry.trace import NoOpTracer, Tracer
 
 from context_engine.adapters.postgres.errors import translated
+from context_engine.domain.errors import StoreConflict
 from context_engine.domain.ports import Erased
 from context_engine.telemetry.tracing import db_call
 
@@ -30,6 +32,19 @@ from context_engine.telemetry.tracing import db_call
 LOCK_SESSIONS = """
 SELECT session_id FROM sessions WHERE tenant_id = $1 AND session_id = ANY($2::text[])
 ORDER BY session_id FOR UPDATE"""
+
+# A session with no row to lock is held by a row of the erasure's own, inserted and never
+# committed (deleted with the rest): a Plan opening the session meanwhile waits on its key for
+# the erasure to end, then opens it afresh. With nothing held, that Plan committed rows between
+# the erasure's deletes, which then failed on a foreign key (a plan left naming a deleted
+# session) or crossed the Plan's locks (a deadlock). Nothing when another transaction has the
+# key (it is locked by LOCK_SESSIONS once that one commits).
+HOLD_ABSENT_SESSION = """
+INSERT INTO sessions (tenant_id, session_id) VALUES ($1, $2)
+ON CONFLICT (tenant_id, session_id) DO NOTHING RETURNING session_id"""
+# LOCK_SESSIONS or HOLD_ABSENT_SESSION succeeds within this many tries unless a session is
+# created and erased again between every two of them.
+HOLD_TRIES = 5
 
 # A batch of a tenant's sessions, locked, in a stable order (purge-tenant).
 LOCK_TENANT_BATCH = """
@@ -99,6 +114,19 @@ def _rows(status: str) -> int:
     return int(status.rsplit(" ", 1)[-1])
 
 
+async def _hold(conn: Any, tenant_id: str, session_id: str, *, timeout: float) -> bool:
+    """Locks the session's row, or holds its key with a row of the erasure's own when it has
+    none (True): either way no other transaction writes the session until this one ends."""
+    for _ in range(HOLD_TRIES):
+        if await conn.fetch(LOCK_SESSIONS, tenant_id, [session_id], timeout=timeout):
+            return False
+        if await conn.fetchval(HOLD_ABSENT_SESSION, tenant_id, session_id,
+                               timeout=timeout) is not None:
+            return True
+    raise StoreConflict(f"the session was opened and erased again {HOLD_TRIES} times while "
+                        "this erasure waited for it: nothing changed; retry")
+
+
 async def _delete(conn: Any, statements: Sequence[tuple[str, str]], counts: dict[str, int],
                   *args: Any, timeout: float) -> None:
     for kind, sql in statements:
@@ -129,10 +157,10 @@ class PostgresErasure:
             counts = dict.fromkeys(KINDS, 0)
             async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                         conn.transaction()):
-                await conn.execute(LOCK_SESSIONS, tenant_id, [session_id],
-                                   timeout=self._timeout)
+                held = await _hold(conn, tenant_id, session_id, timeout=self._timeout)
                 await _delete(conn, DELETE_SESSION_ROWS, counts, tenant_id, [session_id],
                               timeout=self._timeout)
+                counts["sessions"] -= held  # the erasure's own row is no session erased
                 if any(counts.values()):
                     await _audit(conn, tenant_id, "session", session_id, counts, requested_by,
                                  at, self._timeout)

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 import asyncpg
 
-from context_engine.domain.errors import StoreUnavailable
+from context_engine.domain.errors import StoreConflict, StoreUnavailable
 
 # Errors that mean "the database cannot be reached or went away", not "the query is wrong".
 UNAVAILABLE: tuple[type[BaseException], ...] = (
@@ -29,3 +29,7 @@ async def translated() -> AsyncIterator[None]:
         yield
     except UNAVAILABLE as exc:
         raise StoreUnavailable(f"database unavailable: {type(exc).__name__}") from exc
+    except asyncpg.exceptions.TransactionRollbackError as exc:  # SQLSTATE class 40
+        raise StoreConflict(f"the database rolled the transaction back "
+                            f"({type(exc).__name__}, SQLSTATE {exc.sqlstate}) on a conflict "
+                            "with a concurrent call: nothing changed; retry") from exc
