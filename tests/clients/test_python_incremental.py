@@ -1179,6 +1179,51 @@ def test_a_resend_after_an_unknown_base_keeps_the_builds_deadline(kind):
     assert took < 1.15, f"the Build took {took:.2f} s for a timeout of 1 s"
 
 
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_the_first_attempt_gets_what_preparing_it_left_of_the_deadline(kind, monkeypatch):
+    """The incremental attempt was sent with a whole ``timeout`` of its own, taken after the
+    request was prepared: a Build could last its timeout plus the preparation. Preparing is
+    slowed to 0.8 s of a 1 s timeout here, and the replica answers after 0.6 s."""
+    replica = _SlowReplica(delay=0.6)
+    srv = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_ContextEngineServicer_to_server(replica, srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    req = build_request("t", "s", 0)
+    target = f"127.0.0.1:{port}"
+    prepare = IncrementalBuilds.prepare
+
+    def slow_prepare(self: IncrementalBuilds, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.8)
+        return prepare(self, *args, **kwargs)
+
+    def sync() -> float:
+        with Client(target=target) as engine:
+            engine.build(request=req)
+            req.checkpoint.items.extend(step(1))
+            monkeypatch.setattr(IncrementalBuilds, "prepare", slow_prepare)
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                engine.build(request=req, timeout=1.0)
+            return time.monotonic() - started
+
+    async def asyncio_() -> float:
+        async with AsyncClient(target=target) as engine:
+            await engine.build(request=req)
+            req.checkpoint.items.extend(step(1))
+            monkeypatch.setattr(IncrementalBuilds, "prepare", slow_prepare)
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                await engine.build(request=req, timeout=1.0)
+            return time.monotonic() - started
+
+    try:
+        took = sync() if kind == "sync" else asyncio.run(asyncio_())
+    finally:
+        srv.stop(0)
+    assert took < 1.2, f"the Build took {took:.2f} s for a timeout of 1 s"
+
+
 def test_the_whole_resend_is_the_build_as_it_was_called():
     """The caller changes its request while an incremental Build is in flight; the Build is
     refused for its base: the resend is the same Build whole (the base's kept items and those

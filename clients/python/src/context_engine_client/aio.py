@@ -163,7 +163,7 @@ class AsyncClient:
             wire, base = builds.prepare(request, tally)
             try:
                 return builds.absorb(wire, await self._invoke(
-                    "Build", wire, pb.BuildResponse, timeout, metadata), base, tally)
+                    "Build", wire, pb.BuildResponse, time_left(deadline), metadata), base, tally)
             except FailedPrecondition as err:
                 if base is None or not base_unknown(err):
                     raise
