@@ -210,3 +210,19 @@ def test_the_in_memory_store_tells_each_report_what_its_epoch_counted_before() -
 def test_answered_codes_are_status_code_names() -> None:
     assert all(hasattr(grpc.StatusCode, c) for c in ANSWERED_CODES)
     assert list(ANSWERED_CODES) == sorted(set(ANSWERED_CODES))
+
+
+def test_rpc_latency_buckets_reach_past_a_compact_that_calls_its_summarizer_twice() -> None:
+    """The buckets stopped at 5 s: every Compact waiting on its summarizer (20 s a call by
+    default, twice when the first summary measures over its cap) landed in +Inf, and a p99 of
+    Compact read 5 s whatever it was."""
+    from context_engine.config import Config
+    from context_engine.telemetry.metrics import Metrics
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    Metrics(registry).rpc_seconds.labels(method="Compact", code="OK").observe(41.0)
+    bounds = [float(s.labels["le"]) for m in registry.collect()
+              if m.name == "context_engine_rpc_seconds" for s in m.samples
+              if s.name.endswith("_bucket") and s.value and s.labels["le"] != "+Inf"]
+    assert bounds and min(bounds) >= 2 * Config().summarizer_timeout_seconds
