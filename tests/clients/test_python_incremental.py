@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -1141,11 +1141,11 @@ class _SlowReplica(pb_grpc.ContextEngineServicer):
         return spb.BuildResponse(build_id=f"b{len(self.calls)}", epoch=1)
 
 
-@pytest.mark.parametrize("kind", ["sync", "asyncio"])
-def test_a_resend_after_an_unknown_base_keeps_the_builds_deadline(kind):
-    """``timeout`` is the deadline of the whole Build: the whole resend gets what the refused
-    attempt left of it, not a new one."""
-    replica = _SlowReplica(delay=0.6)
+def _second_build_past_its_deadline(kind: str, replica: _SlowReplica,
+                                    before: Callable[[], None] = lambda: None) -> float:
+    """Seconds a session's second Build (one item appended, a 1 s timeout) took to fail
+    DEADLINE_EXCEEDED against ``replica``, through the sync or the asyncio client; ``before``
+    runs just before it is sent."""
     srv = grpc.server(futures.ThreadPoolExecutor(4))
     pb_grpc.add_ContextEngineServicer_to_server(replica, srv)
     port = srv.add_insecure_port("127.0.0.1:0")
@@ -1157,6 +1157,7 @@ def test_a_resend_after_an_unknown_base_keeps_the_builds_deadline(kind):
         with Client(target=target) as engine:
             engine.build(request=req)
             req.checkpoint.items.extend(step(1))
+            before()
             started = time.monotonic()
             with pytest.raises(DeadlineExceeded):
                 engine.build(request=req, timeout=1.0)
@@ -1166,15 +1167,24 @@ def test_a_resend_after_an_unknown_base_keeps_the_builds_deadline(kind):
         async with AsyncClient(target=target) as engine:
             await engine.build(request=req)
             req.checkpoint.items.extend(step(1))
+            before()
             started = time.monotonic()
             with pytest.raises(DeadlineExceeded):
                 await engine.build(request=req, timeout=1.0)
             return time.monotonic() - started
 
     try:
-        took = sync() if kind == "sync" else asyncio.run(asyncio_())
+        return sync() if kind == "sync" else asyncio.run(asyncio_())
     finally:
         srv.stop(0)
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_a_resend_after_an_unknown_base_keeps_the_builds_deadline(kind):
+    """``timeout`` is the deadline of the whole Build: the whole resend gets what the refused
+    attempt left of it, not a new one."""
+    replica = _SlowReplica(delay=0.6)
+    took = _second_build_past_its_deadline(kind, replica)
     assert replica.calls[1] and not replica.calls[2]  # refused for its base, then sent whole
     assert took < 1.15, f"the Build took {took:.2f} s for a timeout of 1 s"
 
@@ -1184,43 +1194,15 @@ def test_the_first_attempt_gets_what_preparing_it_left_of_the_deadline(kind, mon
     """The incremental attempt was sent with a whole ``timeout`` of its own, taken after the
     request was prepared: a Build could last its timeout plus the preparation. Preparing is
     slowed to 0.8 s of a 1 s timeout here, and the replica answers after 0.6 s."""
-    replica = _SlowReplica(delay=0.6)
-    srv = grpc.server(futures.ThreadPoolExecutor(4))
-    pb_grpc.add_ContextEngineServicer_to_server(replica, srv)
-    port = srv.add_insecure_port("127.0.0.1:0")
-    srv.start()
-    req = build_request("t", "s", 0)
-    target = f"127.0.0.1:{port}"
     prepare = IncrementalBuilds.prepare
 
     def slow_prepare(self: IncrementalBuilds, *args: Any, **kwargs: Any) -> Any:
         time.sleep(0.8)
         return prepare(self, *args, **kwargs)
 
-    def sync() -> float:
-        with Client(target=target) as engine:
-            engine.build(request=req)
-            req.checkpoint.items.extend(step(1))
-            monkeypatch.setattr(IncrementalBuilds, "prepare", slow_prepare)
-            started = time.monotonic()
-            with pytest.raises(DeadlineExceeded):
-                engine.build(request=req, timeout=1.0)
-            return time.monotonic() - started
-
-    async def asyncio_() -> float:
-        async with AsyncClient(target=target) as engine:
-            await engine.build(request=req)
-            req.checkpoint.items.extend(step(1))
-            monkeypatch.setattr(IncrementalBuilds, "prepare", slow_prepare)
-            started = time.monotonic()
-            with pytest.raises(DeadlineExceeded):
-                await engine.build(request=req, timeout=1.0)
-            return time.monotonic() - started
-
-    try:
-        took = sync() if kind == "sync" else asyncio.run(asyncio_())
-    finally:
-        srv.stop(0)
+    took = _second_build_past_its_deadline(
+        kind, _SlowReplica(delay=0.6),
+        before=lambda: monkeypatch.setattr(IncrementalBuilds, "prepare", slow_prepare))
     assert took < 1.2, f"the Build took {took:.2f} s for a timeout of 1 s"
 
 
