@@ -224,13 +224,10 @@ def _command(args: argparse.Namespace) -> int:
 
         return demo.run(args, os.environ)
 
-    from context_engine.api.workers import WORKER_ENV
-
     try:
         config = Config.from_env(os.environ)
-        ignored = [] if WORKER_ENV in os.environ else unknown_variables(os.environ)
-        if args.command != "serve":  # serve logs them, once its log is configured
-            for line in ignored:
+        if args.command != "serve":  # serve logs them, after its first line
+            for line in unknown_variables(os.environ):
                 print(f"{PROG}: warning: {line}", file=sys.stderr)
         if args.command == "config":
             return _emit(_show_config(config, as_json=args.json))
@@ -265,11 +262,6 @@ def _command(args: argparse.Namespace) -> int:
     from context_engine.telemetry.logs import configure
 
     configure(config.log_level)
-    if args.command == "serve":
-        from context_engine.telemetry.logs import log
-
-        for line in ignored:
-            log("unknown_variable", logging.WARNING, problem=line)
     try:
         return _run(args, config)
     except DatabaseUnreachable as exc:  # the first connection of serve or migrate
@@ -289,10 +281,13 @@ def _run(args: argparse.Namespace, config: Config) -> int:
 
     if args.command == "serve" and WORKER_ENV in os.environ:
         log("worker_starting", worker=os.environ[WORKER_ENV], pid=os.getpid())
-    elif args.command == "serve" and config.dev_mode:  # by the supervisor, not each worker
-        # The first line a dev-mode server prints, so no one mistakes it for a secured one.
-        log("dev_mode", logging.WARNING, credentials="none", grpc=config.grpc_addr,
-            note="every RPC is accepted without credentials; loopback binds only")
+    elif args.command == "serve":  # by the supervisor (or the one process), not each worker
+        if config.dev_mode:
+            # The first line a dev-mode server prints, so no one mistakes it for a secured one.
+            log("dev_mode", logging.WARNING, credentials="none", grpc=config.grpc_addr,
+                note="every RPC is accepted without credentials; loopback binds only")
+        for line in unknown_variables(os.environ):
+            log("unknown_variable", logging.WARNING, problem=line)
     if args.command == "serve":
         from context_engine.api.workers import port_taken, supervise
 

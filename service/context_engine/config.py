@@ -504,9 +504,11 @@ def variables() -> dict[str, str]:
 
 # CE_* variables that are not settings of the server but are read by the tools beside it
 # (the demo's and the examples' bearer token and ids, the health probe's TLS, a worker's
-# supervisor): not reported as unknown.
-OTHER_VARIABLES = frozenset({"CE_TOKEN", "CE_TENANT_ID", "CE_SESSION_ID"})
-OTHER_PREFIXES = ("CE_HEALTH_TLS_", "CE_WORKER_")
+# supervisor, the test suite's database, pooler, fuzz seed and result file): not reported as
+# unknown.
+OTHER_VARIABLES = frozenset({"CE_TOKEN", "CE_TENANT_ID", "CE_SESSION_ID", "CE_FUZZ_SEED",
+                             "CE_RESULT_FILE"})
+OTHER_PREFIXES = ("CE_HEALTH_TLS_", "CE_WORKER_", "CE_TEST_")
 
 
 def unknown_variables(env: Mapping[str, str]) -> list[str]:

@@ -161,6 +161,10 @@ def test_a_misspelt_variable_is_said_not_ignored_without_a_word(env, capsys):
     env.setenv("CE_DRAIN_SECOND", "30")
     env.setenv("CE_TOKEN", "read by the demo and the examples, not a setting")
     env.setenv("CE_HEALTH_TLS_SERVER_NAME", "read by the health probe")
+    env.setenv("CE_WORKER_SUPERVISOR_PID", "1")  # set by a supervisor for its workers
+    for tooling in ("CE_TEST_DATABASE_URL", "CE_TEST_PGBOUNCER", "CE_FUZZ_SEED",
+                    "CE_RESULT_FILE"):  # the test suite's, which passes them to every server
+        env.setenv(tooling, "x")
     code, out, err = run(capsys, "config")
     assert code == 0 and "drain_seconds" in out
     assert err == ("context-engine: warning: CE_DRAIN_SECOND is not a setting and is ignored "

@@ -30,6 +30,7 @@ def test_a_transaction_the_database_rolled_back_on_a_conflict_is_retryable(exc) 
     clients never retry; the call changed nothing and a retry can succeed."""
     raised = _raised(exc)
     assert isinstance(raised, StoreConflict) and raised.__cause__ is exc
+    assert isinstance(raised, StoreUnavailable)  # what absorbs an outage (the outbox) absorbs it
     assert exc.sqlstate in str(raised)
     code, _ = status_for(raised)
     assert code is grpc.StatusCode.UNAVAILABLE and raised.reason == "STORE_CONFLICT"

@@ -38,8 +38,7 @@ CODES: tuple[tuple[type[e.ContextEngineError], grpc.StatusCode], ...] = (
     (e.SummarizerUnavailable, grpc.StatusCode.UNAVAILABLE),
     (e.SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (e.PrefixHashMismatch, grpc.StatusCode.INTERNAL),
-    (e.StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
-    (e.StoreConflict, grpc.StatusCode.UNAVAILABLE),  # retried by the clients, as it may be
+    (e.StoreUnavailable, grpc.StatusCode.UNAVAILABLE),  # StoreConflict too: retried by clients
     (e.RequestTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (e.ResponseTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (e.TokenizerUnavailable, grpc.StatusCode.UNAVAILABLE),

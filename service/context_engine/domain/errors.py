@@ -230,9 +230,10 @@ class StoreUnavailable(ContextEngineError):
     reason = "STORE_UNAVAILABLE"
 
 
-class StoreConflict(ContextEngineError):
+class StoreConflict(StoreUnavailable):
     """The database rolled the call's transaction back on a conflict with a concurrent one (a
-    deadlock, a serialization failure): the call changed nothing, and a retry can succeed."""
+    deadlock, a serialization failure): the call changed nothing, and a retry can succeed. A
+    kind of StoreUnavailable, so what absorbs an outage (the outbox's buffer) absorbs it too."""
 
     reason = "STORE_CONFLICT"
 

@@ -250,8 +250,13 @@ class _Draft:
             self.superseded.append((self.objective, self.objective_trust))
             del self.superseded[:-MAX_SUPERSEDED_OBJECTIVES]
             self.flags.add("objective_superseded")
+        # one superseded before and restated: current again, at no higher label than it had
+        # (a call after untrusted content's objective, set aside by the user's, must not come
+        # back at the user's label by being restated), and no longer also superseded
+        earlier = [t for o, t in self.superseded if o == objective]
+        self.superseded = [o for o in self.superseded if o[0] != objective]
         self.objective = objective
-        self.objective_trust = trust
+        self.objective_trust = lowest([*earlier, trust], trust)
         self.flags.add("objective_changed")
 
     def add_constraints(self, constraints: Sequence[str], trust: TrustLevel) -> None:

@@ -2524,6 +2524,11 @@ class YieldStep(_message.Message):
     """knowledge, recall, tool_results or history."""
     units: _builtins.int
     tokens_before: _builtins.int
+    """The body's tokens when the step first ran; tokens_before - tokens_after is what the step
+    freed. A class that yielded at its cap and again on the ladder (or recall, below its floor,
+    after tool results) is one step: it frees what its parts freed, and the steps that ran
+    between its parts are not counted in it.
+    """
     tokens_after: _builtins.int
     @_builtins.property
     def item_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
