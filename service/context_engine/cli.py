@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 from context_engine.config import (  # noqa: E402
     Config,
     ConfigError,
+    redact_message,
     redact_url,
     split_addr,
     unknown_variables,
@@ -130,23 +131,24 @@ def _unreachable(exc: DatabaseUnreachable, config: Config) -> str:
     where = ("DATABASE_URL " + redact_url(config.database_url)
              if config.database_url is not None
              else f"the embedded PostgreSQL under {config.data_dir}")
+    detail = str(exc) if config.database_url is None else redact_message(str(exc),
+                                                                         config.database_url)
     if exc.misconfigured:
-        return f"cannot use the database URL ({where}): {exc}"
+        return f"cannot use the database URL ({where}): {detail}"
     if exc.refused:
-        return (f"the database refused the connection ({where}): {exc}: check the user, the "
-                "password and the database name")
-    return (f"cannot reach the database ({where}): {exc} "
+        return (f"the database refused the connection ({where}): {detail}: check the user, "
+                "the password and the database name")
+    return (f"cannot reach the database ({where}): {detail} "
             f"(CE_DB_TIMEOUT_SECONDS={config.db_timeout_seconds:g} s to connect)")
 
 
 def _tenant_problem(tenant: str) -> str | None:
-    """What makes ``tenant`` no tenant id (hash-token and purge-tenant alike)."""
-    if not tenant:
-        return "--tenant-id is empty"
-    if tenant != tenant.strip() or any(ord(c) < 32 for c in tenant):
-        return ("--tenant-id must be a tenant id (no surrounding white space or control "
-                "characters)")
-    return None
+    """What makes ``tenant`` no tenant id (hash-token and purge-tenant alike), by the rule
+    every request's tenant_id is held to: a token minted for another id could call nothing."""
+    from context_engine.domain.identifiers import identifier_problem
+
+    problem = identifier_problem(tenant)
+    return None if problem is None else f"--tenant-id {problem}"
 
 
 def _main(argv: list[str] | None) -> int:

@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Self
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -565,20 +565,50 @@ def _message(exc: ValidationError, values: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------- the effective settings
 
 
+_PASSWORD_PARAM = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]*)", re.I)
+# what ends a URL's authority early when a password holds it unescaped
+URL_DELIMITERS = re.compile(r"[#?/]")
+
+
+def _userinfo(url: str) -> tuple[str, str, str | None, str] | None:
+    """``(scheme, user, password, rest)`` of a URL with user info, read up to its last "@"
+    (not urlsplit's: a password holding an unescaped "#", "?" or "/" ends its netloc early,
+    and the password was shown whole)."""
+    scheme, sep, after = url.partition("://")
+    if not sep or "@" not in after:
+        return None
+    userinfo, _, rest = after.rpartition("@")
+    user, colon, password = userinfo.partition(":")
+    return scheme, user, password if colon else None, rest
+
+
 def redact_url(url: str) -> str:
     """``url`` with any password replaced by the mask: ``postgresql://user:********@host/db``,
-    ``...?password=********`` and libpq's ``password=********`` keyword form."""
-    masked = re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]*)", rf"\g<1>{MASK}", url,
-                    flags=re.I)
-    try:
-        parts = urlsplit(masked)
-    except ValueError:
-        return MASK
-    userinfo, at, hostport = parts.netloc.rpartition("@")
-    if at and ":" in userinfo:
-        user = userinfo.split(":", 1)[0]
-        masked = urlunsplit(parts._replace(netloc=f"{user}:{MASK}@{hostport}"))
+    ``...?password=********`` and libpq's ``password=********`` keyword form. A "@" after the
+    host (in a parameter) may mask more than the password, never less."""
+    masked = _PASSWORD_PARAM.sub(rf"\g<1>{MASK}", url)
+    found = _userinfo(masked)
+    if found is not None and found[2] is not None:
+        scheme, user, _, rest = found
+        masked = f"{scheme}://{user}:{MASK}@{rest}"
     return masked
+
+
+def redact_message(text: str, url: str) -> str:
+    """``text`` (a driver's error about ``url``) fit to be shown: each password of the URL in
+    it masked. A password holding a character that ends a URL's authority unescaped is read
+    by a driver in pieces (a port, a path, a query field), which an error may name: such a
+    message is not shown, only what it is, and how to write the password."""
+    found = _userinfo(url)
+    password = found[2] if found is not None else None
+    if password and URL_DELIMITERS.search(password):
+        kind = text.split(":", 1)[0]
+        return (f"{kind} (its message would show part of the password: percent-encode "
+                f"'#', '?', '/', '@' and ':' in a URL's password, as %23, %3F, %2F, %40, %3A)")
+    secrets = [password or "", *(m.group(2).strip("'") for m in _PASSWORD_PARAM.finditer(url))]
+    for secret in sorted(filter(None, secrets), key=len, reverse=True):
+        text = text.replace(secret, MASK)
+    return text
 
 
 def redacted(name: str, value: object) -> object:

@@ -121,6 +121,8 @@ def test_a_request_that_did_not_decode_is_left_to_the_servicer() -> None:
     (["nope"], "expected an object"),
     ([{"sha256": "ab", "tenant_id": "t", "rpcs": ["*"]}], "64 hex"),
     ([{"sha256": "a" * 64, "tenant_id": "", "rpcs": ["*"]}], "tenant_id"),
+    ([{"sha256": "a" * 64, "tenant_id": "t" * 257, "rpcs": ["*"]}], "tenant_id is 257 char"),
+    ([{"sha256": "a" * 64, "tenant_id": " t", "rpcs": ["*"]}], "tenant_id must not contain"),
     ([{"sha256": "a" * 64, "tenant_id": "t", "rpcs": []}], "rpcs"),
     ([{"sha256": "a" * 64, "tenant_id": "t", "rpcs": ["Plna"]}], "unknown RPC names"),
     ([{"sha256": "a" * 64, "tenant_id": "t", "rpcs": ["*"], "token": "plain"}], "unknown keys"),
@@ -378,8 +380,10 @@ def test_cli_hash_token_reads_stdin_and_mints_entries(monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize(("args", "said"), [
     (["--rpc", "Build"], "--rpc goes with --tenant-id"),
-    (["--tenant-id", " acme "], "--tenant-id must be a tenant id"),
-    (["--tenant-id", "acme\t"], "--tenant-id must be a tenant id"),
+    (["--tenant-id", " acme "], "--tenant-id must not contain control characters or surr"),
+    (["--tenant-id", "acme\t"], "--tenant-id must not contain control characters or surr"),
+    # no request could name it: minted, the token could call nothing
+    (["--tenant-id", "t" * 257], "--tenant-id is 257 characters; at most 256"),
     (["--tenant-id", "acme", "--rpc", "*", "--rpc", "Build"], "goes alone"),
 ])
 def test_cli_hash_token_refuses_what_it_would_have_ignored_or_minted_wrong(

@@ -311,6 +311,22 @@ def test_an_unusable_database_url_is_one_line_not_a_traceback(env, capsys, query
     assert line.startswith("context-engine: cannot use the database URL (DATABASE_URL "), line
 
 
+@pytest.mark.parametrize("delimiter", ["#", "?", "/"])
+def test_a_password_a_url_parser_reads_in_pieces_is_never_shown(env, capsys, delimiter):
+    """A password holding an unescaped '#', '?' or '/' was printed whole in the URL and again
+    in asyncpg's error about the port or query field it misread it as."""
+    password = f"S3CRET{delimiter}tail9"
+    env.setenv("DATABASE_URL", f"postgresql://ce:{password}@127.0.0.1:{_free_port()}/ce")
+    env.setenv("CE_DB_TIMEOUT_SECONDS", "2")
+    code, out, err = run(capsys, "migrate")
+    assert code == 1 and "Traceback" not in err, err
+    for piece in (password, "S3CRET", "tail9"):
+        assert piece not in err + out, err
+    assert f"postgresql://ce:{MASK}@127.0.0.1:" in err and "percent-encode" in err, err
+    code, out, err = run(capsys, "config")
+    assert code == 0 and "S3CRET" not in out + err and "tail9" not in out + err
+
+
 def test_migrate_gives_up_connecting_after_ce_db_timeout_seconds(env, capsys):
     """A database that takes the connection and never answers (a listening socket nobody
     accepts on): migrate gives up after CE_DB_TIMEOUT_SECONDS (1 s here), not asyncpg's 60."""

@@ -336,6 +336,11 @@ def test_the_effective_settings_redact_secrets():
      f"postgresql://h/db?user=u&password={MASK}&sslmode=require"),
     ("host=h dbname=db password='p w' user=u", f"host=h dbname=db password={MASK} user=u"),
     ("postgresql://u:p%40ss@h/db", f"postgresql://u:{MASK}@h/db"),
+    # unescaped, each of these ends urlsplit's netloc early: the password was shown whole
+    ("postgresql://u:S3CRET#b@h:5432/db", f"postgresql://u:{MASK}@h:5432/db"),
+    ("postgresql://u:S3CRET?c@h/db", f"postgresql://u:{MASK}@h/db"),
+    ("postgresql://u:S3/CRET@h/db?sslmode=require", f"postgresql://u:{MASK}@h/db?sslmode=require"),
+    ("postgresql://u:pw@[::1]:5432/db", f"postgresql://u:{MASK}@[::1]:5432/db"),
 ])
 def test_a_dsn_password_is_masked(url: str, shown: str):
     assert redact_url(url) == shown

@@ -40,6 +40,7 @@ from context_engine.api.servicer import CALLER, Undecodable
 from context_engine.api.status import refuse, status_for
 from context_engine.config import Config, ConfigError
 from context_engine.domain.errors import StoreUnavailable
+from context_engine.domain.identifiers import identifier_problem
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
 from context_engine.v1 import context_engine_pb2 as pb
@@ -94,6 +95,9 @@ class TokenSource(Protocol):
 def _grant(tenant_id: Any, rpcs: Any, where: str) -> Grant:
     if not isinstance(tenant_id, str) or not tenant_id:
         raise ConfigError(f"{where}: tenant_id must be a non-empty string")
+    problem = identifier_problem(tenant_id)
+    if problem is not None:  # every request naming it would be refused
+        raise ConfigError(f"{where}: tenant_id {problem}")
     if (not isinstance(rpcs, list) or not rpcs
             or not all(isinstance(r, str) for r in rpcs)):
         raise ConfigError(f"{where}: rpcs must be a non-empty list of RPC names or [\"*\"]")

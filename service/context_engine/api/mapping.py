@@ -45,6 +45,7 @@ from context_engine.domain.compaction import (
 from context_engine.domain.envelope import plain_name
 from context_engine.domain.errors import FieldViolation, InvalidInput
 from context_engine.domain.estimator import ModelCatalog
+from context_engine.domain.identifiers import MAX_ID_LENGTH, identifier_problem
 from context_engine.domain.items import (
     ONE_LINE_RULE,
     AssistantMessageItem,
@@ -117,7 +118,6 @@ from context_engine.engine import (
 from context_engine.render_memo import item_held_bytes
 from context_engine.v1 import context_engine_pb2 as pb
 
-MAX_ID_LENGTH = 256
 MAX_EPOCH = 2**31 - 1
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 TASK_STATES = ("open", "in_progress", "blocked", "completed")
@@ -183,12 +183,9 @@ class Violations:
                      "(it is rendered as the platform's own text)")
 
     def identifier(self, field: str, value: str) -> None:
-        if not value:
-            self.add(field, "must not be empty")
-        elif len(value) > MAX_ID_LENGTH:
-            self.add(field, f"is {len(value)} characters; at most {MAX_ID_LENGTH}")
-        elif value != value.strip() or any(ord(c) < 32 for c in value):
-            self.add(field, "must not contain control characters or surrounding white space")
+        problem = identifier_problem(value)
+        if problem is not None:
+            self.add(field, problem)
 
     def trust(self, field: str, value: pb.TrustLevel.ValueType, *,
               at_most: TrustLevel = TrustLevel.TRUSTED_CONFIGURATION) -> TrustLevel:
