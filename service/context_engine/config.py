@@ -52,10 +52,23 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def split_addr(addr: str) -> tuple[str, int]:
+def addr_problem(addr: str) -> str | None:
+    """Why ``addr`` is no host:port to bind, or None."""
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit():
-        raise ConfigError(f"address {addr!r} is not host:port")
+        return "is not host:port"
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        # gRPC binds "::1:5005" as one IPv6 address, not ::1 port 5005: what was checked
+        # (loopback, free) would not be what is bound
+        return f"holds an IPv6 host out of brackets: write [{host}]:{port}"
+    return None
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    problem = addr_problem(addr)
+    if problem is not None:
+        raise ConfigError(f"address {addr!r} {problem}")
+    host, _, port = addr.rpartition(":")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
@@ -133,10 +146,9 @@ def _parse_bool(value: object) -> object:
 
 
 def _address(value: str) -> str:
-    try:
-        split_addr(value)
-    except ConfigError:
-        raise _problem("address", "is not host:port") from None
+    problem = addr_problem(value)
+    if problem is not None:
+        raise _problem("address", problem)
     return value
 
 
@@ -527,7 +539,7 @@ def unknown_variables(env: Mapping[str, str]) -> list[str]:
 
 
 def _shown(name: str, raw: object) -> str:
-    return repr(MASK) if name in SECRETS else repr(raw)
+    return repr(MASK) if name in SECRETS else repr(redacted(name, raw))
 
 
 def _message(exc: ValidationError, values: Mapping[str, Any]) -> str:
@@ -613,6 +625,8 @@ def redact_message(text: str, url: str) -> str:
 
 def redacted(name: str, value: object) -> object:
     """What may be shown of a setting: secrets masked (empty when unset), the DSN's password."""
+    if name == "summarizer_url":  # credentials in its user info are the API's too
+        return redact_url(str(value)) if value else value
     if name not in SECRETS:
         return value
     if name == "database_url":

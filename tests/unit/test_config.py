@@ -119,10 +119,16 @@ def test_booleans(raw: str, value: bool):
     ({"CE_DEV_MODE": "t"}, "CE_DEV_MODE='t' is not a boolean"),
     ({"CE_GRPC_ADDR": "localhost"}, "CE_GRPC_ADDR='localhost' is not host:port"),
     ({"CE_METRICS_ADDR": "9464"}, "CE_METRICS_ADDR='9464' is not host:port"),
+    # gRPC would bind it as the one IPv6 address ::1:5005, not ::1 (a loopback) port 5005
+    ({"CE_GRPC_ADDR": "::1:5005", "CE_DEV_MODE": "1"},
+     "CE_GRPC_ADDR='::1:5005' holds an IPv6 host out of brackets: write [::1]:5005"),
     ({"CE_LOG_LEVEL": "chatty"}, "CE_LOG_LEVEL='chatty' is not a log level"),
     ({"CE_SUMMARIZER_URL": "ftp://x", "CE_SUMMARIZER_MODEL": "m"},
      "CE_SUMMARIZER_URL='ftp://x' is not an http(s) URL"),
     ({"CE_SUMMARIZER_URL": "http://x"}, "CE_SUMMARIZER_URL is set without CE_SUMMARIZER_MODEL"),
+    # credentials in the summarizer's URL are never shown
+    ({"CE_SUMMARIZER_URL": "ftp://u:hunter2@x", "CE_SUMMARIZER_MODEL": "m"},
+     "CE_SUMMARIZER_URL='ftp://u:********@x' is not an http(s) URL"),
     ({"CE_EVENTS_RETENTION_DAYS": "0"}, "CE_EVENTS_RETENTION_DAYS='0' is below 1"),
     ({"CE_IDEMPOTENCY_KEY_TTL_HOURS": "0"}, "CE_IDEMPOTENCY_KEY_TTL_HOURS='0' is below 1"),
     ({"CE_MAINTENANCE_INTERVAL_SECONDS": "0"},
@@ -314,6 +320,16 @@ def test_a_secret_is_never_in_a_direct_validation_error():
     with pytest.raises(ValidationError) as caught:
         Config(summarizer_api_key=SECRET, summarizer_url="https://x")
     assert SECRET not in str(caught.value)
+
+
+def test_credentials_in_the_summarizers_url_are_never_shown():
+    """The summarizer's URL was printed whole by `context-engine config`, a password in its
+    user info included."""
+    config = Config.from_env({"CE_SUMMARIZER_URL": "https://svc:hunter2@llm.internal/v1",
+                              "CE_SUMMARIZER_MODEL": "m"})
+    shown = {s.name: s.value for s in effective(config)}
+    assert shown["summarizer_url"] == f"https://svc:{MASK}@llm.internal/v1"
+    assert config.summarizer_url == "https://svc:hunter2@llm.internal/v1"  # used as given
 
 
 def test_the_effective_settings_redact_secrets():

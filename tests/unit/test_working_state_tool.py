@@ -218,13 +218,27 @@ def test_wrong_types_are_refused_not_coerced() -> None:
     got = refused({"objective": 5, "add_constraints": "economy only", "next_action": ["go"],
                    "resolve_questions": [1],
                    "upsert_tasks": [{"id": 1, "title": True, "state": "open"}],
-                   "add_facts": [{"statement": "s", "source_event_ids": ["1", 2.0, True]}]})
+                   "add_facts": [{"statement": "s", "source_event_ids": ["1", 2.5, True]}]})
     assert set(got) == {f"{ARGS}.objective", f"{ARGS}.add_constraints", f"{ARGS}.next_action",
                         f"{ARGS}.resolve_questions[0]", f"{ARGS}.upsert_tasks[0].id",
                         f"{ARGS}.upsert_tasks[0].title",
                         f"{ARGS}.add_facts[0].source_event_ids[0]",
                         f"{ARGS}.add_facts[0].source_event_ids[1]",
                         f"{ARGS}.add_facts[0].source_event_ids[2]"}
+
+
+def test_an_integer_written_with_a_zero_fraction_is_an_integer() -> None:
+    """JSON Schema's "integer" (the pinned schema's type of an event id) is any number whose
+    fraction is zero: 1.0 and 1e2 were refused as "not a valid integer". Only an exact one
+    is taken: past 2**53 a double no longer holds every integer."""
+    applied = parse('{"add_facts": [{"statement": "s", "source_event_ids": [1.0, 1e2]}]}')
+    assert isinstance(applied, Update), applied
+    (added,) = applied.add_facts
+    assert added.source_event_ids == (1, 100)
+    assert all(type(i) is int for i in added.source_event_ids)
+    got = refused({"add_facts": [{"statement": "s",
+                                  "source_event_ids": [0.0, float(2**53 + 2), 1.5]}]})
+    assert set(got) == {f"{ARGS}.add_facts[0].source_event_ids[{i}]" for i in range(3)}
 
 
 def test_oversized_values_are_refused() -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaMode, JsonSchemaValue
 from pydantic_core import CoreSchema
 
@@ -105,7 +105,18 @@ def _int64(value: int) -> int:
     return value
 
 
-EventId = Annotated[int, Field(ge=1), AfterValidator(_int64)]
+def _integral(value: object) -> object:
+    # JSON Schema's "integer" is any number with a zero fraction (1.0, 1e2), which a model or a
+    # runtime that writes numbers as doubles may send; exact only up to 2**53 as a double
+    if isinstance(value, float) and value.is_integer():
+        if abs(value) > 2**53:
+            raise ValueError("is written as a decimal too large to be exact: write it as an "
+                             "integer")
+        return int(value)
+    return value
+
+
+EventId = Annotated[int, Field(ge=1), BeforeValidator(_integral), AfterValidator(_int64)]
 
 # extra="forbid" is the schema's "additionalProperties": false; strict refuses coercions
 # ("5" for an event id, 1 for a title) instead of guessing what the model meant.

@@ -1395,7 +1395,7 @@ class WorkingState(_message.Message):
     def removed_constraints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Constraints the user removed this session (exact texts, set by the service): a summary's
         retained constraints among them are no longer rendered, and a compaction drops them. A
-        constraint added again leaves this list.
+        constraint added again leaves this list. The last 40 removals are kept.
         """
 
     def __init__(
