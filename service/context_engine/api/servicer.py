@@ -36,6 +36,7 @@ from context_engine.domain.errors import (
     PrefixHashMismatch,
     RequestTooLarge,
     ResponseTooLarge,
+    SessionNotFound,
 )
 from context_engine.domain.items import ConversationItem
 from context_engine.domain.provider_common import ProviderFormatError
@@ -158,10 +159,17 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             record.session(request.tenant_id, request.session_id)
             cmd = mapping.plan_command(request)
             plan, created = await self._engine.plan(cmd)
+            try:
+                loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch,
+                                                   incarnation=plan.incarnation)
+            except SessionNotFound:
+                # erased between its pin and this read (a DeleteSession racing it): a Plan
+                # never answers that its session is not found; planned again, it opens it anew
+                plan, created = await self._engine.plan(cmd)
+                loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch,
+                                                   incarnation=plan.incarnation)
             record.epoch, record.prefix_sha256 = plan.epoch, plan.prefix_sha256
             record.extra["created"] = created
-            loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch,
-                                               incarnation=plan.incarnation)
             return pb.PlanResponse(plan=mapping.plan_pb(loaded, catalog=self._engine.catalog),
                                    created=created)
         return await self._run("Plan", context, call)
