@@ -277,6 +277,18 @@ def test_a_constraint_the_user_removed_leaves_the_state_and_the_summary(stub, id
                                   working_state=s))
     (row9,) = [m for m in out.request.messages if m.row == 9]
     assert "- EUR only" in row9.text and "no red-eye" not in row9.text
+    # a state holding a constraint and its removal (the service never makes one) is refused:
+    # a compaction of it would drop the live constraint from the summary
+    both = pb.WorkingState()
+    both.CopyFrom(s)
+    both.constraints.append("no red-eye")
+    both.constraint_trust.append(pb.TRUST_LEVEL_USER)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session, items=items, summary=summary,
+                                 working_state=both))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert f.fields == ("checkpoint.working_state.removed_constraints[0]",)
 
 
 def test_an_update_listing_more_than_the_state_holds_is_refused_before_it_is_applied(

@@ -608,6 +608,12 @@ def working_state(v: Violations, field: str, ws: pb.WorkingState) -> WorkingStat
     if len(ws.removed_constraints) > ws_rules.MAX_REMOVED_CONSTRAINTS:
         v.add(f"{field}.removed_constraints", f"holds {len(ws.removed_constraints)}, over the "
               f"{ws_rules.MAX_REMOVED_CONSTRAINTS} the service keeps")
+    live = set(ws.constraints)
+    for i, removed in enumerate(ws.removed_constraints):
+        if removed in live:  # the service never makes one: a constraint added again leaves it
+            v.add(f"{field}.removed_constraints[{i}]", "is also among the constraints: a "
+                  "state holds a constraint or its removal, not both (a compaction would drop "
+                  "the live constraint)")
     if ws.question_origins and len(ws.question_origins) != len(ws.open_questions):
         v.add(f"{field}.question_origins", f"has {len(ws.question_origins)} entries for "
               f"{len(ws.open_questions)} open questions; one per question or none")
