@@ -391,6 +391,9 @@ class _ErasedMeanwhile(Exception):
 FORGOTTEN_KEPT = 4_096  # the sessions forgotten most recently whose turn is remembered
 RUNS_KEPT = 65_536  # the runs bound to their snapshot most recently that are remembered
 NAMED_KEPT = 16_384  # the sessions read most recently whose latest incarnation is remembered
+# the (tenant, model id) pairs whose correction factor was read most recently (a model id is the
+# caller's: without a bound, distinct ids grew the map for the life of the process)
+FACTORS_KEPT = 65_536
 
 
 class Engine:
@@ -420,7 +423,7 @@ class Engine:
         self.policy = policy
         self.cache = PlanCache(plan_cache_size, plan_cache_ttl)
         self._erasure = erasure
-        self._factors: dict[tuple[str, str], tuple[float, float]] = {}
+        self._factors: OrderedDict[tuple[str, str], tuple[float, float]] = OrderedDict()
         # runs bound to their snapshot: (tenant, session, incarnation, epoch, run id)
         self._snapshot_runs: OrderedDict[tuple[str, str, int, int, str], None] = OrderedDict()
         self._run_counts: dict[tuple[str, str], int] = {}  # how many of those per session
@@ -829,6 +832,7 @@ class Engine:
         now = self._clock.monotonic()
         cached = self._factors.get(key)
         if cached is not None and cached[1] > now:
+            self._factors.move_to_end(key)  # read most recently: evicted last
             return cached[0]
         try:
             row = await self._calibrations.calibration(tenant_id, spec.model.model_id)
@@ -836,6 +840,9 @@ class Engine:
             return cached[0] if cached is not None else 1.0
         factor = row.factor if row is not None and row.encoding == spec.encoding else 1.0
         self._factors[key] = (factor, now + self._calibration_ttl)
+        self._factors.move_to_end(key)
+        while len(self._factors) > FACTORS_KEPT:
+            self._factors.popitem(last=False)
         return factor
 
     @staticmethod

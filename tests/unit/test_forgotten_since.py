@@ -143,3 +143,38 @@ def test_the_runs_bound_to_a_snapshot_go_with_their_incarnation_and_are_counted(
     e._remember_run(("t", "c", 1, 1, "r1"))
     e._remember_run(("t", "c", 1, 1, "r2"))  # over the bound: b's goes
     assert e._run_counts == {("t", "c"): 2}
+
+
+def test_the_factors_read_are_remembered_up_to_a_bound(monkeypatch) -> None:
+    """Each (tenant, model id) whose correction factor a Build read stayed in memory for the
+    life of the process, and a model id is the caller's: 400 sessions of distinct ids held
+    400 entries after every one of them was erased. The most recent FACTORS_KEPT are kept."""
+    import asyncio
+    from dataclasses import replace
+
+    monkeypatch.setattr(engine_module, "FACTORS_KEPT", 3)
+
+    class NoCalibrations:
+        read: list[str] = []
+
+        async def calibration(self, tenant_id: str, model_id: str) -> None:
+            self.read.append(model_id)
+
+    e = engine()
+    calibrations = NoCalibrations()
+    e._calibrations = calibrations  # type: ignore[assignment]
+    spec = f.loaded().plan.spec
+
+    def of(model_id: str) -> Any:
+        return replace(spec, model=replace(spec.model, model_id=model_id))
+
+    async def scenario() -> None:
+        for k in range(5):
+            assert await e._reconciled_factor("t", of(f"m{k}")) == 1.0
+        assert list(e._factors) == [("t", "m2"), ("t", "m3"), ("t", "m4")]
+        await e._reconciled_factor("t", of("m2"))  # cached: read most recently now
+        await e._reconciled_factor("t", of("m5"))
+        assert list(e._factors) == [("t", "m4"), ("t", "m2"), ("t", "m5")]
+
+    asyncio.run(scenario())
+    assert calibrations.read == ["m0", "m1", "m2", "m3", "m4", "m5"]
