@@ -155,7 +155,8 @@ def test_the_factors_read_are_remembered_up_to_a_bound(monkeypatch) -> None:
     monkeypatch.setattr(engine_module, "FACTORS_KEPT", 3)
 
     class NoCalibrations:
-        read: list[str] = []
+        def __init__(self) -> None:
+            self.read: list[str] = []
 
         async def calibration(self, tenant_id: str, model_id: str) -> None:
             self.read.append(model_id)
