@@ -58,10 +58,20 @@ def addr_problem(addr: str) -> str | None:
     if not sep or not port.isdigit():
         return "is not host:port"
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
-        # gRPC binds "::1:5005" as one IPv6 address, not ::1 port 5005: what was checked
-        # (loopback, free) would not be what is bound
-        return f"holds an IPv6 host out of brackets: write [{host}]:{port}"
+        # "::1:5005" is read here as ::1 port 5005, while gRPC does not read it so (it fails
+        # to bind it as a name): what is checked (loopback, free) must be what is bound
+        if _is_ip(host):
+            return f"holds an IPv6 host out of brackets: write [{host}]:{port}"
+        return "is not host:port"
     return None
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -577,21 +587,29 @@ def _message(exc: ValidationError, values: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------- the effective settings
 
 
-_PASSWORD_PARAM = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]*)", re.I)
-# what ends a URL's authority early when a password holds it unescaped
-URL_DELIMITERS = re.compile(r"[#?/]")
+# a parameter holding a secret: libpq's password and sslpassword, an API's key or token
+_PASSWORD_PARAM = re.compile(
+    r"((?:[\w-]*password|[\w-]*key|[\w-]*token|[\w-]*secret)\s*=\s*)"
+    r"('(?:[^'\\]|\\.)*'|[^\s&]*)", re.I)
+# what a driver splits a URL's user info at when a password holds it unescaped (drivers
+# differ on "@": asyncpg takes the first)
+URL_DELIMITERS = re.compile(r"[#?/@]")
 
 
 def _userinfo(url: str) -> tuple[str, str, str | None, str] | None:
-    """``(scheme, user, password, rest)`` of a URL with user info, read up to its last "@"
-    (not urlsplit's: a password holding an unescaped "#", "?" or "/" ends its netloc early,
-    and the password was shown whole)."""
-    scheme, sep, after = url.partition("://")
-    if not sep or "@" not in after:
+    """``(head, user, password, rest)`` of a URL with user info (``head`` is what precedes
+    the user: ``scheme://``, ``//`` or nothing), read up to its last "@" that no parameter
+    precedes (not urlsplit's: a password holding an unescaped "#", "?" or "/" ends its netloc
+    early, and the password was shown whole; an "@" in a parameter is not the user's)."""
+    start = url.find("://") + 3 if "://" in url else 2 if url.startswith("//") else 0
+    head, after = url[:start], url[start:]
+    ats = [i for i, c in enumerate(after) if c == "@"]
+    if not ats:
         return None
-    userinfo, _, rest = after.rpartition("@")
-    user, colon, password = userinfo.partition(":")
-    return scheme, user, password if colon else None, rest
+    own = [i for i in ats if "=" not in after[:i]]
+    at = (own or ats)[-1]
+    user, colon, password = after[:at].partition(":")
+    return head, user, password if colon else None, after[at + 1:]
 
 
 def redact_url(url: str) -> str:
@@ -601,8 +619,8 @@ def redact_url(url: str) -> str:
     masked = _PASSWORD_PARAM.sub(rf"\g<1>{MASK}", url)
     found = _userinfo(masked)
     if found is not None and found[2] is not None:
-        scheme, user, _, rest = found
-        masked = f"{scheme}://{user}:{MASK}@{rest}"
+        head, user, _, rest = found
+        masked = f"{head}{user}:{MASK}@{rest}"
     return masked
 
 

@@ -311,7 +311,7 @@ def test_an_unusable_database_url_is_one_line_not_a_traceback(env, capsys, query
     assert line.startswith("context-engine: cannot use the database URL (DATABASE_URL "), line
 
 
-@pytest.mark.parametrize("delimiter", ["#", "?", "/"])
+@pytest.mark.parametrize("delimiter", ["#", "?", "/", "@t:9"])
 def test_a_password_a_url_parser_reads_in_pieces_is_never_shown(env, capsys, delimiter):
     """A password holding an unescaped '#', '?' or '/' was printed whole in the URL and again
     in asyncpg's error about the port or query field it misread it as."""

@@ -119,9 +119,10 @@ def test_booleans(raw: str, value: bool):
     ({"CE_DEV_MODE": "t"}, "CE_DEV_MODE='t' is not a boolean"),
     ({"CE_GRPC_ADDR": "localhost"}, "CE_GRPC_ADDR='localhost' is not host:port"),
     ({"CE_METRICS_ADDR": "9464"}, "CE_METRICS_ADDR='9464' is not host:port"),
-    # gRPC would bind it as the one IPv6 address ::1:5005, not ::1 (a loopback) port 5005
+    # read as ::1 (a loopback) port 5005 here, not so by gRPC
     ({"CE_GRPC_ADDR": "::1:5005", "CE_DEV_MODE": "1"},
      "CE_GRPC_ADDR='::1:5005' holds an IPv6 host out of brackets: write [::1]:5005"),
+    ({"CE_GRPC_ADDR": "dns:///localhost:1"}, "CE_GRPC_ADDR='dns:///localhost:1' is not host:port"),
     ({"CE_LOG_LEVEL": "chatty"}, "CE_LOG_LEVEL='chatty' is not a log level"),
     ({"CE_SUMMARIZER_URL": "ftp://x", "CE_SUMMARIZER_MODEL": "m"},
      "CE_SUMMARIZER_URL='ftp://x' is not an http(s) URL"),
@@ -357,6 +358,16 @@ def test_the_effective_settings_redact_secrets():
     ("postgresql://u:S3CRET?c@h/db", f"postgresql://u:{MASK}@h/db"),
     ("postgresql://u:S3/CRET@h/db?sslmode=require", f"postgresql://u:{MASK}@h/db?sslmode=require"),
     ("postgresql://u:pw@[::1]:5432/db", f"postgresql://u:{MASK}@[::1]:5432/db"),
+    # an "@" a driver splits the user info at (asyncpg: the first)
+    ("postgresql://u:s3cr@t:99x@h:1/db", f"postgresql://u:{MASK}@h:1/db"),
+    # an "@" in a parameter is not the user's: the host shown is the URL's
+    ("postgresql://u:p@h/db?application_name=a@b",
+     f"postgresql://u:{MASK}@h/db?application_name=a@b"),
+    ("postgresql://u@h:5432/db?x=1:2@3", "postgresql://u@h:5432/db?x=1:2@3"),
+    # no scheme (a summarizer URL written without one), and an API's key as a parameter
+    ("user:secret@api.example.com/v1", f"user:{MASK}@api.example.com/v1"),
+    ("//user:secret@h/v1", f"//user:{MASK}@h/v1"),
+    ("https://h/v1?api_key=secret&x=1", f"https://h/v1?api_key={MASK}&x=1"),
 ])
 def test_a_dsn_password_is_masked(url: str, shown: str):
     assert redact_url(url) == shown

@@ -267,6 +267,20 @@ def test_a_superseded_objective_restated_comes_back_at_no_higher_label():
     assert s.superseded_trust == (UNTRUSTED,)
 
 
+def test_the_oldest_superseded_objective_restated_keeps_its_label_when_the_list_is_full():
+    """Its label was looked up after the current objective joined the list, which pushed the
+    oldest (the restated one) out first: it came back at the call's label."""
+    s, _ = apply_update(WorkingState(), Update(objective="X", trust=UNTRUSTED), run_id="r1",
+                        sequence=1)
+    for k, objective in enumerate("ABCDE"):
+        s, _ = apply_update(s, UserObjective(objective=objective), run_id="r1",
+                            sequence=2 + k)
+    assert s.superseded_objectives == ("X", "A", "B", "C", "D")  # as many as are kept
+    s, _ = apply_update(s, Update(objective="X"), run_id="r1", sequence=9)
+    assert (s.objective, s.objective_trust) == ("X", UNTRUSTED)
+    assert s.superseded_objectives == ("A", "B", "C", "D", "E")
+
+
 def test_restating_an_entry_never_raises_its_label():
     s, _ = apply_update(WorkingState(), Update(objective="O", add_constraints=("c",),
                                                trust=UNTRUSTED), run_id="r1", sequence=1)

@@ -239,6 +239,9 @@ def test_an_integer_written_with_a_zero_fraction_is_an_integer() -> None:
     got = refused({"add_facts": [{"statement": "s",
                                   "source_event_ids": [0.0, float(2**53 + 2), 1.5]}]})
     assert set(got) == {f"{ARGS}.add_facts[0].source_event_ids[{i}]" for i in range(3)}
+    # 2**53 + 1 written as a decimal parses as 2**53: another id, refused, never taken
+    got = refused('{"add_facts": [{"statement": "s", "source_event_ids": [9007199254740993.0]}]}')
+    assert set(got) == {f"{ARGS}.add_facts[0].source_event_ids[0]"}
 
 
 def test_oversized_values_are_refused() -> None:

@@ -163,8 +163,9 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch,
                                                    incarnation=plan.incarnation)
             except SessionNotFound:
-                # erased between its pin and this read (a DeleteSession racing it): a Plan
-                # never answers that its session is not found; planned again, it opens it anew
+                # erased between its pin and this read (a DeleteSession racing it): planned
+                # again, once, it opens the session anew (a second erasure in that time is
+                # answered NOT_FOUND)
                 plan, created = await self._engine.plan(cmd)
                 loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch,
                                                    incarnation=plan.incarnation)

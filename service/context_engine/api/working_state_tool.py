@@ -107,9 +107,10 @@ def _int64(value: int) -> int:
 
 def _integral(value: object) -> object:
     # JSON Schema's "integer" is any number with a zero fraction (1.0, 1e2), which a model or a
-    # runtime that writes numbers as doubles may send; exact only up to 2**53 as a double
+    # runtime that writes numbers as doubles may send; a double holds every integer only below
+    # 2**53 (9007199254740993.0 parses as 2**53, another event's id)
     if isinstance(value, float) and value.is_integer():
-        if abs(value) > 2**53:
+        if abs(value) >= 2**53:
             raise ValueError("is written as a decimal too large to be exact: write it as an "
                              "integer")
         return int(value)

@@ -245,16 +245,17 @@ class _Draft:
         if objective == self.objective:
             self.objective_trust = lowest([self.objective_trust, trust], trust)
             return
+        # one superseded before and restated: current again, at no higher label than it had
+        # (a call after untrusted content's objective, set aside by the user's, must not come
+        # back at the user's label by being restated), and no longer also superseded; read
+        # before the current one joins the list, which may push the oldest out
+        earlier = [t for o, t in self.superseded if o == objective]
+        self.superseded = [o for o in self.superseded if o[0] != objective]
         if self.objective:
             self.superseded = [o for o in self.superseded if o[0] != self.objective]
             self.superseded.append((self.objective, self.objective_trust))
             del self.superseded[:-MAX_SUPERSEDED_OBJECTIVES]
             self.flags.add("objective_superseded")
-        # one superseded before and restated: current again, at no higher label than it had
-        # (a call after untrusted content's objective, set aside by the user's, must not come
-        # back at the user's label by being restated), and no longer also superseded
-        earlier = [t for o, t in self.superseded if o == objective]
-        self.superseded = [o for o in self.superseded if o[0] != objective]
         self.objective = objective
         self.objective_trust = lowest([*earlier, trust], trust)
         self.flags.add("objective_changed")
