@@ -294,8 +294,12 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         from context_engine.api.workers import port_taken, supervise
 
         if WORKER_ENV not in os.environ:  # a worker binds the port its supervisor holds
-            for setting, addr in (("CE_GRPC_ADDR", config.grpc_addr),
-                                  ("CE_METRICS_ADDR", config.metrics_addr)):
+            # named as the operator gave it: a flag, else its variable
+            for setting, addr in (
+                    ("--grpc-addr" if getattr(args, "grpc_addr", None) else "CE_GRPC_ADDR",
+                     config.grpc_addr),
+                    ("--metrics-addr" if getattr(args, "metrics_addr", None) is not None
+                     else "CE_METRICS_ADDR", config.metrics_addr)):
                 if not addr:
                     continue
                 host, port = split_addr(addr)

@@ -361,10 +361,12 @@ def tour(engine: Engine, tenant: str, session: str, out: list[str]) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-addr", help="the server's gRPC address, host:port (default: "
                                             "CE_GRPC_ADDR, else 127.0.0.1:50051)")
-    parser.add_argument("--session", default="tour",
-                        help="a session id the tenant has not used yet (default 'tour')")
-    parser.add_argument("--tenant", "--tenant-id", default=TENANT,
-                        help="tenant id (default 'tour'; with a token, the token's tenant)")
+    parser.add_argument("--session", default=None,
+                        help="a session id the tenant has not used yet (default: "
+                             "CE_SESSION_ID, else 'tour')")
+    parser.add_argument("--tenant", "--tenant-id", default=None,
+                        help="tenant id (default: CE_TENANT_ID, else 'tour'; with a token, "
+                             "the token's tenant)")
     parser.add_argument("--token-stdin", action="store_true",
                         help="read the bearer token from the first line of standard input "
                              f"(else {TOKEN_ENV}); sent as 'authorization: Bearer <token>' "
@@ -374,8 +376,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _HINTS = {grpc.StatusCode.UNAUTHENTICATED: f"the server requires credentials: set {TOKEN_ENV} "
                                            "or pass --token-stdin",
-          grpc.StatusCode.PERMISSION_DENIED: "pass --tenant with the token's tenant, or a "
-                                             "token that may call every RPC"}
+          grpc.StatusCode.PERMISSION_DENIED: "pass --tenant with the token's tenant (a "
+                                             "TENANT_MISMATCH), or use a token that may call "
+                                             "this RPC (an RPC_NOT_ALLOWED)"}
 
 
 def session_exists(engine: Engine, tenant: str, session: str) -> bool:
@@ -413,16 +416,18 @@ def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     except ConfigError as exc:
         print(f"context-engine demo: {exc}", file=sys.stderr)
         return 2
+    tenant = args.tenant or environ.get("CE_TENANT_ID") or TENANT
+    session = args.session or environ.get("CE_SESSION_ID") or "tour"
     out: list[str] = []
     with grpc.insecure_channel(address) as channel:
         engine = Engine(channel, token=token)
         try:
-            if session_exists(engine, args.tenant, args.session):
-                print(f"context-engine demo: session {args.session!r} of tenant "
-                      f"{args.tenant!r} exists already; pass another --session",
+            if session_exists(engine, tenant, session):
+                print(f"context-engine demo: session {session!r} of tenant "
+                      f"{tenant!r} exists already; pass another --session",
                       file=sys.stderr)
                 return 1
-            tour(engine, args.tenant, args.session, out)
+            tour(engine, tenant, session, out)
         except CallFailed as exc:
             if out:
                 print("\n".join(out))

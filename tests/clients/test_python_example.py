@@ -31,17 +31,23 @@ def test_agent_loop_example(server):
     check_agent_loop_output(out.stdout)
 
 
-def test_agent_loop_example_reads_its_address_and_token_from_the_environment(server):
-    """CE_GRPC_ADDR names the server; a token comes from CE_TOKEN or stdin, never argv (a
-    dev-mode server takes a bearer token it does not need, so a wrong one would not show: the
+def test_agent_loop_example_reads_its_address_and_token_from_the_environment(server, db):
+    """CE_GRPC_ADDR names the server, CE_TENANT_ID and CE_SESSION_ID the session (the README
+    says the examples read them; this one read neither, and a token's tenant set there was
+    refused TENANT_MISMATCH); a token comes from CE_TOKEN or stdin, never argv (a dev-mode
+    server takes a bearer token it does not need, so a wrong one would not show: the
     example's own refusal of an empty stdin token is checked instead)."""
-    env = dict(os.environ, CE_GRPC_ADDR=server.address)
+    session = f"env-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, CE_GRPC_ADDR=server.address, CE_TENANT_ID="example",
+               CE_SESSION_ID=session)
     env.pop("CE_TOKEN", None)
     out = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--tenant", "example", "--estimator-factor", "1.0"],
+        [sys.executable, str(EXAMPLE), "--estimator-factor", "1.0"],
         capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     check_agent_loop_output(out.stdout)
+    assert db.val("SELECT count(*) FROM sessions WHERE tenant_id = 'example' "
+                  "AND session_id = $1", session) == 1
     empty = subprocess.run([sys.executable, str(EXAMPLE), "--token-stdin"], input="\n",
                            capture_output=True, text=True, timeout=60, env=env)
     assert empty.returncode == 2 and "no token on standard input" in empty.stderr

@@ -119,14 +119,17 @@ def test_plans_survive_a_restart_and_build_identically(database_url):
         assert second.terminate() == 0
 
 
-def serve_on(database_url: str, grpc_addr: str, metrics_addr: str = "127.0.0.1:0",
-             **env: str) -> subprocess.CompletedProcess[str]:
-    """``serve`` on given addresses, expected to refuse: killed after 30 s if it serves."""
+def serve_on(database_url: str, grpc_addr: str, metrics_addr: str = "127.0.0.1:0", *,
+             as_flags: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
+    """``serve`` on given addresses (flags, or with ``as_flags`` false the variables),
+    expected to refuse: killed after 30 s if it serves."""
+    addresses = {"CE_GRPC_ADDR": grpc_addr, "CE_METRICS_ADDR": metrics_addr}
+    flags = ["--grpc-addr", grpc_addr, "--metrics-addr", metrics_addr] if as_flags else []
     try:
         return subprocess.run(
-            [sys.executable, "-m", "context_engine", "serve", "--grpc-addr", grpc_addr,
-             "--metrics-addr", metrics_addr], capture_output=True, text=True, timeout=30,
-            env={**os.environ, "DATABASE_URL": database_url, **env})
+            [sys.executable, "-m", "context_engine", "serve", *flags], capture_output=True,
+            text=True, timeout=30, env={**os.environ, "DATABASE_URL": database_url,
+                                        **({} if as_flags else addresses), **env})
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"serve on a busy address is serving: {exc.stdout!r}") from None
 
@@ -140,10 +143,14 @@ def test_a_second_server_on_a_busy_port_refuses_to_start(two_servers, database_u
     for workers in ("1", "2"):
         done = serve_on(database_url, running.address, CE_WORKERS=workers)
         assert done.returncode == 2, (done.stdout, done.stderr)
-        assert (f"cannot serve on {running.address} (CE_GRPC_ADDR): Address already in use; "
+        assert (f"cannot serve on {running.address} (--grpc-addr): Address already in use; "
                 "is a server already running there?") in done.stderr, done.stderr
+    # named as the operator gave it: the flag above, the variable here
+    done = serve_on(database_url, running.address, as_flags=False)
+    assert done.returncode == 2 and f"cannot serve on {running.address} (CE_GRPC_ADDR)" \
+        in done.stderr, done.stderr
     done = serve_on(database_url, "127.0.0.1:0", running.metrics)
-    assert done.returncode == 2 and f"cannot serve on {running.metrics} (CE_METRICS_ADDR)" \
+    assert done.returncode == 2 and f"cannot serve on {running.metrics} (--metrics-addr)" \
         in done.stderr, done.stderr
     stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(running.address))
     tenant = f"tenant-{uuid.uuid4().hex[:10]}"
@@ -155,12 +162,12 @@ def test_an_address_this_machine_cannot_bind_is_refused_for_what_it_is(database_
     reason, not taken for a server already running there."""
     done = serve_on(database_url, "127.0.0.1:0", "192.0.2.1:9464")
     assert done.returncode == 2, (done.stdout, done.stderr)
-    assert ("cannot serve on 192.0.2.1:9464 (CE_METRICS_ADDR): Cannot assign requested address; "
+    assert ("cannot serve on 192.0.2.1:9464 (--metrics-addr): Cannot assign requested address; "
             "choose an address this machine can bind") in done.stderr, done.stderr
     assert "already running" not in done.stderr and "Traceback" not in done.stderr
     # an ephemeral port is never busy, but its host is tested all the same
     done = serve_on(database_url, "127.0.0.1:0", "192.0.2.1:0")
-    assert done.returncode == 2 and ("cannot serve on 192.0.2.1:0 (CE_METRICS_ADDR): Cannot "
+    assert done.returncode == 2 and ("cannot serve on 192.0.2.1:0 (--metrics-addr): Cannot "
                                      "assign requested address") in done.stderr, done.stderr
 
 

@@ -143,6 +143,21 @@ def test_the_demo_reads_its_token_from_stdin(secured, monkeypatch, capsys):
     assert out.startswith("== 1. Plan") and token not in out
 
 
+def test_the_demo_reads_its_tenant_and_session_from_the_variables(secured, monkeypatch, capsys):
+    """README names CE_TENANT_ID and CE_SESSION_ID as read by the demo; it read neither, and a
+    token's tenant set there was refused TENANT_MISMATCH under tenant 'tour'."""
+    server, tenant, token = secured
+    session = f"env-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("CE_TOKEN", token)
+    monkeypatch.setenv("CE_TENANT_ID", tenant)
+    monkeypatch.setenv("CE_SESSION_ID", session)
+    code, out, err = demo(capsys, "--grpc-addr", server.address)
+    assert code == 0, err
+    assert out.startswith("== 1. Plan") and "== 6. Rotate" in out
+    code, _, err = demo(capsys, "--grpc-addr", server.address)  # that session exists now
+    assert code == 1 and f"session {session!r} of tenant {tenant!r} exists already" in err, err
+
+
 @pytest.mark.parametrize("stdin", ["", "\n", "   \nsecond line\n"])
 def test_the_demo_refuses_an_empty_token_on_stdin(stdin, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))

@@ -355,9 +355,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                            help="plaintext even with a token to another machine (default: "
                                 "plaintext, a token only to this machine)")
     parser.add_argument("--tenant", default=None,
-                        help="default: a new tenant (its reports teach the estimator factor "
-                             "of a tenant and model: a fixed one would be taught by every run)")
-    parser.add_argument("--session", default=None, help="default: a new session")
+                        help="default: CE_TENANT_ID, else a new tenant (its reports teach the "
+                             "estimator factor of a tenant and model: a fixed one would be "
+                             "taught by every run); with a token, the token's tenant")
+    parser.add_argument("--session", default=None,
+                        help="default: CE_SESSION_ID, else a new session")
     parser.add_argument("--estimator-factor", type=float, default=None,
                         help="pin the estimator factor (default: the model's reconciled one)")
     parser.add_argument("--print-body", metavar="FORMAT", choices=list(BODIES), default=None,
@@ -369,8 +371,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         token = sys.stdin.readline().strip()
         if not token:
             parser.error("no token on standard input")
-    session = args.session or f"agent-loop-{uuid.uuid4().hex[:12]}"
-    tenant = args.tenant or f"demo-{uuid.uuid4().hex[:12]}"
+    session = (args.session or os.environ.get("CE_SESSION_ID")
+               or f"agent-loop-{uuid.uuid4().hex[:12]}")
+    tenant = args.tenant or os.environ.get("CE_TENANT_ID") or f"demo-{uuid.uuid4().hex[:12]}"
     try:
         engine = Client(target=args.grpc_addr, token=token, tls=args.tls, timeout=30)
     except ValueError as err:  # e.g. a token to another machine without --tls or --plaintext

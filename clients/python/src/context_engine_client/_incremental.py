@@ -221,7 +221,8 @@ class IncrementalBuilds:
 
     def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
         if max_sessions < 1:
-            raise ValueError(f"max_sessions must be at least 1, not {max_sessions}")
+            # named as the clients take it (Client(incremental_sessions=...))
+            raise ValueError(f"incremental_sessions must be at least 1, not {max_sessions}")
         self.max_sessions = max_sessions
         self._held: OrderedDict[tuple[str, str], _Held] = OrderedDict()
         self._lock = threading.Lock()
