@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -256,6 +256,12 @@ def test_partitions_keys_and_records_age_out_across_two_replicas(own, replicas):
         for outcome in both(keep):
             assert partition_name(day0) not in outcome.dropped
         assert events_by_partition(db, tenant)[partition_name(day0)] == 4
+        # a minute past the retention of the fence's own moment, its event's partition (day0)
+        # is kept, and so is the fence: cut at the retention itself, it went up to a day
+        # before its event, and a retry then stored the event twice
+        for outcome in both(t0 + timedelta(days=RETENTION_DAYS, minutes=1)):
+            assert partition_name(day0) not in outcome.dropped
+        assert keys_left() == {"s-1:1:run-1"}
 
         # once all of day0 is older than the retention, it goes with its rows; so do the days
         # after it made early on, by both replicas at once, each dropped once
@@ -280,6 +286,66 @@ def test_partitions_keys_and_records_age_out_across_two_replicas(own, replicas):
     finally:
         ch_a.close()
         ch_b.close()
+
+
+def test_a_reader_of_the_events_holds_up_a_plan_a_moment_not_the_database_timeout(own,
+                                                                                replicas):
+    """A partition's DDL queues every insert of an event or a session behind it while it waits
+    for a reader of context_events: it waited CE_DB_TIMEOUT_SECONDS (5 s, a Plan's event write
+    held as long), and a cycle whose partition step failed deleted no key. It now waits a
+    quarter of a second a try; the keys go all the same, and the cycle is reported failed."""
+    a, _b, clock_a, _clock_b = replicas
+    db = own.db
+    maintenance = a.running.maintenance
+    policy = maintenance.policy
+    maintenance.policy = replace(policy, ddl_tries=3, ddl_retry_seconds=0.5)
+    # two days on: the last two days ahead are due, the Plan's day has its partition, and a
+    # key made now is older than the TTL
+    clock_a.set(clock_a.now() + timedelta(days=2))
+    tenant = f"tenant-{uuid.uuid4().hex[:8]}"
+    db.fetch("INSERT INTO idempotency_keys (tenant_id, rpc, key, response) VALUES "
+             "($1, 'ReportUsage', 'old', '{}')", tenant)  # older than the TTL, by clock_a
+    channel = grpc.insecure_channel(a.address)
+    stub = pb_grpc.ContextEngineStub(channel)
+
+    async def with_a_reader() -> tuple[BaseException | None, float]:
+        reader = await asyncpg.connect(own.direct)
+        watcher = await asyncpg.connect(own.direct)
+        try:
+            async with reader.transaction():
+                await reader.fetchval("SELECT count(*) FROM context_events")
+                running = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                    maintenance.run_once(), a.loop))
+                for _ in range(200):  # its DDL waits on the reader
+                    if await watcher.fetchval(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = "
+                            "'Lock' AND query LIKE 'CREATE TABLE%'"):
+                        break
+                    await asyncio.sleep(0.01)
+                started = time.monotonic()
+                await asyncio.to_thread(stub.Plan, plan_request(tenant, "s-1", model=SMALL),
+                                        timeout=30)
+                took = time.monotonic() - started
+                failed = None
+                try:
+                    await running
+                except asyncpg.LockNotAvailableError as exc:
+                    failed = exc
+            return failed, took
+        finally:
+            await reader.close()
+            await watcher.close()
+
+    try:
+        failed, took = run(with_a_reader())
+    finally:
+        maintenance.policy = policy
+        channel.close()
+    assert took < 2.0, f"a Plan waited {took:.2f} s behind the partition's DDL"
+    assert isinstance(failed, asyncpg.LockNotAvailableError)  # reported, not swallowed
+    assert not db.fetch("SELECT 1 FROM idempotency_keys WHERE tenant_id = $1 AND key = 'old'",
+                        tenant)  # step 3 ran all the same
+    assert cycle(a).ran  # the reader gone, the next cycle makes the partitions
 
 
 def test_a_replica_without_the_lock_skips_its_cycle(own, replicas):

@@ -10,16 +10,19 @@ A cycle:
 3. deletes, in batches of ``batch_size`` rows, the idempotency keys of retried RPCs (Rotate,
    ReportUsage) and the compaction records (Compact's keys) older than
    CE_IDEMPOTENCY_KEY_TTL_HOURS, and the fences of ``append_once_durably`` (keys named after
-   an event type, ``context.snapshot.used``) older than the events retention: a fence lives as
-   long as the event it fences.
+   an event type, ``context.snapshot.used``) made before the oldest day step 2 keeps: a fence
+   lives as long as the event it fences (cut at the retention itself, it went up to a day
+   before its event's partition, and a retry stored the event twice).
 
 Every step runs in a transaction that first takes ``pg_try_advisory_xact_lock(LOCK_KEY)``
 (released when the transaction ends, so nothing outlives it on the server connection and a
 pooler in transaction mode may stand in between): a replica that does not get it skips the rest
 of its cycle, because another one is running its own. Each step re-reads what exists under the
 lock, so two cycles one after the other neither fail nor drop twice. DDL waits at most
-``lock_timeout`` for the table's lock (a long reader of ``context_events`` makes the cycle fail
-and retry next time, rather than queue every insert behind it). The time is the injected
+``ddl_lock_timeout_seconds`` for the table's lock (a quarter of a second: while it waits, every
+insert of an event or a session queues behind it), and tries again a few times a second apart;
+a long reader of ``context_events`` then makes the partition step fail, while the deletes of
+step 3 still run, and the cycle is logged as failed. The time is the injected
 clock's; partitions not named ``context_events_pYYYYMMDD`` are left alone. What is kept, and
 why for so long: deploy/README.md "Data lifecycle".
 """
@@ -99,12 +102,23 @@ class Policy:
     key_ttl: timedelta = timedelta(hours=24)
     batch_size: int = 5000
     lock_timeout_seconds: float = 5.0
+    # DDL holds up every insert of the table while it waits: short waits, tried again
+    ddl_lock_timeout_seconds: float = 0.25
+    ddl_tries: int = 8
+    ddl_retry_seconds: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.retention_days < 1 or self.ahead_days < 1 or self.batch_size < 1:
-            raise ValueError("retention, ahead window and batch size must be at least 1")
-        if self.key_ttl <= timedelta(0) or self.lock_timeout_seconds <= 0:
-            raise ValueError("the key window and the lock timeout must be positive")
+        if (self.retention_days < 1 or self.ahead_days < 1 or self.batch_size < 1
+                or self.ddl_tries < 1):
+            raise ValueError("retention, ahead window, batch size and tries must be at least 1")
+        if (self.key_ttl <= timedelta(0) or self.lock_timeout_seconds <= 0
+                or self.ddl_lock_timeout_seconds <= 0 or self.ddl_retry_seconds < 0):
+            raise ValueError("the key window and the lock timeouts must be positive")
+
+    def fence_cutoff(self, now: datetime) -> datetime:
+        """Fences made before this go: the start of the oldest day whose partition is kept
+        (``expired`` keeps the day of now - retention)."""
+        return day_start((now - timedelta(days=self.retention_days)).astimezone(UTC).date())
 
     def wanted(self, now: datetime) -> list[date]:
         """The days that must have a partition at ``now``: today through today + ahead."""
@@ -145,9 +159,20 @@ class Maintenance:
         """One cycle (see the module's docstring). Raises what the database raises."""
         now = self.clock.now()
         key_cutoff = now - self.policy.key_ttl
-        fence_cutoff = now - timedelta(days=self.policy.retention_days)
+        fence_cutoff = self.policy.fence_cutoff(now)
+        failed: asyncpg.LockNotAvailableError | None = None
         async with self.pool.acquire() as conn:
-            partitions = await self._partitions(conn, now)
+            for attempt in range(self.policy.ddl_tries):
+                try:
+                    partitions = await self._partitions(conn, now)
+                    failed = None
+                    break
+                except asyncpg.LockNotAvailableError as exc:  # a reader held the table
+                    failed = exc
+                    if attempt + 1 < self.policy.ddl_tries:
+                        await asyncio.sleep(self.policy.ddl_retry_seconds)
+            else:
+                partitions = ((), ())  # step 3 runs all the same; the cycle fails below
             if partitions is None:
                 self.skipped += 1
                 log("maintenance", ran=False, note="another replica holds the maintenance lock")
@@ -164,6 +189,10 @@ class Maintenance:
                     break
         keys, fences, compactions = [*counts, 0, 0, 0][:3]
         self.cycles += 1
+        if failed is not None:
+            log("maintenance", logging.WARNING, ran=True, complete=False, partitions="failed",
+                keys_deleted=keys, fences_deleted=fences, compactions_deleted=compactions)
+            raise failed
         log("maintenance", ran=True, complete=complete, partitions_created=list(created),
             partitions_dropped=list(dropped), keys_deleted=keys, fences_deleted=fences,
             compactions_deleted=compactions, retention_days=self.policy.retention_days,
@@ -172,17 +201,17 @@ class Maintenance:
         return Outcome(ran=True, complete=complete, created=created, dropped=dropped,
                        keys_deleted=keys, fences_deleted=fences, compactions_deleted=compactions)
 
-    async def _locked(self, conn: asyncpg.Connection) -> bool:
+    async def _locked(self, conn: asyncpg.Connection, timeout: float | None = None) -> bool:
         got = await conn.fetchval(TRY_LOCK, LOCK_KEY)
         if got:
-            await conn.execute(f"SET LOCAL lock_timeout = "
-                               f"'{int(self.policy.lock_timeout_seconds * 1000)}ms'")
+            seconds = self.policy.lock_timeout_seconds if timeout is None else timeout
+            await conn.execute(f"SET LOCAL lock_timeout = '{max(1, int(seconds * 1000))}ms'")
         return bool(got)
 
     async def _partitions(self, conn: asyncpg.Connection,
                           now: datetime) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
         async with conn.transaction():
-            if not await self._locked(conn):
+            if not await self._locked(conn, self.policy.ddl_lock_timeout_seconds):
                 return None
             existing: set[date] = set()
             for row in await conn.fetch(PARTITIONS):
