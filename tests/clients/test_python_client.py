@@ -50,7 +50,12 @@ from context_engine_client import (
     provider_body,
     provider_format_name,
 )
-from context_engine_client._channel import is_loopback, keyed_service_config, retry_policy
+from context_engine_client._channel import (
+    is_loopback,
+    keyed_service_config,
+    retry_policy,
+    unkeyed_service_config,
+)
 from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
@@ -613,6 +618,42 @@ def test_a_service_config_may_set_a_keyed_write_of_its_own(fake):
                  in m["name"]]
     assert rotate["timeout"] == "30s" and rotate["retryPolicy"] == (
         config["methodConfig"][0]["retryPolicy"])
+
+
+@pytest.mark.parametrize("name", [{"service": SERVICE}, {}, {"service": ""}])
+def test_a_service_wide_retry_policy_never_retries_a_write_without_its_key(fake, name):
+    """A config whose retry policy names the whole service (or every service) covers Rotate,
+    Compact and ReportUsage too: sent without a key they were retried (4 attempts of one
+    Rotate), against "a request without a key is sent once". With its key, a write is still
+    retried on the keyed channel."""
+    state, target = fake
+    policy = packaged_config()["methodConfig"][0]["retryPolicy"]
+    config = {"methodConfig": [{"name": [name], "retryPolicy": policy, "timeout": "20s"}]}
+    state.failures = 2
+    with Client(target=target, service_config=json.dumps(config)) as engine:
+        with pytest.raises(Unavailable):
+            engine.rotate(request=pb.RotateRequest(tenant_id="t"))
+        assert state.calls["Rotate"] == 1
+        state.calls.clear()
+        state.failures = 2
+        engine.rotate(request=pb.RotateRequest(tenant_id="t", idempotency_key="k"))
+        assert state.calls["Rotate"] == 3
+        state.calls.clear()
+        state.failures = 2
+        engine.plan(request=pb.PlanRequest(tenant_id="t"))  # everything else: as configured
+        assert state.calls["Plan"] == 3
+    unkeyed = json.loads(unkeyed_service_config(json.dumps(config)))
+    (writes,) = [m for m in unkeyed["methodConfig"] if m["name"][0].get("method")]
+    assert writes == {"name": [{"service": SERVICE, "method": m}
+                               for m in ("Compact", "ReportUsage", "Rotate")],
+                      "timeout": "20s"}  # its other settings kept
+    # a keyed write named with a policy of its own is not retried there either
+    named = {"methodConfig": [{"name": [{"service": SERVICE, "method": "Rotate"}],
+                               "retryPolicy": policy}]}
+    assert json.loads(unkeyed_service_config(json.dumps(named)))["methodConfig"] == [
+        {"name": [{"service": SERVICE, "method": "Rotate"}]}]
+    assert json.loads(unkeyed_service_config(json.dumps(packaged_config()))) == \
+        packaged_config()  # the packaged config names no keyed write
 
 
 def test_a_service_config_may_retry_nothing(fake):

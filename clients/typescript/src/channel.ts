@@ -74,6 +74,43 @@ function isKeyed(name: MethodName): boolean {
     KEYED_METHODS.includes(name.method);
 }
 
+/** How a name covers the keyed writes without naming them: 2 for the service, 1 for every
+ * service (the default), 0 not at all. */
+function coversKeyed(name: MethodName): number {
+  if (name.method) return 0;
+  return name.service === SERVICE ? 2 : name.service ? 0 : 1;
+}
+
+/**
+ * The config of the channel for every other call: Rotate, Compact and ReportUsage, sent there
+ * without their key, never retried, whatever the config (a keyed write named with a retry
+ * policy, or a service-wide or default entry holding one, which gRPC applies to every method
+ * the config names nowhere else). Each keeps the entry's other settings.
+ */
+export function unkeyedServiceConfig(config: ServiceConfig): ServiceConfig {
+  const methodConfig: MethodConfig[] = [];
+  const named = new Set<string>();
+  let wide: [number, MethodConfig] | undefined;
+  for (const entry of config.methodConfig ?? []) {
+    const keyed = entry.name.filter(isKeyed);
+    const others = entry.name.filter((n) => !isKeyed(n));
+    if (others.length > 0) methodConfig.push({ ...entry, name: others });
+    if (keyed.length > 0) {
+      const { retryPolicy: _dropped, ...rest } = entry;
+      methodConfig.push({ ...rest, name: keyed });
+      for (const n of keyed) named.add(n.method!);
+    }
+    const cover = Math.max(0, ...entry.name.map(coversKeyed));
+    if (cover > 0 && (wide === undefined || cover > wide[0])) wide = [cover, entry];
+  }
+  const missing = KEYED_METHODS.filter((m) => !named.has(m)).sort();  // as Python's
+  if (missing.length > 0 && wide?.[1].retryPolicy !== undefined) {
+    const { retryPolicy: _dropped, ...rest } = wide[1];
+    methodConfig.push({ ...rest, name: missing.map((method) => ({ service: SERVICE, method })) });
+  }
+  return { ...config, methodConfig };
+}
+
 /**
  * The config of the channel that carries keyed writes: `config` with Rotate, Compact and
  * ReportUsage under its retry policy (their other settings kept). Unchanged when `config`

@@ -14,6 +14,7 @@ import {
   keyedServiceConfig,
   packagedServiceConfig,
   tokenTransportOptions,
+  unkeyedServiceConfig,
 } from "./channel";
 import { ContextEngineError, fromServiceError } from "./errors";
 import {
@@ -144,6 +145,10 @@ function faulty(err: unknown): unknown {
  * one past it as none.) */
 export const MAX_WAIT_MS = 2_147_483_647;
 
+/** grpc-js throws, inside its own promise chain (the process dies of it), for a deadline 10^8
+ * hours or more away: one that far is sent as no deadline. */
+const NO_DEADLINE_FROM_MS = 1e8 * 3_600_000;
+
 /** `ms` as a deadline: a positive, finite number of milliseconds (no more than `max`), else a
  * RangeError (and nothing is sent). */
 function checkDeadlineMs(ms: unknown, max = Number.MAX_VALUE): number {
@@ -190,7 +195,7 @@ export class ContextEngineClient {
     this.builds = incremental === false ? undefined : new IncrementalBuilds(
       incremental === true ? DEFAULT_MAX_SESSIONS
         : incremental.maxSessions ?? DEFAULT_MAX_SESSIONS);
-    this.channel = open(config);
+    this.channel = open(unkeyedServiceConfig(config));
     this.openKeyed = () => open(keyedConfig);
   }
 
@@ -417,7 +422,8 @@ export class ContextEngineClient {
 
   /** The call's deadline (epoch ms): its own `deadlineMs`, else the client's. */
   private deadlineOf(options: CallOptions): number {
-    return Date.now() + checkDeadlineMs(options.deadlineMs ?? this.deadlineMs);
+    const ms = checkDeadlineMs(options.deadlineMs ?? this.deadlineMs);
+    return ms >= NO_DEADLINE_FROM_MS ? Infinity : Date.now() + ms;
   }
 
   private call<Req, Res>(definition: grpc.MethodDefinition<Req, Res>, type: Fills<Req>,

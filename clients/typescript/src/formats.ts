@@ -261,13 +261,12 @@ function blobsAsBytes<T>(value: T): T {
     return value.map((v) => blobsAsBytes(v)) as unknown as T;
   }
   if (value !== null && typeof value === "object" && !(value instanceof Uint8Array)) {
-    const out: Record<string, unknown> = {};
-    for (const [key, v] of Object.entries(value as Record<string, unknown>)) {
-      out[key] = key === "redactedContent" && typeof v === "string"
+    // entries, not assignments: a "__proto__" key (a tool's argument may be named so) stays a
+    // key of its own, as JSON.parse made it, instead of setting the copy's prototype
+    return Object.fromEntries(Object.entries(value as Record<string, unknown>).map(
+      ([key, v]) => [key, key === "redactedContent" && typeof v === "string"
         ? new Uint8Array(Buffer.from(v, "base64"))
-        : blobsAsBytes(v);
-    }
-    return out as T;
+        : blobsAsBytes(v)])) as T;
   }
   return value;
 }

@@ -24,6 +24,7 @@ export {
   packagedServiceConfig,
   retryPolicyOf,
   tokenTransportOptions,
+  unkeyedServiceConfig,
 } from "./channel";
 export type {
   MetadataInit,

@@ -34,6 +34,7 @@ import {
   parseStatusDetails,
   retryPolicyOf,
   tokenTransportOptions,
+  unkeyedServiceConfig,
 } from "../src";
 
 const POLICY = retryPolicyOf(packagedServiceConfig())!;
@@ -274,6 +275,29 @@ describe("client behaviour", () => {
     assert.equal(calls.getPlan, 1, "a config without a retry policy retries nothing");
   });
 
+  test("a service-wide retry policy never retries a write sent without its key", async () => {
+    const policy = retryPolicyOf(packagedServiceConfig())!;
+    for (const name of [{ service: SERVICE }, {}]) {
+      const wide = open({ serviceConfig: { methodConfig: [{ name: [name], retryPolicy: policy,
+        timeout: "20s" }] } });
+      failFirst = 2;
+      calls.rotate = 0;
+      await assert.rejects(wide.rotate({ tenantId: "t", sessionId: "s" }),
+        (err: unknown) => err instanceof ContextEngineError && err.attempts === 1);
+      assert.equal(calls.rotate, 1, JSON.stringify(name));
+      calls.rotate = 0;
+      await wide.rotate({ tenantId: "t", sessionId: "s", idempotencyKey: "k" });
+      assert.equal(calls.rotate, 3, "with its key, retried on the keyed channel");
+      calls.getPlan = 0;
+      await wide.getPlan({ tenantId: "t", sessionId: "s" });
+      assert.equal(calls.getPlan, 3, "everything else as configured");
+    }
+    assert.deepEqual(unkeyedServiceConfig({ methodConfig: [{ name: [{ service: SERVICE }],
+      retryPolicy: policy, timeout: "20s" }] }).methodConfig![1],
+    { name: ["Compact", "ReportUsage", "Rotate"].map((method) => ({ service: SERVICE, method })),
+      timeout: "20s" });
+  });
+
   test("after close() every call, a keyed write and a Build too, rejects CANCELLED and opens no channel", async () => {
     const closed = open();
     closed.close();
@@ -464,6 +488,15 @@ describe("client behaviour", () => {
     await assert.rejects(client.getPlan({ tenantId: "t", sessionId: "s" },
       { signal: AbortSignal.abort() }), (err: unknown) =>
       err instanceof ContextEngineError && err.code === GrpcStatus.CANCELLED);
+  });
+
+  test("a deadline 10^8 hours or more away is sent as none, not thrown out of reach", async () => {
+    // grpc-js threw inside its own promise chain, and the process died of it
+    const far = open({ deadlineMs: 1e15 });
+    assert.equal((await far.getPlan({ tenantId: "t", sessionId: "s" })).plan?.epoch, 3);
+    assert.equal((await client.getPlan({ tenantId: "t", sessionId: "s" },
+      { deadlineMs: 4e14 })).plan?.epoch, 3);
+    assert.ok(!(left.getPlan! < 1e9), "a deadline that far reaches the server as none");
   });
 
   test("a token must be one line", () => {

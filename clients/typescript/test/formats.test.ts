@@ -184,3 +184,18 @@ test("bedrockConverseBody gives a replayed redactedContent blob as bytes, ready 
   assert.deepEqual(Array.from(block.reasoningContent.redactedContent), [0, 1, 255, 7]);
   assert.deepEqual(ready.messages[0], body.messages[0]);
 });
+
+test("bedrockConverseBody keeps a \"__proto__\" key of a tool's input as a key of its own", () => {
+  // a copy by assignment set the copy's prototype instead: the key vanished from the body, and
+  // an object under it became readable through inheritance
+  const text = '{"modelId":"anthropic.claude-sonnet-4-5","messages":[{"role":"assistant","content":' +
+    '[{"toolUse":{"toolUseId":"c1","name":"t","input":{"__proto__":{"polluted":1},"q":"x"}}}]}]}';
+  const ready = bedrockConverseBody({
+    providerBodyJson: text, providerFormat: "PROVIDER_FORMAT_BEDROCK_CONVERSE",
+  } as never) as unknown as { messages: { content: { toolUse: { input: object } }[] }[] };
+  const input = ready.messages[0].content[0].toolUse.input;
+  assert.ok(Object.hasOwn(input, "__proto__"));
+  assert.equal(Object.getPrototypeOf(input), Object.prototype);
+  assert.equal((input as { polluted?: number }).polluted, undefined);
+  assert.equal(JSON.stringify(ready), JSON.stringify(JSON.parse(text)));
+});

@@ -91,6 +91,45 @@ def _is_keyed(name: dict[str, Any]) -> bool:
     return name.get("service") == SERVICE and name.get("method") in KEYED
 
 
+def _covers_keyed(name: dict[str, Any]) -> int:
+    """How an entry's name covers the keyed RPCs without naming them: 2 for the service (every
+    method of it), 1 for every service (the default), 0 not at all."""
+    if name.get("method"):
+        return 0
+    return 2 if name.get("service") == SERVICE else 1 if not name.get("service") else 0
+
+
+def unkeyed_service_config(config_text: str) -> str:
+    """The service config of the channel for every other request: the RPCs in :data:`KEYED`,
+    sent there without their key, never retried, whatever the config (a keyed RPC named with a
+    retry policy, or a service-wide or default entry holding one: gRPC applies that to every
+    method the config names nowhere else). Each keeps the entry's other settings."""
+    config = json.loads(config_text)
+    entries = config.get("methodConfig", [])
+    method_config: list[dict[str, Any]] = []
+    named: set[str] = set()
+    wide: tuple[int, dict[str, Any]] | None = None  # the entry gRPC would apply to them
+    for entry in entries:
+        names = entry.get("name", [])
+        keyed = [n for n in names if _is_keyed(n)]
+        others = [n for n in names if not _is_keyed(n)]
+        if others:
+            method_config.append({**entry, "name": others})
+        if keyed:
+            method_config.append({k: v for k, v in {**entry, "name": keyed}.items()
+                                  if k != "retryPolicy"})
+            named.update(n["method"] for n in keyed)
+        cover = max((_covers_keyed(n) for n in names), default=0)
+        if cover and (wide is None or cover > wide[0]):
+            wide = (cover, entry)
+    missing = sorted(KEYED - named)
+    if missing and wide is not None and "retryPolicy" in wide[1]:
+        method_config.append({**{k: v for k, v in wide[1].items() if k != "retryPolicy"},
+                              "name": [{"service": SERVICE, "method": m} for m in missing]})
+    config["methodConfig"] = method_config
+    return json.dumps(config)
+
+
 def keyed_service_config(config_text: str) -> str:
     """The service config of the channel for keyed requests: the RPCs in :data:`KEYED` under
     the config's retry policy (an entry that names one keeps its other settings: gRPC refuses a

@@ -18,6 +18,7 @@ from context_engine_client._channel import (
     retry_policy,
     service_config_text,
     token_transport_options,
+    unkeyed_service_config,
 )
 
 
@@ -42,8 +43,8 @@ def settings(*, target: str, token: str | None, tls: bool | None, root_certifica
     if not target:
         raise ValueError("target is required (host:port)")
     config_text = service_config_text() if service_config is None else service_config
-    options = channel_options(config_text=config_text, max_message_bytes=max_message_bytes,
-                              server_name=server_name)
+    options = channel_options(config_text=unkeyed_service_config(config_text),
+                              max_message_bytes=max_message_bytes, server_name=server_name)
     keyed = channel_options(config_text=keyed_service_config(config_text),
                             max_message_bytes=max_message_bytes, server_name=server_name)
     channel_credentials = credentials(tls=tls, root_certificates=root_certificates,
