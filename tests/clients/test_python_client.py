@@ -654,6 +654,12 @@ def test_a_service_wide_retry_policy_never_retries_a_write_without_its_key(fake,
         {"name": [{"service": SERVICE, "method": "Rotate"}]}]
     assert json.loads(unkeyed_service_config(json.dumps(packaged_config()))) == \
         packaged_config()  # the packaged config names no keyed write
+    # nor hedged (grpc-js hedges; the C core here does not, so only the config can tell)
+    hedging = {"maxAttempts": 3, "hedgingDelay": "0s", "nonFatalStatusCodes": ["UNAVAILABLE"]}
+    hedged = {"methodConfig": [{"name": [name], "hedgingPolicy": hedging}]}
+    (writes,) = [m for m in json.loads(unkeyed_service_config(json.dumps(hedged)))[
+        "methodConfig"] if m["name"][0].get("method")]
+    assert "hedgingPolicy" not in writes
 
 
 def test_a_service_config_may_retry_nothing(fake):

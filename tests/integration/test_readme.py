@@ -51,6 +51,14 @@ def readme_tour_block() -> str:
     return blocks[0]
 
 
+@pytest.fixture(autouse=True)
+def _no_ids_of_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo reads CE_TENANT_ID and CE_SESSION_ID: a developer's own must not change the
+    tour these tests compare (its ids are in the prompt, and so in its token counts)."""
+    monkeypatch.delenv("CE_TENANT_ID", raising=False)
+    monkeypatch.delenv("CE_SESSION_ID", raising=False)
+
+
 def demo(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """``context-engine demo`` run in-process: its exit status, stdout and stderr."""
     capsys.readouterr()

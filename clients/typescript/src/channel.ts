@@ -83,9 +83,9 @@ function coversKeyed(name: MethodName): number {
 
 /**
  * The config of the channel for every other call: Rotate, Compact and ReportUsage, sent there
- * without their key, never retried, whatever the config (a keyed write named with a retry
- * policy, or a service-wide or default entry holding one, which gRPC applies to every method
- * the config names nowhere else). Each keeps the entry's other settings.
+ * without their key, never retried nor hedged, whatever the config (a keyed write named with a
+ * retry or hedging policy, or a service-wide or default entry holding one, which gRPC applies
+ * to every method the config names nowhere else). Each keeps the entry's other settings.
  */
 export function unkeyedServiceConfig(config: ServiceConfig): ServiceConfig {
   const methodConfig: MethodConfig[] = [];
@@ -96,7 +96,7 @@ export function unkeyedServiceConfig(config: ServiceConfig): ServiceConfig {
     const others = entry.name.filter((n) => !isKeyed(n));
     if (others.length > 0) methodConfig.push({ ...entry, name: others });
     if (keyed.length > 0) {
-      const { retryPolicy: _dropped, ...rest } = entry;
+      const { retryPolicy: _dropped, hedgingPolicy: _hedged, ...rest } = entry;
       methodConfig.push({ ...rest, name: keyed });
       for (const n of keyed) named.add(n.method!);
     }
@@ -104,8 +104,9 @@ export function unkeyedServiceConfig(config: ServiceConfig): ServiceConfig {
     if (cover > 0 && (wide === undefined || cover > wide[0])) wide = [cover, entry];
   }
   const missing = KEYED_METHODS.filter((m) => !named.has(m)).sort();  // as Python's
-  if (missing.length > 0 && wide?.[1].retryPolicy !== undefined) {
-    const { retryPolicy: _dropped, ...rest } = wide[1];
+  if (missing.length > 0 && wide !== undefined && (wide[1].retryPolicy !== undefined ||
+      wide[1].hedgingPolicy !== undefined)) {
+    const { retryPolicy: _dropped, hedgingPolicy: _hedged, ...rest } = wide[1];
     methodConfig.push({ ...rest, name: missing.map((method) => ({ service: SERVICE, method })) });
   }
   return { ...config, methodConfig };

@@ -292,6 +292,15 @@ describe("client behaviour", () => {
       await wide.getPlan({ tenantId: "t", sessionId: "s" });
       assert.equal(calls.getPlan, 3, "everything else as configured");
     }
+    // grpc-js hedges too: a hedging policy sent one Rotate three times
+    const hedged = open({ serviceConfig: { methodConfig: [{ name: [{ service: SERVICE }],
+      hedgingPolicy: { maxAttempts: 3, hedgingDelay: "0s", nonFatalStatusCodes: ["UNAVAILABLE"] },
+    }] } });
+    failFirst = 5;
+    calls.rotate = 0;
+    await assert.rejects(hedged.rotate({ tenantId: "t", sessionId: "s" }));
+    await new Promise((resolve) => setTimeout(resolve, 200));  // any hedged copy arrives
+    assert.equal(calls.rotate, 1, "a write without its key is sent once, not hedged");
     assert.deepEqual(unkeyedServiceConfig({ methodConfig: [{ name: [{ service: SERVICE }],
       retryPolicy: policy, timeout: "20s" }] }).methodConfig![1],
     { name: ["Compact", "ReportUsage", "Rotate"].map((method) => ({ service: SERVICE, method })),

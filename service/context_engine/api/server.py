@@ -253,7 +253,9 @@ async def _start(config: Config, *, database_url: str, registry: CollectorRegist
     # one every CE_MAINTENANCE_INTERVAL_SECONDS; every replica runs them, one at a time works.
     maintenance = Maintenance(pool=pool, clock=clock, policy=maintenance_policy(config),
                               interval_seconds=config.maintenance_interval_seconds)
-    await maintenance.attempt()
+    # one try at the partitions: start-up does not wait out a reader of the events (the
+    # partitions ahead cover the days until the next cycle)
+    await maintenance.attempt(ddl_tries=1)
     metrics = Metrics(registry)
     provider = tracer_provider
     if provider is None and config.trace_export:

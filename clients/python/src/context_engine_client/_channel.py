@@ -99,11 +99,16 @@ def _covers_keyed(name: dict[str, Any]) -> int:
     return 2 if name.get("service") == SERVICE else 1 if not name.get("service") else 0
 
 
+# what sends a call more than once: retries, and hedging (grpc-js hedges)
+_SENT_AGAIN = frozenset({"retryPolicy", "hedgingPolicy"})
+
+
 def unkeyed_service_config(config_text: str) -> str:
     """The service config of the channel for every other request: the RPCs in :data:`KEYED`,
-    sent there without their key, never retried, whatever the config (a keyed RPC named with a
-    retry policy, or a service-wide or default entry holding one: gRPC applies that to every
-    method the config names nowhere else). Each keeps the entry's other settings."""
+    sent there without their key, never retried nor hedged, whatever the config (a keyed RPC
+    named with a retry or hedging policy, or a service-wide or default entry holding one: gRPC
+    applies that to every method the config names nowhere else). Each keeps the entry's other
+    settings."""
     config = json.loads(config_text)
     entries = config.get("methodConfig", [])
     method_config: list[dict[str, Any]] = []
@@ -117,14 +122,14 @@ def unkeyed_service_config(config_text: str) -> str:
             method_config.append({**entry, "name": others})
         if keyed:
             method_config.append({k: v for k, v in {**entry, "name": keyed}.items()
-                                  if k != "retryPolicy"})
+                                  if k not in _SENT_AGAIN})
             named.update(n["method"] for n in keyed)
         cover = max((_covers_keyed(n) for n in names), default=0)
         if cover and (wide is None or cover > wide[0]):
             wide = (cover, entry)
     missing = sorted(KEYED - named)
-    if missing and wide is not None and "retryPolicy" in wide[1]:
-        method_config.append({**{k: v for k, v in wide[1].items() if k != "retryPolicy"},
+    if missing and wide is not None and _SENT_AGAIN & set(wide[1]):
+        method_config.append({**{k: v for k, v in wide[1].items() if k not in _SENT_AGAIN},
                               "name": [{"service": SERVICE, "method": m} for m in missing]})
     config["methodConfig"] = method_config
     return json.dumps(config)

@@ -155,21 +155,23 @@ class Maintenance:
     cycles: int = 0  # cycles that ran (got the lock)
     skipped: int = 0  # cycles another replica was running
 
-    async def run_once(self) -> Outcome:
-        """One cycle (see the module's docstring). Raises what the database raises."""
+    async def run_once(self, *, ddl_tries: int | None = None) -> Outcome:
+        """One cycle (see the module's docstring); ``ddl_tries``: the partition step's tries
+        (the policy's unless given). Raises what the database raises."""
+        tries = self.policy.ddl_tries if ddl_tries is None else max(1, ddl_tries)
         now = self.clock.now()
         key_cutoff = now - self.policy.key_ttl
         fence_cutoff = self.policy.fence_cutoff(now)
         failed: asyncpg.LockNotAvailableError | None = None
         async with self.pool.acquire() as conn:
-            for attempt in range(self.policy.ddl_tries):
+            for attempt in range(tries):
                 try:
                     partitions = await self._partitions(conn, now)
                     failed = None
                     break
                 except asyncpg.LockNotAvailableError as exc:  # a reader held the table
                     failed = exc
-                    if attempt + 1 < self.policy.ddl_tries:
+                    if attempt + 1 < tries:
                         await asyncio.sleep(self.policy.ddl_retry_seconds)
             else:
                 partitions = ((), ())  # step 3 runs all the same; the cycle fails below
@@ -261,10 +263,10 @@ class Maintenance:
                 log("maintenance_failed", logging.ERROR, error=type(exc).__name__,
                     retry_in_seconds=self.interval_seconds)
 
-    async def attempt(self) -> Outcome | None:
+    async def attempt(self, *, ddl_tries: int | None = None) -> Outcome | None:
         """``run_once``, its failure logged instead of raised (the next cycle tries again)."""
         try:
-            return await self.run_once()
+            return await self.run_once(ddl_tries=ddl_tries)
         except (*UNAVAILABLE, asyncpg.PostgresError) as exc:
             log("maintenance_failed", logging.ERROR, error=type(exc).__name__,
                 detail=str(exc)[:200], retry_in_seconds=self.interval_seconds)
