@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -99,6 +99,26 @@ def _covers_keyed(name: dict[str, Any]) -> int:
     return 2 if name.get("service") == SERVICE else 1 if not name.get("service") else 0
 
 
+def _split_keyed(entries: list[dict[str, Any]],
+                 settings: Callable[[dict[str, Any]], dict[str, Any]]
+                 ) -> tuple[list[dict[str, Any]], set[str]]:
+    """``entries`` with the keyed RPCs each names in an entry of their own, holding
+    ``settings`` of it (gRPC refuses a config naming a method twice), the other names as they
+    were; and which keyed RPCs are named."""
+    method_config: list[dict[str, Any]] = []
+    named: set[str] = set()
+    for entry in entries:
+        names = entry.get("name", [])
+        keyed = [n for n in names if _is_keyed(n)]
+        others = [n for n in names if not _is_keyed(n)]
+        if others:
+            method_config.append({**entry, "name": others})
+        if keyed:
+            method_config.append({**settings(entry), "name": keyed})
+            named.update(n["method"] for n in keyed)
+    return method_config, named
+
+
 # what sends a call more than once: retries, and hedging (grpc-js hedges)
 _SENT_AGAIN = frozenset({"retryPolicy", "hedgingPolicy"})
 
@@ -111,20 +131,11 @@ def unkeyed_service_config(config_text: str) -> str:
     settings."""
     config = json.loads(config_text)
     entries = config.get("methodConfig", [])
-    method_config: list[dict[str, Any]] = []
-    named: set[str] = set()
+    method_config, named = _split_keyed(
+        entries, lambda entry: {k: v for k, v in entry.items() if k not in _SENT_AGAIN})
     wide: tuple[int, dict[str, Any]] | None = None  # the entry gRPC would apply to them
     for entry in entries:
-        names = entry.get("name", [])
-        keyed = [n for n in names if _is_keyed(n)]
-        others = [n for n in names if not _is_keyed(n)]
-        if others:
-            method_config.append({**entry, "name": others})
-        if keyed:
-            method_config.append({k: v for k, v in {**entry, "name": keyed}.items()
-                                  if k not in _SENT_AGAIN})
-            named.update(n["method"] for n in keyed)
-        cover = max((_covers_keyed(n) for n in names), default=0)
+        cover = max((_covers_keyed(n) for n in entry.get("name", [])), default=0)
         if cover and (wide is None or cover > wide[0]):
             wide = (cover, entry)
     missing = sorted(KEYED - named)
@@ -144,18 +155,8 @@ def keyed_service_config(config_text: str) -> str:
     policy = next((m["retryPolicy"] for m in entries if "retryPolicy" in m), None)
     if policy is None:
         return json.dumps(config)
-    method_config: list[dict[str, Any]] = []
-    named: set[str] = set()
-    for entry in entries:
-        names = entry.get("name", [])
-        keyed = [n for n in names if _is_keyed(n)]
-        others = [n for n in names if not _is_keyed(n)]
-        if others:
-            method_config.append({**entry, "name": others})
-        if keyed:
-            method_config.append({**entry, "name": keyed,
-                                  "retryPolicy": entry.get("retryPolicy", policy)})
-            named.update(n["method"] for n in keyed)
+    method_config, named = _split_keyed(
+        entries, lambda entry: {**entry, "retryPolicy": entry.get("retryPolicy", policy)})
     missing = sorted(KEYED - named)
     if missing:
         method_config.append({"name": [{"service": SERVICE, "method": m} for m in missing],
