@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import uuid
@@ -32,6 +33,12 @@ from hypothesis import HealthCheck, settings
 from prometheus_client import CollectorRegistry
 
 from tests.support.pgbouncer import PgBouncer
+
+# A test run started in the background of a shell without job control inherits SIGINT ignored,
+# and so would every process it starts: the Ctrl-C tests would then check nothing of the
+# program's own handling. Handled here, each process the tests start gets the default again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REPO = Path(__file__).resolve().parents[1]
 
