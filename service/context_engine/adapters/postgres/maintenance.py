@@ -162,19 +162,8 @@ class Maintenance:
         now = self.clock.now()
         key_cutoff = now - self.policy.key_ttl
         fence_cutoff = self.policy.fence_cutoff(now)
-        failed: asyncpg.LockNotAvailableError | None = None
         async with self.pool.acquire() as conn:
-            for attempt in range(tries):
-                try:
-                    partitions = await self._partitions(conn, now)
-                    failed = None
-                    break
-                except asyncpg.LockNotAvailableError as exc:  # a reader held the table
-                    failed = exc
-                    if attempt + 1 < tries:
-                        await asyncio.sleep(self.policy.ddl_retry_seconds)
-            else:
-                partitions = ((), ())  # step 3 runs all the same; the cycle fails below
+            partitions, failed = await self._partitions_tried(conn, now, tries)
             if partitions is None:
                 self.skipped += 1
                 log("maintenance", ran=False, note="another replica holds the maintenance lock")
@@ -209,6 +198,22 @@ class Maintenance:
             seconds = self.policy.lock_timeout_seconds if timeout is None else timeout
             await conn.execute(f"SET LOCAL lock_timeout = '{max(1, int(seconds * 1000))}ms'")
         return bool(got)
+
+    async def _partitions_tried(
+            self, conn: asyncpg.Connection, now: datetime, tries: int,
+    ) -> tuple[tuple[tuple[str, ...], tuple[str, ...]] | None,
+               asyncpg.LockNotAvailableError | None]:
+        """``_partitions``, tried again while a reader holds the table: what it made (none,
+        with the last lock timeout, when every try met one: the deletes of step 3 run all the
+        same, and the cycle is failed after them)."""
+        for attempt in range(tries):
+            try:
+                return await self._partitions(conn, now), None
+            except asyncpg.LockNotAvailableError as exc:
+                if attempt + 1 == tries:
+                    return ((), ()), exc
+                await asyncio.sleep(self.policy.ddl_retry_seconds)
+        raise AssertionError("unreachable: tries is at least 1")
 
     async def _partitions(self, conn: asyncpg.Connection,
                           now: datetime) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
