@@ -266,11 +266,13 @@ async def _start(config: Config, *, database_url: str, registry: CollectorRegist
     # Context events take their identity and time from the server's clock.
     events = BufferedEventLog(PostgresEventLog(pool, command_timeout=timeout, tracer=tracer,
                                                clock=clock), clock=clock)
-    calibrations = PostgresCalibrationStore(pool, command_timeout=timeout, tracer=tracer)
+    key_ttl = timedelta(hours=config.idempotency_key_ttl_hours)
+    calibrations = PostgresCalibrationStore(pool, command_timeout=timeout, tracer=tracer,
+                                            key_ttl=key_ttl)
     await initialise_metrics(metrics, calibrations, catalog)
     engine = Engine(
         store=LastKnownEpochs(PostgresPlanStore(pool, command_timeout=timeout, tracer=tracer,
-                                                clock=clock)),
+                                                clock=clock, key_ttl=key_ttl)),
         events=events,
         calibrations=calibrations,
         policy=config.budget_policy(), calibration_ttl=config.calibration_ttl_seconds,
@@ -284,7 +286,7 @@ async def _start(config: Config, *, database_url: str, registry: CollectorRegist
         render_memo_bytes=config.render_memo_mb * 1024 * 1024,
         erasure=PostgresErasure(pool, command_timeout=timeout, tracer=tracer),
         compactions=PostgresCompactionStore(pool, command_timeout=timeout, tracer=tracer,
-                                            clock=clock),
+                                            clock=clock, key_ttl=key_ttl),
         summarizer=summarizer, tracer=tracer, clock=clock)
     if provider is not None:
         instrument_database(provider)  # after the start-up queries, which are no RPC's

@@ -143,11 +143,17 @@ ORDER BY updated_at, model_id"""
 
 # The key names its session ($4): erasing the session removes it, and the foreign key holds a
 # key-share lock on the session's row until the transaction ends (an erasure waits for it, or
-# this insert fails with foreign_key_violation once the session is gone).
+# this insert fails with foreign_key_violation once the session is gone). A key older than $5
+# (the key TTL, by PostgreSQL's clock, which made it) is claimed anew: a retry after the TTL is
+# a new request whether or not a maintenance cycle has deleted the key yet. A fence passes NULL
+# and is never claimed anew (it lives as long as the event it fences). A concurrent claim of
+# the same expired key waits for this row and then finds it young: a retry of this one.
 CLAIM_KEY = """
 INSERT INTO idempotency_keys (tenant_id, rpc, key, response, session_id)
 VALUES ($1, $2, $3, '{}'::jsonb, $4)
-ON CONFLICT (tenant_id, rpc, key) DO NOTHING
+ON CONFLICT (tenant_id, rpc, key) DO UPDATE
+    SET response = '{}'::jsonb, session_id = EXCLUDED.session_id, created_at = now()
+    WHERE idempotency_keys.created_at < now() - $5::interval
 RETURNING key"""
 
 GET_KEY = """
@@ -156,13 +162,23 @@ SELECT response::text FROM idempotency_keys WHERE tenant_id = $1 AND rpc = $2 AN
 SET_KEY_RESPONSE = """
 UPDATE idempotency_keys SET response = $4::jsonb WHERE tenant_id = $1 AND rpc = $2 AND key = $3"""
 
+# A record older than $9 (the key TTL, by PostgreSQL's clock) is replaced, as CLAIM_KEY
+# claims an expired key anew.
 CLAIM_COMPACTION = """
 INSERT INTO compactions (tenant_id, idempotency_key, session_id, fingerprint, depth,
     replaced_through_sequence, compactor_version, result)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb)
-ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+ON CONFLICT (tenant_id, idempotency_key) DO UPDATE
+    SET session_id = EXCLUDED.session_id, fingerprint = EXCLUDED.fingerprint,
+        depth = EXCLUDED.depth, replaced_through_sequence = EXCLUDED.replaced_through_sequence,
+        compactor_version = EXCLUDED.compactor_version, result = EXCLUDED.result,
+        created_at = now()
+    WHERE compactions.created_at < now() - $9::interval
 RETURNING idempotency_key"""
 
 GET_COMPACTION = """
 SELECT session_id, fingerprint, result::text AS result FROM compactions
 WHERE tenant_id = $1 AND idempotency_key = $2"""
+
+# The record a retry answers with: none once it is older than $3 (the key TTL).
+GET_LIVE_COMPACTION = GET_COMPACTION + " AND created_at >= now() - $3::interval"

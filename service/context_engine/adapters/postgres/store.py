@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -46,6 +46,9 @@ from context_engine.telemetry.logs import log
 from context_engine.telemetry.tracing import db_call
 
 NewEventId = Callable[[], UUID]
+# How long an idempotency key of Rotate, ReportUsage or Compact answers a retry with the first
+# call's outcome (CE_IDEMPOTENCY_KEY_TTL_HOURS); after it the same key is a new request.
+KEY_TTL = timedelta(hours=24)
 
 
 class PartitionMissing(StoreUnavailable):
@@ -140,8 +143,9 @@ def _classes_json(plan: ContextPlan) -> str:
 class PostgresPlanStore:
     def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0,
                  tracer: Tracer | None = None, clock: Clock = SYSTEM_CLOCK,
-                 new_event_id: NewEventId = uuid4) -> None:
+                 new_event_id: NewEventId = uuid4, key_ttl: timedelta = KEY_TTL) -> None:
         self._pool = pool
+        self._key_ttl = key_ttl
         self._timeout = command_timeout
         self._tracer = tracer or NoOpTracer()
         self._clock = clock
@@ -205,7 +209,7 @@ class PostgresPlanStore:
             if idempotency_key is not None:
                 with _session_required(tenant_id, session_id):  # Rotate needs a session
                     claimed = await conn.fetchval(queries.CLAIM_KEY, tenant_id, "Rotate",
-                                                  idempotency_key, session_id,
+                                                  idempotency_key, session_id, self._key_ttl,
                                                   timeout=self._timeout)
                 if claimed is None:  # a retry: the epoch the first call left current
                     stored = json.loads(await conn.fetchval(
@@ -329,7 +333,7 @@ class PostgresEventLog:
                                         timeout=self._timeout)
                 try:
                     claimed = await conn.fetchval(queries.CLAIM_KEY, event.tenant_id,
-                                                  event.type, key, event.session_id,
+                                                  event.type, key, event.session_id, None,
                                                   timeout=self._timeout)
                 except asyncpg.ForeignKeyViolationError as exc:  # the key names its session
                     raise EventRejected(event, EventRejected.SESSION_ERASED) from exc
@@ -369,10 +373,11 @@ class PostgresCalibrationStore:
     RPC = "ReportUsage"
 
     def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, key_ttl: timedelta = KEY_TTL) -> None:
         self._pool = pool
         self._timeout = command_timeout
         self._tracer = tracer or NoOpTracer()
+        self._key_ttl = key_ttl
 
     async def calibration(self, tenant_id: str, model_id: str) -> Calibration | None:
         with db_call(self._tracer, "calibrations.get"):
@@ -406,7 +411,7 @@ class PostgresCalibrationStore:
                                     timeout=self._timeout)
             with _session_required(tenant_id, usage.session_id):
                 claimed = await conn.fetchval(queries.CLAIM_KEY, tenant_id, self.RPC,
-                                              idempotency_key, usage.session_id,
+                                              idempotency_key, usage.session_id, self._key_ttl,
                                               timeout=self._timeout)
             if claimed is None:  # a retry: the first report's outcome, counted once
                 stored = await conn.fetchval(queries.GET_KEY, tenant_id, self.RPC,
@@ -439,8 +444,9 @@ def _stored_compaction(row: asyncpg.Record) -> StoredCompaction:
 class PostgresCompactionStore:
     def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0,
                  tracer: Tracer | None = None, clock: Clock = SYSTEM_CLOCK,
-                 new_event_id: NewEventId = uuid4) -> None:
+                 new_event_id: NewEventId = uuid4, key_ttl: timedelta = KEY_TTL) -> None:
         self._pool = pool
+        self._key_ttl = key_ttl
         self._timeout = command_timeout
         self._tracer = tracer or NoOpTracer()
         self._clock = clock
@@ -452,7 +458,8 @@ class PostgresCompactionStore:
 
     async def _stored(self, tenant_id: str, idempotency_key: str) -> StoredCompaction | None:
         async with translated():
-            row = await self._pool.fetchrow(queries.GET_COMPACTION, tenant_id, idempotency_key,
+            row = await self._pool.fetchrow(queries.GET_LIVE_COMPACTION, tenant_id,
+                                            idempotency_key, self._key_ttl,
                                             timeout=self._timeout)
         return None if row is None else _stored_compaction(row)
 
@@ -473,7 +480,7 @@ class PostgresCompactionStore:
                     queries.CLAIM_COMPACTION, tenant_id, idempotency_key, session_id,
                     fingerprint, result.depth, result.replaced_through_sequence,
                     result.compactor_version, canonical_json(result_document(result)),
-                    timeout=self._timeout)
+                    self._key_ttl, timeout=self._timeout)
             if claimed is None:  # a concurrent retry stored it first
                 row = await conn.fetchrow(queries.GET_COMPACTION, tenant_id, idempotency_key,
                                           timeout=self._timeout)
