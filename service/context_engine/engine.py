@@ -18,6 +18,7 @@ from context_engine.domain.budget import (
     BudgetPolicy,
     Pressure,
     compute_budget,
+    prefix_cost,
     require_history_floor,
 )
 from context_engine.domain.builder import (
@@ -1051,6 +1052,19 @@ class Engine:
                                        ("estimated_input_tokens",
                                         report.estimated_input_tokens))
                    if value > model.context_window]
+        # Nor can a Build of it estimate less than its prefix alone, at the factor it used:
+        # a smaller estimate is no Build's, and reconciled it would throw the factor to its
+        # cap for every session of the tenant on the model.
+        least = prefix_cost(loaded.plan.prefix_tokens, report.estimator_factor,
+                            exact=prefix_exact(spec))
+        if report.estimated_input_tokens < least:
+            too_big.append(FieldViolation(
+                "estimated_input_tokens",
+                f"{report.estimated_input_tokens} is below the {least} tokens of epoch "
+                f"{loaded.plan.epoch}'s prefix alone at factor {report.estimator_factor:g}: "
+                "no Build of this plan estimates less (report the Build's "
+                "estimated_input_tokens and estimator_factor as it answered them, under the "
+                "epoch it answered)"))
 
         # An exact prefix count (the model's own tokenizer) is not scaled and carries no error:
         # the body absorbs all of it. An approximate one was scaled with the body, so the

@@ -259,8 +259,9 @@ def test_report_usage_reconciles_once_per_key_and_build_uses_the_factor(stub, id
     pinned.estimator_factor = built.estimator_factor
     assert stub.Build(pinned) == built
     # down slowly
-    down = stub.ReportUsage(_report(tenant, session, "r2", est, est // 2,
-                                    factor=up.correction_factor))
+    down = stub.ReportUsage(_report(tenant, session, "r2", after.estimated_input_tokens,
+                                    after.estimated_input_tokens // 2,
+                                    factor=after.estimator_factor))
     assert 0.5 < down.correction_factor < up.correction_factor
     assert down.correction_factor > up.correction_factor - (up.correction_factor - 0.6) * 0.5
 
@@ -283,13 +284,39 @@ def test_twice_the_estimate_doubles_the_factor_where_the_prefix_count_is_approxi
     assert up.correction_factor == pytest.approx(expected, rel=1e-3)
 
 
+@pytest.mark.parametrize("model_id", ["claude-sonnet-4-5", "gpt-4o"])
+def test_an_estimate_below_the_prefix_is_no_builds_and_is_refused(stub, ids, db, model_id):
+    """One report of an estimate no Build of the plan can give (below its prefix alone, at the
+    factor it names) moved the tenant's factor for the model from 1.0 to its cap of 4.0."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id=model_id)))
+    built = stub.Build(build_request(tenant, session))
+    least = built.budget.prefix_tokens  # the prefix at the Build's factor (1.0)
+    for estimated, factor in ((10, 1.0), (least - 1, 1.0),
+                              (math.ceil(built.prefix_tokens * 1.5) - 1, 1.5)):
+        if model_id == "gpt-4o" and factor != 1.0:  # an exact prefix is never scaled
+            estimated = built.prefix_tokens - 1
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReportUsage(_report(tenant, session, f"low-{estimated}", estimated, 5_000,
+                                     factor=factor))
+        f = failure(err.value)
+        assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert "below the" in f.violations["estimated_input_tokens"], f.violations
+    assert db.val("SELECT count(*) FROM estimator_calibration WHERE tenant_id=$1 AND "
+                  "reports > 0", tenant) == 0
+    assert db.val("SELECT count(*) FROM idempotency_keys WHERE tenant_id=$1", tenant) == 0
+    # the prefix alone is what a Build with nothing else would estimate: taken
+    ok = stub.ReportUsage(_report(tenant, session, "at-least", least, least))
+    assert ok.counted
+
+
 def test_an_idempotency_key_cannot_be_reused_for_another_request(stub, ids, db):
     tenant, session = ids
     stub.Plan(plan_request(tenant, session))
     stub.Plan(plan_request(tenant, "other"))
-    stub.ReportUsage(_report(tenant, session, "k", 1000, 1100))
-    for req in (_report(tenant, session, "k", 1000, 1300), _report(tenant, "other", "k", 1000,
-                                                                    1100)):
+    stub.ReportUsage(_report(tenant, session, "k", 5000, 5500))
+    for req in (_report(tenant, session, "k", 5000, 6500), _report(tenant, "other", "k", 5000,
+                                                                    5500)):
         with pytest.raises(grpc.RpcError) as err:
             stub.ReportUsage(req)
         assert "idempotency_key" in failure(err.value).violations
@@ -301,11 +328,11 @@ def test_a_report_retried_after_a_rotation_gets_its_first_answer(stub, ids, db):
     between does not make it "another request"."""
     tenant, session = ids
     stub.Plan(plan_request(tenant, session))
-    first = stub.ReportUsage(_report(tenant, session, "retry-me", 1000, 1100))
+    first = stub.ReportUsage(_report(tenant, session, "retry-me", 5000, 5500))
     assert first.counted
     stub.Rotate(pb.RotateRequest(tenant_id=tenant, session_id=session,
                                  reason=pb.ROTATION_REASON_OPERATOR, idempotency_key="rot"))
-    again = stub.ReportUsage(_report(tenant, session, "retry-me", 1000, 1100))
+    again = stub.ReportUsage(_report(tenant, session, "retry-me", 5000, 5500))
     assert not again.counted and again.correction_factor == first.correction_factor
     assert db.val("SELECT reports FROM estimator_calibration WHERE tenant_id=$1", tenant) == 1
 
@@ -317,7 +344,7 @@ def test_concurrent_reports_are_each_counted_once(stub, ids, db):
 
     def send(key: str) -> None:
         try:
-            stub.ReportUsage(_report(tenant, session, key, 1000, 1100), timeout=20)
+            stub.ReportUsage(_report(tenant, session, key, 5000, 5500), timeout=20)
         except BaseException as exc:  # asserted below
             errors.append(exc)
 
@@ -498,9 +525,11 @@ def test_a_factor_stored_below_the_floor_is_raised_to_it(stub, ids, db):
     assert down.previous_factor == pytest.approx(0.6) and down.correction_factor == 1.0
     # reports far below Claude's estimate (its input_tokens without the cached ones, say) walk
     # its factor down to 1 / 1.3 and no lower
-    est = stub.Build(build_request(tenant, third)).estimated_input_tokens
-    for k in range(12):
-        down = stub.ReportUsage(_report(tenant, third, f"low-{k}", est, est // 4))
+    for k in range(12):  # each report of a Build at the factor of its time
+        built = stub.Build(build_request(tenant, third))
+        est = built.estimated_input_tokens
+        down = stub.ReportUsage(_report(tenant, third, f"low-{k}", est, est // 4,
+                                        factor=built.estimator_factor))
     assert 1 / 1.3 <= down.correction_factor < 1 / 1.3 + 1e-3  # (it falls slowly to it)
 
 

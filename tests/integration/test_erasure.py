@@ -378,10 +378,10 @@ def test_usage_naming_an_epoch_cached_from_the_erased_session_counts_against_the
     new = r.a.stub.Plan(plan_request(tenant, session), timeout=30).plan
     assert new.epoch == 1 and new.model_id != SMALL.model_id
 
-    second = usage_request(tenant, session, 1_000, "usage-epoch-2")
+    second = usage_request(tenant, session, 5_000, "usage-epoch-2")
     second.epoch = 2
     assert not_found(r.b.stub.ReportUsage, second)
-    first = usage_request(tenant, session, 1_000, "usage-epoch-1")
+    first = usage_request(tenant, session, 5_000, "usage-epoch-1")
     first.epoch = 1
     answer = r.b.stub.ReportUsage(first, timeout=30)
     assert answer.counted and answer.model_id == new.model_id

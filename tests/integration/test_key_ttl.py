@@ -36,10 +36,10 @@ def rotate(tenant: str, session: str, key: str, **kw) -> pb.RotateRequest:
                             reason=kw.pop("reason", pb.ROTATION_REASON_OPERATOR), **kw)
 
 
-def usage(tenant: str, session: str, key: str, input_tokens: int = 1000,
+def usage(tenant: str, session: str, key: str, input_tokens: int = 5000,
           ) -> pb.ReportUsageRequest:
     return pb.ReportUsageRequest(tenant_id=tenant, session_id=session,
-                                 estimated_input_tokens=1000, estimator_factor=1.0,
+                                 estimated_input_tokens=5000, estimator_factor=1.0,
                                  input_tokens=input_tokens, cached_tokens=0, output_tokens=10,
                                  idempotency_key=key)
 
@@ -87,7 +87,7 @@ def test_a_usage_key_past_its_ttl_counts_again(stub, ids, db):
     retry = stub.ReportUsage(usage(tenant, session, "u"))
     assert not retry.counted and retry.reports == 1
     age(db, "idempotency_keys", tenant, 0.2)
-    later = stub.ReportUsage(usage(tenant, session, "u", input_tokens=1200))
+    later = stub.ReportUsage(usage(tenant, session, "u", input_tokens=6000))
     assert later.counted and later.reports == 2
     assert db.val("SELECT reports FROM epoch_usage WHERE tenant_id=$1", tenant) == 2
 

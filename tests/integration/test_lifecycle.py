@@ -149,8 +149,8 @@ def kept_rows(db: Db, tenant: str) -> dict[str, Any]:
 
 def report(tenant: str, session: str, key: str) -> pb.ReportUsageRequest:
     return pb.ReportUsageRequest(tenant_id=tenant, session_id=session,
-                                 estimated_input_tokens=1000, estimator_factor=1.0,
-                                 input_tokens=1000, cached_tokens=500, output_tokens=10,
+                                 estimated_input_tokens=5000, estimator_factor=1.0,
+                                 input_tokens=5000, cached_tokens=500, output_tokens=10,
                                  idempotency_key=key)
 
 

@@ -161,20 +161,20 @@ def test_a_scripted_session_moves_every_metric(own, ids, db):
         # the epoch's first request writes the prefix to the provider's cache (nothing cached:
         # a necessary miss, left out of the prefix ratio), the second reads half of it back
         first = stub.ReportUsage(pb.ReportUsageRequest(
-            tenant_id=tenant, session_id=session, estimated_input_tokens=2_000,
-            estimator_factor=1.0, input_tokens=2_400, cached_tokens=0, output_tokens=50,
+            tenant_id=tenant, session_id=session, estimated_input_tokens=4_000,
+            estimator_factor=1.0, input_tokens=4_800, cached_tokens=0, output_tokens=50,
             idempotency_key="usage-0"))
         assert first.counted
         cached = rotated.prefix_tokens // 2
         usage = stub.ReportUsage(pb.ReportUsageRequest(
-            tenant_id=tenant, session_id=session, estimated_input_tokens=2_000,
-            estimator_factor=first.correction_factor, input_tokens=2_400,
+            tenant_id=tenant, session_id=session, estimated_input_tokens=4_000,
+            estimator_factor=first.correction_factor, input_tokens=4_800,
             cached_tokens=cached, output_tokens=50, idempotency_key="usage-1"))
         assert usage.counted
         # a retried report is counted once: no second observation
         stub.ReportUsage(pb.ReportUsageRequest(
-            tenant_id=tenant, session_id=session, estimated_input_tokens=2_000,
-            estimator_factor=first.correction_factor, input_tokens=2_400,
+            tenant_id=tenant, session_id=session, estimated_input_tokens=4_000,
+            estimator_factor=first.correction_factor, input_tokens=4_800,
             cached_tokens=cached, output_tokens=50, idempotency_key="usage-1"))
 
         compacted = stub.Compact(compact_request(tenant, session, "compact-1"))
@@ -267,7 +267,7 @@ def test_a_scripted_session_moves_every_metric(own, ids, db):
     assert value(ratio, "_bucket", le="0.5") == 1
     reuse = fam("context_engine_cached_input_ratio")
     assert value(reuse, "_count") == 1
-    assert value(reuse, "_sum") == pytest.approx(cached / 2_400)
+    assert value(reuse, "_sum") == pytest.approx(cached / 4_800)
 
     assert value(fam("context_engine_compactions"), "_total", depth="1") == 1
     assert value(fam("context_engine_compactions"), "_total", depth="2") == 0

@@ -109,8 +109,8 @@ def test_report_usage_and_compact_log_the_epoch_and_prefix_they_counted_against(
     plan = stub.Plan(plan_request(tenant, session)).plan
     with caplog.at_level(logging.INFO, logger="context_engine"):
         stub.ReportUsage(pb.ReportUsageRequest(
-            tenant_id=tenant, session_id=session, estimated_input_tokens=1_000,
-            estimator_factor=1.0, input_tokens=1_100, output_tokens=10, idempotency_key="u1"))
+            tenant_id=tenant, session_id=session, estimated_input_tokens=5_000,
+            estimator_factor=1.0, input_tokens=5_500, output_tokens=10, idempotency_key="u1"))
         stub.Compact(compact_request(tenant, session, "c1"))
     for method in ("ReportUsage", "Compact"):
         (line,) = [x for x in _rpc_lines(caplog, method) if x.get("tenant") == tenant]

@@ -268,8 +268,8 @@ def test_every_rpc_has_a_span_and_a_call_without_context_starts_a_trace(tstub, i
     tstub.Rotate(pb.RotateRequest(tenant_id=tenant, session_id=session,
                                   reason=pb.ROTATION_REASON_OPERATOR, idempotency_key="rot-1"))
     tstub.ReportUsage(pb.ReportUsageRequest(
-        tenant_id=tenant, session_id=session, estimated_input_tokens=1000,
-        estimator_factor=1.0, input_tokens=1100, cached_tokens=900, output_tokens=10,
+        tenant_id=tenant, session_id=session, estimated_input_tokens=5000,
+        estimator_factor=1.0, input_tokens=5500, cached_tokens=900, output_tokens=10,
         idempotency_key="use-1"))
     spans = exporter.get_finished_spans()
     roots = [s for s in spans if s.parent is None]

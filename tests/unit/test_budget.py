@@ -158,6 +158,20 @@ def test_a_prefix_that_leaves_no_body_fails() -> None:
         compute_budget(window=16_000, output_reserve=8_000, prefix_tokens=7_700,
                        policy=BudgetPolicy())
     assert info.value.class_name == "prefix"
+    # 8,000 - 400 (5%) = 7,600 allowed
+    assert (info.value.tokens, info.value.limit) == (7_700, 7_600)
+
+
+def test_a_prefix_that_leaves_a_body_of_zero_names_a_shortfall() -> None:
+    """A prefix exactly filling the room read "needs 7600 tokens but only 7600 are allowed":
+    the request needs the prefix and at least one token of body."""
+    with pytest.raises(BudgetExceeded) as info:
+        compute_budget(window=16_000, output_reserve=8_000, prefix_tokens=7_600,
+                       policy=BudgetPolicy())
+    assert (info.value.tokens, info.value.limit) == (7_601, 7_600)
+    assert "needs 7601 tokens but only 7600" in str(info.value)
+    assert compute_budget(window=16_000, output_reserve=8_000, prefix_tokens=7_599,
+                          policy=BudgetPolicy()).body_budget == 1
 
 
 @pytest.mark.parametrize(("model_id", "reserve"), [("claude-sonnet-4-5", 8_192),

@@ -140,8 +140,9 @@ def compute_budget(*, window: int, output_reserve: int, prefix_tokens: int,
     available = total - output_reserve  # subtracted first: a request must leave room to answer
     margin = math.ceil(max(available, 0) * policy.safety_margin_ratio)
     body = available - margin - prefix_tokens
-    if body <= 0:
-        raise BudgetExceeded("prefix", prefix_tokens, max(available - margin, 0))
+    if body <= 0:  # a request needs the prefix and at least one token of body
+        room = max(available - margin, 0)
+        raise BudgetExceeded("prefix", max(prefix_tokens, room + 1), room)
     return Budget(total_tokens=total, output_reserve=output_reserve, margin_tokens=margin,
                   body_budget=body)
 
