@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -870,9 +869,10 @@ class Engine:
                     validated: bool = False, incarnation: int | None = None,
                     then: Callable[[BuildResult], object] | None = None) -> BuildResult:
         """``incarnation``: the session's, when the caller has just resolved the plan.
-        ``then``: the caller's work on the result (its response), run while the pressure event
-        is being written; the Build returns only once the event is written (or its loss
-        counted), so it is still emitted before the request leaves."""
+        ``then``: the caller's work on the result (its response), run before the run's
+        snapshot binding and the pressure event are written, so a response it refuses writes
+        neither; the Build returns only once they are written (or the event's loss counted),
+        so the event is still emitted before the request leaves."""
         loaded = await self.loaded(tenant_id, session_id, epoch, incarnation=incarnation)
         spec = loaded.plan.spec
         estimator = self.plan_estimator(spec)
@@ -883,64 +883,55 @@ class Engine:
         started = time.perf_counter()
         steps = build_steps(loaded, checkpoint, estimator=estimator, factor=factor,
                             policy=self.policy, memo=self.render_memo, validated=validated)
-        write: asyncio.Future[None] | None = None
         try:
-            try:
-                with child(self._tracer, "context_engine.build",
-                           attributes={"context_engine.epoch": loaded.plan.epoch,
-                                       "context_engine.estimator_factor": factor}) as span:
-                    try:
-                        pressure = next(steps)  # allocated: what a pressure event records
-                    except BudgetExceeded as exc:
-                        if span.is_recording():
-                            span.set_attribute("context_engine.budget_exceeded.class",
-                                               exc.class_name)
-                            if isinstance(exc.pressure, Pressure):
-                                derived_spans(self._tracer, exc.pressure,
-                                              time_ns(self._clock), None)
-                        raise
-                    if pressure.yielded:  # a request that fits without yielding emits nothing
-                        # The event is written while the request is assembled and rendered;
-                        # the Build answers only once it is written (emitted before the
-                        # request leaves), and only past the snapshot fence, as before.
-                        paused = time.perf_counter()
-                        await self._snapshot_used(loaded, checkpoint.active_run_id)
-                        self._count_pressure(pressure)
-                        write = asyncio.ensure_future(self._record(
-                            tenant_id, session_id, loaded.plan.epoch, "context.budget.pressure",
-                            pressure_payload(pressure, loaded.plan.epoch)))
-                        await asyncio.sleep(0)  # the write goes out first
-                        started += time.perf_counter() - paused  # waits are not build time
-                    result = finish(steps)
+            with child(self._tracer, "context_engine.build",
+                       attributes={"context_engine.epoch": loaded.plan.epoch,
+                                   "context_engine.estimator_factor": factor}) as span:
+                try:
+                    pressure = next(steps)  # allocated: what a pressure event records
+                except BudgetExceeded as exc:
                     if span.is_recording():
-                        span.set_attribute("context_engine.yield_steps",
-                                           [s.step for s in result.pressure.steps])
-                        history = next(((c.used, c.items) for c in result.budget.classes
-                                        if c.class_name == "history"), None)
-                        derived_spans(self._tracer, result.pressure, time_ns(self._clock),
-                                      history)
-            except BudgetExceeded as exc:
-                self._metrics.budget_exceeded.labels(**{"class": exc.class_name}).inc()
-                payload: dict[str, Any] = {"epoch": loaded.plan.epoch, **exc.metadata()}
-                # A pressure event records that a yield step ran (spec): an overflow that
-                # yielded nothing is recorded by the exceeded event alone.
-                if isinstance(exc.pressure, Pressure) and exc.pressure.yielded:
-                    self._count_pressure(exc.pressure)
-                    await self._record(tenant_id, session_id, loaded.plan.epoch,
-                                       "context.budget.pressure",
-                                       pressure_payload(exc.pressure, loaded.plan.epoch))
+                        span.set_attribute("context_engine.budget_exceeded.class",
+                                           exc.class_name)
+                        if isinstance(exc.pressure, Pressure):
+                            derived_spans(self._tracer, exc.pressure,
+                                          time_ns(self._clock), None)
+                    raise
+                result = finish(steps)
+                if span.is_recording():
+                    span.set_attribute("context_engine.yield_steps",
+                                       [s.step for s in result.pressure.steps])
+                    history = next(((c.used, c.items) for c in result.budget.classes
+                                    if c.class_name == "history"), None)
+                    derived_spans(self._tracer, result.pressure, time_ns(self._clock),
+                                  history)
+        except BudgetExceeded as exc:
+            self._metrics.budget_exceeded.labels(**{"class": exc.class_name}).inc()
+            payload: dict[str, Any] = {"epoch": loaded.plan.epoch, **exc.metadata()}
+            # A pressure event records that a yield step ran (spec): an overflow that
+            # yielded nothing is recorded by the exceeded event alone.
+            if isinstance(exc.pressure, Pressure) and exc.pressure.yielded:
+                self._count_pressure(exc.pressure)
                 await self._record(tenant_id, session_id, loaded.plan.epoch,
-                                   "context.budget.exceeded", payload)
-                raise
-            self._metrics.build_seconds.observe(time.perf_counter() - started)
-            if write is None:
-                await self._snapshot_used(loaded, checkpoint.active_run_id)
-            if then is not None:
-                then(result)
-            return result
-        finally:
-            if write is not None:
-                await write  # never fails (``_record``); awaited whatever failed meanwhile
+                                   "context.budget.pressure",
+                                   pressure_payload(exc.pressure, loaded.plan.epoch))
+            await self._record(tenant_id, session_id, loaded.plan.epoch,
+                               "context.budget.exceeded", payload)
+            raise
+        self._metrics.build_seconds.observe(time.perf_counter() - started)
+        # The caller's response is made before anything is written: a Build it refuses (a
+        # format that cannot carry an item, a response over the size limit) changes nothing.
+        # Then the run's snapshot binding (the fence), then the pressure event: both are in
+        # the database before the request is handed back (spec: emitted before it leaves).
+        if then is not None:
+            then(result)
+        await self._snapshot_used(loaded, checkpoint.active_run_id)
+        if pressure.yielded:  # a request that fits without yielding emits nothing
+            self._count_pressure(pressure)
+            await self._record(tenant_id, session_id, loaded.plan.epoch,
+                               "context.budget.pressure",
+                               pressure_payload(pressure, loaded.plan.epoch))
+        return result
 
     async def _snapshot_used(self, loaded: LoadedPlan, run_id: str) -> None:
         """The first Build of a run on a plan with a non-empty snapshot binds the run to the

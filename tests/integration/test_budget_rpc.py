@@ -400,11 +400,11 @@ class SlowPressureWrites:
             await self._inner.append(event)  # type: ignore[attr-defined]
 
 
-def test_the_response_is_made_while_the_pressure_event_is_written_and_waits_for_it(
+def test_the_pressure_event_is_written_after_the_response_is_made_before_it_answers(
         database_url, ids, db, monkeypatch):
     """The pressure event is emitted before the request leaves (the Build answers only once it
-    is in the database), and the request is assembled and the response rendered while it is
-    being written, not after."""
+    is in the database), and only once the request is assembled and the response made: a
+    Build refused there writes nothing (tests/integration/test_refused_build_writes.py)."""
     from context_engine.api import mapping
     from context_engine.domain import builder
 
@@ -439,7 +439,7 @@ def test_the_response_is_made_while_the_pressure_event_is_written_and_waits_for_
             req.checkpoint.active_run_id = "run-1"
             resp = stub.Build(req, timeout=30)
             assert resp.pressure.steps
-            assert log == ["write started", "assembled", "rendered", "written"]
+            assert log == ["assembled", "rendered", "write started", "written"]
             rows = db.fetch("SELECT 1 FROM context_events WHERE tenant_id=$1 AND "
                             "type='context.budget.pressure'", tenant)
             assert len(rows) == 1

@@ -315,12 +315,15 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             answer = None  # an incremental Build's answer, and the base it leaves
             response = pb.BuildResponse()
             rendered = ""
+            sized: bytes | None = None
 
             def respond(result: BuildResult) -> None:
-                """The response, made while the Build's pressure event is being written (what
-                the call's log line and span say of the Build is recorded first, so a failure
-                to render still carries it)."""
-                nonlocal answer, response, rendered
+                """The response, made and sized before the Build writes its snapshot binding
+                or pressure event, so a refusal here (a format that cannot carry an item, a
+                response over the size limit) writes nothing (what the call's log line and
+                span say of the Build is recorded first, so a failure to render still carries
+                it)."""
+                nonlocal answer, response, rendered, sized
                 record.epoch, record.prefix_sha256 = result.epoch, result.prefix_sha256
                 record.extra["estimated_input_tokens"] = result.estimated_input_tokens
                 record.extra["yield_steps"] = [s.step for s in result.pressure.steps]
@@ -351,18 +354,19 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                     rendered = mapping.FORMAT_FROM_PB.get(response.provider_format, "")
                     if render_span.is_recording():
                         render_span.set_attribute("context_engine.provider_format", rendered)
+                if rendered:  # the format rendered: the asked one or the model's default
+                    record.extra["provider_format"] = rendered
+                if base is not None and answer is not None:
+                    record.extra["base_items_kept"] = kept
+                    record.extra["messages_sent"] = answer.sent_messages
+                # sized before its base is kept: a response never handed over keeps nothing
+                # (nor evicts a base the session's next Build names)
+                if self.max_response_bytes is not None:
+                    sized = self._sized(response)
 
             await self._engine.build(request.tenant_id, request.session_id,
                                      loaded.plan.epoch, checkpoint, factor, validated=True,
                                      incarnation=loaded.plan.incarnation, then=respond)
-            if rendered:  # the format rendered: the asked one or the model's default
-                record.extra["provider_format"] = rendered
-            if base is not None and answer is not None:
-                record.extra["base_items_kept"] = kept
-                record.extra["messages_sent"] = answer.sent_messages
-            # sized before its base is kept: a response never handed over keeps nothing (nor
-            # evicts a base the session's next Build names)
-            sized = None if self.max_response_bytes is None else self._sized(response)
             if base is not None:  # used: the most recent in its session's order too
                 builds.touch(request.base_build_id)
             if answer is not None and answer.base is not None:  # else kept nowhere
