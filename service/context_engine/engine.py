@@ -372,8 +372,8 @@ def snapshot_fence_key(session_id: str, epoch: int, run_id: str) -> str:
 def factor_floor(spec: PlanSpec) -> float:
     """The plan's ``least_factor``: an approximation of the model's own count (Claude's and
     Gemini's cl100k_base x 1.3) never below the encoding's own count; a fallback encoding
-    (another model's tokenizer standing in, times 1.1), which the model's own may count well
-    below, keeps the general floor."""
+    (another model's tokenizer standing in, times ``FALLBACK_FACTOR``), which the model's own
+    may count well below, keeps the general floor."""
     own = spec.encoding == spec.model.encoding
     return least_factor(prefix_exact(spec), spec.estimator_factor if own else None)
 

