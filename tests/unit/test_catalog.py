@@ -115,3 +115,35 @@ def test_the_new_keys_are_optional_and_validated() -> None:
             ModelCatalog.from_data(_data(min_cacheable_tokens=bad))
     with pytest.raises(TypeError):
         ModelCatalog.from_data(_data(default_format="anthropic_messages"))
+
+
+# Model ids of OpenAI's shapes the catalog's prefixes do not start: a fine-tune
+# (``ft:<base>:<org>:<suffix>:<id>``), ChatGPT's GPT-4o, gpt-oss under its Hugging Face name.
+# Oracle: tiktoken's own model table, for the base model written out by hand (tiktoken reads
+# ``ft:gpt-4.1...`` by its ``ft:gpt-4`` prefix as cl100k_base; gpt-4.1 is o200k_base).
+@pytest.mark.parametrize(("model_id", "base", "window"), [
+    ("ft:gpt-4o-2024-08-06:acme::9abcXYZ", "gpt-4o-2024-08-06", 128_000),
+    ("ft:gpt-4o-mini-2024-07-18:acme:support:9abcXYZ", "gpt-4o-mini-2024-07-18", 128_000),
+    ("ft:gpt-4.1-2025-04-14:acme::BxYz1234", "gpt-4.1-2025-04-14", 1_047_576),
+    ("ft:gpt-3.5-turbo-0125:acme::8abc", "gpt-3.5-turbo-0125", 16_385),
+    ("chatgpt-4o-latest", "chatgpt-4o-latest", 128_000),
+    ("openai/gpt-oss-120b", "gpt-oss-120b", 131_072),
+])
+def test_openai_id_shapes_are_sized_as_their_base_model(model_id: str, base: str,
+                                                         window: int) -> None:
+    import tiktoken
+
+    profile = CATALOG.resolve(model_id, context_window=None, output_reserve=None,
+                              breakpoint_budget=None)
+    assert (profile.provider, profile.encoding, profile.context_window, profile.base_factor) == (
+        "openai", tiktoken.encoding_name_for_model(base), window, 1.0)
+    assert profile.model_id == model_id  # the id sent is the caller's
+
+
+# The -latest chat models (OpenAI's model pages): a 128,000-token window and 16,384 output
+# tokens, as gpt-5-chat-latest, not gpt-5's 400,000 / 128,000.
+@pytest.mark.parametrize("model_id", ["gpt-5-chat-latest", "gpt-5.1-chat-latest",
+                                      "gpt-5.2-chat-latest"])
+def test_the_chat_latest_models_have_a_128k_window(model_id: str) -> None:
+    e = entry(model_id)
+    assert (e.context_window, e.output_reserve, e.encoding) == (128_000, 16_384, "o200k_base")

@@ -105,8 +105,26 @@ class CatalogEntry:
                              "be a non-negative integer")
 
 
+# A model id's namespace that names no other model: gpt-oss as Hugging Face, vLLM and
+# OpenRouter name it (``openai/gpt-oss-120b``).
+_NAMESPACES = ("openai/",)
+
+
+def base_model_id(model_id: str) -> str:
+    """The id the catalog sizes ``model_id`` by: an OpenAI fine-tune,
+    ``ft:<base model>:<organization>:<suffix>:<job id>``, is its base model (as tiktoken's
+    ``encoding_for_model`` reads ``ft:gpt-4o...``), and ``openai/`` is dropped."""
+    if model_id.startswith("ft:"):
+        return model_id[3:].split(":", 1)[0]
+    for namespace in _NAMESPACES:
+        if model_id.startswith(namespace):
+            return model_id[len(namespace):]
+    return model_id
+
+
 class ModelCatalog:
-    """Maps model id prefixes to sizing; the longest matching prefix wins."""
+    """Maps model id prefixes to sizing; the longest matching prefix wins, matched against
+    ``base_model_id`` (a fine-tune is sized as its base model)."""
 
     def __init__(self, entries: Sequence[CatalogEntry]) -> None:
         self._entries = sorted(entries, key=lambda e: (-len(e.prefix), e.prefix))
@@ -121,8 +139,9 @@ class ModelCatalog:
         return entry.provider_format if entry else ""
 
     def lookup(self, model_id: str) -> CatalogEntry | None:
+        base = base_model_id(model_id)
         for entry in self._entries:
-            if model_id.startswith(entry.prefix):
+            if base.startswith(entry.prefix):
                 return entry
         return None
 
