@@ -964,8 +964,44 @@ def test_attachment_estimates_image_flat_pdf_per_page_text_by_length() -> None:
     assert attachment_tokens(img()) == IMAGE_TOKENS == 1_600
     assert attachment_tokens(pdf(7)) == 7 * PDF_PAGE_TOKENS == 14_000
     assert attachment_tokens(pdf(0)) == PDF_PAGE_TOKENS  # at least one page
-    assert attachment_tokens(txt(3_001)) == 1_001  # rounded up
+    assert attachment_tokens(txt(3_001)) == 3_001  # a token a character
+    assert attachment_tokens(txt(3_001), 1.3) == 3_902  # times the base factor, rounded up
+    assert attachment_tokens(txt(3_001), 1.3, 2.0) == 7_803  # and the correction factor
     assert attachment_tokens(txt(0)) == 0
+
+
+# The reviewer's text files: what the adapter inlines, counted by the oracle's tiktoken.
+TEXT_FILES = {
+    "chinese": ("这是一个关于季度财务报告的文件，包含收入、成本和利润的详细分析。"
+                "我们需要检查每个部门的预算执行情况。") * 200,
+    "japanese": ("このファイルには四半期の財務報告が含まれています。"
+                 "各部門の予算執行状況を確認する必要があります。") * 200,
+    "russian": ("Этот файл содержит квартальный финансовый отчёт "
+                "с подробным анализом доходов. ") * 200,
+    "emoji_log": "✅ build ok 🚀 deploy 🔥 hotfix ⚠️ warn ❌ fail 🧪 test\n" * 200,
+    "english": "This file contains the quarterly financial report with a detailed analysis. " * 200,
+}
+
+
+@pytest.mark.parametrize("model_id", ["gpt-4o", "claude-sonnet-4-5"])
+@pytest.mark.parametrize("name", sorted(TEXT_FILES))
+def test_a_text_attachment_is_estimated_at_no_less_than_its_inlined_text(
+        model_id: str, name: str) -> None:
+    """Chinese text was estimated at a third of a token a character (3,345 for 10,000
+    characters o200k_base counts at 6,200; 3,348 where cl100k_base counts 10,000)."""
+    from tests.support.provider_tokens import encoding, encoding_name_for
+
+    text = TEXT_FILES[name]
+    lp = f.loaded(f.inputs(model_profile=f.model(model_id)))
+
+    def estimate(*atts: Attachment) -> int:
+        u = UserMessageItem(id="u1", sequence=1, run_id="run-1", item_trust=TrustLevel.USER,
+                            text="Summarize the attached file.", attachments=atts)
+        return f.run_build(lp, f.checkpoint([u])).estimated_input_tokens
+
+    added = estimate(txt(len(text), "report.txt")) - estimate()
+    sent = len(encoding(encoding_name_for(model_id)).encode(text, disallowed_special=()))
+    assert added >= sent
 
 
 def with_attachments(*atts: Attachment, item_id: str = "u-last", seq: int = 100,
@@ -981,7 +1017,7 @@ def test_attachments_are_counted_on_top_of_their_labels() -> None:
     [m] = [m for m in r.request.messages if m.row == 15]
     for a in atts:
         assert f"[attachment {a.kind.value}: {a.name}]" in m.text  # labels are in the text
-    assert r.body_tokens == recount(lp, r) + 1_600 + 6_000 + 300
+    assert r.body_tokens == recount(lp, r) + 1_600 + 6_000 + 1_170  # text: 900 x 1.3
 
 
 def test_attachment_content_is_capped_request_wide() -> None:

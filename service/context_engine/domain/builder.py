@@ -468,8 +468,10 @@ def working_state_tokens(estimator: TokenEstimator, ctx: RenderContext,
 _ATTACHMENTS = attrgetter("attachments")
 
 
-def attachment_costs(items: Sequence[ConversationItem]) -> dict[str, int]:
-    """Per user message: its attachments' content estimate, under one request-wide budget
+def attachment_costs(items: Sequence[ConversationItem], base_factor: float = 1.0,
+                     factor: float = 1.0) -> dict[str, int]:
+    """Per user message: its attachments' content estimate (a text file's scaled by the base
+    and correction factors, as other text: ``attachment_tokens``), under one request-wide budget
     consumed newest first — what history keeps is a suffix, so a kept attachment is never
     counted at less than its estimate because an older one spent the budget (labels are
     counted in the message text itself)."""
@@ -479,7 +481,7 @@ def attachment_costs(items: Sequence[ConversationItem]) -> dict[str, int]:
     users = cast(Iterable[UserMessageItem],
                  compress(items, map(isinstance, items, repeat(UserMessageItem))))
     for item in reversed(list(filter(_ATTACHMENTS, users))):
-        want = sum(attachment_tokens(a) for a in item.attachments)
+        want = sum(attachment_tokens(a, base_factor, factor) for a in item.attachments)
         out[item.id] = min(want, remaining)
         remaining -= out[item.id]
     return out
@@ -681,7 +683,7 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     sendable = position(floor)
     attaching = found_items.attaching
     attach = attachment_costs(list(map(items.__getitem__, attaching[
-        bisect_left(attaching, sendable):])))
+        bisect_left(attaching, sendable):])), estimator.base_factor, factor)
 
     unknown = skill_violations(loaded.plan.spec.skill_catalog, cp.loaded_skills)
     if unknown:

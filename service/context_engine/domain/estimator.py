@@ -39,18 +39,23 @@ RESPONSE_NAME_TOKENS = 1
 # Attachments (ADR-0120): the adapter sends the file, so its estimate is added to its label.
 IMAGE_TOKENS = 1_600
 PDF_PAGE_TOKENS = 2_000
-TEXT_CHARS_PER_TOKEN = 3  # conservative: real text runs ~4 characters a token
+# A text file's inlined characters, each a token at least: CJK and Cyrillic text counts up to
+# 1.06 tokens a character in cl100k_base (0.68 in o200k_base), Georgian, Myanmar and Sinhala up
+# to 1.94, emoji up to 2.9, where English runs ~0.16; the plan's base factor then applies, as
+# to any text (cl100k_base x 1.3 for Claude and Gemini covers 1.3 a character).
+TEXT_TOKENS_PER_CHAR = 1
 ATTACHMENT_BUDGET_TOKENS = 100_000  # request-wide cap on attachment content estimates
 
 
-def attachment_tokens(attachment: Attachment) -> int:
-    """Fixed estimate of an attachment's content: flat per image, per PDF page, inlined
-    length of a text file."""
+def attachment_tokens(attachment: Attachment, base_factor: float = 1.0,
+                      factor: float = 1.0) -> int:
+    """Fixed estimate of an attachment's content: flat per image, per PDF page; a text file
+    at a token per inlined character, times the base and correction factors as other text."""
     if attachment.kind is AttachmentKind.IMAGE:
         return IMAGE_TOKENS
     if attachment.kind is AttachmentKind.PDF:
         return PDF_PAGE_TOKENS * max(1, attachment.pages)
-    return math.ceil(attachment.text_chars / TEXT_CHARS_PER_TOKEN)
+    return math.ceil(attachment.text_chars * TEXT_TOKENS_PER_CHAR * base_factor * factor)
 
 
 class TokenCounter(Protocol):
