@@ -961,13 +961,49 @@ def txt(chars: int, name: str = "notes.txt") -> Attachment:
 
 
 def test_attachment_estimates_image_flat_pdf_per_page_text_by_length() -> None:
-    assert attachment_tokens(img()) == IMAGE_TOKENS == 1_600
-    assert attachment_tokens(pdf(7)) == 7 * PDF_PAGE_TOKENS == 14_000
+    assert attachment_tokens(img()) == IMAGE_TOKENS == 3_870
+    assert attachment_tokens(pdf(7)) == 7 * PDF_PAGE_TOKENS == 48_090
     assert attachment_tokens(pdf(0)) == PDF_PAGE_TOKENS  # at least one page
     assert attachment_tokens(txt(3_001)) == 3_001  # a token a character
     assert attachment_tokens(txt(3_001), 1.3) == 3_902  # times the base factor, rounded up
     assert attachment_tokens(txt(3_001), 1.3, 2.0) == 7_803  # and the correction factor
     assert attachment_tokens(txt(0)) == 0
+
+
+def _openai_patches(w: int, h: int, multiplier: float) -> int:
+    """OpenAI's vision guide, patch models: 32 px patches, scaled down to at most 1,536."""
+    patches = math.ceil(w / 32) * math.ceil(h / 32)
+    if patches > 1_536:
+        shrink = math.sqrt(32 * 32 * 1_536 / (w * h))
+        w2, h2 = w * shrink, h * shrink
+        fit = min(math.floor(w2 / 32) / (w2 / 32), math.floor(h2 / 32) / (h2 / 32))
+        patches = math.ceil(w2 * fit / 32) * math.ceil(h2 * fit / 32)
+    return math.ceil(min(patches, 1_536) * multiplier)
+
+
+# The documented cost of one large image (hand-computed from each provider's docs).
+IMAGE_COSTS = {
+    "gpt-4.1-mini": max(_openai_patches(2048, 2048, 1.62), math.ceil(1_536 * 1.62)),
+    "o4-mini": max(_openai_patches(2048, 2048, 1.72), math.ceil(1_536 * 1.72)),
+    "gpt-5-nano": max(_openai_patches(2048, 2048, 2.46), math.ceil(1_536 * 2.46)),
+    "gpt-4o": 85 + 170 * 8,  # tiles: 768 x 2048 after scaling, 2 x 4 tiles of 512 px
+    "gemini-2.5-pro": 258 * math.ceil(3840 / 768) * math.ceil(2160 / 768),  # a 4K image
+    "claude-sonnet-4-5": math.ceil(1092 * 1092 / 750),  # Claude's largest unresized image
+}
+
+
+@pytest.mark.parametrize("model_id", sorted(IMAGE_COSTS))
+def test_an_image_is_estimated_at_no_less_than_its_documented_cost(model_id: str) -> None:
+    """An image was a flat 1,600 tokens, below gpt-5-nano's 3,779 and a 4K image's 3,870 on
+    Gemini 2.5 Pro."""
+    lp = f.loaded(f.inputs(model_profile=f.model(model_id)))
+
+    def estimate(*atts: Attachment) -> int:
+        u = UserMessageItem(id="u1", sequence=1, run_id="run-1", item_trust=TrustLevel.USER,
+                            text="Describe.", attachments=atts)
+        return f.run_build(lp, f.checkpoint([u])).estimated_input_tokens
+
+    assert estimate(img()) - estimate() >= IMAGE_COSTS[model_id]
 
 
 # The reviewer's text files: what the adapter inlines, counted by the oracle's tiktoken.
@@ -1017,7 +1053,7 @@ def test_attachments_are_counted_on_top_of_their_labels() -> None:
     [m] = [m for m in r.request.messages if m.row == 15]
     for a in atts:
         assert f"[attachment {a.kind.value}: {a.name}]" in m.text  # labels are in the text
-    assert r.body_tokens == recount(lp, r) + 1_600 + 6_000 + 1_170  # text: 900 x 1.3
+    assert r.body_tokens == recount(lp, r) + 3_870 + 3 * 6_870 + 1_170  # text: 900 x 1.3
 
 
 def test_attachment_content_is_capped_request_wide() -> None:

@@ -149,7 +149,7 @@ def test_an_older_attachment_costs_what_is_left_of_the_budget_when_a_newer_one_c
     def pdf(item_id: str, seq: int, run: str) -> ConversationItem:
         return replace(f.user(item_id, "see the file", seq, run=run), attachments=(
             Attachment(kind=AttachmentKind.PDF, name=f"{item_id}.pdf", ref=f"files/{item_id}",
-                       pages=30),))
+                       pages=8),))
 
     def answer(item_id: str, seq: int, run: str) -> ConversationItem:
         return AssistantMessageItem(id=item_id, sequence=seq, run_id=run,
@@ -170,19 +170,20 @@ def test_an_older_attachment_costs_what_is_left_of_the_budget_when_a_newer_one_c
 
 def test_the_newest_attachment_is_counted_whole_and_an_older_one_at_what_is_left() -> None:
     """``attachment_costs``: the request-wide budget (100,000 tokens) goes to the newest
-    attachment first; a 30-page PDF is 60,000 tokens, so of two the newer costs 60,000 and the
-    older the 40,000 left; a user message without one, or another item, costs nothing here."""
+    attachment first; an 8-page PDF is 54,960 tokens (6,870 a page), so of two the newer
+    costs 54,960 and the older the 45,040 left; a user message without one, or another item,
+    costs nothing here."""
     from context_engine.domain.builder import attachment_costs
 
     def pdf(item_id: str, seq: int) -> ConversationItem:
         return replace(f.user(item_id, "see the file", seq, run="run-1"), attachments=(
             Attachment(kind=AttachmentKind.PDF, name=f"{item_id}.pdf", ref=f"files/{item_id}",
-                       pages=30),))
+                       pages=8),))
 
     items = [pdf("u1", 1), f.user("u2", "no file", 2, run="run-1"), f.call("c3", 3, "k3"),
              f.result("r3", 4, "k3", "out"), pdf("u5", 5)]
-    assert attachment_costs(items) == {"u5": 60_000, "u1": 40_000}
-    assert attachment_costs(items[:2]) == {"u1": 60_000}
+    assert attachment_costs(items) == {"u5": 54_960, "u1": 45_040}
+    assert attachment_costs(items[:2]) == {"u1": 54_960}
     assert attachment_costs(items[1:4]) == {}
 
 

@@ -37,8 +37,17 @@ RESPONSE_NAME_TOKENS = 1
 
 
 # Attachments (ADR-0120): the adapter sends the file, so its estimate is added to its label.
-IMAGE_TOKENS = 1_600
-PDF_PAGE_TOKENS = 2_000
+# One image at the largest documented cost among the catalog's models (one figure for all):
+# Gemini 2.5's 258 per 768 px tile, 15 tiles for a 4K image (3,840 x 2,160): 3,870. It covers
+# OpenAI's patch models at their 1,536-patch cap (gpt-5-nano and gpt-4.1-nano x 2.46: 3,779;
+# o4-mini x 1.72: 2,642; gpt-5-mini and gpt-4.1-mini x 1.62: 2,489), its tile models (gpt-4o,
+# gpt-4.1: 85 + 8 tiles x 170 = 1,445) and Claude's ~1,600 (1.15 megapixels / 750). Not
+# gpt-4o-mini's, priced at 2,833 + 5,667 a tile (48,169 for 8 tiles), nor a Gemini image over
+# 4K (its tiles grow with the size).
+IMAGE_TOKENS = 3_870
+# A PDF page: its text, up to 3,000 tokens (Anthropic's PDF support page: 1,500-3,000 a page),
+# and the page as an image, which Claude and OpenAI both read beside the text.
+PDF_PAGE_TOKENS = 3_000 + IMAGE_TOKENS
 # A text file's inlined characters, each a token at least: CJK and Cyrillic text counts up to
 # 1.06 tokens a character in cl100k_base (0.68 in o200k_base), Georgian, Myanmar and Sinhala up
 # to 1.94, emoji up to 2.9, where English runs ~0.16; the plan's base factor then applies, as
