@@ -50,7 +50,10 @@ os.environ.setdefault("CE_DB_POOLER", "transaction")
 # No hypothesis example has a time limit (its default is 200 ms), nor is slow data generation
 # an error: how long a test takes is not what it checks, and the suite runs in parallel
 # processes on a busy machine. Performance is measured by `make bench`.
-settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomized, without an example database: every run and every machine draws the same
+# examples, so a failure comes back on a re-run
+settings.register_profile("suite", deadline=None, derandomize=True, database=None,
+                          suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("suite")
 # Server connections PgBouncer opens to PostgreSQL for the whole suite: few, so that clients'
 # transactions really share them.

@@ -24,7 +24,7 @@ from tests.property import strategies as S
 
 pytestmark = [pytest.mark.gate_region, pytest.mark.integration]
 
-GATE_SETTINGS = settings(max_examples=25, deadline=None,
+GATE_SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=None,
                          suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                 HealthCheck.too_slow,
                                                 HealthCheck.data_too_large])

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.gate_determinism
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HASH_SEEDS = ("0", "1", "12345")
 
-GATE_SETTINGS = settings(max_examples=60, deadline=None,
+GATE_SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                          suppress_health_check=[HealthCheck.too_slow,
                                                 HealthCheck.data_too_large])
 

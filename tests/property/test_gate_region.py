@@ -23,7 +23,7 @@ from tests.property import strategies as S
 
 pytestmark = pytest.mark.gate_region
 
-GATE_SETTINGS = settings(max_examples=60, deadline=None,
+GATE_SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                          suppress_health_check=[HealthCheck.too_slow,
                                                 HealthCheck.data_too_large])
 

@@ -876,6 +876,11 @@ def test_excerpts_cut_on_character_boundaries() -> None:
     tail = rest.split("...]\n", 1)[1]
     assert len(head.encode()) <= 666 and len(tail.encode()) <= 334
     assert content.startswith(head) and content.endswith(tail)
+    # the marker counts bytes, not characters: 27,000 bytes in 9,000 characters
+    whole = len(content.encode())
+    omitted = whole - len(head.encode()) - len(tail.encode())
+    assert whole == 27_000 and omitted >= 26_000
+    assert rest.startswith(f"{omitted:,} of {whole:,} bytes omitted; ")
 
 
 def test_results_within_the_inline_maximum_are_unchanged() -> None:
