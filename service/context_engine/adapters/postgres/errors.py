@@ -1,4 +1,5 @@
-"""Translate driver errors by class, never by message text, chaining the cause."""
+"""Translate driver errors by class (and SQLSTATE class), never by message text, chaining the
+cause."""
 
 from __future__ import annotations
 
@@ -10,26 +11,79 @@ import asyncpg
 
 from context_engine.domain.errors import StoreConflict, StoreUnavailable
 
-# Errors that mean "the database cannot be reached or went away", not "the query is wrong".
+
+class RefusedConnection(Exception):
+    """The server answered a new connection of the pool with an error (``pool.connect_refusing``
+    raises it): whatever its SQLSTATE, the database did not let this process in, so nothing was
+    read or written and a later call may get in. ``ObjectNotInPrerequisiteStateError`` (55000:
+    ``ALLOW_CONNECTIONS false``), ``InvalidCatalogNameError`` (3D000: the database was dropped)
+    or ``InsufficientPrivilegeError`` (42501: ``CONNECT`` revoked) mean a query is wrong after
+    the connection is made, but the database refusing entry before it."""
+
+    def __init__(self, cause: asyncpg.PostgresError) -> None:
+        super().__init__(f"{type(cause).__name__} (SQLSTATE {cause.sqlstate}) while connecting: "
+                         f"{cause}")
+        self.cause = cause
+
+
+# Errors that mean "the database cannot be reached or went away", not "the query is wrong",
+# whatever SQLSTATE they carry (if any).
 UNAVAILABLE: tuple[type[BaseException], ...] = (
     OSError,
     asyncio.TimeoutError,
+    asyncpg.InterfaceError,  # the driver's side of a connection lost or closed
+    RefusedConnection,  # any server error while connecting (acquiring from the pool)
     asyncpg.PostgresConnectionError,
     asyncpg.CannotConnectNowError,
-    asyncpg.InterfaceError,
     asyncpg.exceptions.AdminShutdownError,
     asyncpg.exceptions.CrashShutdownError,
     asyncpg.exceptions.TooManyConnectionsError,
 )
+
+# SQLSTATE classes that say the same of the database, not of the query, at any moment of a call.
+# By class, so that a code of the class asyncpg does not know (UnknownPostgresError) counts too.
+UNAVAILABLE_SQLSTATE_CLASSES = frozenset({
+    "08",  # connection exception: the connection failed or was refused
+    "28",  # invalid authorization specification: pg_hba.conf rejects us, the password or the
+           # role no longer works (only ever raised while connecting)
+    "53",  # insufficient resources: disk full, out of memory, too many connections
+    "57",  # operator intervention: a query cancelled, the server shutting down or crashed,
+           # starting up (cannot connect now), the database dropped, an idle session timed out
+})
+UNAVAILABLE_SQLSTATES = frozenset({
+    "25006",  # read_only_sql_transaction: a write reached a read-only server (a standby after a
+              # failover, default_transaction_read_only): the other class 25 codes are a
+              # transaction used wrongly (a defect), so only this one
+})
+
+
+def store_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` means the database is unavailable (the call changed nothing and may
+    succeed later), not that the call is wrong."""
+    if isinstance(exc, UNAVAILABLE):
+        return True
+    if isinstance(exc, asyncpg.PostgresError):
+        state = str(exc.sqlstate or "")
+        return state[:2] in UNAVAILABLE_SQLSTATE_CLASSES or state in UNAVAILABLE_SQLSTATES
+    return False
 
 
 @asynccontextmanager
 async def translated() -> AsyncIterator[None]:
     try:
         yield
-    except UNAVAILABLE as exc:
-        raise StoreUnavailable(f"database unavailable: {type(exc).__name__}") from exc
     except asyncpg.exceptions.TransactionRollbackError as exc:  # SQLSTATE class 40
         raise StoreConflict(f"the database rolled the transaction back "
                             f"({type(exc).__name__}, SQLSTATE {exc.sqlstate}) on a conflict "
                             "with a concurrent call: nothing changed; retry") from exc
+    except Exception as exc:
+        if not store_unavailable(exc):
+            raise
+        if isinstance(exc, RefusedConnection):
+            detail = (f"the server refused the connection ({type(exc.cause).__name__}, "
+                      f"SQLSTATE {exc.cause.sqlstate})")
+        elif isinstance(exc, asyncpg.PostgresError):
+            detail = f"{type(exc).__name__}, SQLSTATE {exc.sqlstate}"
+        else:
+            detail = type(exc).__name__
+        raise StoreUnavailable(f"database unavailable: {detail}") from exc

@@ -24,6 +24,7 @@ from typing import Any
 import asyncpg
 
 from context_engine.adapters.postgres import queries
+from context_engine.adapters.postgres.errors import RefusedConnection
 from context_engine.telemetry.logs import log
 
 # Arbitrary but fixed key of the advisory lock that serializes migrators.
@@ -179,6 +180,8 @@ async def connecting() -> AsyncIterator[None]:
         yield
     except (ValueError, asyncpg.ClientConfigurationError) as exc:  # the URL itself
         raise DatabaseUnreachable(exc, misconfigured=True) from exc
+    except RefusedConnection as exc:  # a pool's connection refused: the server's own answer
+        raise DatabaseUnreachable(exc.cause) from exc.cause
     except _CONNECT_FAILURES as exc:
         raise DatabaseUnreachable(exc) from exc
 

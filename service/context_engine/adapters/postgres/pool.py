@@ -32,6 +32,7 @@ from typing import Any
 
 import asyncpg
 
+from context_engine.adapters.postgres.errors import RefusedConnection
 from context_engine.config import Pooler
 
 
@@ -51,12 +52,25 @@ def connect_options(pooler: Pooler) -> dict[str, Any]:
     return {"connection_class": StatelessConnection}
 
 
+async def connect_refusing(*args: Any, **kwargs: Any) -> asyncpg.Connection:
+    """``asyncpg.connect`` for the pool: a server error while connecting (the database refuses
+    connections, pg_hba.conf rejects us, the database was dropped) is ``RefusedConnection``,
+    which the store answers as unavailable whatever its SQLSTATE (the same SQLSTATE after the
+    connection is made, 55000 say, is a wrong query)."""
+    try:
+        return await asyncpg.connect(*args, **kwargs)
+    except asyncpg.PostgresError as exc:
+        raise RefusedConnection(exc) from exc
+
+
 async def create_pool(dsn: str, *, pooler: Pooler, max_size: int,
                       timeout: float) -> asyncpg.Pool:
     """The serving process's pool: at most ``max_size`` connections, each database call and
-    each connection attempt bounded by ``timeout`` seconds."""
+    each connection attempt bounded by ``timeout`` seconds; a connection the server refuses is
+    ``RefusedConnection``."""
     return await asyncpg.create_pool(dsn, min_size=1, max_size=max_size, command_timeout=timeout,
-                                     timeout=timeout, **connect_options(pooler))
+                                     timeout=timeout, connect=connect_refusing,
+                                     **connect_options(pooler))
 
 
 async def connect(dsn: str, *, pooler: Pooler, **options: Any) -> asyncpg.Connection:
