@@ -142,12 +142,14 @@ def _unreachable(exc: DatabaseUnreachable, config: Config) -> str:
             f"(CE_DB_TIMEOUT_SECONDS={config.db_timeout_seconds:g} s to connect)")
 
 
-def _tenant_problem(tenant: str) -> str | None:
-    """What makes ``tenant`` no tenant id (hash-token and purge-tenant alike), by the rule
-    every request's tenant_id is held to: a token minted for another id could call nothing."""
-    from context_engine.domain.identifiers import identifier_problem
+def _tenant_problem(tenant: str, *, erasing: bool = False) -> str | None:
+    """What makes ``tenant`` no tenant id, by the rule every request's tenant_id is held to
+    (hash-token: a token minted for another id could call nothing), or, ``erasing``
+    (purge-tenant), by the earlier rule, so that a tenant stored under an id it accepted can
+    still be erased."""
+    from context_engine.domain.identifiers import erasable_identifier_problem, identifier_problem
 
-    problem = identifier_problem(tenant)
+    problem = (erasable_identifier_problem if erasing else identifier_problem)(tenant)
     return None if problem is None else f"--tenant-id {problem}"
 
 
@@ -407,7 +409,7 @@ def _purge_tenant(config: Config, args: argparse.Namespace) -> int:
     """Exit 0 purged (or nothing to purge), 1 not confirmed or the database unreachable,
     2 bad arguments."""
     tenant = args.tenant_id
-    problem = _tenant_problem(tenant)
+    problem = _tenant_problem(tenant, erasing=True)
     if problem is not None:
         print(f"{PROG}: {problem}", file=sys.stderr)
         return 2

@@ -551,3 +551,58 @@ def test_a_tool_the_plan_does_not_define_may_have_any_name_a_provider_takes(stub
     request.agent.enabled_tools.append("a__b")  # "a.b" is "a__b" too, and is never sent
     planned = stub.Plan(request).plan.tool_names
     assert long not in planned and "a.b" not in planned and "a__b" in planned
+
+
+# DEL, a C1 control (CSI), NEL, a line separator, a bidi override, a zero-width space, a tag
+# character: Unicode categories Cc, Cf, Zl, Zp, each breaking or reordering a line an id is
+# printed in
+HIDDEN = ["\x7f", "\x9b", "\x85", "\u2028", "\u202e", "\u200b", "\U000e0041"]
+
+
+@pytest.mark.parametrize("char", HIDDEN)
+def test_an_id_holding_a_control_format_or_separator_character_is_refused_everywhere(
+        stub, ids, db, char):
+    """identifier_problem refused only C0 controls: UpdateWorkingState took a run id Build
+    then refused, Plan a session id 'sess\\x7f\\u202eid', Rotate an idempotency key
+    'key\\u2028\\x9b'. Each is INVALID_ARGUMENT at its field now, and nothing is written."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    before = db.counts(tenant)
+    bad = f"x{char}y"
+    calls = {
+        "session_id": lambda: stub.Plan(plan_request(tenant, bad)),
+        "run_id": lambda: stub.UpdateWorkingState(pb.UpdateWorkingStateRequest(
+            tenant_id=tenant, session_id=session, run_id=bad, sequence=5,
+            transition=pb.WorkingStateTransition(update=pb.WorkingStateUpdate(
+                objective="x")))),
+        "idempotency_key": lambda: stub.Rotate(pb.RotateRequest(
+            tenant_id=tenant, session_id=session, reason=pb.ROTATION_REASON_OPERATOR,
+            idempotency_key=bad)),
+        "tenant_id": lambda: stub.GetPlan(pb.GetPlanRequest(tenant_id=bad,
+                                                            session_id=session)),
+    }
+    for field, call in calls.items():
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        f = failure(err.value)
+        assert f.code is grpc.StatusCode.INVALID_ARGUMENT and f.fields == (field,), (field, f)
+        assert "control, format or line-separator characters" in f.violations[field]
+    assert db.counts(tenant) == before
+
+
+def test_a_session_stored_under_an_id_the_earlier_rule_took_can_still_be_erased(stub, ids, db):
+    """The stricter rule only refuses new requests: DeleteSession keeps the earlier rule (C0
+    controls only), so a session stored under 'sess\\x7f\\u202eid' before is erased."""
+    tenant, _ = ids
+    legacy = "sess\x7f\u202eid"
+    db.fetch("INSERT INTO sessions (tenant_id, session_id, current_epoch, incarnation) "
+             "VALUES ($1, $2, 0, 1) RETURNING 1", tenant, legacy)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=legacy))
+    assert failure(err.value).code is grpc.StatusCode.INVALID_ARGUMENT
+    erased = stub.DeleteSession(pb.DeleteSessionRequest(tenant_id=tenant, session_id=legacy))
+    assert erased.deleted
+    assert db.val("SELECT count(*) FROM sessions WHERE tenant_id = $1", tenant) == 0
+    with pytest.raises(grpc.RpcError) as err:  # C0 controls were refused before as now
+        stub.DeleteSession(pb.DeleteSessionRequest(tenant_id=tenant, session_id="a\x1fb"))
+    assert failure(err.value).fields == ("session_id",)

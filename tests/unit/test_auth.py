@@ -380,8 +380,8 @@ def test_cli_hash_token_reads_stdin_and_mints_entries(monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize(("args", "said"), [
     (["--rpc", "Build"], "--rpc goes with --tenant-id"),
-    (["--tenant-id", " acme "], "--tenant-id must not contain control characters or surr"),
-    (["--tenant-id", "acme\t"], "--tenant-id must not contain control characters or surr"),
+    (["--tenant-id", " acme "], "--tenant-id must not contain control, format or line-sep"),
+    (["--tenant-id", "acme\t"], "--tenant-id must not contain control, format or line-sep"),
     # no request could name it: minted, the token could call nothing
     (["--tenant-id", "t" * 257], "--tenant-id is 257 characters; at most 256"),
     (["--tenant-id", "acme", "--rpc", "*", "--rpc", "Build"], "goes alone"),

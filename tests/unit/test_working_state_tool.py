@@ -278,8 +278,8 @@ def test_blank_missing_and_malformed_values_are_refused() -> None:
         f"{ARGS}.objective": "must not be blank",
         f"{ARGS}.add_constraints[0]": "String should have at least 1 character",
         f"{ARGS}.add_constraints[2]": "must not contain NUL characters",
-        f"{ARGS}.upsert_tasks[0].id": "must not contain control characters or surrounding "
-                                      "white space",
+        f"{ARGS}.upsert_tasks[0].id": "must not contain control, format or line-separator "
+                                      "characters or surrounding white space",
         f"{ARGS}.upsert_tasks[0].state": "Input should be 'open', 'in_progress', 'blocked' or "
                                          "'completed'",
         f"{ARGS}.upsert_tasks[1].state": "is required",

@@ -45,7 +45,11 @@ from context_engine.domain.compaction import (
 from context_engine.domain.envelope import plain_name
 from context_engine.domain.errors import FieldViolation, InvalidInput
 from context_engine.domain.estimator import ModelCatalog
-from context_engine.domain.identifiers import MAX_ID_LENGTH, identifier_problem
+from context_engine.domain.identifiers import (
+    MAX_ID_LENGTH,
+    erasable_identifier_problem,
+    identifier_problem,
+)
 from context_engine.domain.items import (
     ONE_LINE_RULE,
     AssistantMessageItem,
@@ -1321,8 +1325,13 @@ def compact_pb(outcome: CompactOutcome) -> pb.CompactResponse:
 
 
 def delete_session_ids(req: pb.DeleteSessionRequest) -> tuple[str, str]:
+    """The ids are held to the earlier rule (``erasable_identifier_problem``): a session stored
+    under an id a release before this one accepted can still be erased."""
     v = Violations()
-    session_ids(v, req.tenant_id, req.session_id)
+    for field, value in (("tenant_id", req.tenant_id), ("session_id", req.session_id)):
+        problem = erasable_identifier_problem(value)
+        if problem is not None:
+            v.add(field, problem)
     v.raise_if_any()
     return req.tenant_id, req.session_id
 

@@ -33,6 +33,7 @@ from context_engine.domain.errors import (
     FieldViolation,
     InvalidInput,
 )
+from context_engine.domain.identifiers import ID_CHARACTERS_RULE, bad_id_characters
 from context_engine.domain.items import WorkingFact, WorkingTask
 from context_engine.domain.providers import provider_tool_name
 from context_engine.domain.trust import TrustLevel, lowest
@@ -74,8 +75,9 @@ def _text(value: str) -> str:
 
 
 def _identifier(value: str) -> str:
-    if value != value.strip() or any(ord(c) < 32 for c in value):
-        raise ValueError("must not contain control characters or surrounding white space")
+    """The rule of every id (``identifier_problem``); the length is the field's own."""
+    if bad_id_characters(value):
+        raise ValueError(ID_CHARACTERS_RULE)
     return value
 
 
