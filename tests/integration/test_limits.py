@@ -69,6 +69,38 @@ def test_too_many_items_is_resource_exhausted_and_writes_nothing(limited_stub, i
     assert limited_stub.Build(build_request(tenant, session, items=many_items(50))).request
 
 
+def test_a_repeated_field_inside_an_element_is_held_to_the_item_limit(limited_stub, ids, db):
+    """The limit held only for repeated fields reached through singular messages: 100,001
+    calls in one checkpoint item were taken, and a Plan with a tool of 1,000,000 required
+    scopes stored a 20 MB plans row."""
+    tenant, session = ids
+    limited_stub.Plan(plan_request(tenant, session))
+    before = db.counts(tenant)
+    items = many_items(3)
+    items[2] = item("c1", 3, tool_calls=pb.ToolCalls(calls=[
+        pb.ToolCall(call_id=f"k{i}", name="web.fetch", arguments_json="{}")
+        for i in range(51)]))
+    with pytest.raises(grpc.RpcError) as info:
+        limited_stub.Build(build_request(tenant, session, items=items))
+    f = failure(info.value)
+    assert f.code is grpc.StatusCode.RESOURCE_EXHAUSTED and f.reason == "TOO_MANY_ITEMS"
+    assert f.metadata == {"field": "checkpoint.items[2].tool_calls.calls", "size": "51",
+                          "limit": "50"}
+    plan = plan_request(tenant, "scopes")
+    del plan.tool_catalog[0].required_scopes[:]
+    plan.tool_catalog[0].required_scopes.extend(f"s{i}" for i in range(51))
+    with pytest.raises(grpc.RpcError) as info:
+        limited_stub.Plan(plan)
+    f = failure(info.value)
+    assert f.code is grpc.StatusCode.RESOURCE_EXHAUSTED and f.reason == "TOO_MANY_ITEMS"
+    assert f.metadata == {"field": "tool_catalog[0].required_scopes", "size": "51",
+                          "limit": "50"}
+    assert db.counts(tenant) == before
+    # at the limit the request is not refused for its size
+    del plan.tool_catalog[0].required_scopes[50:]
+    assert limited_stub.Plan(plan).created
+
+
 def test_a_response_over_the_send_limit_is_resource_exhausted_with_its_size(limited_stub, ids):
     """A Build whose response (the request, and a provider body repeating it) is over
     CE_MAX_SEND_BYTES is answered RESPONSE_TOO_LARGE with its size and the limit, not gRPC's bare

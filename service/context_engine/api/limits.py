@@ -3,9 +3,11 @@
 * Concurrency: at most ``max_concurrent`` ContextEngine RPCs run in one process; the next one is
   answered ``RESOURCE_EXHAUSTED`` (reason ``TOO_MANY_CONCURRENT_RPCS``) at once instead of
   queueing without bound, so a client's retry or another replica takes it.
-* Shape: no repeated field of a request (at the top level or inside its singular messages, e.g.
-  ``checkpoint.items``) may hold more than ``max_items`` elements, and no element of one may
-  serialize to more than ``max_item_bytes`` (reasons ``TOO_MANY_ITEMS``, ``ITEM_TOO_LARGE``).
+* Shape: no repeated field of a request (at the top level, inside its singular messages, e.g.
+  ``checkpoint.items``, or inside an element of a repeated one, e.g.
+  ``checkpoint.items[3].tool_calls.calls``) may hold more than ``max_items`` elements, and no
+  element of one may serialize to more than ``max_item_bytes`` (reasons ``TOO_MANY_ITEMS``,
+  ``ITEM_TOO_LARGE``).
   An incremental Build's checkpoint counts its base's kept items too, and its items are named
   by their place in the whole checkpoint: it is refused exactly when the same Build sent whole
   would be. Items that cannot be placed so are not judged here, for the servicer refuses their
@@ -37,7 +39,10 @@ from context_engine.api.status import refuse
 from context_engine.telemetry.metrics import Metrics
 
 SERVICE_PREFIX = "/context_engine.v1.ContextEngine/"
-_MAX_DEPTH = 3  # PlanRequest.memory_snapshot.items, BuildRequest.checkpoint.items, ...
+# how deep messages are searched: the deepest repeated field of a request is
+# CarryWorkingStateRequest.events[i].transition.update.add_facts[j].source_event_ids, four
+# messages below the request (tests/unit/test_limits_nested.py checks each is within reach)
+_MAX_DEPTH = 4
 BUILD_REQUEST = "context_engine.v1.BuildRequest"
 
 
@@ -113,6 +118,17 @@ def shape_violation(message: Message, limits: Limits, path: str = "",
                     if size > limits.max_item_bytes:
                         return Violation("ITEM_TOO_LARGE", f"{name}[{index}]", size,
                                          limits.max_item_bytes)
+                    # The repeated fields inside an element (checkpoint.items[i].tool_calls
+                    # .calls, tool_catalog[i].required_scopes) are held to the same limits.
+                    # Each of their elements takes at least one byte on the wire, so an
+                    # element of at most max_items bytes cannot hold a field over the limit:
+                    # only larger ones are searched, which keeps the common request's cost
+                    # at the size already measured.
+                    if size > limits.max_items and depth < _MAX_DEPTH:
+                        found = shape_violation(element, limits, f"{name}[{index}].",
+                                                depth + 1, ahead)
+                        if found is not None:
+                            return found
             elif field.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES):
                 for index, element in enumerate(value, first):
                     size = len(element.encode()) if isinstance(element, str) else len(element)
