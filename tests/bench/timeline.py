@@ -5,8 +5,9 @@ sizes.
 
 ``make bench --profile`` (cProfile) names every function but inflates the small ones it calls
 many times; this wraps only the phases below, a clock read at each end, so the figures are the
-ones the served path takes. Phases overlap where the Build waits: the pressure event is written
-(``Engine._record``) while the request is assembled and its response made. Not part of
+ones the served path takes. Phases overlap where the Build waits: the plan is read while the
+checkpoint is mapped and scanned; the pressure event (``Engine._record``) is written once the
+response is made. Not part of
 ``make bench``: ``.venv/bin/python -m tests.bench.timeline [--sizes 200,3000] [--rounds 40]``.
 """
 
