@@ -1234,3 +1234,35 @@ def test_bedrock_body_is_ready_for_boto3_with_blobs_as_bytes():
     block = ready["messages"][1]["content"][0]
     assert block == {"reasoningContent": {"redactedContent": blob}}
     assert ready["messages"][0] == body["messages"][0]
+
+
+def test_bedrock_body_decodes_no_redacted_content_but_a_reasoning_blob():
+    """Only ``messages[*].content[*].reasoningContent.redactedContent`` is a blob: a key of that
+    name in a tool call's input (the model's arguments) or in a tool's schema is text, kept as
+    it is, whether or not it reads as base64."""
+    from context_engine_client import bedrock_converse_body
+
+    blob = b"\x00redacted\xff"
+    schema = {"type": "object", "properties": {"redactedContent": {"type": "string"}},
+              "examples": [{"redactedContent": "abcd"}, {"redactedContent": "Name: Jane"}]}
+    body = {"modelId": "anthropic.claude-sonnet-4-5", "messages": [
+        {"role": "user", "content": [{"text": "Redact it."}]},
+        {"role": "assistant", "content": [
+            {"reasoningContent": {"redactedContent": base64.b64encode(blob).decode()}},
+            {"toolUse": {"toolUseId": "k1", "name": "redact",
+                         "input": {"redactedContent": "Name: Jane Doe"}}},
+            {"toolUse": {"toolUseId": "k2", "name": "redact",
+                         "input": {"redactedContent": "abcd",
+                                   "nested": [{"redactedContent": "cmVkYWN0ZWQ="}]}}}]},
+        {"role": "user", "content": [
+            {"toolResult": {"toolUseId": "k1", "content": [{"json": {"redactedContent": "abcd"}}]}},
+            {"toolResult": {"toolUseId": "k2", "content": [{"text": "done"}]}}]}],
+        "toolConfig": {"tools": [{"toolSpec": {"name": "redact",
+                                               "inputSchema": {"json": schema}}}]}}
+    text = json.dumps(body)
+    response = pb.BuildResponse(provider_body_json=text,
+                                provider_format=pb.PROVIDER_FORMAT_BEDROCK_CONVERSE)
+    ready = bedrock_converse_body(response)
+    expected = json.loads(text)  # what JSON holds, with only the reasoning blob as bytes
+    expected["messages"][1]["content"][0]["reasoningContent"]["redactedContent"] = blob
+    assert ready == expected

@@ -439,17 +439,15 @@ def _through_botocore(body: dict[str, Any]) -> None:
 
 def with_blobs_as_bytes(body: dict[str, Any]) -> dict[str, Any]:
     """What a boto3 caller does with the JSON body: a Converse blob (a replayed
-    ``redactedContent``) travels as base64 text, which botocore would encode again; decoded to
-    bytes, botocore sends the same base64 back."""
-    def walk(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: (base64.b64decode(v, validate=True)
-                        if k == "redactedContent" and isinstance(v, str) else walk(v))
-                    for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v) for v in value]
-        return value
-    result: dict[str, Any] = walk(body)
+    ``redactedContent`` of a reasoning block, the body's one blob) travels as base64 text, which
+    botocore would encode again; decoded to bytes, botocore sends the same base64 back."""
+    result: dict[str, Any] = json.loads(json.dumps(body))  # a deep copy
+    for message in result.get("messages", []):
+        for block in message.get("content", []):
+            reasoning = block.get("reasoningContent")
+            if isinstance(reasoning, dict) and isinstance(reasoning.get("redactedContent"), str):
+                reasoning["redactedContent"] = base64.b64decode(reasoning["redactedContent"],
+                                                                validate=True)
     return result
 
 

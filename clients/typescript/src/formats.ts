@@ -249,26 +249,39 @@ export function geminiBody(response: BodyCarrier): GeminiGenerateContentBody {
   return bodyOf(response, ProviderFormat.PROVIDER_FORMAT_GEMINI_GENERATE_CONTENT);
 }
 
-/** The response's Bedrock Converse body; `ProviderBodyError` for another format. */
+/**
+ * The response's Bedrock Converse body, ready for the AWS SDK: a replayed `redactedContent`
+ * blob (`messages[*].content[*].reasoningContent`) is decoded to bytes, and nothing else is;
+ * `ProviderBodyError` for another format.
+ */
 export function bedrockConverseBody(response: BodyCarrier): BedrockConverseBody {
   // A replayed `redactedContent` blob travels in the JSON body as base64 text; the AWS SDKs
   // take bytes and encode blobs themselves, so it is decoded here.
   return blobsAsBytes(bodyOf(response, ProviderFormat.PROVIDER_FORMAT_BEDROCK_CONVERSE));
 }
 
-function blobsAsBytes<T>(value: T): T {
-  if (Array.isArray(value)) {
-    return value.map((v) => blobsAsBytes(v)) as unknown as T;
+/**
+ * The body (parsed just now, so changed in place) with each reasoning block's
+ * `redactedContent` decoded: the one blob of a Converse body. A key of that name anywhere else
+ * (a tool call's input, a tool's schema) is the model's or the caller's text and stays so.
+ * In place, not copied: every other key, "__proto__" too, stays as JSON.parse made it.
+ */
+function blobsAsBytes<T extends object>(body: T): T {
+  const messages = (body as { messages?: unknown }).messages;
+  for (const message of Array.isArray(messages) ? messages : []) {
+    const content = isObject(message) ? message.content : undefined;
+    for (const block of Array.isArray(content) ? content : []) {
+      const reasoning = isObject(block) ? block.reasoningContent : undefined;
+      if (isObject(reasoning) && typeof reasoning.redactedContent === "string") {
+        reasoning.redactedContent = new Uint8Array(Buffer.from(reasoning.redactedContent, "base64"));
+      }
+    }
   }
-  if (value !== null && typeof value === "object" && !(value instanceof Uint8Array)) {
-    // entries, not assignments: a "__proto__" key (a tool's argument may be named so) stays a
-    // key of its own, as JSON.parse made it, instead of setting the copy's prototype
-    return Object.fromEntries(Object.entries(value as Record<string, unknown>).map(
-      ([key, v]) => [key, key === "redactedContent" && typeof v === "string"
-        ? new Uint8Array(Buffer.from(v, "base64"))
-        : blobsAsBytes(v)])) as T;
-  }
-  return value;
+  return body;
+}
+
+function isObject(value: unknown): value is Record<string, unknown> {
+  return value !== null && typeof value === "object" && !Array.isArray(value);
 }
 
 /**

@@ -185,6 +185,51 @@ test("bedrockConverseBody gives a replayed redactedContent blob as bytes, ready 
   assert.deepEqual(ready.messages[0], body.messages[0]);
 });
 
+test("bedrockConverseBody decodes no redactedContent but a reasoning block's blob", () => {
+  // a key of that name in a tool call's input (the model's arguments) or in a tool's schema is
+  // text, kept as it is whether or not it reads as base64
+  const blob = Buffer.from([0, 1, 255, 7]);
+  const schema = {
+    type: "object", properties: { redactedContent: { type: "string" } },
+    examples: [{ redactedContent: "abcd" }, { redactedContent: "Name: Jane" }],
+  };
+  const body = {
+    modelId: "anthropic.claude-sonnet-4-5",
+    messages: [
+      { role: "user", content: [{ text: "Redact it." }] },
+      {
+        role: "assistant", content: [
+          { reasoningContent: { redactedContent: blob.toString("base64") } },
+          { toolUse: { toolUseId: "k1", name: "redact", input: { redactedContent: "Name: Jane Doe" } } },
+          {
+            toolUse: {
+              toolUseId: "k2", name: "redact",
+              input: { redactedContent: "abcd", nested: [{ redactedContent: "cmVkYWN0ZWQ=" }] },
+            },
+          },
+        ],
+      },
+      {
+        role: "user", content: [
+          { toolResult: { toolUseId: "k1", content: [{ json: { redactedContent: "abcd" } }] } },
+          { toolResult: { toolUseId: "k2", content: [{ text: "done" }] } },
+        ],
+      },
+    ],
+    toolConfig: { tools: [{ toolSpec: { name: "redact", inputSchema: { json: schema } } }] },
+  };
+  const text = JSON.stringify(body);
+  const ready = bedrockConverseBody({
+    providerBodyJson: text, providerFormat: "PROVIDER_FORMAT_BEDROCK_CONVERSE",
+  } as never) as unknown as { messages: { content: Record<string, unknown>[] }[] };
+  const block = ready.messages[1].content[0] as { reasoningContent: { redactedContent: unknown } };
+  assert.ok(block.reasoningContent.redactedContent instanceof Uint8Array);
+  assert.deepEqual(Array.from(block.reasoningContent.redactedContent as Uint8Array), [0, 1, 255, 7]);
+  // everything else is what JSON holds: the blob put back as its text, the bodies are equal
+  block.reasoningContent.redactedContent = blob.toString("base64");
+  assert.deepStrictEqual(ready, JSON.parse(text));
+});
+
 test("bedrockConverseBody keeps a \"__proto__\" key of a tool's input as a key of its own", () => {
   // a copy by assignment set the copy's prototype instead: the key vanished from the body, and
   // an object under it became readable through inheritance

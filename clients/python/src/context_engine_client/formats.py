@@ -238,20 +238,27 @@ def gemini_body(response: pb.BuildResponse) -> GeminiGenerateContentBody:
 
 def bedrock_converse_body(response: pb.BuildResponse) -> BedrockConverseBody:
     """The response's Bedrock Converse body, ready for boto3's ``converse(**body)``:
-    a replayed ``redactedContent`` blob, which the JSON body carries as base64 text, is decoded
-    to bytes (botocore encodes blobs itself); :class:`ProviderBodyError` for another format."""
+    a replayed ``redactedContent`` blob (``messages[*].content[*].reasoningContent``), which the
+    JSON body carries as base64 text, is decoded to bytes (botocore encodes blobs itself);
+    nothing else is, so a tool's arguments or schema with a key of that name stay as they are.
+    :class:`ProviderBodyError` for another format."""
     body = _body_of(response, pb.PROVIDER_FORMAT_BEDROCK_CONVERSE)
     return cast(BedrockConverseBody, _blobs_as_bytes(body))
 
 
-def _blobs_as_bytes(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: (base64.b64decode(v, validate=True)
-                    if k == "redactedContent" and isinstance(v, str) else _blobs_as_bytes(v))
-                for k, v in value.items()}
-    if isinstance(value, list):
-        return [_blobs_as_bytes(v) for v in value]
-    return value
+def _blobs_as_bytes(body: JSONObject) -> JSONObject:
+    """The body (parsed just now, so changed in place) with each reasoning block's
+    ``redactedContent`` decoded: the one blob of a Converse body. A key of that name anywhere
+    else (a tool call's input, a tool's schema) is the model's or the caller's text."""
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for block in content if isinstance(content, list) else ():
+            reasoning = block.get("reasoningContent") if isinstance(block, dict) else None
+            if isinstance(reasoning, dict) and isinstance(reasoning.get("redactedContent"), str):
+                reasoning["redactedContent"] = base64.b64decode(reasoning["redactedContent"],
+                                                                validate=True)
+    return body
 
 
 @dataclass(frozen=True, kw_only=True)
