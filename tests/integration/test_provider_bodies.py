@@ -896,6 +896,19 @@ REPLAYS = {
                                            {"reasoningContent": {"thinking": "x"}}, False),
     "anthropic block that is not thinking": (pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES, "anthropic",
                                              {"type": "text", "text": "x"}, False),
+    "anthropic thinking": (pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES, "anthropic",
+                           {"type": "thinking", "thinking": "Both pages.", "signature": "c2ln"},
+                           True),
+    "anthropic redacted thinking": (pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES, "anthropic",
+                                    {"type": "redacted_thinking", "data": "cmVkYWN0ZWQ="}, True),
+    # Anthropic refuses cache_control on a thinking block, and any key it never returns
+    "anthropic thinking with cache_control": (
+        pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES, "anthropic",
+        {"type": "thinking", "thinking": "x", "signature": "c2ln",
+         "cache_control": {"type": "ephemeral"}}, False),
+    "anthropic redacted thinking with a key of its own": (
+        pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES, "anthropic",
+        {"type": "redacted_thinking", "data": "cmVkYWN0ZWQ=", "note": "x"}, False),
     "openai item that is not reasoning": (pb.PROVIDER_FORMAT_OPENAI_RESPONSES, "openai",
                                           {"type": "message", "content": []}, False),
 }
@@ -904,8 +917,9 @@ REPLAYS = {
 @pytest.mark.parametrize("case", list(REPLAYS))
 def test_replayed_reasoning_reaches_its_sdk_as_the_model_gave_it(stub, ids, case):
     """A reasoning item of the format's own provider goes back before the calls it led to.
-    Build either refuses a payload the provider would refuse (INVALID_ARGUMENT naming the
-    format) or sends a body whose SDK sends the payload's bytes unchanged: a Gemini thought
+    Build refuses a payload the provider would refuse (INVALID_ARGUMENT naming the format and
+    the item's field), and sends any other in a body whose SDK sends the payload's bytes
+    unchanged (an SDK passes a key it does not know, so a refusal is Build's): a Gemini thought
     signature is base64 bytes, a Bedrock ``redactedContent`` a blob that boto3 encodes
     itself."""
     fmt, provider, payload, valid = REPLAYS[case]
@@ -932,11 +946,15 @@ def test_replayed_reasoning_reaches_its_sdk_as_the_model_gave_it(stub, ids, case
         # the item's own field, at its position in the checkpoint
         assert list(f.violations) == ["checkpoint.items[1].reasoning.opaque"], f.violations
         return
+    assert valid, f"{case}: rendered, but the provider would refuse it"
     body = json.loads(resp.provider_body_json)
-    if valid and name == "bedrock_converse":  # verbatim, ahead of the calls it led to
+    if name == "bedrock_converse":  # verbatim, ahead of the calls it led to
         turn = next(m["content"] for m in body["messages"] if m["role"] == "assistant")
         assert turn[0] == payload and "toolUse" in turn[1], turn
-    elif valid:  # the signature goes back on the first call it led to
+    elif name == "anthropic_messages":  # verbatim, ahead of the calls it led to
+        turn = next(m["content"] for m in body["messages"] if m["role"] == "assistant")
+        assert turn[0] == payload and turn[1]["type"] == "tool_use", turn
+    else:  # the signature goes back on the first call it led to
         turn = next(c["parts"] for c in body["contents"] if c["role"] == "model")
         assert turn[0]["thoughtSignature"] == payload["thoughtSignature"], turn
         assert "functionCall" in turn[0] and "thoughtSignature" not in turn[1], turn

@@ -181,6 +181,16 @@ def test_reasoning_of_an_earlier_run_reaches_neither_provider() -> None:
     ("anthropic", b"\xff not json"),
     ("anthropic", b'["thinking"]'),
     ("anthropic", json.dumps({"type": "tool_use", "id": "x", "name": "n", "input": {}}).encode()),
+    # a key Anthropic never returns on a thinking block: cache_control, which it refuses there
+    # (and the body's own rules too), or any other, and a field that is missing or no string
+    ("anthropic", json.dumps({**THINKING, "cache_control": {"type": "ephemeral"}}).encode()),
+    ("anthropic", json.dumps({**THINKING, "cache_control": {"type": "ephemeral",
+                                                            "ttl": "1h"}}).encode()),
+    ("anthropic", json.dumps({"type": "redacted_thinking", "data": "ZGF0YQ==",
+                              "cache_control": {"type": "ephemeral"}}).encode()),
+    ("anthropic", json.dumps({**THINKING, "citations": []}).encode()),
+    ("anthropic", json.dumps({"type": "thinking", "thinking": "x"}).encode()),
+    ("anthropic", json.dumps({"type": "redacted_thinking", "data": 7}).encode()),
     ("openai", json.dumps({"type": "function_call", "call_id": "x"}).encode()),
 ])
 def test_an_unreplayable_reasoning_payload_is_a_clear_error(provider: str,
@@ -195,6 +205,21 @@ def test_an_unreplayable_reasoning_payload_is_a_clear_error(provider: str,
     assert "'th1'" in str(err.value) and "cannot be replayed" in str(err.value)
     assert isinstance(err.value, InvalidInput)
     assert err.value.metadata()["provider_format"] == fmt
+    # the item's own field, once the servicer knows its position
+    located = err.value.located({"u1": 0, "th1": 1, "c1": 2, "r1": 3})
+    assert [v.field for v in located.violations] == ["checkpoint.items[1].reasoning.opaque"]
+
+
+@pytest.mark.parametrize("payload", [
+    THINKING, {"type": "redacted_thinking", "data": "cmVkYWN0ZWQ="},
+])
+def test_an_anthropic_thinking_block_as_the_api_returned_it_is_replayed(
+        payload: dict[str, Any]) -> None:
+    items: list[ConversationItem] = [f.user("u1", "Go.", 1),
+                                     reasoning("th1", 2, "anthropic", payload),
+                                     f.call("c1", 3, "k1"), f.result("r1", 4, "k1", "ok")]
+    body = p.anthropic_messages(built(items))
+    assert body["messages"][1]["content"][0] == payload
 
 
 def test_a_history_that_opens_with_the_models_turn_gets_a_leading_user_turn() -> None:

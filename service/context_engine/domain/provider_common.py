@@ -10,7 +10,7 @@ Format-neutral code only: a helper that grows ``if fmt == ...`` belongs in its f
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,14 +133,31 @@ def check_call_ids(result: BuildResult, provider_format: str, *, limit: int,
             for c in bad])
 
 
-def reasoning_payload(m: Message, provider_format: str, types: frozenset[str]) -> JSON:
+def reasoning_payload(m: Message, provider_format: str,
+                      types: Collection[str] | Mapping[str, Collection[str]]) -> JSON:
     """A reasoning item's opaque payload: the provider's own JSON object, replayed verbatim.
-    Only reasoning types pass: a reasoning item never smuggles in a call or a message."""
+    Only reasoning types pass: a reasoning item never smuggles in a call or a message.
+    ``types``: the types that pass, or each type's fields, checked key by key: every field is
+    there and a string, and no other key is (``cache_control`` or any key the provider never
+    returns would reach the provider as it is, or break the body's own rules)."""
     value = reasoning_object(m)
-    if value is None or value.get("type") not in types:
-        raise unreplayable(m, provider_format,
-                           f"a JSON object of type {' or '.join(sorted(types))}")
+    kind = None if value is None else value.get("type")
+    if value is None or not isinstance(kind, str) or kind not in types or (
+            isinstance(types, Mapping) and not _fields_are(value, types[kind])):
+        raise unreplayable(m, provider_format, _expected(types))
     return value
+
+
+def _fields_are(value: JSON, fields: Collection[str]) -> bool:
+    return set(value) == {"type", *fields} and all(isinstance(value[f], str) for f in fields)
+
+
+def _expected(types: Collection[str] | Mapping[str, Collection[str]]) -> str:
+    if not isinstance(types, Mapping):
+        return f"a JSON object of type {' or '.join(sorted(types))}"
+    return "a JSON object " + " or ".join(
+        "{" + ", ".join([f'"type": "{t}"', *(f'"{f}": "..."' for f in types[t])]) + "}"
+        for t in sorted(types)) + " with no other key"
 
 
 def reasoning_object(m: Message) -> JSON | None:

@@ -95,7 +95,9 @@ from context_engine.domain.provider_gemini import validate_gemini as validate_ge
 from context_engine.domain.request import Role
 
 UNCACHEABLE_BLOCKS = frozenset({"thinking", "redacted_thinking"})
-ANTHROPIC_REASONING = UNCACHEABLE_BLOCKS  # what an Anthropic reasoning item may replay
+# What an Anthropic reasoning item may replay: a thinking or redacted_thinking block as the API
+# returned it, field by field (no cache_control, which Anthropic refuses on a thinking block).
+ANTHROPIC_REASONING = {"thinking": ("thinking", "signature"), "redacted_thinking": ("data",)}
 OPENAI_REASONING = frozenset({"reasoning"})
 OPENAI_INCLUDE = ("reasoning.encrypted_content",)
 # The OpenAI models that reason: the o-series and gpt-5, but gpt-5-chat. OpenAI refuses a
