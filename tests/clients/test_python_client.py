@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import math
 import re
@@ -1168,7 +1169,8 @@ def test_every_format_comes_back_typed_from_the_real_server(server, ids, name):
             gemini_cached_content(built)
         return
     cached = gemini_cached_content(built)
-    assert cached.display_name == f"ce-{built.prefix_sha256[:16]}-e{built.epoch}"
+    tag = hashlib.sha256(f"{built.session_key}:{built.prefix_sha256}".encode()).hexdigest()
+    assert cached.display_name == f"ce-{tag[:16]}-e{built.epoch}"
     assert re.fullmatch(r"\d+s", cached.ttl), cached.ttl
     assert cached.holds and set(cached.holds) <= {"systemInstruction", "tools", "toolConfig"}
     assert cached.create_body["displayName"] == cached.display_name

@@ -216,7 +216,9 @@ def test_node_suite_and_prefix_hashes_match_python(node: str, server: ServerThre
             provider_format=pb.ProviderFormat.Value(entry["providerFormat"])), timeout=30)
         assert sorted(json.loads(from_python.provider_body_json)) == entry["keys"], name
     cached = formats["gemini_generate_content"]["cachedContent"]
-    assert re.fullmatch(r"ce-[0-9a-f]{16}-e1", cached["displayName"]), cached
+    # the session's own name (session key, prefix, epoch), as the README gives it
+    tag = hashlib.sha256(f"{cached['sessionKey']}:{cached['prefixSha256']}".encode()).hexdigest()
+    assert cached["displayName"] == f"ce-{tag[:16]}-e1", cached
     assert {"model", "displayName", "ttl"} <= set(cached["createKeys"])
     assert set(cached["holds"]) <= set(cached["createKeys"])
 

@@ -37,6 +37,7 @@ another model rotates exactly once (epoch 2, model_changed). Every figure is pri
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ from typing import Any
 
 import grpc
 import pytest
+from context_engine.domain.canonical import session_key
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
@@ -208,7 +210,8 @@ def test_fifty_turns_keep_one_prefix_and_a_warm_cache(clocked_stub, session_cloc
              for b in gemini if b.gemini}
     assert len(specs) == 1, len(specs)  # one cached content per epoch, byte-identical
     ((display_name, ttl, create_json),) = specs
-    assert display_name == f"ce-{records[0].prefix_sha256[:16]}-e1" and ttl == "300s"
+    tag = hashlib.sha256(f"{session_key(tenant, session)}:{records[0].prefix_sha256}".encode())
+    assert display_name == f"ce-{tag.hexdigest()[:16]}-e1" and ttl == "300s"  # the session's
     create = json.loads(create_json)
     holds = [k for k in GEMINI_HELD_FIELDS if k in create]
     assert holds and all(list(b.gemini["holds"]) == holds for b in gemini if b.gemini)

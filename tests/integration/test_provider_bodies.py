@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import collections.abc
+import hashlib
 import json
 import re
 import types
@@ -751,7 +752,9 @@ def check_gemini_cached_content(resp: pb.BuildResponse, body: dict[str, Any]) ->
     cached = resp.gemini_cached_content
     create = json.loads(cached.create_body_json)
     cached_body = json.loads(cached.cached_body_json)
-    epoch_tag = f"ce-{resp.prefix_sha256[:16]}-e{resp.epoch}"
+    # the session's own: derived from the session key, the prefix and the epoch
+    tag = hashlib.sha256(f"{resp.session_key}:{resp.prefix_sha256}".encode()).hexdigest()[:16]
+    epoch_tag = f"ce-{tag}-e{resp.epoch}"
     assert cached.display_name == epoch_tag == create["displayName"]
     assert re.fullmatch(r"[0-9]+s", cached.ttl) and create["ttl"] == cached.ttl
     assert set(cached.holds) <= GEMINI_CACHE_EXCLUSIVE | {"contents"}

@@ -5,6 +5,7 @@ when none is asked (UNSPECIFIED), none for NONE or a model the catalog gives no 
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -108,7 +109,8 @@ def test_a_gemini_body_comes_with_its_cached_content() -> None:
     out = mapping.build_pb(r, p.GEMINI_GENERATE_CONTENT)
     body = json.loads(out.provider_body_json)
     cached = out.gemini_cached_content
-    assert cached.display_name == f"ce-{r.prefix_sha256[:16]}-e{r.epoch}"
+    tag = hashlib.sha256(f"{r.session_key}:{r.prefix_sha256}".encode()).hexdigest()[:16]
+    assert cached.display_name == f"ce-{tag}-e{r.epoch}"
     assert cached.ttl == "300s"
     assert list(cached.holds) == ["systemInstruction", "tools"]
     assert cached.min_cacheable_tokens == 1_024  # the catalog's, for 2.5 Flash

@@ -7,6 +7,7 @@ client on a mock transport; nothing leaves the process)."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import re
 from dataclasses import replace
@@ -30,6 +31,7 @@ from tests import factories as f
 from tests.support import tool_schemas
 from tests.unit.test_interleaved_provider_bodies import interleaved
 from tests.unit.test_providers import (
+    CATALOG,
     OPENAI_REASONING,
     THINKING,
     assistant,
@@ -282,12 +284,48 @@ def test_an_unreplayable_thought_signature_is_a_clear_error(payload: bytes) -> N
 
 # ----------------------------------------------------------------------------- cached content
 
+def display_name(session_key: str, prefix_sha256: str, epoch: int) -> str:
+    """The README's form: ``ce-<first 16 hex of SHA-256 of "<session_key>:<prefix_sha256>">
+    -e<epoch>``."""
+    tag = hashlib.sha256(f"{session_key}:{prefix_sha256}".encode()).hexdigest()[:16]
+    return f"ce-{tag}-e{epoch}"
+
+
+def cached_name(tenant_id: str, session_id: str, model_id: str = MODEL,
+                text: str = "hi") -> tuple[str, str, str]:
+    """The session key, prefix hash and cached content's display name of a session's Build."""
+    i = f.inputs(tenant_id=tenant_id, session_id=session_id,
+                 enabled=("web.fetch", "clock_now"), catalog=CATALOG,
+                 model_profile=f.model(model_id))
+    r = f.run_build(f.loaded(i), f.checkpoint([f.user("u1", text, 1)]))
+    cached = p.gemini_cached_content(r, p.render(r, FMT))
+    assert cached.create_body["displayName"] == cached.display_name
+    return r.session_key, r.prefix_sha256, cached.display_name
+
+
+def test_the_cached_content_is_one_sessions_own() -> None:
+    """A runtime finds the cached content by its display name: two tenants, or two sessions of
+    one tenant, with the same prefix never find (patch, make again) each other's. One session
+    finds its own on every Build of the epoch."""
+    acme = cached_name("acme", "s1")
+    other_tenant, other_session = cached_name("globex", "s1"), cached_name("acme", "s2")
+    assert acme[1] == other_tenant[1] == other_session[1]  # the same prefix
+    assert len({acme[2], other_tenant[2], other_session[2]}) == 3
+    assert cached_name("acme", "s1", text="later") == acme  # the same on the next Build
+    assert cached_name("acme", "s1", model_id="gemini-2.5-flash")[2] != acme[2]
+    for key, prefix, name in (acme, other_tenant, other_session):
+        assert name == display_name(key, prefix, 1)
+        assert len(name) <= 128  # Gemini's limit of a display name
+    # the longest epoch a plan has (uint32) still fits, far below the limit
+    assert len(display_name(acme[0], acme[1], 2**32 - 1)) == 31
+
+
 def test_the_cached_content_holds_the_prefix_for_the_plans_ttl() -> None:
     for kind, ttl in ((SessionKind.INTERACTIVE, "300s"), (SessionKind.SCHEDULED, "3600s")):
         r = built(two_runs(), model_id=MODEL, kind=kind)
         body = p.render(r, FMT)
         cached = p.gemini_cached_content(r, body, min_cacheable_tokens=4096)
-        assert cached.display_name == f"ce-{r.prefix_sha256[:16]}-e{r.epoch}"
+        assert cached.display_name == display_name(r.session_key, r.prefix_sha256, r.epoch)
         assert cached.ttl == ttl
         assert cached.holds == ("systemInstruction", "tools")
         assert cached.create_body == {

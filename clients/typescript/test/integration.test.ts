@@ -6,7 +6,7 @@
  * compare them.
  */
 import assert from "node:assert/strict";
-import { randomBytes } from "node:crypto";
+import { createHash, randomBytes } from "node:crypto";
 import * as fs from "node:fs";
 import * as path from "node:path";
 import { after, before, describe, test } from "node:test";
@@ -243,7 +243,10 @@ describe("context-engine over gRPC", { skip: target ? false :
         keys: keys.sort() };
       if (name === "gemini_generate_content") {
         const cached = geminiCachedContent(built);
-        assert.equal(cached.displayName, `ce-${built.prefixSha256.slice(0, 16)}-e${built.epoch}`);
+        // the session's own: no other tenant or session with the same prefix finds it
+        const tag = createHash("sha256").update(`${built.sessionKey}:${built.prefixSha256}`)
+          .digest("hex").slice(0, 16);
+        assert.equal(cached.displayName, `ce-${tag}-e${built.epoch}`);
         assert.match(cached.ttl, /^\d+s$/);
         assert.equal(cached.createBody.displayName, cached.displayName);
         assert.ok(cached.holds.length > 0);
@@ -253,7 +256,8 @@ describe("context-engine over gRPC", { skip: target ? false :
         assert.equal(cached.cachedBodyFor("cachedContents/x1").cachedContent,
           "cachedContents/x1");
         entry.cachedContent = { displayName: cached.displayName, holds: cached.holds,
-          createKeys: Object.keys(cached.createBody).sort() };
+          createKeys: Object.keys(cached.createBody).sort(), sessionKey: built.sessionKey,
+          prefixSha256: built.prefixSha256 };
       } else {
         assert.equal(built.geminiCachedContent, undefined);
       }

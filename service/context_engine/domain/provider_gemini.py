@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from context_engine.domain.builder import BuildResult
-from context_engine.domain.canonical import parse_json_object
+from context_engine.domain.canonical import parse_json_object, sha256_hex
 from context_engine.domain.errors import AssemblyError
 from context_engine.domain.provider_common import (
     GEMINI_GENERATE_CONTENT,
@@ -190,13 +190,23 @@ class GeminiCachedContent:
     min_cacheable_tokens: int
 
 
+def cached_content_display_name(session_key: str, prefix_sha256: str, epoch: int) -> str:
+    """``ce-<first 16 hex of SHA-256 over "<session_key>:<prefix_sha256>">-e<epoch>``: unique
+    to the session, its prefix and its epoch. The runtime finds a cached content by this name,
+    so it holds the session key: two tenants or two sessions with the same prefix never find,
+    patch or make again each other's. At most 31 characters (Gemini takes 128)."""
+    return f"ce-{sha256_hex(f'{session_key}:{prefix_sha256}')[:16]}-e{epoch}"
+
+
 def gemini_cached_content(result: BuildResult, body: Mapping[str, Any], *,
                           min_cacheable_tokens: int = 0) -> GeminiCachedContent:
     """The cached content of a generateContent ``body`` rendered from ``result``: unique to
-    the prefix and the epoch, kept for the plan's cache TTL, holding what the body holds of the
-    prefix. ``min_cacheable_tokens`` is the catalog's for the model (0: unknown, then
-    :data:`DEFAULT_MIN_CACHEABLE_TOKENS`); the estimate is the prefix as the plan measured it."""
-    display_name = f"ce-{result.prefix_sha256[:16]}-e{result.epoch}"
+    the session, the prefix and the epoch (:func:`cached_content_display_name`), kept for the
+    plan's cache TTL, holding what the body holds of the prefix. ``min_cacheable_tokens`` is
+    the catalog's for the model (0: unknown, then :data:`DEFAULT_MIN_CACHEABLE_TOKENS`); the
+    estimate is the prefix as the plan measured it."""
+    display_name = cached_content_display_name(result.session_key, result.prefix_sha256,
+                                               result.epoch)
     ttl = TTL_SECONDS[plan_ttl(result)]
     holds = tuple(k for k in CACHED_FIELDS if k in body)
     model = result.model_id if result.model_id.startswith("models/") \

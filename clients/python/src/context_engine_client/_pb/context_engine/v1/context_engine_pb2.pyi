@@ -2351,7 +2351,9 @@ class GeminiCachedContent(_message.Message):
     ESTIMATED_TOKENS_FIELD_NUMBER: _builtins.int
     MIN_CACHEABLE_TOKENS_FIELD_NUMBER: _builtins.int
     display_name: _builtins.str
-    """Unique to the plan's prefix and epoch: "ce-<first 16 hex of prefix_sha256>-e<epoch>"."""
+    """Unique to the session, the plan's prefix and its epoch: "ce-<first 16 hex of the SHA-256 of
+    "<session_key>:<prefix_sha256>">-e<epoch>", so no other tenant or session finds it.
+    """
     ttl: _builtins.str
     """Gemini's duration form ("300s", "3600s"): the plan's cache TTL."""
     create_body_json: _builtins.str
