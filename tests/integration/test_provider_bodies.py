@@ -873,6 +873,9 @@ def test_a_call_id_its_provider_refuses_never_reaches_a_body(stub, ids, fmt, len
         assert f.code is grpc.StatusCode.INVALID_ARGUMENT, f
         assert f.reason == "PROVIDER_FORMAT_UNRENDERABLE" and f.metadata["provider_format"] == name
         assert length > CALL_ID_LIMITS.get(name, 256), f"{name} refused a {length}-character id"
+        # the call and its result, each at its own field
+        assert list(f.violations) == ["checkpoint.items[1].tool_calls.calls[0].call_id",
+                                      "checkpoint.items[2].tool_result.call_id"], f.violations
         return
     body = json.loads(resp.provider_body_json)
     assert tool_pairs.body_problems(resp.provider_body_json, fmt) == []
@@ -1013,17 +1016,24 @@ def unrenderable(stub: Any, request: pb.BuildRequest) -> dict[str, str]:
 
 def test_a_call_id_anthropic_refuses_is_refused_at_build(stub, ids):
     """Anthropic answers 400 to a tool_use id outside ^[a-zA-Z0-9_-]+$, which a session routed
-    from another provider carries ("functions.web_fetch:0"); the body was sent as it was."""
+    from another provider carries ("functions.web_fetch:0"); the body was sent as it was.
+    The refusal names the call and its result, each at its own field in the checkpoint."""
     tenant, session = ids
     entries = [item("u1", 1, user=pb.UserMessage(text="Fetch it.")),
-               item("c1", 2, tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
-                   call_id="functions.web_fetch:0", name="web.fetch", arguments_json="{}")])),
-               item("r1", 3, trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, tool_result=pb.ToolResult(
-                   call_id="functions.web_fetch:0", tool_name="web.fetch", content="A."))]
+               item("c1", 2, tool_calls=pb.ToolCalls(calls=[
+                   pb.ToolCall(call_id="call-0", name="web.fetch", arguments_json="{}"),
+                   pb.ToolCall(call_id="functions.web_fetch:0", name="web.fetch",
+                               arguments_json="{}")])),
+               item("r0", 3, trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, tool_result=pb.ToolResult(
+                   call_id="call-0", tool_name="web.fetch", content="A.")),
+               item("r1", 4, trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, tool_result=pb.ToolResult(
+                   call_id="functions.web_fetch:0", tool_name="web.fetch", content="B."))]
     plan_for(stub, tenant, session, pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES)
     violations = unrenderable(stub, build(tenant, session, entries,
                                           pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES))
-    assert "functions.web_fetch:0" in violations["checkpoint.items"]
+    assert list(violations) == ["checkpoint.items[1].tool_calls.calls[1].call_id",
+                                "checkpoint.items[3].tool_result.call_id"], violations
+    assert all("'functions.web_fetch:0'" in v for v in violations.values()), violations
     # Bedrock takes it, and the neutral request is always there
     for fmt in (pb.PROVIDER_FORMAT_BEDROCK_CONVERSE, pb.PROVIDER_FORMAT_NONE):
         stub.Build(build(tenant, session, entries, fmt))

@@ -210,6 +210,32 @@ def test_an_unreplayable_reasoning_payload_is_a_clear_error(provider: str,
     assert [v.field for v in located.violations] == ["checkpoint.items[1].reasoning.opaque"]
 
 
+@pytest.mark.parametrize(("fmt", "bad"), [
+    (p.ANTHROPIC_MESSAGES, "functions.web_fetch:0"),  # outside [a-zA-Z0-9_-]
+    (p.BEDROCK_CONVERSE, "call/1"),  # outside [a-zA-Z0-9_.:-]
+    (p.OPENAI_CHAT_COMPLETIONS, "c" * 41),  # over 40 characters
+    (p.OPENAI_RESPONSES, "c" * 65),  # over 64
+])
+def test_a_call_id_the_format_refuses_is_located_at_the_call_and_its_result(
+        fmt: str, bad: str) -> None:
+    """The refusal names the call (the second of two parallel ones) and its result, each at
+    its own field of the checkpoint once the servicer knows the items' positions; the call
+    the provider takes is not named."""
+    items: list[ConversationItem] = [f.user("u1", "Go.", 1), f.call("c1", 2, "k1", bad),
+                                     f.result("r1", 3, "k1", "one"),
+                                     f.result("r2", 4, bad, "two")]
+    with pytest.raises(p.ProviderFormatError) as err:
+        p.render(built(items, model_id="anthropic.claude-sonnet-4-5-v1:0"
+                       if fmt == p.BEDROCK_CONVERSE else "claude-sonnet-4-5"), fmt)
+    assert err.value.metadata()["provider_format"] == fmt
+    located = err.value.located({"u1": 0, "c1": 1, "r1": 2, "r2": 3})
+    assert [v.field for v in located.violations] == [
+        "checkpoint.items[1].tool_calls.calls[1].call_id",
+        "checkpoint.items[3].tool_result.call_id"]
+    assert all(repr(bad) in v.description and fmt in v.description
+               for v in located.violations)
+
+
 @pytest.mark.parametrize("payload", [
     THINKING, {"type": "redacted_thinking", "data": "cmVkYWN0ZWQ="},
 ])

@@ -30,7 +30,7 @@ from context_engine.domain.provider_formats import (
 from context_engine.domain.provider_formats import OPENAI_RESPONSES as OPENAI_RESPONSES
 from context_engine.domain.provider_formats import provider_tool_name as provider_tool_name
 from context_engine.domain.request import LEADING_USER_TEXT as LEADING_USER_TEXT
-from context_engine.domain.request import Message
+from context_engine.domain.request import Message, Role
 
 JSON = dict[str, Any]
 
@@ -122,15 +122,26 @@ def tool_names(result: BuildResult, provider_format: str) -> dict[str, str]:
 def check_call_ids(result: BuildResult, provider_format: str, *, limit: int,
                    pattern: re.Pattern[str] | None = None, rule: str = "") -> None:
     """Refuse the render when a replayed call id is one the provider does not take (a
-    checkpoint takes ids up to 256 characters): renaming it would break its pair."""
+    checkpoint takes ids up to 256 characters): renaming it would break its pair. Each call
+    and each result of it is an :class:`ItemViolation`, located at its item's
+    ``tool_calls.calls[j].call_id`` or ``tool_result.call_id``."""
     ids = {c.call_id for m in result.request.messages for c in m.tool_calls}
-    bad = sorted(i for i in ids if len(i) > limit
-                 or (pattern is not None and pattern.fullmatch(i) is None))
-    if bad:
-        what = rule or f"at most {limit} characters"
-        raise ProviderFormatError(provider_format, [FieldViolation(
-            "checkpoint.items", f"call id {c!r} is not {what}, what {provider_format} takes")
-            for c in bad])
+    bad = {i for i in ids if len(i) > limit
+           or (pattern is not None and pattern.fullmatch(i) is None)}
+    if not bad:
+        return
+    what = f"is not {rule or f'at most {limit} characters'}, what {provider_format} takes"
+    violations: list[FieldViolation] = []
+    for m in result.request.messages:
+        violations += [ItemViolation(
+            "checkpoint.items", f"call id {c.call_id!r} {what}", item_id=m.item_id,
+            suffix=f".tool_calls.calls[{j}].call_id")
+            for j, c in enumerate(m.tool_calls) if c.call_id in bad]
+        if m.role is Role.TOOL and m.call_id in bad:
+            violations.append(ItemViolation(
+                "checkpoint.items", f"the result of call id {m.call_id!r}, which {what}",
+                item_id=m.item_id, suffix=".tool_result.call_id"))
+    raise ProviderFormatError(provider_format, violations)
 
 
 def reasoning_payload(m: Message, provider_format: str,
