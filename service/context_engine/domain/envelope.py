@@ -8,6 +8,7 @@ content cannot close its own envelope even if it guesses the nonce.
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 
@@ -58,15 +59,19 @@ _CONFUSABLE = str.maketrans({
 })
 # Characters that read as "/"; a backslash too, as in the escaped form "<\\/untrusted".
 _SLASH_LIKE = "/\\\uff0f\u2044\u2215\u29f8\u2571\ufe68\uff3c\u30ce\u2f03\u4e3f"
-_LT_RE_4 = re.compile(f"[{_LT_LIKE}]")  # folds 3 and 4 read the same characters as "<"
-_LT_RES = {FOLD_3: _LT_RE_4, FOLD_4: _LT_RE_4,
-           FOLD_5: re.compile(f"[{re.escape(lookalikes.LT_LIKE)}]")}
+# What each fold reads as "<" (folds 3 and 4 read the same characters).
+_LT_SETS = {FOLD_3: _LT_LIKE, FOLD_4: _LT_LIKE, FOLD_5: lookalikes.LT_LIKE}
+_LT_RES = {fold: re.compile(f"[{re.escape(lt)}]") for fold, lt in _LT_SETS.items()}
 _CONFUSABLE_5 = str.maketrans({**{chr(k): v for k, v in _CONFUSABLE.items()
                                   if isinstance(v, str)}, **lookalikes.LETTERS})
 _SLASH_LIKE_5 = frozenset(lookalikes.SLASH_LIKE)
 _MARKS = frozenset(("Mn", "Me"))
 # Rendered as nothing, or as blank, although not format characters.
 _BLANK_LETTERS = frozenset("\u034f\u115f\u1160\u3164\uffa0\u180e\u2800")
+# Escaping asks the same questions of the same characters again and again (text dense in "<"
+# look-alikes asks at every character, and folding one takes microseconds): each answer is
+# kept, per character or per folded name (a few letters), up to this many.
+_CACHED = 4096
 
 
 def _invisible(ch: str) -> bool:
@@ -82,6 +87,7 @@ def _invisible(ch: str) -> bool:
     return unicodedata.category(ch) in ("Cc", "Cf", "Mn", "Me")
 
 
+@functools.lru_cache(maxsize=_CACHED)
 def _could_be_tag(name: str, fold: int = FOLD) -> bool | None:
     """True once ``name`` (the folded text after the slashes) starts with a tag name, False
     once it cannot, None while it is still a prefix of one. From fold 5, "rn" reads as "m"
@@ -126,6 +132,39 @@ def nonce(session_key: str, item_id: str, content: str) -> str:
     return canonical_sha256([session_key, item_id, sha256_hex(content)])[:NONCE_HEX]
 
 
+@functools.lru_cache(maxsize=_CACHED)
+def _reading(ch: str, fold: int) -> str | None:
+    """One character as ``fold`` reads it after a "<": None when it is invisible, "/" when
+    slash-like, else its folded letters."""
+    if _invisible(ch):
+        return None
+    if fold >= FOLD_5:
+        return _fold_5(ch)
+    if ch in _SLASH_LIKE:
+        return "/"
+    if fold == FOLD_3:
+        return unicodedata.normalize("NFKC", ch).lower().translate(_CONFUSABLE)
+    # the table before lower-casing too: a capital in it (U+13E7) lowers past it
+    return (unicodedata.normalize("NFKC", ch)
+            .translate(_CONFUSABLE).lower().translate(_CONFUSABLE))
+
+
+@functools.lru_cache(maxsize=_CACHED)
+def _step(name: str, ch: str, fold: int) -> str | bool:
+    """One step of ``_opens_delimiter``'s scan, kept per ``name`` (the folded text after the
+    slashes so far) and character: the name it reads on to, or the verdict once settled."""
+    piece = _reading(ch, fold)
+    if piece is None:
+        return name
+    if not name:
+        piece = piece.lstrip("/")
+        if not piece:
+            return name  # still the slashes
+    name += piece
+    verdict = _could_be_tag(name, fold)
+    return name if verdict is None else verdict
+
+
 def _opens_delimiter(text: str, start: int, fold: int = FOLD) -> bool:
     """Does the "<"-like character at ``start`` begin an envelope tag once look-alikes,
     invisible characters, white space and letter case are folded away? There is no window:
@@ -137,43 +176,22 @@ def _opens_delimiter(text: str, start: int, fold: int = FOLD) -> bool:
     re-renders a plan its builder pinned (``builder.load_plan``)."""
     name = ""  # the folded text after the leading slashes: at most a tag name long
     for i in range(start + 1, len(text)):
-        ch = text[i]
-        if _invisible(ch):
-            continue
-        if fold >= FOLD_5:
-            piece = _fold_5(ch)
-        elif ch in _SLASH_LIKE:
-            piece = "/"
-        elif fold == FOLD_3:
-            piece = unicodedata.normalize("NFKC", ch).lower().translate(_CONFUSABLE)
-        else:  # the table before lower-casing too: a capital in it (U+13E7) lowers past it
-            piece = (unicodedata.normalize("NFKC", ch)
-                     .translate(_CONFUSABLE).lower().translate(_CONFUSABLE))
-        if not name:
-            piece = piece.lstrip("/")
-            if not piece:
-                continue  # still the slashes
-        name += piece
-        verdict = _could_be_tag(name, fold)
-        if verdict is not None:
-            return verdict
+        step = _step(name, text[i], fold)
+        if isinstance(step, bool):
+            return step
+        name = step
     return False
 
 
 def escape_general(content: str, *, fold: int = FOLD) -> str:
     """The escaping rule, for any text: every "<"-like character that opens a delimiter once
     folded (``_opens_delimiter``) becomes the entity ``&lt;``."""
-    lt_re = _LT_RES[fold]
-    if not lt_re.search(content):
+    if not _LT_RES[fold].search(content):
         return content
-    cannot_open = _CANNOT_OPEN[fold]
     out: list[str] = []
     last = 0
-    for match in lt_re.finditer(content):
+    for match in _CANDIDATES[fold].finditer(content):
         i = match.start()
-        nxt = content[i + 1:i + 2]
-        if nxt in cannot_open:  # settles it without folding (most "<" in HTML)
-            continue
         if _opens_delimiter(content, i, fold):
             out.append(content[last:i])
             out.append("&lt;")
@@ -218,6 +236,20 @@ _CANNOT_OPEN = {fold: frozenset(
     c for c in map(chr, range(1, 128))
     if c not in _ASCII_INVISIBLE and c not in _ASCII_SLASHES
     and c.lower() not in (_FIRST_5 | {"r"} if fold >= FOLD_5 else _FIRST)) for fold in FOLDS}
+
+
+def _candidates(fold: int) -> re.Pattern[str]:
+    """The "<"-like characters ``escape_general`` must look at: not those followed by a
+    character that settles it without folding (most "<" in HTML) nor by another "<"-like one
+    that settles it (every one does: a run of them is passed over in one regex step, not one
+    fold at a time)."""
+    lt = _LT_SETS[fold]
+    settling = "".join(sorted(_CANNOT_OPEN[fold])) + "".join(
+        c for c in lt if _step("", c, fold) is False)
+    return re.compile(f"[{re.escape(lt)}](?![{re.escape(settling)}])")
+
+
+_CANDIDATES = {fold: _candidates(fold) for fold in FOLDS}
 
 
 def escape_content(content: str, *, fold: int = FOLD) -> str:
