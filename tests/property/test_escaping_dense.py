@@ -6,7 +6,9 @@ held a Build for some 44 s against 0.3 s for plain text. The scan's steps are no
 character, and a run of look-alikes is passed over in one regex step. The output must be the
 same bytes as before: ``reference`` below is the scan as it was written before (each "<"-like
 character scanned on its own, every character folded anew), held against ``escape_general``
-over generated text, for today's fold and the older ones pinned plans are re-rendered with.
+over generated text, for the older folds pinned plans are re-rendered with; and today's fold
+(builder@6, which reads Unicode's tag characters both dropped and decoded) against that scan
+run over the text both ways.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from context_engine.domain import envelope as E
 from context_engine.domain import lookalikes
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tests.support import envelope_parser as P
 
 pytestmark = pytest.mark.gate_trust
 
@@ -50,30 +54,52 @@ def _reference_opens(text: str, start: int, fold: int) -> bool:
 
 
 def reference(content: str, fold: int) -> str:
+    if fold >= E.FOLD_6:
+        return reference_6(content)
     lt = E._LT_LIKE if fold < E.FOLD_5 else lookalikes.LT_LIKE
     return "".join("&lt;" if ch in lt and _reference_opens(content, i, fold) else ch
                    for i, ch in enumerate(content))
 
 
+def reference_6(content: str) -> str:
+    """Fold 5's scan over the text as it is (tag characters invisible) and over the text with
+    tag characters decoded (one character each, so positions agree): a "<" look-alike is
+    escaped when either reading opens a tag there, a tag "<" (U+E003C) when the decoded one
+    does."""
+    decoded = P.decode_tags(content)
+    out = []
+    for i, ch in enumerate(content):
+        if ch in lookalikes.LT_LIKE:
+            opens = (_reference_opens(content, i, E.FOLD_5)
+                     or _reference_opens(decoded, i, E.FOLD_5))
+        else:
+            opens = ch == "\U000e003c" and _reference_opens(decoded, i, E.FOLD_5)
+        out.append("&lt;" if opens else ch)
+    return "".join(out)
+
+
 PIECES = ("<", "\u2264", "\uff1c", "\u2039", "\u16b2", "\u226e", "/", "\\", "\uff0f",
           "u", "U", "\u00fc", "\u028b", "n", "t", "r", "rn", "s", "e", "d", "m", "M", "\u043c",
           "o", "0", "y", "\u0443", "ntrusted", "ser", "emory", " ", "\n", "\u200b", "\u0301",
-          "a", "\u00e9", "b>", ":0123456789abcdef>", "&lt;")
-OLD_FOLDS = tuple(fold for fold in E.FOLDS if fold <= E.FOLD_5)
+          "a", "\u00e9", "b>", ":0123456789abcdef>", "&lt;",
+          # tag characters: "<", "/", "u", "U", "m", "s", "e", "r", a space, CANCEL TAG
+          "\U000e003c", "\U000e002f", "\U000e0075", "\U000e0055", "\U000e006d",
+          "\U000e0073", "\U000e0065", "\U000e0072", "\U000e0020", "\U000e007f")
 
 
 @settings(max_examples=600, deadline=None, derandomize=True, database=None)
 @given(st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=3)), max_size=40)
-       .map("".join), st.sampled_from(OLD_FOLDS))
+       .map("".join), st.sampled_from(E.FOLDS))
 def test_escaping_gives_the_bytes_it_gave_before_it_was_made_fast(text: str, fold: int) -> None:
     assert E.escape_general(text, fold=fold) == reference(text, fold)
 
 
-@pytest.mark.parametrize("fold", OLD_FOLDS)
+@pytest.mark.parametrize("fold", E.FOLDS)
 def test_runs_of_look_alikes_give_the_bytes_they_gave_before(fold: int) -> None:
     for text in ("\u2264" * 50 + "/untrusted>", "\u2264\u00fc" * 20 + "ntrusted",
                  "<" * 30 + "\u00e9</user>", "\uff1c" * 10 + "\u200b/memory",
-                 "a\u2264", "\u2264", "\u2264" * 5 + "r" + "n" + "emory"):
+                 "a\u2264", "\u2264", "\u2264" * 5 + "r" + "n" + "emory",
+                 "\U000e003c" * 5 + "\U000e002fuser", "<" * 5 + "\U000e002f\U000e0075ser"):
         assert E.escape_general(text, fold=fold) == reference(text, fold), text
 
 

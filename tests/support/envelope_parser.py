@@ -7,7 +7,9 @@ strict parser and a lenient reader (a model) would.
   literal ``</tag:N>`` after it; openings inside a body are not envelopes.
 * Lenient reading: a body, folded the way a model might read it (NFKC, case, invisible and
   blank characters, combining marks, look-alikes of ``<`` and ``/``), must contain nothing that
-  reads as an envelope tag: no ``<tag``, ``</tag`` for any envelope tag name.
+  reads as an envelope tag: no ``<tag``, ``</tag`` for any envelope tag name. Unicode's tag
+  characters (U+E0020-U+E007E) are read both ways a reader may take them: dropped, as
+  invisible, and decoded to the ASCII characters they encode (``decode_tags``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ LETTER_HOMOGLYPHS = {
 }
 # Strokes that read as "/" (Katakana no, a Kangxi radical and its CJK form).
 SLASH_CONFUSABLES = frozenset("\u30ce\u2f03\u4e3f")
+
+
+def decode_tags(text: str) -> str:
+    """``text`` with each tag character that encodes a printable ASCII character (U+E0020 to
+    U+E007E, the character plus U+E0000) read as that character, as a reader that decodes
+    them (a model may) sees it."""
+    return "".join(chr(ord(c) - 0xE0000) if 0xE0020 <= ord(c) <= 0xE007E else c for c in text)
 
 
 def invisible(ch: str) -> bool:
@@ -118,10 +127,15 @@ def unicode_fold(text: str) -> str:
 
 def taglike(body: str, *, confusables: bool = False, unicode: bool = False) -> list[str]:
     """Every sequence in ``body`` a lenient reader takes for an envelope tag (opening or
-    closing, any nonce). ``unicode``: read with Unicode's confusables (``unicode_fold``)."""
-    if unicode:
-        return _TAGLIKE.findall(unicode_fold(body))
-    return _TAGLIKE.findall(fold(body, confusables=confusables))
+    closing, any nonce), with tag characters dropped or decoded (``decode_tags``).
+    ``unicode``: read with Unicode's confusables (``unicode_fold``)."""
+    hits: list[str] = []
+    for reading in (body, decode_tags(body)):  # tag characters dropped, then decoded
+        if unicode:
+            hits += _TAGLIKE.findall(unicode_fold(reading))
+        else:
+            hits += _TAGLIKE.findall(fold(reading, confusables=confusables))
+    return hits
 
 
 @dataclass(frozen=True)

@@ -324,6 +324,10 @@ def test_policy_and_builder_rotate_forward_only() -> None:
     at4 = spec("platform-policy@2026-12-01.2", "context-engine-builder@4")
     at5 = spec("platform-policy@2026-12-01.2", "context-engine-builder@5")
     assert rotation_reason(at4, at5) is None and rotation_reason(at5, at4) is None
+    # and builder@6 what @5 (or @4) pinned, wherever it holds no marker in tag characters
+    at6 = spec("platform-policy@2026-12-01.2", "context-engine-builder@6")
+    for older in (at4, at5):
+        assert rotation_reason(older, at6) is None and rotation_reason(at6, older) is None
 
 
 # ----------------------------------------------------------------------------- class caps

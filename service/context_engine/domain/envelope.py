@@ -31,8 +31,11 @@ FOLD_3 = 3  # builders before @4: lower-cased, then the look-alike table once
 FOLD_4 = 4  # @4: the look-alike table before lower-casing too
 FOLD_5 = 5  # @5: each character decomposed (NFKD) and stripped of its marks first, Unicode's
 #             confusables of "<", "/" and the tag letters (``lookalikes``), "rn" read as "m"
-FOLD = FOLD_5
-FOLDS = (FOLD_5, FOLD_4, FOLD_3)  # newest first
+FOLD_6 = 6  # @6: Unicode's tag characters (U+E0020-U+E007E) read both ways: dropped, as before,
+#             and as the ASCII characters they encode (U+E003C as a "<"), as a reader that
+#             decodes them sees them
+FOLD = FOLD_6
+FOLDS = (FOLD_6, FOLD_5, FOLD_4, FOLD_3)  # newest first
 
 # Characters that read as "<" or "/" to a model (folds 3 and 4).
 _LT_LIKE = ("<\uff1c\ufe64\u2039\u3008\u2329\u27e8\u276e\u02c2\u1438\u276c\u29fc\u2770"
@@ -59,8 +62,14 @@ _CONFUSABLE = str.maketrans({
 })
 # Characters that read as "/"; a backslash too, as in the escaped form "<\\/untrusted".
 _SLASH_LIKE = "/\\\uff0f\u2044\u2215\u29f8\u2571\ufe68\uff3c\u30ce\u2f03\u4e3f"
+# Unicode's tag characters that encode the printable ASCII characters, each at U+E0000 above
+# the character it encodes (U+E0020 to U+E007E): a reader may drop them, as invisible, or
+# decode them (from fold 6 both readings are escaped).
+_TAG_FIRST, _TAG_LAST, _TAG_OFFSET = "\U000e0020", "\U000e007e", 0xE0000
+_TAG_LT = "\U000e003c"
 # What each fold reads as "<" (folds 3 and 4 read the same characters).
-_LT_SETS = {FOLD_3: _LT_LIKE, FOLD_4: _LT_LIKE, FOLD_5: lookalikes.LT_LIKE}
+_LT_SETS = {FOLD_3: _LT_LIKE, FOLD_4: _LT_LIKE, FOLD_5: lookalikes.LT_LIKE,
+            FOLD_6: lookalikes.LT_LIKE + _TAG_LT}
 _LT_RES = {fold: re.compile(f"[{re.escape(lt)}]") for fold, lt in _LT_SETS.items()}
 _CONFUSABLE_5 = str.maketrans({**{chr(k): v for k, v in _CONFUSABLE.items()
                                   if isinstance(v, str)}, **lookalikes.LETTERS})
@@ -76,8 +85,9 @@ _CACHED = 4096
 
 def _invisible(ch: str) -> bool:
     """White space, control characters (a reader may drop them), format characters
-    (zero-width, bidi controls, tags), combining marks, variation selectors and blank letters:
-    folded away when deciding whether text is a delimiter."""
+    (zero-width, bidi controls, tags: from fold 6 also read decoded, ``_opens_delimiter``),
+    combining marks, variation selectors and blank letters: folded away when deciding whether
+    text is a delimiter."""
     if ch.isspace() or ch in _BLANK_LETTERS:
         return True
     code = ord(ch)
@@ -132,10 +142,18 @@ def nonce(session_key: str, item_id: str, content: str) -> str:
     return canonical_sha256([session_key, item_id, sha256_hex(content)])[:NONCE_HEX]
 
 
+def _tag(ch: str) -> bool:
+    """Whether ``ch`` is a tag character that encodes a printable ASCII character."""
+    return _TAG_FIRST <= ch <= _TAG_LAST
+
+
 @functools.lru_cache(maxsize=_CACHED)
-def _reading(ch: str, fold: int) -> str | None:
+def _reading(ch: str, fold: int, decoded: bool = False) -> str | None:
     """One character as ``fold`` reads it after a "<": None when it is invisible, "/" when
-    slash-like, else its folded letters."""
+    slash-like, else its folded letters. ``decoded``: a tag character read as the ASCII
+    character it encodes (fold 6), not dropped."""
+    if decoded and _tag(ch):
+        ch = chr(ord(ch) - _TAG_OFFSET)
     if _invisible(ch):
         return None
     if fold >= FOLD_5:
@@ -150,10 +168,10 @@ def _reading(ch: str, fold: int) -> str | None:
 
 
 @functools.lru_cache(maxsize=_CACHED)
-def _step(name: str, ch: str, fold: int) -> str | bool:
-    """One step of ``_opens_delimiter``'s scan, kept per ``name`` (the folded text after the
-    slashes so far) and character: the name it reads on to, or the verdict once settled."""
-    piece = _reading(ch, fold)
+def _step(name: str, ch: str, fold: int, decoded: bool = False) -> str | bool:
+    """One step of ``_scan``, kept per ``name`` (the folded text after the slashes so far) and
+    character: the name it reads on to, or the verdict once settled."""
+    piece = _reading(ch, fold, decoded)
     if piece is None:
         return name
     if not name:
@@ -172,15 +190,35 @@ def _opens_delimiter(text: str, start: int, fold: int = FOLD) -> bool:
     settles the question (another "<" does), and what it keeps is the few letters after the
     slashes, so escaping stays linear in the length of the content.
 
-    ``fold``: ``FOLD`` escapes everything new; an older one (``FOLD_4``, ``FOLD_3``) only
-    re-renders a plan its builder pinned (``builder.load_plan``)."""
+    From fold 6 a tag character is read both ways a reader may take it: dropped (as any
+    invisible character) and decoded to the ASCII character it encodes, so a marker spelled
+    partly or wholly in tag characters is escaped too; the second reading is scanned only when
+    the first met a tag character before it settled (until then the two read alike). A tag
+    "<" (U+E003C) opens only the decoding reading: dropped, it is no "<".
+
+    ``fold``: ``FOLD`` escapes everything new; an older one (``FOLD_5``, ``FOLD_4``,
+    ``FOLD_3``) only re-renders a plan its builder pinned (``builder.load_plan``)."""
+    if fold < FOLD_6:
+        return _scan(text, start, fold, decoded=False)[0]
+    if text[start] == _TAG_LT:
+        return _scan(text, start, fold, decoded=True)[0]
+    opens, met_tag = _scan(text, start, fold, decoded=False)
+    return opens or (met_tag and _scan(text, start, fold, decoded=True)[0])
+
+
+def _scan(text: str, start: int, fold: int, *, decoded: bool) -> tuple[bool, bool]:
+    """One reading of ``_opens_delimiter``: whether the "<" at ``start`` opens a delimiter, and
+    whether a tag character was met before that was settled."""
     name = ""  # the folded text after the leading slashes: at most a tag name long
+    met_tag = False
     for i in range(start + 1, len(text)):
-        step = _step(name, text[i], fold)
+        ch = text[i]
+        met_tag = met_tag or _tag(ch)
+        step = _step(name, ch, fold, decoded)
         if isinstance(step, bool):
-            return step
+            return step, met_tag
         name = step
-    return False
+    return False, met_tag
 
 
 def escape_general(content: str, *, fold: int = FOLD) -> str:
@@ -245,7 +283,7 @@ def _candidates(fold: int) -> re.Pattern[str]:
     fold at a time)."""
     lt = _LT_SETS[fold]
     settling = "".join(sorted(_CANNOT_OPEN[fold])) + "".join(
-        c for c in lt if _step("", c, fold) is False)
+        c for c in lt if _step("", c, fold) is False and _step("", c, fold, True) is False)
     return re.compile(f"[{re.escape(lt)}](?![{re.escape(settling)}])")
 
 

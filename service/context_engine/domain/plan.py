@@ -87,8 +87,11 @@ from context_engine.domain.trust import Region, TrustLevel
 # where it renders the same bytes, as nearly all do (``SAME_BYTES``): re-planning it could move
 # its selection under a run parked on an approval. One holding a look-alike only @5 escapes
 # misses its hash, is served with @4's fold and rotated by the next Plan (builder_changed).
-BUILDER_VERSION = "context-engine-builder@5"
-SAME_BYTES = frozenset({"context-engine-builder@4"})
+# @6: the fold reads Unicode's tag characters both dropped and decoded (``envelope.FOLD_6``):
+# a @5 plan is current where it renders the same bytes, as all but one holding a marker
+# spelled in tag characters do; that one is served with @5's fold and rotated alike.
+BUILDER_VERSION = "context-engine-builder@6"
+SAME_BYTES = frozenset({"context-engine-builder@4", "context-engine-builder@5"})
 PREFIX_CEILING = 22_000
 TTL_DEFAULT = "5m"
 TTL_SCHEDULED = "1h"
