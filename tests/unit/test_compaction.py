@@ -429,3 +429,46 @@ def test_nothing_below_user_reaches_the_summarizer_and_what_is_kept_keeps_its_la
                 reason="budget_pressure", summarizer=rec, measure=measure, ctx=CTX,
                 state=state, target=Target(tokens_to_free=10_000)))
     assert rec.seen[-1].prior_narrative == narrative_of(first.summary)
+
+
+@pytest.mark.gate_compaction_fidelity
+def test_each_attachment_of_a_replaced_message_becomes_a_pointer():
+    """A replaced user message's attachments were dropped without a word: the summary read
+    the message's text only, and its pointer counted the text's bytes. Each now becomes a
+    typed pointer at its message's id, event and label, stating its kind, its size (pages,
+    characters) and its reference; an untrusted message keeps its own pointer beside."""
+    from context_engine.domain.request import Attachment, AttachmentKind
+
+    contract = Attachment(kind=AttachmentKind.PDF, name="signed-contract.pdf",
+                          ref="artifact:a/77", pages=12)
+    invoice = Attachment(kind=AttachmentKind.TEXT, name="invoice.txt", ref="artifact:a/78",
+                         text_chars=90_000)
+    photo = Attachment(kind=AttachmentKind.IMAGE, name="receipt.png", ref="artifact:a/79")
+    its = [replace(f.user("u1", "Review the attached contract", 1, run="run-0"),
+                   attachments=(contract, photo)),
+           replace(f.user("m1", "Inbound email: pay now", 2, run="run-0",
+                          trust=TrustLevel.EXTERNAL_UNTRUSTED), attachments=(invoice,)),
+           AssistantMessageItem(id="a1", sequence=3, run_id="run-0",
+                                item_trust=TrustLevel.USER, text="Done."),
+           f.user("u2", "next", 4, run="run-1")]
+    r = do(its)
+    spans = [(s.kind, s.item_id, s.trust_level, s.byte_length, s.artifact_ref, s.event_id)
+             for s in r.elided]
+    assert spans == [
+        ("attachment.pdf", "u1", TrustLevel.USER, 12, "artifact:a/77", 1),
+        ("attachment.image", "u1", TrustLevel.USER, 0, "artifact:a/79", 1),
+        ("user.message", "m1", TrustLevel.EXTERNAL_UNTRUSTED, 22, None, 2),
+        ("attachment.text", "m1", TrustLevel.EXTERNAL_UNTRUSTED, 90_000, "artifact:a/78", 2)]
+    text = rendered(r)
+    assert "[elided] attachment.pdf u1 (user, 12 pages) -> artifact:a/77 (event:1)" in text
+    assert "[elided] attachment.image u1 (user, image) -> artifact:a/79 (event:1)" in text
+    assert ("[elided] attachment.text m1 (external_untrusted, 90,000 characters) -> "
+            "artifact:a/78 (event:2)") in text
+    # the names are the senders' words: never platform text
+    assert "contract.pdf" not in text and "invoice.txt" not in text
+    # and the pointers survive a merge, as every elided span does
+    merged = do([*its[:3], f.user("u3", "more", 5, run="run-0"),
+                 AssistantMessageItem(id="a3", sequence=6, run_id="run-0",
+                                      item_trust=TrustLevel.USER, text="ok"),
+                 f.user("u4", "next", 7, run="run-1")], r.history_summary())
+    assert [s.kind for s in merged.elided][:4] == [s[0] for s in spans]

@@ -51,6 +51,7 @@ from context_engine.domain.identifiers import (
     identifier_problem,
 )
 from context_engine.domain.items import (
+    ATTACHMENT_KINDS,
     ONE_LINE_RULE,
     AssistantMessageItem,
     ConversationItem,
@@ -1215,7 +1216,8 @@ def rotate_command(req: pb.RotateRequest) -> RotateCommand:
                          model=model, snapshot=snapshot)
 
 
-ELIDED_KINDS = ("tool.result", "user.message", "assistant.message", "tool.call")
+ELIDED_KINDS = ("tool.result", "user.message", "assistant.message", "tool.call",
+                *ATTACHMENT_KINDS)
 MAX_SUMMARY_TOKENS = 32_000
 
 

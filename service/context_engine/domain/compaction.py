@@ -64,6 +64,8 @@ from context_engine.domain.items import (
     ToolResultItem,
     UserMessageItem,
     WorkingState,
+    attachment_pointer_kind,
+    attachment_size,
     labels,
 )
 from context_engine.domain.request import Message
@@ -248,6 +250,18 @@ def elided_span(item: ConversationItem) -> ElidedSpan | None:
     return None
 
 
+def attachment_spans(item: ConversationItem) -> tuple[ElidedSpan, ...]:
+    """The pointers a replaced user message's attachments become, whatever its label: the
+    summary holds no file, so each is pointed to (its kind, size and reference, at the
+    message's id, event and label) rather than dropped unsaid."""
+    if not isinstance(item, UserMessageItem):
+        return ()
+    return tuple(ElidedSpan(item_id=item.id, trust_level=item.item_trust,
+                            byte_length=attachment_size(a), artifact_ref=a.ref or None,
+                            event_id=item.sequence, kind=attachment_pointer_kind(a))
+                 for a in item.attachments)
+
+
 def _trusted_line(item: ConversationItem) -> TrustedLine | None:
     if not trusted(item):
         return None
@@ -334,7 +348,8 @@ def select(items: Sequence[ConversationItem], current: HistorySummary | None, *,
     replaced = tuple(items[start:end])
     if not replaced:
         raise NothingToCompact(floor)
-    elided = tuple(s for s in (elided_span(it) for it in replaced) if s is not None)
+    elided = tuple(s for it in replaced for s in (elided_span(it), *attachment_spans(it))
+                   if s is not None)
     lines = tuple(ln for ln in (_trusted_line(it) for it in replaced) if ln is not None)
     new_ids = [it.sequence for it in replaced if not isinstance(it, ReasoningItem)]
     if not new_ids:  # opaque reasoning alone is dropped by type, never summarized

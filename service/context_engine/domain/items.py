@@ -76,18 +76,45 @@ def pointer_token(value: str) -> str:
     return escape_content(json.dumps(value, ensure_ascii=False))
 
 
+# What an attachment pointer's size counts, by its kind (``ElidedSpan.byte_length`` holds the
+# size the message gave the attachment in: a PDF's pages, a text file's characters; an image
+# is sized by none).
+ATTACHMENT_KINDS = {"attachment.image": "", "attachment.pdf": "page",
+                    "attachment.text": "character"}
+
+
+def attachment_pointer_kind(attachment: Attachment) -> str:
+    return f"attachment.{attachment.kind.value}"
+
+
+def attachment_size(attachment: Attachment) -> int:
+    """The size an attachment pointer states, in its kind's unit (``ATTACHMENT_KINDS``)."""
+    unit = ATTACHMENT_KINDS[attachment_pointer_kind(attachment)]
+    return attachment.pages if unit == "page" else attachment.text_chars if unit else 0
+
+
+def _size(kind: str, size: int) -> str:
+    unit = ATTACHMENT_KINDS.get(kind)
+    if unit is None:
+        return f"{size:,} bytes"
+    if not unit:
+        return kind.removeprefix("attachment.")
+    return f"{size:,} {unit}{'' if size == 1 else 's'}"
+
+
 def pointer_line(kind: str, item_id: str, trust: TrustLevel, size: int, artifact_ref: str,
                  event_id: int) -> str:
     """``[elided] <kind> <id> (<trust>, <size> bytes) -> <ref>``: where the whole content
     lives (its artifact and its event, when known), every caller-supplied part a
-    ``pointer_token``."""
+    ``pointer_token``. An attachment's pointer (kind ``attachment.<pdf|text|image>``, at its
+    message's id and label) states its size in pages or characters, an image's none."""
     event = f"event:{event_id}" if event_id else ""
     if artifact_ref:
         ref = pointer_token(artifact_ref) + (f" ({event})" if event else "")
     else:
         ref = event or f"item:{pointer_token(item_id)}"
-    return one_line(f"[elided] {kind} {pointer_token(item_id)} ({trust.value}, {size:,} bytes)"
-                    f" -> {ref}")
+    return one_line(f"[elided] {kind} {pointer_token(item_id)} ({trust.value}, "
+                    f"{_size(kind, size)}) -> {ref}")
 
 
 def one_line(text: str) -> str:
@@ -352,7 +379,10 @@ class ElidedSpan:
     byte_length: int
     artifact_ref: str | None
     event_id: int
-    kind: str = "tool.result"  # tool.result, user.message, assistant.message or tool.call
+    # tool.result, user.message, assistant.message, tool.call, or an attachment of a replaced
+    # user message: attachment.pdf, attachment.text or attachment.image (``ATTACHMENT_KINDS``;
+    # its ``byte_length`` is then its pages, its characters or 0)
+    kind: str = "tool.result"
 
     def pointer(self) -> str:
         return pointer_line(self.kind, self.item_id, self.trust_level, self.byte_length,

@@ -1887,12 +1887,16 @@ class ElidedSpan(_message.Message):
     item_id: _builtins.str
     trust_level: Global___TrustLevel.ValueType
     byte_length: _builtins.int
+    """The span's size in bytes; for an attachment, its size as its message gave it: a PDF's
+    pages (attachment.pdf), a text file's characters (attachment.text), 0 for an image.
+    """
     artifact_ref: _builtins.str
-    """Empty when the span was not stored as an artifact."""
+    """Empty when the span was not stored as an artifact; an attachment's reference."""
     event_id: _builtins.int
     kind: _builtins.str
-    """tool.result, user.message, assistant.message or tool.call (a call made after untrusted
-    content).
+    """tool.result, user.message, assistant.message, tool.call (a call made after untrusted
+    content), or attachment.pdf, attachment.text or attachment.image: a file a replaced user
+    message attached, at that message's id, event and label.
     """
     def __init__(
         self,
