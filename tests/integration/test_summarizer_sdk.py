@@ -130,8 +130,49 @@ def test_a_completion_is_the_narrative_and_the_key_is_the_bearer(endpoint):
     assert system == {"role": "system", "content": load_prompt().text}
     assert user["role"] == "user" and f"[1] user: {TEXT}" in user["content"]
     assert "Stated objective: plan the trip" in user["content"]
-    # the narrative is cut to the limit the compactor asks for
-    assert summarize(s, max_chars=8).narrative == "The user"
+    # the limit is asked for, and the answer returned as written: the compactor measures it
+    # (test_an_answer_over_its_allowance_is_asked_again_then_cut_in_its_middle)
+    assert summarize(s, max_chars=8).narrative == "The user plans a trip."
+    assert "Character limit: 8" in endpoint.seen[-1]["body"]["messages"][1]["content"]
+
+
+LONG = ("Goal: migrate the billing DB. " + "Detail. " * 400
+        + "UNRESOLVED: user must confirm the cut-over window before anything runs.")
+
+
+@pytest.mark.parametrize("second", ["within its allowance", "still over"])
+def test_an_answer_over_its_allowance_is_asked_again_then_cut_in_its_middle(endpoint, second):
+    """The adapter cut the model's answer at the character limit, from its end: the compactor
+    never saw it over its cap, never asked again, and the open question at its end was lost
+    unsaid. Now compact() measures the answer, asks once more within a smaller allowance, and
+    only then cuts it in its middle, its end kept."""
+    from context_engine.domain.compaction import Target, compact
+    from context_engine.domain.items import AssistantMessageItem, RenderContext, UserMessageItem
+    from context_engine.domain.trust import TrustLevel
+
+    short = "Goal: migrate the billing DB. UNRESOLVED: confirm the cut-over window."
+    endpoint.script = [Answer(body=completion(LONG)),
+                       Answer(body=completion(short if second.startswith("within") else LONG))]
+    items = [UserMessageItem(id="u1", sequence=1, run_id="r0", item_trust=TrustLevel.USER,
+                             text="Migrate billing"),
+             AssistantMessageItem(id="a1", sequence=2, run_id="r0", item_trust=TrustLevel.USER,
+                                  text="ok"),
+             UserMessageItem(id="u2", sequence=3, run_id="r1", item_trust=TrustLevel.USER,
+                             text="go")]
+    r = asyncio.run(compact(items, None, active_run_id="r1", target=Target(replace_through=2),
+                            reason="budget_pressure", summarizer=llm(endpoint),
+                            measure=lambda ms: sum(len(m.text) // 4 + 4 for m in ms),
+                            ctx=RenderContext(session_key="sk"), max_summary_tokens=400))
+    limits = [int(s["body"]["messages"][1]["content"].split("\n")[0].split(": ")[1])
+              for s in endpoint.seen]
+    # asked again, within less than it wrote (the allowance its text measured shows)
+    assert len(limits) == 2 and limits[1] < len(LONG) // 2
+    assert r.tokens_after <= 400
+    if second.startswith("within"):
+        assert r.summary == short
+    else:  # cut in its middle: its opening and its end (the open question) kept
+        assert r.summary.startswith("Goal: migrate the billing DB.") and "\u2026" in r.summary
+        assert r.summary.endswith("before anything runs.")
 
 
 @pytest.mark.parametrize("url", ["{base}", "{base}/", "{base}/chat/completions"])

@@ -162,4 +162,7 @@ class OpenAISummarizer:
             raise SummarizerUnavailable("unreadable answer") from None
         if not isinstance(text, str):
             raise SummarizerUnavailable("unreadable answer")
-        return Summarized(narrative=text.strip()[:max_chars], version=self.version)
+        # as written, uncut: the compactor measures it, asks once more within a smaller
+        # allowance when it is over the summary's cap, and only then cuts it in its middle (a
+        # cut at max_chars here took the answer's end, its open questions, unsaid)
+        return Summarized(narrative=text.strip(), version=self.version)
