@@ -264,3 +264,36 @@ def test_a_call_made_after_untrusted_content_comes_back_as_a_pointer(stub, ids):
     built = stub.Build(req)
     (row9,) = [m for m in built.request.messages if m.row == 9]
     assert "[elided] tool.call c2 (external_untrusted, 30 bytes) -> event:5" in row9.text
+
+
+def test_negative_event_ids_in_a_summary_are_refused_at_their_fields(stub, ids, db):
+    """A summary's source event ids and a pointer's event were printed as the platform's own
+    words whatever they held ("-> event:-5", "Source event ids: -7"), where a tool result's
+    negative event id is refused. Each is refused at its own field, at Compact and Build
+    alike, and nothing is stored; 0 stays valid (an item's sequence may be 0, and a pointer's
+    event 0 is none)."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    summary = pb.Summary(text="Earlier.", replaced_through_sequence=0, depth=1,
+                         source_event_ids=[0, -7],
+                         elided=[pb.ElidedSpan(item_id="r1", byte_length=10, event_id=-5,
+                                               trust_level=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
+                                               kind="tool.result")])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Compact(compact_request(tenant, session, "negative", summary=summary))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert f.violations["checkpoint.summary.source_event_ids[1]"] == "-7 is not an event id"
+    assert f.violations["checkpoint.summary.elided[0].event_id"] == "must not be negative"
+    assert "checkpoint.summary.source_event_ids[0]" not in f.violations
+    request = build_request(tenant, session)
+    request.checkpoint.summary.CopyFrom(summary)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(request)
+    assert {"checkpoint.summary.source_event_ids[1]",
+            "checkpoint.summary.elided[0].event_id"} <= set(failure(err.value).violations)
+    assert db.val("SELECT count(*) FROM compactions WHERE tenant_id=$1", tenant) == 0
+    # with the ids at 0 or more, the same summary is taken
+    del summary.source_event_ids[1]
+    summary.elided[0].event_id = 0
+    stub.Compact(compact_request(tenant, session, "zero", summary=summary))

@@ -55,3 +55,17 @@ def test_attachment_pointers_compact_wrote_are_taken_back() -> None:
 def test_an_unknown_pointer_kind_is_refused() -> None:
     violations, _ = read(summary(elided=[span(kind="attachment.zip")]))
     assert [f for f, _ in violations] == ["checkpoint.summary.elided[0].kind"]
+
+
+def test_negative_event_ids_are_refused_at_their_own_fields() -> None:
+    """The reviewer's summary: "Source event ids: -7, 0" and "-> event:-5" printed as platform
+    text. A negative id is refused where it stands; 0 is a valid sequence (and a pointer's
+    event 0 is none: the pointer names its item)."""
+    violations, _ = read(summary(source_event_ids=[-7, 0, 4], elided=[span(event_id=-5),
+                                                                      span(event_id=0)]))
+    assert violations == [
+        ("checkpoint.summary.source_event_ids[0]", "-7 is not an event id"),
+        ("checkpoint.summary.elided[0].event_id", "must not be negative")]
+    violations, text = read(summary(source_event_ids=[0, 4], elided=[span(event_id=0)]))
+    assert violations == [] and "Source event ids: 0, 4" in text
+    assert "[elided] tool.result r1 (external_untrusted, 10 bytes) -> item:r1" in text

@@ -1235,6 +1235,8 @@ def _elided(v: Violations, field: str, e: pb.ElidedSpan) -> ElidedSpan:
     trust = v.trust(f"{field}.trust_level", e.trust_level, at_most=TrustLevel.USER)
     if e.kind not in ELIDED_KINDS:
         v.add(f"{field}.kind", f"{e.kind!r} is not one of {', '.join(ELIDED_KINDS)}")
+    if e.event_id < 0:  # 0: no event (the pointer names its item); row 9 prints the rest
+        v.add(f"{field}.event_id", "must not be negative")
     return ElidedSpan(item_id=e.item_id, trust_level=trust, byte_length=e.byte_length,
                       artifact_ref=e.artifact_ref or None, event_id=e.event_id, kind=e.kind)
 
@@ -1251,6 +1253,9 @@ def history_summary(v: Violations, field: str, s: pb.Summary) -> HistorySummary 
         v.add(f"{field}.depth", f"{s.depth} is over the cap of {MAX_DEPTH}")
     for i, c in enumerate(s.constraints):
         _text(v, f"{field}.constraints[{i}]", c)
+    for i, e in enumerate(s.source_event_ids):  # event sequences, 0 or more, as Compact wrote
+        if e < 0:
+            v.add(f"{field}.source_event_ids[{i}]", f"{e} is not an event id")
     return HistorySummary(
         text=s.text, replaced_through_sequence=s.replaced_through_sequence,
         narrative_trust=v.label(f"{field}.trust", s.trust),

@@ -1839,7 +1839,9 @@ class Summary(_message.Message):
     most USER; unset means USER.
     """
     @_builtins.property
-    def source_event_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def source_event_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The event sequences the summary was written from (0 or more; a negative one is refused)."""
+
     @_builtins.property
     def constraints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Constraints the summary retains verbatim (set by Compact; a merge keeps their union)."""
@@ -1893,6 +1895,7 @@ class ElidedSpan(_message.Message):
     artifact_ref: _builtins.str
     """Empty when the span was not stored as an artifact; an attachment's reference."""
     event_id: _builtins.int
+    """The span's event: 0 for none (the pointer then names its item); a negative one is refused."""
     kind: _builtins.str
     """tool.result, user.message, assistant.message, tool.call (a call made after untrusted
     content), or attachment.pdf, attachment.text or attachment.image: a file a replaced user
