@@ -60,8 +60,16 @@ ESTIMATOR = f.estimator(LOADED.plan.spec.model)
 CTX = RenderContext(session_key=LOADED.session_key)
 MARK = "UNTRUSTED-MARK-"
 
-constraint_sets = st.lists(st.text(alphabet="abcdefghij -", min_size=1, max_size=30)
-                           .map(lambda c: c.strip() or "c"), max_size=5)
+# Constraints as users write them: up to a few hundred characters of any script, punctuation
+# and symbols ("<", "&"), runs of spaces inside (a constraint is kept verbatim, never cut)
+constraint_text = st.one_of(
+    st.text(alphabet="abcdefghij -", min_size=1, max_size=30),
+    st.text(alphabet=st.characters(categories=("L", "M", "N", "P", "S", "Zs")), min_size=1,
+            max_size=60),
+    st.text(alphabet=st.characters(categories=("L", "M", "N", "P", "S", "Zs")), min_size=120,
+            max_size=400),
+).map(lambda c: c.strip() or "c")
+constraint_sets = st.lists(constraint_text, max_size=5)
 
 
 def measure(messages: Sequence[Message]) -> int:
