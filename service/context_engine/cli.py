@@ -387,7 +387,8 @@ def _hash_token(args: argparse.Namespace) -> int:
     rpcs = list(dict.fromkeys(args.rpc or [ALL_RPCS]))  # a name given twice, once
     unknown = sorted(set(rpcs) - RPC_NAMES - {ALL_RPCS})
     problem = (f"unknown RPC names {unknown}" if unknown
-               else _tenant_problem(args.tenant_id)
+               # a token that only erases may name a tenant stored under the earlier rule
+               else _tenant_problem(args.tenant_id, erasing=rpcs == ["DeleteSession"])
                or (f"--rpc {ALL_RPCS} (every RPC) goes alone" if ALL_RPCS in rpcs
                    and len(rpcs) > 1 else None))
     if problem is not None:

@@ -50,7 +50,12 @@ from context_engine.domain.errors import (
     StoreUnavailable,
     TokenizerUnavailable,
 )
-from context_engine.domain.estimator import ModelCatalog, TokenEstimator, TokenizerRegistry
+from context_engine.domain.estimator import (
+    ModelCatalog,
+    TokenEstimator,
+    TokenizerRegistry,
+    attachment_tokens,
+)
 from context_engine.domain.items import (
     HistorySummary,
     RenderContext,
@@ -1045,10 +1050,12 @@ class Engine:
                    if value > model.context_window]
         # Nor can a Build of it estimate less than its prefix alone, at the factor it used:
         # a smaller estimate is no Build's, and reconciled it would throw the factor to its
-        # cap for every session of the tenant on the model.
+        # cap for every session of the tenant on the model. Checked where the report names
+        # the plan its Build ran on: its epoch, or epoch 0 ("current") of a session that has
+        # had no other (after a rotation, the Build may have run on an earlier epoch's prefix).
         least = prefix_cost(loaded.plan.prefix_tokens, report.estimator_factor,
                             exact=prefix_exact(spec))
-        if report.estimated_input_tokens < least:
+        if (report.epoch or loaded.plan.epoch == 1) and report.estimated_input_tokens < least:
             too_big.append(FieldViolation(
                 "estimated_input_tokens",
                 f"{report.estimated_input_tokens} is below the {least} tokens of epoch "
@@ -1173,7 +1180,8 @@ class Engine:
             cmd.checkpoint.items, cmd.current, active_run_id=cmd.checkpoint.active_run_id,
             target=cmd.target, reason=cmd.reason, summarizer=self._summarizer,
             measure=measure, ctx=RenderContext(session_key=loaded.session_key),
-            state=cmd.checkpoint.working_state, max_summary_tokens=cmd.max_summary_tokens)
+            state=cmd.checkpoint.working_state, max_summary_tokens=cmd.max_summary_tokens,
+            attachment_cost=lambda a: attachment_tokens(a, estimator.base_factor, used))
         previous = len(cmd.current.elided) if cmd.current is not None else 0
         event = ContextEvent(
             tenant_id=cmd.tenant_id, session_id=cmd.session_id, epoch=epoch,

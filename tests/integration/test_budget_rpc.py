@@ -310,6 +310,37 @@ def test_an_estimate_below_the_prefix_is_no_builds_and_is_refused(stub, ids, db,
     assert ok.counted
 
 
+def test_a_builds_own_figures_are_counted_after_a_rotation_grew_the_prefix(stub, ids):
+    """Reported under epoch 0 ("current") once another caller rotated the session to a larger
+    prefix, a Build's own figures are below the new prefix: the bound is the epoch's the
+    report names, so epoch 0 of a session with more than one epoch is not held to it; named,
+    the Build's epoch is."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    built = stub.Build(build_request(tenant, session))
+    snapshot = pb.MemorySnapshot(snapshot_id="snap-2", recall_trace_id="trace-2", watermark=2,
+                                 items=[pb.MemoryItem(id=f"m{i}", text="Prefers tea. " * 20)
+                                        for i in range(8)])
+    grown = stub.Rotate(pb.RotateRequest(
+        tenant_id=tenant, session_id=session, idempotency_key="grow",
+        reason=pb.ROTATION_REASON_SNAPSHOT_INVALIDATED, memory_snapshot=snapshot)).plan
+    assert grown.epoch == 2 and grown.prefix_tokens > built.estimated_input_tokens
+    current = _report(tenant, session, "as-current", built.estimated_input_tokens,
+                      built.estimated_input_tokens)
+    assert stub.ReportUsage(current).counted
+    named = _report(tenant, session, "as-named", built.estimated_input_tokens,
+                    built.estimated_input_tokens)
+    named.epoch = built.epoch
+    assert stub.ReportUsage(named).counted
+    # named wrong, it is held to the epoch it names
+    wrong = _report(tenant, session, "named-wrong", built.estimated_input_tokens,
+                    built.estimated_input_tokens)
+    wrong.epoch = 2
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ReportUsage(wrong)
+    assert "epoch 2's prefix" in failure(err.value).violations["estimated_input_tokens"]
+
+
 def test_an_idempotency_key_cannot_be_reused_for_another_request(stub, ids, db):
     tenant, session = ids
     stub.Plan(plan_request(tenant, session))

@@ -236,6 +236,15 @@ def test_an_unreadable_answer_is_unavailable(endpoint, body, content_type):
     assert err.why == "unreadable answer"
 
 
+@pytest.mark.parametrize("content", ["Goal: ok \ud800 end", "Goal: ok \x00 end"])
+def test_an_answer_no_summary_can_hold_is_unavailable(endpoint, content):
+    """A lone surrogate (JSON may spell one) cannot be rendered as UTF-8, and a NUL cannot be
+    stored in jsonb: either answered INTERNAL from deep in the Compact, not UNAVAILABLE."""
+    endpoint.script = [Answer(body=completion(content))]
+    err, _ = failure(llm(endpoint))
+    assert err.why == "unreadable answer (a NUL or a lone surrogate)"
+
+
 def test_an_unreachable_endpoint_is_unavailable(endpoint):
     url = endpoint.url
     endpoint.stop()

@@ -401,3 +401,31 @@ def test_cli_hash_token_names_an_rpc_once(capsys: pytest.CaptureFixture[str]) ->
     assert cli.main(["hash-token", "--tenant-id", "acme", "--rpc", "Build", "--rpc", "Build",
                      "--rpc", "GetPlan"]) == 0
     assert json.loads(capsys.readouterr().out)["entry"]["rpcs"] == ["Build", "GetPlan"]
+
+
+LEGACY_TENANT = "acme\u200bcorp"  # a zero-width space: taken by the releases before
+
+
+def test_a_tokens_file_naming_a_tenant_the_earlier_rule_took_still_loads(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Its sessions may be stored, and DeleteSession (which keeps that rule) erases them with
+    this token: a serve that refused the file could not start after an upgrade."""
+    caplog.set_level(logging.WARNING, logger="context_engine")
+    ((_, grant),) = parse_tokens([{"sha256": "a" * 64, "tenant_id": LEGACY_TENANT,
+                                   "rpcs": ["*"]}], "CE_AUTH_TOKENS_FILE")
+    assert grant.tenant_id == LEGACY_TENANT
+    warned = [r for r in caplog.records if r.getMessage() == "token_tenant_refused_by_requests"]
+    assert len(warned) == 1
+    check_tenant("DeleteSession", pb.DeleteSessionRequest(tenant_id=LEGACY_TENANT,
+                                                          session_id="s"), grant)
+    with pytest.raises(ConfigError, match="tenant_id must not contain C0"):  # never taken
+        parse_tokens([{"sha256": "a" * 64, "tenant_id": "acme\x01", "rpcs": ["*"]}], "f")
+
+
+def test_cli_hash_token_mints_an_erasing_token_for_a_tenant_the_earlier_rule_took(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["hash-token", "--tenant-id", LEGACY_TENANT, "--rpc", "DeleteSession"]) == 0
+    minted = json.loads(capsys.readouterr().out)
+    assert minted["entry"]["tenant_id"] == LEGACY_TENANT
+    assert cli.main(["hash-token", "--tenant-id", LEGACY_TENANT, "--rpc", "Plan"]) == 2
+    assert "--tenant-id must not contain" in capsys.readouterr().err

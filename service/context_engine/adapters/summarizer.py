@@ -29,6 +29,15 @@ from context_engine.domain.errors import SummarizerUnavailable
 PROMPT_FILE = "summarizer_prompt.md"
 
 
+def _encodable(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (a JSON answer may spell a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Prompt:
     version: str
@@ -162,6 +171,8 @@ class OpenAISummarizer:
             raise SummarizerUnavailable("unreadable answer") from None
         if not isinstance(text, str):
             raise SummarizerUnavailable("unreadable answer")
+        if "\x00" in text or not _encodable(text):  # jsonb holds no NUL; UTF-8 no lone surrogate
+            raise SummarizerUnavailable("unreadable answer (a NUL or a lone surrogate)")
         # as written, uncut: the compactor measures it, asks once more within a smaller
         # allowance when it is over the summary's cap, and only then cuts it in its middle (a
         # cut at max_chars here took the answer's end, its open questions, unsaid)

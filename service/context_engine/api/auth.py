@@ -40,7 +40,7 @@ from context_engine.api.servicer import CALLER, Undecodable
 from context_engine.api.status import refuse, status_for
 from context_engine.config import Config, ConfigError
 from context_engine.domain.errors import StoreUnavailable
-from context_engine.domain.identifiers import identifier_problem
+from context_engine.domain.identifiers import erasable_identifier_problem, identifier_problem
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
 from context_engine.v1 import context_engine_pb2 as pb
@@ -95,9 +95,16 @@ class TokenSource(Protocol):
 def _grant(tenant_id: Any, rpcs: Any, where: str) -> Grant:
     if not isinstance(tenant_id, str) or not tenant_id:
         raise ConfigError(f"{where}: tenant_id must be a non-empty string")
-    problem = identifier_problem(tenant_id)
+    problem = erasable_identifier_problem(tenant_id)
     if problem is not None:  # every request naming it would be refused
         raise ConfigError(f"{where}: tenant_id {problem}")
+    if identifier_problem(tenant_id) is not None:
+        # a tenant id the releases before the current rule took: its sessions may be stored,
+        # and DeleteSession (which keeps that rule) can still erase them with this token;
+        # every other request naming it is refused
+        log("token_tenant_refused_by_requests", logging.WARNING, where=where,
+            note="the tenant id holds a control, format or line-separator character: this "
+                 "token can erase its sessions (DeleteSession), and no other request names it")
     if (not isinstance(rpcs, list) or not rpcs
             or not all(isinstance(r, str) for r in rpcs)):
         raise ConfigError(f"{where}: rpcs must be a non-empty list of RPC names or [\"*\"]")

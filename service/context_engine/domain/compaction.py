@@ -50,6 +50,7 @@ from context_engine.domain.errors import (
     NothingToCompact,
 )
 from context_engine.domain.history import floor_index, trailing_start, units
+from context_engine.domain.identifiers import identifier_problem
 from context_engine.domain.items import (
     SUMMARY_CONSTRAINTS_HEADER,
     SUMMARY_ELIDED_HEADER,
@@ -68,7 +69,7 @@ from context_engine.domain.items import (
     attachment_size,
     labels,
 )
-from context_engine.domain.request import Message
+from context_engine.domain.request import Attachment, Message
 from context_engine.domain.trust import TrustLevel, lowest
 
 COMPACTOR_VERSION = "ce-compactor/1"
@@ -256,8 +257,15 @@ def attachment_spans(item: ConversationItem) -> tuple[ElidedSpan, ...]:
     message's id, event and label) rather than dropped unsaid."""
     if not isinstance(item, UserMessageItem):
         return ()
-    return tuple(ElidedSpan(item_id=item.id, trust_level=item.item_trust,
-                            byte_length=attachment_size(a), artifact_ref=a.ref or None,
+    # a pointer stands for data: its label is at most USER, as a summary line's (and as a
+    # summary sent back must hold); a reference that could not be sent back as a pointer's
+    # (over 256 characters, or holding a character that breaks or hides part of the line) is
+    # left out: the pointer names the message's event, which holds it
+    label = lowest([item.item_trust, TrustLevel.USER], TrustLevel.USER)
+    return tuple(ElidedSpan(item_id=item.id, trust_level=label,
+                            byte_length=attachment_size(a),
+                            artifact_ref=(a.ref if a.ref and not identifier_problem(a.ref)
+                                          else None),
                             event_id=item.sequence, kind=attachment_pointer_kind(a))
                  for a in item.attachments)
 
@@ -392,12 +400,19 @@ def _summary_tokens(summary: HistorySummary, measure: Measure, ctx: RenderContex
 async def compact(items: Sequence[ConversationItem], current: HistorySummary | None, *,
                   active_run_id: str, target: Target, reason: str, summarizer: Summarizer,
                   measure: Measure, ctx: RenderContext, state: WorkingState | None = None,
-                  max_summary_tokens: int = DEFAULT_SUMMARY_TOKENS) -> CompactionResult:
+                  max_summary_tokens: int = DEFAULT_SUMMARY_TOKENS,
+                  attachment_cost: Callable[[Attachment], int] | None = None,
+                  ) -> CompactionResult:
     """One compaction. The only impure step is the summarizer's call; a summarizer failure
-    propagates and nothing is produced."""
+    propagates and nothing is produced. ``attachment_cost``: a user message's attachment's
+    estimate, counted with the message as Build counts it (a PDF's pages free what the Build
+    charged for them)."""
 
     def cost(item: ConversationItem) -> int:
-        return measure(item.messages(ctx))  # type: ignore[attr-defined]
+        tokens: int = measure(item.messages(ctx))  # type: ignore[attr-defined]
+        if attachment_cost is not None and isinstance(item, UserMessageItem):
+            tokens += sum(map(attachment_cost, item.attachments))
+        return tokens
 
     sel = select(items, current, active_run_id=active_run_id, target=target, reason=reason,
                  state=state, cost=cost)

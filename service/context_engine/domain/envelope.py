@@ -79,8 +79,11 @@ _MARKS = frozenset(("Mn", "Me"))
 _BLANK_LETTERS = frozenset("\u034f\u115f\u1160\u3164\uffa0\u180e\u2800")
 # Escaping asks the same questions of the same characters again and again (text dense in "<"
 # look-alikes asks at every character, and folding one takes microseconds): each answer is
-# kept, per character or per folded name (a few letters), up to this many.
-_CACHED = 4096
+# kept, per character or per folded name (a few letters), up to this many: more than the
+# distinct characters of any script's text (at 4,096, text cycling through 5,000 CJK
+# ideographs after "<" missed at every step and ran slower than no cache; an entry is a few
+# hundred bytes, so each cache holds at most a few MB)
+_CACHED = 65_536
 
 
 def _invisible(ch: str) -> bool:

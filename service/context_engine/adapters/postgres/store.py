@@ -207,6 +207,11 @@ class PostgresPlanStore:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
             if idempotency_key is not None:
+                # the session's row first, as the key's foreign key takes it for a new key: a
+                # key claimed anew (expired) changes no reference, so takes no lock of it, and
+                # an erasure then deadlocked with this call (the key's row, then the session's)
+                await conn.fetchval(queries.SESSION_INCARNATION, tenant_id, session_id,
+                                    timeout=self._timeout)
                 with _session_required(tenant_id, session_id):  # Rotate needs a session
                     claimed = await conn.fetchval(queries.CLAIM_KEY, tenant_id, "Rotate",
                                                   idempotency_key, session_id, self._key_ttl,
@@ -475,6 +480,9 @@ class PostgresCompactionStore:
                     event: ContextEvent) -> tuple[CompactionResult, bool]:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
+            # the session's row first (see _pin: a record claimed anew takes no lock of it)
+            await conn.fetchval(queries.SESSION_INCARNATION, tenant_id, session_id,
+                                timeout=self._timeout)
             with _session_required(tenant_id, session_id):  # erased since it was loaded
                 claimed = await conn.fetchval(
                     queries.CLAIM_COMPACTION, tenant_id, idempotency_key, session_id,

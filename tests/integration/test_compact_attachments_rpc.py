@@ -1,0 +1,40 @@
+"""Compact over gRPC counts a replaced message's attachments as Build charged them."""
+
+from __future__ import annotations
+
+import pytest
+from context_engine.v1 import context_engine_pb2 as pb
+
+from tests.integration.requests import build_request, item, plan_request
+
+pytestmark = pytest.mark.integration
+
+
+def history() -> list[pb.ConversationItem]:
+    pdf = pb.Attachment(kind=pb.ATTACHMENT_KIND_PDF, name="c.pdf", ref="artifact:a/1", pages=12)
+    return [item("u1", 1, run="run-0", user=pb.UserMessage(text="Review the contract",
+                                                           attachments=[pdf])),
+            item("a1", 2, run="run-0", assistant=pb.AssistantMessage(text="Done.")),
+            item("u2", 3, run="run-0", user=pb.UserMessage(text="thanks")),
+            item("a2", 4, run="run-0", assistant=pb.AssistantMessage(text="ok " * 2000)),
+            item("u3", 5, run="run-1", user=pb.UserMessage(text="next"))]
+
+
+def test_compact_frees_what_build_charged_for_an_attachment(stub, ids):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-4o")))
+    with_pdf = stub.Build(build_request(tenant, session, items=history()))
+    plain = history()
+    del plain[0].user.attachments[:]
+    charged = (with_pdf.estimated_input_tokens
+               - stub.Build(build_request(tenant, session, items=plain)).estimated_input_tokens)
+    assert charged > 80_000  # twelve pages
+    req = pb.CompactRequest(tenant_id=tenant, session_id=session, reason="budget_pressure",
+                            idempotency_key="k", tokens_to_free=5_000,
+                            checkpoint=pb.Checkpoint(active_run_id="run-1", items=history()))
+    resp = stub.Compact(req)
+    assert resp.compacted and list(resp.replaced_item_ids)[:1] == ["u1"]
+    assert "a2" not in resp.replaced_item_ids  # the PDF alone frees the 5,000 asked
+    assert resp.tokens_before >= charged
+    kinds = [e.kind for e in resp.summary.elided]
+    assert kinds == ["attachment.pdf"]
