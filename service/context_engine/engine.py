@@ -1104,7 +1104,16 @@ class Engine:
             # miss, not a leak, so only the later ones measure the prefix ratio.
             # A request holds no more prefix than its whole input: the plan's count is an
             # upper bound (tools framed conservatively), so a request cached whole reads 1.
-            prefix = min(loaded.plan.prefix_tokens, report.input_tokens)
+            # Where the count is itself an estimate (Claude, Gemini: cl100k_base x 1.3), it is
+            # taken to the provider's tokens by this report's own ratio of actual to estimated
+            # input: unscaled, a prefix read whole from the cache read about 1 / 1.3, under the
+            # alert's 0.9, in every session whose history the cache did not hold.
+            prefix = float(loaded.plan.prefix_tokens)
+            if not prefix_exact(spec) and report.estimated_input_tokens:
+                prefix = (prefix_cost(loaded.plan.prefix_tokens, report.estimator_factor,
+                                      exact=False)
+                          * report.input_tokens / report.estimated_input_tokens)
+            prefix = min(prefix, report.input_tokens)
             if earlier.reports_before and prefix:
                 self._metrics.cached_prefix_ratio.observe(
                     min(report.cached_tokens / prefix, 1.0))

@@ -632,6 +632,43 @@ def test_a_request_cached_whole_reads_a_whole_prefix(stub, ids, server):
     assert after[1] - before[1] == 1 and after[0] - before[0] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("model_id", ["claude-sonnet-4-5", "gemini-2.5-pro"])
+def test_a_prefix_read_whole_from_the_cache_reads_whole_where_its_count_is_an_estimate(
+        stub, ids, server, model_id):
+    """The plan counts a Claude or Gemini prefix as cl100k_base x 1.3: a request whose prefix
+    alone the cache held (its history not: the cut moved) read about 0.77, under the alert's
+    0.9, though the prefix was read whole. The provider's tokens are taken here as
+    cl100k_base's own count of the body (the least either counts)."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id=model_id)))
+    registry = server.registry
+
+    def sample(name: str) -> float:
+        return registry.get_sample_value(name) or 0.0
+    before = (sample("context_engine_cached_prefix_ratio_sum"),
+              sample("context_engine_cached_prefix_ratio_count"))
+    items = long_history(3, size=200)
+    for turn in range(2):
+        built = stub.Build(build_request(tenant, session, items))
+        fmt = mapping_format(built.provider_format)
+        body = json.loads(built.provider_body_json)
+        total = count_body(body, fmt, model_id)
+        bare = {**body, ("contents" if fmt == "gemini_generate_content" else "messages"): []}
+        prefix = count_body(bare, fmt, model_id)  # system and tools: what the cache held
+        assert prefix < built.prefix_tokens  # the plan's count is over the provider's
+        stub.ReportUsage(_report(tenant, session, f"p{turn}", built.estimated_input_tokens,
+                                 total, factor=built.estimator_factor, cached=prefix))
+    after = (sample("context_engine_cached_prefix_ratio_sum"),
+             sample("context_engine_cached_prefix_ratio_count"))
+    assert after[1] - before[1] == 1  # the epoch's first report wrote the cache
+    assert after[0] - before[0] >= 0.9
+
+
+def mapping_format(value: int) -> str:
+    from context_engine.api import mapping
+    return mapping.FORMAT_FROM_PB[value]
+
+
 def test_a_usage_retry_after_a_model_routed_rotation_names_the_model_it_was_counted_for(
         stub, ids):
     """A retried ReportUsage answers its first call's factors; it named the new plan's model
