@@ -15,6 +15,16 @@ def _interrupted_while_loading(signum: int, frame: object) -> None:
     os._exit(130)
 
 
+class Terminated(BaseException):
+    """SIGTERM before a command installs its own handling of it (a server still starting):
+    raised where the program is, so that what it started (the embedded PostgreSQL) is stopped
+    on the way out, as for Ctrl-C. A BaseException: no ``except Exception`` swallows it."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def _the_program() -> bool:
     """Whether this process is context-engine itself: ``python -m context_engine`` (its
     ``__main__`` module is ours), or the console script (a ``__main__`` of no module, named
@@ -110,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     for Ctrl-C, exit 130."""
     if signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # loaded: caught below
+    if _the_program() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)  # until serve handles it: caught below
     try:
         code = _main(argv)
         sys.stdout.flush()  # inside: a pipe closed meanwhile fails here, not at exit
@@ -123,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         # one line, and the shell's code for SIGINT, not a traceback
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:  # SIGTERM alike: what was started stops on the way out (atexit)
+        print(f"{PROG}: terminated", file=sys.stderr)
+        return 143
 
 
 def _unreachable(exc: DatabaseUnreachable, config: Config) -> str:

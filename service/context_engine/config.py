@@ -57,6 +57,9 @@ def addr_problem(addr: str) -> str | None:
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit():
         return "is not host:port"
+    if not host:  # gRPC refuses an empty host (after start-up, with a traceback)
+        return (f"has no host: write 0.0.0.0:{port} or [::]:{port} (every interface) or "
+                f"127.0.0.1:{port} (this machine)")
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         # "::1:5005" is read here as ::1 port 5005, while gRPC does not read it so (it fails
         # to bind it as a name): what is checked (loopback, free) must be what is bound
@@ -79,7 +82,7 @@ def split_addr(addr: str) -> tuple[str, int]:
     if problem is not None:
         raise ConfigError(f"address {addr!r} {problem}")
     host, _, port = addr.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    return host.strip("[]"), int(port)
 
 
 # Where a container sees its own cgroup (cgroup namespaces; Docker and Kubernetes mount it so).
@@ -393,6 +396,9 @@ class Config(BaseSettings):
             found.append(f"CE_MODEL_CATALOG={str(self.model_catalog)!r} is not a readable file")
         if not self.assets_dir.is_dir():
             found.append(f"CE_ASSETS_DIR={str(self.assets_dir)!r} is not a directory")
+        if self.database_url is None and self.data_dir.exists() and not self.data_dir.is_dir():
+            found.append(f"CE_DATA_DIR={str(self.data_dir)!r} is not a directory (the embedded "
+                         "PostgreSQL keeps its data under it)")
         return found
 
     def migration_problems(self) -> list[str]:
@@ -403,6 +409,12 @@ class Config(BaseSettings):
         if not any(self.migrations_dir.glob("*.sql")):
             return [f"CE_MIGRATIONS_DIR={str(self.migrations_dir)!r} holds no migration "
                     "(*.sql): a database migrated from it would hold no tables"]
+        from context_engine.adapters.postgres.migrate import discover
+
+        try:
+            discover(self.migrations_dir)
+        except (ValueError, OSError) as exc:  # a misnamed, unreadable or twice-numbered file
+            return [f"CE_MIGRATIONS_DIR={str(self.migrations_dir)!r}: {exc}"]
         return []
 
     def validate_migrations(self) -> None:

@@ -262,3 +262,45 @@ def test_ctrl_c_while_the_server_starts_prints_no_traceback(after):
     assert proc.returncode in (0, 130, -signal.SIGINT), (proc.returncode, err)
     if proc.returncode != 0:
         assert err.strip().endswith("context-engine: interrupted"), err
+
+
+def _postgres_of(data_dir: Path) -> list[str]:
+    found = subprocess.run(["pgrep", "-af", f"postgres -D {data_dir}"], capture_output=True,
+                           text=True).stdout.split("\n")
+    return [line for line in found if line.strip() and "pgrep" not in line]
+
+
+@pytest.mark.parametrize("after", [0.0, 0.3])
+def test_sigterm_while_the_server_starts_stops_the_embedded_database(after):
+    """SIGTERM while the embedded database starts or the migrations run (before the server
+    installs its own handling) killed the process outright: the embedded PostgreSQL stayed up,
+    and its handle list kept the dead pid, so no later clean stop stopped it again."""
+    data_dir = Path(tempfile.mkdtemp(prefix="ce-data-"))
+    env = {**os.environ, "DATABASE_URL": "", "CE_DATA_DIR": str(data_dir), "CE_WORKERS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "context_engine", "serve", "--dev",
+                             "--grpc-addr", "127.0.0.1:0", "--metrics-addr", ""],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        # once the embedded database runs ("after" seconds later), before the server serves
+        deadline = time.monotonic() + 60
+        while not (data_dir / "pg" / "postmaster.pid").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        time.sleep(after)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        deadline = time.monotonic() + 10
+        while _postgres_of(data_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _postgres_of(data_dir)
+    finally:
+        proc.kill()
+        for line in _postgres_of(data_dir):  # never leave one behind, whatever failed
+            os.kill(int(line.split()[0]), signal.SIGQUIT)
+        shutil.rmtree(data_dir, ignore_errors=True)
+    assert "Traceback" not in err + out, err
+    # terminated while starting (143), or stopped as a server stops
+    assert proc.returncode in (0, 143), (proc.returncode, err)
+    if proc.returncode == 143:
+        assert err.strip().endswith("context-engine: terminated"), err
+    assert not left, left

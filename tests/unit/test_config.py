@@ -119,6 +119,10 @@ def test_booleans(raw: str, value: bool):
     ({"CE_DEV_MODE": "t"}, "CE_DEV_MODE='t' is not a boolean"),
     ({"CE_GRPC_ADDR": "localhost"}, "CE_GRPC_ADDR='localhost' is not host:port"),
     ({"CE_METRICS_ADDR": "9464"}, "CE_METRICS_ADDR='9464' is not host:port"),
+    # gRPC refused it after the database had started and migrated, with a traceback
+    ({"CE_GRPC_ADDR": ":53204"}, "CE_GRPC_ADDR=':53204' has no host: write 0.0.0.0:53204 or "
+                                 "[::]:53204 (every interface) or 127.0.0.1:53204"),
+    ({"CE_METRICS_ADDR": ":9464"}, "CE_METRICS_ADDR=':9464' has no host"),
     # read as ::1 (a loopback) port 5005 here, not so by gRPC
     ({"CE_GRPC_ADDR": "::1:5005", "CE_DEV_MODE": "1"},
      "CE_GRPC_ADDR='::1:5005' holds an IPv6 host out of brackets: write [::1]:5005"),
@@ -228,6 +232,33 @@ def test_serve_and_migrate_need_the_migrations_and_nothing_else_does(directory: 
             check()
         assert said in str(caught.value)
     Config.from_env({"CE_MIGRATIONS_DIR": directory}).validate()
+
+
+@pytest.mark.parametrize(("files", "said"), [
+    ({"0001_a.sql": "", "0008_Add-Index.sql": ""},
+     "migration file 0008_Add-Index.sql is not named NNNN_description.sql"),
+    ({"0001_a.sql": "", "0007_b.sql": "", "0007_c.sql": ""}, "duplicate migration numbers")])
+def test_a_misnamed_or_twice_numbered_migration_is_a_configuration_error(
+        tmp_path: Path, files: dict[str, str], said: str):
+    """Both ended serve, migrate and migrate --status in a traceback."""
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    config = Config.from_env({"CE_MIGRATIONS_DIR": str(tmp_path), "CE_DEV_MODE": "1"})
+    with pytest.raises(ConfigError) as caught:
+        config.validate_migrations()
+    assert f"CE_MIGRATIONS_DIR={str(tmp_path)!r}: " in str(caught.value)
+    assert said in str(caught.value)
+
+
+def test_a_data_dir_that_is_a_file_is_a_configuration_error(tmp_path: Path):
+    """The embedded PostgreSQL's mkdir ended serve and migrate in NotADirectoryError."""
+    data = tmp_path / "data"
+    data.write_text("")
+    with pytest.raises(ConfigError, match="CE_DATA_DIR=.* is not a directory"):
+        Config.from_env({"CE_DATA_DIR": str(data), "CE_DEV_MODE": "1"}).validate()
+    # a database URL of its own does not use it
+    Config.from_env({"CE_DATA_DIR": str(data), "CE_DEV_MODE": "1",
+                     "DATABASE_URL": "postgresql://u@127.0.0.1:5432/db"}).validate()
 
 
 def _tls(tmp_path: Path, **files: str | Path) -> Config:
