@@ -254,7 +254,7 @@ def test_a_data_dir_that_is_a_file_is_a_configuration_error(tmp_path: Path):
     """The embedded PostgreSQL's mkdir ended serve and migrate in NotADirectoryError."""
     data = tmp_path / "data"
     data.write_text("")
-    with pytest.raises(ConfigError, match="CE_DATA_DIR=.* is not a directory"):
+    with pytest.raises(ConfigError, match=r"CE_DATA_DIR=.* is not a directory"):
         Config.from_env({"CE_DATA_DIR": str(data), "CE_DEV_MODE": "1"}).validate()
     # a database URL of its own does not use it
     Config.from_env({"CE_DATA_DIR": str(data), "CE_DEV_MODE": "1",
