@@ -294,6 +294,40 @@ def _command(args: argparse.Namespace) -> int:
         return 1
 
 
+def _serve(args: argparse.Namespace, config: Config) -> int:
+    """``serve``: the addresses checked and held, then one process or a supervisor."""
+    from context_engine.api.workers import WORKER_ENV, hold_address, port_taken, supervise
+
+    if WORKER_ENV not in os.environ:  # a worker binds the port its supervisor holds
+        # named as the operator gave it: a flag, else its variable
+        for setting, addr in (
+                ("--grpc-addr" if getattr(args, "grpc_addr", None) else "CE_GRPC_ADDR",
+                 config.grpc_addr),
+                ("--metrics-addr" if getattr(args, "metrics_addr", None) is not None
+                 else "CE_METRICS_ADDR", config.metrics_addr)):
+            if not addr:
+                continue
+            host, port = split_addr(addr)
+            # held from here until the server stops: another server starting meanwhile is
+            # refused here, though its port check and this one both found the port free
+            taken = hold_address(host, port) or port_taken(host, port)
+            if taken is not None:
+                hint = ("is a server already running there? Stop it, or choose another "
+                        "address" if taken.errno == errno.EADDRINUSE else
+                        "choose an address this machine can bind")
+                print(f"{PROG}: cannot serve on {addr} ({setting}): "
+                      f"{taken.strerror or taken}; {hint}", file=sys.stderr)
+                return 2
+    count = config.worker_count()
+    if count > 1 and WORKER_ENV not in os.environ:
+        passed = ["--dev"] if getattr(args, "dev", False) else []
+        return asyncio.run(supervise(config, count, passed))
+    from context_engine.api.server import serve
+
+    asyncio.run(serve(config))
+    return 0
+
+
 def _run(args: argparse.Namespace, config: Config) -> int:
     from context_engine.api.workers import WORKER_ENV
     from context_engine.telemetry.logs import log
@@ -308,34 +342,12 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         for line in unknown_variables(os.environ):
             log("unknown_variable", logging.WARNING, problem=line)
     if args.command == "serve":
-        from context_engine.api.workers import port_taken, supervise
+        from context_engine.api.workers import release_addresses
 
-        if WORKER_ENV not in os.environ:  # a worker binds the port its supervisor holds
-            # named as the operator gave it: a flag, else its variable
-            for setting, addr in (
-                    ("--grpc-addr" if getattr(args, "grpc_addr", None) else "CE_GRPC_ADDR",
-                     config.grpc_addr),
-                    ("--metrics-addr" if getattr(args, "metrics_addr", None) is not None
-                     else "CE_METRICS_ADDR", config.metrics_addr)):
-                if not addr:
-                    continue
-                host, port = split_addr(addr)
-                taken = port_taken(host, port)
-                if taken is not None:
-                    hint = ("is a server already running there? Stop it, or choose another "
-                            "address" if taken.errno == errno.EADDRINUSE else
-                            "choose an address this machine can bind")
-                    print(f"{PROG}: cannot serve on {addr} ({setting}): "
-                          f"{taken.strerror or taken}; {hint}", file=sys.stderr)
-                    return 2
-        count = config.worker_count()
-        if count > 1 and WORKER_ENV not in os.environ:
-            passed = ["--dev"] if getattr(args, "dev", False) else []
-            return asyncio.run(supervise(config, count, passed))
-        from context_engine.api.server import serve
-
-        asyncio.run(serve(config))
-        return 0
+        try:
+            return _serve(args, config)
+        finally:
+            release_addresses()
     if args.command == "migrate":
         if args.status:
             return asyncio.run(_migration_status(config))

@@ -479,7 +479,7 @@ class Config(BaseSettings):
         only where no one else can connect, and TLS files that load."""
         self.validate()
         _raise(self.migration_problems() + self.tls_problems())
-        # The host as written: gRPC binds every interface for an empty one (":50051").
+        # The host as written (an empty one, ":50051", is refused as no host at all).
         host = self.grpc_addr.rpartition(":")[0].strip("[]")
         tokens = self.auth_tokens_file is not None or self.auth_db_tokens
         if self.dev_mode:

@@ -304,3 +304,44 @@ def test_sigterm_while_the_server_starts_stops_the_embedded_database(after):
     if proc.returncode == 143:
         assert err.strip().endswith("context-engine: terminated"), err
     assert not left, left
+
+
+def test_two_servers_started_together_on_one_address_are_never_both_served():
+    """Each checked the port before its seconds of start-up (the embedded database, the
+    migrations): both found it free, both bound it with SO_REUSEPORT, and the kernel spread
+    the connections over two servers with two databases (3 of 10 calls found the plan)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dirs = [Path(tempfile.mkdtemp(prefix="ce-data-")) for _ in range(2)]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "context_engine", "serve", "--dev", "--grpc-addr",
+         f"127.0.0.1:{port}", "--metrics-addr", ""], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "DATABASE_URL": "", "CE_DATA_DIR": str(d), "CE_WORKERS": "1"})
+        for d in dirs]
+    try:
+        deadline = time.monotonic() + 60
+        while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the other, had it been refused too, has said so by now
+        refused = [p for p in procs if p.poll() is not None]
+        assert len(refused) == 1, [p.poll() for p in procs]
+        (loser,) = refused
+        (winner,) = [p for p in procs if p is not loser]
+        _, err = loser.communicate(timeout=10)
+        assert loser.returncode == 2, err
+        assert f"cannot serve on 127.0.0.1:{port} (--grpc-addr)" in err, err
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=60)
+        winner.send_signal(signal.SIGTERM)
+        winner.communicate(timeout=60)
+        assert winner.returncode == 0
+    finally:
+        for p in procs:
+            p.kill()
+        for d in dirs:
+            for line in _postgres_of(d):
+                os.kill(int(line.split()[0]), signal.SIGQUIT)
+            shutil.rmtree(d, ignore_errors=True)
+

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -78,6 +80,43 @@ def port_taken(host: str, port: int) -> OSError | None:
     except OSError as exc:
         return exc
     return None
+
+
+_HELD: list[int] = []  # the lock files' descriptors, held until the process exits
+
+
+def hold_address(host: str, port: int) -> OSError | None:
+    """An exclusive lock on ``host:port`` among this machine's servers, held until the server
+    stops (``release_addresses``) or its process exits (its workers do not inherit it), or why
+    not: another server holds it (EADDRINUSE).
+
+    ``port_taken`` sees a port only once a server listens on it, seconds into its start-up
+    (the embedded database, the migrations): two servers started together both found it free
+    and both bound it, sharing its connections with ``SO_REUSEPORT``. Port 0 takes a port of
+    its own and is not locked; nor is anything where the lock file cannot be made (another
+    user's directory): the bind check still stands."""
+    if port == 0:
+        return None
+    directory = Path(tempfile.gettempdir()) / "context-engine-addresses"
+    name = "".join(c if c.isalnum() or c in ".-" else "_" for c in host) or "any"
+    try:
+        directory.mkdir(mode=0o1777, exist_ok=True)
+        fd = os.open(directory / f"{name}-{port}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
+    _HELD.append(fd)
+    return None
+
+
+def release_addresses() -> None:
+    """Lets go of every address ``hold_address`` holds (a server that has stopped)."""
+    while _HELD:
+        os.close(_HELD.pop())
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
