@@ -240,15 +240,20 @@ def test_sigterm_drains_then_stops_gracefully(database_url):
     assert events.index("stopping") < events.index("stopped")
 
 
+def _embedded_serve(data_dir: Path, grpc_addr: str = "127.0.0.1:0") -> subprocess.Popen[str]:
+    """``serve --dev``, one process, on its own embedded database under ``data_dir``."""
+    env = {**os.environ, "DATABASE_URL": "", "CE_DATA_DIR": str(data_dir), "CE_WORKERS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "context_engine", "serve", "--dev",
+                             "--grpc-addr", grpc_addr, "--metrics-addr", ""],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+
+
 @pytest.mark.parametrize("after", [0.3, 1.0, 2.0])
 def test_ctrl_c_while_the_server_starts_prints_no_traceback(after):
     """SIGINT while the embedded database starts or the migrations run (before the server
     installs its own handling) printed a KeyboardInterrupt traceback of 35-52 lines."""
     data_dir = Path(tempfile.mkdtemp(prefix="ce-data-"))
-    env = {**os.environ, "DATABASE_URL": "", "CE_DATA_DIR": str(data_dir), "CE_WORKERS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "context_engine", "serve", "--dev",
-                             "--grpc-addr", "127.0.0.1:0", "--metrics-addr", ""],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    proc = _embedded_serve(data_dir)
     try:
         time.sleep(after)
         proc.send_signal(signal.SIGINT)
@@ -276,10 +281,7 @@ def test_sigterm_while_the_server_starts_stops_the_embedded_database(after):
     installs its own handling) killed the process outright: the embedded PostgreSQL stayed up,
     and its handle list kept the dead pid, so no later clean stop stopped it again."""
     data_dir = Path(tempfile.mkdtemp(prefix="ce-data-"))
-    env = {**os.environ, "DATABASE_URL": "", "CE_DATA_DIR": str(data_dir), "CE_WORKERS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "context_engine", "serve", "--dev",
-                             "--grpc-addr", "127.0.0.1:0", "--metrics-addr", ""],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    proc = _embedded_serve(data_dir)
     try:
         # once the embedded database runs ("after" seconds later), before the server serves
         deadline = time.monotonic() + 60
@@ -314,12 +316,7 @@ def test_two_servers_started_together_on_one_address_are_never_both_served():
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     dirs = [Path(tempfile.mkdtemp(prefix="ce-data-")) for _ in range(2)]
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "context_engine", "serve", "--dev", "--grpc-addr",
-         f"127.0.0.1:{port}", "--metrics-addr", ""], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "DATABASE_URL": "", "CE_DATA_DIR": str(d), "CE_WORKERS": "1"})
-        for d in dirs]
+    procs = [_embedded_serve(d, f"127.0.0.1:{port}") for d in dirs]
     try:
         deadline = time.monotonic() + 60
         while all(p.poll() is None for p in procs) and time.monotonic() < deadline:

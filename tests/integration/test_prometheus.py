@@ -231,6 +231,7 @@ class Session:
     channel: grpc.Channel
     epoch: int = 0
     prefix_tokens: int = 0
+    approximate: bool = False  # the plan's prefix count is an estimate (another encoding x)
     reports: int = 0  # counted in the current epoch
     last_input: int = 0
 
@@ -271,6 +272,7 @@ class Script:
         assert plan.reason == reason and plan.epoch == s.epoch + 1, (plan.reason, plan.epoch)
         self.truth.epochs[reason] += 1
         s.epoch, s.prefix_tokens, s.reports, s.last_input = plan.epoch, plan.prefix_tokens, 0, 0
+        s.approximate = " x" in plan.tokenizer  # "cl100k_base x1.3": Claude's, Gemini's
 
     def open(self, model: pb.ModelSpec) -> Session:
         s = Session(f"s-{uuid.uuid4().hex[:8]}", model, channel(self.address))
@@ -344,9 +346,11 @@ class Script:
         assert resp.error_ratio == pytest.approx((input_tokens - estimated) / input_tokens)
         self.truth.factors[family] = resp.correction_factor
         if s.reports:  # the epoch's first report is a necessary miss: not a prefix ratio
-            # a request holds no more prefix than its whole input
-            self.truth.prefix_ratios.append(
-                min(cached / min(s.prefix_tokens, input_tokens), 1.0))
+            # a request holds no more prefix than its whole input; an estimated prefix count is
+            # taken to the provider's tokens as the report's estimate was (factor 1.0 here)
+            prefix = (s.prefix_tokens * input_tokens / estimated if s.approximate
+                      else s.prefix_tokens)
+            self.truth.prefix_ratios.append(min(cached / min(prefix, input_tokens), 1.0))
         if s.last_input:
             self.truth.input_ratios.append(min(cached / s.last_input, 1.0))
         s.reports += 1
