@@ -120,8 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     for Ctrl-C, exit 130."""
     if signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # loaded: caught below
-    if _the_program() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _terminated)  # until serve handles it: caught below
+    from context_engine.api.workers import WORKER_ENV
+
+    # until serve handles it: caught below. Not in a worker, which starts nothing that
+    # outlives it (its supervisor owns the embedded database) and is stopped at once.
+    if (_the_program() and WORKER_ENV not in os.environ
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         code = _main(argv)
         sys.stdout.flush()  # inside: a pipe closed meanwhile fails here, not at exit
