@@ -323,7 +323,8 @@ class Config(BaseSettings):
         try:
             config = cls(**values)
         except ValidationError as exc:
-            raise ConfigError("; ".join([_message(exc, values), *otel])) from None
+            raise ConfigError("; ".join([_message(exc, values), *_also(cls, exc, values),
+                                         *otel])) from None
         if otel:
             raise ConfigError("; ".join(otel))
         return config
@@ -562,6 +563,25 @@ def unknown_variables(env: Mapping[str, str]) -> list[str]:
 
 def _shown(name: str, raw: object) -> str:
     return repr(MASK) if name in SECRETS else repr(redacted(name, raw))
+
+
+def _also(cls: type[Config], exc: ValidationError, values: Mapping[str, Any]) -> list[str]:
+    """The settings-together and file problems a variable's own error hid (pydantic checks the
+    settings together only once every one is valid): those of the other variables as given,
+    the bad ones at their defaults; one naming a bad variable is left to that one's error."""
+    bad = {str(e["loc"][0]) for e in exc.errors() if e["loc"]}
+    if not bad:
+        return []
+    try:
+        cls(**{name: value for name, value in values.items() if name not in bad})
+    except ValidationError as rest:
+        names = variables()
+        hidden = {names.get(name, name) for name in bad}
+        return [problem for error in rest.errors(include_input=False, include_url=False)
+                if not error["loc"]
+                for problem in str((error.get("ctx") or {}).get("problem", "")).split("; ")
+                if problem and not any(variable in problem for variable in hidden)]
+    return []
 
 
 def _message(exc: ValidationError, values: Mapping[str, Any]) -> str:

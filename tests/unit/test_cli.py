@@ -147,8 +147,10 @@ def test_config_exits_2_on_a_bad_environment_without_showing_secrets(env, capsys
     env.setenv("CE_SUMMARIZER_URL", "https://llm.internal/v1")
     code, out, err = run(capsys, "config")
     assert code == 2 and not out
+    # every problem in one error: the variable's own, then what the settings together lack
     assert err == ("context-engine: configuration error: CE_WORKERS='all of them' is not an "
-                   "integer\n")
+                   "integer; CE_SUMMARIZER_URL is set without CE_SUMMARIZER_MODEL\n")
+    assert SECRET not in err
     env.delenv("CE_WORKERS")
     code, out, err = run(capsys, "config", "--json")
     assert code == 2 and not out

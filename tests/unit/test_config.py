@@ -261,6 +261,31 @@ def test_a_data_dir_that_is_a_file_is_a_configuration_error(tmp_path: Path):
                      "DATABASE_URL": "postgresql://u@127.0.0.1:5432/db"}).validate()
 
 
+@pytest.mark.parametrize(("env", "said"), [
+    ({"CE_GRPC_ADDR": "127.0.0.1:99999", "CE_WORKERS": "x"},
+     ["CE_WORKERS='x' is not an integer", "CE_GRPC_ADDR='127.0.0.1:99999': port 99999 is "
+      "above 65535"]),
+    ({"CE_MODEL_CATALOG": "/nonexistent", "CE_ASSETS_DIR": "/nonexistent",
+      "CE_GRACE_SECONDS": "-1"},
+     ["CE_GRACE_SECONDS='-1' must be positive",
+      "CE_MODEL_CATALOG='/nonexistent' is not a readable file",
+      "CE_ASSETS_DIR='/nonexistent' is not a directory"])])
+def test_a_bad_variable_hides_no_other_problem(env: dict[str, str], said: list[str]):
+    """pydantic checks the settings together only once each is valid: a bad variable hid a
+    port over 65535 and files that do not exist, though the README says every bad variable
+    is named in one error."""
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env(env)
+    assert str(caught.value).split("; ") == said
+
+
+def test_a_problem_naming_a_bad_variable_is_left_to_that_variables_own_error():
+    """A bad CE_GRPC_ADDR is one error, not also a port check of its default."""
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env({"CE_GRPC_ADDR": "nowhere", "CE_METRICS_ADDR": "127.0.0.1:50051"})
+    assert str(caught.value) == "CE_GRPC_ADDR='nowhere' is not host:port"
+
+
 def _tls(tmp_path: Path, **files: str | Path) -> Config:
     env = {"CE_AUTH_TOKENS_FILE": str(tmp_path / "tokens.json")}
     (tmp_path / "tokens.json").write_text("[]")
