@@ -121,3 +121,25 @@ def test_text_dense_in_look_alikes_escapes_in_about_the_time_of_plain_text() -> 
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_run_of_tag_lt_is_passed_over_without_a_scan_each(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """A tag "<" (U+E003C) followed by another settles its only reading (the decoded one):
+    each was scanned on its own, about a microsecond a character (16 MiB of them, 4.6 s of one
+    event loop). Counted, not timed: only the last of a run is looked at."""
+    scanned: list[int] = []
+    opens = E._opens_delimiter
+
+    def counted(text: str, start: int, fold: int = E.FOLD) -> bool:
+        scanned.append(start)
+        return opens(text, start, fold)
+
+    monkeypatch.setattr(E, "_opens_delimiter", counted)
+    run = "\U000e003c" * 10_000
+    assert E.escape_general(run + "x") == run + "x"
+    assert len(scanned) <= 1
+    scanned.clear()
+    marker = run + "\U000e002f\U000e0075ntrusted:0123456789abcdef>"
+    assert E.escape_general(marker) == run[:-1] + "&lt;" + marker[len(run):]
+    assert scanned == [len(run) - 1]

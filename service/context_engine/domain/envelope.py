@@ -287,7 +287,14 @@ def _candidates(fold: int) -> re.Pattern[str]:
     lt = _LT_SETS[fold]
     settling = "".join(sorted(_CANNOT_OPEN[fold])) + "".join(
         c for c in lt if _step("", c, fold) is False and _step("", c, fold, True) is False)
-    return re.compile(f"[{re.escape(lt)}](?![{re.escape(settling)}])")
+    if _TAG_LT not in lt:
+        return re.compile(f"[{re.escape(lt)}](?![{re.escape(settling)}])")
+    # a tag "<" opens only the decoding reading: what settles that one settles it (a run of
+    # tag "<" among them, passed over in one regex step as a run of "<" is)
+    decoded = settling + "".join(c for c in lt if _step("", c, fold, True) is False)
+    others = "".join(c for c in lt if c != _TAG_LT)
+    return re.compile(f"[{re.escape(others)}](?![{re.escape(settling)}])"
+                      f"|{re.escape(_TAG_LT)}(?![{re.escape(decoded)}])")
 
 
 _CANDIDATES = {fold: _candidates(fold) for fold in FOLDS}
