@@ -1110,9 +1110,7 @@ class Engine:
             # alert's 0.9, in every session whose history the cache did not hold.
             prefix = float(loaded.plan.prefix_tokens)
             if not prefix_exact(spec) and report.estimated_input_tokens:
-                prefix = (prefix_cost(loaded.plan.prefix_tokens, report.estimator_factor,
-                                      exact=False)
-                          * report.input_tokens / report.estimated_input_tokens)
+                prefix = least * report.input_tokens / report.estimated_input_tokens
             prefix = min(prefix, report.input_tokens)
             if earlier.reports_before and prefix:
                 self._metrics.cached_prefix_ratio.observe(

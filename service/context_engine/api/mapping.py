@@ -66,7 +66,7 @@ from context_engine.domain.items import (
     WorkingFact,
     WorkingState,
     WorkingTask,
-    breaks_line,
+    bad_reference,
     labels,
     splits_line,
 )
@@ -447,13 +447,9 @@ _ITEM_TRUST = {ceiling: {value: level for value, level in TRUST_FROM_PB.items()
                for ceiling in (TrustLevel.USER, TrustLevel.TRUSTED_CONFIGURATION)}
 
 
-def _bad_reference(value: str) -> bool:
-    """What ``_reference`` refuses: too long, or a character that breaks or hides part of a
-    line of platform text (a pointer line prints ids and references as the platform's own
-    words): a control character (C0, DEL, C1 such as NEL), a format character (bidi controls,
-    zero-width ones) or a line or paragraph separator. Printable ASCII has none, so only other
-    text is searched. Checkpoint items are checked with it inline."""
-    return len(value) > MAX_ID_LENGTH or breaks_line(value)
+# What ``_reference`` refuses (checkpoint items are checked with it inline): the domain's rule,
+# which a summary's pointers keep to as well.
+_bad_reference = bad_reference
 
 
 def _item(v: Violations, field: str, it: pb.ConversationItem) -> ConversationItem:

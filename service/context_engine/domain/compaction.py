@@ -50,7 +50,6 @@ from context_engine.domain.errors import (
     NothingToCompact,
 )
 from context_engine.domain.history import floor_index, trailing_start, units
-from context_engine.domain.identifiers import identifier_problem
 from context_engine.domain.items import (
     SUMMARY_CONSTRAINTS_HEADER,
     SUMMARY_ELIDED_HEADER,
@@ -67,6 +66,7 @@ from context_engine.domain.items import (
     WorkingState,
     attachment_pointer_kind,
     attachment_size,
+    bad_reference,
     labels,
 )
 from context_engine.domain.request import Attachment, Message
@@ -264,8 +264,7 @@ def attachment_spans(item: ConversationItem) -> tuple[ElidedSpan, ...]:
     label = lowest([item.item_trust, TrustLevel.USER], TrustLevel.USER)
     return tuple(ElidedSpan(item_id=item.id, trust_level=label,
                             byte_length=attachment_size(a),
-                            artifact_ref=(a.ref if a.ref and not identifier_problem(a.ref)
-                                          else None),
+                            artifact_ref=a.ref if a.ref and not bad_reference(a.ref) else None,
                             event_id=item.sequence, kind=attachment_pointer_kind(a))
                  for a in item.attachments)
 

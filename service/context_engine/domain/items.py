@@ -17,6 +17,7 @@ from typing import ClassVar
 from context_engine.domain.canonical import canonical_json
 from context_engine.domain.envelope import FOLD, envelope, escape_content
 from context_engine.domain.errors import AssemblyError
+from context_engine.domain.identifiers import MAX_ID_LENGTH
 from context_engine.domain.model import (
     MemorySnapshot,
     Persona,
@@ -59,6 +60,15 @@ def breaks_line(text: str) -> bool:
     holds none, so only other text is searched)."""
     return not (text.isascii() and text.isprintable()) and any(
         unicodedata.category(c) in _NOT_ONE_LINE for c in text)
+
+
+def bad_reference(value: str) -> bool:
+    """Whether ``value`` cannot be an id or reference a pointer line prints as the platform's
+    own words: too long, or a character that breaks or hides part of a line (a control
+    character, C0, DEL or C1 such as NEL; a format character, bidi controls and zero-width
+    ones; a line or paragraph separator). The API refuses such ids and references, and a
+    summary that would hold one leaves it out."""
+    return len(value) > MAX_ID_LENGTH or breaks_line(value)
 
 
 # What a pointer line prints as it is: one token of the characters ids and references are

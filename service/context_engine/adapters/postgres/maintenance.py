@@ -39,6 +39,7 @@ from datetime import UTC, date, datetime, timedelta
 import asyncpg
 
 from context_engine.adapters.postgres.errors import UNAVAILABLE
+from context_engine.adapters.postgres.store import KEY_TTL
 from context_engine.clock import Clock
 from context_engine.telemetry.logs import log
 
@@ -99,7 +100,7 @@ class Policy:
 
     retention_days: int = 30
     ahead_days: int = 7
-    key_ttl: timedelta = timedelta(hours=24)
+    key_ttl: timedelta = KEY_TTL
     batch_size: int = 5000
     lock_timeout_seconds: float = 5.0
     # DDL holds up every insert of the table while it waits: short waits, tried again
