@@ -326,3 +326,33 @@ def test_an_update_listing_more_than_the_state_holds_is_refused_before_it_is_app
     applied = stub.UpdateWorkingState(update_request(
         tenant, session, pb.WorkingStateTransition(update=ok)))
     assert applied.change.facts_added == 40  # (the 1,000-token block evicts the oldest)
+
+
+def test_carry_over_three_runs_holds_what_each_run_held(stub, ids):
+    """The runtime's own path: each run seeded by CarryWorkingState, its transitions applied
+    by UpdateWorkingState. A task run 1 completed is gone from run 2, whose call naming it
+    without a title is refused; carried to run 3, the log must not bring the task back."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    log = [
+        pb.WorkingStateEvent(sequence=1, run_id="run-1", transition=pb.WorkingStateTransition(
+            update=pb.WorkingStateUpdate(upsert_tasks=[
+                pb.WorkingTask(id="t1", title="find fares", state="open")]))),
+        pb.WorkingStateEvent(sequence=2, run_id="run-1", transition=pb.WorkingStateTransition(
+            tool_outcome=pb.ToolOutcome(task_id="t1",
+                                        outcome=pb.TOOL_OUTCOME_KIND_SUCCEEDED))),
+        pb.WorkingStateEvent(sequence=4, run_id="run-2", transition=pb.WorkingStateTransition(
+            update=pb.WorkingStateUpdate(upsert_tasks=[
+                pb.WorkingTask(id="t1", state="in_progress")]))),
+    ]
+    seeded = stub.CarryWorkingState(pb.CarryWorkingStateRequest(
+        tenant_id=tenant, session_id=session, seed_event_sequence=3, events=log))
+    assert list(seeded.state.tasks) == []
+    with pytest.raises(grpc.RpcError) as err:  # run 2's call, live
+        stub.UpdateWorkingState(update_request(tenant, session, log[2].transition,
+                                               current=seeded.state, seq=4, run="run-2"))
+    assert set(failure(err.value).violations) == {"transition.update.upsert_tasks[0].title"}
+    carried = stub.CarryWorkingState(pb.CarryWorkingStateRequest(
+        tenant_id=tenant, session_id=session, seed_event_sequence=5, events=log))
+    assert list(carried.state.tasks) == []
+    assert (carried.events_applied, carried.events_skipped) == (2, 1)

@@ -441,3 +441,44 @@ def test_a_constraint_removed_and_set_again_after_untrusted_content_is_not_the_u
     assert HistorySummary(text="", replaced_through_sequence=1, constraints=(c,),
                           constraint_trust=(TrustLevel.MEMORY,)).as_of(
         WorkingState(constraints=(c,))).constraint_trust == (TrustLevel.MEMORY,)
+
+
+# ----------------------------------------------------------------------------- turn boundaries
+
+def test_a_completed_task_does_not_come_back_in_a_later_carry():
+    """Run r1 completes t1, so r2 seeds without it (completed tasks drop at the turn
+    boundary). r2's call naming t1 without a title is refused live (a new task needs one);
+    carried to r3, the same log must not revive t1 by applying that call to r1's
+    completed entry."""
+    events = [
+        LogEvent(sequence=1, run_id="r1", transition=Update(upsert_tasks=(task("t1"),))),
+        LogEvent(sequence=2, run_id="r1", transition=ToolOutcome(task_id="t1",
+                                                                 outcome="succeeded")),
+        LogEvent(sequence=4, run_id="r2", transition=Update(
+            upsert_tasks=(WorkingTask(id="t1", title="", state="in_progress"),))),
+    ]
+    seeded_r2 = carry(events, 3)
+    assert seeded_r2.tasks == ()
+    with pytest.raises(InvalidInput):  # as UpdateWorkingState answers r2's call
+        apply_update(seeded_r2, events[2].transition, run_id="r2", sequence=4)
+    carried = replay(events, 5)
+    assert carried.state.tasks == ()
+    assert (carried.applied, carried.skipped) == (2, 1)
+
+
+def test_an_earlier_runs_next_action_does_not_evict_a_later_runs_facts():
+    """next_action resets at every turn boundary: r1's does not weigh on r2's block while the
+    log is carried, so r2's facts, kept live, are all carried to r3."""
+    long_action = " ".join(["step"] * 40)
+    events = [LogEvent(sequence=1, run_id="r1", transition=Update(next_action=long_action))]
+    events += [LogEvent(sequence=2 + i, run_id="r2",
+                        transition=Update(add_facts=(fact(f"fact number {i} holds"),)))
+               for i in range(6)]
+    live = carry(events, 2, measure=words_measure, token_cap=100)
+    assert live.next_action == ""
+    for e in events[1:]:  # r2 as UpdateWorkingState applies it, under the same ceiling
+        live, _ = apply_update(live, e.transition, run_id=e.run_id, sequence=e.sequence,
+                               measure=words_measure, token_cap=100)
+    assert len(live.facts) == 6
+    carried = carry(events, 100, measure=words_measure, token_cap=100)
+    assert carried.facts == live.facts

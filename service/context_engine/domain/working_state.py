@@ -492,15 +492,35 @@ class Carried:
     tokens: int
 
 
+def turn_boundary(state: WorkingState) -> WorkingState:
+    """The carry rules at a turn boundary: completed tasks drop (they stay in the log),
+    next_action resets; objective (with its superseded record), constraints, facts with their
+    provenance and unanswered questions carry."""
+    return replace(state, tasks=tuple(t for t in state.tasks if t.state != "completed"),
+                   next_action="", next_action_trust=TrustLevel.USER)
+
+
 def replay(events: Sequence[LogEvent], seed_event_sequence: int, *,
            measure: Measure | None = None, token_cap: int = WORKING_STATE_TOKENS) -> Carried:
     """``carry`` with its counts: events applied, and events skipped because their transition
-    failed when made (a failed call changed nothing then, so it changes nothing now)."""
+    failed when made (a failed call changed nothing then, so it changes nothing now).
+
+    Every run seeded from the carry rules, so they apply at every turn boundary of the log,
+    not only at the last: before the first event of each run after the first (a run starts
+    where its id first appears; a later event of an earlier run starts nothing). Each run's
+    events then meet the state that run held, as UpdateWorkingState applied them: a completed
+    task of an earlier run is not there to be upserted again, and an earlier run's next action
+    weighs on no later run's ceiling."""
     state = WorkingState()
     applied = skipped = 0
     ordered = sorted((e for e in events if e.sequence < seed_event_sequence),
                      key=lambda e: e.sequence)
+    runs: set[str] = set()
     for e in ordered:
+        if e.run_id not in runs:
+            if runs:
+                state = turn_boundary(state)
+            runs.add(e.run_id)
         try:
             state, _ = apply_update(state, e.transition, run_id=e.run_id, sequence=e.sequence,
                                     measure=measure, token_cap=token_cap)
@@ -508,11 +528,7 @@ def replay(events: Sequence[LogEvent], seed_event_sequence: int, *,
             skipped += 1
             continue
         applied += 1
-    # The turn boundary: completed tasks drop (they stay in the log), next_action resets;
-    # objective (with its superseded record), constraints, facts with their provenance and
-    # unanswered questions carry.
-    state = replace(state, tasks=tuple(t for t in state.tasks if t.state != "completed"),
-                    next_action="", next_action_trust=TrustLevel.USER)
+    state = turn_boundary(state)  # the new run's own
     tokens = measure(state) if measure is not None and not state.empty else 0
     return Carried(state=state, applied=applied, skipped=skipped, tokens=tokens)
 
