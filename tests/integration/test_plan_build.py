@@ -141,6 +141,35 @@ def test_new_agent_version_rotates_and_same_version_new_content_conflicts(stub, 
     assert rotated.plan.epoch == 2 and rotated.plan.reason == "agent_version_changed"
 
 
+def test_same_version_new_content_conflicts_whatever_else_changes(stub, ids, db):
+    """The same agent version (or persona revision) with other content is a conflict, also
+    in a Plan that rotates for another reason: a new model does not let version 7 hold other
+    instructions, nor a new agent version let persona revision r1 hold other entries."""
+    tenant, session = ids
+    persona = pb.Persona(revision="r1", entries=[pb.PersonaEntry(key="tone", text="Brief.")])
+    stub.Plan(plan_request(tenant, session, persona=persona))
+    before = db.counts(tenant)
+    edited = plan_request(tenant, session, persona=persona,
+                          model=pb.ModelSpec(model_id="gpt-4o-2024-08-06"))
+    edited.agent.instructions = "Something else."
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Plan(edited)
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert f.reason == "PINNED_VERSION_CONFLICT" and f.metadata == {"what": "agent",
+                                                                    "version": "7"}
+    reworded = pb.Persona(revision="r1", entries=[pb.PersonaEntry(key="tone", text="Long.")])
+    bumped = plan_request(tenant, session, persona=reworded)
+    bumped.agent.version = "8"
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Plan(bumped)
+    assert failure(err.value).metadata == {"what": "persona", "version": "r1"}
+    assert db.counts(tenant) == before  # nothing written
+    edited.agent.instructions = plan_request(tenant, session).agent.instructions
+    rotated = stub.Plan(edited)
+    assert rotated.plan.epoch == 2 and rotated.plan.reason == "model_changed"
+
+
 def test_persona_revision_rotates(stub, ids):
     tenant, session = ids
     p1 = pb.Persona(revision="r1", entries=[pb.PersonaEntry(key="tone", text="warm")])

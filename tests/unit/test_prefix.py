@@ -330,6 +330,30 @@ def test_policy_and_builder_rotate_forward_only() -> None:
         assert rotation_reason(older, at6) is None and rotation_reason(at6, older) is None
 
 
+def test_same_version_other_content_conflicts_whatever_else_rotates() -> None:
+    """A pinned version pins its content however the Plan rotates: the same agent version with
+    other instructions beside a new model, the same persona revision with other entries beside
+    a new agent version, the same policy version with other text beside either, are each a
+    conflict, never folded into the other rotation."""
+    persona = Persona(revision="r1", entries=(PersonaEntry(key="tone", text="Brief."),))
+    base = f.draft(f.inputs(persona=persona)).spec
+    other_model = replace(base.model, model_id="gpt-4o-2024-08-06")
+    assert rotation_reason(base, replace(base, model=other_model)) == "model_changed"
+    with pytest.raises(PinnedVersionConflict) as e:
+        rotation_reason(base, replace(base, model=other_model,
+                                      agent=replace(base.agent, instructions="Other.")))
+    assert e.value.metadata() == {"what": "agent", "version": "1"}
+    reworded = Persona(revision="r1", entries=(PersonaEntry(key="tone", text="Long."),))
+    with pytest.raises(PinnedVersionConflict) as e:
+        rotation_reason(base, replace(base, agent=replace(base.agent, version="2"),
+                                      persona=reworded))
+    assert e.value.metadata() == {"what": "persona", "version": "r1"}
+    with pytest.raises(PinnedVersionConflict) as e:
+        rotation_reason(base, replace(base, model=other_model,
+                                      assets=replace(base.assets, policy="Edited.")))
+    assert e.value.metadata()["what"] == "policy"
+
+
 # ----------------------------------------------------------------------------- class caps
 
 def _over(exc: pytest.ExceptionInfo[PrefixClassOverCap], cls: str, unit: str,

@@ -538,22 +538,26 @@ def rotation_reason_for(current: PlanSpec, *, agent: AgentSpec, persona: Persona
     Platform policy and builder rotate forward only: a replica whose own version is older
     than the pinned one (a rolling deploy: the newer replicas pinned it) keeps the pinned plan,
     so replicas of two releases never rotate a session back and forth.
+    The conflicts are found before any reason: another model (or agent version) does not let
+    the same version (or revision) hold other content.
     """
+    same_agent = (current.agent.version == agent.version
+                  and current.agent.agent_id == agent.agent_id)
+    if same_agent and current.agent != agent:
+        raise PinnedVersionConflict("agent", agent.version)
+    if current.persona.revision == persona.revision and current.persona != persona:
+        raise PinnedVersionConflict("persona", persona.revision)
+    if current.assets.version == assets.version and current.assets != assets:
+        raise PinnedVersionConflict("policy", assets.version)
     if current.model.model_id != model_id:
         return "model_changed"
-    if current.agent.version != agent.version or current.agent.agent_id != agent.agent_id:
+    if not same_agent:
         return "agent_version_changed"
-    if current.agent != agent:
-        raise PinnedVersionConflict("agent", agent.version)
     if current.persona.revision != persona.revision:
         return "persona_changed"
-    if current.persona != persona:
-        raise PinnedVersionConflict("persona", persona.revision)
-    if current.assets.version != assets.version:
-        if not is_older(assets.version, current.assets.version):
-            return "policy_changed"
-    elif current.assets != assets:
-        raise PinnedVersionConflict("policy", assets.version)
+    if (current.assets.version != assets.version
+            and not is_older(assets.version, current.assets.version)):
+        return "policy_changed"
     if (current.builder_version != builder_version
             and current.builder_version not in SAME_BYTES
             and not is_older(builder_version, current.builder_version)):
