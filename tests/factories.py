@@ -52,7 +52,9 @@ SCHEMA: dict[str, Any] = {"type": "object", "properties": {"q": {"type": "string
 
 def estimator(model: ModelProfile) -> TokenEstimator:
     counter, extra = REGISTRY.counter_for(model.encoding)
-    return TokenEstimator(counter, round(model.base_factor * extra, 6))
+    # as the engine's plan estimator: the model's image figure from the catalog
+    return TokenEstimator(counter, round(model.base_factor * extra, 6),
+                          image_tokens=CATALOG.image_tokens(model.model_id))
 
 
 def model(model_id: str = "claude-sonnet-4-5", **caps: int) -> ModelProfile:

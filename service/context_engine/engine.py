@@ -7,6 +7,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from opentelemetry.trace import NoOpTracer, Tracer
@@ -465,7 +466,9 @@ class Engine:
         counter = self._tokenizers.exact(spec.encoding)
         if counter is None:
             raise TokenizerUnavailable(spec.encoding)
-        return TokenEstimator(counter, spec.estimator_factor, spec.tokenizer)
+        # the model's image figure from the catalog, looked up only if an attachment is counted
+        return TokenEstimator(counter, spec.estimator_factor, spec.tokenizer,
+                              partial(self._catalog.image_tokens, spec.model.model_id))
 
     # ------------------------------------------------------------------ Plan
 
@@ -1188,7 +1191,8 @@ class Engine:
             target=cmd.target, reason=cmd.reason, summarizer=self._summarizer,
             measure=measure, ctx=RenderContext(session_key=loaded.session_key),
             state=cmd.checkpoint.working_state, max_summary_tokens=cmd.max_summary_tokens,
-            attachment_cost=lambda a: attachment_tokens(a, estimator.base_factor, used))
+            attachment_cost=lambda a: attachment_tokens(a, estimator.base_factor, used,
+                                                        estimator.image_tokens))
         previous = len(cmd.current.elided) if cmd.current is not None else 0
         event = ContextEvent(
             tenant_id=cmd.tenant_id, session_id=cmd.session_id, epoch=epoch,

@@ -29,9 +29,8 @@ from context_engine.domain.calibration import Calibration, reconcile
 from context_engine.domain.errors import BudgetExceeded, HistoryFloorUnreachable
 from context_engine.domain.estimator import (
     ATTACHMENT_BUDGET_TOKENS,
-    IMAGE_TOKENS,
     MESSAGE_OVERHEAD_TOKENS,
-    PDF_PAGE_TOKENS,
+    WORST_IMAGE_TOKENS,
     TokenEstimator,
     attachment_tokens,
 )
@@ -966,9 +965,10 @@ def txt(chars: int, name: str = "notes.txt") -> Attachment:
 
 
 def test_attachment_estimates_image_flat_pdf_per_page_text_by_length() -> None:
-    assert attachment_tokens(img()) == IMAGE_TOKENS == 3_870
-    assert attachment_tokens(pdf(7)) == 7 * PDF_PAGE_TOKENS == 48_090
-    assert attachment_tokens(pdf(0)) == PDF_PAGE_TOKENS  # at least one page
+    assert attachment_tokens(img(), image_tokens=1_445) == 1_445  # the model's figure
+    assert attachment_tokens(img()) == WORST_IMAGE_TOKENS == 48_169  # none given: the largest
+    assert attachment_tokens(pdf(7), image_tokens=1_445) == 7 * (3_000 + 1_445) == 31_115
+    assert attachment_tokens(pdf(0), image_tokens=1_445) == 4_445  # at least one page
     assert attachment_tokens(txt(3_001)) == 3_001  # a token a character
     assert attachment_tokens(txt(3_001), 1.3) == 3_902  # times the base factor, rounded up
     assert attachment_tokens(txt(3_001), 1.3, 2.0) == 7_803  # and the correction factor
@@ -986,22 +986,63 @@ def _openai_patches(w: int, h: int, multiplier: float) -> int:
     return math.ceil(min(patches, 1_536) * multiplier)
 
 
+def _openai_tiles(w: int, h: int, base: int, tile: int) -> int:
+    """OpenAI's vision guide, tile models at high detail: fit in 2,048 x 2,048, then the
+    short side to 768 px, then base + tile tokens a 512 px tile."""
+    if max(w, h) > 2_048:
+        w, h = w * 2_048 / max(w, h), h * 2_048 / max(w, h)
+    if min(w, h) > 768:
+        w, h = w * 768 / min(w, h), h * 768 / min(w, h)
+    return base + tile * math.ceil(w / 512) * math.ceil(h / 512)
+
+
+def _gemini_tiles(w: int, h: int) -> int:
+    """Vertex AI's image requirements: scaled down to fit 3,072 x 3,072; 258 tokens if both
+    sides are at most 384 px, else 258 a tile, the tile the short side / 1.5 held between 256
+    and 768 px."""
+    if max(w, h) > 3_072:
+        w, h = w * 3_072 / max(w, h), h * 3_072 / max(w, h)
+    if w <= 384 and h <= 384:
+        return 258
+    unit = min(max(min(w, h) / 1.5, 256), 768)
+    return 258 * math.ceil(w / unit) * math.ceil(h / unit)
+
+
+def _claude_patches(w: int, h: int, long_edge: int, most: int) -> int:
+    """Anthropic's vision guide: a token a 28 px patch, the image resized to fit its tier
+    (Opus 4.7 on: 2,576 px on the long edge, 4,784 patches)."""
+    if max(w, h) > long_edge:
+        w, h = w * long_edge / max(w, h), h * long_edge / max(w, h)
+    return min(math.ceil(w / 28) * math.ceil(h / 28), most)
+
+
 # The documented cost of one large image (hand-computed from each provider's docs).
 IMAGE_COSTS = {
     "gpt-4.1-mini": max(_openai_patches(2048, 2048, 1.62), math.ceil(1_536 * 1.62)),
     "o4-mini": max(_openai_patches(2048, 2048, 1.72), math.ceil(1_536 * 1.72)),
     "gpt-5-nano": max(_openai_patches(2048, 2048, 2.46), math.ceil(1_536 * 2.46)),
-    "gpt-4o": 85 + 170 * 8,  # tiles: 768 x 2048 after scaling, 2 x 4 tiles of 512 px
-    "gemini-2.5-pro": 258 * math.ceil(3840 / 768) * math.ceil(2160 / 768),  # a 4K image
+    "gpt-4o": _openai_tiles(768, 2048, 85, 170),  # 2 x 4 tiles of 512 px
+    "gpt-4o-mini": _openai_tiles(1000, 4000, 2_833, 5_667),  # 48,169: up to 8 tiles
+    "gpt-4o-mini-2024-07-18": _openai_tiles(768, 2048, 2_833, 5_667),
+    "gpt-4.5-preview": _openai_tiles(768, 2048, 85, 170),
+    "o3": _openai_tiles(768, 2048, 75, 150),
+    "gemini-2.5-pro": max(_gemini_tiles(3840, 2160),  # a 4K image
+                          _gemini_tiles(2817, 257), _gemini_tiles(12_000, 1_100)),
+    "gemini-2.0-flash": max(_gemini_tiles(2817, 257), _gemini_tiles(8000, 8000)),
+    "gemini-3-pro-preview": _gemini_tiles(2817, 257),
     "claude-sonnet-4-5": math.ceil(1092 * 1092 / 750),  # Claude's largest unresized image
+    "claude-opus-4-7": _claude_patches(2576, 1456, 2_576, 4_784),  # 92 x 52 patches
+    "claude-3-5-sonnet-20241022": math.ceil(1092 * 1092 / 750),
+    "us.anthropic.claude-opus-4-7": _claude_patches(4000, 2261, 2_576, 4_784),
+    "some-unlisted-model": _openai_tiles(768, 2048, 2_833, 5_667),
 }
 
 
 @pytest.mark.parametrize("model_id", sorted(IMAGE_COSTS))
 def test_an_image_is_estimated_at_no_less_than_its_documented_cost(model_id: str) -> None:
-    """An image was a flat 1,600 tokens, below gpt-5-nano's 3,779 and a 4K image's 3,870 on
-    Gemini 2.5 Pro."""
-    lp = f.loaded(f.inputs(model_profile=f.model(model_id)))
+    """An image was a flat 3,870 tokens whatever the model: gpt-4o-mini's 48,169, Claude Opus
+    4.7's 4,784 and a Gemini image of 24 tiles (6,192) were under-counted."""
+    lp = f.loaded(f.inputs(model_profile=f.model(model_id, context_window=400_000)))
 
     def estimate(*atts: Attachment) -> int:
         u = UserMessageItem(id="u1", sequence=1, run_id="run-1", item_trust=TrustLevel.USER,
@@ -1009,6 +1050,8 @@ def test_an_image_is_estimated_at_no_less_than_its_documented_cost(model_id: str
         return f.run_build(lp, f.checkpoint([u])).estimated_input_tokens
 
     assert estimate(img()) - estimate() >= IMAGE_COSTS[model_id]
+    # a PDF page is its text (up to 3,000 tokens) and the page read as an image
+    assert estimate(pdf(1)) - estimate() >= 3_000 + IMAGE_COSTS[model_id]
 
 
 # The reviewer's text files: what the adapter inlines, counted by the oracle's tiktoken.
@@ -1058,7 +1101,8 @@ def test_attachments_are_counted_on_top_of_their_labels() -> None:
     [m] = [m for m in r.request.messages if m.row == 15]
     for a in atts:
         assert f"[attachment {a.kind.value}: {a.name}]" in m.text  # labels are in the text
-    assert r.body_tokens == recount(lp, r) + 3_870 + 3 * 6_870 + 1_170  # text: 900 x 1.3
+    # Claude's image figure, 4,784 (Opus 4.7 on), and a page 3,000 more; text: 900 x 1.3
+    assert r.body_tokens == recount(lp, r) + 4_784 + 3 * 7_784 + 1_170
 
 
 def test_attachment_content_is_capped_request_wide() -> None:
@@ -1090,7 +1134,7 @@ def test_attachments_not_in_the_request_do_not_consume_the_request_wide_budget()
             summary=HistorySummary(text="s", replaced_through_sequence=2))
     sent = {m.item_id: m for m in r.request.messages}
     assert "u0" not in sent and sent["u1"].attachments == (img("kept.png"),)
-    assert r.body_tokens == recount(lp, r) + IMAGE_TOKENS
+    assert r.body_tokens == recount(lp, r) + 4_784  # Claude's image figure
 
 
 # ----------------------------------------------------------------------------- estimator

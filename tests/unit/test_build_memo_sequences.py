@@ -172,7 +172,7 @@ def test_the_newest_attachment_is_counted_whole_and_an_older_one_at_what_is_left
     """``attachment_costs``: the request-wide budget (100,000 tokens) goes to the newest
     attachment first; an 8-page PDF is 54,960 tokens (6,870 a page), so of two the newer
     costs 54,960 and the older the 45,040 left; a user message without one, or another item,
-    costs nothing here."""
+    costs nothing here (at an image figure of 3,870)."""
     from context_engine.domain.builder import attachment_costs
 
     def pdf(item_id: str, seq: int) -> ConversationItem:
@@ -182,9 +182,9 @@ def test_the_newest_attachment_is_counted_whole_and_an_older_one_at_what_is_left
 
     items = [pdf("u1", 1), f.user("u2", "no file", 2, run="run-1"), f.call("c3", 3, "k3"),
              f.result("r3", 4, "k3", "out"), pdf("u5", 5)]
-    assert attachment_costs(items) == {"u5": 54_960, "u1": 45_040}
-    assert attachment_costs(items[:2]) == {"u1": 54_960}
-    assert attachment_costs(items[1:4]) == {}
+    assert attachment_costs(items, image_tokens=3_870) == {"u5": 54_960, "u1": 45_040}
+    assert attachment_costs(items[:2], image_tokens=3_870) == {"u1": 54_960}
+    assert attachment_costs(items[1:4], image_tokens=3_870) == {}
 
 
 def test_items_given_as_a_list_then_as_a_tuple_and_a_list_changed_in_place() -> None:

@@ -147,3 +147,18 @@ def test_openai_id_shapes_are_sized_as_their_base_model(model_id: str, base: str
 def test_the_chat_latest_models_have_a_128k_window(model_id: str) -> None:
     e = entry(model_id)
     assert (e.context_window, e.output_reserve, e.encoding) == (128_000, 16_384, "o200k_base")
+
+
+def test_an_image_costs_the_models_own_figure_and_an_unknown_model_the_largest() -> None:
+    """One flat 3,870 for every model under-counted gpt-4o-mini's images (2,833 + 5,667 a
+    tile, 48,169 for 8 tiles); gpt-4o-mini has its own entry, sized as gpt-4o otherwise."""
+    mini, four = entry("gpt-4o-mini-2024-07-18"), entry("gpt-4o")
+    assert mini.prefix == "gpt-4o-mini" and mini.image_tokens == 2_833 + 8 * 5_667
+    assert (mini.encoding, mini.context_window, mini.output_reserve, mini.provider_format) == (
+        four.encoding, four.context_window, four.output_reserve, four.provider_format)
+    assert CATALOG.image_tokens("gpt-4o") == 85 + 8 * 170
+    assert CATALOG.image_tokens("some-unlisted-model") == max(
+        e["image_tokens"] for e in DATA["models"]) == 48_169
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="image_tokens"):
+            ModelCatalog.from_data({"models": [{**DATA["models"][0], "image_tokens": bad}]})

@@ -93,13 +93,13 @@ def test_compact_counts_a_replaced_messages_attachments_as_build_charged_them() 
     charged = (f.run_build(loaded, f.checkpoint(items)).estimated_input_tokens
                - f.run_build(loaded, f.checkpoint([replace(items[0], attachments=()),
                                                    *items[1:]])).estimated_input_tokens)
-    assert charged >= attachment_tokens(pdf, est.base_factor, 1.0) > 5_000
+    assert charged >= attachment_tokens(pdf, est.base_factor, 1.0, est.image_tokens) > 5_000
     r = asyncio.run(compact(
         items, None, active_run_id="run-1", target=Target(tokens_to_free=5_000),
         reason="budget_pressure", summarizer=StructuredSummarizer(),
         measure=lambda ms: est.messages(list(ms), 1.0), ctx=RenderContext(session_key="sk"),
         state=WorkingState(), attachment_cost=lambda a: attachment_tokens(a, est.base_factor,
-                                                                          1.0)))
+                                                                          1.0, est.image_tokens)))
     assert r.replaced_item_ids[:1] == ("u1",) and "a2" not in r.replaced_item_ids
     assert r.tokens_before >= charged
 

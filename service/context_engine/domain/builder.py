@@ -45,6 +45,7 @@ from context_engine.domain.errors import (
 )
 from context_engine.domain.estimator import (
     ATTACHMENT_BUDGET_TOKENS,
+    WORST_IMAGE_TOKENS,
     TokenEstimator,
     attachment_tokens,
 )
@@ -469,9 +470,11 @@ _ATTACHMENTS = attrgetter("attachments")
 
 
 def attachment_costs(items: Sequence[ConversationItem], base_factor: float = 1.0,
-                     factor: float = 1.0) -> dict[str, int]:
-    """Per user message: its attachments' content estimate (a text file's scaled by the base
-    and correction factors, as other text: ``attachment_tokens``), under one request-wide budget
+                     factor: float = 1.0,
+                     image_tokens: int = WORST_IMAGE_TOKENS) -> dict[str, int]:
+    """Per user message: its attachments' content estimate (an image at the model's figure, a
+    text file's scaled by the base and correction factors, as other text:
+    ``attachment_tokens``), under one request-wide budget
     consumed newest first — what history keeps is a suffix, so a kept attachment is never
     counted at less than its estimate because an older one spent the budget (labels are
     counted in the message text itself)."""
@@ -481,7 +484,8 @@ def attachment_costs(items: Sequence[ConversationItem], base_factor: float = 1.0
     users = cast(Iterable[UserMessageItem],
                  compress(items, map(isinstance, items, repeat(UserMessageItem))))
     for item in reversed(list(filter(_ATTACHMENTS, users))):
-        want = sum(attachment_tokens(a, base_factor, factor) for a in item.attachments)
+        want = sum(attachment_tokens(a, base_factor, factor, image_tokens)
+                   for a in item.attachments)
         out[item.id] = min(want, remaining)
         remaining -= out[item.id]
     return out
@@ -681,9 +685,10 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     # of the items from carried[floor]'s position on (what else is there, reasoning dropped,
     # is not a user message)
     sendable = position(floor)
-    attaching = found_items.attaching
-    attach = attachment_costs(list(map(items.__getitem__, attaching[
-        bisect_left(attaching, sendable):])), estimator.base_factor, factor)
+    attaching = found_items.attaching[bisect_left(found_items.attaching, sendable):]
+    # the model's image figure is looked up only where an attachment can be sent
+    attach = attachment_costs(list(map(items.__getitem__, attaching)), estimator.base_factor,
+                              factor, estimator.image_tokens) if attaching else {}
 
     unknown = skill_violations(loaded.plan.spec.skill_catalog, cp.loaded_skills)
     if unknown:

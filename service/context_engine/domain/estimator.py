@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,17 +37,17 @@ RESPONSE_NAME_TOKENS = 1
 
 
 # Attachments (ADR-0120): the adapter sends the file, so its estimate is added to its label.
-# One image at the largest documented cost among the catalog's models (one figure for all):
-# Gemini 2.5's 258 per 768 px tile, 15 tiles for a 4K image (3,840 x 2,160): 3,870. It covers
-# OpenAI's patch models at their 1,536-patch cap (gpt-5-nano and gpt-4.1-nano x 2.46: 3,779;
-# o4-mini x 1.72: 2,642; gpt-5-mini and gpt-4.1-mini x 1.62: 2,489), its tile models (gpt-4o,
-# gpt-4.1: 85 + 8 tiles x 170 = 1,445) and Claude's ~1,600 (1.15 megapixels / 750). Not
-# gpt-4o-mini's, priced at 2,833 + 5,667 a tile (48,169 for 8 tiles), nor a Gemini image over
-# 4K (its tiles grow with the size).
-IMAGE_TOKENS = 3_870
+# An attachment carries no dimensions (its kind, name, reference, a PDF's pages and a text
+# file's inlined length), so an image is charged the largest documented cost of one image on
+# the plan's model: the catalog's ``image_tokens`` (data/models.json, whose "about" names each
+# provider's rule). A model the catalog does not know, and a catalog entry that states no
+# figure, take the largest any catalog model documents: gpt-4o-mini's high detail, 2,833 +
+# 5,667 a 512 px tile, 8 tiles at most (an image fits 2,048 px, its short side 768 px).
+WORST_IMAGE_TOKENS = 2_833 + 8 * 5_667
 # A PDF page: its text, up to 3,000 tokens (Anthropic's PDF support page: 1,500-3,000 a page),
-# and the page as an image, which Claude and OpenAI both read beside the text.
-PDF_PAGE_TOKENS = 3_000 + IMAGE_TOKENS
+# and the page as an image at the model's image figure, which Claude, OpenAI and Gemini read
+# beside the text.
+PDF_PAGE_TEXT_TOKENS = 3_000
 # A text file's inlined characters, each a token at least: CJK and Cyrillic text counts up to
 # 1.06 tokens a character in cl100k_base (0.68 in o200k_base), Georgian, Myanmar and Sinhala up
 # to 1.94, emoji up to 2.9, where English runs ~0.16; the plan's base factor then applies, as
@@ -57,13 +57,15 @@ ATTACHMENT_BUDGET_TOKENS = 100_000  # request-wide cap on attachment content est
 
 
 def attachment_tokens(attachment: Attachment, base_factor: float = 1.0,
-                      factor: float = 1.0) -> int:
-    """Fixed estimate of an attachment's content: flat per image, per PDF page; a text file
-    at a token per inlined character, times the base and correction factors as other text."""
+                      factor: float = 1.0, image_tokens: int = WORST_IMAGE_TOKENS) -> int:
+    """Fixed estimate of an attachment's content: an image at ``image_tokens`` (the model's
+    figure, ``TokenEstimator.image_tokens``), a PDF at that and 3,000 tokens of text a page; a
+    text file at a token per inlined character, times the base and correction factors as other
+    text."""
     if attachment.kind is AttachmentKind.IMAGE:
-        return IMAGE_TOKENS
+        return image_tokens
     if attachment.kind is AttachmentKind.PDF:
-        return PDF_PAGE_TOKENS * max(1, attachment.pages)
+        return (PDF_PAGE_TEXT_TOKENS + image_tokens) * max(1, attachment.pages)
     return math.ceil(attachment.text_chars * TEXT_TOKENS_PER_CHAR * base_factor * factor)
 
 
@@ -108,6 +110,9 @@ class CatalogEntry:
     provider_format: str = ""
     # Gemini's documented minimum for an explicit cached content (0: not a Gemini model).
     min_cacheable_tokens: int = 0
+    # The largest documented cost of one image on the models the prefix matches (an
+    # attachment carries no dimensions); an entry that states none takes the largest of all.
+    image_tokens: int = WORST_IMAGE_TOKENS
 
     def __post_init__(self) -> None:
         if self.provider_format and self.provider_format not in FORMATS:
@@ -117,6 +122,10 @@ class CatalogEntry:
                 or isinstance(self.min_cacheable_tokens, bool) or self.min_cacheable_tokens < 0:
             raise ValueError(f"model catalog entry {self.prefix!r}: min_cacheable_tokens must "
                              "be a non-negative integer")
+        if not isinstance(self.image_tokens, int) \
+                or isinstance(self.image_tokens, bool) or self.image_tokens < 1:
+            raise ValueError(f"model catalog entry {self.prefix!r}: image_tokens must be a "
+                             "positive integer")
 
 
 # A model id's namespace that names no other model: gpt-oss as Hugging Face, vLLM and
@@ -158,6 +167,14 @@ class ModelCatalog:
             if base.startswith(entry.prefix):
                 return entry
         return None
+
+    def image_tokens(self, model_id: str) -> int:
+        """What one image attachment costs at most on ``model_id``: its entry's figure, or for a
+        model the catalog does not know, the largest of them all (and of WORST_IMAGE_TOKENS)."""
+        entry = self.lookup(model_id)
+        if entry is not None:
+            return entry.image_tokens
+        return max((WORST_IMAGE_TOKENS, *(e.image_tokens for e in self._entries)))
 
     def family(self, model_id: str) -> str:
         """The model's metric label: the catalog prefix that matched, or ``unknown``."""
@@ -208,10 +225,22 @@ class TokenEstimator:
     """Per-model, conservative, pure. ``factor`` is the calibration correction (an explicit
     input: the response echoes it and a request may pin it)."""
 
-    def __init__(self, counter: TokenCounter, base_factor: float, label: str = "") -> None:
+    def __init__(self, counter: TokenCounter, base_factor: float, label: str = "",
+                 image_tokens: int | Callable[[], int] = WORST_IMAGE_TOKENS) -> None:
         self._counter = counter
         self.base_factor = base_factor
         self._label = label or counter.name
+        # the model's image figure, or how to find it (the catalog's, looked up only when a
+        # request has attachments: a Build without any never reads it)
+        self._images = image_tokens
+
+    @property
+    def image_tokens(self) -> int:
+        """What one image attachment costs at most on the plan's model (``attachment_tokens``)."""
+        images = self._images
+        if not isinstance(images, int):
+            images = self._images = images()
+        return images
 
     @property
     def tokenizer(self) -> str:
