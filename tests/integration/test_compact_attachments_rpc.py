@@ -28,7 +28,8 @@ def test_compact_frees_what_build_charged_for_an_attachment(stub, ids):
     del plain[0].user.attachments[:]
     charged = (with_pdf.estimated_input_tokens
                - stub.Build(build_request(tenant, session, items=plain)).estimated_input_tokens)
-    assert charged > 80_000  # twelve pages
+    # twelve pages, each 3,000 tokens of text and gpt-4o's largest image (85 + 8 tiles x 170)
+    assert charged >= 12 * (3_000 + 85 + 8 * 170) > 50_000
     req = pb.CompactRequest(tenant_id=tenant, session_id=session, reason="budget_pressure",
                             idempotency_key="k", tokens_to_free=5_000,
                             checkpoint=pb.Checkpoint(active_run_id="run-1", items=history()))
