@@ -154,6 +154,15 @@ def report(tenant: str, session: str, key: str) -> pb.ReportUsageRequest:
                                  idempotency_key=key)
 
 
+def age_keys(db: Db, tenant: str, hours: float) -> None:
+    """The tenant's retry keys (not its fences) and compaction records made ``hours``
+    earlier than they were, on the database that made them."""
+    for table, which in (("idempotency_keys", " AND rpc NOT LIKE 'context.%'"),
+                         ("compactions", "")):
+        db.fetch(f"UPDATE {table} SET created_at = created_at - make_interval(secs => $2) "
+                 f"WHERE tenant_id = $1{which}", tenant, hours * 3600)
+
+
 def pressure_build(stub: pb_grpc.ContextEngineStub, tenant: str, session: str) -> None:
     resp = stub.Build(build_request(tenant, session, items=long_history(40)), timeout=30)
     assert resp.pressure.steps  # so it records a context.budget.pressure event
@@ -222,12 +231,14 @@ def test_partitions_keys_and_records_age_out_across_two_replicas(own, replicas):
             return {r["key"] for r in db.fetch(
                 "SELECT key FROM idempotency_keys WHERE tenant_id = $1", tenant)}
 
-        # keys: not before the window ...
+        # keys: not before the window (by the database's clock, which made them) ...
+        age_keys(db, tenant, KEY_TTL_HOURS - 1)
         for outcome in both(t0 + timedelta(hours=KEY_TTL_HOURS - 1)):
             assert outcome.dropped == ()
         assert keys_left() == {"use-1", "rot-1", "s-1:1:run-1"}
         assert db.val("SELECT count(*) FROM compactions WHERE tenant_id=$1", tenant) == 1
         # ... but after it (the fence stays: it lives as long as the event it fences)
+        age_keys(db, tenant, 2)
         outcomes = both(t0 + timedelta(hours=KEY_TTL_HOURS + 1))
         assert keys_left() == {"s-1:1:run-1"}
         assert db.val("SELECT count(*) FROM compactions WHERE tenant_id=$1", tenant) == 0
@@ -288,6 +299,53 @@ def test_partitions_keys_and_records_age_out_across_two_replicas(own, replicas):
         ch_b.close()
 
 
+def test_keys_age_by_the_database_clock_whatever_the_replica_clock_says(own, replicas):
+    """A retry claims its key anew once it is older than the TTL by PostgreSQL's clock; the
+    cycles deleted keys and compaction records by the replica's clock instead, so a replica
+    whose clock ran three hours ahead deleted them three hours early, and a retry inside the
+    TTL was run a second time (a second epoch, a report counted twice). They now go by the
+    database's clock both ways: not early when the replica runs ahead, not late when it lags."""
+    a, _b, clock_a, _clock_b = replicas
+    db = own.db
+    tenant, session = f"tenant-{uuid.uuid4().hex[:8]}", "s-1"
+    channel = grpc.insecure_channel(a.address)
+    stub = pb_grpc.ContextEngineStub(channel)
+    rotate = pb.RotateRequest(tenant_id=tenant, session_id=session,
+                              reason=pb.ROTATION_REASON_OPERATOR, idempotency_key="rot")
+
+    def counts() -> tuple[int, int]:
+        return (db.val("SELECT count(*) FROM idempotency_keys WHERE tenant_id=$1", tenant),
+                db.val("SELECT count(*) FROM compactions WHERE tenant_id=$1", tenant))
+
+    try:
+        stub.Plan(plan_request(tenant, session, model=SMALL), timeout=30)
+        assert stub.Rotate(rotate, timeout=30).rotated
+        assert stub.ReportUsage(report(tenant, session, "use"), timeout=30).counted
+        assert stub.Compact(compact_request(tenant, session, "cmp"), timeout=30).compacted
+        assert counts() == (2, 1)
+        age_keys(db, tenant, KEY_TTL_HOURS - 1)  # an hour of the TTL left, by the database
+
+        clock_a.set(datetime.now(UTC) + timedelta(hours=3))  # the replica's clock runs ahead
+        outcome = cycle(a)
+        assert (outcome.keys_deleted, outcome.compactions_deleted) == (0, 0)
+        assert counts() == (2, 1)
+        # so the retries inside the TTL are still answered as retries, not run again
+        again = stub.Rotate(rotate, timeout=30)
+        assert not again.rotated and again.plan.epoch == 2
+        assert not stub.ReportUsage(report(tenant, session, "use"), timeout=30).counted
+        assert not stub.Compact(compact_request(tenant, session, "cmp"), timeout=30).compacted
+        assert db.val("SELECT reports FROM epoch_usage WHERE tenant_id=$1 AND epoch=2",
+                      tenant) == 1
+
+        age_keys(db, tenant, 2)  # an hour past the TTL, by the database
+        clock_a.set(datetime.now(UTC) - timedelta(hours=3))  # the replica's clock lags
+        outcome = cycle(a)
+        assert (outcome.keys_deleted, outcome.compactions_deleted) == (2, 1)
+        assert counts() == (0, 0)
+    finally:
+        channel.close()
+
+
 def test_a_reader_of_the_events_holds_up_a_plan_a_moment_not_the_database_timeout(own,
                                                                                 replicas):
     """A partition's DDL queues every insert of an event or a session behind it while it waits
@@ -303,8 +361,9 @@ def test_a_reader_of_the_events_holds_up_a_plan_a_moment_not_the_database_timeou
     # key made now is older than the TTL
     clock_a.set(clock_a.now() + timedelta(days=2))
     tenant = f"tenant-{uuid.uuid4().hex[:8]}"
-    db.fetch("INSERT INTO idempotency_keys (tenant_id, rpc, key, response) VALUES "
-             "($1, 'ReportUsage', 'old', '{}')", tenant)  # older than the TTL, by clock_a
+    db.fetch("INSERT INTO idempotency_keys (tenant_id, rpc, key, response, created_at) VALUES "
+             "($1, 'ReportUsage', 'old', '{}', now() - interval '2 days')",
+             tenant)  # older than the TTL
     channel = grpc.insecure_channel(a.address)
     stub = pb_grpc.ContextEngineStub(channel)
 

@@ -9,7 +9,8 @@ A cycle:
    row in them is older than the retention), with their rows;
 3. deletes, in batches of ``batch_size`` rows, the idempotency keys of retried RPCs (Rotate,
    ReportUsage) and the compaction records (Compact's keys) older than
-   CE_IDEMPOTENCY_KEY_TTL_HOURS, and the fences of ``append_once_durably`` (keys named after
+   CE_IDEMPOTENCY_KEY_TTL_HOURS by PostgreSQL's clock (which made them, and by which a retry
+   finds them expired or not), and the fences of ``append_once_durably`` (keys named after
    an event type, ``context.snapshot.used``) made before the oldest day step 2 keeps: a fence
    lives as long as the event it fences (cut at the retention itself, it went up to a day
    before its event's partition, and a retry stored the event twice).
@@ -23,8 +24,9 @@ lock, so two cycles one after the other neither fail nor drop twice. DDL waits a
 insert of an event or a session queues behind it), and tries again a few times a second apart;
 a long reader of ``context_events`` then makes the partition step fail, while the deletes of
 step 3 still run, and the cycle is logged as failed. The time is the injected
-clock's; partitions not named ``context_events_pYYYYMMDD`` are left alone. What is kept, and
-why for so long: deploy/README.md "Data lifecycle".
+clock's (but for the ages of keys and compaction records: the database's); partitions not
+named ``context_events_pYYYYMMDD`` are left alone. What is kept, and why for so long:
+deploy/README.md "Data lifecycle".
 """
 
 from __future__ import annotations
@@ -53,13 +55,21 @@ PARTITIONS = f"""
 SELECT c.relname FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
 WHERE i.inhparent = '{PARENT}'::regclass"""
 # Retry keys are named after their RPC; fences after the event type they fence ("context.").
+# A retry key and a compaction record expire by PostgreSQL's clock ($1: the key TTL), the one
+# that made them and that a retry's claim judges them by (queries.CLAIM_KEY): a cutoff on the
+# replica's clock deleted them early when that clock ran ahead, and a retry inside the TTL was
+# then run twice. A fence goes with its event's partition, which the replica's clock dates.
 DELETE_KEYS = """
 DELETE FROM idempotency_keys WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM idempotency_keys
-    WHERE created_at < $1 AND (rpc LIKE 'context.%') = $2 LIMIT $3))"""
+    WHERE created_at < now() - $1::interval AND rpc NOT LIKE 'context.%' LIMIT $2))"""
+DELETE_FENCES = """
+DELETE FROM idempotency_keys WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM idempotency_keys
+    WHERE created_at < $1 AND rpc LIKE 'context.%' LIMIT $2))"""
 DELETE_COMPACTIONS = """
 DELETE FROM compactions WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM compactions WHERE created_at < $1 LIMIT $2))"""
+    SELECT ctid FROM compactions WHERE created_at < now() - $1::interval LIMIT $2))"""
 
 
 def partition_name(day: date) -> str:
@@ -161,7 +171,6 @@ class Maintenance:
         (the policy's unless given). Raises what the database raises."""
         tries = self.policy.ddl_tries if ddl_tries is None else max(1, ddl_tries)
         now = self.clock.now()
-        key_cutoff = now - self.policy.key_ttl
         fence_cutoff = self.policy.fence_cutoff(now)
         async with self.pool.acquire() as conn:
             partitions, failed = await self._partitions_tried(conn, now, tries)
@@ -172,9 +181,9 @@ class Maintenance:
             created, dropped = partitions
             counts: list[int] = []
             complete = True
-            for sql, args in ((DELETE_KEYS, (key_cutoff, False)),
-                              (DELETE_KEYS, (fence_cutoff, True)),
-                              (DELETE_COMPACTIONS, (key_cutoff,))):
+            for sql, args in ((DELETE_KEYS, (self.policy.key_ttl,)),
+                              (DELETE_FENCES, (fence_cutoff,)),
+                              (DELETE_COMPACTIONS, (self.policy.key_ttl,))):
                 deleted, complete = await self._delete(conn, sql, *args)
                 counts.append(deleted)
                 if not complete:  # another replica's cycle goes on from here
