@@ -308,6 +308,39 @@ def test_sigterm_while_the_server_starts_stops_the_embedded_database(after):
     assert not left, left
 
 
+def test_a_start_after_a_killed_supervisor_reuses_its_database_and_stops_it():
+    """A supervisor killed outright (SIGKILL, an OOM kill) leaves its embedded PostgreSQL
+    running, and its pid on pgserver's list of the database's holders. The next start reused
+    the database (as it should), but its clean stop found the dead pid listed as another
+    holder and left the database running, as did every start after it."""
+    data_dir = Path(tempfile.mkdtemp(prefix="ce-data-"))
+    env = {"DATABASE_URL": "", "CE_DATA_DIR": str(data_dir)}
+    try:
+        first = ServerProcess({**env, "CE_WORKERS": "2"})
+        stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(first.address))
+        plan = stub.Plan(plan_request("t", "s"), timeout=30).plan
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(30)
+        assert _postgres_of(data_dir)  # nothing stopped it: the next start finds it up
+
+        second = ServerProcess({**env, "CE_WORKERS": "1"})
+        stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(second.address))
+        assert stub.GetPlan(pb.GetPlanRequest(tenant_id="t", session_id="s"),
+                            timeout=30).plan == plan  # the same database, reused
+        assert second.terminate() == 0
+        deadline = time.monotonic() + 10
+        while _postgres_of(data_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _postgres_of(data_dir)
+    finally:
+        for line in _postgres_of(data_dir):  # never leave one behind, whatever failed
+            os.kill(int(line.split()[0]), signal.SIGQUIT)
+        shutil.rmtree(data_dir, ignore_errors=True)
+    assert not left, left
+    gone = [r for r in second.log if r.get("event") == "embedded_database_holders_gone"]
+    assert [r["pids"] for r in gone] == [[first.proc.pid]], second.log
+
+
 def test_two_servers_started_together_on_one_address_are_never_both_served():
     """Each checked the port before its seconds of start-up (the embedded database, the
     migrations): both found it free, both bound it with SO_REUSEPORT, and the kernel spread

@@ -69,7 +69,14 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ContextEngine"].full_name
 
 
 def embedded_database_url(data_dir: Path) -> str:
-    """Start (or reuse) the embedded PostgreSQL under ``data_dir``; it survives restarts."""
+    """Start (or reuse) the embedded PostgreSQL under ``data_dir``; it survives restarts.
+
+    pgserver stops the database when the last process holding it exits, by a list of the
+    holders' pids kept beside the data (``pg/.handle_pids.json``). A holder killed outright
+    (SIGKILL, an OOM kill) never took its pid off that list: the next start reused the running
+    database, as it should, but at its own clean stop found another holder listed and left the
+    database running, and so did every start after it. The pids of processes that no longer
+    run are taken off first (under pgserver's lock), so the last live holder stops it again."""
     with warnings.catch_warnings():  # platformdirs warns about XDG_RUNTIME_DIR on import
         warnings.simplefilter("ignore")
         # imported lazily: only the embedded mode needs it
@@ -77,8 +84,40 @@ def embedded_database_url(data_dir: Path) -> str:
 
     pg_dir = data_dir / "pg"
     pg_dir.mkdir(parents=True, exist_ok=True)
+    gone = forget_dead_holders(pg_dir)
+    if gone:
+        log("embedded_database_holders_gone", logging.WARNING, pids=gone,
+            data_dir=str(data_dir),
+            note="a process that used this embedded PostgreSQL ended without releasing it "
+                 "(killed); the database is reused and stopped with the last live holder")
     server = get_server(pg_dir, cleanup_mode="stop")
     return str(server.get_uri())
+
+
+def _process_runs(pid: int) -> bool:
+    import psutil  # type: ignore[import-untyped]
+
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:  # another user's process: it runs
+        return True
+
+
+def forget_dead_holders(pg_dir: Path) -> list[int]:
+    """Takes the pids of processes that no longer run (or are zombies) off pgserver's list of
+    the embedded database's holders under ``pg_dir``; the pids it took off."""
+    from pgserver.postgres_server import PostgresServer
+    from pgserver.utils import DiskList
+
+    with PostgresServer._lock:
+        holders = DiskList(pg_dir / ".handle_pids.json")
+        pids = holders.get()
+        gone = [pid for pid in pids if not _process_runs(pid)]
+        if gone:
+            holders.put([pid for pid in pids if pid not in gone])
+    return gone
 
 
 @dataclass
