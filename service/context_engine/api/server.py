@@ -68,7 +68,7 @@ from context_engine.v1 import context_engine_pb2 as pb
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ContextEngine"].full_name
 
 
-def embedded_database_url(data_dir: Path) -> str:
+def embedded_database_url(data_dir: Path, *, announce: bool = False) -> str:
     """Start (or reuse) the embedded PostgreSQL under ``data_dir``; it survives restarts.
 
     pgserver stops the database when the last process holding it exits, by a list of the
@@ -76,7 +76,9 @@ def embedded_database_url(data_dir: Path) -> str:
     (SIGKILL, an OOM kill) never took its pid off that list: the next start reused the running
     database, as it should, but at its own clean stop found another holder listed and left the
     database running, and so did every start after it. The pids of processes that no longer
-    run are taken off first (under pgserver's lock), so the last live holder stops it again."""
+    run are taken off first (under pgserver's lock), so the last live holder stops it again;
+    ``announce`` (serve): logs them, as ``embedded_database_holders_gone`` (the other commands
+    keep their standard output to what they print)."""
     with warnings.catch_warnings():  # platformdirs warns about XDG_RUNTIME_DIR on import
         warnings.simplefilter("ignore")
         # imported lazily: only the embedded mode needs it
@@ -85,7 +87,7 @@ def embedded_database_url(data_dir: Path) -> str:
     pg_dir = data_dir / "pg"
     pg_dir.mkdir(parents=True, exist_ok=True)
     gone = forget_dead_holders(pg_dir)
-    if gone:
+    if gone and announce:
         log("embedded_database_holders_gone", logging.WARNING, pids=gone,
             data_dir=str(data_dir),
             note="a process that used this embedded PostgreSQL ended without releasing it "
@@ -427,7 +429,8 @@ async def serve(config: Config) -> None:
     database_url = config.database_url
     embedded = database_url is None
     if database_url is None:
-        database_url = await asyncio.to_thread(embedded_database_url, config.data_dir)
+        database_url = await asyncio.to_thread(embedded_database_url, config.data_dir,
+                                               announce=True)
     running = await start(config, database_url=database_url)
     host, _ = split_addr(config.grpc_addr)
     worker = os.environ.get(WORKER_ENV)

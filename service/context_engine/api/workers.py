@@ -284,7 +284,8 @@ async def supervise(config: Config, count: int, extra_args: list[str]) -> int:
     database_url = config.database_url
     embedded = database_url is None
     if database_url is None:
-        database_url = await asyncio.to_thread(embedded_database_url, config.data_dir)
+        database_url = await asyncio.to_thread(embedded_database_url, config.data_dir,
+                                               announce=True)
     applied = await migrate(database_url, config.migrations_dir,
                             connect_timeout=config.db_timeout_seconds)
     if applied:
