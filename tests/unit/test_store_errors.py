@@ -77,6 +77,26 @@ def test_a_server_error_of_an_unavailable_class_is_store_unavailable(sqlstate: s
     assert code is grpc.StatusCode.UNAVAILABLE and raised.reason == "STORE_UNAVAILABLE"
 
 
+def test_a_connection_the_server_ended_while_pooled_is_store_unavailable() -> None:
+    """Seen under load while an operator terminated the pool's connections: asyncpg had read the
+    server's goodbye but not yet the connection's end, and the next query on it raised this
+    (answered INTERNAL, which clients never retry)."""
+    error = asyncpg.InternalClientError(
+        "cannot switch to state 11; another operation (2) is in progress")
+    raised = _raised(error)
+    assert type(raised) is StoreUnavailable and raised.__cause__ is error
+    code, _ = status_for(raised)
+    assert code is grpc.StatusCode.UNAVAILABLE and raised.reason == "STORE_UNAVAILABLE"
+
+
+@pytest.mark.parametrize("message", ["no binary format encoder for type x (OID 1)",
+                                     "PoolConnectionHolder.release() called on a free "
+                                     "connection holder"])
+def test_the_drivers_other_internal_errors_are_defects(message: str) -> None:
+    error = asyncpg.InternalClientError(message)
+    assert _raised(error) is error
+
+
 @pytest.mark.parametrize("sqlstate", DEFECT_STATES)
 def test_a_server_error_of_another_class_is_not_translated(sqlstate: str) -> None:
     error = _server_error(sqlstate)

@@ -40,6 +40,13 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.TooManyConnectionsError,
 )
 
+# The driver's protocol out of step with its connection: a pooled connection the server ended
+# (an operator's pg_terminate_backend, a restart) whose error asyncpg had read but whose end it
+# had not yet, handed out and used ("cannot switch to state 11; another operation (2) is in
+# progress"). Its other InternalClientErrors (a codec missing, a pool holder misused) are
+# defects, so only this one.
+OUT_OF_STEP = "cannot switch to state"
+
 # SQLSTATE classes that say the same of the database, not of the query, at any moment of a call.
 # By class, so that a code of the class asyncpg does not know (UnknownPostgresError) counts too.
 UNAVAILABLE_SQLSTATE_CLASSES = frozenset({
@@ -61,6 +68,8 @@ def store_unavailable(exc: BaseException) -> bool:
     """Whether ``exc`` means the database is unavailable (the call changed nothing and may
     succeed later), not that the call is wrong."""
     if isinstance(exc, UNAVAILABLE):
+        return True
+    if isinstance(exc, asyncpg.InternalClientError) and str(exc).startswith(OUT_OF_STEP):
         return True
     if isinstance(exc, asyncpg.PostgresError):
         state = str(exc.sqlstate or "")
