@@ -1,18 +1,23 @@
 """Tenant isolation on a real server with credentials: tenant B's token can neither read nor
 change tenant A's session, whether B names tenant A (PERMISSION_DENIED, refused before anything
 is read) or names itself with A's session id (NOT_FOUND: every row is keyed by tenant). A's
-rows are unchanged after every attempt."""
+rows are unchanged after every attempt. Nor does B's event hold back A's in a replica's
+outbox."""
 
 from __future__ import annotations
 
 import json
+import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import grpc
 import pytest
+from context_engine.adapters.postgres.maintenance import create_partition_sql, partition_name
 from context_engine.api.auth import token_sha256
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
@@ -21,6 +26,7 @@ from tests.conftest import ServerThread
 from tests.conftest import test_config as base_config
 from tests.integration.requests import build_request, failure, plan_request
 from tests.integration.test_compact_rpc import compact_request
+from tests.integration.test_lifecycle import FakeClock
 
 pytestmark = pytest.mark.integration
 
@@ -165,3 +171,70 @@ def test_b_erasing_a_session_id_erases_only_its_own(tenants: Tenants, db: Any) -
     assert db.val("SELECT count(*) FROM sessions WHERE tenant_id = $1 AND session_id = $2",
                   t.b, t.session) == 0
     a_is_untouched(t, db, before)
+
+
+def recall(tag: str, nul: bool = False) -> list[pb.RecallLine]:
+    """Recall well over its 2,000-token cap: a Build trims it, and its pressure event names the
+    lines trimmed. ``nul``: their ids hold a NUL, which PostgreSQL's jsonb cannot store."""
+    return [pb.RecallLine(id=f"{tag}{i}" + ("\x00" if nul else ""), text="a fact " * 60)
+            for i in range(30)]
+
+
+def recall_trimmed(db: Any, tenant: str, session: str) -> list[str]:
+    """Whose recall lines (their tag) each stored pressure event of the session trimmed."""
+    rows = db.fetch("SELECT payload FROM context_events WHERE tenant_id = $1 "
+                    "AND session_id = $2 AND type = 'context.budget.pressure' ORDER BY id",
+                    tenant, session)
+    return [next(s["item_ids"][0].split("-")[0] for s in json.loads(r["payload"])["steps"]
+                 if s["step"] == "recall") for r in rows]
+
+
+def test_an_event_postgresql_cannot_store_stops_no_other_tenants_events(
+        database_url: str, db: Any, tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Tenant B's Build names recall lines whose ids PostgreSQL cannot store in its pressure
+    event (a NUL: jsonb refuses it). The outbox holds it behind tenant A's events while their
+    day has no partition yet (as in an outage); once it has, A's events, those queued after
+    B's included, are written, and B's is discarded (logged with B's tenant), not retried at
+    the head of the queue for ever. B's Builds are answered, the queue empty or not."""
+    caplog.set_level(logging.INFO, logger="context_engine")
+    a, b = f"tenant-a-{uuid.uuid4().hex[:8]}", f"tenant-b-{uuid.uuid4().hex[:8]}"
+    token_a, token_b = f"a-{uuid.uuid4().hex}", f"b-{uuid.uuid4().hex}"
+    path = tmp_path / "tokens.json"
+    path.write_text(json.dumps([
+        {"sha256": token_sha256(token_a), "tenant_id": a, "rpcs": ["*"]},
+        {"sha256": token_sha256(token_b), "tenant_id": b, "rpcs": ["*"]},
+    ]))
+    clock = FakeClock(datetime.now(UTC))
+    server = ServerThread(base_config().replace(dev_mode=False, auth_tokens_file=path),
+                          database_url, clock=clock)
+    later = datetime.now(UTC) + timedelta(days=900)  # no partition holds its day yet
+    day = later.date()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+            for tenant, token in ((a, token_a), (b, token_b)):
+                stub.Plan(plan_request(tenant, "s"), metadata=bearer(token), timeout=30)
+            # the queue empty: B's Build is answered and its event discarded
+            stub.Build(build_request(b, "s", recall=recall("b0-", nul=True)),
+                       metadata=bearer(token_b), timeout=30)
+            clock.set(later)
+            for tag, tenant, token, nul in (("a1-", a, token_a, False),
+                                            ("b1-", b, token_b, True),
+                                            ("a2-", a, token_a, False)):
+                stub.Build(build_request(tenant, "s", recall=recall(tag, nul)),
+                           metadata=bearer(token), timeout=30)
+            assert server.running.events.pending == 3  # their day has no partition
+            db.fetch(create_partition_sql(day))
+            deadline = time.monotonic() + 15
+            while server.running.events.pending and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert recall_trimmed(db, a, "s") == ["a1", "a2"]
+            assert recall_trimmed(db, b, "s") == []
+            assert server.running.events.pending == 0
+            assert server.running.events.discarded == 2
+            discarded = [getattr(r, "fields", {}) for r in caplog.records
+                         if r.getMessage() == "event_discarded"]
+            assert [(d["tenant"], d["reason"]) for d in discarded] == [(b, "unstorable")] * 2
+    finally:
+        server.stop()
+        db.fetch(f'DROP TABLE IF EXISTS "{partition_name(day)}"')

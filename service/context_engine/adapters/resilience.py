@@ -14,8 +14,9 @@
   the clock's time) before its first attempt and keeps it in the queue, so writing it again
   after an attempt that did land but whose answer was lost (the database crashed after the
   commit) stores nothing new. An event the database can never hold (``EventRejected``: its
-  session was erased, or its day is past retention) is discarded, logged (``event_discarded``)
-  and counted (``discarded``), never retried.
+  session was erased, its day is past retention, or its payload is refused) is discarded,
+  logged (``event_discarded``) and counted (``discarded``), never retried: it never holds back
+  the events behind it, another tenant's included.
 """
 
 from __future__ import annotations

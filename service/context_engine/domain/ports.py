@@ -48,11 +48,13 @@ class ContextEvent:
 
 class EventRejected(Exception):
     """An event the outbox can never hold, so retrying it is pointless: its session was
-    erased (``SESSION_ERASED``), or its day is before the oldest kept partition of the outbox
-    (``PAST_RETENTION``)."""
+    erased (``SESSION_ERASED``), its day is before the oldest kept partition of the outbox
+    (``PAST_RETENTION``), or PostgreSQL refuses what its payload holds (``UNSTORABLE``: a
+    data exception, such as a NUL in a caller's recall line id, which jsonb cannot hold)."""
 
     SESSION_ERASED = "session_erased"
     PAST_RETENTION = "past_retention"
+    UNSTORABLE = "unstorable"
 
     def __init__(self, event: ContextEvent, reason: str) -> None:
         self.event = event

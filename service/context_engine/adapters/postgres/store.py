@@ -274,7 +274,9 @@ class PostgresPlanStore:
 class PostgresEventLog:
     """The outbox on ``context_events``. An event without an identity gets one here (an id
     from ``new_event_id`` and the clock's time); a caller that may retry gives it one first,
-    and a retry of a write that did land then stores nothing new."""
+    and a retry of a write that did land then stores nothing new. An event whose payload
+    PostgreSQL refuses (a data exception) is ``EventRejected`` (UNSTORABLE): writing it again
+    would fail again."""
 
     def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0,
                  tracer: Tracer | None = None, clock: Clock = SYSTEM_CLOCK,
@@ -307,6 +309,8 @@ class PostgresEventLog:
         try:
             async with translated():
                 await insert_event(self._pool, event, timeout=self._timeout)
+        except asyncpg.DataError as exc:  # never storable: not retried at the queue's head
+            raise EventRejected(event, EventRejected.UNSTORABLE) from exc
         except PartitionMissing as missing:
             rejected = self._rejected_when_past(missing)
             if rejected is None:
@@ -346,6 +350,8 @@ class PostgresEventLog:
                     return False
                 await insert_event(conn, event, timeout=self._timeout)
                 return True
+        except asyncpg.DataError as exc:  # never storable (its key is not claimed either)
+            raise EventRejected(event, EventRejected.UNSTORABLE) from exc
         except PartitionMissing as missing:
             rejected = self._rejected_when_past(missing)
             if rejected is None:
