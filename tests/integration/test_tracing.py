@@ -261,6 +261,25 @@ def test_errors_carry_the_reason_never_the_message(tstub, ids, exporter):
     assert_clean(spans, tenant, session, TOKEN)
 
 
+def test_a_statement_that_fails_keeps_its_values_out_of_its_span(tstub, ids, exporter):
+    """A keyed write naming a session that has no row fails its insert on the foreign key, whose
+    message's DETAIL quotes the key (``Key (tenant_id, session_id)=(...)``): asyncpg's span of
+    the statement is ERROR, and neither an exception event nor its status carries the message."""
+    tenant, session = ids
+    trace_id, _, md = caller()
+    with pytest.raises(grpc.RpcError) as err:
+        tstub.Rotate(pb.RotateRequest(tenant_id=tenant, session_id=session + "-none",
+                                      reason=pb.ROTATION_REASON_OPERATOR,
+                                      idempotency_key="k-none"), metadata=md)
+    assert failure(err.value).reason == "SESSION_NOT_FOUND"
+    spans = spans_of(exporter, trace_id)
+    failed = [s for s in spans if s.kind is SpanKind.CLIENT
+              and s.status.status_code is StatusCode.ERROR]
+    assert [s.name for s in failed] == ["INSERT"]  # the key's insert, refused
+    assert not [e for s in spans for e in s.events if e.name == "exception"]
+    assert_clean(spans, tenant, session, TOKEN, "DETAIL")
+
+
 def test_every_rpc_has_a_span_and_a_call_without_context_starts_a_trace(tstub, ids, exporter):
     tenant, session = ids
     exporter.clear()

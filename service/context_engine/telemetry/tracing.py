@@ -14,7 +14,8 @@ names (W3C ``traceparent``/``tracestate`` and baggage by default).
 Unconfigured, nothing here loads the SDK or an exporter and every tracer is the API's no-op
 tracer: a server pays for a few no-op calls per RPC and connects nowhere. Span attributes
 carry sizes, epochs, hashes and the hashed session key, never tenant or session ids, message
-content or credentials; asyncpg's spans carry the statement text, never its parameters.
+content or credentials; asyncpg's spans carry the statement text, never its parameters nor the
+message of a statement that failed (its DETAIL quotes the key values).
 
 The RPC's server span is the servicer's own rather than opentelemetry-instrumentation-grpc's:
 that interceptor would put the status message (which may quote request values) in the span's
@@ -126,17 +127,61 @@ def flush(provider: trace.TracerProvider, timeout_millis: int = 10_000) -> None:
         force_flush(timeout_millis)
 
 
+class _SilentTracer(Tracer):
+    """A tracer whose spans record no exception and put no message in their status: asyncpg's
+    instrumentation marks a failed statement ERROR itself, and the driver's message it would
+    otherwise record (an exception event, the status description) has a DETAIL quoting the
+    row's values, such as ``Key (tenant_id, session_id)=(acme, s1) is not present`` of a
+    write naming an erased or unknown session."""
+
+    def __init__(self, inner: Tracer) -> None:
+        self._inner = inner
+
+    def start_span(self, name: str, context: Context | None = None,
+                   kind: SpanKind = SpanKind.INTERNAL, attributes: Any = None,
+                   links: Any = None, start_time: int | None = None,
+                   record_exception: bool = True,
+                   set_status_on_exception: bool = True) -> Span:
+        return self._inner.start_span(name, context, kind, attributes, links, start_time,
+                                      record_exception=False, set_status_on_exception=False)
+
+    @contextmanager
+    def start_as_current_span(  # type: ignore[override]  # the API's decorator, not ours
+            self, name: str, context: Context | None = None,
+            kind: SpanKind = SpanKind.INTERNAL, attributes: Any = None, links: Any = None,
+            start_time: int | None = None, record_exception: bool = True,
+            set_status_on_exception: bool = True, end_on_exit: bool = True) -> Iterator[Span]:
+        with self._inner.start_as_current_span(
+                name, context, kind, attributes, links, start_time, record_exception=False,
+                set_status_on_exception=False, end_on_exit=end_on_exit) as span:
+            yield span
+
+
+class _SilentProvider(trace.TracerProvider):
+    """``provider``'s tracers as ``_SilentTracer``s."""
+
+    def __init__(self, provider: trace.TracerProvider) -> None:
+        self._provider = provider
+
+    def get_tracer(self, instrumenting_module_name: str,
+                   instrumenting_library_version: str | None = None,
+                   schema_url: str | None = None, attributes: Any = None) -> Tracer:
+        return _SilentTracer(self._provider.get_tracer(
+            instrumenting_module_name, instrumenting_library_version, schema_url, attributes))
+
+
 def instrument_database(provider: trace.TracerProvider) -> None:
     """asyncpg's instrumentation: a client span per statement under the current span, with
-    the statement text and never its parameters (they are content). Process-wide: the last
-    provider given wins (one traced server per process)."""
+    the statement text and never its parameters (they are content), nor the driver's message
+    of a statement that failed (its DETAIL quotes values: ``_SilentTracer``). Process-wide:
+    the last provider given wins (one traced server per process)."""
     from opentelemetry.instrumentation.asyncpg import AsyncPGInstrumentor
 
     instrumentor = AsyncPGInstrumentor(  # type: ignore[no-untyped-call]  # untyped package
         capture_parameters=False)
     if instrumentor.is_instrumented_by_opentelemetry:
         instrumentor.uninstrument()
-    instrumentor.instrument(tracer_provider=provider)
+    instrumentor.instrument(tracer_provider=_SilentProvider(provider))
 
 
 def uninstrument_database() -> None:
