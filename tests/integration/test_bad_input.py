@@ -322,6 +322,35 @@ def test_runtime_metadata_is_one_line_of_the_platforms_text(stub, ids, db):
         "Surface: web app"]
 
 
+def test_recall_and_correction_ids_are_ids(stub, ids, db):
+    """A recall or correction line is a memory item, its id held to the id rule: one holding a
+    NUL was taken, and the pressure event naming the trimmed recall lines could not be stored
+    (jsonb holds no NUL); each bad one is refused at its field, at once, and nothing is
+    written; good ones are printed in their lines."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    before = db.counts(tenant)
+    request = build_request(tenant, session)
+    cp = request.checkpoint
+    cp.recall.extend([pb.RecallLine(id="m1", text="likes tea"),
+                      pb.RecallLine(id="m\x002", text="nul"),
+                      pb.RecallLine(id="", text="no id"),
+                      pb.RecallLine(id="m\u2028x", text="separator")])
+    cp.corrections.extend([pb.CorrectionLine(id="x" * 257, text="long"),
+                           pb.CorrectionLine(id="fix1", text="page 2 was misread")])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(request)
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert sorted(f.fields) == ["checkpoint.corrections[0].id", "checkpoint.recall[1].id",
+                                "checkpoint.recall[2].id", "checkpoint.recall[3].id"], f.fields
+    assert db.counts(tenant) == before
+    del cp.recall[1:]
+    del cp.corrections[0]
+    served = "\n".join(m.text for m in stub.Build(request).request.messages)
+    assert "- [m1] likes tea" in served and "- [fix1] page 2 was misread" in served
+
+
 @pytest.mark.parametrize("args, said", [
     ('{"url":"a","url":"b"}', "holds the name 'url' twice in one object"),
     ('{"url":"a","n":-2.5e999}', "holds the number -2.5e999, beyond the range of a 64-bit float"),

@@ -19,6 +19,7 @@ import grpc
 import pytest
 from context_engine.adapters.postgres.maintenance import create_partition_sql, partition_name
 from context_engine.api.auth import token_sha256
+from context_engine.domain.ports import ContextEvent
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
@@ -191,11 +192,13 @@ def recall_trimmed(db: Any, tenant: str, session: str) -> list[str]:
 
 def test_an_event_postgresql_cannot_store_stops_no_other_tenants_events(
         database_url: str, db: Any, tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
-    """Tenant B's Build names recall lines whose ids PostgreSQL cannot store in its pressure
-    event (a NUL: jsonb refuses it). The outbox holds it behind tenant A's events while their
-    day has no partition yet (as in an outage); once it has, A's events, those queued after
-    B's included, are written, and B's is discarded (logged with B's tenant), not retried at
-    the head of the queue for ever. B's Builds are answered, the queue empty or not."""
+    """Recall line ids holding a NUL (which PostgreSQL's jsonb cannot store) are refused at the
+    API now, and nothing is written; the outbox still never lets an event PostgreSQL refuses
+    hold back others': tenant B's such event (put in the running server's outbox directly, as
+    no request can make one any more) waits between tenant A's while their day has no
+    partition yet (as in an outage); once it has, A's events, the one queued after B's
+    included, are written, and B's is discarded (logged with B's tenant), not retried at the
+    head of the queue for ever."""
     caplog.set_level(logging.INFO, logger="context_engine")
     a, b = f"tenant-a-{uuid.uuid4().hex[:8]}", f"tenant-b-{uuid.uuid4().hex[:8]}"
     token_a, token_b = f"a-{uuid.uuid4().hex}", f"b-{uuid.uuid4().hex}"
@@ -214,15 +217,21 @@ def test_an_event_postgresql_cannot_store_stops_no_other_tenants_events(
             stub = pb_grpc.ContextEngineStub(channel)
             for tenant, token in ((a, token_a), (b, token_b)):
                 stub.Plan(plan_request(tenant, "s"), metadata=bearer(token), timeout=30)
-            # the queue empty: B's Build is answered and its event discarded
-            stub.Build(build_request(b, "s", recall=recall("b0-", nul=True)),
-                       metadata=bearer(token_b), timeout=30)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Build(build_request(b, "s", recall=recall("b0-", nul=True)),
+                           metadata=bearer(token_b), timeout=30)
+            assert failure(refused.value).code is grpc.StatusCode.INVALID_ARGUMENT
+            assert recall_trimmed(db, b, "s") == []
             clock.set(later)
-            for tag, tenant, token, nul in (("a1-", a, token_a, False),
-                                            ("b1-", b, token_b, True),
-                                            ("a2-", a, token_a, False)):
-                stub.Build(build_request(tenant, "s", recall=recall(tag, nul)),
-                           metadata=bearer(token), timeout=30)
+            stub.Build(build_request(a, "s", recall=recall("a1-")), metadata=bearer(token_a),
+                       timeout=30)
+            unstorable = ContextEvent(tenant_id=b, session_id="s", epoch=1,
+                                      type="context.budget.pressure",
+                                      payload={"epoch": 1, "steps": [
+                                          {"step": "recall", "item_ids": ["b1-0\x00"]}]})
+            server.call(server.running.events.append(unstorable))
+            stub.Build(build_request(a, "s", recall=recall("a2-")), metadata=bearer(token_a),
+                       timeout=30)
             assert server.running.events.pending == 3  # their day has no partition
             db.fetch(create_partition_sql(day))
             deadline = time.monotonic() + 15
@@ -231,10 +240,10 @@ def test_an_event_postgresql_cannot_store_stops_no_other_tenants_events(
             assert recall_trimmed(db, a, "s") == ["a1", "a2"]
             assert recall_trimmed(db, b, "s") == []
             assert server.running.events.pending == 0
-            assert server.running.events.discarded == 2
+            assert server.running.events.discarded == 1
             discarded = [getattr(r, "fields", {}) for r in caplog.records
                          if r.getMessage() == "event_discarded"]
-            assert [(d["tenant"], d["reason"]) for d in discarded] == [(b, "unstorable")] * 2
+            assert [(d["tenant"], d["reason"]) for d in discarded] == [(b, "unstorable")]
     finally:
         server.stop()
         db.fetch(f'DROP TABLE IF EXISTS "{partition_name(day)}"')
