@@ -1,7 +1,7 @@
 """The README's Python snippet and five-minute tour (``context-engine demo``) run as written
 against a real server, the demo's failures are clear, it takes its token from ``CE_TOKEN`` or
-standard input (never argv), its configuration table names every setting the code reads, and
-ARCHITECTURE.md names only modules that exist."""
+standard input (never argv), its configuration table names exactly the settings the code reads,
+each with the code's default and bounds, and ARCHITECTURE.md names only modules that exist."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from context_engine.cli import main
-from context_engine.config import variables
+from context_engine.config import Config, variables
 
 from tests.conftest import REPO
 from tests.integration.requests import plan_request
@@ -183,12 +183,72 @@ def test_readme_names_the_address_and_the_token_one_way():
         "the demo's token comes from CE_TOKEN or --token-stdin")
 
 
-def test_readme_configuration_table_matches_the_code():
+def configuration_rows() -> dict[str, tuple[str, str]]:
+    """``{variable: (default, meaning)}`` of the README's configuration table."""
     text = (REPO / "README.md").read_text()
-    documented = set(re.findall(r"^\| `([A-Z_]+)` \|", text, re.M))
+    section = re.search(r"^## Configuration\n(.*?)^## ", text, re.S | re.M)
+    assert section, "README.md has no '## Configuration' section"
+    rows = re.findall(r"^\| `([A-Z_]+)` \| (.*?) \| (.*) \|$", section.group(1), re.M)
+    return {variable: (default, meaning) for variable, default, meaning in rows}
+
+
+# Read beside the settings, by the token counter (adapters/tokenizers.py), documented in the
+# table as what it is.
+NOT_SETTINGS = {"TIKTOKEN_CACHE_DIR"}
+
+
+def test_readme_configuration_table_matches_the_code():
+    """Every variable read is a row, and every row a variable read."""
+    documented = set(configuration_rows())
     read = set(variables().values())
     assert {"DATABASE_URL", "CE_GRPC_ADDR", "CE_SUMMARIZER_API_KEY"} <= read
     assert read <= documented, read - documented
+    assert documented - read == NOT_SETTINGS, documented - read - NOT_SETTINGS
+
+
+def test_readme_configuration_defaults_are_the_codes():
+    """Each row's default, read as that variable's value, is the setting's default (a path:
+    the documented end of it; unset: no value)."""
+    rows = configuration_rows()
+    default = Config()
+    for name, variable in variables().items():
+        written, _ = rows[variable]
+        value = getattr(default, name)
+        if written == "*(unset)*":
+            assert value in (None, ""), f"{variable}: README says unset, the code {value!r}"
+            continue
+        shown = re.match(r"(?:packaged )?`([^`]*)`", written)
+        assert shown, f"{variable}: no default in {written!r}"
+        if isinstance(value, Path):
+            assert value.parts[-len(Path(shown.group(1)).parts):] == Path(shown.group(1)).parts, (
+                f"{variable}: README says {written!r}, the code {value}")
+            continue
+        read = getattr(Config.from_env({variable: shown.group(1)}), name)
+        assert read == value, f"{variable}: README says {shown.group(1)!r}, the code {value!r}"
+
+
+def _stated(number: float, text: str) -> bool:
+    """Whether ``text`` writes ``number`` (1024 or 1,024; 0.5), not as part of another."""
+    forms = {f"{number:g}", f"{number:,g}"} if not float(number).is_integer() else {
+        str(int(number)), f"{int(number):,}"}
+    return any(re.search(rf"(?<![\d,.]){re.escape(form)}(?!\d|[.,]\d)", text) for form in forms)
+
+
+def test_readme_configuration_rows_state_the_codes_bounds():
+    """Each setting's bounds are written in its row (lower bounds of 0 and 1 go without
+    saying): a bound the code changes, or one the row never said, fails here."""
+    rows = configuration_rows()
+    checked = 0
+    for name, variable in variables().items():
+        row = " ".join(rows[variable])
+        for constraint in Config.model_fields[name].metadata:
+            for kind in ("ge", "gt", "le", "lt"):
+                bound = getattr(constraint, kind, None)
+                if bound is None or (kind in ("ge", "gt") and bound in (0, 1)):
+                    continue
+                checked += 1
+                assert _stated(bound, row), f"{variable}: its row does not say {kind} {bound}"
+    assert checked >= 20
 
 
 def test_architecture_names_only_paths_that_exist():
