@@ -1,7 +1,8 @@
 """The operators' assets under deploy/: Prometheus rules and alerts (checked and unit-tested
 with promtool), the Grafana dashboard and its provisioning, and the local compose stack. Every
 PromQL expression may only name metrics the service exports (or rules recorded in rules.yml, or
-Prometheus' own `up`), none may filter or group by a tenant or session, every aggregation keeps
+Prometheus' own `up`) and labels those metrics carry, none may filter or group by a tenant or
+session, README "Metrics" names every metric with its labels, every aggregation keeps
 `job` and `namespace`, every alert links an absolute runbook_url to a section of
 deploy/README.md, and every dashboard query follows the dashboard's job and namespace
 variables. The Kubernetes copies of the rules and the dashboard are what
@@ -343,6 +344,70 @@ def test_dashboard_names_only_exported_metrics_or_recorded_rules() -> None:
         assert rules <= recorded, f"{title}: not recorded in rules.yml: {sorted(rules - recorded)}"
         raw = metrics - rules
         assert raw <= exported, f"{title}: not exported: {sorted(raw - exported)}"
+
+
+def exported_labels() -> dict[str, set[str]]:
+    """The label names of every sample name the service's metrics expose (``le`` on a
+    histogram's buckets)."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    for collector in vars(metrics).values():
+        if isinstance(collector, MetricWrapperBase) and collector._labelnames:
+            collector.labels(*["probe"] * len(collector._labelnames))
+    return {sample.name: set(sample.labels) for family in registry.collect()
+            for sample in family.samples}
+
+
+# What Prometheus adds to every scraped series (the scrape config's job, the Kubernetes
+# namespace, the target's instance).
+TARGET_LABELS = {"job", "namespace", "instance"}
+
+
+def _recorded_labels() -> dict[str, set[str]]:
+    """The labels a recorded rule may keep: those of what its expression reads."""
+    exported = exported_labels()
+    kept: dict[str, set[str]] = {}
+    for rule in _rules():
+        if "record" in rule:
+            metrics, _ = promql_names(str(rule["expr"]))
+            kept[rule["record"]] = set().union(
+                TARGET_LABELS, *(exported.get(m, set()) | kept.get(m, set()) for m in metrics))
+    return kept
+
+
+def test_rules_and_dashboard_use_only_labels_their_metrics_have() -> None:
+    """A label an expression filters or groups by that none of its metrics carries (a label
+    renamed in the code, or misspelt in a rule) matches nothing or folds every series into one,
+    without an error: each must be a label of a metric the expression reads, or the target's."""
+    exported = exported_labels()
+    recorded = _recorded_labels()
+    for name, expr in _rule_expressions() + _dashboard_expressions():
+        metrics, labels = promql_names(expr)
+        carried = set().union(TARGET_LABELS, *(exported.get(m, set()) | recorded.get(m, set())
+                                               for m in metrics))
+        assert labels <= carried, f"{name}: no metric of it has {sorted(labels - carried)}"
+
+
+def test_readme_names_every_metric_with_its_labels() -> None:
+    """README "Metrics" names each metric the service registers, as exposed (a counter with
+    ``_total``), with its labels in braces; the gRPC server metrics' common labels (``grpc_type``,
+    ``grpc_service``, ``grpc_method``) are said once for all of them."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = re.search(r"^### Metrics\n(.*?)^### ", text, re.S | re.M)
+    assert section, "README.md has no '### Metrics' section"
+    documented: dict[str, set[str]] = {}
+    for name, labels in re.findall(r"`((?:context_engine|grpc_server)_[a-z_]+)"
+                                   r"(?:\{([a-z_,]+)\})?`", section.group(1)):
+        documented.setdefault(name, set()).update(labels.split(",") if labels else ())
+    grpc_common = {"grpc_type", "grpc_service", "grpc_method"}
+    assert all(f"`{label}`" in section.group(1) for label in grpc_common)
+    registered: dict[str, set[str]] = {}
+    for collector in vars(Metrics(CollectorRegistry())).values():
+        if isinstance(collector, MetricWrapperBase):
+            name = collector._name + ("_total" if collector._type == "counter" else "")
+            labels = set(collector._labelnames)
+            registered[name] = labels - grpc_common if name.startswith("grpc_") else labels
+    assert documented == registered
 
 
 def test_every_dashboard_query_follows_the_job_and_namespace_variables() -> None:
