@@ -301,7 +301,13 @@ def _command(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, config: Config) -> int:
     """``serve``: the addresses checked and held, then one process or a supervisor."""
-    from context_engine.api.workers import WORKER_ENV, hold_address, port_taken, supervise
+    from context_engine.api.workers import (
+        WORKER_ENV,
+        hold_address,
+        port_taken,
+        remove_abandoned_directories,
+        supervise,
+    )
 
     if WORKER_ENV not in os.environ:  # a worker binds the port its supervisor holds
         # named as the operator gave it: a flag, else its variable
@@ -323,6 +329,7 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
                 print(f"{PROG}: cannot serve on {addr} ({setting}): "
                       f"{taken.strerror or taken}; {hint}", file=sys.stderr)
                 return 2
+        remove_abandoned_directories()  # what supervisors killed outright left
     count = config.worker_count()
     if count > 1 and WORKER_ENV not in os.environ:
         passed = ["--dev"] if getattr(args, "dev", False) else []

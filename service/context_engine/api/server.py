@@ -46,7 +46,15 @@ from context_engine.api.limits import Limits, LimitsInterceptor
 from context_engine.api.rpc_metrics import rpc_metrics_interceptor
 from context_engine.api.servicer import ContextEngineServicer, add_to_server
 from context_engine.api.status import CODES
-from context_engine.api.workers import READY_ENV, WORKER_ENV, die_with_supervisor
+from context_engine.api.workers import (
+    READY_ENV,
+    WORKER_ENV,
+    die_with_supervisor,
+    leave_directories,
+    own_directory,
+    remove_abandoned_directories,
+    worker_directories,
+)
 from context_engine.clock import SYSTEM_CLOCK, Clock
 from context_engine.config import Config, split_addr
 from context_engine.domain.compaction import StructuredSummarizer, Summarizer
@@ -426,6 +434,17 @@ async def watch_health(servicer: health.aio.HealthServicer, pool: asyncpg.Pool, 
 
 async def serve(config: Config) -> None:
     die_with_supervisor()  # a worker: stopped when its supervisor dies
+    directories = worker_directories()
+    for directory in directories:  # a worker: its supervisor's, held while it lives
+        own_directory(directory, create=False)
+    try:
+        await _serve(config)
+    finally:  # the last process of a supervisor killed outright removes what it left
+        leave_directories()
+        remove_abandoned_directories(directories)
+
+
+async def _serve(config: Config) -> None:
     database_url = config.database_url
     embedded = database_url is None
     if database_url is None:

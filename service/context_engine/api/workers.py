@@ -13,6 +13,11 @@ kernel spreads connections over them. The supervisor itself serves no RPC. It:
 * restarts a worker that dies, and on SIGTERM/SIGINT forwards SIGTERM to every worker, each
   of which drains (health NOT_SERVING first) and finishes its in-flight RPCs within the grace
   period, then stops the embedded database.
+
+Its two directories (the metrics and the ready one) are removed when it stops; when it is
+killed outright, by the last of its workers to stop, or else by the next start on the machine
+(``remove_abandoned_directories``): each holds a lock file its supervisor and workers hold
+while they live.
 """
 
 from __future__ import annotations
@@ -61,6 +66,80 @@ def die_with_supervisor(environ: Mapping[str, str] = os.environ) -> bool:
         os.kill(os.getpid(), signal.SIGTERM)
     return True
 RESTART_BACKOFF_SECONDS = 1.0
+DIRECTORY_PREFIXES = ("context-engine-metrics-", "context-engine-ready-")
+OWNERS_LOCK = ".owners.lock"  # in each of them: shared-locked by its supervisor and workers
+_OWNED: list[int] = []  # this process's shared locks on them
+
+
+def own_directory(directory: Path, *, create: bool) -> bool:
+    """Holds a shared lock on ``directory``'s owners lock until ``leave_directories`` or this
+    process exits (the kernel lets go of it at any death, a SIGKILL included, whatever pid
+    comes next): while the supervisor or one of its workers lives, no ``remove_abandoned``
+    takes the directory. The supervisor makes the file (``create``) and writes its pid into
+    it once it holds the lock: an empty file is one whose maker may not hold it yet."""
+    flags = os.O_RDWR | os.O_CREAT if create else os.O_RDONLY
+    try:
+        fd = os.open(directory / OWNERS_LOCK, flags, 0o600)
+    except OSError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_SH)  # a removal holds it only while it removes
+    if create:
+        os.write(fd, f"{os.getpid()}\n".encode())
+    _OWNED.append(fd)
+    return True
+
+
+def worker_directories(environ: Mapping[str, str] = os.environ) -> list[Path]:
+    """A worker's directories of its supervisor's (none outside a worker)."""
+    if WORKER_ENV not in environ:
+        return []
+    return [Path(environ[name]) for name in ("PROMETHEUS_MULTIPROC_DIR", READY_ENV)
+            if environ.get(name)]
+
+
+def leave_directories() -> None:
+    """Lets go of this process's shared locks (a worker that has stopped)."""
+    while _OWNED:
+        os.close(_OWNED.pop())
+
+
+def remove_abandoned(directory: Path) -> bool:
+    """Removes ``directory`` when no process holds its owners lock: its supervisor and every
+    worker of it are gone. A directory without the lock file (one made before it existed,
+    or by another user) is left alone: nothing tells whether its processes live."""
+    try:
+        fd = os.open(directory / OWNERS_LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its supervisor or a worker of it still runs
+            return False
+        if os.fstat(fd).st_size == 0:  # its maker has not locked it yet
+            return False
+        shutil.rmtree(directory, ignore_errors=True)
+        return not directory.exists()
+    finally:
+        os.close(fd)
+
+
+def remove_abandoned_directories(
+        directories: list[Path] | None = None) -> list[str]:
+    """Removes what supervisors killed outright left (their workers' metrics files and ready
+    directory): ``directories``, or every such directory under the temporary directory.
+    Logged at warning with the directories removed."""
+    if directories is None:
+        try:
+            directories = [p for p in Path(tempfile.gettempdir()).iterdir()
+                           if p.name.startswith(DIRECTORY_PREFIXES) and p.is_dir()
+                           and not p.is_symlink()]
+        except OSError:
+            return []
+    removed = sorted(str(d) for d in directories if remove_abandoned(d))
+    if removed:
+        log("abandoned_files_removed", logging.WARNING, directories=removed)
+    return removed
 
 
 def port_taken(host: str, port: int) -> OSError | None:
@@ -148,6 +227,8 @@ class Supervisor:
         self.port = int(self.socket.getsockname()[1])
         self.metrics_dir = Path(tempfile.mkdtemp(prefix="context-engine-metrics-"))
         self.ready_dir = Path(tempfile.mkdtemp(prefix="context-engine-ready-"))
+        for directory in (self.metrics_dir, self.ready_dir):
+            own_directory(directory, create=True)
         self.workers: dict[int, Worker] = {}
         self.stopping = False
 
@@ -243,6 +324,7 @@ class Supervisor:
             self.socket.close()
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
             shutil.rmtree(self.ready_dir, ignore_errors=True)
+            leave_directories()
 
     async def _restart_dead(self) -> None:
         for index, worker in list(self.workers.items()):
