@@ -579,9 +579,10 @@ def checkpoint(v: Violations, cp: pb.Checkpoint, *, memo: MutableMapping[Any, An
             v.platform_line(f"checkpoint.runtime.{name}[{i}]", value)
     # memory items' ids, held to the id rule as a snapshot's are: a pressure event names the
     # recall lines it trimmed (PostgreSQL's jsonb holds no NUL), and each is printed in its line
-    for name, lines in (("recall", cp.recall), ("corrections", cp.corrections)):
-        for i, line in enumerate(lines):
-            v.identifier(f"checkpoint.{name}[{i}].id", line.id)
+    for i, recalled in enumerate(cp.recall):
+        v.identifier(f"checkpoint.recall[{i}].id", recalled.id)
+    for i, correction in enumerate(cp.corrections):
+        v.identifier(f"checkpoint.corrections[{i}].id", correction.id)
     return Checkpoint(
         summary=summary,
         active_run_id=cp.active_run_id,
