@@ -81,6 +81,7 @@ from context_engine.domain.plan import (
     PlanSpec,
     RenderedPrefix,
     admission_reason,
+    capability_conflict,
     draft_pinned,
     draft_plan,
     is_older,
@@ -148,13 +149,19 @@ class PlanCommand:
     invalidated_trace_ids: tuple[str, ...] = ()
 
     def reason_to_rotate(self, current: PlanSpec, assets: PlatformAssets) -> str | None:
-        return rotation_reason_for(
+        reason = rotation_reason_for(
             current, agent=self.agent, persona=self.persona, model_id=self.model.model_id,
             assets=assets, builder_version=BUILDER_VERSION) or admission_reason(
             current, unpinned=bool(self.run_id) and not self.run_pinned,
             principal_scopes=self.principal_scopes,
             website_profile_id=self.website_profile_id,
             invalidated_trace_ids=self.invalidated_trace_ids)
+        if reason is None:  # kept: a capability declared otherwise would be ignored silently
+            capability_conflict(current.model, self.model.model_id,
+                                context_window=self.model.context_window,
+                                output_reserve=self.model.output_reserve,
+                                breakpoint_budget=self.model.breakpoint_budget)
+        return reason
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

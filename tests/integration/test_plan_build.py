@@ -170,6 +170,56 @@ def test_same_version_new_content_conflicts_whatever_else_changes(stub, ids, db)
     assert rotated.plan.epoch == 2 and rotated.plan.reason == "model_changed"
 
 
+def test_a_plan_declaring_other_capabilities_of_the_pinned_model_is_refused(stub, ids, db):
+    """A Plan of the pinned model id that declares another window, output reserve or breakpoint
+    budget, and changes nothing that rotates, was answered with the pinned plan: a caller that
+    said the window is 50,000 got Builds sized for 200,000. It is refused, naming the field
+    and both values; leaving a capability out (or sending the pinned one) keeps the plan, a
+    model_routed Rotate changes it, and a Plan that rotates for another reason takes it."""
+    tenant, session = ids
+    first = stub.Plan(plan_request(tenant, session)).plan  # claude-sonnet-4-5 from the catalog
+    before = db.counts(tenant)
+    declared = {"context_window": 50_000, "output_reserve": 4_000, "breakpoint_budget": 2}
+    pinned = {"context_window": 200_000, "output_reserve": 8_192, "breakpoint_budget": 4}
+    for name, value in declared.items():
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(
+                model_id="claude-sonnet-4-5",
+                capabilities=pb.ModelCapabilities(**{name: value}))))
+        f = failure(err.value)
+        assert f.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert f.reason == "PINNED_VERSION_CONFLICT" and f.metadata == {
+            "what": "model", "version": "claude-sonnet-4-5",
+            "field": f"model.capabilities.{name}", "pinned": str(pinned[name]),
+            "requested": str(value)}
+    assert db.counts(tenant) == before  # nothing written
+    same = stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(
+        model_id="claude-sonnet-4-5", capabilities=pb.ModelCapabilities(**pinned))))
+    assert not same.created and same.plan.epoch == 1
+    built = stub.Build(build_request(tenant, session))
+    assert (built.context_window, built.output_reserve) == (200_000, 8_192)
+
+    small = pb.ModelSpec(model_id="claude-sonnet-4-5", capabilities=pb.ModelCapabilities(
+        context_window=50_000, output_reserve=4_000))
+    routed = stub.Rotate(pb.RotateRequest(tenant_id=tenant, session_id=session,
+                                          reason=pb.ROTATION_REASON_MODEL_ROUTED, model=small,
+                                          idempotency_key="resize"))
+    assert routed.rotated and routed.plan.epoch == 2
+    built = stub.Build(build_request(tenant, session))
+    assert (built.epoch, built.context_window, built.output_reserve) == (2, 50_000, 4_000)
+    for model in (small, pb.ModelSpec(model_id="claude-sonnet-4-5")):
+        kept = stub.Plan(plan_request(tenant, session, model=model))
+        assert not kept.created and kept.plan.epoch == 2
+    # a Plan that rotates for another reason drafts the new epoch with what it declares
+    bumped = plan_request(tenant, session, model=pb.ModelSpec(
+        model_id="claude-sonnet-4-5", capabilities=pb.ModelCapabilities(context_window=60_000)))
+    bumped.agent.version = "8"
+    rotated = stub.Plan(bumped)
+    assert rotated.plan.epoch == 3 and rotated.plan.reason == "agent_version_changed"
+    assert stub.Build(build_request(tenant, session)).context_window == 60_000
+    assert first.prefix_sha256 == routed.plan.prefix_sha256  # the same bytes throughout
+
+
 def test_persona_revision_rotates(stub, ids):
     tenant, session = ids
     p1 = pb.Persona(revision="r1", entries=[pb.PersonaEntry(key="tone", text="warm")])

@@ -102,6 +102,23 @@ class PinnedVersionConflict(ContextEngineError):
         return {"what": self.what, "version": self.version}
 
 
+class PinnedModelConflict(PinnedVersionConflict):
+    """A Plan declared a capability of the pinned model (by its id) other than the plan pinned,
+    and nothing else rotates the session: the pinned value would be used silently. A model's
+    sizing changes only by an explicit ``model_routed`` Rotate, as its id does."""
+
+    def __init__(self, model_id: str, field: str, pinned: int, requested: int) -> None:
+        self.what, self.version = "model", model_id
+        self.field, self.pinned, self.requested = field, pinned, requested
+        ContextEngineError.__init__(
+            self, f"model {model_id!r} is pinned with {field} {pinned}, not {requested}; "
+            "send the pinned value (or none), or Rotate model_routed to the new one")
+
+    def metadata(self) -> dict[str, str]:
+        return {"what": "model", "version": self.version, "field": self.field,
+                "pinned": str(self.pinned), "requested": str(self.requested)}
+
+
 class BudgetExceeded(ContextEngineError):
     """Items that never yield do not fit; the request is never returned without them.
     ``pressure`` carries what the yield ladder did before giving up, if it ran."""

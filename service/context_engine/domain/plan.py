@@ -17,6 +17,7 @@ from context_engine.domain.envelope import FOLD
 from context_engine.domain.errors import (
     FieldViolation,
     InvalidInput,
+    PinnedModelConflict,
     PinnedVersionConflict,
     PrefixClassOverCap,
 )
@@ -563,6 +564,24 @@ def rotation_reason_for(current: PlanSpec, *, agent: AgentSpec, persona: Persona
             and not is_older(builder_version, current.builder_version)):
         return "builder_changed"
     return None
+
+
+def capability_conflict(pinned: ModelProfile, model_id: str, *, context_window: int | None,
+                        output_reserve: int | None, breakpoint_budget: int | None) -> None:
+    """Refuses a Plan that would keep the pinned plan (nothing rotates it) while declaring a
+    capability of the same model other than the one pinned: the pinned value would be used
+    silently (a window the caller says is smaller would let a Build overrun it). Capabilities
+    the Plan leaves out are the pinned ones; another model id is a ``model_changed`` rotation,
+    which takes the request's capabilities. A pinned model's sizing changes by a
+    ``model_routed`` Rotate."""
+    if pinned.model_id != model_id:
+        return
+    for name, declared in (("context_window", context_window),
+                           ("output_reserve", output_reserve),
+                           ("breakpoint_budget", breakpoint_budget)):
+        held = getattr(pinned, name)
+        if declared is not None and declared != held:
+            raise PinnedModelConflict(model_id, f"model.capabilities.{name}", held, declared)
 
 
 ROTATION_REASONS = ("security_revocation", "model_routed", "snapshot_invalidated", "operator")
