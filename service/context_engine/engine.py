@@ -85,6 +85,7 @@ from context_engine.domain.plan import (
     draft_pinned,
     draft_plan,
     is_older,
+    keeping_state_measure,
     redraft,
     render_prefix,
     rotation_reason_for,
@@ -477,6 +478,18 @@ class Engine:
         return TokenEstimator(counter, spec.estimator_factor, spec.tokenizer,
                               partial(self._catalog.image_tokens, spec.model.model_id))
 
+    def state_estimator(self, spec: PlanSpec) -> TokenEstimator:
+        """What the working state's 1,000-token ceiling is measured with: the session's first
+        epoch's encoding and factor, which a rotation to another model keeps
+        (``PlanSpec.state_measure``), so a state accepted before it is accepted after it."""
+        encoding, factor = spec.ceiling_measure
+        if (encoding, factor) == (spec.encoding, spec.estimator_factor):
+            return self.plan_estimator(spec)
+        counter = self._tokenizers.exact(encoding)
+        if counter is None:
+            raise TokenizerUnavailable(encoding)
+        return TokenEstimator(counter, factor)
+
     # ------------------------------------------------------------------ Plan
 
     async def plan(self, cmd: PlanCommand) -> tuple[ContextPlan, bool]:
@@ -530,6 +543,8 @@ class Engine:
                 pinned = base is not None and bool(cmd.run_id) and cmd.run_pinned
                 draft = (draft_pinned(inputs, base.spec, key, estimator) if base is not None
                          and pinned else draft_plan(inputs, key, estimator))
+            if base is not None:  # the working state's ceiling is measured as it was
+                draft = keeping_state_measure(draft, base.spec)
             # A prefix that leaves no body can never build, and a body that cannot hold
             # history's floor can never keep it: refuse both now, not on every Build.
             budget = compute_budget(window=profile.context_window,
@@ -635,8 +650,9 @@ class Engine:
                          else self.plan_estimator(locked.spec))
             with child(self._tracer, "context_engine.plan.render",
                        attributes={"context_engine.render.source": "redraft"}):
-                draft = redraft(locked.spec, key, estimator, drop_tools=cmd.drop_tools,
-                                model=profile, snapshot=cmd.snapshot)
+                draft = keeping_state_measure(
+                    redraft(locked.spec, key, estimator, drop_tools=cmd.drop_tools,
+                            model=profile, snapshot=cmd.snapshot), locked.spec)
             model = draft.spec.model
             budget = compute_budget(window=model.context_window,
                                     output_reserve=model.output_reserve,
@@ -897,7 +913,8 @@ class Engine:
             factor = self.pinned_factor(factor, spec)
         started = time.perf_counter()
         steps = build_steps(loaded, checkpoint, estimator=estimator, factor=factor,
-                            policy=self.policy, memo=self.render_memo, validated=validated)
+                            policy=self.policy, memo=self.render_memo, validated=validated,
+                            state_estimator=self.state_estimator(spec))
         try:
             with child(self._tracer, "context_engine.build",
                        attributes={"context_engine.epoch": loaded.plan.epoch,
@@ -1143,7 +1160,7 @@ class Engine:
         plan's estimator and the session key's envelopes, without the correction factor, so a
         state accepted now never fails Build after ReportUsage moves the factor (a pinned
         ``estimator_factor`` on the request is validated and has no effect on the ceiling)."""
-        estimator = self.plan_estimator(loaded.plan.spec)
+        estimator = self.state_estimator(loaded.plan.spec)
         ctx = RenderContext(session_key=loaded.session_key)
 
         def measure(state: WorkingState) -> int:

@@ -175,6 +175,54 @@ def test_a_state_the_service_accepted_builds_after_usage_moves_the_factor(stub, 
     assert again.state == state
 
 
+def test_a_state_the_service_accepted_builds_after_a_rotation_to_another_model(server, stub,
+                                                                                ids):
+    """A state of 996 tokens accepted on gpt-4o (o200k_base) measured 1,294 once a model_routed
+    Rotate moved the session to Claude (cl100k_base x 1.3): every Build failed
+    BUDGET_EXCEEDED{working_state}, and so did every UpdateWorkingState, since an objective
+    never evicts. The ceiling is measured as the session's first epoch measured it, across
+    rotations; what the block costs in the body is the new model's."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-4o")))
+    accepted = near_the_ceiling(stub, tenant, session, 950)
+    state = accepted.state
+    req = build_request(tenant, session)
+    req.checkpoint.working_state.CopyFrom(state)
+    stub.Build(req)
+    # the oracle that Claude's estimate counts this state over the ceiling: a session opened
+    # on Claude refuses it
+    other = f"{session}-claude"
+    stub.Plan(plan_request(tenant, other))
+    fresh = build_request(tenant, other)
+    fresh.checkpoint.working_state.CopyFrom(state)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(fresh)
+    f = failure(err.value)
+    assert f.reason == "BUDGET_EXCEEDED" and f.metadata["class"] == "working_state"
+    assert int(f.metadata["tokens"]) > 1_000
+
+    for epoch, model in ((2, "claude-sonnet-4-5"), (3, "gemini-2.5-pro"),
+                         (4, "claude-opus-4-1")):
+        if epoch < 4:
+            rotated = stub.Rotate(pb.RotateRequest(
+                tenant_id=tenant, session_id=session, reason=pb.ROTATION_REASON_MODEL_ROUTED,
+                model=pb.ModelSpec(model_id=model), idempotency_key=f"route-{epoch}")).plan
+        else:  # a Plan with another model rotates alike
+            rotated = stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(
+                model_id=model))).plan
+            assert rotated.reason == "model_changed"
+        assert rotated.epoch == epoch
+        server.running.engine.cache.clear()  # the plan as stored
+        built = stub.Build(req)
+        assert built.epoch == epoch
+        used = next(c.used for c in built.budget.classes if c.class_name == "working_state")
+        assert used > 1_000  # charged at the routed model's estimate
+        again = stub.UpdateWorkingState(update_request(
+            tenant, session, pb.WorkingStateTransition(update=pb.WorkingStateUpdate(
+                objective=state.objective)), current=state, seq=11 + epoch))
+        assert again.state == state and again.change.tokens == accepted.change.tokens
+
+
 def test_a_new_task_without_a_title_is_named_where_the_request_has_it(stub, ids, db):
     """The typed form's refusal names the request's field (transition.update...), as every
     other violation of the call does."""

@@ -459,10 +459,12 @@ def prefix_exact(spec: PlanSpec) -> bool:
 def working_state_tokens(estimator: TokenEstimator, ctx: RenderContext,
                          state: WorkingState) -> int:
     """The working-state block measured against its 1,000-token ceiling: the plan's estimator
-    without the correction factor. The ceiling is a property of the state, checked the same way
-    when UpdateWorkingState or CarryWorkingState accepts it and when Build renders it, so a
-    state the service accepted never fails Build because ReportUsage moved the factor (the
-    factor still scales what the block costs in the body budget)."""
+    (the one of the session's first epoch, ``Engine.state_estimator``, after a rotation to
+    another model) without the correction factor. The ceiling is a property of the state,
+    checked the same way when UpdateWorkingState or CarryWorkingState accepts it and when
+    Build renders it, so a state the service accepted never fails Build because ReportUsage
+    moved the factor or the session was routed to another model (the factor and the model's
+    own estimator still scale what the block costs in the body budget)."""
     return estimator.messages(WorkingStateItem(state=state).messages(ctx), 1.0)
 
 
@@ -497,11 +499,14 @@ Rendered = tuple[tuple[Message, ...], tuple[int, ...]]
 def build(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
           factor: float = 1.0, policy: BudgetPolicy = DEFAULT_POLICY,
           memo: MutableMapping[Any, Rendered] | None = None,
-          validated: bool = False) -> BuildResult:
+          validated: bool = False,
+          state_estimator: TokenEstimator | None = None) -> BuildResult:
     """Assemble one model request under the budget. Pure: no clock, randomness or I/O.
-    ``validated``: the caller already ran ``checkpoint_violations`` on this checkpoint."""
+    ``validated``: the caller already ran ``checkpoint_violations`` on this checkpoint.
+    ``state_estimator``: what the working state's ceiling is measured with, when the plan
+    keeps an earlier epoch's measure (``PlanSpec.state_measure``); ``estimator`` otherwise."""
     steps = build_steps(loaded, cp, estimator=estimator, factor=factor, policy=policy,
-                        memo=memo, validated=validated)
+                        memo=memo, validated=validated, state_estimator=state_estimator)
     next(steps)
     return finish(steps)
 
@@ -549,7 +554,9 @@ def skill_violations(catalog: Sequence[SkillCatalogEntry],
 def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator,
                 factor: float = 1.0, policy: BudgetPolicy = DEFAULT_POLICY,
                 memo: MutableMapping[Any, Rendered] | None = None,
-                validated: bool = False) -> Generator[Pressure, None, BuildResult]:
+                validated: bool = False,
+                state_estimator: TokenEstimator | None = None
+                ) -> Generator[Pressure, None, BuildResult]:
     """``build`` in two steps: it yields the allocation's pressure (what a pressure event
     records) before it assembles the request, and returns the result (``finish``). Pure like
     ``build``: the caller may start writing the event while the request is assembled."""
@@ -707,13 +714,15 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         fixed["summary"] = cost(summary)
     # classes that never yield fail instead. Their ceilings are properties of what was loaded
     # or accepted, measured without the correction factor (the working state's as
-    # UpdateWorkingState measured it): skills loaded within the cap never fail a later Build
-    # because ReportUsage moved the factor (which still scales what they cost in the body)
+    # UpdateWorkingState measured it, with the session's first epoch's tokenizer, which a
+    # rotation to another model keeps: ``state_estimator``): skills loaded within the cap
+    # never fail a later Build because ReportUsage moved the factor (which still scales what
+    # they cost in the body)
     skill_tokens = sum(scaled(raw, 1.0) for s in skills for raw in entry(s)[1][1])
     if skill_tokens > SKILL_BODY_TOKENS:
         raise BudgetExceeded("skill_bodies", skill_tokens, SKILL_BODY_TOKENS)
     if "working_state" in rows:
-        state_tokens = working_state_tokens(estimator, ctx, cp.working_state)
+        state_tokens = working_state_tokens(state_estimator or estimator, ctx, cp.working_state)
         if state_tokens > WORKING_STATE_TOKENS:
             raise BudgetExceeded("working_state", state_tokens, WORKING_STATE_TOKENS)
 

@@ -163,6 +163,16 @@ class PlanSpec:
     # a plan from before it was counted, and for one a replica of such a release rotated (its
     # documents leave out what it does not know).
     counts_leading_turn: bool = True
+    # The working state's 1,000-token ceiling is measured with the encoding and factor of the
+    # session's first epoch, which every rotation keeps (``keeping_state_measure``): a state the
+    # service accepted before a rotation to another model is the same state after it. None:
+    # this plan's own (an epoch 1, a rotation that kept the model, a plan from before it).
+    state_measure: tuple[str, float] | None = None
+
+    @property
+    def ceiling_measure(self) -> tuple[str, float]:
+        """The (encoding, factor) the working state's ceiling is measured with."""
+        return self.state_measure or (self.encoding, self.estimator_factor)
 
     def canonical(self) -> dict[str, Any]:
         return {
@@ -187,6 +197,9 @@ class PlanSpec:
             "encoding": self.encoding,
             "estimator_factor": self.estimator_factor,
             "counts_leading_turn": self.counts_leading_turn,
+            # only where it differs from the plan's own: other plans' documents are unchanged
+            **({} if self.state_measure is None
+               else {"state_measure": list(self.state_measure)}),
         }
 
     @classmethod
@@ -215,6 +228,8 @@ class PlanSpec:
             encoding=d["encoding"],
             estimator_factor=d["estimator_factor"],
             counts_leading_turn=d.get("counts_leading_turn", False),
+            state_measure=(None if d.get("state_measure") is None
+                           else (d["state_measure"][0], d["state_measure"][1])),
         )
 
     def canonical_json(self) -> str:
@@ -564,6 +579,17 @@ def rotation_reason_for(current: PlanSpec, *, agent: AgentSpec, persona: Persona
             and not is_older(builder_version, current.builder_version)):
         return "builder_changed"
     return None
+
+
+def keeping_state_measure(draft: PlanDraft, base: PlanSpec) -> PlanDraft:
+    """A new epoch over ``base`` measures the working state's ceiling as ``base`` did (the
+    session's first epoch's measure, carried on): a rotation to a model whose tokenizer counts
+    more must not fail, nor trim, a state the service accepted (a state of 996 tokens accepted
+    on gpt-4o is 1,294 by Claude's estimate)."""
+    measure = base.ceiling_measure
+    own = (draft.spec.encoding, draft.spec.estimator_factor)
+    return replace(draft, spec=replace(draft.spec,
+                                       state_measure=None if measure == own else measure))
 
 
 def capability_conflict(pinned: ModelProfile, model_id: str, *, context_window: int | None,
