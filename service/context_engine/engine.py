@@ -914,7 +914,8 @@ class Engine:
         started = time.perf_counter()
         steps = build_steps(loaded, checkpoint, estimator=estimator, factor=factor,
                             policy=self.policy, memo=self.render_memo, validated=validated,
-                            state_estimator=self.state_estimator(spec))
+                            state_estimator=None if spec.state_measure is None
+                            else self.state_estimator(spec))
         try:
             with child(self._tracer, "context_engine.build",
                        attributes={"context_engine.epoch": loaded.plan.epoch,

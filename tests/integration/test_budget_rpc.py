@@ -208,6 +208,55 @@ def test_a_third_skill_is_rejected(stub, ids):
     assert f.metadata["unit"] == "items" and f.metadata["limit"] == "2"
 
 
+def test_skills_built_before_a_rotation_to_another_model_still_build(stub, ids):
+    """Two skills built at 5,996 tokens on gpt-4o (o200k_base) measured about 7,800 once a
+    model_routed Rotate moved the session to Claude (cl100k_base x 1.3): every Build failed
+    BUDGET_EXCEEDED{skill_bodies}, and a skill is never unloaded. The cap is measured with
+    the session's first epoch's tokenizer across rotations; the body pays the new model's."""
+    tenant, session = ids
+    catalog = [pb.SkillCatalogEntry(name=n, description="A skill.", trust=pb.TRUST_LEVEL_USER)
+               for n in ("a", "b")]
+    stub.Plan(plan_request(tenant, session, skill_catalog=catalog,
+                           model=pb.ModelSpec(model_id="gpt-4o")))
+
+    def request(tenant_session: tuple[str, str], words: int) -> pb.BuildRequest:
+        body = " ".join(f"rule{i}" for i in range(words))
+        return build_request(*tenant_session, loaded_skills=[
+            pb.SkillBody(name=n, body=body, trust=pb.TRUST_LEVEL_USER) for n in ("a", "b")])
+
+    def builds(words: int) -> bool:
+        try:
+            stub.Build(request((tenant, session), words))
+            return True
+        except grpc.RpcError as err:
+            assert failure(err).metadata["class"] == "skill_bodies"
+            return False
+    lo, hi = 10, 5_000  # the longest bodies the gpt-4o epoch builds
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if builds(mid) else (lo, mid)
+    first = stub.Build(request((tenant, session), lo))
+    used = next(c.used for c in first.budget.classes if c.class_name == "skill_bodies")
+    assert 6_000 / 1.25 < used <= 6_000
+    # the oracle that Claude's estimate counts them over the cap: a Claude session refuses them
+    stub.Plan(plan_request(tenant, f"{session}-c", skill_catalog=catalog))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(request((tenant, f"{session}-c"), lo))
+    f = failure(err.value)
+    assert f.metadata["class"] == "skill_bodies" and int(f.metadata["tokens"]) > 6_000
+
+    stub.Rotate(pb.RotateRequest(tenant_id=tenant, session_id=session,
+                                 reason=pb.ROTATION_REASON_MODEL_ROUTED,
+                                 model=pb.ModelSpec(model_id="claude-sonnet-4-5"),
+                                 idempotency_key="route"))
+    for _ in range(2):  # and again, from what the first one kept
+        built = stub.Build(request((tenant, session), lo))
+        assert built.epoch == 2
+        used = next(c.used for c in built.budget.classes if c.class_name == "skill_bodies")
+        assert used > 6_000  # charged at Claude's estimate
+    assert not builds(hi)  # the cap still holds, as the session first measured it
+
+
 def _report(tenant, session, key, estimated, actual, factor=1.0, cached=0):
     return pb.ReportUsageRequest(tenant_id=tenant, session_id=session,
                                  estimated_input_tokens=estimated, estimator_factor=factor,

@@ -620,6 +620,19 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
 
     seen_get = seen.get
 
+    def ceiling_raws(item: ContextItem) -> tuple[int, ...]:
+        """The item's raw counts by ``state_estimator``'s encoding, kept in the memo as
+        ``entry`` keeps them by the plan's (the same rendering; the counts depend on the
+        encoding alone)."""
+        assert state_estimator is not None
+        key = (session, state_estimator.encoding, item)
+        found = renders.get(key)
+        if found is None:
+            messages = entry(item)[1][0]
+            found = (messages, tuple(state_estimator.raw(m) for m in messages))
+            renders[key] = found
+        return found[1]
+
     def cost(item: ContextItem) -> int:
         hit = seen_get(id(item))
         if hit is None or hit[0] is not item:
@@ -714,11 +727,16 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         fixed["summary"] = cost(summary)
     # classes that never yield fail instead. Their ceilings are properties of what was loaded
     # or accepted, measured without the correction factor (the working state's as
-    # UpdateWorkingState measured it, with the session's first epoch's tokenizer, which a
-    # rotation to another model keeps: ``state_estimator``): skills loaded within the cap
-    # never fail a later Build because ReportUsage moved the factor (which still scales what
-    # they cost in the body)
-    skill_tokens = sum(scaled(raw, 1.0) for s in skills for raw in entry(s)[1][1])
+    # UpdateWorkingState measured it) and with the session's first epoch's tokenizer, which a
+    # rotation to another model keeps (``state_estimator``): skills loaded within the cap
+    # never fail a later Build because ReportUsage moved the factor or the session was routed
+    # to a model whose tokenizer counts more (the factor and the model still scale what they
+    # cost in the body)
+    if state_estimator is None:
+        skill_tokens = sum(scaled(raw, 1.0) for s in skills for raw in entry(s)[1][1])
+    else:
+        skill_tokens = sum(state_estimator.scaled(raw, 1.0) for s in skills
+                           for raw in ceiling_raws(s))
     if skill_tokens > SKILL_BODY_TOKENS:
         raise BudgetExceeded("skill_bodies", skill_tokens, SKILL_BODY_TOKENS)
     if "working_state" in rows:

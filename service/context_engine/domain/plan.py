@@ -163,10 +163,11 @@ class PlanSpec:
     # a plan from before it was counted, and for one a replica of such a release rotated (its
     # documents leave out what it does not know).
     counts_leading_turn: bool = True
-    # The working state's 1,000-token ceiling is measured with the encoding and factor of the
-    # session's first epoch, which every rotation keeps (``keeping_state_measure``): a state the
-    # service accepted before a rotation to another model is the same state after it. None:
-    # this plan's own (an epoch 1, a rotation that kept the model, a plan from before it).
+    # The ceilings of what was accepted (the working state's 1,000 tokens, the loaded skills'
+    # 6,000) are measured with the encoding and factor of the session's first epoch, which
+    # every rotation keeps (``keeping_state_measure``): a state or skill the service accepted
+    # before a rotation to another model is the same after it. None: this plan's own (an
+    # epoch 1, a rotation that kept the model, a plan from before it).
     state_measure: tuple[str, float] | None = None
 
     @property
