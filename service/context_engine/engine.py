@@ -26,6 +26,7 @@ from context_engine.domain.builder import (
     BuildResult,
     Checkpoint,
     LoadedPlan,
+    attachment_costs,
     build_steps,
     finish,
     load_plan,
@@ -55,7 +56,6 @@ from context_engine.domain.estimator import (
     ModelCatalog,
     TokenEstimator,
     TokenizerRegistry,
-    attachment_tokens,
 )
 from context_engine.domain.items import (
     HistorySummary,
@@ -1216,8 +1216,8 @@ class Engine:
             target=cmd.target, reason=cmd.reason, summarizer=self._summarizer,
             measure=measure, ctx=RenderContext(session_key=loaded.session_key),
             state=cmd.checkpoint.working_state, max_summary_tokens=cmd.max_summary_tokens,
-            attachment_cost=lambda a: attachment_tokens(a, estimator.base_factor, used,
-                                                        estimator.image_tokens))
+            attachment_charges=lambda sendable: attachment_costs(
+                sendable, estimator.base_factor, used, estimator.image_tokens))
         previous = len(cmd.current.elided) if cmd.current is not None else 0
         event = ContextEvent(
             tenant_id=cmd.tenant_id, session_id=cmd.session_id, epoch=epoch,

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 from context_engine.api import mapping as m
+from context_engine.domain.builder import attachment_costs
 from context_engine.domain.compaction import CompactionResult, StructuredSummarizer, Target, compact
 from context_engine.domain.estimator import attachment_tokens
 from context_engine.domain.items import AssistantMessageItem, RenderContext, WorkingState
@@ -98,8 +99,8 @@ def test_compact_counts_a_replaced_messages_attachments_as_build_charged_them() 
         items, None, active_run_id="run-1", target=Target(tokens_to_free=5_000),
         reason="budget_pressure", summarizer=StructuredSummarizer(),
         measure=lambda ms: est.messages(list(ms), 1.0), ctx=RenderContext(session_key="sk"),
-        state=WorkingState(), attachment_cost=lambda a: attachment_tokens(a, est.base_factor,
-                                                                          1.0, est.image_tokens)))
+        state=WorkingState(), attachment_charges=lambda sendable: attachment_costs(
+            sendable, est.base_factor, 1.0, est.image_tokens)))
     assert r.replaced_item_ids[:1] == ("u1",) and "a2" not in r.replaced_item_ids
     assert r.tokens_before >= charged
 

@@ -39,7 +39,7 @@ LLM one is an adapter. Everything else in this module is pure.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -69,7 +69,7 @@ from context_engine.domain.items import (
     bad_reference,
     labels,
 )
-from context_engine.domain.request import Attachment, Message
+from context_engine.domain.request import Message
 from context_engine.domain.trust import TrustLevel, lowest
 
 COMPACTOR_VERSION = "ce-compactor/1"
@@ -400,17 +400,25 @@ async def compact(items: Sequence[ConversationItem], current: HistorySummary | N
                   active_run_id: str, target: Target, reason: str, summarizer: Summarizer,
                   measure: Measure, ctx: RenderContext, state: WorkingState | None = None,
                   max_summary_tokens: int = DEFAULT_SUMMARY_TOKENS,
-                  attachment_cost: Callable[[Attachment], int] | None = None,
+                  attachment_charges: Callable[[Sequence[ConversationItem]],
+                                               Mapping[str, int]] | None = None,
                   ) -> CompactionResult:
     """One compaction. The only impure step is the summarizer's call; a summarizer failure
-    propagates and nothing is produced. ``attachment_cost``: a user message's attachment's
-    estimate, counted with the message as Build counts it (a PDF's pages free what the Build
-    charged for them)."""
+    propagates and nothing is produced. ``attachment_charges``: what Build charges each user
+    message of the items it can send (those from the summary's floor on) for its attachments,
+    by message id (``builder.attachment_costs``), counted with the message: a PDF's pages free
+    what the Build charged for them, and an older message's images no more than the
+    request-wide attachment budget, spent newest first, left them."""
+    charged: Mapping[str, int] = {}
+    if attachment_charges is not None:
+        charged = attachment_charges(
+            items[floor_index(items, current.replaced_through_sequence):]
+            if current is not None else items)
 
     def cost(item: ConversationItem) -> int:
         tokens: int = measure(item.messages(ctx))  # type: ignore[attr-defined]
-        if attachment_cost is not None and isinstance(item, UserMessageItem):
-            tokens += sum(map(attachment_cost, item.attachments))
+        if charged and isinstance(item, UserMessageItem):
+            tokens += charged.get(item.id, 0)
         return tokens
 
     sel = select(items, current, active_run_id=active_run_id, target=target, reason=reason,
