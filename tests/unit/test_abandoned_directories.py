@@ -84,3 +84,41 @@ def test_a_sweep_takes_only_the_abandoned_among_many(tmp_path, monkeypatch):
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+SWEEP = """
+import sys
+from pathlib import Path
+from context_engine.api.workers import remove_abandoned
+print(remove_abandoned(Path(sys.argv[1])), flush=True)
+"""
+
+
+def test_a_lock_that_is_no_regular_file_never_holds_up_a_start(tmp_path):
+    """Any user may make a directory of the prefix under the temporary directory, and put a
+    FIFO where the lock goes: the open for the lock waited for a writer for ever, and the
+    start with it, before it served anything. It is left alone, at once."""
+    directory = tmp_path / "context-engine-metrics-fifo"
+    directory.mkdir()
+    os.mkfifo(directory / OWNERS_LOCK)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    try:
+        out = subprocess.run([sys.executable, "-c", SWEEP, str(directory)], env=env,
+                             capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:  # (the blocked sweep is killed)
+        raise AssertionError("the sweep blocked on a FIFO lock") from None
+    assert out.stdout == "False\n", out.stderr
+    assert (directory / OWNERS_LOCK).exists()
+
+
+def test_another_users_directory_is_left_alone(tmp_path, monkeypatch):
+    """The README promises another user's directories are never removed; a sweep run as root
+    removed any abandoned one. Here the directory's owner is made another user by this
+    process's effective uid."""
+    directory = made(tmp_path, "context-engine-metrics-theirs")
+    uid = os.stat(directory).st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
+    assert remove_abandoned(directory) is False
+    assert (directory / "counter_1.db").exists()
+    monkeypatch.setattr(os, "geteuid", lambda: uid)
+    assert remove_abandoned(directory) is True and not directory.exists()

@@ -31,6 +31,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -105,13 +106,19 @@ def leave_directories() -> None:
 
 def remove_abandoned(directory: Path) -> bool:
     """Removes ``directory`` when no process holds its owners lock: its supervisor and every
-    worker of it are gone. A directory without the lock file (one made before it existed,
-    or by another user) is left alone: nothing tells whether its processes live."""
+    worker of it are gone. A directory without the lock file (one made before it existed) is
+    left alone: nothing tells whether its processes live; so is another user's (anyone may
+    make one under the temporary directory), and one whose lock is no regular file (a FIFO
+    there blocked the open, and the start, for good)."""
     try:
-        fd = os.open(directory / OWNERS_LOCK, os.O_RDONLY)
+        if os.lstat(directory).st_uid != os.geteuid():
+            return False
+        fd = os.open(directory / OWNERS_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # held: its supervisor or a worker of it still runs
