@@ -1147,7 +1147,18 @@ class Engine:
             if earlier.previous_input_tokens:
                 self._metrics.cached_input_ratio.observe(
                     min(report.cached_tokens / earlier.previous_input_tokens, 1.0))
-        self._factors.pop((report.tenant_id, model.model_id), None)
+        key = (report.tenant_id, model.model_id)
+        if counted:
+            # What PostgreSQL now holds, kept expired: the next Build reads it again (a report
+            # of another replica may follow), but one that cannot (the database away, a cached
+            # plan serving) uses it rather than 1.0, which would under-count the request this
+            # report showed was under-counted.
+            self._factors[key] = (outcome.calibration.factor, self._clock.monotonic())
+            self._factors.move_to_end(key)
+            while len(self._factors) > FACTORS_KEPT:
+                self._factors.popitem(last=False)
+        else:
+            self._factors.pop(key, None)
         # a retry answers what was counted, under the model it was counted for (a rotation to
         # another model since then does not relabel it)
         return UsageOutcome(model_id=outcome.calibration.model_id, reconciled=outcome,

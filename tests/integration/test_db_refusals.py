@@ -198,3 +198,31 @@ def test_a_statement_the_server_cancels_is_unavailable(server: ServerThread,
         scenario(server, database, "57014", fault, repair)
     finally:
         loop.close()
+
+
+def test_a_cached_build_keeps_the_factor_its_replica_reconciled_while_the_database_is_away(
+        server: ServerThread, database: Database) -> None:
+    """A replica that reconciled a report knows the factor it wrote: a Build of a cached plan
+    while the database refuses connections uses it, as PostgreSQL holds it, not 1.0 (which
+    under-counts the request the report showed was under-counted: the provider's overflow the
+    factor exists to prevent). The report used to drop the replica's copy of the factor, so
+    the next Build, its read refused, fell back to 1.0."""
+    tenant, session = f"tenant-{uuid.uuid4().hex[:8]}", "reported"
+    stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(server.address))
+    stub.Plan(plan_request(tenant, session), timeout=30)  # Claude: the factor scales it all
+    first = stub.Build(build_request(tenant, session), timeout=30)
+    assert first.estimator_factor == 1.0
+    stub.ReportUsage(pb.ReportUsageRequest(
+        tenant_id=tenant, session_id=session, epoch=first.epoch, idempotency_key="usage-1",
+        estimated_input_tokens=first.estimated_input_tokens, estimator_factor=1.0,
+        input_tokens=2 * first.estimated_input_tokens), timeout=30)
+    stored = float(Db(database.url).val(
+        "SELECT factor FROM estimator_calibration WHERE tenant_id = $1", tenant))
+    assert stored == 2.0
+    admin(database, "ALTER DATABASE postgres ALLOW_CONNECTIONS false", TERMINATE)
+    try:
+        during = stub.Build(build_request(tenant, session), timeout=30)
+    finally:
+        admin(database, "ALTER DATABASE postgres ALLOW_CONNECTIONS true")
+    assert during.estimator_factor == stored
+    assert during.estimated_input_tokens > first.estimated_input_tokens
