@@ -858,7 +858,8 @@ class Engine:
 
     async def _reconciled_factor(self, tenant_id: str, spec: PlanSpec) -> float:
         """The model's reconciled factor (shared in PostgreSQL), cached for a few seconds;
-        1.0 for a new model or one whose encoding changed."""
+        1.0 for a new model or one whose encoding changed. While PostgreSQL cannot be read:
+        the last factor this process read or reconciled for the model (1.0 if none)."""
         key = (tenant_id, spec.model.model_id)
         now = self._clock.monotonic()
         cached = self._factors.get(key)
