@@ -469,26 +469,27 @@ class Engine:
         counter, extra = self._tokenizers.counter_for(model.encoding)
         return TokenEstimator(counter, round(model.base_factor * extra, 6))
 
+    def _exact(self, encoding: str, base_factor: float, *args: Any) -> TokenEstimator:
+        """An estimator on exactly ``encoding`` (TokenizerUnavailable where this replica has
+        it not)."""
+        counter = self._tokenizers.exact(encoding)
+        if counter is None:
+            raise TokenizerUnavailable(encoding)
+        return TokenEstimator(counter, base_factor, *args)
+
     def plan_estimator(self, spec: PlanSpec) -> TokenEstimator:
         """At Build time: exactly what the plan pinned, on every replica."""
-        counter = self._tokenizers.exact(spec.encoding)
-        if counter is None:
-            raise TokenizerUnavailable(spec.encoding)
         # the model's image figure from the catalog, looked up only if an attachment is counted
-        return TokenEstimator(counter, spec.estimator_factor, spec.tokenizer,
-                              partial(self._catalog.image_tokens, spec.model.model_id))
+        return self._exact(spec.encoding, spec.estimator_factor, spec.tokenizer,
+                           partial(self._catalog.image_tokens, spec.model.model_id))
 
     def state_estimator(self, spec: PlanSpec) -> TokenEstimator:
         """What the working state's 1,000-token ceiling is measured with: the session's first
         epoch's encoding and factor, which a rotation to another model keeps
         (``PlanSpec.state_measure``), so a state accepted before it is accepted after it."""
-        encoding, factor = spec.ceiling_measure
-        if (encoding, factor) == (spec.encoding, spec.estimator_factor):
+        if spec.state_measure is None:
             return self.plan_estimator(spec)
-        counter = self._tokenizers.exact(encoding)
-        if counter is None:
-            raise TokenizerUnavailable(encoding)
-        return TokenEstimator(counter, factor)
+        return self._exact(*spec.state_measure)
 
     # ------------------------------------------------------------------ Plan
 
@@ -871,11 +872,17 @@ class Engine:
         except StoreUnavailable:
             return cached[0] if cached is not None else 1.0
         factor = row.factor if row is not None and row.encoding == spec.encoding else 1.0
-        self._factors[key] = (factor, now + self._calibration_ttl)
+        self._keep_factor(key, factor, now + self._calibration_ttl)
+        return factor
+
+    def _keep_factor(self, key: tuple[str, str], factor: float, expires: float) -> None:
+        """``factor`` kept for ``key`` until ``expires`` (the clock's monotonic time; read
+        after it only while PostgreSQL cannot be), the least recently used forgotten past
+        ``FACTORS_KEPT``."""
+        self._factors[key] = (factor, expires)
         self._factors.move_to_end(key)
         while len(self._factors) > FACTORS_KEPT:
             self._factors.popitem(last=False)
-        return factor
 
     @staticmethod
     def pinned_factor(factor: float, spec: PlanSpec) -> float:
@@ -1154,10 +1161,7 @@ class Engine:
             # of another replica may follow), but one that cannot (the database away, a cached
             # plan serving) uses it rather than 1.0, which would under-count the request this
             # report showed was under-counted.
-            self._factors[key] = (outcome.calibration.factor, self._clock.monotonic())
-            self._factors.move_to_end(key)
-            while len(self._factors) > FACTORS_KEPT:
-                self._factors.popitem(last=False)
+            self._keep_factor(key, outcome.calibration.factor, self._clock.monotonic())
         else:
             self._factors.pop(key, None)
         # a retry answers what was counted, under the model it was counted for (a rotation to

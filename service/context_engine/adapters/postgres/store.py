@@ -77,7 +77,8 @@ def event_json(payload: dict[str, Any]) -> str:
 async def insert_event(conn: Any, event: ContextEvent, *, timeout: float) -> None:
     """Write one identified event (``ContextEvent.identified``) on ``conn`` (a connection in
     the caller's transaction, or the pool). Writing it again stores nothing new. Its session
-    erased: ``EventRejected`` (SESSION_ERASED); no partition for its day: ``PartitionMissing``,
+    erased: ``EventRejected`` (SESSION_ERASED); a payload PostgreSQL refuses (a data
+    exception): ``EventRejected`` (UNSTORABLE); no partition for its day: ``PartitionMissing``,
     logged."""
     if event.event_id is None or event.created_at is None:
         raise ValueError("an event is written with its identity (ContextEvent.identified)")
@@ -87,6 +88,8 @@ async def insert_event(conn: Any, event: ContextEvent, *, timeout: float) -> Non
                            event_json(event.payload), timeout=timeout)
     except asyncpg.ForeignKeyViolationError as exc:
         raise EventRejected(event, EventRejected.SESSION_ERASED) from exc
+    except asyncpg.DataError as exc:  # never storable: not retried at an outbox queue's head
+        raise EventRejected(event, EventRejected.UNSTORABLE) from exc
     except asyncpg.CheckViolationError as exc:
         if getattr(exc, "constraint_name", None):  # a constraint of the table: not routing
             raise
@@ -309,8 +312,6 @@ class PostgresEventLog:
         try:
             async with translated():
                 await insert_event(self._pool, event, timeout=self._timeout)
-        except asyncpg.DataError as exc:  # never storable: not retried at the queue's head
-            raise EventRejected(event, EventRejected.UNSTORABLE) from exc
         except PartitionMissing as missing:
             rejected = self._rejected_when_past(missing)
             if rejected is None:
@@ -350,8 +351,6 @@ class PostgresEventLog:
                     return False
                 await insert_event(conn, event, timeout=self._timeout)
                 return True
-        except asyncpg.DataError as exc:  # never storable (its key is not claimed either)
-            raise EventRejected(event, EventRejected.UNSTORABLE) from exc
         except PartitionMissing as missing:
             rejected = self._rejected_when_past(missing)
             if rejected is None:
