@@ -187,6 +187,9 @@ class UsageReport:
     cached_tokens: int
     output_tokens: int
     idempotency_key: str
+    # of estimated_input_tokens, the attachments' upper bounds (Build's
+    # estimated_attachment_tokens; 0: none, or not known)
+    estimated_attachment_tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -1116,7 +1119,7 @@ class Engine:
             return reconcile(current, model_id=model.model_id, encoding=spec.encoding,
                              estimated=report.estimated_input_tokens,
                              actual=report.input_tokens, factor_used=report.estimator_factor,
-                             fixed=fixed,
+                             fixed=fixed, bounded=report.estimated_attachment_tokens,
                              floor=factor_floor(spec))
 
         # The request as sent (epoch 0 is "current"), not the epoch it resolved to: a retry
@@ -1124,7 +1127,10 @@ class Engine:
         fingerprint = canonical_sha256([
             report.session_id, report.epoch or 0, report.estimated_input_tokens,
             report.estimator_factor, report.input_tokens, report.cached_tokens,
-            report.output_tokens])
+            report.output_tokens,
+            # named only when sent, so a report without it keeps the fingerprint it had
+            *([report.estimated_attachment_tokens] if report.estimated_attachment_tokens
+              else [])])
         outcome, earlier = await self._calibrations.reconcile(
             report.tenant_id, model.model_id, report.idempotency_key, apply, fingerprint,
             usage=EpochUsage(session_id=report.session_id, epoch=loaded.plan.epoch,

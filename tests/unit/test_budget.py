@@ -1282,3 +1282,49 @@ def test_the_tool_results_class_counts_the_results_and_pointers_the_request_hold
     assert tool.yielded == sum("[elided]" in m.text for m in results) > 0
     est = f.estimator(lp.plan.spec.model)
     assert tool.used == sum(est.message(m, 1.0) for m in results)
+
+
+def _claude(current: Calibration | None, estimated: int, actual: int, bounded: int,
+            factor_used: float = 1.0) -> Calibration:
+    return reconcile(current, model_id="claude-sonnet-4-5", encoding="cl100k_base",
+                     estimated=estimated, actual=actual, factor_used=factor_used,
+                     bounded=bounded, floor=1 / 1.3).calibration
+
+
+def test_attachments_that_cost_less_than_their_bound_do_not_pull_the_factor_down() -> None:
+    """A Claude request: 6,000 tokens of text estimated, one image at its bound of 4,784. The
+    provider counts 5,500 for the text and 1,600 for the image (7,100 of 10,784 estimated).
+    Reconciled over the whole estimate the factor fell toward 7,100 / 10,784 = 0.658 (held at
+    the floor 0.769): 0.931 after one report. With the bound known, even an image that cost
+    nothing leaves the text at 7,100 / 6,000 = 1.18, above 1.0: no over-count is proven and
+    the factor is kept; the text (5,500 / 6,000) needs no lower one."""
+    whole = _claude(None, 10_784, 7_100, 0)
+    assert whole.factor == pytest.approx(1.0 + (1 / 1.3 - 1.0) * 0.3, abs=1e-6)
+    kept = _claude(None, 10_784, 7_100, 4_784)
+    assert kept.factor == 1.0 and kept.reports == 1
+
+
+def test_a_report_with_attachments_raises_the_factor_only_by_what_it_proves() -> None:
+    """Text estimated at 6,000, an image bounded at 4,784: the provider counts 12,000. Even with
+    the image at its whole bound the text took 12,000 - 4,784 = 7,216: the factor rises at once
+    to 7,216 / 6,000 = 1.2027 (not to 12,000 / 6,000 = 2.0, which charges the image to the
+    text)."""
+    up = _claude(None, 10_784, 12_000, 4_784)
+    assert up.factor == pytest.approx(7_216 / 6_000, abs=1e-6)
+
+
+def test_a_report_with_attachments_lowers_the_factor_toward_the_most_the_text_can_be() -> None:
+    """Text estimated at 6,000 at factor 1.2 (5,000 at 1.0), an image bounded at 4,784; the
+    provider counts 5,400. Even were the image free, the text took at most 5,400 tokens, so the
+    factor that would have matched is at most 1.2 x 5,400 / 6,000 = 1.08: it falls toward
+    that, at the slow rate."""
+    current = Calibration(model_id="claude-sonnet-4-5", encoding="cl100k_base", factor=1.2,
+                          reports=3)
+    down = _claude(current, 10_784, 5_400, 4_784, factor_used=1.2)
+    assert down.factor == pytest.approx(1.2 + (1.08 - 1.2) * 0.3, abs=1e-6)
+
+
+def test_a_request_of_attachments_alone_keeps_the_factor() -> None:
+    current = Calibration(model_id="claude-sonnet-4-5", encoding="cl100k_base", factor=1.1,
+                          reports=1)
+    assert _claude(current, 4_784, 1_600, 4_784, factor_used=1.1).factor == 1.1

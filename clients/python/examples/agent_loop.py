@@ -251,6 +251,7 @@ def build(engine: Client, s: Session, run_id: str, label: str) -> pb.BuildRespon
         tenant_id=s.tenant, session_id=s.session, epoch=resp.epoch,
         estimated_input_tokens=resp.estimated_input_tokens,
         estimator_factor=resp.estimator_factor,
+        estimated_attachment_tokens=resp.estimated_attachment_tokens,
         input_tokens=resp.estimated_input_tokens * 98 // 100,
         cached_tokens=resp.prefix_tokens if s.requests > 1 else 0, output_tokens=120,
         idempotency_key=f"{s.session}/usage-{s.requests}"))

@@ -418,6 +418,7 @@ async function main(): Promise<void> {
         await client.reportUsage({ tenantId, sessionId, epoch: built.epoch,
           estimatedInputTokens: built.estimatedInputTokens,
           estimatorFactor: built.estimatorFactor,
+          estimatedAttachmentTokens: built.estimatedAttachmentTokens,
           inputTokens: built.estimatedInputTokens, cachedTokens: cached,
           outputTokens: 120, idempotencyKey: `${sessionId}:usage:${requests}` });
 

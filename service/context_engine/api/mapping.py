@@ -1034,6 +1034,7 @@ def build_pb(result: BuildResult, provider_format: str = "", *,
         context_window=result.context_window, output_reserve=result.output_reserve,
         estimator_factor=result.estimator_factor, tokenizer=result.tokenizer,
         budget=budget_pb(result.budget),
+        estimated_attachment_tokens=result.attachment_tokens,
         cache_breakpoints=[pb.CacheBreakpoint(name=b.name, ttl=b.ttl, through_item=b.through_item,
                                               through_input_item=b.through_input_item)
                            for b in result.cache_breakpoints],
@@ -1156,12 +1157,18 @@ def usage_report(req: pb.ReportUsageRequest) -> UsageReport:
     if not 0.5 <= req.estimator_factor <= 4.0:
         v.add("estimator_factor", f"{req.estimator_factor} is outside [0.5, 4.0]: pass the "
               "factor Build echoed for this request")
+    if req.estimated_attachment_tokens > req.estimated_input_tokens:
+        v.add("estimated_attachment_tokens",
+              f"{req.estimated_attachment_tokens} is over estimated_input_tokens "
+              f"({req.estimated_input_tokens}), of which it is a part: pass the "
+              "estimated_attachment_tokens Build answered for this request")
     v.raise_if_any()
     return UsageReport(tenant_id=req.tenant_id, session_id=req.session_id, epoch=ep,
                        estimated_input_tokens=req.estimated_input_tokens,
                        estimator_factor=req.estimator_factor, input_tokens=req.input_tokens,
                        cached_tokens=req.cached_tokens, output_tokens=req.output_tokens,
-                       idempotency_key=req.idempotency_key)
+                       idempotency_key=req.idempotency_key,
+                       estimated_attachment_tokens=req.estimated_attachment_tokens)
 
 
 def usage_pb(outcome: UsageOutcome) -> pb.ReportUsageResponse:

@@ -204,6 +204,10 @@ class BuildResult:
     budget: BudgetReport
     pressure: Pressure
     cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
+    # Of estimated_input_tokens, the attachments' content the request sends: upper bounds (an
+    # image at its model's largest cost), not counts, which a usage report is reconciled
+    # around (``calibration.reconcile``'s ``bounded``).
+    attachment_tokens: int = 0
 
 
 def validate_checkpoint(cp: Checkpoint, field: str = "checkpoint") -> None:
@@ -471,6 +475,15 @@ def working_state_tokens(estimator: TokenEstimator, ctx: RenderContext,
 _ATTACHMENTS = attrgetter("attachments")
 
 
+def attachment_owner(item: ContextItem) -> str | None:
+    """Whose attachments a cost adds (a user message's, per build): the item id, or None."""
+    if isinstance(item, UserMessageItem):
+        return item.id
+    if isinstance(item, TrailingUserInput):
+        return item.message.id
+    return None
+
+
 def attachment_costs(items: Sequence[ConversationItem], base_factor: float = 1.0,
                      factor: float = 1.0,
                      image_tokens: int = WORST_IMAGE_TOKENS) -> dict[str, int]:
@@ -608,14 +621,7 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
             messages = tuple(item.messages(ctx))  # type: ignore[attr-defined]
             found = (messages, tuple(estimator.raw(m) for m in messages))
             renders[key] = found
-        # whose attachments a cost adds (a user message's, per build): the item id, or None
-        if isinstance(item, UserMessageItem):
-            owner: str | None = item.id
-        elif isinstance(item, TrailingUserInput):
-            owner = item.message.id
-        else:
-            owner = None
-        hit = seen[id(item)] = [item, found, None, 0, None, owner]
+        hit = seen[id(item)] = [item, found, None, 0, None, attachment_owner(item)]
         return hit
 
     seen_get = seen.get
@@ -831,6 +837,11 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
              *history_breakpoints(carried=alloc.history, has_summary=alloc.summary is not None,
                                   active=alloc.active)]
     report = alloc.report
+    # what the kept user messages' attachments added to their costs (``cost``)
+    attachment_tokens = 0
+    if attach:
+        owners = filter(None, map(attachment_owner, chain(block, inputs)))
+        attachment_tokens = sum(map(attach.get, owners, repeat(0)))
     return BuildResult(
         request=request, prefix_sha256=loaded.rendered.prefix_sha256, epoch=plan.epoch,
         model_id=model.model_id, session_key=loaded.session_key,
@@ -840,7 +851,8 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         estimated_input_tokens=report.estimated_total, context_window=model.context_window,
         output_reserve=model.output_reserve, estimator_factor=factor,
         tokenizer=estimator.tokenizer, budget=report, pressure=alloc.pressure,
-        cache_breakpoints=select(marks, model.breakpoint_budget))
+        cache_breakpoints=select(marks, model.breakpoint_budget),
+        attachment_tokens=attachment_tokens)
 
 
 def normalized(items: tuple[ConversationItem, ...], inline_maximum_bytes: int,

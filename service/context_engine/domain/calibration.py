@@ -56,7 +56,7 @@ class Reconciled:
 
 
 def reconcile(current: Calibration | None, *, model_id: str, encoding: str, estimated: int,
-              actual: int, factor_used: float, fixed: int = 0,
+              actual: int, factor_used: float, fixed: int = 0, bounded: int = 0,
               floor: float = MIN_FACTOR) -> Reconciled:
     """``estimated`` was computed with ``factor_used`` applied to everything but ``fixed``
     tokens (an exact prefix, measured once at plan time and never scaled; 0 when the prefix
@@ -64,18 +64,32 @@ def reconcile(current: Calibration | None, *, model_id: str, encoding: str, esti
     ``factor_used * (actual - fixed) / (estimated - fixed)``: what was scaled absorbs the whole
     error, so one report corrects an under-count at once. With ``fixed`` = 0 that is the
     observed ratio over the whole estimate. The factor never falls below ``floor``
-    (:func:`least_factor`), and one stored below it is raised to it."""
+    (:func:`least_factor`), and one stored below it is raised to it.
+
+    ``bounded``: the part of ``estimated`` that is an upper bound and not a count (the
+    attachments' content: an image at its model's largest cost), whose actual tokens lie
+    anywhere from none to all of it. The text's ratio then lies between the one that charges
+    the attachments in full and the one that charges them nothing: the factor rises at once to
+    the first when even it is above the factor (an under-count the report proves), falls
+    slowly toward the second when even it is below (an over-count it proves), and is kept
+    otherwise, so a file that cost the provider less than its bound never pulls down the
+    factor that text alone is estimated with."""
     if current is None or current.encoding != encoding or current.model_id != model_id:
         current = Calibration(model_id=model_id, encoding=encoding)
-    body_estimated = estimated - fixed
-    body_actual = max(actual - fixed, 1)
-    target = (factor_used * body_actual / body_estimated if body_estimated > 0
-              else current.factor)
-    target = min(max(target, floor), MAX_FACTOR)
-    if target > current.factor:  # a factor stored under the floor rises to it at least
-        factor = target
+    body_estimated = estimated - fixed - bounded
+    if body_estimated > 0:
+        least = factor_used * max(actual - fixed - bounded, 1) / body_estimated
+        most = factor_used * max(actual - fixed, 1) / body_estimated
+    else:  # nothing but bounds: the report tells nothing of the text
+        least = most = current.factor
+    least = min(max(least, floor), MAX_FACTOR)
+    most = min(max(most, floor), MAX_FACTOR)
+    if least > current.factor:  # a factor stored under the floor rises to it at least
+        factor = least
+    elif most < current.factor:
+        factor = current.factor + (most - current.factor) * DOWN_RATE
     else:
-        factor = current.factor + (target - current.factor) * DOWN_RATE
+        factor = current.factor
     factor = round(factor, 6)
     error = (actual - estimated) / actual if actual > 0 else 0.0
     return Reconciled(

@@ -2156,6 +2156,7 @@ class BuildResponse(_message.Message):
     GEMINI_CACHED_CONTENT_FIELD_NUMBER: _builtins.int
     BUILD_ID_FIELD_NUMBER: _builtins.int
     DELTA_FIELD_NUMBER: _builtins.int
+    ESTIMATED_ATTACHMENT_TOKENS_FIELD_NUMBER: _builtins.int
     prefix_sha256: _builtins.str
     epoch: _builtins.int
     model_id: _builtins.str
@@ -2183,6 +2184,12 @@ class BuildResponse(_message.Message):
     (empty otherwise: a base larger than the replica's whole build cache is kept nowhere): a
     later Build of the session may name it as its base_build_id. Unique and random; it names a
     cache entry of the replica that answered, never content.
+    """
+    estimated_attachment_tokens: _builtins.int
+    """Of estimated_input_tokens, the attachments' content the request sends (images, PDFs, text
+    files): upper bounds, not counts (an image at its model's largest cost). Send it back in
+    ReportUsageRequest.estimated_attachment_tokens, so that files that cost the provider less
+    than their bound do not pull the estimator's factor down.
     """
     @_builtins.property
     def request(self) -> Global___ModelRequest: ...
@@ -2230,10 +2237,11 @@ class BuildResponse(_message.Message):
         gemini_cached_content: Global___GeminiCachedContent | None = ...,
         build_id: _builtins.str = ...,
         delta: Global___ResponseDelta | None = ...,
+        estimated_attachment_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "delta", b"delta", "gemini_cached_content", b"gemini_cached_content", "pressure", b"pressure", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_tokens", b"body_tokens", "budget", b"budget", "build_id", b"build_id", "cache_breakpoints", b"cache_breakpoints", "context_window", b"context_window", "delta", b"delta", "epoch", b"epoch", "estimated_input_tokens", b"estimated_input_tokens", "estimator_factor", b"estimator_factor", "gemini_cached_content", b"gemini_cached_content", "model_id", b"model_id", "output_reserve", b"output_reserve", "prefix_sha256", b"prefix_sha256", "prefix_tokens", b"prefix_tokens", "pressure", b"pressure", "provider_body_json", b"provider_body_json", "provider_format", b"provider_format", "request", b"request", "session_key", b"session_key", "tokenizer", b"tokenizer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body_tokens", b"body_tokens", "budget", b"budget", "build_id", b"build_id", "cache_breakpoints", b"cache_breakpoints", "context_window", b"context_window", "delta", b"delta", "epoch", b"epoch", "estimated_attachment_tokens", b"estimated_attachment_tokens", "estimated_input_tokens", b"estimated_input_tokens", "estimator_factor", b"estimator_factor", "gemini_cached_content", b"gemini_cached_content", "model_id", b"model_id", "output_reserve", b"output_reserve", "prefix_sha256", b"prefix_sha256", "prefix_tokens", b"prefix_tokens", "pressure", b"pressure", "provider_body_json", b"provider_body_json", "provider_format", b"provider_format", "request", b"request", "session_key", b"session_key", "tokenizer", b"tokenizer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2636,6 +2644,7 @@ class ReportUsageRequest(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    ESTIMATED_ATTACHMENT_TOKENS_FIELD_NUMBER: _builtins.int
     tenant_id: _builtins.str
     session_id: _builtins.str
     epoch: _builtins.int
@@ -2649,6 +2658,12 @@ class ReportUsageRequest(_message.Message):
     output_tokens: _builtins.int
     idempotency_key: _builtins.str
     """Required: a retried report with the same key is counted once."""
+    estimated_attachment_tokens: _builtins.int
+    """Build's estimated_attachment_tokens for the sent request (0: none, or not known). The
+    correction factor then rises only when the text's estimate was low even with the
+    attachments charged in full, and falls only when it was high even with them charged
+    nothing; at most estimated_input_tokens.
+    """
     def __init__(
         self,
         *,
@@ -2661,10 +2676,11 @@ class ReportUsageRequest(_message.Message):
         cached_tokens: _builtins.int = ...,
         output_tokens: _builtins.int = ...,
         idempotency_key: _builtins.str = ...,
+        estimated_attachment_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "epoch", b"epoch", "estimated_input_tokens", b"estimated_input_tokens", "estimator_factor", b"estimator_factor", "idempotency_key", b"idempotency_key", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens", "session_id", b"session_id", "tenant_id", b"tenant_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "epoch", b"epoch", "estimated_attachment_tokens", b"estimated_attachment_tokens", "estimated_input_tokens", b"estimated_input_tokens", "estimator_factor", b"estimator_factor", "idempotency_key", b"idempotency_key", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens", "session_id", b"session_id", "tenant_id", b"tenant_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

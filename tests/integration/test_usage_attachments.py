@@ -1,0 +1,133 @@
+"""ReportUsage of a request with attachments, through the real server: Build states the part of
+its estimate that is attachments' upper bounds (``estimated_attachment_tokens``), and a report
+that sends it back is reconciled around them, so files that cost the provider less than their
+bound do not pull down the factor a later request of text alone is estimated with."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from context_engine.v1 import context_engine_pb2 as pb
+
+from tests.integration.requests import build_request, failure, item, plan_request
+
+pytestmark = pytest.mark.integration
+
+CLAUDE_IMAGE = 4_784  # README: Claude's image, Opus 4.7's 2,576-pixel tier
+UNKNOWN_IMAGE = 48_169  # README: a model the catalog does not know, the largest figure
+
+
+def images(count: int) -> list[pb.ConversationItem]:
+    image = pb.Attachment(kind=pb.ATTACHMENT_KIND_IMAGE, name="p.png", ref="artifact:a/2")
+    out = []
+    for n in range(count):
+        out.append(item(f"u{n}", 2 * n + 1, run="run-0",
+                        user=pb.UserMessage(text=f"look at this {n}", attachments=[image])))
+        out.append(item(f"a{n}", 2 * n + 2, run="run-0",
+                        assistant=pb.AssistantMessage(text=f"I see picture {n}")))
+    out.append(item("u9", 99, run="run-1", user=pb.UserMessage(text="next")))
+    return out
+
+
+def without_attachments(items: list[pb.ConversationItem]) -> list[pb.ConversationItem]:
+    out = [pb.ConversationItem() for _ in items]
+    for copy, original in zip(out, items, strict=True):
+        copy.CopyFrom(original)
+        if copy.HasField("user"):
+            del copy.user.attachments[:]
+    return out
+
+
+def report(tenant: str, session: str, built: pb.BuildResponse, actual: int, key: str,
+           attachments: int | None = None) -> pb.ReportUsageRequest:
+    return pb.ReportUsageRequest(
+        tenant_id=tenant, session_id=session, estimated_input_tokens=built.estimated_input_tokens,
+        estimator_factor=built.estimator_factor, input_tokens=actual, output_tokens=10,
+        idempotency_key=key,
+        estimated_attachment_tokens=(built.estimated_attachment_tokens if attachments is None
+                                     else attachments))
+
+
+def test_build_states_what_its_attachments_add(stub, ids):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="claude-sonnet-4-5")))
+    built = stub.Build(build_request(tenant, session, items=images(3)))
+    plain = stub.Build(build_request(tenant, session, items=without_attachments(images(3))))
+    assert built.estimated_attachment_tokens == 3 * CLAUDE_IMAGE
+    # and the attachments' labels in the messages' text (counted as text, not part of it)
+    added = built.estimated_input_tokens - plain.estimated_input_tokens
+    assert 3 * CLAUDE_IMAGE < added <= 3 * CLAUDE_IMAGE + 3 * 20
+    assert plain.estimated_attachment_tokens == 0
+
+
+def test_build_states_the_share_of_the_attachment_budget_it_charged(stub, ids):
+    """Three images on a model the catalog does not know: 48,169 + 48,169 + the 3,662 the
+    100,000-token request-wide budget leaves the oldest."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(
+        model_id="acme-vision-1", capabilities=pb.ModelCapabilities(context_window=1_000_000))))
+    built = stub.Build(build_request(tenant, session, items=images(3)))
+    assert built.estimated_attachment_tokens == 100_000 == 2 * UNKNOWN_IMAGE + 3_662
+
+
+def test_images_cheaper_than_their_bound_leave_the_factor_where_text_needs_it(stub, ids):
+    """The provider counts the text as estimated and each image at 1,600. Reported without the
+    attachments' part, the factor falls (toward 1 / 1.3 for Claude) and a later request of
+    text alone is estimated below the provider's count; reported with it, nothing proves the
+    text over-counted and the factor stays 1.0."""
+    tenant, session = ids
+    other = f"{tenant}-blind"
+    for t in (tenant, other):
+        stub.Plan(plan_request(t, session, model=pb.ModelSpec(model_id="claude-sonnet-4-5")))
+    built = stub.Build(build_request(tenant, session, items=images(3)))
+    text = built.estimated_input_tokens - 3 * CLAUDE_IMAGE
+    actual = text + 3 * 1_600
+    told = stub.ReportUsage(report(tenant, session, built, actual, "k1"))
+    blind = stub.ReportUsage(report(other, session, built, actual, "k1", attachments=0))
+    assert told.counted and blind.counted
+    assert told.correction_factor == 1.0
+    assert blind.correction_factor < 0.97
+    # the next Build of text alone is estimated at the factor the report left
+    plain = without_attachments(images(3))
+    assert stub.Build(build_request(tenant, session, items=plain)).estimator_factor == 1.0
+    assert stub.Build(build_request(other, session, items=plain)).estimator_factor < 0.97
+
+
+def test_a_text_under_count_is_still_corrected_at_once_beside_attachments(stub, ids):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="claude-sonnet-4-5")))
+    built = stub.Build(build_request(tenant, session, items=images(2)))
+    text = built.estimated_input_tokens - 2 * CLAUDE_IMAGE
+    # even with both images at their whole bound, the text took 1.5 times its estimate
+    up = stub.ReportUsage(report(tenant, session, built, round(text * 1.5) + 2 * CLAUDE_IMAGE,
+                                 "k1"))
+    assert up.correction_factor == pytest.approx(1.5, rel=1e-3)
+
+
+def test_an_attachment_part_over_the_estimate_is_refused_and_counts_nothing(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="claude-sonnet-4-5")))
+    built = stub.Build(build_request(tenant, session, items=images(1)))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ReportUsage(report(tenant, session, built, 9_000, "k1",
+                                attachments=built.estimated_input_tokens + 1))
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert f.fields == ("estimated_attachment_tokens",)
+    assert db.val("SELECT count(*) FROM estimator_calibration WHERE tenant_id=$1 "
+                  "AND reports > 0", tenant) == 0
+    # the same key, sent right, is counted: the refusal claimed nothing
+    assert stub.ReportUsage(report(tenant, session, built, 9_000, "k1")).counted
+
+
+def test_only_the_attachments_the_request_sends_are_stated(stub, ids):
+    """A window that holds some of eight image messages: the history cut leaves the oldest out,
+    and the part stated is the images of the messages the request carries."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(
+        model_id="claude-sonnet-4-5",
+        capabilities=pb.ModelCapabilities(context_window=30_000, output_reserve=2_000))))
+    built = stub.Build(build_request(tenant, session, items=images(8)))
+    sent = sum(len(m.attachments) for m in built.request.messages)
+    assert 0 < sent < 8, sent  # the cut took some, not all
+    assert built.estimated_attachment_tokens == sent * CLAUDE_IMAGE
