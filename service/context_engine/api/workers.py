@@ -266,10 +266,11 @@ class Supervisor:
             return None
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir)
         from prometheus_client import CollectorRegistry, start_http_server
-        from prometheus_client.multiprocess import MultiProcessCollector
+
+        from context_engine.telemetry.multiprocess import FoldingCollector
 
         registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=str(self.metrics_dir))  # type: ignore[no-untyped-call]
+        FoldingCollector(registry, path=str(self.metrics_dir))  # type: ignore[no-untyped-call]
         host, port = split_addr(self.config.metrics_addr)
         server, _ = start_http_server(port, addr=host, registry=registry)
         return server
@@ -345,10 +346,12 @@ class Supervisor:
             self.workers[index] = self._spawn(index)
 
     def _mark_dead(self, worker: Worker) -> None:
+        """The dead worker's metrics files folded into the archives (its counters' totals
+        kept, the directory no larger for the restart)."""
         if self.config.metrics_addr:
-            from prometheus_client.multiprocess import mark_process_dead
+            from context_engine.telemetry.multiprocess import fold_dead
 
-            mark_process_dead(worker.proc.pid, str(self.metrics_dir))  # type: ignore[no-untyped-call]
+            fold_dead(str(self.metrics_dir), worker.proc.pid)
 
     async def _stop_workers(self) -> None:
         self.stopping = True
