@@ -113,9 +113,11 @@ export type Input<T> = DeepPartial<T>;
 const DEFAULT_DEADLINE_MS = 10_000;
 const DEFAULT_COMPACT_DEADLINE_MS = 60_000;
 
-/** What the client needs of a generated message: fill in the defaults of a partial one. */
+/** What the client needs of a generated message: fill in the defaults of a partial one, and
+ * encode it. */
 interface Fills<T> {
   fromPartial(object: DeepPartial<T>): T;
+  encode(message: T): { finish(): Uint8Array };
 }
 
 /**
@@ -433,15 +435,21 @@ export class ContextEngineClient {
     if (this.closed) return Promise.reject(this.closedError(method));
     let request: Req;
     let deadline: number;
+    let bytes: Uint8Array;
     try {
       deadline = this.deadlineOf(options);
       request = type.fromPartial(input);
+      // encoded here, not by grpc-js (which would fail the call INTERNAL, "Request message
+      // serialization failure"): a request that cannot be encoded rejects with the encoder's
+      // error, and nothing is sent
+      bytes = type.encode(request).finish();
     } catch (err) {
       return Promise.reject(err);
     }
+    const wire = Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
     return this.unary<Res>(definition.path, method,
       this.channelFor(method, request as { idempotencyKey?: string }),
-      definition.requestSerialize, definition.responseDeserialize, request, options, deadline);
+      () => wire, definition.responseDeserialize, null, options, deadline);
   }
 
   private unary<Res>(path: string, method: string, channel: grpc.Client,

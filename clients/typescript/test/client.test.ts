@@ -488,6 +488,28 @@ describe("client behaviour", () => {
     assert.ok(Date.now() - started < 5_000, "the call ended at its deadline, not after backoff");
   });
 
+  test("a request that cannot be encoded rejects with the encoder's error, nothing sent",
+    async () => {
+      // grpc-js, left to encode it, answered INTERNAL "Request message serialization failure",
+      // a ContextEngineError that blames the service for the caller's own request
+      const whole = open({ incremental: false });
+      const sends: [string, () => Promise<unknown>][] = [
+        ["carryWorkingState", () => client.carryWorkingState({ tenantId: "t", sessionId: "s",
+          seedEventSequence: "abc" })],
+        ["build", () => whole.build({ tenantId: "t", sessionId: "s", checkpoint: { items: [
+          { id: "u1", sequence: "abc", user: { text: "hi" } }] } })],
+        ["compact", () => client.compact({ tenantId: "t", sessionId: "s", reason: "r",
+          idempotencyKey: "k", replaceThroughSequence: "abc" })],  // the keyed channel
+        ["build", () => client.build({ tenantId: "t", sessionId: "s", checkpoint: { items: [
+          { id: "u1", sequence: "abc", user: { text: "hi" } }] } })],
+      ];
+      for (const [rpc, send] of sends) {
+        await assert.rejects(send(), (err: unknown) => err instanceof SyntaxError &&
+          !(err instanceof ContextEngineError) && /abc/.test(err.message), rpc);
+        assert.equal(calls[rpc], undefined, `${rpc}: nothing reached the server`);
+      }
+    });
+
   test("an aborted signal cancels the call", async () => {
     const controller = new AbortController();
     const pending = client.build({ tenantId: "t", sessionId: "s" }, { signal: controller.signal });
