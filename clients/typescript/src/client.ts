@@ -17,6 +17,7 @@ import {
   unkeyedServiceConfig,
 } from "./channel";
 import { ContextEngineError, fromServiceError } from "./errors";
+import { DecimalWriter } from "./int64";
 import {
   BUILD_BASE_UNKNOWN,
   type BuildStats,
@@ -117,7 +118,7 @@ const DEFAULT_COMPACT_DEADLINE_MS = 60_000;
  * encode it. */
 interface Fills<T> {
   fromPartial(object: DeepPartial<T>): T;
-  encode(message: T): { finish(): Uint8Array };
+  encode(message: T, writer: DecimalWriter): { finish(): Uint8Array };
 }
 
 /**
@@ -440,9 +441,9 @@ export class ContextEngineClient {
       deadline = this.deadlineOf(options);
       request = type.fromPartial(input);
       // encoded here, not by grpc-js (which would fail the call INTERNAL, "Request message
-      // serialization failure"): a request that cannot be encoded rejects with the encoder's
-      // error, and nothing is sent
-      bytes = type.encode(request).finish();
+      // serialization failure"): a request that cannot be encoded (an int64 that is not a
+      // decimal string) rejects with the encoder's error, and nothing is sent
+      bytes = type.encode(request, new DecimalWriter()).finish();
     } catch (err) {
       return Promise.reject(err);
     }

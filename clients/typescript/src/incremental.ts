@@ -21,6 +21,7 @@ import {
   type Span,
   type ToolDefinition,
 } from "./gen/context_engine/v1/context_engine";
+import { DecimalWriter } from "./int64";
 
 /** The `ErrorInfo.reason` of a Build whose base the replica does not hold. */
 export const BUILD_BASE_UNKNOWN = "BUILD_BASE_UNKNOWN";
@@ -481,7 +482,7 @@ export class IncrementalBuilds {
     const encoded: Uint8Array[] = [];
     for (let i = kept; i < items.length; i++) {
       const item = cloneValue(items[i]!);
-      const bytes = ConversationItem.encode(item).finish();
+      const bytes = ConversationItem.encode(item, new DecimalWriter()).finish();
       held.push({ item, size: bytes.length });
       encoded.push(bytes);
     }
@@ -499,9 +500,9 @@ export class IncrementalBuilds {
     // the checkpoint (4: active_run_id, the items past the kept ones, the rest), then the
     // fields from 5 on, the base and keep_base among them.
     const head = BuildRequest.encode(BuildRequest.fromPartial({ tenantId: request.tenantId,
-      sessionId: request.sessionId, epoch: request.epoch })).finish();
+      sessionId: request.sessionId, epoch: request.epoch }), new DecimalWriter()).finish();
     const tail = BuildRequest.encode({ ...wire, tenantId: "", sessionId: "", epoch: 0,
-      checkpoint: undefined }).finish();
+      checkpoint: undefined }, new DecimalWriter()).finish();
     // What the tail holds that the caller's request does not: the base, keep_base.
     const baseFields = stringFieldLength(TAG_1, Buffer.byteLength(baseBuildId, "utf8")) +
       (kept === 0 ? 0 : TAG_1 + varintLength(kept)) +
@@ -511,9 +512,10 @@ export class IncrementalBuilds {
     let wireItems = 0;
     let keptItems = 0;
     if (checkpoint !== undefined) {
-      cpA = Checkpoint.encode(Checkpoint.fromPartial({ activeRunId: checkpoint.activeRunId }))
+      cpA = Checkpoint.encode(Checkpoint.fromPartial({ activeRunId: checkpoint.activeRunId }),
+        new DecimalWriter()).finish();
+      cpB = Checkpoint.encode({ ...checkpoint, activeRunId: "", items: [] }, new DecimalWriter())
         .finish();
-      cpB = Checkpoint.encode({ ...checkpoint, activeRunId: "", items: [] }).finish();
       for (const bytes of encoded) wireItems += fieldLength(TAG_1, bytes.length);
       for (let i = 0; i < kept; i++) keptItems += fieldLength(TAG_1, held[i]!.size);
     }

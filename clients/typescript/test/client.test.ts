@@ -14,6 +14,8 @@ import { after, before, beforeEach, describe, test } from "node:test";
 import * as grpc from "@grpc/grpc-js";
 
 import {
+  type CarryWorkingStateRequest,
+  CarryWorkingStateResponse,
   ContextEngineClient,
   ContextEngineError,
   ContextEngineService,
@@ -114,7 +116,13 @@ describe("client behaviour", () => {
     },
     build: () => { /* never answers: the deadline must fire */ },
     updateWorkingState: (_call, cb) => cb(failure(failWith)),
+    carryWorkingState: (call, cb) => {
+      carried.push((call.request as CarryWorkingStateRequest).seedEventSequence);
+      cb(null, CarryWorkingStateResponse.fromPartial({}));
+    },
   };
+  /** The seed sequence of each CarryWorkingState the server decoded. */
+  const carried: string[] = [];
 
   function open(options: Partial<ConstructorParameters<typeof ContextEngineClient>[0]> = {}) {
     const made = new ContextEngineClient({ target: address, insecure: true, token: "s3cret",
@@ -509,6 +517,45 @@ describe("client behaviour", () => {
         assert.equal(calls[rpc], undefined, `${rpc}: nothing reached the server`);
       }
     });
+
+  test("an int64 is a decimal string: any other form rejects, and nothing is sent", async () => {
+    // BigInt() read "" as 0, " 3" and "+3" as 3, "0x10" as 16, and they were sent so; the
+    // Python client takes only an int
+    const whole = open({ incremental: false });
+    const item = (sequence: string) => ({ tenantId: "t", sessionId: "s", checkpoint: { items: [
+      { id: "u1", sequence, user: { text: "hi" } }] } });
+    for (const bad of ["", " 3", "3 ", "+3", "0x10", "0o7", "0b1", "1e3", "1_000", "\n3"]) {
+      const sends: [string, () => Promise<unknown>][] = [
+        ["carryWorkingState", () => client.carryWorkingState({ tenantId: "t", sessionId: "s",
+          seedEventSequence: bad })],
+        ["build", () => client.build(item(bad))],  // incremental: encoded item by item
+        ["build", () => whole.build(item(bad))],
+        ["compact", () => client.compact({ tenantId: "t", sessionId: "s", reason: "r",
+          idempotencyKey: "k", checkpoint: { summary: { sourceEventIds: ["1", bad] } } })],
+      ];
+      for (const [rpc, send] of sends) {
+        await assert.rejects(send(), (err: unknown) => err instanceof SyntaxError &&
+          err.message.includes(JSON.stringify(bad)), `${rpc} ${JSON.stringify(bad)}`);
+        assert.equal(calls[rpc], undefined, `${rpc} ${JSON.stringify(bad)}: nothing was sent`);
+      }
+    }
+    // a number (JavaScript, parsed JSON) past 2^53 - 1 may be rounded already: refused too
+    for (const bad of [2 ** 53, -(2 ** 53), 1e21, 1.5]) {
+      await assert.rejects(client.carryWorkingState({ tenantId: "t", sessionId: "s",
+        seedEventSequence: bad as unknown as string }), RangeError, String(bad));
+    }
+    assert.equal(calls.carryWorkingState, undefined);
+    // decimal strings and safe integers go as they are, to the last digit
+    carried.length = 0;
+    const good: [unknown, string][] = [["12", "12"], ["-3", "-3"], ["007", "7"],
+      ["9223372036854775807", "9223372036854775807"], ["9007199254740993", "9007199254740993"],
+      ["-9223372036854775808", "-9223372036854775808"], [2 ** 53 - 1, "9007199254740991"]];
+    for (const [given] of good) {
+      await client.carryWorkingState({ tenantId: "t", sessionId: "s",
+        seedEventSequence: given as string });
+    }
+    assert.deepEqual(carried, good.map(([, sent]) => sent));
+  });
 
   test("an aborted signal cancels the call", async () => {
     const controller = new AbortController();
