@@ -956,11 +956,9 @@ class Engine:
             # yielded nothing is recorded by the exceeded event alone.
             if isinstance(exc.pressure, Pressure) and exc.pressure.yielded:
                 self._count_pressure(exc.pressure)
-                await self._record(tenant_id, session_id, loaded.plan.epoch,
-                                   "context.budget.pressure",
+                await self._record(loaded.plan, "context.budget.pressure",
                                    pressure_payload(exc.pressure, loaded.plan.epoch))
-            await self._record(tenant_id, session_id, loaded.plan.epoch,
-                               "context.budget.exceeded", payload)
+            await self._record(loaded.plan, "context.budget.exceeded", payload)
             raise
         self._metrics.build_seconds.observe(time.perf_counter() - started)
         # The caller's response is made before anything is written: a Build it refuses (a
@@ -972,8 +970,7 @@ class Engine:
         await self._snapshot_used(loaded, checkpoint.active_run_id)
         if pressure.yielded:  # a request that fits without yielding emits nothing
             self._count_pressure(pressure)
-            await self._record(tenant_id, session_id, loaded.plan.epoch,
-                               "context.budget.pressure",
+            await self._record(loaded.plan, "context.budget.pressure",
                                pressure_payload(pressure, loaded.plan.epoch))
         return result
 
@@ -1036,16 +1033,18 @@ class Engine:
         if pressure.history_floor_shortfall:  # never-yield items left history below its floor
             self._metrics.budget_pressure.labels(step="history_floor", fits=fits).inc()
 
-    async def _record(self, tenant_id: str, session_id: str, epoch: int, kind: str,
-                      payload: dict[str, Any]) -> None:
+    async def _record(self, plan: ContextPlan, kind: str, payload: dict[str, Any]) -> None:
         """Outbox writes from Build never fail the request they describe: if the database
-        is away the request is still served, and the loss is logged and counted."""
+        is away the request is still served, and the loss is logged and counted. Written for
+        the plan's incarnation of the session only: once that one is erased (planned again or
+        not), the event is discarded, though it waited in the queue for the database."""
         try:
-            await self._events.append(ContextEvent(tenant_id=tenant_id, session_id=session_id,
-                                                   epoch=epoch, type=kind, payload=payload))
+            await self._events.append(ContextEvent(
+                tenant_id=plan.tenant_id, session_id=plan.session_id, epoch=plan.epoch,
+                type=kind, payload=payload, incarnation=plan.incarnation))
         except StoreUnavailable:
-            log("event_not_recorded", logging.WARNING, type=kind, tenant=tenant_id,
-                epoch=epoch)
+            log("event_not_recorded", logging.WARNING, type=kind, tenant=plan.tenant_id,
+                epoch=plan.epoch)
 
     # ------------------------------------------------------------------ ReportUsage
 
@@ -1198,8 +1197,7 @@ class Engine:
         measure = self._working_state_measure(loaded)
         state, changes = apply_update(cmd.current, cmd.transition, run_id=cmd.run_id,
                                       sequence=cmd.sequence, measure=measure)
-        await self._record(cmd.tenant_id, cmd.session_id, loaded.plan.epoch,
-                           "context.working_state.updated",
+        await self._record(loaded.plan, "context.working_state.updated",
                            {"run_id": cmd.run_id, "sequence": cmd.sequence,
                             "epoch": loaded.plan.epoch, **changes.summary(),
                             **({"call_id": cmd.call_id} if cmd.call_id else {})})

@@ -12,6 +12,9 @@ its own clock and a warm plan cache), and ``context-engine purge-tenant`` as a p
 * Builds racing the erasure answer OK or NOT_FOUND and leave no context event behind; a Plan
   racing it opens the session anew, and a session opened while its tenant is purged keeps its
   rows.
+* A Build's event is written only for the incarnation its plan was read for: one queued before
+  the erasure (the database away from its replica), or made on the erased plan a replica still
+  caches, never lands in the session planned again.
 """
 
 from __future__ import annotations
@@ -1514,3 +1517,61 @@ def test_the_runs_bound_to_a_snapshot_go_when_a_read_finds_the_session_erased(re
         r.b.stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session), timeout=30)
     assert err.value.code() is grpc.StatusCode.NOT_FOUND
     assert runs() == []
+
+
+def test_an_event_buffered_before_the_erasure_is_not_written_into_the_session_planned_again(
+        replicas, db, monkeypatch):
+    """Replica A cannot reach the database for its events (an outage, a partition) while a
+    Build of the session yields: its pressure event waits in A's in-process queue. The session
+    is erased and planned again through B meanwhile. When A's queue is flushed, the erased
+    session's event (its item ids) must not land in the new session's log."""
+    r = replicas
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session, model=SMALL), timeout=30)
+    erased_items = long_history(12, size=600)
+    for i in erased_items:  # ids only the erased conversation has
+        i.id = f"erased-{i.id}"
+    events = r.a.server.running.events
+    inner = events._inner
+
+    async def away(event: Any, *args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailable("the database is away")
+    monkeypatch.setattr(inner, "append", away)
+    built = r.a.stub.Build(build_request(tenant, session, items=erased_items, epoch=1),
+                           timeout=30)
+    assert built.pressure.steps and events.pending == 1  # its pressure event waits
+
+    assert delete(r.b.stub, tenant, session).deleted
+    assert r.b.stub.Plan(plan_request(tenant, session, model=SMALL), timeout=30).created
+    monkeypatch.undo()  # the database is back for A
+    discarded = events.discarded
+    r.a.server.call(events.flush())
+    assert events.pending == 0 and events.discarded == discarded + 1
+    payloads = [json.loads(row[0]) for row in db.fetch(
+        "SELECT payload::text FROM context_events WHERE tenant_id = $1 AND session_id = $2",
+        tenant, session)]
+    assert [p for p in payloads if "erased-" in json.dumps(p)] == [], payloads
+    assert session_rows(db, tenant, session)["context_events"] == 1  # the new plan's event
+
+
+def test_a_build_served_the_erased_plan_after_a_replan_records_no_event_in_the_new_session(
+        replicas, db):
+    """B cached the erased session's plan; within the TTL a Build naming its epoch is served
+    it, and its pressure event (the erased plan's) is dropped, not stored in the new
+    session's log."""
+    r = replicas
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session, model=SMALL), timeout=30)
+    assert r.b.stub.Build(build_request(tenant, session, epoch=1), timeout=30).epoch == 1
+    assert delete(r.a.stub, tenant, session).deleted
+    assert r.a.stub.Plan(plan_request(tenant, session, model=SMALL), timeout=30).created
+    events = r.b.server.running.events
+    discarded = events.discarded
+    stale = long_history(12, size=600)
+    for i in stale:
+        i.id = f"stale-{i.id}"
+    assert r.b.stub.Build(build_request(tenant, session, items=stale, epoch=1),
+                          timeout=30).pressure.steps
+    assert events.discarded == discarded + 1 and events.pending == 0
+    assert db.val("SELECT count(*) FROM context_events WHERE tenant_id = $1 AND session_id = $2"
+                  " AND payload::text LIKE '%stale-%'", tenant, session) == 0

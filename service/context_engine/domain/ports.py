@@ -37,6 +37,11 @@ class ContextEvent:
     # by every retry: a retry of a write that did land stores nothing new. None: not yet.
     event_id: UUID | None = None
     created_at: datetime | None = None
+    # The incarnation of the session the event was made for (its plan's): written only while
+    # the session is still that one, else rejected as erased, so an event made before an
+    # erasure and written after it (queued while the database was away) never lands in the
+    # session planned again. None: written for whichever session has the id.
+    incarnation: int | None = None
 
     def identified(self, new_id: Callable[[], UUID],
                    now: Callable[[], datetime]) -> ContextEvent:
@@ -48,7 +53,8 @@ class ContextEvent:
 
 class EventRejected(Exception):
     """An event the outbox can never hold, so retrying it is pointless: its session was
-    erased (``SESSION_ERASED``), its day is before the oldest kept partition of the outbox
+    erased (``SESSION_ERASED``; or erased and planned again, for an event made for the erased
+    incarnation), its day is before the oldest kept partition of the outbox
     (``PAST_RETENTION``), or PostgreSQL refuses what its payload holds (``UNSTORABLE``: a
     data exception, such as a NUL in a caller's recall line id, which jsonb cannot hold)."""
 

@@ -102,6 +102,19 @@ INSERT INTO context_events (event_id, created_at, tenant_id, session_id, epoch, 
 VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb)
 ON CONFLICT (event_id, created_at) DO NOTHING"""
 
+# An event made for one incarnation of its session: written only while the session is that
+# incarnation, its row held (FOR KEY SHARE, as the foreign key would) until the transaction
+# ends. True when it is (the event written now, or by an earlier attempt), false when the
+# session was erased (and maybe planned again) since: nothing written.
+INSERT_EVENT_OF_INCARNATION = """
+WITH s AS (SELECT 1 FROM sessions
+           WHERE tenant_id = $3 AND session_id = $4 AND incarnation = $8 FOR KEY SHARE),
+ins AS (INSERT INTO context_events (event_id, created_at, tenant_id, session_id, epoch, type,
+            payload)
+        SELECT $1, $2, $3, $4, $5, $6, $7::jsonb FROM s
+        ON CONFLICT (event_id, created_at) DO NOTHING)
+SELECT EXISTS (SELECT 1 FROM s)"""
+
 GET_CALIBRATION = """
 SELECT model_id, encoding, factor, reports FROM estimator_calibration
 WHERE tenant_id = $1 AND model_id = $2"""

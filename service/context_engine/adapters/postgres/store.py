@@ -77,15 +77,22 @@ def event_json(payload: dict[str, Any]) -> str:
 async def insert_event(conn: Any, event: ContextEvent, *, timeout: float) -> None:
     """Write one identified event (``ContextEvent.identified``) on ``conn`` (a connection in
     the caller's transaction, or the pool). Writing it again stores nothing new. Its session
-    erased: ``EventRejected`` (SESSION_ERASED); a payload PostgreSQL refuses (a data
+    erased, or, for an event made for one incarnation (``event.incarnation``), another
+    incarnation now: ``EventRejected`` (SESSION_ERASED); a payload PostgreSQL refuses (a data
     exception): ``EventRejected`` (UNSTORABLE); no partition for its day: ``PartitionMissing``,
     logged."""
     if event.event_id is None or event.created_at is None:
         raise ValueError("an event is written with its identity (ContextEvent.identified)")
     try:
-        await conn.execute(queries.INSERT_EVENT, event.event_id, event.created_at,
-                           event.tenant_id, event.session_id, event.epoch, event.type,
-                           event_json(event.payload), timeout=timeout)
+        if event.incarnation is None:
+            await conn.execute(queries.INSERT_EVENT, event.event_id, event.created_at,
+                               event.tenant_id, event.session_id, event.epoch, event.type,
+                               event_json(event.payload), timeout=timeout)
+        elif not await conn.fetchval(queries.INSERT_EVENT_OF_INCARNATION, event.event_id,
+                                     event.created_at, event.tenant_id, event.session_id,
+                                     event.epoch, event.type, event_json(event.payload),
+                                     event.incarnation, timeout=timeout):
+            raise EventRejected(event, EventRejected.SESSION_ERASED)
     except asyncpg.ForeignKeyViolationError as exc:
         raise EventRejected(event, EventRejected.SESSION_ERASED) from exc
     except asyncpg.DataError as exc:  # never storable: not retried at an outbox queue's head
