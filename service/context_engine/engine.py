@@ -1252,8 +1252,15 @@ class Engine:
                      "tokens_after": result.tokens_after,
                      "compactor_version": result.compactor_version,
                      "summarizer_version": result.summarizer_version})
-        stored, created = await self._compactions.save(
-            cmd.tenant_id, cmd.session_id, cmd.idempotency_key, cmd.fingerprint, result, event)
+        try:
+            stored, created = await self._compactions.save(
+                cmd.tenant_id, cmd.session_id, cmd.idempotency_key, cmd.fingerprint, result,
+                event, incarnation=loaded.plan.incarnation)
+        except IncarnationChanged as changed:
+            # erased (and planned again) while it compacted: the erased conversation's
+            # compaction is no compaction of the new session, so nothing was stored
+            self._forget_erased(cmd.tenant_id, cmd.session_id, changed.found)
+            raise SessionNotFound(cmd.tenant_id, cmd.session_id) from changed
         if created:
             self._metrics.compactions.labels(depth=str(stored.depth)).inc()
             self._metrics.elided_spans.inc(max(0, len(stored.elided) - previous))

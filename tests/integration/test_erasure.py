@@ -1575,3 +1575,34 @@ def test_a_build_served_the_erased_plan_after_a_replan_records_no_event_in_the_n
     assert events.discarded == discarded + 1 and events.pending == 0
     assert db.val("SELECT count(*) FROM context_events WHERE tenant_id = $1 AND session_id = $2"
                   " AND payload::text LIKE '%stale-%'", tenant, session) == 0
+
+
+def test_a_compaction_whose_session_is_erased_and_planned_again_meanwhile_is_not_stored_in_it(
+        replicas, db, monkeypatch):
+    """A Compact reads its session's plan, then summarizes (a model call may take seconds);
+    meanwhile the session is erased and planned again through B. The erased conversation's
+    summary is not stored as the new session's compaction: the Compact is NOT_FOUND, as a
+    keyed write the erasure overtakes is, and the same key then compacts for the new one."""
+    r = replicas
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    engine = r.a.server.running.engine
+    real_save = engine._compactions.save
+
+    async def save_after_the_erasure(*args: Any, **kwargs: Any) -> Any:
+        def erase_and_plan_again() -> None:
+            assert delete(r.b.stub, tenant, session).deleted
+            assert r.b.stub.Plan(plan_request(tenant, session), timeout=30).created
+        await asyncio.to_thread(erase_and_plan_again)
+        return await real_save(*args, **kwargs)
+    monkeypatch.setattr(engine._compactions, "save", save_after_the_erasure)
+    assert not_found(r.a.stub.Compact, compact_request(
+        tenant, session, f"compact-{session}", constraints=("erased constraint",)))
+    rows = db.fetch("SELECT result::text FROM compactions WHERE tenant_id = $1 "
+                    "AND session_id = $2", tenant, session)
+    assert rows == [], rows
+    assert db.val("SELECT count(*) FROM context_events WHERE tenant_id = $1 AND session_id = $2"
+                  " AND type = 'context.compacted'", tenant, session) == 0
+    monkeypatch.undo()
+    again = r.a.stub.Compact(compact_request(tenant, session, f"compact-{session}"), timeout=30)
+    assert again.compacted and session_rows(db, tenant, session)["compactions"] == 1

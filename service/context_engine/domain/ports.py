@@ -337,11 +337,13 @@ class CompactionStore(Protocol):
         ...
 
     async def save(self, tenant_id: str, session_id: str, idempotency_key: str,
-                   fingerprint: str, result: CompactionResult,
-                   event: ContextEvent) -> tuple[CompactionResult, bool]:
+                   fingerprint: str, result: CompactionResult, event: ContextEvent, *,
+                   incarnation: int | None = None) -> tuple[CompactionResult, bool]:
         """Atomically store the compaction with its ``context.compacted`` event, once per key.
         A key already used returns its stored result (False); a key reused for another
-        session or request (``fingerprint``) is InvalidInput."""
+        session or request (``fingerprint``) is InvalidInput. Its session erased:
+        SessionNotFound; given the ``incarnation`` of the plan it was made on, the session
+        erased and planned again since: IncarnationChanged. Nothing is stored then."""
         ...
 
 
@@ -361,8 +363,8 @@ class InMemoryCompactionStore:
         return self.rows.get((tenant_id, idempotency_key))
 
     async def save(self, tenant_id: str, session_id: str, idempotency_key: str,
-                   fingerprint: str, result: CompactionResult,
-                   event: ContextEvent) -> tuple[CompactionResult, bool]:
+                   fingerprint: str, result: CompactionResult, event: ContextEvent, *,
+                   incarnation: int | None = None) -> tuple[CompactionResult, bool]:
         seen = self.rows.get((tenant_id, idempotency_key))
         if seen is not None:
             return check_stored(seen, session_id, fingerprint), False

@@ -481,20 +481,23 @@ class PostgresCompactionStore:
         return None if row is None else _stored_compaction(row)
 
     async def save(self, tenant_id: str, session_id: str, idempotency_key: str,
-                   fingerprint: str, result: CompactionResult,
-                   event: ContextEvent) -> tuple[CompactionResult, bool]:
+                   fingerprint: str, result: CompactionResult, event: ContextEvent, *,
+                   incarnation: int | None = None) -> tuple[CompactionResult, bool]:
         with db_call(self._tracer, "compactions.save"):
             return await self._save(tenant_id, session_id, idempotency_key, fingerprint,
-                                    result, event)
+                                    result, event, incarnation)
 
     async def _save(self, tenant_id: str, session_id: str, idempotency_key: str,
-                    fingerprint: str, result: CompactionResult,
-                    event: ContextEvent) -> tuple[CompactionResult, bool]:
+                    fingerprint: str, result: CompactionResult, event: ContextEvent,
+                    incarnation: int | None) -> tuple[CompactionResult, bool]:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
-            # the session's row first (see _pin: a record claimed anew takes no lock of it)
-            await conn.fetchval(queries.SESSION_INCARNATION, tenant_id, session_id,
-                                timeout=self._timeout)
+            # the session's row first (see _pin: a record claimed anew takes no lock of it);
+            # erased and planned again since the compaction's plan was read: nothing stored
+            found = await conn.fetchval(queries.SESSION_INCARNATION, tenant_id, session_id,
+                                        timeout=self._timeout)
+            if incarnation is not None and found is not None and int(found) != incarnation:
+                raise IncarnationChanged(tenant_id, session_id, incarnation, int(found))
             with _session_required(tenant_id, session_id):  # erased since it was loaded
                 claimed = await conn.fetchval(
                     queries.CLAIM_COMPACTION, tenant_id, idempotency_key, session_id,
