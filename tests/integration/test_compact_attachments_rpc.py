@@ -41,15 +41,16 @@ def test_compact_frees_what_build_charged_for_an_attachment(stub, ids):
     assert kinds == ["attachment.pdf"]
 
 
-def image_history() -> list[pb.ConversationItem]:
+def image_history(count: int = 3) -> list[pb.ConversationItem]:
+    """``count`` user messages of an image each, answered, then the active run's message."""
     image = pb.Attachment(kind=pb.ATTACHMENT_KIND_IMAGE, name="p.png", ref="artifact:a/2")
     out = []
-    for n in range(3):
+    for n in range(count):
         out.append(item(f"u{n}", 2 * n + 1, run="run-0",
                         user=pb.UserMessage(text=f"look {n}", attachments=[image])))
         out.append(item(f"a{n}", 2 * n + 2, run="run-0",
                         assistant=pb.AssistantMessage(text=f"seen {n}")))
-    out.append(item("u9", 9, run="run-1", user=pb.UserMessage(text="next")))
+    out.append(item("u9", 2 * count + 3, run="run-1", user=pb.UserMessage(text="next")))
     return out
 
 

@@ -9,24 +9,13 @@ import grpc
 import pytest
 from context_engine.v1 import context_engine_pb2 as pb
 
-from tests.integration.requests import build_request, failure, item, plan_request
+from tests.integration.requests import build_request, failure, plan_request
+from tests.integration.test_compact_attachments_rpc import image_history
 
 pytestmark = pytest.mark.integration
 
 CLAUDE_IMAGE = 4_784  # README: Claude's image, Opus 4.7's 2,576-pixel tier
 UNKNOWN_IMAGE = 48_169  # README: a model the catalog does not know, the largest figure
-
-
-def images(count: int) -> list[pb.ConversationItem]:
-    image = pb.Attachment(kind=pb.ATTACHMENT_KIND_IMAGE, name="p.png", ref="artifact:a/2")
-    out = []
-    for n in range(count):
-        out.append(item(f"u{n}", 2 * n + 1, run="run-0",
-                        user=pb.UserMessage(text=f"look at this {n}", attachments=[image])))
-        out.append(item(f"a{n}", 2 * n + 2, run="run-0",
-                        assistant=pb.AssistantMessage(text=f"I see picture {n}")))
-    out.append(item("u9", 99, run="run-1", user=pb.UserMessage(text="next")))
-    return out
 
 
 def without_attachments(items: list[pb.ConversationItem]) -> list[pb.ConversationItem]:
@@ -51,8 +40,8 @@ def report(tenant: str, session: str, built: pb.BuildResponse, actual: int, key:
 def test_build_states_what_its_attachments_add(stub, ids):
     tenant, session = ids
     stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="claude-sonnet-4-5")))
-    built = stub.Build(build_request(tenant, session, items=images(3)))
-    plain = stub.Build(build_request(tenant, session, items=without_attachments(images(3))))
+    built = stub.Build(build_request(tenant, session, items=image_history(3)))
+    plain = stub.Build(build_request(tenant, session, items=without_attachments(image_history(3))))
     assert built.estimated_attachment_tokens == 3 * CLAUDE_IMAGE
     # and the attachments' labels in the messages' text (counted as text, not part of it)
     added = built.estimated_input_tokens - plain.estimated_input_tokens
@@ -66,7 +55,7 @@ def test_build_states_the_share_of_the_attachment_budget_it_charged(stub, ids):
     tenant, session = ids
     stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(
         model_id="acme-vision-1", capabilities=pb.ModelCapabilities(context_window=1_000_000))))
-    built = stub.Build(build_request(tenant, session, items=images(3)))
+    built = stub.Build(build_request(tenant, session, items=image_history(3)))
     assert built.estimated_attachment_tokens == 100_000 == 2 * UNKNOWN_IMAGE + 3_662
 
 
@@ -79,7 +68,7 @@ def test_images_cheaper_than_their_bound_leave_the_factor_where_text_needs_it(st
     other = f"{tenant}-blind"
     for t in (tenant, other):
         stub.Plan(plan_request(t, session, model=pb.ModelSpec(model_id="claude-sonnet-4-5")))
-    built = stub.Build(build_request(tenant, session, items=images(3)))
+    built = stub.Build(build_request(tenant, session, items=image_history(3)))
     text = built.estimated_input_tokens - 3 * CLAUDE_IMAGE
     actual = text + 3 * 1_600
     told = stub.ReportUsage(report(tenant, session, built, actual, "k1"))
@@ -88,7 +77,7 @@ def test_images_cheaper_than_their_bound_leave_the_factor_where_text_needs_it(st
     assert told.correction_factor == 1.0
     assert blind.correction_factor < 0.97
     # the next Build of text alone is estimated at the factor the report left
-    plain = without_attachments(images(3))
+    plain = without_attachments(image_history(3))
     assert stub.Build(build_request(tenant, session, items=plain)).estimator_factor == 1.0
     assert stub.Build(build_request(other, session, items=plain)).estimator_factor < 0.97
 
@@ -96,7 +85,7 @@ def test_images_cheaper_than_their_bound_leave_the_factor_where_text_needs_it(st
 def test_a_text_under_count_is_still_corrected_at_once_beside_attachments(stub, ids):
     tenant, session = ids
     stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="claude-sonnet-4-5")))
-    built = stub.Build(build_request(tenant, session, items=images(2)))
+    built = stub.Build(build_request(tenant, session, items=image_history(2)))
     text = built.estimated_input_tokens - 2 * CLAUDE_IMAGE
     # even with both images at their whole bound, the text took 1.5 times its estimate
     up = stub.ReportUsage(report(tenant, session, built, round(text * 1.5) + 2 * CLAUDE_IMAGE,
@@ -107,7 +96,7 @@ def test_a_text_under_count_is_still_corrected_at_once_beside_attachments(stub, 
 def test_an_attachment_part_over_the_estimate_is_refused_and_counts_nothing(stub, ids, db):
     tenant, session = ids
     stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="claude-sonnet-4-5")))
-    built = stub.Build(build_request(tenant, session, items=images(1)))
+    built = stub.Build(build_request(tenant, session, items=image_history(1)))
     with pytest.raises(grpc.RpcError) as err:
         stub.ReportUsage(report(tenant, session, built, 9_000, "k1",
                                 attachments=built.estimated_input_tokens + 1))
@@ -127,7 +116,7 @@ def test_only_the_attachments_the_request_sends_are_stated(stub, ids):
     stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(
         model_id="claude-sonnet-4-5",
         capabilities=pb.ModelCapabilities(context_window=30_000, output_reserve=2_000))))
-    built = stub.Build(build_request(tenant, session, items=images(8)))
+    built = stub.Build(build_request(tenant, session, items=image_history(8)))
     sent = sum(len(m.attachments) for m in built.request.messages)
     assert 0 < sent < 8, sent  # the cut took some, not all
     assert built.estimated_attachment_tokens == sent * CLAUDE_IMAGE
