@@ -59,7 +59,11 @@ from context_engine.config import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    from context_engine.adapters.postgres.migrate import DatabaseUnreachable, Entry
+    from context_engine.adapters.postgres.migrate import (
+        DatabaseUnreachable,
+        Entry,
+        MigrationFailed,
+    )
     from context_engine.domain.ports import Erased
 
 PROG = "context-engine"
@@ -160,6 +164,26 @@ def _unreachable(exc: DatabaseUnreachable, config: Config) -> str:
                 "the password and the database name")
     return (f"cannot reach the database ({where}): {detail} "
             f"(CE_DB_TIMEOUT_SECONDS={config.db_timeout_seconds:g} s to connect)")
+
+
+def _migration_failed(exc: MigrationFailed, config: Config) -> str:
+    """What failed while migrating, what of it is applied, and what to do."""
+    where = ("DATABASE_URL " + redact_url(config.database_url)
+             if config.database_url is not None
+             else f"the embedded PostgreSQL under {config.data_dir}")
+    detail = (exc.detail if config.database_url is None
+              else redact_message(exc.detail, config.database_url))
+    before = ", ".join(exc.applied) if exc.applied else "none"
+    if exc.migration is None:
+        return f"cannot migrate ({where}): {detail}; nothing was applied"
+    if exc.committing:
+        return (f"migration {exc.migration} failed while committing ({where}): {detail}; "
+                f"whether it was applied is unknown (`{PROG} migrate --status` tells); "
+                f"applied before it by this run: {before}; run `{PROG} migrate` again: it "
+                f"applies {exc.migration} if it was not")
+    return (f"migration {exc.migration} failed ({where}): {detail}; it was not applied "
+            f"(its transaction did not commit); applied before it by this run: {before}; "
+            f"fix the cause and run `{PROG} migrate` again: it resumes at {exc.migration}")
 
 
 def _tenant_problem(tenant: str, *, erasing: bool = False) -> str | None:
@@ -282,7 +306,11 @@ def _command(args: argparse.Namespace) -> int:
         print(f"{PROG}: configuration error: {exc}", file=sys.stderr)
         return 2
 
-    from context_engine.adapters.postgres.migrate import DatabaseUnreachable, MigrationError
+    from context_engine.adapters.postgres.migrate import (
+        DatabaseUnreachable,
+        MigrationError,
+        MigrationFailed,
+    )
     from context_engine.telemetry.logs import configure
 
     configure(config.log_level)
@@ -296,6 +324,9 @@ def _command(args: argparse.Namespace) -> int:
               f"{config.migrations_dir}:", file=sys.stderr)
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
+        return 1
+    except MigrationFailed as exc:  # a migration's SQL, a privilege, the connection lost
+        print(f"{PROG}: {_migration_failed(exc, config)}", file=sys.stderr)
         return 1
 
 

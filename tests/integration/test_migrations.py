@@ -290,3 +290,114 @@ def test_a_database_that_refuses_the_connection_is_not_called_unreachable(direct
     (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("context-engine:")]
     assert line.startswith("context-engine: the database refused the connection (DATABASE_URL ")
     assert "no_such_database_here" in line and "CE_DB_TIMEOUT_SECONDS" not in line, line
+
+
+def test_a_migration_that_fails_midway_is_named_in_one_line_and_a_retry_resumes(fresh, files):
+    """A migration whose SQL fails after its first statement ended migrate and serve in a
+    traceback of some 40 lines ending in "UndefinedColumnError: column ... does not exist", naming
+    neither the migration nor what was applied. It is one line naming the migration, the
+    error and where in the file; the database shows nothing of it, while those before it
+    stay applied, and migrate once the file is fixed applies it once."""
+    (files / f"{LATER}.sql").write_text("CREATE TABLE later (id integer);\n"
+                                        "INSERT INTO later VALUES (1);\n"
+                                        "SELECT no_such_column FROM later;\n")
+    for command in (["migrate"], ["serve", "--dev", "--grpc-addr", "127.0.0.1:0",
+                                  "--metrics-addr", "", "--workers", "1"]):
+        done = cli(fresh, files, *command)
+        assert done.returncode == 1, (command, done.stdout, done.stderr)
+        assert "Traceback" not in done.stderr, done.stderr
+        (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("context-engine:")]
+        assert f"migration {LATER} failed" in line, line
+        assert "no_such_column" in line and "SQLSTATE 42703" in line, line
+        assert f"at line 3 of {LATER}.sql" in line, line
+        # the oracle is the database itself, read on a connection of its own
+        assert [r["version"] for r in fetch(fresh, "SELECT version FROM schema_migrations "
+                                                   "ORDER BY version")] == list(
+            range(1, LATER_VERSION))
+        assert not fetch(fresh, "SELECT to_regclass('later') AS t")[0]["t"]
+        # the first run applied the others before it; the second, nothing
+        before = (", ".join(f"{m.version:04d}_{m.name}" for m in discover(REPO / "migrations"))
+                  if command == ["migrate"] else "none")
+        assert f"applied before it by this run: {before};" in line, line
+
+    (files / f"{LATER}.sql").write_text("CREATE TABLE later (id integer);\n"
+                                        "INSERT INTO later VALUES (1);\n")
+    again = cli(fresh, files, "migrate")
+    assert again.returncode == 0, again.stderr
+    assert fetch(fresh, "SELECT count(*) AS n FROM later")[0]["n"] == 1
+    assert fetch(fresh, "SELECT max(version) AS v FROM schema_migrations")[0]["v"] == (
+        LATER_VERSION)
+
+
+def test_a_user_who_may_not_create_tables_is_told_in_one_line(direct_database_url):
+    """A DATABASE_URL whose user may connect but not create in the schema (PostgreSQL 15's
+    default for a user that does not own the database) ended migrate in an
+    InsufficientPrivilegeError traceback; it is one line naming the URL and the refusal."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    fresh = asyncio.run(_fresh_database(direct_database_url))
+    role = f"ce_reader_{uuid.uuid4().hex[:8]}"
+    fetch(direct_database_url, f"CREATE ROLE {role} LOGIN PASSWORD 'not-shown-9'")
+    try:
+        fetch(fresh, "REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+        parts = urlsplit(fresh)
+        host = parts.netloc.rsplit("@", 1)[-1]
+        url = urlunsplit(parts._replace(netloc=f"{role}:not-shown-9@{host}"))
+        done = cli(url, REPO / "migrations", "migrate")
+        assert done.returncode == 1, done.stdout
+        assert "Traceback" not in done.stderr, done.stderr
+        (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("context-engine:")]
+        assert line.startswith("context-engine: cannot migrate (DATABASE_URL "), line
+        assert "permission denied" in line and "SQLSTATE 42501" in line, line
+        assert "nothing was applied" in line and "not-shown-9" not in line, line
+        assert not fetch(fresh, "SELECT to_regclass('schema_migrations') AS t")[0]["t"]
+    finally:
+        fetch(direct_database_url, f"DROP OWNED BY {role} CASCADE")
+        fetch(direct_database_url, f"DROP ROLE {role}")
+
+
+def test_a_migration_refused_at_commit_or_cut_off_names_the_first_failure(fresh, files):
+    """The failure of a migration's COMMIT (a deferred constraint) and the connection ended
+    while it runs are named as such: the latter used to surface as asyncpg's "cannot call
+    Transaction.__aexit__(): the underlying connection is closed", the rollback's failure
+    hiding the cause."""
+    from context_engine.adapters.postgres.migrate import MigrationFailed
+
+    asyncio.run(migrate(fresh, REPO / "migrations"))
+    (files / f"{LATER}.sql").write_text(
+        "CREATE TABLE later (id integer UNIQUE DEFERRABLE INITIALLY DEFERRED);\n"
+        "INSERT INTO later VALUES (1), (1);\n")
+    with pytest.raises(MigrationFailed) as caught:
+        asyncio.run(migrate(fresh, files))
+    assert caught.value.migration == LATER and not caught.value.committing
+    assert isinstance(caught.value.cause, asyncpg.UniqueViolationError)
+    assert not fetch(fresh, "SELECT to_regclass('later') AS t")[0]["t"]
+
+    marker = f"cut_off_{uuid.uuid4().hex[:8]}"
+    (files / f"{LATER}.sql").write_text(f"CREATE TABLE later (id integer);\n"
+                                        f"SELECT pg_sleep(30) AS {marker};\n")
+
+    async def cut_off() -> MigrationFailed:
+        running = asyncio.ensure_future(migrate(fresh, files))
+        admin = await asyncpg.connect(fresh, statement_cache_size=0)  # via the pooler
+        try:
+            for _ in range(200):
+                if await admin.fetchval(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE query LIKE $1 AND pid <> pg_backend_pid()", f"%AS {marker}%"):
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await admin.close()
+        with pytest.raises(MigrationFailed) as failed:
+            await asyncio.wait_for(running, 20)
+        return failed.value
+
+    failure = asyncio.run(cut_off())
+    assert failure.migration == LATER and not failure.committing
+    # PostgreSQL says "terminating connection", PgBouncer "server conn crashed?"
+    assert isinstance(failure.cause, asyncpg.ConnectionDoesNotExistError), str(failure)
+    assert "__aexit__" not in str(failure)
+    assert not fetch(fresh, "SELECT to_regclass('later') AS t")[0]["t"]
+    assert fetch(fresh, "SELECT max(version) AS v FROM schema_migrations")[0]["v"] == (
+        LATER_VERSION - 1)

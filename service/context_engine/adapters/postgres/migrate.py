@@ -199,6 +199,39 @@ class MigrationError(Exception):
         self.problems = tuple(problems)
 
 
+# What the server, or the connection to it, can fail with once connected: an error in a
+# migration's SQL, a privilege the user lacks, a statement or lock timeout, the connection lost.
+_SERVER_FAILURES = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+
+
+class MigrationFailed(Exception):
+    """A migration (``migration``: its file's name without ``.sql``), or the migrator's own
+    bookkeeping before it (``migration`` None), failed on the server. Its transaction did not
+    commit: nothing of it is applied, while ``applied`` (applied by this call before it) stay
+    applied; a migration and its record commit together, so a later run resumes at it. Only
+    when the connection was lost during its COMMIT (``committing``) is whether it committed
+    unknown; a later run applies it if it did not."""
+
+    def __init__(self, cause: BaseException, *, migration: Migration | None,
+                 applied: Sequence[str], committing: bool = False) -> None:
+        self.cause = cause
+        self.committing = committing
+        self.migration = migration.file.removesuffix(".sql") if migration else None
+        self.applied = tuple(applied)
+        detail = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+        sqlstate = getattr(cause, "sqlstate", None)
+        if isinstance(cause, asyncpg.PostgresError) and sqlstate:
+            position = getattr(cause, "position", None)
+            if migration is not None and position and str(position).isdigit():
+                line = migration.sql[:int(position) - 1].count("\n") + 1
+                detail += f" (at line {line} of {migration.file})"
+            if getattr(cause, "detail", None):
+                detail += f"; {cause.detail}"
+            detail += f" (SQLSTATE {sqlstate})"
+        self.detail = detail
+        super().__init__(f"{self.migration or 'the migrator'}: {detail}")
+
+
 def _applied(rows: Sequence[asyncpg.Record]) -> list[Applied]:
     return [Applied(version=int(r["version"]), name=str(r["name"]), applied_at=r["applied_at"],
                     checksum=r["checksum"]) for r in rows]
@@ -215,7 +248,9 @@ async def migrate(dsn: str, directory: Path, *, target: int | None = None,
     applied: concurrent migrators serialize and each migration is applied once, and nothing
     outlives a transaction on the server connection, so a pooler in transaction mode may stand
     in between. The statement cache is off for the same reason. ``DatabaseUnreachable`` when
-    it cannot connect within ``connect_timeout`` seconds."""
+    it cannot connect within ``connect_timeout`` seconds; ``MigrationFailed`` when a migration
+    (or the bookkeeping before it) fails on the server or the connection is lost: that
+    migration is not applied, those before it are."""
     files = discover(directory)
     if target is not None and target not in {m.version for m in files}:
         raise ValueError(f"no migration numbered {target:04d} in {directory}")
@@ -223,26 +258,38 @@ async def migrate(dsn: str, directory: Path, *, target: int | None = None,
     applied_now: list[str] = []
     try:
         while True:
-            async with conn.transaction():
-                await conn.execute(queries.LOCK_MIGRATIONS, MIGRATION_LOCK_KEY)
-                await conn.execute(queries.CREATE_MIGRATIONS_TABLE)
-                await conn.execute(queries.ADD_MIGRATION_CHECKSUM)
-                entries = reconcile(_applied(await conn.fetch(queries.APPLIED_MIGRATIONS)),
-                                    files)
-                found = problems(entries, directory)
-                if found:
-                    raise MigrationError(found)
-                unrecorded = [e for e in entries if e.check is Check.UNRECORDED]
-                for e in unrecorded:
-                    await conn.execute(queries.BACKFILL_MIGRATION_CHECKSUM, e.version,
-                                       e.current)
-                pending = {e.version for e in entries if e.pending}
-                todo = next((m for m in files if m.version in pending
-                             and (target is None or m.version <= target)), None)
-                if todo is not None:
-                    await conn.execute(todo.sql)
-                    await conn.execute(queries.RECORD_MIGRATION, todo.version, todo.name,
-                                       todo.checksum)
+            todo: Migration | None = None
+            committing = False
+            try:
+                async with conn.transaction():
+                    await conn.execute(queries.LOCK_MIGRATIONS, MIGRATION_LOCK_KEY)
+                    await conn.execute(queries.CREATE_MIGRATIONS_TABLE)
+                    await conn.execute(queries.ADD_MIGRATION_CHECKSUM)
+                    entries = reconcile(_applied(await conn.fetch(queries.APPLIED_MIGRATIONS)),
+                                        files)
+                    found = problems(entries, directory)
+                    if found:
+                        raise MigrationError(found)
+                    unrecorded = [e for e in entries if e.check is Check.UNRECORDED]
+                    for e in unrecorded:
+                        await conn.execute(queries.BACKFILL_MIGRATION_CHECKSUM, e.version,
+                                           e.current)
+                    pending = {e.version for e in entries if e.pending}
+                    todo = next((m for m in files if m.version in pending
+                                 and (target is None or m.version <= target)), None)
+                    if todo is not None:
+                        await conn.execute(todo.sql)
+                        await conn.execute(queries.RECORD_MIGRATION, todo.version, todo.name,
+                                           todo.checksum)
+                    committing = True
+            except _SERVER_FAILURES as exc:
+                # a rollback on a lost connection fails too: the first failure is the cause
+                cause = (exc.__context__ if isinstance(exc, asyncpg.InterfaceError)
+                         and isinstance(exc.__context__, _SERVER_FAILURES) else exc)
+                # a COMMIT the server answered with an error rolled back; one whose
+                # connection was lost may have committed
+                raise MigrationFailed(cause, migration=todo, applied=applied_now,
+                                      committing=committing and conn.is_closed()) from exc
             if unrecorded:
                 log("migration_checksums_backfilled", logging.WARNING,
                     migrations=[e.label for e in unrecorded], directory=str(directory),
