@@ -166,14 +166,17 @@ def _unreachable(exc: DatabaseUnreachable, config: Config) -> str:
             f"(CE_DB_TIMEOUT_SECONDS={config.db_timeout_seconds:g} s to connect)")
 
 
-def _migration_failed(exc: MigrationFailed, config: Config) -> str:
-    """What failed while migrating, what of it is applied, and what to do."""
+def _migration_failed(exc: MigrationFailed, config: Config, *, reading: bool = False) -> str:
+    """What failed while migrating (``reading``: while ``migrate --status`` read what is
+    applied), what of it is applied, and what to do."""
     where = ("DATABASE_URL " + redact_url(config.database_url)
              if config.database_url is not None
              else f"the embedded PostgreSQL under {config.data_dir}")
     detail = (exc.detail if config.database_url is None
               else redact_message(exc.detail, config.database_url))
     before = ", ".join(exc.applied) if exc.applied else "none"
+    if reading:
+        return f"cannot read the applied migrations ({where}): {detail}"
     if exc.migration is None:
         return f"cannot migrate ({where}): {detail}; nothing was applied"
     if exc.committing:
@@ -582,14 +585,24 @@ async def _migrate(config: Config) -> int:
 
 
 async def _migration_status(config: Config) -> int:
-    from context_engine.adapters.postgres.migrate import BROKEN, discover, reconcile, status
+    from context_engine.adapters.postgres.migrate import (
+        BROKEN,
+        MigrationFailed,
+        discover,
+        reconcile,
+        status,
+    )
 
     if config.database_url is None and not (config.data_dir / "pg").is_dir():
         # No embedded database yet (and --status creates none): every migration is pending.
         entries = reconcile([], discover(config.migrations_dir))
     else:
-        entries = await status(await _database_url(config), config.migrations_dir,
-                               connect_timeout=config.db_timeout_seconds)
+        try:
+            entries = await status(await _database_url(config), config.migrations_dir,
+                                   connect_timeout=config.db_timeout_seconds)
+        except MigrationFailed as exc:
+            print(f"{PROG}: {_migration_failed(exc, config, reading=True)}", file=sys.stderr)
+            return 1
     print(format_status(entries))
     return 1 if any(e.check in BROKEN for e in entries) else 0
 

@@ -332,7 +332,8 @@ def test_a_migration_that_fails_midway_is_named_in_one_line_and_a_retry_resumes(
 def test_a_user_who_may_not_create_tables_is_told_in_one_line(direct_database_url):
     """A DATABASE_URL whose user may connect but not create in the schema (PostgreSQL 15's
     default for a user that does not own the database) ended migrate in an
-    InsufficientPrivilegeError traceback; it is one line naming the URL and the refusal."""
+    InsufficientPrivilegeError traceback, and migrate --status by a user who may not read
+    schema_migrations too; each is one line naming the URL and the refusal."""
     from urllib.parse import urlsplit, urlunsplit
 
     fresh = asyncio.run(_fresh_database(direct_database_url))
@@ -351,6 +352,16 @@ def test_a_user_who_may_not_create_tables_is_told_in_one_line(direct_database_ur
         assert "permission denied" in line and "SQLSTATE 42501" in line, line
         assert "nothing was applied" in line and "not-shown-9" not in line, line
         assert not fetch(fresh, "SELECT to_regclass('schema_migrations') AS t")[0]["t"]
+
+        # migrated by its owner, the table is not the user's to read: --status says so
+        asyncio.run(migrate(fresh, REPO / "migrations"))
+        done = cli(url, REPO / "migrations", "migrate", "--status")
+        assert done.returncode == 1 and done.stdout == "", done.stdout
+        assert "Traceback" not in done.stderr, done.stderr
+        (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("context-engine:")]
+        assert line.startswith("context-engine: cannot read the applied migrations "
+                               "(DATABASE_URL "), line
+        assert "schema_migrations" in line and "SQLSTATE 42501" in line, line
     finally:
         fetch(direct_database_url, f"DROP OWNED BY {role} CASCADE")
         fetch(direct_database_url, f"DROP ROLE {role}")

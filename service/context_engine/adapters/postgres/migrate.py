@@ -232,6 +232,15 @@ class MigrationFailed(Exception):
         super().__init__(f"{self.migration or 'the migrator'}: {detail}")
 
 
+def _first_failure(exc: BaseException) -> BaseException:
+    """What ended a transaction: a rollback on a lost connection fails too, and its error
+    ("cannot call Transaction.__aexit__()") is not the cause."""
+    if isinstance(exc, asyncpg.InterfaceError) and isinstance(exc.__context__,
+                                                              _SERVER_FAILURES):
+        return exc.__context__
+    return exc
+
+
 def _applied(rows: Sequence[asyncpg.Record]) -> list[Applied]:
     return [Applied(version=int(r["version"]), name=str(r["name"]), applied_at=r["applied_at"],
                     checksum=r["checksum"]) for r in rows]
@@ -283,12 +292,9 @@ async def migrate(dsn: str, directory: Path, *, target: int | None = None,
                                            todo.checksum)
                     committing = True
             except _SERVER_FAILURES as exc:
-                # a rollback on a lost connection fails too: the first failure is the cause
-                cause = (exc.__context__ if isinstance(exc, asyncpg.InterfaceError)
-                         and isinstance(exc.__context__, _SERVER_FAILURES) else exc)
                 # a COMMIT the server answered with an error rolled back; one whose
                 # connection was lost may have committed
-                raise MigrationFailed(cause, migration=todo, applied=applied_now,
+                raise MigrationFailed(_first_failure(exc), migration=todo, applied=applied_now,
                                       committing=committing and conn.is_closed()) from exc
             if unrecorded:
                 log("migration_checksums_backfilled", logging.WARNING,
@@ -304,7 +310,8 @@ async def migrate(dsn: str, directory: Path, *, target: int | None = None,
 
 async def status(dsn: str, directory: Path, *, connect_timeout: float = 60.0) -> list[Entry]:
     """The applied and pending migrations, read-only: creates, records and applies nothing
-    (a database from before checksums shows its rows ``unrecorded``)."""
+    (a database from before checksums shows its rows ``unrecorded``). ``MigrationFailed``
+    (no migration named) when the server refuses the reading or the connection is lost."""
     files = discover(directory)
     conn = await _connect(dsn, connect_timeout,
                           server_settings={"application_name": "context-engine migrate"})
@@ -312,6 +319,8 @@ async def status(dsn: str, directory: Path, *, connect_timeout: float = 60.0) ->
         async with conn.transaction(readonly=True):  # PostgreSQL refuses any write in it
             rows = (await conn.fetch(queries.APPLIED_MIGRATIONS_READ_ONLY)
                     if await conn.fetchval(queries.MIGRATIONS_TABLE_EXISTS) else [])
+    except _SERVER_FAILURES as exc:  # a privilege the user lacks, the connection lost
+        raise MigrationFailed(_first_failure(exc), migration=None, applied=()) from exc
     finally:
         await conn.close()
     return reconcile(_applied(rows), files)
