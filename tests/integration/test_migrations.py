@@ -412,3 +412,39 @@ def test_a_migration_refused_at_commit_or_cut_off_names_the_first_failure(fresh,
     assert not fetch(fresh, "SELECT to_regclass('later') AS t")[0]["t"]
     assert fetch(fresh, "SELECT max(version) AS v FROM schema_migrations")[0]["v"] == (
         LATER_VERSION - 1)
+
+
+def test_status_does_not_wait_for_a_running_migration(fresh, files):
+    """Every migrate (each serve start, each worker) ran ALTER TABLE schema_migrations ADD
+    COLUMN IF NOT EXISTS, which locks the table ACCESS EXCLUSIVE even when the column is
+    there: `migrate --status` waited, silent, for the rest of any running migration (all of
+    0006 on a large table). It answers at once with what is committed."""
+    from context_engine.adapters.postgres.migrate import status
+
+    asyncio.run(migrate(fresh, REPO / "migrations"))
+    marker = f"slow_{uuid.uuid4().hex[:8]}"
+    (files / f"{LATER}.sql").write_text(f"SELECT pg_sleep(6) AS {marker};\n")
+
+    async def scenario() -> tuple[float, dict[str, str | None], list[str]]:
+        running = asyncio.ensure_future(migrate(fresh, files))
+        admin = await asyncpg.connect(fresh, statement_cache_size=0)  # via the pooler
+        try:
+            for _ in range(200):  # the server itself says the migration is running
+                if await admin.fetchval("SELECT count(*) FROM pg_stat_activity WHERE query "
+                                        "LIKE $1 AND pid <> pg_backend_pid()", f"%AS {marker}%"):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the slow migration never ran")
+        finally:
+            await admin.close()
+        started = asyncio.get_running_loop().time()
+        entries = await asyncio.wait_for(status(fresh, files), 30)
+        took = asyncio.get_running_loop().time() - started
+        return took, {e.label: e.check for e in entries}, await running
+
+    took, checks, applied = asyncio.run(scenario())
+    assert took < 3, f"--status waited {took:.1f} s for the running migration"
+    assert checks == {**{p.stem: "ok" for p in (REPO / "migrations").glob("*.sql")},
+                      LATER: None}  # committed: all but the running one, which is pending
+    assert applied == [LATER]

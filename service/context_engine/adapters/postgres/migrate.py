@@ -273,7 +273,8 @@ async def migrate(dsn: str, directory: Path, *, target: int | None = None,
                 async with conn.transaction():
                     await conn.execute(queries.LOCK_MIGRATIONS, MIGRATION_LOCK_KEY)
                     await conn.execute(queries.CREATE_MIGRATIONS_TABLE)
-                    await conn.execute(queries.ADD_MIGRATION_CHECKSUM)
+                    if not await conn.fetchval(queries.MIGRATION_CHECKSUM_EXISTS):
+                        await conn.execute(queries.ADD_MIGRATION_CHECKSUM)
                     entries = reconcile(_applied(await conn.fetch(queries.APPLIED_MIGRATIONS)),
                                         files)
                     found = problems(entries, directory)

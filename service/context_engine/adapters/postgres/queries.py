@@ -12,6 +12,11 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
     applied_at  timestamptz NOT NULL DEFAULT now(),
     checksum    text
 )"""
+# Asked first: ALTER TABLE locks the table ACCESS EXCLUSIVE even when the column exists, and a
+# `migrate --status` would wait for the rest of the migration's transaction.
+MIGRATION_CHECKSUM_EXISTS = """
+SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'schema_migrations'::regclass
+               AND attname = 'checksum' AND NOT attisdropped)"""
 ADD_MIGRATION_CHECKSUM = "ALTER TABLE schema_migrations ADD COLUMN IF NOT EXISTS checksum text"
 APPLIED_MIGRATIONS = """
 SELECT version, name, applied_at, checksum FROM schema_migrations ORDER BY version"""
