@@ -159,6 +159,12 @@ def _unreachable(exc: DatabaseUnreachable, config: Config) -> str:
                                                                          config.database_url)
     if exc.misconfigured:
         return f"cannot use the database URL ({where}): {detail}"
+    if exc.setting:
+        return (f"the database refused a setting the URL asks for ({where}): {detail}: "
+                "each URL parameter asyncpg does not take itself (libpq's connect_timeout, "
+                "for one) reaches the server as a setting, and PgBouncer refuses those it "
+                "does not track; remove or correct it (CE_DB_TIMEOUT_SECONDS bounds "
+                "connecting)")
     if exc.refused:
         return (f"the database refused the connection ({where}): {detail}: check the user, "
                 "the password and the database name")

@@ -448,3 +448,20 @@ def test_status_does_not_wait_for_a_running_migration(fresh, files):
     assert checks == {**{p.stem: "ok" for p in (REPO / "migrations").glob("*.sql")},
                       LATER: None}  # committed: all but the running one, which is pending
     assert applied == [LATER]
+
+
+@pytest.mark.parametrize("through", ["postgresql", "pgbouncer"])
+def test_a_url_parameter_the_server_refuses_is_named_as_such(through, direct_database_url,
+                                                            database_url):
+    """libpq's connect_timeout in DATABASE_URL is no parameter of asyncpg, which sends it to
+    the server as a setting: PostgreSQL answers "unrecognized configuration parameter",
+    PgBouncer "unsupported startup parameter". The line said to check the user, the password
+    and the database name; it names the setting the URL asks for."""
+    url = direct_database_url if through == "postgresql" else database_url
+    url += ("&" if "?" in url else "?") + "connect_timeout=10"
+    done = cli(url, REPO / "migrations", "migrate")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("context-engine:")]
+    assert line.startswith("context-engine: the database refused a setting the URL asks "
+                           "for (DATABASE_URL "), line
+    assert "connect_timeout" in line and "check the user" not in line, line

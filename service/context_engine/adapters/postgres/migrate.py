@@ -165,6 +165,15 @@ class DatabaseUnreachable(Exception):
         # not a refusal of what the URL says: it may answer in a moment.
         self.refused = (isinstance(cause, asyncpg.PostgresError) and not isinstance(
             cause, (asyncpg.CannotConnectNowError, asyncpg.TooManyConnectionsError)))
+        # refused for a setting the URL asks for, not for who connects: asyncpg sends each
+        # query parameter it does not take itself (libpq's connect_timeout, say) to the server
+        # as a run-time setting, which PostgreSQL refuses when it knows no such setting
+        # (42704) or not that value (22023) or cannot set it now (55P02), and PgBouncer
+        # refuses unless it tracks it
+        self.setting = self.refused and (
+            getattr(cause, "sqlstate", None) in {"42704", "22023", "55P02"}
+            or (isinstance(cause, asyncpg.ProtocolViolationError)
+                and "startup parameter" in str(cause)))
 
 
 # What connecting can fail with before anything is read: the network, the connect timeout,
