@@ -633,8 +633,11 @@ def format_status(entries: Sequence[Entry]) -> str:
             notes.append(f"{e.label} was applied under that name; the file is now "
                          f"{e.file_name}")
         elif e.check is Check.MISSING:
-            notes.append(f"{e.label} is applied but has no file (a newer release's "
-                         f"migration, or a removed file)")
+            notes.append(f"{e.label} is applied but has no file, though later migrations do "
+                         f"(a removed file)")
+        elif e.check is Check.NEWER:
+            notes.append(f"{e.label} is a newer release's (numbered past this release's "
+                         f"migrations): this release runs on its schema")
         elif e.check is Check.UNRECORDED:
             notes.append(f"{e.label}: applied before checksums were kept; the next "
                          f"`migrate` or `serve` records the file's")

@@ -465,3 +465,33 @@ def test_a_url_parameter_the_server_refuses_is_named_as_such(through, direct_dat
     assert line.startswith("context-engine: the database refused a setting the URL asks "
                            "for (DATABASE_URL "), line
     assert "connect_timeout" in line and "check the user" not in line, line
+
+
+def test_the_release_before_runs_on_a_database_a_newer_release_migrated(fresh, files):
+    """A rollout's old pod restarted mid-rollout, or a rollback, meets a migration of the newer
+    release (numbered past its own), which the deploy notes keep working for the release
+    before: it refused to start ("migrated by a newer release"), so the old replica set lost
+    its pods and a rollback could not start at all. It now starts, warns, and applies nothing;
+    a file removed from among its own migrations still stops it."""
+    asyncio.run(migrate(fresh, files))
+    (files / f"{LATER}.sql").write_text("CREATE TABLE later (id integer);\n")
+    assert asyncio.run(migrate(fresh, files)) == [LATER]
+    (files / f"{LATER}.sql").unlink()  # the release before has no such file
+    assert asyncio.run(migrate(fresh, files)) == []
+    done = cli(fresh, files, "migrate")
+    assert done.returncode == 0, done.stderr
+    warned = [json.loads(line) for line in (done.stdout + done.stderr).splitlines()
+              if "database_migrated_by_a_newer_release" in line]
+    assert len(warned) == 1 and warned[0]["migrations"] == [LATER]
+    status = cli(fresh, files, "migrate", "--status")
+    assert status.returncode == 0, status.stderr
+    assert status_rows(status.stdout)[LATER] == ("applied", "newer")
+    assert "1 newer" in status.stdout
+    # one of its own removed is still refused, newer migrations or not
+    (files / "0006_partitioned_events.sql").unlink()
+    with pytest.raises(MigrationError) as caught:
+        asyncio.run(migrate(fresh, files))
+    assert list(caught.value.problems) == [
+        f"migration 0006_partitioned_events is recorded as applied but "
+        f"{files / '0006_partitioned_events.sql'} does not exist, though later migrations of "
+        f"this release do: the file was removed (restore it)"]

@@ -79,7 +79,11 @@ class Check(StrEnum):
     OK = "ok"
     CHANGED = "changed"  # the file's checksum is not the recorded one
     RENAMED = "renamed"  # the file of that number has another name
-    MISSING = "missing"  # no file of that number
+    MISSING = "missing"  # no file of that number, below this release's newest: removed
+    # numbered above every file of this release: a newer release's, which this one runs on
+    # (deploy/README.md: a migration keeps working for the release before it), as an old pod
+    # restarted during a rollout, or a rollback, does
+    NEWER = "newer"
     UNRECORDED = "unrecorded"  # applied before checksums were kept: the next migrate records it
 
 
@@ -111,11 +115,12 @@ def reconcile(applied: Sequence[Applied], files: Sequence[Migration]) -> list[En
     """Every recorded and every discovered migration, by version, each applied one checked
     against its file."""
     by_version = {m.version: m for m in files}
+    newest = max(by_version, default=0)
     entries: list[Entry] = []
     for row in applied:
         m = by_version.pop(row.version, None)
         if m is None:
-            check = Check.MISSING
+            check = Check.NEWER if row.version > newest else Check.MISSING
         elif m.name != row.name:
             check = Check.RENAMED
         elif row.checksum is None:
@@ -145,8 +150,8 @@ def problems(entries: Sequence[Entry], directory: Path) -> list[str]:
                          f"{directory / (e.file_name or '?')}; restore the file's name")
         elif e.check is Check.MISSING:
             found.append(f"migration {e.label} is recorded as applied but "
-                         f"{directory / (e.label + '.sql')} does not exist: the database was "
-                         f"migrated by a newer release, or the file was removed")
+                         f"{directory / (e.label + '.sql')} does not exist, though later "
+                         f"migrations of this release do: the file was removed (restore it)")
     return found
 
 
@@ -306,6 +311,13 @@ async def migrate(dsn: str, directory: Path, *, target: int | None = None,
                 # connection was lost may have committed
                 raise MigrationFailed(_first_failure(exc), migration=todo, applied=applied_now,
                                       committing=committing and conn.is_closed()) from exc
+            newer = [e.label for e in entries if e.check is Check.NEWER]
+            if newer and todo is None:
+                log("database_migrated_by_a_newer_release", logging.WARNING,
+                    migrations=newer, directory=str(directory),
+                    note="this release runs on the newer schema (each migration keeps working "
+                         "for the release before it); roll forward again, or keep to the "
+                         "release before")
             if unrecorded:
                 log("migration_checksums_backfilled", logging.WARNING,
                     migrations=[e.label for e in unrecorded], directory=str(directory),
