@@ -15,17 +15,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 import pytest
 from context_engine.api.auth import token_sha256
+from context_engine.config import Pooler
 from context_engine.telemetry.logs import JsonFormatter
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tests.conftest import ServerThread
+from tests.conftest import Db, ServerThread
 from tests.conftest import test_config as base_config
 from tests.integration.processes import ServerProcess
 from tests.integration.requests import build_request, failure, plan_request
@@ -188,6 +190,47 @@ def test_table_tokens_work_and_a_revocation_takes_effect_within_the_cache_ttl(
     # the file token of the same tenant is untouched by the revocation
     assert s.stub.GetPlan(pb.GetPlanRequest(tenant_id=s.tenant, session_id=session),
                           metadata=bearer(s.full), timeout=30).plan.epoch == 1
+
+
+def test_a_token_table_the_service_may_not_read_is_internal_not_unknown(
+        direct_database_url: str, tmp_path: Path) -> None:
+    """The lookup of a table token failing on a database error that is no outage (here the
+    service's role denied the table: SQLSTATE 42501) is answered as any defect is (README,
+    "INTERNAL": message 'internal error', no metadata; one log line), not as gRPC's UNKNOWN
+    carrying the driver's exception class and message, with no status and no log line."""
+    admin = Db(direct_database_url)
+    role = f"ce_auth_{uuid.uuid4().hex[:8]}"
+    admin.fetch(f"CREATE ROLE {role} LOGIN PASSWORD 'secret'")
+    admin.fetch(f"CREATE DATABASE {role} OWNER {role}")
+    parts = urlsplit(direct_database_url)
+    url = urlunsplit((parts.scheme, f"{role}:secret@{parts.netloc.rpartition('@')[2]}",
+                      f"/{role}", parts.query, ""))
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text("[]")
+    config = base_config().replace(dev_mode=False, auth_tokens_file=tokens,
+                                   auth_db_tokens=True, db_pooler=Pooler.NONE)
+    server = ServerThread(config, url)  # migrates the database as its owner
+    try:
+        Db(url).fetch(f"REVOKE ALL ON api_tokens FROM {role}")
+        channel = grpc.insecure_channel(server.address)
+        handler = Captured()
+        with channel, debug_logs(handler):
+            err = refused(pb_grpc.ContextEngineStub(channel).GetPlan,
+                          pb.GetPlanRequest(tenant_id="acme", session_id="s"),
+                          bearer(f"token-{uuid.uuid4().hex}"))
+        assert err.code() is grpc.StatusCode.INTERNAL, (err.code(), err.details())
+        f = failure(err)
+        assert (f.reason, f.domain, f.message, f.metadata) == (
+            "INTERNAL", "context-engine", "internal error", {})
+        lines = [json.loads(line) for line in handler.lines[::2]]  # each record: JSON, dict
+        calls = [line for line in lines if line.get("event") == "rpc"]
+        assert [(c["method"], c["code"], c["reason"]) for c in calls] == [
+            ("GetPlan", "INTERNAL", "INTERNAL")]
+        assert {line.get("exception") for line in lines} >= {"InsufficientPrivilegeError"}
+    finally:
+        server.stop()
+        admin.fetch(f"DROP DATABASE {role} WITH (FORCE)")
+        admin.fetch(f"DROP ROLE {role}")
 
 
 class Captured(logging.Handler):

@@ -13,7 +13,9 @@ interceptor before a request reaches the servicer; and the server's TLS credenti
   (``INVALID_ARGUMENT``) without reading anything.
 * While PostgreSQL is away, a table token is answered from the last grant this process read
   for it, if that is at most ``STALE_GRANT_SECONDS`` old, so Build keeps serving cached plans;
-  a token seen revoked stays refused, and any other token is ``UNAVAILABLE``.
+  a token seen revoked stays refused, and any other token is ``UNAVAILABLE``. Any other
+  failure of the check (a database error that is no outage, e.g. the service's role denied
+  the table) is ``INTERNAL`` (``internal error``), logged with its type, as in the servicer.
 * Health and reflection stay open: probes and tooling carry no credentials.
 * The token itself never reaches a log line, a span or an error; only its RPC and tenant do.
 """
@@ -37,7 +39,7 @@ from opentelemetry.trace import Tracer
 
 from context_engine.adapters.postgres.errors import translated
 from context_engine.api.servicer import CALLER, Undecodable
-from context_engine.api.status import refuse, status_for
+from context_engine.api.status import internal_status, refuse, status_for
 from context_engine.config import Config, ConfigError
 from context_engine.domain.errors import StoreUnavailable
 from context_engine.domain.identifiers import erasable_identifier_problem, identifier_problem
@@ -352,6 +354,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             except StoreUnavailable as exc:
                 code, status = status_for(exc)
                 await self._abort(context, rpc, code, exc.reason, status.message, {})
+            except Exception:
+                # a defect, or a database error that is no outage (the service's role refused
+                # the token table): answered as the servicer answers one, not as gRPC's UNKNOWN
+                # carrying the exception's class and text, with no status and no log line
+                logging.getLogger("context_engine").exception(
+                    "unhandled error in %s (credentials check)", rpc)
+                code, status = internal_status()
+                await self._abort(context, rpc, code, "INTERNAL", status.message, {})
             caller = CALLER.set(caller_of(metadata))
             try:
                 return await inner(request, context)
