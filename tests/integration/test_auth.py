@@ -4,11 +4,13 @@ mutual TLS with certificates made at test time by the openssl CLI."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+import asyncpg
 import grpc
 import pytest
 from context_engine.api.auth import token_sha256
@@ -231,6 +234,77 @@ def test_a_token_table_the_service_may_not_read_is_internal_not_unknown(
         server.stop()
         admin.fetch(f"DROP DATABASE {role} WITH (FORCE)")
         admin.fetch(f"DROP ROLE {role}")
+
+
+@contextmanager
+def token_table_locked(url: str, release: threading.Event) -> Iterator[None]:
+    """``api_tokens`` locked (ACCESS EXCLUSIVE, so a lookup waits) until ``release`` is set."""
+    locked = threading.Event()
+
+    async def hold() -> None:
+        conn = await asyncpg.connect(url)
+        try:
+            async with conn.transaction():
+                await conn.execute("LOCK TABLE api_tokens IN ACCESS EXCLUSIVE MODE")
+                locked.set()
+                while not release.is_set():
+                    await asyncio.sleep(0.01)
+        finally:
+            await conn.close()
+
+    holder = threading.Thread(target=asyncio.run, args=(hold(),))
+    holder.start()
+    try:
+        assert locked.wait(10), "api_tokens was never locked"
+        yield
+    finally:
+        release.set()
+        holder.join(10)
+
+
+def test_a_calls_latency_counts_its_token_lookup(database_url: str, direct_database_url: str,
+                                                  db) -> None:
+    """The time a call spends in the credentials check (a table lookup waiting on the
+    database) is the call's time, in its log line and context_engine_rpc_seconds, whether it is
+    then turned away or served: a refusal was logged and sampled at 0 ms whatever it took, and
+    a served call from when the servicer began, after the lookup."""
+    tenant, token = f"tenant-{uuid.uuid4().hex[:10]}", f"db-{uuid.uuid4().hex}"
+    db.fetch("INSERT INTO api_tokens (tenant_id, token_sha256, rpcs) VALUES ($1, $2, $3)",
+             tenant, token_sha256(token), ["GetPlan"])
+    timeout = 1.0
+    config = base_config().replace(dev_mode=False, auth_db_tokens=True, auth_cache_seconds=0.0,
+                                   db_timeout_seconds=timeout)
+    server = ServerThread(config, database_url)
+    channel = grpc.insecure_channel(server.address)
+    stub = pb_grpc.ContextEngineStub(channel)
+    request = pb.GetPlanRequest(tenant_id=tenant, session_id="never-planned")
+    handler = Captured()
+    try:
+        with debug_logs(handler):
+            # never read, and the lookup times out: UNAVAILABLE after the database's timeout
+            with token_table_locked(direct_database_url, threading.Event()):
+                f = failure(refused(stub.GetPlan, request, bearer(token)))
+            assert (f.code, f.reason) == (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE")
+            # the lookup waits 0.6 s for the lock, then the call is served (NOT_FOUND)
+            release = threading.Event()
+            with token_table_locked(direct_database_url, release):
+                threading.Timer(0.6, release.set).start()
+                sent = time.perf_counter()
+                f = failure(refused(stub.GetPlan, request, bearer(token)))
+                waited = time.perf_counter() - sent
+            assert f.code is grpc.StatusCode.NOT_FOUND and waited >= 0.6
+        calls = [line for line in map(json.loads, handler.lines[::2]) if line["event"] == "rpc"]
+        assert [(c["code"], c["reason"]) for c in calls] == [
+            ("UNAVAILABLE", "STORE_UNAVAILABLE"), ("NOT_FOUND", "SESSION_NOT_FOUND")]
+        assert calls[0]["duration_ms"] >= 0.9 * timeout * 1000, calls[0]
+        assert calls[1]["duration_ms"] >= 0.5 * 1000, calls[1]
+        seconds = {s.labels["code"]: s.value for m in server.registry.collect()
+                   if m.name == "context_engine_rpc_seconds" for s in m.samples
+                   if s.name.endswith("_sum") and s.labels["method"] == "GetPlan"}
+        assert seconds["UNAVAILABLE"] >= 0.9 * timeout and seconds["NOT_FOUND"] >= 0.5, seconds
+    finally:
+        channel.close()
+        server.stop()
 
 
 class Captured(logging.Handler):

@@ -39,7 +39,7 @@ from opentelemetry.trace import Tracer
 
 from context_engine.adapters.postgres.errors import translated
 from context_engine.api.servicer import CALLER, Undecodable
-from context_engine.api.status import internal_status, refuse, status_for
+from context_engine.api.status import internal_status, refuse, status_for, timed_call
 from context_engine.config import Config, ConfigError
 from context_engine.domain.errors import StoreUnavailable
 from context_engine.domain.identifiers import erasable_identifier_problem, identifier_problem
@@ -345,6 +345,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         metadata = tuple(handler_call_details.invocation_metadata or ())
 
         async def authorized(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            with timed_call():  # the lookup below is the call's time too
+                return await checked(request, context)
+
+        async def checked(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             try:
                 grant = await self._auth.grant_for(rpc, metadata)
                 check_tenant(rpc, request, grant)

@@ -35,7 +35,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from opentelemetry.trace import Tracer
 
-from context_engine.api.status import refuse
+from context_engine.api.status import refuse, timed_call
 from context_engine.telemetry.metrics import Metrics
 
 SERVICE_PREFIX = "/context_engine.v1.ContextEngine/"
@@ -181,6 +181,10 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
         name = method[len(SERVICE_PREFIX):]
 
         async def limited(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            with timed_call():  # started here unless the credentials check saw it first
+                return await admitted(request, context)
+
+        async def admitted(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             if self.refusing:
                 await self._reject(context, name, "SHUTTING_DOWN",
                                    "this server process is shutting down; retry",

@@ -20,7 +20,7 @@ from opentelemetry.trace import NoOpTracer, Tracer
 
 from context_engine.api import incremental, mapping, working_state_tool
 from context_engine.api.rpc_metrics import cancelled_code
-from context_engine.api.status import SERVICE, internal_status, status_for
+from context_engine.api.status import SERVICE, call_started, internal_status, status_for
 from context_engine.domain.builder import (
     BuildResult,
     LoadedPlan,
@@ -101,7 +101,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
 
     async def _run(self, method: str, context: grpc.aio.ServicerContext[Any, Any],
                    call: Callable[[CallRecord], Awaitable[Resp]]) -> Resp:
-        started = time.perf_counter()
+        started = call_started()  # when an interceptor first saw the call
         record = CallRecord()
         code = grpc.StatusCode.OK
         # The RPC span continues the caller's trace (W3C traceparent in the metadata).

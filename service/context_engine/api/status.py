@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import grpc
@@ -22,6 +26,31 @@ from context_engine.v1 import context_engine_pb2 as pb
 SERVICE = pb.DESCRIPTOR.services_by_name["ContextEngine"].full_name
 
 DOMAIN = "context-engine"
+
+# When the call reached the first of the service's interceptors (``time.perf_counter()``): an
+# RPC's latency sample and log line count from here, so the credentials check (a token table
+# lookup) is part of the call's time, whether the call is then served or turned away.
+CALL_STARTED: ContextVar[float | None] = ContextVar("context_engine_call_started",
+                                                    default=None)
+
+
+@contextlib.contextmanager
+def timed_call() -> Iterator[None]:
+    """Marks the call as started now, unless an interceptor that saw it first already did."""
+    if CALL_STARTED.get() is not None:
+        yield
+        return
+    started = CALL_STARTED.set(time.perf_counter())
+    try:
+        yield
+    finally:
+        CALL_STARTED.reset(started)
+
+
+def call_started() -> float:
+    """When the call started (``timed_call``); now when no interceptor marked it."""
+    started = CALL_STARTED.get()
+    return time.perf_counter() if started is None else started
 
 # The one table. Order matters only for subclasses (none share a parent today).
 CODES: tuple[tuple[type[e.ContextEngineError], grpc.StatusCode], ...] = (
@@ -136,14 +165,16 @@ async def refuse(context: grpc.aio.ServicerContext[Any, Any], metrics: Metrics |
                  tracer: Tracer | None = None) -> None:
     """Answer a call an interceptor turns away before the servicer runs (credentials,
     limits, shutdown) as the servicer answers its own failures: the rich status, the RPC's
-    latency sample and its one log line. Raises, as ``context.abort`` does."""
+    latency sample (from ``call_started``) and its one log line. Raises, as
+    ``context.abort`` does."""
+    elapsed = time.perf_counter() - call_started()  # the credentials check's lookup included
     # a span of its own, as the servicer's calls have: its log line carries the caller's trace
     with server_span(tracer or NoOpTracer(), SERVICE, method,
                      context.invocation_metadata()) as span:
         if metrics is not None:
-            metrics.rpc_seconds.labels(method=method, code=code.name).observe(0.0)
-        log("rpc", logging.WARNING, method=method, code=code.name, duration_ms=0.0,
-            reason=reason, tenant=tenant)
+            metrics.rpc_seconds.labels(method=method, code=code.name).observe(elapsed)
+        log("rpc", logging.WARNING, method=method, code=code.name,
+            duration_ms=round(elapsed * 1000, 3), reason=reason, tenant=tenant)
         if span.is_recording():
             span.set_attribute("rpc.grpc.status_code", code.value[0])
             span.set_attribute("context_engine.status_code", code.name)
