@@ -1189,11 +1189,16 @@ class Engine:
             return working_state_tokens(estimator, ctx, state)
         return measure
 
-    async def update_working_state(self, cmd: WorkingStateCommand
+    async def update_working_state(self, cmd: WorkingStateCommand, *,
+                                   seen: Callable[[ContextPlan], object] | None = None
                                    ) -> tuple[WorkingState, Changes]:
         """One typed transition (pure), then ``context.working_state.updated`` — best effort,
-        like Build's events: the transition is the caller's to checkpoint."""
+        like Build's events: the transition is the caller's to checkpoint. ``seen`` is told
+        the plan it runs on once that is read (the call's log line and span name its epoch
+        and prefix, also when the transition is then refused)."""
         loaded = await self.loaded(cmd.tenant_id, cmd.session_id, None)
+        if seen is not None:
+            seen(loaded.plan)
         measure = self._working_state_measure(loaded)
         state, changes = apply_update(cmd.current, cmd.transition, run_id=cmd.run_id,
                                       sequence=cmd.sequence, measure=measure)
@@ -1203,8 +1208,13 @@ class Engine:
                             **({"call_id": cmd.call_id} if cmd.call_id else {})})
         return state, changes
 
-    async def carry_working_state(self, cmd: CarryCommand) -> Carried:
+    async def carry_working_state(self, cmd: CarryCommand, *,
+                                  seen: Callable[[ContextPlan], object] | None = None
+                                  ) -> Carried:
+        """The events replayed over the seed (pure); ``seen`` as for ``update_working_state``."""
         loaded = await self.loaded(cmd.tenant_id, cmd.session_id, None)
+        if seen is not None:
+            seen(loaded.plan)
         measure = self._working_state_measure(loaded)
         return replay(cmd.events, cmd.seed_event_sequence, measure=measure)
 

@@ -412,6 +412,49 @@ def test_the_log_line_of_an_rpc_names_its_span(tstub, ids, exporter):
     assert built["span_id"] == format(rpc.context.span_id, "016x")
 
 
+def test_working_state_calls_log_and_trace_the_epoch_they_ran_on(tstub, ids, exporter):
+    """UpdateWorkingState and CarryWorkingState run on the session's current plan (the
+    context.working_state.updated event names its epoch): their log line and span name that
+    epoch and prefix, as every other call on a plan does, not epoch 0 and no prefix."""
+    tenant, session = ids
+    correlate()
+    out, handler = capture_logs()
+    level = LOGGER.level
+    LOGGER.setLevel(logging.INFO)
+    try:
+        tstub.Plan(plan_request(tenant, session))
+        rotated = tstub.Rotate(pb.RotateRequest(
+            tenant_id=tenant, session_id=session, reason=pb.ROTATION_REASON_OPERATOR,
+            idempotency_key="rot-ws")).plan
+        assert rotated.epoch == 2
+        ids_of: dict[str, str] = {}
+        trace_id, _, md = caller()
+        objective = pb.WorkingStateTransition(user_objective=pb.UserObjective(objective="x"))
+        tstub.UpdateWorkingState(pb.UpdateWorkingStateRequest(
+            tenant_id=tenant, session_id=session, run_id="run-1", sequence=3,
+            transition=objective), metadata=md)
+        ids_of["UpdateWorkingState"] = trace_id
+        trace_id, _, md = caller()
+        tstub.CarryWorkingState(pb.CarryWorkingStateRequest(
+            tenant_id=tenant, session_id=session, seed_event_sequence=3, events=[
+                pb.WorkingStateEvent(sequence=3, run_id="run-1", transition=objective)]),
+            metadata=md)
+        ids_of["CarryWorkingState"] = trace_id
+    finally:
+        LOGGER.removeHandler(handler)
+        LOGGER.setLevel(level)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    for method, trace_id in ids_of.items():
+        [logged] = [line for line in lines if line.get("event") == "rpc"
+                    and line.get("method") == method and line.get("tenant") == tenant]
+        assert logged["code"] == "OK", logged
+        assert (logged["epoch"], logged["prefix_sha256"]) == \
+            (rotated.epoch, rotated.prefix_sha256), logged
+        attrs = one(spans_of(exporter, trace_id), f"{SERVICE}/{method}").attributes or {}
+        assert attrs.get("context_engine.epoch") == rotated.epoch, method
+        assert attrs.get("context_engine.prefix_sha256") == rotated.prefix_sha256, method
+
+
 def test_a_call_an_interceptor_turns_away_has_its_span_and_its_log_line_names_it(
         database_url, ids, tmp_path: Path):
     """Calls refused before the servicer (a wrong token, over a limit) got no span, and their

@@ -39,6 +39,7 @@ from context_engine.domain.errors import (
     SessionNotFound,
 )
 from context_engine.domain.items import ConversationItem
+from context_engine.domain.plan import ContextPlan
 from context_engine.domain.provider_common import ProviderFormatError
 from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
@@ -69,6 +70,10 @@ class CallRecord:
         self.tenant = tenant_id
         if tenant_id and session_id:
             self.session_key = session_key(tenant_id, session_id)
+
+    def ran_on(self, plan: ContextPlan) -> None:
+        """The plan the call runs on: its epoch and prefix go on the log line and the span."""
+        self.epoch, self.prefix_sha256 = plan.epoch, plan.prefix_sha256
 
 
 def _unplaced(violations: Sequence[FieldViolation]) -> list[FieldViolation]:
@@ -444,7 +449,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             record.session(request.tenant_id, request.session_id)
             cmd = mapping.update_working_state_command(request)
             try:
-                state, changes = await self._engine.update_working_state(cmd)
+                state, changes = await self._engine.update_working_state(
+                    cmd, seen=record.ran_on)
             except ContextEngineError as exc:
                 if not cmd.call_id:
                     raise
@@ -461,7 +467,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                                 ) -> pb.CarryWorkingStateResponse:
         async def call(record: CallRecord) -> pb.CarryWorkingStateResponse:
             record.session(request.tenant_id, request.session_id)
-            carried = await self._engine.carry_working_state(mapping.carry_command(request))
+            carried = await self._engine.carry_working_state(mapping.carry_command(request),
+                                                             seen=record.ran_on)
             record.extra["events_applied"] = carried.applied
             record.extra["events_skipped"] = carried.skipped
             return pb.CarryWorkingStateResponse(
