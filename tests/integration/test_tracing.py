@@ -455,6 +455,45 @@ def test_working_state_calls_log_and_trace_the_epoch_they_ran_on(tstub, ids, exp
         assert attrs.get("context_engine.prefix_sha256") == rotated.prefix_sha256, method
 
 
+def test_a_build_over_the_budget_logs_and_traces_the_steps_that_ran(tstub, ids, exporter, db):
+    """A Build that yielded and still did not fit: its log line and span name the yield steps
+    that ran, as its context.budget.pressure event (fits false) records them, not none."""
+    tenant, session = ids
+    tstub.Plan(plan_request(tenant, session, model=SMALL))
+    items = long_history(20)
+    items[-1].user.text = "word " * 9_000  # the current message alone is over the body
+    req = build_request(tenant, session, items=items)
+    req.checkpoint.knowledge.extend([
+        pb.KnowledgePassage(id=f"k{i}", source="doc", text="passage " * 200, rank=i,
+                            trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED) for i in range(3)])
+    correlate()
+    out, handler = capture_logs()
+    level = LOGGER.level
+    LOGGER.setLevel(logging.INFO)
+    try:
+        trace_id, _, md = caller()
+        with pytest.raises(grpc.RpcError) as err:
+            tstub.Build(req, metadata=md)
+    finally:
+        LOGGER.removeHandler(handler)
+        LOGGER.setLevel(level)
+    assert failure(err.value).reason == "BUDGET_EXCEEDED"
+    [payload] = [json.loads(row[0]) for row in db.fetch(
+        "SELECT payload::text FROM context_events WHERE tenant_id = $1 AND session_id = $2 "
+        "AND type = 'context.budget.pressure'", tenant, session)]
+    assert payload["fits"] is False
+    ran = [s["step"] for s in payload["steps"]]
+    assert ran  # the ladder ran before the Build failed
+    [logged] = [json.loads(line) for line in out.getvalue().splitlines()
+                if json.loads(line).get("event") == "rpc"
+                and json.loads(line).get("tenant") == tenant
+                and json.loads(line).get("method") == "Build"]
+    assert logged["reason"] == "BUDGET_EXCEEDED"
+    assert logged.get("yield_steps") == ran, logged
+    rpc = one(spans_of(exporter, trace_id), f"{SERVICE}/Build")
+    assert list((rpc.attributes or {}).get("context_engine.yield_steps", ())) == ran
+
+
 def test_a_call_an_interceptor_turns_away_has_its_span_and_its_log_line_names_it(
         database_url, ids, tmp_path: Path):
     """Calls refused before the servicer (a wrong token, over a limit) got no span, and their

@@ -21,6 +21,7 @@ from opentelemetry.trace import NoOpTracer, Tracer
 from context_engine.api import incremental, mapping, working_state_tool
 from context_engine.api.rpc_metrics import cancelled_code
 from context_engine.api.status import SERVICE, call_started, internal_status, status_for
+from context_engine.domain.budget import Pressure
 from context_engine.domain.builder import (
     BuildResult,
     LoadedPlan,
@@ -29,6 +30,7 @@ from context_engine.domain.builder import (
 )
 from context_engine.domain.canonical import session_key
 from context_engine.domain.errors import (
+    BudgetExceeded,
     BuildBaseUnknown,
     ContextEngineError,
     FieldViolation,
@@ -369,9 +371,17 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 if self.max_response_bytes is not None:
                     sized = self._sized(response)
 
-            await self._engine.build(request.tenant_id, request.session_id,
-                                     loaded.plan.epoch, checkpoint, factor, validated=True,
-                                     incarnation=loaded.plan.incarnation, then=respond)
+            try:
+                await self._engine.build(request.tenant_id, request.session_id,
+                                         loaded.plan.epoch, checkpoint, factor, validated=True,
+                                         incarnation=loaded.plan.incarnation, then=respond)
+            except BudgetExceeded as exc:
+                # the steps that ran before it failed (its pressure event and the metric
+                # count them, with fits false): the line and span say so too
+                ran = exc.pressure.steps if isinstance(exc.pressure, Pressure) else ()
+                record.extra["yield_steps"] = [s.step for s in ran]
+                record.span["context_engine.yield_steps"] = record.extra["yield_steps"]
+                raise
             if base is not None:  # used: the most recent in its session's order too
                 builds.touch(request.base_build_id)
             if answer is not None and answer.base is not None:  # else kept nowhere
