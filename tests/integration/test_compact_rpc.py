@@ -169,7 +169,7 @@ def test_llm_summarizer_sees_trusted_content_only(llm_stub, provider, ids):
     assert list(resp.summary.constraints) == ["be brief"] and "be brief" not in sent
 
 
-@pytest.mark.parametrize("mode", ["5xx", "slow", "garbage", "truncated"])
+@pytest.mark.parametrize("mode", ["5xx", "slow", "garbage", "truncated", "cut"])
 def test_llm_failure_is_unavailable_and_nothing_is_stored(llm_stub, provider, ids, db, mode):
     tenant, session = ids
     llm_stub.Plan(plan_request(tenant, session))

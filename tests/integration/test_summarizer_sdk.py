@@ -31,9 +31,9 @@ class Answer:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-def completion(text: str | None) -> dict[str, Any]:
+def completion(text: str | None, finish_reason: str | None = "stop") -> dict[str, Any]:
     return {"id": "c-1", "object": "chat.completion", "created": 0, "model": "fake-model",
-            "choices": [{"index": 0, "finish_reason": "stop",
+            "choices": [{"index": 0, "finish_reason": finish_reason,
                          "message": {"role": "assistant", "content": text}}]}
 
 
@@ -243,6 +243,35 @@ def test_an_answer_no_summary_can_hold_is_unavailable(endpoint, content):
     endpoint.script = [Answer(body=completion(content))]
     err, _ = failure(llm(endpoint))
     assert err.why == "unreadable answer (a NUL or a lone surrogate)"
+
+
+CUT = "Current goal: migrate the billing DB. Decisions taken: [3] the user chose"
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    (completion(CUT, "length"), "answer cut at the model's output limit"),
+    (completion("", "length"), "answer cut at the model's output limit"),
+    (completion(CUT, "content_filter"), "answer withheld by the provider's content filter"),
+    (completion(""), "empty answer"), (completion(" \n "), "empty answer")])
+def test_an_answer_the_model_did_not_finish_is_unavailable(endpoint, body, why):
+    """Taken as written, an answer cut at the model's output limit lost its end (the open
+    questions) unsaid, and an empty one (a reasoning model that spent its output tokens on
+    reasoning answers "" with finish_reason "length") replaced the conversation with nothing:
+    either was stored as the summary of the items it replaced."""
+    endpoint.script = [Answer(body=body)]
+    err, _ = failure(llm(endpoint))
+    assert err.why == why
+    assert len(endpoint.seen) == 1  # an answer, not a failure the SDK retries
+
+
+@pytest.mark.parametrize("finish_reason", ["stop", None, "eos_token", "tool_calls"])
+def test_a_finished_answer_is_the_narrative_whatever_else_the_endpoint_says(endpoint,
+                                                                             finish_reason):
+    endpoint.script = [Answer(body=completion(CUT, finish_reason))]
+    assert summarize(llm(endpoint)).narrative == CUT
+    # nothing asked for, nothing expected: an empty answer within no allowance is no failure
+    endpoint.script = [Answer(body=completion("", finish_reason))]
+    assert summarize(llm(endpoint), max_chars=0).narrative == ""
 
 
 def test_an_unreachable_endpoint_is_unavailable(endpoint):

@@ -19,8 +19,10 @@ class FakeProvider:
 
     ``mode`` makes it fail instead: "5xx" (a 503), "slow" (answers after :data:`SLOW_SECONDS`),
     "garbage" (not even an HTTP status line), "truncated" (a body shorter than its
-    Content-Length); "ok" answers. Each request is kept in ``bodies`` (its JSON body plus
-    ``path`` and ``auth``, the Authorization header) and sets ``started`` when it arrives.
+    Content-Length), "cut" (a completion the model stopped at its output limit:
+    ``finish_reason`` "length", its text unfinished); "ok" answers. Each request is kept in
+    ``bodies`` (its JSON body plus ``path`` and ``auth``, the Authorization header) and sets
+    ``started`` when it arrives.
     """
 
     def __init__(self, *, delay: float = 0.0) -> None:
@@ -53,8 +55,12 @@ class FakeProvider:
                     self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{\"ch")
                     return
                 echo = "\n".join(m["content"] for m in body["messages"])
-                data = json.dumps({"choices": [{"message": {"role": "assistant",
-                                                            "content": "ECHO " + echo}}]})
+                choice: dict[str, Any] = {"message": {"role": "assistant",
+                                                      "content": "ECHO " + echo}}
+                if fake.mode == "cut":
+                    choice = {"finish_reason": "length",
+                              "message": {"role": "assistant", "content": "ECHO " + echo[:40]}}
+                data = json.dumps({"choices": [choice]})
                 try:
                     self.send_response(200)
                     self.send_header("Content-Type", "application/json")

@@ -5,8 +5,10 @@ It implements the domain's ``Summarizer`` port. It only ever receives a ``Summar
 trusted content chosen by the compactor — so nothing below USER can reach the model. Its
 prompt is a versioned file (``assets/summarizer_prompt.md``, first line ``version: ...``)
 whose version is recorded on every result. Any failure — an error status, a timeout past the
-deadline, an unreachable endpoint or an unreadable answer — raises ``SummarizerUnavailable``
-(gRPC UNAVAILABLE); the compaction then stores nothing.
+deadline, an unreachable endpoint, an unreadable answer, or one the model did not finish (cut
+at its output limit, ``finish_reason`` ``length``; withheld by a content filter; empty when
+text was asked for) — raises ``SummarizerUnavailable`` (gRPC UNAVAILABLE); the compaction then
+stores nothing.
 
 Retries are the SDK's: at most ``max_retries`` more attempts (``CE_SUMMARIZER_MAX_RETRIES``),
 only after a connection error, a timeout or a 408, 409, 429 or 5xx answer (never another 4xx),
@@ -166,11 +168,22 @@ class OpenAISummarizer:
         except (openai.OpenAIError, ValueError):  # a body that is no completion (not JSON)
             raise SummarizerUnavailable("unreadable answer") from None
         try:
-            text = completion.choices[0].message.content
+            choice = completion.choices[0]
+            text = choice.message.content
         except (AttributeError, IndexError, TypeError):
             raise SummarizerUnavailable("unreadable answer") from None
         if not isinstance(text, str):
             raise SummarizerUnavailable("unreadable answer")
+        # an answer the model did not finish is no summary: taken as written, its end (the
+        # open questions) was lost unsaid, and an empty one (a reasoning model that spent its
+        # output on reasoning) replaced the conversation with nothing
+        finish = getattr(choice, "finish_reason", None)
+        if finish == "length":
+            raise SummarizerUnavailable("answer cut at the model's output limit")
+        if finish == "content_filter":
+            raise SummarizerUnavailable("answer withheld by the provider's content filter")
+        if max_chars > 0 and not text.strip():
+            raise SummarizerUnavailable("empty answer")
         if "\x00" in text or not _encodable(text):  # jsonb holds no NUL; UTF-8 no lone surrogate
             raise SummarizerUnavailable("unreadable answer (a NUL or a lone surrogate)")
         # as written, uncut: the compactor measures it, asks once more within a smaller
