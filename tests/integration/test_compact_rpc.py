@@ -119,6 +119,38 @@ def test_depth_two_merge_then_a_third_fails_with_advice(stub, ids):
     assert f.metadata["advice"] == "escalate_to_child_run"
 
 
+def test_pointers_over_the_cap_are_named_not_blamed_on_constraints(stub, ids, db):
+    """Thirty fetched pages and no constraint: what the summary must keep of them (a pointer
+    and a source id each) is over a 500-token cap. Refused as "summary_constraints", the
+    runtime was sent after constraints it has none of; the class names the pointers, and the
+    call stores nothing."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    items: list[pb.ConversationItem] = []
+    for k in range(30):
+        items += [
+            item(f"c{k}", 2 * k + 1, run="run-0", tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
+                call_id=f"k{k}", name="web.fetch", arguments_json='{"url":"https://a.example"}')])),
+            item(f"r{k}", 2 * k + 2, run="run-0", trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
+                 tool_result=pb.ToolResult(call_id=f"k{k}", tool_name="web.fetch",
+                                           content="page " * 200, artifact_ref=f"artifact:a/{k}",
+                                           event_id=2 * k + 2))]
+    items.append(item("u-now", 100, run="run-1", user=pb.UserMessage(text="next")))
+    req = compact_request(tenant, session, "pointers", items=items)
+    req.max_summary_tokens = 500
+    assert not req.checkpoint.working_state.constraints and not req.checkpoint.HasField("summary")
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Compact(req)
+    f = failure(info.value)
+    assert f.code is grpc.StatusCode.FAILED_PRECONDITION and f.reason == "BUDGET_EXCEEDED"
+    assert f.metadata["class"] == "summary_pointers" and f.metadata["limit"] == "500"
+    assert int(f.metadata["tokens"]) > 500
+    assert db.val("SELECT count(*) FROM compactions WHERE tenant_id=$1", tenant) == 0
+    # within a cap that holds them, all thirty are pointed to
+    req.max_summary_tokens = 8_000
+    assert len(stub.Compact(req).summary.elided) == 30
+
+
 @pytest.mark.parametrize(("mutate", "field"), [
     (lambda r: r.ClearField("idempotency_key"), "idempotency_key"),
     (lambda r: r.ClearField("reason"), "reason"),

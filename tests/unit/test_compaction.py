@@ -188,6 +188,31 @@ def test_constraints_that_alone_do_not_fit_fail_rather_than_drop():
     assert info.value.class_name == "summary_constraints"
 
 
+def test_pointers_that_do_not_fit_are_named_never_blamed_on_constraints():
+    """Forty fetched pages and not one constraint: the pointers and source ids the summary
+    must keep are over its cap. The call fails (a pointer is never dropped), and says so: it
+    was refused as "summary_constraints", sending the runtime after constraints it has none of
+    rather than to a smaller target or a larger cap."""
+    pages: list[ConversationItem] = []
+    for k in range(40):
+        pages += [f.call(f"c{k}", 2 * k + 1, f"k{k}", run="run-0"),
+                  f.result(f"r{k}", 2 * k + 2, f"k{k}", "page " * 50, run="run-0")]
+    pages.append(f.user("u-now", "next", 100, run="run-1"))
+    for constraints in ((), ("be brief",)):
+        with pytest.raises(BudgetExceeded) as info:
+            do(pages, constraints=constraints, max_summary_tokens=200)
+        assert info.value.class_name == "summary_pointers"
+        assert info.value.limit == 200 and info.value.tokens > 200
+    # the same pointers fit a larger cap, and every page is pointed to
+    r = do(pages, constraints=("be brief",), max_summary_tokens=4_000)
+    assert {s.item_id for s in r.elided} == {f"r{k}" for k in range(40)}
+    # and constraints that alone are over the cap are still named as such, pointers or none
+    with pytest.raises(BudgetExceeded) as info:
+        do(pages, constraints=tuple(f"constraint {i} " * 10 for i in range(20)),
+           max_summary_tokens=200)
+    assert info.value.class_name == "summary_constraints"
+
+
 def test_a_long_narrative_is_trimmed_never_a_constraint():
     r = do([AssistantMessageItem(id=f"a{i}", sequence=i, run_id="run-0",
                                  item_trust=TrustLevel.USER, text="word " * 200)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from context_engine.domain.errors import (
@@ -438,8 +438,14 @@ async def compact(items: Sequence[ConversationItem], current: HistorySummary | N
             elided=sel.elided)
 
     bare = _summary_tokens(summary_with(""), measure, ctx)
-    if bare > max_summary_tokens:  # constraints alone do not fit: fail, never drop one
-        raise BudgetExceeded("summary_constraints", bare, max_summary_tokens)
+    if bare > max_summary_tokens:  # fail, never drop a constraint, a pointer or a source id
+        # named for what does not fit: the constraints alone, or with them the pointers and
+        # source ids of what would be replaced (and of the summary merged), which a smaller
+        # target or a larger cap fits and no change to the constraints would
+        alone = _summary_tokens(replace(summary_with(""), elided=(), source_event_ids=()),
+                                measure, ctx)
+        raise BudgetExceeded("summary_constraints" if alone > max_summary_tokens
+                             else "summary_pointers", bare, max_summary_tokens)
     # a character allowance for the narrative: three characters a token, which dense text
     # (numbers, code, most scripts but Latin) does not reach
     room = max(0, max_summary_tokens - bare)
