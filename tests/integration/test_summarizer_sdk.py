@@ -269,9 +269,14 @@ def test_a_finished_answer_is_the_narrative_whatever_else_the_endpoint_says(endp
                                                                              finish_reason):
     endpoint.script = [Answer(body=completion(CUT, finish_reason))]
     assert summarize(llm(endpoint)).narrative == CUT
-    # nothing asked for, nothing expected: an empty answer within no allowance is no failure
+    # nothing asked for, nothing expected: an empty answer within no allowance is no failure,
+    # nor one where nothing above USER was replaced (pointers alone, which it is not given)
     endpoint.script = [Answer(body=completion("", finish_reason))]
     assert summarize(llm(endpoint), max_chars=0).narrative == ""
+    nothing = SummaryInput(reason="budget_pressure", goal="", constraints=(), open_questions=(),
+                           lines=(), pointers=("[elided] tool.result r1",), prior_narrative="",
+                           source_event_ids=(3,))
+    assert asyncio.run(llm(endpoint).summarize(nothing, 1000)).narrative == ""
 
 
 def test_an_unreachable_endpoint_is_unavailable(endpoint):

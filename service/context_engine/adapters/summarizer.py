@@ -7,8 +7,8 @@ prompt is a versioned file (``assets/summarizer_prompt.md``, first line ``versio
 whose version is recorded on every result. Any failure — an error status, a timeout past the
 deadline, an unreachable endpoint, an unreadable answer, or one the model did not finish (cut
 at its output limit, ``finish_reason`` ``length``; withheld by a content filter; empty when
-text was asked for) — raises ``SummarizerUnavailable`` (gRPC UNAVAILABLE); the compaction then
-stores nothing.
+text was asked for and there was content to summarize) — raises ``SummarizerUnavailable``
+(gRPC UNAVAILABLE); the compaction then stores nothing.
 
 Retries are the SDK's: at most ``max_retries`` more attempts (``CE_SUMMARIZER_MAX_RETRIES``),
 only after a connection error, a timeout or a 408, 409, 429 or 5xx answer (never another 4xx),
@@ -38,6 +38,12 @@ def _encodable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _has_content(data: SummaryInput) -> bool:
+    """Whether the summarizer was given anything to summarize (a replaced span may hold
+    nothing above USER: pointers alone, which it is not given)."""
+    return bool(data.lines or data.goal or data.open_questions or data.prior_narrative)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -182,7 +188,7 @@ class OpenAISummarizer:
             raise SummarizerUnavailable("answer cut at the model's output limit")
         if finish == "content_filter":
             raise SummarizerUnavailable("answer withheld by the provider's content filter")
-        if max_chars > 0 and not text.strip():
+        if max_chars > 0 and not text.strip() and _has_content(data):
             raise SummarizerUnavailable("empty answer")
         if "\x00" in text or not _encodable(text):  # jsonb holds no NUL; UTF-8 no lone surrogate
             raise SummarizerUnavailable("unreadable answer (a NUL or a lone surrogate)")
