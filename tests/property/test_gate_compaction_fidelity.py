@@ -10,8 +10,9 @@ retained (``Summary.constraints``), so a merge sees both. Over generated convers
   replaced so far (opaque reasoning excluded by type), and never empty;
 * depth is capped: a summary is depth 1, a merge depth 2, and a third compaction fails with
   ``CompactionDepthExceeded`` (escalate to a child run);
-* each elided pointer keeps the trust label of the item it stands for, and no untrusted text
-  reaches the summary;
+* each elided pointer keeps the trust label of the item it stands for, every replaced tool
+  result and span below USER has its pointer in row 9 as Build sends it (judged from the
+  items, not from the result's own list or rendering), and no untrusted text reaches it;
 * Build on the checkpoint carrying the summary never renders a replaced item.
 """
 
@@ -41,6 +42,7 @@ from context_engine.domain.items import (
     HistorySummary,
     ReasoningItem,
     RenderContext,
+    ToolCallItem,
     ToolResultItem,
     UserMessageItem,
     WorkingState,
@@ -98,13 +100,21 @@ def run_compact(items: Sequence[ConversationItem], active: str,
                                state=WorkingState(constraints=tuple(constraints))))
 
 
+def pointed_kind(item: ConversationItem) -> str | None:
+    """The pointer kind a replaced item must leave in the summary, by the spec's rule (a tool
+    result always; text and calls below USER), or None when it may be summarized."""
+    if isinstance(item, ToolResultItem):
+        return "tool.result"
+    if item.item_trust.rank >= TrustLevel.USER.rank:
+        return None
+    return {UserMessageItem: "user.message", AssistantMessageItem: "assistant.message",
+            ToolCallItem: "tool.call"}.get(type(item))
+
+
 def check(r: CompactionResult, items: Sequence[ConversationItem], replaced_so_far: set[str],
           constraints_before: set[str], active: str) -> None:
     by_id = {it.id: it for it in items}
-    (row9,) = r.history_summary().messages(CTX)
     assert constraints_before <= set(r.constraints)
-    for c in constraints_before:
-        assert f"- {c}" in row9.text
     # provenance is the union of what was replaced (reasoning is excluded by type), never empty
     provenance = {by_id[i].sequence for i in replaced_so_far
                   if not isinstance(by_id[i], ReasoningItem)}
@@ -113,12 +123,23 @@ def check(r: CompactionResult, items: Sequence[ConversationItem], replaced_so_fa
     assert 1 <= r.depth <= MAX_DEPTH == 2
     for span in r.elided:
         assert span.trust_level is by_id[span.item_id].item_trust
-        assert f"({span.trust_level.value}, " in span.pointer() and span.pointer() in row9.text
-    assert MARK not in row9.text
     cp = Checkpoint(active_run_id=active, items=tuple(items),
                     runtime=RuntimeMetadata(current_date="2026-11-29"),
                     summary=r.history_summary())
     built = f.run_build(LOADED, cp)
+    # row 9 as Build sends it (not the result's own rendering of itself): every constraint
+    # verbatim, a pointer at its item's label for every replaced span the spec elides (judged
+    # from the items, not from the result's list), and no untrusted text
+    (row9,) = [m.text for m in built.request.messages if m.row == 9]
+    for c in constraints_before:
+        assert f"- {c}" in row9
+    lines = row9.splitlines()
+    for i in replaced_so_far:
+        kind = pointed_kind(by_id[i])
+        if kind is not None:
+            head = f"[elided] {kind} {i} ({by_id[i].item_trust.value}, "
+            assert any(ln.startswith(head) for ln in lines), f"no pointer {head!r}"
+    assert MARK not in row9
     rendered = {m.item_id for m in built.request.messages if m.item_id}
     assert not rendered & replaced_so_far
     assert all(by_id[i].run_id != active for i in replaced_so_far)
