@@ -15,6 +15,7 @@ resource variables, and a server without the variables that loads no SDK at all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
@@ -387,22 +388,29 @@ def capture_logs() -> tuple[io.StringIO, logging.Handler]:
     return out, handler
 
 
-def test_the_log_line_of_an_rpc_names_its_span(tstub, ids, exporter):
-    """Trace and span ids on the JSON line, from the RPC's span (the logging
-    instrumentation's record factory, installed per process by ``logs.configure``)."""
-    tenant, session = ids
+@contextlib.contextmanager
+def info_logs() -> Iterator[io.StringIO]:
+    """The service's JSON log lines at INFO while the block runs, with trace correlation."""
     correlate()
     out, handler = capture_logs()
     level = LOGGER.level
     LOGGER.setLevel(logging.INFO)
     try:
+        yield out
+    finally:
+        LOGGER.removeHandler(handler)
+        LOGGER.setLevel(level)
+
+
+def test_the_log_line_of_an_rpc_names_its_span(tstub, ids, exporter):
+    """Trace and span ids on the JSON line, from the RPC's span (the logging
+    instrumentation's record factory, installed per process by ``logs.configure``)."""
+    tenant, session = ids
+    with info_logs() as out:
         trace_id, _, md = caller()
         tstub.Plan(plan_request(tenant, session), metadata=md)
         tstub.Build(build_request(tenant, session, items=[item("u1", 1, user=pb.UserMessage(
             text=TEXT))]), metadata=md)
-    finally:
-        LOGGER.removeHandler(handler)
-        LOGGER.setLevel(level)
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     [built] = [line for line in lines if line.get("event") == "rpc"
                and line.get("method") == "Build" and line.get("tenant") == tenant]
@@ -417,11 +425,7 @@ def test_working_state_calls_log_and_trace_the_epoch_they_ran_on(tstub, ids, exp
     context.working_state.updated event names its epoch): their log line and span name that
     epoch and prefix, as every other call on a plan does, not epoch 0 and no prefix."""
     tenant, session = ids
-    correlate()
-    out, handler = capture_logs()
-    level = LOGGER.level
-    LOGGER.setLevel(logging.INFO)
-    try:
+    with info_logs() as out:
         tstub.Plan(plan_request(tenant, session))
         rotated = tstub.Rotate(pb.RotateRequest(
             tenant_id=tenant, session_id=session, reason=pb.ROTATION_REASON_OPERATOR,
@@ -440,9 +444,6 @@ def test_working_state_calls_log_and_trace_the_epoch_they_ran_on(tstub, ids, exp
                 pb.WorkingStateEvent(sequence=3, run_id="run-1", transition=objective)]),
             metadata=md)
         ids_of["CarryWorkingState"] = trace_id
-    finally:
-        LOGGER.removeHandler(handler)
-        LOGGER.setLevel(level)
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     for method, trace_id in ids_of.items():
         [logged] = [line for line in lines if line.get("event") == "rpc"
@@ -466,17 +467,10 @@ def test_a_build_over_the_budget_logs_and_traces_the_steps_that_ran(tstub, ids, 
     req.checkpoint.knowledge.extend([
         pb.KnowledgePassage(id=f"k{i}", source="doc", text="passage " * 200, rank=i,
                             trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED) for i in range(3)])
-    correlate()
-    out, handler = capture_logs()
-    level = LOGGER.level
-    LOGGER.setLevel(logging.INFO)
-    try:
+    with info_logs() as out:
         trace_id, _, md = caller()
         with pytest.raises(grpc.RpcError) as err:
             tstub.Build(req, metadata=md)
-    finally:
-        LOGGER.removeHandler(handler)
-        LOGGER.setLevel(level)
     assert failure(err.value).reason == "BUDGET_EXCEEDED"
     [payload] = [json.loads(row[0]) for row in db.fetch(
         "SELECT payload::text FROM context_events WHERE tenant_id = $1 AND session_id = $2 "
