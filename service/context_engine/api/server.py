@@ -28,7 +28,7 @@ from context_engine.adapters.assets import (
     load_platform_assets,
 )
 from context_engine.adapters.postgres.erasure import PostgresErasure
-from context_engine.adapters.postgres.errors import UNAVAILABLE
+from context_engine.adapters.postgres.errors import OUT_OF_STEP, UNAVAILABLE
 from context_engine.adapters.postgres.maintenance import Maintenance, Policy
 from context_engine.adapters.postgres.migrate import migrate
 from context_engine.adapters.postgres.pool import create_pool
@@ -406,6 +406,12 @@ async def database_reachable(pool: asyncpg.Pool, timeout: float) -> bool:
             await pool.fetchval("SELECT 1", timeout=timeout)
     except (*UNAVAILABLE, asyncpg.PostgresError):
         return False
+    except asyncpg.InternalClientError as exc:
+        # a pooled connection the server ended, handed out before asyncpg saw the end: the
+        # database going away, not a defect; raised, it ended the health watch for good
+        if str(exc).startswith(OUT_OF_STEP):
+            return False
+        raise
     return True
 
 
