@@ -40,7 +40,7 @@ import asyncpg
 import grpc
 import pytest
 from context_engine import cli
-from context_engine.adapters.postgres.erasure import PostgresErasure
+from context_engine.adapters.postgres.erasure import PostgresErasure, session_sha256
 from context_engine.adapters.postgres.migrate import migrate
 from context_engine.clock import SYSTEM_CLOCK
 from context_engine.domain.canonical import session_key
@@ -1606,3 +1606,108 @@ def test_a_compaction_whose_session_is_erased_and_planned_again_meanwhile_is_not
     monkeypatch.undo()
     again = r.a.stub.Compact(compact_request(tenant, session, f"compact-{session}"), timeout=30)
     assert again.compacted and session_rows(db, tenant, session)["compactions"] == 1
+
+
+def test_delete_session_erases_its_events_that_migration_0006_set_aside(direct_database_url):
+    """A database migrated from before 0006 with events of sessions that had no row: 0006 kept
+    them aside in ``context_events_orphaned``. DeleteSession of such a session id erases them
+    (counted among its events, in its audit row), whether the session has a row again (planned
+    since) or none; those of another session, or of the same id in another tenant, stay. Once
+    the table is dropped (what 0006 tells the operator to do when done), erasure still works.
+    A tenant purge takes the tenant's set-aside events, and only its."""
+    async def set_aside(url: str) -> None:
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute("INSERT INTO sessions (tenant_id, session_id) VALUES ('t', 'live')")
+            rows = [(t, s, json.dumps({"secret": f"{t}/{s}/{n}"}))
+                    for t, s, n in (("t", "gone", 0), ("t", "gone", 1), ("t", "gone", 2),
+                                    ("t", "again", 0), ("t", "again", 1), ("t", "other", 0),
+                                    ("u", "gone", 0), ("t", "live", 0))]
+            await conn.executemany(
+                "INSERT INTO context_events (tenant_id, session_id, epoch, type, payload) "
+                "VALUES ($1, $2, 1, 'context.plan.created', $3::jsonb)", rows)
+        finally:
+            await conn.close()
+
+    name = asyncio.run(create_database(direct_database_url, "ce_orphans"))
+    url = with_database(direct_database_url, name)
+    server = None
+    try:
+        asyncio.run(migrate(url, REPO / "migrations", target=5))
+        asyncio.run(set_aside(url))
+        server = ServerThread(base_config(), url)  # migrates the rest (0006 sets 7 rows aside)
+        db = Db(url)
+
+        def aside(tenant: str, session: str) -> int:
+            return int(db.val("SELECT count(*) FROM context_events_orphaned "
+                              "WHERE tenant_id = $1 AND session_id = $2", tenant, session))
+
+        assert (aside("t", "gone"), aside("t", "again"), aside("t", "other"),
+                aside("u", "gone"), aside("t", "live")) == (3, 2, 1, 1, 0)
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+            # a session id with no row: only its set-aside events are left, and they go
+            gone = delete(stub, "t", "gone")
+            assert gone.deleted and (gone.events, gone.plans) == (3, 0)
+            assert aside("t", "gone") == 0
+            (audit,) = db.fetch("SELECT sessions, events FROM erasures "
+                                "WHERE session_sha256 = $1", session_sha256("gone"))
+            assert tuple(audit) == (0, 3)
+            # a session id planned again since: its own events and the set-aside ones go
+            stub.Plan(plan_request("t", "again"), timeout=30)
+            live = int(db.val("SELECT count(*) FROM context_events WHERE tenant_id = 't' "
+                              "AND session_id = 'again'"))
+            again = delete(stub, "t", "again")
+            assert again.deleted and again.events == live + 2
+            assert aside("t", "again") == 0
+            # the others' stay
+            assert (aside("t", "other"), aside("u", "gone")) == (1, 1)
+            assert not delete(stub, "t", "gone").deleted  # nothing left: idempotent
+            # a tenant purge takes the tenant's set-aside events, and only its
+            done = purge(url, "--tenant-id", "t", "--yes", "--json")
+            assert done.returncode == 0, done.stderr
+            assert json.loads(done.stdout)["events"] == 2  # live's own, other's set aside
+            assert (aside("t", "other"), aside("u", "gone")) == (0, 1)
+            # the operator drops the table: erasure goes on without it
+            db.fetch("DROP TABLE context_events_orphaned")
+            stub.Plan(plan_request("t", "after"), timeout=30)
+            after = delete(stub, "t", "after")
+            assert after.deleted and after.plans == 1
+            assert not delete(stub, "u", "gone").deleted
+    finally:
+        if server is not None:
+            server.stop()
+        asyncio.run(drop_database(direct_database_url, name))
+
+
+def test_without_set_aside_events_erasure_asks_for_their_table_once(direct_database_url):
+    """On a database with no ``context_events_orphaned`` (0006 set nothing aside, or the
+    operator dropped it), an erasure store asks whether it exists once, and then no more."""
+    async def scenario() -> list[str]:
+        statements: list[str] = []
+
+        async def logged(conn: asyncpg.Connection) -> None:
+            conn.add_query_logger(lambda record: statements.append(record.query))
+
+        pool = await asyncpg.create_pool(direct_database_url, min_size=1, max_size=1,
+                                         init=logged)
+        try:
+            assert not await pool.fetchval("SELECT to_regclass('context_events_orphaned') "
+                                           "IS NOT NULL")
+            erasure = PostgresErasure(pool)
+            for n in range(3):
+                await pool.execute("INSERT INTO sessions (tenant_id, session_id) "
+                                   "VALUES ($1, $2)", tenant, f"s{n}")
+                erased = await erasure.erase_session(tenant, f"s{n}", requested_by="test",
+                                                     at=SYSTEM_CLOCK.now())
+                assert erased.sessions == 1
+        finally:
+            await pool.close()
+        return statements
+
+    tenant, _ = new_ids()
+    statements = asyncio.run(scenario())
+    assert sum("DELETE FROM sessions" in s for s in statements) == 3  # every statement seen
+    asked = [s for s in statements if "context_events_orphaned" in s]
+    assert len(asked) == 2, asked  # the test's own question, and the store's first
+    assert all("to_regclass" in s for s in asked), asked

@@ -83,9 +83,14 @@ DELETE FROM idempotency_keys x WHERE tenant_id = $1 AND (session_id IS NULL OR {
     ("calibrations", "DELETE FROM estimator_calibration WHERE tenant_id = $1"),
 )
 
-# Events the migration to a partitioned outbox set aside (their session had no row), if any.
+# Events the migration to a partitioned outbox set aside (their session had no row), if any:
+# a tenant's (its purge) or a session id's (DeleteSession, whether the id has a row again or
+# none). Only migration 0006 creates the table, and only when it sets rows aside; the operator
+# drops it when done, and nothing creates it again.
 ORPHANED_EVENTS_EXIST = "SELECT to_regclass('context_events_orphaned') IS NOT NULL"
 DELETE_ORPHANED_EVENTS = "DELETE FROM context_events_orphaned WHERE tenant_id = $1"
+DELETE_SESSION_ORPHANED_EVENTS = """
+DELETE FROM context_events_orphaned WHERE tenant_id = $1 AND session_id = ANY($2::text[])"""
 
 INSERT_ERASURE = """
 INSERT INTO erasures (tenant_id, scope, session_sha256, sessions, plans, events, compactions,
@@ -148,11 +153,23 @@ class PostgresErasure:
         self._pool = pool
         self._timeout = command_timeout
         self._tracer = tracer or NoOpTracer()
+        # context_events_orphaned found absent: it never comes back, so no erasure asks again
+        self._no_orphaned_events = False
+
+    async def _orphaned_events_exist(self, conn: Any) -> bool:
+        if self._no_orphaned_events:
+            return False
+        if await conn.fetchval(ORPHANED_EVENTS_EXIST, timeout=self._timeout):
+            return True
+        self._no_orphaned_events = True
+        return False
 
     async def erase_session(self, tenant_id: str, session_id: str, *, requested_by: str,
                             at: datetime) -> Erased:
-        """One transaction: lock the session's row, delete its rows, and record the erasure
-        when anything was removed (erasing what is not there records nothing)."""
+        """One transaction: lock the session's row, delete its rows (its events that
+        migration 0006 set aside in ``context_events_orphaned`` included, while that table
+        exists), and record the erasure when anything was removed (erasing what is not there
+        records nothing)."""
         with db_call(self._tracer, "sessions.erase") as span:
             counts = dict.fromkeys(KINDS, 0)
             async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
@@ -160,6 +177,9 @@ class PostgresErasure:
                 held = await _hold(conn, tenant_id, session_id, timeout=self._timeout)
                 await _delete(conn, DELETE_SESSION_ROWS, counts, tenant_id, [session_id],
                               timeout=self._timeout)
+                if await self._orphaned_events_exist(conn):
+                    await _delete(conn, (("events", DELETE_SESSION_ORPHANED_EVENTS),), counts,
+                                  tenant_id, [session_id], timeout=self._timeout)
                 counts["sessions"] -= held  # the erasure's own row is no session erased
                 if any(counts.values()):
                     await _audit(conn, tenant_id, "session", session_id, counts, requested_by,
