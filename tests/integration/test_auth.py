@@ -8,6 +8,8 @@ import asyncio
 import json
 import logging
 import os
+import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -35,7 +37,7 @@ from tests.conftest import test_config as base_config
 from tests.integration.processes import ServerProcess
 from tests.integration.requests import build_request, failure, plan_request
 from tests.support import fuzz
-from tests.support.certs import Pki, make_pki
+from tests.support.certs import Pki, issue_server_cert, make_pki
 
 pytestmark = pytest.mark.integration
 
@@ -425,6 +427,94 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(database_url: str,
         assert _health_failure(anonymous) is grpc.StatusCode.UNAVAILABLE
         plain = grpc.insecure_channel(server.address)
         assert _health_failure(plain) is grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop()
+
+
+def _served(address: str, pki: Pki, *, client_cert: bool = False) -> bytes:
+    """The DER certificate the server presents on a new handshake, as Python's ssl module
+    reads it (verified against the test CA for the name localhost, as a client would)."""
+    host, _, port = address.rpartition(":")
+    context = ssl.create_default_context(cafile=pki.ca)
+    context.set_alpn_protocols(["h2"])
+    if client_cert:
+        context.load_cert_chain(pki.client_cert, pki.client_key)
+    with socket.create_connection((host, int(port)), timeout=10) as raw, \
+            context.wrap_socket(raw, server_hostname="localhost") as tls:
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def _der(pem: Path) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(pem.read_text())
+
+
+def _install(cert: Path, key: Path, pair: tuple[Path, Path]) -> None:
+    """Renew into the mounted files in place, as cert-manager's writers do: certificate first."""
+    cert.write_bytes(pair[0].read_bytes())
+    key.write_bytes(pair[1].read_bytes())
+
+
+def _rejections(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:
+    return [getattr(r, "fields", {}) for r in caplog.records
+            if r.getMessage() == "tls_files_rejected"]
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(
+        database_url: str, pki: Pki, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    renewed = issue_server_cert(pki, tmp_path, name="renewed",
+                                server_alt_names="IP:127.0.0.1,DNS:localhost")
+    third = issue_server_cert(pki, tmp_path, name="third",
+                              server_alt_names="IP:127.0.0.1,DNS:localhost")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    _install(cert, key, (pki.server_cert, pki.server_key))
+    caplog.set_level(logging.INFO, logger="context_engine")
+    server = ServerThread(base_config().replace(tls_cert_file=cert, tls_key_file=key),
+                          database_url)
+    try:
+        assert _served(server.address, pki) == _der(pki.server_cert)
+        _install(cert, key, renewed)
+        assert _served(server.address, pki) == _der(renewed[0])
+        with _secure(server.address, pki, client_cert=False) as channel:
+            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+        # half-way through the next renewal: the new certificate, the old key
+        cert.write_bytes(third[0].read_bytes())
+        for _ in range(3):
+            assert _served(server.address, pki) == _der(renewed[0])
+        # a certificate cut short while it is written
+        cert.write_bytes(third[0].read_bytes()[:700])
+        for _ in range(3):
+            assert _served(server.address, pki) == _der(renewed[0])
+        with _secure(server.address, pki, client_cert=False) as channel:
+            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+        rejected = _rejections(caplog)
+        assert len(rejected) == 2, rejected  # once per bad version, not once per handshake
+        assert all(str(cert) in str(r["problem"]) and str(key) in str(r["problem"])
+                   for r in rejected), rejected
+        _install(cert, key, third)
+        assert _served(server.address, pki) == _der(third[0])
+        assert len(_rejections(caplog)) == 2
+    finally:
+        server.stop()
+
+
+def test_a_renewed_certificate_under_mutual_tls_still_requires_client_certificates(
+        database_url: str, pki: Pki, tmp_path: Path) -> None:
+    renewed = issue_server_cert(pki, tmp_path, name="renewed",
+                                server_alt_names="IP:127.0.0.1,DNS:localhost")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    _install(cert, key, (pki.server_cert, pki.server_key))
+    server = ServerThread(base_config().replace(tls_cert_file=cert, tls_key_file=key,
+                                                tls_client_ca_file=pki.ca), database_url)
+    try:
+        assert _served(server.address, pki, client_cert=True) == _der(pki.server_cert)
+        _install(cert, key, renewed)
+        assert _served(server.address, pki, client_cert=True) == _der(renewed[0])
+        with _secure(server.address, pki, client_cert=True) as channel:
+            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+        anonymous = _secure(server.address, pki, client_cert=False)
+        assert _health_failure(anonymous) is grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop()
 

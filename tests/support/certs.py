@@ -41,3 +41,18 @@ def make_pki(directory: Path, *, ca_name: str, server_alt_names: str) -> Pki:
                 f"{name}.ext", cwd=d)
     return Pki(ca=d / "ca.pem", server_cert=d / "server.pem", server_key=d / "server.key",
                client_cert=d / "client.pem", client_key=d / "client.key")
+
+
+def issue_server_cert(pki: Pki, directory: Path, *, name: str,
+                      server_alt_names: str) -> tuple[Path, Path]:
+    """Another server certificate (common name ``name``) signed by ``pki``'s CA, as a renewal
+    would issue it: ``(certificate, key)`` written into ``directory``."""
+    d = directory
+    (d / f"{name}.ext").write_text(f"subjectAltName={server_alt_names}\n"
+                                   "extendedKeyUsage=serverAuth\n")
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+            f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", str(pki.ca), "-CAkey",
+            str(pki.ca.with_name("ca.key")), "-CAcreateserial", "-out", f"{name}.pem", "-days",
+            "2", "-extfile", f"{name}.ext", cwd=d)
+    return d / f"{name}.pem", d / f"{name}.key"

@@ -27,6 +27,8 @@ import hmac
 import json
 import logging
 import re
+import ssl
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -406,15 +408,136 @@ def _read(path: Path, name: str) -> bytes:
         raise ConfigError(f"{name}={str(path)!r} cannot be read: {exc.strerror}") from exc
 
 
+# A file written this recently may be written again within the same filesystem timestamp tick
+# (same size, same mtime): until it is older, an unchanged stat does not vouch for its content,
+# so the handshakes of these seconds read it again.
+TLS_SETTLING_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class TlsPems:
+    """The contents of the TLS files: certificate chain, key, client CA (mutual TLS)."""
+
+    cert: bytes
+    key: bytes
+    client_ca: bytes | None
+
+
+def certificate_sha256(cert: bytes) -> str:
+    """SHA-256 of the first (leaf) certificate's DER in a PEM chain, in hex: what
+    ``openssl x509 -noout -fingerprint -sha256`` prints, without colons."""
+    text = cert.decode("ascii", "replace")
+    begin, end = "-----BEGIN CERTIFICATE-----", "-----END CERTIFICATE-----"
+    try:
+        leaf = text[text.index(begin):text.index(end) + len(end)]
+        return hashlib.sha256(ssl.PEM_cert_to_DER_cert(leaf)).hexdigest()
+    except ValueError:
+        return "unknown"
+
+
+class TlsFiles:
+    """The server's certificate, key and client CA as files that may be renewed in place
+    (cert-manager, a Kubernetes Secret volume), served without a restart. ``fetch`` is gRPC's
+    certificate configuration fetcher, called on every TLS handshake: it stats the files and
+    reads nothing while they are unchanged; when they changed it reads and checks them as
+    ``serve`` does at start (``Config.tls_problems``) and hands gRPC the new pair for that
+    handshake and the next ones. A version that does not load (a file missing or cut short, a
+    certificate written before its key) is never served: the last good one stays, and the
+    version is logged once as ``tls_files_rejected``. Connections already open keep the
+    certificate they shook hands with."""
+
+    def __init__(self, config: Config) -> None:
+        if config.tls_cert_file is None or config.tls_key_file is None:
+            raise ValueError("TlsFiles needs CE_TLS_CERT_FILE and CE_TLS_KEY_FILE")
+        self._config = config
+        self._paths = [config.tls_cert_file, config.tls_key_file,
+                       *([config.tls_client_ca_file] if config.tls_client_ca_file else [])]
+        self._lock = threading.Lock()
+        stamp = self._stamp()
+        self.served = TlsPems(
+            cert=_read(config.tls_cert_file, "CE_TLS_CERT_FILE"),
+            key=_read(config.tls_key_file, "CE_TLS_KEY_FILE"),
+            client_ca=(None if config.tls_client_ca_file is None
+                       else _read(config.tls_client_ca_file, "CE_TLS_CLIENT_CA_FILE")))
+        # the version whose stat needs no further look (the served or a rejected one)
+        self._unchanged = stamp if self._settled(stamp) else None
+        self._rejected: object = None  # the last version logged as rejected
+
+    def configuration(self) -> grpc.ServerCertificateConfiguration:
+        """The served version as a gRPC configuration (a new one each time: gRPC takes it)."""
+        return grpc.ssl_server_certificate_configuration(
+            [(self.served.key, self.served.cert)], root_certificates=self.served.client_ca)
+
+    def _stamp(self) -> tuple[tuple[int, ...], ...]:
+        stamps: list[tuple[int, ...]] = []
+        for path in self._paths:
+            try:
+                st = path.stat()
+            except OSError as exc:
+                stamps.append((-1, exc.errno or 0))
+            else:
+                stamps.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                               st.st_ctime_ns))
+        return tuple(stamps)
+
+    @staticmethod
+    def _settled(stamp: tuple[tuple[int, ...], ...]) -> bool:
+        now = time.time_ns()
+        return all(s[0] == -1 or now - max(s[3], s[4]) >= TLS_SETTLING_SECONDS * 1e9
+                   for s in stamp)
+
+    def _read(self) -> TlsPems | None:
+        try:
+            contents = [path.read_bytes() for path in self._paths]
+        except OSError:
+            return None
+        return TlsPems(cert=contents[0], key=contents[1],
+                       client_ca=contents[2] if len(contents) > 2 else None)
+
+    def _load(self) -> tuple[TlsPems | None, list[str]]:
+        """(the files' contents, what keeps them from loading). No contents and no problem:
+        they changed while checked, so the next handshake looks again."""
+        before = self._read()
+        problems = self._config.tls_problems()
+        if before is None or before != self._read():
+            return None, problems
+        return before, problems
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """gRPC's fetcher: a new configuration when the files hold a new good version, None to
+        keep serving the current one."""
+        stamp = self._stamp()
+        with self._lock:
+            if stamp == self._unchanged:
+                return None
+            pems, problems = self._load()
+            if pems is None and not problems:
+                return None
+            new = None
+            if problems:
+                version = (stamp, pems)
+                if version != self._rejected:
+                    self._rejected = version
+                    log("tls_files_rejected", logging.WARNING, problem="; ".join(problems),
+                        serving_sha256=certificate_sha256(self.served.cert))
+            elif pems is not None and pems != self.served:
+                self.served = pems
+                new = self.configuration()
+                log("tls_files_reloaded", certificate_sha256=certificate_sha256(pems.cert))
+            if self._settled(stamp):
+                self._unchanged = stamp
+            return new
+
+
 def server_credentials(config: Config) -> grpc.ServerCredentials | None:
     """TLS when a certificate is configured; mutual TLS (client certificates required and
-    verified against the CA) when a client CA is configured too; None for plaintext."""
+    verified against the CA) when a client CA is configured too; None for plaintext. The files
+    are watched (``TlsFiles``): a renewed certificate, key or CA is served from the next
+    handshake on, without a restart."""
     if config.tls_cert_file is None or config.tls_key_file is None:
         return None
-    cert = _read(config.tls_cert_file, "CE_TLS_CERT_FILE")
-    key = _read(config.tls_key_file, "CE_TLS_KEY_FILE")
-    if config.tls_client_ca_file is None:
-        return grpc.ssl_server_credentials([(key, cert)])
-    client_ca = _read(config.tls_client_ca_file, "CE_TLS_CLIENT_CA_FILE")
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
-                                       require_client_auth=True)
+    files = TlsFiles(config)
+    return grpc.dynamic_ssl_server_credentials(
+        files.configuration(),
+        files.fetch,  # type: ignore[arg-type]  # None means unchanged to gRPC; not to its stub
+        require_client_authentication=config.tls_client_ca_file is not None)
