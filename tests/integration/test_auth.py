@@ -5,6 +5,7 @@ mutual TLS with certificates made at test time by the openssl CLI."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -495,6 +496,10 @@ def test_a_renewed_certificate_is_served_without_a_restart(
         _install(cert, key, third)
         assert _served(server.address, pki) == _der(third[0])
         assert len(_rejections(caplog)) == 2
+        reloaded = [getattr(r, "fields", {}).get("certificate_sha256") for r in caplog.records
+                    if r.getMessage() == "tls_files_reloaded"]
+        assert reloaded == [hashlib.sha256(_der(pem)).hexdigest()
+                            for pem in (renewed[0], third[0])]
     finally:
         server.stop()
 
