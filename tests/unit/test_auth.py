@@ -20,6 +20,7 @@ from context_engine.api.auth import (
     Denied,
     FileTokens,
     Grant,
+    TlsFiles,
     bearer_token,
     check_tenant,
     parse_tokens,
@@ -30,6 +31,7 @@ from context_engine.config import Config, ConfigError, is_loopback
 from context_engine.domain.errors import StoreUnavailable
 from context_engine.v1 import context_engine_pb2 as pb
 
+from tests.support.certs import issue_server_cert, make_pki
 from tests.support.logs import Captured
 
 TOKEN_A = "tok-a-6f1c0e9b"
@@ -429,3 +431,45 @@ def test_cli_hash_token_mints_an_erasing_token_for_a_tenant_the_earlier_rule_too
     assert minted["entry"]["tenant_id"] == LEGACY_TENANT
     assert cli.main(["hash-token", "--tenant-id", LEGACY_TENANT, "--rpc", "Plan"]) == 2
     assert "--tenant-id must not contain" in capsys.readouterr().err
+
+
+def test_tls_files_are_read_only_when_their_stat_changes(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """gRPC asks the fetcher on every handshake: unchanged files cost a stat, not a read."""
+    import context_engine.api.auth as auth
+
+    pki = make_pki(tmp_path, ca_name="test CA", server_alt_names="DNS:localhost")
+    renewed = issue_server_cert(pki, tmp_path, name="renewed", server_alt_names="DNS:localhost")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_bytes(pki.server_cert.read_bytes())
+    key.write_bytes(pki.server_key.read_bytes())
+    reads: list[Path] = []
+    read_bytes = Path.read_bytes
+
+    def counted(path: Path) -> bytes:
+        if path in (cert, key):
+            reads.append(path)
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", counted)
+    monkeypatch.setattr(auth, "TLS_SETTLING_SECONDS", 0.0)  # no coarse-timestamp doubt here
+    files = TlsFiles(Config().replace(tls_cert_file=cert, tls_key_file=key))
+    reads.clear()
+    assert [files.fetch() for _ in range(50)] == [None] * 50
+    assert reads == []
+    cert.write_bytes(renewed[0].read_bytes())
+    key.write_bytes(renewed[1].read_bytes())
+    assert isinstance(files.fetch(), grpc.ServerCertificateConfiguration)
+    assert files.served.cert == renewed[0].read_bytes()
+    reads.clear()
+    assert [files.fetch() for _ in range(50)] == [None] * 50
+    assert reads == []
+    # a file just written may be rewritten within one timestamp tick: read until it settles
+    monkeypatch.setattr(auth, "TLS_SETTLING_SECONDS", 3600.0)
+    key.write_bytes(renewed[1].read_bytes())
+    per_fetch = []
+    for _ in range(3):
+        reads.clear()
+        assert files.fetch() is None  # the same pair: nothing new to serve
+        per_fetch.append(reads.count(key))
+    assert all(per_fetch), per_fetch
