@@ -88,6 +88,8 @@ describe("client behaviour", () => {
   /** Attempts answered UNAVAILABLE before the next succeeds. */
   let failFirst = 0;
   let failWith: grpc.status = CODE.UNAVAILABLE;
+  /** A `grpc-status-details-bin` trailer updateWorkingState fails with, as it is. */
+  let trailer: Buffer | undefined;
   let address = "";
   let client: ContextEngineClient;
   const opened: ContextEngineClient[] = [];
@@ -115,7 +117,11 @@ describe("client behaviour", () => {
       cb(failure(CODE.FAILED_PRECONDITION, "persona over its cap", md));
     },
     build: () => { /* never answers: the deadline must fire */ },
-    updateWorkingState: (_call, cb) => cb(failure(failWith)),
+    updateWorkingState: (_call, cb) => {
+      const md = new grpc.Metadata();
+      if (trailer !== undefined) md.set("grpc-status-details-bin", trailer);
+      cb(failure(failWith, codeNameOf(failWith), md));
+    },
     carryWorkingState: (call, cb) => {
       carried.push((call.request as CarryWorkingStateRequest).seedEventSequence);
       cb(null, CarryWorkingStateResponse.fromPartial({}));
@@ -168,6 +174,7 @@ describe("client behaviour", () => {
     for (const key of Object.keys(seen)) delete seen[key];
     failFirst = 0;
     failWith = CODE.UNAVAILABLE;
+    trailer = undefined;
   });
 
   test("the packaged service config is the repository's retry_service_config.json", () => {
@@ -439,6 +446,42 @@ describe("client behaviour", () => {
         return true;
       });
       assert.equal(calls.plan, 1);
+    });
+
+  test("a status whose code contradicts the call's is not read: the call's code and message stand",
+    async () => {
+      // a proxy answered NOT_FOUND over the service's FAILED_PRECONDITION trailer: the
+      // detail's reason, metadata, violations, tool result and delay belong to another status
+      // (grpc's own libraries refuse such a status), and a caller branching on the reason
+      // would act on a failure that is not the one reported
+      failWith = CODE.NOT_FOUND;
+      trailer = statusDetails(CODE.FAILED_PRECONDITION, "persona over its cap");
+      await assert.rejects(client.updateWorkingState({ tenantId: "t", sessionId: "s" }),
+        (err: unknown) => {
+          assert.ok(err instanceof ContextEngineError);
+          assert.equal(err.code, GrpcStatus.NOT_FOUND);
+          assert.equal(err.details, "NOT_FOUND", "grpc-message, not the detail's message");
+          assert.equal(err.message, "UpdateWorkingState: NOT_FOUND: NOT_FOUND");
+          assert.deepEqual([err.reason, err.domain, { ...err.metadata }, err.violations.length,
+            err.toolResult, err.retryDelayMs, err.status, err.otherDetails.length],
+          ["", "", {}, 0, "", undefined, undefined, 0]);
+          assert.deepEqual(err.trailers.get("grpc-status-details-bin"), [trailer],
+            "the trailer is still there, as it came");
+          return true;
+        });
+      // the same trailer under its own code is read whole
+      failWith = CODE.FAILED_PRECONDITION;
+      await assert.rejects(client.updateWorkingState({ tenantId: "t", sessionId: "s" }),
+        (err: unknown) => err instanceof ContextEngineError &&
+          err.code === GrpcStatus.FAILED_PRECONDITION && err.reason === "PREFIX_CLASS_OVER_CAP" &&
+          err.details === "persona over its cap");
+      // and a trailer that is not a google.rpc.Status leaves the call's code and message
+      failWith = CODE.UNAVAILABLE;
+      trailer = Buffer.from([0xff, 0xff, 0xff]);
+      await assert.rejects(client.updateWorkingState({ tenantId: "t", sessionId: "s" }),
+        (err: unknown) => err instanceof ContextEngineError &&
+          err.code === GrpcStatus.UNAVAILABLE && err.details === "UNAVAILABLE" &&
+          err.reason === "" && err.status === undefined);
     });
 
   test("per-call metadata, as a record or a Metadata, reaches the server", async () => {
