@@ -450,6 +450,7 @@ class Fake:
     metadata: list[dict[str, str]] = field(default_factory=list)
     remaining: dict[str, float | None] = field(default_factory=dict)  # last call's time left
     lock: threading.Lock = field(default_factory=threading.Lock)
+    trailer: bytes | None = None  # sent as grpc-status-details-bin in place of a rich status
 
 
 RESPONSES: dict[str, tuple[type[Message], Callable[[], Message]]] = {
@@ -481,6 +482,9 @@ def rich_status(code: grpc.StatusCode, reason: str) -> grpc.Status:
                    trailing_metadata=(("grpc-status-details-bin", status.SerializeToString()),))
 
 
+OWN_MESSAGE = "the call's own message"
+
+
 def handler(fake: Fake, name: str) -> grpc.RpcMethodHandler[Any, Any]:
     request_type, response = RESPONSES[name]
 
@@ -493,6 +497,9 @@ def handler(fake: Fake, name: str) -> grpc.RpcMethodHandler[Any, Any]:
         if fake.delay:
             time.sleep(fake.delay)
         if n <= fake.failures:
+            if fake.trailer is not None:
+                context.set_trailing_metadata((("grpc-status-details-bin", fake.trailer),))
+                context.abort(fake.code, OWN_MESSAGE)
             context.abort_with_status(rich_status(fake.code, "STORE_UNAVAILABLE"))
         return response()
 
@@ -589,6 +596,90 @@ def test_async_client_retries_like_the_sync_one(fake):
 
     asyncio.run(scenario())
     assert state.calls == {"GetPlan": 3, "DeleteSession": 3, "Compact": 3, "Rotate": 1}
+
+
+def status_trailer(code: int, *details: tuple[str, bytes]) -> bytes:
+    """A google.rpc.Status with the call's own message and these (type, bytes) details."""
+    status = status_pb2.Status(code=code, message=OWN_MESSAGE)
+    for name, value in details:
+        status.details.add(type_url=f"type.googleapis.com/google.rpc.{name}", value=value)
+    return status.SerializeToString()
+
+
+INFO = error_details_pb2.ErrorInfo(reason="PREFIX_CLASS_OVER_CAP", domain="context-engine",
+                                   metadata={"cap": "800"}).SerializeToString()
+CORRUPT = b"\xff\xff\xff"  # a field number 0 and a truncated varint: no message reads it
+UNREADABLE_TRAILERS = {
+    "not a Status": CORRUPT,
+    "an ErrorInfo that does not decode": status_trailer(code_pb2.NOT_FOUND,
+                                                        ("ErrorInfo", CORRUPT)),
+    "a BadRequest that does not decode": status_trailer(
+        code_pb2.NOT_FOUND, ("ErrorInfo", INFO), ("BadRequest", CORRUPT)),
+    "a LocalizedMessage that does not decode": status_trailer(
+        code_pb2.NOT_FOUND, ("ErrorInfo", INFO), ("LocalizedMessage", CORRUPT)),
+    "another code's status": status_trailer(code_pb2.FAILED_PRECONDITION, ("ErrorInfo", INFO)),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNREADABLE_TRAILERS))
+def test_a_status_trailer_that_cannot_be_read_leaves_the_calls_code_and_message(fake, kind):
+    """A grpc-status-details-bin trailer that does not decode (in whole or in one detail), or
+    whose code is not the call's, is not read: both clients raise the call's own code as its
+    typed error, with the call's message and no reason. A DecodeError escaped the client."""
+    state, target = fake
+    state.failures, state.code = 100, grpc.StatusCode.NOT_FOUND
+    state.trailer = UNREADABLE_TRAILERS[kind]
+
+    def check(err: ContextEngineError) -> None:
+        assert type(err) is NotFound and err.code is grpc.StatusCode.NOT_FOUND
+        assert (err.message, err.reason, err.domain, dict(err.metadata), err.field_violations,
+                err.tool_result) == (OWN_MESSAGE, "", "", {}, (), "")
+        assert isinstance(err.__cause__, grpc.RpcError)
+
+    with Client(target=target) as engine:
+        with pytest.raises(NotFound) as raised:
+            engine.get_plan(request=pb.GetPlanRequest(tenant_id="t"))
+        check(raised.value)
+        with pytest.raises(NotFound) as raised:  # the incremental path reads the error too
+            engine.build(request=pb.BuildRequest(tenant_id="t", session_id="s"))
+        check(raised.value)
+
+    async def scenario() -> None:
+        async with AsyncClient(target=target) as engine:
+            with pytest.raises(NotFound) as raised:
+                await engine.get_plan(request=pb.GetPlanRequest(tenant_id="t"))
+            check(raised.value)
+            with pytest.raises(NotFound) as raised:
+                await engine.build(request=pb.BuildRequest(tenant_id="t", session_id="s"))
+            check(raised.value)
+
+    asyncio.run(scenario())
+    assert state.calls == {"GetPlan": 2, "Build": 2}  # NOT_FOUND is never retried
+
+
+@pytest.mark.parametrize("info", [
+    error_details_pb2.ErrorInfo(reason="A_REASON_NOT_YET_KNOWN", domain="context-engine",
+                                metadata={"k": "v"}),
+    None])
+def test_a_status_with_a_new_reason_or_no_error_info_is_read_as_sent(fake, info):
+    """A reason the client does not know is the caller's to read, as it came; a status with
+    no ErrorInfo has an empty reason; either way the call's typed error."""
+    state, target = fake
+    state.failures, state.code = 100, grpc.StatusCode.FAILED_PRECONDITION
+    bad = error_details_pb2.BadRequest()
+    bad.field_violations.add(field="checkpoint", description="why")
+    details = [("BadRequest", bad.SerializeToString())]
+    if info is not None:
+        details.insert(0, ("ErrorInfo", info.SerializeToString()))
+    state.trailer = status_trailer(code_pb2.FAILED_PRECONDITION, *details)
+    with Client(target=target) as engine, pytest.raises(
+            context_engine_client.FailedPrecondition) as raised:
+        engine.get_plan(request=pb.GetPlanRequest(tenant_id="t"))
+    err = raised.value
+    assert (err.message, err.reason, err.domain, dict(err.metadata)) == (
+        (OWN_MESSAGE, "A_REASON_NOT_YET_KNOWN", "context-engine", {"k": "v"}) if info
+        else (OWN_MESSAGE, "", "", {}))
+    assert err.field_violations == (FieldViolation(field="checkpoint", description="why"),)
 
 
 def packaged_config() -> dict[str, Any]:

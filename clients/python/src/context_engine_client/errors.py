@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import cast
 
 import grpc
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -173,7 +174,8 @@ def error_class(code: grpc.StatusCode) -> type[ContextEngineError]:
 def from_rpc_error(err: grpc.RpcError) -> ContextEngineError:
     """The typed error for a failed call (``grpc.RpcError`` of a sync or an asyncio channel).
     The rich status is decoded by ``grpc_status``; a status whose details contradict the call's
-    own code or message is ignored (the call's code and message stand)."""
+    own code or message, or a trailer that does not decode as one, is ignored (the call's code
+    and message stand)."""
     if not isinstance(err, grpc.Call | grpc.aio.AioRpcError):
         # an RpcError that is not a call (e.g. raised before one started)
         return ContextEngineError(str(err), code=grpc.StatusCode.UNKNOWN)
@@ -181,30 +183,34 @@ def from_rpc_error(err: grpc.RpcError) -> ContextEngineError:
     try:
         # an AioRpcError answers the same code(), details() and trailing_metadata() it reads
         status = rpc_status.from_call(cast("grpc.Call", err))
-    except ValueError:
+    except (ValueError, DecodeError):  # a contradicting status, or bytes that are not one
         status = None
     return from_status(code, message, status)
 
 
 def from_status(code: grpc.StatusCode, message: str,
                 status: status_pb2.Status | None) -> ContextEngineError:
-    """The typed error for a status code, its message and its rich status, if any."""
+    """The typed error for a status code, its message and its rich status, if any. A status
+    one of whose details does not decode as the type it names is not read at all."""
     reason, domain = "", ""
     metadata: dict[str, str] = {}
     violations: list[FieldViolation] = []
     tool_result = ""
-    for detail in status.details if status is not None else ():
-        info = error_details_pb2.ErrorInfo()
-        bad = error_details_pb2.BadRequest()
-        text = error_details_pb2.LocalizedMessage()
-        if detail.Unpack(info):  # False when the detail is another message type
-            if not reason:  # the service sends exactly one
-                reason, domain, metadata = info.reason, info.domain, dict(info.metadata)
-        elif detail.Unpack(bad):
-            violations.extend(FieldViolation(field=v.field, description=v.description)
-                              for v in bad.field_violations)
-        elif detail.Unpack(text) and not tool_result:
-            tool_result = text.message
+    try:
+        for detail in status.details if status is not None else ():
+            info = error_details_pb2.ErrorInfo()
+            bad = error_details_pb2.BadRequest()
+            text = error_details_pb2.LocalizedMessage()
+            if detail.Unpack(info):  # False when the detail is another message type
+                if not reason:  # the service sends exactly one
+                    reason, domain, metadata = info.reason, info.domain, dict(info.metadata)
+            elif detail.Unpack(bad):
+                violations.extend(FieldViolation(field=v.field, description=v.description)
+                                  for v in bad.field_violations)
+            elif detail.Unpack(text) and not tool_result:
+                tool_result = text.message
+    except DecodeError:  # a corrupted status: none of it is the call's to report
+        reason, domain, metadata, violations, tool_result = "", "", {}, [], ""
     return error_class(code)(message, code=code, reason=reason, domain=domain,
                              metadata=metadata, field_violations=violations,
                              tool_result=tool_result)
