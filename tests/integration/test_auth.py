@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -83,9 +84,9 @@ def secured(database_url: str, db, tmp_path_factory: pytest.TempPathFactory
     server.stop()
 
 
-def refused(call, request, metadata=()):
+def refused(call, request, metadata=(), timeout=30):
     with pytest.raises(grpc.RpcError) as err:
-        call(request, metadata=metadata, timeout=30)
+        call(request, metadata=metadata, timeout=timeout)
     return err.value
 
 
@@ -307,6 +308,42 @@ def test_a_calls_latency_counts_its_token_lookup(database_url: str, direct_datab
         assert seconds["UNAVAILABLE"] >= 0.9 * timeout and seconds["NOT_FOUND"] >= 0.5, seconds
     finally:
         channel.close()
+        server.stop()
+
+
+def test_a_token_lookup_waits_for_a_connection_at_most_the_database_timeout(
+        database_url: str, db) -> None:
+    """With every connection of the pool taken, the lookup of a table token gives up after
+    CE_DB_TIMEOUT_SECONDS and the call is answered UNAVAILABLE (STORE_UNAVAILABLE), as any
+    call of the store waiting for a connection is (README, "Pool sizes"); it waited for one
+    without limit, until the caller's own deadline."""
+    tenant, token = f"tenant-{uuid.uuid4().hex[:10]}", f"db-{uuid.uuid4().hex}"
+    db.fetch("INSERT INTO api_tokens (tenant_id, token_sha256, rpcs) VALUES ($1, $2, $3)",
+             tenant, token_sha256(token), ["GetPlan"])
+    timeout, size = 1.0, 2
+    config = base_config().replace(dev_mode=False, auth_db_tokens=True, db_pool_size=size,
+                                   db_timeout_seconds=timeout)
+    server = ServerThread(config, database_url)
+    pool = server.running.pool
+
+    async def take() -> Any:
+        return await pool.acquire()
+
+    held = [server.call(take()) for _ in range(size)]
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            sent = time.perf_counter()
+            err = refused(pb_grpc.ContextEngineStub(channel).GetPlan,
+                          pb.GetPlanRequest(tenant_id=tenant, session_id="never-planned"),
+                          bearer(token), timeout=10 * timeout)
+            waited = time.perf_counter() - sent
+        f = failure(err)
+        assert (f.code, f.reason) == (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE"), (
+            f.code, f.reason, waited)
+        assert 0.9 * timeout <= waited < 5 * timeout, waited
+    finally:
+        for conn in held:
+            server.call(pool.release(conn))
         server.stop()
 
 

@@ -4,10 +4,12 @@ and the configuration that decides whether a server may start."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import json
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -150,13 +152,17 @@ def test_token_file_hashes_are_case_insensitive_and_loaded_from_disk(tmp_path: P
 
 
 class FakePool:
-    """The one asyncpg call DatabaseTokens makes, over rows held in memory; ``down`` makes it
-    fail as an unreachable server does."""
+    """The asyncpg calls DatabaseTokens makes (a connection of the pool, one query on it),
+    over rows held in memory; ``down`` makes the query fail as an unreachable server does."""
 
     def __init__(self) -> None:
         self.rows: dict[str, dict[str, Any]] = {}
         self.queries = 0
         self.down = False
+
+    @contextlib.asynccontextmanager
+    async def acquire(self, *, timeout: float | None = None) -> AsyncIterator[FakePool]:
+        yield self
 
     async def fetchrow(self, sql: str, digest: str, *, timeout: float) -> Any:
         self.queries += 1

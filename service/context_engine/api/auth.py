@@ -187,7 +187,10 @@ class DatabaseTokens:
     When the lookup fails because the database is unreachable, the last grant read for the
     hash answers if it is at most ``stale`` seconds old (logged once per outage); a hash last
     seen revoked stays refused; anything else raises ``StoreUnavailable``. Grants and misses
-    are kept apart, so a flood of unknown tokens cannot push the known grants out."""
+    are kept apart, so a flood of unknown tokens cannot push the known grants out.
+
+    A lookup waits at most ``command_timeout`` for a connection of the pool, and its query as
+    long, as the store's calls do: past it, ``StoreUnavailable``."""
 
     def __init__(self, pool: asyncpg.Pool, *, ttl: float, command_timeout: float = 5.0,
                  stale: float = STALE_GRANT_SECONDS,
@@ -212,8 +215,8 @@ class DatabaseTokens:
         if miss is not None and now - miss[1] < self._negative_ttl:
             return None
         try:
-            async with translated():
-                row = await self._pool.fetchrow(LOOKUP_TOKEN, digest, timeout=self._timeout)
+            async with translated(), self._pool.acquire(timeout=self._timeout) as conn:
+                row = await conn.fetchrow(LOOKUP_TOKEN, digest, timeout=self._timeout)
         except StoreUnavailable:
             return self._while_unavailable(digest, known, miss, now)
         self._serving_stale = False
