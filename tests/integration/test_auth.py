@@ -26,7 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import grpc
 import pytest
-from context_engine.api.auth import token_sha256
+from context_engine.api.auth import token_lookups, token_sha256
 from context_engine.config import Pooler
 from context_engine.telemetry.logs import JsonFormatter
 from context_engine.v1 import context_engine_pb2 as pb
@@ -264,6 +264,59 @@ def token_table_locked(url: str, release: threading.Event) -> Iterator[None]:
     finally:
         release.set()
         holder.join(10)
+
+
+def test_a_flood_of_bad_tokens_holds_a_bounded_share_of_the_pool(
+        database_url: str, direct_database_url: str, tmp_path: Path) -> None:
+    """Distinct bad tokens (which no miss cache answers) each need a lookup of the token
+    table: at most a quarter of CE_DB_POOL_SIZE of them run at once, as PostgreSQL itself
+    shows, so a call with a good token keeps the rest of the pool. All of the pool was theirs:
+    with the lookups slow (the table locked), a file token's GetPlan waited behind 40 of them
+    for some 10 s."""
+    tenant, good = f"tenant-{uuid.uuid4().hex[:10]}", f"file-{uuid.uuid4().hex}"
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([{"sha256": token_sha256(good), "tenant_id": tenant,
+                                   "rpcs": ["GetPlan"]}]))
+    timeout, size = 2.0, 8
+    config = base_config().replace(dev_mode=False, auth_tokens_file=tokens,
+                                   auth_db_tokens=True, db_pool_size=size,
+                                   db_timeout_seconds=timeout)
+    server = ServerThread(config, database_url)
+    request = pb.GetPlanRequest(tenant_id=tenant, session_id="never-planned")
+    postgres = Db(direct_database_url)
+    waiting_lookups = ("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                       "AND query LIKE '%FROM api_tokens%WHERE token_sha256%'")
+
+    async def flood() -> tuple[list[int], grpc.StatusCode, float, list[grpc.StatusCode]]:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+
+            async def call(token: str) -> grpc.StatusCode:
+                try:
+                    await stub.GetPlan(request, metadata=bearer(token), timeout=30)
+                except grpc.aio.AioRpcError as err:
+                    return err.code()
+                return grpc.StatusCode.OK
+
+            bad = [asyncio.ensure_future(call(f"bad-{i}-{uuid.uuid4().hex}"))
+                   for i in range(40)]
+            seen = []
+            for _ in range(3):
+                await asyncio.sleep(0.3)
+                seen.append(int(await asyncio.to_thread(postgres.val, waiting_lookups)))
+            sent = time.perf_counter()
+            code = await call(good)
+            took = time.perf_counter() - sent
+            return seen, code, took, list(await asyncio.gather(*bad))
+
+    try:
+        with token_table_locked(direct_database_url, threading.Event()):
+            seen, code, took, bad = asyncio.run(flood())
+        assert max(seen) == token_lookups(size) == 2, seen
+        assert code is grpc.StatusCode.NOT_FOUND and took < timeout / 2, (code, took)
+        assert set(bad) == {grpc.StatusCode.UNAVAILABLE}  # the table stayed locked
+    finally:
+        server.stop()
 
 
 def test_a_calls_latency_counts_its_token_lookup(database_url: str, direct_database_url: str,

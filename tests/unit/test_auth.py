@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -270,6 +271,75 @@ def test_a_flood_of_unknown_tokens_does_not_evict_known_grants() -> None:
     pool.down = True
     now[0] += 5.0
     assert asyncio.run(tokens.grant(known)) == Grant(tenant_id="acme", rpcs=frozenset({"*"}))
+
+
+class GatedPool(FakePool):
+    """A FakePool whose queries wait for ``gate`` and that counts the queries running at
+    once, as a database with slow lookups would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.running = 0
+        self.most = 0
+        self.started = 0
+
+    async def fetchrow(self, sql: str, digest: str, *, timeout: float) -> Any:
+        self.started += 1
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            await asyncio.wait_for(self.gate.wait(), timeout)
+            return await super().fetchrow(sql, digest, timeout=timeout)
+        finally:
+            self.running -= 1
+
+
+def test_lookups_of_never_granted_tokens_run_a_bounded_few_at_once() -> None:
+    """Distinct bad tokens take turns (two here) and never more of the pool; a token granted
+    before is read again at once beside them; a new good token waits its turn and is served;
+    a turn not had within the database timeout is StoreUnavailable, as a connection not had."""
+    pool = GatedPool()
+    now = [0.0]
+    known, minted = token_sha256("known"), token_sha256("minted")
+    for digest in (known, minted):
+        pool.rows[digest] = {"token_sha256": digest, "tenant_id": "acme", "rpcs": ["*"],
+                             "revoked": False}
+    grant = Grant(tenant_id="acme", rpcs=frozenset({"*"}))
+
+    async def scenario() -> None:
+        tokens = DatabaseTokens(pool, ttl=1.0, command_timeout=5.0,  # type: ignore[arg-type]
+                                lookups=2, clock=lambda: now[0])
+        pool.gate.set()
+        assert await tokens.grant(known) == grant
+        pool.gate.clear()
+        now[0] += 2.0  # its grant's TTL passed: the next call reads it again
+        bad = [asyncio.ensure_future(tokens.grant(token_sha256(f"bad-{i}"))) for i in range(20)]
+        new = asyncio.ensure_future(tokens.grant(minted))
+        await asyncio.sleep(0.05)
+        assert (pool.running, pool.started) == (2, 3)  # two turns; 19 calls wait, no query
+        again = asyncio.ensure_future(tokens.grant(known))
+        await asyncio.sleep(0.05)
+        assert pool.running == 3  # the granted hash did not wait for a turn
+        pool.gate.set()
+        assert await again == grant
+        assert await asyncio.gather(*bad) == [None] * 20
+        assert await new == grant  # the new good token waited its turn
+        assert pool.most == 3 and pool.started == 23
+
+        pool.gate.clear()
+        short = DatabaseTokens(pool, ttl=1.0, command_timeout=0.2,  # type: ignore[arg-type]
+                               lookups=1, clock=lambda: now[0])
+        first = asyncio.ensure_future(short.grant(token_sha256("slow")))
+        await asyncio.sleep(0.05)
+        sent = time.perf_counter()
+        with pytest.raises(StoreUnavailable):  # no turn within 0.2 s
+            await short.grant(token_sha256("behind"))
+        assert 0.15 <= time.perf_counter() - sent < 1.0
+        with pytest.raises(StoreUnavailable):  # its query timed out
+            await first
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize(("host", "loopback"), [

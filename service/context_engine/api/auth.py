@@ -22,6 +22,8 @@ interceptor before a request reaches the servicer; and the server's TLS credenti
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -190,12 +192,18 @@ class DatabaseTokens:
     are kept apart, so a flood of unknown tokens cannot push the known grants out.
 
     A lookup waits at most ``command_timeout`` for a connection of the pool, and its query as
-    long, as the store's calls do: past it, ``StoreUnavailable``."""
+    long, as the store's calls do: past it, ``StoreUnavailable``. Lookups of hashes this
+    process has never granted (every bad token's) run at most ``lookups`` at once, their wait
+    for a turn within that same deadline: a flood of distinct bad tokens, which the miss cache
+    cannot answer, holds at most ``lookups`` connections of the pool, never all of it. A hash
+    granted here before (its grant's TTL passed) is read again without waiting for a turn, so
+    such a flood never delays a token in use."""
 
     def __init__(self, pool: asyncpg.Pool, *, ttl: float, command_timeout: float = 5.0,
-                 stale: float = STALE_GRANT_SECONDS,
+                 lookups: int = 1, stale: float = STALE_GRANT_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._pool = pool
+        self._turns = asyncio.Semaphore(lookups)  # lookups of hashes never granted here
         self._ttl = ttl
         self._negative_ttl = min(ttl, NEGATIVE_TTL_SECONDS)
         self._timeout = command_timeout
@@ -215,8 +223,8 @@ class DatabaseTokens:
         if miss is not None and now - miss[1] < self._negative_ttl:
             return None
         try:
-            async with translated(), self._pool.acquire(timeout=self._timeout) as conn:
-                row = await conn.fetchrow(LOOKUP_TOKEN, digest, timeout=self._timeout)
+            async with translated():
+                row = await self._lookup(digest, granted_before=known is not None)
         except StoreUnavailable:
             return self._while_unavailable(digest, known, miss, now)
         self._serving_stale = False
@@ -232,6 +240,14 @@ class DatabaseTokens:
         self._grants.pop(digest, None)
         _remember(self._misses, digest, revoked, now)
         return None
+
+    async def _lookup(self, digest: str, *, granted_before: bool) -> Any:
+        async with contextlib.AsyncExitStack() as held:
+            async with asyncio.timeout(self._timeout):  # a turn and a connection, in time
+                if not granted_before:
+                    await held.enter_async_context(self._turns)
+                conn = await held.enter_async_context(self._pool.acquire())
+            return await conn.fetchrow(LOOKUP_TOKEN, digest, timeout=self._timeout)
 
     def _while_unavailable(self, digest: str, known: tuple[Grant, float] | None,
                            miss: tuple[bool, float] | None, now: float) -> Grant | None:
@@ -389,6 +405,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                      tracer=self._tracer)
 
 
+def token_lookups(pool_size: int) -> int:
+    """How many lookups of token hashes never granted before one process runs at once: a
+    quarter of its pool (at least one), so bad tokens leave the rest to authenticated calls."""
+    return max(1, pool_size // 4)
+
+
 def auth_interceptor(config: Config, pool: asyncpg.Pool, metrics: Metrics | None = None,
                      tracer: Tracer | None = None) -> AuthInterceptor | None:
     """None in dev mode (no credentials). Otherwise an interceptor over the configured token
@@ -400,7 +422,8 @@ def auth_interceptor(config: Config, pool: asyncpg.Pool, metrics: Metrics | None
         sources.append(FileTokens.load(config.auth_tokens_file))
     if config.auth_db_tokens:
         sources.append(DatabaseTokens(pool, ttl=config.auth_cache_seconds,
-                                      command_timeout=config.db_timeout_seconds))
+                                      command_timeout=config.db_timeout_seconds,
+                                      lookups=token_lookups(config.db_pool_size)))
     return AuthInterceptor(Authenticator(sources), metrics, tracer)
 
 
