@@ -168,36 +168,36 @@ class PostgresPlanStore:
 
     async def _get(self, tenant_id: str, session_id: str,
                    epoch: int | None) -> ContextPlan | None:
-        async with translated():
+        async with translated(), self._pool.acquire(timeout=self._timeout) as conn:
             if epoch is None:
-                row = await self._pool.fetchrow(queries.GET_CURRENT_PLAN, tenant_id, session_id,
-                                                timeout=self._timeout)
+                row = await conn.fetchrow(queries.GET_CURRENT_PLAN, tenant_id, session_id,
+                                          timeout=self._timeout)
             else:
-                row = await self._pool.fetchrow(queries.GET_PLAN, tenant_id, session_id, epoch,
-                                                timeout=self._timeout)
+                row = await conn.fetchrow(queries.GET_PLAN, tenant_id, session_id, epoch,
+                                          timeout=self._timeout)
         return None if row is None else _plan_from_row(row)
 
     async def current_epoch(self, tenant_id: str, session_id: str) -> int | None:
         with db_call(self._tracer, "sessions.current_epoch"):
-            async with translated():
-                epoch = await self._pool.fetchval(queries.CURRENT_EPOCH, tenant_id, session_id,
-                                                  timeout=self._timeout)
+            async with translated(), self._pool.acquire(timeout=self._timeout) as conn:
+                epoch = await conn.fetchval(queries.CURRENT_EPOCH, tenant_id, session_id,
+                                            timeout=self._timeout)
         return int(epoch) if epoch else None
 
     async def current(self, tenant_id: str, session_id: str) -> CurrentEpoch | None:
         with db_call(self._tracer, "sessions.current"):
-            async with translated():
-                row = await self._pool.fetchrow(queries.CURRENT_SESSION, tenant_id, session_id,
-                                                timeout=self._timeout)
+            async with translated(), self._pool.acquire(timeout=self._timeout) as conn:
+                row = await conn.fetchrow(queries.CURRENT_SESSION, tenant_id, session_id,
+                                          timeout=self._timeout)
         if row is None or not row["current_epoch"]:
             return None
         return CurrentEpoch(int(row["incarnation"]), int(row["current_epoch"]))
 
     async def incarnation(self, tenant_id: str, session_id: str, epoch: int) -> int | None:
         with db_call(self._tracer, "plans.incarnation"):
-            async with translated():
-                found = await self._pool.fetchval(queries.PLAN_INCARNATION, tenant_id,
-                                                  session_id, epoch, timeout=self._timeout)
+            async with translated(), self._pool.acquire(timeout=self._timeout) as conn:
+                found = await conn.fetchval(queries.PLAN_INCARNATION, tenant_id,
+                                            session_id, epoch, timeout=self._timeout)
         return None if found is None else int(found)
 
     async def pin(self, tenant_id: str, session_id: str, decide: Decide, *,
@@ -401,15 +401,15 @@ class PostgresCalibrationStore:
             return await self._calibration(tenant_id, model_id)
 
     async def _calibration(self, tenant_id: str, model_id: str) -> Calibration | None:
-        async with translated():
-            row = await self._pool.fetchrow(queries.GET_CALIBRATION, tenant_id, model_id,
-                                            timeout=self._timeout)
+        async with translated(), self._pool.acquire(timeout=self._timeout) as conn:
+            row = await conn.fetchrow(queries.GET_CALIBRATION, tenant_id, model_id,
+                                      timeout=self._timeout)
         return _calibration(row)
 
     async def latest_factors(self) -> list[tuple[str, float]]:
         with db_call(self._tracer, "calibrations.latest"):
-            async with translated():
-                rows = await self._pool.fetch(queries.LATEST_FACTORS, timeout=self._timeout)
+            async with translated(), self._pool.acquire(timeout=self._timeout) as conn:
+                rows = await conn.fetch(queries.LATEST_FACTORS, timeout=self._timeout)
         return [(row["model_id"], float(row["factor"])) for row in rows]
 
     async def reconcile(self, tenant_id: str, model_id: str, idempotency_key: str,
@@ -474,10 +474,9 @@ class PostgresCompactionStore:
             return await self._stored(tenant_id, idempotency_key)
 
     async def _stored(self, tenant_id: str, idempotency_key: str) -> StoredCompaction | None:
-        async with translated():
-            row = await self._pool.fetchrow(queries.GET_LIVE_COMPACTION, tenant_id,
-                                            idempotency_key, self._key_ttl,
-                                            timeout=self._timeout)
+        async with translated(), self._pool.acquire(timeout=self._timeout) as conn:
+            row = await conn.fetchrow(queries.GET_LIVE_COMPACTION, tenant_id,
+                                      idempotency_key, self._key_ttl, timeout=self._timeout)
         return None if row is None else _stored_compaction(row)
 
     async def save(self, tenant_id: str, session_id: str, idempotency_key: str,
