@@ -906,15 +906,27 @@ class Engine:
                 "a lower factor could send the request over the window")
         return factor
 
+    def observe_assembly(self, assembled: list[float]) -> None:
+        """One Build call's assembly time in ``context_engine_build_seconds``: every attempt
+        of it that assembled a request (``build``'s ``assembled``), summed into one
+        observation; a call that assembled none is not observed."""
+        if assembled:
+            self._metrics.build_seconds.observe(sum(assembled))
+
     async def build(self, tenant_id: str, session_id: str, epoch: int | None,
                     checkpoint: Checkpoint, factor: float | None, *,
                     validated: bool = False, incarnation: int | None = None,
-                    then: Callable[[BuildResult], object] | None = None) -> BuildResult:
+                    then: Callable[[BuildResult], object] | None = None,
+                    assembled: list[float] | None = None) -> BuildResult:
         """``incarnation``: the session's, when the caller has just resolved the plan.
         ``then``: the caller's work on the result (its response), run before the run's
         snapshot binding and the pressure event are written, so a response it refuses writes
         neither; the Build returns only once they are written (or the event's loss counted),
-        so the event is still emitted before the request leaves."""
+        so the event is still emitted before the request leaves.
+        ``assembled``: the caller's list of the seconds its call has spent assembling, one
+        entry per attempt (a Build made again by ``once_more_if_replanned`` assembles twice):
+        the caller observes them once, summed, with ``observe_assembly``; without it the
+        assembly is observed here."""
         loaded = await self.loaded(tenant_id, session_id, epoch, incarnation=incarnation)
         spec = loaded.plan.spec
         estimator = self.plan_estimator(spec)
@@ -960,7 +972,11 @@ class Engine:
                                    pressure_payload(exc.pressure, loaded.plan.epoch))
             await self._record(loaded.plan, "context.budget.exceeded", payload)
             raise
-        self._metrics.build_seconds.observe(time.perf_counter() - started)
+        took = time.perf_counter() - started
+        if assembled is None:
+            self._metrics.build_seconds.observe(took)
+        else:  # one call, one observation: its caller's, once its last attempt has ended
+            assembled.append(took)
         # The caller's response is made before anything is written: a Build it refuses (a
         # format that cannot carry an item, a response over the size limit) changes nothing.
         # Then the run's snapshot binding (the fence), then the pressure event: both are in

@@ -364,6 +364,68 @@ def test_a_new_run_naming_an_epoch_cached_from_the_erased_session_is_bound_to_th
                           timeout=30).prefix_sha256 == new.prefix_sha256
 
 
+def test_a_build_made_again_after_a_replan_is_observed_once_with_both_assemblies(
+        replicas, database_url):
+    """The Build of the test above, on a replica B that traces: made again on the new plan, it
+    assembled twice (two ``context_engine.build`` spans under its one RPC span), and
+    ``context_engine_build_seconds`` observes it once, as the RPC histogram does, with the
+    time of both assemblies (at least the two spans' durations, at most the call's)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tests.integration.test_tracing import TracedServer
+
+    r = replicas
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    b = TracedServer(base_config().replace(plan_cache_ttl_seconds=float(TTL)), database_url,
+                     provider)
+    try:
+        with grpc.insecure_channel(b.address) as ch:
+            stub = pb_grpc.ContextEngineStub(ch)
+            tenant, session = new_ids()
+            r.a.stub.Plan(plan_request(tenant, session,
+                                       memory_snapshot=snapshot_of("trace-old", "likes tea")),
+                          timeout=30)
+            stub.Build(build_request(tenant, session, epoch=1), timeout=30)  # B caches epoch 1
+            delete(r.a.stub, tenant, session)
+            r.a.stub.Plan(plan_request(tenant, session,
+                                       memory_snapshot=snapshot_of("trace-new", "coffee")),
+                          timeout=30)
+            request = build_request(tenant, session, items=long_history(40), epoch=1)
+            request.checkpoint.active_run_id = "run-2"
+            for it in request.checkpoint.items:
+                it.run_id = "run-2"
+
+            def sample(name: str, **labels: str) -> float:
+                return b.registry.get_sample_value(name, labels) or 0.0
+            before = (sample("context_engine_build_seconds_count"),
+                      sample("context_engine_build_seconds_sum"),
+                      sample("context_engine_rpc_seconds_count", method="Build", code="OK"),
+                      sample("context_engine_rpc_seconds_sum", method="Build", code="OK"))
+            trace_id = uuid.uuid4().hex
+            stub.Build(request, timeout=30,
+                       metadata=[("traceparent", f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01")])
+            after = (sample("context_engine_build_seconds_count"),
+                     sample("context_engine_build_seconds_sum"),
+                     sample("context_engine_rpc_seconds_count", method="Build", code="OK"),
+                     sample("context_engine_rpc_seconds_sum", method="Build", code="OK"))
+    finally:
+        b.stop()
+        provider.shutdown()
+    spans = [s for s in exporter.get_finished_spans()
+             if s.context is not None and s.context.trace_id == int(trace_id, 16)]
+    assembled = [s for s in spans if s.name == "context_engine.build"]
+    assert len(assembled) == 2  # the call was made again: it assembled twice
+    assert after[2] - before[2] == 1  # one Build call, answered OK
+    assert after[0] - before[0] == 1  # observed once, as that call
+    both = sum((s.end_time or 0) - (s.start_time or 0) for s in assembled) / 1e9
+    observed = after[1] - before[1]
+    assert both - 1e-6 <= observed <= after[3] - before[3], (both, observed)
+
+
 def test_usage_naming_an_epoch_cached_from_the_erased_session_counts_against_the_new_one(
         replicas, db):
     """B cached epochs 1 and 2 of the erased session (within the TTL, not read since), which

@@ -209,6 +209,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
         # per attempt that began reading its plan (and rendering): the latest incarnation of
         # the session known here then (None: none)
         reading: list[int | None] = []
+        # seconds each attempt spent assembling the request: observed once, as the call's
+        assembled: list[float] = []
 
         async def call(record: CallRecord) -> pb.BuildResponse:
             record.session(request.tenant_id, request.session_id)
@@ -374,7 +376,8 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             try:
                 await self._engine.build(request.tenant_id, request.session_id,
                                          loaded.plan.epoch, checkpoint, factor, validated=True,
-                                         incarnation=loaded.plan.incarnation, then=respond)
+                                         incarnation=loaded.plan.incarnation, then=respond,
+                                         assembled=assembled)
             except BudgetExceeded as exc:
                 # the steps that ran before it failed (its pressure event and the metric
                 # count them, with fits false): the line and span say so too
@@ -405,6 +408,7 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 return await self._engine.once_more_if_replanned(
                     request.tenant_id, request.session_id, request.epoch or None, attempt)
             finally:
+                self._engine.observe_assembly(assembled)
                 # a session erased while this Build ran (it waits on the database), here or
                 # through another replica this one has heard of since (a forget, or a read
                 # naming a later incarnation than the Build's), loses what the Build kept of

@@ -73,7 +73,9 @@ class Metrics:
             "context_engine_budget_exceeded", "Builds that failed because a class did not fit.",
             ["class"], registry=registry)
         self.build_seconds = Histogram(
-            "context_engine_build_seconds", "Time spent assembling one request.",
+            "context_engine_build_seconds",
+            "Time spent assembling one request, once per Build call (one made again after its "
+            "session was planned anew: both assemblies, summed).",
             buckets=_SECONDS, registry=registry)
         self.rpc_seconds = Histogram(
             "context_engine_rpc_seconds", "RPC latency by method and status code.",
