@@ -235,6 +235,34 @@ def test_metrics_count_compactions_by_depth_and_elided_spans(stub, ids, server):
     assert sample("context_engine_elided_spans_total") == before[1] + 1
 
 
+def test_elided_spans_count_every_new_pointer_and_say_so(stub, ids, server):
+    """A compaction of nothing untrusted still writes pointers: a tool result at the user's
+    label and a user message's attachment each become one. The counter counts every pointer
+    a stored compaction adds (the summary's ``elided``), and its help text says that, not
+    "untrusted spans"."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    pdf = pb.Attachment(kind=pb.ATTACHMENT_KIND_PDF, name="c.pdf", ref="artifact:a/1", pages=2)
+    items = [
+        item("u1", 1, run="run-0", user=pb.UserMessage(text="Read this", attachments=[pdf])),
+        item("c1", 2, run="run-0", tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
+            call_id="call-1", name="clock.now", arguments_json="{}")])),
+        item("r1", 3, run="run-0", trust=pb.TRUST_LEVEL_USER,
+             tool_result=pb.ToolResult(call_id="call-1", tool_name="clock.now", content="noon")),
+        item("a1", 4, run="run-0", assistant=pb.AssistantMessage(text="It is noon.")),
+        item("u2", 5, run="run-1", user=pb.UserMessage(text="next")),
+    ]
+    before = server.registry.get_sample_value("context_engine_elided_spans_total") or 0.0
+    summary = stub.Compact(compact_request(tenant, session, "pointers", items=items)).summary
+    assert [(e.item_id, e.trust_level, e.kind) for e in summary.elided] == [
+        ("u1", pb.TRUST_LEVEL_USER, "attachment.pdf"), ("r1", pb.TRUST_LEVEL_USER, "tool.result")]
+    after = server.registry.get_sample_value("context_engine_elided_spans_total")
+    assert after == before + len(summary.elided) == before + 2
+    (help_text,) = [m.documentation for m in server.registry.collect()
+                    if m.name == "context_engine_elided_spans"]
+    assert "untrusted" not in help_text.lower() and "pointer" in help_text, help_text
+
+
 def test_ids_and_references_cannot_smuggle_text_into_a_summary(stub, ids, db):
     """A summary is platform text: an artifact reference or an id with a line break could
     otherwise carry untrusted text into it."""

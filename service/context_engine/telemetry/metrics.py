@@ -103,7 +103,9 @@ class Metrics:
             ["depth"], registry=registry)
         self.elided_spans = Counter(
             "context_engine_elided_spans",
-            "Untrusted spans newly replaced by typed pointers in stored compactions.",
+            "Typed pointers newly written by stored compactions, whatever their label: one "
+            "per replaced tool result, user or assistant message and tool call below USER, and "
+            "per attachment of a replaced user message.",
             registry=registry)
         # What the process serves: 1, labelled with the versions ``context-engine --version``
         # prints. Every worker sets the same 1: merged by its maximum, never summed.
