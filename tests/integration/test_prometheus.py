@@ -1,7 +1,8 @@
 """The recording rules and alerts, read by a real Prometheus (Debian's package binary) that
 scrapes a real two-worker server (``serve --workers 2``) every second, against a scripted set
 of sessions whose truth the script knows: sessions opened, epochs by reason (Plan and Rotate),
-yield steps and budget failures (Build), usage reports (ReportUsage), calls by method and code.
+yield steps and budget failures (Build), usage reports (ReportUsage), compactions (Compact),
+calls by method and code.
 It checks the rules once after the first half of the script, then kills a worker with SIGKILL
 (the supervisor starts another), runs the second half and checks them again: the counters of the
 dead worker still add up.
@@ -56,6 +57,7 @@ from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from tests.integration.processes import ServerProcess
 from tests.integration.requests import build_request, failure, item, plan_request
 from tests.integration.test_budget_rpc import long_history
+from tests.integration.test_compact_rpc import compact_request
 
 pytestmark = pytest.mark.integration
 
@@ -217,6 +219,7 @@ class Truth:
     epochs: Counter[str] = field(default_factory=Counter)
     pressure: Counter[tuple[str, str]] = field(default_factory=Counter)
     exceeded: Counter[str] = field(default_factory=Counter)
+    compactions: Counter[int] = field(default_factory=Counter)  # by depth
     calls: Counter[tuple[str, str]] = field(default_factory=Counter)
     prefix_ratios: list[float] = field(default_factory=list)
     input_ratios: list[float] = field(default_factory=list)
@@ -333,6 +336,21 @@ class Script:
         if resp.pressure.history_floor_shortfall:
             self.truth.pressure[("history_floor", fits)] += 1
 
+    def compact(self, s: Session, *, merge: bool = False) -> None:
+        """A compaction of the session's history (depth 1), merged once more (depth 2) with
+        ``merge``; each key retried, which stores (and counts) nothing."""
+        summary = None
+        for key in (self.key(), self.key()) if merge else (self.key(),):
+            req = compact_request(self.tenant, s.session_id, key, summary=summary,
+                                  **({"replace_through_sequence": 3} if merge and summary is None
+                                     else {}))
+            resp = self.call("Compact", lambda r=req: s.stub.Compact(r, timeout=30))
+            assert resp.compacted
+            self.truth.compactions[resp.summary.depth] += 1
+            again = self.call("Compact", lambda r=req: s.stub.Compact(r, timeout=30))
+            assert not again.compacted
+            summary = resp.summary
+
     def report(self, s: Session, *, input_tokens: int, estimated: int, cached: int,
                retry: bool = False) -> None:
         req = pb.ReportUsageRequest(
@@ -403,7 +421,7 @@ def first_half(script: Script) -> list[Session]:
     """Six sessions; rotations operator, security_revocation, model_routed, model_changed,
     snapshot_invalidated; Builds that fit, yield, fall below the history floor, fail on their
     budget (with and without a yield step first) and are refused by the limits; 23 counted
-    reports (and a retried key in each epoch reported)."""
+    reports (and a retried key in each epoch reported); a compaction (and its retried key)."""
     a = script.open(CLAUDE)
     script.build(a)
     script.usage(a, 3, undercount_every=2)
@@ -435,12 +453,14 @@ def first_half(script: Script) -> list[Session]:
     f = script.open(CLAUDE)
     script.build(f, too_big(), exceeded="current_user_message")
     script.usage(f, 4, undercount_every=4)
+    script.compact(a)
     return [a, b, c, d, e, f]
 
 
 def second_half(script: Script) -> list[Session]:
     """Six more sessions after the worker restart (operator, model_routed and
-    security_revocation again); 21 counted reports."""
+    security_revocation again); 21 counted reports; a compaction merged once more (depth 2),
+    each key retried."""
     sessions = []
     for i in range(6):
         s = script.open(CLAUDE if i % 2 else ACME)
@@ -458,6 +478,7 @@ def second_half(script: Script) -> list[Session]:
         script.usage(s, 3 if i % 2 else 4, undercount_every=3 if i % 2 else 0)
     script.build(sessions[0], too_big(), exceeded="current_user_message")
     script.build(sessions[1], too_many_items(), refused="TOO_MANY_ITEMS")
+    script.compact(sessions[2], merge=True)
     return sessions
 
 
@@ -618,6 +639,11 @@ def check_rules(prom: Prometheus, truth: Truth, checks: Checks, phase: str) -> N
     exceeded_share = sum(truth.exceeded.values()) / builds
     checks.exact(f"{phase}: budget_exceeded:ratio15m ({sum(truth.exceeded.values())}/{builds})",
                  rec("budget_exceeded:ratio15m")[""], exceeded_share)
+
+    compacted = sum(truth.compactions.values())
+    built = truth.calls[("Build", "OK")]
+    checks.exact(f"{phase}: compactions_per_1k_builds:ratio1h ({compacted}/{built} x 1000)",
+                 rec("compactions_per_1k_builds:ratio1h")[""], 1000 * compacted / built)
 
     errors = rec("rpc_errors:ratio5m", "method")
     share: dict[str, float] = {}

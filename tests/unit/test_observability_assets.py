@@ -441,7 +441,8 @@ def test_dashboard_has_the_operator_panels_and_a_datasource_variable() -> None:
     titles = {panel["title"] for panel in dashboard["panels"]}
     assert {"Epochs per session (6h)", "Rotations by reason", "Budget pressure by step",
             "Budget exceeded by class", "Cached prefix ratio", "Estimator error by model",
-            "Build latency", "RPC errors by method and code"} <= titles
+            "Build latency", "RPC errors by method and code",
+            "Compactions per thousand Builds"} <= titles
     for panel in dashboard["panels"]:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
         for target in panel["targets"]:
@@ -461,6 +462,10 @@ def test_dashboard_has_the_operator_panels_and_a_datasource_variable() -> None:
     quantiles = {q for t in latency["targets"]
                  for q in re.findall(r"histogram_quantile\(([\d.]+)", t["expr"])}
     assert {"0.5", "0.95", "0.99"} <= quantiles
+    # the spec's compaction rate (per thousand turns; each turn makes at least one Build)
+    rate = next(p for p in dashboard["panels"] if p["title"] == "Compactions per thousand Builds")
+    assert [re.sub(r"\{.*\}", "", t["expr"]) for t in rate["targets"]] == [
+        "context_engine:compactions_per_1k_builds:ratio1h"]
 
 
 def test_grafana_provisioning_points_at_the_compose_services() -> None:
