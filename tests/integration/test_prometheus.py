@@ -644,6 +644,9 @@ def check_rules(prom: Prometheus, truth: Truth, checks: Checks, phase: str) -> N
     built = truth.calls[("Build", "OK")]
     checks.exact(f"{phase}: compactions_per_1k_builds:ratio1h ({compacted}/{built} x 1000)",
                  rec("compactions_per_1k_builds:ratio1h")[""], 1000 * compacted / built)
+    merged = sum(n for depth, n in truth.compactions.items() if depth >= 2)
+    checks.exact(f"{phase}: compactions_depth2_share:ratio1h ({merged}/{compacted})",
+                 rec("compactions_depth2_share:ratio1h")[""], merged / compacted)
 
     errors = rec("rpc_errors:ratio5m", "method")
     share: dict[str, float] = {}

@@ -466,6 +466,11 @@ def test_dashboard_has_the_operator_panels_and_a_datasource_variable() -> None:
     rate = next(p for p in dashboard["panels"] if p["title"] == "Compactions per thousand Builds")
     assert [re.sub(r"\{.*\}", "", t["expr"]) for t in rate["targets"]] == [
         "context_engine:compactions_per_1k_builds:ratio1h"]
+    # and the share reaching depth 2, beside it
+    depth = next(p for p in dashboard["panels"]
+                 if p["title"] == "Share of compactions reaching depth 2")
+    assert [re.sub(r"\{.*\}", "", t["expr"]) for t in depth["targets"]] == [
+        "context_engine:compactions_depth2_share:ratio1h"]
 
 
 def test_grafana_provisioning_points_at_the_compose_services() -> None:
