@@ -495,3 +495,27 @@ def test_the_release_before_runs_on_a_database_a_newer_release_migrated(fresh, f
         f"migration 0006_partitioned_events is recorded as applied but "
         f"{files / '0006_partitioned_events.sql'} does not exist, though later migrations of "
         f"this release do: the file was removed (restore it)"]
+
+
+def test_what_a_migration_tells_the_operator_is_logged(fresh):
+    """Migration 0006 keeps the events of sessions that have no row aside in
+    ``context_events_orphaned`` and says how many (RAISE WARNING). The migrator's connection
+    had no log listener, so asyncpg dropped what the server said: ``migrate`` set the rows aside
+    without a word. It now logs each thing a migration says (``migration_message``, at warning
+    for a WARNING), naming the migration, once the migration has committed; a migration that
+    says nothing, and a run that applies nothing, log none."""
+    asyncio.run(migrate(fresh, REPO / "migrations", target=5))
+    fetch(fresh, "INSERT INTO context_events (tenant_id, session_id, epoch, type, payload) "
+                 "SELECT 't', 'gone', 1, 'context.plan.created', '{}' FROM generate_series(1, 3)")
+    done = cli(fresh, REPO / "migrations", "migrate")
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    told = [e for e in events if e["event"] == "migration_message"]
+    assert [(e["migration"], e["level"], e["severity"]) for e in told] == [
+        ("0006_partitioned_events", "warning", "WARNING")], told
+    assert told[0]["message"].startswith(
+        "3 context events of sessions that no longer exist were kept aside in "
+        "context_events_orphaned"), told
+    assert fetch(fresh, "SELECT count(*) AS n FROM context_events_orphaned")[0]["n"] == 3
+    again = cli(fresh, REPO / "migrations", "migrate")
+    assert again.returncode == 0 and "migration_message" not in again.stdout, again.stdout

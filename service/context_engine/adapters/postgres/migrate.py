@@ -270,7 +270,9 @@ async def migrate(dsn: str, directory: Path, *, target: int | None = None,
     (``pg_advisory_xact_lock``, released when the transaction ends) and then reads what is
     applied: concurrent migrators serialize and each migration is applied once, and nothing
     outlives a transaction on the server connection, so a pooler in transaction mode may stand
-    in between. The statement cache is off for the same reason. ``DatabaseUnreachable`` when
+    in between. The statement cache is off for the same reason. What a migration's SQL raises
+    short of an error (RAISE WARNING or NOTICE) is logged as ``migration_message`` once the
+    migration has committed. ``DatabaseUnreachable`` when
     it cannot connect within ``connect_timeout`` seconds; ``MigrationFailed`` when a migration
     (or the bookkeeping before it) fails on the server or the connection is lost: that
     migration is not applied, those before it are."""
@@ -279,9 +281,14 @@ async def migrate(dsn: str, directory: Path, *, target: int | None = None,
         raise ValueError(f"no migration numbered {target:04d} in {directory}")
     conn = await _connect(dsn, connect_timeout)
     applied_now: list[str] = []
+    # What the server says while a migration runs (a count of rows it set aside, say: RAISE
+    # WARNING or NOTICE), logged once the migration has committed; asyncpg drops it otherwise.
+    heard: list[asyncpg.PostgresLogMessage] = []
+    conn.add_log_listener(lambda _conn, message: heard.append(message))
     try:
         while True:
             todo: Migration | None = None
+            said: list[asyncpg.PostgresLogMessage] = []
             committing = False
             try:
                 async with conn.transaction():
@@ -302,7 +309,9 @@ async def migrate(dsn: str, directory: Path, *, target: int | None = None,
                     todo = next((m for m in files if m.version in pending
                                  and (target is None or m.version <= target)), None)
                     if todo is not None:
+                        heard.clear()
                         await conn.execute(todo.sql)
+                        said = list(heard)
                         await conn.execute(queries.RECORD_MIGRATION, todo.version, todo.name,
                                            todo.checksum)
                     committing = True
@@ -326,6 +335,11 @@ async def migrate(dsn: str, directory: Path, *, target: int | None = None,
             if todo is None:
                 return applied_now
             applied_now.append(todo.file.removesuffix(".sql"))
+            for message in said:
+                severity = str(getattr(message, "severity", "") or "NOTICE")
+                log("migration_message",
+                    logging.WARNING if severity == "WARNING" else logging.INFO,
+                    migration=applied_now[-1], severity=severity, message=message.message)
     finally:
         await conn.close()
 
