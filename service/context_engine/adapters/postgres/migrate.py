@@ -6,11 +6,18 @@ applying anything, the migrator compares the record with the files: a migration 
 it was applied, one recorded under another name, or one whose file is gone stops it with a
 ``MigrationError`` naming each (``serve`` and ``migrate`` then refuse to start). Rows applied
 before checksums were kept are backfilled once from the files on disk, and the log says so.
+
+A file of the same name in ``before/`` (``before/0007_erasure.sql``) is run in the migration's
+transaction right before it, while it is pending: what a released migration needs first on a
+database it fails on, added without changing the migration's bytes (so its checksum, recorded
+by every database that applied it, and the release before it, which has the same file, still
+agree). It is not recorded; a database that applied the migration never runs it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import re
@@ -30,6 +37,7 @@ from context_engine.telemetry.logs import log
 # Arbitrary but fixed key of the advisory lock that serializes migrators.
 MIGRATION_LOCK_KEY = 0x636F6E74  # "cont"
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+BEFORE = "before"  # the directory, within the migrations', of what runs before a migration
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,6 +46,7 @@ class Migration:
     name: str
     sql: str
     checksum: str  # SHA-256 of the file's bytes, hex
+    before: str | None = None  # before/<file>: run in its transaction before it; not recorded
 
     @property
     def file(self) -> str:
@@ -60,6 +69,12 @@ def discover(directory: Path) -> list[Migration]:
     versions = [m.version for m in found]
     if len(set(versions)) != len(versions):
         raise ValueError(f"duplicate migration numbers in {directory}")
+    by_file = {m.file: i for i, m in enumerate(found)}
+    for path in sorted((directory / BEFORE).glob("*.sql")):
+        if path.name not in by_file:
+            raise ValueError(f"{BEFORE}/{path.name} names no migration of {directory}")
+        i = by_file[path.name]
+        found[i] = dataclasses.replace(found[i], before=path.read_bytes().decode("utf-8"))
     return found
 
 
@@ -227,7 +242,8 @@ class MigrationFailed(Exception):
     unknown; a later run applies it if it did not."""
 
     def __init__(self, cause: BaseException, *, migration: Migration | None,
-                 applied: Sequence[str], committing: bool = False) -> None:
+                 applied: Sequence[str], committing: bool = False,
+                 before: bool = False) -> None:
         self.cause = cause
         self.committing = committing
         self.migration = migration.file.removesuffix(".sql") if migration else None
@@ -237,8 +253,10 @@ class MigrationFailed(Exception):
         if isinstance(cause, asyncpg.PostgresError) and sqlstate:
             position = getattr(cause, "position", None)
             if migration is not None and position and str(position).isdigit():
-                line = migration.sql[:int(position) - 1].count("\n") + 1
-                detail += f" (at line {line} of {migration.file})"
+                sql, file = ((migration.before or "", f"{BEFORE}/{migration.file}") if before
+                             else (migration.sql, migration.file))
+                line = sql[:int(position) - 1].count("\n") + 1
+                detail += f" (at line {line} of {file})"
             if getattr(cause, "detail", None):
                 detail += f"; {cause.detail}"
             detail += f" (SQLSTATE {sqlstate})"
@@ -289,7 +307,7 @@ async def migrate(dsn: str, directory: Path, *, target: int | None = None,
         while True:
             todo: Migration | None = None
             said: list[asyncpg.PostgresLogMessage] = []
-            committing = False
+            committing = before = False
             try:
                 async with conn.transaction():
                     await conn.execute(queries.LOCK_MIGRATIONS, MIGRATION_LOCK_KEY)
@@ -310,6 +328,10 @@ async def migrate(dsn: str, directory: Path, *, target: int | None = None,
                                  and (target is None or m.version <= target)), None)
                     if todo is not None:
                         heard.clear()
+                        if todo.before is not None:
+                            before = True
+                            await conn.execute(todo.before)
+                            before = False
                         await conn.execute(todo.sql)
                         said = list(heard)
                         await conn.execute(queries.RECORD_MIGRATION, todo.version, todo.name,
@@ -319,7 +341,8 @@ async def migrate(dsn: str, directory: Path, *, target: int | None = None,
                 # a COMMIT the server answered with an error rolled back; one whose
                 # connection was lost may have committed
                 raise MigrationFailed(_first_failure(exc), migration=todo, applied=applied_now,
-                                      committing=committing and conn.is_closed()) from exc
+                                      committing=committing and conn.is_closed(),
+                                      before=before) from exc
             newer = [e.label for e in entries if e.check is Check.NEWER]
             if newer and todo is None:
                 log("database_migrated_by_a_newer_release", logging.WARNING,
