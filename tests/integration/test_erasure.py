@@ -1742,6 +1742,72 @@ def test_delete_session_erases_its_events_that_migration_0006_set_aside(direct_d
         asyncio.run(drop_database(direct_database_url, name))
 
 
+def test_delete_session_erases_its_compactions_that_migration_0007_set_aside(
+        direct_database_url):
+    """A database whose operator erased sessions by hand before DeleteSession existed keeps
+    their compaction records (summaries of the conversation): migration 0007 sets them aside
+    in ``compactions_orphaned`` (``migrations/before/0007_erasure.sql``). DeleteSession of such
+    a session id erases them (counted among its compactions, in its audit row), whether the id
+    has a row again or none; another session's, or the same id's in another tenant, stay. A
+    tenant purge takes the tenant's, and only its; once the table is dropped, erasure still
+    works."""
+    async def erased_by_hand(url: str) -> None:
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute("INSERT INTO sessions (tenant_id, session_id) VALUES ('t', 'live')")
+            for n, (t, s) in enumerate((("t", "gone"), ("t", "gone"), ("t", "again"),
+                                        ("t", "other"), ("u", "gone"), ("t", "live"))):
+                await conn.execute(
+                    "INSERT INTO compactions (tenant_id, idempotency_key, session_id, "
+                    "fingerprint, depth, replaced_through_sequence, compactor_version, result) "
+                    "VALUES ($1, $2, $3, 'fp', 1, 0, 'v1', $4::jsonb)",
+                    t, f"k{n}", s, json.dumps({"summary": f"secret {t}/{s}/{n}"}))
+        finally:
+            await conn.close()
+
+    name = asyncio.run(create_database(direct_database_url, "ce_orphans"))
+    url = with_database(direct_database_url, name)
+    server = None
+    try:
+        asyncio.run(migrate(url, REPO / "migrations", target=6))
+        asyncio.run(erased_by_hand(url))
+        server = ServerThread(base_config(), url)  # migrates 0007 (5 records set aside)
+        db = Db(url)
+
+        def aside(tenant: str, session: str) -> int:
+            return int(db.val("SELECT count(*) FROM compactions_orphaned "
+                              "WHERE tenant_id = $1 AND session_id = $2", tenant, session))
+
+        assert (aside("t", "gone"), aside("t", "again"), aside("t", "other"),
+                aside("u", "gone"), aside("t", "live")) == (2, 1, 1, 1, 0)
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+            gone = delete(stub, "t", "gone")  # no row: only its set-aside records are left
+            assert gone.deleted and (gone.compactions, gone.plans) == (2, 0)
+            assert aside("t", "gone") == 0
+            (audit,) = db.fetch("SELECT sessions, compactions FROM erasures "
+                                "WHERE session_sha256 = $1", session_sha256("gone"))
+            assert tuple(audit) == (0, 2)
+            stub.Plan(plan_request("t", "again"), timeout=30)  # planned again since
+            again = delete(stub, "t", "again")
+            assert again.deleted and again.compactions == 1 and aside("t", "again") == 0
+            assert (aside("t", "other"), aside("u", "gone")) == (1, 1)
+            assert not delete(stub, "t", "gone").deleted  # nothing left: idempotent
+            done = purge(url, "--tenant-id", "t", "--yes", "--json")
+            assert done.returncode == 0, done.stderr
+            assert json.loads(done.stdout)["compactions"] == 2  # live's own, other's set aside
+            assert (aside("t", "other"), aside("u", "gone")) == (0, 1)
+            db.fetch("DROP TABLE compactions_orphaned")  # the operator, when done
+            stub.Plan(plan_request("t", "after"), timeout=30)
+            after = delete(stub, "t", "after")
+            assert after.deleted and after.plans == 1
+            assert not delete(stub, "u", "gone").deleted
+    finally:
+        if server is not None:
+            server.stop()
+        asyncio.run(drop_database(direct_database_url, name))
+
+
 def test_without_set_aside_events_erasure_asks_for_their_table_once(direct_database_url):
     """On a database with no ``context_events_orphaned`` (0006 set nothing aside, or the
     operator dropped it), an erasure store asks whether it exists once, and then no more."""

@@ -91,6 +91,12 @@ ORPHANED_EVENTS_EXIST = "SELECT to_regclass('context_events_orphaned') IS NOT NU
 DELETE_ORPHANED_EVENTS = "DELETE FROM context_events_orphaned WHERE tenant_id = $1"
 DELETE_SESSION_ORPHANED_EVENTS = """
 DELETE FROM context_events_orphaned WHERE tenant_id = $1 AND session_id = ANY($2::text[])"""
+# Likewise the compaction records migration 0007 set aside in compactions_orphaned
+# (migrations/before/0007_erasure.sql): their session had no row to meet the foreign key.
+ORPHANED_COMPACTIONS_EXIST = "SELECT to_regclass('compactions_orphaned') IS NOT NULL"
+DELETE_ORPHANED_COMPACTIONS = "DELETE FROM compactions_orphaned WHERE tenant_id = $1"
+DELETE_SESSION_ORPHANED_COMPACTIONS = """
+DELETE FROM compactions_orphaned WHERE tenant_id = $1 AND session_id = ANY($2::text[])"""
 
 INSERT_ERASURE = """
 INSERT INTO erasures (tenant_id, scope, session_sha256, sessions, plans, events, compactions,
@@ -155,6 +161,7 @@ class PostgresErasure:
         self._tracer = tracer or NoOpTracer()
         # context_events_orphaned found absent: it never comes back, so no erasure asks again
         self._no_orphaned_events = False
+        self._no_orphaned_compactions = False  # compactions_orphaned, likewise
 
     async def _orphaned_events_exist(self, conn: Any) -> bool:
         if self._no_orphaned_events:
@@ -164,11 +171,20 @@ class PostgresErasure:
         self._no_orphaned_events = True
         return False
 
+    async def _orphaned_compactions_exist(self, conn: Any) -> bool:
+        if self._no_orphaned_compactions:
+            return False
+        if await conn.fetchval(ORPHANED_COMPACTIONS_EXIST, timeout=self._timeout):
+            return True
+        self._no_orphaned_compactions = True
+        return False
+
     async def erase_session(self, tenant_id: str, session_id: str, *, requested_by: str,
                             at: datetime) -> Erased:
         """One transaction: lock the session's row, delete its rows (its events that
-        migration 0006 set aside in ``context_events_orphaned`` included, while that table
-        exists), and record the erasure when anything was removed (erasing what is not there
+        migration 0006 set aside in ``context_events_orphaned`` and its compaction records
+        that 0007 set aside in ``compactions_orphaned`` included, while those tables exist),
+        and record the erasure when anything was removed (erasing what is not there
         records nothing)."""
         with db_call(self._tracer, "sessions.erase") as span:
             counts = dict.fromkeys(KINDS, 0)
@@ -180,6 +196,9 @@ class PostgresErasure:
                 if await self._orphaned_events_exist(conn):
                     await _delete(conn, (("events", DELETE_SESSION_ORPHANED_EVENTS),), counts,
                                   tenant_id, [session_id], timeout=self._timeout)
+                if await self._orphaned_compactions_exist(conn):
+                    await _delete(conn, (("compactions", DELETE_SESSION_ORPHANED_COMPACTIONS),),
+                                  counts, tenant_id, [session_id], timeout=self._timeout)
                 counts["sessions"] -= held  # the erasure's own row is no session erased
                 if any(counts.values()):
                     await _audit(conn, tenant_id, "session", session_id, counts, requested_by,
@@ -218,6 +237,10 @@ class PostgresErasure:
                         if await conn.fetchval(ORPHANED_EVENTS_EXIST, timeout=self._timeout):
                             await _delete(conn, (("events", DELETE_ORPHANED_EVENTS),), batch,
                                           tenant_id, timeout=self._timeout)
+                        if await conn.fetchval(ORPHANED_COMPACTIONS_EXIST,
+                                               timeout=self._timeout):
+                            await _delete(conn, (("compactions", DELETE_ORPHANED_COMPACTIONS),),
+                                          batch, tenant_id, timeout=self._timeout)
                     at = now()
                     if any(batch.values()):
                         for kind, n in batch.items():
