@@ -534,6 +534,10 @@ def test_a_call_an_interceptor_turns_away_has_its_span_and_its_log_line_names_it
         assert rpc.parent.span_id == int(span_id, 16)  # the caller's span
         assert rpc.status.status_code is StatusCode.ERROR and rpc.attributes is not None
         assert rpc.attributes["error.type"] == reason
+        # gRPC's numbers for the codes (UNAUTHENTICATED 16, RESOURCE_EXHAUSTED 8), as written
+        assert (rpc.attributes["rpc.grpc.status_code"],
+                rpc.attributes["context_engine.status_code"]) == {
+            "Plan": (16, "UNAUTHENTICATED"), "Build": (8, "RESOURCE_EXHAUSTED")}[method]
         assert rpc.context is not None
         [line] = [x for x in lines if x.get("event") == "rpc" and x.get("method") == method
                   and x.get("trace_id") == trace_id]
