@@ -190,6 +190,27 @@ def test_a_message_over_the_receive_limit_is_resource_exhausted(limited_stub, id
     assert db.counts(tenant) == before
 
 
+def test_a_request_of_exactly_the_receive_limit_is_parsed(limited_stub, ids):
+    """CE_MAX_RECEIVE_BYTES (256 KiB here) holds at its edge: a request of exactly that many
+    bytes is parsed and judged on its fields (a session id far over its length: INVALID_ARGUMENT),
+    one byte more is REQUEST_TOO_LARGE before it is parsed."""
+    tenant, _ = ids
+    # tenant_id: tag, a one-byte length, the id; session_id: tag, a three-byte length, the id
+    room = 256 * 1024 - (1 + 1 + len(tenant)) - (1 + 3)
+    exact = pb.GetPlanRequest(tenant_id=tenant, session_id="s" * room)
+    assert exact.ByteSize() == 262_144
+    with pytest.raises(grpc.RpcError) as info:
+        limited_stub.GetPlan(exact)
+    f = failure(info.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT and "session_id" in f.violations
+    over = pb.GetPlanRequest(tenant_id=tenant, session_id="s" * (room + 1))
+    with pytest.raises(grpc.RpcError) as info:
+        limited_stub.GetPlan(over)
+    f = failure(info.value)
+    assert f.code is grpc.StatusCode.RESOURCE_EXHAUSTED and f.reason == "REQUEST_TOO_LARGE"
+    assert f.metadata == {"size": "262145", "limit": "262144"}
+
+
 def test_excess_concurrency_is_refused_quickly_not_queued(limited, limited_stub, ids, db,
                                                           slow):
     tenant, session = ids
