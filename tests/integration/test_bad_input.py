@@ -291,6 +291,25 @@ def test_bad_estimator_factor(stub, ids):
     assert "estimator_factor" in failure(err.value).violations
 
 
+def test_the_estimator_factor_range_is_closed(stub, ids):
+    """[0.5, 4.0] holds both of its ends: 4.0 builds, and 0.5, in range, is refused only as
+    under this plan's least factor (1 / 1.3 for Claude, counted as cl100k_base x 1.3), never
+    as outside the range it is in."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    top = build_request(tenant, session)
+    top.estimator_factor = 4.0
+    assert stub.Build(top).estimator_factor == 4.0
+    bottom = build_request(tenant, session)
+    bottom.estimator_factor = 0.5
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(bottom)
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.INVALID_ARGUMENT and f.fields == ("estimator_factor",)
+    assert f.violations["estimator_factor"].startswith(
+        "0.5 is below 0.7692, the least for claude-sonnet-4-5")
+
+
 def test_runtime_metadata_is_one_line_of_the_platforms_text(stub, ids, db):
     """Row 14 renders the runtime's date, scopes, surface and origins as the platform's own
     lines: a line break, a separator or a format character in any of them is refused at its

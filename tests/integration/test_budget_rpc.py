@@ -87,6 +87,13 @@ def test_overflow_yields_in_order_and_records_pressure(stub, ids, db):
     assert len(rows) == 1
     payload = json.loads(rows[0]["payload"])
     assert [s["step"] for s in payload["steps"]] == steps and payload["fits"] is True
+    # the event records the sizes the response answered, field for field
+    assert (payload["tokens_before"], payload["tokens_after"], payload["left_out_items"],
+            payload["left_out_tokens"], payload["history_cut_index"],
+            payload["compaction_needed"]) == (
+        p.tokens_before, p.tokens_after, p.left_out_items, p.left_out_tokens,
+        p.history_cut_index, p.compaction_needed)
+    assert payload["tokens_before"] > payload["tokens_after"]  # it yielded
     assert "lorem" not in rows[0]["payload"]  # ids and sizes, never content
 
 
@@ -438,6 +445,19 @@ def test_concurrent_reports_are_each_counted_once(stub, ids, db):
     assert db.val("SELECT count(*) FROM idempotency_keys WHERE tenant_id=$1", tenant) == 5
 
 
+def test_a_report_of_exactly_the_window_is_counted(stub, ids, db):
+    """A request may fill gpt-4o's whole window of 128,000 tokens: such a report is usage of
+    the plan, counted; one token more is no request of it, refused."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-4o")))
+    counted = stub.ReportUsage(_report(tenant, session, "full", 128_000, 128_000))
+    assert counted.counted
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ReportUsage(_report(tenant, session, "over", 128_000, 128_001))
+    assert set(failure(err.value).violations) == {"input_tokens"}
+    assert db.val("SELECT reports FROM estimator_calibration WHERE tenant_id=$1", tenant) == 1
+
+
 def test_bad_usage_reports(stub, ids, db):
     tenant, session = ids
     stub.Plan(plan_request(tenant, session))
@@ -578,6 +598,22 @@ def test_honest_reports_never_take_an_exact_count_below_itself(stub, ids):
     actual = count_body(json.loads(built.provider_body_json), "openai_responses", "gpt-4o")
     assert actual <= built.budget.total_tokens - built.output_reserve
     assert actual <= built.estimated_input_tokens
+
+
+def test_a_factor_reconciled_for_another_encoding_is_not_applied(stub, ids, db):
+    """A model's factor is reconciled for the encoding its plans were counted with: a row of
+    another encoding (a tokenizer since changed) is no factor of this count, which starts
+    again at 1.0."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-4o")))
+    db.fetch("INSERT INTO estimator_calibration (tenant_id, model_id, encoding, factor, "
+             "reports) VALUES ($1, 'gpt-4o', 'cl100k_base', 2.0, 9) RETURNING 1", tenant)
+    assert stub.Build(build_request(tenant, session)).estimator_factor == 1.0
+    own = f"{tenant}-own"  # the same row of the plan's own encoding is applied
+    stub.Plan(plan_request(own, session, model=pb.ModelSpec(model_id="gpt-4o")))
+    db.fetch("INSERT INTO estimator_calibration (tenant_id, model_id, encoding, factor, "
+             "reports) VALUES ($1, 'gpt-4o', 'o200k_base', 2.0, 9) RETURNING 1", own)
+    assert stub.Build(build_request(own, session)).estimator_factor == 2.0
 
 
 def test_a_factor_stored_below_the_floor_is_raised_to_it(stub, ids, db):

@@ -81,6 +81,10 @@ def test_compact_then_build_never_repeats_a_replaced_item(stub, ids, db):
     assert len(events) == 1
     payload = json.loads(events[0]["payload"])
     assert payload["depth"] == 1 and payload["elided"] == ["r1"]
+    # the sizes the response answered, as recorded
+    assert (payload["tokens_before"], payload["tokens_after"]) == (resp.tokens_before,
+                                                                   resp.tokens_after)
+    assert resp.tokens_before != resp.tokens_after
     assert CANARY not in events[0]["payload"]
 
 
@@ -228,10 +232,17 @@ def test_metrics_count_compactions_by_depth_and_elided_spans(stub, ids, server):
         return server.registry.get_sample_value(name, labels or {}) or 0.0
 
     before = (sample("context_engine_compactions_total", {"depth": "1"}),
-              sample("context_engine_elided_spans_total"))
-    stub.Compact(compact_request(tenant, session, "m1"))
-    stub.Compact(compact_request(tenant, session, "m1"))  # a retry counts nothing
+              sample("context_engine_elided_spans_total"),
+              sample("context_engine_compactions_total", {"depth": "2"}))
+    first = stub.Compact(compact_request(tenant, session, "m1", replace_through_sequence=3))
+    stub.Compact(compact_request(tenant, session, "m1",  # a retry counts nothing
+                                 replace_through_sequence=3))
     assert sample("context_engine_compactions_total", {"depth": "1"}) == before[0] + 1
+    assert sample("context_engine_elided_spans_total") == before[1] + 1
+    # a merge keeping the one span its summary already elided elides nothing new
+    merged = stub.Compact(compact_request(tenant, session, "m2", summary=first.summary))
+    assert [e.item_id for e in merged.summary.elided] == ["r1"]
+    assert sample("context_engine_compactions_total", {"depth": "2"}) == before[2] + 1
     assert sample("context_engine_elided_spans_total") == before[1] + 1
 
 

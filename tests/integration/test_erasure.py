@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -152,7 +153,8 @@ def not_found(call: Any, request: Any) -> bool:
     return False
 
 
-def test_delete_session_erases_every_row_of_the_session_and_only_its(replicas, db):
+def test_delete_session_erases_every_row_of_the_session_and_only_its(replicas, db, caplog):
+    caplog.set_level(logging.INFO, logger="context_engine")
     r = replicas
     tenant, session = new_ids()
     other_tenant = f"{tenant}-other"
@@ -175,6 +177,11 @@ def test_delete_session_erases_every_row_of_the_session_and_only_its(replicas, d
                                    before["compactions"], before["idempotency_keys"],
                                    before["epoch_usage"])
     assert answer.plan_cache_seconds == TTL
+    # its log line counts every row removed, the session's own row too (read before it went)
+    [line] = [getattr(x, "fields", {}) for x in caplog.records if x.getMessage() == "rpc"
+              and getattr(x, "fields", {}).get("method") == "DeleteSession"
+              and getattr(x, "fields", {}).get("tenant") == tenant]
+    assert line["rows"] == sum(before.values()) and before["sessions"] == 1
     assert abs(answer.deleted_at.ToDatetime().timestamp()
                 - SYSTEM_CLOCK.now().timestamp()) < 60
 

@@ -49,6 +49,14 @@ def test_two_sessions_never_share_a_runs_binding(stub, db):
     assert snapshot_fence_key("a:1", 2, "r").startswith("sha256:")
 
 
+def test_a_key_of_512_bytes_keeps_the_form_it_was_written_in():
+    """Keys up to 512 bytes were written plain before the hashed form existed (longer ones
+    failed the insert): a run bound under one is not bound again under another key."""
+    run = "r" * 508  # "s:1:" and the run: 512 bytes
+    assert snapshot_fence_key("s", 1, run) == "s:1:" + "r" * 508
+    assert snapshot_fence_key("s", 1, run + "r").startswith("sha256:")
+
+
 def test_the_longest_ids_bind_their_run(stub, db):
     """Ids of 256 four-byte characters each made a key past PostgreSQL's B-tree row size:
     every Build of the run failed INTERNAL."""

@@ -41,3 +41,15 @@ def test_a_new_incarnation_replaces_the_old_one() -> None:
     assert cache.get(("t", "s", 1, 2)) is None
     found: Any = cache.newest("t", "s", 1)
     assert found is not None and found[1] == "new"
+
+
+def test_the_cache_holds_its_capacity_and_evicts_the_least_recently_used() -> None:
+    cache = PlanCache(capacity=3, ttl=60.0)
+    for epoch in (1, 2, 3):
+        cache.put(("t", "s", 1, epoch), plan(f"e{epoch}"), verified_at=0.0)
+    assert len(cache) == 3
+    assert [cache.get(("t", "s", 1, e)) for e in (1, 2, 3)] == ["e1", "e2", "e3"]
+    cache.get(("t", "s", 1, 1))  # used last: epoch 2 is now the least recently used
+    cache.put(("t", "s", 1, 4), plan("e4"), verified_at=0.0)
+    assert len(cache) == 3
+    assert [cache.get(("t", "s", 1, e)) for e in (1, 2, 3, 4)] == ["e1", None, "e3", "e4"]
