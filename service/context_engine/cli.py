@@ -253,7 +253,8 @@ def parser() -> argparse.ArgumentParser:
     purge_p.add_argument("--json", action="store_true", help="print the counts as one JSON "
                                                              "document")
     purge_p.add_argument("--batch-size", type=int, default=500,
-                         help="sessions erased per transaction (default 500)")
+                         help="sessions erased per transaction (default 500; 1 to "
+                              "2147483647)")
     health_p = sub.add_parser("health", help="probe a running server's grpc.health.v1 "
                                              "(exit 0 when SERVING)")
     from context_engine import healthcheck
@@ -483,6 +484,7 @@ def _hash_token(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- purge-tenant
 
 PURGE_REQUESTED_BY = "operator-cli"
+BATCH_SIZE_MAX = 2_147_483_647  # as inspect's --events and --epoch
 
 
 def _purge_tenant(config: Config, args: argparse.Namespace) -> int:
@@ -495,6 +497,9 @@ def _purge_tenant(config: Config, args: argparse.Namespace) -> int:
         return 2
     if args.batch_size < 1:
         print(f"{PROG}: --batch-size must be at least 1", file=sys.stderr)
+        return 2
+    if args.batch_size > BATCH_SIZE_MAX:  # a LIMIT PostgreSQL cannot bind ends in a traceback
+        print(f"{PROG}: --batch-size must be at most {BATCH_SIZE_MAX}", file=sys.stderr)
         return 2
     if not args.yes:
         print(f"This erases every session of tenant {tenant!r} (plans, context events, "

@@ -736,6 +736,27 @@ def test_purge_tenant_refuses_bad_arguments(args, capsys):
     assert "purge-tenant" not in capsys.readouterr().out
 
 
+def test_a_batch_size_postgresql_cannot_take_is_a_bad_argument(stub, database_url, db):
+    """--batch-size is the purge's LIMIT, a PostgreSQL bigint: 2**63 passed the check (only
+    `< 1` was refused), asked for confirmation and ended in asyncpg's DataError traceback
+    (exit 1). It is a bad argument now, exit 2 before anything is read; the largest size it
+    takes still purges."""
+    tenant, session = new_ids()
+    stub.Plan(plan_request(tenant, session), timeout=30)
+    for size in (2**63, 2**31):
+        refused = purge(database_url, "--tenant-id", tenant, "--batch-size", str(size), "--yes")
+        assert refused.returncode == 2, refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert refused.stderr.strip() == ("context-engine: --batch-size must be at most "
+                                          "2147483647"), refused.stderr
+        assert db.val("SELECT count(*) FROM sessions WHERE tenant_id = $1", tenant) == 1
+    done = purge(database_url, "--tenant-id", tenant, "--batch-size", str(2**31 - 1), "--yes",
+                 "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["sessions"] == 1
+    assert db.val("SELECT count(*) FROM sessions WHERE tenant_id = $1", tenant) == 0
+
+
 def test_purge_tenant_that_cannot_begin_says_why_in_one_line(direct_database_url, tmp_path):
     """A refused connection, an unmigrated database and a data directory with no embedded
     database each printed a traceback (and the last one created a database to purge nothing
