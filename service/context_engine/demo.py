@@ -8,7 +8,8 @@ the summary and rotates, printing what each call returned. Start a server first 
 dev mode, no credentials); against a server that wants credentials give the bearer token in
 ``CE_TOKEN`` or on standard input with ``--token-stdin`` (never on the command line, which
 process lists and shell history show; sent as ``authorization: Bearer <token>``) and pass
-``--tenant``, the token's tenant.
+``--tenant``, the token's tenant. The tour speaks plaintext gRPC, so a token goes only to this
+machine (a loopback address or ``localhost``), straight, through no proxy of the environment.
 
 The output is deterministic: the tour pins every input (tenant ``tour``, the session id, a Claude
 model sized to 16,000 tokens, the date, the estimator factor), so a new session always prints the
@@ -18,12 +19,13 @@ printed. Another ``--session`` changes the nonces, and with them a few token cou
 
 Exit status 0 after the whole tour; 1 when the server cannot be reached, the session exists
 already or a call fails (the error on stderr, after the output of the steps that completed); 2 on
-a usage error (a bad address, an empty token on standard input).
+a usage error (a bad address, an empty token on standard input, a token for another machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -405,6 +407,23 @@ def bearer_token(args: argparse.Namespace, environ: Mapping[str, str],
     return environ.get(TOKEN_ENV, "").strip() or None
 
 
+def on_this_machine(address: str) -> bool:
+    """Whether ``address`` (``host:port``, as ``probe_address`` gives it) is loopback:
+    ``localhost``, ``127.0.0.0/8`` or ``::1``."""
+    host = address.rpartition(":")[0].removeprefix("[").removesuffix("]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name resolved elsewhere
+        return False
+
+
+# A token in plaintext goes to this machine straight: neither the proxy of http_proxy,
+# https_proxy or grpc_proxy nor gRPC's address-level one (as both clients dial it).
+_NO_PROXY = (("grpc.enable_http_proxy", 0), ("grpc.address_http_proxy_enabled_addresses", ""))
+
+
 def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     """Run the tour for parsed ``demo`` arguments: 0 when done, 1 when it could not be, 2 on a
     usage error."""
@@ -416,10 +435,17 @@ def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     except ConfigError as exc:
         print(f"context-engine demo: {exc}", file=sys.stderr)
         return 2
+    if token is not None and not on_this_machine(address):
+        # the demo speaks plaintext only: the token would cross the network in clear text
+        print(f"context-engine demo: the demo speaks plaintext gRPC, so it sends a token only "
+              f"to this machine, and {address} is not on it: run the demo where the server "
+              f"runs (or through a tunnel to it)", file=sys.stderr)
+        return 2
     tenant = args.tenant or environ.get("CE_TENANT_ID") or TENANT
     session = args.session or environ.get("CE_SESSION_ID") or "tour"
     out: list[str] = []
-    with grpc.insecure_channel(address) as channel:
+    options = _NO_PROXY if token is not None else ()
+    with grpc.insecure_channel(address, options=options) as channel:
         engine = Engine(channel, token=token)
         try:
             if session_exists(engine, tenant, session):

@@ -166,6 +166,65 @@ def test_the_demo_reads_its_tenant_and_session_from_the_variables(secured, monke
     assert code == 1 and f"session {session!r} of tenant {tenant!r} exists already" in err, err
 
 
+def _non_loopback_ip() -> str | None:
+    """An address of this machine other than loopback (None when it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: it only picks a route
+        except OSError:
+            return None
+        ip = str(probe.getsockname()[0])
+    return None if ip.startswith("127.") or ip == "0.0.0.0" else ip
+
+
+def test_the_demo_sends_a_token_to_no_other_machine(monkeypatch, capsys):
+    """The demo speaks plaintext gRPC only, yet sent CE_TOKEN to any address it was given:
+    `demo --grpc-addr host:50051` carried the bearer token in cleartext over the network,
+    where both clients and their examples refuse unless told TLS or plaintext. It refuses now,
+    before it connects: nothing reaches the listener, whatever answers there."""
+    ip = _non_loopback_ip()
+    if ip is None:
+        pytest.skip("this machine has no address but loopback")
+    with socket.socket() as listener:
+        listener.bind(("0.0.0.0", 0))
+        listener.listen(8)
+        address = f"{ip}:{listener.getsockname()[1]}"
+        monkeypatch.setenv("CE_TOKEN", "token-that-must-stay-here")
+        code, out, err = demo(capsys, "--grpc-addr", address, "--session", "s")
+        listener.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            listener.accept()[0].close()
+    assert code == 2 and not out, err
+    assert err == (f"context-engine demo: the demo speaks plaintext gRPC, so it sends a token "
+                   f"only to this machine, and {address} is not on it: run the demo where the "
+                   f"server runs (or through a tunnel to it)\n"), err
+    assert "token-that-must-stay-here" not in err
+
+
+def test_the_demos_token_to_this_machine_goes_through_no_proxy(secured, monkeypatch, capsys):
+    """With http_proxy set (as it is behind many corporate networks), gRPC sent the demo's
+    calls, and the token in them, through the proxy even to 127.0.0.1: the proxy received a
+    CONNECT and then the plaintext HTTP/2 stream. The demo dials this machine straight now,
+    as both clients do; the proxy sees nothing."""
+    server, tenant, token = secured
+    with socket.socket() as proxy:
+        proxy.bind(("127.0.0.1", 0))
+        proxy.listen(8)
+        proxy_url = f"http://127.0.0.1:{proxy.getsockname()[1]}"
+        for name in ("http_proxy", "https_proxy", "grpc_proxy"):
+            monkeypatch.setenv(name, proxy_url)
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("no_grpc_proxy", raising=False)
+        monkeypatch.setenv("CE_TOKEN", token)
+        code, out, err = demo(capsys, "--grpc-addr", server.address, "--tenant", tenant,
+                              "--session", f"proxy-{uuid.uuid4().hex[:8]}")
+        proxy.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            proxy.accept()[0].close()
+    assert code == 0, err
+    assert out.startswith("== 1. Plan") and "== 6. Rotate" in out
+
+
 @pytest.mark.parametrize("stdin", ["", "\n", "   \nsecond line\n"])
 def test_the_demo_refuses_an_empty_token_on_stdin(stdin, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
