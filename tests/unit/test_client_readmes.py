@@ -173,3 +173,49 @@ def test_typescript_error_table_is_the_errors_fields():
     assert body
     fields = set(re.findall(r"^  readonly (\w+)", body.group(1), re.M))
     assert documented == fields, documented ^ fields
+
+
+# ---------------------------------------------------------------------------- provider bodies
+
+
+def _helper_rows(readme: str) -> dict[str, list[str]]:
+    """``{body type: [top-level keys the README lists]}`` of the "| helper | returns |" table:
+    the backticked names after the type, up to the parenthesis or colon that ends them."""
+    rows = {}
+    for cells in table(readme, "| helper | returns |"):
+        typed = re.match(r"`(\w+Body)`: (.*)", cells[1])
+        if typed:
+            keys = re.split(r" \(|: ", typed.group(2), maxsplit=1)[0]
+            rows[typed.group(1)] = BACKTICKED.findall(keys)
+    return rows
+
+
+def test_python_body_helpers_list_their_typed_dicts_keys():
+    """Each listed key is one the TypedDict has, and every key each body has (a required one)
+    is listed. The Python README's helper table left `max_output_tokens` out of
+    `OpenAIResponsesBody`, which every Responses body the service renders holds (and the
+    TypeScript README lists); an optional key may go unlisted (Gemini's `cachedContent` is the
+    cached body's, `toolConfig` one the service never sets)."""
+    from typing import NotRequired, get_origin, get_type_hints
+
+    from context_engine_client import formats
+
+    documented = _helper_rows(PYTHON_README.read_text())
+    assert len(documented) == 5, documented
+    for name, keys in documented.items():
+        hints = get_type_hints(getattr(formats, name), include_extras=True)
+        required = {key for key, hint in hints.items() if get_origin(hint) is not NotRequired}
+        assert set(keys) <= set(hints), name
+        assert required <= set(keys), (name, required - set(keys))
+
+
+def test_typescript_body_helpers_list_their_interfaces_fields():
+    source = _ts("formats.ts")
+    documented = _helper_rows(TS_README.read_text())
+    assert len(documented) == 5, documented
+    for name, keys in documented.items():
+        body = re.search(rf"^export interface {name} \{{\n(.*?)^\}}", source, re.S | re.M)
+        assert body, name
+        required = set(re.findall(r"^  (\w+):", body.group(1), re.M))
+        assert set(keys) <= set(_interface_fields(source, name)), name
+        assert required <= set(keys), (name, required - set(keys))
