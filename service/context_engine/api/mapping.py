@@ -707,7 +707,10 @@ def _update(v: Violations, field: str, u: pb.WorkingStateUpdate) -> Update:
                   f"unknown task state {t.state!r}; one of {', '.join(TASK_STATES)}")
         if t.sequence or t.run_id:
             v.add(where, "sequence and run_id are provenance the service sets; leave them unset")
-        tasks.append(WorkingTask(id=t.id, title=t.title, state=t.state))
+        # a title derived from content below the update's label keeps the lower label (at
+        # most USER, unset means USER): as a fact's, it can only lower the update's
+        tasks.append(WorkingTask(id=t.id, title=t.title, state=t.state,
+                                 trust=v.label(f"{where}.trust", t.trust)))
     v.unique(f"{field}.upsert_tasks", (t.id for t in u.upsert_tasks), "task id")
     facts = []
     for i, f in enumerate(u.add_facts):

@@ -425,7 +425,8 @@ def apply_update(state: WorkingState, transition: Transition, *, run_id: str, se
             d.set_objective(transition.objective, label)
         d.add_constraints(transition.add_constraints, label)
         for i, task in enumerate(transition.upsert_tasks):
-            d.upsert_task(task, i, run_id, sequence, label)
+            # a task's own label (a typed update's) can only lower the call's, as a fact's
+            d.upsert_task(task, i, run_id, sequence, lowest([task.trust, label], label))
         for fact in transition.add_facts:
             # a fact is written by the call too: never above the call's own label
             d.add_fact(replace(fact, trust=lowest([fact.trust, label], label)), run_id,

@@ -1254,7 +1254,9 @@ class WorkingTask(_message.Message):
     run_id: _builtins.str
     trust: Global___TrustLevel.ValueType
     """The label of its title: that of the transition that wrote it (set by the service; unset
-    means USER). The block renders the title inside an envelope carrying it.
+    means USER). The block renders the title inside an envelope carrying it. In a typed
+    update it may be set lower than the update's trust (a title read off a page): the task
+    keeps the lower label; at most USER.
     """
     def __init__(
         self,
