@@ -464,6 +464,46 @@ def test_a_working_state_over_its_caps_is_refused_wherever_it_arrives(stub, ids,
     assert "c19" in served.provider_body_json and "q19?" in served.provider_body_json
 
 
+@pytest.mark.parametrize("task_id", [
+    "", "t" * 257, "line\nbreak", "tab\there", "bidi\u202eoverride", "zero\u200bwidth",
+    "tag\U000e0041", "para\u2029sep", "del\x7f", " padded", "padded ",
+], ids=["empty", "257 chars", "LF", "TAB", "RLO", "ZWSP", "tag", "PS", "DEL", "lead space",
+        "trail space"])
+def test_a_working_states_task_id_is_held_to_the_id_rule_wherever_it_arrives(stub, ids, db,
+                                                                            task_id):
+    """README, INVALID_ARGUMENT: "an id (tenant, session, item, run, call, task, ...) over 256
+    characters or holding a control, format or line-separator character (Unicode categories
+    Cc, Cf, Zl and Zp)", and "empty ids". An update's task id was held to it; the task ids of a
+    caller's working state (a checkpoint's at Build and Compact, UpdateWorkingState's current)
+    were not, and Build printed them in row 12. Refused at the field, writing nothing; a
+    256-character id is served."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    before = db.counts(tenant)
+    state = pb.WorkingState(tasks=[pb.WorkingTask(id=task_id, title="t", state="open")])
+    where = "checkpoint.working_state.tasks[0].id"
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session, working_state=state))
+    assert failure(err.value).code is grpc.StatusCode.INVALID_ARGUMENT
+    assert list(failure(err.value).violations) == [where], failure(err.value).violations
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Compact(pb.CompactRequest(
+            tenant_id=tenant, session_id=session, reason="budget_pressure", idempotency_key="k",
+            tokens_to_free=10, checkpoint=build_request(tenant, session,
+                                                        working_state=state).checkpoint))
+    assert list(failure(err.value).violations) == [where], failure(err.value).violations
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdateWorkingState(pb.UpdateWorkingStateRequest(
+            tenant_id=tenant, session_id=session, run_id="run-1", current=state, sequence=10,
+            transition=pb.WorkingStateTransition(update=pb.WorkingStateUpdate(next_action="go"))))
+    assert list(failure(err.value).violations) == ["current.tasks[0].id"]
+    assert db.counts(tenant) == before
+    longest = "t" * 256
+    served = stub.Build(build_request(tenant, session, working_state=pb.WorkingState(
+        tasks=[pb.WorkingTask(id=longest, title="t", state="open")])))
+    assert f"[{longest}]" in served.provider_body_json
+
+
 def test_a_skill_loaded_twice_is_refused(stub, ids, db):
     """Two bodies under one skill's name would both render as that skill: refused at the
     second, naming the first."""

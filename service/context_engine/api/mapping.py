@@ -602,6 +602,7 @@ def checkpoint(v: Violations, cp: pb.Checkpoint, *, memo: MutableMapping[Any, An
 def working_state(v: Violations, field: str, ws: pb.WorkingState) -> WorkingState:
     """A caller's working state (a checkpoint's, or the current one of UpdateWorkingState)."""
     for i, t in enumerate(ws.tasks):
+        v.identifier(f"{field}.tasks[{i}].id", t.id)  # rendered in row 12, as an update's
         if t.state not in TASK_STATES:
             v.add(f"{field}.tasks[{i}].state",
                   f"unknown task state {t.state!r}; one of {', '.join(TASK_STATES)}")
