@@ -143,8 +143,9 @@ def test_construction_checks_its_arguments():
     Client(target="127.0.0.1:1", timeout=1e9).close()  # the longest is taken
     with pytest.raises(ValueError, match="go together"):
         Client(target="127.0.0.1:1", client_certificate_chain=b"pem")
-    with pytest.raises(ValueError, match="token"):
-        Client(target="127.0.0.1:1", token="a\nb")
+    for token in ("a\nb", "a\rb", ""):  # one non-empty line: no CR, no LF
+        with pytest.raises(ValueError, match="token must be one non-empty line"):
+            Client(target="127.0.0.1:1", token=token)
     with pytest.raises(TypeError):
         Client("127.0.0.1:1")  # type: ignore[misc]  # keyword-only
     with Client(target="127.0.0.1:1") as client, pytest.raises(TypeError, match="PlanRequest"):
@@ -367,6 +368,41 @@ def test_malformed_input_is_invalid_argument_with_every_field_violation(server, 
 
 
 @pytest.mark.integration
+def test_a_request_naming_base_items_kept_alone_is_sent_as_it_is(server, ids):
+    """A request that names a base itself goes to the service unchanged, even one that sets
+    base_items_kept without base_build_id: the service's own refusal comes back, not a local
+    ValueError of the incremental machinery."""
+    tenant, session = ids
+    with Client(target=server.address) as engine:
+        engine.plan(request=plan_request(tenant, session))
+        with pytest.raises(InvalidArgument) as err:
+            engine.build(request=pb.BuildRequest(tenant_id=tenant, session_id=session,
+                                                 checkpoint=checkpoint(), base_items_kept=2))
+    assert err.value.field_violations == (FieldViolation(
+        field="base_items_kept", description="is set without base_build_id"),)
+    assert engine.build_stats.builds == 0
+
+
+@pytest.mark.integration
+def test_max_message_bytes_bounds_what_the_client_receives(server, ids):
+    """``max_message_bytes`` is the limit of both directions: a response over it is refused
+    by the client's channel (RESOURCE_EXHAUSTED), one under it is read."""
+    tenant, session = ids
+    request = pb.GetPlanRequest(tenant_id=tenant, session_id=session)
+    with Client(target=server.address) as engine:
+        engine.plan(request=plan_request(tenant, session))
+        got = engine.get_plan(request=request)
+    size = got.ByteSize()  # protobuf's own serialized size of the response
+    assert request.ByteSize() < 200 < size
+    with Client(target=server.address, max_message_bytes=size - 1) as engine, pytest.raises(
+            context_engine_client.ResourceExhausted) as err:
+        engine.get_plan(request=request)
+    assert err.value.reason == ""  # the channel's refusal, not the service's
+    with Client(target=server.address, max_message_bytes=size + 64) as engine:
+        assert engine.get_plan(request=request) == got
+
+
+@pytest.mark.integration
 def test_a_refused_tool_call_carries_the_tool_result_for_the_model(server, ids):
     tenant, session = ids
     request = pb.UpdateWorkingStateRequest(
@@ -539,6 +575,29 @@ KEYED = {
     "ReportUsage": lambda c, key: c.report_usage(request=pb.ReportUsageRequest(
         tenant_id="t", idempotency_key=key)),
 }
+
+
+# Each non-OK status code's class, written out here (not read from the client's table).
+CLASS_OF_CODE = {
+    "CANCELLED": "Cancelled", "UNKNOWN": "Unknown", "INVALID_ARGUMENT": "InvalidArgument",
+    "DEADLINE_EXCEEDED": "DeadlineExceeded", "NOT_FOUND": "NotFound",
+    "ALREADY_EXISTS": "AlreadyExists", "PERMISSION_DENIED": "PermissionDenied",
+    "RESOURCE_EXHAUSTED": "ResourceExhausted", "FAILED_PRECONDITION": "FailedPrecondition",
+    "ABORTED": "Aborted", "OUT_OF_RANGE": "OutOfRange", "UNIMPLEMENTED": "Unimplemented",
+    "INTERNAL": "Internal", "UNAVAILABLE": "Unavailable", "DATA_LOSS": "DataLoss",
+    "UNAUTHENTICATED": "Unauthenticated",
+}
+
+
+@pytest.mark.parametrize("code", sorted(CLASS_OF_CODE))
+def test_each_status_code_raises_its_own_class(fake, code):
+    state, target = fake
+    state.failures, state.code = 100, grpc.StatusCode[code]  # every attempt fails
+    with Client(target=target) as engine, pytest.raises(ContextEngineError) as err:
+        engine.get_plan(request=pb.GetPlanRequest(tenant_id="t"))
+    assert type(err.value).__name__ == CLASS_OF_CODE[code]
+    assert err.value.code is grpc.StatusCode[code]
+    assert err.value.reason == "STORE_UNAVAILABLE"  # the fake's rich status, read
 
 
 @pytest.mark.parametrize("name", sorted(IDEMPOTENT))
