@@ -567,6 +567,9 @@ describe("client behaviour", () => {
     const whole = open({ incremental: false });
     const item = (sequence: string) => ({ tenantId: "t", sessionId: "s", checkpoint: { items: [
       { id: "u1", sequence, user: { text: "hi" } }] } });
+    const attached = (textChars: string) => ({ tenantId: "t", sessionId: "s", checkpoint: {
+      items: [{ id: "u1", sequence: "1", user: { text: "hi", attachments: [
+        { name: "notes.txt", ref: "file-1", textChars }] } }] } });
     for (const bad of ["", " 3", "3 ", "+3", "0x10", "0o7", "0b1", "1e3", "1_000", "\n3"]) {
       const sends: [string, () => Promise<unknown>][] = [
         ["carryWorkingState", () => client.carryWorkingState({ tenantId: "t", sessionId: "s",
@@ -575,6 +578,9 @@ describe("client behaviour", () => {
         ["build", () => whole.build(item(bad))],
         ["compact", () => client.compact({ tenantId: "t", sessionId: "s", reason: "r",
           idempotencyKey: "k", checkpoint: { summary: { sourceEventIds: ["1", bad] } } })],
+        // a uint64 (Attachment.text_chars), whole and item by item
+        ["build", () => whole.build(attached(bad))],
+        ["build", () => client.build(attached(bad))],
       ];
       for (const [rpc, send] of sends) {
         await assert.rejects(send(), (err: unknown) => err instanceof SyntaxError &&
