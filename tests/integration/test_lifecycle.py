@@ -492,3 +492,27 @@ def test_a_day_without_a_partition_waits_for_the_next_cycle(own, replicas, caplo
         assert a.running.events.discarded == 0 and a.running.events.dropped == 0
     finally:
         channel.close()
+
+
+def test_a_cycle_deletes_every_expired_key_batch_after_batch(own, replicas):
+    """Step 3 deletes in batches of ``batch_size`` rows until a batch deletes fewer: five
+    expired keys under a batch size of two go in three batches, all of them in one cycle."""
+    a, _b, _clock_a, _clock_b = replicas
+    db = own.db
+    tenant, session = f"tenant-{uuid.uuid4().hex[:8]}", "s-1"
+    channel = grpc.insecure_channel(a.address)
+    stub = pb_grpc.ContextEngineStub(channel)
+    try:
+        stub.Plan(plan_request(tenant, session, model=SMALL), timeout=30)
+        for n in range(5):
+            assert stub.ReportUsage(report(tenant, session, f"use-{n}"), timeout=30).counted
+    finally:
+        channel.close()
+    keys = "SELECT count(*) FROM idempotency_keys WHERE tenant_id=$1 AND rpc NOT LIKE 'context.%'"
+    assert db.val(keys, tenant) == 5
+    age_keys(db, tenant, KEY_TTL_HOURS + 1)
+    maintenance = a.running.maintenance
+    small = replace(maintenance, policy=replace(maintenance.policy, batch_size=2))
+    outcome = a.call(small.run_once())
+    assert outcome.keys_deleted == 5
+    assert db.val(keys, tenant) == 0
