@@ -242,3 +242,36 @@ def test_an_event_of_a_day_past_retention_is_discarded(database_url, db, session
     (discarded,) = [getattr(r, "fields", {}) for r in caplog.records
                     if r.getMessage() == "event_discarded"]
     assert discarded["reason"] == "past_retention" and discarded["tenant"] == tenant
+
+
+def test_a_keyed_event_that_waited_is_written_under_its_key(database_url, db, session):
+    """An ``append_once`` event queued while the database was away is written by the flush
+    under its key: the key is then taken, and a second event under it is not stored."""
+    tenant, sid = session
+
+    async def body(pool: asyncpg.Pool) -> None:
+        outbox = BufferedEventLog(Away(PostgresEventLog(pool), calls=1))
+        assert await outbox.append_once(pressure(tenant, sid, "k1"), "once-1")
+        assert outbox.pending == 1
+        assert await outbox.flush() == 1
+        assert not await outbox.append_once(pressure(tenant, sid, "k2"), "once-1")
+
+    with_outbox(database_url, body)
+    assert stored(db, tenant) == ["k1.u0"]
+    assert db.val("SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1 AND key = $2",
+                  tenant, "once-1") == 1
+
+
+def test_closing_the_outbox_writes_what_waits(database_url, db, session):
+    tenant, sid = session
+
+    async def body(pool: asyncpg.Pool) -> None:
+        outbox = BufferedEventLog(Away(PostgresEventLog(pool), calls=1))
+        await outbox.append(pressure(tenant, sid, "c1"))
+        await outbox.append(pressure(tenant, sid, "c2"))
+        assert outbox.pending == 2
+        await outbox.close()  # one last attempt, the database being back
+        assert outbox.pending == 0
+
+    with_outbox(database_url, body)
+    assert stored(db, tenant) == ["c1.u0", "c2.u0"]
