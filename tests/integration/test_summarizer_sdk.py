@@ -130,6 +130,7 @@ def test_a_completion_is_the_narrative_and_the_key_is_the_bearer(endpoint):
     assert system == {"role": "system", "content": load_prompt().text}
     assert user["role"] == "user" and f"[1] user: {TEXT}" in user["content"]
     assert "Stated objective: plan the trip" in user["content"]
+    assert "Open questions:\n- which hotel?\n" in user["content"]
     # the limit is asked for, and the answer returned as written: the compactor measures it
     # (test_an_answer_over_its_allowance_is_asked_again_then_cut_in_its_middle)
     assert summarize(s, max_chars=8).narrative == "The user plans a trip."
@@ -207,6 +208,17 @@ def test_a_400_is_not_retried_and_says_what_failed(endpoint):
     assert str(err) == ("the summarizer is unavailable: HTTP 400 (context_length_exceeded); "
                         "nothing was stored")
     assert TEXT not in str(err)  # the provider's message may quote the request: never kept
+
+
+def test_an_error_code_that_is_not_a_plain_identifier_is_left_out(endpoint):
+    """The code of the error body is kept only when it is an identifier as a whole: one that
+    merely starts like one may quote the request."""
+    endpoint.script = [Answer(status=400, body={"error": {
+        "message": "bad request", "type": "invalid_request_error",
+        "code": f"context_length_exceeded {TEXT}"}})]
+    err, _ = failure(llm(endpoint))
+    assert err.why == "HTTP 400"
+    assert TEXT not in str(err)
 
 
 def test_a_slow_endpoint_fails_at_the_deadline(endpoint):
