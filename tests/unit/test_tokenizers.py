@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
 import tiktoken
+import tiktoken.load
 from context_engine.adapters.tokenizers import (
     FALLBACK_FACTOR,
     TiktokenCounter,
@@ -15,6 +17,7 @@ from context_engine.adapters.tokenizers import (
     cache_path,
     cached_offline,
     ordinary_counter,
+    tiktoken_cache_dir,
 )
 from context_engine.domain.errors import InvalidInput
 from context_engine.domain.estimator import TokenEstimator
@@ -192,3 +195,24 @@ _COUNT = ordinary_counter(_ENC)
 def test_the_buffer_count_is_the_length_of_encode_ordinary(parts: list[str]) -> None:
     text = "".join(parts)
     assert _COUNT(text) == len(_ENC.encode_ordinary(text))
+
+
+@pytest.mark.parametrize("variables", [("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"),
+                                       ("DATA_GYM_CACHE_DIR",), ("TIKTOKEN_CACHE_DIR",)])
+def test_the_cache_directory_is_the_one_tiktoken_reads(tmp_path, monkeypatch, variables):
+    """Whether an encoding is cached is judged in the directory tiktoken itself reads from:
+    the oracle is tiktoken's own read_file_cached, which finds a file planted in each
+    directory and returns the one of the directory it prefers, without the network."""
+    url = "https://example.invalid/cache-probe.tiktoken"
+    name = hashlib.sha1(url.encode()).hexdigest()
+    env: dict[str, str] = {}
+    for variable in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+        monkeypatch.delenv(variable, raising=False)
+    for variable in variables:
+        directory = tmp_path / variable
+        directory.mkdir()
+        (directory / name).write_bytes(variable.encode())
+        env[variable] = str(directory)
+        monkeypatch.setenv(variable, str(directory))
+    read = tiktoken.load.read_file_cached(url).decode()
+    assert tiktoken_cache_dir(env) == tmp_path / read
