@@ -373,14 +373,23 @@ def test_a_request_naming_base_items_kept_alone_is_sent_as_it_is(server, ids):
     base_items_kept without base_build_id: the service's own refusal comes back, not a local
     ValueError of the incremental machinery."""
     tenant, session = ids
+    request = pb.BuildRequest(tenant_id=tenant, session_id=session, checkpoint=checkpoint(),
+                              base_items_kept=2)
     with Client(target=server.address) as engine:
         engine.plan(request=plan_request(tenant, session))
-        with pytest.raises(InvalidArgument) as err:
-            engine.build(request=pb.BuildRequest(tenant_id=tenant, session_id=session,
-                                                 checkpoint=checkpoint(), base_items_kept=2))
-    assert err.value.field_violations == (FieldViolation(
-        field="base_items_kept", description="is set without base_build_id"),)
+        with pytest.raises(InvalidArgument) as sync_err:
+            engine.build(request=request)
     assert engine.build_stats.builds == 0
+
+    async def scenario() -> None:
+        async with AsyncClient(target=server.address) as engine:
+            await engine.build(request=request)
+
+    with pytest.raises(InvalidArgument) as async_err:
+        asyncio.run(scenario())
+    for err in (sync_err, async_err):
+        assert err.value.field_violations == (FieldViolation(
+            field="base_items_kept", description="is set without base_build_id"),)
 
 
 @pytest.mark.integration
