@@ -627,8 +627,10 @@ describe("client behaviour", () => {
   });
 
   test("a token must be one line", () => {
-    assert.throws(() => new ContextEngineClient({ target: address, insecure: true,
-      token: "a\nb" }), /one non-empty line/);
+    for (const token of ["a\nb", "a\rb", ""]) {  // one non-empty line: no CR, no LF
+      assert.throws(() => new ContextEngineClient({ target: address, insecure: true, token }),
+        /one non-empty line/, JSON.stringify(token));
+    }
   });
 
   test("a plaintext token to this machine goes straight, not through the environment's proxy",

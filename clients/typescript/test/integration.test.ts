@@ -19,6 +19,7 @@ import {
   ContextEngineError,
   FORMAT_NAMES,
   type FormatName,
+  GetPlanResponse,
   GrpcStatus,
   PACKAGE_ROOT,
   PlanRequest,
@@ -289,6 +290,40 @@ describe("context-engine over gRPC", { skip: target ? false :
       assert.ok(err.violations.length > 0, "BadRequest field violations are parsed");
       return true;
     });
+  });
+
+  test("a request naming baseItemsKept alone is sent as it is: the service refuses it",
+    async () => {
+      const session = `${sessionId}-kept-alone`;
+      await client.plan({ ...fixture.plan, tenantId, sessionId: session });
+      await assert.rejects(client.build({ tenantId, sessionId: session,
+        checkpoint: fixture.checkpoint, baseItemsKept: 2 }), (err: unknown) => {
+        assert.ok(err instanceof ContextEngineError, String(err));
+        assert.equal(err.code, GrpcStatus.INVALID_ARGUMENT);
+        assert.deepEqual(err.violations.map((v) => [v.field, v.description]),
+          [["base_items_kept", "is set without base_build_id"]]);
+        return true;
+      });
+    });
+
+  test("maxMessageBytes bounds what the client receives", async () => {
+    const session = `${sessionId}-limit`;
+    await client.plan({ ...fixture.plan, tenantId, sessionId: session });
+    const got = await client.getPlan({ tenantId, sessionId: session });
+    // the response's size by the protobuf encoder, not by the channel
+    const size = GetPlanResponse.encode(got).finish().length;
+    assert.ok(size > 200, `a plan of ${size} bytes`);
+    const small = new ContextEngineClient({ target, insecure: true, maxMessageBytes: size - 1 });
+    const enough = new ContextEngineClient({ target, insecure: true, maxMessageBytes: size + 64 });
+    try {
+      await assert.rejects(small.getPlan({ tenantId, sessionId: session }), (err: unknown) =>
+        err instanceof ContextEngineError && err.code === GrpcStatus.RESOURCE_EXHAUSTED &&
+        err.reason === "");
+      assert.deepEqual(await enough.getPlan({ tenantId, sessionId: session }), got);
+    } finally {
+      small.close();
+      enough.close();
+    }
   });
 
   test("DeleteSession erases a session: it is NOT_FOUND afterwards, and erasing again is a no-op",
