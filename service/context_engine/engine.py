@@ -496,7 +496,12 @@ class Engine:
 
     # ------------------------------------------------------------------ Plan
 
-    async def plan(self, cmd: PlanCommand) -> tuple[ContextPlan, bool]:
+    async def plan(self, cmd: PlanCommand, *,
+                   then: Callable[[LoadedPlan], object] | None = None
+                   ) -> tuple[ContextPlan, bool]:
+        """``then``: the caller's work on an epoch this call writes (its response), given the
+        plan as it will be served, before the write commits: what it raises writes nothing
+        (no epoch, event, cached plan or metric). Not called when nothing is written."""
         current = await self._store.get(cmd.tenant_id, cmd.session_id)
         # served with an older builder's escaping whatever its label says (a replica of that
         # release rotated it): drafted anew, as a builder change
@@ -516,7 +521,7 @@ class Engine:
                 escaped_before = True
             elif loaded.legacy:
                 try:
-                    return await self._canonicalize(loaded)
+                    return await self._canonicalize(loaded, then)
                 except _ErasedMeanwhile:
                     current = None  # opened anew below
             else:
@@ -587,10 +592,22 @@ class Engine:
                 drafts.append(draft_for(locked))
             return Rotation(reason=reason, draft=drafts[-1])
 
-        plan, created = await self._store.pin(cmd.tenant_id, cmd.session_id, decide)
+        served = self._served(then, lambda: drafts[-1].rendered, key)
+        plan, created = await self._store.pin(cmd.tenant_id, cmd.session_id, decide,
+                                              then=served)
         if created:
             self._pinned(plan, drafts[-1].rendered, key)
         return plan, created
+
+    @staticmethod
+    def _served(then: Callable[[LoadedPlan], object] | None,
+                rendered: Callable[[], RenderedPrefix],
+                key: str) -> Callable[[ContextPlan], object] | None:
+        """The store's ``then`` of a pin: the epoch written, as ``_pinned`` caches it (with
+        the prefix ``rendered`` gives once decided), handed to the caller's ``then``."""
+        if then is None:
+            return None
+        return lambda plan: then(LoadedPlan(plan=plan, rendered=rendered(), session_key=key))
 
     def _newest_assets(self, current: ContextPlan | None) -> PlatformAssets:
         """The platform policy a new epoch pins: this replica's, unless the session's plan
@@ -611,7 +628,9 @@ class Engine:
         self._metrics.epochs.labels(reason=plan.reason).inc()
         self._metrics.prefix_tokens.observe(plan.prefix_tokens)
 
-    async def _canonicalize(self, loaded: LoadedPlan) -> tuple[ContextPlan, bool]:
+    async def _canonicalize(self, loaded: LoadedPlan,
+                            then: Callable[[LoadedPlan], object] | None = None
+                            ) -> tuple[ContextPlan, bool]:
         """prefix_hash_canonicalized: the same plan appended as a new epoch under its canonical
         hash. Nothing is rebuilt (a run may be parked on an approval) and the provider gets
         the same bytes, so nothing is re-cached."""
@@ -630,14 +649,19 @@ class Engine:
             draft = PlanDraft(spec=locked.spec, rendered=rendered, classes=locked.classes)
             return Rotation(reason="prefix_hash_canonicalized", draft=draft)
 
-        plan, created = await self._store.pin(stale.tenant_id, stale.session_id, decide)
+        plan, created = await self._store.pin(stale.tenant_id, stale.session_id, decide,
+                                              then=self._served(then, lambda: rendered,
+                                                                loaded.session_key))
         if created:
             self._pinned(plan, rendered, loaded.session_key)
         return plan, created
 
-    async def rotate(self, cmd: RotateCommand) -> tuple[ContextPlan, bool]:
+    async def rotate(self, cmd: RotateCommand, *,
+                     then: Callable[[LoadedPlan], object] | None = None
+                     ) -> tuple[ContextPlan, bool]:
         """An explicit rotation: always a new epoch (once per idempotency key), built from the
-        plan current under the session's lock, so concurrent rotations compose."""
+        plan current under the session's lock, so concurrent rotations compose. ``then``: as
+        for ``plan`` (a retried key writes nothing and calls nothing)."""
         profile = None
         if cmd.model is not None:
             profile = self._catalog.resolve(
@@ -678,6 +702,7 @@ class Engine:
             drafts.append(draft)
             return Rotation(reason=cmd.reason, draft=draft)
 
+        served = self._served(then, lambda: drafts[-1].rendered, key)
         fingerprint = canonical_sha256([
             cmd.session_id, cmd.reason, sorted(cmd.drop_tools),
             None if cmd.model is None else [cmd.model.model_id, cmd.model.context_window,
@@ -686,7 +711,7 @@ class Engine:
             None if cmd.snapshot is None else cmd.snapshot.canonical()])
         plan, created = await self._store.pin(cmd.tenant_id, cmd.session_id, decide,
                                               idempotency_key=cmd.idempotency_key,
-                                              fingerprint=fingerprint)
+                                              fingerprint=fingerprint, then=served)
         if created:
             self._pinned(plan, drafts[-1].rendered, key)
         return plan, created
@@ -1078,17 +1103,24 @@ class Engine:
                 self._forget_erased(tenant_id, session_id, changed.found)
         raise SessionNotFound(tenant_id, session_id, epoch)
 
-    async def report_usage(self, report: UsageReport) -> UsageOutcome:
+    async def report_usage(self, report: UsageReport, *,
+                           then: Callable[[UsageOutcome], object] | None = None
+                           ) -> UsageOutcome:
         """Counted against the session's incarnation the plan was read for, checked when the
         report is written: a plan cached from before the session was erased and planned again
-        is read again, and the report counts against the new session's epoch."""
+        is read again, and the report counts against the new session's epoch. ``then``: the
+        caller's work on the outcome of a report counted now (its response), done in the
+        store's transaction before the report is written: what it raises writes and counts
+        nothing (a retried key, which writes nothing, does not call it)."""
         async def attempt() -> UsageOutcome:
             loaded = await self.loaded(report.tenant_id, report.session_id, report.epoch)
-            return await self._report_usage(report, loaded)
+            return await self._report_usage(report, loaded, then)
         return await self.once_more_if_replanned(report.tenant_id, report.session_id,
                                                  report.epoch, attempt)
 
-    async def _report_usage(self, report: UsageReport, loaded: LoadedPlan) -> UsageOutcome:
+    async def _report_usage(self, report: UsageReport, loaded: LoadedPlan,
+                            then: Callable[[UsageOutcome], object] | None = None
+                            ) -> UsageOutcome:
         spec = loaded.plan.spec
         model = spec.model
         # No request of this plan can hold more than the model's window: a report that says so
@@ -1131,11 +1163,17 @@ class Engine:
         def apply(current: Calibration | None) -> Reconciled:
             if too_big:  # raised in the transaction: nothing is written
                 raise InvalidInput(too_big)
-            return reconcile(current, model_id=model.model_id, encoding=spec.encoding,
-                             estimated=report.estimated_input_tokens,
-                             actual=report.input_tokens, factor_used=report.estimator_factor,
-                             fixed=fixed, bounded=report.estimated_attachment_tokens,
-                             floor=factor_floor(spec))
+            outcome = reconcile(current, model_id=model.model_id, encoding=spec.encoding,
+                                estimated=report.estimated_input_tokens,
+                                actual=report.input_tokens,
+                                factor_used=report.estimator_factor, fixed=fixed,
+                                bounded=report.estimated_attachment_tokens,
+                                floor=factor_floor(spec))
+            if then is not None:  # the report's answer, as counted (raised: nothing written)
+                then(UsageOutcome(model_id=outcome.calibration.model_id, reconciled=outcome,
+                                  counted=True, epoch=loaded.plan.epoch,
+                                  prefix_sha256=loaded.plan.prefix_sha256))
+            return outcome
 
         # The request as sent (epoch 0 is "current"), not the epoch it resolved to: a retry
         # after a rotation repeats the same request and must get the first answer back.
@@ -1206,18 +1244,23 @@ class Engine:
         return measure
 
     async def update_working_state(self, cmd: WorkingStateCommand, *,
-                                   seen: Callable[[ContextPlan], object] | None = None
+                                   seen: Callable[[ContextPlan], object] | None = None,
+                                   then: Callable[[WorkingState, Changes], object] | None = None
                                    ) -> tuple[WorkingState, Changes]:
         """One typed transition (pure), then ``context.working_state.updated`` — best effort,
         like Build's events: the transition is the caller's to checkpoint. ``seen`` is told
         the plan it runs on once that is read (the call's log line and span name its epoch
-        and prefix, also when the transition is then refused)."""
+        and prefix, also when the transition is then refused). ``then``: the caller's work on
+        the new state (its response), before the event is written: what it raises records
+        nothing."""
         loaded = await self.loaded(cmd.tenant_id, cmd.session_id, None)
         if seen is not None:
             seen(loaded.plan)
         measure = self._working_state_measure(loaded)
         state, changes = apply_update(cmd.current, cmd.transition, run_id=cmd.run_id,
                                       sequence=cmd.sequence, measure=measure)
+        if then is not None:
+            then(state, changes)
         await self._record(loaded.plan, "context.working_state.updated",
                            {"run_id": cmd.run_id, "sequence": cmd.sequence,
                             "epoch": loaded.plan.epoch, **changes.summary(),
@@ -1236,9 +1279,13 @@ class Engine:
 
     # ------------------------------------------------------------------ Compact
 
-    async def compact(self, cmd: CompactCommand) -> CompactOutcome:
+    async def compact(self, cmd: CompactCommand, *,
+                      then: Callable[[CompactOutcome], object] | None = None
+                      ) -> CompactOutcome:
         """A write, never part of Build: a retried key returns its stored result before any
-        summarizer call; a summarizer failure raises before anything is stored."""
+        summarizer call; a summarizer failure raises before anything is stored. ``then``: the
+        caller's work on the outcome it stores (its response), before it is stored: what it
+        raises stores and counts nothing (not called for a stored result returned)."""
         loaded = await self.loaded(cmd.tenant_id, cmd.session_id, None)
         epoch = loaded.plan.epoch
         seen = await self._compactions.stored(cmd.tenant_id, cmd.idempotency_key)
@@ -1278,6 +1325,9 @@ class Engine:
                      "tokens_after": result.tokens_after,
                      "compactor_version": result.compactor_version,
                      "summarizer_version": result.summarizer_version})
+        if then is not None:  # exactly what a save storing it answers
+            then(CompactOutcome(result=result, compacted=True, epoch=epoch,
+                                prefix_sha256=loaded.plan.prefix_sha256))
         try:
             stored, created = await self._compactions.save(
                 cmd.tenant_id, cmd.session_id, cmd.idempotency_key, cmd.fingerprint, result,

@@ -903,8 +903,8 @@ def test_a_plan_whose_session_is_erased_before_it_answers_opens_it_anew(replicas
     pin = engine.plan
     erased: list[Any] = []
 
-    async def erased_after_the_pin(cmd: Any) -> Any:
-        pinned = await pin(cmd)
+    async def erased_after_the_pin(cmd: Any, **kwargs: Any) -> Any:
+        pinned = await pin(cmd, **kwargs)
         if not erased:  # once: the Plan's second pin opens the session anew
             erased.append(await engine.delete_session(cmd.tenant_id, cmd.session_id,
                                                       requested_by="test"))

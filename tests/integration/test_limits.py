@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import pytest
@@ -265,3 +266,146 @@ def test_keepalive_and_connection_age_follow_the_configuration():
     assert options["grpc.max_connection_age_grace_ms"] == 7_000
     assert options["grpc.http2.min_ping_interval_without_data_ms"] == 10_000
     assert options["grpc.keepalive_permit_without_calls"] == 1
+
+
+# -- a write whose response is refused RESPONSE_TOO_LARGE writes nothing ------------------------
+
+TIGHT = 1024  # the least CE_MAX_SEND_BYTES allows
+
+
+@pytest.fixture(scope="module")
+def tight(database_url: str) -> Iterator[ServerThread]:
+    srv = ServerThread(base_config().replace(max_send_bytes=TIGHT), database_url)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tight_stub(tight: ServerThread) -> Iterator[pb_grpc.ContextEngineStub]:
+    channel = grpc.insecure_channel(tight.address)
+    yield pb_grpc.ContextEngineStub(channel)
+    channel.close()
+
+
+def written(db, tenant: str) -> dict[str, object]:
+    """Everything a write of the tenant leaves in the database, read with SQL."""
+    rows = {t: db.fetch(f"SELECT * FROM {t} WHERE tenant_id = $1 ORDER BY 1, 2, 3", tenant)
+            for t in ("sessions", "plans", "context_events", "compactions", "idempotency_keys",
+                      "estimator_calibration", "epoch_usage")}
+    return {t: [dict(r) for r in found] for t, found in rows.items()}
+
+
+WRITE_COUNTERS = ("context_engine_epochs", "context_engine_sessions_opened",
+                  "context_engine_compactions", "context_engine_estimator_error_ratio",
+                  "context_engine_elided_spans")
+
+
+def write_counts(server: ServerThread) -> dict[str, float]:
+    """The counters and histograms that count writes, summed over their labels."""
+    from tests.integration.test_metrics_scrape import scrape
+    families = scrape(server)
+    return {name: sum(s.value for s in families[name][1]
+                      if s.name.endswith(("_total", "_count")))
+            for name in WRITE_COUNTERS if name in families}
+
+
+def too_large(call: Any) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    f = failure(info.value)
+    assert f.code is grpc.StatusCode.RESOURCE_EXHAUSTED and f.reason == "RESPONSE_TOO_LARGE", f
+    assert f.metadata["limit"] == str(TIGHT) and int(f.metadata["size"]) > TIGHT
+
+
+def test_a_plan_refused_for_its_response_size_opens_no_session(tight, tight_stub, stub, ids,
+                                                               db):
+    """DESIGN 2: a failed call changes nothing. A Plan whose response is over the send limit
+    stored the session (epoch 1, its event, sessions_opened counted) and answered
+    RESPONSE_TOO_LARGE: GetPlan then found it. Now nothing is written, and the same Plan on a
+    server with room opens it anew."""
+    tenant, session = ids
+    before, counted = written(db, tenant), write_counts(tight)
+    too_large(lambda: tight_stub.Plan(plan_request(tenant, session)))
+    assert written(db, tenant) == before
+    assert write_counts(tight) == counted
+    assert tight.running.engine.cache.incarnation(tenant, session) is None  # nothing cached
+    with pytest.raises(grpc.RpcError) as info:
+        tight_stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session))
+    assert failure(info.value).reason == "SESSION_NOT_FOUND"
+    opened = stub.Plan(plan_request(tenant, session))
+    assert opened.created and opened.plan.epoch == 1
+
+
+def test_a_rotation_refused_for_its_response_size_writes_no_epoch(tight, tight_stub, stub, ids,
+                                                                  db):
+    """A keyed Rotate refused RESPONSE_TOO_LARGE writes no epoch and keeps no key: its retry
+    on a server with room rotates (as new), and a retry of that answers the same epoch."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    before, counted = written(db, tenant), write_counts(tight)
+    rotate = pb.RotateRequest(tenant_id=tenant, session_id=session,
+                              reason=pb.ROTATION_REASON_OPERATOR, idempotency_key="rot-big")
+    too_large(lambda: tight_stub.Rotate(rotate))
+    assert written(db, tenant) == before
+    assert write_counts(tight) == counted
+    assert tight.running.engine.cache.newest(tenant, session, 2) is None  # nor cached
+    rotated = stub.Rotate(rotate)
+    assert rotated.rotated and rotated.plan.epoch == 2
+    again = stub.Rotate(rotate)
+    assert not again.rotated and again.plan.epoch == 2
+
+
+def test_a_compaction_refused_for_its_response_size_stores_nothing(tight, tight_stub, stub, ids,
+                                                                   db):
+    from tests.integration.test_compact_rpc import compact_request
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    items = [item(f"u{i}", i + 1, run="run-0", user=pb.UserMessage(text=f"question {i}"))
+             for i in range(60)] + [item("last", 61, user=pb.UserMessage(text="now"))]
+    request = compact_request(tenant, session, "cmp-big", items=items)
+    before, counted = written(db, tenant), write_counts(tight)
+    too_large(lambda: tight_stub.Compact(request))
+    assert written(db, tenant) == before
+    assert write_counts(tight) == counted
+    done = stub.Compact(request)
+    assert done.compacted and len(done.replaced_item_ids) == 60
+    assert not stub.Compact(request).compacted  # the key's stored answer
+
+
+def test_a_usage_report_refused_for_its_response_size_counts_nothing(tight, tight_stub, stub,
+                                                                     ids, db):
+    """ReportUsage's response names the model: an id of 256 four-byte characters takes it over
+    1,024 bytes. Refused, it calibrates nothing and keeps no key."""
+    tenant, session = ids
+    model = pb.ModelSpec(model_id="\U0001F600" * 256, capabilities=pb.ModelCapabilities(
+        context_window=100_000, output_reserve=4_000))
+    stub.Plan(plan_request(tenant, session, model=model))
+    built = stub.Build(build_request(tenant, session))
+    report = pb.ReportUsageRequest(
+        tenant_id=tenant, session_id=session,
+        estimated_input_tokens=built.estimated_input_tokens,
+        estimator_factor=built.estimator_factor, input_tokens=built.estimated_input_tokens + 7,
+        output_tokens=10, idempotency_key="use-big")
+    before, counted = written(db, tenant), write_counts(tight)
+    too_large(lambda: tight_stub.ReportUsage(report))
+    assert written(db, tenant) == before
+    assert write_counts(tight) == counted
+    done = stub.ReportUsage(report)
+    assert done.counted and done.reports == 1
+
+
+def test_a_state_update_refused_for_its_response_size_records_no_event(tight, tight_stub, stub,
+                                                                       ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    update = pb.UpdateWorkingStateRequest(
+        tenant_id=tenant, session_id=session, run_id="run-1", sequence=3,
+        transition=pb.WorkingStateTransition(user_objective=pb.UserObjective(
+            objective="find the cheapest flight " * 50)))
+    before, counted = written(db, tenant), write_counts(tight)
+    too_large(lambda: tight_stub.UpdateWorkingState(update))
+    assert written(db, tenant) == before
+    assert write_counts(tight) == counted
+    done = stub.UpdateWorkingState(update)
+    assert done.state.objective.startswith("find the cheapest")
+    assert len(written(db, tenant)["context_events"]) == len(before["context_events"]) + 1

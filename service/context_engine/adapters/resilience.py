@@ -84,11 +84,12 @@ class LastKnownEpochs:
         return await self._inner.incarnation(tenant_id, session_id, epoch)
 
     async def pin(self, tenant_id: str, session_id: str, decide: Decide, *,
-                  idempotency_key: str | None = None,
-                  fingerprint: str = "") -> tuple[ContextPlan, bool]:
+                  idempotency_key: str | None = None, fingerprint: str = "",
+                  then: Callable[[ContextPlan], object] | None = None
+                  ) -> tuple[ContextPlan, bool]:
         plan, created = await self._inner.pin(tenant_id, session_id, decide,
                                               idempotency_key=idempotency_key,
-                                              fingerprint=fingerprint)
+                                              fingerprint=fingerprint, then=then)
         self._remember(tenant_id, session_id, CurrentEpoch(plan.incarnation, plan.epoch))
         return plan, created
 

@@ -165,7 +165,11 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
         async def call(record: CallRecord) -> pb.PlanResponse:
             record.session(request.tenant_id, request.session_id)
             cmd = mapping.plan_command(request)
-            plan, created = await self._engine.plan(cmd)
+            # the response to an epoch it writes, made and sized before the write commits
+            made: list[pb.PlanResponse] = []
+            respond = self._writing(made, lambda loaded: pb.PlanResponse(
+                plan=mapping.plan_pb(loaded, catalog=self._engine.catalog), created=True))
+            plan, created = await self._engine.plan(cmd, then=respond)
             try:
                 loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch,
                                                    incarnation=plan.incarnation)
@@ -173,11 +177,13 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 # erased between its pin and this read (a DeleteSession racing it): planned
                 # again, once, it opens the session anew (a second erasure in that time is
                 # answered NOT_FOUND)
-                plan, created = await self._engine.plan(cmd)
+                plan, created = await self._engine.plan(cmd, then=respond)
                 loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch,
                                                    incarnation=plan.incarnation)
             record.epoch, record.prefix_sha256 = plan.epoch, plan.prefix_sha256
             record.extra["created"] = created
+            if created:
+                return made[-1]
             return pb.PlanResponse(plan=mapping.plan_pb(loaded, catalog=self._engine.catalog),
                                    created=created)
         return await self._run("Plan", context, call)
@@ -194,6 +200,18 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
             record.epoch, record.prefix_sha256 = loaded.plan.epoch, loaded.plan.prefix_sha256
             return pb.GetPlanResponse(plan=mapping.plan_pb(loaded, catalog=self._engine.catalog))
         return await self._run("GetPlan", context, call)
+
+    def _writing(self, made: list[Resp], respond: Callable[..., Resp]
+                 ) -> Callable[..., None]:
+        """The ``then`` of a write: its response made from what is written and, under a send
+        limit, sized (as ``_run`` would after the call) and appended to ``made``, before the
+        write commits, so a response refused RESPONSE_TOO_LARGE writes nothing (DESIGN 2: a
+        failed call changes nothing). ``_run`` passes the bytes made here through."""
+        def then(*written: Any) -> None:
+            response = respond(*written)
+            made.append(response if self.max_response_bytes is None
+                        else cast(Resp, self._sized(response)))
+        return then
 
     def _sized(self, response: Any) -> bytes:
         """``response`` serialized, refused RESPONSE_TOO_LARGE over ``max_response_bytes``
@@ -435,11 +453,17 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                           ) -> pb.ReportUsageResponse:
         async def call(record: CallRecord) -> pb.ReportUsageResponse:
             record.session(request.tenant_id, request.session_id)
-            outcome = await self._engine.report_usage(mapping.usage_report(request))
+            # the response names the model: an id of 256 four-byte characters takes it past
+            # the least send limit, so it too is sized before the report is written
+            made: list[pb.ReportUsageResponse] = []
+            outcome = await self._engine.report_usage(mapping.usage_report(request),
+                                                      then=self._writing(made, mapping.usage_pb))
             record.epoch, record.prefix_sha256 = outcome.epoch, outcome.prefix_sha256
             record.extra["counted"] = outcome.counted
             record.span["context_engine.input_tokens"] = request.input_tokens
             record.span["context_engine.cached_tokens"] = request.cached_tokens
+            if outcome.counted:
+                return made[-1]
             return mapping.usage_pb(outcome)
         return await self._run("ReportUsage", context, call)
 
@@ -447,11 +471,17 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                      context: grpc.aio.ServicerContext[Any, Any]) -> pb.RotateResponse:
         async def call(record: CallRecord) -> pb.RotateResponse:
             record.session(request.tenant_id, request.session_id)
-            plan, rotated = await self._engine.rotate(mapping.rotate_command(request))
+            made: list[pb.RotateResponse] = []  # as Plan's
+            respond = self._writing(made, lambda loaded: pb.RotateResponse(
+                plan=mapping.plan_pb(loaded, catalog=self._engine.catalog), rotated=True))
+            plan, rotated = await self._engine.rotate(mapping.rotate_command(request),
+                                                      then=respond)
             record.epoch, record.prefix_sha256 = plan.epoch, plan.prefix_sha256
             record.extra["rotated"] = rotated
             loaded = await self._engine.loaded(plan.tenant_id, plan.session_id, plan.epoch,
                                                incarnation=plan.incarnation)
+            if rotated:
+                return made[-1]
             return pb.RotateResponse(plan=mapping.plan_pb(loaded, catalog=self._engine.catalog),
                                      rotated=rotated)
         return await self._run("Rotate", context, call)
@@ -462,18 +492,20 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
         async def call(record: CallRecord) -> pb.UpdateWorkingStateResponse:
             record.session(request.tenant_id, request.session_id)
             cmd = mapping.update_working_state_command(request)
+            made: list[pb.UpdateWorkingStateResponse] = []  # sized before its event
+            respond = self._writing(made, lambda state, changes: pb.UpdateWorkingStateResponse(
+                state=mapping.working_state_pb(state), change=mapping.change_pb(changes),
+                tool_result=working_state_tool.applied(changes) if cmd.call_id else ""))
             try:
-                state, changes = await self._engine.update_working_state(
-                    cmd, seen=record.ran_on)
+                _, changes = await self._engine.update_working_state(
+                    cmd, seen=record.ran_on, then=respond)
             except ContextEngineError as exc:
                 if not cmd.call_id:
                     raise
                 raise working_state_tool.for_the_model(exc, "transition.tool_call") from None
             record.extra["transition"] = changes.transition
             record.extra["working_state_tokens"] = changes.tokens
-            return pb.UpdateWorkingStateResponse(
-                state=mapping.working_state_pb(state), change=mapping.change_pb(changes),
-                tool_result=working_state_tool.applied(changes) if cmd.call_id else "")
+            return made[-1]
         return await self._run("UpdateWorkingState", context, call)
 
     async def CarryWorkingState(self, request: pb.CarryWorkingStateRequest,
@@ -494,11 +526,15 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                       context: grpc.aio.ServicerContext[Any, Any]) -> pb.CompactResponse:
         async def call(record: CallRecord) -> pb.CompactResponse:
             record.session(request.tenant_id, request.session_id)
-            outcome = await self._engine.compact(mapping.compact_command(request))
+            made: list[pb.CompactResponse] = []  # sized before it is stored
+            outcome = await self._engine.compact(mapping.compact_command(request),
+                                                 then=self._writing(made, mapping.compact_pb))
             record.epoch, record.prefix_sha256 = outcome.epoch, outcome.prefix_sha256
             record.extra["compacted"] = outcome.compacted
             record.extra["depth"] = outcome.result.depth
             record.extra["elided"] = len(outcome.result.elided)
+            if outcome.compacted:
+                return made[-1]
             return mapping.compact_pb(outcome)
         return await self._run("Compact", context, call)
 

@@ -106,14 +106,17 @@ class PlanStore(Protocol):
         ...
 
     async def pin(self, tenant_id: str, session_id: str, decide: Decide, *,
-                  idempotency_key: str | None = None,
-                  fingerprint: str = "") -> tuple[ContextPlan, bool]:
+                  idempotency_key: str | None = None, fingerprint: str = "",
+                  then: Callable[[ContextPlan], object] | None = None
+                  ) -> tuple[ContextPlan, bool]:
         """Atomically: read the session's current plan, ask ``decide``, and if it returns a
         rotation write it as the next epoch with its event. Concurrent callers for one session
         serialize; exactly one epoch is written per decision. With an idempotency key, a
         retried key decides nothing and returns the epoch its first call left current; a key
         reused for another session or another request (``fingerprint``) is InvalidInput.
-        Returns (plan, created)."""
+        ``then``: given the epoch written (with its ``created_at``) before the write commits;
+        what it raises rolls the whole write back (the caller's response, refused). Returns
+        (plan, created)."""
         ...
 
 
@@ -183,8 +186,9 @@ class InMemoryPlanStore:
     keys: dict[tuple[str, str], tuple[str, str, int]] = field(default_factory=dict)
 
     async def pin(self, tenant_id: str, session_id: str, decide: Decide, *,
-                  idempotency_key: str | None = None,
-                  fingerprint: str = "") -> tuple[ContextPlan, bool]:
+                  idempotency_key: str | None = None, fingerprint: str = "",
+                  then: Callable[[ContextPlan], object] | None = None
+                  ) -> tuple[ContextPlan, bool]:
         async with self._lock:
             epochs = self.plans.setdefault((tenant_id, session_id), [])
             if idempotency_key is not None and (tenant_id, idempotency_key) in self.keys:
@@ -198,6 +202,8 @@ class InMemoryPlanStore:
                 assert current is not None
                 return current, False
             plan = pinned(tenant_id, session_id, len(epochs) + 1, rotation)
+            if then is not None:  # before anything is kept: what it raises keeps nothing
+                then(plan)
             epochs.append(replace(plan))
             self.events.append(plan_event(plan))
             if idempotency_key is not None:

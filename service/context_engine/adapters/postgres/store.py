@@ -201,19 +201,20 @@ class PostgresPlanStore:
         return None if found is None else int(found)
 
     async def pin(self, tenant_id: str, session_id: str, decide: Decide, *,
-                  idempotency_key: str | None = None,
-                  fingerprint: str = "") -> tuple[ContextPlan, bool]:
+                  idempotency_key: str | None = None, fingerprint: str = "",
+                  then: Callable[[ContextPlan], object] | None = None
+                  ) -> tuple[ContextPlan, bool]:
         with db_call(self._tracer, "plans.pin") as span:
             plan, created = await self._pin(tenant_id, session_id, decide,
                                             idempotency_key=idempotency_key,
-                                            fingerprint=fingerprint)
+                                            fingerprint=fingerprint, then=then)
             span.set_attribute("context_engine.epoch", plan.epoch)
             span.set_attribute("context_engine.created", created)
             return plan, created
 
     async def _pin(self, tenant_id: str, session_id: str, decide: Decide, *,
-                   idempotency_key: str | None,
-                   fingerprint: str) -> tuple[ContextPlan, bool]:
+                   idempotency_key: str | None, fingerprint: str,
+                   then: Callable[[ContextPlan], object] | None) -> tuple[ContextPlan, bool]:
         async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                     conn.transaction()):
             if idempotency_key is not None:
@@ -260,7 +261,10 @@ class PostgresPlanStore:
                                    canonical_json({"epoch": plan.epoch, "session_id": session_id,
                                                    "fingerprint": fingerprint}),
                                    timeout=self._timeout)
-            return replace(plan, created_at=created_at), True
+            plan = replace(plan, created_at=created_at)
+            if then is not None:  # before COMMIT: what it raises (a response refused) rolls
+                then(plan)  # the epoch, its event and the key back
+            return plan, True
 
     async def _insert(self, conn: Any, plan: ContextPlan) -> datetime:
         spec = plan.spec
