@@ -408,16 +408,37 @@ class _Draft:
         return tokens
 
 
+# (the tool result's line, at most MAX_ERROR_LINE_BYTES, holds it whole)
+UNSOURCED_FACT = "must list the events it rests on: a fact below user is a claim attributed to them"
+
+
+def unsourced_facts(update: Update) -> list[FieldViolation]:
+    """The facts of an update that would enter the state below USER (their own label or the
+    update's: read off a tool result, page, email, file or memory, or written by a call after
+    one) without a source event id (spec: "The working-state block carries per-entry trust":
+    such a fact "enters established_facts only as an attributed claim ... with its source
+    event id — never as a bare assertion"). Build renders it as "A source (events ...)
+    states: ...", which without an id names no source at all."""
+    return [FieldViolation(f"transition.update.add_facts[{i}].source_event_ids", UNSOURCED_FACT)
+            for i, fact in enumerate(update.add_facts)
+            if not fact.source_event_ids
+            and lowest([fact.trust, update.trust], update.trust).rank < TrustLevel.USER.rank]
+
+
 def apply_update(state: WorkingState, transition: Transition, *, run_id: str, sequence: int,
                  measure: Measure | None = None,
                  token_cap: int = WORKING_STATE_TOKENS) -> tuple[WorkingState, Changes]:
     """Apply one transition, written at event ``sequence`` by run ``run_id``. ``measure``
     estimates the rendered block's tokens (the plan's estimator); without it only the entry
     caps apply. Raises ConstraintCapReached, InvalidInput (a new task without a title, an
-    unknown task, outcome or constraint, a refused call) or BudgetExceeded; a failed
-    transition changes nothing."""
+    unknown task, outcome or constraint, a refused call, a fact below USER without a source
+    event id) or BudgetExceeded; a failed transition changes nothing."""
     if isinstance(transition, RefusedCall):
         raise InvalidInput(list(transition.violations))
+    if isinstance(transition, Update):
+        unsourced = unsourced_facts(transition)
+        if unsourced:
+            raise InvalidInput(unsourced)
     d = _Draft.of(state)
     if isinstance(transition, Update):
         label = transition.trust

@@ -1296,7 +1296,14 @@ class WorkingFact(_message.Message):
     """
     run_id: _builtins.str
     @_builtins.property
-    def source_event_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def source_event_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The session events it rests on. A fact an update writes below USER (labelled MEMORY or
+        EXTERNAL_UNTRUSTED, or in an update or call so labelled: read off a tool result, page,
+        email or file, or written after one) is an attributed claim and lists at least one:
+        INVALID_ARGUMENT at add_facts[i].source_event_ids otherwise (a raw call's with the tool
+        result). A caller's state holding one without (written before this rule) still builds.
+        """
+
     def __init__(
         self,
         *,
@@ -1452,7 +1459,9 @@ class WorkingStateUpdate(_message.Message):
 
     @_builtins.property
     def add_facts(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkingFact]:
-        """Trust at most USER: a fact is data, derived from its source events."""
+        """Trust at most USER: a fact is data, derived from its source events; below USER (its own
+        trust or this update's) it lists at least one of them.
+        """
 
     @_builtins.property
     def resolve_questions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
