@@ -504,6 +504,47 @@ def test_a_working_states_task_id_is_held_to_the_id_rule_wherever_it_arrives(stu
     assert f"[{longest}]" in served.provider_body_json
 
 
+def test_a_working_states_fact_source_is_an_event_id_wherever_it_arrives(stub, ids, db):
+    """A fact's source event ids are the provenance row 12 prints as the platform's own words
+    ("A source (events 3) states: ..."). An update refuses one at 0 or below ("is not an event
+    id"), and so no state the service writes holds one; a caller's working state (a
+    checkpoint's at Build and Compact, UpdateWorkingState's current) was not checked, and
+    Build printed "A source (events -5, 0) states:", a claim attributed to no event. Refused
+    at the field, writing nothing; event 1 is served."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    before = db.counts(tenant)
+    state = pb.WorkingState(facts=[
+        pb.WorkingFact(statement="the page states X", source_event_ids=[3],
+                       trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED),
+        pb.WorkingFact(statement="the page states Y", source_event_ids=[4, -5, 0],
+                       trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED)])
+    expected = {"facts[1].source_event_ids[1]": "-5 is not an event id",
+                "facts[1].source_event_ids[2]": "0 is not an event id"}
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build_request(tenant, session, working_state=state))
+    assert failure(err.value).code is grpc.StatusCode.INVALID_ARGUMENT
+    assert failure(err.value).violations == {f"checkpoint.working_state.{k}": v
+                                             for k, v in expected.items()}
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Compact(pb.CompactRequest(
+            tenant_id=tenant, session_id=session, reason="budget_pressure", idempotency_key="k",
+            tokens_to_free=10, checkpoint=build_request(tenant, session,
+                                                        working_state=state).checkpoint))
+    assert failure(err.value).violations == {f"checkpoint.working_state.{k}": v
+                                             for k, v in expected.items()}
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdateWorkingState(pb.UpdateWorkingStateRequest(
+            tenant_id=tenant, session_id=session, run_id="run-1", current=state, sequence=10,
+            transition=pb.WorkingStateTransition(update=pb.WorkingStateUpdate(next_action="go"))))
+    assert failure(err.value).violations == {f"current.{k}": v for k, v in expected.items()}
+    assert db.counts(tenant) == before
+    del state.facts[1].source_event_ids[1:]
+    served = stub.Build(build_request(tenant, session, working_state=state))
+    (row12,) = [m.text for m in served.request.messages if m.row == 12]
+    assert "A source (events 3) states:" in row12 and "A source (events 4) states:" in row12
+
+
 def test_a_skill_loaded_twice_is_refused(stub, ids, db):
     """Two bodies under one skill's name would both render as that skill: refused at the
     second, naming the first."""

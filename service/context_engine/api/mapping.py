@@ -606,6 +606,10 @@ def working_state(v: Violations, field: str, ws: pb.WorkingState) -> WorkingStat
         if t.state not in TASK_STATES:
             v.add(f"{field}.tasks[{i}].state",
                   f"unknown task state {t.state!r}; one of {', '.join(TASK_STATES)}")
+    for i, f in enumerate(ws.facts):
+        for k, e in enumerate(f.source_event_ids):
+            if e <= 0:  # row 12 prints them as the platform's provenance; no update writes one
+                v.add(f"{field}.facts[{i}].source_event_ids[{k}]", f"{e} is not an event id")
     facts = tuple(WorkingFact(statement=f.statement, source_event_ids=tuple(f.source_event_ids),
                               # data derived from its source events, as in an update: a
                               # label is required, at most USER (above it, it renders bare)

@@ -1297,11 +1297,13 @@ class WorkingFact(_message.Message):
     run_id: _builtins.str
     @_builtins.property
     def source_event_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The session events it rests on. A fact an update writes below USER (labelled MEMORY or
-        EXTERNAL_UNTRUSTED, or in an update or call so labelled: read off a tool result, page,
-        email or file, or written after one) is an attributed claim and lists at least one:
-        INVALID_ARGUMENT at add_facts[i].source_event_ids otherwise (a raw call's with the tool
-        result). A caller's state holding one without (written before this rule) still builds.
+        """The session events it rests on, each a positive event id (INVALID_ARGUMENT otherwise,
+        in a checkpoint's working state as in an update). A fact an update writes below USER
+        (labelled MEMORY or EXTERNAL_UNTRUSTED, or in an update or call so labelled: read off a
+        tool result, page, email or file, or written after one) is an attributed claim and lists
+        at least one: INVALID_ARGUMENT at add_facts[i].source_event_ids otherwise (a raw call's
+        with the tool result). A caller's state holding one without (written before this rule)
+        still builds.
         """
 
     def __init__(
