@@ -3025,7 +3025,8 @@ class CarryWorkingStateResponse(_message.Message):
     TOKENS_FIELD_NUMBER: _builtins.int
     events_applied: _builtins.int
     """Events below the seed that were applied, and those skipped because the transition failed
-    when it was made (e.g. a constraint over the cap).
+    when it was made (e.g. a constraint over the cap) or UpdateWorkingState now refuses it (a
+    fact below USER without a source event id, even one a release before this one applied).
     """
     events_skipped: _builtins.int
     tokens: _builtins.int
