@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from context_engine.build_cache import BuildBase, BuildCache
+from context_engine.build_cache import BuildBase, BuildCache, CacheStats
 
 
 def base(tenant: str, session: str, build_id: str, size: int) -> BuildBase:
@@ -107,3 +107,31 @@ def test_fits_says_what_put_keeps() -> None:
     assert cache.put("b", base("t", "s", "b", 1_001)) == [] and cache.get("t", "s", "b") is None
     none = BuildCache(0)
     assert not none.fits(base("t", "s", "z", 1))
+
+
+def test_a_base_exactly_as_large_as_the_cache_is_kept() -> None:
+    """``fits`` says a base of exactly ``max_bytes`` is kept: ``put`` keeps it (pushing out the
+    others) and names it, rather than evicting it at once and leaving its build_id naming
+    nothing."""
+    cache = BuildCache(1_000)
+    cache.put("a", base("t", "a", "a", 10))
+    whole = base("t", "s", "w", 1_000)
+    assert cache.fits(whole)
+    out = cache.put("w", whole)
+    assert [b.build_id for b in out] == ["a"]
+    assert cache.get("t", "s", "w") is whole
+    assert cache.stats() == CacheStats(entries=1, bytes=1_000, evictions=1)
+
+
+def test_oldest_incarnation_is_the_oldest_held() -> None:
+    """What a read naming a later incarnation compares against: the oldest incarnation of the
+    session any base is held of, whatever order the bases were kept in."""
+    cache = BuildCache(1_000_000)
+    assert cache.oldest_incarnation("t", "s") is None
+    cache.put("new", replace(base("t", "s", "new", 10), incarnation=3))
+    cache.put("old", replace(base("t", "s", "old", 10), incarnation=2))
+    cache.put("newer", replace(base("t", "s", "newer", 10), incarnation=4))
+    cache.put("other", replace(base("t", "o", "other", 10), incarnation=1))
+    assert cache.oldest_incarnation("t", "s") == 2
+    cache.forget("t", "s", before=3)
+    assert cache.oldest_incarnation("t", "s") == 3
