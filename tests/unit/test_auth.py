@@ -25,8 +25,10 @@ from context_engine.api.auth import (
     Grant,
     TlsFiles,
     bearer_token,
+    caller_of,
     check_tenant,
     parse_tokens,
+    token_lookups,
     token_sha256,
 )
 from context_engine.api.servicer import Undecodable
@@ -549,3 +551,38 @@ def test_tls_files_are_read_only_when_their_stat_changes(tmp_path: Path,
         assert files.fetch() is None  # the same pair: nothing new to serve
         per_fetch.append(reads.count(key))
     assert all(per_fetch), per_fetch
+
+
+def test_grants_answer_for_their_ages_bounds_and_not_past_them() -> None:
+    """A table grant is cached for ``ttl`` seconds (at exactly ``ttl`` old it is read again);
+    while the table cannot be read, a grant at most ``stale`` seconds old answers, one older
+    does not."""
+    pool = FakePool()
+    now = [0.0]
+    digest = token_sha256("known")
+    pool.rows[digest] = {"token_sha256": digest, "tenant_id": "acme", "rpcs": ["Build"],
+                         "revoked": False}
+    tokens = DatabaseTokens(pool, ttl=30.0, stale=600.0,  # type: ignore[arg-type]
+                            clock=lambda: now[0])
+    grant = Grant(tenant_id="acme", rpcs=frozenset({"Build"}))
+    assert asyncio.run(tokens.grant(digest)) == grant and pool.queries == 1
+    now[0] = 29.75
+    assert asyncio.run(tokens.grant(digest)) == grant and pool.queries == 1  # cached
+    now[0] = 30.0
+    assert asyncio.run(tokens.grant(digest)) == grant and pool.queries == 2  # read again
+    pool.down = True
+    now[0] = 630.0  # the grant read at 30.0 is exactly 600 s old: at most stale, answered
+    assert asyncio.run(tokens.grant(digest)) == grant
+    now[0] = 630.25
+    with pytest.raises(StoreUnavailable):
+        asyncio.run(tokens.grant(digest))
+
+
+def test_never_granted_lookups_take_a_quarter_of_the_pool() -> None:
+    assert [token_lookups(n) for n in (1, 3, 4, 7, 8, 20, 40)] == [1, 1, 1, 1, 2, 5, 10]
+
+
+def test_the_caller_an_erasure_records_is_the_token_hash_s_first_12_hex() -> None:
+    # sha256(b"abc"), the FIPS 180-2 test vector: ba7816bf8f01cfea...
+    assert caller_of([("authorization", "Bearer abc")]) == "token:ba7816bf8f01"
+    assert caller_of([]) == "token:unknown"
