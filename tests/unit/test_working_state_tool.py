@@ -627,3 +627,37 @@ def test_the_tool_counts_against_the_item_cap() -> None:
     assert len(spec.tool_names) == TOOL_ITEM_CAP and UPDATE_WORKING_STATE in spec.tool_names
     assert spec.skipped_tool_names == ("t.29",)
     assert h.spec_of(f.inputs(catalog=cat, enabled=enabled)).skipped_tool_names == ()
+
+
+def test_the_largest_int64_is_an_event_id() -> None:
+    """An event id is int64 on the wire and in the store: 2**63 - 1 is one, 2**63 is not."""
+    update = parse({"add_facts": [{"statement": "s", "source_event_ids": [9223372036854775807]}]})
+    assert isinstance(update, Update)
+    assert update.add_facts[0].source_event_ids == (9223372036854775807,)
+    assert not isinstance(parse({"add_facts": [{"statement": "s",
+                                                "source_event_ids": [9223372036854775808]}]}),
+                          Update)
+
+
+def test_the_confirmation_counts_each_change_as_its_own() -> None:
+    text = wst.applied(Changes(transition="tool_call", constraints_added=2, facts_added=3,
+                               facts_evicted=1, questions_resolved=4, questions_evicted=5,
+                               tokens=120))
+    assert text == ("Working state updated: 2 constraints added; 3 facts recorded; "
+                    "4 questions resolved. Dropped to stay within the working state's caps "
+                    "(oldest first, completed tasks before others): 1 fact; 5 questions. "
+                    "The block is 120 of 1,000 tokens.")
+
+
+def test_exactly_six_errors_are_all_listed_and_a_line_at_the_bound_is_whole() -> None:
+    six = [FieldViolation(f"f.arguments.add_constraints[{i}]", "must not be blank")
+           for i in range(6)]
+    lines = wst.refused(six, "f").split("\n")
+    assert lines[1:7] == [f"- add_constraints[{i}]: must not be blank" for i in range(6)]
+    assert lines[7].startswith("Call it again")  # no "- and 0 more"
+    # "- objective: " is 13 bytes: a description of 107 makes a line of exactly 120
+    at_bound = FieldViolation("f.arguments.objective", "x" * 107)
+    line = wst.refused([at_bound], "f").split("\n")[1]
+    assert line == "- objective: " + "x" * 107 and len(line.encode()) == 120
+    over = FieldViolation("f.arguments.objective", "x" * 108)
+    assert wst.refused([over], "f").split("\n")[1] == "- objective: " + "x" * 104 + "…"
