@@ -109,3 +109,29 @@ def test_carried_events_name_each_sequence_once() -> None:
     with pytest.raises(InvalidInput) as err:
         mapping.carry_command(req)
     assert [x.field for x in err.value.violations] == ["events[1]"]
+
+
+def test_an_empty_call_name_is_left_to_the_scan_s_one_violation() -> None:
+    """The checkpoint scan refuses an empty call name ("must not be empty"); the mapping
+    holds a name it was given to the providers' rule, and adds no second line for an empty
+    one. A name that breaks the rule is refused here."""
+    def calls(name: str) -> pb.Checkpoint:
+        return pb.Checkpoint(items=[pb.ConversationItem(
+            id="c1", sequence=1, trust=USER, tool_calls=pb.ToolCalls(
+                calls=[pb.ToolCall(call_id="k1", name=name, arguments_json="{}")]))])
+    v = mapping.Violations()
+    mapping.checkpoint(v, calls(""))
+    assert v.items == []
+    mapping.checkpoint(v, calls("a b"))
+    assert [x.field for x in v.items] == ["checkpoint.items[0].tool_calls.calls[0].name"]
+
+
+def test_question_origins_are_one_per_open_question_or_none() -> None:
+    origin = pb.EntryOrigin(sequence=2, run_id="r", trust=USER)
+    v = mapping.Violations()
+    mapping.working_state(v, "current", pb.WorkingState(open_questions=["a?", "b?"],
+                                                        question_origins=[origin]))
+    assert [x.field for x in v.items] == ["current.question_origins"]
+    v = mapping.Violations()
+    mapping.working_state(v, "current", pb.WorkingState(open_questions=["a?", "b?"]))
+    assert v.items == []
