@@ -44,6 +44,7 @@ from opentelemetry.trace import Tracer
 from context_engine.adapters.postgres.errors import translated
 from context_engine.api.servicer import CALLER, Undecodable
 from context_engine.api.status import internal_status, refuse, status_for, timed_call
+from context_engine.clock import SYSTEM_CLOCK, Clock, time_ns
 from context_engine.config import Config, ConfigError
 from context_engine.domain.errors import StoreUnavailable
 from context_engine.domain.identifiers import erasable_identifier_problem, identifier_problem
@@ -472,10 +473,11 @@ class TlsFiles:
     version is logged once as ``tls_files_rejected``. Connections already open keep the
     certificate they shook hands with."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, clock: Clock = SYSTEM_CLOCK) -> None:
         if config.tls_cert_file is None or config.tls_key_file is None:
             raise ValueError("TlsFiles needs CE_TLS_CERT_FILE and CE_TLS_KEY_FILE")
         self._config = config
+        self._clock = clock
         self._paths = [config.tls_cert_file, config.tls_key_file,
                        *([config.tls_client_ca_file] if config.tls_client_ca_file else [])]
         self._lock = threading.Lock()
@@ -506,9 +508,8 @@ class TlsFiles:
                                st.st_ctime_ns))
         return tuple(stamps)
 
-    @staticmethod
-    def _settled(stamp: tuple[tuple[int, ...], ...]) -> bool:
-        now = time.time_ns()
+    def _settled(self, stamp: tuple[tuple[int, ...], ...]) -> bool:
+        now = time_ns(self._clock)  # the files' times are the wall clock's
         return all(s[0] == -1 or now - max(s[3], s[4]) >= TLS_SETTLING_SECONDS * 1e9
                    for s in stamp)
 
