@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -40,6 +39,7 @@ from tests.integration.processes import ServerProcess
 from tests.integration.requests import build_request, failure, plan_request
 from tests.support import fuzz
 from tests.support.certs import Pki, issue_server_cert, make_pki
+from tests.support.pool import every_connection_taken
 
 pytestmark = pytest.mark.integration
 
@@ -377,26 +377,19 @@ def test_a_token_lookup_waits_for_a_connection_at_most_the_database_timeout(
     config = base_config().replace(dev_mode=False, auth_db_tokens=True, db_pool_size=size,
                                    db_timeout_seconds=timeout)
     server = ServerThread(config, database_url)
-    pool = server.running.pool
-
-    async def take() -> Any:
-        return await pool.acquire()
-
-    held = [server.call(take()) for _ in range(size)]
     try:
-        with grpc.insecure_channel(server.address) as channel:
-            sent = time.perf_counter()
-            err = refused(pb_grpc.ContextEngineStub(channel).GetPlan,
-                          pb.GetPlanRequest(tenant_id=tenant, session_id="never-planned"),
-                          bearer(token), timeout=10 * timeout)
-            waited = time.perf_counter() - sent
-        f = failure(err)
-        assert (f.code, f.reason) == (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE"), (
-            f.code, f.reason, waited)
-        assert 0.9 * timeout <= waited < 5 * timeout, waited
+        with every_connection_taken(server, size):
+            with grpc.insecure_channel(server.address) as channel:
+                sent = time.perf_counter()
+                err = refused(pb_grpc.ContextEngineStub(channel).GetPlan,
+                              pb.GetPlanRequest(tenant_id=tenant, session_id="never-planned"),
+                              bearer(token), timeout=10 * timeout)
+                waited = time.perf_counter() - sent
+            f = failure(err)
+            assert (f.code, f.reason) == (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE"), (
+                f.code, f.reason, waited)
+            assert 0.9 * timeout <= waited < 5 * timeout, waited
     finally:
-        for conn in held:
-            server.call(pool.release(conn))
         server.stop()
 
 

@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -1698,6 +1698,32 @@ def test_a_compaction_whose_session_is_erased_and_planned_again_meanwhile_is_not
     assert again.compacted and session_rows(db, tenant, session)["compactions"] == 1
 
 
+
+@contextmanager
+def _set_aside(direct_database_url: str, target: int, put: Callable[[str], Awaitable[None]],
+               table: str) -> Iterator[tuple[str, ServerThread, Db, Callable[[str, str], int]]]:
+    """A new database migrated to ``target``, with ``put``'s rows, served by a server that
+    migrates the rest (setting rows aside in ``table``): its URL, the server, a connection,
+    and the count of ``table``'s rows of a (tenant, session). Dropped after."""
+    name = asyncio.run(create_database(direct_database_url, "ce_orphans"))
+    url = with_database(direct_database_url, name)
+    server = None
+    try:
+        asyncio.run(migrate(url, REPO / "migrations", target=target))
+        asyncio.run(put(url))
+        server = ServerThread(base_config(), url)
+        db = Db(url)
+
+        def aside(tenant: str, session: str) -> int:
+            return int(db.val(f"SELECT count(*) FROM {table} "
+                              "WHERE tenant_id = $1 AND session_id = $2", tenant, session))
+
+        yield url, server, db, aside
+    finally:
+        if server is not None:
+            server.stop()
+        asyncio.run(drop_database(direct_database_url, name))
+
 def test_delete_session_erases_its_events_that_migration_0006_set_aside(direct_database_url):
     """A database migrated from before 0006 with events of sessions that had no row: 0006 kept
     them aside in ``context_events_orphaned``. DeleteSession of such a session id erases them
@@ -1719,19 +1745,8 @@ def test_delete_session_erases_its_events_that_migration_0006_set_aside(direct_d
         finally:
             await conn.close()
 
-    name = asyncio.run(create_database(direct_database_url, "ce_orphans"))
-    url = with_database(direct_database_url, name)
-    server = None
-    try:
-        asyncio.run(migrate(url, REPO / "migrations", target=5))
-        asyncio.run(set_aside(url))
-        server = ServerThread(base_config(), url)  # migrates the rest (0006 sets 7 rows aside)
-        db = Db(url)
-
-        def aside(tenant: str, session: str) -> int:
-            return int(db.val("SELECT count(*) FROM context_events_orphaned "
-                              "WHERE tenant_id = $1 AND session_id = $2", tenant, session))
-
+    with _set_aside(direct_database_url, 5, set_aside, "context_events_orphaned") as (
+            url, server, db, aside):  # the server migrated the rest (0006 sets 7 rows aside)
         assert (aside("t", "gone"), aside("t", "again"), aside("t", "other"),
                 aside("u", "gone"), aside("t", "live")) == (3, 2, 1, 1, 0)
         with grpc.insecure_channel(server.address) as channel:
@@ -1764,10 +1779,6 @@ def test_delete_session_erases_its_events_that_migration_0006_set_aside(direct_d
             after = delete(stub, "t", "after")
             assert after.deleted and after.plans == 1
             assert not delete(stub, "u", "gone").deleted
-    finally:
-        if server is not None:
-            server.stop()
-        asyncio.run(drop_database(direct_database_url, name))
 
 
 def test_delete_session_erases_its_compactions_that_migration_0007_set_aside(
@@ -1793,19 +1804,8 @@ def test_delete_session_erases_its_compactions_that_migration_0007_set_aside(
         finally:
             await conn.close()
 
-    name = asyncio.run(create_database(direct_database_url, "ce_orphans"))
-    url = with_database(direct_database_url, name)
-    server = None
-    try:
-        asyncio.run(migrate(url, REPO / "migrations", target=6))
-        asyncio.run(erased_by_hand(url))
-        server = ServerThread(base_config(), url)  # migrates 0007 (5 records set aside)
-        db = Db(url)
-
-        def aside(tenant: str, session: str) -> int:
-            return int(db.val("SELECT count(*) FROM compactions_orphaned "
-                              "WHERE tenant_id = $1 AND session_id = $2", tenant, session))
-
+    with _set_aside(direct_database_url, 6, erased_by_hand, "compactions_orphaned") as (
+            url, server, db, aside):  # the server migrated 0007 (5 records set aside)
         assert (aside("t", "gone"), aside("t", "again"), aside("t", "other"),
                 aside("u", "gone"), aside("t", "live")) == (2, 1, 1, 1, 0)
         with grpc.insecure_channel(server.address) as channel:
@@ -1830,10 +1830,6 @@ def test_delete_session_erases_its_compactions_that_migration_0007_set_aside(
             after = delete(stub, "t", "after")
             assert after.deleted and after.plans == 1
             assert not delete(stub, "u", "gone").deleted
-    finally:
-        if server is not None:
-            server.stop()
-        asyncio.run(drop_database(direct_database_url, name))
 
 
 def test_without_set_aside_events_erasure_asks_for_their_table_once(direct_database_url):

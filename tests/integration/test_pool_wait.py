@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
 
 import grpc
 import pytest
@@ -18,6 +17,7 @@ from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from tests.conftest import ServerThread
 from tests.conftest import test_config as base_config
 from tests.integration.requests import failure
+from tests.support.pool import every_connection_taken
 
 pytestmark = pytest.mark.integration
 
@@ -28,25 +28,18 @@ def test_a_read_waits_for_a_connection_at_most_the_database_timeout(database_url
     timeout, size = 1.0, 2
     server = ServerThread(base_config().replace(db_pool_size=size, db_timeout_seconds=timeout),
                           database_url)
-    pool = server.running.pool
-
-    async def take() -> Any:
-        return await pool.acquire()
-
-    held = [server.call(take()) for _ in range(size)]
     try:
-        request = pb.GetPlanRequest(tenant_id=f"tenant-{uuid.uuid4().hex[:10]}",
-                                    session_id="never-planned", epoch=epoch)
-        with grpc.insecure_channel(server.address) as channel:
-            sent = time.perf_counter()
-            with pytest.raises(grpc.RpcError) as err:
-                pb_grpc.ContextEngineStub(channel).GetPlan(request, timeout=10 * timeout)
-            waited = time.perf_counter() - sent
-        f = failure(err.value)
-        assert (f.code, f.reason) == (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE"), (
-            f.code, f.reason, waited)
-        assert 0.9 * timeout <= waited < 5 * timeout, waited
+        with every_connection_taken(server, size):
+            request = pb.GetPlanRequest(tenant_id=f"tenant-{uuid.uuid4().hex[:10]}",
+                                        session_id="never-planned", epoch=epoch)
+            with grpc.insecure_channel(server.address) as channel:
+                sent = time.perf_counter()
+                with pytest.raises(grpc.RpcError) as err:
+                    pb_grpc.ContextEngineStub(channel).GetPlan(request, timeout=10 * timeout)
+                waited = time.perf_counter() - sent
+            f = failure(err.value)
+            assert (f.code, f.reason) == (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE"), (
+                f.code, f.reason, waited)
+            assert 0.9 * timeout <= waited < 5 * timeout, waited
     finally:
-        for conn in held:
-            server.call(pool.release(conn))
         server.stop()
