@@ -586,3 +586,22 @@ def test_the_caller_an_erasure_records_is_the_token_hash_s_first_12_hex() -> Non
     # sha256(b"abc"), the FIPS 180-2 test vector: ba7816bf8f01cfea...
     assert caller_of([("authorization", "Bearer abc")]) == "token:ba7816bf8f01"
     assert caller_of([]) == "token:unknown"
+
+
+def test_each_token_cache_holds_10000_hashes_and_drops_the_oldest() -> None:
+    """The README's bound: grants and misses are each kept for at most 10,000 hashes per
+    process, the oldest dropped first (a flood of misses cannot grow the process without
+    limit). 10,001 hashes remembered leave the last 10,000."""
+    from context_engine.api import auth
+
+    entries: dict[str, tuple[object, float]] = {}
+    digests = [hashlib.sha256(str(n).encode()).hexdigest() for n in range(10_001)]
+    for n, digest in enumerate(digests):
+        auth._remember(entries, digest, True, float(n))
+    assert len(entries) == 10_000
+    assert digests[0] not in entries
+    assert digests[1] in entries and digests[-1] in entries
+    # remembering a hash again moves it to the newest end: the next one pushes out digests[2]
+    auth._remember(entries, digests[1], False, 10_001.0)
+    auth._remember(entries, hashlib.sha256(b"another").hexdigest(), True, 10_002.0)
+    assert digests[1] in entries and digests[2] not in entries and len(entries) == 10_000

@@ -135,3 +135,18 @@ def test_question_origins_are_one_per_open_question_or_none() -> None:
     v = mapping.Violations()
     mapping.working_state(v, "current", pb.WorkingState(open_questions=["a?", "b?"]))
     assert v.items == []
+
+
+def test_a_summary_cap_is_taken_from_1_to_32000_tokens() -> None:
+    """``max_summary_tokens`` is refused outside [1, 32,000] (the README's Compact row, the
+    proto's comment), and taken at both ends: literal bounds, not the module's constant."""
+    def compact(cap: int) -> pb.CompactRequest:
+        return pb.CompactRequest(tenant_id="t", session_id="s", idempotency_key="k",
+                                 reason="r", tokens_to_free=100, max_summary_tokens=cap)
+
+    assert mapping.compact_command(compact(1)).max_summary_tokens == 1
+    assert mapping.compact_command(compact(32_000)).max_summary_tokens == 32_000
+    for cap in (0, 32_001):
+        with pytest.raises(InvalidInput) as err:
+            mapping.compact_command(compact(cap))
+        assert [x.field for x in err.value.violations] == ["max_summary_tokens"], cap

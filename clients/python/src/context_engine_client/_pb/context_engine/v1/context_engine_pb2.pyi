@@ -3074,9 +3074,10 @@ class CompactRequest(_message.Message):
     idempotency_key: _builtins.str
     """Required: a retried key returns the stored result and stores nothing new."""
     max_summary_tokens: _builtins.int
-    """Token cap of the summary (default 4,000); what a summary never cuts over it fails the
-    call: the constraints alone (BUDGET_EXCEEDED, class summary_constraints), or with them
-    the pointers and source ids of what it would replace (class summary_pointers).
+    """Token cap of the summary (default 4,000; 1 to 32,000, INVALID_ARGUMENT outside); what a
+    summary never cuts over it fails the call: the constraints alone (BUDGET_EXCEEDED, class
+    summary_constraints), or with them the pointers and source ids of what it would replace
+    (class summary_pointers).
     """
     estimator_factor: _builtins.float
     @_builtins.property
