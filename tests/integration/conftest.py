@@ -22,11 +22,16 @@ def provider() -> Iterator[FakeProvider]:
 
 
 @pytest.fixture(scope="module")
-def llm_stub(database_url: str, provider: FakeProvider) -> Iterator[pb_grpc.ContextEngineStub]:
+def llm_server(database_url: str, provider: FakeProvider) -> Iterator[ServerThread]:
     config = base_config().replace(summarizer_url=provider.url, summarizer_model="fake-model",
                      summarizer_api_key="test-key", summarizer_timeout_seconds=0.5)
     srv = ServerThread(config, database_url)
-    ch = grpc.insecure_channel(srv.address)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def llm_stub(llm_server: ServerThread) -> Iterator[pb_grpc.ContextEngineStub]:
+    ch = grpc.insecure_channel(llm_server.address)
     yield pb_grpc.ContextEngineStub(ch)
     ch.close()
-    srv.stop()

@@ -9,8 +9,10 @@ from typing import Any
 import grpc
 import pytest
 from context_engine.v1 import context_engine_pb2 as pb
+from context_engine_client import Client, ContextEngineError
 
 from tests.integration.requests import build_request, failure, item, plan_request
+from tests.support.fake_llm import ERROR_CODE
 
 pytestmark = pytest.mark.integration
 
@@ -222,6 +224,55 @@ def test_llm_failure_is_unavailable_and_nothing_is_stored(llm_stub, provider, id
                   "type='context.compacted'", tenant) == 0
     # the key was not consumed: a retry once the provider is back succeeds
     assert llm_stub.Compact(compact_request(tenant, session, f"fail-{mode}")).compacted
+
+
+def _client_compact(llm_server, provider, tenant, session, key, mode):
+    """One keyed Compact through the Python client (its retry policy) with the provider
+    answering ``mode``: the error it raises and how many summarizer calls that cost."""
+    provider.mode = mode
+    provider.bodies.clear()
+    try:
+        with Client(target=llm_server.address) as engine, \
+                pytest.raises(ContextEngineError) as info:
+            engine.compact(request=compact_request(tenant, session, key))
+    finally:
+        provider.mode = "ok"
+    return info.value, provider.calls
+
+
+@pytest.mark.parametrize("status", ["400", "401", "403", "404", "422"])
+def test_a_summarizer_that_refuses_is_a_failed_precondition_asked_once(
+        llm_stub, llm_server, provider, ids, db, status):
+    """A 4xx no retry can change (a wrong key, a model or URL that does not exist, a request
+    the model refuses) is the operator's configuration, not an outage: FAILED_PRECONDITION
+    SUMMARIZER_REFUSED, which the client does not retry, so the summarizer is asked once
+    (the SDK retries no such status either); its why is the status and the body's code,
+    never the provider's message; nothing is stored and the key is not consumed."""
+    tenant, session = ids
+    llm_stub.Plan(plan_request(tenant, session))
+    err, calls = _client_compact(llm_server, provider, tenant, session, f"k-{status}", status)
+    assert (err.code, err.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "SUMMARIZER_REFUSED")
+    assert calls == 1
+    assert err.metadata["why"] == f"HTTP {status} ({ERROR_CODE})"
+    assert "Summarize example.com" not in str(err)  # the provider's message quotes the request
+    assert db.val("SELECT count(*) FROM compactions WHERE tenant_id=$1", tenant) == 0
+    assert db.val("SELECT count(*) FROM context_events WHERE tenant_id=$1 AND "
+                  "type='context.compacted'", tenant) == 0
+    assert llm_stub.Compact(compact_request(tenant, session, f"k-{status}")).compacted
+
+
+@pytest.mark.parametrize("status", ["500", "503", "429", "408", "409"])
+def test_a_summarizer_that_fails_transiently_stays_unavailable_and_retried(
+        llm_stub, llm_server, provider, ids, db, status):
+    """A 5xx, 429, 408 or 409 may pass: still UNAVAILABLE SUMMARIZER_UNAVAILABLE, which the
+    client retries (and the SDK retries within each attempt's 0.5 s summarizer deadline), so
+    the summarizer is asked more than once."""
+    tenant, session = ids
+    llm_stub.Plan(plan_request(tenant, session))
+    err, calls = _client_compact(llm_server, provider, tenant, session, f"k-{status}", status)
+    assert (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE, "SUMMARIZER_UNAVAILABLE")
+    assert calls > 1
+    assert db.val("SELECT count(*) FROM compactions WHERE tenant_id=$1", tenant) == 0
 
 
 def test_metrics_count_compactions_by_depth_and_elided_spans(stub, ids, server):

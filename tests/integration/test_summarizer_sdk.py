@@ -1,6 +1,7 @@
 """The LLM summarizer through the official openai SDK, against a real chat-completions endpoint
 on loopback (no mock of the SDK): what it sends, the SDK's retries within one deadline, how
-each failure maps to SUMMARIZER_UNAVAILABLE, and the API key only ever in the bearer header."""
+each failure maps to SUMMARIZER_UNAVAILABLE (a 4xx no retry changes to SUMMARIZER_REFUSED), and
+the API key only ever in the bearer header."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 from context_engine.adapters.summarizer import MAX_RETRIES, OpenAISummarizer, base_url, load_prompt
 from context_engine.domain.compaction import Summarized, SummaryInput, TrustedLine
-from context_engine.domain.errors import SummarizerUnavailable
+from context_engine.domain.errors import SummarizerRefused, SummarizerUnavailable
 
 KEY = "sk-CANARY-5b8e-summarizer-key"
 TEXT = "CANARY-91c4 the user's words"
@@ -101,9 +102,10 @@ def summarize(s: OpenAISummarizer, max_chars: int = 1000) -> Summarized:
     return asyncio.run(s.summarize(data(), max_chars))
 
 
-def failure(s: OpenAISummarizer) -> tuple[SummarizerUnavailable, float]:
+def failure(s: OpenAISummarizer, raised: type[SummarizerUnavailable | SummarizerRefused]
+            = SummarizerUnavailable) -> tuple[Any, float]:
     started = time.monotonic()
-    with pytest.raises(SummarizerUnavailable) as info:
+    with pytest.raises(raised) as info:
         summarize(s)
     return info.value, time.monotonic() - started
 
@@ -202,11 +204,13 @@ def test_a_400_is_not_retried_and_says_what_failed(endpoint):
     endpoint.script = [Answer(status=400, body={"error": {
         "message": f"context too long: {TEXT}", "type": "invalid_request_error",
         "code": "context_length_exceeded"}})]
-    err, _ = failure(llm(endpoint))
+    err, _ = failure(llm(endpoint), SummarizerRefused)
     assert len(endpoint.seen) == 1
     assert err.why == "HTTP 400 (context_length_exceeded)"
-    assert str(err) == ("the summarizer is unavailable: HTTP 400 (context_length_exceeded); "
-                        "nothing was stored")
+    assert err.reason == "SUMMARIZER_REFUSED"
+    assert str(err) == ("the summarizer refused the request: HTTP 400 (context_length_exceeded);"
+                        " nothing was stored (check CE_SUMMARIZER_URL, CE_SUMMARIZER_MODEL and "
+                        "CE_SUMMARIZER_API_KEY)")
     assert TEXT not in str(err)  # the provider's message may quote the request: never kept
 
 
@@ -216,7 +220,7 @@ def test_an_error_code_that_is_not_a_plain_identifier_is_left_out(endpoint):
     endpoint.script = [Answer(status=400, body={"error": {
         "message": "bad request", "type": "invalid_request_error",
         "code": f"context_length_exceeded {TEXT}"}})]
-    err, _ = failure(llm(endpoint))
+    err, _ = failure(llm(endpoint), SummarizerRefused)
     assert err.why == "HTTP 400"
     assert TEXT not in str(err)
 
@@ -323,7 +327,7 @@ def test_the_key_is_never_logged(endpoint, caplog):
     s = llm(endpoint)
     summarize(s)
     summarize(s)  # 502, then retried
-    err, _ = failure(s)
+    err, _ = failure(s, SummarizerRefused)
     assert err.why == "HTTP 401 (invalid_api_key)"
     assert len(endpoint.seen) == 4
     assert all(seen["headers"]["authorization"] == f"Bearer {KEY}" for seen in endpoint.seen)

@@ -11,6 +11,8 @@ from typing import Any
 # How long the "slow" mode waits before answering: longer than any summarizer timeout the
 # tests configure for failures.
 SLOW_SECONDS = 2.0
+# The error body's ``code`` when ``mode`` is an HTTP status.
+ERROR_CODE = "fake_error"
 
 
 class FakeProvider:
@@ -20,7 +22,9 @@ class FakeProvider:
     ``mode`` makes it fail instead: "5xx" (a 503), "slow" (answers after :data:`SLOW_SECONDS`),
     "garbage" (not even an HTTP status line), "truncated" (a body shorter than its
     Content-Length), "cut" (a completion the model stopped at its output limit:
-    ``finish_reason`` "length", its text unfinished); "ok" answers. Each request is kept in
+    ``finish_reason`` "length", its text unfinished), an HTTP status as digits ("404", "429": that
+    status with an OpenAI-style error body whose code is :data:`ERROR_CODE` and whose message
+    quotes the request); "ok" answers. Each request is kept in
     ``bodies`` (its JSON body plus ``path`` and ``auth``, the Authorization header) and sets
     ``started`` when it arrives.
     """
@@ -45,6 +49,16 @@ class FakeProvider:
                 if fake.mode == "5xx":
                     self.send_response(503)
                     self.end_headers()
+                    return
+                if fake.mode.isdigit():
+                    data = json.dumps({"error": {"message": f"refused: {body['messages']}",
+                                                 "type": "invalid_request_error",
+                                                 "code": ERROR_CODE}}).encode()
+                    self.send_response(int(fake.mode))
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
                     return
                 if fake.mode == "slow":
                     time.sleep(SLOW_SECONDS)

@@ -8,7 +8,10 @@ whose version is recorded on every result. Any failure — an error status, a ti
 deadline, an unreachable endpoint, an unreadable answer, or one the model did not finish (cut
 at its output limit, ``finish_reason`` ``length``; withheld by a content filter; empty when
 text was asked for and there was content to summarize) — raises ``SummarizerUnavailable``
-(gRPC UNAVAILABLE); the compaction then stores nothing.
+(gRPC UNAVAILABLE), except a 4xx answer other than 408, 409 and 429, which no retry changes (a
+wrong key, a model or URL that does not exist, a request the model refuses): that raises
+``SummarizerRefused`` (gRPC FAILED_PRECONDITION, which clients do not retry). Either way the
+compaction stores nothing.
 
 Retries are the SDK's: at most ``max_retries`` more attempts (``CE_SUMMARIZER_MAX_RETRIES``),
 only after a connection error, a timeout or a 408, 409, 429 or 5xx answer (never another 4xx),
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from context_engine.adapters.assets import DEFAULT_ASSETS_DIR
 from context_engine.domain.compaction import Summarized, SummaryInput
-from context_engine.domain.errors import SummarizerUnavailable
+from context_engine.domain.errors import SummarizerRefused, SummarizerUnavailable
 
 PROMPT_FILE = "summarizer_prompt.md"
 
@@ -85,6 +88,9 @@ MAX_RETRIES = 2
 # never leaves the process: each request then omits the Authorization header.
 _NO_KEY = "unused"
 _CODE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+# The 4xx statuses the SDK retries as transient (timeout, conflict, rate limit): unavailable,
+# as a 5xx is. Any other 4xx is a refusal no retry changes.
+_TRANSIENT_4XX = frozenset({408, 409, 429})
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -164,7 +170,10 @@ class OpenAISummarizer:
         except TimeoutError:
             raise SummarizerUnavailable("deadline exceeded") from None
         except openai.APIStatusError as exc:
-            raise SummarizerUnavailable(_status_why(exc.status_code, exc.code)) from None
+            why = _status_why(exc.status_code, exc.code)
+            if 400 <= exc.status_code < 500 and exc.status_code not in _TRANSIENT_4XX:
+                raise SummarizerRefused(why) from None
+            raise SummarizerUnavailable(why) from None
         except openai.APITimeoutError:
             raise SummarizerUnavailable("timeout") from None
         except openai.APIConnectionError as exc:  # refused, reset, not HTTP, truncated, ...

@@ -65,6 +65,7 @@ CODES: tuple[tuple[type[e.ContextEngineError], grpc.StatusCode], ...] = (
     (e.NothingToCompact, grpc.StatusCode.FAILED_PRECONDITION),
     (e.BuildBaseUnknown, grpc.StatusCode.FAILED_PRECONDITION),
     (e.SummarizerUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (e.SummarizerRefused, grpc.StatusCode.FAILED_PRECONDITION),  # never retried by clients
     (e.SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (e.PrefixHashMismatch, grpc.StatusCode.INTERNAL),
     (e.StoreUnavailable, grpc.StatusCode.UNAVAILABLE),  # StoreConflict too: retried by clients

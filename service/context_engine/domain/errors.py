@@ -325,6 +325,23 @@ class SummarizerUnavailable(ContextEngineError):
         return {"why": self.why}
 
 
+class SummarizerRefused(ContextEngineError):
+    """The summarizer's model endpoint refused the request with a 4xx no retry changes (a
+    wrong or missing key, a model or URL that does not exist, a request it will not take):
+    its configuration, not an outage. Nothing stored."""
+
+    reason = "SUMMARIZER_REFUSED"
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+        super().__init__(f"the summarizer refused the request: {why}; nothing was stored "
+                         "(check CE_SUMMARIZER_URL, CE_SUMMARIZER_MODEL and "
+                         "CE_SUMMARIZER_API_KEY)")
+
+    def metadata(self) -> dict[str, str]:
+        return {"why": self.why}
+
+
 class ResponseTooLarge(ContextEngineError):
     """A response over the service's send limit: not sent (gRPC would refuse it bare)."""
 
