@@ -87,13 +87,14 @@ DELETE FROM idempotency_keys x WHERE tenant_id = $1 AND (session_id IS NULL OR {
 # a tenant's (its purge) or a session id's (DeleteSession, whether the id has a row again or
 # none). Only migration 0006 creates the table, and only when it sets rows aside; the operator
 # drops it when done, and nothing creates it again.
-ORPHANED_EVENTS_EXIST = "SELECT to_regclass('context_events_orphaned') IS NOT NULL"
+SET_ASIDE_EXISTS = "SELECT to_regclass($1) IS NOT NULL"  # a set-aside table, by its name
+EVENTS_SET_ASIDE = "context_events_orphaned"
 DELETE_ORPHANED_EVENTS = "DELETE FROM context_events_orphaned WHERE tenant_id = $1"
 DELETE_SESSION_ORPHANED_EVENTS = """
 DELETE FROM context_events_orphaned WHERE tenant_id = $1 AND session_id = ANY($2::text[])"""
 # Likewise the compaction records migration 0007 set aside in compactions_orphaned
 # (migrations/before/0007_erasure.sql): their session had no row to meet the foreign key.
-ORPHANED_COMPACTIONS_EXIST = "SELECT to_regclass('compactions_orphaned') IS NOT NULL"
+COMPACTIONS_SET_ASIDE = "compactions_orphaned"
 DELETE_ORPHANED_COMPACTIONS = "DELETE FROM compactions_orphaned WHERE tenant_id = $1"
 DELETE_SESSION_ORPHANED_COMPACTIONS = """
 DELETE FROM compactions_orphaned WHERE tenant_id = $1 AND session_id = ANY($2::text[])"""
@@ -159,24 +160,15 @@ class PostgresErasure:
         self._pool = pool
         self._timeout = command_timeout
         self._tracer = tracer or NoOpTracer()
-        # context_events_orphaned found absent: it never comes back, so no erasure asks again
-        self._no_orphaned_events = False
-        self._no_orphaned_compactions = False  # compactions_orphaned, likewise
+        # set-aside tables found absent: none comes back, so no erasure asks again
+        self._absent: set[str] = set()
 
-    async def _orphaned_events_exist(self, conn: Any) -> bool:
-        if self._no_orphaned_events:
+    async def _set_aside_exists(self, conn: Any, table: str) -> bool:
+        if table in self._absent:
             return False
-        if await conn.fetchval(ORPHANED_EVENTS_EXIST, timeout=self._timeout):
+        if await conn.fetchval(SET_ASIDE_EXISTS, table, timeout=self._timeout):
             return True
-        self._no_orphaned_events = True
-        return False
-
-    async def _orphaned_compactions_exist(self, conn: Any) -> bool:
-        if self._no_orphaned_compactions:
-            return False
-        if await conn.fetchval(ORPHANED_COMPACTIONS_EXIST, timeout=self._timeout):
-            return True
-        self._no_orphaned_compactions = True
+        self._absent.add(table)
         return False
 
     async def erase_session(self, tenant_id: str, session_id: str, *, requested_by: str,
@@ -193,10 +185,10 @@ class PostgresErasure:
                 held = await _hold(conn, tenant_id, session_id, timeout=self._timeout)
                 await _delete(conn, DELETE_SESSION_ROWS, counts, tenant_id, [session_id],
                               timeout=self._timeout)
-                if await self._orphaned_events_exist(conn):
+                if await self._set_aside_exists(conn, EVENTS_SET_ASIDE):
                     await _delete(conn, (("events", DELETE_SESSION_ORPHANED_EVENTS),), counts,
                                   tenant_id, [session_id], timeout=self._timeout)
-                if await self._orphaned_compactions_exist(conn):
+                if await self._set_aside_exists(conn, COMPACTIONS_SET_ASIDE):
                     await _delete(conn, (("compactions", DELETE_SESSION_ORPHANED_COMPACTIONS),),
                                   counts, tenant_id, [session_id], timeout=self._timeout)
                 counts["sessions"] -= held  # the erasure's own row is no session erased
@@ -234,10 +226,11 @@ class PostgresErasure:
                     else:
                         await _delete(conn, DELETE_TENANT_ROWS, batch, tenant_id,
                                       timeout=self._timeout)
-                        if await conn.fetchval(ORPHANED_EVENTS_EXIST, timeout=self._timeout):
+                        if await conn.fetchval(SET_ASIDE_EXISTS, EVENTS_SET_ASIDE,
+                                               timeout=self._timeout):
                             await _delete(conn, (("events", DELETE_ORPHANED_EVENTS),), batch,
                                           tenant_id, timeout=self._timeout)
-                        if await conn.fetchval(ORPHANED_COMPACTIONS_EXIST,
+                        if await conn.fetchval(SET_ASIDE_EXISTS, COMPACTIONS_SET_ASIDE,
                                                timeout=self._timeout):
                             await _delete(conn, (("compactions", DELETE_ORPHANED_COMPACTIONS),),
                                           batch, tenant_id, timeout=self._timeout)
