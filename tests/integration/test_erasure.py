@@ -1839,7 +1839,9 @@ def test_without_set_aside_events_erasure_asks_for_their_table_once(direct_datab
         statements: list[str] = []
 
         async def logged(conn: asyncpg.Connection) -> None:
-            conn.add_query_logger(lambda record: statements.append(record.query))
+            # the statement and its arguments (the store names the table as an argument)
+            conn.add_query_logger(
+                lambda record: statements.append(f"{record.query} {record.args!r}"))
 
         pool = await asyncpg.create_pool(direct_database_url, min_size=1, max_size=1,
                                          init=logged)
