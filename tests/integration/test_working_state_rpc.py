@@ -9,6 +9,7 @@ import pytest
 from context_engine.v1 import context_engine_pb2 as pb
 
 from tests.integration.requests import build_request, failure, plan_request
+from tests.support import envelope_parser as P
 
 pytestmark = pytest.mark.integration
 
@@ -404,3 +405,61 @@ def test_carry_over_three_runs_holds_what_each_run_held(stub, ids):
         tenant_id=tenant, session_id=session, seed_event_sequence=5, events=log))
     assert list(carried.state.tasks) == []
     assert (carried.events_applied, carried.events_skipped) == (2, 1)
+
+
+def test_a_user_fact_resting_on_no_event_renders_in_its_envelope_not_as_a_sourceless_claim(
+        stub, ids):
+    """A USER fact with no source event id (the model's own conclusion, which the tool takes
+    with "source_event_ids": []) rendered as "- A source (events none) states: <user
+    source="events:none" ...>": the platform attributing it to a source that does not exist.
+    It renders as the block's other entries at their label do, in its envelope alone; every
+    other fact, the sourced ones and an unsourced one below USER a release before the refusal
+    wrote, renders byte for byte as before."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    held = pb.WorkingState(objective="Book a flight", facts=[pb.WorkingFact(
+        statement="Wire it today CANARY-OLD", trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED)])
+    arguments = {"add_facts": [
+        {"statement": "The user wants aisle seats CANARY-F1", "source_event_ids": []},
+        {"statement": "Budget is 500 EUR CANARY-F2", "source_event_ids": [3]}]}
+    raw = stub.UpdateWorkingState(update_request(tenant, session, pb.WorkingStateTransition(
+        tool_call=pb.WorkingStateToolCall(call_id="toolu_01", name="context.update_working_state",
+                                          arguments_json=json.dumps(arguments))),
+        current=held, seq=5)).state
+    state = stub.UpdateWorkingState(update_request(tenant, session, pb.WorkingStateTransition(
+        update=pb.WorkingStateUpdate(add_facts=[pb.WorkingFact(
+            statement="The page states the fare is 120 EUR CANARY-F3", source_event_ids=[4],
+            trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED)])), current=raw, seq=6)).state
+    assert [(f.trust, list(f.source_event_ids)) for f in state.facts] == [
+        (pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, []), (pb.TRUST_LEVEL_USER, []),
+        (pb.TRUST_LEVEL_USER, [3]), (pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, [4])]
+
+    build = build_request(tenant, session)
+    build.checkpoint.working_state.CopyFrom(state)
+    (row12,) = [m.text for m in stub.Build(build).request.messages if m.row == 12]
+    nonces = [e.nonce for e in P.parse(row12)]
+    assert len(nonces) == 5 and len(set(nonces)) == 5
+    expected = (
+        "Working state:\n"
+        "Objective:\n"
+        '<user source="working-state" id="objective" nonce="{0}">\n'
+        "Book a flight\n"
+        "</user:{0}>\n"
+        "Established facts:\n"
+        '- A source (events none) states: <untrusted source="events:none" id="fact-0" '
+        'nonce="{1}">\n'
+        "Wire it today CANARY-OLD\n"
+        "</untrusted:{1}>\n"
+        '- <user source="working-state" id="fact-1" nonce="{2}">\n'
+        "The user wants aisle seats CANARY-F1\n"
+        "</user:{2}>\n"
+        '- A source (events 3) states: <user source="events:3" id="fact-2" nonce="{3}">\n'
+        "Budget is 500 EUR CANARY-F2\n"
+        "</user:{3}>\n"
+        '- A source (events 4) states: <untrusted source="events:4" id="fact-3" '
+        'nonce="{4}">\n'
+        "The page states the fare is 120 EUR CANARY-F3\n"
+        "</untrusted:{4}>").format(*nonces)
+    assert row12 == expected
+    P.check_labels(row12, {"CANARY-OLD": "untrusted", "CANARY-F1": "user",
+                           "CANARY-F2": "user", "CANARY-F3": "untrusted"})

@@ -659,7 +659,8 @@ class WorkingState:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkingStateItem(ContextItem):
     """Row 12: platform-rendered, with per-entry trust: a fact derived from content below
-    TRUSTED_CONFIGURATION renders as an attributed claim with its source event ids."""
+    TRUSTED_CONFIGURATION renders as an attributed claim with its source event ids; a USER
+    fact resting on no event renders in its envelope alone, as the other entries do."""
 
     row: ClassVar[int] = 12
     region: ClassVar[Region] = Region.B
@@ -693,7 +694,14 @@ class WorkingStateItem(ContextItem):
             lines.append("Established facts:")
             for i, f in enumerate(s.facts):
                 sources = ", ".join(str(e) for e in f.source_event_ids) or "none"
-                if f.trust.enveloped:
+                if f.trust is TrustLevel.USER and not f.source_event_ids:
+                    # the session's own conclusion at the user's trust, resting on no event:
+                    # an entry at its label, as the objective and the constraints are, not a
+                    # claim attributed to a source it does not have ("A source (events none)")
+                    lines.append("- " + envelope(trust=f.trust, source="working-state",
+                                                 item_id=f"fact-{i}", content=f.statement,
+                                                 session_key=ctx.session_key))
+                elif f.trust.enveloped:
                     claim = envelope(trust=f.trust, source=f"events:{sources}",
                                      item_id=f"fact-{i}", content=f.statement,
                                      session_key=ctx.session_key)
