@@ -4,7 +4,7 @@ labeling and rendering", "Every non-platform region is enveloped").
 Every attack of ``tests/support/attacks.py`` is placed in content below TRUSTED_CONFIGURATION
 (tool results, user messages, recall, corrections, knowledge passages, skill bodies,
 working-state facts; in Region A deferred-index descriptions, skill-catalog entries and the memory
-snapshot), the request is built, and the rendered text — and the Anthropic and OpenAI bodies —
+snapshot), the request is built, and the rendered text — and every provider format's body —
 is read back with the independent parser in ``tests/support/envelope_parser.py``: each canary
 lies strictly inside an envelope body, each envelope is closed exactly once, and no body reads,
 leniently, as containing an envelope tag.
@@ -60,7 +60,8 @@ pytestmark = pytest.mark.gate_trust
 
 UNTRUSTED = TrustLevel.EXTERNAL_UNTRUSTED
 BELOW_CONFIGURATION = (TrustLevel.USER, TrustLevel.MEMORY, TrustLevel.EXTERNAL_UNTRUSTED)
-PROVIDERS = ("anthropic_messages", "openai_responses")
+PROVIDERS = ("anthropic_messages", "openai_responses", "openai_chat_completions",
+             "gemini_generate_content", "bedrock_converse")
 ALL_CANARIES = [a.canary for a in ATTACKS]
 
 

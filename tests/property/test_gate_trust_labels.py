@@ -70,7 +70,13 @@ pytestmark = pytest.mark.gate_trust
 USER, MEMORY, UNTRUSTED = TrustLevel.USER, TrustLevel.MEMORY, TrustLevel.EXTERNAL_UNTRUSTED
 LABELS = (USER, MEMORY, UNTRUSTED)
 TAG = {USER: "user", MEMORY: "memory", UNTRUSTED: "untrusted"}
-PROVIDERS = ("anthropic_messages", "openai_responses")
+PROVIDERS = ("anthropic_messages", "openai_responses", "openai_chat_completions",
+             "gemini_generate_content", "bedrock_converse")
+# where each body holds its turns, and the role of the model's own turns in it
+TURNS = {"anthropic_messages": ("messages", "assistant"), "openai_responses": ("input", ""),
+         "openai_chat_completions": ("messages", "assistant"),
+         "gemini_generate_content": ("contents", "model"),
+         "bedrock_converse": ("messages", "assistant")}
 ATTACKS = tuple(a for a in FOLDED_ATTACKS if len(a.text) <= 300)
 
 
@@ -183,11 +189,12 @@ class Session:
 
 def assistant_parts(body: dict[str, Any], fmt: str) -> Iterator[Any]:
     """The parts of a provider body that replay the model's own turns."""
-    if fmt == "anthropic_messages":
-        yield from (m for m in body["messages"] if m["role"] == "assistant")
-    else:
-        yield from (i for i in body["input"] if i.get("role") == "assistant"
+    key, role = TURNS[fmt]
+    if fmt == "openai_responses":
+        yield from (i for i in body[key] if i.get("role") == "assistant"
                     or i.get("type") in ("function_call", "reasoning"))
+    else:
+        yield from (m for m in body[key] if m["role"] == role)
 
 
 def check(r: BuildResult, s: Session) -> None:
@@ -210,8 +217,9 @@ def check(r: BuildResult, s: Session) -> None:
         # plans pin none): it changes no label
         body = render(with_called_tools(r), fmt)
         replayed = list(assistant_parts(body, fmt))
-        rest = {k: v for k, v in body.items() if k not in ("messages", "input")}
-        turns = body["messages"] if fmt == "anthropic_messages" else body["input"]
+        key = TURNS[fmt][0]
+        rest = {k: v for k, v in body.items() if k != key}
+        turns = body[key]
         rest["turns"] = [t for t in turns if t not in replayed]
         for where, text in body_strings(rest, fmt):
             try:
