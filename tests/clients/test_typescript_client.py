@@ -6,6 +6,7 @@ Node.js 20+ and npm are required; a missing toolchain or a failed install fails 
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import hashlib
 import json
@@ -19,11 +20,18 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
+from context_engine_client import Client as PyClient
+from context_engine_client import NotFound
+from context_engine_client._pb.context_engine.v1 import context_engine_pb2 as cpb
 from google.protobuf import json_format
+from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+from tests.clients.test_python_client import OWN_MESSAGE, Fake
+from tests.clients.test_python_client import fake as fake  # the fixture, shared
 from tests.conftest import REPO, ServerThread
 
 pytestmark = pytest.mark.integration
@@ -405,3 +413,47 @@ def check_agent_loop_output(out: str, stub: pb_grpc.ContextEngineStub, *, tenant
     # the model's working-state call went to the engine raw, its answer back as the result
     assert re.search(r"^>> working state: Working state updated: 1 fact recorded; next action "
                      r"set\. The block is \d+ of 1,000 tokens\.$", out, re.M), out[-3000:]
+
+
+STATUS_TRAILERS = {  # (the status's code, its message): whether a client reads its details
+    "the call's own status": (code_pb2.NOT_FOUND, OWN_MESSAGE, True),
+    "another message under the call's code": (code_pb2.NOT_FOUND, "another failure's message",
+                                              False),
+    "another code under the call's message": (code_pb2.FAILED_PRECONDITION, OWN_MESSAGE, False),
+}
+
+
+@pytest.mark.parametrize("kind", list(STATUS_TRAILERS))
+def test_both_clients_read_a_status_trailer_alike(node: str, fake: tuple[Fake, str],
+                                                  kind: str) -> None:
+    """The same failed Build (NOT_FOUND, grpc-message OWN_MESSAGE) with a
+    grpc-status-details-bin trailer, to the Python client and to the TypeScript one: a status
+    whose code or message is not the call's (grpc's rpc_status.from_call refuses it) is read by
+    neither (no reason; the call's code and message), one that is the call's by both. The
+    TypeScript client once read a status whose message alone differed."""
+    status_code, status_message, read = STATUS_TRAILERS[kind]
+    state, target = fake
+    state.failures, state.code = 100, grpc.StatusCode.NOT_FOUND
+    status = status_pb2.Status(code=status_code, message=status_message)
+    status.details.add().Pack(error_details_pb2.ErrorInfo(
+        reason="SESSION_NOT_FOUND", domain="context-engine", metadata={"session_id": "s"}))
+    state.trailer = status.SerializeToString()
+    request = pb.BuildRequest(tenant_id="t", session_id="s")
+    reason = "SESSION_NOT_FOUND" if read else ""
+
+    with PyClient(target=target) as engine, pytest.raises(NotFound) as raised:
+        engine.build(request=cpb.BuildRequest.FromString(request.SerializeToString()))
+    assert (raised.value.message, raised.value.reason, dict(raised.value.metadata)) == (
+        OWN_MESSAGE, reason, {"session_id": "s"} if read else {})
+
+    lines = [{"op": "build", "target": target,
+              "request_b64": base64.b64encode(request.SerializeToString()).decode()},
+             {"op": "quit"}]
+    done = run_tool([node, "dist/test-driver/incremental_driver.js"], timeout=60,
+                    env=client_env(target), what="the TypeScript driver",
+                    stdin="".join(json.dumps(line) + "\n" for line in lines))
+    answer = json.loads(done.stdout.splitlines()[0])
+    said = f" {reason}" if reason else ""
+    assert answer == {"error": f"Build: NOT_FOUND{said}: {OWN_MESSAGE}", "code": "NOT_FOUND",
+                      "reason": reason}, answer
+    assert state.calls == {"Build": 2}  # one each: NOT_FOUND is never retried

@@ -77,7 +77,7 @@ export function parseStatusDetails(bin: Uint8Array): StatusDetails {
  * A failed call. `code` is the gRPC status code (compare with `GrpcStatus.NOT_FOUND`, or read
  * `codeName`); `reason`, `domain` and `metadata` come from the status's single `ErrorInfo`
  * (empty when the failure happened before the service answered, e.g. a missed deadline, or
- * when the status's code is not the call's);
+ * when the status's code or message is not the call's);
  * `violations` lists `BadRequest` field violations for malformed input; `toolResult` is the
  * status's `LocalizedMessage`: for a refused `context.update_working_state` call, the text to
  * return to the model as that call's result (what was wrong, and the tool's input schema).
@@ -147,8 +147,8 @@ function attemptsOf(metadata: grpc.Metadata | undefined): number {
 
 /**
  * Turns a grpc-js `ServiceError` into a {@link ContextEngineError}. A `grpc-status-details-bin`
- * trailer that is not a `google.rpc.Status`, or one whose code is not the call's, is not read:
- * the error has the call's own code and message, and no reason or details.
+ * trailer that is not a `google.rpc.Status`, or one whose code or message is not the call's, is
+ * not read: the error has the call's own code and message, and no reason or details.
  */
 export function fromServiceError(err: grpc.ServiceError, method: string): ContextEngineError {
   const trailers = err.metadata ?? new grpc.Metadata();
@@ -157,10 +157,11 @@ export function fromServiceError(err: grpc.ServiceError, method: string): Contex
   if (first !== undefined && typeof first !== "string") {
     try {
       const parsed = parseStatusDetails(first);
-      if (parsed.status.code !== err.code) {
-        // A status whose code contradicts the call's (an intermediary rewrote one of them):
-        // its reason and details describe another failure, so none is read (grpc's own
-        // libraries refuse such a status too); the call's code and message stand.
+      if (parsed.status.code !== err.code || parsed.status.message !== err.details) {
+        // A status whose code or message contradicts the call's (an intermediary rewrote one
+        // of them): its reason and details describe another failure, so none is read (grpc's
+        // own libraries refuse such a status too, the Python client with them); the call's
+        // code and message stand.
         return new ContextEngineError({ ...common, details: err.details, cause: err });
       }
       return new ContextEngineError({ ...common, details: parsed.message || err.details, parsed,

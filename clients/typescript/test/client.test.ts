@@ -90,6 +90,8 @@ describe("client behaviour", () => {
   let failWith: grpc.status = CODE.UNAVAILABLE;
   /** A `grpc-status-details-bin` trailer updateWorkingState fails with, as it is. */
   let trailer: Buffer | undefined;
+  /** The grpc-message updateWorkingState fails with (default: the code's name). */
+  let failMessage: string | undefined;
   let address = "";
   let client: ContextEngineClient;
   const opened: ContextEngineClient[] = [];
@@ -120,7 +122,7 @@ describe("client behaviour", () => {
     updateWorkingState: (_call, cb) => {
       const md = new grpc.Metadata();
       if (trailer !== undefined) md.set("grpc-status-details-bin", trailer);
-      cb(failure(failWith, codeNameOf(failWith), md));
+      cb(failure(failWith, failMessage ?? codeNameOf(failWith), md));
     },
     carryWorkingState: (call, cb) => {
       carried.push((call.request as CarryWorkingStateRequest).seedEventSequence);
@@ -175,6 +177,7 @@ describe("client behaviour", () => {
     failFirst = 0;
     failWith = CODE.UNAVAILABLE;
     trailer = undefined;
+    failMessage = undefined;
   });
 
   test("the packaged service config is the repository's retry_service_config.json", () => {
@@ -448,20 +451,22 @@ describe("client behaviour", () => {
       assert.equal(calls.plan, 1);
     });
 
-  test("a status whose code contradicts the call's is not read: the call's code and message stand",
+  test("a status whose code or message contradicts the call's is not read: the call's stand",
     async () => {
       // a proxy answered NOT_FOUND over the service's FAILED_PRECONDITION trailer: the
       // detail's reason, metadata, violations, tool result and delay belong to another status
       // (grpc's own libraries refuse such a status), and a caller branching on the reason
       // would act on a failure that is not the one reported
+      // (the call's message is the status's: only the code tells them apart)
       failWith = CODE.NOT_FOUND;
+      failMessage = "persona over its cap";
       trailer = statusDetails(CODE.FAILED_PRECONDITION, "persona over its cap");
       await assert.rejects(client.updateWorkingState({ tenantId: "t", sessionId: "s" }),
         (err: unknown) => {
           assert.ok(err instanceof ContextEngineError);
           assert.equal(err.code, GrpcStatus.NOT_FOUND);
-          assert.equal(err.details, "NOT_FOUND", "grpc-message, not the detail's message");
-          assert.equal(err.message, "UpdateWorkingState: NOT_FOUND: NOT_FOUND");
+          assert.equal(err.details, "persona over its cap", "the call's grpc-message");
+          assert.equal(err.message, "UpdateWorkingState: NOT_FOUND: persona over its cap");
           assert.deepEqual([err.reason, err.domain, { ...err.metadata }, err.violations.length,
             err.toolResult, err.retryDelayMs, err.status, err.otherDetails.length],
           ["", "", {}, 0, "", undefined, undefined, 0]);
@@ -469,14 +474,30 @@ describe("client behaviour", () => {
             "the trailer is still there, as it came");
           return true;
         });
-      // the same trailer under its own code is read whole
+      // the same trailer under its own code and message is read whole
       failWith = CODE.FAILED_PRECONDITION;
       await assert.rejects(client.updateWorkingState({ tenantId: "t", sessionId: "s" }),
         (err: unknown) => err instanceof ContextEngineError &&
           err.code === GrpcStatus.FAILED_PRECONDITION && err.reason === "PREFIX_CLASS_OVER_CAP" &&
           err.details === "persona over its cap");
+      // under its own code but another message (the grpc-message a proxy rewrote, or a
+      // status another failure left): not read either, as grpc's rpc_status.from_call and the
+      // Python client refuse it; the call's code and message stand
+      failMessage = "upstream answered 412";
+      await assert.rejects(client.updateWorkingState({ tenantId: "t", sessionId: "s" }),
+        (err: unknown) => {
+          assert.ok(err instanceof ContextEngineError);
+          assert.equal(err.code, GrpcStatus.FAILED_PRECONDITION);
+          assert.equal(err.details, "upstream answered 412", "grpc-message, not the detail's");
+          assert.deepEqual([err.reason, err.domain, { ...err.metadata }, err.violations.length,
+            err.toolResult, err.retryDelayMs, err.status, err.otherDetails.length],
+          ["", "", {}, 0, "", undefined, undefined, 0]);
+          assert.deepEqual(err.trailers.get("grpc-status-details-bin"), [trailer]);
+          return true;
+        });
       // and a trailer that is not a google.rpc.Status leaves the call's code and message
       failWith = CODE.UNAVAILABLE;
+      failMessage = undefined;
       trailer = Buffer.from([0xff, 0xff, 0xff]);
       await assert.rejects(client.updateWorkingState({ tenantId: "t", sessionId: "s" }),
         (err: unknown) => err instanceof ContextEngineError &&

@@ -306,6 +306,25 @@ describe("context-engine over gRPC", { skip: target ? false :
       });
     });
 
+  test("a refusal whose message holds non-ASCII, % and URI-reserved text keeps its reason",
+    async () => {
+      // grpc-js reads grpc-message with decodeURI: the service's own message (here quoting
+      // the base named) must read back equal to the status's, or its detail would be dropped
+      // as contradicting the call's
+      const named = "base-é%41%2F#;/?:@&=+$,—✓";
+      await assert.rejects(client.build({ tenantId, sessionId: `${sessionId}-named`,
+        checkpoint: fixture.checkpoint, baseBuildId: named, baseItemsKept: 1 }),
+      (err: unknown) => {
+        assert.ok(err instanceof ContextEngineError, String(err));
+        assert.equal(err.code, GrpcStatus.FAILED_PRECONDITION);
+        assert.equal(err.reason, "BUILD_BASE_UNKNOWN");
+        assert.equal(err.metadata.base_build_id, named);
+        assert.equal(err.status?.message, err.details);
+        assert.ok(err.details.includes(named), err.details);
+        return true;
+      });
+    });
+
   test("maxMessageBytes bounds what the client receives", async () => {
     const session = `${sessionId}-limit`;
     await client.plan({ ...fixture.plan, tenantId, sessionId: session });
