@@ -1310,7 +1310,8 @@ class Engine:
             measure=measure, ctx=RenderContext(session_key=loaded.session_key),
             state=cmd.checkpoint.working_state, max_summary_tokens=cmd.max_summary_tokens,
             attachment_charges=lambda sendable: attachment_costs(
-                sendable, estimator.base_factor, used, estimator.image_tokens))
+                sendable, estimator.base_factor, used, estimator.image_tokens),
+            inline_maximum_bytes=self.policy.inline_maximum_bytes)
         previous = len(cmd.current.elided) if cmd.current is not None else 0
         event = ContextEvent(
             tenant_id=cmd.tenant_id, session_id=cmd.session_id, epoch=epoch,

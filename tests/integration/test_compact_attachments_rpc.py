@@ -1,4 +1,5 @@
-"""Compact over gRPC counts a replaced message's attachments as Build charged them."""
+"""Compact over gRPC counts what it replaces as Build charged it: a user message with its
+attachments, a tool result as its excerpt or typed pointer."""
 
 from __future__ import annotations
 
@@ -78,3 +79,47 @@ def test_compact_credits_a_message_with_what_the_attachment_budget_left_it(stub,
                                ).estimated_input_tokens
     assert freed >= 20_000  # what it was asked to free, of what Build charged
     assert resp.tokens_before <= freed  # and it credits no more than Build charged
+
+
+def fetch_history(excerpt: bool) -> list[pb.ConversationItem]:
+    """Twelve fetches of a 200 KB page (persisted excerpt, or none: Build cuts the head/tail
+    excerpt past the inline maximum), each answered, then the active run's message."""
+    out = []
+    for n in range(12):
+        s = 4 * n
+        out += [item(f"u{n}", s + 1, run="run-0", user=pb.UserMessage(text=f"fetch page {n}")),
+                item(f"c{n}", s + 2, run="run-0", tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
+                    call_id=f"call-{n}", name="web.fetch",
+                    arguments_json=f'{{"url":"https://e.com/{n}"}}')])),
+                item(f"r{n}", s + 3, run="run-0", trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED,
+                     tool_result=pb.ToolResult(
+                         call_id=f"call-{n}", tool_name="web.fetch", event_id=1_000 + n,
+                         content="page text " * 20_000,
+                         context_content=f"excerpt {n} " * 60 if excerpt else "")),
+                item(f"a{n}", s + 4, run="run-0",
+                     assistant=pb.AssistantMessage(text=f"noted {n} " * 300))]
+    return [*out, item("u99", 49, run="run-1", user=pb.UserMessage(text="and now?"))]
+
+
+@pytest.mark.parametrize("excerpt", [True, False], ids=["persisted", "head_tail"])
+def test_compact_by_builds_left_out_tokens_replaces_what_build_left_out(stub, ids, excerpt):
+    """Build charges a tool result as it sends it (its excerpt; once history is cut, its typed
+    pointer). Compact credited the canonical page (40,131 tokens), so tokens_to_free = the
+    Build's left_out_tokens (1,059) replaced u0, c0 and r0 and not the answer a0 that Build
+    had also left out: the next Build still cut it, and a second compaction was needed."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(
+        model_id="gpt-4o",
+        capabilities=pb.ModelCapabilities(context_window=16_000, output_reserve=2_000))))
+    first = stub.Build(pb.BuildRequest(tenant_id=tenant, session_id=session,
+                                       checkpoint=pb.Checkpoint(
+        active_run_id="run-1", items=fetch_history(excerpt),
+        runtime=pb.RuntimeMetadata(current_date="2026-11-29")))).pressure
+    left = next(s.item_ids for s in first.steps if s.step == "history")
+    assert first.compaction_needed and len(left) >= 4
+    resp = stub.Compact(pb.CompactRequest(
+        tenant_id=tenant, session_id=session, reason="budget_pressure", idempotency_key="k",
+        tokens_to_free=first.left_out_tokens,
+        checkpoint=pb.Checkpoint(active_run_id="run-1", items=fetch_history(excerpt))))
+    assert list(resp.replaced_item_ids) == list(left)
+    assert resp.tokens_before == first.left_out_tokens

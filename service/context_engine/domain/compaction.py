@@ -41,14 +41,16 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, cast
 
+from context_engine.domain.budget import elided as as_pointer
 from context_engine.domain.errors import (
     BudgetExceeded,
     CompactionDepthExceeded,
     InvalidInput,
     NothingToCompact,
 )
+from context_engine.domain.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES, normalize_tool_result
 from context_engine.domain.history import floor_index, trailing_start, units
 from context_engine.domain.items import (
     SUMMARY_CONSTRAINTS_HEADER,
@@ -402,13 +404,19 @@ async def compact(items: Sequence[ConversationItem], current: HistorySummary | N
                   max_summary_tokens: int = DEFAULT_SUMMARY_TOKENS,
                   attachment_charges: Callable[[Sequence[ConversationItem]],
                                                Mapping[str, int]] | None = None,
+                  inline_maximum_bytes: int = DEFAULT_INLINE_MAXIMUM_BYTES,
                   ) -> CompactionResult:
     """One compaction. The only impure step is the summarizer's call; a summarizer failure
     propagates and nothing is produced. ``attachment_charges``: what Build charges each user
     message of the items it can send (those from the summary's floor on) for its attachments,
     by message id (``builder.attachment_costs``), counted with the message: a PDF's pages free
     what the Build charged for them, and an older message's images no more than the
-    request-wide attachment budget, spent newest first, left them."""
+    request-wide attachment budget, spent newest first, left them. A tool result is counted
+    as Build charges it once history has to be cut: its content as Build sends it (the
+    persisted excerpt, or the head/tail excerpt past ``inline_maximum_bytes``), or its typed
+    pointer where that is smaller (Build cuts history only once every such result is one), so
+    Build's ``left_out_tokens`` as ``tokens_to_free`` replaces what that Build left out, not
+    only the unit of a result whose canonical content Build never sent."""
     charged: Mapping[str, int] = {}
     if attachment_charges is not None:
         charged = attachment_charges(
@@ -416,6 +424,10 @@ async def compact(items: Sequence[ConversationItem], current: HistorySummary | N
             if current is not None else items)
 
     def cost(item: ConversationItem) -> int:
+        if isinstance(item, ToolResultItem):
+            shown = cast(ToolResultItem, normalize_tool_result(item, inline_maximum_bytes)[0])
+            sent: int = measure(shown.messages(ctx))
+            return sent if shown.elided else min(sent, measure(as_pointer(shown).messages(ctx)))
         tokens: int = measure(item.messages(ctx))  # type: ignore[attr-defined]
         if charged and isinstance(item, UserMessageItem):
             tokens += charged.get(item.id, 0)

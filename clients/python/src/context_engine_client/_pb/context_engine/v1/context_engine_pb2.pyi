@@ -3064,7 +3064,10 @@ class CompactRequest(_message.Message):
     tenant_id: _builtins.str
     session_id: _builtins.str
     tokens_to_free: _builtins.int
-    """Free at least this many tokens, oldest whole units first (Build's left_out_tokens)."""
+    """Free at least this many tokens, oldest whole units first (Build's left_out_tokens),
+    counted as Build charges them: a user message with its attachments, a tool result as
+    its excerpt or, where smaller, its typed pointer (as it is once history is cut).
+    """
     replace_through_sequence: _builtins.int
     """Replace every whole unit at or below this event sequence (the item before Build's
     history_cut_index); rounded down so a tool pair is never split.
