@@ -499,16 +499,18 @@ def test_each_attachment_of_a_replaced_message_becomes_a_pointer():
     assert [s.kind for s in merged.elided][:4] == [s[0] for s in spans]
 
 
-def _fetch_rounds(n: int, *, excerpt: bool) -> list[ConversationItem]:
+def _fetch_rounds(n: int, *, excerpt: str) -> list[ConversationItem]:
     """``n`` runs of a fetch whose canonical page is 200 KB (over the inline maximum) and an
-    answer; each result sent as its persisted excerpt or, without one, as the head/tail
-    excerpt Build cuts past the inline maximum. Then the active run's message."""
+    answer; each result sent as its persisted excerpt (``excerpt`` times 60, one word: smaller
+    than its pointer) or, without one, as the head/tail excerpt Build cuts past the inline
+    maximum. Then the active run's message."""
     out: list[ConversationItem] = []
     for k in range(n):
         run_id, s = f"run-0-{k}", 4 * k + 1
         page = replace(f.result(f"r{k}", s + 2, f"k{k}", "page text " * 20_000, run=run_id),
                        event_id=1_000 + k,
-                       context_content=f"excerpt {k} " * 60 if excerpt else "")
+                       context_content=(f"{excerpt} {k} " * 60 if excerpt not in ("", "ok")
+                                        else excerpt))
         out += [f.user(f"u{k}", f"fetch page {k}", s, run=run_id),
                 f.call(f"c{k}", s + 1, f"k{k}", run=run_id), page,
                 AssistantMessageItem(id=f"a{k}", sequence=s + 3, run_id=run_id,
@@ -516,11 +518,13 @@ def _fetch_rounds(n: int, *, excerpt: bool) -> list[ConversationItem]:
     return [*out, f.user("u-next", "and now?", 4 * n + 1, run="run-1")]
 
 
-@pytest.mark.parametrize("excerpt", [True, False], ids=["persisted", "head_tail"])
+@pytest.mark.parametrize("excerpt", ["excerpt", "ok", ""], ids=["persisted", "one_word",
+                                                               "head_tail"])
 def test_build_left_out_tokens_as_tokens_to_free_replaces_what_build_left_out(
-        excerpt: bool) -> None:
+        excerpt: str) -> None:
     """Build charges a tool result as it sends it (its excerpt, and once history is cut its
-    typed pointer); Compact credited the canonical 200 KB page (about 40,000 tokens), so
+    typed pointer where that is smaller, never where its excerpt is: one word); Compact
+    credited the canonical 200 KB page (about 40,000 tokens), so
     tokens_to_free = Build's left_out_tokens (about 1,000) replaced the first fetch alone, and
     what else Build left out (its answer, the next fetch) was in neither the summary nor the
     next request: a second compaction (a summarizer call, and the depth it spends) was needed
@@ -529,7 +533,7 @@ def test_build_left_out_tokens_as_tokens_to_free_replaces_what_build_left_out(
                                                  output_reserve=2_000)))
     est = f.estimator(lp.plan.spec.model)
     ctx = RenderContext(session_key=lp.session_key)
-    its = _fetch_rounds(16, excerpt=excerpt)
+    its = _fetch_rounds(20, excerpt=excerpt)
     first = f.run_build(lp, f.checkpoint(its, run="run-1"))
     left = next(s.ids for s in first.pressure.steps if s.step == "history")
     assert first.pressure.compaction_needed and len(left) >= 4
