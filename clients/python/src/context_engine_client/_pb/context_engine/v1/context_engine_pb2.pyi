@@ -3133,6 +3133,11 @@ class CompactResponse(_message.Message):
     REPLACED_ITEM_IDS_FIELD_NUMBER: _builtins.int
     COMPACTED_FIELD_NUMBER: _builtins.int
     tokens_before: _builtins.int
+    """What the replaced items cost as Build charges them once history is cut (tokens_to_free's
+    measure: attachments as Build charged them, a tool result at its excerpt or, where
+    smaller, its typed pointer; with a current summary, plus what it costs), and what the new
+    summary costs.
+    """
     tokens_after: _builtins.int
     compactor_version: _builtins.str
     summarizer_version: _builtins.str
