@@ -543,3 +543,33 @@ def test_build_left_out_tokens_as_tokens_to_free_replaces_what_build_left_out(
                     target=Target(tokens_to_free=first.pressure.left_out_tokens)))
     assert list(r.replaced_item_ids) == list(left)
     assert r.tokens_before == first.pressure.left_out_tokens
+
+
+def _one_response_two_items() -> list[ConversationItem]:
+    """A model response recorded as one event and two items (its text, then its call: the same
+    sequence, 2), on either side of a unit boundary: Build's cut may fall between them."""
+    return [f.user("u0", "hello " * 50, 1, run="run-0"),
+            AssistantMessageItem(id="a1", sequence=2, run_id="run-0",
+                                 item_trust=TrustLevel.USER, text="let me look " * 50),
+            f.call("c1", 2, "k1", run="run-0"), f.result("r1", 3, "k1", "page " * 50,
+                                                         run="run-0"),
+            AssistantMessageItem(id="a2", sequence=4, run_id="run-0",
+                                 item_trust=TrustLevel.USER, text="done " * 50),
+            f.user("u9", "next", 5, run="run-1")]
+
+
+def test_tokens_to_free_rounds_up_past_a_sequence_a_floor_cannot_split() -> None:
+    """Asked to free what u0 and a1 cost, Compact stopped before c1 (enough was freed), then
+    backed off a1, which shares c1's sequence (a floor through 2 would drop c1 unsummarized):
+    it replaced u0 alone and freed 98 of the 252 tokens asked. Over such a summary (through
+    1) a second Compact failed NOTHING_TO_COMPACT with a1, c1, r1 and a2 above its floor,
+    the history a Build cutting at c1 leaves out. "Free at least": it rounds up instead."""
+    its = _one_response_two_items()
+    asked = sum(measure(it.messages(CTX)) for it in its[:2])  # type: ignore[attr-defined]
+    r = do(its, target=Target(tokens_to_free=asked))
+    assert r.replaced_item_ids == ("u0", "a1", "c1", "r1")
+    assert r.tokens_before >= asked
+    first = do(its, target=Target(tokens_to_free=1))
+    assert (first.replaced_item_ids, first.replaced_through_sequence) == (("u0",), 1)
+    second = do(its, first.history_summary(), target=Target(tokens_to_free=1))
+    assert second.replaced_item_ids == ("a1", "c1", "r1")

@@ -341,7 +341,9 @@ def select(items: Sequence[ConversationItem], current: HistorySummary | None, *,
         if target.replace_through is not None:
             if any(it.sequence > target.replace_through for it in unit):
                 break  # rounded down to a whole unit: a tool pair is never split
-        elif freed >= target.tokens_to_free:
+        elif freed >= target.tokens_to_free and items[begin].sequence > items[begin - 1].sequence:
+            # freed enough, at a boundary a floor can mark (one inside a sequence would be
+            # backed off below, freeing less than asked): rounded up to it, "at least"
             break
         freed += sum(cost(it) for it in unit)
         chosen.append((begin, stop))

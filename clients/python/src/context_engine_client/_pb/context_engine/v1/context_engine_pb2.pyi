@@ -3066,7 +3066,9 @@ class CompactRequest(_message.Message):
     tokens_to_free: _builtins.int
     """Free at least this many tokens, oldest whole units first (Build's left_out_tokens),
     counted as Build charges them: a user message with its attachments, a tool result as
-    its excerpt or, where smaller, its typed pointer (as it is once history is cut).
+    its excerpt or, where smaller, its typed pointer (as it is once history is cut); rounded
+    up to where the event sequence rises (items of one event are replaced together: a
+    summary's floor is a sequence).
     """
     replace_through_sequence: _builtins.int
     """Replace every whole unit at or below this event sequence (the item before Build's
