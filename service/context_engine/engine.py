@@ -1203,9 +1203,15 @@ class Engine:
             # taken to the provider's tokens by this report's own ratio of actual to estimated
             # input: unscaled, a prefix read whole from the cache read about 1 / 1.3, under the
             # alert's 0.9, in every session whose history the cache did not hold.
+            # That ratio is the whole request's: attachments estimated at their upper bound
+            # (an image Claude counts at 1,600 is estimated at 4,784) pull it far under the
+            # text's, and a prefix half read from the cache read 1.0. The prefix is never taken
+            # below its count at the plan's floor (cl100k_base's own count for Claude and
+            # Gemini, which their tokenizers do not count under).
             prefix = float(loaded.plan.prefix_tokens)
             if not prefix_exact(spec) and report.estimated_input_tokens:
-                prefix = least * report.input_tokens / report.estimated_input_tokens
+                prefix = max(least * report.input_tokens / report.estimated_input_tokens,
+                             loaded.plan.prefix_tokens * factor_floor(spec))
             prefix = min(prefix, report.input_tokens)
             if earlier.reports_before and prefix:
                 self._metrics.cached_prefix_ratio.observe(

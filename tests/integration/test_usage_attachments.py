@@ -120,3 +120,42 @@ def test_only_the_attachments_the_request_sends_are_stated(stub, ids):
     sent = sum(len(m.attachments) for m in built.request.messages)
     assert 0 < sent < 8, sent  # the cut took some, not all
     assert built.estimated_attachment_tokens == sent * CLAUDE_IMAGE
+
+
+@pytest.mark.parametrize("images", [1, 3])
+def test_a_prefix_half_read_beside_images_reads_under_the_alert(stub, ids, server, images):
+    """The provider counts the text as estimated (factor 1.0) and each image at 1,600 of its
+    4,784 (README); the prefix's own tokens are its estimate. Taken to the provider's tokens by
+    the whole request's ratio of input to estimate, which the images' bound pulls down, the
+    prefix was counted at a fraction of itself: half of it read from the cache read 0.96 with
+    one image and 1.0 with three, and the alert (below 0.9) could not fire."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="claude-sonnet-4-5")))
+    registry = server.registry
+
+    def observed() -> tuple[float, float]:
+        return (registry.get_sample_value("context_engine_cached_prefix_ratio_sum") or 0.0,
+                registry.get_sample_value("context_engine_cached_prefix_ratio_count") or 0.0)
+
+    built = stub.Build(build_request(tenant, session, items=image_history(images)))
+    assert built.estimator_factor == 1.0
+    assert built.estimated_attachment_tokens == images * CLAUDE_IMAGE
+    actual = built.estimated_input_tokens - images * (CLAUDE_IMAGE - 1_600)
+    prefix = built.budget.prefix_tokens  # the provider's tokens of the prefix (factor 1.0)
+    read = []
+    for key, cached in (("first", 0), ("whole", prefix), ("half", prefix // 2)):
+        before = observed()
+        stub.ReportUsage(pb.ReportUsageRequest(
+            tenant_id=tenant, session_id=session,
+            estimated_input_tokens=built.estimated_input_tokens,
+            estimator_factor=built.estimator_factor, input_tokens=actual, cached_tokens=cached,
+            output_tokens=10, idempotency_key=key,
+            estimated_attachment_tokens=built.estimated_attachment_tokens))
+        after = observed()
+        read.append((after[1] - before[1], after[0] - before[0]))
+    assert read[0] == (0, 0)  # the epoch's first report writes the cache
+    assert read[1] == (1, pytest.approx(1.0))  # read whole: whole
+    truth = (prefix // 2) / prefix
+    # never under the truth (the prefix is not counted over the provider's own tokens), and
+    # under the alert's 0.9: at most 1.3 times the truth, the prefix's floor of cl100k_base
+    assert read[2][0] == 1 and truth <= read[2][1] <= 1.3 * truth + 1e-3 < 0.9
