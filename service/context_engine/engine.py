@@ -525,6 +525,7 @@ class Engine:
                 except _ErasedMeanwhile:
                     current = None  # opened anew below
             else:
+                await self._counted(current)  # written, its writer's COMMIT answer lost
                 return current, False
 
         profile = self._catalog.resolve(
@@ -597,6 +598,7 @@ class Engine:
                                               then=served)
         if created:
             self._pinned(plan, drafts[-1].rendered, key)
+        await self._counted(plan)
         return plan, created
 
     @staticmethod
@@ -619,10 +621,29 @@ class Engine:
 
     def _pinned(self, plan: ContextPlan, rendered: RenderedPrefix, key: str) -> None:
         """A new epoch was written from ``rendered``: cache it (nothing to re-verify, it was
-        rendered just now) and count it."""
+        rendered just now). It is counted by ``_counted``."""
         self.cache.put((plan.tenant_id, plan.session_id, plan.incarnation, plan.epoch),
                        LoadedPlan(plan=plan, rendered=rendered, session_key=key),
                        verified_at=self._clock.monotonic())
+
+    async def _counted(self, plan: ContextPlan) -> None:
+        """Counts ``plan``'s epoch (``context_engine_epochs_total``, and
+        ``context_engine_sessions_opened_total`` for an epoch 1) if it is stored uncounted and
+        this call claims it: the epoch's writer, once its COMMIT answered, or, when that answer
+        was lost (the call failed UNAVAILABLE though the epoch committed), the first Plan or
+        retried Rotate key to read it, on whichever replica. Once across replicas and retries.
+        A claim the database cannot take now is left to the next call that reads the epoch;
+        the call itself succeeds (its epoch is written)."""
+        if plan.counted:
+            return
+        try:
+            claimed = await self._store.claim_count(plan)
+        except StoreUnavailable:
+            log("epoch_count_deferred", logging.WARNING, tenant=plan.tenant_id,
+                epoch=plan.epoch, reason=plan.reason)
+            return
+        if not claimed:
+            return
         if plan.epoch == 1:
             self._metrics.sessions_opened.inc()
         self._metrics.epochs.labels(reason=plan.reason).inc()
@@ -654,6 +675,7 @@ class Engine:
                                                                 loaded.session_key))
         if created:
             self._pinned(plan, rendered, loaded.session_key)
+        await self._counted(plan)
         return plan, created
 
     async def rotate(self, cmd: RotateCommand, *,
@@ -714,6 +736,7 @@ class Engine:
                                               fingerprint=fingerprint, then=served)
         if created:
             self._pinned(plan, drafts[-1].rendered, key)
+        await self._counted(plan)  # a retried key's epoch too, if its first call never was
         return plan, created
 
     async def get_plan(self, tenant_id: str, session_id: str, epoch: int | None) -> ContextPlan:

@@ -32,7 +32,7 @@ EXPECTED = {
     "plans": {"tenant_id", "session_id", "epoch", "reason", "spec_text", "spec", "prefix_sha256",
               "prefix_tokens", "classes", "model_id", "tokenizer", "tool_names",
               "deferred_tool_names", "skipped_tool_names", "authority_scope_hashes",
-              "builder_version", "policy_version", "cache_ttl", "created_at"},
+              "builder_version", "policy_version", "cache_ttl", "created_at", "counted"},
     "context_events": {"id", "event_id", "tenant_id", "session_id", "epoch", "type", "payload",
                        "created_at"},
     "schema_migrations": {"version", "name", "applied_at", "checksum"},

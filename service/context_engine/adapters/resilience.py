@@ -93,6 +93,9 @@ class LastKnownEpochs:
         self._remember(tenant_id, session_id, CurrentEpoch(plan.incarnation, plan.epoch))
         return plan, created
 
+    async def claim_count(self, plan: ContextPlan) -> bool:
+        return await self._inner.claim_count(plan)
+
 
 class BufferedEventLog:
     def __init__(self, inner: EventLog, *, capacity: int = 100_000,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -271,6 +271,9 @@ class ContextPlan:
     # which incarnation of the session this epoch belongs to (the store numbers each creation
     # of a session; a session erased and planned again is a new one); 0 when not stored
     incarnation: int = 0
+    # whether the epoch has been counted in the metrics (context_engine_epochs_total): False
+    # from its write until one call claims its count (``PlanStore.claim_count``)
+    counted: bool = field(default=True, compare=False)
 
 
 def prefix_items(spec: PlanSpec) -> list[ContextItem]:

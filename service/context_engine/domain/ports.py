@@ -116,7 +116,15 @@ class PlanStore(Protocol):
         reused for another session or another request (``fingerprint``) is InvalidInput.
         ``then``: given the epoch written (with its ``created_at``) before the write commits;
         what it raises rolls the whole write back (the caller's response, refused). Returns
-        (plan, created)."""
+        (plan, created). An epoch written here is uncounted (``ContextPlan.counted`` False)
+        until ``claim_count`` claims it."""
+        ...
+
+    async def claim_count(self, plan: ContextPlan) -> bool:
+        """Marks the stored epoch ``plan`` counted in the metrics; True only for the one call
+        that does (any replica's), so each epoch is counted once: by its writer once the write
+        committed, or, when the writer never learnt that it did (its COMMIT's answer lost),
+        by the first call that reads it after. False for an epoch counted already, or gone."""
         ...
 
 
@@ -151,7 +159,7 @@ def pinned(tenant_id: str, session_id: str, epoch: int, rotation: Rotation) -> C
     return ContextPlan(tenant_id=tenant_id, session_id=session_id, epoch=epoch,
                        reason=rotation.reason, spec=d.spec,
                        prefix_sha256=d.rendered.prefix_sha256, prefix_tokens=d.prefix_tokens,
-                       classes=d.classes)
+                       classes=d.classes, counted=False)
 
 
 @dataclass
@@ -209,6 +217,13 @@ class InMemoryPlanStore:
             if idempotency_key is not None:
                 self.keys[(tenant_id, idempotency_key)] = (session_id, fingerprint, plan.epoch)
             return plan, True
+
+    async def claim_count(self, plan: ContextPlan) -> bool:
+        epochs = self.plans.get((plan.tenant_id, plan.session_id), [])
+        if not 0 < plan.epoch <= len(epochs) or epochs[plan.epoch - 1].counted:
+            return False
+        epochs[plan.epoch - 1] = replace(epochs[plan.epoch - 1], counted=True)
+        return True
 
 
 class EventLog(Protocol):

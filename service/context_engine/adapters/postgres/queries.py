@@ -75,7 +75,7 @@ WHERE s.tenant_id = $1 AND s.session_id = $2
 
 # A plan row with its session's incarnation (read in the same statement, so the two agree).
 PLAN_COLUMNS = """p.tenant_id, p.session_id, p.epoch, p.reason, p.spec_text, p.prefix_sha256,
-    p.prefix_tokens, p.classes::text AS classes, p.created_at, s.incarnation"""
+    p.prefix_tokens, p.classes::text AS classes, p.created_at, s.incarnation, p.counted"""
 
 GET_PLAN = f"""
 SELECT {PLAN_COLUMNS}
@@ -90,10 +90,22 @@ WHERE p.tenant_id = $1 AND p.session_id = $2 AND p.epoch = s.current_epoch"""
 INSERT_PLAN = """
 INSERT INTO plans (tenant_id, session_id, epoch, reason, spec_text, spec, prefix_sha256,
     prefix_tokens, classes, model_id, tokenizer, tool_names, deferred_tool_names,
-    skipped_tool_names, authority_scope_hashes, builder_version, policy_version, cache_ttl)
+    skipped_tool_names, authority_scope_hashes, builder_version, policy_version, cache_ttl,
+    counted)
 VALUES ($1, $2, $3, $4, $5::text, $5::text::jsonb, $6, $7, $8::jsonb, $9, $10, $11, $12,
-    $13, $14, $15, $16, $17)
+    $13, $14, $15, $16, $17, false)
 RETURNING created_at"""
+
+# An epoch written uncounted (INSERT_PLAN) is counted by the one call that turns it counted: the
+# writer once its COMMIT answered, or, when that answer was lost, the first call to read it
+# after. A row lock orders concurrent claims; the later one finds it counted and claims nothing.
+# Only while the session is still the incarnation the plan was read for.
+CLAIM_EPOCH_COUNT = """
+UPDATE plans p SET counted = true
+FROM sessions s
+WHERE p.tenant_id = $1 AND p.session_id = $2 AND p.epoch = $3 AND NOT p.counted
+  AND s.tenant_id = p.tenant_id AND s.session_id = p.session_id AND s.incarnation = $4
+RETURNING p.epoch"""
 
 ADVANCE_SESSION = """
 UPDATE sessions SET current_epoch = $3, updated_at = now()

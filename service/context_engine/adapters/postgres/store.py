@@ -117,7 +117,7 @@ def _plan_from_row(row: asyncpg.Record) -> ContextPlan:
                        epoch=row["epoch"], reason=row["reason"], spec=spec,
                        prefix_sha256=row["prefix_sha256"], prefix_tokens=row["prefix_tokens"],
                        classes=classes, created_at=row["created_at"], recorded=document,
-                       incarnation=int(row["incarnation"]))
+                       incarnation=int(row["incarnation"]), counted=bool(row["counted"]))
 
 
 async def _same_incarnation(conn: Any, tenant_id: str, session_id: str,
@@ -265,6 +265,14 @@ class PostgresPlanStore:
             if then is not None:  # before COMMIT: what it raises (a response refused) rolls
                 then(plan)  # the epoch, its event and the key back
             return plan, True
+
+    async def claim_count(self, plan: ContextPlan) -> bool:
+        with db_call(self._tracer, "plans.claim_count"):
+            async with translated(), self._pool.acquire(timeout=self._timeout) as conn:
+                claimed = await conn.fetchval(queries.CLAIM_EPOCH_COUNT, plan.tenant_id,
+                                              plan.session_id, plan.epoch, plan.incarnation,
+                                              timeout=self._timeout)
+        return claimed is not None
 
     async def _insert(self, conn: Any, plan: ContextPlan) -> datetime:
         spec = plan.spec

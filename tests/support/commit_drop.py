@@ -1,0 +1,112 @@
+"""A TCP proxy in front of PostgreSQL (or a pooler) that can lose the answer to one COMMIT.
+
+Armed (``arm()``), the next simple-query ``COMMIT`` a client sends is forwarded to the database,
+which commits it; the proxy then waits ``hold`` seconds and cuts that client's connection
+without passing the answer on: the client is left not knowing whether its transaction
+committed, as when a connection drops during the COMMIT's round trip."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import threading
+from urllib.parse import urlsplit, urlunsplit
+
+
+class CommitDropProxy:
+    def __init__(self, upstream_url: str, *, hold: float = 0.3) -> None:
+        parts = urlsplit(upstream_url)
+        self._upstream = (parts.hostname or "127.0.0.1", parts.port or 5432)
+        self._parts = parts
+        self._hold = hold
+        self._armed = threading.Event()
+        self.dropped = 0
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self._server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._serve, "127.0.0.1", 0), self.loop).result(10)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        p = self._parts
+        auth = p.netloc.rpartition("@")[0]
+        netloc = f"{auth}@127.0.0.1:{self.port}" if auth else f"127.0.0.1:{self.port}"
+        return urlunsplit((p.scheme, netloc, p.path, p.query, p.fragment))
+
+    def arm(self) -> None:
+        self._armed.set()
+
+    async def _serve(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        try:
+            sr, sw = await asyncio.open_connection(*self._upstream)
+        except OSError:
+            cw.close()
+            return
+        cut = asyncio.Event()
+
+        async def down() -> None:  # database -> client
+            try:
+                while not cut.is_set():
+                    data = await sr.read(65536)
+                    if not data or cut.is_set():
+                        break
+                    cw.write(data)
+                    await cw.drain()
+            except (OSError, asyncio.CancelledError):
+                pass
+            if not cut.is_set():  # the database ended the connection: so does the client's
+                cw.transport.abort()
+
+        async def up() -> None:  # client -> database, message by message
+            try:
+                started = False
+                while True:
+                    if not started:
+                        head = await cr.readexactly(4)
+                        (length,) = struct.unpack("!i", head)
+                        body = await cr.readexactly(length - 4)
+                        sw.write(head + body)
+                        await sw.drain()
+                        code = struct.unpack("!i", body[:4])[0]
+                        started = code == 196608  # the StartupMessage (not SSL/GSS requests)
+                        continue
+                    kind = await cr.readexactly(1)
+                    head = await cr.readexactly(4)
+                    (length,) = struct.unpack("!i", head)
+                    body = await cr.readexactly(length - 4)
+                    commit = (kind == b"Q" and body.lstrip().upper().startswith(b"COMMIT")
+                              and self._armed.is_set())
+                    if commit:
+                        self._armed.clear()
+                        cut.set()  # nothing more reaches the client
+                    sw.write(kind + head + body)
+                    await sw.drain()
+                    if commit:
+                        await asyncio.sleep(self._hold)  # the database commits meanwhile
+                        self.dropped += 1
+                        break
+            except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
+                pass
+
+        task = asyncio.ensure_future(down())
+        await up()
+        cut.set()
+        for w in (cw, sw):
+            with contextlib.suppress(Exception):
+                w.transport.abort()
+        task.cancel()
+
+    def close(self) -> None:
+        self._server.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
