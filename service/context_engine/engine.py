@@ -528,16 +528,30 @@ class Engine:
                 await self._counted(current)  # written, its writer's COMMIT answer lost
                 return current, False
 
-        profile = self._catalog.resolve(
-            cmd.model.model_id, context_window=cmd.model.context_window,
-            output_reserve=cmd.model.output_reserve,
-            breakpoint_budget=cmd.model.breakpoint_budget)
         key = session_key(cmd.tenant_id, cmd.session_id)
-        estimator = self.estimator_for(profile)
+
+        def profile_for(base: ContextPlan | None) -> ModelProfile:
+            """The request's model, sized over ``base``: of the pinned model id, a capability
+            the request leaves out keeps the pinned value (one it declares is taken), so a
+            rotation for another reason never resizes the model behind the caller's back."""
+            model = cmd.model
+            pinned = (base.spec.model if base is not None
+                      and base.spec.model.model_id == model.model_id else None)
+
+            def kept(declared: int | None, name: str) -> int | None:
+                return declared if declared is not None or pinned is None else int(
+                    getattr(pinned, name))
+            return self._catalog.resolve(
+                model.model_id,
+                context_window=kept(model.context_window, "context_window"),
+                output_reserve=kept(model.output_reserve, "output_reserve"),
+                breakpoint_budget=kept(model.breakpoint_budget, "breakpoint_budget"))
 
         def draft_for(base: ContextPlan | None) -> PlanDraft:
             """The next epoch over ``base`` (None: a session opened). Pure, and may fail
             (caps, required tools): then nothing is written."""
+            profile = profile_for(base)
+            estimator = self.estimator_for(profile)
             inputs = PlanInputs(
                 tenant_id=cmd.tenant_id, session_id=cmd.session_id, agent=cmd.agent,
                 persona=cmd.persona, tool_catalog=cmd.tool_catalog,

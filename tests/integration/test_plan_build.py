@@ -271,3 +271,41 @@ def test_whole_window_check_fails_with_budget_exceeded(stub, ids):
     assert f.metadata["class"] == "current_user_message"
     body = 12_000 - 1_000 - 550 - plan.prefix_tokens
     assert 8_000 <= int(f.metadata["limit"]) == body < int(f.metadata["tokens"])
+
+
+def test_a_rotation_for_another_reason_keeps_the_capabilities_it_leaves_out(stub, ids, db):
+    """A session pinned with a declared window of 50,000 and reserve of 4,000 kept them while
+    later Plans left them out, but a Plan rotating it for another reason (a new agent version)
+    that also left them out drafted the new epoch at the catalog's 200,000 and 8,192: Builds
+    sized four times past what the caller said its model takes. Capabilities left out keep the
+    pinned ones there too; one declared is taken; an unknown model needs no re-declaration."""
+    tenant, session = ids
+    small = pb.ModelSpec(model_id="claude-sonnet-4-5", capabilities=pb.ModelCapabilities(
+        context_window=50_000, output_reserve=4_000))
+    stub.Plan(plan_request(tenant, session, model=small))
+    assert not stub.Plan(plan_request(tenant, session)).created
+    bumped = plan_request(tenant, session)  # claude-sonnet-4-5, no capabilities
+    bumped.agent.version = "8"
+    rotated = stub.Plan(bumped)
+    assert rotated.created and rotated.plan.reason == "agent_version_changed"
+    built = stub.Build(build_request(tenant, session))
+    assert (built.epoch, built.context_window, built.output_reserve) == (2, 50_000, 4_000)
+    widened = plan_request(tenant, session, model=pb.ModelSpec(
+        model_id="claude-sonnet-4-5", capabilities=pb.ModelCapabilities(context_window=60_000)))
+    widened.agent.version = "9"
+    assert stub.Plan(widened).plan.reason == "agent_version_changed"
+    built = stub.Build(build_request(tenant, session))
+    assert (built.epoch, built.context_window, built.output_reserve) == (3, 60_000, 4_000)
+
+    other = f"{session}-acme"
+    acme = pb.ModelSpec(model_id="acme-1", capabilities=pb.ModelCapabilities(
+        context_window=40_000, output_reserve=2_000))
+    stub.Plan(plan_request(tenant, other, model=acme))
+    bumped = plan_request(tenant, other, model=pb.ModelSpec(model_id="acme-1"))
+    bumped.agent.version = "8"
+    assert stub.Plan(bumped).plan.reason == "agent_version_changed"
+    built = stub.Build(build_request(tenant, other))
+    assert (built.epoch, built.context_window, built.output_reserve) == (2, 40_000, 2_000)
+    assert [r["reason"] for r in db.fetch(
+        "SELECT reason FROM plans WHERE tenant_id = $1 AND session_id = $2 ORDER BY epoch",
+        tenant, session)] == ["session_opened", "agent_version_changed", "agent_version_changed"]
