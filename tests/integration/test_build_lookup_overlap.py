@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
+import asyncpg
 import grpc
 import pytest
 from context_engine.api import servicer
@@ -104,3 +106,53 @@ def test_a_build_whose_rendering_fails_still_logs_what_it_built(
     assert built and built[-1].get("estimated_input_tokens", 0) > 0, lines
     assert built[-1].get("epoch") == 1, built[-1]
 
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["valid", "refused"])
+def test_a_build_cancelled_while_its_plan_is_read_stops_the_read(
+        database_url: str, direct_database_url: str, ids: Any, refused: bool) -> None:
+    """A Build whose deadline passes while its plan lookup waits on the database stops the
+    lookup: nothing of the call runs on after it, holding a connection of the pool for a caller
+    gone (and outside the concurrency limit, which no longer counts the call). A refused
+    request (here an estimator_factor out of range) waits for its lookup before it answers;
+    cancelled in that wait, it left the lookup waiting on the database until
+    CE_DB_TIMEOUT_SECONDS."""
+    tenant, session = ids
+    size = 2
+    srv = ServerThread(base_config().replace(db_pool_size=size, db_timeout_seconds=30.0),
+                       database_url)
+    loop = asyncio.new_event_loop()
+    locker: Any = None
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+            stub.Plan(plan_request(tenant, session), timeout=30)
+
+            async def lock() -> Any:  # a plain read of sessions waits until it is rolled back
+                conn = await asyncpg.connect(direct_database_url)
+                await conn.execute("BEGIN; LOCK TABLE sessions IN ACCESS EXCLUSIVE MODE")
+                return conn
+            locker = loop.run_until_complete(lock())
+            request = build_request(tenant, session)
+            if refused:
+                request.estimator_factor = 9.0
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Build(request, timeout=0.5)
+            assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+
+            def waiting() -> tuple[int, int]:
+                """(the server's backends waiting on the lock, its pool's connections in use)"""
+                held = loop.run_until_complete(locker.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
+                    "AND datname = current_database() AND wait_event_type = 'Lock'"))
+                pool = srv.running.pool
+                return int(held), pool.get_size() - pool.get_idle_size()
+            deadline = time.monotonic() + 3
+            while waiting() != (0, 0) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert waiting() == (0, 0)
+    finally:
+        if locker is not None:
+            loop.run_until_complete(locker.close())
+        loop.close()
+        srv.stop()

@@ -322,7 +322,11 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 raise
             except BaseException:
                 if lookup is not None:
-                    await asyncio.wait([lookup])  # its outcome is read, never raised here
+                    try:
+                        await asyncio.wait([lookup])  # its outcome is read, never raised here
+                    except asyncio.CancelledError:  # cancelled while it waits: so is the lookup
+                        lookup.cancel()
+                        raise
                     if not lookup.cancelled() and lookup.exception() is None:
                         ran_on.append(lookup.result().plan.incarnation)  # what it rendered
                 raise
