@@ -364,6 +364,53 @@ def test_a_calls_latency_counts_its_token_lookup(database_url: str, direct_datab
         server.stop()
 
 
+def test_a_call_cancelled_during_its_token_lookup_is_logged_and_sampled(
+        database_url: str, direct_database_url: str, db) -> None:
+    """A call whose deadline passes while its credentials check waits on the token table, or
+    whose caller gives up then, ends DEADLINE_EXCEEDED or CANCELLED in its log line and
+    context_engine_rpc_seconds as in grpc_server_handled_total (README, "Logs and context
+    events"): such calls had neither a log line nor a latency sample, so a token table that
+    stalled every call past its deadline showed no errors in the service's own error ratio."""
+    tenant, token = f"tenant-{uuid.uuid4().hex[:10]}", f"db-{uuid.uuid4().hex}"
+    db.fetch("INSERT INTO api_tokens (tenant_id, token_sha256, rpcs) VALUES ($1, $2, $3)",
+             tenant, token_sha256(token), ["GetPlan"])
+    config = base_config().replace(dev_mode=False, auth_db_tokens=True, auth_cache_seconds=0.0,
+                                   db_timeout_seconds=30.0)
+    server = ServerThread(config, database_url)
+    channel = grpc.insecure_channel(server.address)
+    stub = pb_grpc.ContextEngineStub(channel)
+    request = pb.GetPlanRequest(tenant_id=tenant, session_id="never-planned")
+    handler = Captured()
+
+    def calls() -> list[tuple[str, str]]:
+        return [(c["code"], c["reason"]) for c in map(json.loads, handler.lines[::2])
+                if c["event"] == "rpc" and c.get("method") == "GetPlan"]
+
+    def counted(name: str, code_label: str) -> dict[str, float]:
+        return {s.labels[code_label]: s.value for m in server.registry.collect()
+                for s in m.samples if s.name == name and s.value
+                and s.labels.get("method", s.labels.get("grpc_method")) == "GetPlan"}
+    try:
+        with debug_logs(handler), token_table_locked(direct_database_url, threading.Event()):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GetPlan(request, metadata=bearer(token), timeout=0.5)
+            assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            given_up = stub.GetPlan.future(request, metadata=bearer(token), timeout=30)
+            time.sleep(0.5)  # its lookup waits on the lock
+            given_up.cancel()
+            deadline = time.monotonic() + 10
+            while len(calls()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert sorted(calls()) == [("CANCELLED", "CANCELLED"),
+                                   ("DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED")]
+        expected = {"CANCELLED": 1.0, "DEADLINE_EXCEEDED": 1.0}
+        assert counted("grpc_server_handled_total", "grpc_code") == expected
+        assert counted("context_engine_rpc_seconds_count", "code") == expected
+    finally:
+        channel.close()
+        server.stop()
+
+
 def test_a_token_lookup_waits_for_a_connection_at_most_the_database_timeout(
         database_url: str, db) -> None:
     """With every connection of the pool taken, the lookup of a table token gives up after

@@ -42,8 +42,9 @@ import grpc
 from opentelemetry.trace import Tracer
 
 from context_engine.adapters.postgres.errors import translated
+from context_engine.api.rpc_metrics import cancelled_code
 from context_engine.api.servicer import CALLER, Undecodable
-from context_engine.api.status import internal_status, refuse, status_for, timed_call
+from context_engine.api.status import ended, internal_status, refuse, status_for, timed_call
 from context_engine.clock import SYSTEM_CLOCK, Clock, time_ns
 from context_engine.config import Config, ConfigError
 from context_engine.domain.errors import StoreUnavailable
@@ -374,6 +375,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             try:
                 grant = await self._auth.grant_for(rpc, metadata)
                 check_tenant(rpc, request, grant)
+            except asyncio.CancelledError:
+                # its deadline passed, or its caller gave up, during the token lookup: ended
+                # with that code in its log line and latency sample, as one cancelled under
+                # the servicer is (the gRPC server metrics count it so too)
+                code = cancelled_code(context)
+                ended(context, self._metrics, method=rpc, code=code, reason=code.name,
+                      tracer=self._tracer)
+                raise
             except Denied as denied:
                 await self._abort(context, rpc, denied.code, denied.reason, denied.message,
                                   denied.metadata)

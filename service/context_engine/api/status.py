@@ -160,14 +160,14 @@ def internal_status() -> tuple[grpc.StatusCode, status_pb2.Status]:
     return code, rich_status(code, "internal error", "INTERNAL", {})
 
 
-async def refuse(context: grpc.aio.ServicerContext[Any, Any], metrics: Metrics | None, *,
-                 method: str, code: grpc.StatusCode, reason: str, message: str,
-                 metadata: dict[str, str], tenant: str = "",
-                 tracer: Tracer | None = None) -> None:
-    """Answer a call an interceptor turns away before the servicer runs (credentials,
-    limits, shutdown) as the servicer answers its own failures: the rich status, the RPC's
-    latency sample (from ``call_started``) and its one log line. Raises, as
-    ``context.abort`` does."""
+def ended(context: grpc.aio.ServicerContext[Any, Any], metrics: Metrics | None, *,
+          method: str, code: grpc.StatusCode, reason: str, tenant: str = "",
+          tracer: Tracer | None = None) -> None:
+    """Record a call that ends (with ``code``, not OK) before the servicer runs, as the
+    servicer records its own: the RPC's latency sample (from ``call_started``), its span and
+    its one log line. For an interceptor's refusal (``refuse``), and for a call cancelled
+    while an interceptor waited (its deadline passed, or its caller gave up, during the
+    credentials check's token lookup)."""
     elapsed = time.perf_counter() - call_started()  # the credentials check's lookup included
     # a span of its own, as the servicer's calls have: its log line carries the caller's trace
     with server_span(tracer or NoOpTracer(), SERVICE, method,
@@ -180,5 +180,17 @@ async def refuse(context: grpc.aio.ServicerContext[Any, Any], metrics: Metrics |
             span.set_attribute("rpc.grpc.status_code", code.value[0])
             span.set_attribute("context_engine.status_code", code.name)
             failed(span, reason)
+
+
+async def refuse(context: grpc.aio.ServicerContext[Any, Any], metrics: Metrics | None, *,
+                 method: str, code: grpc.StatusCode, reason: str, message: str,
+                 metadata: dict[str, str], tenant: str = "",
+                 tracer: Tracer | None = None) -> None:
+    """Answer a call an interceptor turns away before the servicer runs (credentials,
+    limits, shutdown) as the servicer answers its own failures: the rich status, the RPC's
+    latency sample (from ``call_started``) and its one log line. Raises, as
+    ``context.abort`` does."""
+    ended(context, metrics, method=method, code=code, reason=reason, tenant=tenant,
+          tracer=tracer)
     status = rich_status(code, message, reason, metadata)
     await context.abort(code, message, rpc_status.to_status(status).trailing_metadata)
