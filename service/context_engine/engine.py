@@ -1024,15 +1024,20 @@ class Engine:
                     derived_spans(self._tracer, result.pressure, time_ns(self._clock),
                                   history)
         except BudgetExceeded as exc:
-            self._metrics.budget_exceeded.labels(**{"class": exc.class_name}).inc()
             payload: dict[str, Any] = {"epoch": loaded.plan.epoch, **exc.metadata()}
             # A pressure event records that a yield step ran (spec): an overflow that
             # yielded nothing is recorded by the exceeded event alone.
-            if isinstance(exc.pressure, Pressure) and exc.pressure.yielded:
-                self._count_pressure(exc.pressure)
+            ran = (exc.pressure if isinstance(exc.pressure, Pressure) and exc.pressure.yielded
+                   else None)
+            if ran is not None:
                 await self._record(loaded.plan, "context.budget.pressure",
-                                   pressure_payload(exc.pressure, loaded.plan.epoch))
+                                   pressure_payload(ran, loaded.plan.epoch))
             await self._record(loaded.plan, "context.budget.exceeded", payload)
+            # counted once its events are written (or their loss logged): a Build cancelled
+            # while it writes them is answered CANCELLED, and its retry counts
+            self._metrics.budget_exceeded.labels(**{"class": exc.class_name}).inc()
+            if ran is not None:
+                self._count_pressure(ran)
             raise
         took = time.perf_counter() - started
         if assembled is None:
@@ -1047,9 +1052,11 @@ class Engine:
             then(result)
         await self._snapshot_used(loaded, checkpoint.active_run_id)
         if pressure.yielded:  # a request that fits without yielding emits nothing
-            self._count_pressure(pressure)
             await self._record(loaded.plan, "context.budget.pressure",
                                pressure_payload(pressure, loaded.plan.epoch))
+            # counted once the event is written (or its loss logged), as the Build is served:
+            # one cancelled while it writes the event counts nothing, and its retry counts once
+            self._count_pressure(pressure)
         return result
 
     async def _snapshot_used(self, loaded: LoadedPlan, run_id: str) -> None:
