@@ -144,7 +144,8 @@ def test_a_build_cancelled_while_its_plan_is_read_stops_the_read(
                 """(the server's backends waiting on the lock, its pool's connections in use)"""
                 held = loop.run_until_complete(locker.fetchval(
                     "SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
-                    "AND datname = current_database() AND wait_event_type = 'Lock'"))
+                    "AND datname = current_database() AND wait_event_type = 'Lock' "
+                    "AND query LIKE '%FROM sessions%'"))
                 pool = srv.running.pool
                 return int(held), pool.get_size() - pool.get_idle_size()
             deadline = time.monotonic() + 3
