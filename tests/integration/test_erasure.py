@@ -1127,7 +1127,9 @@ def planned_again(r: Replicas, tenant: str, session: str) -> None:
     r.a.stub.Plan(plan_request(tenant, session), timeout=30)
 
 
-@pytest.mark.parametrize("made", ["by a refused Build", "after the session was begun again",
+@pytest.mark.parametrize("made", ["by a refused Build",
+                                  "by a refused Build on a replica that knew no incarnation",
+                                  "after the session was begun again",
                                   "by the Build that found the session planned again",
                                   "by a Build that never read its plan"])
 def test_renderings_are_forgotten_with_their_incarnation_whenever_they_were_made(
@@ -1150,6 +1152,15 @@ def test_renderings_are_forgotten_with_their_incarnation_whenever_they_were_made
     if made == "by a refused Build":
         r.b.stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session), timeout=30)
         bad = build_request(tenant, session, epoch=1, items=said)  # a plan-cache hit
+        bad.estimator_factor = 10.0
+        with pytest.raises(grpc.RpcError) as err:
+            r.b.stub.Build(bad, timeout=30)
+        assert failure(err.value).code is grpc.StatusCode.INVALID_ARGUMENT
+    elif made == "by a refused Build on a replica that knew no incarnation":
+        # B has never read this session: the Build begins knowing no incarnation of it, and
+        # what it renders is of the one its plan read names, though the Build is refused
+        assert engine.latest_incarnation(tenant, session) is None
+        bad = build_request(tenant, session, items=said)
         bad.estimator_factor = 10.0
         with pytest.raises(grpc.RpcError) as err:
             r.b.stub.Build(bad, timeout=30)
