@@ -169,9 +169,11 @@ def test_rpc_spans_continue_the_callers_trace(tstub, ids, exporter):
     assert rpc_plan.context is not None and rpc_plan.context.trace_state.get("vendor") == \
         "opaque"
 
-    # Plan: the prefix rendered, and the database calls that read and pinned it.
+    # Plan: the prefix rendered, and the database calls that read and pinned it, and that
+    # claimed the new epoch's count once its COMMIT answered.
     names = sorted(s.name for s in children(spans, rpc_plan))
-    assert names == ["context_engine.plan.render", "db plans.get", "db plans.pin"]
+    assert names == ["context_engine.plan.render", "db plans.claim_count", "db plans.get",
+                     "db plans.pin"]
     pin = one(spans, "db plans.pin")
     assert pin.kind is SpanKind.INTERNAL
     assert (pin.attributes or {})["db.system.name"] == "postgresql"
