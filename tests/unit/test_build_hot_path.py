@@ -173,7 +173,18 @@ def test_a_memo_that_drops_the_session_mid_build_keeps_no_identity_map_of_it() -
     """A memo too small for the session drops it during its Builds (half the capacity): an
     identity map it holds points only at renderings it also holds (else the map alone keeps
     them alive, counted at a fraction of their size)."""
-    memo = BoundedMemo(200_000)
+    # 600,000 bytes: the session outgrows half of it in the later Builds, and what those
+    # Builds render after the drop still fits (at 200,000 every Build dropped it again once
+    # more, map and all, and the check below read no map at all)
+    memo = BoundedMemo(600_000)
+    dropped: list[str] = []
+    drop = memo.drop
+
+    def counted(session: str) -> None:
+        dropped.append(session)
+        drop(session)
+
+    memo.drop = counted  # type: ignore[method-assign]
     lp = loaded("small-memo")
     items = conversation(12, "SMALL")
     for turn in range(6, len(items) + 1, 6):
@@ -181,10 +192,12 @@ def test_a_memo_that_drops_the_session_mid_build_keeps_no_identity_map_of_it() -
         while sent[-1].WhichOneof("kind") == "tool_calls":
             sent.pop()
         served(lp, checkpoint_pb(sent), memo)
+        assert not dropped or dropped[-1] == lp.session_key
         for key, seen in list(memo.items()):
             if key[1] == IDENTITY:
                 for hit in seen.values():
                     assert memo.get((key[0], key[2], hit[0])) is hit[1], turn
+    assert dropped  # the memo did drop the session during a Build
 
 
 def test_one_checkpoint_object_built_for_two_sessions_and_factors() -> None:
