@@ -573,3 +573,35 @@ def test_tokens_to_free_rounds_up_past_a_sequence_a_floor_cannot_split() -> None
     assert (first.replaced_item_ids, first.replaced_through_sequence) == (("u0",), 1)
     second = do(its, first.history_summary(), target=Target(tokens_to_free=1))
     assert second.replaced_item_ids == ("a1", "c1", "r1")
+
+
+@pytest.mark.gate_trust
+@pytest.mark.parametrize("source", ["line", "question", "goal", "prior narrative"])
+@pytest.mark.parametrize("label", [TrustLevel.MEMORY, TrustLevel.EXTERNAL_UNTRUSTED])
+def test_a_narrative_written_from_a_lower_label_takes_it(source: str,
+                                                          label: TrustLevel) -> None:
+    """The narrative's label is the lowest of what it is written from. The compactor gives the
+    summarizer nothing below USER, so on its path every label here is USER; this holds the
+    label's own rule, so that a piece below USER that ever reached the summarizer would lower
+    the narrative, never leave it at USER."""
+    from context_engine.domain.compaction import TrustedLine
+
+    def given(**kw: Any) -> SummaryInput:
+        base: dict[str, Any] = dict(reason="r", goal="", constraints=(), open_questions=(),
+                                    lines=(), pointers=(), prior_narrative="",
+                                    source_event_ids=())
+        return SummaryInput(**{**base, **kw})
+
+    plain = given(lines=(TrustedLine(item_id="u1", sequence=1, role="user", text="hi"),))
+    assert plain.narrative_trust() is TrustLevel.USER
+    lowered = {
+        "line": given(lines=(TrustedLine(item_id="u1", sequence=1, role="user", text="hi",
+                                         trust=label),)),
+        "question": given(open_questions=("which?",), question_trust=(label,)),
+        "goal": given(goal="book it", goal_trust=label),
+        "prior narrative": given(prior_narrative="earlier", prior_trust=label),
+    }[source]
+    assert lowered.narrative_trust() is label
+    # a label above USER never raises it
+    assert given(goal="book it", goal_trust=TrustLevel.TRUSTED_CONFIGURATION
+                 ).narrative_trust() is TrustLevel.USER
