@@ -7,7 +7,8 @@ fail instead; every other class has an absolute cap except tool results (a share
 and history (the remainder). When the body does not fit, the ladder yields in a fixed order and
 no further than needed: knowledge passages drop whole, lowest-ranked first; recall trims to its
 floor; tool results become typed pointers, oldest first; then history is cut, which is the
-signal that compaction is needed.
+signal that compaction is needed (``compaction_helps``: when what never yields does not fit even
+so, only where merging the current summary into a smaller one can make it fit).
 
 History's floor (8,000 tokens, or all of it if less) is guaranteed by Plan, which refuses a plan
 whose body budget cannot hold it (``require_history_floor``); when never-yield items still push
@@ -539,7 +540,9 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     left_out_tokens = sum(ledger.history_costs[:ledger.cut])
     pressure = Pressure(
         steps=steps, fits=total <= B, tokens_before=before, tokens_after=total, body_budget=B,
-        compaction_needed=ledger.cut > 0, left_out_items=ledger.cut,
+        compaction_needed=compaction_helps(ledger.cut, total, B, summary,
+                                           ledger.fixed.get("summary", 0)),
+        left_out_items=ledger.cut,
         left_out_tokens=left_out_tokens, cut_index=position(floor + ledger.cut),
         floor_index=position(floor), legacy_tool_excerpts=legacy_tool_excerpts,
         history_floor_shortfall=shortfall)
@@ -591,6 +594,28 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
 
 
 _FIXED_CAPS = {"skill_bodies": SKILL_BODY_TOKENS, "working_state": WORKING_STATE_TOKENS}
+
+
+def compaction_helps(left_out: int, total: int, body_budget: int,
+                     summary: HistorySummary | None, summary_tokens: int) -> bool:
+    """``Pressure.compaction_needed``: whether compacting the ``left_out`` history items and
+    building again lets the body fit. Where it fits already (``total`` tokens of
+    ``body_budget``), history was cut: compaction keeps what was left out. Where it does not,
+    every history candidate is left out already and only what never yields is left; a
+    compaction writes a summary, which never yields either, so it cannot help unless it merges
+    the current summary (``summary_tokens`` of the body) into a smaller one: that summary can
+    still merge (depth below the cap) and the rest fits without it (a summary costs at least a
+    token). Everything else that never yields (the current user message, the working state,
+    corrections, skill bodies, the active run) no compaction touches."""
+    # the compactor's depth cap (compaction imports this module: imported where it is used)
+    from context_engine.domain.compaction import MAX_DEPTH
+
+    if left_out == 0:
+        return False  # nothing to compact
+    if total <= body_budget:
+        return True
+    return (summary is not None and summary.depth < MAX_DEPTH
+            and total - summary_tokens < body_budget)
 
 
 def running_sums(costs: list[int], kept: KeptSteps | None) -> list[int]:

@@ -2598,7 +2598,17 @@ class Pressure(_message.Message):
     tokens_before: _builtins.int
     tokens_after: _builtins.int
     compaction_needed: _builtins.bool
-    """History was cut: compact (a write) and build again to keep what was left out."""
+    """Compacting the history left out (a write: Compact with tokens_to_free = left_out_tokens)
+    and building again can make the request fit, or keep what was left out. True when history
+    was cut and the request fits. When it does not fit (Build failed BUDGET_EXCEEDED; this
+    record is its context.budget.pressure event, fits false), every history item is left out
+    already and what is over the body never yields: the current user message, the working
+    state, corrections, skill bodies and the active run, which no compaction touches, or the
+    summary. Then it is true only where the rest fits without the summary and the summary can
+    still merge (depth below 2): a Compact with max_summary_tokens small enough (the merged
+    summary at least BUDGET_EXCEEDED's tokens - limit below the current one) fits it; false
+    otherwise, as compacting would only add a summary and fail again.
+    """
     left_out_items: _builtins.int
     """Items and tokens left out beyond the summary floor."""
     left_out_tokens: _builtins.int

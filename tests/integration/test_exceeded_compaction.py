@@ -1,0 +1,88 @@
+"""A Build refused BUDGET_EXCEEDED says ``compaction_needed`` only where a compaction can make
+it fit, through the real server and PostgreSQL: never-yield items over the body are not helped
+by compacting the history left out (the summary it writes never yields either, so a runtime
+that compacted and built again failed again); a summary over the body that a merge can shrink
+is."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+from context_engine.v1 import context_engine_pb2 as pb
+
+from tests.integration.requests import build_request, failure, plan_request
+from tests.integration.test_budget_rpc import SMALL, long_history
+
+pytestmark = pytest.mark.integration
+
+
+def refused(stub, req: pb.BuildRequest):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(req)
+    f = failure(err.value)
+    assert f.code is grpc.StatusCode.FAILED_PRECONDITION and f.reason == "BUDGET_EXCEEDED"
+    return f
+
+
+def last_pressure(db, tenant: str) -> dict:
+    return json.loads(db.val("SELECT payload::text FROM context_events WHERE tenant_id=$1 AND "
+                             "type='context.budget.pressure' ORDER BY id DESC LIMIT 1", tenant))
+
+
+def compact(stub, tenant: str, session: str, req: pb.BuildRequest, key: str, tokens: int,
+            **fields) -> pb.Summary:
+    resp = stub.Compact(pb.CompactRequest(
+        tenant_id=tenant, session_id=session, checkpoint=req.checkpoint,
+        reason="budget_pressure", idempotency_key=key, tokens_to_free=tokens, **fields))
+    assert resp.compacted
+    return resp.summary
+
+
+def test_never_yield_items_over_the_body_need_no_compaction(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=SMALL))
+    items = long_history(20)
+    items[-1].user.text = "word " * 12_000  # the current user message alone is over the body
+    req = build_request(tenant, session, items=items)
+    f = refused(stub, req)
+    assert f.metadata["class"] == "current_user_message"
+    p = last_pressure(db, tenant)
+    assert p["fits"] is False and p["left_out_items"] > 0  # every carried item was left out
+    assert p["compaction_needed"] is False
+    # what a runtime following it would have done: compact what was left out, build again,
+    # and be refused again (the summary is one more thing that never yields)
+    req.checkpoint.summary.CopyFrom(compact(stub, tenant, session, req, "c1",
+                                            p["left_out_tokens"]))
+    again = refused(stub, req)
+    assert again.metadata["class"] == "current_user_message"
+    assert int(again.metadata["tokens"]) > int(f.metadata["tokens"])  # and further over
+
+
+def test_a_summary_over_the_body_that_a_merge_can_shrink_needs_compaction(stub, ids, db):
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=SMALL))
+    items = long_history(6)
+    req = build_request(tenant, session, items=items)
+    # a summary written under a larger cap, of the first run's first two fetches, built on a
+    # window it does not fit: it never yields, and a merge under a smaller cap shrinks it
+    req.checkpoint.summary.CopyFrom(pb.Summary(
+        text="narrative " * 14_000, depth=1, replaced_through_sequence=8,
+        trust=pb.TRUST_LEVEL_USER))
+    f = refused(stub, req)
+    assert f.metadata["class"] == "summary"
+    p = last_pressure(db, tenant)
+    assert p["fits"] is False and p["left_out_items"] > 0
+    assert p["compaction_needed"] is True
+    merged = compact(stub, tenant, session, req, "m1", p["left_out_tokens"],
+                     max_summary_tokens=2_000)
+    assert merged.depth == 2
+    req.checkpoint.summary.CopyFrom(merged)
+    assert stub.Build(req).pressure.fits  # the merge made it fit
+    # the same summary merged already (depth 2) cannot be merged again: no compaction helps
+    req.checkpoint.summary.CopyFrom(pb.Summary(
+        text="narrative " * 14_000, depth=2, replaced_through_sequence=8,
+        trust=pb.TRUST_LEVEL_USER))
+    refused(stub, req)
+    assert last_pressure(db, tenant)["compaction_needed"] is False
