@@ -13,14 +13,35 @@ import pytest
 from context_engine.api.server import database_reachable
 
 
-class _Pool:
+class _Connection:
     def __init__(self, exc: BaseException | None) -> None:
         self.exc = exc
+        self.closed = False
 
     async def fetchval(self, *args: Any, **kwargs: Any) -> int:
         if self.exc is not None:
             raise self.exc
         return 1
+
+    async def close(self, **kwargs: Any) -> None:
+        self.closed = True
+
+
+class _Pool:
+    """A pool whose connection answers ``SELECT 1`` with ``exc``; ``busy``: none frees."""
+
+    def __init__(self, exc: BaseException | None, *, busy: bool = False) -> None:
+        self.connection = _Connection(exc)
+        self.busy = busy
+        self.released = 0
+
+    async def acquire(self, *, timeout: float) -> _Connection:
+        if self.busy:
+            raise TimeoutError
+        return self.connection
+
+    async def release(self, connection: _Connection, *, timeout: float) -> None:
+        self.released += 1
 
 
 @pytest.mark.parametrize("exc", [
@@ -38,3 +59,47 @@ def test_a_reachable_database_and_a_defect_are_told_apart() -> None:
     with pytest.raises(asyncpg.InternalClientError):
         asyncio.run(database_reachable(  # type: ignore[arg-type]
             _Pool(asyncpg.InternalClientError("no decoder for OID 99999")), 1.0))
+
+
+def _outside(exc: BaseException | None = None, query: BaseException | None = None
+             ) -> tuple[Any, list[_Connection]]:
+    opened: list[_Connection] = []
+
+    async def connect() -> _Connection:
+        if exc is not None:
+            raise exc
+        opened.append(_Connection(query))
+        return opened[-1]
+
+    return connect, opened
+
+
+def test_a_busy_pool_is_probed_outside_it_and_never_taken_for_the_database_away() -> None:
+    busy = _Pool(None, busy=True)
+    # no connection outside the pool to ask: busy, the caller keeps its state
+    assert asyncio.run(database_reachable(busy, 1.0)) is None  # type: ignore[arg-type]
+    connect, opened = _outside()
+    assert asyncio.run(database_reachable(busy, 1.0, connect)) is True  # type: ignore[arg-type]
+    assert len(opened) == 1 and opened[0].closed  # opened for the probe, closed after it
+    # let in but too busy to answer, or refused for too many connections: busy, not away
+    connect, opened = _outside(query=TimeoutError())
+    assert asyncio.run(database_reachable(busy, 1.0, connect)) is None  # type: ignore[arg-type]
+    assert opened[0].closed
+    connect, _ = _outside(asyncpg.TooManyConnectionsError("sorry, too many clients"))
+    assert asyncio.run(database_reachable(busy, 1.0, connect)) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("exc", [TimeoutError(), ConnectionRefusedError(),
+                                 asyncpg.CannotConnectNowError("the database is starting up")])
+def test_a_busy_pool_and_no_connection_outside_it_is_the_database_away(
+        exc: BaseException) -> None:
+    connect, _ = _outside(exc)
+    assert asyncio.run(database_reachable(  # type: ignore[arg-type]
+        _Pool(None, busy=True), 1.0, connect)) is False
+
+
+def test_a_pooled_connection_is_given_back_whatever_the_probe_met() -> None:
+    for exc in (None, ConnectionResetError()):
+        pool = _Pool(exc)
+        asyncio.run(database_reachable(pool, 1.0))  # type: ignore[arg-type]
+        assert pool.released == 1

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 import warnings
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -31,6 +32,7 @@ from context_engine.adapters.postgres.erasure import PostgresErasure
 from context_engine.adapters.postgres.errors import OUT_OF_STEP, UNAVAILABLE
 from context_engine.adapters.postgres.maintenance import Maintenance, Policy
 from context_engine.adapters.postgres.migrate import migrate
+from context_engine.adapters.postgres.pool import connect as connect_one
 from context_engine.adapters.postgres.pool import create_pool
 from context_engine.adapters.postgres.store import (
     PostgresCalibrationStore,
@@ -146,6 +148,8 @@ class Running:
     limits: LimitsInterceptor | None = None
     summarizer: Summarizer | None = None
     maintenance: Maintenance | None = None  # the data lifecycle's cycles
+    # the health watch's connection outside the pool, for when every pooled one is busy
+    probe: Probe | None = None
 
     async def stop(self, grace: float, *, drain: float = 0.0) -> None:
         """Health goes NOT_SERVING first and stays so for ``drain`` seconds while RPCs are
@@ -380,13 +384,18 @@ async def _start(config: Config, *, database_url: str, registry: CollectorRegist
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     events.start()
     maintenance.start()
+    probe_timeout = min(1.0, config.db_timeout_seconds)
+
+    def probe() -> Awaitable[asyncpg.Connection]:
+        return connect_one(database_url, pooler=config.db_pooler, timeout=probe_timeout)
+
     watch = asyncio.get_running_loop().create_task(
         watch_health(health_servicer, pool, engine, interval=HEALTH_INTERVAL_SECONDS,
-                     timeout=min(1.0, config.db_timeout_seconds)))
+                     timeout=probe_timeout, outside=probe))
     return Running(server=server, health=health_servicer, pool=pool, engine=engine,
                    grpc_port=grpc_port, metrics_port=metrics_port, metrics_http=metrics_http,
                    events=events, watch=watch, tracing=provider, limits=limits,
-                   summarizer=summarizer, maintenance=maintenance)
+                   summarizer=summarizer, maintenance=maintenance, probe=probe)
 
 
 def maintenance_policy(config: Config) -> Policy:
@@ -400,10 +409,32 @@ def maintenance_policy(config: Config) -> Policy:
 HEALTH_INTERVAL_SECONDS = 1.0
 
 
-async def database_reachable(pool: asyncpg.Pool, timeout: float) -> bool:
+# opens a connection to the database outside the pool (the health watch's, when the pool is busy)
+Probe = Callable[[], Awaitable[asyncpg.Connection]]
+
+
+async def database_reachable(pool: asyncpg.Pool, timeout: float,
+                             outside: Probe | None = None) -> bool | None:
+    """Whether the database answers ``SELECT 1``, each step bounded by ``timeout`` seconds: on
+    a connection of the pool when one frees within ``timeout``; else (every pooled connection
+    busy serving, or the pool's new connection slow to open) on one of its own, opened by
+    ``outside`` for the probe and closed after it. A pool busy serving is not a database away,
+    and waiting for it to free would leave health unchanged while it is: the connection outside
+    it tells them apart. False: the database is away (a connection error, or no connection
+    within ``timeout``). None: busy, not away (the database let the probe in but did not answer
+    within ``timeout``, as a pooler answers while its server connections are all taken, or
+    refused it for too many connections; or the pool was busy and there is no ``outside``):
+    the caller keeps the state it had."""
     try:
         with untraced():  # a probe every second, not a trace of its own
-            await pool.fetchval("SELECT 1", timeout=timeout)
+            try:
+                connection = await pool.acquire(timeout=timeout)
+            except TimeoutError:
+                return None if outside is None else await probe_outside(outside, timeout)
+            try:
+                await connection.fetchval("SELECT 1", timeout=timeout)
+            finally:
+                await pool.release(connection, timeout=timeout)
     except (*UNAVAILABLE, asyncpg.PostgresError):
         return False
     except asyncpg.InternalClientError as exc:
@@ -415,15 +446,39 @@ async def database_reachable(pool: asyncpg.Pool, timeout: float) -> bool:
     return True
 
 
+async def probe_outside(outside: Probe, timeout: float) -> bool | None:
+    """``database_reachable`` on a connection outside the pool (see there)."""
+    try:
+        connection = await asyncio.wait_for(outside(), timeout)
+    except asyncpg.TooManyConnectionsError:
+        return None  # the server answered: full, not away
+    except (*UNAVAILABLE, asyncpg.PostgresError):
+        return False
+    try:
+        await connection.fetchval("SELECT 1", timeout=timeout)
+    except TimeoutError:
+        return None  # let in, too busy to answer within the bound
+    except (*UNAVAILABLE, asyncpg.PostgresError):
+        return False
+    finally:
+        with contextlib.suppress(Exception):  # closing aborts the connection if it must
+            await connection.close(timeout=timeout)
+    return True
+
+
 async def watch_health(servicer: health.aio.HealthServicer, pool: asyncpg.Pool, engine: Engine,
-                       *, interval: float, timeout: float) -> None:
+                       *, interval: float, timeout: float, outside: Probe | None = None) -> None:
     """Health is NOT_SERVING only when this process can serve nothing: the database is away
     and no plan is cached (with plans cached, Build keeps serving those sessions). It returns
-    to SERVING by itself when the database does; the pool reconnects on its own."""
+    to SERVING by itself when the database does; the pool reconnects on its own. A pool busy
+    serving (every connection taken) is not the database away: the probe then asks on a
+    connection of its own (``outside``), and a database that is busy, not away, keeps the
+    state as it was, so health neither waits for the pool nor changes under load."""
     serving = was_reachable = True
     while True:
         await asyncio.sleep(interval)
-        reachable = await database_reachable(pool, timeout)
+        answer = await database_reachable(pool, timeout, outside)
+        reachable = was_reachable if answer is None else answer
         can_serve = reachable or len(engine.cache) > 0
         if reachable != was_reachable:
             was_reachable = reachable

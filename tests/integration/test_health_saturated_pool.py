@@ -1,0 +1,113 @@
+"""The health watch with every pooled connection busy, under a real server and a real
+PostgreSQL of the test's own (connected directly): a pool busy serving is not a database away
+(health stays SERVING and the probe answers within its bound), and a database that stops
+answering while the pool is busy is noticed (NOT_SERVING, no plan being cached) rather than
+waited out behind the busy connections."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+from context_engine.api.server import database_reachable
+from context_engine.config import Pooler
+from grpc_health.v1 import health_pb2
+
+from tests.conftest import ServerThread
+from tests.conftest import test_config as base_config
+from tests.integration.test_db_faults import Database
+
+pytestmark = pytest.mark.integration
+
+POOL = 2
+HELD = 8.0  # seconds each busy connection is held in pg_sleep
+
+
+@pytest.fixture(scope="module")
+def database() -> Iterator[Database]:
+    db = Database()
+    yield db
+    db.close()
+
+
+@pytest.fixture
+def server(database: Database) -> Iterator[ServerThread]:
+    srv = ServerThread(base_config().replace(db_pooler=Pooler.NONE, db_pool_size=POOL),
+                       database.url)
+    yield srv
+    srv.stop()
+
+
+def saturate(srv: ServerThread) -> list[asyncio.Future[object]]:
+    """Every pooled connection taken by a call in pg_sleep (a long transaction, a lock wait)."""
+    pool = srv.running.pool
+
+    async def hold() -> None:
+        async with pool.acquire() as connection:
+            await connection.execute(f"SELECT pg_sleep({HELD})", timeout=HELD + 30)
+
+    held = [asyncio.run_coroutine_threadsafe(hold(), srv.loop) for _ in range(POOL)]
+    deadline = time.monotonic() + 10
+    while srv.call(_idle(pool)) > 0 or srv.running.pool.get_size() < POOL:
+        assert time.monotonic() < deadline, "the pool did not fill"
+        time.sleep(0.05)
+    return held  # type: ignore[return-value]
+
+
+async def _idle(pool) -> int:  # type: ignore[no-untyped-def]
+    return int(pool.get_idle_size())
+
+
+def health(srv: ServerThread) -> int:
+    async def status() -> int:
+        servicer = srv.running.health
+        return int(servicer._server_status[""])  # what Check answers
+
+    return int(srv.call(status()))
+
+
+def test_a_busy_pool_is_healthy_and_the_probe_keeps_its_bound(server: ServerThread) -> None:
+    held = saturate(server)
+    started = time.monotonic()
+    reachable = server.call(database_reachable(server.running.pool, 1.0, server.running.probe))
+    took = time.monotonic() - started
+    assert reachable is True and took < 2.5, (reachable, took)  # not HELD seconds
+    time.sleep(2.5)  # the watch runs every second meanwhile
+    assert health(server) == health_pb2.HealthCheckResponse.SERVING
+    for h in held:
+        h.result(HELD + 30)
+
+
+def _postgres(database: Database) -> list[psutil.Process]:
+    pid = database.server.get_pid()
+    assert pid is not None
+    main = psutil.Process(pid)
+    return [main, *main.children(recursive=True)]
+
+
+def test_a_database_that_stops_answering_while_the_pool_is_busy_is_noticed(
+        database: Database, server: ServerThread) -> None:
+    assert len(server.running.engine.cache) == 0  # nothing cached: NOT_SERVING when away
+    held = saturate(server)
+    stopped = _postgres(database)
+    for process in stopped:  # hung: no connection is reset, none answers
+        os.kill(process.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 6  # interval + pool bound + connect bound, and slack
+        while health(server) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, "health still SERVING: the away went unnoticed"
+            time.sleep(0.1)
+    finally:
+        for process in stopped:
+            os.kill(process.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while health(server) != health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, "health did not come back"
+        time.sleep(0.1)
+    for h in held:
+        h.result(HELD + 30)
