@@ -656,12 +656,8 @@ class Engine:
             log("epoch_count_deferred", logging.WARNING, tenant=plan.tenant_id,
                 epoch=plan.epoch, reason=plan.reason)
             return
-        if not claimed:
-            return
-        if plan.epoch == 1:
-            self._metrics.sessions_opened.inc()
-        self._metrics.epochs.labels(reason=plan.reason).inc()
-        self._metrics.prefix_tokens.observe(plan.prefix_tokens)
+        if claimed:
+            self._metrics.epoch_counted(plan.epoch, plan.reason, plan.prefix_tokens)
 
     async def _canonicalize(self, loaded: LoadedPlan,
                             then: Callable[[LoadedPlan], object] | None = None

@@ -4,18 +4,26 @@ one replica, whether its writer learnt that its COMMIT succeeded or not."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Iterator
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
+import asyncpg
 import grpc
 import pytest
+from context_engine.adapters.postgres.maintenance import Outcome
+from context_engine.adapters.postgres.migrate import migrate
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
-from tests.conftest import ServerThread
+from tests.conftest import REPO, Db, ServerThread, run
 from tests.conftest import test_config as base_config
 from tests.integration.requests import plan_request
 from tests.support.commit_drop import CommitDropProxy
+from tests.support.databases import create_database, drop_database, with_database
 
 pytestmark = pytest.mark.integration
 
@@ -138,3 +146,209 @@ def test_replicas_racing_count_each_stored_epoch_once(replicas, stubs, ids, db):
     assert stored(db, tenant) == {"session_opened": 1.0, "agent_version_changed": 1.0,
                                   "operator": 1.0, "opened": 1.0}
     assert growth(before, counted(replicas)) == stored(db, tenant)
+
+
+# --- Epochs no later call reads: counted by the maintenance cycles -------------------------
+# On a database of their own: a cycle claims every old uncounted epoch of its database, which on
+# the suite's shared one would be other tests' too.
+
+SWEEP_INTERVAL = 0.5  # the second replica's maintenance cycles (the first keeps the hour's)
+
+
+@pytest.fixture(scope="module")
+def own_url(direct_database_url: str, database_url: str) -> Iterator[str]:
+    """A migrated database of the module's own, through the suite's pooler."""
+    name = run(create_database(direct_database_url, "ce_epoch_sweep"))
+    run(migrate(with_database(direct_database_url, name), REPO / "migrations"))
+    yield with_database(database_url, name)
+    run(drop_database(direct_database_url, name))
+
+
+@pytest.fixture(scope="module")
+def own_proxy(own_url: str) -> Iterator[CommitDropProxy]:
+    p = CommitDropProxy(own_url)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def swept(own_url: str, own_proxy: CommitDropProxy) -> Iterator[list[ServerThread]]:
+    """Two replicas of the module's database: the first through the proxy, its maintenance
+    cycles hourly (none sends a COMMIT the armed proxy would take for the call's); the
+    second's every SWEEP_INTERVAL seconds, in its own background task."""
+    servers = [ServerThread(base_config(), own_proxy.url),
+               ServerThread(base_config().replace(maintenance_interval_seconds=SWEEP_INTERVAL),
+                            own_url)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def swept_stubs(swept: list[ServerThread]) -> Iterator[list[pb_grpc.ContextEngineStub]]:
+    channels = [grpc.insecure_channel(s.address) for s in swept]
+    yield [pb_grpc.ContextEngineStub(ch) for ch in channels]
+    for ch in channels:
+        ch.close()
+
+
+def cycle(replicas: list[ServerThread]) -> list[Outcome]:
+    """A maintenance cycle on each replica, one after the other (beside their timers')."""
+    return [s.call(s.running.maintenance.run_once()) for s in replicas]
+
+
+def aged(db: Db, tenant: str, interval: str = "1 hour") -> None:
+    """The tenant's epochs written ``interval`` earlier (PostgreSQL's clock judges their age)."""
+    db.fetch(f"UPDATE plans SET created_at = created_at - interval '{interval}' "
+             "WHERE tenant_id = $1", tenant)
+
+
+def uncounted(db: Db, tenant: str) -> int:
+    return int(db.val("SELECT count(*) FROM plans WHERE tenant_id = $1 AND NOT counted", tenant))
+
+
+def lost(stub: pb_grpc.ContextEngineStub, proxy: CommitDropProxy, call: str,
+         request: object) -> None:
+    """``call`` through the proxy, its COMMIT's answer lost: UNAVAILABLE, the epoch written."""
+    dropped = proxy.dropped
+    proxy.arm()
+    with pytest.raises(grpc.RpcError) as err:
+        getattr(stub, call)(request, timeout=30)
+    assert err.value.code() is grpc.StatusCode.UNAVAILABLE and proxy.dropped == dropped + 1
+
+
+def awaited(replicas: list[ServerThread], before: dict[str, float], want: dict[str, float],
+            seconds: float = 15.0) -> dict[str, float]:
+    """The counters' growth once it is ``want`` (or ``seconds`` have passed)."""
+    deadline = time.monotonic() + seconds
+    while (grown := growth(before, counted(replicas))) != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return grown
+
+
+def test_an_uncounted_epoch_no_call_reads_again_is_counted_by_a_cycle(swept, swept_stubs,
+                                                                      own_proxy, own_url, ids):
+    """A Plan whose COMMIT answer was lost and that nobody retries, then a keyed Rotate
+    likewise: both epochs stay written and uncounted. A later Plan of the session counted only
+    the epoch it reads, the current one, so the session's opening was never counted, and without
+    a Plan neither was: sessions opened and epochs per session under-read for good. Now a
+    maintenance cycle claims and counts each uncounted epoch older than its bound, once; one
+    younger is left to its writer's retry."""
+    tenant, session = ids
+    db = Db(own_url)
+    before = counted(swept)
+    lost(swept_stubs[0], own_proxy, "Plan", plan_request(tenant, session))
+    lost(swept_stubs[0], own_proxy, "Rotate", pb.RotateRequest(
+        tenant_id=tenant, session_id=session, reason=pb.ROTATION_REASON_OPERATOR,
+        idempotency_key="never-retried"))
+    truth = {"session_opened": 1.0, "operator": 1.0, "opened": 1.0}
+    assert stored(db, tenant) == truth and uncounted(db, tenant) == 2
+    time.sleep(3 * SWEEP_INTERVAL)
+    cycle(swept)
+    assert growth(before, counted(swept)) == {}  # younger than the bound: left to a retry
+    assert uncounted(db, tenant) == 2
+    aged(db, tenant)
+    assert awaited(swept, before, truth) == truth  # the second replica's own cycles
+    assert uncounted(db, tenant) == 0
+    time.sleep(3 * SWEEP_INTERVAL)
+    cycle(swept)  # counted once: later cycles, Plans and the Rotate's retry count nothing
+    for stub in swept_stubs:
+        assert not stub.Plan(plan_request(tenant, session)).created
+        assert not stub.Rotate(pb.RotateRequest(
+            tenant_id=tenant, session_id=session, reason=pb.ROTATION_REASON_OPERATOR,
+            idempotency_key="never-retried")).rotated
+    assert growth(before, counted(swept)) == truth
+
+
+def test_cycles_racing_plans_count_each_uncounted_epoch_once(swept, swept_stubs, own_proxy,
+                                                             own_url):
+    """Eight sessions whose opening Plan lost its COMMIT answer, an hour old: each is Planned
+    again through both replicas while both run cycles (the second also on its timer), all at
+    once. Whichever claim turns an epoch counts it: the counters of both, summed, move by
+    exactly the epochs stored."""
+    tenant = f"tenant-{uuid.uuid4().hex[:12]}"
+    sessions = [f"session-{uuid.uuid4().hex[:12]}" for _ in range(8)]
+    db = Db(own_url)
+    for session in sessions:
+        lost(swept_stubs[0], own_proxy, "Plan", plan_request(tenant, session))
+    aged(db, tenant)
+    before = counted(swept)
+    start = threading.Barrier(2 * len(sessions) + 4)
+    errors: list[BaseException] = []
+    outcomes: list[Outcome] = []
+
+    def go(work: Callable[[], object]) -> None:
+        try:
+            start.wait(30)
+            work()
+        except BaseException as exc:  # asserted below
+            errors.append(exc)
+
+    def cycles(server: ServerThread) -> None:
+        for _ in range(3):
+            outcomes.append(server.call(server.running.maintenance.run_once()))
+
+    jobs: list[Callable[[], object]] = [
+        *(lambda s=session, stub=stub: stub.Plan(plan_request(tenant, s), timeout=30)
+          for session in sessions for stub in swept_stubs),
+        *(lambda server=server: cycles(server) for server in swept for _ in range(2))]
+    threads = [threading.Thread(target=go, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    truth = {"session_opened": 8.0, "opened": 8.0}
+    assert stored(db, tenant) == truth and uncounted(db, tenant) == 0
+    time.sleep(3 * SWEEP_INTERVAL)  # the timer's cycles too
+    assert growth(before, counted(swept)) == truth
+    by_cycles = sum(o.epochs_counted for o in outcomes)
+    assert 0 <= by_cycles <= 8
+
+
+def test_a_cycle_meeting_a_claim_under_way_counts_nothing_of_it(swept, swept_stubs, own_proxy,
+                                                               own_url, ids):
+    """An uncounted epoch, an hour old, whose row is held (a transaction of the test's) while a
+    Plan's claim waits on it and a cycle runs: the cycle leaves it to that claim, which was
+    first; it does not wait for it and count the epoch again after it. Counted once."""
+    tenant, session = ids
+    db = Db(own_url)
+    lost(swept_stubs[0], own_proxy, "Plan", plan_request(tenant, session))
+    aged(db, tenant)
+    before = counted(swept)
+
+    async def hold() -> tuple[asyncpg.Connection, asyncpg.transaction.Transaction]:
+        conn = await asyncpg.connect(own_url, statement_cache_size=0)
+        tx = conn.transaction()
+        await tx.start()
+        await conn.execute("SELECT 1 FROM plans WHERE tenant_id = $1 FOR UPDATE", tenant)
+        return conn, tx
+
+    loop = asyncio.new_event_loop()
+    try:
+        conn, tx = loop.run_until_complete(hold())
+        with ThreadPoolExecutor(2) as pool:
+            plan = pool.submit(swept_stubs[1].Plan, plan_request(tenant, session), timeout=30)
+            assert waiting(db, 1)  # the Plan's claim, queued on the row
+            sweep = pool.submit(swept[0].call, swept[0].running.maintenance.run_once())
+            waiting(db, 2, seconds=2 * SWEEP_INTERVAL + 1)  # a cycle that would wait its turn
+            loop.run_until_complete(tx.commit())
+            assert not plan.result(30).created
+            sweep.result(30)
+        loop.run_until_complete(conn.close())
+    finally:
+        loop.close()
+    time.sleep(3 * SWEEP_INTERVAL)
+    assert growth(before, counted(swept)) == {"session_opened": 1.0, "opened": 1.0}
+    assert uncounted(db, tenant) == 0
+
+
+def waiting(db: Db, n: int, seconds: float = 10.0) -> bool:
+    """Whether ``n`` statements of the database come to wait on a lock within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if int(db.val("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                      "AND wait_event_type = 'Lock'")) >= n:
+            return True
+        time.sleep(0.05)
+    return False

@@ -51,7 +51,7 @@ def test_names_round_trip_and_others_are_left_alone():
 
 
 @pytest.mark.parametrize("bad", [{"retention_days": 0}, {"ahead_days": 0}, {"batch_size": 0},
-                                 {"key_ttl": timedelta(0)}])
+                                 {"key_ttl": timedelta(0)}, {"uncounted_after": timedelta(0)}])
 def test_a_policy_refuses_what_it_cannot_honour(bad):
     with pytest.raises(ValueError):
         Policy(**bad)

@@ -302,14 +302,17 @@ async def _start(config: Config, *, database_url: str, registry: CollectorRegist
         log("migrated", applied=applied)
     pool = await create_pool(database_url, pooler=config.db_pooler,
                              max_size=config.db_pool_size, timeout=config.db_timeout_seconds)
+    metrics = Metrics(registry)
     # The data lifecycle: a cycle now (today's partitions exist before the first call), then
     # one every CE_MAINTENANCE_INTERVAL_SECONDS; every replica runs them, one at a time works.
+    # A cycle counts the epochs it claims (left uncounted) as their writers count theirs.
     maintenance = Maintenance(pool=pool, clock=clock, policy=maintenance_policy(config),
-                              interval_seconds=config.maintenance_interval_seconds)
+                              interval_seconds=config.maintenance_interval_seconds,
+                              count_epoch=metrics.epoch_counted)
     # one try at the partitions: start-up does not wait out a reader of the events (the
-    # partitions ahead cover the days until the next cycle)
-    await maintenance.attempt(ddl_tries=1)
-    metrics = Metrics(registry)
+    # partitions ahead cover the days until the next cycle); no epochs counted before the
+    # metrics are first scraped, whose increase() would never show them
+    await maintenance.attempt(ddl_tries=1, epochs=False)
     provider = tracer_provider
     if provider is None and config.trace_export:
         provider = configured_provider(__version__)

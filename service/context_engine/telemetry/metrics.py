@@ -135,6 +135,15 @@ class Metrics:
             "Histogram of response latency (seconds) of gRPC that had been application-level "
             "handled by the server.", grpc_labels, buckets=_SECONDS, registry=registry)
 
+    def epoch_counted(self, epoch: int, reason: str, prefix_tokens: int) -> None:
+        """One stored epoch counted (by the one call that claimed its count: its writer, a
+        call reading it after, or a maintenance cycle): ``context_engine_epochs_total`` by its
+        reason, ``context_engine_sessions_opened_total`` for an epoch 1, and its prefix tokens."""
+        if epoch == 1:
+            self.sessions_opened.inc()
+        self.epochs.labels(reason=reason).inc()
+        self.prefix_tokens.observe(prefix_tokens)
+
     def initialise(self, *, families: Iterable[str], methods: Iterable[str],
                    codes: Iterable[str], factors: Mapping[str, float] | None) -> None:
         """Create every labelled series for its known label values, at zero, so a fresh

@@ -13,7 +13,19 @@ A cycle:
    finds them expired or not), and the fences of ``append_once_durably`` (keys named after
    an event type, ``context.snapshot.used``) made before the oldest day step 2 keeps: a fence
    lives as long as the event it fences (cut at the retention itself, it went up to a day
-   before its event's partition, and a retry stored the event twice).
+   before its event's partition, and a retry stored the event twice);
+4. claims, in batches of ``batch_size``, the epochs still uncounted in the metrics
+   (``plans.counted``, migration 0008) once older than ``uncounted_after`` by PostgreSQL's
+   clock, and counts those its statement turned (``count_epoch``: what the epoch's writer
+   counts). An epoch is written uncounted and claimed by its writer once its COMMIT answered,
+   or, when that answer was lost, by the first Plan or retried Rotate key to read it; one
+   whose writer's claim failed, or whose answer was lost with no call reading it again (or a
+   Plan reading only the epoch after it), was counted by nothing. The claim is the writer's
+   own ``UPDATE ... WHERE NOT counted``: whichever statement turns the row counts it, once,
+   however a cycle races a Plan's claim or another replica's cycle. Each batch is counted once
+   its COMMIT answered (a batch rolled back counts nothing, and the next cycle takes it). Not
+   run by the cycle at start (``epochs=False``): a series' increments before its first scrape
+   are lost to Prometheus' ``increase()``.
 
 Every step runs in a transaction that first takes ``pg_try_advisory_xact_lock(LOCK_KEY)``
 (released when the transaction ends, so nothing outlives it on the server connection and a
@@ -22,10 +34,10 @@ of its cycle, because another one is running its own. Each step re-reads what ex
 lock, so two cycles one after the other neither fail nor drop twice. DDL waits at most
 ``ddl_lock_timeout_seconds`` for the table's lock (a quarter of a second: while it waits, every
 insert of an event or a session queues behind it), and tries again a few times a second apart;
-a long reader of ``context_events`` then makes the partition step fail, while the deletes of
-step 3 still run, and the cycle is logged as failed. The time is the injected
-clock's (but for the ages of keys and compaction records: the database's); partitions not
-named ``context_events_pYYYYMMDD`` are left alone. What is kept, and why for so long:
+a long reader of ``context_events`` then makes the partition step fail, while steps 3 and 4
+still run, and the cycle is logged as failed. The time is the injected clock's (but for the
+ages of keys, compaction records and uncounted epochs: the database's); partitions not named
+``context_events_pYYYYMMDD`` are left alone. What is kept, and why for so long:
 deploy/README.md "Data lifecycle".
 """
 
@@ -35,6 +47,7 @@ import asyncio
 import contextlib
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 
@@ -70,6 +83,18 @@ DELETE FROM idempotency_keys WHERE ctid = ANY(ARRAY(
 DELETE_COMPACTIONS = """
 DELETE FROM compactions WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM compactions WHERE created_at < now() - $1::interval LIMIT $2))"""
+# Step 4: the epochs left uncounted ($1: older than this, by PostgreSQL's clock, which dated
+# them), oldest first, through the partial index plans_uncounted (migration 0009). A row a
+# Plan's claim holds is skipped (that claim turns it); NOT counted is checked again on the row
+# updated, so a claim committed meanwhile is never counted twice.
+CLAIM_UNCOUNTED = """
+UPDATE plans p SET counted = true
+FROM (SELECT tenant_id, session_id, epoch FROM plans
+      WHERE NOT counted AND created_at < now() - $1::interval
+      ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED) AS o
+WHERE p.tenant_id = o.tenant_id AND p.session_id = o.session_id AND p.epoch = o.epoch
+  AND NOT p.counted
+RETURNING p.epoch, p.reason, p.prefix_tokens"""
 
 
 def partition_name(day: date) -> str:
@@ -117,14 +142,19 @@ class Policy:
     ddl_lock_timeout_seconds: float = 0.25
     ddl_tries: int = 8
     ddl_retry_seconds: float = 1.0
+    # An epoch uncounted this long is claimed by a cycle: far beyond the moment its writer
+    # claims it (right after its COMMIT) and a caller's retry after a lost answer
+    uncounted_after: timedelta = timedelta(minutes=10)
 
     def __post_init__(self) -> None:
         if (self.retention_days < 1 or self.ahead_days < 1 or self.batch_size < 1
                 or self.ddl_tries < 1):
             raise ValueError("retention, ahead window, batch size and tries must be at least 1")
         if (self.key_ttl <= timedelta(0) or self.lock_timeout_seconds <= 0
-                or self.ddl_lock_timeout_seconds <= 0 or self.ddl_retry_seconds < 0):
-            raise ValueError("the key window and the lock timeouts must be positive")
+                or self.ddl_lock_timeout_seconds <= 0 or self.ddl_retry_seconds < 0
+                or self.uncounted_after <= timedelta(0)):
+            raise ValueError("the key window, the uncounted epochs' age and the lock timeouts "
+                             "must be positive")
 
     def fence_cutoff(self, now: datetime) -> datetime:
         """Fences made before this go: the start of the oldest day whose partition is kept
@@ -154,6 +184,11 @@ class Outcome:
     keys_deleted: int = 0
     fences_deleted: int = 0
     compactions_deleted: int = 0
+    epochs_counted: int = 0
+
+
+# What counts an epoch in the metrics: (epoch, reason, prefix tokens)
+CountEpoch = Callable[[int, str, int], None]
 
 
 @dataclass
@@ -162,13 +197,16 @@ class Maintenance:
     clock: Clock
     policy: Policy = field(default_factory=Policy)
     interval_seconds: float = 3600.0
+    # counts the epochs step 4 claims; None: the step is not run
+    count_epoch: CountEpoch | None = None
     _task: asyncio.Task[None] | None = None
     cycles: int = 0  # cycles that ran (got the lock)
     skipped: int = 0  # cycles another replica was running
 
-    async def run_once(self, *, ddl_tries: int | None = None) -> Outcome:
+    async def run_once(self, *, ddl_tries: int | None = None, epochs: bool = True) -> Outcome:
         """One cycle (see the module's docstring); ``ddl_tries``: the partition step's tries
-        (the policy's unless given). Raises what the database raises."""
+        (the policy's unless given); ``epochs`` False: without step 4. Raises what the
+        database raises (epochs claimed by a batch before are counted)."""
         tries = self.policy.ddl_tries if ddl_tries is None else max(1, ddl_tries)
         now = self.clock.now()
         fence_cutoff = self.policy.fence_cutoff(now)
@@ -188,19 +226,24 @@ class Maintenance:
                 counts.append(deleted)
                 if not complete:  # another replica's cycle goes on from here
                     break
+            counted = 0
+            if complete and epochs and self.count_epoch is not None:
+                counted, complete = await self._claim_epochs(conn, self.count_epoch)
         keys, fences, compactions = [*counts, 0, 0, 0][:3]
         self.cycles += 1
         if failed is not None:
             log("maintenance", logging.WARNING, ran=True, complete=False, partitions="failed",
-                keys_deleted=keys, fences_deleted=fences, compactions_deleted=compactions)
+                keys_deleted=keys, fences_deleted=fences, compactions_deleted=compactions,
+                epochs_counted=counted)
             raise failed
         log("maintenance", ran=True, complete=complete, partitions_created=list(created),
             partitions_dropped=list(dropped), keys_deleted=keys, fences_deleted=fences,
-            compactions_deleted=compactions, retention_days=self.policy.retention_days,
-            ahead_days=self.policy.ahead_days,
+            compactions_deleted=compactions, epochs_counted=counted,
+            retention_days=self.policy.retention_days, ahead_days=self.policy.ahead_days,
             key_ttl_hours=self.policy.key_ttl / timedelta(hours=1))
         return Outcome(ran=True, complete=complete, created=created, dropped=dropped,
-                       keys_deleted=keys, fences_deleted=fences, compactions_deleted=compactions)
+                       keys_deleted=keys, fences_deleted=fences, compactions_deleted=compactions,
+                       epochs_counted=counted)
 
     async def _locked(self, conn: asyncpg.Connection, timeout: float | None = None) -> bool:
         got = await conn.fetchval(TRY_LOCK, LOCK_KEY)
@@ -263,6 +306,23 @@ class Maintenance:
             if count < self.policy.batch_size:
                 return deleted, True
 
+    async def _claim_epochs(self, conn: asyncpg.Connection,
+                            count_epoch: CountEpoch) -> tuple[int, bool]:
+        """Step 4: batches as ``_delete``'s, each counted once its COMMIT answered: (epochs
+        counted, whether it got that far before another replica took the lock)."""
+        counted = 0
+        while True:
+            async with conn.transaction():
+                if not await self._locked(conn):
+                    return counted, False
+                rows = await conn.fetch(CLAIM_UNCOUNTED, self.policy.uncounted_after,
+                                        self.policy.batch_size)
+            for row in rows:  # claimed by this statement alone
+                count_epoch(int(row["epoch"]), str(row["reason"]), int(row["prefix_tokens"]))
+            counted += len(rows)
+            if len(rows) < self.policy.batch_size:
+                return counted, True
+
     def start(self) -> None:
         """Cycles every ``interval_seconds`` in the background (the first one at start is the
         caller's ``run_once``)."""
@@ -278,10 +338,11 @@ class Maintenance:
                 log("maintenance_failed", logging.ERROR, error=type(exc).__name__,
                     retry_in_seconds=self.interval_seconds)
 
-    async def attempt(self, *, ddl_tries: int | None = None) -> Outcome | None:
+    async def attempt(self, *, ddl_tries: int | None = None,
+                      epochs: bool = True) -> Outcome | None:
         """``run_once``, its failure logged instead of raised (the next cycle tries again)."""
         try:
-            return await self.run_once(ddl_tries=ddl_tries)
+            return await self.run_once(ddl_tries=ddl_tries, epochs=epochs)
         except (*UNAVAILABLE, asyncpg.PostgresError) as exc:
             log("maintenance_failed", logging.ERROR, error=type(exc).__name__,
                 detail=str(exc)[:200], retry_in_seconds=self.interval_seconds)
