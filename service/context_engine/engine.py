@@ -371,6 +371,7 @@ def pressure_payload(p: Pressure, epoch: int) -> dict[str, Any]:
         "summary_floor_index": p.floor_index,
         "legacy_tool_excerpts": p.legacy_tool_excerpts,
         "history_floor_shortfall": p.history_floor_shortfall,
+        "compact_through_sequence": p.compact_through_sequence,
     }
 
 

@@ -189,6 +189,84 @@ def test_nothing_to_compact_and_unknown_session(stub, ids):
     assert failure(info.value).reason == "NOTHING_TO_COMPACT"
 
 
+SMALL = pb.ModelSpec(model_id="acme-16k", capabilities=pb.ModelCapabilities(
+    context_window=16_000, output_reserve=4_000))
+
+
+def text_then_call(turns: int) -> list[pb.ConversationItem]:
+    """``turns`` turns of an earlier run, each a question, then one model event holding both
+    the model's text (about 530 tokens) and its tool call (the same sequence), the result and
+    a short answer; then the active run's message."""
+    out: list[pb.ConversationItem] = []
+    for i in range(turns):
+        s = 4 * i
+        out += [item(f"u{i}", s + 1, run="run-0", user=pb.UserMessage(text=f"question {i}")),
+                item(f"t{i}", s + 2, run="run-0", assistant=pb.AssistantMessage(
+                    text=f"let me look {i} " + "word " * 400)),
+                item(f"c{i}", s + 2, run="run-0", tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
+                    call_id=f"k{i}", name="web.fetch", arguments_json='{"url":"https://e.x"}')])),
+                item(f"r{i}", s + 3, run="run-0", tool_result=pb.ToolResult(
+                    call_id=f"k{i}", tool_name="web.fetch", content=f"page {i} " + "ipsum " * 50)),
+                item(f"a{i}", s + 4, run="run-0", assistant=pb.AssistantMessage(text=f"ok {i}"))]
+    return [*out, item("now", 4 * turns + 1, run="run-1", user=pb.UserMessage(text="and now?"))]
+
+
+@pytest.mark.parametrize("turns", [14, 20])
+def test_compacting_through_builds_compact_through_sequence_ends_the_loop(stub, ids, db, turns):
+    """Build's cut falls between a model's text and its tool call (one event, one sequence).
+    Compacting through the sequence of the item before the cut (the recipe the contract gave)
+    could not replace the text without the rest of its event: over 14 turns it replaced u0
+    alone (floor 1), the next Build left t0 out again, and the next Compact answered
+    NOTHING_TO_COMPACT, for ever. Build's compact_through_sequence is rounded up to where the
+    sequence rises: compacting through it replaces what Build left out, the event's call and
+    result with it, and the loop ends (a summary is at most depth 2: within two compactions)."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=SMALL))
+    items = text_then_call(turns)
+    at = {i.id: i for i in items}
+    summary: pb.Summary | None = None
+    splits = []
+    for round_ in range(3):
+        cp = pb.Checkpoint(active_run_id="run-1", items=items,
+                           runtime=pb.RuntimeMetadata(current_date="2026-11-29"))
+        if summary is not None:
+            cp.summary.CopyFrom(summary)
+        p = stub.Build(pb.BuildRequest(tenant_id=tenant, session_id=session,
+                                       checkpoint=cp)).pressure
+        events = db.fetch("SELECT payload::text FROM context_events WHERE tenant_id=$1 AND "
+                          "type='context.budget.pressure' ORDER BY id", tenant)
+        if p.steps:  # the pressure event records it as answered
+            payload = json.loads(events[-1]["payload"])
+            assert payload["compact_through_sequence"] == p.compact_through_sequence
+        if not p.compaction_needed:
+            assert p.compact_through_sequence == 0
+            break
+        assert round_ < 2, "Build still cuts history after two compactions"
+        cut = p.history_cut_index
+        left = list(next(s.item_ids for s in p.steps if s.step == "history"))
+        kept, before = items[cut], items[cut - 1]
+        assert left[-1] == before.id
+        if before.sequence == kept.sequence:  # the cut falls inside one event
+            splits.append(round_)
+            # the text left out, its call kept: rounded up past the call's result
+            assert (before.id, kept.id) == (f"t{kept.id[1:]}", f"c{kept.id[1:]}")
+            result = at[f"r{kept.id[1:]}"]
+            assert p.compact_through_sequence == result.sequence > before.sequence
+            expected = [*left, kept.id, result.id]
+        else:  # where the sequence rises: what was left out, no more
+            assert p.compact_through_sequence == before.sequence
+            expected = left
+        resp = stub.Compact(pb.CompactRequest(
+            tenant_id=tenant, session_id=session, checkpoint=cp, reason="budget_pressure",
+            idempotency_key=f"k{round_}", replace_through_sequence=p.compact_through_sequence))
+        assert resp.compacted and list(resp.replaced_item_ids) == expected
+        assert resp.summary.replaced_through_sequence == p.compact_through_sequence
+        summary = resp.summary
+    else:
+        pytest.fail("Build still cuts history after two compactions")
+    assert splits[:1] == [0]  # the first Build cut inside an event
+
+
 # ----------------------------------------------------------------- LLM summarizer, loopback
 
 def test_llm_summarizer_sees_trusted_content_only(llm_stub, provider, ids):

@@ -26,10 +26,19 @@ from itertools import accumulate
 
 import pytest
 from context_engine.domain.budget import _cut
-from context_engine.domain.history import select_history, units, units_of
+from context_engine.domain.compaction import Target, select
+from context_engine.domain.errors import NothingToCompact
+from context_engine.domain.history import (
+    compact_through,
+    floor_index,
+    select_history,
+    units,
+    units_of,
+)
 from context_engine.domain.items import (
     AssistantMessageItem,
     ConversationItem,
+    HistorySummary,
     ReasoningItem,
     RenderContext,
     ToolCallItem,
@@ -250,6 +259,46 @@ def test_cut_is_the_largest_fitting_pair_safe_suffix_above_the_floor(
     floor = data.draw(floors(h.items), label="summary floor")
     budget = data.draw(budgets(h.costs), label="history_tokens")
     check_cut(h.items, floor, budget, h.costs)
+
+
+@GATE_SETTINGS
+@given(data=st.data())
+def test_compacting_through_the_cuts_sequence_replaces_what_it_left_out(
+        data: st.DataObject) -> None:
+    """``compact_through`` (Build's ``compact_through_sequence``) as a compaction's
+    ``replace_through``: it replaces every item the cut left out (a summary's floor is a
+    sequence, so a cut inside one event takes the rest of that event and the units it runs
+    into, to where the sequence rises), replaces nothing past that, and marks the floor at
+    that sequence; where the cut is at a rise, exactly what was left out."""
+    h = data.draw(histories(), label="history")
+    floor = data.draw(floors(h.items), label="summary floor")
+    budget = data.draw(budgets(h.costs), label="history_tokens")
+    items = h.items
+    lowest = floor_index(items, floor)
+    cut = select_history(items, floor, budget, h.costs.__getitem__)
+    through = compact_through(items[lowest:], cut - lowest)
+    assert through == compact_through(items[lowest:], cut - lowest, units(items[lowest:]))
+    if cut == lowest:
+        assert through == 0
+        return
+    left = items[lowest:cut]
+    assert through >= max(i.sequence for i in left)
+    current = HistorySummary(text="", replaced_through_sequence=floor, depth=0)
+    try:
+        sel = select(items, current, active_run_id="run-9", reason="budget_pressure",
+                     target=Target(replace_through=through), cost=lambda _: 1)
+    except NothingToCompact:  # opaque reasoning alone is never summarized
+        assert all(isinstance(i, ReasoningItem) for i in left)
+        return
+    end = lowest + len(sel.replaced)
+    assert sel.replaced == items[lowest:end] and end >= cut
+    assert sel.replaced_through_sequence == through
+    assert all(i.sequence > through for i in items[end:])  # none kept falls under the floor
+    if cut < len(items) and items[cut].sequence > max(i.sequence for i in left):
+        assert end == cut  # a cut where the sequence rises: what was left out, no more
+    elif end < len(items):  # past the event the cut fell inside, to a unit beginning above
+        assert end in {begin for begin, _ in units(items)}
+        assert items[end].sequence > max(i.sequence for i in items[lowest:end])
 
 
 _MODEL = f.model("gpt-4o", context_window=128_000)

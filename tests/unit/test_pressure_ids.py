@@ -89,11 +89,13 @@ def test_every_field_of_the_pressure_reaches_the_response() -> None:
                                   tokens_after=904)),
                  fits=True, tokens_before=11, tokens_after=12, body_budget=13,
                  compaction_needed=True, left_out_items=14, left_out_tokens=15, cut_index=16,
-                 floor_index=17, legacy_tool_excerpts=18, history_floor_shortfall=19)
+                 floor_index=17, legacy_tool_excerpts=18, history_floor_shortfall=19,
+                 compact_through_sequence=20)
     expected = {"fits": True, "tokens_before": 11, "tokens_after": 12,
                 "compaction_needed": True, "left_out_items": 14, "left_out_tokens": 15,
                 "history_cut_index": 16, "summary_floor_index": 17,
-                "legacy_tool_excerpts": 18, "history_floor_shortfall": 19}
+                "legacy_tool_excerpts": 18, "history_floor_shortfall": 19,
+                "compact_through_sequence": 20}
     steps = [("tool_results", 300, list(long_ids), 901, 902), ("history", 2, ["a", "b"], 903, 904)]
     for memo in (None, {}):
         out = mapping.pressure_pb(p, memo, "s")

@@ -1117,6 +1117,7 @@ def pressure_into(out: pb.Pressure, p: Pressure, memo: MutableMapping[Any, Any] 
     out.left_out_tokens, out.history_cut_index = p.left_out_tokens, p.cut_index
     out.summary_floor_index, out.legacy_tool_excerpts = p.floor_index, p.legacy_tool_excerpts
     out.history_floor_shortfall = p.history_floor_shortfall
+    out.compact_through_sequence = p.compact_through_sequence
     for s in p.steps:
         step = out.steps.add(step=s.step, units=s.units, tokens_before=s.tokens_before,
                              tokens_after=s.tokens_after)

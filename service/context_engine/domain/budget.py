@@ -31,7 +31,7 @@ from operator import attrgetter, itemgetter, lt, ne, not_, sub
 from typing import cast
 
 from context_engine.domain.errors import BudgetExceeded, HistoryFloorUnreachable
-from context_engine.domain.history import Span, select_history, units
+from context_engine.domain.history import Span, compact_through, select_history, units
 from context_engine.domain.items import (
     ContextItem,
     ConversationItem,
@@ -106,6 +106,9 @@ class Pressure:
     # what never yields left history this many tokens short of its floor (8,000, or all of the
     # history candidates if less); 0: the floor held
     history_floor_shortfall: int = 0
+    # the event sequence a compaction replaces through to replace what the cut left out:
+    # rounded up to where the sequence rises (``history.compact_through``); 0: none left out
+    compact_through_sequence: int = 0
 
     @property
     def yielded(self) -> bool:
@@ -545,7 +548,8 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         left_out_items=ledger.cut,
         left_out_tokens=left_out_tokens, cut_index=position(floor + ledger.cut),
         floor_index=position(floor), legacy_tool_excerpts=legacy_tool_excerpts,
-        history_floor_shortfall=shortfall)
+        history_floor_shortfall=shortfall,
+        compact_through_sequence=compact_through(ledger.history, ledger.cut, spans))
     if total > B:
         # Only never-yield items are left: name the largest of their classes.
         shares = {**ledger.fixed, "active_run": sum(ledger.active_costs)}

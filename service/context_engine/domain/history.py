@@ -152,6 +152,29 @@ def select_history(items: Sequence[ConversationItem], summary_floor: int | None,
     return cut
 
 
+def compact_through(items: Sequence[ConversationItem], cut: int,
+                    spans: Sequence[Span] | None = None) -> int:
+    """The event sequence a compaction replaces through to replace ``items[:cut]``, the
+    history a cut left out (``items``: the candidates above the summary floor): the highest
+    sequence among them, rounded up past each whole unit from the cut on that begins at or
+    below it. A cut inside one event (a model's text left out, its tool call kept: both at the
+    event's sequence) leaves the rest of that event at the floor a summary would mark, so the
+    whole event is replaced, with the tool unit it begins and so on to where the sequence
+    rises; the retained suffix is the cut's all the same. 0: nothing left out. ``spans``:
+    ``units(items)``, when the caller has them."""
+    if cut <= 0:
+        return 0
+    through = max(item.sequence for item in items[:cut])
+    for begin, end in units(items) if spans is None else spans:
+        if begin < cut:
+            continue
+        if items[begin].sequence > through:
+            break  # the sequence rises: a floor here leaves the rest above it
+        for item in items[begin:end]:
+            through = max(through, item.sequence)
+    return through
+
+
 def trailing_start(items: Sequence[ConversationItem], active_run_id: str) -> int:
     """Where the current input begins: the unanswered user messages that end the items
     (including supplemental input on resume), of the active run (any run's where there is

@@ -2594,6 +2594,7 @@ class Pressure(_message.Message):
     SUMMARY_FLOOR_INDEX_FIELD_NUMBER: _builtins.int
     LEGACY_TOOL_EXCERPTS_FIELD_NUMBER: _builtins.int
     HISTORY_FLOOR_SHORTFALL_FIELD_NUMBER: _builtins.int
+    COMPACT_THROUGH_SEQUENCE_FIELD_NUMBER: _builtins.int
     fits: _builtins.bool
     tokens_before: _builtins.int
     tokens_after: _builtins.int
@@ -2627,6 +2628,14 @@ class Pressure(_message.Message):
     the active run) left history less than its 8,000-token floor: the tokens it is short by
     (0: the floor held).
     """
+    compact_through_sequence: _builtins.int
+    """The event sequence to compact through (CompactRequest.replace_through_sequence) so that
+    what this Build left out is replaced: the highest sequence of the items left out, rounded
+    up to where the event sequence rises. A cut can fall inside one event (a model's text
+    left out, its tool call kept: both at the event's sequence); a summary's floor is a
+    sequence, so the whole event is replaced, with the tool pair it begins (and so on to
+    where the sequence rises). 0 when nothing was left out (compaction_needed false).
+    """
     @_builtins.property
     def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___YieldStep]:
         """The yield steps that ran, in ladder order; empty when the body fit as it was."""
@@ -2645,10 +2654,11 @@ class Pressure(_message.Message):
         summary_floor_index: _builtins.int = ...,
         legacy_tool_excerpts: _builtins.int = ...,
         history_floor_shortfall: _builtins.int = ...,
+        compact_through_sequence: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compaction_needed", b"compaction_needed", "fits", b"fits", "history_cut_index", b"history_cut_index", "history_floor_shortfall", b"history_floor_shortfall", "left_out_items", b"left_out_items", "left_out_tokens", b"left_out_tokens", "legacy_tool_excerpts", b"legacy_tool_excerpts", "steps", b"steps", "summary_floor_index", b"summary_floor_index", "tokens_after", b"tokens_after", "tokens_before", b"tokens_before"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compact_through_sequence", b"compact_through_sequence", "compaction_needed", b"compaction_needed", "fits", b"fits", "history_cut_index", b"history_cut_index", "history_floor_shortfall", b"history_floor_shortfall", "left_out_items", b"left_out_items", "left_out_tokens", b"left_out_tokens", "legacy_tool_excerpts", b"legacy_tool_excerpts", "steps", b"steps", "summary_floor_index", b"summary_floor_index", "tokens_after", b"tokens_after", "tokens_before", b"tokens_before"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3081,8 +3091,12 @@ class CompactRequest(_message.Message):
     summary's floor is a sequence).
     """
     replace_through_sequence: _builtins.int
-    """Replace every whole unit at or below this event sequence (the item before Build's
-    history_cut_index); rounded down so a tool pair is never split.
+    """Replace every whole unit at or below this event sequence (Build's
+    pressure.compact_through_sequence replaces what that Build left out); rounded down so a
+    tool pair is never split, and to where the sequence rises (items of one event are
+    replaced together). The sequence of the item before Build's history_cut_index is not
+    enough where the cut falls inside one event: the rest of that event is kept, so the
+    event is not replaced and the next Build cuts it again.
     """
     reason: _builtins.str
     """Required: why the runtime compacts (e.g. "budget_pressure"); recorded on the event."""
