@@ -246,20 +246,20 @@ def test_compacting_through_builds_compact_through_sequence_ends_the_loop(stub, 
         left = list(next(s.item_ids for s in p.steps if s.step == "history"))
         kept, before = items[cut], items[cut - 1]
         assert left[-1] == before.id
+        resp = stub.Compact(pb.CompactRequest(
+            tenant_id=tenant, session_id=session, checkpoint=cp, reason="budget_pressure",
+            idempotency_key=f"k{round_}", replace_through_sequence=p.compact_through_sequence))
+        replaced = list(resp.replaced_item_ids)
+        assert resp.compacted and replaced[:len(left)] == left, "less than Build left out"
         if before.sequence == kept.sequence:  # the cut falls inside one event
             splits.append(round_)
             # the text left out, its call kept: rounded up past the call's result
             assert (before.id, kept.id) == (f"t{kept.id[1:]}", f"c{kept.id[1:]}")
             result = at[f"r{kept.id[1:]}"]
             assert p.compact_through_sequence == result.sequence > before.sequence
-            expected = [*left, kept.id, result.id]
+            assert replaced == [*left, kept.id, result.id]
         else:  # where the sequence rises: what was left out, no more
-            assert p.compact_through_sequence == before.sequence
-            expected = left
-        resp = stub.Compact(pb.CompactRequest(
-            tenant_id=tenant, session_id=session, checkpoint=cp, reason="budget_pressure",
-            idempotency_key=f"k{round_}", replace_through_sequence=p.compact_through_sequence))
-        assert resp.compacted and list(resp.replaced_item_ids) == expected
+            assert p.compact_through_sequence == before.sequence and replaced == left
         assert resp.summary.replaced_through_sequence == p.compact_through_sequence
         summary = resp.summary
     else:
