@@ -1112,12 +1112,12 @@ def pressure_into(out: pb.Pressure, p: Pressure, memo: MutableMapping[Any, Any] 
     long session's yielded ids are not copied once more into the response), present even
     where every field is its default."""
     out.SetInParent()
+    out.compact_through_sequence = p.compact_through_sequence
     out.fits, out.tokens_before, out.tokens_after = p.fits, p.tokens_before, p.tokens_after
     out.compaction_needed, out.left_out_items = p.compaction_needed, p.left_out_items
     out.left_out_tokens, out.history_cut_index = p.left_out_tokens, p.cut_index
     out.summary_floor_index, out.legacy_tool_excerpts = p.floor_index, p.legacy_tool_excerpts
     out.history_floor_shortfall = p.history_floor_shortfall
-    out.compact_through_sequence = p.compact_through_sequence
     for s in p.steps:
         step = out.steps.add(step=s.step, units=s.units, tokens_before=s.tokens_before,
                              tokens_after=s.tokens_after)
