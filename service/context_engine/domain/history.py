@@ -13,6 +13,7 @@ The function returns an index; ``items[cut:]`` is retained, so the result is a s
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -164,14 +165,17 @@ def compact_through(items: Sequence[ConversationItem], cut: int,
     ``units(items)``, when the caller has them."""
     if cut <= 0:
         return 0
-    through = max(item.sequence for item in items[:cut])
-    for begin, end in units(items) if spans is None else spans:
-        if begin < cut:
-            continue
+    # items are ordered oldest first (the checkpoint's validation refuses a sequence below the
+    # one before it): the highest left out is the last, and a unit's highest is its last item's
+    through = items[cut - 1].sequence
+    spans = units(items) if spans is None else spans
+    at = bisect_left(spans, (cut, -1))  # the first unit from the cut on (spans are in order)
+    while at < len(spans):
+        begin, end = spans[at]
         if items[begin].sequence > through:
             break  # the sequence rises: a floor here leaves the rest above it
-        for item in items[begin:end]:
-            through = max(through, item.sequence)
+        through = max(through, items[end - 1].sequence)
+        at += 1
     return through
 
 
