@@ -7,14 +7,16 @@ waited out behind the busy connections."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
 from collections.abc import Iterator
 
+import asyncpg
 import psutil
 import pytest
-from context_engine.api.server import database_reachable
+from context_engine.api.server import database_reachable, watch_health
 from context_engine.config import Pooler
 from grpc_health.v1 import health_pb2
 
@@ -111,3 +113,58 @@ def test_a_database_that_stops_answering_while_the_pool_is_busy_is_noticed(
         time.sleep(0.1)
     for h in held:
         h.result(HELD + 30)
+
+
+def test_the_server_stops_when_asked_as_the_probes_connection_opens(
+        database: Database) -> None:
+    """Stopping cancels the health watch; a cancel that lands as the probe's connection outside
+    the pool opens (the connection made, the watch not yet resumed) still ends the watch, and
+    the probe's connection is closed: stop never waits on a watch that went on probing."""
+    srv = ServerThread(base_config().replace(db_pooler=Pooler.NONE, db_pool_size=POOL),
+                       database.url)
+    running = srv.running
+    opened: list[asyncpg.Connection] = []
+    stopping: list[asyncio.Task[None]] = []
+
+    async def rewatch() -> None:
+        assert running.watch is not None and running.probe is not None
+        running.watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running.watch
+        probe = running.probe
+
+        async def outside() -> asyncpg.Connection:
+            connection = await probe()
+            opened.append(connection)
+            if not stopping:  # the stop's cancel arrives while this connection is handed over
+                stopping.append(asyncio.get_running_loop().create_task(
+                    running.stop(1.0)))
+            return connection
+
+        running.watch = asyncio.get_running_loop().create_task(watch_health(
+            running.health, running.pool, running.engine, interval=0.05, timeout=1.0,
+            outside=outside))
+
+    held = saturate(srv)
+    srv.call(rewatch())
+    deadline = time.monotonic() + 10
+    while not stopping:
+        assert time.monotonic() < deadline, "the probe never went outside the busy pool"
+        time.sleep(0.05)
+
+    async def watch_ended() -> bool:
+        assert running.watch is not None
+        done, _ = await asyncio.wait([running.watch], timeout=5)
+        return bool(done)
+
+    try:
+        # (stop goes on to close the pool once the busy calls end)
+        assert srv.call(watch_ended()), "the health watch went on probing: stop waits on it"
+        assert all(c.is_closed() for c in opened)
+        srv.call(asyncio.wait_for(stopping[0], HELD + 30))
+    finally:
+        for h in held:
+            with contextlib.suppress(Exception):
+                h.result(HELD + 30)
+        srv.loop.call_soon_threadsafe(srv.loop.stop)
+        srv.thread.join(10)

@@ -452,7 +452,11 @@ async def database_reachable(pool: asyncpg.Pool, timeout: float,
 async def probe_outside(outside: Probe, timeout: float) -> bool | None:
     """``database_reachable`` on a connection outside the pool (see there)."""
     try:
-        connection = await asyncio.wait_for(outside(), timeout)
+        # asyncio.timeout, not wait_for: this Python's wait_for returns a connection made just
+        # as its caller is cancelled and drops the cancel (the health watch then outlived stop,
+        # which waited on it for good)
+        async with asyncio.timeout(timeout):
+            connection = await outside()
     except asyncpg.TooManyConnectionsError:
         return None  # the server answered: full, not away
     except (*UNAVAILABLE, asyncpg.PostgresError):
