@@ -86,3 +86,40 @@ def test_a_summary_over_the_body_that_a_merge_can_shrink_needs_compaction(stub, 
         trust=pb.TRUST_LEVEL_USER))
     refused(stub, req)
     assert last_pressure(db, tenant)["compaction_needed"] is False
+
+
+
+def test_a_summary_whose_constraints_alone_are_over_the_room_needs_no_compaction(
+        stub, ids, db):
+    """The rest fits without the summary, but not with what a merge keeps of it (its
+    constraints verbatim): no cap makes the merged summary fit, so no compaction helps."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=SMALL))
+    rules = [f"rule {i}: " + "always cite the primary source verbatim " * 8 for i in range(12)]
+    req = build_request(tenant, session, items=long_history(6))
+    req.checkpoint.summary.CopyFrom(pb.Summary(
+        text="short narrative", depth=1, replaced_through_sequence=8,
+        trust=pb.TRUST_LEVEL_USER, constraints=rules))
+    summary = {c.class_name: c.used for c in stub.Build(req).budget.classes}["summary"]
+
+    def attempt(words: int):
+        req.checkpoint.items[-1].user.text = "word " * words
+        return refused(stub, req), last_pressure(db, tenant)
+
+    # the current user message sized so that the rest leaves the summary a quarter of its cost
+    a, _ = attempt(12_000)
+    b, _ = attempt(13_000)
+    per_word = (int(b.metadata["tokens"]) - int(a.metadata["tokens"])) / 1_000
+    rest = int(a.metadata["tokens"]) - summary
+    f, p = attempt(12_000 + int((int(a.metadata["limit"]) - summary // 4 - rest) / per_word))
+    assert f.metadata["class"] == "current_user_message"
+    over = int(f.metadata["tokens"]) - int(f.metadata["limit"])
+    assert p["left_out_items"] > 0 and 0 < over < summary  # the rest fits without the summary
+    assert p["compaction_needed"] is False
+    # what a runtime following it would have done: every cap that could fit is refused (the
+    # constraints are kept verbatim), and the summary's own cost merges into one no smaller
+    for cap in (summary - over, summary // 2):
+        with pytest.raises(grpc.RpcError) as err:
+            compact(stub, tenant, session, req, f"m{cap}", p["left_out_tokens"],
+                    max_summary_tokens=cap)
+        assert failure(err.value).reason == "BUDGET_EXCEEDED"

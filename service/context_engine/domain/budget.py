@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from itertools import accumulate, chain, compress, count, repeat
 from operator import attrgetter, itemgetter, lt, ne, not_, sub
 from typing import cast
@@ -544,7 +544,7 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     pressure = Pressure(
         steps=steps, fits=total <= B, tokens_before=before, tokens_after=total, body_budget=B,
         compaction_needed=compaction_helps(ledger.cut, total, B, summary,
-                                           ledger.fixed.get("summary", 0)),
+                                           ledger.fixed.get("summary", 0), cost),
         left_out_items=ledger.cut,
         left_out_tokens=left_out_tokens, cut_index=position(floor + ledger.cut),
         floor_index=position(floor), legacy_tool_excerpts=legacy_tool_excerpts,
@@ -601,25 +601,32 @@ _FIXED_CAPS = {"skill_bodies": SKILL_BODY_TOKENS, "working_state": WORKING_STATE
 
 
 def compaction_helps(left_out: int, total: int, body_budget: int,
-                     summary: HistorySummary | None, summary_tokens: int) -> bool:
+                     summary: HistorySummary | None, summary_tokens: int,
+                     cost: Callable[[ContextItem], int]) -> bool:
     """``Pressure.compaction_needed``: whether compacting the ``left_out`` history items and
     building again lets the body fit. Where it fits already (``total`` tokens of
     ``body_budget``), history was cut: compaction keeps what was left out. Where it does not,
     every history candidate is left out already and only what never yields is left; a
     compaction writes a summary, which never yields either, so it cannot help unless it merges
     the current summary (``summary_tokens`` of the body) into a smaller one: that summary can
-    still merge (depth below the cap) and the rest fits without it (a summary costs at least a
-    token). Everything else that never yields (the current user message, the working state,
-    corrections, skill bodies, the active run) no compaction touches."""
-    # the compactor's depth cap (compaction imports this module: imported where it is used)
-    from context_engine.domain.compaction import MAX_DEPTH
-
+    still merge (depth below the cap) and the rest fits with what a merge keeps of it, all
+    but its narrative (its constraints, pointers and source ids, which a merge keeps verbatim
+    and only adds to; ``cost``: what the summary costs without its narrative, and a merged
+    one costs at least a token more, the sources it adds). Everything else that never yields
+    (the current user message, the working state, corrections, skill bodies, the active run)
+    no compaction touches."""
     if left_out == 0:
         return False  # nothing to compact
     if total <= body_budget:
         return True
-    return (summary is not None and summary.depth < MAX_DEPTH
-            and total - summary_tokens < body_budget)
+    # the compactor's depth cap (compaction imports this module: imported where it is used,
+    # on a refusal alone)
+    from context_engine.domain.compaction import MAX_DEPTH
+
+    if summary is None or summary.depth >= MAX_DEPTH or total - summary_tokens >= body_budget:
+        return False
+    kept = cost(replace(summary, text="")) if summary.text else summary_tokens
+    return total - summary_tokens + kept < body_budget
 
 
 def running_sums(costs: list[int], kept: KeptSteps | None) -> list[int]:

@@ -2605,10 +2605,12 @@ class Pressure(_message.Message):
     record is its context.budget.pressure event, fits false), every history item is left out
     already and what is over the body never yields: the current user message, the working
     state, corrections, skill bodies and the active run, which no compaction touches, or the
-    summary. Then it is true only where the rest fits without the summary and the summary can
-    still merge (depth below 2): a Compact with max_summary_tokens small enough (the merged
-    summary at least BUDGET_EXCEEDED's tokens - limit below the current one) fits it; false
-    otherwise, as compacting would only add a summary and fail again.
+    summary. Then it is true only where the rest fits with what a merge keeps of the summary
+    (all but its narrative: its constraints, pointers and source ids, kept verbatim and only
+    added to) and the summary can still merge (depth below 2): a Compact with
+    max_summary_tokens small enough (the merged summary at least BUDGET_EXCEEDED's tokens -
+    limit below the current one) can fit it; false otherwise, as compacting would only add a
+    summary, or be refused for its constraints, and fail again.
     """
     left_out_items: _builtins.int
     """Items and tokens left out beyond the summary floor."""
