@@ -219,13 +219,17 @@ def test_compacting_through_builds_compact_through_sequence_ends_the_loop(stub, 
     alone (floor 1), the next Build left t0 out again, and the next Compact answered
     NOTHING_TO_COMPACT, for ever. Build's compact_through_sequence is rounded up to where the
     sequence rises: compacting through it replaces what Build left out, the event's call and
-    result with it, and the loop ends (a summary is at most depth 2: within two compactions)."""
+    result with it, and every later Build cuts past what was replaced. (Each summary costs
+    tokens of its own, so the next Build may leave a few more items out; how many compactions
+    that takes before one fits turns on a token or two, the session's envelope nonces among
+    them: the rounds stop when a Build fits or the summary is at the depth cap, 2.)"""
     tenant, session = ids
     stub.Plan(plan_request(tenant, session, model=SMALL))
     items = text_then_call(turns)
     at = {i.id: i for i in items}
     summary: pb.Summary | None = None
     splits = []
+    replaced_so_far: list[str] = []
     for round_ in range(3):
         cp = pb.Checkpoint(active_run_id="run-1", items=items,
                            runtime=pb.RuntimeMetadata(current_date="2026-11-29"))
@@ -241,9 +245,12 @@ def test_compacting_through_builds_compact_through_sequence_ends_the_loop(stub, 
         if not p.compaction_needed:
             assert p.compact_through_sequence == 0
             break
-        assert round_ < 2, "Build still cuts history after two compactions"
         cut = p.history_cut_index
         left = list(next(s.item_ids for s in p.steps if s.step == "history"))
+        # never the same items again: what a compaction replaced is behind the summary's floor
+        assert not set(left) & set(replaced_so_far), "Build left out what was compacted"
+        if summary is not None and summary.depth >= 2:
+            break  # the depth cap: a runtime escalates (the spec), no third compaction
         kept, before = items[cut], items[cut - 1]
         assert left[-1] == before.id
         resp = stub.Compact(pb.CompactRequest(
@@ -262,8 +269,7 @@ def test_compacting_through_builds_compact_through_sequence_ends_the_loop(stub, 
             assert p.compact_through_sequence == before.sequence and replaced == left
         assert resp.summary.replaced_through_sequence == p.compact_through_sequence
         summary = resp.summary
-    else:
-        pytest.fail("Build still cuts history after two compactions")
+        replaced_so_far += replaced
     assert splits[:1] == [0]  # the first Build cut inside an event
 
 
