@@ -45,12 +45,17 @@ def replicas(database_url: str, proxy: CommitDropProxy) -> Iterator[list[ServerT
         s.stop()
 
 
-@pytest.fixture(scope="module")
-def stubs(replicas: list[ServerThread]) -> Iterator[list[pb_grpc.ContextEngineStub]]:
-    channels = [grpc.insecure_channel(s.address) for s in replicas]
+def stubs_of(servers: list[ServerThread]) -> Iterator[list[pb_grpc.ContextEngineStub]]:
+    """A stub on a channel of its own for each server; the channels closed after."""
+    channels = [grpc.insecure_channel(s.address) for s in servers]
     yield [pb_grpc.ContextEngineStub(ch) for ch in channels]
     for ch in channels:
         ch.close()
+
+
+@pytest.fixture(scope="module")
+def stubs(replicas: list[ServerThread]) -> Iterator[list[pb_grpc.ContextEngineStub]]:
+    yield from stubs_of(replicas)
 
 
 def counted(replicas: list[ServerThread]) -> dict[str, float]:
@@ -186,10 +191,7 @@ def swept(own_url: str, own_proxy: CommitDropProxy) -> Iterator[list[ServerThrea
 
 @pytest.fixture(scope="module")
 def swept_stubs(swept: list[ServerThread]) -> Iterator[list[pb_grpc.ContextEngineStub]]:
-    channels = [grpc.insecure_channel(s.address) for s in swept]
-    yield [pb_grpc.ContextEngineStub(ch) for ch in channels]
-    for ch in channels:
-        ch.close()
+    yield from stubs_of(swept)
 
 
 def cycle(replicas: list[ServerThread]) -> list[Outcome]:
