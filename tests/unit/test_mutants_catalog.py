@@ -6,9 +6,12 @@ without testing one)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -125,3 +128,23 @@ def test_a_hanging_run_is_stopped_with_everything_it_started(tmp_path: Path) -> 
     child, detached = map(int, (tmp_path / "pids").read_text().split())
     assert _gone(child), "the child outlived the run"
     assert _gone(detached), "the detached server outlived the run"
+
+
+def test_every_mutants_selection_runs_a_test(tmp_path: Path) -> None:
+    """A selection that selects no test kills nothing: ``make mutants`` finds it only when it
+    runs (pytest's exit 5 on the unmutated tree). The suite is collected once, here, and each
+    selection's paths, ``-k`` and ``-m`` are matched by pytest's own matchers
+    (``tests/mutants/selections.py``)."""
+    source, target = tmp_path / "selections.json", tmp_path / "counts.json"
+    source.write_text(json.dumps({m.name: list(m.killed_by) for m in MUTANTS}))
+    env = {**os.environ, "CE_MUTANT_SELECTIONS": str(source),
+           "CE_MUTANT_SELECTIONS_OUT": str(target)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "-p", "no:xdist", "-p", "no:randomly", "-p", "tests.mutants.selections", "tests"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert target.exists(), done.stdout[-2000:] + done.stderr[-2000:]
+    counts = json.loads(target.read_text())
+    assert set(counts) == {m.name for m in MUTANTS}
+    empty = sorted(name for name, count in counts.items() if count == 0)
+    assert not empty, f"selections that run no test: {empty}"
