@@ -37,7 +37,6 @@ from context_engine.domain.canonical import (
 )
 from context_engine.domain.compaction import (
     DEFAULT_SUMMARY_TOKENS,
-    MAX_DEPTH,
     CompactionResult,
     ElidedSpan,
     Target,
@@ -52,6 +51,7 @@ from context_engine.domain.identifiers import (
 )
 from context_engine.domain.items import (
     ATTACHMENT_KINDS,
+    MAX_DEPTH,
     ONE_LINE_RULE,
     AssistantMessageItem,
     ConversationItem,

@@ -33,6 +33,7 @@ from typing import cast
 from context_engine.domain.errors import BudgetExceeded, HistoryFloorUnreachable
 from context_engine.domain.history import Span, compact_through, select_history, units
 from context_engine.domain.items import (
+    MAX_DEPTH,
     ContextItem,
     ConversationItem,
     HistorySummary,
@@ -619,10 +620,6 @@ def compaction_helps(left_out: int, total: int, body_budget: int,
         return False  # nothing to compact
     if total <= body_budget:
         return True
-    # the compactor's depth cap (compaction imports this module: imported where it is used,
-    # on a refusal alone)
-    from context_engine.domain.compaction import MAX_DEPTH
-
     if summary is None or summary.depth >= MAX_DEPTH or total - summary_tokens >= body_budget:
         return False
     kept = cost(replace(summary, text="")) if summary.text else summary_tokens

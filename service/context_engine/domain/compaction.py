@@ -53,6 +53,7 @@ from context_engine.domain.errors import (
 from context_engine.domain.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES, normalize_tool_result
 from context_engine.domain.history import floor_index, trailing_start, units
 from context_engine.domain.items import (
+    MAX_DEPTH,
     SUMMARY_CONSTRAINTS_HEADER,
     SUMMARY_ELIDED_HEADER,
     SUMMARY_SOURCES_HEADER,
@@ -75,7 +76,6 @@ from context_engine.domain.request import Message
 from context_engine.domain.trust import TrustLevel, lowest
 
 COMPACTOR_VERSION = "ce-compactor/1"
-MAX_DEPTH = 2
 DEFAULT_SUMMARY_TOKENS = 4_000
 _LINE_CHARS = 240
 EARLIER = "Earlier:"  # the line before a merge's earlier narrative

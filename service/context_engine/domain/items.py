@@ -403,6 +403,9 @@ SUMMARY_CONSTRAINTS_HEADER = "Constraints (verbatim, never merged away):"
 SUMMARY_ELIDED_HEADER = ("Elided (untrusted or tool data, never summarized; re-fetch by "
                          "reference, it returns inside its envelope):")
 SUMMARY_SOURCES_HEADER = "Source event ids:"
+# A summary's depth cap: a summary merges earlier summaries at most this deep (a compaction
+# that would go deeper fails; the runtime escalates instead)
+MAX_DEPTH = 2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

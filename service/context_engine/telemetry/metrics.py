@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from context_engine.domain.budget import STEPS
-from context_engine.domain.compaction import MAX_DEPTH
+from context_engine.domain.items import MAX_DEPTH
 from context_engine.domain.plan import ROTATION_REASONS, SESSION_OPENED
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
