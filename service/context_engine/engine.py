@@ -17,6 +17,7 @@ from context_engine.clock import SYSTEM_CLOCK, Clock, time_ns
 from context_engine.domain.budget import (
     BudgetPolicy,
     Pressure,
+    YieldStep,
     compute_budget,
     prefix_cost,
     require_history_floor,
@@ -358,14 +359,38 @@ def derived_spans(tracer: Tracer, pressure: Pressure, at: int,
             "context_engine.yield.fits": pressure.fits}).end(end_time=at)
 
 
+# A yield step naming more item ids than this is recorded in its pressure event by their count,
+# first and last id and digest, not id by id (the response names every one of them).
+EVENT_STEP_IDS = 64
+
+
+def step_record(step: YieldStep) -> dict[str, Any]:
+    """One yield step as its pressure event records it: its ids themselves up to
+    ``EVENT_STEP_IDS`` of them, else their count, the first and the last, and the SHA-256 of
+    all of them as a canonical JSON array (``item_ids_sha256``), which a runtime holding the
+    response's ids can check. A long session's history cut and pointered tool results name
+    thousands of ids on every Build; written id by id they made the event grow with the
+    session (27 KB at 3,000 items) and its write the largest part of an incremental Build
+    that did."""
+    ids = step.ids
+    out: dict[str, Any] = {"step": step.step, "units": step.units, "item_count": len(ids),
+                           "tokens_before": step.tokens_before,
+                           "tokens_after": step.tokens_after}
+    if len(ids) <= EVENT_STEP_IDS:
+        out["item_ids"] = list(ids)
+    else:
+        out["first_item_id"], out["last_item_id"] = ids[0], ids[-1]
+        out["item_ids_sha256"] = canonical_sha256(list(ids))
+    return out
+
+
 def pressure_payload(p: Pressure, epoch: int) -> dict[str, Any]:
-    """What a pressure event records: steps, sizes and ids, never content."""
+    """What a pressure event records: steps, sizes and ids (``step_record``), never
+    content."""
     return {
         "epoch": epoch, "fits": p.fits, "tokens_before": p.tokens_before,
         "tokens_after": p.tokens_after, "body_budget": p.body_budget,
-        "steps": [{"step": s.step, "units": s.units, "item_ids": list(s.ids),
-                   "tokens_before": s.tokens_before, "tokens_after": s.tokens_after}
-                  for s in p.steps],
+        "steps": [step_record(s) for s in p.steps],
         "compaction_needed": p.compaction_needed, "left_out_items": p.left_out_items,
         "left_out_tokens": p.left_out_tokens, "history_cut_index": p.cut_index,
         "summary_floor_index": p.floor_index,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import threading
@@ -95,6 +96,50 @@ def test_overflow_yields_in_order_and_records_pressure(stub, ids, db):
         p.history_cut_index, p.compaction_needed)
     assert payload["tokens_before"] > payload["tokens_after"]  # it yielded
     assert "lorem" not in rows[0]["payload"]  # ids and sizes, never content
+
+
+def ids_digest(ids: list[str]) -> str:
+    """SHA-256 of ``ids`` as a canonical JSON array, written here with the standard library
+    (not the service's canonical module): the oracle of an event's ``item_ids_sha256``."""
+    text = json.dumps(ids, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def test_a_pressure_event_stays_small_as_the_session_grows(stub, ids, db):
+    """A step naming more than 64 ids is recorded by their count, ends and digest, which
+    match the response's ids; one naming fewer lists them. The event of a session four times
+    as long is no larger: a long session's history cut no longer writes every id it left out
+    on every Build."""
+    tenant, _ = ids
+    texts = {}
+    for turns in (60, 240):
+        session = f"long-{turns}"
+        stub.Plan(plan_request(tenant, session, model=SMALL))
+        req = build_request(tenant, session, items=long_history(turns, size=40))
+        req.checkpoint.active_run_id = "run-1"
+        req.checkpoint.knowledge.extend([  # over its cap: a step of three ids
+            pb.KnowledgePassage(id=f"k{i}", source="doc", text="passage " * 1_500, rank=i,
+                                trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED) for i in range(3)])
+        resp = stub.Build(req)
+        texts[turns] = db.val("SELECT payload::text FROM context_events WHERE tenant_id=$1 "
+                              "AND session_id=$2 AND type='context.budget.pressure'",
+                              tenant, session)
+        recorded = json.loads(texts[turns])["steps"]
+        assert [r["step"] for r in recorded] == [s.step for s in resp.pressure.steps]
+        lengths = []
+        for step, record in zip(resp.pressure.steps, recorded, strict=True):
+            names = list(step.item_ids)
+            lengths.append(len(names))
+            assert record["item_count"] == len(names) and record["units"] == step.units
+            if len(names) <= 64:
+                assert record["item_ids"] == names and "item_ids_sha256" not in record
+            else:
+                assert "item_ids" not in record
+                assert (record["first_item_id"], record["last_item_id"]) == (names[0],
+                                                                             names[-1])
+                assert record["item_ids_sha256"] == ids_digest(names)
+        assert max(lengths) > 64 and min(lengths) <= 64  # both forms, in one event
+    assert len(texts[240]) <= len(texts[60]) + 40  # a few digits more, no ids more
 
 
 def pressure_count(server, step: str, fits: str) -> float:
