@@ -7,8 +7,8 @@ callers retry with their idempotency keys, and every acknowledged write is prese
 once: no epoch lost or duplicated.
 
 Every Build names its call in its first item's id (``<tag>.u0``), an item that is always cut
-from the history under the small window, so the call's ``context.budget.pressure`` event lists
-it: each acknowledged Build, and above all each one acknowledged while the database was away
+from the history under the small window, so the call's ``context.budget.pressure`` event names
+it (in its step's ids, or as the first of a step of more than 64): each acknowledged Build, and above all each one acknowledged while the database was away
 (its event waited in the outbox), is matched to its event in ``context_events`` afterwards,
 exactly once, with the same steps the caller was told; no event names a call that was not
 acknowledged.
@@ -16,6 +16,7 @@ acknowledged.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -124,6 +125,22 @@ def call_tag(item_ids: list[str]) -> str | None:
     tags = {i.split(".", 1)[0] for i in item_ids if "." in i}
     assert len(tags) <= 1, tags
     return next(iter(tags), None)
+
+
+def as_recorded(ids: tuple[str, ...]) -> tuple[object, ...]:
+    """A step's ids as its pressure event records them: listed up to 64, else their count,
+    ends and the SHA-256 of the JSON array (computed here, not by the service's code)."""
+    if len(ids) <= 64:
+        return ids
+    text = json.dumps(list(ids), separators=(",", ":"), ensure_ascii=False)
+    return (len(ids), ids[0], ids[-1], hashlib.sha256(text.encode()).hexdigest())
+
+
+def recorded_ids(step: dict[str, object]) -> tuple[object, ...]:
+    if "item_ids" in step:
+        return tuple(step["item_ids"])  # type: ignore[arg-type]
+    return (step["item_count"], step["first_item_id"], step["last_item_id"],
+            step["item_ids_sha256"])
 
 
 @dataclass
@@ -350,11 +367,11 @@ def test_database_outage_mid_load(database: Database) -> None:
                             "FROM context_events WHERE tenant_id=$1 AND "
                             "type='context.budget.pressure'", tenant):
             payload = json.loads(row["payload"])
-            ids = [i for step in payload["steps"] for i in step["item_ids"]]
+            ids = [i for step in payload["steps"]
+                   for i in step.get("item_ids", [step.get("first_item_id")])]
             events.setdefault(call_tag(ids), []).append(
                 {"session": row["session_id"], "epoch": row["epoch"],
-                 "steps": tuple((st["step"], tuple(st["item_ids"]))
-                                for st in payload["steps"])})
+                 "steps": tuple((st["step"], recorded_ids(st)) for st in payload["steps"])})
         outage = [b for b in ledger.builds.values() if b.during_outage]
         assert outage, "no Build was acknowledged while the database was away"
         assert all(b.steps for b in outage), "a Build served while down reported no pressure"
@@ -377,7 +394,9 @@ def test_database_outage_mid_load(database: Database) -> None:
         for tag, build in expected.items():
             (stored,) = events[tag]
             assert stored == {"session": build.session, "epoch": build.epoch,
-                              "steps": build.steps}, (tag, stored, build)
+                              "steps": tuple((step, as_recorded(ids))
+                                             for step, ids in build.steps)}, (tag, stored,
+                                                                              build)
         print(f"\noutage: {dict(ledger.codes)}; builds served while down "
               f"{ledger.outage_builds}, each of their pressure events found once (of "
               f"{len(expected)} acknowledged Builds, all found once); UNAVAILABLE answered in max "
