@@ -2,7 +2,8 @@
 PostgreSQL of the test's own (connected directly): a pool busy serving is not a database away
 (health stays SERVING and the probe answers within its bound), and a database that stops
 answering while the pool is busy is noticed (NOT_SERVING, no plan being cached) rather than
-waited out behind the busy connections."""
+waited out behind the busy connections; nor is a database that hangs while the pool is idle (its
+pooled ``SELECT 1`` answers late, which alone is busy: ``test_health_busy_pooler.py``)."""
 
 from __future__ import annotations
 
@@ -113,6 +114,33 @@ def test_a_database_that_stops_answering_while_the_pool_is_busy_is_noticed(
         time.sleep(0.1)
     for h in held:
         h.result(HELD + 30)
+
+
+def test_a_database_that_hangs_while_the_pool_is_idle_is_noticed(
+        database: Database, server: ServerThread) -> None:
+    """The pooled ``SELECT 1`` answers late (a late answer alone is busy, not away); the
+    connection outside the pool is not let in within the bound: away."""
+    assert len(server.running.engine.cache) == 0
+    deadline = time.monotonic() + 10
+    while server.call(_idle(server.running.pool)) == 0:
+        assert time.monotonic() < deadline, "no idle pooled connection"
+        time.sleep(0.05)
+    stopped = _postgres(database)
+    for process in stopped:
+        os.kill(process.pid, signal.SIGSTOP)
+    try:
+        # interval + late answer + release (its cancel unanswered) + connect bound, and slack
+        deadline = time.monotonic() + 8
+        while health(server) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, "health still SERVING: the away went unnoticed"
+            time.sleep(0.1)
+    finally:
+        for process in stopped:
+            os.kill(process.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while health(server) != health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, "health did not come back"
+        time.sleep(0.1)
 
 
 def test_the_server_stops_when_asked_as_the_probes_connection_opens(

@@ -103,3 +103,32 @@ def test_a_pooled_connection_is_given_back_whatever_the_probe_met() -> None:
         pool = _Pool(exc)
         asyncio.run(database_reachable(pool, 1.0))  # type: ignore[arg-type]
         assert pool.released == 1
+
+
+def test_a_pooled_connection_answering_late_is_asked_about_outside_the_pool() -> None:
+    """Late is how a busy database answers (a pooler's queue) and how a hung one does: the
+    pooled connection's late answer is read as the connection outside the pool's is, never as
+    the database away by itself."""
+    late = _Pool(TimeoutError())
+    assert asyncio.run(database_reachable(late, 1.0)) is None  # type: ignore[arg-type]
+    assert late.released == 1
+    connect, opened = _outside()
+    assert asyncio.run(database_reachable(late, 1.0, connect)) is True  # type: ignore[arg-type]
+    assert len(opened) == 1 and opened[0].closed and late.released == 2
+    connect, _ = _outside(query=TimeoutError())  # let in, late too: busy
+    assert asyncio.run(database_reachable(late, 1.0, connect)) is None  # type: ignore[arg-type]
+    connect, _ = _outside(TimeoutError())  # no connection within the bound: away
+    assert asyncio.run(database_reachable(late, 1.0, connect)) is False  # type: ignore[arg-type]
+
+
+def test_a_late_pooled_connection_the_pool_fails_to_give_back_is_still_busy() -> None:
+    class _Stuck(_Pool):  # its cancel unanswered: the release times out (the pool ends it)
+        async def release(self, connection: _Connection, *, timeout: float) -> None:
+            self.released += 1
+            raise TimeoutError
+
+    stuck = _Stuck(TimeoutError())
+    assert asyncio.run(database_reachable(stuck, 1.0)) is None  # type: ignore[arg-type]
+    connect, _ = _outside(query=TimeoutError())
+    assert asyncio.run(database_reachable(stuck, 1.0, connect)) is None  # type: ignore[arg-type]
+    assert stuck.released == 2

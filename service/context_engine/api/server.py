@@ -423,21 +423,33 @@ async def database_reachable(pool: asyncpg.Pool, timeout: float,
     busy serving, or the pool's new connection slow to open) on one of its own, opened by
     ``outside`` for the probe and closed after it. A pool busy serving is not a database away,
     and waiting for it to free would leave health unchanged while it is: the connection outside
-    it tells them apart. False: the database is away (a connection error, or no connection
-    within ``timeout``). None: busy, not away (the database let the probe in but did not answer
-    within ``timeout``, as a pooler answers while its server connections are all taken, or
-    refused it for too many connections; or the pool was busy and there is no ``outside``):
-    the caller keeps the state it had."""
+    it tells them apart. A pooled connection whose ``SELECT 1`` answers late is asked about the
+    same way: late is how a busy database answers (behind a pooler whose server connections are
+    all taken, the query waits in its queue) and how a hung one does, and only a connection
+    outside the pool tells them apart. False: the database is away (a connection error, or no
+    connection within ``timeout``). None: busy, not away (the database let the probe in but did
+    not answer within ``timeout``, as a pooler answers while its server connections are all
+    taken, or refused it for too many connections; or the pool was busy, or its connection
+    answered late, and there is no ``outside``): the caller keeps the state it had."""
     try:
         with untraced():  # a probe every second, not a trace of its own
             try:
                 connection = await pool.acquire(timeout=timeout)
             except TimeoutError:
                 return None if outside is None else await probe_outside(outside, timeout)
+            late = False
             try:
                 await connection.fetchval("SELECT 1", timeout=timeout)
+            except TimeoutError:
+                late = True
             finally:
-                await pool.release(connection, timeout=timeout)
+                if late:  # its cancel may go unanswered (a pooler's queue): the pool ends it
+                    with contextlib.suppress(*UNAVAILABLE):
+                        await pool.release(connection, timeout=timeout)
+                else:
+                    await pool.release(connection, timeout=timeout)
+            if late:
+                return None if outside is None else await probe_outside(outside, timeout)
     except (*UNAVAILABLE, asyncpg.PostgresError):
         return False
     except asyncpg.InternalClientError as exc:
@@ -478,9 +490,10 @@ async def watch_health(servicer: health.aio.HealthServicer, pool: asyncpg.Pool, 
     """Health is NOT_SERVING only when this process can serve nothing: the database is away
     and no plan is cached (with plans cached, Build keeps serving those sessions). It returns
     to SERVING by itself when the database does; the pool reconnects on its own. A pool busy
-    serving (every connection taken) is not the database away: the probe then asks on a
-    connection of its own (``outside``), and a database that is busy, not away, keeps the
-    state as it was, so health neither waits for the pool nor changes under load."""
+    serving (every connection taken), or a pooled ``SELECT 1`` answering late, is not the
+    database away: the probe then asks on a connection of its own (``outside``), and a database
+    that is busy, not away, keeps the state as it was, so health neither waits for the pool nor
+    changes under load."""
     serving = was_reachable = True
     while True:
         await asyncio.sleep(interval)
