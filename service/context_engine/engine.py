@@ -347,6 +347,7 @@ def derived_spans(tracer: Tracer, pressure: Pressure, at: int,
         "context_engine.history.floor_index": pressure.floor_index,
         "context_engine.history.left_out_items": pressure.left_out_items,
         "context_engine.history.left_out_tokens": pressure.left_out_tokens,
+        "context_engine.history.compact_through_sequence": pressure.compact_through_sequence,
         "context_engine.compaction_needed": pressure.compaction_needed}
     if history is not None:
         attrs["context_engine.history.tokens"], attrs["context_engine.history.items"] = history

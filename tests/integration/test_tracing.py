@@ -222,6 +222,15 @@ def test_yield_steps_are_spans_under_the_build(tstub, ids, exporter):
         attrs = s.attributes or {}
         assert attrs["context_engine.yield.tokens_before"] == step.tokens_before
         assert attrs["context_engine.yield.tokens_after"] == step.tokens_after
+    # history was cut: the selection's span carries where and the compaction target, the
+    # same figures as the response's pressure (and the pressure event's payload)
+    assert steps[-1] == "history" and resp.pressure.compact_through_sequence > 0
+    selected = one(children(spans, build), "context_engine.history_selection").attributes or {}
+    assert selected["context_engine.history.cut_index"] == resp.pressure.history_cut_index
+    assert selected["context_engine.history.left_out_tokens"] == \
+        resp.pressure.left_out_tokens
+    assert selected["context_engine.history.compact_through_sequence"] == \
+        resp.pressure.compact_through_sequence
     rpc = one(spans, f"{SERVICE}/Build")
     assert tuple((rpc.attributes or {})["context_engine.yield_steps"]) == tuple(steps)
     # the pressure event is written inside the RPC's trace
