@@ -12,7 +12,7 @@ import grpc
 import pytest
 from context_engine.v1 import context_engine_pb2 as pb
 
-from tests.integration.requests import build_request, failure, plan_request
+from tests.integration.requests import Failure, build_request, failure, item, plan_request
 from tests.integration.test_budget_rpc import SMALL, long_history
 
 pytestmark = pytest.mark.integration
@@ -86,6 +86,75 @@ def test_a_summary_over_the_body_that_a_merge_can_shrink_needs_compaction(stub, 
         trust=pb.TRUST_LEVEL_USER))
     refused(stub, req)
     assert last_pressure(db, tenant)["compaction_needed"] is False
+
+
+def dense(i: int, n: int) -> str:
+    """Text of many tokens per character, which a summary's narrative fills its cap with."""
+    return " ".join(f"{i}x{j}q" for j in range(n))
+
+
+def decided_history(n: int) -> list[pb.ConversationItem]:
+    """Carried history of ``n`` exchanges of an earlier run, each a long request and a long
+    answer (what the structured summarizer keeps as decisions), then a new user message."""
+    items: list[pb.ConversationItem] = []
+    for i in range(n):
+        items.append(item(f"u{i}", 2 * i + 1, run="run-0",
+                          user=pb.UserMessage(text=f"step {i}: " + dense(i, 120))))
+        items.append(item(f"a{i}", 2 * i + 2, run="run-0",
+                          assistant=pb.AssistantMessage(text=f"done {i}: " + dense(i + 100, 120))))
+    items.append(item("now", 2 * n + 1, user=pb.UserMessage(text="and now?")))
+    return items
+
+
+def test_a_refusal_compaction_helps_names_the_summary_cap_that_makes_it_fit(stub, ids, db):
+    """The runtime's exchange: a checkpoint with a summary over the body, a Build refused
+    with compaction_needed, and a compaction whose max_summary_tokens the refusal names (the
+    runtime does not know what the summary costs in the body, so ``tokens - limit`` alone
+    does not tell it): compacting with that cap builds; with twice the cap, the merged summary
+    fills more than the body has for it and the Build is refused again."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=SMALL))
+    req = build_request(tenant, session, items=decided_history(12))
+    req.checkpoint.summary.CopyFrom(pb.Summary(
+        text=dense(7, 5_000), depth=1, replaced_through_sequence=2, trust=pb.TRUST_LEVEL_USER))
+    f = refused(stub, req)
+    p = last_pressure(db, tenant)
+    assert p["fits"] is False and p["compaction_needed"] is True
+    assert {k: v for k, v in f.metadata.items() if k != "max_summary_tokens"} == {
+        "class": "summary", "tokens": f.metadata["tokens"], "limit": f.metadata["limit"],
+        "unit": "tokens"}
+    cap = int(f.metadata["max_summary_tokens"])
+    over = int(f.metadata["tokens"]) - int(f.metadata["limit"])
+    assert 0 < cap < int(f.metadata["limit"]) < over  # the excess is no cap
+    exceeded = json.loads(db.val(
+        "SELECT payload::text FROM context_events WHERE tenant_id=$1 AND "
+        "type='context.budget.exceeded' ORDER BY id DESC LIMIT 1", tenant))
+    assert exceeded["max_summary_tokens"] == str(cap)
+
+    def compact_and_build(key: str, max_summary_tokens: int
+                          ) -> tuple[int, pb.BuildResponse | Failure]:
+        again = pb.BuildRequest()
+        again.CopyFrom(req)
+        resp = stub.Compact(pb.CompactRequest(
+            tenant_id=tenant, session_id=session, checkpoint=again.checkpoint,
+            reason="budget_pressure", idempotency_key=key, tokens_to_free=p["left_out_tokens"],
+            max_summary_tokens=max_summary_tokens))
+        assert resp.compacted and resp.summary.depth == 2
+        again.checkpoint.summary.CopyFrom(resp.summary)
+        try:
+            return resp.tokens_after, stub.Build(again)
+        except grpc.RpcError as err:
+            return resp.tokens_after, failure(err)
+
+    after, built = compact_and_build("at-cap", cap)
+    assert isinstance(built, pb.BuildResponse) and built.pressure.fits
+    summary = {c.class_name: c.used for c in built.budget.classes}["summary"]
+    assert summary == after <= cap  # Compact measures the summary as Build costs it
+    after, again = compact_and_build("twice", 2 * cap)
+    assert after > cap and isinstance(again, Failure)
+    assert again.reason == "BUDGET_EXCEEDED" and again.metadata["class"] == "summary"
+    # a summary at the depth cap merges no more: no compaction helps, and no cap is named
+    assert "max_summary_tokens" not in again.metadata
 
 
 

@@ -485,6 +485,61 @@ def test_what_pointers_free_comes_off_the_class_that_holds_them() -> None:
     assert used["tool_results"] == 100 + 100 + 1_000 + 401
 
 
+def _over_with_summary(summary_tokens: int, *, bare: int = 300, rest: int = 3_000,
+                       body: int = 10_000, depth: int = 1) -> BudgetExceeded | None:
+    """``allocate`` with a summary that costs ``summary_tokens`` (``bare`` without its
+    narrative, what a merge keeps), a current user message of ``rest`` tokens and two
+    history items a body of ``body`` leaves out: the refusal, or None where it fits."""
+    from context_engine.domain.budget import Budget, allocate
+
+    summary = HistorySummary(text="narrative", depth=depth, replaced_through_sequence=1)
+    carried: list[ConversationItem] = [assistant(f"a{k}", "600", k + 2) for k in range(2)]
+
+    def cost(item: Any) -> int:
+        if isinstance(item, HistorySummary):
+            return summary_tokens if item.text else bare
+        return int(cast(AssistantMessageItem, item).text)
+
+    try:
+        allocate(budget=Budget(total_tokens=body, output_reserve=0, margin_tokens=0,
+                               body_budget=body),
+                 prefix_tokens=0, factor=1.0, policy=BudgetPolicy(), summary=summary,
+                 carried=carried, floor=0, active=[],
+                 fixed={"current_user_message": rest, "summary": summary_tokens},
+                 knowledge=[], recall=[], cost=cost, legacy_tool_excerpts=0,
+                 position=lambda i: i)
+    except BudgetExceeded as exc:
+        return exc
+    return None
+
+
+def test_a_refusal_compaction_helps_names_the_largest_summary_cap_that_fits() -> None:
+    """The room the rest leaves the summary: a merged summary costing the cap fits the body,
+    one costing a token more does not; the other keys are as they were."""
+    over = _over_with_summary(12_000)
+    assert over is not None and cast(Pressure, over.pressure).compaction_needed
+    meta = over.metadata()
+    assert meta == {"class": "summary", "tokens": "15000", "limit": "10000", "unit": "tokens",
+                    "max_summary_tokens": "7000"}
+    cap = int(meta["max_summary_tokens"])
+    assert _over_with_summary(cap) is None  # all of the history left out, but it fits
+    assert _over_with_summary(cap + 1) is not None
+
+
+def test_no_summary_cap_where_compaction_cannot_help() -> None:
+    """Not where a merge cannot make it fit (the summary at the depth cap, its constraints
+    and pointers alone over the room, the rest over the body without it): no cap does."""
+    for over in (_over_with_summary(12_000, depth=2), _over_with_summary(12_000, bare=7_000),
+                 _over_with_summary(12_000, rest=10_500)):
+        assert over is not None and not cast(Pressure, over.pressure).compaction_needed
+        assert "max_summary_tokens" not in over.metadata()
+
+
+def test_the_summary_cap_is_at_most_the_largest_a_compaction_takes() -> None:
+    over = _over_with_summary(130_000, body=100_000)
+    assert over is not None and over.metadata()["max_summary_tokens"] == "32000"
+
+
 def test_a_result_whose_pointer_frees_nothing_keeps_its_content() -> None:
     """Results that cost no more than their pointer (100) are passed over: the step goes on to
     the next ones, and names only the results that became pointers."""

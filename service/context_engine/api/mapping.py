@@ -52,6 +52,7 @@ from context_engine.domain.identifiers import (
 from context_engine.domain.items import (
     ATTACHMENT_KINDS,
     MAX_DEPTH,
+    MAX_SUMMARY_TOKENS,
     ONE_LINE_RULE,
     AssistantMessageItem,
     ConversationItem,
@@ -1236,7 +1237,6 @@ def rotate_command(req: pb.RotateRequest) -> RotateCommand:
 
 ELIDED_KINDS = ("tool.result", "user.message", "assistant.message", "tool.call",
                 *ATTACHMENT_KINDS)
-MAX_SUMMARY_TOKENS = 32_000
 
 
 def _reference(v: Violations, field: str, value: str) -> None:

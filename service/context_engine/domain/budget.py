@@ -34,6 +34,7 @@ from context_engine.domain.errors import BudgetExceeded, HistoryFloorUnreachable
 from context_engine.domain.history import Span, compact_through, select_history, units
 from context_engine.domain.items import (
     MAX_DEPTH,
+    MAX_SUMMARY_TOKENS,
     ContextItem,
     ConversationItem,
     HistorySummary,
@@ -555,7 +556,10 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         # Only never-yield items are left: name the largest of their classes.
         shares = {**ledger.fixed, "active_run": sum(ledger.active_costs)}
         largest = max(sorted(shares), key=lambda k: shares[k])
-        raise BudgetExceeded(largest, total, B, pressure=pressure)
+        raise BudgetExceeded(
+            largest, total, B, pressure=pressure,
+            max_summary_tokens=(summary_cap(total, B, ledger.fixed.get("summary", 0))
+                                if pressure.compaction_needed else None))
 
     classes = (
         ClassBudget(class_name="knowledge", cap=KNOWLEDGE_TOKENS, used=ledger.knowledge_cost,
@@ -624,6 +628,17 @@ def compaction_helps(left_out: int, total: int, body_budget: int,
         return False
     kept = cost(replace(summary, text="")) if summary.text else summary_tokens
     return total - summary_tokens + kept < body_budget
+
+
+def summary_cap(total: int, body_budget: int, summary_tokens: int) -> int:
+    """The ``max_summary_tokens`` of a compaction that makes a refused body fit, where
+    ``compaction_helps`` says one can (every history candidate left out already, so ``total``
+    is what never yields, ``summary_tokens`` of it the current summary): the room the rest
+    leaves the summary, which the merged one replaces. A compaction measures its summary as
+    this build costs it (the same estimator, rendering and correction factor), within the cap:
+    one that fits this cap fits the body, and one a token over it does not. At most the
+    largest cap a compaction takes (a summary within that fits too)."""
+    return min(body_budget - (total - summary_tokens), MAX_SUMMARY_TOKENS)
 
 
 def running_sums(costs: list[int], kept: KeptSteps | None) -> list[int]:

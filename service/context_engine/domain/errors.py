@@ -121,22 +121,28 @@ class PinnedModelConflict(PinnedVersionConflict):
 
 class BudgetExceeded(ContextEngineError):
     """Items that never yield do not fit; the request is never returned without them.
-    ``pressure`` carries what the yield ladder did before giving up, if it ran."""
+    ``pressure`` carries what the yield ladder did before giving up, if it ran;
+    ``max_summary_tokens``, where a compaction that merges the current summary can make the
+    body fit, the largest summary cap that does (``budget.summary_cap``)."""
 
     reason = "BUDGET_EXCEEDED"
 
     def __init__(self, class_name: str, tokens: int, limit: int, *, unit: str = "tokens",
-                 pressure: object | None = None) -> None:
+                 pressure: object | None = None, max_summary_tokens: int | None = None) -> None:
         self.class_name = class_name
         self.tokens = tokens
         self.limit = limit
         self.unit = unit
         self.pressure = pressure
+        self.max_summary_tokens = max_summary_tokens
         super().__init__(f"{class_name} needs {tokens} {unit} but only {limit} are allowed")
 
     def metadata(self) -> dict[str, str]:
-        return {"class": self.class_name, "tokens" if self.unit == "tokens" else self.unit:
+        meta = {"class": self.class_name, "tokens" if self.unit == "tokens" else self.unit:
                 str(self.tokens), "limit": str(self.limit), "unit": self.unit}
+        if self.max_summary_tokens is not None:
+            meta["max_summary_tokens"] = str(self.max_summary_tokens)
+        return meta
 
 
 class HistoryFloorUnreachable(ContextEngineError):

@@ -406,6 +406,8 @@ SUMMARY_SOURCES_HEADER = "Source event ids:"
 # A summary's depth cap: a summary merges earlier summaries at most this deep (a compaction
 # that would go deeper fails; the runtime escalates instead)
 MAX_DEPTH = 2
+# The largest cap a compaction's summary may be asked to fit (``max_summary_tokens``)
+MAX_SUMMARY_TOKENS = 32_000
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

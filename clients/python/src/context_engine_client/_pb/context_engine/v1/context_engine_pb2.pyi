@@ -2608,9 +2608,10 @@ class Pressure(_message.Message):
     summary. Then it is true only where the rest fits with what a merge keeps of the summary
     (all but its narrative: its constraints, pointers and source ids, kept verbatim and only
     added to) and the summary can still merge (depth below 2): a Compact with
-    max_summary_tokens small enough (the merged summary at least BUDGET_EXCEEDED's tokens -
-    limit below the current one) can fit it; false otherwise, as compacting would only add a
-    summary, or be refused for its constraints, and fail again.
+    max_summary_tokens small enough can fit it, and BUDGET_EXCEEDED's ErrorInfo metadata then
+    names the largest such cap, "max_summary_tokens" (the room the rest of the body leaves
+    the summary, at most 32,000; absent where this is false); false otherwise, as compacting
+    would only add a summary, or be refused for its constraints, and fail again.
     """
     left_out_items: _builtins.int
     """Items and tokens left out beyond the summary floor."""
