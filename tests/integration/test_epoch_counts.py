@@ -5,16 +5,18 @@ one replica, whether its writer learnt that its COMMIT succeeded or not."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import asyncpg
 import grpc
 import pytest
-from context_engine.adapters.postgres.maintenance import Outcome
+from context_engine.adapters.postgres.maintenance import CLAIM_UNCOUNTED, Outcome
 from context_engine.adapters.postgres.migrate import migrate
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
@@ -354,3 +356,138 @@ def waiting(db: Db, n: int, seconds: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+# --- A cycle's own COMMIT answer lost ---------------------------------------------------------
+# On a database of their own, both replicas' cycles hourly: only the test's cycles claim.
+
+CLAIM = CLAIM_UNCOUNTED.encode()  # the statement of a cycle's batch, as the proxy sees it
+
+
+@pytest.fixture(scope="module")
+def cut_url(direct_database_url: str, database_url: str) -> Iterator[str]:
+    name = run(create_database(direct_database_url, "ce_epoch_cut"))
+    run(migrate(with_database(direct_database_url, name), REPO / "migrations"))
+    yield with_database(database_url, name)
+    run(drop_database(direct_database_url, name))
+
+
+@pytest.fixture(scope="module")
+def cut_proxy(cut_url: str) -> Iterator[CommitDropProxy]:
+    p = CommitDropProxy(cut_url)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def cut(cut_url: str, cut_proxy: CommitDropProxy) -> Iterator[list[ServerThread]]:
+    """Two replicas of the module's second database, the first through the proxy."""
+    servers = [ServerThread(base_config(), cut_proxy.url), ServerThread(base_config(), cut_url)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def cut_stubs(cut: list[ServerThread]) -> Iterator[list[pb_grpc.ContextEngineStub]]:
+    yield from stubs_of(cut)
+
+
+def left_uncounted(cut: list[ServerThread], stubs: list[pb_grpc.ContextEngineStub],
+                   proxy: CommitDropProxy, db: Db, n: int) -> tuple[str, dict[str, float]]:
+    """A tenant of ``n`` sessions whose opening Plan lost its COMMIT answer, an hour old; the
+    counters before any cycle claims them."""
+    tenant = f"tenant-{uuid.uuid4().hex[:12]}"
+    for _ in range(n):
+        lost(stubs[0], proxy, "Plan", plan_request(tenant, f"session-{uuid.uuid4().hex[:12]}"))
+    aged(db, tenant)
+    assert uncounted(db, tenant) == n
+    return tenant, counted(cut)
+
+
+def until(check: Callable[[], bool], seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return check()
+
+
+def test_a_batch_whose_commit_answer_was_lost_is_counted_by_the_next_cycle(cut, cut_stubs,
+                                                                          cut_proxy, cut_url):
+    """A cycle's batch whose COMMIT committed but whose answer was lost: the epochs were claimed
+    in the database and counted in no replica's metrics, by no later cycle or Plan either
+    (sessions opened short for good). Now the replica that claimed them counts them at its
+    next cycle, having asked PostgreSQL whether that transaction committed; once."""
+    db = Db(cut_url)
+    tenant, before = left_uncounted(cut, cut_stubs, cut_proxy, db, 3)
+    dropped = cut_proxy.dropped
+    cut_proxy.arm(after=CLAIM)
+    assert cut[0].call(cut[0].running.maintenance.attempt()) is None  # failed, logged
+    assert cut_proxy.dropped == dropped + 1
+    assert uncounted(db, tenant) == 0  # committed: claimed
+    truth = {"session_opened": 3.0, "opened": 3.0}
+    assert stored(db, tenant) == truth
+    assert growth(before, counted(cut)) == {}  # not known to have committed yet
+    assert cut[0].running.maintenance.unsettled == 3
+    # four cycles of the replica at once (and the other's): one of them counts the batch
+    first = cut[0].running.maintenance
+    runs = [asyncio.run_coroutine_threadsafe(first.run_once(), cut[0].loop) for _ in range(4)]
+    other = cut[1].call(cut[1].running.maintenance.run_once())
+    outcomes = [r.result(60) for r in runs]
+    assert sum(o.epochs_counted for o in outcomes) == 3 and other.epochs_counted == 0
+    assert first.unsettled == 0
+    assert growth(before, counted(cut)) == truth
+    cycle(cut)  # counted once: later cycles and Plans count nothing
+    for stub in cut_stubs:
+        for session in db.fetch("SELECT session_id FROM plans WHERE tenant_id = $1", tenant):
+            assert not stub.Plan(plan_request(tenant, session["session_id"])).created
+    assert growth(before, counted(cut)) == truth
+
+
+def test_a_batch_whose_commit_never_arrived_is_claimed_again(cut, cut_stubs, cut_proxy, cut_url):
+    """A cycle's batch whose connection was cut before its COMMIT reached PostgreSQL: rolled
+    back, so the replica that lost it counts nothing of it; the next cycle claims those epochs
+    again and counts them, once."""
+    db = Db(cut_url)
+    tenant, before = left_uncounted(cut, cut_stubs, cut_proxy, db, 3)
+    cut_proxy.arm(after=CLAIM, deliver=False)
+    assert cut[0].call(cut[0].running.maintenance.attempt()) is None
+    assert until(lambda: uncounted(db, tenant) == 3)  # rolled back once the server saw it go
+    assert growth(before, counted(cut)) == {}
+    outcomes = cycle(cut)
+    assert sum(o.epochs_counted for o in outcomes) == 3
+    truth = {"session_opened": 3.0, "opened": 3.0}
+    assert growth(before, counted(cut)) == truth and uncounted(db, tenant) == 0
+    cycle(cut)
+    assert growth(before, counted(cut)) == truth
+
+
+def test_a_cycle_failing_in_its_epoch_step_logs_what_it_counted(cut, cut_stubs, cut_proxy,
+                                                               cut_url, caplog):
+    """Batches of one epoch, the second's COMMIT answer lost: the cycle fails after counting
+    the first. Its count was in no log line (the cycle's summary was skipped); now the cycle's
+    ``maintenance`` line, at warning, says what it counted and what it left unsettled, and the
+    next cycle's line what it counted then."""
+    caplog.set_level(logging.INFO, logger="context_engine")
+    db = Db(cut_url)
+    tenant, before = left_uncounted(cut, cut_stubs, cut_proxy, db, 3)
+    maintenance = cut[0].running.maintenance
+    small = replace(maintenance, policy=replace(maintenance.policy, batch_size=1))
+    cut_proxy.arm(after=CLAIM, skip=1)
+    assert cut[0].call(small.attempt()) is None
+    assert growth(before, counted(cut)) == {"session_opened": 1.0, "opened": 1.0}
+
+    def lines() -> list[dict[str, object]]:
+        found = [r for r in caplog.records if r.getMessage() == "maintenance"]
+        caplog.clear()
+        return [dict(getattr(r, "fields", {}), level=r.levelname) for r in found]
+
+    (failed,) = lines()
+    assert failed["level"] == "WARNING" and failed["complete"] is False
+    assert failed["epochs_counted"] == 1 and failed["epochs_unsettled"] == 1
+    assert failed["error"] in {"ConnectionDoesNotExistError", "ConnectionResetError"}
+    assert cut[0].call(small.run_once()).epochs_counted == 2  # the lost batch, then the third
+    (then,) = lines()
+    assert then["epochs_counted"] == 2 and then["epochs_unsettled"] == 0
+    assert growth(before, counted(cut)) == {"session_opened": 3.0, "opened": 3.0}
+    assert uncounted(db, tenant) == 0

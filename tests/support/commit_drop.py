@@ -3,7 +3,10 @@
 Armed (``arm()``), the next simple-query ``COMMIT`` a client sends is forwarded to the database,
 which commits it; the proxy then waits ``hold`` seconds and cuts that client's connection
 without passing the answer on: the client is left not knowing whether its transaction
-committed, as when a connection drops during the COMMIT's round trip."""
+committed, as when a connection drops during the COMMIT's round trip. ``arm(after=...)`` takes
+only the COMMIT of a transaction that sent a statement holding those bytes (after ``skip``
+such COMMITs passed on); ``arm(deliver=False)`` cuts both connections without forwarding the
+COMMIT, so the database rolls the transaction back: the client cannot tell the two apart."""
 
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ class CommitDropProxy:
         self._parts = parts
         self._hold = hold
         self._armed = threading.Event()
+        self._after = b""
+        self._skip = 0
+        self._deliver = True
         self.dropped = 0
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -37,7 +43,8 @@ class CommitDropProxy:
         netloc = f"{auth}@127.0.0.1:{self.port}" if auth else f"127.0.0.1:{self.port}"
         return urlunsplit((p.scheme, netloc, p.path, p.query, p.fragment))
 
-    def arm(self) -> None:
+    def arm(self, *, after: bytes = b"", skip: int = 0, deliver: bool = True) -> None:
+        self._after, self._skip, self._deliver = after, skip, deliver
         self._armed.set()
 
     async def _serve(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
@@ -64,6 +71,7 @@ class CommitDropProxy:
         async def up() -> None:  # client -> database, message by message
             try:
                 started = False
+                marked = False  # the transaction sent a statement holding ``_after``
                 while True:
                     if not started:
                         head = await cr.readexactly(4)
@@ -78,11 +86,24 @@ class CommitDropProxy:
                     head = await cr.readexactly(4)
                     (length,) = struct.unpack("!i", head)
                     body = await cr.readexactly(length - 4)
-                    commit = (kind == b"Q" and body.lstrip().upper().startswith(b"COMMIT")
-                              and self._armed.is_set())
+                    armed = self._armed.is_set()
+                    if armed and self._after and self._after in body:
+                        marked = True
+                    ends = kind == b"Q" and body.lstrip().upper().startswith((b"COMMIT",
+                                                                              b"ROLLBACK"))
+                    commit = (ends and body.lstrip().upper().startswith(b"COMMIT") and armed
+                              and (marked or not self._after))
+                    if ends:
+                        marked = False
+                    if commit and self._skip > 0:
+                        self._skip -= 1
+                        commit = False
                     if commit:
                         self._armed.clear()
                         cut.set()  # nothing more reaches the client
+                        if not self._deliver:  # the database sees its client go: rolled back
+                            self.dropped += 1
+                            break
                     sw.write(kind + head + body)
                     await sw.drain()
                     if commit:

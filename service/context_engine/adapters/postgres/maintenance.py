@@ -23,9 +23,14 @@ A cycle:
    Plan reading only the epoch after it), was counted by nothing. The claim is the writer's
    own ``UPDATE ... WHERE NOT counted``: whichever statement turns the row counts it, once,
    however a cycle races a Plan's claim or another replica's cycle. Each batch is counted once
-   its COMMIT answered (a batch rolled back counts nothing, and the next cycle takes it). Not
-   run by the cycle at start (``epochs=False``): a series' increments before its first scrape
-   are lost to Prometheus' ``increase()``.
+   its COMMIT answered (a batch rolled back counts nothing, and the next cycle takes it). A
+   batch whose COMMIT went unanswered (the connection lost during it) is kept, its epochs and
+   its transaction's id (``pg_current_xact_id``), by the process that claimed it alone: its
+   next cycle, before anything else, asks PostgreSQL whether that transaction committed
+   (``pg_xact_status``) and counts the batch if it did, once; one rolled back counts nothing
+   (its epochs are uncounted again, and a cycle claims them anew), one still in progress is
+   asked about again at the cycle after. Not run by the cycle at start (``epochs=False``): a
+   series' increments before its first scrape are lost to Prometheus' ``increase()``.
 
 Every step runs in a transaction that first takes ``pg_try_advisory_xact_lock(LOCK_KEY)``
 (released when the transaction ends, so nothing outlives it on the server connection and a
@@ -35,7 +40,9 @@ lock, so two cycles one after the other neither fail nor drop twice. DDL waits a
 ``ddl_lock_timeout_seconds`` for the table's lock (a quarter of a second: while it waits, every
 insert of an event or a session queues behind it), and tries again a few times a second apart;
 a long reader of ``context_events`` then makes the partition step fail, while steps 3 and 4
-still run, and the cycle is logged as failed. The time is the injected clock's (but for the
+still run, and the cycle is logged as failed. A cycle that fails half-way (the database went
+away) logs, before it raises, what it had done: the partitions, the steps it finished and the
+epochs it counted, with the epochs left unsettled. The time is the injected clock's (but for the
 ages of keys, compaction records and uncounted epochs: the database's); partitions not named
 ``context_events_pYYYYMMDD`` are left alone. What is kept, and why for so long:
 deploy/README.md "Data lifecycle".
@@ -94,7 +101,10 @@ FROM (SELECT tenant_id, session_id, epoch FROM plans
       ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED) AS o
 WHERE p.tenant_id = o.tenant_id AND p.session_id = o.session_id AND p.epoch = o.epoch
   AND NOT p.counted
-RETURNING p.epoch, p.reason, p.prefix_tokens"""
+RETURNING p.epoch, p.reason, p.prefix_tokens, pg_current_xact_id()::text AS xid"""
+# Whether the transaction of a batch whose COMMIT went unanswered committed: 'committed',
+# 'aborted' or 'in progress' (NULL once too old for PostgreSQL to know, PostgreSQL 13 or later).
+XACT_STATUS = "SELECT pg_xact_status($1::text::xid8)"
 
 
 def partition_name(day: date) -> str:
@@ -191,6 +201,26 @@ class Outcome:
 CountEpoch = Callable[[int, str, int], None]
 
 
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """A batch of step 4 whose COMMIT went unanswered: its transaction's id and its epochs."""
+
+    xid: str
+    epochs: tuple[tuple[int, str, int], ...]
+
+
+@dataclass(slots=True)
+class _Tally:
+    """What a cycle has done so far: logged when it fails half-way."""
+
+    ran: bool = False
+    created: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+    deleted: list[int] = field(default_factory=list)
+    counted: int = 0
+    partitions_failed: bool = False
+
+
 @dataclass
 class Maintenance:
     pool: asyncpg.Pool
@@ -202,22 +232,47 @@ class Maintenance:
     _task: asyncio.Task[None] | None = None
     cycles: int = 0  # cycles that ran (got the lock)
     skipped: int = 0  # cycles another replica was running
+    # step 4's batches whose COMMIT went unanswered, settled by the next cycle (this process
+    # alone knows whether it counted them); shared, in place, by copies made with replace()
+    _unsettled: list[_Batch] = field(default_factory=list)
+
+    @property
+    def unsettled(self) -> int:
+        """Epochs of batches whose COMMIT went unanswered, not yet known to have committed."""
+        return sum(len(batch.epochs) for batch in self._unsettled)
 
     async def run_once(self, *, ddl_tries: int | None = None, epochs: bool = True) -> Outcome:
         """One cycle (see the module's docstring); ``ddl_tries``: the partition step's tries
         (the policy's unless given); ``epochs`` False: without step 4. Raises what the
-        database raises (epochs claimed by a batch before are counted)."""
+        database raises (epochs claimed by a batch before are counted, a batch whose COMMIT
+        went unanswered is kept for the next cycle), having logged what it did."""
+        tally = _Tally()
+        try:
+            return await self._cycle(tally, ddl_tries, epochs)
+        except BaseException as exc:
+            if tally.ran or tally.counted:
+                self._log(tally, complete=False, error=type(exc).__name__)
+            raise
+
+    async def _cycle(self, tally: _Tally, ddl_tries: int | None, epochs: bool) -> Outcome:
         tries = self.policy.ddl_tries if ddl_tries is None else max(1, ddl_tries)
         now = self.clock.now()
         fence_cutoff = self.policy.fence_cutoff(now)
+        count_epoch = self.count_epoch if epochs else None
+        if count_epoch is not None and self._unsettled:
+            await self._settle(count_epoch, tally)
         async with self.pool.acquire() as conn:
             partitions, failed = await self._partitions_tried(conn, now, tries)
             if partitions is None:
                 self.skipped += 1
-                log("maintenance", ran=False, note="another replica holds the maintenance lock")
-                return Outcome(ran=False)
+                log("maintenance", ran=False, note="another replica holds the maintenance lock",
+                    epochs_counted=tally.counted, epochs_unsettled=self.unsettled)
+                return Outcome(ran=False, epochs_counted=tally.counted)
+            tally.ran = True
             created, dropped = partitions
-            counts: list[int] = []
+            tally.created, tally.dropped = created, dropped
+            tally.partitions_failed = failed is not None
+            counts = tally.deleted
             complete = True
             for sql, args in ((DELETE_KEYS, (self.policy.key_ttl,)),
                               (DELETE_FENCES, (fence_cutoff,)),
@@ -226,24 +281,31 @@ class Maintenance:
                 counts.append(deleted)
                 if not complete:  # another replica's cycle goes on from here
                     break
-            counted = 0
-            if complete and epochs and self.count_epoch is not None:
-                counted, complete = await self._claim_epochs(conn, self.count_epoch)
+            if complete and count_epoch is not None:
+                complete = await self._claim_epochs(conn, count_epoch, tally)
         keys, fences, compactions = [*counts, 0, 0, 0][:3]
         self.cycles += 1
         if failed is not None:
-            log("maintenance", logging.WARNING, ran=True, complete=False, partitions="failed",
-                keys_deleted=keys, fences_deleted=fences, compactions_deleted=compactions,
-                epochs_counted=counted)
-            raise failed
-        log("maintenance", ran=True, complete=complete, partitions_created=list(created),
-            partitions_dropped=list(dropped), keys_deleted=keys, fences_deleted=fences,
-            compactions_deleted=compactions, epochs_counted=counted,
-            retention_days=self.policy.retention_days, ahead_days=self.policy.ahead_days,
-            key_ttl_hours=self.policy.key_ttl / timedelta(hours=1))
+            raise failed  # logged by run_once, as failed
+        self._log(tally, complete=complete)
         return Outcome(ran=True, complete=complete, created=created, dropped=dropped,
                        keys_deleted=keys, fences_deleted=fences, compactions_deleted=compactions,
-                       epochs_counted=counted)
+                       epochs_counted=tally.counted)
+
+    def _log(self, tally: _Tally, *, complete: bool, error: str | None = None) -> None:
+        """The cycle's ``maintenance`` line: at warning, with ``error``, for one that failed
+        (what it did before)."""
+        keys, fences, compactions = [*tally.deleted, 0, 0, 0][:3]
+        failed = error is not None or tally.partitions_failed
+        log("maintenance", logging.WARNING if failed else logging.INFO, ran=tally.ran,
+            complete=complete and not failed,
+            **({"partitions": "failed"} if tally.partitions_failed else {}),
+            **({"error": error} if error is not None else {}),
+            partitions_created=list(tally.created), partitions_dropped=list(tally.dropped),
+            keys_deleted=keys, fences_deleted=fences, compactions_deleted=compactions,
+            epochs_counted=tally.counted, epochs_unsettled=self.unsettled,
+            retention_days=self.policy.retention_days, ahead_days=self.policy.ahead_days,
+            key_ttl_hours=self.policy.key_ttl / timedelta(hours=1))
 
     async def _locked(self, conn: asyncpg.Connection, timeout: float | None = None) -> bool:
         got = await conn.fetchval(TRY_LOCK, LOCK_KEY)
@@ -306,22 +368,60 @@ class Maintenance:
             if count < self.policy.batch_size:
                 return deleted, True
 
-    async def _claim_epochs(self, conn: asyncpg.Connection,
-                            count_epoch: CountEpoch) -> tuple[int, bool]:
-        """Step 4: batches as ``_delete``'s, each counted once its COMMIT answered: (epochs
-        counted, whether it got that far before another replica took the lock)."""
-        counted = 0
+    async def _claim_epochs(self, conn: asyncpg.Connection, count_epoch: CountEpoch,
+                            tally: _Tally) -> bool:
+        """Step 4: batches as ``_delete``'s, each counted (in ``tally`` too) once its COMMIT
+        answered, or kept unsettled when that answer was lost: whether it got that far before
+        another replica took the lock."""
         while True:
-            async with conn.transaction():
-                if not await self._locked(conn):
-                    return counted, False
-                rows = await conn.fetch(CLAIM_UNCOUNTED, self.policy.uncounted_after,
-                                        self.policy.batch_size)
-            for row in rows:  # claimed by this statement alone
-                count_epoch(int(row["epoch"]), str(row["reason"]), int(row["prefix_tokens"]))
-            counted += len(rows)
-            if len(rows) < self.policy.batch_size:
-                return counted, True
+            batch = None
+            try:
+                async with conn.transaction():
+                    if not await self._locked(conn):
+                        return False
+                    rows = await conn.fetch(CLAIM_UNCOUNTED, self.policy.uncounted_after,
+                                            self.policy.batch_size)
+                    batch = _Batch(xid=str(rows[0]["xid"]) if rows else "", epochs=tuple(
+                        (int(row["epoch"]), str(row["reason"]), int(row["prefix_tokens"]))
+                        for row in rows))
+            except BaseException:
+                if batch is not None and batch.epochs:  # its COMMIT sent: committed or not?
+                    self._unsettled.append(batch)
+                raise
+            for epoch in batch.epochs:  # claimed by this statement alone
+                count_epoch(*epoch)
+            tally.counted += len(batch.epochs)
+            if len(batch.epochs) < self.policy.batch_size:
+                return True
+
+    async def _settle(self, count_epoch: CountEpoch, tally: _Tally) -> None:
+        """Counts the batches whose COMMIT went unanswered and whose transaction PostgreSQL
+        says committed, each once (a cycle running at the same time takes none of those this
+        one took); drops those it says aborted (their epochs uncounted again, for a cycle to
+        claim) and keeps those still in progress. One it can no longer tell is lost, logged."""
+        batches = list(self._unsettled)
+        self._unsettled.clear()
+        kept: list[_Batch] = []
+        try:
+            async with self.pool.acquire() as conn:
+                while batches:
+                    batch = batches[0]
+                    try:
+                        status = await conn.fetchval(XACT_STATUS, batch.xid)
+                    except asyncpg.InvalidParameterValueError:  # an id from the future: a
+                        status = None  # database other than the one that gave it
+                    batches.pop(0)
+                    if status == "committed":
+                        for epoch in batch.epochs:
+                            count_epoch(*epoch)
+                        tally.counted += len(batch.epochs)
+                    elif status == "in progress":
+                        kept.append(batch)
+                    elif status != "aborted":
+                        log("epoch_count_lost", logging.WARNING, epochs=len(batch.epochs),
+                            reason="transaction_status_unknown", xid=batch.xid)
+        finally:
+            self._unsettled.extend([*kept, *batches])
 
     def start(self) -> None:
         """Cycles every ``interval_seconds`` in the background (the first one at start is the
@@ -354,3 +454,6 @@ class Maintenance:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._unsettled:  # no cycle of this process will count them
+            log("epoch_count_lost", logging.WARNING, epochs=self.unsettled,
+                reason="process_stopped")
