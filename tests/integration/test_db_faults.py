@@ -8,10 +8,10 @@ once: no epoch lost or duplicated.
 
 Every Build names its call in its first item's id (``<tag>.u0``), an item that is always cut
 from the history under the small window, so the call's ``context.budget.pressure`` event names
-it (in its step's ids, or as the first of a step of more than 64): each acknowledged Build, and above all each one acknowledged while the database was away
-(its event waited in the outbox), is matched to its event in ``context_events`` afterwards,
-exactly once, with the same steps the caller was told; no event names a call that was not
-acknowledged.
+it (in its step's ids, or as the first of a step of more than 64): each acknowledged Build,
+and above all each one acknowledged while the database was away (its event waited in the
+outbox), is matched to its event in ``context_events`` afterwards, exactly once, with the same
+steps the caller was told; no event names a call that was not acknowledged.
 """
 
 from __future__ import annotations
