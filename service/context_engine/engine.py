@@ -48,6 +48,7 @@ from context_engine.domain.compaction import (
 )
 from context_engine.domain.errors import (
     BudgetExceeded,
+    CountUnsettled,
     FieldViolation,
     InvalidInput,
     PrefixHashMismatch,
@@ -677,12 +678,18 @@ class Engine:
         this call claims it: the epoch's writer, once its COMMIT answered, or, when that answer
         was lost (the call failed UNAVAILABLE though the epoch committed), the first Plan or
         retried Rotate key to read it, on whichever replica. Once across replicas and retries.
-        A claim the database cannot take now is left to the next call that reads the epoch;
-        the call itself succeeds (its epoch is written)."""
+        A claim the database cannot take now rolled back: it is left to the next call that
+        reads the epoch (or a maintenance cycle); one whose COMMIT went unanswered is counted
+        by the process's next maintenance cycle if it committed. Either way the call itself
+        succeeds (its epoch is written)."""
         if plan.counted:
             return
         try:
             claimed = await self._store.claim_count(plan)
+        except CountUnsettled:
+            log("epoch_count_unsettled", logging.WARNING, tenant=plan.tenant_id,
+                epoch=plan.epoch, reason=plan.reason)
+            return
         except StoreUnavailable:
             log("epoch_count_deferred", logging.WARNING, tenant=plan.tenant_id,
                 epoch=plan.epoch, reason=plan.reason)

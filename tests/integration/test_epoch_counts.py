@@ -18,6 +18,7 @@ import grpc
 import pytest
 from context_engine.adapters.postgres.maintenance import CLAIM_UNCOUNTED, Outcome
 from context_engine.adapters.postgres.migrate import migrate
+from context_engine.adapters.postgres.queries import CLAIM_EPOCH_COUNT
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
@@ -494,3 +495,132 @@ def test_a_cycle_failing_in_its_epoch_step_logs_what_it_counted(cut, cut_stubs, 
     assert then["epochs_counted"] == 2 and then["epochs_unsettled"] == 0
     assert growth(before, counted(cut)) == {"session_opened": 3.0, "opened": 3.0}
     assert uncounted(db, tenant) == 0
+
+
+# --- The writer's own claim: its answer or its COMMIT's lost ------------------------------------
+# On the second database, its replicas' cycles hourly: only the test's cycles claim and settle.
+
+WRITER_CLAIM = CLAIM_EPOCH_COUNT.encode()  # the claim of an epoch's writer, or a later Plan's
+
+
+def opened(stub: pb_grpc.ContextEngineStub, proxy: CommitDropProxy, *, statement: bool = False,
+           deliver: bool = True) -> tuple[str, str]:
+    """A session opened through ``proxy``, whose claim of the epoch's count lost its answer
+    (``statement``: the UPDATE's; otherwise its COMMIT's, delivered or not): the Plan
+    answered OK all the same. Its tenant and session."""
+    tenant, session = f"tenant-{uuid.uuid4().hex[:12]}", f"session-{uuid.uuid4().hex[:12]}"
+    dropped = proxy.dropped
+    proxy.arm(after=WRITER_CLAIM, statement=statement, deliver=deliver)
+    try:
+        assert stub.Plan(plan_request(tenant, session), timeout=30).created
+    finally:
+        proxy.disarm()
+    assert proxy.dropped == dropped + 1
+    return tenant, session
+
+
+def test_a_writer_claim_whose_answer_was_lost_leaves_its_epoch_to_be_claimed(
+        cut, cut_stubs, cut_proxy, cut_url):
+    """The writer's claim ran as one autocommitted statement: PostgreSQL ran it and its answer
+    was lost, so the epoch was claimed in the database and counted in no replica's metrics,
+    by no later Plan or cycle either (sessions opened short for good), while the writer logged
+    it deferred to them. Now the claim runs in a transaction of its own, which the lost
+    connection rolls back: the epoch is uncounted still, and the next Plan to read it counts
+    it (here, one session), or a cycle (the other, rotated since: a Plan reads the current
+    epoch), once."""
+    db = Db(cut_url)
+    first = cut[0].running.maintenance
+    before = counted(cut)
+    read, swept = (opened(cut_stubs[0], cut_proxy, statement=True) for _ in range(2))
+    for tenant, _ in (read, swept):
+        assert stored(db, tenant) == {"session_opened": 1.0, "opened": 1.0}
+        assert uncounted(db, tenant) == 1  # rolled back: not claimed
+    assert growth(before, counted(cut)) == {} and first.unsettled == 0
+    assert not cut_stubs[1].Plan(plan_request(*read), timeout=30).created
+    assert growth(before, counted(cut)) == {"session_opened": 1.0, "opened": 1.0}
+    assert cut_stubs[1].Rotate(pb.RotateRequest(
+        tenant_id=swept[0], session_id=swept[1], reason=pb.ROTATION_REASON_OPERATOR,
+        idempotency_key="after-the-lost-claim"), timeout=30).rotated
+    for stub in cut_stubs:
+        assert not stub.Plan(plan_request(*swept), timeout=30).created
+    assert uncounted(db, swept[0]) == 1  # the opening: no call reads it again
+    aged(db, swept[0])
+    assert sum(o.epochs_counted for o in cycle(cut)) == 1
+    cycle(cut)
+    assert growth(before, counted(cut)) == {"session_opened": 2.0, "opened": 2.0,
+                                            "operator": 1.0}
+    assert uncounted(db, read[0]) == 0 and uncounted(db, swept[0]) == 0
+
+
+def test_a_writer_claim_whose_commit_answer_was_lost_is_counted_by_the_next_cycle(
+        cut, cut_stubs, cut_proxy, cut_url, caplog):
+    """The writer's claim committed and its COMMIT's answer was lost: the epoch is claimed, so
+    no later Plan or cycle claims it, and its writer does not know whether it counts it. The
+    writer's process keeps the claim's transaction id: its next cycle asks PostgreSQL whether
+    it committed and counts the epoch, once, whichever cycles run at once."""
+    caplog.set_level(logging.INFO, logger="context_engine")
+    db = Db(cut_url)
+    first = cut[0].running.maintenance
+    before = counted(cut)
+    tenant, session = opened(cut_stubs[0], cut_proxy)
+    assert uncounted(db, tenant) == 0  # committed: claimed
+    assert [getattr(r, "fields", {}).get("tenant") for r in caplog.records
+            if r.getMessage() == "epoch_count_unsettled"] == [tenant]
+    assert first.unsettled == 1 and growth(before, counted(cut)) == {}
+    for stub in cut_stubs:  # claimed: a later Plan counts nothing
+        assert not stub.Plan(plan_request(tenant, session), timeout=30).created
+    assert growth(before, counted(cut)) == {}
+    runs = [asyncio.run_coroutine_threadsafe(first.run_once(), cut[0].loop) for _ in range(4)]
+    other = cut[1].call(cut[1].running.maintenance.run_once())
+    assert sum(r.result(60).epochs_counted for r in runs) == 1 and other.epochs_counted == 0
+    truth = {"session_opened": 1.0, "opened": 1.0}
+    assert first.unsettled == 0 and growth(before, counted(cut)) == truth
+    cycle(cut)
+    for stub in cut_stubs:
+        assert not stub.Plan(plan_request(tenant, session), timeout=30).created
+    assert growth(before, counted(cut)) == truth == stored(db, tenant)
+
+
+def test_a_writer_claim_whose_commit_never_arrived_is_claimed_again(cut, cut_stubs, cut_proxy,
+                                                                   cut_url):
+    """The writer's claim whose COMMIT never reached PostgreSQL: rolled back, the epoch
+    uncounted. The next Plan to read it counts it; the cycle that settles the lost claim
+    counts nothing of it."""
+    db = Db(cut_url)
+    first = cut[0].running.maintenance
+    before = counted(cut)
+    tenant, session = opened(cut_stubs[0], cut_proxy, deliver=False)
+    assert until(lambda: uncounted(db, tenant) == 1)  # rolled back once the server saw it go
+    assert first.unsettled == 1
+    assert not cut_stubs[1].Plan(plan_request(tenant, session), timeout=30).created
+    truth = {"session_opened": 1.0, "opened": 1.0}
+    assert growth(before, counted(cut)) == truth
+    assert sum(o.epochs_counted for o in cycle(cut)) == 0
+    assert first.unsettled == 0
+    cycle(cut)
+    assert growth(before, counted(cut)) == truth == stored(db, tenant)
+
+
+def test_a_writer_claim_left_unsettled_at_stop_is_logged_lost(cut_url, cut_proxy, caplog):
+    """A replica stopped before a cycle settled its writer's claim whose COMMIT answer was lost
+    logs the epoch no replica will count; so does one whose claim is handed over once its
+    cycles have stopped (a call finishing as the server stops)."""
+    caplog.set_level(logging.INFO, logger="context_engine")
+    server = ServerThread(base_config(), cut_proxy.url)
+    try:
+        (stub,) = next(stubs_gen := stubs_of([server]))
+        opened(stub, cut_proxy)
+        assert server.running.maintenance.unsettled == 1
+        next(stubs_gen, None)
+    finally:
+        server.stop()
+
+    def lost() -> list[dict[str, object]]:
+        found = [dict(getattr(r, "fields", {})) for r in caplog.records
+                 if r.getMessage() == "epoch_count_lost"]
+        caplog.clear()
+        return found
+
+    assert lost() == [{"epochs": 1, "reason": "process_stopped"}]
+    server.running.maintenance.keep("7", ((2, "operator", 100),))
+    assert lost() == [{"epochs": 1, "reason": "process_stopped", "xid": "7"}]

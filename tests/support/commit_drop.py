@@ -6,7 +6,11 @@ without passing the answer on: the client is left not knowing whether its transa
 committed, as when a connection drops during the COMMIT's round trip. ``arm(after=...)`` takes
 only the COMMIT of a transaction that sent a statement holding those bytes (after ``skip``
 such COMMITs passed on); ``arm(deliver=False)`` cuts both connections without forwarding the
-COMMIT, so the database rolls the transaction back: the client cannot tell the two apart."""
+COMMIT, so the database rolls the transaction back: the client cannot tell the two apart.
+``arm(after=..., statement=True)`` takes, instead of a COMMIT, the Sync that ends the execution
+of the statement holding those bytes (extended protocol: Parse ... Execute, Sync): outside a
+transaction PostgreSQL commits the statement at that Sync, inside one it runs it and the
+transaction rolls back when the connection goes."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class CommitDropProxy:
         self._after = b""
         self._skip = 0
         self._deliver = True
+        self._statement = False
         self.dropped = 0
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -43,9 +48,15 @@ class CommitDropProxy:
         netloc = f"{auth}@127.0.0.1:{self.port}" if auth else f"127.0.0.1:{self.port}"
         return urlunsplit((p.scheme, netloc, p.path, p.query, p.fragment))
 
-    def arm(self, *, after: bytes = b"", skip: int = 0, deliver: bool = True) -> None:
+    def arm(self, *, after: bytes = b"", skip: int = 0, deliver: bool = True,
+            statement: bool = False) -> None:
         self._after, self._skip, self._deliver = after, skip, deliver
+        self._statement = statement and bool(after)
         self._armed.set()
+
+    def disarm(self) -> None:
+        """Whatever was armed and not yet taken is let pass."""
+        self._armed.clear()
 
     async def _serve(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         try:
@@ -72,6 +83,7 @@ class CommitDropProxy:
             try:
                 started = False
                 marked = False  # the transaction sent a statement holding ``_after``
+                executed = False  # ... and, marked, its Execute (``statement``)
                 while True:
                     if not started:
                         head = await cr.readexactly(4)
@@ -89,12 +101,19 @@ class CommitDropProxy:
                     armed = self._armed.is_set()
                     if armed and self._after and self._after in body:
                         marked = True
+                    if kind == b"E" and marked:
+                        executed = True
                     ends = kind == b"Q" and body.lstrip().upper().startswith((b"COMMIT",
                                                                               b"ROLLBACK"))
-                    commit = (ends and body.lstrip().upper().startswith(b"COMMIT") and armed
-                              and (marked or not self._after))
+                    if armed and self._statement:  # the Sync after the statement's Execute
+                        commit = kind == b"S" and executed
+                    else:
+                        commit = (ends and body.lstrip().upper().startswith(b"COMMIT") and armed
+                                  and (marked or not self._after))
                     if ends:
                         marked = False
+                    if kind == b"S":
+                        executed = False
                     if commit and self._skip > 0:
                         self._skip -= 1
                         commit = False

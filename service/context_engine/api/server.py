@@ -327,8 +327,10 @@ async def _start(config: Config, *, database_url: str, registry: CollectorRegist
                                             key_ttl=key_ttl)
     await initialise_metrics(metrics, calibrations, catalog)
     engine = Engine(
+        # a claim of an epoch's count whose COMMIT goes unanswered: settled by the cycles
         store=LastKnownEpochs(PostgresPlanStore(pool, command_timeout=timeout, tracer=tracer,
-                                                clock=clock, key_ttl=key_ttl)),
+                                                clock=clock, key_ttl=key_ttl,
+                                                unsettled=maintenance.keep)),
         events=events,
         calibrations=calibrations,
         policy=config.budget_policy(), calibration_ttl=config.calibration_ttl_seconds,

@@ -253,6 +253,13 @@ class StoreUnavailable(ContextEngineError):
     reason = "STORE_UNAVAILABLE"
 
 
+class CountUnsettled(StoreUnavailable):
+    """A claim of an epoch's count (``PlanStore.claim_count``) whose COMMIT was sent and went
+    unanswered (the connection lost during it): it may have committed. The store handed it to
+    what settles such claims (the process's maintenance cycles), which counts the epoch once
+    the database says that transaction committed; the caller counts nothing."""
+
+
 class StoreConflict(StoreUnavailable):
     """The database rolled the call's transaction back on a conflict with a concurrent one (a
     deadlock, a serialization failure): the call changed nothing, and a retry can succeed. A

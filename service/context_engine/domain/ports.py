@@ -124,7 +124,10 @@ class PlanStore(Protocol):
         """Marks the stored epoch ``plan`` counted in the metrics; True only for the one call
         that does (any replica's), so each epoch is counted once: by its writer once the write
         committed, or, when the writer never learnt that it did (its COMMIT's answer lost),
-        by the first call that reads it after. False for an epoch counted already, or gone."""
+        by the first call that reads it after. False for an epoch counted already, or gone.
+        StoreUnavailable: nothing claimed (the epoch is left to the next call that reads it);
+        CountUnsettled, a kind of it: the claim may have committed, and what settles it counts
+        the epoch once it knows it did (the caller counts nothing)."""
         ...
 
 

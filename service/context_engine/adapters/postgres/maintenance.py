@@ -29,8 +29,11 @@ A cycle:
    next cycle, before anything else, asks PostgreSQL whether that transaction committed
    (``pg_xact_status``) and counts the batch if it did, once; one rolled back counts nothing
    (its epochs are uncounted again, and a cycle claims them anew), one still in progress is
-   asked about again at the cycle after. Not run by the cycle at start (``epochs=False``): a
-   series' increments before its first scrape are lost to Prometheus' ``increase()``.
+   asked about again at the cycle after. A writer's (or a Plan's) claim whose COMMIT went
+   unanswered is handed to its process's cycles alike (``keep``: the store's
+   ``claim_count`` runs in a transaction of its own, which returns its id) and settled with
+   the batches. Not run by the cycle at start (``epochs=False``): a series' increments before
+   its first scrape are lost to Prometheus' ``increase()``.
 
 Every step runs in a transaction that first takes ``pg_try_advisory_xact_lock(LOCK_KEY)``
 (released when the transaction ends, so nothing outlives it on the server connection and a
@@ -203,7 +206,8 @@ CountEpoch = Callable[[int, str, int], None]
 
 @dataclass(frozen=True, slots=True)
 class _Batch:
-    """A batch of step 4 whose COMMIT went unanswered: its transaction's id and its epochs."""
+    """A batch of step 4, or a writer's claim (``keep``), whose COMMIT went unanswered: its
+    transaction's id and its epochs."""
 
     xid: str
     epochs: tuple[tuple[int, str, int], ...]
@@ -232,9 +236,25 @@ class Maintenance:
     _task: asyncio.Task[None] | None = None
     cycles: int = 0  # cycles that ran (got the lock)
     skipped: int = 0  # cycles another replica was running
-    # step 4's batches whose COMMIT went unanswered, settled by the next cycle (this process
-    # alone knows whether it counted them); shared, in place, by copies made with replace()
+    # step 4's batches and the writers' claims (``keep``) whose COMMIT went unanswered,
+    # settled by the next cycle (this process alone knows whether it counted them); shared, in
+    # place, by copies made with replace()
     _unsettled: list[_Batch] = field(default_factory=list)
+    _closed: bool = False
+
+    def keep(self, xid: str, epochs: tuple[tuple[int, str, int], ...]) -> None:
+        """A claim of ``epochs`` (epoch, reason, prefix tokens) whose COMMIT went unanswered,
+        made by transaction ``xid`` of this process outside a cycle (an epoch's writer's,
+        ``PostgresPlanStore.claim_count``): settled by the next cycle as a batch of step 4's
+        is, counted once if it committed. Once this process's cycles have stopped, lost
+        (logged)."""
+        if not epochs:
+            return
+        if self._closed:
+            log("epoch_count_lost", logging.WARNING, epochs=len(epochs),
+                reason="process_stopped", xid=xid)
+            return
+        self._unsettled.append(_Batch(xid=xid, epochs=epochs))
 
     @property
     def unsettled(self) -> int:
@@ -449,6 +469,7 @@ class Maintenance:
             return None
 
     async def close(self) -> None:
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

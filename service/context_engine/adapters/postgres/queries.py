@@ -99,13 +99,15 @@ RETURNING created_at"""
 # An epoch written uncounted (INSERT_PLAN) is counted by the one call that turns it counted: the
 # writer once its COMMIT answered, or, when that answer was lost, the first call to read it
 # after. A row lock orders concurrent claims; the later one finds it counted and claims nothing.
-# Only while the session is still the incarnation the plan was read for.
+# Only while the session is still the incarnation the plan was read for. Run in a transaction
+# of its own, and returns that transaction's id: a claim whose COMMIT goes unanswered is settled
+# by asking PostgreSQL whether it committed (maintenance.XACT_STATUS), as a cycle's batch is.
 CLAIM_EPOCH_COUNT = """
 UPDATE plans p SET counted = true
 FROM sessions s
 WHERE p.tenant_id = $1 AND p.session_id = $2 AND p.epoch = $3 AND NOT p.counted
   AND s.tenant_id = p.tenant_id AND s.session_id = p.session_id AND s.incarnation = $4
-RETURNING p.epoch"""
+RETURNING pg_current_xact_id()::text AS xid"""
 
 ADVANCE_SESSION = """
 UPDATE sessions SET current_epoch = $3, updated_at = now()

@@ -25,7 +25,7 @@ from context_engine.domain.compaction import (
     result_document,
     result_from_document,
 )
-from context_engine.domain.errors import SessionNotFound, StoreUnavailable
+from context_engine.domain.errors import CountUnsettled, SessionNotFound, StoreUnavailable
 from context_engine.domain.plan import ClassUsage, ContextPlan, PlanSpec
 from context_engine.domain.ports import (
     ContextEvent,
@@ -46,6 +46,10 @@ from context_engine.telemetry.logs import log
 from context_engine.telemetry.tracing import db_call
 
 NewEventId = Callable[[], UUID]
+# Where a claim of epochs' counts whose COMMIT went unanswered goes, to be settled by the
+# process's maintenance cycles (``Maintenance.keep``): its transaction's id and its epochs
+# (epoch, reason, prefix tokens), as the cycle counts them.
+KeepUnsettled = Callable[[str, tuple[tuple[int, str, int], ...]], None]
 # How long an idempotency key of Rotate, ReportUsage or Compact answers a retry with the first
 # call's outcome (CE_IDEMPOTENCY_KEY_TTL_HOURS); after it the same key is a new request.
 KEY_TTL = timedelta(hours=24)
@@ -153,8 +157,12 @@ def _classes_json(plan: ContextPlan) -> str:
 class PostgresPlanStore:
     def __init__(self, pool: asyncpg.Pool, *, command_timeout: float = 5.0,
                  tracer: Tracer | None = None, clock: Clock = SYSTEM_CLOCK,
-                 new_event_id: NewEventId = uuid4, key_ttl: timedelta = KEY_TTL) -> None:
+                 new_event_id: NewEventId = uuid4, key_ttl: timedelta = KEY_TTL,
+                 unsettled: KeepUnsettled | None = None) -> None:
+        """``unsettled``: where ``claim_count`` hands a claim whose COMMIT went unanswered
+        (without it, such a claim is logged ``epoch_count_lost``: nothing would settle it)."""
         self._pool = pool
+        self._unsettled = unsettled
         self._key_ttl = key_ttl
         self._timeout = command_timeout
         self._tracer = tracer or NoOpTracer()
@@ -267,12 +275,37 @@ class PostgresPlanStore:
             return plan, True
 
     async def claim_count(self, plan: ContextPlan) -> bool:
+        """In a transaction of its own: one that failed before its COMMIT was sent rolled back
+        (StoreUnavailable: the epoch is uncounted still, for the next call to read it or a
+        maintenance cycle). One whose COMMIT was sent and went unanswered may have committed:
+        it is handed, with its transaction's id, to the process's maintenance cycles, which
+        count the epoch once PostgreSQL says it committed (CountUnsettled)."""
+        xid: str | None = None  # the claim's transaction, once its UPDATE turned the row
         with db_call(self._tracer, "plans.claim_count"):
-            async with translated(), self._pool.acquire(timeout=self._timeout) as conn:
-                claimed = await conn.fetchval(queries.CLAIM_EPOCH_COUNT, plan.tenant_id,
-                                              plan.session_id, plan.epoch, plan.incarnation,
-                                              timeout=self._timeout)
-        return claimed is not None
+            try:
+                async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
+                            conn.transaction()):
+                    found = await conn.fetchval(queries.CLAIM_EPOCH_COUNT, plan.tenant_id,
+                                                plan.session_id, plan.epoch, plan.incarnation,
+                                                timeout=self._timeout)
+                    xid = None if found is None else str(found)
+            except BaseException as exc:
+                if xid is None:  # rolled back: nothing claimed
+                    raise
+                self._keep_unsettled(plan, xid)  # its COMMIT sent: committed or not?
+                if isinstance(exc, Exception):
+                    raise CountUnsettled(f"the claim's COMMIT went unanswered: "
+                                         f"{type(exc).__name__}") from exc
+                raise
+        return xid is not None
+
+    def _keep_unsettled(self, plan: ContextPlan, xid: str) -> None:
+        epochs = ((plan.epoch, plan.reason, plan.prefix_tokens),)
+        if self._unsettled is None:
+            log("epoch_count_lost", logging.WARNING, epochs=1, reason="no_maintenance",
+                xid=xid)
+            return
+        self._unsettled(xid, epochs)
 
     async def _insert(self, conn: Any, plan: ContextPlan) -> datetime:
         spec = plan.spec
