@@ -21,6 +21,7 @@ Build answer with validators that share no code with the service (tool pairing i
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import secrets
@@ -104,6 +105,10 @@ small_text = st.one_of(st.sampled_from(WEIRD_TEXT),
                                max_size=24))
 
 
+# The strategies below are made once per field (and per message type and depth): a strategy
+# built anew at every draw is validated anew too, which once took more of the fuzz test's time
+# than the requests did. The same strategy draws the same values from the same choices.
+@functools.cache
 def enum_values(fd: FieldDescriptor) -> st.SearchStrategy[int]:
     known = [v.number for v in fd.enum_type.values]
     return st.one_of(st.sampled_from(known),
@@ -111,6 +116,7 @@ def enum_values(fd: FieldDescriptor) -> st.SearchStrategy[int]:
                      st.integers(-(2**31), 2**31 - 1))
 
 
+@functools.cache
 def scalar(fd: FieldDescriptor, *, huge: bool) -> st.SearchStrategy[object]:
     t = fd.type
     if t == FieldDescriptor.TYPE_STRING:
@@ -146,10 +152,15 @@ def _set(msg: Message, fd: FieldDescriptor, value: object) -> None:
         setattr(msg, fd.name, value)
 
 
-@st.composite
-def fill(draw: st.DrawFn, descriptor: Descriptor, depth: int = 0) -> Message:
+@functools.cache
+def fill(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy[Message]:
     """A message of ``descriptor``'s type with any subset of its fields set to boundary values,
     nested messages filled the same way (three levels deep at most)."""
+    return _fill(descriptor, depth)
+
+
+@st.composite
+def _fill(draw: st.DrawFn, descriptor: Descriptor, depth: int) -> Message:
     msg: Message = getattr(pb, descriptor.name)() if descriptor.file is pb.DESCRIPTOR else (
         _well_known(descriptor))
     for fd in descriptor.fields:
