@@ -134,13 +134,16 @@ def test_every_mutants_selection_runs_a_test(tmp_path: Path) -> None:
     """A selection that selects no test kills nothing: ``make mutants`` finds it only when it
     runs (pytest's exit 5 on the unmutated tree). The suite is collected once, here, and each
     selection's paths, ``-k`` and ``-m`` are matched by pytest's own matchers
-    (``tests/mutants/selections.py``)."""
+    (``tests/mutants/selections.py``). Collected with ``--assert=plain``: nothing runs, so
+    rewriting every test module's asserts (most of the collection's time where no bytecode is
+    kept, as under ``PYTHONDONTWRITEBYTECODE``) would buy nothing."""
     source, target = tmp_path / "selections.json", tmp_path / "counts.json"
     source.write_text(json.dumps({m.name: list(m.killed_by) for m in MUTANTS}))
     env = {**os.environ, "CE_MUTANT_SELECTIONS": str(source),
            "CE_MUTANT_SELECTIONS_OUT": str(target)}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "--assert=plain",
+         "-p", "no:cacheprovider",
          "-p", "no:xdist", "-p", "no:randomly", "-p", "tests.mutants.selections", "tests"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert target.exists(), done.stdout[-2000:] + done.stderr[-2000:]
