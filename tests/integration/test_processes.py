@@ -1,19 +1,15 @@
-"""Several real server processes: concurrent Plan, restarts, embedded PostgreSQL reuse,
-graceful stop on SIGTERM."""
+"""Several real server processes on the suite's database: concurrent Plan, restarts, busy and
+unbindable addresses, graceful stop on SIGTERM (those on embedded PostgreSQL are in
+``test_processes_embedded.py``)."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
-import time
 import uuid
-from pathlib import Path
 
 import grpc
 import pytest
@@ -195,27 +191,6 @@ def test_a_restart_binds_the_port_its_last_run_held(database_url):
         assert second.terminate() == 0
 
 
-def test_embedded_postgres_data_is_reused_across_runs():
-    """What `make run` does twice: no DATABASE_URL, data under CE_DATA_DIR."""
-    data_dir = Path(tempfile.mkdtemp(prefix="ce-data-"))
-    env = {"DATABASE_URL": "", "CE_DATA_DIR": str(data_dir)}
-    first = ServerProcess(env)
-    serving = first.log[-1]
-    assert serving["database"] == "embedded" and serving["data_dir"] == str(data_dir)
-    stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(first.address))
-    plan = stub.Plan(plan_request("t", "s")).plan
-    assert first.terminate() == 0
-
-    second = ServerProcess(env)
-    try:
-        stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(second.address))
-        assert stub.GetPlan(pb.GetPlanRequest(tenant_id="t", session_id="s")).plan == plan
-        assert not any(r.get("event") == "migrated" for r in second.log), "migrated twice"
-    finally:
-        assert second.terminate() == 0
-        shutil.rmtree(data_dir, ignore_errors=True)
-
-
 def test_sigterm_drains_then_stops_gracefully(database_url):
     server = ServerProcess({"DATABASE_URL": database_url, "CE_DRAIN_SECONDS": "2"})
     channel = grpc.insecure_channel(server.address)
@@ -238,140 +213,3 @@ def test_sigterm_drains_then_stops_gracefully(database_url):
     assert server.terminate() == 0
     events = [r["event"] for r in server.log]
     assert events.index("stopping") < events.index("stopped")
-
-
-def _embedded_serve(data_dir: Path, grpc_addr: str = "127.0.0.1:0") -> subprocess.Popen[str]:
-    """``serve --dev``, one process, on its own embedded database under ``data_dir``."""
-    env = {**os.environ, "DATABASE_URL": "", "CE_DATA_DIR": str(data_dir), "CE_WORKERS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "context_engine", "serve", "--dev",
-                             "--grpc-addr", grpc_addr, "--metrics-addr", ""],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-
-
-@pytest.mark.parametrize("after", [0.3, 1.0, 2.0])
-def test_ctrl_c_while_the_server_starts_prints_no_traceback(after):
-    """SIGINT while the embedded database starts or the migrations run (before the server
-    installs its own handling) printed a KeyboardInterrupt traceback of 35-52 lines."""
-    data_dir = Path(tempfile.mkdtemp(prefix="ce-data-"))
-    proc = _embedded_serve(data_dir)
-    try:
-        time.sleep(after)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-        shutil.rmtree(data_dir, ignore_errors=True)
-    assert "Traceback" not in err + out, err
-    # interrupted while starting (130, or ended by the signal itself, which a shell also
-    # reports as 130), or stopped as a server stops
-    assert proc.returncode in (0, 130, -signal.SIGINT), (proc.returncode, err)
-    if proc.returncode != 0:
-        assert err.strip().endswith("context-engine: interrupted"), err
-
-
-def _postgres_of(data_dir: Path) -> list[str]:
-    found = subprocess.run(["pgrep", "-af", f"postgres -D {data_dir}"], capture_output=True,
-                           text=True).stdout.split("\n")
-    return [line for line in found if line.strip() and "pgrep" not in line]
-
-
-@pytest.mark.parametrize("after", [0.0, 0.3])
-def test_sigterm_while_the_server_starts_stops_the_embedded_database(after):
-    """SIGTERM while the embedded database starts or the migrations run (before the server
-    installs its own handling) killed the process outright: the embedded PostgreSQL stayed up,
-    and its handle list kept the dead pid, so no later clean stop stopped it again."""
-    data_dir = Path(tempfile.mkdtemp(prefix="ce-data-"))
-    proc = _embedded_serve(data_dir)
-    try:
-        # once the embedded database runs ("after" seconds later), before the server serves
-        deadline = time.monotonic() + 60
-        while not (data_dir / "pg" / "postmaster.pid").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.02)
-        time.sleep(after)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-        deadline = time.monotonic() + 10
-        while _postgres_of(data_dir) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = _postgres_of(data_dir)
-    finally:
-        proc.kill()
-        for line in _postgres_of(data_dir):  # never leave one behind, whatever failed
-            os.kill(int(line.split()[0]), signal.SIGQUIT)
-        shutil.rmtree(data_dir, ignore_errors=True)
-    assert "Traceback" not in err + out, err
-    # terminated while starting (143), or stopped as a server stops
-    assert proc.returncode in (0, 143), (proc.returncode, err)
-    if proc.returncode == 143:
-        assert err.strip().endswith("context-engine: terminated"), err
-    assert not left, left
-
-
-def test_a_start_after_a_killed_supervisor_reuses_its_database_and_stops_it():
-    """A supervisor killed outright (SIGKILL, an OOM kill) leaves its embedded PostgreSQL
-    running, and its pid on pgserver's list of the database's holders. The next start reused
-    the database (as it should), but its clean stop found the dead pid listed as another
-    holder and left the database running, as did every start after it."""
-    data_dir = Path(tempfile.mkdtemp(prefix="ce-data-"))
-    env = {"DATABASE_URL": "", "CE_DATA_DIR": str(data_dir)}
-    try:
-        first = ServerProcess({**env, "CE_WORKERS": "2"})
-        stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(first.address))
-        plan = stub.Plan(plan_request("t", "s"), timeout=30).plan
-        first.proc.send_signal(signal.SIGKILL)
-        first.proc.wait(30)
-        assert _postgres_of(data_dir)  # nothing stopped it: the next start finds it up
-
-        second = ServerProcess({**env, "CE_WORKERS": "1"})
-        stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(second.address))
-        assert stub.GetPlan(pb.GetPlanRequest(tenant_id="t", session_id="s"),
-                            timeout=30).plan == plan  # the same database, reused
-        assert second.terminate() == 0
-        deadline = time.monotonic() + 10
-        while _postgres_of(data_dir) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = _postgres_of(data_dir)
-    finally:
-        for line in _postgres_of(data_dir):  # never leave one behind, whatever failed
-            os.kill(int(line.split()[0]), signal.SIGQUIT)
-        shutil.rmtree(data_dir, ignore_errors=True)
-    assert not left, left
-    gone = [r for r in second.log if r.get("event") == "embedded_database_holders_gone"]
-    assert [r["pids"] for r in gone] == [[first.proc.pid]], second.log
-
-
-def test_two_servers_started_together_on_one_address_are_never_both_served():
-    """Each checked the port before its seconds of start-up (the embedded database, the
-    migrations): both found it free, both bound it with SO_REUSEPORT, and the kernel spread
-    the connections over two servers with two databases (3 of 10 calls found the plan)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dirs = [Path(tempfile.mkdtemp(prefix="ce-data-")) for _ in range(2)]
-    procs = [_embedded_serve(d, f"127.0.0.1:{port}") for d in dirs]
-    try:
-        deadline = time.monotonic() + 60
-        while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(1.0)  # the other, had it been refused too, has said so by now
-        refused = [p for p in procs if p.poll() is not None]
-        assert len(refused) == 1, [p.poll() for p in procs]
-        (loser,) = refused
-        (winner,) = [p for p in procs if p is not loser]
-        _, err = loser.communicate(timeout=10)
-        assert loser.returncode == 2, err
-        assert f"cannot serve on 127.0.0.1:{port} (--grpc-addr)" in err, err
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            grpc.channel_ready_future(channel).result(timeout=60)
-        winner.send_signal(signal.SIGTERM)
-        winner.communicate(timeout=60)
-        assert winner.returncode == 0
-    finally:
-        for p in procs:
-            p.kill()
-        for d in dirs:
-            for line in _postgres_of(d):
-                os.kill(int(line.split()[0]), signal.SIGQUIT)
-            shutil.rmtree(d, ignore_errors=True)
-
