@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing, contextmanager
 from dataclasses import replace
 
 import asyncpg
@@ -33,9 +34,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def proxy(database_url: str) -> Iterator[CommitDropProxy]:
-    p = CommitDropProxy(database_url)
-    yield p
-    p.close()
+    with closing(CommitDropProxy(database_url)) as p:
+        yield p
 
 
 @pytest.fixture(scope="module")
@@ -163,20 +163,28 @@ def test_replicas_racing_count_each_stored_epoch_once(replicas, stubs, ids, db):
 SWEEP_INTERVAL = 0.5  # the second replica's maintenance cycles (the first keeps the hour's)
 
 
+@contextmanager
+def migrated_database(direct_database_url: str, database_url: str,
+                      prefix: str) -> Iterator[str]:
+    """A migrated database of the module's own, through the suite's pooler, dropped after."""
+    name = run(create_database(direct_database_url, prefix))
+    run(migrate(with_database(direct_database_url, name), REPO / "migrations"))
+    try:
+        yield with_database(database_url, name)
+    finally:
+        run(drop_database(direct_database_url, name))
+
+
 @pytest.fixture(scope="module")
 def own_url(direct_database_url: str, database_url: str) -> Iterator[str]:
-    """A migrated database of the module's own, through the suite's pooler."""
-    name = run(create_database(direct_database_url, "ce_epoch_sweep"))
-    run(migrate(with_database(direct_database_url, name), REPO / "migrations"))
-    yield with_database(database_url, name)
-    run(drop_database(direct_database_url, name))
+    with migrated_database(direct_database_url, database_url, "ce_epoch_sweep") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def own_proxy(own_url: str) -> Iterator[CommitDropProxy]:
-    p = CommitDropProxy(own_url)
-    yield p
-    p.close()
+    with closing(CommitDropProxy(own_url)) as p:
+        yield p
 
 
 @pytest.fixture(scope="module")
@@ -367,17 +375,14 @@ CLAIM = CLAIM_UNCOUNTED.encode()  # the statement of a cycle's batch, as the pro
 
 @pytest.fixture(scope="module")
 def cut_url(direct_database_url: str, database_url: str) -> Iterator[str]:
-    name = run(create_database(direct_database_url, "ce_epoch_cut"))
-    run(migrate(with_database(direct_database_url, name), REPO / "migrations"))
-    yield with_database(database_url, name)
-    run(drop_database(direct_database_url, name))
+    with migrated_database(direct_database_url, database_url, "ce_epoch_cut") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def cut_proxy(cut_url: str) -> Iterator[CommitDropProxy]:
-    p = CommitDropProxy(cut_url)
-    yield p
-    p.close()
+    with closing(CommitDropProxy(cut_url)) as p:
+        yield p
 
 
 @pytest.fixture(scope="module")

@@ -93,15 +93,15 @@ def _postgres(database: Database) -> list[psutil.Process]:
     return [main, *main.children(recursive=True)]
 
 
-def test_a_database_that_stops_answering_while_the_pool_is_busy_is_noticed(
-        database: Database, server: ServerThread) -> None:
-    assert len(server.running.engine.cache) == 0  # nothing cached: NOT_SERVING when away
-    held = saturate(server)
+def hung_until_noticed(database: Database, server: ServerThread, *, within: float) -> None:
+    """PostgreSQL hung (SIGSTOP: no connection is reset, none answers) until health says
+    NOT_SERVING, which must come within ``within`` seconds; then resumed, and health must come
+    back to SERVING by itself."""
     stopped = _postgres(database)
-    for process in stopped:  # hung: no connection is reset, none answers
+    for process in stopped:
         os.kill(process.pid, signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + 6  # interval + pool bound + connect bound, and slack
+        deadline = time.monotonic() + within
         while health(server) != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < deadline, "health still SERVING: the away went unnoticed"
             time.sleep(0.1)
@@ -112,6 +112,14 @@ def test_a_database_that_stops_answering_while_the_pool_is_busy_is_noticed(
     while health(server) != health_pb2.HealthCheckResponse.SERVING:
         assert time.monotonic() < deadline, "health did not come back"
         time.sleep(0.1)
+
+
+def test_a_database_that_stops_answering_while_the_pool_is_busy_is_noticed(
+        database: Database, server: ServerThread) -> None:
+    assert len(server.running.engine.cache) == 0  # nothing cached: NOT_SERVING when away
+    held = saturate(server)
+    # interval + pool bound + connect bound, and slack
+    hung_until_noticed(database, server, within=6)
     for h in held:
         h.result(HELD + 30)
 
@@ -125,22 +133,8 @@ def test_a_database_that_hangs_while_the_pool_is_idle_is_noticed(
     while server.call(_idle(server.running.pool)) == 0:
         assert time.monotonic() < deadline, "no idle pooled connection"
         time.sleep(0.05)
-    stopped = _postgres(database)
-    for process in stopped:
-        os.kill(process.pid, signal.SIGSTOP)
-    try:
-        # interval + late answer + release (its cancel unanswered) + connect bound, and slack
-        deadline = time.monotonic() + 8
-        while health(server) != health_pb2.HealthCheckResponse.NOT_SERVING:
-            assert time.monotonic() < deadline, "health still SERVING: the away went unnoticed"
-            time.sleep(0.1)
-    finally:
-        for process in stopped:
-            os.kill(process.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 20
-    while health(server) != health_pb2.HealthCheckResponse.SERVING:
-        assert time.monotonic() < deadline, "health did not come back"
-        time.sleep(0.1)
+    # interval + late answer + release (its cancel unanswered) + connect bound, and slack
+    hung_until_noticed(database, server, within=8)
 
 
 def test_the_server_stops_when_asked_as_the_probes_connection_opens(
