@@ -371,11 +371,11 @@ EVENT_STEP_IDS = 64
 def step_record(step: YieldStep) -> dict[str, Any]:
     """One yield step as its pressure event records it: its ids themselves up to
     ``EVENT_STEP_IDS`` of them, else their count, the first and the last, and the SHA-256 of
-    all of them as a canonical JSON array (``item_ids_sha256``), which a runtime holding the
-    response's ids can check. A long session's history cut and pointered tool results name
-    thousands of ids on every Build; written id by id they made the event grow with the
-    session (27 KB at 3,000 items) and its write the largest part of an incremental Build
-    that did."""
+    all of them as a canonical JSON array (``item_ids_sha256``: JSON.stringify's text, no
+    ASCII or HTML escapes, in UTF-8), which a runtime holding the response's ids can check.
+    A long session's history cut and pointered tool results name thousands of ids on every
+    Build; written id by id they made the event grow with the session (27 KB at 3,000 items)
+    and its write the largest part of an incremental Build that did."""
     ids = step.ids
     out: dict[str, Any] = {"step": step.step, "units": step.units, "item_count": len(ids),
                            "tokens_before": step.tokens_before,

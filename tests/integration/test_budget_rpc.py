@@ -142,6 +142,54 @@ def test_a_pressure_event_stays_small_as_the_session_grows(stub, ids, db):
     assert len(texts[240]) <= len(texts[60]) + 40  # a few digits more, no ids more
 
 
+# The escapes of a JSON string in JavaScript's JSON.stringify (RFC 8785's form of a string):
+# every other character is written as itself, in UTF-8.
+_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n",
+                  "\f": "\\f", "\r": "\\r"}
+
+
+def stringify_digest(ids: list[str]) -> str:
+    """SHA-256 of ``ids`` as JSON.stringify writes the array, spelled out here character by
+    character (neither the json module nor orjson): what a runtime in another language
+    computes from the README's description of ``item_ids_sha256``."""
+    def string(s: str) -> str:
+        return '"' + "".join(_SHORT_ESCAPES.get(c) or (
+            f"\\u{ord(c):04x}" if ord(c) < 0x20 else c) for c in s) + '"'
+    return hashlib.sha256(("[" + ",".join(map(string, ids)) + "]").encode()).hexdigest()
+
+
+# What ids may hold that JSON writers escape differently: HTML's characters (Go's encoding/json
+# writes \u003c), non-ASCII and beyond the BMP (Python's json.dumps writes \u00e9 by default),
+# quotes, backslashes and a tab (a passage id's one control character).
+ODD_IDS = ("<a&b>", "caf\u00e9", 'q"u', "b\\s", "t\tab", "\U0001f600", "\u00a0nbsp")
+
+
+def test_a_pressure_digest_is_reproducible_from_any_ids(stub, ids, db):
+    """A step of more than 64 ids whatever they hold is digested as JSON.stringify writes
+    them (RFC 8785's strings): a runtime that writes the array so, in UTF-8, gets the
+    event's ``item_ids_sha256`` from the ids the response named, and one that escapes
+    otherwise (Python's default ASCII escapes) does not."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    req = build_request(tenant, session)
+    req.checkpoint.knowledge.extend([  # over the knowledge cap: a step of about 80 ids
+        pb.KnowledgePassage(id=f"{ODD_IDS[i % len(ODD_IDS)]}{i:03d}", source="doc",
+                            text="passage " * 100, rank=i,
+                            trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED) for i in range(100)])
+    resp = stub.Build(req)
+    step = next(s for s in resp.pressure.steps if s.step == "knowledge")
+    names = list(step.item_ids)
+    assert len(names) > 64 and {n[:-3] for n in names} >= set(ODD_IDS)
+    text = db.val("SELECT payload::text FROM context_events WHERE tenant_id=$1 AND "
+                  "session_id=$2 AND type='context.budget.pressure'", tenant, session)
+    record = next(r for r in json.loads(text)["steps"] if r["step"] == "knowledge")
+    assert record["item_count"] == len(names) and "item_ids" not in record
+    assert (record["first_item_id"], record["last_item_id"]) == (names[0], names[-1])
+    assert record["item_ids_sha256"] == stringify_digest(names) == ids_digest(names)
+    assert record["item_ids_sha256"] != hashlib.sha256(
+        json.dumps(names, separators=(",", ":")).encode()).hexdigest()
+
+
 def pressure_count(server, step: str, fits: str) -> float:
     return server.registry.get_sample_value("context_engine_budget_pressure_total",
                                             {"step": step, "fits": fits}) or 0.0
