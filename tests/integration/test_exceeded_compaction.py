@@ -192,3 +192,39 @@ def test_a_summary_whose_constraints_alone_are_over_the_room_needs_no_compaction
             compact(stub, tenant, session, req, f"m{cap}", p["left_out_tokens"],
                     max_summary_tokens=cap)
         assert failure(err.value).reason == "BUDGET_EXCEEDED"
+
+
+def test_a_cap_the_working_state_constraints_leave_no_room_in_is_not_named(stub, ids, db):
+    """A merge writes the working state's constraints into the summary beside the summary's
+    own, verbatim: where those alone are over the room the rest leaves the summary, every cap
+    is refused ``summary_constraints`` (or the merged summary does not fit), so no compaction
+    helps and no cap is named; where the room holds them, one is."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=SMALL))
+    rules = [f"rule {i}: " + "always cite the primary source verbatim " * 8 for i in range(10)]
+    req = build_request(tenant, session, items=long_history(6))
+    req.checkpoint.working_state.constraints.extend(rules)
+    req.checkpoint.working_state.constraint_trust.extend([pb.TRUST_LEVEL_USER] * len(rules))
+    req.checkpoint.summary.CopyFrom(pb.Summary(  # a narrative a merge shrinks, no constraint
+        text="narrative " * 14_000, depth=1, replaced_through_sequence=8,
+        trust=pb.TRUST_LEVEL_USER))
+
+    def attempt(words: int):
+        req.checkpoint.items[-1].user.text = "word " * words
+        return refused(stub, req), last_pressure(db, tenant)
+
+    a, pa = attempt(1_000)
+    assert pa["compaction_needed"] is True  # room for the constraints: a cap is named
+    b, _ = attempt(2_000)
+    per_word = (int(b.metadata["tokens"]) - int(a.metadata["tokens"])) / 1_000
+    # the current user message sized so that the rest leaves the summary about 300 tokens
+    f, p = attempt(1_000 + int((int(a.metadata["max_summary_tokens"]) - 300) / per_word))
+    assert f.metadata["class"] == "summary" and p["left_out_items"] > 0
+    assert p["compaction_needed"] is False and "max_summary_tokens" not in f.metadata
+    # what a runtime told to compact within the room would have met
+    with pytest.raises(grpc.RpcError) as err:
+        compact(stub, tenant, session, req, "room", p["left_out_tokens"],
+                max_summary_tokens=300)
+    refusal = failure(err.value)
+    assert (refusal.reason, refusal.metadata["class"]) == ("BUDGET_EXCEEDED",
+                                                           "summary_constraints")

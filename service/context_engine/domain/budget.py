@@ -297,7 +297,8 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
              costs: Sequence[int] | None = None,
              pointers: list[Pointed | None] | None = None,
              kept: KeptSteps | None = None,
-             tiling: tuple[list[int], list[int]] | None = None) -> Allocation:
+             tiling: tuple[list[int], list[int]] | None = None,
+             merged: HistorySummary | None = None) -> Allocation:
     """Fit the body into ``budget.body_budget``. ``fixed`` holds the costs of the classes that
     never yield (current user message, working state, corrections, skill bodies, summary,
     runtime metadata); ``carried[floor:]`` are the history candidates; ``active`` the active
@@ -313,7 +314,9 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     which the caller has checked are this one's first candidates at the same pricing; the
     allocation takes from it what it would otherwise find again, and returns its own.
     ``tiling``: the begins and ends of ``spans``, which the caller knows tile the candidates
-    (``Units.tiles``)."""
+    (``Units.tiles``). ``merged``: what a compaction merging ``summary`` keeps of it
+    (``compaction.merge_keeps``: its constraints with the working state's), for
+    ``compaction_helps``."""
     B = budget.body_budget
     to_elided = elided if pointer is None else pointer
     knowledge = sorted(knowledge, key=lambda p: (p.rank, p.id))
@@ -546,7 +549,7 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     pressure = Pressure(
         steps=steps, fits=total <= B, tokens_before=before, tokens_after=total, body_budget=B,
         compaction_needed=compaction_helps(ledger.cut, total, B, summary,
-                                           ledger.fixed.get("summary", 0), cost),
+                                           ledger.fixed.get("summary", 0), cost, merged),
         left_out_items=ledger.cut,
         left_out_tokens=left_out_tokens, cut_index=position(floor + ledger.cut),
         floor_index=position(floor), legacy_tool_excerpts=legacy_tool_excerpts,
@@ -607,7 +610,8 @@ _FIXED_CAPS = {"skill_bodies": SKILL_BODY_TOKENS, "working_state": WORKING_STATE
 
 def compaction_helps(left_out: int, total: int, body_budget: int,
                      summary: HistorySummary | None, summary_tokens: int,
-                     cost: Callable[[ContextItem], int]) -> bool:
+                     cost: Callable[[ContextItem], int],
+                     merged: HistorySummary | None = None) -> bool:
     """``Pressure.compaction_needed``: whether compacting the ``left_out`` history items and
     building again lets the body fit. Where it fits already (``total`` tokens of
     ``body_budget``), history was cut: compaction keeps what was left out. Where it does not,
@@ -617,16 +621,18 @@ def compaction_helps(left_out: int, total: int, body_budget: int,
     still merge (depth below the cap) and the rest fits with what a merge keeps of it, all
     but its narrative (its constraints, pointers and source ids, which a merge keeps verbatim
     and only adds to; ``cost``: what the summary costs without its narrative, and a merged
-    one costs at least a token more, the sources it adds). Everything else that never yields
-    (the current user message, the working state, corrections, skill bodies, the active run)
-    no compaction touches."""
+    one costs at least a token more, the sources it adds; ``merged``, where given, is that
+    summary as a merge keeps it: the working state's constraints are written into it too).
+    Everything else that never yields (the current user message, the working state,
+    corrections, skill bodies, the active run) no compaction touches."""
     if left_out == 0:
         return False  # nothing to compact
     if total <= body_budget:
         return True
     if summary is None or summary.depth >= MAX_DEPTH or total - summary_tokens >= body_budget:
         return False
-    kept = cost(replace(summary, text="")) if summary.text else summary_tokens
+    kept = (cost(replace(summary, text="") if merged is None else merged) if summary.text
+            else summary_tokens)
     return total - summary_tokens + kept < body_budget
 
 

@@ -35,6 +35,7 @@ from context_engine.domain.canonical import (
     json_object_problem,
     session_key,
 )
+from context_engine.domain.compaction import merge_keeps
 from context_engine.domain.envelope import FOLD, FOLDS
 from context_engine.domain.errors import (
     AssemblyError,
@@ -787,7 +788,9 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
                      position=position, pointer=pointer, spans=spans, costs=costs,
                      pointers=pointed, kept=kept_steps,
                      tiling=((found_units.begins, found_units.ends)
-                             if floor == 0 and found_units.tiles else None))
+                             if floor == 0 and found_units.tiles else None),
+                     merged=(merge_keeps(cp.summary, cp.working_state)
+                             if cp.summary is not None else None))
     if kept_costs is not None:  # kept once complete: weighed with what the allocation found
         kept_costs.steps = alloc.kept
         cast(MutableMapping[Any, Any], memo)[costs_key] = kept_costs

@@ -218,6 +218,27 @@ def _union(*groups: tuple[Sequence[str], Sequence[TrustLevel]]) -> dict[str, Tru
     return seen
 
 
+def merged_constraints(current: HistorySummary | None,
+                       state: WorkingState) -> dict[str, TrustLevel]:
+    """The constraints a compaction writes into its summary, verbatim, each at its label: the
+    current summary's (which it merges) and the working state's, less those the user removed
+    (never merged back in)."""
+    kept = _union((current.constraints, current.constraint_trust) if current else ((), ()),
+                  (state.constraints, state.constraint_trust))
+    for removed in state.removed_constraints:
+        kept.pop(removed, None)
+    return kept
+
+
+def merge_keeps(current: HistorySummary, state: WorkingState) -> HistorySummary:
+    """What a compaction merging ``current`` keeps of it whatever its cap: all but its
+    narrative, with the working state's constraints added (``merged_constraints``); a merged
+    summary costs at least this (and a token more, the sources it adds)."""
+    kept = merged_constraints(current, state)
+    return replace(current, text="", constraints=tuple(kept),
+                   constraint_trust=tuple(kept.values()))
+
+
 def _line(text: str) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= _LINE_CHARS else flat[:_LINE_CHARS - 1] + "\u2026"
@@ -367,10 +388,7 @@ def select(items: Sequence[ConversationItem], current: HistorySummary | None, *,
         raise NothingToCompact(floor)
     previous_ids = list(current.source_event_ids) if current is not None else []
     source_ids = tuple(sorted(set(previous_ids) | set(new_ids)))
-    kept = _union((current.constraints, current.constraint_trust) if current else ((), ()),
-                  (state.constraints, state.constraint_trust))
-    for removed in state.removed_constraints:  # the user removed it: never merged back in
-        kept.pop(removed, None)
+    kept = merged_constraints(current, state)
     all_elided = (*(current.elided if current else ()), *elided)
     # the summarizer runs on trusted content only: what the state holds below USER stays in
     # the state (and the constraints in the summary, verbatim), an earlier narrative below

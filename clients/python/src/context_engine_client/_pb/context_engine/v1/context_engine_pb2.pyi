@@ -2607,7 +2607,8 @@ class Pressure(_message.Message):
     state, corrections, skill bodies and the active run, which no compaction touches, or the
     summary. Then it is true only where the rest fits with what a merge keeps of the summary
     (all but its narrative: its constraints, pointers and source ids, kept verbatim and only
-    added to) and the summary can still merge (depth below 2): a Compact with
+    added to, with the working state's constraints, which a merge writes into it too) and the
+    summary can still merge (depth below 2): a Compact with
     max_summary_tokens small enough can fit it, and BUDGET_EXCEEDED's ErrorInfo metadata then
     names the largest such cap, "max_summary_tokens" (the room the rest of the body leaves
     the summary, at most 32,000; absent where this is false); false otherwise, as compacting
