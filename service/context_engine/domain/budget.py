@@ -298,7 +298,7 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
              pointers: list[Pointed | None] | None = None,
              kept: KeptSteps | None = None,
              tiling: tuple[list[int], list[int]] | None = None,
-             merged: HistorySummary | None = None) -> Allocation:
+             merged: Callable[[], HistorySummary] | None = None) -> Allocation:
     """Fit the body into ``budget.body_budget``. ``fixed`` holds the costs of the classes that
     never yield (current user message, working state, corrections, skill bodies, summary,
     runtime metadata); ``carried[floor:]`` are the history candidates; ``active`` the active
@@ -316,7 +316,7 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     ``tiling``: the begins and ends of ``spans``, which the caller knows tile the candidates
     (``Units.tiles``). ``merged``: what a compaction merging ``summary`` keeps of it
     (``compaction.merge_keeps``: its constraints with the working state's), for
-    ``compaction_helps``."""
+    ``compaction_helps``, made only on a refusal that needs it."""
     B = budget.body_budget
     to_elided = elided if pointer is None else pointer
     knowledge = sorted(knowledge, key=lambda p: (p.rank, p.id))
@@ -611,7 +611,7 @@ _FIXED_CAPS = {"skill_bodies": SKILL_BODY_TOKENS, "working_state": WORKING_STATE
 def compaction_helps(left_out: int, total: int, body_budget: int,
                      summary: HistorySummary | None, summary_tokens: int,
                      cost: Callable[[ContextItem], int],
-                     merged: HistorySummary | None = None) -> bool:
+                     merged: Callable[[], HistorySummary] | None = None) -> bool:
     """``Pressure.compaction_needed``: whether compacting the ``left_out`` history items and
     building again lets the body fit. Where it fits already (``total`` tokens of
     ``body_budget``), history was cut: compaction keeps what was left out. Where it does not,
@@ -621,7 +621,7 @@ def compaction_helps(left_out: int, total: int, body_budget: int,
     still merge (depth below the cap) and the rest fits with what a merge keeps of it, all
     but its narrative (its constraints, pointers and source ids, which a merge keeps verbatim
     and only adds to; ``cost``: what the summary costs without its narrative, and a merged
-    one costs at least a token more, the sources it adds; ``merged``, where given, is that
+    one costs at least a token more, the sources it adds; ``merged``, where given, makes that
     summary as a merge keeps it: the working state's constraints are written into it too).
     Everything else that never yields (the current user message, the working state,
     corrections, skill bodies, the active run) no compaction touches."""
@@ -631,7 +631,7 @@ def compaction_helps(left_out: int, total: int, body_budget: int,
         return True
     if summary is None or summary.depth >= MAX_DEPTH or total - summary_tokens >= body_budget:
         return False
-    kept = (cost(replace(summary, text="") if merged is None else merged) if summary.text
+    kept = (cost(replace(summary, text="") if merged is None else merged()) if summary.text
             else summary_tokens)
     return total - summary_tokens + kept < body_budget
 

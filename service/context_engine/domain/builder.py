@@ -10,6 +10,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Generator, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_, itemgetter, not_
 from typing import Any, cast
@@ -789,7 +790,8 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
                      pointers=pointed, kept=kept_steps,
                      tiling=((found_units.begins, found_units.ends)
                              if floor == 0 and found_units.tiles else None),
-                     merged=(merge_keeps(cp.summary, cp.working_state)
+                     # made only where a refusal asks whether a merge can fit
+                     merged=(partial(merge_keeps, cp.summary, cp.working_state)
                              if cp.summary is not None else None))
     if kept_costs is not None:  # kept once complete: weighed with what the allocation found
         kept_costs.steps = alloc.kept
