@@ -22,7 +22,7 @@ from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from tests.conftest import ServerThread
+from tests.conftest import Db, ServerThread
 from tests.conftest import test_config as base_config
 from tests.integration.requests import build_request, failure, item, plan_request
 from tests.support.delta import reconstruct
@@ -404,6 +404,8 @@ def test_a_base_pushed_out_is_freed_after_its_build_answers_not_inside_it(
         server.stop()
 
 
+SMALL = pb.ModelSpec(model_id="acme-16k", capabilities=pb.ModelCapabilities(
+    context_window=16_000, output_reserve=4_000))
 PLAN_TTL = 30.0  # the replicas' plan-cache TTL (B's clock is moved past it, not waited)
 
 
@@ -738,3 +740,76 @@ def test_a_base_kept_nowhere_gets_no_build_id(database_url: str, cache_mb: int) 
                 assert server.running.engine.builds.stats().entries == 1
     finally:
         server.stop()
+
+
+def test_a_base_of_an_epoch_rotated_elsewhere_builds_on_the_current_epoch(
+        replicas: tuple[ServerThread, ServerThread, StepClock], db: Db) -> None:
+    """B assembles a Build naming its base (and no epoch) on the base's epoch while it reads
+    the session's current epoch, and answers only once that read has ended. Rotated through A
+    meanwhile, the Build is made again on the new epoch: the same bytes as A's whole Build of
+    the checkpoint, nothing of the first attempt written (its pressure event on the old epoch),
+    and the base it leaves is of the new epoch."""
+    a_server, b_server, _ = replicas
+    session = "rotated-elsewhere"
+
+    def pressure_epochs() -> list[int]:
+        return [r["epoch"] for r in db.fetch(
+            "SELECT epoch FROM context_events WHERE tenant_id = $1 AND session_id = $2 "
+            "AND type = 'context.budget.pressure' ORDER BY id", TENANT, session)]
+
+    with grpc.insecure_channel(a_server.address) as ca, \
+            grpc.insecure_channel(b_server.address) as cb:
+        a, b = pb_grpc.ContextEngineStub(ca), pb_grpc.ContextEngineStub(cb)
+        first_plan = a.Plan(plan_request(TENANT, session, model=SMALL), timeout=30).plan
+        items = opening() + [it for n in range(1, 11) for it in turn(n, "ipsum " * 300)]
+        base = b.Build(request(session, items), timeout=30)
+        assert (base.epoch, base.prefix_sha256) == (1, first_plan.prefix_sha256)
+        assert base.pressure.steps and pressure_epochs() == [1]  # tool results yielded
+        rotated = a.Rotate(pb.RotateRequest(
+            tenant_id=TENANT, session_id=session,
+            reason=pb.ROTATION_REASON_SECURITY_REVOCATION, drop_tools=["mail.send"],
+            idempotency_key=f"{session}-rotate"), timeout=30)
+        assert rotated.rotated and rotated.plan.epoch == 2
+        assert rotated.plan.prefix_sha256 != first_plan.prefix_sha256
+        got = incremental(b, session, base.build_id, len(items), turn(11))
+        assert (got.epoch, got.prefix_sha256) == (2, rotated.plan.prefix_sha256)
+        assert pressure_epochs() == [1, 2]
+        full = reconstruct(got, base)
+        assert same(full, a.Build(request(session, items + turn(11)), timeout=30))
+        kept = b_server.running.engine.builds.get(TENANT, session, got.build_id)
+        assert kept is not None and kept.epoch == 2
+        again = incremental(b, session, got.build_id, len(items) + 3, turn(12))
+        assert again.epoch == 2
+        assert same(reconstruct(again, full),
+                    a.Build(request(session, items + turn(11) + turn(12)), timeout=30))
+
+
+def test_a_build_failing_on_its_base_epoch_answers_what_its_lookup_found(
+        replicas: tuple[ServerThread, ServerThread, StepClock]) -> None:
+    """A Build naming its base that fails on the base's plan before the read of the session's
+    current epoch has ended answers what that read found: the session erased through A is
+    NOT_FOUND (B drops the base), not the checkpoint's refusal on the erased plan (a loaded
+    skill its catalog does not pin), as a Build that waited for the read would answer."""
+    a_server, b_server, _ = replicas
+    session = "erased-failing-elsewhere"
+    with grpc.insecure_channel(a_server.address) as ca, \
+            grpc.insecure_channel(b_server.address) as cb:
+        a, b = pb_grpc.ContextEngineStub(ca), pb_grpc.ContextEngineStub(cb)
+        a.Plan(plan_request(TENANT, session), timeout=30)
+        items = opening() + turn(1)
+        base = b.Build(request(session, items), timeout=30)
+        unknown = request(session, turn(2))
+        unknown.base_build_id, unknown.base_items_kept = base.build_id, len(items)
+        unknown.checkpoint.loaded_skills.append(pb.SkillBody(
+            name="no-such-skill", body="x", trust=pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED))
+        with pytest.raises(grpc.RpcError) as err:  # on the plan as it is: refused
+            b.Build(unknown, timeout=30)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        a.DeleteSession(pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session),
+                        timeout=30)
+        builds = b_server.running.engine.builds
+        assert builds.get(TENANT, session, base.build_id) is not None
+        with pytest.raises(grpc.RpcError) as err:
+            b.Build(unknown, timeout=30)
+        assert err.value.code() is grpc.StatusCode.NOT_FOUND
+        assert builds.get(TENANT, session, base.build_id) is None
