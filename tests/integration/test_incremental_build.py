@@ -813,3 +813,29 @@ def test_a_build_failing_on_its_base_epoch_answers_what_its_lookup_found(
             b.Build(unknown, timeout=30)
         assert err.value.code() is grpc.StatusCode.NOT_FOUND
         assert builds.get(TENANT, session, base.build_id) is None
+
+
+def test_a_build_refused_on_its_base_epoch_answers_what_its_lookup_found(
+        replicas: tuple[ServerThread, ServerThread, StepClock], db: Db) -> None:
+    """A Build naming its base that the base's plan refuses (BUDGET_EXCEEDED) writes its
+    refusal's events only once the read of the session's current epoch confirms that plan:
+    the session erased through A meanwhile is NOT_FOUND, and nothing is written of it."""
+    a_server, b_server, _ = replicas
+    session = "erased-refused-elsewhere"
+    with grpc.insecure_channel(a_server.address) as ca, \
+            grpc.insecure_channel(b_server.address) as cb:
+        a, b = pb_grpc.ContextEngineStub(ca), pb_grpc.ContextEngineStub(cb)
+        a.Plan(plan_request(TENANT, session, model=SMALL), timeout=30)
+        items = opening() + turn(1)
+        base = b.Build(request(session, items), timeout=30)
+        too_long = [item("u-long", 100, user=pb.UserMessage(text="word " * 20_000))]
+        with pytest.raises(grpc.RpcError) as err:  # on the plan as it is: refused
+            incremental(b, session, base.build_id, len(items), too_long)
+        assert failure(err.value).reason == "BUDGET_EXCEEDED"
+        a.DeleteSession(pb.DeleteSessionRequest(tenant_id=TENANT, session_id=session),
+                        timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            incremental(b, session, base.build_id, len(items), too_long)
+        assert err.value.code() is grpc.StatusCode.NOT_FOUND
+        assert db.fetch("SELECT type FROM context_events WHERE tenant_id = $1 AND "
+                        "session_id = $2", TENANT, session) == []
