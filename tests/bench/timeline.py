@@ -6,9 +6,8 @@ sizes.
 ``make bench --profile`` (cProfile) names every function but inflates the small ones it calls
 many times; this wraps only the phases below, a clock read at each end, so the figures are the
 ones the served path takes. Phases overlap where the Build waits: the plan is read while the
-checkpoint is mapped and scanned (and, for a Build naming a base, while it is assembled on the
-base's epoch, the read confirming that epoch before the response is made); the pressure event
-(``Engine._record``) is written once the response is made. Not part of
+checkpoint is mapped and scanned; the pressure event (``Engine._record``) is written once the
+response is made. Not part of
 ``make bench``: ``.venv/bin/python -m tests.bench.timeline [--sizes 200,3000] [--rounds 40]``.
 """
 
@@ -50,7 +49,7 @@ PHASES: tuple[tuple[str, Any, str], ...] = (
     (ORIGIN, servicer.ContextEngineServicer, "Build"),
     ("proto -> domain (mapping.checkpoint)", mapping, "checkpoint"),
     ("validation (checkpoint_scan)", servicer, "checkpoint_scan"),
-    ("Engine.build (plan lookup awaited or confirmed, build, response, event)", engine.Engine, "build"),
+    ("Engine.build (plan lookup awaited, build, event, response)", engine.Engine, "build"),
     ("  items normalized (builder.normalized)", builder, "normalized"),
     ("  history units (builder.units_of)", builder, "units_of"),
     ("  allocation (budget.allocate)", builder, "allocate"),
