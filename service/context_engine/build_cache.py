@@ -64,9 +64,6 @@ class BuildBase:
     # the validation's scan state after all of items (a Build that appends to them resumes
     # it: only the items it adds are scanned); never scanned on, only forked
     scan: ItemScan | None = None
-    # the epoch the base was built on (0: not known), which a Build naming the base and no
-    # epoch assembles on while its lookup of the session's current epoch is under way
-    epoch: int = 0
     # each message's text's wide_bytes (in the order of messages); None: every text is ASCII
     message_wide: tuple[int, ...] | None = None
 

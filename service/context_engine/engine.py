@@ -251,16 +251,6 @@ class CompactOutcome:
 PlanKey = tuple[str, str, int, int]  # tenant, session, incarnation, epoch
 
 
-class PlanMoved(Exception):
-    """A Build assembled on the plan its lookup was expected to name, and the lookup named
-    ``found`` (another epoch or incarnation): the Build is made again on it. Never answered."""
-
-    def __init__(self, found: LoadedPlan) -> None:
-        super().__init__(f"the session's current plan is epoch {found.plan.epoch} of "
-                         f"incarnation {found.plan.incarnation}")
-        self.found = found
-
-
 class PlanCache:
     """Verified plans by (tenant, session, incarnation, epoch), least recently used first.
     Plans are immutable per epoch, so a hit can change only how long a call takes, never what
@@ -287,11 +277,6 @@ class PlanCache:
             self._entries[key] = (hit[0], verified_at)
         self._entries.move_to_end(key)
         return hit[0]
-
-    def peek(self, key: PlanKey) -> LoadedPlan | None:
-        """The entry of ``key``, whatever its age, left where it is in the eviction order."""
-        hit = self._entries.get(key)
-        return None if hit is None else hit[0]
 
     def newest(self, tenant_id: str, session_id: str,
                epoch: int) -> tuple[PlanKey, LoadedPlan, float] | None:
@@ -1028,14 +1013,8 @@ class Engine:
                     checkpoint: Checkpoint, factor: float | None, *,
                     validated: bool = False, incarnation: int | None = None,
                     then: Callable[[BuildResult], object] | None = None,
-                    assembled: list[float] | None = None,
-                    confirm: Callable[[], Awaitable[None]] | None = None) -> BuildResult:
+                    assembled: list[float] | None = None) -> BuildResult:
         """``incarnation``: the session's, when the caller has just resolved the plan.
-        ``confirm``: the caller built on a plan it has not resolved yet (the plan of the
-        session's current epoch that its lookup, still under way, is expected to name): awaited
-        once the request is assembled or refused, before anything is answered or written, it
-        raises ``PlanMoved`` (nothing of this attempt is kept or observed) when the lookup
-        named another plan, and the lookup's own error when it failed.
         ``then``: the caller's work on the result (its response), run before the run's
         snapshot binding and the pressure event are written, so a response it refuses writes
         neither; the Build returns only once they are written (or the event's loss counted),
@@ -1079,8 +1058,6 @@ class Engine:
                     derived_spans(self._tracer, result.pressure, time_ns(self._clock),
                                   history)
         except BudgetExceeded as exc:
-            if confirm is not None:
-                await confirm()
             payload: dict[str, Any] = {"epoch": loaded.plan.epoch, **exc.metadata()}
             # A pressure event records that a yield step ran (spec): an overflow that
             # yielded nothing is recorded by the exceeded event alone.
@@ -1097,8 +1074,6 @@ class Engine:
                 self._count_pressure(ran)
             raise
         took = time.perf_counter() - started
-        if confirm is not None:
-            await confirm()
         if assembled is None:
             self._metrics.build_seconds.observe(took)
         else:  # one call, one observation: its caller's, once its last attempt has ended

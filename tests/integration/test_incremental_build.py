@@ -744,11 +744,10 @@ def test_a_base_kept_nowhere_gets_no_build_id(database_url: str, cache_mb: int) 
 
 def test_a_base_of_an_epoch_rotated_elsewhere_builds_on_the_current_epoch(
         replicas: tuple[ServerThread, ServerThread, StepClock], db: Db) -> None:
-    """B assembles a Build naming its base (and no epoch) on the base's epoch while it reads
-    the session's current epoch, and answers only once that read has ended. Rotated through A
-    meanwhile, the Build is made again on the new epoch: the same bytes as A's whole Build of
-    the checkpoint, nothing of the first attempt written (its pressure event on the old epoch),
-    and the base it leaves is of the new epoch."""
+    """A Build naming its base (and no epoch) is made on the session's current epoch, read from
+    PostgreSQL, not on the epoch its base was built on: rotated through A, B's Build is the same
+    bytes as A's whole Build of the checkpoint on the new epoch, its pressure event is the new
+    epoch's alone, and the Build naming it in turn is made on that epoch too."""
     a_server, b_server, _ = replicas
     session = "rotated-elsewhere"
 
@@ -776,8 +775,7 @@ def test_a_base_of_an_epoch_rotated_elsewhere_builds_on_the_current_epoch(
         assert pressure_epochs() == [1, 2]
         full = reconstruct(got, base)
         assert same(full, a.Build(request(session, items + turn(11)), timeout=30))
-        kept = b_server.running.engine.builds.get(TENANT, session, got.build_id)
-        assert kept is not None and kept.epoch == 2
+        assert b_server.running.engine.builds.get(TENANT, session, got.build_id) is not None
         again = incremental(b, session, got.build_id, len(items) + 3, turn(12))
         assert again.epoch == 2
         assert same(reconstruct(again, full),
@@ -786,10 +784,9 @@ def test_a_base_of_an_epoch_rotated_elsewhere_builds_on_the_current_epoch(
 
 def test_a_build_failing_on_its_base_epoch_answers_what_its_lookup_found(
         replicas: tuple[ServerThread, ServerThread, StepClock]) -> None:
-    """A Build naming its base that fails on the base's plan before the read of the session's
-    current epoch has ended answers what that read found: the session erased through A is
-    NOT_FOUND (B drops the base), not the checkpoint's refusal on the erased plan (a loaded
-    skill its catalog does not pin), as a Build that waited for the read would answer."""
+    """A Build naming its base of a session erased through A is NOT_FOUND (B drops the base),
+    not the refusal the erased plan would give its checkpoint (a loaded skill its catalog does
+    not pin): the session's current epoch is read before the Build is made."""
     a_server, b_server, _ = replicas
     session = "erased-failing-elsewhere"
     with grpc.insecure_channel(a_server.address) as ca, \
@@ -817,9 +814,8 @@ def test_a_build_failing_on_its_base_epoch_answers_what_its_lookup_found(
 
 def test_a_build_refused_on_its_base_epoch_answers_what_its_lookup_found(
         replicas: tuple[ServerThread, ServerThread, StepClock], db: Db) -> None:
-    """A Build naming its base that the base's plan refuses (BUDGET_EXCEEDED) writes its
-    refusal's events only once the read of the session's current epoch confirms that plan:
-    the session erased through A meanwhile is NOT_FOUND, and nothing is written of it."""
+    """A Build naming its base that the base's plan refuses (BUDGET_EXCEEDED), of a session
+    erased through A since, is NOT_FOUND, and writes nothing of the erased session."""
     a_server, b_server, _ = replicas
     session = "erased-refused-elsewhere"
     with grpc.insecure_channel(a_server.address) as ca, \

@@ -307,8 +307,7 @@ def respond(result: BuildResult, provider_format: str, catalog: ModelCatalog, *,
         out.delta.CopyFrom(delta)
         sent = len(send)
     kept = BuildBase(tenant_id=tenant_id, session_id=session_id, incarnation=incarnation,
-                     epoch=result.epoch, build_id=build_id, items=items, item_bytes=sizes,
-                     messages=messages,
+                     build_id=build_id, items=items, item_bytes=sizes, messages=messages,
                      message_entries=message_entries, message_wide=wide,
                      prefix=prefix, prefix_bytes=prefix_bytes,
                      texts=texts, response_bytes=full_bytes, scan=scan)

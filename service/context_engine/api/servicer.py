@@ -43,7 +43,7 @@ from context_engine.domain.errors import (
 from context_engine.domain.items import ConversationItem
 from context_engine.domain.plan import ContextPlan
 from context_engine.domain.provider_common import ProviderFormatError
-from context_engine.engine import Engine, PlanMoved
+from context_engine.engine import Engine
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
 from context_engine.telemetry.tracing import child, failed, server_span
@@ -330,47 +330,18 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                     if not lookup.cancelled() and lookup.exception() is None:
                         ran_on.append(lookup.result().plan.incarnation)  # what it rendered
                 raise
+            # Resolved first so a failed build still logs the epoch and prefix it ran on;
+            # the build's own lookup is then a plan-cache hit.
             assert lookup is not None  # no violations: the lookup was started
-
-            def resolved(found: LoadedPlan) -> None:
-                """The plan the lookup named, which the Build is made on: logged, so a failed
-                build still says the epoch and prefix it ran on."""
-                ran_on.append(found.plan.incarnation)
-                record.epoch, record.prefix_sha256 = found.plan.epoch, found.plan.prefix_sha256
-                if base is not None and base.incarnation != found.plan.incarnation:
-                    # erased (perhaps through another replica) and planned again: the erased
-                    # incarnation's bases are dropped here, not only refused
-                    self._engine.builds.forget(request.tenant_id, request.session_id,
-                                               before=found.plan.incarnation)
-                    raise BuildBaseUnknown(request.base_build_id,
-                                           "the session was erased since")
-
-            # A Build naming a base and no epoch is assembled, while its lookup is still
-            # under way, on the plan its base was built on when this replica still holds it:
-            # the session's current plan unless it rotated or was erased since. The lookup is
-            # awaited before anything is answered or written (``Engine.build``'s ``confirm``):
-            # a Build it finds on another plan is made again on that one, and one that failed
-            # on the expected plan first answers what its lookup found (an erased session,
-            # the database away), as a Build that had waited for it would. Otherwise the
-            # lookup is awaited first, and the build's own lookup is a plan-cache hit.
-            expected = (self._engine.cache.peek((request.tenant_id, request.session_id,
-                                                 base.incarnation, base.epoch))
-                        if base is not None and epoch is None and base.epoch
-                        and not lookup.done() else None)
-            confirm: Callable[[], Awaitable[None]] | None = None
-            resolved_before = len(ran_on)  # ran_on grows once the lookup is resolved
-            if expected is None:
-                loaded = await lookup
-                resolved(loaded)
-            else:
-                loaded = expected
-                planned = (expected.plan.incarnation, expected.plan.epoch)
-
-                async def confirm() -> None:
-                    found = await lookup
-                    if (found.plan.incarnation, found.plan.epoch) != planned:
-                        raise PlanMoved(found)
-                    resolved(found)
+            loaded = await lookup
+            ran_on.append(loaded.plan.incarnation)
+            record.epoch, record.prefix_sha256 = loaded.plan.epoch, loaded.plan.prefix_sha256
+            if base is not None and base.incarnation != loaded.plan.incarnation:
+                # erased (perhaps through another replica) and planned again: the erased
+                # incarnation's bases are dropped here, not only refused
+                self._engine.builds.forget(request.tenant_id, request.session_id,
+                                           before=loaded.plan.incarnation)
+                raise BuildBaseUnknown(request.base_build_id, "the session was erased since")
             builds = self._engine.builds
             answer = None  # an incremental Build's answer, and the base it leaves
             response = pb.BuildResponse()
@@ -424,40 +395,18 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 if self.max_response_bytes is not None:
                     sized = self._sized(response)
 
-            while True:
-                try:
-                    await self._engine.build(request.tenant_id, request.session_id,
-                                             loaded.plan.epoch, checkpoint, factor,
-                                             validated=True,
-                                             incarnation=loaded.plan.incarnation,
-                                             then=respond, assembled=assembled,
-                                             confirm=confirm)
-                    break
-                except PlanMoved as moved:  # nothing of the attempt was answered or kept
-                    loaded, confirm = moved.found, None
-                    resolved(loaded)
-                except BudgetExceeded as exc:  # (confirmed first: see Engine.build)
-                    # the steps that ran before it failed (its pressure event and the metric
-                    # count them, with fits false): the line and span say so too
-                    ran = exc.pressure.steps if isinstance(exc.pressure, Pressure) else ()
-                    record.extra["yield_steps"] = [s.step for s in ran]
-                    record.span["context_engine.yield_steps"] = record.extra["yield_steps"]
-                    raise
-                except asyncio.CancelledError:
-                    lookup.cancel()  # (done already once confirmed: a no-op)
-                    raise
-                except BaseException:
-                    if confirm is None or len(ran_on) > resolved_before:
-                        raise  # on the plan the lookup named
-                    # failed on the expected plan before its lookup ended: what the lookup
-                    # found is answered first (its error; a Build made on another plan)
-                    found = await lookup
-                    if (found.plan.incarnation, found.plan.epoch) == (
-                            loaded.plan.incarnation, loaded.plan.epoch):
-                        resolved(found)
-                        raise
-                    loaded, confirm = found, None
-                    resolved(loaded)
+            try:
+                await self._engine.build(request.tenant_id, request.session_id,
+                                         loaded.plan.epoch, checkpoint, factor, validated=True,
+                                         incarnation=loaded.plan.incarnation, then=respond,
+                                         assembled=assembled)
+            except BudgetExceeded as exc:
+                # the steps that ran before it failed (its pressure event and the metric
+                # count them, with fits false): the line and span say so too
+                ran = exc.pressure.steps if isinstance(exc.pressure, Pressure) else ()
+                record.extra["yield_steps"] = [s.step for s in ran]
+                record.span["context_engine.yield_steps"] = record.extra["yield_steps"]
+                raise
             if base is not None:  # used: the most recent in its session's order too
                 builds.touch(request.base_build_id)
             if answer is not None and answer.base is not None:  # else kept nowhere
