@@ -638,5 +638,6 @@ def test_a_writer_claim_left_unsettled_at_stop_is_logged_lost(cut_url, cut_proxy
         return found
 
     assert lost() == [{"epochs": 1, "reason": "process_stopped"}]
-    server.running.maintenance.keep("7", ((2, "operator", 100),))
+    server.running.maintenance.keep("7", str(uuid.uuid4()),
+                                    (("tenant", "session", 2, "operator", 100),))
     assert lost() == [{"epochs": 1, "reason": "process_stopped", "xid": "7"}]

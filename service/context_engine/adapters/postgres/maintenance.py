@@ -23,17 +23,25 @@ A cycle:
    Plan reading only the epoch after it), was counted by nothing. The claim is the writer's
    own ``UPDATE ... WHERE NOT counted``: whichever statement turns the row counts it, once,
    however a cycle races a Plan's claim or another replica's cycle. Each batch is counted once
-   its COMMIT answered (a batch rolled back counts nothing, and the next cycle takes it). A
-   batch whose COMMIT went unanswered (the connection lost during it) is kept, its epochs and
-   its transaction's id (``pg_current_xact_id``), by the process that claimed it alone: its
-   next cycle, before anything else, asks PostgreSQL whether that transaction committed
-   (``pg_xact_status``) and counts the batch if it did, once; one rolled back counts nothing
-   (its epochs are uncounted again, and a cycle claims them anew), one still in progress is
-   asked about again at the cycle after. A writer's (or a Plan's) claim whose COMMIT went
-   unanswered is handed to its process's cycles alike (``keep``: the store's
-   ``claim_count`` runs in a transaction of its own, which returns its id) and settled with
-   the batches. Not run by the cycle at start (``epochs=False``): a series' increments before
-   its first scrape are lost to Prometheus' ``increase()``.
+   its COMMIT answered (a batch rolled back counts nothing, and the next cycle takes it). Each
+   claim writes a value of its own in the rows it turns (``plans.count_claim``, migration
+   0010). A batch whose COMMIT went unanswered (the connection lost during it) is kept, its
+   epochs (with their rows' keys), that value and its transaction's id
+   (``pg_current_xact_id``), by the process that claimed it alone: its next cycle, before
+   anything else, asks PostgreSQL whether that transaction is still in progress
+   (``pg_xact_status``; it is asked again at the cycle after) and, once it is not, reads the
+   batch's rows: it counts, once, the epochs whose row shows the claim's value (it committed),
+   and counts nothing of the others (it rolled back, or the database lost its COMMIT: their
+   rows are uncounted, or counted by another claim, and a cycle claims them anew). The status
+   alone does not tell: after a failover to a standby that lacked the claim's COMMIT, the
+   new primary gives the claim's transaction id to a transaction of its own, and the status
+   is that one's, "committed" while the claim is gone (its epochs were counted twice). An
+   epoch whose row is gone (its session erased since) is counted if the status says
+   committed. A writer's (or a Plan's) claim whose COMMIT went unanswered is handed to its
+   process's cycles alike (``keep``: the store's ``claim_count`` runs in a transaction of its
+   own, which returns its id) and settled with the batches. Not run by the cycle at start
+   (``epochs=False``): a series' increments before its first scrape are lost to Prometheus'
+   ``increase()``.
 
 Every step runs in a transaction that first takes ``pg_try_advisory_xact_lock(LOCK_KEY)``
 (released when the transaction ends, so nothing outlives it on the server connection and a
@@ -60,11 +68,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
+from uuid import uuid4
 
 import asyncpg
 
 from context_engine.adapters.postgres.errors import UNAVAILABLE
-from context_engine.adapters.postgres.store import KEY_TTL
+from context_engine.adapters.postgres.store import KEY_TTL, ClaimedEpoch
 from context_engine.clock import Clock
 from context_engine.telemetry.logs import log
 
@@ -96,18 +105,32 @@ DELETE FROM compactions WHERE ctid = ANY(ARRAY(
 # Step 4: the epochs left uncounted ($1: older than this, by PostgreSQL's clock, which dated
 # them), oldest first, through the partial index plans_uncounted (migration 0009). A row a
 # Plan's claim holds is skipped (that claim turns it); NOT counted is checked again on the row
-# updated, so a claim committed meanwhile is never counted twice.
+# updated, so a claim committed meanwhile is never counted twice. The batch writes its own
+# value in the rows ($3, plans.count_claim): what tells, when its COMMIT goes unanswered,
+# whether it committed (CLAIMED_BY).
 CLAIM_UNCOUNTED = """
-UPDATE plans p SET counted = true
+UPDATE plans p SET counted = true, count_claim = $3::uuid
 FROM (SELECT tenant_id, session_id, epoch FROM plans
       WHERE NOT counted AND created_at < now() - $1::interval
       ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED) AS o
 WHERE p.tenant_id = o.tenant_id AND p.session_id = o.session_id AND p.epoch = o.epoch
   AND NOT p.counted
-RETURNING p.epoch, p.reason, p.prefix_tokens, pg_current_xact_id()::text AS xid"""
-# Whether the transaction of a batch whose COMMIT went unanswered committed: 'committed',
-# 'aborted' or 'in progress' (NULL once too old for PostgreSQL to know, PostgreSQL 13 or later).
+RETURNING p.tenant_id, p.session_id, p.epoch, p.reason, p.prefix_tokens,
+    pg_current_xact_id()::text AS xid"""
+# Whether the transaction of a batch whose COMMIT went unanswered is still in progress (its
+# rows then read as before it), and whether it committed: 'committed', 'aborted' or
+# 'in progress' (NULL once too old for PostgreSQL to know, PostgreSQL 13 or later). Asked of a
+# primary other than the one that gave the id (a failover), it answers for whichever
+# transaction has the id there: what settles a batch is its rows (CLAIMED_BY).
 XACT_STATUS = "SELECT pg_xact_status($1::text::xid8)"
+# The batch's rows that still exist ($1, $2, $3: tenants, sessions, epochs), each with whether
+# it shows the batch's claim ($4): counted, by that claim.
+CLAIMED_BY = """
+SELECT p.tenant_id, p.session_id, p.epoch,
+       p.counted AND p.count_claim IS NOT DISTINCT FROM $4::uuid AS ours
+FROM plans p
+JOIN unnest($1::text[], $2::text[], $3::int[]) AS k(tenant_id, session_id, epoch)
+  ON p.tenant_id = k.tenant_id AND p.session_id = k.session_id AND p.epoch = k.epoch"""
 
 
 def partition_name(day: date) -> str:
@@ -207,10 +230,11 @@ CountEpoch = Callable[[int, str, int], None]
 @dataclass(frozen=True, slots=True)
 class _Batch:
     """A batch of step 4, or a writer's claim (``keep``), whose COMMIT went unanswered: its
-    transaction's id and its epochs."""
+    transaction's id, the value it wrote in its rows' ``count_claim`` and its epochs."""
 
     xid: str
-    epochs: tuple[tuple[int, str, int], ...]
+    claim: str
+    epochs: tuple[ClaimedEpoch, ...]
 
 
 @dataclass(slots=True)
@@ -242,19 +266,19 @@ class Maintenance:
     _unsettled: list[_Batch] = field(default_factory=list)
     _closed: bool = False
 
-    def keep(self, xid: str, epochs: tuple[tuple[int, str, int], ...]) -> None:
-        """A claim of ``epochs`` (epoch, reason, prefix tokens) whose COMMIT went unanswered,
-        made by transaction ``xid`` of this process outside a cycle (an epoch's writer's,
-        ``PostgresPlanStore.claim_count``): settled by the next cycle as a batch of step 4's
-        is, counted once if it committed. Once this process's cycles have stopped, lost
-        (logged)."""
+    def keep(self, xid: str, claim: str, epochs: tuple[ClaimedEpoch, ...]) -> None:
+        """A claim of ``epochs`` (tenant, session, epoch, reason, prefix tokens) whose COMMIT
+        went unanswered, made by transaction ``xid`` of this process outside a cycle (an
+        epoch's writer's, ``PostgresPlanStore.claim_count``), which wrote ``claim`` in their
+        rows: settled by the next cycle as a batch of step 4's is, counted once if it
+        committed. Once this process's cycles have stopped, lost (logged)."""
         if not epochs:
             return
         if self._closed:
             log("epoch_count_lost", logging.WARNING, epochs=len(epochs),
                 reason="process_stopped", xid=xid)
             return
-        self._unsettled.append(_Batch(xid=xid, epochs=epochs))
+        self._unsettled.append(_Batch(xid=xid, claim=claim, epochs=epochs))
 
     @property
     def unsettled(self) -> int:
@@ -395,30 +419,34 @@ class Maintenance:
         another replica took the lock."""
         while True:
             batch = None
+            claim = str(uuid4())
             try:
                 async with conn.transaction():
                     if not await self._locked(conn):
                         return False
                     rows = await conn.fetch(CLAIM_UNCOUNTED, self.policy.uncounted_after,
-                                            self.policy.batch_size)
-                    batch = _Batch(xid=str(rows[0]["xid"]) if rows else "", epochs=tuple(
-                        (int(row["epoch"]), str(row["reason"]), int(row["prefix_tokens"]))
-                        for row in rows))
+                                            self.policy.batch_size, claim)
+                    batch = _Batch(xid=str(rows[0]["xid"]) if rows else "", claim=claim,
+                                   epochs=tuple((str(row["tenant_id"]), str(row["session_id"]),
+                                                 int(row["epoch"]), str(row["reason"]),
+                                                 int(row["prefix_tokens"])) for row in rows))
             except BaseException:
                 if batch is not None and batch.epochs:  # its COMMIT sent: committed or not?
                     self._unsettled.append(batch)
                 raise
             for epoch in batch.epochs:  # claimed by this statement alone
-                count_epoch(*epoch)
+                count_epoch(*epoch[2:])
             tally.counted += len(batch.epochs)
             if len(batch.epochs) < self.policy.batch_size:
                 return True
 
     async def _settle(self, count_epoch: CountEpoch, tally: _Tally) -> None:
-        """Counts the batches whose COMMIT went unanswered and whose transaction PostgreSQL
-        says committed, each once (a cycle running at the same time takes none of those this
-        one took); drops those it says aborted (their epochs uncounted again, for a cycle to
-        claim) and keeps those still in progress. One it can no longer tell is lost, logged."""
+        """Settles the batches whose COMMIT went unanswered, each once (a cycle running at the
+        same time takes none of those this one took): keeps those whose transaction is still
+        in progress; of the others, counts the epochs whose row shows the batch's claim (it
+        committed) and drops the rest (their rows uncounted, for a cycle to claim, or counted
+        by another claim). An epoch whose row is gone (erased since) is counted if the status
+        says committed; when PostgreSQL can no longer tell, it is lost, logged."""
         batches = list(self._unsettled)
         self._unsettled.clear()
         kept: list[_Batch] = []
@@ -430,15 +458,23 @@ class Maintenance:
                         status = await conn.fetchval(XACT_STATUS, batch.xid)
                     except asyncpg.InvalidParameterValueError:  # an id from the future: a
                         status = None  # database other than the one that gave it
+                    if status == "in progress":
+                        kept.append(batches.pop(0))
+                        continue
+                    rows = await conn.fetch(  # read once the transaction has ended
+                        CLAIMED_BY, [e[0] for e in batch.epochs], [e[1] for e in batch.epochs],
+                        [e[2] for e in batch.epochs], batch.claim)
                     batches.pop(0)
-                    if status == "committed":
-                        for epoch in batch.epochs:
-                            count_epoch(*epoch)
-                        tally.counted += len(batch.epochs)
-                    elif status == "in progress":
-                        kept.append(batch)
-                    elif status != "aborted":
-                        log("epoch_count_lost", logging.WARNING, epochs=len(batch.epochs),
+                    ours = {(r["tenant_id"], r["session_id"], r["epoch"]): bool(r["ours"])
+                            for r in rows}
+                    counted = [e for e in batch.epochs
+                               if ours.get(e[:3], status == "committed")]
+                    for epoch in counted:
+                        count_epoch(*epoch[2:])
+                    tally.counted += len(counted)
+                    gone = sum(1 for e in batch.epochs if e[:3] not in ours)
+                    if gone and status not in ("committed", "aborted"):
+                        log("epoch_count_lost", logging.WARNING, epochs=gone,
                             reason="transaction_status_unknown", xid=batch.xid)
         finally:
             self._unsettled.extend([*kept, *batches])

@@ -100,10 +100,11 @@ RETURNING created_at"""
 # writer once its COMMIT answered, or, when that answer was lost, the first call to read it
 # after. A row lock orders concurrent claims; the later one finds it counted and claims nothing.
 # Only while the session is still the incarnation the plan was read for. Run in a transaction
-# of its own, and returns that transaction's id: a claim whose COMMIT goes unanswered is settled
-# by asking PostgreSQL whether it committed (maintenance.XACT_STATUS), as a cycle's batch is.
+# of its own, writes the claim's own value ($5, plans.count_claim, migration 0010) and returns
+# that transaction's id: a claim whose COMMIT goes unanswered is settled as a cycle's batch is
+# (maintenance.XACT_STATUS, maintenance.CLAIMED_BY): counted if the row shows that value.
 CLAIM_EPOCH_COUNT = """
-UPDATE plans p SET counted = true
+UPDATE plans p SET counted = true, count_claim = $5::uuid
 FROM sessions s
 WHERE p.tenant_id = $1 AND p.session_id = $2 AND p.epoch = $3 AND NOT p.counted
   AND s.tenant_id = p.tenant_id AND s.session_id = p.session_id AND s.incarnation = $4

@@ -46,10 +46,13 @@ from context_engine.telemetry.logs import log
 from context_engine.telemetry.tracing import db_call
 
 NewEventId = Callable[[], UUID]
+# An epoch a claim turned counted: (tenant, session, epoch, reason, prefix tokens), the row's key
+# and what counting it takes.
+ClaimedEpoch = tuple[str, str, int, str, int]
 # Where a claim of epochs' counts whose COMMIT went unanswered goes, to be settled by the
-# process's maintenance cycles (``Maintenance.keep``): its transaction's id and its epochs
-# (epoch, reason, prefix tokens), as the cycle counts them.
-KeepUnsettled = Callable[[str, tuple[tuple[int, str, int], ...]], None]
+# process's maintenance cycles (``Maintenance.keep``): its transaction's id, the value it wrote
+# in its rows' ``count_claim`` and its epochs.
+KeepUnsettled = Callable[[str, str, tuple[ClaimedEpoch, ...]], None]
 # How long an idempotency key of Rotate, ReportUsage or Compact answers a retry with the first
 # call's outcome (CE_IDEMPOTENCY_KEY_TTL_HOURS); after it the same key is a new request.
 KEY_TTL = timedelta(hours=24)
@@ -278,34 +281,37 @@ class PostgresPlanStore:
         """In a transaction of its own: one that failed before its COMMIT was sent rolled back
         (StoreUnavailable: the epoch is uncounted still, for the next call to read it or a
         maintenance cycle). One whose COMMIT was sent and went unanswered may have committed:
-        it is handed, with its transaction's id, to the process's maintenance cycles, which
-        count the epoch once PostgreSQL says it committed (CountUnsettled)."""
+        it is handed, with its transaction's id and the value it wrote in the row
+        (``count_claim``), to the process's maintenance cycles, which count the epoch once
+        that transaction has ended if the row shows that value (CountUnsettled)."""
         xid: str | None = None  # the claim's transaction, once its UPDATE turned the row
+        claim = str(uuid4())  # written in the row: what tells this claim committed
         with db_call(self._tracer, "plans.claim_count"):
             try:
                 async with (translated(), self._pool.acquire(timeout=self._timeout) as conn,
                             conn.transaction()):
                     found = await conn.fetchval(queries.CLAIM_EPOCH_COUNT, plan.tenant_id,
                                                 plan.session_id, plan.epoch, plan.incarnation,
-                                                timeout=self._timeout)
+                                                claim, timeout=self._timeout)
                     xid = None if found is None else str(found)
             except BaseException as exc:
                 if xid is None:  # rolled back: nothing claimed
                     raise
-                self._keep_unsettled(plan, xid)  # its COMMIT sent: committed or not?
+                self._keep_unsettled(plan, xid, claim)  # its COMMIT sent: committed or not?
                 if isinstance(exc, Exception):
                     raise CountUnsettled(f"the claim's COMMIT went unanswered: "
                                          f"{type(exc).__name__}") from exc
                 raise
         return xid is not None
 
-    def _keep_unsettled(self, plan: ContextPlan, xid: str) -> None:
-        epochs = ((plan.epoch, plan.reason, plan.prefix_tokens),)
+    def _keep_unsettled(self, plan: ContextPlan, xid: str, claim: str) -> None:
+        epochs = ((plan.tenant_id, plan.session_id, plan.epoch, plan.reason,
+                   plan.prefix_tokens),)
         if self._unsettled is None:
             log("epoch_count_lost", logging.WARNING, epochs=1, reason="no_maintenance",
                 xid=xid)
             return
-        self._unsettled(xid, epochs)
+        self._unsettled(xid, claim, epochs)
 
     async def _insert(self, conn: Any, plan: ContextPlan) -> datetime:
         spec = plan.spec
