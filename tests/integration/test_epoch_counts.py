@@ -641,3 +641,56 @@ def test_a_writer_claim_left_unsettled_at_stop_is_logged_lost(cut_url, cut_proxy
     server.running.maintenance.keep("7", str(uuid.uuid4()),
                                     (("tenant", "session", 2, "operator", 100),))
     assert lost() == [{"epochs": 1, "reason": "process_stopped", "xid": "7"}]
+
+
+def test_a_claim_still_in_progress_is_settled_once_it_has_ended(cut, cut_stubs, cut_proxy,
+                                                                cut_url):
+    """A claim whose COMMIT answer was lost is settled by its rows, which read as before it
+    while its transaction runs: a cycle meeting it in progress keeps it, and the cycle after
+    its COMMIT counts its epoch, once (taken for lost while it ran, it was never counted)."""
+    db = Db(cut_url)
+    first = cut[0].running.maintenance
+    tenant, session = f"tenant-{uuid.uuid4().hex[:12]}", f"session-{uuid.uuid4().hex[:12]}"
+    lost(cut_stubs[0], cut_proxy, "Plan", plan_request(tenant, session))
+    before = counted(cut)
+    prefix = int(db.val("SELECT prefix_tokens FROM plans WHERE tenant_id = $1", tenant))
+    claim = str(uuid.uuid4())
+    loop = asyncio.new_event_loop()
+    try:
+        conn = loop.run_until_complete(asyncpg.connect(cut_url, statement_cache_size=0))
+        tx = conn.transaction()
+        loop.run_until_complete(tx.start())
+        xid = loop.run_until_complete(conn.fetchval(
+            "UPDATE plans SET counted = true, count_claim = $3::uuid WHERE tenant_id = $1 "
+            "AND session_id = $2 AND epoch = 1 RETURNING pg_current_xact_id()::text",
+            tenant, session, claim))
+        first.keep(str(xid), claim, ((tenant, session, 1, "session_opened", prefix),))
+        assert sum(o.epochs_counted for o in cycle(cut)) == 0
+        assert first.unsettled == 1 and growth(before, counted(cut)) == {}
+        loop.run_until_complete(tx.commit())
+        loop.run_until_complete(conn.close())
+    finally:
+        loop.close()
+    assert sum(o.epochs_counted for o in cycle(cut)) == 1
+    truth = {"session_opened": 1.0, "opened": 1.0}
+    assert first.unsettled == 0 and growth(before, counted(cut)) == truth
+    cycle(cut)
+    assert growth(before, counted(cut)) == truth == stored(db, tenant)
+
+
+def test_a_claim_whose_session_was_erased_since_is_counted_if_it_committed(
+        cut, cut_stubs, cut_proxy, cut_url):
+    """The writer's claim committed and its COMMIT answer was lost, then its session was
+    erased: no row shows the claim any more, and the transaction's status decides. It
+    committed: the epoch is counted, once."""
+    first = cut[0].running.maintenance
+    before = counted(cut)
+    tenant, session = opened(cut_stubs[0], cut_proxy)
+    assert first.unsettled == 1
+    assert cut_stubs[1].DeleteSession(pb.DeleteSessionRequest(
+        tenant_id=tenant, session_id=session), timeout=30).deleted
+    assert sum(o.epochs_counted for o in cycle(cut)) == 1
+    truth = {"session_opened": 1.0, "opened": 1.0}
+    assert first.unsettled == 0 and growth(before, counted(cut)) == truth
+    cycle(cut)
+    assert growth(before, counted(cut)) == truth

@@ -257,7 +257,8 @@ class CountUnsettled(StoreUnavailable):
     """A claim of an epoch's count (``PlanStore.claim_count``) whose COMMIT was sent and went
     unanswered (the connection lost during it): it may have committed. The store handed it to
     what settles such claims (the process's maintenance cycles), which counts the epoch once
-    the database says that transaction committed; the caller counts nothing."""
+    that transaction has ended if the epoch's row shows the claim (it committed, on the
+    database as it is now); the caller counts nothing."""
 
 
 class StoreConflict(StoreUnavailable):
