@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from context_engine import __version__
 from context_engine.adapters.assets import (
@@ -63,6 +63,7 @@ from context_engine.domain.compaction import StructuredSummarizer, Summarizer
 from context_engine.domain.errors import StoreUnavailable
 from context_engine.domain.estimator import ModelCatalog
 from context_engine.engine import Engine
+from context_engine.telemetry.endpoint import serve_metrics
 from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
 from context_engine.telemetry.tracing import (
@@ -381,7 +382,7 @@ async def _start(config: Config, *, database_url: str, registry: CollectorRegist
     metrics_port = None
     if config.metrics_addr:
         host, port = split_addr(config.metrics_addr)
-        metrics_http, _ = start_http_server(port, addr=host, registry=registry)
+        metrics_http = serve_metrics(host, port, registry)
         metrics_port = int(metrics_http.server_port)
 
     await server.start()

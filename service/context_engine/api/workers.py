@@ -265,15 +265,15 @@ class Supervisor:
         if not self.config.metrics_addr:
             return None
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir)
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
 
+        from context_engine.telemetry.endpoint import serve_metrics
         from context_engine.telemetry.multiprocess import FoldingCollector
 
         registry = CollectorRegistry()
         FoldingCollector(registry, path=str(self.metrics_dir))  # type: ignore[no-untyped-call]
         host, port = split_addr(self.config.metrics_addr)
-        server, _ = start_http_server(port, addr=host, registry=registry)
-        return server
+        return serve_metrics(host, port, registry)
 
     async def wait_serving(self, timeout: float, stop: asyncio.Event | None = None) -> bool:
         """True once every worker reports that it serves (a file in the ready directory:
