@@ -170,7 +170,9 @@ def test_an_address_this_machine_cannot_bind_is_refused_for_what_it_is(database_
 def test_a_restart_binds_the_port_its_last_run_held(database_url):
     """The busy-port check does not refuse a restart on the same port (connections of the last
     run may still be in TIME_WAIT)."""
-    first = ServerProcess({"DATABASE_URL": database_url})
+    # the connection below never sends a request: the stopping server waits its grace for it
+    # before it closes it (1 s, not the fixture's 5)
+    first = ServerProcess({"DATABASE_URL": database_url, "CE_GRACE_SECONDS": "1"})
     address = first.address
     stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(address))
     stub.Plan(plan_request(f"tenant-{uuid.uuid4().hex[:10]}", "restart"), timeout=30)
