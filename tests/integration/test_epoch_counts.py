@@ -20,6 +20,7 @@ import pytest
 from context_engine.adapters.postgres.maintenance import CLAIM_UNCOUNTED, Outcome
 from context_engine.adapters.postgres.migrate import migrate
 from context_engine.adapters.postgres.queries import CLAIM_EPOCH_COUNT
+from context_engine.adapters.postgres.store import ClaimedEpoch
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
@@ -639,7 +640,7 @@ def test_a_writer_claim_left_unsettled_at_stop_is_logged_lost(cut_url, cut_proxy
 
     assert lost() == [{"epochs": 1, "reason": "process_stopped"}]
     server.running.maintenance.keep("7", str(uuid.uuid4()),
-                                    (("tenant", "session", 2, "operator", 100),))
+                                    (ClaimedEpoch("tenant", "session", 2, "operator", 100),))
     assert lost() == [{"epochs": 1, "reason": "process_stopped", "xid": "7"}]
 
 
@@ -664,7 +665,8 @@ def test_a_claim_still_in_progress_is_settled_once_it_has_ended(cut, cut_stubs, 
             "UPDATE plans SET counted = true, count_claim = $3::uuid WHERE tenant_id = $1 "
             "AND session_id = $2 AND epoch = 1 RETURNING pg_current_xact_id()::text",
             tenant, session, claim))
-        first.keep(str(xid), claim, ((tenant, session, 1, "session_opened", prefix),))
+        first.keep(str(xid), claim,
+                   (ClaimedEpoch(tenant, session, 1, "session_opened", prefix),))
         assert sum(o.epochs_counted for o in cycle(cut)) == 0
         assert first.unsettled == 1 and growth(before, counted(cut)) == {}
         loop.run_until_complete(tx.commit())

@@ -427,15 +427,16 @@ class Maintenance:
                     rows = await conn.fetch(CLAIM_UNCOUNTED, self.policy.uncounted_after,
                                             self.policy.batch_size, claim)
                     batch = _Batch(xid=str(rows[0]["xid"]) if rows else "", claim=claim,
-                                   epochs=tuple((str(row["tenant_id"]), str(row["session_id"]),
-                                                 int(row["epoch"]), str(row["reason"]),
-                                                 int(row["prefix_tokens"])) for row in rows))
+                                   epochs=tuple(ClaimedEpoch(
+                                       str(row["tenant_id"]), str(row["session_id"]),
+                                       int(row["epoch"]), str(row["reason"]),
+                                       int(row["prefix_tokens"])) for row in rows))
             except BaseException:
                 if batch is not None and batch.epochs:  # its COMMIT sent: committed or not?
                     self._unsettled.append(batch)
                 raise
-            for epoch in batch.epochs:  # claimed by this statement alone
-                count_epoch(*epoch[2:])
+            for e in batch.epochs:  # claimed by this statement alone
+                count_epoch(e.epoch, e.reason, e.prefix_tokens)
             tally.counted += len(batch.epochs)
             if len(batch.epochs) < self.policy.batch_size:
                 return True
@@ -461,18 +462,19 @@ class Maintenance:
                     if status == "in progress":
                         kept.append(batches.pop(0))
                         continue
+                    tenants, sessions, epochs = zip(*(e.key for e in batch.epochs),
+                                                    strict=True)
                     rows = await conn.fetch(  # read once the transaction has ended
-                        CLAIMED_BY, [e[0] for e in batch.epochs], [e[1] for e in batch.epochs],
-                        [e[2] for e in batch.epochs], batch.claim)
+                        CLAIMED_BY, tenants, sessions, epochs, batch.claim)
                     batches.pop(0)
                     ours = {(r["tenant_id"], r["session_id"], r["epoch"]): bool(r["ours"])
                             for r in rows}
                     counted = [e for e in batch.epochs
-                               if ours.get(e[:3], status == "committed")]
-                    for epoch in counted:
-                        count_epoch(*epoch[2:])
+                               if ours.get(e.key, status == "committed")]
+                    for e in counted:
+                        count_epoch(e.epoch, e.reason, e.prefix_tokens)
                     tally.counted += len(counted)
-                    gone = sum(1 for e in batch.epochs if e[:3] not in ours)
+                    gone = sum(1 for e in batch.epochs if e.key not in ours)
                     if gone and status not in ("committed", "aborted"):
                         log("epoch_count_lost", logging.WARNING, epochs=gone,
                             reason="transaction_status_unknown", xid=batch.xid)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 from uuid import UUID, uuid4
 
 import asyncpg
@@ -46,9 +46,22 @@ from context_engine.telemetry.logs import log
 from context_engine.telemetry.tracing import db_call
 
 NewEventId = Callable[[], UUID]
-# An epoch a claim turned counted: (tenant, session, epoch, reason, prefix tokens), the row's key
-# and what counting it takes.
-ClaimedEpoch = tuple[str, str, int, str, int]
+
+
+class ClaimedEpoch(NamedTuple):
+    """An epoch a claim turned counted: its row's key, and what counting it takes."""
+
+    tenant_id: str
+    session_id: str
+    epoch: int
+    reason: str
+    prefix_tokens: int
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return self.tenant_id, self.session_id, self.epoch
+
+
 # Where a claim of epochs' counts whose COMMIT went unanswered goes, to be settled by the
 # process's maintenance cycles (``Maintenance.keep``): its transaction's id, the value it wrote
 # in its rows' ``count_claim`` and its epochs.
@@ -305,8 +318,8 @@ class PostgresPlanStore:
         return xid is not None
 
     def _keep_unsettled(self, plan: ContextPlan, xid: str, claim: str) -> None:
-        epochs = ((plan.tenant_id, plan.session_id, plan.epoch, plan.reason,
-                   plan.prefix_tokens),)
+        epochs = (ClaimedEpoch(plan.tenant_id, plan.session_id, plan.epoch, plan.reason,
+                               plan.prefix_tokens),)
         if self._unsettled is None:
             log("epoch_count_lost", logging.WARNING, epochs=1, reason="no_maintenance",
                 xid=xid)
