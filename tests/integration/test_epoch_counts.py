@@ -9,15 +9,16 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing, contextmanager
+from contextlib import asynccontextmanager, closing, contextmanager
 from dataclasses import replace
+from typing import Any
 
 import asyncpg
 import grpc
 import pytest
-from context_engine.adapters.postgres.maintenance import CLAIM_UNCOUNTED, Outcome
+from context_engine.adapters.postgres.maintenance import CLAIM_UNCOUNTED, XACT_STATUS, Outcome
 from context_engine.adapters.postgres.migrate import migrate
 from context_engine.adapters.postgres.queries import CLAIM_EPOCH_COUNT
 from context_engine.adapters.postgres.store import ClaimedEpoch
@@ -674,6 +675,76 @@ def test_a_claim_still_in_progress_is_settled_once_it_has_ended(cut, cut_stubs, 
     finally:
         loop.close()
     assert sum(o.epochs_counted for o in cycle(cut)) == 1
+    truth = {"session_opened": 1.0, "opened": 1.0}
+    assert first.unsettled == 0 and growth(before, counted(cut)) == truth
+    cycle(cut)
+    assert growth(before, counted(cut)) == truth == stored(db, tenant)
+
+
+class _CommitsBeforeStatus:
+    """The maintenance pool, but for one thing: just before a connection of it asks
+    PostgreSQL for a transaction's status (XACT_STATUS), ``before`` runs, once."""
+
+    def __init__(self, pool: Any, before: Callable[[], Any]) -> None:
+        self._pool, self._before, self.ran = pool, before, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+    @asynccontextmanager
+    async def acquire(self) -> AsyncIterator[Any]:
+        async with self._pool.acquire() as conn:
+            yield _StatusHooked(conn, self)
+
+
+class _StatusHooked:
+    def __init__(self, conn: Any, pool: _CommitsBeforeStatus) -> None:
+        self._conn, self._pool = conn, pool
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    async def fetchval(self, query: str, *args: Any) -> Any:
+        if query == XACT_STATUS and not self._pool.ran:
+            self._pool.ran = True
+            await self._pool._before()
+        return await self._conn.fetchval(query, *args)
+
+
+def test_a_claim_committing_as_it_is_settled_is_counted_once(cut, cut_stubs, cut_proxy,
+                                                             cut_url):
+    """A claim whose COMMIT answer was lost commits while a cycle settles it, just before the
+    cycle asks its status: the status says committed, and its rows, read after the status,
+    show the claim: its epoch is counted, once. (Its rows read before the status would show
+    no claim yet, and the epoch, claimed by a committed transaction, would never be counted.)"""
+    db = Db(cut_url)
+    first_server = cut[0]
+    first = first_server.running.maintenance
+    tenant, session = f"tenant-{uuid.uuid4().hex[:12]}", f"session-{uuid.uuid4().hex[:12]}"
+    lost(cut_stubs[0], cut_proxy, "Plan", plan_request(tenant, session))
+    before = counted(cut)
+    prefix = int(db.val("SELECT prefix_tokens FROM plans WHERE tenant_id = $1", tenant))
+    claim = str(uuid.uuid4())
+    # the claim's connection on the replica's own loop, where its cycle will commit it
+    conn = first_server.call(asyncpg.connect(cut_url, statement_cache_size=0))
+    tx = conn.transaction()
+    first_server.call(tx.start())
+    xid = first_server.call(conn.fetchval(
+        "UPDATE plans SET counted = true, count_claim = $3::uuid WHERE tenant_id = $1 "
+        "AND session_id = $2 AND epoch = 1 RETURNING pg_current_xact_id()::text",
+        tenant, session, claim))
+    first.keep(str(xid), claim, (ClaimedEpoch(tenant, session, 1, "session_opened", prefix),))
+    pool = first.pool
+    hooked = _CommitsBeforeStatus(pool, tx.commit)
+    first.pool = hooked
+    try:
+        outcomes = cycle(cut)
+    finally:
+        first.pool = pool
+        first_server.call(conn.close())
+    assert hooked.ran  # committed by the cycle, just before it asked the status
+    assert db.val("SELECT count_claim::text FROM plans WHERE tenant_id = $1", tenant) == claim
+    assert sum(o.epochs_counted for o in outcomes) == 1
     truth = {"session_opened": 1.0, "opened": 1.0}
     assert first.unsettled == 0 and growth(before, counted(cut)) == truth
     cycle(cut)
