@@ -35,6 +35,7 @@ from tests.integration.test_epoch_counts import (
     cycle,
     growth,
     lost,
+    settled_by_cycles,
     stored,
     stubs_of,
     uncounted,
@@ -138,7 +139,8 @@ def test_a_lost_claim_whose_id_a_new_primary_reused_is_not_counted(primary, pool
     them on the new primary."""
     db = Db(pooled)
     with closing(CommitDropProxy(pooled)) as proxy:
-        servers = [ServerThread(base_config(), proxy.url), ServerThread(base_config(), pooled)]
+        servers = settled_by_cycles([ServerThread(base_config(), proxy.url),
+                                     ServerThread(base_config(), pooled)])
         try:
             stubs_gen = stubs_of(servers)
             stubs = next(stubs_gen)

@@ -44,10 +44,19 @@ def proxy(database_url: str) -> Iterator[CommitDropProxy]:
 def replicas(database_url: str, proxy: CommitDropProxy) -> Iterator[list[ServerThread]]:
     """Two replicas of one database: the first reaches it through the proxy that can lose a
     COMMIT's answer."""
-    servers = [ServerThread(base_config(), proxy.url), ServerThread(base_config(), database_url)]
+    servers = settled_by_cycles([ServerThread(base_config(), proxy.url),
+                                 ServerThread(base_config(), database_url)])
     yield servers
     for s in servers:
         s.stop()
+
+
+def settled_by_cycles(servers: list[ServerThread]) -> list[ServerThread]:
+    """``servers``, whose kept claims wait for a cycle (or the stop) to settle them rather than
+    for a pass a few seconds after each was kept: the tests of settling run the cycles."""
+    for s in servers:
+        s.running.maintenance.settle_after_seconds = 3600.0
+    return servers
 
 
 def stubs_of(servers: list[ServerThread]) -> Iterator[list[pb_grpc.ContextEngineStub]]:
@@ -401,7 +410,8 @@ def cut_proxy(cut_url: str) -> Iterator[CommitDropProxy]:
 @pytest.fixture(scope="module")
 def cut(cut_url: str, cut_proxy: CommitDropProxy) -> Iterator[list[ServerThread]]:
     """Two replicas of the module's second database, the first through the proxy."""
-    servers = [ServerThread(base_config(), cut_proxy.url), ServerThread(base_config(), cut_url)]
+    servers = settled_by_cycles([ServerThread(base_config(), cut_proxy.url),
+                                 ServerThread(base_config(), cut_url)])
     yield servers
     for s in servers:
         s.stop()
@@ -619,30 +629,96 @@ def test_a_writer_claim_whose_commit_never_arrived_is_claimed_again(cut, cut_stu
     assert growth(before, counted(cut)) == truth == stored(db, tenant)
 
 
-def test_a_writer_claim_left_unsettled_at_stop_is_logged_lost(cut_url, cut_proxy, caplog):
-    """A replica stopped before a cycle settled its writer's claim whose COMMIT answer was lost
-    logs the epoch no replica will count; so does one whose claim is handed over once its
-    cycles have stopped (a call finishing as the server stops)."""
+def _logged(caplog: pytest.LogCaptureFixture, message: str) -> list[dict[str, object]]:
+    """The fields of the lines logged as ``message``, which are then forgotten."""
+    found = [dict(getattr(r, "fields", {})) for r in caplog.records if r.getMessage() == message]
+    caplog.clear()
+    return found
+
+
+def test_a_writer_claim_whose_commit_answer_was_lost_is_counted_seconds_later(
+        cut_url, cut_proxy, caplog):
+    """The writer's claim committed and its COMMIT answer was lost: its replica settles it by
+    a pass of its own a few seconds (``settle_after_seconds``) after it was kept, counting the
+    epoch once, without waiting for the next maintenance cycle (an hour by default)."""
     caplog.set_level(logging.INFO, logger="context_engine")
+    db = Db(cut_url)
     server = ServerThread(base_config(), cut_proxy.url)
     try:
+        maintenance = server.running.maintenance
+        maintenance.settle_after_seconds = 0.2
+        cycles = maintenance.cycles
         (stub,) = next(stubs_gen := stubs_of([server]))
-        opened(stub, cut_proxy)
+        before = counted([server])
+        tenant, _ = opened(stub, cut_proxy)
+        truth = {"session_opened": 1.0, "opened": 1.0}
+        assert until(lambda: growth(before, counted([server])) == truth)
+        assert maintenance.unsettled == 0 and maintenance.cycles == cycles  # no cycle ran
+        assert _logged(caplog, "epoch_count_settled") == [
+            {"epochs_counted": 1, "epochs_unsettled": 0}]
+        assert stored(db, tenant) == truth
+        time.sleep(0.4)  # nothing counted twice by a later pass
+        assert growth(before, counted([server])) == truth
+        next(stubs_gen, None)
+    finally:
+        server.stop()
+    assert growth(before, counted([server])) == truth and _logged(caplog, "epoch_count_lost") == []
+
+
+def test_a_stop_settles_the_claims_it_holds_and_logs_lost_only_what_it_cannot(
+        cut_url, cut_proxy, caplog):
+    """A replica stopped before any pass or cycle settled its writer's claim whose COMMIT
+    answer was lost settles it as it stops: the epoch is counted, nothing logged lost. A claim
+    whose transaction is still in progress at the stop, or whose settling does not answer
+    within ``stop_settle_seconds`` (the stop waits no longer), is logged lost, as is one handed
+    over once its cycles have stopped (a call finishing as the server stops)."""
+    caplog.set_level(logging.INFO, logger="context_engine")
+    db = Db(cut_url)
+    server = settled_by_cycles([ServerThread(base_config(), cut_proxy.url)])[0]
+    try:
+        (stub,) = next(stubs_gen := stubs_of([server]))
+        before = counted([server])
+        tenant, _ = opened(stub, cut_proxy)
         assert server.running.maintenance.unsettled == 1
         next(stubs_gen, None)
     finally:
         server.stop()
+    truth = {"session_opened": 1.0, "opened": 1.0}
+    assert growth(before, counted([server])) == truth == stored(db, tenant)
+    assert _logged(caplog, "epoch_count_lost") == []
 
-    def lost() -> list[dict[str, object]]:
-        found = [dict(getattr(r, "fields", {})) for r in caplog.records
-                 if r.getMessage() == "epoch_count_lost"]
-        caplog.clear()
-        return found
-
-    assert lost() == [{"epochs": 1, "reason": "process_stopped"}]
+    # in progress at the stop: kept, so lost
+    server = settled_by_cycles([ServerThread(base_config(), cut_url)])[0]
+    loop = asyncio.new_event_loop()
+    try:
+        conn = loop.run_until_complete(asyncpg.connect(cut_url, statement_cache_size=0))
+        tx = conn.transaction()
+        loop.run_until_complete(tx.start())
+        xid = loop.run_until_complete(conn.fetchval("SELECT pg_current_xact_id()::text"))
+        server.running.maintenance.keep(str(xid), str(uuid.uuid4()), (
+            ClaimedEpoch(tenant, "session", 2, "operator", 100),))
+        server.stop()
+        loop.run_until_complete(tx.rollback())
+        loop.run_until_complete(conn.close())
+    finally:
+        loop.close()
+    assert _logged(caplog, "epoch_count_lost") == [{"epochs": 1, "reason": "process_stopped"}]
     server.running.maintenance.keep("7", str(uuid.uuid4()),
                                     (ClaimedEpoch("tenant", "session", 2, "operator", 100),))
-    assert lost() == [{"epochs": 1, "reason": "process_stopped", "xid": "7"}]
+    assert _logged(caplog, "epoch_count_lost") == [
+        {"epochs": 1, "reason": "process_stopped", "xid": "7"}]
+
+    # its settling unanswered: the stop waits stop_settle_seconds for it, then logs it lost
+    server = settled_by_cycles([ServerThread(base_config(), cut_url)])[0]
+    maintenance = server.running.maintenance
+    maintenance.stop_settle_seconds = 0.5
+    maintenance.pool = _BeforeStatus(maintenance.pool, lambda: asyncio.sleep(30))
+    maintenance.keep("8", str(uuid.uuid4()), (ClaimedEpoch(tenant, "session", 3, "operator", 100),))
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 5.0
+    assert maintenance.pool.ran
+    assert _logged(caplog, "epoch_count_lost") == [{"epochs": 1, "reason": "process_stopped"}]
 
 
 def test_a_claim_still_in_progress_is_settled_once_it_has_ended(cut, cut_stubs, cut_proxy,
@@ -681,9 +757,10 @@ def test_a_claim_still_in_progress_is_settled_once_it_has_ended(cut, cut_stubs, 
     assert growth(before, counted(cut)) == truth == stored(db, tenant)
 
 
-class _CommitsBeforeStatus:
+class _BeforeStatus:
     """The maintenance pool, but for one thing: just before a connection of it asks
-    PostgreSQL for a transaction's status (XACT_STATUS), ``before`` runs, once."""
+    PostgreSQL for a transaction's status (XACT_STATUS), ``before`` is awaited, once (a
+    commit of the claim's transaction, or a wait that outlasts the stop)."""
 
     def __init__(self, pool: Any, before: Callable[[], Any]) -> None:
         self._pool, self._before, self.ran = pool, before, False
@@ -698,7 +775,7 @@ class _CommitsBeforeStatus:
 
 
 class _StatusHooked:
-    def __init__(self, conn: Any, pool: _CommitsBeforeStatus) -> None:
+    def __init__(self, conn: Any, pool: _BeforeStatus) -> None:
         self._conn, self._pool = conn, pool
 
     def __getattr__(self, name: str) -> Any:
@@ -735,7 +812,7 @@ def test_a_claim_committing_as_it_is_settled_is_counted_once(cut, cut_stubs, cut
         tenant, session, claim))
     first.keep(str(xid), claim, (ClaimedEpoch(tenant, session, 1, "session_opened", prefix),))
     pool = first.pool
-    hooked = _CommitsBeforeStatus(pool, tx.commit)
+    hooked = _BeforeStatus(pool, tx.commit)
     first.pool = hooked
     try:
         outcomes = cycle(cut)

@@ -265,13 +265,21 @@ class Maintenance:
     # place, by copies made with replace()
     _unsettled: list[_Batch] = field(default_factory=list)
     _closed: bool = False
+    # once the cycles run in the background (``start``), a kept claim is settled this long after
+    # it was kept by a pass that only settles (``settle``), not an hour later at the next cycle;
+    # and a stop settles what it still holds, waiting at most ``stop_settle_seconds``
+    settle_after_seconds: float = 5.0
+    stop_settle_seconds: float = 2.0
+    _soon: asyncio.Event | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
 
     def keep(self, xid: str, claim: str, epochs: tuple[ClaimedEpoch, ...]) -> None:
         """A claim of ``epochs`` (tenant, session, epoch, reason, prefix tokens) whose COMMIT
         went unanswered, made by transaction ``xid`` of this process outside a cycle (an
         epoch's writer's, ``PostgresPlanStore.claim_count``), which wrote ``claim`` in their
-        rows: settled by the next cycle as a batch of step 4's is, counted once if it
-        committed. Once this process's cycles have stopped, lost (logged)."""
+        rows: settled as a batch of step 4's is, counted once if it committed, by a pass
+        ``settle_after_seconds`` later (or the next cycle, or the stop). Once this process's
+        cycles have stopped, lost (logged). Any thread may call it."""
         if not epochs:
             return
         if self._closed:
@@ -279,6 +287,29 @@ class Maintenance:
                 reason="process_stopped", xid=xid)
             return
         self._unsettled.append(_Batch(xid=xid, claim=claim, epochs=epochs))
+        self._wake()
+
+    def _wake(self) -> None:
+        """The background task, told that a claim waits to be settled."""
+        if self._loop is not None and self._soon is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._soon.set)
+
+    async def settle(self) -> int:
+        """Settles the kept claims now, outside a cycle (as a cycle does first): the epochs it
+        counted. A failure is logged, and what it could not settle waits for the next pass or
+        cycle. Without ``count_epoch`` (step 4 not run), nothing."""
+        if self.count_epoch is None or not self._unsettled:
+            return 0
+        tally = _Tally()
+        try:
+            await self._settle(self.count_epoch, tally)
+        except (*UNAVAILABLE, asyncpg.PostgresError) as exc:
+            log("epoch_count_settle_failed", logging.WARNING, error=type(exc).__name__,
+                epochs_counted=tally.counted, epochs_unsettled=self.unsettled)
+            return tally.counted
+        log("epoch_count_settled", epochs_counted=tally.counted,
+            epochs_unsettled=self.unsettled)
+        return tally.counted
 
     @property
     def unsettled(self) -> int:
@@ -434,6 +465,7 @@ class Maintenance:
             except BaseException:
                 if batch is not None and batch.epochs:  # its COMMIT sent: committed or not?
                     self._unsettled.append(batch)
+                    self._wake()
                 raise
             for e in batch.epochs:  # claimed by this statement alone
                 count_epoch(e.epoch, e.reason, e.prefix_tokens)
@@ -485,11 +517,30 @@ class Maintenance:
         """Cycles every ``interval_seconds`` in the background (the first one at start is the
         caller's ``run_once``)."""
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._loop = asyncio.get_running_loop()
+            self._soon = asyncio.Event()
+            if self._unsettled:
+                self._soon.set()
+            self._task = self._loop.create_task(self._run())
 
     async def _run(self) -> None:
+        assert self._loop is not None and self._soon is not None
+        loop, soon = self._loop, self._soon
         while True:
-            await asyncio.sleep(self.interval_seconds)
+            due = loop.time() + self.interval_seconds
+            while True:  # until the cycle is due: a settling pass after each claim kept
+                try:
+                    await asyncio.wait_for(soon.wait(), max(0.0, due - loop.time()))
+                except TimeoutError:
+                    break
+                soon.clear()
+                await asyncio.sleep(min(self.settle_after_seconds,
+                                        max(0.0, due - loop.time())))
+                try:
+                    await self.settle()
+                except Exception as exc:  # a defect: logged, and the cycle runs all the same
+                    log("maintenance_failed", logging.ERROR, error=type(exc).__name__,
+                        retry_in_seconds=self.interval_seconds)
             try:
                 await self.attempt()
             except Exception as exc:  # a defect: logged, and the next cycle runs all the same
@@ -513,6 +564,9 @@ class Maintenance:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._unsettled and self.count_epoch is not None:  # one last pass, bounded
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.settle(), self.stop_settle_seconds)
         if self._unsettled:  # no cycle of this process will count them
             log("epoch_count_lost", logging.WARNING, epochs=self.unsettled,
                 reason="process_stopped")
