@@ -27,8 +27,9 @@ A cycle:
    claim writes a value of its own in the rows it turns (``plans.count_claim``, migration
    0010). A batch whose COMMIT went unanswered (the connection lost during it) is kept, its
    epochs (with their rows' keys), that value and its transaction's id
-   (``pg_current_xact_id``), by the process that claimed it alone: its next cycle, before
-   anything else, asks PostgreSQL whether that transaction is still in progress
+   (``pg_current_xact_id``), by the process that claimed it alone: a pass of its own a few
+   seconds later (``settle``; its next cycle, before anything else, if still unsettled; its
+   stop, within two seconds), asks PostgreSQL whether that transaction is still in progress
    (``pg_xact_status``; it is asked again at the cycle after) and, once it is not, reads the
    batch's rows: it counts, once, the epochs whose row shows the claim's value (it committed),
    and counts nothing of the others (it rolled back, or the database lost its COMMIT: their
@@ -261,7 +262,7 @@ class Maintenance:
     cycles: int = 0  # cycles that ran (got the lock)
     skipped: int = 0  # cycles another replica was running
     # step 4's batches and the writers' claims (``keep``) whose COMMIT went unanswered,
-    # settled by the next cycle (this process alone knows whether it counted them); shared, in
+    # settled by ``settle`` (this process alone knows whether it counted them); shared, in
     # place, by copies made with replace()
     _unsettled: list[_Batch] = field(default_factory=list)
     _closed: bool = False
