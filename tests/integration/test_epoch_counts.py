@@ -652,7 +652,7 @@ def test_a_writer_claim_whose_commit_answer_was_lost_is_counted_seconds_later(
         before = counted([server])
         tenant, _ = opened(stub, cut_proxy)
         truth = {"session_opened": 1.0, "opened": 1.0}
-        assert until(lambda: growth(before, counted([server])) == truth)
+        assert until(lambda: growth(before, counted([server])) == truth, 3.0)
         assert maintenance.unsettled == 0 and maintenance.cycles == cycles  # no cycle ran
         assert _logged(caplog, "epoch_count_settled") == [
             {"epochs_counted": 1, "epochs_unsettled": 0}]
@@ -663,6 +663,38 @@ def test_a_writer_claim_whose_commit_answer_was_lost_is_counted_seconds_later(
     finally:
         server.stop()
     assert growth(before, counted([server])) == truth and _logged(caplog, "epoch_count_lost") == []
+
+
+def test_a_settling_pass_the_database_does_not_answer_is_tried_again(cut_url, cut_proxy,
+                                                                    caplog):
+    """The pass settling a writer's lost claim finds the database away (logged
+    ``epoch_count_settle_failed``): it tries again, twice as late, and counts the epoch once,
+    still without waiting for a cycle."""
+    caplog.set_level(logging.INFO, logger="context_engine")
+    db = Db(cut_url)
+    server = ServerThread(base_config(), cut_proxy.url)
+    try:
+        maintenance = server.running.maintenance
+        maintenance.settle_after_seconds = 0.2
+        cycles = maintenance.cycles
+
+        async def away() -> None:
+            raise ConnectionResetError("the database went away")
+
+        maintenance.pool = hooked = _BeforeStatus(maintenance.pool, away)
+        (stub,) = next(stubs_gen := stubs_of([server]))
+        before = counted([server])
+        tenant, _ = opened(stub, cut_proxy)
+        truth = {"session_opened": 1.0, "opened": 1.0}
+        assert until(lambda: growth(before, counted([server])) == truth, 3.0)
+        assert hooked.ran and maintenance.unsettled == 0 and maintenance.cycles == cycles
+        assert _logged(caplog, "epoch_count_settle_failed") == [
+            {"error": "ConnectionResetError", "epochs_counted": 0, "epochs_unsettled": 1}]
+        assert stored(db, tenant) == truth
+        next(stubs_gen, None)
+    finally:
+        server.stop()
+    assert growth(before, counted([server])) == truth
 
 
 def test_a_stop_settles_the_claims_it_holds_and_logs_lost_only_what_it_cannot(

@@ -118,6 +118,9 @@ WHERE p.tenant_id = o.tenant_id AND p.session_id = o.session_id AND p.epoch = o.
   AND NOT p.counted
 RETURNING p.tenant_id, p.session_id, p.epoch, p.reason, p.prefix_tokens,
     pg_current_xact_id()::text AS xid"""
+# The longest a claim left unsettled by a pass (still in progress, or unanswered) waits for the
+# next: each pass after the first waits twice as long as the one before, up to this.
+SETTLE_RETRY_MAX_SECONDS = 300.0
 # Whether the transaction of a batch whose COMMIT went unanswered is still in progress (its
 # rows then read as before it), and whether it committed: 'committed', 'aborted' or
 # 'in progress' (NULL once too old for PostgreSQL to know, PostgreSQL 13 or later). Asked of a
@@ -527,6 +530,7 @@ class Maintenance:
     async def _run(self) -> None:
         assert self._loop is not None and self._soon is not None
         loop, soon = self._loop, self._soon
+        retries = 0  # passes in a row that left a claim unsettled
         while True:
             due = loop.time() + self.interval_seconds
             while True:  # until the cycle is due: a settling pass after each claim kept
@@ -535,13 +539,21 @@ class Maintenance:
                 except TimeoutError:
                     break
                 soon.clear()
-                await asyncio.sleep(min(self.settle_after_seconds,
-                                        max(0.0, due - loop.time())))
+                wait = self.settle_after_seconds * 2 ** retries
+                if retries:  # each time twice as late, at most SETTLE_RETRY_MAX_SECONDS
+                    wait = min(wait, SETTLE_RETRY_MAX_SECONDS)
+                await asyncio.sleep(min(wait, max(0.0, due - loop.time())))
                 try:
                     await self.settle()
                 except Exception as exc:  # a defect: logged, and the cycle runs all the same
                     log("maintenance_failed", logging.ERROR, error=type(exc).__name__,
                         retry_in_seconds=self.interval_seconds)
+                if self._unsettled and self.count_epoch is not None:
+                    # still in progress, or the database did not answer: again, later
+                    retries = min(retries + 1, 16)
+                    soon.set()
+                else:
+                    retries = 0
             try:
                 await self.attempt()
             except Exception as exc:  # a defect: logged, and the next cycle runs all the same
