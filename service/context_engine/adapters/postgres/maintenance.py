@@ -118,9 +118,6 @@ WHERE p.tenant_id = o.tenant_id AND p.session_id = o.session_id AND p.epoch = o.
   AND NOT p.counted
 RETURNING p.tenant_id, p.session_id, p.epoch, p.reason, p.prefix_tokens,
     pg_current_xact_id()::text AS xid"""
-# The longest a claim left unsettled by a pass (still in progress, or unanswered) waits for the
-# next: each pass after the first waits twice as long as the one before, up to this.
-SETTLE_RETRY_MAX_SECONDS = 300.0
 # Whether the transaction of a batch whose COMMIT went unanswered is still in progress (its
 # rows then read as before it), and whether it committed: 'committed', 'aborted' or
 # 'in progress' (NULL once too old for PostgreSQL to know, PostgreSQL 13 or later). Asked of a
@@ -251,6 +248,11 @@ class _Tally:
     deleted: list[int] = field(default_factory=list)
     counted: int = 0
     partitions_failed: bool = False
+
+
+# The longest a claim left unsettled by a pass (still in progress, or unanswered) waits for the
+# next: each pass after the first waits twice as long as the one before, up to this.
+SETTLE_RETRY_MAX_SECONDS = 300.0
 
 
 @dataclass
