@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -216,3 +218,47 @@ def test_the_cache_directory_is_the_one_tiktoken_reads(tmp_path, monkeypatch, va
         monkeypatch.setenv(variable, str(directory))
     read = tiktoken.load.read_file_cached(url).decode()
     assert tiktoken_cache_dir(env) == tmp_path / read
+
+
+# what each encoding's ordinary text is counted as, by the independent oracle
+_COUNTED_AS = {"cl100k_base": "cl100k_base", "o200k_base": "o200k_base",
+               "o200k_harmony": "o200k_base", "p50k_base": "cl100k_base"}
+
+
+@pytest.mark.parametrize("name", sorted(_COUNTED_AS))
+def test_tiktoken_s_encoding_is_built_only_for_a_text_bpe_openai_refuses(tmp_path, name):
+    """Loaded as a worker loads it before it serves, a counter bpe-openai accelerates has not
+    built tiktoken's encoding (0.4-0.5 s for o200k_base's, at every start); ordinary text does
+    not build it; a text holding a lone surrogate (which bpe-openai refuses) builds it then and
+    is counted as the oracle counts it."""
+    registry = TiktokenRegistry({"TIKTOKEN_CACHE_DIR": str(tmp_path)})
+    registry.warm([name])
+    counter, _ = registry.counter_for(name)
+    assert isinstance(counter, TiktokenCounter) and counter.accelerated
+    assert counter._built is None
+    oracle = oracle_encoding(_COUNTED_AS[name])
+    text = CAMEL_CODE * 3
+    assert counter.count(text) == len(oracle.encode_ordinary(text))
+    assert counter._built is None
+    lone = "abc \ud800 def " * 30  # long enough for the digest cache's path too
+    assert counter.count(lone) == len(oracle.encode_ordinary(lone))
+    assert counter._built is not None
+    assert counter.count(lone[:20]) == len(oracle.encode_ordinary(lone[:20]))
+
+
+def test_a_fresh_process_warming_the_catalog_builds_no_tiktoken_encoding(tmp_path):
+    """What a worker does before it serves (``warm`` of the catalog's encodings, and whether
+    each is exact) builds no ``tiktoken.Encoding`` at all, in a process of its own: none is
+    left over from another test."""
+    code = (
+        "import gc, sys, tiktoken\n"
+        "from context_engine.adapters.tokenizers import TiktokenRegistry\n"
+        "r = TiktokenRegistry({'TIKTOKEN_CACHE_DIR': sys.argv[1]})\n"
+        "names = ['cl100k_base', 'o200k_base', 'o200k_harmony', 'p50k_base']\n"
+        "r.warm(names)\n"
+        "assert [r.exact(n) is not None for n in names] == [True, True, True, False]\n"
+        "print(sum(isinstance(o, tiktoken.Encoding) for o in gc.get_objects()))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"
