@@ -697,6 +697,44 @@ def test_a_settling_pass_the_database_does_not_answer_is_tried_again(cut_url, cu
     assert growth(before, counted([server])) == truth
 
 
+def test_a_claim_kept_while_another_waits_in_progress_is_settled_seconds_later_too(
+        cut_url, cut_proxy, caplog):
+    """A claim still in progress is asked about again by passes each twice as late as the one
+    before; a claim kept meanwhile keeps its own pass, ``settle_after_seconds`` after it, not
+    the next of that one's, however late that has grown."""
+    caplog.set_level(logging.INFO, logger="context_engine")
+    db = Db(cut_url)
+    server = ServerThread(base_config(), cut_proxy.url)
+    loop = asyncio.new_event_loop()
+    try:
+        maintenance = server.running.maintenance
+        maintenance.settle_after_seconds = 0.1
+        conn = loop.run_until_complete(asyncpg.connect(cut_url, statement_cache_size=0))
+        tx = conn.transaction()
+        loop.run_until_complete(tx.start())
+        xid = loop.run_until_complete(conn.fetchval("SELECT pg_current_xact_id()::text"))
+        maintenance.keep(str(xid), str(uuid.uuid4()), (
+            ClaimedEpoch(f"tenant-{uuid.uuid4().hex[:12]}", "session", 1, "operator", 100),))
+
+        def passes() -> int:
+            return sum(r.getMessage() == "epoch_count_settled" for r in caplog.records)
+
+        # passes 0.1 s after the keep, then 0.2, 0.4, 0.8 and 1.6 s apart: the next 3.2 s on
+        assert until(lambda: passes() >= 5, 10.0)
+        (stub,) = next(stubs_gen := stubs_of([server]))
+        before = counted([server])
+        tenant, _ = opened(stub, cut_proxy)
+        truth = {"session_opened": 1.0, "opened": 1.0}
+        assert until(lambda: growth(before, counted([server])) == truth, 1.5)
+        assert maintenance.unsettled == 1 and stored(db, tenant) == truth  # the first, waiting
+        next(stubs_gen, None)
+        loop.run_until_complete(tx.rollback())
+        loop.run_until_complete(conn.close())
+    finally:
+        loop.close()
+        server.stop()
+
+
 def test_a_stop_settles_the_claims_it_holds_and_logs_lost_only_what_it_cannot(
         cut_url, cut_proxy, caplog):
     """A replica stopped before any pass or cycle settled its writer's claim whose COMMIT
@@ -751,6 +789,20 @@ def test_a_stop_settles_the_claims_it_holds_and_logs_lost_only_what_it_cannot(
     assert time.monotonic() - started < 5.0
     assert maintenance.pool.ran
     assert _logged(caplog, "epoch_count_lost") == [{"epochs": 1, "reason": "process_stopped"}]
+
+    # its settling fails with what no database outage raises (a defect): logged, and the
+    # stop goes on to close what follows (its buffered events written)
+    server = settled_by_cycles([ServerThread(base_config(), cut_url)])[0]
+    maintenance = server.running.maintenance
+
+    async def defect() -> None:
+        raise asyncpg.InternalClientError("cannot switch to state 11")
+
+    maintenance.pool = _BeforeStatus(maintenance.pool, defect)
+    maintenance.keep("9", str(uuid.uuid4()), (ClaimedEpoch(tenant, "session", 4, "operator", 100),))
+    server.stop()
+    assert maintenance.pool.ran and server.running.pool.is_closing()
+    assert _logged(caplog, "maintenance_failed") == [{"error": "InternalClientError"}]
 
 
 def test_a_claim_still_in_progress_is_settled_once_it_has_ended(cut, cut_stubs, cut_proxy,

@@ -30,7 +30,8 @@ A cycle:
    (``pg_current_xact_id``), by the process that claimed it alone: a pass of its own a few
    seconds later (``settle``; its next cycle, before anything else, if still unsettled; its
    stop, within two seconds), asks PostgreSQL whether that transaction is still in progress
-   (``pg_xact_status``; it is asked again at the cycle after) and, once it is not, reads the
+   (``pg_xact_status``; if so, it is asked again by a later pass, each twice as late as the
+   one before, or the next cycle) and, once it is not, reads the
    batch's rows: it counts, once, the epochs whose row shows the claim's value (it committed),
    and counts nothing of the others (it rolled back, or the database lost its COMMIT: their
    rows are uncounted, or counted by another claim, and a cycle claims them anew). The status
@@ -278,6 +279,7 @@ class Maintenance:
     stop_settle_seconds: float = 2.0
     _soon: asyncio.Event | None = None
     _loop: asyncio.AbstractEventLoop | None = None
+    _pass_at: float | None = None  # when the next settling pass is due (the loop's clock)
 
     def keep(self, xid: str, claim: str, epochs: tuple[ClaimedEpoch, ...]) -> None:
         """A claim of ``epochs`` (tenant, session, epoch, reason, prefix tokens) whose COMMIT
@@ -296,9 +298,19 @@ class Maintenance:
         self._wake()
 
     def _wake(self) -> None:
-        """The background task, told that a claim waits to be settled."""
+        """The background task, told that a claim was kept, to be settled."""
         if self._loop is not None and self._soon is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._soon.set)
+            self._loop.call_soon_threadsafe(self._kept)
+
+    def _kept(self) -> None:
+        """A claim was kept: a pass ``settle_after_seconds`` from now, unless one is due
+        sooner."""
+        assert self._loop is not None and self._soon is not None
+        self._pass_by(self._loop.time() + self.settle_after_seconds)
+        self._soon.set()
+
+    def _pass_by(self, at: float) -> None:
+        self._pass_at = at if self._pass_at is None else min(self._pass_at, at)
 
     async def settle(self) -> int:
         """Settles the kept claims now, outside a cycle (as a cycle does first): the epochs it
@@ -486,8 +498,8 @@ class Maintenance:
         committed) and drops the rest (their rows uncounted, for a cycle to claim, or counted
         by another claim). An epoch whose row is gone (erased since) is counted if the status
         says committed; when PostgreSQL can no longer tell, it is lost, logged."""
-        batches = list(self._unsettled)
-        self._unsettled.clear()
+        batches = self._unsettled[:]
+        del self._unsettled[:len(batches)]  # not one kept meanwhile (keep: any thread)
         kept: list[_Batch] = []
         try:
             async with self.pool.acquire() as conn:
@@ -526,7 +538,7 @@ class Maintenance:
             self._loop = asyncio.get_running_loop()
             self._soon = asyncio.Event()
             if self._unsettled:
-                self._soon.set()
+                self._pass_by(self._loop.time() + self.settle_after_seconds)
             self._task = self._loop.create_task(self._run())
 
     async def _run(self) -> None:
@@ -535,27 +547,28 @@ class Maintenance:
         retries = 0  # passes in a row that left a claim unsettled
         while True:
             due = loop.time() + self.interval_seconds
-            while True:  # until the cycle is due: a settling pass after each claim kept
-                try:
-                    await asyncio.wait_for(soon.wait(), max(0.0, due - loop.time()))
-                except TimeoutError:
-                    break
-                soon.clear()
-                wait = self.settle_after_seconds * 2 ** retries
-                if retries:  # each time twice as late, at most SETTLE_RETRY_MAX_SECONDS
-                    wait = min(wait, SETTLE_RETRY_MAX_SECONDS)
-                await asyncio.sleep(min(wait, max(0.0, due - loop.time())))
-                try:
-                    await self.settle()
-                except Exception as exc:  # a defect: logged, and the cycle runs all the same
-                    log("maintenance_failed", logging.ERROR, error=type(exc).__name__,
-                        retry_in_seconds=self.interval_seconds)
-                if self._unsettled and self.count_epoch is not None:
-                    # still in progress, or the database did not answer: again, later
-                    retries = min(retries + 1, 16)
-                    soon.set()
-                else:
-                    retries = 0
+            while (now := loop.time()) < due:  # until the cycle is due: the settling passes
+                at = self._pass_at
+                if at is not None and at <= now:
+                    self._pass_at = None
+                    try:
+                        await self.settle()
+                    except Exception as exc:  # a defect: logged, and the cycle runs all the same
+                        log("maintenance_failed", logging.ERROR, error=type(exc).__name__,
+                            retry_in_seconds=self.interval_seconds)
+                    if self._unsettled and self.count_epoch is not None:
+                        # still in progress, or the database did not answer: again, each time
+                        # twice as late (a claim kept meanwhile keeps its own, sooner, pass)
+                        retries = min(retries + 1, 16)
+                        self._pass_by(loop.time() + min(self.settle_after_seconds * 2 ** retries,
+                                                        SETTLE_RETRY_MAX_SECONDS))
+                    else:
+                        retries = 0
+                    continue
+                soon.clear()  # woken by a claim kept (its pass due sooner), or when one is due
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(soon.wait(), min(due, at if at is not None else due)
+                                           - now)
             try:
                 await self.attempt()
             except Exception as exc:  # a defect: logged, and the next cycle runs all the same
@@ -580,8 +593,12 @@ class Maintenance:
                 await self._task
             self._task = None
         if self._unsettled and self.count_epoch is not None:  # one last pass, bounded
-            with contextlib.suppress(TimeoutError):
+            try:
                 await asyncio.wait_for(self.settle(), self.stop_settle_seconds)
+            except TimeoutError:
+                pass
+            except Exception as exc:  # a defect: logged, and the stop goes on
+                log("maintenance_failed", logging.ERROR, error=type(exc).__name__)
         if self._unsettled:  # no cycle of this process will count them
             log("epoch_count_lost", logging.WARNING, epochs=self.unsettled,
                 reason="process_stopped")
