@@ -16,6 +16,7 @@ from context_engine.adapters.tokenizers import (
     TiktokenRegistry,
     available_offline,
     bundled_encoding,
+    bundled_vocabulary,
     cache_path,
     cached_offline,
     ordinary_counter,
@@ -262,3 +263,23 @@ def test_a_fresh_process_warming_the_catalog_builds_no_tiktoken_encoding(tmp_pat
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "0"
+
+
+@pytest.mark.parametrize("name", ["cl100k_base", "o200k_base"])
+def test_a_counter_from_tiktoken_s_cache_never_reads_the_file_again(tmp_path, name):
+    """An encoding loaded from tiktoken's cache (where the image puts the official files) is
+    read as it is loaded: its file gone later (a temporary directory's cleaner), the first text
+    that needs tiktoken's encoding builds it from what was read, never from a download."""
+    env = {"TIKTOKEN_CACHE_DIR": str(tmp_path)}
+    path = cache_path(name, env)
+    assert path is not None
+    vocabulary = bundled_vocabulary(name)
+    assert vocabulary is not None  # the official file (hash-checked)
+    path.write_bytes(vocabulary)
+    assert cached_offline(name, env)
+    counter, extra = TiktokenRegistry(env).counter_for(name)
+    assert extra == 1.0 and isinstance(counter, TiktokenCounter) and counter._built is None
+    path.unlink()
+    lone = "abc \ud800 def " * 30
+    assert counter.count(lone) == len(oracle_encoding(name).encode_ordinary(lone))
+    assert counter._built is not None and not path.exists()

