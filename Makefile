@@ -83,9 +83,10 @@ lint: $(DEV_STAMP) $(GEN_STAMP)
 ## test: the prerequisites, lint, promtool and pgbouncer (installed if missing), then the whole
 ## suite against a throwaway database behind PgBouncer in transaction pooling mode. In
 ## TEST_WORKERS processes (pytest-xdist: each its own database and pooler, one test file per
-## process at a time), two by default; in one with TEST_WORKERS=0, and always in one against
-## CE_TEST_DATABASE_URL (one database, which two processes would share)
-TEST_WORKERS ?= 2
+## process at a time), three by default (on two cores: a third keeps the CPU busy while the
+## others wait on servers, processes and databases); in one with TEST_WORKERS=0, and always in
+## one against CE_TEST_DATABASE_URL (one database, which the processes would share)
+TEST_WORKERS ?= 3
 PYTEST_WORKERS = $(if $(CE_TEST_DATABASE_URL),0,$(TEST_WORKERS))
 test: prereqs-test lint
 	scripts/ensure-promtool
