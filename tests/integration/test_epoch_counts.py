@@ -636,11 +636,18 @@ def _logged(caplog: pytest.LogCaptureFixture, message: str) -> list[dict[str, ob
     return found
 
 
+async def _away() -> None:
+    raise ConnectionResetError("the database went away")
+
+
+@pytest.mark.parametrize("first_pass", ["answered", "away"])
 def test_a_writer_claim_whose_commit_answer_was_lost_is_counted_seconds_later(
-        cut_url, cut_proxy, caplog):
+        cut_url, cut_proxy, caplog, first_pass):
     """The writer's claim committed and its COMMIT answer was lost: its replica settles it by
     a pass of its own a few seconds (``settle_after_seconds``) after it was kept, counting the
-    epoch once, without waiting for the next maintenance cycle (an hour by default)."""
+    epoch once, without waiting for the next maintenance cycle (an hour by default). A pass
+    that finds the database away (logged ``epoch_count_settle_failed``) is tried again, twice
+    as late, and the epoch is counted once all the same."""
     caplog.set_level(logging.INFO, logger="context_engine")
     db = Db(cut_url)
     server = ServerThread(base_config(), cut_proxy.url)
@@ -648,14 +655,21 @@ def test_a_writer_claim_whose_commit_answer_was_lost_is_counted_seconds_later(
         maintenance = server.running.maintenance
         maintenance.settle_after_seconds = 0.2
         cycles = maintenance.cycles
+        if first_pass == "away":
+            maintenance.pool = _BeforeStatus(maintenance.pool, _away)
         (stub,) = next(stubs_gen := stubs_of([server]))
         before = counted([server])
         tenant, _ = opened(stub, cut_proxy)
         truth = {"session_opened": 1.0, "opened": 1.0}
         assert until(lambda: growth(before, counted([server])) == truth, 3.0)
         assert maintenance.unsettled == 0 and maintenance.cycles == cycles  # no cycle ran
-        assert _logged(caplog, "epoch_count_settled") == [
-            {"epochs_counted": 1, "epochs_unsettled": 0}]
+        settled = ("epoch_count_settled", {"epochs_counted": 1, "epochs_unsettled": 0})
+        failed = ("epoch_count_settle_failed", {"error": "ConnectionResetError",
+                                                "epochs_counted": 0, "epochs_unsettled": 1})
+        assert [(r.getMessage(), dict(getattr(r, "fields", {}))) for r in caplog.records
+                if r.getMessage().startswith("epoch_count_settle")] == (
+            [settled] if first_pass == "answered" else [failed, settled])
+        caplog.clear()
         assert stored(db, tenant) == truth
         time.sleep(0.4)  # nothing counted twice by a later pass
         assert growth(before, counted([server])) == truth
@@ -663,38 +677,6 @@ def test_a_writer_claim_whose_commit_answer_was_lost_is_counted_seconds_later(
     finally:
         server.stop()
     assert growth(before, counted([server])) == truth and _logged(caplog, "epoch_count_lost") == []
-
-
-def test_a_settling_pass_the_database_does_not_answer_is_tried_again(cut_url, cut_proxy,
-                                                                    caplog):
-    """The pass settling a writer's lost claim finds the database away (logged
-    ``epoch_count_settle_failed``): it tries again, twice as late, and counts the epoch once,
-    still without waiting for a cycle."""
-    caplog.set_level(logging.INFO, logger="context_engine")
-    db = Db(cut_url)
-    server = ServerThread(base_config(), cut_proxy.url)
-    try:
-        maintenance = server.running.maintenance
-        maintenance.settle_after_seconds = 0.2
-        cycles = maintenance.cycles
-
-        async def away() -> None:
-            raise ConnectionResetError("the database went away")
-
-        maintenance.pool = hooked = _BeforeStatus(maintenance.pool, away)
-        (stub,) = next(stubs_gen := stubs_of([server]))
-        before = counted([server])
-        tenant, _ = opened(stub, cut_proxy)
-        truth = {"session_opened": 1.0, "opened": 1.0}
-        assert until(lambda: growth(before, counted([server])) == truth, 3.0)
-        assert hooked.ran and maintenance.unsettled == 0 and maintenance.cycles == cycles
-        assert _logged(caplog, "epoch_count_settle_failed") == [
-            {"error": "ConnectionResetError", "epochs_counted": 0, "epochs_unsettled": 1}]
-        assert stored(db, tenant) == truth
-        next(stubs_gen, None)
-    finally:
-        server.stop()
-    assert growth(before, counted([server])) == truth
 
 
 def test_a_claim_kept_while_another_waits_in_progress_is_settled_seconds_later_too(
@@ -805,6 +787,21 @@ def test_a_stop_settles_the_claims_it_holds_and_logs_lost_only_what_it_cannot(
     assert _logged(caplog, "maintenance_failed") == [{"error": "InternalClientError"}]
 
 
+def claimed_in_a_transaction(run: Callable[[Any], Any], url: str, tenant: str, session: str,
+                             claim: str) -> tuple[Any, Any, str]:
+    """The session's first epoch claimed (counted, ``claim`` written in its row) by a
+    transaction left open on a connection of its own, each step awaited by ``run``: (the
+    connection, the transaction, its id)."""
+    conn = run(asyncpg.connect(url, statement_cache_size=0))
+    tx = conn.transaction()
+    run(tx.start())
+    xid = run(conn.fetchval(
+        "UPDATE plans SET counted = true, count_claim = $3::uuid WHERE tenant_id = $1 "
+        "AND session_id = $2 AND epoch = 1 RETURNING pg_current_xact_id()::text",
+        tenant, session, claim))
+    return conn, tx, str(xid)
+
+
 def test_a_claim_still_in_progress_is_settled_once_it_has_ended(cut, cut_stubs, cut_proxy,
                                                                 cut_url):
     """A claim whose COMMIT answer was lost is settled by its rows, which read as before it
@@ -819,15 +816,9 @@ def test_a_claim_still_in_progress_is_settled_once_it_has_ended(cut, cut_stubs, 
     claim = str(uuid.uuid4())
     loop = asyncio.new_event_loop()
     try:
-        conn = loop.run_until_complete(asyncpg.connect(cut_url, statement_cache_size=0))
-        tx = conn.transaction()
-        loop.run_until_complete(tx.start())
-        xid = loop.run_until_complete(conn.fetchval(
-            "UPDATE plans SET counted = true, count_claim = $3::uuid WHERE tenant_id = $1 "
-            "AND session_id = $2 AND epoch = 1 RETURNING pg_current_xact_id()::text",
-            tenant, session, claim))
-        first.keep(str(xid), claim,
-                   (ClaimedEpoch(tenant, session, 1, "session_opened", prefix),))
+        conn, tx, xid = claimed_in_a_transaction(loop.run_until_complete, cut_url, tenant,
+                                                 session, claim)
+        first.keep(xid, claim, (ClaimedEpoch(tenant, session, 1, "session_opened", prefix),))
         assert sum(o.epochs_counted for o in cycle(cut)) == 0
         assert first.unsettled == 1 and growth(before, counted(cut)) == {}
         loop.run_until_complete(tx.commit())
@@ -887,14 +878,8 @@ def test_a_claim_committing_as_it_is_settled_is_counted_once(cut, cut_stubs, cut
     prefix = int(db.val("SELECT prefix_tokens FROM plans WHERE tenant_id = $1", tenant))
     claim = str(uuid.uuid4())
     # the claim's connection on the replica's own loop, where its cycle will commit it
-    conn = first_server.call(asyncpg.connect(cut_url, statement_cache_size=0))
-    tx = conn.transaction()
-    first_server.call(tx.start())
-    xid = first_server.call(conn.fetchval(
-        "UPDATE plans SET counted = true, count_claim = $3::uuid WHERE tenant_id = $1 "
-        "AND session_id = $2 AND epoch = 1 RETURNING pg_current_xact_id()::text",
-        tenant, session, claim))
-    first.keep(str(xid), claim, (ClaimedEpoch(tenant, session, 1, "session_opened", prefix),))
+    conn, tx, xid = claimed_in_a_transaction(first_server.call, cut_url, tenant, session, claim)
+    first.keep(xid, claim, (ClaimedEpoch(tenant, session, 1, "session_opened", prefix),))
     pool = first.pool
     hooked = _BeforeStatus(pool, tx.commit)
     first.pool = hooked
