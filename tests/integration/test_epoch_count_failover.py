@@ -98,7 +98,10 @@ def primary() -> Iterator[Primary]:
 
 @pytest.fixture(scope="module")
 def pooled(primary: Primary) -> Iterator[str]:
-    with PgBouncer(primary.url, pool_mode="transaction", default_pool_size=4) as pooler:
+    # a login tried while the database restarts holds the pooler back for server_login_retry:
+    # 1 s, not PgBouncer's 15
+    with PgBouncer(primary.url, pool_mode="transaction", default_pool_size=4,
+                   server_login_retry=1) as pooler:
         yield pooler.url
 
 

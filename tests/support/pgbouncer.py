@@ -74,7 +74,10 @@ class Upstream:
 
 class PgBouncer:
     def __init__(self, upstream_url: str, *, pool_mode: str = "transaction",
-                 default_pool_size: int = 10, max_client_conn: int = 1000) -> None:
+                 default_pool_size: int = 10, max_client_conn: int = 1000,
+                 server_login_retry: int | None = None) -> None:
+        """``server_login_retry``: seconds PgBouncer waits after a failed login to the server
+        before it tries another (its own default, 15, when None)."""
         if pool_mode not in ("session", "transaction", "statement"):
             raise ValueError(f"pool_mode {pool_mode!r} is not session, transaction or statement")
         self.upstream_url = upstream_url
@@ -82,6 +85,7 @@ class PgBouncer:
         self.pool_mode = pool_mode
         self.default_pool_size = default_pool_size
         self.max_client_conn = max_client_conn
+        self.server_login_retry = server_login_retry
         self.port = 0
         self.dir: Path | None = None
         self.proc: subprocess.Popen[bytes] | None = None
@@ -156,6 +160,8 @@ class PgBouncer:
             f"pidfile = {directory / 'pgbouncer.pid'}",
             "log_connections = 0",
             "log_disconnections = 0",
+            *([] if self.server_login_retry is None
+              else [f"server_login_retry = {self.server_login_retry}"]),
             "",
         ]))
         (directory / "users.txt").write_text(
