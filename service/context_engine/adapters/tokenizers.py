@@ -365,11 +365,19 @@ class TiktokenRegistry:
             self.counter_for(encoding)
 
     def exact(self, encoding: str) -> TokenCounter | None:
+        """The counter of exactly ``encoding`` (None where this process has it not): asked at
+        every Build. A counter loaded already answers from memory: its availability is asked
+        only before the load (which reads and hashes a cached file: 2.85 ms for o200k_base's,
+        at every Build before), and a cache file removed since changes nothing (the counter
+        holds what it read)."""
         if encoding == "cl100k_base":
             return self.counter_for("cl100k_base")[0]
-        if not available_offline(encoding, self._environ):
-            return None
-        counter, extra = self.counter_for(encoding)
+        loaded = self._counters.get(encoding)
+        if loaded is None:
+            if not available_offline(encoding, self._environ):
+                return None
+            loaded = self.counter_for(encoding)
+        counter, extra = loaded
         return counter if extra == 1.0 else None
 
     def _cl100k(self) -> TiktokenCounter:
