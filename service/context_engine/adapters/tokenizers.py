@@ -402,14 +402,16 @@ class TiktokenRegistry:
 
 
 def _bundled(encoding: str) -> tiktoken.Encoding:
-    built = bundled_encoding(encoding)
-    if built is None:  # bundled_available said it would be
-        raise RuntimeError(f"the bundled {encoding} could not be built")
-    return built
+    return _required(bundled_encoding(encoding), encoding)  # bundled_available said it is
 
 
 def _from(vocabulary: bytes, encoding: str) -> tiktoken.Encoding:
-    built = official_encoding(encoding, vocabulary)
-    if built is None:  # _OFFICIAL names only encodings tiktoken's registry constructs
-        raise RuntimeError(f"tiktoken does not construct {encoding}")
+    return _required(official_encoding(encoding, vocabulary), encoding)
+
+
+def _required(built: tiktoken.Encoding | None, encoding: str) -> tiktoken.Encoding:
+    """``built``, which its loader's check said would be: tiktoken's registry constructs every
+    encoding ``_OFFICIAL`` names."""
+    if built is None:
+        raise RuntimeError(f"tiktoken's {encoding} could not be built")
     return built

@@ -553,9 +553,8 @@ class Maintenance:
                     self._pass_at = None
                     try:
                         await self.settle()
-                    except Exception as exc:  # a defect: logged, and the cycle runs all the same
-                        log("maintenance_failed", logging.ERROR, error=type(exc).__name__,
-                            retry_in_seconds=self.interval_seconds)
+                    except Exception as exc:  # a defect: logged, and tried again as below
+                        log("maintenance_failed", logging.ERROR, error=type(exc).__name__)
                     if self._unsettled and self.count_epoch is not None:
                         # still in progress, or the database did not answer: again, each time
                         # twice as late (a claim kept meanwhile keeps its own, sooner, pass)
