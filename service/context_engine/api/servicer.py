@@ -27,6 +27,7 @@ from context_engine.domain.builder import (
     LoadedPlan,
     checkpoint_scan,
     skill_violations,
+    unplaced_checkpoint_violations,
 )
 from context_engine.domain.canonical import session_key
 from context_engine.domain.errors import (
@@ -257,7 +258,14 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
                 base = self._engine.builds.peek(request.tenant_id, request.session_id,
                                                 request.base_build_id)
                 if base is None:
-                    v.raise_if_any()  # (the ids, the epoch, the factor, the format)
+                    # the ids, the epoch, the factor, the format, and the checkpoint but what
+                    # its unknown first items bear on (the items sent, whose place is
+                    # unknown, are judged with the Build sent whole)
+                    mapped = mapping.Violations()
+                    unknown = mapping.checkpoint(mapped, request.checkpoint, first_index=kept)
+                    v.items += _unplaced(mapped.items)
+                    v.items += unplaced_checkpoint_violations(unknown, kept)
+                    v.raise_if_any()
                     raise BuildBaseUnknown(request.base_build_id, "unknown here or evicted")
                 if kept > len(base.items):
                     v.add("base_items_kept", f"{kept} is more than the base's "

@@ -381,15 +381,8 @@ def checkpoint_scan(cp: Checkpoint, field: str = "checkpoint", *,
     """(violations, the scan state after all of ``cp.items``): ``checkpoint_violations`` and
     what a later Build appending to these items may resume from. The checks of the whole
     checkpoint (active run, summary, calls left open, skills) always run on all of it."""
-    violations: list[FieldViolation] = []
-    if cp.items and not cp.active_run_id:
-        violations.append(FieldViolation(f"{field}.active_run_id",
-                                         "must name the run being stepped"))
-    elif cp.items and cp.items[-1].run_id != cp.active_run_id:
-        violations.append(FieldViolation(
-            f"{field}.active_run_id",
-            f"the last item belongs to run {cp.items[-1].run_id!r}, not the active run "
-            f"{cp.active_run_id!r}: the active run's items come last"))
+    violations = _active_run_violations(cp.active_run_id, bool(cp.items),
+                                        cp.items[-1] if cp.items else None, field)
     if cp.summary is not None and cp.items and cp.active_run_id:
         first_active = next((item for item in cp.items if item.run_id == cp.active_run_id),
                             None)
@@ -406,17 +399,50 @@ def checkpoint_scan(cp: Checkpoint, field: str = "checkpoint", *,
         violations.append(FieldViolation(
             f"{field}.items[{index}].tool_calls",
             f"call {call_id!r} has no result: a call without its result is an orphan"))
-    for i, skill in enumerate(cp.loaded_skills):
-        if not skill.name:
-            violations.append(FieldViolation(f"{field}.loaded_skills[{i}].name",
-                                             "must not be empty"))
+    violations += _unitemized_violations(cp, field)
+    return violations, scan
+
+
+def unplaced_checkpoint_violations(cp: Checkpoint, unknown: int,
+                                   field: str = "checkpoint") -> list[FieldViolation]:
+    """The violations the whole checkpoint's scan finds outside its items whatever its first
+    ``unknown`` items are (an incremental Build naming a base this process does not hold:
+    ``cp.items`` are the items after them), in its order: the active run named where the
+    whole checkpoint has items, the last item's run where one is sent, the loaded skills'
+    names, the working state and the knowledge passages. What depends on the unknown items
+    (the last item's run when none is sent, the summary against the active run's first item,
+    the pairing) is judged with the Build sent whole."""
+    return [*_active_run_violations(cp.active_run_id, bool(unknown or cp.items),
+                                    cp.items[-1] if cp.items else None, field),
+            *_unitemized_violations(cp, field)]
+
+
+def _active_run_violations(active_run_id: str, has_items: bool,
+                           last: ConversationItem | None, field: str) -> list[FieldViolation]:
+    """A checkpoint with items names its active run, and the last item is that run's
+    (``last``: None where it is not known)."""
+    if has_items and not active_run_id:
+        return [FieldViolation(f"{field}.active_run_id", "must name the run being stepped")]
+    if last is not None and last.run_id != active_run_id:
+        return [FieldViolation(
+            f"{field}.active_run_id",
+            f"the last item belongs to run {last.run_id!r}, not the active run "
+            f"{active_run_id!r}: the active run's items come last")]
+    return []
+
+
+def _unitemized_violations(cp: Checkpoint, field: str) -> list[FieldViolation]:
+    """The checks of fields the items do not bear on: the loaded skills' names, the working
+    state, the knowledge passages' envelope attributes (row 12)."""
+    violations = [FieldViolation(f"{field}.loaded_skills[{i}].name", "must not be empty")
+                  for i, skill in enumerate(cp.loaded_skills) if not skill.name]
     violations += state_violations(cp.working_state, f"{field}.working_state")
-    for i, passage in enumerate(cp.knowledge):  # its envelope's attributes (row 12)
+    for i, passage in enumerate(cp.knowledge):
         for name in ("id", "source"):
             if splits_line(getattr(passage, name)):
                 violations.append(FieldViolation(f"{field}.knowledge[{i}].{name}",
                                                  ONE_LINE_RULE))
-    return violations, scan
+    return violations
 
 
 def split_trailing(items: Sequence[ConversationItem], active_run_id: str = ""
