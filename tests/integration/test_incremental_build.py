@@ -770,6 +770,24 @@ def test_a_base_not_held_is_refused_for_the_checkpoint_fields_first(
         with pytest.raises(grpc.RpcError) as err:
             stub.Build(req, timeout=30)
         assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
+    # with no item sent, the whole checkpoint still holds the base's items: it names its run
+    if broken is _break_active_run:
+        req = _incremental_request(session, "0" * 32, 7, [])
+        broken(req)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Build(req, timeout=30)
+        assert failure(err.value).violations == whole_refusal
+    # an item sent is judged in its place, unknown here: a Build refused for it alone (its
+    # trust) is BUILD_BASE_UNKNOWN, and named in the whole checkpoint once sent whole
+    if broken is _break_runtime:
+        bad = [*turn(3)[:2], item("a3", 32, trust=9, assistant=pb.AssistantMessage(text="x"))]
+        for req, where in ((_incremental_request(session, "0" * 32, 7, bad), None),
+                           (request(session, items + bad), "checkpoint.items[9].trust")):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Build(req, timeout=30)
+            f = failure(err.value)
+            assert (f.reason == "BUILD_BASE_UNKNOWN" if where is None
+                    else list(f.violations) == [where]), f
     # the same request naming the base it keeps is served
     assert incremental(stub, session, first.build_id, 7, sent).HasField("delta")
 
