@@ -403,8 +403,12 @@ export class ContextEngineClient {
           details: "the Build's deadline passed before it could be sent again whole",
           cause: err });
       }
+      // the Build the first attempt sent, its items as copied then: the caller's request is not
+      // read again, as the caller may have changed it meanwhile (a reasoning item's buffer)
+      const sent: BuildRequest = request.checkpoint === undefined ? request : { ...request,
+        checkpoint: { ...request.checkpoint, items: first.items.map((held) => held.item) } };
       try {
-        response = await attempt(builds.prepare(request, true, first.mark));
+        response = await attempt(builds.prepare(sent, true, first.mark));
       } catch (again) {
         builds.forget(request.tenantId, request.sessionId);
         throw faulty(again);

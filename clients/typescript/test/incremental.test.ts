@@ -562,6 +562,26 @@ describe("the client's incremental Build", () => {
       assert.equal(client.buildStats().incremental, 1);
     });
 
+  test("a Build sent again whole is the one first sent, though the caller changed its request",
+    async () => {
+      const client = open();
+      await client.build(step(2));
+      engine.bases.clear();  // evicted, or another replica
+      const opaque = Buffer.from("ORIGINAL");
+      const input = step(3);
+      input.checkpoint!.items!.push({ id: "r3", sequence: "4", runId: "run-1",
+        trust: "TRUST_LEVEL_USER", reasoning: { provider: "anthropic", opaque } });
+      engine.onBuild = (req) => {  // the first attempt has arrived: the caller reuses its buffer
+        if (req.baseBuildId !== "") opaque.write("MUTATED!");
+      };
+      await client.build(input);
+      const sent = engine.seen.slice(1).map((r) => r.checkpoint!.items.at(-1)!.reasoning!.opaque
+        .toString());
+      assert.deepEqual(sent, ["ORIGINAL", "ORIGINAL"]);  // the incremental one, then whole
+      assert.equal(engine.seen.at(-1)!.checkpoint!.items.length, 4);
+      assert.equal(client.buildStats().fullResends, 1);
+    });
+
   test("a delta whose size does not check: sent again whole", async () => {
     const client = open();
     await client.build(step(2));
