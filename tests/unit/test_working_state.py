@@ -335,6 +335,34 @@ def test_a_task_never_rises_above_the_label_of_its_first_writer():
     assert s.tasks[1].trust is UNTRUSTED and s.tasks[1].title == "U"
 
 
+def test_a_tasks_state_written_after_untrusted_content_takes_that_label():
+    """A call labelled below the task's label that writes its state alone (no title) writes
+    the entry: the state is its claim, so the entry renders at its label, in the block and
+    when carried from the log; the runtime's tool outcome keeps the entry's label."""
+    user_task = Update(upsert_tasks=(WorkingTask(id="pay-42", title="Pay invoice 42",
+                                                 state="open"),))
+    flipped = Update(upsert_tasks=(WorkingTask(id="pay-42", title="", state="blocked"),),
+                     trust=UNTRUSTED)
+    s, _ = apply_update(WorkingState(), user_task, run_id="r1", sequence=1)
+    s, _ = apply_update(s, ToolOutcome(task_id="pay-42", outcome="started"), run_id="r1",
+                        sequence=2)
+    assert s.tasks[0].trust is USER and s.tasks[0].state == "in_progress"
+    s, _ = apply_update(s, flipped, run_id="r1", sequence=3)
+    assert (s.tasks[0].trust, s.tasks[0].state, s.tasks[0].title) == (
+        UNTRUSTED, "blocked", "Pay invoice 42")
+    (msg,) = WorkingStateItem(state=s).messages(CTX)
+    at = msg.text.index("Pay invoice 42")
+    assert msg.text.rfind("<untrusted ", 0, at) > msg.text.rfind("<user ", 0, at)
+    s, _ = apply_update(s, Update(upsert_tasks=(WorkingTask(id="pay-42", title="",
+                                                            state="open"),)),
+                        run_id="r1", sequence=4)
+    assert s.tasks[0].trust is UNTRUSTED  # never rises again
+    carried = carry([LogEvent(sequence=1, run_id="r1", transition=user_task),
+                     LogEvent(sequence=3, run_id="r1", transition=flipped)], 10)
+    assert [(t.id, t.state, t.trust) for t in carried.tasks] == [("pay-42", "blocked",
+                                                                   UNTRUSTED)]
+
+
 def test_carry_computes_labels_from_the_log():
     events = [
         LogEvent(sequence=1, run_id="r1", transition=UserObjective(objective="O",

@@ -298,9 +298,11 @@ class _Draft:
                                    f"unknown task state {task.state!r}")
         for i, t in enumerate(self.tasks):
             if t.id == task.id:
-                # a title written (again, or anew) lowers the label to the writer's; the
-                # entry never rises above it: its id is the first writer's text
-                label = t.trust if not task.title else lowest([t.trust, trust], trust)
+                # written again (its title, or its state alone: a claim of the writer's too,
+                # a task marked done or blocked after untrusted content say), the entry takes
+                # the writer's label where lower and never rises above it: its id is the first
+                # writer's text. The runtime's tool outcome writes at the entry's own label.
+                label = lowest([t.trust, trust], trust)
                 self.tasks[i] = WorkingTask(id=t.id, title=task.title or t.title,
                                             state=task.state, sequence=sequence, run_id=run_id,
                                             trust=label)
