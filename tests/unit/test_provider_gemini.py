@@ -320,9 +320,14 @@ def test_the_cached_content_is_one_sessions_own() -> None:
     assert len(display_name(acme[0], acme[1], 2**32 - 1)) == 31
 
 
-def test_the_cached_content_holds_the_prefix_for_the_plans_ttl() -> None:
+@pytest.mark.parametrize("budget", [None, 1, 0])
+def test_the_cached_content_holds_the_prefix_for_the_plans_ttl(budget: int | None) -> None:
+    """For the plan's TTL, whatever cache markers the model's breakpoint budget keeps (Gemini
+    sends none: a budget of 0 keeps none, and the cached content still lives an hour for a
+    scheduled session)."""
     for kind, ttl in ((SessionKind.INTERACTIVE, "300s"), (SessionKind.SCHEDULED, "3600s")):
-        r = built(two_runs(), model_id=MODEL, kind=kind)
+        r = built(two_runs(), model_id=MODEL, kind=kind, budget=budget)
+        assert len(r.cache_breakpoints) <= (4 if budget is None else budget)
         body = p.render(r, FMT)
         cached = p.gemini_cached_content(r, body, min_cacheable_tokens=4096)
         assert cached.display_name == display_name(r.session_key, r.prefix_sha256, r.epoch)

@@ -205,6 +205,9 @@ class BuildResult:
     tokenizer: str
     budget: BudgetReport
     pressure: Pressure
+    # the plan's cache TTL, whatever markers its model's budget keeps (Gemini's cached
+    # content lives this long with none)
+    cache_ttl: str
     cache_breakpoints: tuple[CacheBreakpoint, ...] = ()
     # Of estimated_input_tokens, the attachments' content the request sends: upper bounds (an
     # image at its model's largest cost), not counts, which a usage report is reconciled
@@ -881,7 +884,7 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         prefix_tokens=plan.prefix_tokens, body_tokens=report.body_tokens,
         estimated_input_tokens=report.estimated_total, context_window=model.context_window,
         output_reserve=model.output_reserve, estimator_factor=factor,
-        tokenizer=estimator.tokenizer, budget=report, pressure=alloc.pressure,
+        tokenizer=estimator.tokenizer, budget=report, pressure=alloc.pressure, cache_ttl=ttl,
         cache_breakpoints=select(marks, model.breakpoint_budget),
         attachment_tokens=attachment_tokens)
 

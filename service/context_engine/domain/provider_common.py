@@ -416,12 +416,6 @@ def marked_blocks(result: BuildResult, *, tools: Sequence[JSON], system: Sequenc
     return out
 
 
-def plan_ttl(result: BuildResult) -> str:
-    """The plan's cache TTL, as its prefix markers carry it; the default when none is kept."""
-    return next((b.ttl for b in result.cache_breakpoints
-                 if b.name in ("after_system", "after_tools")), DEFAULT_TTL)
-
-
 def call_names(result: BuildResult) -> dict[str, str]:
     """call id -> our tool name, for every replayed call (a result names its call's tool)."""
     return {c.call_id: c.name for m in result.request.messages for c in m.tool_calls}

@@ -58,7 +58,6 @@ from context_engine.domain.provider_common import (
     joined_prefix,
     message_key,
     pair_problems,
-    plan_ttl,
     provider_tool_names,
     reasoning_object,
     request_tool_names,
@@ -207,7 +206,7 @@ def gemini_cached_content(result: BuildResult, body: Mapping[str, Any], *,
     estimate is the prefix as the plan measured it."""
     display_name = cached_content_display_name(result.session_key, result.prefix_sha256,
                                                result.epoch)
-    ttl = TTL_SECONDS[plan_ttl(result)]
+    ttl = TTL_SECONDS[result.cache_ttl]
     holds = tuple(k for k in CACHED_FIELDS if k in body)
     model = result.model_id if result.model_id.startswith("models/") \
         else f"models/{result.model_id}"
