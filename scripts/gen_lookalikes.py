@@ -33,6 +33,33 @@ def _single(target: str) -> set[str]:
     return {e["c"] for e in data if len(e["c"]) == 1 and e["c"] != target}
 
 
+SLASHES = "/\\"
+
+
+def _runs(of: str) -> set[str]:
+    """Unicode's single-character confusables of strings of two or more characters, each in
+    ``of`` ("<<": U+226A; "//": U+2AFD)."""
+    return {e["c"] for target, data in confusables.confusables_data.items()
+            if len(target) > 1 and set(target) <= set(of)
+            for e in data if len(e["c"]) == 1}
+
+
+def _letter_runs() -> dict[str, str]:
+    """Unicode's single-character confusables of strings of two or more tag letters (either
+    case), each read as those letters lower-cased (U+11700 as "rn", which reads as "m"); not
+    those that already decompose to Latin letters (U+217F, small roman numeral one thousand,
+    is "m" once decomposed)."""
+    found: dict[str, str] = {}
+    for target, data in sorted(confusables.confusables_data.items()):
+        if len(target) < 2 or not set(target.lower()) <= set(TAG_LETTERS):
+            continue
+        for e in data:
+            ch = e["c"]
+            if len(ch) == 1 and not any(c.isascii() and c.isalpha() for c in _bare(ch)):
+                found.setdefault(ch, target.lower())
+    return found
+
+
 def _bare(ch: str) -> str:
     """``ch`` decomposed (NFKD) without its combining marks."""
     return "".join(c for c in unicodedata.normalize("NFKD", ch)
@@ -86,6 +113,19 @@ def render() -> str:
     for ch, letter in sorted(letters.items()):
         code = f"\\U{ord(ch):08x}" if ord(ch) > 0xFFFF else f"\\u{ord(ch):04x}"
         lines.append(f'    "{code}": "{letter}",  # {unicodedata.name(ch, "?")}')
+    lines.append("}")
+    lines += [
+        "",
+        "# From ``context-engine-builder@7``: Unicode's single-character confusables of",
+        "# strings: of runs of \"<\" (read as \"<\"), of runs of \"/\" and \"\\\\\"",
+        "# (read as \"/\"), and of strings of the tag letters (read as those letters).",
+        f"LT_RUN_LIKE = {_literal(_runs('<') - lt)}",
+        f"SLASH_RUN_LIKE = {_literal(_runs(SLASHES) - slash)}",
+        "LETTER_RUNS = {",
+    ]
+    for ch, run in sorted(_letter_runs().items()):
+        code = f"\\U{ord(ch):08x}" if ord(ch) > 0xFFFF else f"\\u{ord(ch):04x}"
+        lines.append(f'    "{code}": "{run}",  # {unicodedata.name(ch, "?")}')
     lines.append("}")
     return "\n".join(lines) + "\n"
 

@@ -7,8 +7,8 @@ character, and a run of look-alikes is passed over in one regex step. The output
 same bytes as before: ``reference`` below is the scan as it was written before (each "<"-like
 character scanned on its own, every character folded anew), held against ``escape_general``
 over generated text, for the older folds pinned plans are re-rendered with; and today's fold
-(builder@6, which reads Unicode's tag characters both dropped and decoded) against that scan
-run over the text both ways.
+(builder@7, which reads Unicode's tag characters both dropped and decoded, and Unicode's
+confusables of strings) against that scan run over the text both ways.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def _reference_opens(text: str, start: int, fold: int) -> bool:
         ch = text[i]
         if E._invisible(ch):
             continue
-        if fold >= E.FOLD_5:
+        if fold >= E.FOLD_7:
+            piece = E._fold_7(ch)
+        elif fold >= E.FOLD_5:
             piece = E._fold_5(ch)
         elif ch in E._SLASH_LIKE:
             piece = "/"
@@ -55,25 +57,27 @@ def _reference_opens(text: str, start: int, fold: int) -> bool:
 
 def reference(content: str, fold: int) -> str:
     if fold >= E.FOLD_6:
-        return reference_6(content)
+        return reference_6(content, fold)
     lt = E._LT_LIKE if fold < E.FOLD_5 else lookalikes.LT_LIKE
     return "".join("&lt;" if ch in lt and _reference_opens(content, i, fold) else ch
                    for i, ch in enumerate(content))
 
 
-def reference_6(content: str) -> str:
-    """Fold 5's scan over the text as it is (tag characters invisible) and over the text with
-    tag characters decoded (one character each, so positions agree): a "<" look-alike is
-    escaped when either reading opens a tag there, a tag "<" (U+E003C) when the decoded one
-    does."""
+def reference_6(content: str, fold: int) -> str:
+    """Fold 5's scan (fold 7's for fold 7) over the text as it is (tag characters invisible)
+    and over the text with tag characters decoded (one character each, so positions agree): a
+    "<" look-alike is escaped when either reading opens a tag there, a tag "<" (U+E003C) when
+    the decoded one does. Fold 7 reads the confusables of runs of "<" as "<" too."""
     decoded = P.decode_tags(content)
+    reading = E.FOLD_5 if fold == E.FOLD_6 else fold
+    lt = lookalikes.LT_LIKE + (lookalikes.LT_RUN_LIKE if fold >= E.FOLD_7 else "")
     out = []
     for i, ch in enumerate(content):
-        if ch in lookalikes.LT_LIKE:
-            opens = (_reference_opens(content, i, E.FOLD_5)
-                     or _reference_opens(decoded, i, E.FOLD_5))
+        if ch in lt:
+            opens = (_reference_opens(content, i, reading)
+                     or _reference_opens(decoded, i, reading))
         else:
-            opens = ch == "\U000e003c" and _reference_opens(decoded, i, E.FOLD_5)
+            opens = ch == "\U000e003c" and _reference_opens(decoded, i, reading)
         out.append("&lt;" if opens else ch)
     return "".join(out)
 
@@ -82,6 +86,8 @@ PIECES = ("<", "\u2264", "\uff1c", "\u2039", "\u16b2", "\u226e", "/", "\\", "\uf
           "u", "U", "\u00fc", "\u028b", "n", "t", "r", "rn", "s", "e", "d", "m", "M", "\u043c",
           "o", "0", "y", "\u0443", "ntrusted", "ser", "emory", " ", "\n", "\u200b", "\u0301",
           "a", "\u00e9", "b>", ":0123456789abcdef>", "&lt;",
+          # confusables of strings (builder@7): "<<", "//", "\\\\", "rn", "oo"
+          "\u226a", "\u2afd", "\u244a", "\U00011700", "\ua74f",
           # tag characters: "<", "/", "u", "U", "m", "s", "e", "r", a space, CANCEL TAG
           "\U000e003c", "\U000e002f", "\U000e0075", "\U000e0055", "\U000e006d",
           "\U000e0073", "\U000e0065", "\U000e0072", "\U000e0020", "\U000e007f")

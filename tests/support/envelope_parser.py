@@ -98,18 +98,37 @@ def unicode_group(target: str) -> set[str]:
     return {target} | {e["c"] for e in data.get(target, []) if len(e["c"]) == 1}
 
 
+def unicode_string_group(chars: str) -> dict[str, str]:
+    """Unicode's single-character confusables of strings of two or more characters, each in
+    ``chars`` (either case), each to that string lower-cased ("≪": "<<", U+11700: "rn")."""
+    from confusable_homoglyphs import confusables
+
+    allowed = set(chars.lower())
+    return {e["c"]: target.lower() for target, data in confusables.confusables_data.items()
+            if len(target) > 1 and set(target.lower()) <= allowed
+            for e in data if len(e["c"]) == 1}
+
+
 @functools.cache
 def _unicode_tables() -> tuple[set[str], set[str], dict[str, str]]:
     letters = {c: letter for letter in "abcdefghijklmnopqrstuvwxyz"
                for c in unicode_group(letter) | unicode_group(letter.upper())}
-    return unicode_group("<"), unicode_group("/") | unicode_group("\\"), letters
+    # a confusable of a string of letters reads as those letters (U+11700 as "rn")
+    letters.update((c, run) for c, run in
+                   unicode_string_group("abcdefghijklmnopqrstuvwxyz").items()
+                   if c not in letters)
+    # and one of a run of "<" as "<", of a run of "/" and "\\" as "/"
+    return (unicode_group("<") | set(unicode_string_group("<")),
+            unicode_group("/") | unicode_group("\\") | set(unicode_string_group("/\\")),
+            letters)
 
 
 def unicode_fold(text: str) -> str:
     """A model's view of ``text`` read with Unicode's own confusables (confusables.txt as the
     package confusable-homoglyphs ships it, read here, not the service's table): each
-    character decomposed without its marks, a confusable of "<", "/" or "\\" as that
-    character, a confusable of a Latin letter as that letter, case-folded; "rn" as "m"."""
+    character decomposed without its marks, a confusable of "<", "/" or "\\" (or of a run of
+    them) as that character, a confusable of a Latin letter (or of a string of them) as those
+    letters, case-folded; "rn" as "m"."""
     lt, slash, letters = _unicode_tables()
     out: list[str] = []
     for ch in text:

@@ -34,8 +34,12 @@ FOLD_5 = 5  # @5: each character decomposed (NFKD) and stripped of its marks fir
 FOLD_6 = 6  # @6: Unicode's tag characters (U+E0020-U+E007E) read both ways: dropped, as before,
 #             and as the ASCII characters they encode (U+E003C as a "<"), as a reader that
 #             decodes them sees them
-FOLD = FOLD_6
-FOLDS = (FOLD_6, FOLD_5, FOLD_4, FOLD_3)  # newest first
+FOLD_7 = 7  # @7: Unicode's confusables of strings read too: of a run of "<" as "<" (U+226A
+#             "≪"), of a run of "/" and "\\" as "/" (U+2AFD), of tag letters as those letters
+#             (U+11700 as "rn", read as "m"); and an envelope's attributes (its source and id)
+#             escaped as its content is, after their ASCII escapes
+FOLD = FOLD_7
+FOLDS = (FOLD_7, FOLD_6, FOLD_5, FOLD_4, FOLD_3)  # newest first
 
 # Characters that read as "<" or "/" to a model (folds 3 and 4).
 _LT_LIKE = ("<\uff1c\ufe64\u2039\u3008\u2329\u27e8\u276e\u02c2\u1438\u276c\u29fc\u2770"
@@ -69,11 +73,14 @@ _TAG_FIRST, _TAG_LAST, _TAG_OFFSET = "\U000e0020", "\U000e007e", 0xE0000
 _TAG_LT = "\U000e003c"
 # What each fold reads as "<" (folds 3 and 4 read the same characters).
 _LT_SETS = {FOLD_3: _LT_LIKE, FOLD_4: _LT_LIKE, FOLD_5: lookalikes.LT_LIKE,
-            FOLD_6: lookalikes.LT_LIKE + _TAG_LT}
+            FOLD_6: lookalikes.LT_LIKE + _TAG_LT,
+            FOLD_7: lookalikes.LT_LIKE + _TAG_LT + lookalikes.LT_RUN_LIKE}
 _LT_RES = {fold: re.compile(f"[{re.escape(lt)}]") for fold, lt in _LT_SETS.items()}
 _CONFUSABLE_5 = str.maketrans({**{chr(k): v for k, v in _CONFUSABLE.items()
                                   if isinstance(v, str)}, **lookalikes.LETTERS})
 _SLASH_LIKE_5 = frozenset(lookalikes.SLASH_LIKE)
+_CONFUSABLE_7 = {**_CONFUSABLE_5, **str.maketrans(lookalikes.LETTER_RUNS)}
+_SLASH_LIKE_7 = _SLASH_LIKE_5 | frozenset(lookalikes.SLASH_RUN_LIKE)
 _MARKS = frozenset(("Mn", "Me"))
 # Rendered as nothing, or as blank, although not format characters.
 _BLANK_LETTERS = frozenset("\u034f\u115f\u1160\u3164\uffa0\u180e\u2800")
@@ -133,6 +140,15 @@ def _fold_5(ch: str) -> str:
     return _bare(bare.translate(_CONFUSABLE_5).lower().translate(_CONFUSABLE_5))
 
 
+def _fold_7(ch: str) -> str:
+    """One character as fold 7 reads it: as fold 5 does, with Unicode's confusables of runs of
+    slashes read as "/" and those of strings of tag letters as those letters."""
+    bare = _bare(ch)
+    if bare in _SLASH_LIKE_7:
+        return "/"
+    return _bare(bare.translate(_CONFUSABLE_7).lower().translate(_CONFUSABLE_7))
+
+
 def plain_name(name: str) -> bool:
     """Whether ``name`` can be written as the platform's own text: nothing in it reads as an
     envelope tag once folded (``escape_general`` leaves it as it is) and it holds no blank
@@ -159,6 +175,8 @@ def _reading(ch: str, fold: int, decoded: bool = False) -> str | None:
         ch = chr(ord(ch) - _TAG_OFFSET)
     if _invisible(ch):
         return None
+    if fold >= FOLD_7:
+        return _fold_7(ch)
     if fold >= FOLD_5:
         return _fold_5(ch)
     if ch in _SLASH_LIKE:
@@ -323,5 +341,10 @@ def envelope(*, trust: TrustLevel, source: str, item_id: str, content: str,
         return content
     tag = TAGS[trust]
     n = nonce(session_key, item_id, content)
+    if fold >= FOLD_7:  # a look-alike in an attribute no longer reads as a tag either
+        source = escape_general(escape_attr(source), fold=fold)
+        item_id = escape_general(escape_attr(item_id), fold=fold)
+        return (f'<{tag} source="{source}" id="{item_id}" '
+                f'nonce="{n}">\n{escape_content(content, fold=fold)}\n</{tag}:{n}>')
     return (f'<{tag} source="{escape_attr(source)}" id="{escape_attr(item_id)}" '
             f'nonce="{n}">\n{escape_content(content, fold=fold)}\n</{tag}:{n}>')

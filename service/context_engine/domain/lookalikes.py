@@ -241,3 +241,24 @@ LETTERS = {
     "\U0001f768": "t",  # ALCHEMICAL SYMBOL FOR CRUCIBLE-4
     "\U0001fbf0": "o",  # SEGMENTED DIGIT ZERO
 }
+
+# From ``context-engine-builder@7``: Unicode's single-character confusables of
+# strings: of runs of "<" (read as "<"), of runs of "/" and "\\"
+# (read as "/"), and of strings of the tag letters (read as those letters).
+LT_RUN_LIKE = "\u226a\u22d8"
+SLASH_RUN_LIKE = "\u244a\u2afb\u2afd\u2cf9"
+LETTER_RUNS = {
+    "\u0152": "oe",  # LATIN CAPITAL LIGATURE OE
+    "\u0153": "oe",  # LATIN SMALL LIGATURE OE
+    "\u02a6": "ts",  # LATIN SMALL LETTER TS DIGRAPH
+    "\u1d6b": "ue",  # LATIN SMALL LETTER UE
+    "\u221e": "oo",  # INFINITY
+    "\ua698": "oo",  # CYRILLIC CAPITAL LETTER DOUBLE O
+    "\ua699": "oo",  # CYRILLIC SMALL LETTER DOUBLE O
+    "\ua74e": "oo",  # LATIN CAPITAL LETTER OO
+    "\ua74f": "oo",  # LATIN SMALL LETTER OO
+    "\uab63": "uo",  # LATIN SMALL LETTER UO
+    "\U00011700": "rn",  # AHOM LETTER KA
+    "\U000118e3": "rn",  # WARANG CITI DIGIT THREE
+    "\U0001f75c": "sss",  # ALCHEMICAL SYMBOL FOR STRATUM SUPER STRATUM
+}

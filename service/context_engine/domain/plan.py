@@ -91,8 +91,13 @@ from context_engine.domain.trust import Region, TrustLevel
 # @6: the fold reads Unicode's tag characters both dropped and decoded (``envelope.FOLD_6``):
 # a @5 plan is current where it renders the same bytes, as all but one holding a marker
 # spelled in tag characters do; that one is served with @5's fold and rotated alike.
-BUILDER_VERSION = "context-engine-builder@6"
-SAME_BYTES = frozenset({"context-engine-builder@4", "context-engine-builder@5"})
+# @7: the fold reads Unicode's confusables of strings too (a run of "<" or of slashes, tag
+# letters such as "rn"), and escapes an envelope's attributes as its content
+# (``envelope.FOLD_7``): a @6 plan is current where it renders the same bytes, as all but one
+# holding such a look-alike do; that one is served with @6's fold and rotated alike.
+BUILDER_VERSION = "context-engine-builder@7"
+SAME_BYTES = frozenset({"context-engine-builder@4", "context-engine-builder@5",
+                        "context-engine-builder@6"})
 PREFIX_CEILING = 22_000
 TTL_DEFAULT = "5m"
 TTL_SCHEDULED = "1h"
