@@ -328,6 +328,11 @@ def test_policy_and_builder_rotate_forward_only() -> None:
     at6 = spec("platform-policy@2026-12-01.2", "context-engine-builder@6")
     for older in (at4, at5):
         assert rotation_reason(older, at6) is None and rotation_reason(at6, older) is None
+    # and builder@7 what @6 (or @5, @4) pinned, wherever it holds no confusable of a string
+    # and no look-alike in an attribute
+    at7 = spec("platform-policy@2026-12-01.2", "context-engine-builder@7")
+    for older in (at4, at5, at6):
+        assert rotation_reason(older, at7) is None and rotation_reason(at7, older) is None
 
 
 def test_same_version_other_content_conflicts_whatever_else_rotates() -> None:
