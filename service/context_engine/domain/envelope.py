@@ -341,10 +341,8 @@ def envelope(*, trust: TrustLevel, source: str, item_id: str, content: str,
         return content
     tag = TAGS[trust]
     n = nonce(session_key, item_id, content)
+    source, item_id = escape_attr(source), escape_attr(item_id)
     if fold >= FOLD_7:  # a look-alike in an attribute no longer reads as a tag either
-        source = escape_general(escape_attr(source), fold=fold)
-        item_id = escape_general(escape_attr(item_id), fold=fold)
-        return (f'<{tag} source="{source}" id="{item_id}" '
-                f'nonce="{n}">\n{escape_content(content, fold=fold)}\n</{tag}:{n}>')
-    return (f'<{tag} source="{escape_attr(source)}" id="{escape_attr(item_id)}" '
+        source, item_id = escape_general(source, fold=fold), escape_general(item_id, fold=fold)
+    return (f'<{tag} source="{source}" id="{item_id}" '
             f'nonce="{n}">\n{escape_content(content, fold=fold)}\n</{tag}:{n}>')
