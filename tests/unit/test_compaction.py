@@ -545,6 +545,38 @@ def test_build_left_out_tokens_as_tokens_to_free_replaces_what_build_left_out(
     assert r.tokens_before == first.pressure.left_out_tokens
 
 
+def test_earlier_runs_reasoning_frees_nothing_build_did_not_charge() -> None:
+    """Build drops the reasoning of every run before the active one and charges it nothing;
+    Compact credited it (its bytes), so tokens_to_free = Build's left_out_tokens replaced
+    about half of what Build left out, and the next Build needed a second compaction (and
+    the last depth). Compact replaces nothing of the active run: each reasoning item it can
+    replace is one Build drops. The oracle is Build itself."""
+    lp = f.loaded(f.inputs(model_profile=f.model("gpt-4o", context_window=16_000,
+                                                 output_reserve=2_000)))
+    est = f.estimator(lp.plan.spec.model)
+    ctx = RenderContext(session_key=lp.session_key)
+    its: list[ConversationItem] = []
+    for k in range(20):
+        run_id, s = f"run-0-{k}", 3 * k + 1
+        its += [f.user(f"u{k}", f"question {k} " * 150, s, run=run_id),
+                ReasoningItem(id=f"z{k}", sequence=s + 1, run_id=run_id,
+                              item_trust=TrustLevel.USER, provider="openai",
+                              opaque=b'{"type":"reasoning","encrypted_content":"'
+                              + b"x" * 3000 + b'"}'),
+                AssistantMessageItem(id=f"a{k}", sequence=s + 2, run_id=run_id,
+                                     item_trust=TrustLevel.USER, text=f"answer {k} " * 150)]
+    its.append(f.user("u-next", "and now?", 100, run="run-1"))
+    first = f.run_build(lp, f.checkpoint(its, run="run-1"))
+    left = next(s.ids for s in first.pressure.steps if s.step == "history")
+    assert first.pressure.compaction_needed and len(left) >= 10
+    r = run(compact(its, None, active_run_id="run-1", reason="budget_pressure",
+                    summarizer=StructuredSummarizer(),
+                    measure=lambda ms: est.messages(list(ms), 1.0), ctx=ctx,
+                    target=Target(tokens_to_free=first.pressure.left_out_tokens)))
+    assert [i for i in r.replaced_item_ids if not i.startswith("z")] == list(left)
+    assert r.tokens_before == first.pressure.left_out_tokens
+
+
 def _one_response_two_items() -> list[ConversationItem]:
     """A model response recorded as one event and two items (its text, then its call: the same
     sequence, 2), on either side of a unit boundary: Build's cut may fall between them."""

@@ -444,6 +444,8 @@ async def compact(items: Sequence[ConversationItem], current: HistorySummary | N
             if current is not None else items)
 
     def cost(item: ConversationItem) -> int:
+        if isinstance(item, ReasoningItem):  # of a run before the active one: Build drops it
+            return 0  # and charges it nothing, so replacing it frees nothing
         if isinstance(item, ToolResultItem):
             shown = cast(ToolResultItem, normalize_tool_result(item, inline_maximum_bytes)[0])
             sent: int = measure(shown.messages(ctx))
