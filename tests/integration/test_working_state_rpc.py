@@ -463,3 +463,71 @@ def test_a_user_fact_resting_on_no_event_renders_in_its_envelope_not_as_a_source
     assert row12 == expected
     P.check_labels(row12, {"CANARY-OLD": "untrusted", "CANARY-F1": "user",
                            "CANARY-F2": "user", "CANARY-F3": "untrusted"})
+
+
+# (what the update writes, as the typed update and as the model's raw call's arguments, and
+# the field of each refusal)
+BLANK = {
+    "new_title": ({"upsert_tasks": [{"id": "t2", "title": "   ", "state": "open"}]},
+                  "upsert_tasks[0].title"),
+    "retitle": ({"upsert_tasks": [{"id": "t1", "title": " \t", "state": "blocked"}]},
+                "upsert_tasks[0].title"),
+    "next_action": ({"next_action": "  "}, "next_action"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(BLANK))
+def test_a_typed_update_refuses_blank_text_as_the_raw_call_does(stub, ids, db, what):
+    """A title or next action of white space alone: the model's raw call is refused it by the
+    tool's schema, and so is the runtime's typed update (it wrote a task titled "   ", or
+    over a real title, rendered in row 12). Empty is not blank: an empty title keeps the
+    task's, an empty next action clears it."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    held = stub.UpdateWorkingState(update_request(tenant, session, pb.WorkingStateTransition(
+        update=pb.WorkingStateUpdate(
+            upsert_tasks=[pb.WorkingTask(id="t1", title="find flights", state="open")],
+            next_action="search")), seq=5)).state
+    before = db.counts(tenant)
+    arguments, field = BLANK[what]
+    typed = pb.WorkingStateUpdate(
+        upsert_tasks=[pb.WorkingTask(**t) for t in arguments.get("upsert_tasks", [])],
+        **({"next_action": arguments["next_action"]} if "next_action" in arguments else {}))
+    for transition, where in (
+            (pb.WorkingStateTransition(tool_call=pb.WorkingStateToolCall(
+                call_id="toolu_01", name="context.update_working_state",
+                arguments_json=json.dumps(arguments))),
+             f"transition.tool_call.arguments.{field}"),
+            (pb.WorkingStateTransition(update=typed), f"transition.update.{field}")):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.UpdateWorkingState(update_request(tenant, session, transition, current=held,
+                                                   seq=6))
+        f = failure(err.value)
+        assert f.code is grpc.StatusCode.INVALID_ARGUMENT and list(f.violations) == [where], f
+    assert db.counts(tenant) == before
+    # empty is not blank
+    kept = stub.UpdateWorkingState(update_request(tenant, session, pb.WorkingStateTransition(
+        update=pb.WorkingStateUpdate(upsert_tasks=[pb.WorkingTask(id="t1", state="blocked")],
+                                     next_action="")), current=held, seq=7)).state
+    assert [(t.title, t.state) for t in kept.tasks] == [("find flights", "blocked")]
+    assert kept.next_action == ""
+
+
+def test_a_blank_constraint_in_a_callers_state_is_refused_before_a_summary_holds_it(
+        stub, ids):
+    """A working state holding a constraint of white space (no update writes one: a caller
+    built it) is refused where it arrives, at Build as at UpdateWorkingState, as an update's
+    is: a Compact of it wrote the constraint into its summary, which the next Build
+    refused."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    state = pb.WorkingState(constraints=["cite sources", "   "])
+    build = build_request(tenant, session)
+    build.checkpoint.working_state.CopyFrom(state)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(build)
+    assert list(failure(err.value).violations) == ["checkpoint.working_state.constraints[1]"]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdateWorkingState(update_request(tenant, session, pb.WorkingStateTransition(
+            update=pb.WorkingStateUpdate(next_action="go")), current=state))
+    assert list(failure(err.value).violations) == ["current.constraints[1]"]

@@ -621,6 +621,8 @@ def working_state(v: Violations, field: str, ws: pb.WorkingState) -> WorkingStat
     if len(ws.removed_constraints) > ws_rules.MAX_REMOVED_CONSTRAINTS:
         v.add(f"{field}.removed_constraints", f"holds {len(ws.removed_constraints)}, over the "
               f"{ws_rules.MAX_REMOVED_CONSTRAINTS} the service keeps")
+    for i, c in enumerate(ws.constraints):  # as an update's, and as a summary carries them:
+        _text(v, f"{field}.constraints[{i}]", c)  # a compaction writes them into its summary
     live = set(ws.constraints)
     for i, removed in enumerate(ws.removed_constraints):
         if removed in live:  # the service never makes one: a constraint added again leaves it
@@ -713,6 +715,8 @@ def _update(v: Violations, field: str, u: pb.WorkingStateUpdate) -> Update:
                   f"unknown task state {t.state!r}; one of {', '.join(TASK_STATES)}")
         if t.sequence or t.run_id:
             v.add(where, "sequence and run_id are provenance the service sets; leave them unset")
+        if t.title and not t.title.strip():  # as the tool's: empty keeps the task's title
+            v.add(f"{where}.title", "must not be blank (leave it empty to keep the task's)")
         # a title derived from content below the update's label keeps the lower label (at
         # most USER, unset means USER): as a fact's, it can only lower the update's
         tasks.append(WorkingTask(id=t.id, title=t.title, state=t.state,
@@ -733,6 +737,8 @@ def _update(v: Violations, field: str, u: pb.WorkingStateUpdate) -> Update:
                                  source_event_ids=tuple(f.source_event_ids), trust=trust))
     for i, q in enumerate(u.resolve_questions):
         _text(v, f"{field}.resolve_questions[{i}]", q)
+    if u.next_action and not u.next_action.strip():  # as the tool's; empty clears it
+        v.add(f"{field}.next_action", "must not be blank (set it empty to clear it)")
     return Update(objective=u.objective if u.HasField("objective") else None,
                   add_constraints=tuple(u.add_constraints), upsert_tasks=tuple(tasks),
                   add_facts=tuple(facts), resolve_questions=tuple(u.resolve_questions),
