@@ -640,10 +640,11 @@ class Engine:
             return Rotation(reason=reason, draft=drafts[-1])
 
         served = self._served(then, lambda: drafts[-1].rendered, key)
+        mark = self.forgets
         plan, created = await self._store.pin(cmd.tenant_id, cmd.session_id, decide,
                                               then=served)
         if created:
-            self._pinned(plan, drafts[-1].rendered, key)
+            self._pinned(plan, drafts[-1].rendered, key, mark)
         await self._counted(plan)
         return plan, created
 
@@ -665,9 +666,14 @@ class Engine:
             return current.spec.assets
         return self._assets
 
-    def _pinned(self, plan: ContextPlan, rendered: RenderedPrefix, key: str) -> None:
+    def _pinned(self, plan: ContextPlan, rendered: RenderedPrefix, key: str,
+                mark: int) -> None:
         """A new epoch was written from ``rendered``: cache it (nothing to re-verify, it was
-        rendered just now). It is counted by ``_counted``."""
+        rendered just now), unless this process erased the session (or found it erased) since
+        ``mark``, taken before the write: the epoch may be of the erased incarnation, and
+        nothing of that is kept. It is counted by ``_counted``."""
+        if self._erased_since(plan.tenant_id, plan.session_id, mark):
+            return
         self.cache.put((plan.tenant_id, plan.session_id, plan.incarnation, plan.epoch),
                        LoadedPlan(plan=plan, rendered=rendered, session_key=key),
                        verified_at=self._clock.monotonic())
@@ -718,11 +724,12 @@ class Engine:
             draft = PlanDraft(spec=locked.spec, rendered=rendered, classes=locked.classes)
             return Rotation(reason="prefix_hash_canonicalized", draft=draft)
 
+        mark = self.forgets
         plan, created = await self._store.pin(stale.tenant_id, stale.session_id, decide,
                                               then=self._served(then, lambda: rendered,
                                                                 loaded.session_key))
         if created:
-            self._pinned(plan, rendered, loaded.session_key)
+            self._pinned(plan, rendered, loaded.session_key, mark)
         await self._counted(plan)
         return plan, created
 
@@ -779,11 +786,12 @@ class Engine:
                                             cmd.model.output_reserve,
                                             cmd.model.breakpoint_budget],
             None if cmd.snapshot is None else cmd.snapshot.canonical()])
+        mark = self.forgets
         plan, created = await self._store.pin(cmd.tenant_id, cmd.session_id, decide,
                                               idempotency_key=cmd.idempotency_key,
                                               fingerprint=fingerprint, then=served)
         if created:
-            self._pinned(plan, drafts[-1].rendered, key)
+            self._pinned(plan, drafts[-1].rendered, key, mark)
         await self._counted(plan)  # a retried key's epoch too, if its first call never was
         return plan, created
 

@@ -1883,3 +1883,43 @@ def test_without_set_aside_events_erasure_asks_for_their_table_once(direct_datab
     asked = [s for s in statements if "context_events_orphaned" in s]
     assert len(asked) == 2, asked  # the test's own question, and the store's first
     assert all("to_regclass" in s for s in asked), asked
+
+
+@pytest.mark.parametrize("writer", ["Plan", "Rotate"])
+def test_an_epoch_written_as_its_replica_erases_the_session_is_cached_nowhere(
+        replicas, monkeypatch, writer):
+    """B writes a new epoch (a Plan routing the session to another model, a Rotate), and its
+    own DeleteSession of the session commits between that write and the epoch's caching: the
+    epoch written is of the erased session, and B caches nothing of it, so no Build naming
+    it is served the erased plan (B served it for the plan-cache TTL). The call itself then
+    reads its epoch back and finds the session gone: the Plan opens it anew (epoch 1), the
+    Rotate is NOT_FOUND."""
+    r = replicas
+    tenant, session = new_ids()
+    r.a.stub.Plan(plan_request(tenant, session), timeout=30)
+    engine = r.b.server.running.engine
+    pin = engine._store.pin
+    erased: list[Any] = []
+
+    async def erased_after_the_pin(*args: Any, **kwargs: Any) -> Any:
+        pinned = await pin(*args, **kwargs)
+        if not erased:
+            erased.append(await engine.delete_session(tenant, session, requested_by="test"))
+        return pinned
+
+    monkeypatch.setattr(engine._store, "pin", erased_after_the_pin)
+    if writer == "Plan":
+        answer = r.b.stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(
+            model_id="gpt-4o")), timeout=30).plan
+        assert (answer.epoch, answer.reason) == (1, "session_opened")
+    else:
+        with pytest.raises(grpc.RpcError) as gone:
+            r.b.stub.Rotate(pb.RotateRequest(
+                tenant_id=tenant, session_id=session, reason=pb.ROTATION_REASON_OPERATOR,
+                idempotency_key=str(uuid.uuid4())), timeout=30)
+        assert gone.value.code() is grpc.StatusCode.NOT_FOUND
+    assert erased and (erased[0].sessions, erased[0].plans) == (1, 2)
+    for stub in (r.b.stub, r.a.stub):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Build(build_request(tenant, session, epoch=2), timeout=30)
+        assert err.value.code() is grpc.StatusCode.NOT_FOUND
