@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the CLI imports this module for its arguments; the driver l
 
 DEFAULT_EVENTS = 20
 _PROG = "context-engine inspect"
-_HASH = re.compile(r"^[0-9a-f]{64}$")
+_HASH = re.compile(r"[0-9a-f]{64}")
 _MAX_TEXT = 40  # longest string value shown in an event summary
 _MAX_SUMMARY = 240
 # Fields that say most about an event come first in its summary; the rest follow by name.
@@ -133,7 +133,7 @@ def _scalar(value: Any) -> str:
     if isinstance(value, int):
         return str(value)
     text = str(value)
-    if _HASH.match(text):
+    if _HASH.fullmatch(text):
         return text[:12] + "..."
     return text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT - 3] + "..."
 

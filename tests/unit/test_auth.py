@@ -135,6 +135,11 @@ def test_a_request_that_did_not_decode_is_left_to_the_servicer() -> None:
     ([{"sha256": "a" * 64, "tenant_id": "t", "rpcs": ["*"], "token": "plain"}], "unknown keys"),
     ([{"sha256": "a" * 64, "tenant_id": "t", "rpcs": ["*"]},
       {"sha256": "A" * 64, "tenant_id": "u", "rpcs": ["*"]}], "twice"),
+    # a hash followed by a line break (a regex "$" takes it, and bytes.fromhex ignores it):
+    # the same token as the first entry's, for another tenant and every RPC
+    ([{"sha256": "a" * 64, "tenant_id": "t", "rpcs": ["GetPlan"]},
+      {"sha256": "a" * 64 + "\n", "tenant_id": "u", "rpcs": ["*"]}], "64 hex"),
+    ([{"sha256": " " + "a" * 64, "tenant_id": "t", "rpcs": ["*"]}], "64 hex"),
 ])
 def test_malformed_token_files_are_configuration_errors(document: Any, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):

@@ -62,7 +62,8 @@ OPEN_PREFIXES = (
 )
 ALL_RPCS = "*"
 RPC_NAMES = frozenset(pb.DESCRIPTOR.services_by_name["ContextEngine"].methods_by_name)
-_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+# matched whole (``fullmatch``): "$" would also take a hash followed by a line break
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # How long an unknown token's miss is remembered: short, so a token inserted after a failed
 # attempt works soon, yet a flood of bad tokens does not become a flood of queries.
 NEGATIVE_TTL_SECONDS = 2.0
@@ -137,7 +138,7 @@ def parse_tokens(document: Any, where: str) -> list[tuple[str, Grant]]:
             raise ConfigError(f"{at}: unknown keys {extra} (a plaintext token never belongs "
                               "here: store its sha256)")
         digest = entry.get("sha256")
-        if not isinstance(digest, str) or not _SHA256_HEX.match(digest.lower()):
+        if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest.lower()):
             raise ConfigError(f"{at}: sha256 must be 64 hex characters")
         digest = digest.lower()
         if digest in seen:
