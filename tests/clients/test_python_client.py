@@ -143,13 +143,44 @@ def test_construction_checks_its_arguments():
     Client(target="127.0.0.1:1", timeout=1e9).close()  # the longest is taken
     with pytest.raises(ValueError, match="go together"):
         Client(target="127.0.0.1:1", client_certificate_chain=b"pem")
-    for token in ("a\nb", "a\rb", ""):  # one non-empty line: no CR, no LF
+    # one non-empty line of printable ASCII: a header value gRPC sends (a non-ASCII token
+    # passed construction and failed every call inside gRPC, INTERNAL or untyped)
+    for token in ("a\nb", "a\rb", "", "s3cr\u00e9t", "\ufeffs3cret", "s3\tcret", "s3\x00cret"):
         with pytest.raises(ValueError, match="token must be one non-empty line"):
             Client(target="127.0.0.1:1", token=token)
     with pytest.raises(TypeError):
         Client("127.0.0.1:1")  # type: ignore[misc]  # keyword-only
     with Client(target="127.0.0.1:1") as client, pytest.raises(TypeError, match="PlanRequest"):
         client.plan(request=pb.GetPlanRequest())
+
+
+def test_call_metadata_gRPC_cannot_send_is_refused_before_anything_is_sent(fake):
+    """A call's metadata is checked as gRPC would send it: a key of letters, digits, "_", "."
+    and "-" (not "grpc-"), a value of printable ASCII unless the key ends in "-bin". Such a
+    value went into gRPC and failed there: INTERNAL from the blocking client, an exception
+    that is no ContextEngineError from the asyncio one; the server saw no call."""
+    state, target = fake
+    bad: list[tuple[str, str | bytes]] = [("baggage", "user=Jos\u00e9"), ("x-id", "a\tb"),
+                                          ("x id", "1"), ("grpc-timeout", "1S"),
+                                          ("x-id", b"raw")]
+    request = pb.GetPlanRequest(tenant_id="t")
+    with Client(target=target) as engine:
+        for entry in bad:
+            with pytest.raises(ValueError, match="call metadata"):
+                engine.get_plan(request=request, metadata=[entry])
+        engine.get_plan(request=request, metadata=[("X-Request-Id", "r-1"),
+                                                   ("trace-bin", b"\x00\xff")])
+
+    async def scenario() -> None:
+        async with AsyncClient(target=target) as engine:
+            for entry in bad:
+                with pytest.raises(ValueError, match="call metadata"):
+                    await engine.get_plan(request=request, metadata=[entry])
+            await engine.get_plan(request=request, metadata=[("x-request-id", "r-2")])
+
+    asyncio.run(scenario())
+    assert state.calls == {"GetPlan": 2}
+    assert [m.get("x-request-id") for m in state.metadata] == ["r-1", "r-2"]
 
 
 # ------------------------------------------------------------------------------ requests
@@ -353,6 +384,39 @@ def test_unknown_session_is_not_found_with_its_error_info(server, ids):
         assert err.reason == "SESSION_NOT_FOUND" and err.domain == "context-engine"
         assert err.metadata["session_id"] == session
         assert isinstance(err.__cause__, grpc.RpcError)  # the driver error is chained
+
+
+def _picklable_in_a_worker(tenant: str) -> None:
+    """Raises, in a pool's worker process, an error as the client makes one."""
+    raise NotFound("no such session", reason="SESSION_NOT_FOUND", domain="context-engine",
+                   metadata={"tenant_id": tenant},
+                   field_violations=[FieldViolation(field="session_id", description="x")])
+
+
+def test_an_error_is_pickled_and_copied_whole() -> None:
+    """A process pool hands a worker's error back pickled: it was a TypeError (the metadata's
+    read-only view cannot be pickled), its code, reason and metadata lost."""
+    import copy
+    import pickle
+
+    errors = [NotFound("no such session", reason="SESSION_NOT_FOUND", domain="context-engine",
+                       metadata={"session_id": "s-1"},
+                       field_violations=[FieldViolation(field="session_id", description="x")],
+                       tool_result="try again"),
+              ClientClosed(), ContextEngineError("odd", code=grpc.StatusCode.DATA_LOSS)]
+    for err in errors:
+        for again in (pickle.loads(pickle.dumps(err)), copy.deepcopy(err)):
+            assert type(again) is type(err) and repr(again) == repr(err)
+            assert (again.code, again.reason, again.domain, dict(again.metadata),
+                    again.field_violations, again.tool_result, again.args, str(again)) == (
+                err.code, err.reason, err.domain, dict(err.metadata), err.field_violations,
+                err.tool_result, err.args, str(err))
+            with pytest.raises(TypeError):  # read-only still
+                again.metadata["x"] = "y"  # type: ignore[index]
+    with futures.ProcessPoolExecutor(1) as pool, pytest.raises(NotFound) as raised:
+        pool.submit(_picklable_in_a_worker, "acme").result(60)
+    assert (raised.value.reason, dict(raised.value.metadata)) == ("SESSION_NOT_FOUND",
+                                                                  {"tenant_id": "acme"})
 
 
 @pytest.mark.integration
@@ -899,6 +963,41 @@ def test_a_client_closed_by_another_thread_as_a_call_is_made_raises_the_same_err
         with pytest.raises(ClientClosed, match="nothing was sent"):
             call(engine)
         assert state.calls == {} and engine._keyed is None
+
+
+def test_an_async_close_cancels_both_channels_calls_after_one_grace(fake):
+    """close(grace) cancels what is still in flight after ``grace`` seconds, on the keyed
+    channel as on the other: closed one after the other, a keyed write in flight was
+    cancelled a grace later, and close() took twice its grace."""
+    state, target = fake
+    state.delay = 4.0
+
+    async def scenario() -> tuple[float, list[tuple[str, float]]]:
+        engine = AsyncClient(target=target, timeout=30)
+        began = time.monotonic()
+        ended: list[tuple[str, float]] = []
+
+        async def run(name: str, call: Awaitable[Any]) -> None:
+            with pytest.raises(ClientClosed):
+                await call
+            ended.append((name, time.monotonic() - began))
+
+        tasks = [asyncio.ensure_future(run("Plan", engine.plan(request=pb.PlanRequest(
+                     tenant_id="t")))),
+                 asyncio.ensure_future(run("Rotate", engine.rotate(request=pb.RotateRequest(
+                     tenant_id="t", idempotency_key="k"))))]
+        while sum(state.calls.values()) < 2:
+            await asyncio.sleep(0.01)
+        closing = time.monotonic()
+        await engine.close(grace=1.0)
+        took = time.monotonic() - closing
+        await asyncio.gather(*tasks)
+        return took, ended
+
+    took, ended = asyncio.run(scenario())
+    assert sorted(name for name, _ in ended) == ["Plan", "Rotate"]
+    assert 0.9 < took < 1.8, took  # one grace, not two
+    assert all(at < 3.0 for _, at in ended), ended
 
 
 def test_a_call_in_flight_when_the_client_closes_raises_client_closed(fake):

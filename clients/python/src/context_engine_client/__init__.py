@@ -1,7 +1,7 @@
 """Typed Python client of the context-engine gRPC service.
 
 :class:`Client` blocks, :class:`AsyncClient` runs on asyncio; both take the request messages of
-``context_engine.v1`` (:mod:`context_engine_client.pb`) as keyword arguments and raise
+``context_engine.v1`` (``from context_engine_client import pb``) as keyword arguments and raise
 :class:`ContextEngineError` subclasses::
 
     from context_engine_client import Client, pb

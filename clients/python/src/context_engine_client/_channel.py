@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -248,11 +249,23 @@ def credentials(*, tls: bool | None, root_certificates: bytes | None,
 Metadata = Sequence[tuple[str, str | bytes]]
 
 
+# What gRPC sends as a metadata key: lower-case letters, digits, "_", "." and "-" (and not
+# its own "grpc-" keys); a value, unless the key ends in "-bin", is printable ASCII. Anything
+# else fails the call inside gRPC, after the client has taken it: INTERNAL from the blocking
+# client (which the service answers only for its own defects), an untyped error from asyncio.
+_METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
+
+
+def _printable_ascii(text: str) -> bool:
+    return text.isascii() and text.isprintable()
+
+
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     if token is None:
         return ()
-    if not token or any(c in token for c in "\r\n"):
-        raise ValueError("the token must be one non-empty line")
+    if not token or not _printable_ascii(token):
+        raise ValueError("the token must be one non-empty line of printable ASCII (it is sent "
+                         "in the authorization header)")
     return (("authorization", f"Bearer {token}"),)
 
 
@@ -262,9 +275,17 @@ def merge_metadata(base: tuple[tuple[str, str], ...],
     ids). A call cannot replace the client's credentials: ``authorization`` is refused there."""
     if not extra:
         return base
-    for key, _ in extra:
-        if key.lower() == "authorization":
+    for key, value in extra:
+        name = key.lower()
+        if name == "authorization":
             raise ValueError("pass the token to the client, not as call metadata")
+        if not _METADATA_KEY.fullmatch(name) or name.startswith("grpc-"):
+            raise ValueError(f"call metadata key {key!r}: letters, digits, '_', '.' and '-' "
+                             "only, and not a 'grpc-' key")
+        if not name.endswith("-bin") and not (isinstance(value, str)
+                                              and _printable_ascii(value)):
+            raise ValueError(f"call metadata {key!r}: a value is printable ASCII text unless "
+                             "its key ends in '-bin' (which takes bytes)")
     return (*base, *((key.lower(), value) for key, value in extra))
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import cast
+from typing import Any, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -62,6 +62,22 @@ class ContextEngineError(Exception):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(code={self.code.name}, reason={self.reason!r}, "
                 f"message={self.message!r}, metadata={dict(self.metadata)!r})")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (a process pool hands a worker's error back so) and copied whole: every
+        attribute, the metadata as a plain dict (a read-only view cannot be pickled)."""
+        return (_rebuilt, (type(self), self.args, {**self.__dict__,
+                                                   "metadata": dict(self.metadata)}))
+
+
+def _rebuilt(cls: type[ContextEngineError], args: tuple[Any, ...],
+             state: dict[str, Any]) -> ContextEngineError:
+    """An error ``__reduce__`` took apart, as it was."""
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    error.metadata = MappingProxyType(dict(state["metadata"]))
+    return error
 
 
 class Cancelled(ContextEngineError):
