@@ -55,11 +55,19 @@ def is_loopback(host: str) -> bool:
 def addr_problem(addr: str) -> str | None:
     """Why ``addr`` is no host:port to bind, or None."""
     host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
+    # ASCII digits only: "5005²" and Arabic-Indic digits are digits to str.isdigit, not to
+    # int() nor to gRPC
+    if not sep or not (port.isascii() and port.isdigit()):
         return "is not host:port"
     if not host:  # gRPC refuses an empty host (after start-up, with a traceback)
         return (f"has no host: write 0.0.0.0:{port} or [::]:{port} (every interface) or "
                 f"127.0.0.1:{port} (this machine)")
+    if ("[" in host or "]" in host) and not (
+            host.startswith("[") and host.endswith("]") and _is_ipv6(host[1:-1])):
+        # gRPC cannot parse brackets around anything but an IPv6 address (it fails to bind,
+        # after start-up), while the host checked here would be read without them
+        return (f"holds brackets around no IPv6 address: write {host.strip('[]')}:{port}, or "
+                f"an IPv6 address in brackets ([::1]:{port})")
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         # "::1:5005" is read here as ::1 port 5005, while gRPC does not read it so (it fails
         # to bind it as a name): what is checked (loopback, free) must be what is bound
@@ -75,6 +83,13 @@ def _is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
+    except ValueError:
+        return False
 
 
 def split_addr(addr: str) -> tuple[str, int]:

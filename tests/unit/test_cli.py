@@ -224,8 +224,9 @@ def test_health_takes_the_address_as_grpc_addr(env, capsys):
     assert err.startswith(f"context-engine health: 127.0.0.1:{port}: "), err
     code, _, err = run(capsys, "health", "--addr", f"127.0.0.1:{port}")
     assert code == 2 and "unrecognized arguments: --addr" in err
-    code, _, err = run(capsys, "health", "--grpc-addr", "no-port")
-    assert code == 2 and "is not host:port" in err
+    for addr in ("no-port", "127.0.0.1:5005\u00b2", "[127.0.0.1]:5005"):  # no traceback
+        code, _, err = run(capsys, "health", "--grpc-addr", addr)
+        assert code == 2 and ("is not host:port" in err or "brackets" in err), err
 
 
 @pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf", "86401", "soon"])
