@@ -871,6 +871,13 @@ def test_a_service_wide_retry_policy_never_retries_a_write_without_its_key(fake,
     assert writes == {"name": [{"service": SERVICE, "method": m}
                                for m in ("Compact", "ReportUsage", "Rotate")],
                       "timeout": "20s"}  # its other settings kept
+    # and on the keyed channel too, under the policy (they were named there with the policy
+    # alone: a keyed write lost the entry's deadline, size limits and waitForReady)
+    keyed = json.loads(keyed_service_config(json.dumps(config)))
+    (writes,) = [m for m in keyed["methodConfig"] if m["name"][0].get("method")]
+    assert writes == {"name": [{"service": SERVICE, "method": m}
+                               for m in ("Compact", "ReportUsage", "Rotate")],
+                      "timeout": "20s", "retryPolicy": policy}
     # a keyed write named with a policy of its own is not retried there either
     named = {"methodConfig": [{"name": [{"service": SERVICE, "method": "Rotate"}],
                                "retryPolicy": policy}]}

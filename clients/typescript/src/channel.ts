@@ -114,7 +114,8 @@ export function unkeyedServiceConfig(config: ServiceConfig): ServiceConfig {
 
 /**
  * The config of the channel that carries keyed writes: `config` with Rotate, Compact and
- * ReportUsage under its retry policy (their other settings kept). Unchanged when `config`
+ * ReportUsage under its retry policy (their other settings kept; those no entry names keep the
+ * settings of the service-wide or default entry that covers them). Unchanged when `config`
  * retries nothing.
  */
 export function keyedServiceConfig(config: ServiceConfig): ServiceConfig {
@@ -131,10 +132,17 @@ export function keyedServiceConfig(config: ServiceConfig): ServiceConfig {
       for (const n of keyed) named.add(n.method!);
     }
   }
-  const missing = KEYED_METHODS.filter((m) => !named.has(m));
+  const missing = KEYED_METHODS.filter((m) => !named.has(m)).sort();  // as Python's
   if (missing.length > 0) {
-    methodConfig.push({ name: missing.map((method) => ({ service: SERVICE, method })),
-      retryPolicy: policy });
+    // with the settings of the entry grpc-js would apply to them (a deadline, a size limit)
+    let wide: [number, MethodConfig] | undefined;
+    for (const entry of config.methodConfig ?? []) {
+      const cover = Math.max(0, ...entry.name.map(coversKeyed));
+      if (cover > 0 && (wide === undefined || cover > wide[0])) wide = [cover, entry];
+    }
+    const { retryPolicy: widePolicy, hedgingPolicy: _hedged, ...rest } = wide?.[1] ?? { name: [] };
+    methodConfig.push({ ...rest, name: missing.map((method) => ({ service: SERVICE, method })),
+      retryPolicy: widePolicy ?? policy });
   }
   return { ...config, methodConfig };
 }

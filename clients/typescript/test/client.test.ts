@@ -323,6 +323,12 @@ describe("client behaviour", () => {
       retryPolicy: policy, timeout: "20s" }] }).methodConfig![1],
     { name: ["Compact", "ReportUsage", "Rotate"].map((method) => ({ service: SERVICE, method })),
       timeout: "20s" });
+    // and on the keyed channel too, under the policy (they were named there with the policy
+    // alone: a keyed write lost the entry's deadline and size limits)
+    assert.deepEqual(keyedServiceConfig({ methodConfig: [{ name: [{ service: SERVICE }],
+      retryPolicy: policy, timeout: "20s" }] }).methodConfig![1],
+    { name: ["Compact", "ReportUsage", "Rotate"].map((method) => ({ service: SERVICE, method })),
+      timeout: "20s", retryPolicy: policy });
   });
 
   test("after close() every call, a keyed write and a Build too, rejects CANCELLED and opens no channel", async () => {

@@ -124,6 +124,17 @@ def _split_keyed(entries: list[dict[str, Any]],
 _SENT_AGAIN = frozenset({"retryPolicy", "hedgingPolicy"})
 
 
+def _wide_entry(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The entry gRPC applies to the keyed RPCs where none names them: the most specific one
+    naming their service, or every service."""
+    wide: tuple[int, dict[str, Any]] | None = None
+    for entry in entries:
+        cover = max((_covers_keyed(n) for n in entry.get("name", [])), default=0)
+        if cover and (wide is None or cover > wide[0]):
+            wide = (cover, entry)
+    return None if wide is None else wide[1]
+
+
 def unkeyed_service_config(config_text: str) -> str:
     """The service config of the channel for every other request: the RPCs in :data:`KEYED`,
     sent there without their key, never retried nor hedged, whatever the config (a keyed RPC
@@ -134,14 +145,10 @@ def unkeyed_service_config(config_text: str) -> str:
     entries = config.get("methodConfig", [])
     method_config, named = _split_keyed(
         entries, lambda entry: {k: v for k, v in entry.items() if k not in _SENT_AGAIN})
-    wide: tuple[int, dict[str, Any]] | None = None  # the entry gRPC would apply to them
-    for entry in entries:
-        cover = max((_covers_keyed(n) for n in entry.get("name", [])), default=0)
-        if cover and (wide is None or cover > wide[0]):
-            wide = (cover, entry)
+    wide = _wide_entry(entries)
     missing = sorted(KEYED - named)
-    if missing and wide is not None and _SENT_AGAIN & set(wide[1]):
-        method_config.append({**{k: v for k, v in wide[1].items() if k not in _SENT_AGAIN},
+    if missing and wide is not None and _SENT_AGAIN & set(wide):
+        method_config.append({**{k: v for k, v in wide.items() if k not in _SENT_AGAIN},
                               "name": [{"service": SERVICE, "method": m} for m in missing]})
     config["methodConfig"] = method_config
     return json.dumps(config)
@@ -150,7 +157,8 @@ def unkeyed_service_config(config_text: str) -> str:
 def keyed_service_config(config_text: str) -> str:
     """The service config of the channel for keyed requests: the RPCs in :data:`KEYED` under
     the config's retry policy (an entry that names one keeps its other settings: gRPC refuses a
-    config naming a method twice). Unchanged when the config retries nothing."""
+    config naming a method twice; those no entry names keep the settings of the service-wide
+    or default entry that covers them). Unchanged when the config retries nothing."""
     config = json.loads(config_text)
     entries = config.get("methodConfig", [])
     policy = next((m["retryPolicy"] for m in entries if "retryPolicy" in m), None)
@@ -159,9 +167,11 @@ def keyed_service_config(config_text: str) -> str:
     method_config, named = _split_keyed(
         entries, lambda entry: {**entry, "retryPolicy": entry.get("retryPolicy", policy)})
     missing = sorted(KEYED - named)
-    if missing:
-        method_config.append({"name": [{"service": SERVICE, "method": m} for m in missing],
-                              "retryPolicy": policy})
+    if missing:  # with the settings of the entry gRPC would apply to them (a deadline, a size)
+        wide = _wide_entry(entries) or {}
+        method_config.append({**{k: v for k, v in wide.items() if k not in _SENT_AGAIN},
+                              "name": [{"service": SERVICE, "method": m} for m in missing],
+                              "retryPolicy": wide.get("retryPolicy", policy)})
     config["methodConfig"] = method_config
     return json.dumps(config)
 
