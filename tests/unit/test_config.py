@@ -128,7 +128,8 @@ def test_booleans(raw: str, value: bool):
      "CE_GRPC_ADDR='::1:5005' holds an IPv6 host out of brackets: write [::1]:5005"),
     ({"CE_GRPC_ADDR": "dns:///localhost:1"}, "CE_GRPC_ADDR='dns:///localhost:1' is not host:port"),
     # digits to str.isdigit, not to int() nor gRPC: an anonymous value error, or a traceback
-    ({"CE_GRPC_ADDR": "127.0.0.1:5005\u00b2"}, "CE_GRPC_ADDR='127.0.0.1:5005\u00b2' is not host:port"),
+    ({"CE_GRPC_ADDR": "127.0.0.1:5005\u00b2"},
+     "CE_GRPC_ADDR='127.0.0.1:5005\u00b2' is not host:port"),
     ({"CE_METRICS_ADDR": "127.0.0.1:\u0665\u0661"},
      "CE_METRICS_ADDR='127.0.0.1:\u0665\u0661' is not host:port"),
     # brackets gRPC cannot parse (it failed to bind after start-up, with a traceback), read
