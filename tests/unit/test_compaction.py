@@ -529,20 +529,29 @@ def test_build_left_out_tokens_as_tokens_to_free_replaces_what_build_left_out(
     what else Build left out (its answer, the next fetch) was in neither the summary nor the
     next request: a second compaction (a summarizer call, and the depth it spends) was needed
     for it. The oracle is Build itself: what it left out, and what it charged for it."""
+    left, left_out_tokens, r = _compacted_as_build_left_out(_fetch_rounds(20, excerpt=excerpt))
+    assert len(left) >= 4
+    assert list(r.replaced_item_ids) == list(left)
+    assert r.tokens_before == left_out_tokens
+
+
+def _compacted_as_build_left_out(its: list[ConversationItem]
+                                 ) -> tuple[tuple[str, ...], int, Any]:
+    """A Build of ``its`` (the active run: run-1) on a 16k gpt-4o window, which must need a
+    compaction: the ids its history cut left out, their tokens, and a Compact asked to free
+    that many tokens."""
     lp = f.loaded(f.inputs(model_profile=f.model("gpt-4o", context_window=16_000,
                                                  output_reserve=2_000)))
     est = f.estimator(lp.plan.spec.model)
-    ctx = RenderContext(session_key=lp.session_key)
-    its = _fetch_rounds(20, excerpt=excerpt)
     first = f.run_build(lp, f.checkpoint(its, run="run-1"))
     left = next(s.ids for s in first.pressure.steps if s.step == "history")
-    assert first.pressure.compaction_needed and len(left) >= 4
+    assert first.pressure.compaction_needed
     r = run(compact(its, None, active_run_id="run-1", reason="budget_pressure",
                     summarizer=StructuredSummarizer(),
-                    measure=lambda ms: est.messages(list(ms), 1.0), ctx=ctx,
+                    measure=lambda ms: est.messages(list(ms), 1.0),
+                    ctx=RenderContext(session_key=lp.session_key),
                     target=Target(tokens_to_free=first.pressure.left_out_tokens)))
-    assert list(r.replaced_item_ids) == list(left)
-    assert r.tokens_before == first.pressure.left_out_tokens
+    return tuple(left), first.pressure.left_out_tokens, r
 
 
 def test_earlier_runs_reasoning_frees_nothing_build_did_not_charge() -> None:
@@ -551,10 +560,6 @@ def test_earlier_runs_reasoning_frees_nothing_build_did_not_charge() -> None:
     about half of what Build left out, and the next Build needed a second compaction (and
     the last depth). Compact replaces nothing of the active run: each reasoning item it can
     replace is one Build drops. The oracle is Build itself."""
-    lp = f.loaded(f.inputs(model_profile=f.model("gpt-4o", context_window=16_000,
-                                                 output_reserve=2_000)))
-    est = f.estimator(lp.plan.spec.model)
-    ctx = RenderContext(session_key=lp.session_key)
     its: list[ConversationItem] = []
     for k in range(20):
         run_id, s = f"run-0-{k}", 3 * k + 1
@@ -566,15 +571,10 @@ def test_earlier_runs_reasoning_frees_nothing_build_did_not_charge() -> None:
                 AssistantMessageItem(id=f"a{k}", sequence=s + 2, run_id=run_id,
                                      item_trust=TrustLevel.USER, text=f"answer {k} " * 150)]
     its.append(f.user("u-next", "and now?", 100, run="run-1"))
-    first = f.run_build(lp, f.checkpoint(its, run="run-1"))
-    left = next(s.ids for s in first.pressure.steps if s.step == "history")
-    assert first.pressure.compaction_needed and len(left) >= 10
-    r = run(compact(its, None, active_run_id="run-1", reason="budget_pressure",
-                    summarizer=StructuredSummarizer(),
-                    measure=lambda ms: est.messages(list(ms), 1.0), ctx=ctx,
-                    target=Target(tokens_to_free=first.pressure.left_out_tokens)))
+    left, left_out_tokens, r = _compacted_as_build_left_out(its)
+    assert len(left) >= 10
     assert [i for i in r.replaced_item_ids if not i.startswith("z")] == list(left)
-    assert r.tokens_before == first.pressure.left_out_tokens
+    assert r.tokens_before == left_out_tokens
 
 
 def _one_response_two_items() -> list[ConversationItem]:
