@@ -162,7 +162,8 @@ def test_call_metadata_gRPC_cannot_send_is_refused_before_anything_is_sent(fake)
     state, target = fake
     bad: list[tuple[str, str | bytes]] = [("baggage", "user=Jos\u00e9"), ("x-id", "a\tb"),
                                           ("x id", "1"), ("grpc-timeout", "1S"),
-                                          ("x-id", b"raw")]
+                                          ("x-id", b"raw"), ("connection", "keep-alive"),
+                                          ("TE", "trailers"), (":authority", "x")]
     request = pb.GetPlanRequest(tenant_id="t")
     with Client(target=target) as engine:
         for entry in bad:
@@ -842,6 +843,20 @@ def test_a_service_config_may_set_a_keyed_write_of_its_own(fake):
                  in m["name"]]
     assert rotate["timeout"] == "30s" and rotate["retryPolicy"] == (
         config["methodConfig"][0]["retryPolicy"])
+    # one named with a hedging policy keeps it alone (gRPC refuses an entry holding both)
+    hedging = {"maxAttempts": 2, "hedgingDelay": "0s", "nonFatalStatusCodes": []}
+    hedged = packaged_config()
+    hedged["methodConfig"].append({"name": [{"service": SERVICE, "method": "Rotate"}],
+                                   "hedgingPolicy": hedging})
+    (rotate,) = [m for m in json.loads(keyed_service_config(json.dumps(hedged)))["methodConfig"]
+                 if {"service": SERVICE, "method": "Rotate"} in m["name"]]
+    assert rotate == {"name": [{"service": SERVICE, "method": "Rotate"}],
+                      "hedgingPolicy": hedging}
+    state.calls.clear()
+    state.failures = 0
+    with Client(target=target, service_config=json.dumps(hedged)) as engine:
+        engine.rotate(request=pb.RotateRequest(tenant_id="t", idempotency_key="k"))
+    assert state.calls["Rotate"] >= 1
 
 
 @pytest.mark.parametrize("name", [{"service": SERVICE}, {}, {"service": ""}])

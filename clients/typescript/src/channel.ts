@@ -128,7 +128,10 @@ export function keyedServiceConfig(config: ServiceConfig): ServiceConfig {
     const others = entry.name.filter((n) => !isKeyed(n));
     if (others.length > 0) methodConfig.push({ ...entry, name: others });
     if (keyed.length > 0) {
-      methodConfig.push({ ...entry, name: keyed, retryPolicy: entry.retryPolicy ?? policy });
+      // a keyed write named with a hedging policy is hedged (its key makes that safe): gRPC
+      // refuses an entry holding both policies, which failed every keyed write
+      methodConfig.push(entry.hedgingPolicy !== undefined ? { ...entry, name: keyed }
+        : { ...entry, name: keyed, retryPolicy: entry.retryPolicy ?? policy });
       for (const n of keyed) named.add(n.method!);
     }
   }
@@ -226,9 +229,16 @@ function isMetadata(value: MetadataInit): value is grpc.Metadata {
      typeof (value as { toJSON?: unknown }).toJSON === "function");
 }
 
+/** HTTP/2 connection-specific headers: Node refuses a request holding one, and grpc-js then
+ * drops the shared connection and retries the call until its deadline, spinning a core. */
+const CONNECTION_HEADERS = new Set(["connection", "keep-alive", "proxy-connection",
+  "transfer-encoding", "upgrade", "te", "host", "content-type"]);
+
 /**
  * A call's metadata: `authorization: Bearer <token>` when there is a token, then the caller's
- * (a key the caller sends replaces the client's, `authorization` included).
+ * (a key the caller sends replaces the client's, `authorization` included). A key is lower-case
+ * letters, digits, `_`, `.` and `-`, neither gRPC's own (`grpc-`) nor an HTTP/2
+ * connection-specific header: anything else throws a `TypeError` before the call is made.
  */
 export function callMetadata(token: string | undefined, extra?: MetadataInit): grpc.Metadata {
   const md = new grpc.Metadata();
@@ -236,6 +246,12 @@ export function callMetadata(token: string | undefined, extra?: MetadataInit): g
   if (extra !== undefined) {
     const entries = isMetadata(extra) ? Object.entries(extra.toJSON()) : Object.entries(extra);
     for (const [key, value] of entries) {
+      const name = key.toLowerCase();
+      if (!/^[0-9a-z_.-]+$/.test(name) || name.startsWith("grpc-") ||
+          CONNECTION_HEADERS.has(name)) {
+        throw new TypeError(`call metadata key ${JSON.stringify(key)}: letters, digits, "_", ` +
+          `"." and "-" only, neither a "grpc-" key nor an HTTP/2 connection header`);
+      }
       md.remove(key);
       for (const one of Array.isArray(value) ? value : [value]) md.add(key, one as string | Buffer);
     }
@@ -243,10 +259,11 @@ export function callMetadata(token: string | undefined, extra?: MetadataInit): g
   return md;
 }
 
-/** A bearer token must be one non-empty line. */
+/** A bearer token must be one non-empty line of printable ASCII (a header value grpc-js sends). */
 export function checkToken(token: string | undefined): string | undefined {
-  if (token !== undefined && (token.length === 0 || /[\r\n]/.test(token))) {
-    throw new Error("the token must be one non-empty line");
+  if (token !== undefined && !/^[\x20-\x7e]+$/.test(token)) {
+    throw new Error("the token must be one non-empty line of printable ASCII (it is sent in " +
+      "the authorization header)");
   }
   return token;
 }

@@ -438,22 +438,24 @@ export class ContextEngineClient {
     const method = definition.path.slice(definition.path.lastIndexOf("/") + 1);
     // a keyed write too: no channel is opened after close()
     if (this.closed) return Promise.reject(this.closedError(method));
-    let request: Req;
     let deadline: number;
     let bytes: Uint8Array;
+    let channel: grpc.Client;
     try {
       deadline = this.deadlineOf(options);
-      request = type.fromPartial(input);
+      const request = type.fromPartial(input);
       // encoded here, not by grpc-js (which would fail the call INTERNAL, "Request message
       // serialization failure"): a request that cannot be encoded (an int64 that is not a
       // decimal string) rejects with the encoder's error, and nothing is sent
       bytes = type.encode(request, new DecimalWriter()).finish();
+      // opened here on the first keyed write: a service config grpc-js refuses rejects the
+      // call, not throws out of it
+      channel = this.channelFor(method, request as { idempotencyKey?: string });
     } catch (err) {
       return Promise.reject(err);
     }
     const wire = Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
-    return this.unary<Res>(definition.path, method,
-      this.channelFor(method, request as { idempotencyKey?: string }),
+    return this.unary<Res>(definition.path, method, channel,
       () => wire, definition.responseDeserialize, null, options, deadline);
   }
 

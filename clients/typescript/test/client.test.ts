@@ -204,6 +204,27 @@ describe("client behaviour", () => {
     assert.deepEqual(keyedServiceConfig({}), {}, "a config that retries nothing stays so");
   });
 
+  test("a keyed write named with a hedging policy is hedged on the keyed channel, not refused",
+    async () => {
+      // the entry took the retry policy beside its hedging policy, which grpc-js refuses: every
+      // keyed write threw synchronously, the client's keyed channel never opened
+      const hedging = { maxAttempts: 2, hedgingDelay: "0s", nonFatalStatusCodes: [] };
+      const config: ServiceConfig = { methodConfig: [
+        { name: [{ service: SERVICE }], retryPolicy: POLICY },
+        { name: [{ service: SERVICE, method: "Rotate" }], hedgingPolicy: hedging }] };
+      const keyed = keyedServiceConfig(config);
+      const rotate = (keyed.methodConfig ?? []).filter((m) =>
+        m.name.some((n) => n.method === "Rotate"));
+      assert.deepEqual(rotate, [{ name: [{ service: SERVICE, method: "Rotate" }],
+        hedgingPolicy: hedging }]);
+      const hedged = open({ serviceConfig: config });
+      let made: Promise<unknown> | undefined;
+      assert.doesNotThrow(() => {
+        made = hedged.rotate({ tenantId: "t", sessionId: "s", idempotencyKey: "k-hedged" });
+      });
+      await made;
+    });
+
   test("grpc-js retries an idempotent call on UNAVAILABLE; every attempt sends the token",
     async () => {
       failFirst = 2;
@@ -530,6 +551,22 @@ describe("client behaviour", () => {
     assert.equal(second!.get("authorization")[0], "Bearer per-call", "a call's key wins");
   });
 
+  test("a metadata key grpc-js would send wrong is a TypeError before the call", async () => {
+    // an HTTP/2 connection header made grpc-js drop the shared connection and retry the call
+    // until its deadline, spinning a core; gRPC's own keys and pseudo-headers were dropped or
+    // forwarded as they came
+    seen.getPlan = [];
+    for (const key of ["connection", "Keep-Alive", "transfer-encoding", "upgrade", "te",
+      "proxy-connection", "host", "content-type", ":authority", "grpc-status", "x id"]) {
+      await assert.rejects(client.getPlan({ tenantId: "t", sessionId: "s" },
+        { metadata: { [key]: "x" } }), (err: unknown) => err instanceof TypeError &&
+          /call metadata key/.test(err.message), key);
+    }
+    assert.equal(seen.getPlan.length, 0, "nothing was sent");
+    await client.getPlan({ tenantId: "t", sessionId: "s" }, { metadata: { "x-ok": "1" } });
+    assert.equal(seen.getPlan.length, 1);
+  });
+
   test("the per-call deadline overrides the client's", async () => {
     const started = Date.now();
     await assert.rejects(client.build({ tenantId: "t", sessionId: "s" }, { deadlineMs: 150 }),
@@ -653,10 +690,13 @@ describe("client behaviour", () => {
     assert.ok(!(left.getPlan! < 1e9), "a deadline that far reaches the server as none");
   });
 
-  test("a token must be one line", () => {
-    for (const token of ["a\nb", "a\rb", ""]) {  // one non-empty line: no CR, no LF
+  test("a token must be one line of printable ASCII", () => {
+    // a header value grpc-js sends: a tab, a BOM or an accent passed construction and failed
+    // every call with a plain Error holding the token
+    for (const token of ["a\nb", "a\rb", "", "s3\tcret", "\ufeffs3cret", "t\u00f6ken", "s3\u0000"]) {
       assert.throws(() => new ContextEngineClient({ target: address, insecure: true, token }),
-        /one non-empty line/, JSON.stringify(token));
+        (err: unknown) => err instanceof Error && /one non-empty line/.test(err.message) &&
+          !err.message.includes(token || "\u0001"), JSON.stringify(token));
     }
   });
 

@@ -164,8 +164,11 @@ def keyed_service_config(config_text: str) -> str:
     policy = next((m["retryPolicy"] for m in entries if "retryPolicy" in m), None)
     if policy is None:
         return json.dumps(config)
+    # a keyed write named with a hedging policy is hedged (its key makes that safe): gRPC
+    # refuses an entry holding both policies
     method_config, named = _split_keyed(
-        entries, lambda entry: {**entry, "retryPolicy": entry.get("retryPolicy", policy)})
+        entries, lambda entry: entry if "hedgingPolicy" in entry
+        else {**entry, "retryPolicy": entry.get("retryPolicy", policy)})
     missing = sorted(KEYED - named)
     if missing:  # with the settings of the entry gRPC would apply to them (a deadline, a size)
         wide = _wide_entry(entries) or {}
@@ -264,6 +267,9 @@ Metadata = Sequence[tuple[str, str | bytes]]
 # else fails the call inside gRPC, after the client has taken it: INTERNAL from the blocking
 # client (which the service answers only for its own defects), an untyped error from asyncio.
 _METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
+# HTTP/2 connection-specific headers, which a request may not hold
+_CONNECTION_HEADERS = frozenset({"connection", "keep-alive", "proxy-connection",
+                                 "transfer-encoding", "upgrade", "te", "host", "content-type"})
 
 
 def _printable_ascii(text: str) -> bool:
@@ -289,9 +295,10 @@ def merge_metadata(base: tuple[tuple[str, str], ...],
         name = key.lower()
         if name == "authorization":
             raise ValueError("pass the token to the client, not as call metadata")
-        if not _METADATA_KEY.fullmatch(name) or name.startswith("grpc-"):
+        if (not _METADATA_KEY.fullmatch(name) or name.startswith("grpc-")
+                or name in _CONNECTION_HEADERS):
             raise ValueError(f"call metadata key {key!r}: letters, digits, '_', '.' and '-' "
-                             "only, and not a 'grpc-' key")
+                             "only, neither a 'grpc-' key nor an HTTP/2 connection header")
         if not name.endswith("-bin") and not (isinstance(value, str)
                                               and _printable_ascii(value)):
             raise ValueError(f"call metadata {key!r}: a value is printable ASCII text unless "
