@@ -225,6 +225,19 @@ describe("client behaviour", () => {
       await made;
     });
 
+  test("a keyed channel that cannot open rejects the keyed write, never throws out of it",
+    async () => {
+      const failing = open();
+      (failing as unknown as { openKeyed: () => never }).openKeyed = () => {
+        throw new Error("no keyed channel");
+      };
+      let made: Promise<unknown> | undefined;
+      assert.doesNotThrow(() => {
+        made = failing.rotate({ tenantId: "t", sessionId: "s", idempotencyKey: "k-none" });
+      });
+      await assert.rejects(made!, /no keyed channel/);
+    });
+
   test("grpc-js retries an idempotent call on UNAVAILABLE; every attempt sends the token",
     async () => {
       failFirst = 2;

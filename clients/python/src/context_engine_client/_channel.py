@@ -267,9 +267,6 @@ Metadata = Sequence[tuple[str, str | bytes]]
 # else fails the call inside gRPC, after the client has taken it: INTERNAL from the blocking
 # client (which the service answers only for its own defects), an untyped error from asyncio.
 _METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
-# HTTP/2 connection-specific headers, which a request may not hold
-_CONNECTION_HEADERS = frozenset({"connection", "keep-alive", "proxy-connection",
-                                 "transfer-encoding", "upgrade", "te", "host", "content-type"})
 
 
 def _printable_ascii(text: str) -> bool:
@@ -295,14 +292,13 @@ def merge_metadata(base: tuple[tuple[str, str], ...],
         name = key.lower()
         if name == "authorization":
             raise ValueError("pass the token to the client, not as call metadata")
-        if (not _METADATA_KEY.fullmatch(name) or name.startswith("grpc-")
-                or name in _CONNECTION_HEADERS):
+        if not _METADATA_KEY.fullmatch(name) or name.startswith("grpc-"):
             raise ValueError(f"call metadata key {key!r}: letters, digits, '_', '.' and '-' "
-                             "only, neither a 'grpc-' key nor an HTTP/2 connection header")
-        if not name.endswith("-bin") and not (isinstance(value, str)
-                                              and _printable_ascii(value)):
-            raise ValueError(f"call metadata {key!r}: a value is printable ASCII text unless "
-                             "its key ends in '-bin' (which takes bytes)")
+                             "only, and not a 'grpc-' key")
+        text = value if isinstance(value, str) else value.decode("latin-1")
+        if not name.endswith("-bin") and not _printable_ascii(text):
+            raise ValueError(f"call metadata {key!r}: a value is printable ASCII unless its "
+                             "key ends in '-bin' (which takes any bytes)")
     return (*base, *((key.lower(), value) for key, value in extra))
 
 
