@@ -67,7 +67,8 @@ working_states = st.one_of(
     st.builds(
         pb.WorkingState,
         objective=texts(1),
-        constraints=st.lists(texts(1), max_size=2),
+        # a constraint holds text (one of white space alone is refused, as an update's is)
+        constraints=st.lists(texts(1).filter(str.strip), max_size=2),
         # a task id once (a state naming one twice is refused, as no state the service writes)
         tasks=st.lists(st.builds(pb.WorkingTask, id=ids_, title=texts(1),
                                  state=st.sampled_from(TASK_STATES)), max_size=2,
