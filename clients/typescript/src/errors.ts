@@ -102,7 +102,9 @@ export class ContextEngineError extends Error {
   readonly otherDetails: readonly Any[];
   /** The RPC that failed, e.g. `"Build"`. */
   readonly method: string;
-  /** How many attempts grpc-js made (more than 1 after retries of `UNAVAILABLE`). */
+  /** How many attempts grpc-js made (more than 1 after retries of `UNAVAILABLE`), as the
+   * status's trailer says: a deadline or cancellation grpc-js reports itself has none (1; its
+   * `details` say `previous attempts: N`). */
   readonly attempts: number;
   /** The trailing metadata of the failed call. */
   readonly trailers: grpc.Metadata;
