@@ -111,8 +111,7 @@ def render() -> str:
         "LETTERS = {",
     ]
     for ch, letter in sorted(letters.items()):
-        code = f"\\U{ord(ch):08x}" if ord(ch) > 0xFFFF else f"\\u{ord(ch):04x}"
-        lines.append(f'    "{code}": "{letter}",  # {unicodedata.name(ch, "?")}')
+        lines.append(_entry(ch, letter))
     lines.append("}")
     lines += [
         "",
@@ -124,10 +123,15 @@ def render() -> str:
         "LETTER_RUNS = {",
     ]
     for ch, run in sorted(_letter_runs().items()):
-        code = f"\\U{ord(ch):08x}" if ord(ch) > 0xFFFF else f"\\u{ord(ch):04x}"
-        lines.append(f'    "{code}": "{run}",  # {unicodedata.name(ch, "?")}')
+        lines.append(_entry(ch, run))
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _entry(ch: str, reading: str) -> str:
+    """One line of a generated dict: the character escaped, what it reads as, its name."""
+    code = f"\\U{ord(ch):08x}" if ord(ch) > 0xFFFF else f"\\u{ord(ch):04x}"
+    return f'    "{code}": "{reading}",  # {unicodedata.name(ch, "?")}'
 
 
 def _wrap(literal: str) -> str:

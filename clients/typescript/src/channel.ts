@@ -81,6 +81,17 @@ function coversKeyed(name: MethodName): number {
   return name.service === SERVICE ? 2 : name.service ? 0 : 1;
 }
 
+/** The entry gRPC applies to the keyed writes where none names them: the most specific one
+ * naming their service, or every service. */
+function wideEntry(config: ServiceConfig): MethodConfig | undefined {
+  let wide: [number, MethodConfig] | undefined;
+  for (const entry of config.methodConfig ?? []) {
+    const cover = Math.max(0, ...entry.name.map(coversKeyed));
+    if (cover > 0 && (wide === undefined || cover > wide[0])) wide = [cover, entry];
+  }
+  return wide?.[1];
+}
+
 /**
  * The config of the channel for every other call: Rotate, Compact and ReportUsage, sent there
  * without their key, never retried nor hedged, whatever the config (a keyed write named with a
@@ -90,7 +101,6 @@ function coversKeyed(name: MethodName): number {
 export function unkeyedServiceConfig(config: ServiceConfig): ServiceConfig {
   const methodConfig: MethodConfig[] = [];
   const named = new Set<string>();
-  let wide: [number, MethodConfig] | undefined;
   for (const entry of config.methodConfig ?? []) {
     const keyed = entry.name.filter(isKeyed);
     const others = entry.name.filter((n) => !isKeyed(n));
@@ -100,13 +110,12 @@ export function unkeyedServiceConfig(config: ServiceConfig): ServiceConfig {
       methodConfig.push({ ...rest, name: keyed });
       for (const n of keyed) named.add(n.method!);
     }
-    const cover = Math.max(0, ...entry.name.map(coversKeyed));
-    if (cover > 0 && (wide === undefined || cover > wide[0])) wide = [cover, entry];
   }
   const missing = KEYED_METHODS.filter((m) => !named.has(m)).sort();  // as Python's
-  if (missing.length > 0 && wide !== undefined && (wide[1].retryPolicy !== undefined ||
-      wide[1].hedgingPolicy !== undefined)) {
-    const { retryPolicy: _dropped, hedgingPolicy: _hedged, ...rest } = wide[1];
+  const wide = wideEntry(config);
+  if (missing.length > 0 && wide !== undefined && (wide.retryPolicy !== undefined ||
+      wide.hedgingPolicy !== undefined)) {
+    const { retryPolicy: _dropped, hedgingPolicy: _hedged, ...rest } = wide;
     methodConfig.push({ ...rest, name: missing.map((method) => ({ service: SERVICE, method })) });
   }
   return { ...config, methodConfig };
@@ -138,12 +147,8 @@ export function keyedServiceConfig(config: ServiceConfig): ServiceConfig {
   const missing = KEYED_METHODS.filter((m) => !named.has(m)).sort();  // as Python's
   if (missing.length > 0) {
     // with the settings of the entry grpc-js would apply to them (a deadline, a size limit)
-    let wide: [number, MethodConfig] | undefined;
-    for (const entry of config.methodConfig ?? []) {
-      const cover = Math.max(0, ...entry.name.map(coversKeyed));
-      if (cover > 0 && (wide === undefined || cover > wide[0])) wide = [cover, entry];
-    }
-    const { retryPolicy: widePolicy, hedgingPolicy: _hedged, ...rest } = wide?.[1] ?? { name: [] };
+    const { retryPolicy: widePolicy, hedgingPolicy: _hedged, ...rest } =
+      wideEntry(config) ?? { name: [] };
     methodConfig.push({ ...rest, name: missing.map((method) => ({ service: SERVICE, method })),
       retryPolicy: widePolicy ?? policy });
   }
