@@ -8,7 +8,6 @@ import functools
 import hashlib
 import math
 import re
-import unicodedata
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from datetime import datetime
 from typing import Any, cast
@@ -18,7 +17,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from context_engine.adapters.assets import load_model_catalog
 from context_engine.api import working_state_tool
-from context_engine.domain import providers
+from context_engine.domain import providers, ucd
 from context_engine.domain import working_state as ws_rules
 from context_engine.domain.budget import BudgetReport, Pressure
 from context_engine.domain.builder import (
@@ -133,7 +132,7 @@ def skill_name(name: str) -> bool:
     """A skill's name: 1 to 64 letters, digits or marks of any script, '_', '.' or '-', none
     of them a letter that reads as "<" or "/" where a tag could begin, nor a blank one."""
     return 0 < len(name) <= 64 and all(
-        c in "_.-" or unicodedata.category(c)[0] in "LMN" for c in name) and plain_name(name)
+        c in "_.-" or ucd.category(c)[0] in "LMN" for c in name) and plain_name(name)
 
 
 TRUST_FROM_PB: dict[pb.TrustLevel.ValueType, TrustLevel] = {
@@ -184,7 +183,7 @@ class Violations:
         characters (a line break there would read as a line of the platform's)."""
         if len(value) > MAX_ID_LENGTH:
             self.add(field, f"is {len(value)} characters; at most {MAX_ID_LENGTH}")
-        elif any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in value):
+        elif any(ucd.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in value):
             self.add(field, "must be one line without control, format or separator characters "
                      "(it is rendered as the platform's own text)")
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import functools
 import re
-import unicodedata
 
-from context_engine.domain import lookalikes
+from context_engine.domain import lookalikes, ucd
 from context_engine.domain.canonical import canonical_sha256, sha256_hex
 from context_engine.domain.trust import TrustLevel
 
@@ -98,13 +97,13 @@ def _invisible(ch: str) -> bool:
     (zero-width, bidi controls, tags: from fold 6 also read decoded, ``_opens_delimiter``),
     combining marks, variation selectors and blank letters: folded away when deciding whether
     text is a delimiter."""
-    if ch.isspace() or ch in _BLANK_LETTERS:
+    if ucd.isspace(ch) or ch in _BLANK_LETTERS:
         return True
     code = ord(ch)
     if 0xFE00 <= code <= 0xFE0F or 0xE0100 <= code <= 0xE01EF:
         return True
     # format characters, and combining marks that would decorate the next visible character
-    return unicodedata.category(ch) in ("Cc", "Cf", "Mn", "Me")
+    return ucd.category(ch) in ("Cc", "Cf", "Mn", "Me")
 
 
 @functools.lru_cache(maxsize=_CACHED)
@@ -126,8 +125,7 @@ def _could_be_tag(name: str, fold: int = FOLD) -> bool | None:
 
 def _bare(text: str) -> str:
     """``text`` decomposed (NFKD) without its combining marks: "ü" is "u", "≮" is "<"."""
-    return "".join(c for c in unicodedata.normalize("NFKD", text)
-                   if unicodedata.category(c) not in _MARKS)
+    return "".join(c for c in ucd.decompose(text) if ucd.category(c) not in _MARKS)
 
 
 def _fold_5(ch: str) -> str:
@@ -137,7 +135,7 @@ def _fold_5(ch: str) -> str:
     bare = _bare(ch)
     if bare in _SLASH_LIKE_5:
         return "/"
-    return _bare(bare.translate(_CONFUSABLE_5).lower().translate(_CONFUSABLE_5))
+    return _bare(ucd.lower(bare.translate(_CONFUSABLE_5)).translate(_CONFUSABLE_5))
 
 
 def _fold_7(ch: str) -> str:
@@ -146,7 +144,7 @@ def _fold_7(ch: str) -> str:
     bare = _bare(ch)
     if bare in _SLASH_LIKE_7:
         return "/"
-    return _bare(bare.translate(_CONFUSABLE_7).lower().translate(_CONFUSABLE_7))
+    return _bare(ucd.lower(bare.translate(_CONFUSABLE_7)).translate(_CONFUSABLE_7))
 
 
 def plain_name(name: str) -> bool:
@@ -182,10 +180,9 @@ def _reading(ch: str, fold: int, decoded: bool = False) -> str | None:
     if ch in _SLASH_LIKE:
         return "/"
     if fold == FOLD_3:
-        return unicodedata.normalize("NFKC", ch).lower().translate(_CONFUSABLE)
+        return ucd.lower(ucd.compose(ch)).translate(_CONFUSABLE)
     # the table before lower-casing too: a capital in it (U+13E7) lowers past it
-    return (unicodedata.normalize("NFKC", ch)
-            .translate(_CONFUSABLE).lower().translate(_CONFUSABLE))
+    return ucd.lower(ucd.compose(ch).translate(_CONFUSABLE)).translate(_CONFUSABLE)
 
 
 @functools.lru_cache(maxsize=_CACHED)
@@ -294,7 +291,7 @@ _FIRST_5 = _FIRST | {c for c, to in lookalikes.LETTERS.items() if c.isascii() an
 _CANNOT_OPEN = {fold: frozenset(
     c for c in map(chr, range(1, 128))
     if c not in _ASCII_INVISIBLE and c not in _ASCII_SLASHES
-    and c.lower() not in (_FIRST_5 | {"r"} if fold >= FOLD_5 else _FIRST)) for fold in FOLDS}
+    and ucd.lower(c) not in (_FIRST_5 | {"r"} if fold >= FOLD_5 else _FIRST)) for fold in FOLDS}
 
 
 def _candidates(fold: int) -> re.Pattern[str]:

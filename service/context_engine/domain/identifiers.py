@@ -3,7 +3,7 @@ requests, the tokens a deployment mints and the commands that name a tenant."""
 
 from __future__ import annotations
 
-import unicodedata
+from context_engine.domain import ucd
 
 MAX_ID_LENGTH = 256
 
@@ -20,7 +20,7 @@ def bad_id_characters(value: str) -> bool:
     """Whether ``value`` holds a character no id may hold (``_NOT_IN_AN_ID``) or surrounding
     white space. Printable ASCII holds none of them, so only other text is searched."""
     return value != value.strip() or (not (value.isascii() and value.isprintable()) and any(
-        unicodedata.category(c) in _NOT_IN_AN_ID for c in value))
+        ucd.category(c) in _NOT_IN_AN_ID for c in value))
 
 
 def identifier_problem(value: str) -> str | None:

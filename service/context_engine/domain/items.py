@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import re
-import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from context_engine.domain import ucd
 from context_engine.domain.canonical import canonical_json
 from context_engine.domain.envelope import FOLD, envelope, escape_content
 from context_engine.domain.errors import AssemblyError
@@ -59,7 +59,7 @@ def breaks_line(text: str) -> bool:
     """Whether ``text`` holds a character that breaks or hides part of a line (printable ASCII
     holds none, so only other text is searched)."""
     return not (text.isascii() and text.isprintable()) and any(
-        unicodedata.category(c) in _NOT_ONE_LINE for c in text)
+        ucd.category(c) in _NOT_ONE_LINE for c in text)
 
 
 def bad_reference(value: str) -> bool:
