@@ -245,7 +245,9 @@ def test_retries_never_outlast_the_deadline(endpoint):
 @pytest.mark.parametrize(("body", "content_type"), [
     (b"not json", "application/json"), (b"<html>a proxy's page</html>", "text/html"),
     ({"choices": []}, "application/json"), ({"object": "chat.completion"}, "application/json"),
-    (completion(None), "application/json")])
+    (completion(None), "application/json"),
+    # nested past the parser's recursion limit: a RecursionError, once answered INTERNAL
+    (b"[" * 100_000 + b"]" * 100_000, "application/json")])
 def test_an_unreadable_answer_is_unavailable(endpoint, body, content_type):
     endpoint.script = [Answer(body=body, headers={"Content-Type": content_type})]
     err, _ = failure(llm(endpoint))

@@ -485,18 +485,25 @@ def test_what_pointers_free_comes_off_the_class_that_holds_them() -> None:
     assert used["tool_results"] == 100 + 100 + 1_000 + 401
 
 
+FLOOR = 20  # what the least narrative a compaction writes costs here, its envelope included
+
+
 def _over_with_summary(summary_tokens: int, *, bare: int = 300, rest: int = 3_000,
                        body: int = 10_000, depth: int = 1) -> BudgetExceeded | None:
     """``allocate`` with a summary that costs ``summary_tokens`` (``bare`` without its
-    narrative, what a merge keeps), a current user message of ``rest`` tokens and two
-    history items a body of ``body`` leaves out: the refusal, or None where it fits."""
+    narrative, what a merge keeps, and ``FLOOR`` more with the least narrative a compaction
+    writes), a current user message of ``rest`` tokens and two history items a body of
+    ``body`` leaves out: the refusal, or None where it fits."""
     from context_engine.domain.budget import Budget, allocate
+    from context_engine.domain.items import NARRATIVE_FLOOR
 
     summary = HistorySummary(text="narrative", depth=depth, replaced_through_sequence=1)
     carried: list[ConversationItem] = [assistant(f"a{k}", "600", k + 2) for k in range(2)]
 
     def cost(item: Any) -> int:
         if isinstance(item, HistorySummary):
+            if item.text == NARRATIVE_FLOOR:
+                return bare + FLOOR
             return summary_tokens if item.text else bare
         return int(cast(AssistantMessageItem, item).text)
 
@@ -530,7 +537,10 @@ def test_no_summary_cap_where_compaction_cannot_help() -> None:
     """Not where a merge cannot make it fit (the summary at the depth cap, its constraints
     and pointers alone over the room, the rest over the body without it): no cap does."""
     for over in (_over_with_summary(12_000, depth=2), _over_with_summary(12_000, bare=7_000),
-                 _over_with_summary(12_000, rest=10_500)):
+                 _over_with_summary(12_000, rest=10_500),
+                 # the kept part fits the room, but not with the least narrative (a merge has
+                 # the earlier narrative to narrate): Compact would refuse that cap
+                 _over_with_summary(12_000, bare=7_000 - FLOOR)):
         assert over is not None and not cast(Pressure, over.pressure).compaction_needed
         assert "max_summary_tokens" not in over.metadata()
 

@@ -353,6 +353,68 @@ def test_dense_text_keeps_the_goal_and_the_open_questions():
     assert len(r.summary.splitlines()) == 2 + 1 + len(kept) + 2
 
 
+def _narrative(r: CompactionResult) -> str:
+    """The narrative as Build renders it: the text of row 9's first envelope, read off the
+    rendering (not off ``r.summary``), empty where row 9 has none."""
+    found = re.search(r'<user source="summary" id="summary" nonce="[0-9a-f]+">\n(.*?)\n</user:',
+                      rendered(r), re.S)
+    return found.group(1) if found else ""
+
+
+@pytest.mark.gate_compaction_fidelity
+def test_no_cap_stores_a_summary_without_a_word_of_what_it_replaced() -> None:
+    """A cap just over what the summary must keep (its pointers and source ids) left the
+    narrative no room once its envelope was counted: the compaction was stored with an empty
+    narrative, the user's goal and question and every answer replaced by nothing. Every cap
+    from the kept part up now either writes a narrative of some words or is refused, as
+    pointers that leave it no room (a smaller target replaces fewer, a larger cap holds it)."""
+    kept = do(items(), max_summary_tokens=4_000).history_summary()
+    bare = measure(replace(kept, text="").messages(CTX))
+    outcomes = []
+    for cap in range(bare, bare + 80):
+        try:
+            r = do(items(), max_summary_tokens=cap)
+        except BudgetExceeded as refused:
+            assert refused.class_name == "summary_pointers" and refused.limit == cap
+            assert refused.tokens > cap
+            outcomes.append("refused")
+            continue
+        assert r.tokens_after <= cap
+        assert len(_narrative(r).split()) >= 4, (cap, r.summary)
+        outcomes.append("written")
+    # refused below the floor, written from it on, and the floor is not past the kept part
+    # by more than a narrative's envelope and sixteen words
+    assert outcomes[0] == "refused" and outcomes[-1] == "written"
+    assert outcomes == sorted(outcomes)
+    assert outcomes.index("written") < 80
+
+
+class Flooding:
+    """A summarizer that answers megabytes whatever it is asked."""
+
+    version = "flooding/1"
+
+    async def summarize(self, data: SummaryInput, max_chars: int) -> Summarized:
+        return Summarized(narrative="Current goal: Lisbon. " + "x" * 4_000_000 + " Open?",
+                          version=self.version)
+
+
+def test_an_answer_far_over_its_allowance_is_cut_before_it_is_measured() -> None:
+    """Measured whole on every pass of the cut, 4 MB held the event loop for seconds; what is
+    measured is now a few times the allowance, and the summary keeps both ends."""
+    longest: list[int] = []
+
+    def measuring(messages: Sequence[Message]) -> int:
+        longest.append(max(len(m.text) for m in messages))
+        return measure(messages)
+
+    r = run(compact(items(), None, active_run_id="run-1", reason="budget_pressure",
+                    summarizer=Flooding(), measure=measuring, ctx=CTX, state=WorkingState(),
+                    target=Target(tokens_to_free=10_000), max_summary_tokens=300))
+    assert r.tokens_after <= 300 and max(longest) < 20_000
+    assert r.summary.startswith("Current goal: Lisbon.") and r.summary.endswith("Open?")
+
+
 @pytest.mark.gate_trust
 def test_a_call_made_after_untrusted_content_is_pointed_to_not_dropped():
     """A tool call labelled below USER was replaced and named nowhere in the summary: neither

@@ -180,7 +180,8 @@ class OpenAISummarizer:
             cause = exc.__cause__
             raise SummarizerUnavailable(type(cause).__name__ if cause is not None
                                         else "connection error") from None
-        except (openai.OpenAIError, ValueError):  # a body that is no completion (not JSON)
+        except (openai.OpenAIError, ValueError, RecursionError):
+            # a body that is no completion: not JSON, or JSON nested too deep to parse
             raise SummarizerUnavailable("unreadable answer") from None
         try:
             choice = completion.choices[0]

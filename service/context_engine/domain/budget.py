@@ -35,6 +35,7 @@ from context_engine.domain.history import Span, compact_through, select_history,
 from context_engine.domain.items import (
     MAX_DEPTH,
     MAX_SUMMARY_TOKENS,
+    NARRATIVE_FLOOR,
     ContextItem,
     ConversationItem,
     HistorySummary,
@@ -620,9 +621,10 @@ def compaction_helps(left_out: int, total: int, body_budget: int,
     the current summary (``summary_tokens`` of the body) into a smaller one: that summary can
     still merge (depth below the cap) and the rest fits with what a merge keeps of it, all
     but its narrative (its constraints, pointers and source ids, which a merge keeps verbatim
-    and only adds to; ``cost``: what the summary costs without its narrative, and a merged
+    and only adds to), with the least room a compaction gives a narrative (``NARRATIVE_FLOOR``:
+    a merge has the earlier one to narrate); ``cost``: what the summary costs so, and a merged
     one costs at least a token more, the sources it adds; ``merged``, where given, makes that
-    summary as a merge keeps it: the working state's constraints are written into it too).
+    summary as a merge keeps it: the working state's constraints are written into it too.
     Everything else that never yields (the current user message, the working state,
     corrections, skill bodies, the active run) no compaction touches."""
     if left_out == 0:
@@ -631,8 +633,8 @@ def compaction_helps(left_out: int, total: int, body_budget: int,
         return True
     if summary is None or summary.depth >= MAX_DEPTH or total - summary_tokens >= body_budget:
         return False
-    kept = (cost(replace(summary, text="") if merged is None else merged()) if summary.text
-            else summary_tokens)
+    kept = (cost(replace(summary if merged is None else merged(), text=NARRATIVE_FLOOR))
+            if summary.text else summary_tokens)
     return total - summary_tokens + kept < body_budget
 
 

@@ -54,6 +54,7 @@ from context_engine.domain.excerpts import DEFAULT_INLINE_MAXIMUM_BYTES, normali
 from context_engine.domain.history import floor_index, trailing_start, units
 from context_engine.domain.items import (
     MAX_DEPTH,
+    NARRATIVE_FLOOR,
     SUMMARY_CONSTRAINTS_HEADER,
     SUMMARY_ELIDED_HEADER,
     SUMMARY_SOURCES_HEADER,
@@ -480,9 +481,25 @@ async def compact(items: Sequence[ConversationItem], current: HistorySummary | N
                                 measure, ctx)
         raise BudgetExceeded("summary_constraints" if alone > max_summary_tokens
                              else "summary_pointers", bare, max_summary_tokens)
-    # a character allowance for the narrative: three characters a token, which dense text
-    # (numbers, code, most scripts but Latin) does not reach
-    room = max(0, max_summary_tokens - bare)
+    # a narrative for what there is to narrate (the goal, questions, decisions, an earlier
+    # narrative) has at least NARRATIVE_FLOOR's room beside its envelope, or nothing is
+    # written: a summary that replaced a conversation with no word of it would lose its goal
+    # and questions unseen (a smaller target replaces fewer pointers, a larger cap holds more)
+    data = sel.data
+    if (data.goal or data.open_questions or data.lines or data.prior_narrative
+            or sel.carried):
+        floor = _summary_tokens(summary_with(NARRATIVE_FLOOR), measure, ctx)
+        if floor > max_summary_tokens:
+            alone = _summary_tokens(replace(summary_with(NARRATIVE_FLOOR), elided=(),
+                                            source_event_ids=()), measure, ctx)
+            raise BudgetExceeded("summary_constraints" if alone > max_summary_tokens
+                                 else "summary_pointers", floor, max_summary_tokens)
+    # a character allowance for the narrative: what the cap leaves beside the rest and the
+    # narrative's envelope (a one-character narrative: the envelope and about a token), three
+    # characters a token, which dense text (numbers, code, most scripts but Latin) does not
+    # reach
+    enveloped = _summary_tokens(summary_with("."), measure, ctx)
+    room = max(0, max_summary_tokens - enveloped)
     allowance = room * 3
     # an earlier narrative below USER, as it is, up to half of the allowance (cut in its
     # middle), before what the summarizer writes from trusted content
@@ -492,15 +509,23 @@ async def compact(items: Sequence[ConversationItem], current: HistorySummary | N
         return f"{EARLIER}\n{earlier}\n{written}".strip() if earlier else written
 
     held = len(narrative_of_written("")) + 1 if earlier else 0
-    summarized = await summarizer.summarize(sel.data, max(0, allowance - held))
-    narrative = narrative_of_written(summarized.narrative.strip())
+
+    async def written(allowance: int) -> tuple[Summarized, str]:
+        asked = max(0, allowance - held)
+        summarized = await summarizer.summarize(sel.data, asked)
+        # an answer far over what was asked is cut in its middle before it is measured:
+        # measured whole, pass after pass, a misbehaving summarizer's megabytes would hold
+        # the event loop for seconds (the cut keeps its opening and its open questions)
+        text = cut_middle(summarized.narrative.strip(), 4 * max(asked, 64))
+        return summarized, narrative_of_written(text)
+
+    summarized, narrative = await written(allowance)
     after = _summary_tokens(summary_with(narrative), measure, ctx)
     if after > max_summary_tokens and narrative:
         # asked once more, within the allowance the text measured shows (a summarizer fits
         # its own text by what matters; a cut of ours would not know)
-        allowance = int(len(narrative) * room / max(after - bare, 1) * 0.9)
-        summarized = await summarizer.summarize(sel.data, max(0, allowance - held))
-        narrative = narrative_of_written(summarized.narrative.strip())
+        allowance = int(len(narrative) * room / max(after - enveloped, 1) * 0.9)
+        summarized, narrative = await written(allowance)
         after = _summary_tokens(summary_with(narrative), measure, ctx)
     while after > max_summary_tokens and narrative:  # cut the narrative, never a constraint
         narrative = cut_middle(narrative, len(narrative) * 3 // 4)

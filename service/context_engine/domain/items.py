@@ -408,6 +408,11 @@ SUMMARY_SOURCES_HEADER = "Source event ids:"
 MAX_DEPTH = 2
 # The largest cap a compaction's summary may be asked to fit (``max_summary_tokens``)
 MAX_SUMMARY_TOKENS = 32_000
+# The least a summary's narrative is given room for, beside its envelope, where there is
+# anything to narrate (a goal, questions, decisions, an earlier narrative): measured as this
+# text, sixteen one-token words, about fifty characters of prose. A compaction that cannot
+# give it that is refused, and a Build does not call for one that could not
+NARRATIVE_FLOOR = " ".join(["word"] * 16)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
