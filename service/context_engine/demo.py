@@ -34,6 +34,7 @@ from typing import TextIO, TypeVar
 import grpc
 
 from context_engine.config import Config, ConfigError
+from context_engine.domain.identifiers import identifier_problem
 from context_engine.healthcheck import probe_address
 from context_engine.v1 import context_engine_pb2 as pb
 from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
@@ -443,6 +444,11 @@ def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         return 2
     tenant = args.tenant or environ.get("CE_TENANT_ID") or TENANT
     session = args.session or environ.get("CE_SESSION_ID") or "tour"
+    for name, value in (("--tenant", tenant), ("--session", session)):
+        problem = identifier_problem(value)
+        if problem is not None:  # the server's own rule, before a request cannot be made
+            print(f"context-engine demo: {name} {problem}", file=sys.stderr)
+            return 2
     out: list[str] = []
     options = _NO_PROXY if token is not None else ()
     with grpc.insecure_channel(address, options=options) as channel:

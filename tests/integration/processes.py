@@ -18,11 +18,11 @@ from typing import Any
 
 class ServerProcess:
     def __init__(self, env: dict[str, str], *, timeout: float = 90.0,
-                 grpc_addr: str = "127.0.0.1:0") -> None:
+                 grpc_addr: str = "127.0.0.1:0", metrics_addr: str = "127.0.0.1:0") -> None:
         full_env = {**os.environ, "CE_GRACE_SECONDS": "5", "CE_DRAIN_SECONDS": "0.5", **env}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "context_engine", "serve", "--grpc-addr", grpc_addr,
-             "--metrics-addr", "127.0.0.1:0"],
+             "--metrics-addr", metrics_addr],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, text=True)
         # A failing test must not leave a server (and its embedded PostgreSQL) running.
         atexit.register(self.kill)
@@ -32,7 +32,7 @@ class ServerProcess:
         threading.Thread(target=self._pump, daemon=True).start()
         serving = self.wait_for("serving", timeout)
         self.address = serving["grpc"]
-        self.metrics = serving["metrics"]
+        self.metrics = serving.get("metrics")
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None

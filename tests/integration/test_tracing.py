@@ -832,3 +832,40 @@ def test_without_the_variables_no_sdk_is_loaded(database_url):
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report == {"trace_export": False, "sdk": [], "exporters": [],
                       "asyncpg_instrumented": False, "global_provider": "ProxyTracerProvider"}
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_a_collector_that_never_answers_holds_a_stop_a_second_at_most(database_url, ids,
+                                                                      protocol):
+    """A collector down (gRPC: connection refused) or hung (HTTP: a listener that reads and
+    never answers) held every stop 7-10 s past its drain and grace, the exporter retrying
+    until its own deadline (the SDK's flush ignores its timeout), towards the supervisor's
+    SIGKILL. Now the spans still batched get FLUSH_SECONDS, and the stop says they were not
+    all exported."""
+    import socket
+    import time
+
+    from context_engine.api.server import FLUSH_SECONDS
+
+    tenant, session = ids
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)  # accepted by the kernel, never read nor answered
+    port = hung.getsockname()[1]
+    if protocol == "grpc":
+        hung.close()  # nothing listens there: refused
+    try:
+        server = serve(process_env(
+            database_url, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
+            OTEL_EXPORTER_OTLP_PROTOCOL=protocol, CE_DRAIN_SECONDS="0",
+            CE_GRACE_SECONDS="1"))
+        try:
+            traced_calls(server.address, tenant, session, caller()[2])
+        finally:
+            began = time.monotonic()
+            assert server.terminate() == 0
+            took = time.monotonic() - began
+    finally:
+        hung.close()
+    assert took < 1 + FLUSH_SECONDS + 1.5, took  # grace, the bound, the rest of a stop
+    assert [r for r in server.log if r.get("event") == "trace_export_unfinished"]

@@ -300,6 +300,30 @@ def _running(pid: int) -> bool:
         return False
 
 
+def test_with_metrics_off_a_worker_restarted_writes_no_metrics_files(database_url, tmp_path):
+    """Metrics off: the workers were still handed the supervisor's metrics directory, wrote
+    their files there, and a worker that died left its files (1.3 MB a restart) that nothing
+    folds, since only a served endpoint reads them. Now no worker writes any."""
+    server = ServerProcess({"DATABASE_URL": database_url, "CE_WORKERS": "2",
+                            "CE_DEV_MODE": "1", "TMPDIR": str(tmp_path)}, metrics_addr="")
+    try:
+        assert server.metrics is None
+        pids = server.log[-1]["pids"]
+        os.kill(pids[0], signal.SIGKILL)
+        assert server.wait_for("worker_exited", 30)["pid"] == pids[0]
+        started = server.wait_for("worker_serving", 60)
+        for pid in (started["pid"], pids[1]):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert not [v for v in environ if v.startswith(b"PROMETHEUS_MULTIPROC_DIR=")]
+        ch = channel(server.address)
+        pb_grpc.ContextEngineStub(ch).Plan(plan_request(f"t-{uuid.uuid4().hex[:8]}", "s"),
+                                           timeout=30)
+        ch.close()
+        assert sorted(p.name for p in tmp_path.rglob("*.db")) == []
+    finally:
+        assert server.terminate() == 0
+
+
 def test_a_worker_killed_again_and_again_keeps_its_counts_and_no_files(database_url):
     """Each SIGKILL of a worker used to leave its metrics files (1.1-1.4 MB) for the endpoint
     to keep summing, so a worker restarted in a loop filled its temporary directory. Its files

@@ -256,6 +256,30 @@ def test_config_into_a_reader_that_stops_early_is_not_an_error():
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
 
 
+def test_a_propagator_no_package_provides_is_one_configuration_error():
+    """OTEL_PROPAGATORS=b3 (common cluster-wide) with no b3 package: OpenTelemetry's
+    propagation module raised as it loaded, and every command, `--version` included, died
+    with a traceback, tracing off or on. Now the commands that read no configuration run, and
+    the others refuse it in one line."""
+    import subprocess
+    import sys
+
+    env = {**{k: v for k, v in os.environ.items()
+              if not k.startswith(("CE_", "OTEL_"))}, "OTEL_PROPAGATORS": "tracecontext,b3"}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "context_engine", *args],
+                              capture_output=True, text=True, timeout=60, check=False, env=env)
+
+    version = run("--version")
+    assert version.returncode == 0 and "Traceback" not in version.stderr, version.stderr
+    config = run("config")
+    assert config.returncode == 2 and "Traceback" not in config.stderr
+    assert config.stderr.strip().endswith(
+        "OTEL_PROPAGATORS='tracecontext,b3': no propagator 'b3' is installed "
+        "(baggage, tracecontext, none)")
+
+
 # ---------------------------------------------------------------- flags and the database
 
 

@@ -197,6 +197,19 @@ def test_booleans(raw: str, value: bool):
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
       "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"},
      "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/json' is not an OTLP protocol"),
+    # read for every call's context, traced or not: once a traceback from every command
+    ({"OTEL_PROPAGATORS": "tracecontext,b3"},
+     "OTEL_PROPAGATORS='tracecontext,b3': no propagator 'b3' is installed"),
+    # what the SDK's configurator failed on after the migrations, with a traceback
+    ({"OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "prometheus"},
+     "OTEL_METRICS_EXPORTER='prometheus': no metrics exporter 'prometheus' is installed"),
+    ({"OTEL_TRACES_EXPORTER": "console", "OTEL_LOGS_EXPORTER": "bogus"},
+     "OTEL_LOGS_EXPORTER='bogus': no logs exporter 'bogus' is installed"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317",
+      "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "abc"},
+     "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT='abc' is not a number of seconds"),
+    ({"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "-3"},
+     "OTEL_BSP_MAX_EXPORT_BATCH_SIZE='-3' is not a positive integer"),
 ])
 def test_a_bad_value_names_the_variable_and_the_value(env: dict[str, str], message: str):
     with pytest.raises(ConfigError) as caught:
@@ -224,7 +237,13 @@ def test_metrics_on_another_port_or_host_or_off_is_fine(grpc: str, metrics: str)
     # protocol meant for other signals is not this one's to refuse
     {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317",
      "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
-    {"OTEL_TRACES_EXPORTER": "console", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}])
+    {"OTEL_TRACES_EXPORTER": "console", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+    {"OTEL_PROPAGATORS": "tracecontext,baggage"}, {"OTEL_PROPAGATORS": "none"},
+    {"OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "none",
+     "OTEL_LOGS_EXPORTER": "console", "OTEL_EXPORTER_OTLP_TIMEOUT": "2.5",
+     "OTEL_BSP_SCHEDULE_DELAY": "500"},
+    # not asked for traces: the exporters' settings are not read
+    {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_OTLP_TIMEOUT": "abc"}])
 def test_what_the_sdk_takes_is_taken(env: dict[str, str]):
     Config.from_env(env)
 

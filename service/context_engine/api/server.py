@@ -68,8 +68,8 @@ from context_engine.telemetry.logs import log
 from context_engine.telemetry.metrics import Metrics
 from context_engine.telemetry.tracing import (
     configured_provider,
-    flush,
     instrument_database,
+    shut_down,
     tracer_for,
     uninstrument_database,
     untraced,
@@ -178,7 +178,11 @@ class Running:
             await self.summarizer.aclose()
         if self.tracing is not None:
             uninstrument_database()
-            await asyncio.to_thread(flush, self.tracing)  # exports what is still batched
+            # exports what is still batched, for at most FLUSH_SECONDS: a collector down or
+            # hung held the stop 7-10 s past its drain and grace (the exporter retries until
+            # its own deadline), towards the supervisor's SIGKILL
+            if not await asyncio.to_thread(shut_down, self.tracing, FLUSH_SECONDS):
+                log("trace_export_unfinished", logging.WARNING, seconds=FLUSH_SECONDS)
 
 
 def summarizer_for(config: Config) -> Summarizer:
@@ -413,6 +417,8 @@ def maintenance_policy(config: Config) -> Policy:
 
 
 HEALTH_INTERVAL_SECONDS = 1.0
+# The most a stop waits for the spans still batched to be exported
+FLUSH_SECONDS = 1.0
 
 
 # opens a connection to the database outside the pool (the health watch's, when the pool is busy)

@@ -33,7 +33,15 @@ def identifier_problem(value: str) -> str | None:
         return f"is {len(value)} characters; at most {MAX_ID_LENGTH}"
     if bad_id_characters(value):
         return ID_CHARACTERS_RULE
-    return None
+    return _unencodable(value)
+
+
+def _unencodable(value: str) -> str | None:
+    """A lone surrogate (what a command line's bytes that are no UTF-8 decode to): no request
+    can carry it, nor can PostgreSQL store it."""
+    if value.isascii() or not any("\ud800" <= c <= "\udfff" for c in value):
+        return None
+    return "must be text in UTF-8 (it holds bytes that are not)"
 
 
 def erasable_identifier_problem(value: str) -> str | None:
@@ -48,4 +56,4 @@ def erasable_identifier_problem(value: str) -> str | None:
         return f"is {len(value)} characters; at most {MAX_ID_LENGTH}"
     if value != value.strip() or any(ord(c) < 32 for c in value):
         return "must not contain C0 control characters or surrounding white space"
-    return None
+    return _unencodable(value)

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
@@ -55,29 +55,70 @@ OTLP_PROTOCOLS = ("grpc", "http/protobuf")  # what the SDK's configurator maps "
 _PROTOCOLS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 
 
+# Numbers the SDK reads when it exports traces: a timeout (seconds) it parses as a float and
+# fails on otherwise, and the batch processor's settings, which must be positive integers
+_SECONDS = ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
+_COUNTS = ("OTEL_BSP_SCHEDULE_DELAY", "OTEL_BSP_EXPORT_TIMEOUT", "OTEL_BSP_MAX_QUEUE_SIZE",
+           "OTEL_BSP_MAX_EXPORT_BATCH_SIZE")
+
+
 def otel_problems(env: Mapping[str, str]) -> list[str]:
-    """What in the standard variables the SDK's configurator would fail on when trace export
-    is asked for: an exporter no installed package provides, an OTLP protocol it does not
-    know. Checked with the rest of the configuration, before the server starts."""
-    if not otlp_requested(env):
-        return []
+    """What in the standard variables OpenTelemetry would fail on: a propagator no installed
+    package provides (read for every call's context, traced or not); when trace export is
+    asked for, an exporter of traces, metrics or logs no installed package provides, an OTLP
+    protocol it does not know, a timeout or a batch setting that is no number. Checked with
+    the rest of the configuration, before the server starts."""
     from importlib.metadata import entry_points
 
+    def installed(kind: str) -> list[str]:
+        return sorted({ep.name for ep in entry_points(group=f"opentelemetry_{kind}")})
+
     found: list[str] = []
-    installed = sorted({ep.name for ep in entry_points(group="opentelemetry_traces_exporter")})
+    raw = env.get("OTEL_PROPAGATORS", "")
+    known = installed("propagator")
+    for name in (n.strip() for n in raw.split(",") if n.strip()):
+        if name.lower() != "none" and name not in known:
+            found.append(f"OTEL_PROPAGATORS={raw!r}: no propagator {name!r} is installed "
+                         f"({', '.join(known)}, none)")
+    if not otlp_requested(env):
+        return found
+    exporters = installed("traces_exporter")
     raw = env.get("OTEL_TRACES_EXPORTER", "")
     names = [n.strip() for n in raw.split(",")] if raw.strip() else ["otlp"]  # endpoint only
     for name in names:
-        if name != "otlp" and name not in installed:
+        if name != "otlp" and name not in exporters:
             found.append(f"OTEL_TRACES_EXPORTER={raw!r}: no trace exporter {name!r} is "
-                         f"installed (otlp, {', '.join(installed)})")
+                         f"installed (otlp, {', '.join(exporters)})")
+    for kind in ("metrics", "logs"):  # off unless named; the configurator then builds them
+        variable = f"OTEL_{kind.upper()}_EXPORTER"
+        raw = env.get(variable, "")
+        known = installed(f"{kind}_exporter")
+        for name in (n.strip() for n in raw.split(",") if n.strip()):
+            if name not in ("otlp", "none") and name not in known:
+                found.append(f"{variable}={raw!r}: no {kind} exporter {name!r} is installed "
+                             f"(otlp, {', '.join(known)}, none)")
+    for variable in _SECONDS:
+        value = env.get(variable, "").strip()
+        if value and not _number(value):
+            found.append(f"{variable}={value!r} is not a number of seconds")
+    for variable in _COUNTS:
+        value = env.get(variable, "").strip()
+        if value and not (value.isascii() and value.isdigit() and int(value) > 0):
+            found.append(f"{variable}={value!r} is not a positive integer")
     if "otlp" in names:  # the protocol the SDK maps "otlp" by: the traces one, else the general
-        variable = next((v for v in _PROTOCOLS if env.get(v, "").strip()), None)
-        protocol = env.get(variable, "").strip() if variable else ""
-        if variable and protocol not in OTLP_PROTOCOLS:
-            found.append(f"{variable}={protocol!r} is not an OTLP protocol "
+        named = next((v for v in _PROTOCOLS if env.get(v, "").strip()), None)
+        protocol = env.get(named, "").strip() if named else ""
+        if named and protocol not in OTLP_PROTOCOLS:
+            found.append(f"{named}={protocol!r} is not an OTLP protocol "
                          f"({', '.join(OTLP_PROTOCOLS)})")
     return found
+
+
+def _number(value: str) -> bool:
+    try:
+        return float(value) >= 0
+    except ValueError:
+        return False
 
 
 def configured_provider(version: str = "") -> trace.TracerProvider:
@@ -119,12 +160,22 @@ def _configure_sdk(resource_attributes: dict[str, str]) -> None:
                            resource_attributes=resource_attributes)
 
 
-def flush(provider: trace.TracerProvider, timeout_millis: int = 10_000) -> None:
-    """Export what the provider's processors still hold (blocking; the SDK also flushes at
-    exit). A provider without ``force_flush`` (the API's) holds nothing."""
-    force_flush = getattr(provider, "force_flush", None)
-    if callable(force_flush):
-        force_flush(timeout_millis)
+def shut_down(provider: trace.TracerProvider, seconds: float) -> bool:
+    """Export what the provider's processors still hold and shut them down, waiting at most
+    ``seconds``; whether they were done by then. The SDK's ``force_flush`` ignores its
+    timeout and its shutdown waits out the exporter's retries (10 s by default against a
+    collector that is down or hung), so the shutdown runs on a daemon thread that the
+    process does not wait for at exit: what is not exported by then is lost, as the stop's
+    bound says. A provider without ``shutdown`` (the API's) holds nothing."""
+    import threading
+
+    shutdown = getattr(provider, "shutdown", None)
+    if not callable(shutdown):
+        return True
+    worker = threading.Thread(target=shutdown, name="tracing-shutdown", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return not worker.is_alive()
 
 
 class _SilentTracer(Tracer):
@@ -216,6 +267,10 @@ def caller_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Contex
     nothing else of the metadata (credentials) is kept."""
     carrier = {key.lower(): value for key, value in metadata or ()
                if isinstance(value, str)}
+    # imported here: the module reads OTEL_PROPAGATORS when it loads and raises on a name no
+    # package provides, which ``otel_problems`` refuses first as a configuration error
+    from opentelemetry import propagate
+
     return propagate.extract(carrier, context=Context())
 
 
