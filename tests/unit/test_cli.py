@@ -280,6 +280,26 @@ def test_a_propagator_no_package_provides_is_one_configuration_error():
         "(baggage, tracecontext, none)")
 
 
+@pytest.mark.parametrize("args", [["hash-token", "--tenant-id", "caf\udce9"],
+                                  ["demo", "--session", "caf\udce9"],
+                                  ["demo", "--tenant", " padded"]])
+def test_an_id_no_request_can_carry_is_refused_before_anything_is_made(args: list[str]):
+    """`hash-token` minted an entry for a tenant id holding bytes that are no UTF-8 (a lone
+    surrogate once decoded), which no request can ever carry; `demo` died with a traceback
+    encoding one. Both refuse it in one line, exit 2, nothing printed to standard output."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "context_engine",
+                           *(a.encode("utf-8", "surrogateescape") for a in args)],
+                          capture_output=True, timeout=60, check=False,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("CE_")})
+    assert done.returncode == 2 and done.stdout == b"", done
+    assert b"Traceback" not in done.stderr
+    assert done.stderr.count(b"\n") == 1 and (b"must be text in UTF-8" in done.stderr
+                                              or b"surrounding white space" in done.stderr)
+
+
 # ---------------------------------------------------------------- flags and the database
 
 

@@ -56,3 +56,13 @@ def test_purge_tenant_takes_a_tenant_id_the_earlier_rule_took_and_hash_token_doe
         "--tenant-id must not contain control, format or line-separator characters or "
         "surrounding white space")
     assert cli._tenant_problem("t\x1fx", erasing=True) is not None
+
+
+@pytest.mark.parametrize("value", ["caf\udce9", "\ud800", "x\udfffy"])
+def test_an_id_holding_a_lone_surrogate_is_refused_by_both_rules(value: str) -> None:
+    """What a command line's bytes that are no UTF-8 decode to (``caf\\xe9`` as
+    ``caf\\udce9``): `hash-token` minted a tokens-file entry for a tenant no request can name,
+    `demo` died encoding it. Neither rule took it as an id; both refuse it now."""
+    message = "must be text in UTF-8 (it holds bytes that are not)"
+    assert identifier_problem(value) == message
+    assert erasable_identifier_problem(value) == message
