@@ -45,7 +45,7 @@ import errno  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
-from collections.abc import Mapping, Sequence  # noqa: E402
+from collections.abc import Callable, Mapping, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
@@ -303,6 +303,7 @@ def _command(args: argparse.Namespace) -> int:
             config.validate_migrations()
         if args.command == "serve":
             config.validate_serving()
+            _raise_unreadable_files(config)
             if config.auth_tokens_file is not None:  # a malformed file fails here, not later
                 from context_engine.api.auth import FileTokens
 
@@ -321,11 +322,15 @@ def _command(args: argparse.Namespace) -> int:
         MigrationError,
         MigrationFailed,
     )
+    from context_engine.api.server import EmbeddedDatabaseFailed
     from context_engine.telemetry.logs import configure
 
     configure(config.log_level)
     try:
         return _run(args, config)
+    except EmbeddedDatabaseFailed as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
     except DatabaseUnreachable as exc:  # the first connection of serve or migrate
         print(f"{PROG}: {_unreachable(exc, config)}; nothing was applied", file=sys.stderr)
         return 1
@@ -338,6 +343,35 @@ def _command(args: argparse.Namespace) -> int:
     except MigrationFailed as exc:  # a migration's SQL, a privilege, the connection lost
         print(f"{PROG}: {_migration_failed(exc, config)}", file=sys.stderr)
         return 1
+
+
+def _raise_unreadable_files(config: Config) -> None:
+    """The model catalog, the platform assets and the summarizer's prompt, read as ``serve``
+    reads them, before anything starts: one that cannot be read (not JSON, the wrong shape, a
+    file missing) ended in a traceback once the database was migrated."""
+    from context_engine.adapters.assets import (
+        load_control_tools,
+        load_model_catalog,
+        load_platform_assets,
+    )
+    from context_engine.adapters.summarizer import load_prompt
+
+    checks: list[tuple[str, Path, Callable[[Path], object]]] = [
+        ("CE_MODEL_CATALOG", config.model_catalog, load_model_catalog),
+        ("CE_ASSETS_DIR", config.assets_dir, load_platform_assets),
+        ("CE_ASSETS_DIR", config.assets_dir, load_control_tools)]
+    if config.summarizer_url:
+        checks.append(("CE_ASSETS_DIR", config.assets_dir, load_prompt))
+    problems = []
+    for variable, path, load in checks:
+        try:
+            load(path)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            problems.append(f"{variable}={str(path)!r} cannot be read: "
+                            f"{type(exc).__name__}{': ' + why if why else ''}")
+    if problems:
+        raise ConfigError("; ".join(dict.fromkeys(problems)))
 
 
 def _serve(args: argparse.Namespace, config: Config) -> int:
@@ -510,10 +544,13 @@ def _purge_tenant(config: Config, args: argparse.Namespace) -> int:
         if typed != tenant:
             print(f"{PROG}: not confirmed; nothing was erased", file=sys.stderr)
             return 1
+    import asyncpg
+
     from context_engine.adapters.postgres.migrate import DatabaseUnreachable
+    from context_engine.api.server import embedded_exists
     from context_engine.domain.errors import StoreUnavailable
 
-    if config.database_url is None and not (config.data_dir / "pg").is_dir():
+    if config.database_url is None and not embedded_exists(config.data_dir):
         # never created here: a purge of nothing is an error, not a fresh cluster
         print(f"{PROG}: DATABASE_URL is not set and there is no embedded database under "
               f"{config.data_dir}; nothing was erased", file=sys.stderr)
@@ -526,9 +563,16 @@ def _purge_tenant(config: Config, args: argparse.Namespace) -> int:
     except _NotMigrated as exc:
         print(f"{PROG}: {exc}; nothing was erased", file=sys.stderr)
         return 1
-    except StoreUnavailable as exc:
+    except StoreUnavailable as exc:  # a conflict with another writer included
         print(f"{PROG}: the database failed during the purge ({exc}); what was erased "
               "before is recorded, run purge-tenant again to finish", file=sys.stderr)
+        return 1
+    except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        # refused by the database: a role without the privilege to delete, say
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"{PROG}: the database refused the purge ({type(exc).__name__}"
+              f"{': ' + why if why else ''}); what was erased before is recorded, run "
+              "purge-tenant again once it is allowed", file=sys.stderr)
         return 1
     document = {"tenant_id": tenant, "sessions": erased.sessions, "plans": erased.plans,
                 "events": erased.events, "compactions": erased.compactions,
@@ -603,8 +647,9 @@ async def _migration_status(config: Config) -> int:
         reconcile,
         status,
     )
+    from context_engine.api.server import embedded_exists
 
-    if config.database_url is None and not (config.data_dir / "pg").is_dir():
+    if config.database_url is None and not embedded_exists(config.data_dir):
         # No embedded database yet (and --status creates none): every migration is pending.
         entries = reconcile([], discover(config.migrations_dir))
     else:

@@ -12,7 +12,7 @@ import asyncio
 import json
 import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the CLI imports this module for its arguments; the driver l
         StoredEpoch,
         StoredEvent,
     )
+    from context_engine.adapters.postgres.migrate import DatabaseUnreachable
     from context_engine.config import Config
 
 DEFAULT_EVENTS = 20
@@ -279,22 +280,32 @@ def document(record: SessionRecord, *, epoch: int | None = None) -> dict[str, An
 async def inspect_session(database_url: str, tenant_id: str, session_id: str, *,
                           events: int = DEFAULT_EVENTS, epoch: int | None = None,
                           as_json: bool = False, out: TextIO | None = None,
-                          err: TextIO | None = None, pooler: Pooler = Pooler.NONE) -> int:
+                          err: TextIO | None = None, pooler: Pooler = Pooler.NONE,
+                          timeout: float = 10.0,
+                          unreachable: Callable[[DatabaseUnreachable], str] | None = None,
+                          ) -> int:
     """Print the session to ``out``; 0 on success, 1 (with a message on ``err``) when the
-    session or epoch is unknown or the database cannot be read."""
+    session or epoch is unknown or the database cannot be read. ``timeout``: of connecting
+    and of each statement (``CE_DB_TIMEOUT_SECONDS``); ``unreachable``: why the connection
+    failed, in words (the commands' own, which name the URL or the data directory)."""
     import asyncpg
 
     from context_engine.adapters.postgres.inspect import connect_read_only, read_session
+    from context_engine.adapters.postgres.migrate import DatabaseUnreachable, connecting
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     try:
-        conn = await connect_read_only(database_url, pooler=pooler)
-    except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        print(f"{_PROG}: cannot connect to the database ({type(exc).__name__})", file=err)
+        async with connecting():  # the URL unusable, refused, or not answered in time
+            conn = await connect_read_only(database_url, pooler=pooler, timeout=timeout)
+    except DatabaseUnreachable as exc:
+        why = unreachable(exc) if unreachable is not None else (
+            f"cannot connect to the database ({exc})")
+        print(f"{_PROG}: {why}", file=err)
         return 1
     try:
-        record = await read_session(conn, tenant_id, session_id, events=events, epoch=epoch)
+        record = await read_session(conn, tenant_id, session_id, events=events, epoch=epoch,
+                                    timeout=timeout)
     except asyncpg.UndefinedTableError:
         print(f"{_PROG}: the database has no context-engine tables; run "
               "`context-engine migrate` first", file=err)
@@ -325,13 +336,17 @@ def run(config: Config, args: argparse.Namespace) -> int:
     (never created here: an inspection of nothing is an error, not a fresh cluster)."""
     url = config.database_url
     if url is None:
-        if not (config.data_dir / "pg").is_dir():
+        from context_engine.api.server import embedded_database_url, embedded_exists
+
+        if not embedded_exists(config.data_dir):
             print(f"{_PROG}: DATABASE_URL is not set and there is no embedded database under "
                   f"{config.data_dir}", file=sys.stderr)
             return 1
-        from context_engine.api.server import embedded_database_url
-
         url = embedded_database_url(config.data_dir)
+    from context_engine.cli import _unreachable
+
     return asyncio.run(inspect_session(url, args.tenant, args.session, events=args.events,
                                        epoch=args.epoch, as_json=args.json,
-                                       pooler=config.db_pooler))
+                                       pooler=config.db_pooler,
+                                       timeout=config.db_timeout_seconds,
+                                       unreachable=lambda exc: _unreachable(exc, config)))

@@ -774,7 +774,12 @@ def test_purge_tenant_that_cannot_begin_says_why_in_one_line(direct_database_url
                        "the database is not migrated"),
         "no embedded database": ({"DATABASE_URL": "", "CE_DATA_DIR": str(tmp_path)},
                                  "there is no embedded database under"),
+        # a pg/ a first start left without a cluster (or an empty volume): once taken for a
+        # database, and one was made there to purge nothing from
+        "an empty pg/": ({"DATABASE_URL": "", "CE_DATA_DIR": str(tmp_path / "empty")},
+                         "there is no embedded database under"),
     }
+    (tmp_path / "empty" / "pg").mkdir(parents=True)
     for name, (env, said) in cases.items():
         done = subprocess.run([str(CLI), "purge-tenant", "--tenant-id", "t", "--yes"],
                               env={**os.environ, **env}, capture_output=True, text=True,
@@ -782,7 +787,33 @@ def test_purge_tenant_that_cannot_begin_says_why_in_one_line(direct_database_url
         assert done.returncode == 1 and "Traceback" not in done.stderr, (name, done.stderr)
         (line,) = done.stderr.strip().splitlines()
         assert said in line and line.endswith("nothing was erased"), (name, line)
-    assert list(tmp_path.iterdir()) == []  # no database was made to purge nothing from
+    # no database was made to purge nothing from
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["empty", "pg"]
+
+
+def test_purge_tenant_the_database_refuses_says_why_in_one_line(direct_database_url, db):
+    """A role that may only read: the first DELETE is refused (permission denied), which
+    printed asyncpg's traceback. One line now, naming the refusal, exit 1, nothing erased."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    tenant, session = new_ids()
+    db.fetch("INSERT INTO sessions (tenant_id, session_id) VALUES ($1, $2)", tenant, session)
+    role = f"ce_reader_{uuid.uuid4().hex[:8]}"
+    run_sql(direct_database_url, f"CREATE ROLE {role} LOGIN")
+    run_sql(direct_database_url, f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+    parts = urlsplit(direct_database_url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    try:
+        done = purge(urlunsplit(parts._replace(netloc=f"{role}@{host}")), "--tenant-id",
+                     tenant, "--yes")
+    finally:
+        run_sql(direct_database_url, f"DROP OWNED BY {role}")
+        run_sql(direct_database_url, f"DROP ROLE {role}")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("context-engine: the database refused the purge "
+                           "(InsufficientPrivilegeError: permission denied for table"), line
+    assert db.val("SELECT count(*) FROM sessions WHERE tenant_id = $1", tenant) == 1
 
 
 def run_sql(url: str, statement: str) -> None:

@@ -276,3 +276,38 @@ def test_without_database_url_it_needs_an_existing_embedded_database(tmp_path, m
     assert main(["inspect", "--tenant", "t", "--session", "s"]) == 1
     assert "DATABASE_URL is not set" in capsys.readouterr().err
     assert not (tmp_path / "data").exists()  # nothing was created
+    # a pg/ a first start left without a cluster (or an empty volume mounted there): once
+    # taken for a database, and a cluster was made there to inspect nothing in
+    (tmp_path / "data" / "pg").mkdir(parents=True)
+    assert main(["inspect", "--tenant", "t", "--session", "s"]) == 1
+    assert "DATABASE_URL is not set" in capsys.readouterr().err
+    assert list((tmp_path / "data" / "pg").iterdir()) == []
+
+
+def test_a_database_it_cannot_use_or_reach_is_one_line_in_its_time(tmp_path):
+    """A port that is no number printed ValueError's traceback; a server that never answers
+    held inspect 10 s whatever CE_DB_TIMEOUT_SECONDS said (its connection's timeout was
+    fixed). Both are one line naming the URL now, the second within the configured time."""
+    import socket
+    import time
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)  # accepts, never answers
+    try:
+        cases = [("postgresql://u@localhost:abc/ce", "cannot use the database URL"),
+                 (f"postgresql://u@127.0.0.1:{silent.getsockname()[1]}/ce",
+                  "cannot reach the database")]
+        for url, said in cases:
+            began = time.monotonic()
+            done = subprocess.run(
+                [str(Path(sys.executable).parent / "context-engine"), "inspect", "--tenant",
+                 "t", "--session", "s"], capture_output=True, text=True, timeout=60,
+                env={**os.environ, "DATABASE_URL": url, "CE_DB_TIMEOUT_SECONDS": "1"})
+            took = time.monotonic() - began
+            assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+            (line,) = done.stderr.strip().splitlines()
+            assert line.startswith(f"context-engine inspect: {said} (DATABASE_URL "), line
+            assert took < 5, took
+    finally:
+        silent.close()

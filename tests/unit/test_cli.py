@@ -300,6 +300,60 @@ def test_an_id_no_request_can_carry_is_refused_before_anything_is_made(args: lis
                                               or b"surrounding white space" in done.stderr)
 
 
+@pytest.mark.parametrize("command", [["migrate", "--status"], ["migrate"],
+                                     ["inspect", "--tenant", "t", "--session", "s"],
+                                     ["purge-tenant", "--tenant-id", "t", "--yes"]])
+def test_an_embedded_database_that_cannot_start_is_one_line(command: list[str],
+                                                            tmp_path: Path):
+    """A data directory whose cluster cannot start (here a PG_VERSION and nothing else, as
+    another PostgreSQL's or a broken one) printed pg_ctl's CalledProcessError traceback from
+    every command; one line now, naming the directory and its log, exit 1."""
+    import subprocess
+    import sys
+
+    (tmp_path / "pg").mkdir()
+    (tmp_path / "pg" / "PG_VERSION").write_text("junk\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CE_")},
+           "DATABASE_URL": "", "CE_DATA_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "context_engine", *command],
+                          capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"context-engine: cannot start the embedded PostgreSQL under "
+                           f"{tmp_path / 'pg'}: CalledProcessError: pg_ctl start exited 1 "
+                           f"(its log is in {tmp_path / 'pg' / 'log'}"), last
+
+
+@pytest.mark.parametrize(("variable", "content", "said"), [
+    ("CE_MODEL_CATALOG", "{bad", "cannot be read: JSONDecodeError"),
+    ("CE_MODEL_CATALOG", "[]", "cannot be read: TypeError"),
+    ("CE_MODEL_CATALOG", '{"tokens": 5}', "cannot be read: KeyError: 'models'"),
+    ("CE_ASSETS_DIR", None, "cannot be read: FileNotFoundError")])
+def test_a_catalog_or_assets_serve_cannot_read_is_a_configuration_error(
+        variable: str, content: str | None, said: str, tmp_path: Path):
+    """A model catalog that is no catalog, or an assets directory without its files, passed
+    the checks (a file, a directory) and ended serve in a traceback once the database was
+    migrated; it is a configuration error now, exit 2, before anything starts (the database
+    named here does not exist: it is never reached)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "models.json"
+    if content is None:
+        path = tmp_path / "assets"
+        path.mkdir()
+    else:
+        path.write_text(content)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CE_")},
+           "DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none", variable: str(path)}
+    done = subprocess.run([sys.executable, "-m", "context_engine", "serve", "--dev"],
+                          capture_output=True, text=True, timeout=60, check=False, env=env)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"context-engine: configuration error: {variable}={str(path)!r} "
+                           f"{said}"), line
+
+
 # ---------------------------------------------------------------- flags and the database
 
 

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import time
 import warnings
 from collections.abc import Awaitable, Callable
@@ -79,7 +80,37 @@ from context_engine.v1 import context_engine_pb2 as pb
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ContextEngine"].full_name
 
 
+class EmbeddedDatabaseFailed(Exception):
+    """The embedded PostgreSQL could not be started (or its directory made): a data directory
+    of another PostgreSQL version, a read-only file system, a cluster left half made."""
+
+    def __init__(self, data_dir: Path, cause: BaseException) -> None:
+        if isinstance(cause, subprocess.CalledProcessError):  # its message is the whole command
+            command = [str(part) for part in cause.cmd]
+            why = f"{Path(command[0]).name} {command[-1]} exited {cause.returncode}"
+        else:
+            why = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        super().__init__(
+            f"cannot start the embedded PostgreSQL under {data_dir / 'pg'}: "
+            f"{type(cause).__name__}{': ' + why if why else ''} (its log is in "
+            f"{data_dir / 'pg' / 'log'}; set DATABASE_URL to use another database)")
+
+
+def embedded_exists(data_dir: Path) -> bool:
+    """Whether ``data_dir`` holds an embedded cluster (its ``PG_VERSION``), not merely its
+    directory: a first start that failed or was interrupted, or an empty volume mounted there,
+    leaves ``pg/`` without one, and a command that only reads must not make one."""
+    return (data_dir / "pg" / "PG_VERSION").is_file()
+
+
 def embedded_database_url(data_dir: Path, *, announce: bool = False) -> str:
+    try:
+        return _embedded_database_url(data_dir, announce=announce)
+    except Exception as exc:  # pgserver's and pg_ctl's failures take many types
+        raise EmbeddedDatabaseFailed(data_dir, exc) from exc
+
+
+def _embedded_database_url(data_dir: Path, *, announce: bool = False) -> str:
     """Start (or reuse) the embedded PostgreSQL under ``data_dir``; it survives restarts.
 
     pgserver stops the database when the last process holding it exits, by a list of the
