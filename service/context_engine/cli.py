@@ -366,7 +366,8 @@ def _raise_unreadable_files(config: Config) -> None:
     for variable, path, load in checks:
         try:
             load(path)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError,
+                RecursionError) as exc:  # the last: JSON nested past the parser's limit
             why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             problems.append(f"{variable}={str(path)!r} cannot be read: "
                             f"{type(exc).__name__}{': ' + why if why else ''}")

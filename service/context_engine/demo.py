@@ -444,7 +444,8 @@ def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         return 2
     tenant = args.tenant or environ.get("CE_TENANT_ID") or TENANT
     session = args.session or environ.get("CE_SESSION_ID") or "tour"
-    for name, value in (("--tenant", tenant), ("--session", session)):
+    for name, value in (("--tenant" if args.tenant else "CE_TENANT_ID", tenant),
+                        ("--session" if args.session else "CE_SESSION_ID", session)):
         problem = identifier_problem(value)
         if problem is not None:  # the server's own rule, before a request cannot be made
             print(f"context-engine demo: {name} {problem}", file=sys.stderr)

@@ -334,6 +334,15 @@ async def inspect_session(database_url: str, tenant_id: str, session_id: str, *,
 def run(config: Config, args: argparse.Namespace) -> int:
     """The CLI entry: ``DATABASE_URL``, or the embedded database under the data directory
     (never created here: an inspection of nothing is an error, not a fresh cluster)."""
+    from context_engine.domain.identifiers import erasable_identifier_problem
+
+    for flag, value in (("--tenant", args.tenant), ("--session", args.session)):
+        # the rule erasure takes: a session stored under an id an earlier release accepted
+        # can still be read; one no request can carry (bytes that are no UTF-8) is no id
+        problem = erasable_identifier_problem(value)
+        if problem is not None:
+            print(f"{_PROG}: {flag} {problem}", file=sys.stderr)
+            return 2
     url = config.database_url
     if url is None:
         from context_engine.api.server import embedded_database_url, embedded_exists

@@ -282,7 +282,9 @@ def test_a_propagator_no_package_provides_is_one_configuration_error():
 
 @pytest.mark.parametrize("args", [["hash-token", "--tenant-id", "caf\udce9"],
                                   ["demo", "--session", "caf\udce9"],
-                                  ["demo", "--tenant", " padded"]])
+                                  ["demo", "--tenant", " padded"],
+                                  ["inspect", "--tenant", "caf\udce9", "--session", "s"],
+                                  ["inspect", "--tenant", "t", "--session", "a\udcff"]])
 def test_an_id_no_request_can_carry_is_refused_before_anything_is_made(args: list[str]):
     """`hash-token` minted an entry for a tenant id holding bytes that are no UTF-8 (a lone
     surrogate once decoded), which no request can ever carry; `demo` died with a traceback
@@ -307,7 +309,8 @@ def test_an_embedded_database_that_cannot_start_is_one_line(command: list[str],
                                                             tmp_path: Path):
     """A data directory whose cluster cannot start (here a PG_VERSION and nothing else, as
     another PostgreSQL's or a broken one) printed pg_ctl's CalledProcessError traceback from
-    every command; one line now, naming the directory and its log, exit 1."""
+    every command, after pgserver's log of the command and the server's whole log; one line
+    now, naming the directory and its log, exit 1."""
     import subprocess
     import sys
 
@@ -318,7 +321,8 @@ def test_an_embedded_database_that_cannot_start_is_one_line(command: list[str],
     done = subprocess.run([sys.executable, "-m", "context_engine", *command],
                           capture_output=True, text=True, timeout=120, check=False, env=env)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    last = done.stderr.strip().splitlines()[-1]
+    # one line: pgserver's own log of the command and of the server's log is not printed
+    (last,) = done.stderr.strip().splitlines()
     assert last.startswith(f"context-engine: cannot start the embedded PostgreSQL under "
                            f"{tmp_path / 'pg'}: CalledProcessError: pg_ctl start exited 1 "
                            f"(its log is in {tmp_path / 'pg' / 'log'}"), last
@@ -328,6 +332,7 @@ def test_an_embedded_database_that_cannot_start_is_one_line(command: list[str],
     ("CE_MODEL_CATALOG", "{bad", "cannot be read: JSONDecodeError"),
     ("CE_MODEL_CATALOG", "[]", "cannot be read: TypeError"),
     ("CE_MODEL_CATALOG", '{"tokens": 5}', "cannot be read: KeyError: 'models'"),
+    ("CE_MODEL_CATALOG", "[" * 100_000 + "]" * 100_000, "cannot be read: RecursionError"),
     ("CE_ASSETS_DIR", None, "cannot be read: FileNotFoundError")])
 def test_a_catalog_or_assets_serve_cannot_read_is_a_configuration_error(
         variable: str, content: str | None, said: str, tmp_path: Path):

@@ -209,7 +209,20 @@ def test_booleans(raw: str, value: bool):
       "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "abc"},
      "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT='abc' is not a number of seconds"),
     ({"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "-3"},
-     "OTEL_BSP_MAX_EXPORT_BATCH_SIZE='-3' is not a positive integer"),
+     "OTEL_BSP_MAX_EXPORT_BATCH_SIZE=-3 must be positive"),
+    ({"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4096"},
+     "OTEL_BSP_MAX_EXPORT_BATCH_SIZE=4096 must be at most OTEL_BSP_MAX_QUEUE_SIZE (2048)"),
+    ({"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "soon"},
+     "OTEL_BSP_SCHEDULE_DELAY='soon' is not an integer"),
+    # as OpenTelemetry reads them: an empty name is looked up (and fails on every call's
+    # context), "none" is the whole list only, and a signal's own protocol comes first
+    ({"OTEL_PROPAGATORS": "tracecontext,"},
+     "OTEL_PROPAGATORS='tracecontext,': an empty name"),
+    ({"OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "otlp,none"},
+     "OTEL_METRICS_EXPORTER='otlp,none': no metrics exporter 'none' is installed"),
+    ({"OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "otlp",
+      "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/json"},
+     "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL='http/json' is not an OTLP protocol"),
 ])
 def test_a_bad_value_names_the_variable_and_the_value(env: dict[str, str], message: str):
     with pytest.raises(ConfigError) as caught:
@@ -243,7 +256,13 @@ def test_metrics_on_another_port_or_host_or_off_is_fine(grpc: str, metrics: str)
      "OTEL_LOGS_EXPORTER": "console", "OTEL_EXPORTER_OTLP_TIMEOUT": "2.5",
      "OTEL_BSP_SCHEDULE_DELAY": "500"},
     # not asked for traces: the exporters' settings are not read
-    {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_OTLP_TIMEOUT": "abc"}])
+    {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_OTLP_TIMEOUT": "abc"},
+    # what OpenTelemetry takes: "none" in any case, up to the first "none", numbers int()
+    # and float() read, a timeout of 0 or below
+    {"OTEL_PROPAGATORS": "none,b3"}, {"OTEL_PROPAGATORS": " tracecontext , baggage "},
+    {"OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "NONE",
+     "OTEL_LOGS_EXPORTER": "None", "OTEL_BSP_EXPORT_TIMEOUT": "0",
+     "OTEL_BSP_SCHEDULE_DELAY": "+500", "OTEL_EXPORTER_OTLP_TIMEOUT": "-1"}])
 def test_what_the_sdk_takes_is_taken(env: dict[str, str]):
     Config.from_env(env)
 

@@ -93,7 +93,7 @@ class EmbeddedDatabaseFailed(Exception):
         super().__init__(
             f"cannot start the embedded PostgreSQL under {data_dir / 'pg'}: "
             f"{type(cause).__name__}{': ' + why if why else ''} (its log is in "
-            f"{data_dir / 'pg' / 'log'}; set DATABASE_URL to use another database)")
+            f"{data_dir / 'pg' / 'log'}; or point DATABASE_URL at another database)")
 
 
 def embedded_exists(data_dir: Path) -> bool:
@@ -104,10 +104,16 @@ def embedded_exists(data_dir: Path) -> bool:
 
 
 def embedded_database_url(data_dir: Path, *, announce: bool = False) -> str:
+    # pgserver logs its commands, and on a failure the server's whole log, to stderr: the
+    # failure is one line here, naming that log (and stays in it)
+    quiet = logging.getLogger("pgserver")
+    level, quiet.level = quiet.level, logging.CRITICAL + 1
     try:
         return _embedded_database_url(data_dir, announce=announce)
     except Exception as exc:  # pgserver's and pg_ctl's failures take many types
         raise EmbeddedDatabaseFailed(data_dir, exc) from exc
+    finally:
+        quiet.level = level
 
 
 def _embedded_database_url(data_dir: Path, *, announce: bool = False) -> str:

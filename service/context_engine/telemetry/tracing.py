@@ -52,22 +52,24 @@ def otlp_requested(env: Mapping[str, str]) -> bool:
 
 
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")  # what the SDK's configurator maps "otlp" by
-_PROTOCOLS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 
 
 # Numbers the SDK reads when it exports traces: a timeout (seconds) it parses as a float and
-# fails on otherwise, and the batch processor's settings, which must be positive integers
+# fails on otherwise; the batch processor's settings, integers it checks against each other
+# (with its defaults where unset)
 _SECONDS = ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
-_COUNTS = ("OTEL_BSP_SCHEDULE_DELAY", "OTEL_BSP_EXPORT_TIMEOUT", "OTEL_BSP_MAX_QUEUE_SIZE",
-           "OTEL_BSP_MAX_EXPORT_BATCH_SIZE")
+_BSP = {"OTEL_BSP_SCHEDULE_DELAY": 5000, "OTEL_BSP_EXPORT_TIMEOUT": 30000,
+        "OTEL_BSP_MAX_QUEUE_SIZE": 2048, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": 512}
 
 
 def otel_problems(env: Mapping[str, str]) -> list[str]:
-    """What in the standard variables OpenTelemetry would fail on: a propagator no installed
-    package provides (read for every call's context, traced or not); when trace export is
-    asked for, an exporter of traces, metrics or logs no installed package provides, an OTLP
-    protocol it does not know, a timeout or a batch setting that is no number. Checked with
-    the rest of the configuration, before the server starts."""
+    """What in the standard variables OpenTelemetry would fail on, read as it reads them: a
+    propagator no installed package provides (read for every call's context, traced or not);
+    when trace export is asked for (the SDK's configurator then builds every signal's
+    exporters), an exporter of traces, metrics or logs no installed package provides, an OTLP
+    protocol it does not know for a signal exported over OTLP, a timeout that is no number, a
+    batch setting that is no integer or that the batch processor refuses. Checked with the rest
+    of the configuration, before the server starts."""
     from importlib.metadata import entry_points
 
     def installed(kind: str) -> list[str]:
@@ -75,50 +77,91 @@ def otel_problems(env: Mapping[str, str]) -> list[str]:
 
     found: list[str] = []
     raw = env.get("OTEL_PROPAGATORS", "")
-    known = installed("propagator")
-    for name in (n.strip() for n in raw.split(",") if n.strip()):
-        if name.lower() != "none" and name not in known:
-            found.append(f"OTEL_PROPAGATORS={raw!r}: no propagator {name!r} is installed "
-                         f"({', '.join(known)}, none)")
+    if raw:  # as opentelemetry.propagate reads it: up to the first "none", each name stripped
+        known = installed("propagator")
+        for name in (n.strip() for n in raw.split(",")):
+            if name.lower() == "none":
+                break
+            if name not in known:
+                found.append(f"OTEL_PROPAGATORS={raw!r}: " + (
+                    f"no propagator {name!r} is installed ({', '.join(known)}, none)" if name
+                    else "an empty name (a comma too many?)"))
     if not otlp_requested(env):
         return found
-    exporters = installed("traces_exporter")
-    raw = env.get("OTEL_TRACES_EXPORTER", "")
-    names = [n.strip() for n in raw.split(",")] if raw.strip() else ["otlp"]  # endpoint only
-    for name in names:
-        if name != "otlp" and name not in exporters:
-            found.append(f"OTEL_TRACES_EXPORTER={raw!r}: no trace exporter {name!r} is "
-                         f"installed (otlp, {', '.join(exporters)})")
-    for kind in ("metrics", "logs"):  # off unless named; the configurator then builds them
-        variable = f"OTEL_{kind.upper()}_EXPORTER"
+    for signal in ("traces", "metrics", "logs"):
+        variable = f"OTEL_{signal.upper()}_EXPORTER"
         raw = env.get(variable, "")
-        known = installed(f"{kind}_exporter")
-        for name in (n.strip() for n in raw.split(",") if n.strip()):
-            if name not in ("otlp", "none") and name not in known:
+        if signal == "traces" and not raw.strip():
+            names = ["otlp"]  # an endpoint alone: OTLP, by protocol
+        elif not raw or raw.lower().strip() == "none":  # as the SDK's _get_exporter_names
+            continue
+        else:
+            names = [n.strip() for n in raw.split(",")]
+        known = installed(f"{signal}_exporter")
+        for name in names:
+            if name == "otlp":
+                protocol = _protocol(env, signal)
+                if protocol is not None:
+                    found.append(protocol)
+            elif name not in known:
+                kind = "trace" if signal == "traces" else signal
                 found.append(f"{variable}={raw!r}: no {kind} exporter {name!r} is installed "
-                             f"(otlp, {', '.join(known)}, none)")
+                             f"(otlp, {', '.join(known)}; or none alone)")
     for variable in _SECONDS:
         value = env.get(variable, "").strip()
         if value and not _number(value):
             found.append(f"{variable}={value!r} is not a number of seconds")
-    for variable in _COUNTS:
-        value = env.get(variable, "").strip()
-        if value and not (value.isascii() and value.isdigit() and int(value) > 0):
-            found.append(f"{variable}={value!r} is not a positive integer")
-    if "otlp" in names:  # the protocol the SDK maps "otlp" by: the traces one, else the general
-        named = next((v for v in _PROTOCOLS if env.get(v, "").strip()), None)
-        protocol = env.get(named, "").strip() if named else ""
-        if named and protocol not in OTLP_PROTOCOLS:
-            found.append(f"{named}={protocol!r} is not an OTLP protocol "
-                         f"({', '.join(OTLP_PROTOCOLS)})")
+    found += _batch_problems(env)
+    return found
+
+
+def _protocol(env: Mapping[str, str], signal: str) -> str | None:
+    """The problem with the protocol the SDK maps a signal's "otlp" by (the signal's own
+    variable, else the general one), or None."""
+    for variable in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL",
+                     "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        if env.get(variable):
+            protocol = env[variable].strip()
+            if protocol in OTLP_PROTOCOLS:
+                return None
+            return (f"{variable}={protocol!r} is not an OTLP protocol "
+                    f"({', '.join(OTLP_PROTOCOLS)})")
+    return None
+
+
+def _batch_problems(env: Mapping[str, str]) -> list[str]:
+    """The batch processor's settings as it reads them (``int()``; a value that is none it
+    would replace by its default, which is refused here as the typo it is) and checks them."""
+    found: list[str] = []
+    values = dict(_BSP)
+    for variable in _BSP:
+        raw = env.get(variable, "")
+        if not raw:
+            continue
+        try:
+            values[variable] = int(raw)
+        except ValueError:
+            found.append(f"{variable}={raw!r} is not an integer")
+    queue, delay, batch = (values["OTEL_BSP_MAX_QUEUE_SIZE"], values["OTEL_BSP_SCHEDULE_DELAY"],
+                           values["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"])
+    if queue <= 0:
+        found.append(f"OTEL_BSP_MAX_QUEUE_SIZE={queue} must be positive")
+    if delay <= 0:
+        found.append(f"OTEL_BSP_SCHEDULE_DELAY={delay} must be positive")
+    if batch <= 0:
+        found.append(f"OTEL_BSP_MAX_EXPORT_BATCH_SIZE={batch} must be positive")
+    elif batch > queue > 0:
+        found.append(f"OTEL_BSP_MAX_EXPORT_BATCH_SIZE={batch} must be at most "
+                     f"OTEL_BSP_MAX_QUEUE_SIZE ({queue})")
     return found
 
 
 def _number(value: str) -> bool:
     try:
-        return float(value) >= 0
+        float(value)
     except ValueError:
         return False
+    return True
 
 
 def configured_provider(version: str = "") -> trace.TracerProvider:
