@@ -26,7 +26,7 @@ import grpc
 import pytest
 import yaml
 from context_engine.api.auth import FileTokens, token_sha256
-from context_engine.api.server import SERVICE_NAME
+from context_engine.api.server import FLUSH_SECONDS, SERVICE_NAME
 from context_engine.config import Config, ConfigError, split_addr
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -498,11 +498,27 @@ def test_termination_grace_outlasts_the_drain_and_the_grace(tmp_path):
         pod = deployment["spec"]["template"]["spec"]
         pre_stop = container(deployment).get("lifecycle", {}).get("preStop", {})
         sleep = pre_stop.get("sleep", {}).get("seconds", 0)
+        # and the rest of a stop: epoch-count claims settled (up to 2 s), the traces still
+        # batched exported (up to FLUSH_SECONDS)
         assert pod["terminationGracePeriodSeconds"] > sleep + config.drain_seconds \
-            + config.grace_seconds
+            + config.grace_seconds + 2 + FLUSH_SECONDS
         # A drain long enough for readiness to notice at least once.
         readiness = container(deployment)["readinessProbe"]
         assert config.drain_seconds >= readiness["periodSeconds"]
+
+
+def test_compose_stop_outlasts_the_drain_the_grace_and_the_rest_of_a_stop():
+    """Docker's default stop timeout (10 s) was shorter than the service's own stop with its
+    defaults (drain 1 s, grace 10 s): `docker compose stop` SIGKILLed calls still in their
+    grace."""
+
+    service = yaml.safe_load(COMPOSE.read_text())["services"]["context-engine"]
+    env = {k: str(v) for k, v in service.get("environment", {}).items()
+           if k.startswith("CE_") and k not in ("CE_AUTH_TOKENS_FILE",)}
+    config = Config.from_env(env)
+    period = service["stop_grace_period"]
+    assert period.endswith("s") and period[:-1].isdigit(), period
+    assert int(period[:-1]) > config.drain_seconds + config.grace_seconds + 2 + FLUSH_SECONDS
 
 
 def test_replicas_autoscaling_and_disruption_budget():
