@@ -308,6 +308,6 @@ def test_a_database_it_cannot_use_or_reach_is_one_line_in_its_time(tmp_path):
             assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
             (line,) = done.stderr.strip().splitlines()
             assert line.startswith(f"context-engine inspect: {said} (DATABASE_URL "), line
-            assert took < 5, took
+            assert took < 6, took  # 10 s before, whatever CE_DB_TIMEOUT_SECONDS said
     finally:
         silent.close()

@@ -867,5 +867,5 @@ def test_a_collector_that_never_answers_holds_a_stop_a_second_at_most(database_u
             took = time.monotonic() - began
     finally:
         hung.close()
-    assert took < 1 + FLUSH_SECONDS + 1.5, took  # grace, the bound, the rest of a stop
+    assert took < 1 + FLUSH_SECONDS + 3, took  # grace, the bound, the rest (7-10 s before)
     assert [r for r in server.log if r.get("event") == "trace_export_unfinished"]
