@@ -300,6 +300,23 @@ def _running(pid: int) -> bool:
         return False
 
 
+def test_a_worker_that_does_not_stop_cleanly_fails_the_supervisor(database_url):
+    """The supervisor exited 0 whatever its workers did during the stop (a worker dead in the
+    drain, one it had to SIGKILL): `make load`'s check of the server's exit code, the one a
+    deployment sees, could not see them. It exits 1 now, naming them; a clean stop stays 0."""
+    server = ServerProcess({"DATABASE_URL": database_url, "CE_WORKERS": "2",
+                            "CE_DEV_MODE": "1", "CE_DRAIN_SECONDS": "2"})
+    pids = server.log[-1]["pids"]
+    server.proc.send_signal(signal.SIGTERM)
+    server.wait_for("stopping", 30)
+    os.kill(pids[1], signal.SIGKILL)  # dies in the drain: stopping, it is not restarted
+    assert server.terminate() == 1
+    (exited,) = [r for r in server.log if r.get("event") == "worker_exited"]
+    assert (exited["pid"], exited["code"]) == (pids[1], -signal.SIGKILL)
+    stopped = [r for r in server.log if r.get("event") == "stopped"]
+    assert stopped[-1]["level"] == "warning" and stopped[-1]["workers_failed"] == [1]
+
+
 def test_with_metrics_off_a_worker_restarted_writes_no_metrics_files(database_url, tmp_path):
     """Metrics off: the workers were still handed the supervisor's metrics directory, wrote
     their files there, and a worker that died left its files (1.3 MB a restart) that nothing

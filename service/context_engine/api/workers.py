@@ -327,7 +327,10 @@ class Supervisor:
                 await self._restart_dead()
             log("stopping", workers=self.count, drain_seconds=self.config.drain_seconds,
                 grace_seconds=self.config.grace_seconds)
-            await self._stop_workers()
+            failed = await self._stop_workers()
+            if failed:  # the supervisor's code says whether every worker stopped cleanly
+                log("stopped", logging.WARNING, workers_failed=failed)
+                return 1
             log("stopped")
             return 0
         finally:
@@ -357,7 +360,10 @@ class Supervisor:
 
             fold_dead(str(self.metrics_dir), worker.proc.pid)
 
-    async def _stop_workers(self) -> None:
+    async def _stop_workers(self) -> list[int]:
+        """SIGTERM to every worker, each waited for until the drain, the grace and ten seconds
+        more have passed, then SIGKILLed; the workers that did not exit 0 (killed, or exited
+        otherwise), each logged."""
         self.stopping = True
         for worker in self.workers.values():
             if worker.proc.poll() is None:
@@ -366,11 +372,18 @@ class Supervisor:
         while time.monotonic() < limit and any(
                 w.proc.poll() is None for w in self.workers.values()):
             await asyncio.sleep(0.1)
+        failed = []
         for worker in self.workers.values():
             if worker.proc.poll() is None:
-                log("worker_killed", worker=worker.index, pid=worker.proc.pid)
+                log("worker_killed", logging.WARNING, worker=worker.index, pid=worker.proc.pid)
                 worker.proc.kill()
                 worker.proc.wait()
+                failed.append(worker.index)
+            elif worker.proc.returncode != 0:
+                log("worker_exited", logging.WARNING, worker=worker.index, pid=worker.proc.pid,
+                    code=worker.proc.returncode)
+                failed.append(worker.index)
+        return failed
 
 
 async def supervise(config: Config, count: int, extra_args: list[str]) -> int:
