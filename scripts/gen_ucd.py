@@ -104,12 +104,12 @@ def render() -> str:
     ]
     body += _table("DECOMPOSED", "NFKD of each character it changes, Hangul syllables aside "
                    "(Unicode's algorithm decomposes them).", decomposed)
-    # NFKC is NFKD's where the two agree, and the character itself where neither changes it
+    # NFKC is NFKD's where the two agree, and the character itself where NFKD leaves it (a
+    # character with no decomposition composes to itself; a Hangul syllable is one)
     body += _table("COMPOSED", "NFKC of each character, where it is not NFKD's (nor the "
                    "character itself where NFKD leaves it).",
                    {code: composed.get(code, chr(code)) for code in decomposed
-                    if composed.get(code, chr(code)) != decomposed[code]}
-                   | {code: to for code, to in composed.items() if code not in decomposed})
+                    if composed.get(code, chr(code)) != decomposed[code]})
     body += _table("LOWER", "The lower case of each character that has another.",
                    _mapping(str.lower))
     return lines + "\n".join(body)

@@ -355,6 +355,7 @@ def _raise_unreadable_files(config: Config) -> None:
         load_platform_assets,
     )
     from context_engine.adapters.summarizer import load_prompt
+    from context_engine.api.server import described
 
     checks: list[tuple[str, Path, Callable[[Path], object]]] = [
         ("CE_MODEL_CATALOG", config.model_catalog, load_model_catalog),
@@ -368,9 +369,7 @@ def _raise_unreadable_files(config: Config) -> None:
             load(path)
         except (OSError, ValueError, KeyError, TypeError, AttributeError,
                 RecursionError) as exc:  # the last: JSON nested past the parser's limit
-            why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            problems.append(f"{variable}={str(path)!r} cannot be read: "
-                            f"{type(exc).__name__}{': ' + why if why else ''}")
+            problems.append(f"{variable}={str(path)!r} cannot be read: {described(exc)}")
     if problems:
         raise ConfigError("; ".join(dict.fromkeys(problems)))
 
@@ -548,7 +547,7 @@ def _purge_tenant(config: Config, args: argparse.Namespace) -> int:
     import asyncpg
 
     from context_engine.adapters.postgres.migrate import DatabaseUnreachable
-    from context_engine.api.server import embedded_exists
+    from context_engine.api.server import described, embedded_exists
     from context_engine.domain.errors import StoreUnavailable
 
     if config.database_url is None and not embedded_exists(config.data_dir):
@@ -570,10 +569,8 @@ def _purge_tenant(config: Config, args: argparse.Namespace) -> int:
         return 1
     except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         # refused by the database: a role without the privilege to delete, say
-        why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"{PROG}: the database refused the purge ({type(exc).__name__}"
-              f"{': ' + why if why else ''}); what was erased before is recorded, run "
-              "purge-tenant again once it is allowed", file=sys.stderr)
+        print(f"{PROG}: the database refused the purge ({described(exc)}); what was erased "
+              "before is recorded, run purge-tenant again once it is allowed", file=sys.stderr)
         return 1
     document = {"tenant_id": tenant, "sessions": erased.sessions, "plans": erased.plans,
                 "events": erased.events, "compactions": erased.compactions,

@@ -80,20 +80,26 @@ from context_engine.v1 import context_engine_pb2 as pb
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ContextEngine"].full_name
 
 
+def described(exc: BaseException) -> str:
+    """An exception in one line, for a command's one-line error: its type and the first line
+    of its message (a driver's may run to several: a DETAIL, a HINT, a whole log)."""
+    if isinstance(exc, subprocess.CalledProcessError):  # its message is the whole command
+        command = [str(part) for part in exc.cmd]
+        return (f"{type(exc).__name__}: {Path(command[0]).name} {command[-1]} exited "
+                f"{exc.returncode}")
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 class EmbeddedDatabaseFailed(Exception):
     """The embedded PostgreSQL could not be started (or its directory made): a data directory
     of another PostgreSQL version, a read-only file system, a cluster left half made."""
 
     def __init__(self, data_dir: Path, cause: BaseException) -> None:
-        if isinstance(cause, subprocess.CalledProcessError):  # its message is the whole command
-            command = [str(part) for part in cause.cmd]
-            why = f"{Path(command[0]).name} {command[-1]} exited {cause.returncode}"
-        else:
-            why = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
         super().__init__(
-            f"cannot start the embedded PostgreSQL under {data_dir / 'pg'}: "
-            f"{type(cause).__name__}{': ' + why if why else ''} (its log is in "
-            f"{data_dir / 'pg' / 'log'}; or point DATABASE_URL at another database)")
+            f"cannot start the embedded PostgreSQL under {data_dir / 'pg'}: {described(cause)} "
+            f"(its log is in {data_dir / 'pg' / 'log'}; or point DATABASE_URL at another "
+            "database)")
 
 
 def embedded_exists(data_dir: Path) -> bool:

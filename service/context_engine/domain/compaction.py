@@ -472,28 +472,22 @@ async def compact(items: Sequence[ConversationItem], current: HistorySummary | N
             constraints=sel.constraints, constraint_trust=sel.constraint_trust,
             elided=sel.elided)
 
-    bare = _summary_tokens(summary_with(""), measure, ctx)
-    if bare > max_summary_tokens:  # fail, never drop a constraint, a pointer or a source id
+    # What the summary never cuts: its constraints, pointers and source ids, and, where there
+    # is anything to narrate (the goal, questions, decisions, an earlier narrative), the least
+    # narrative (NARRATIVE_FLOOR's room beside its envelope): a summary that replaced a
+    # conversation with no word of it would lose its goal and questions unseen
+    data = sel.data
+    narrates = bool(data.goal or data.open_questions or data.lines or data.prior_narrative
+                    or sel.carried)
+    least = summary_with(NARRATIVE_FLOOR if narrates else "")
+    kept = _summary_tokens(least, measure, ctx)
+    if kept > max_summary_tokens:  # fail, never drop a constraint, a pointer or a source id
         # named for what does not fit: the constraints alone, or with them the pointers and
         # source ids of what would be replaced (and of the summary merged), which a smaller
         # target or a larger cap fits and no change to the constraints would
-        alone = _summary_tokens(replace(summary_with(""), elided=(), source_event_ids=()),
-                                measure, ctx)
+        alone = _summary_tokens(replace(least, elided=(), source_event_ids=()), measure, ctx)
         raise BudgetExceeded("summary_constraints" if alone > max_summary_tokens
-                             else "summary_pointers", bare, max_summary_tokens)
-    # a narrative for what there is to narrate (the goal, questions, decisions, an earlier
-    # narrative) has at least NARRATIVE_FLOOR's room beside its envelope, or nothing is
-    # written: a summary that replaced a conversation with no word of it would lose its goal
-    # and questions unseen (a smaller target replaces fewer pointers, a larger cap holds more)
-    data = sel.data
-    if (data.goal or data.open_questions or data.lines or data.prior_narrative
-            or sel.carried):
-        floor = _summary_tokens(summary_with(NARRATIVE_FLOOR), measure, ctx)
-        if floor > max_summary_tokens:
-            alone = _summary_tokens(replace(summary_with(NARRATIVE_FLOOR), elided=(),
-                                            source_event_ids=()), measure, ctx)
-            raise BudgetExceeded("summary_constraints" if alone > max_summary_tokens
-                                 else "summary_pointers", floor, max_summary_tokens)
+                             else "summary_pointers", kept, max_summary_tokens)
     # a character allowance for the narrative: what the cap leaves beside the rest and the
     # narrative's envelope (a one-character narrative: the envelope and about a token), three
     # characters a token, which dense text (numbers, code, most scripts but Latin) does not
