@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 import asyncpg
 import psutil
 import pytest
-from context_engine.api.server import database_reachable, watch_health
+from context_engine.api.server import POOL_CLOSE_SECONDS, database_reachable, watch_health
 from context_engine.config import Pooler
 from grpc_health.v1 import health_pb2
 
@@ -190,3 +191,38 @@ def test_the_server_stops_when_asked_as_the_probes_connection_opens(
                 h.result(HELD + 30)
         srv.loop.call_soon_threadsafe(srv.loop.stop)
         srv.thread.join(10)
+
+
+def test_a_stop_while_the_database_hangs_ends_cleanly(database: Database) -> None:
+    """SIGTERM's path (``Running.stop``) with PostgreSQL hung: the pool's goodbyes go
+    unanswered, its connections are ended without them within POOL_CLOSE_SECONDS, logged, and
+    the rest of the stop is done (the metrics endpoint shut). It raised TimeoutError: the stop
+    ended there, in a traceback and exit 1, a failed worker to its supervisor."""
+    srv = ServerThread(base_config().replace(db_pooler=Pooler.NONE, db_pool_size=POOL,
+                                             db_timeout_seconds=1.0), database.url)
+    running = srv.running
+    deadline = time.monotonic() + 10
+    while srv.call(_idle(running.pool)) == 0:  # a pooled connection to say goodbye on
+        assert time.monotonic() < deadline, "no idle pooled connection"
+        time.sleep(0.05)
+    stopped = _postgres(database)
+    for process in stopped:
+        os.kill(process.pid, signal.SIGSTOP)
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append  # type: ignore[method-assign]
+    logger = logging.getLogger("context_engine")
+    logger.addHandler(handler)
+    try:
+        started = time.monotonic()
+        srv.call(running.stop(1.0), timeout=30)  # raised TimeoutError
+        took = time.monotonic() - started
+    finally:
+        logger.removeHandler(handler)
+        for process in stopped:
+            os.kill(process.pid, signal.SIGCONT)
+        srv.loop.call_soon_threadsafe(srv.loop.stop)
+    assert took < 1.0 + POOL_CLOSE_SECONDS + 3, took
+    (failed,) = [r for r in logged if r.getMessage() == "pool_close_failed"]
+    assert failed.levelno == logging.WARNING
+    assert running.pool.is_closing()

@@ -16,7 +16,8 @@ from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
 from tests.conftest import ServerThread
 from tests.conftest import test_config as base_config
-from tests.integration.requests import failure
+from tests.integration.requests import build_request, failure, plan_request
+from tests.integration.test_budget_rpc import SMALL, long_history
 from tests.support.pool import every_connection_taken
 
 pytestmark = pytest.mark.integration
@@ -41,5 +42,49 @@ def test_a_read_waits_for_a_connection_at_most_the_database_timeout(database_url
             assert (f.code, f.reason) == (grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE"), (
                 f.code, f.reason, waited)
             assert 0.9 * timeout <= waited < 5 * timeout, waited
+    finally:
+        server.stop()
+
+
+def test_an_event_waits_for_a_connection_at_most_the_database_timeout(database_url: str,
+                                                                      db) -> None:
+    """A Build that yields writes its pressure event, and UpdateWorkingState its transition:
+    with every connection taken, each waits for one at most CE_DB_TIMEOUT_SECONDS, then hands
+    the event to the outbox and answers (the write went through ``pool.fetchval``/``execute``,
+    whose acquire asyncpg leaves unbounded: both waited out their caller's deadline). The
+    outbox writes them once a connection is free."""
+    timeout, size = 1.0, 2
+    server = ServerThread(base_config().replace(db_pool_size=size, db_timeout_seconds=timeout),
+                          database_url)
+    tenant, session = f"tenant-{uuid.uuid4().hex[:10]}", "s1"
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.ContextEngineStub(channel)
+            epoch = stub.Plan(plan_request(tenant, session, model=SMALL)).plan.epoch
+            build = build_request(tenant, session, items=long_history(40), epoch=epoch)
+            build.estimator_factor = 1.3
+            assert stub.Build(build, timeout=30).pressure.steps  # it yields: an event
+            update = pb.UpdateWorkingStateRequest(
+                tenant_id=tenant, session_id=session, run_id="run-1", sequence=10,
+                transition=pb.WorkingStateTransition(
+                    update=pb.WorkingStateUpdate(next_action="go")))
+            events_before = db.val("SELECT count(*) FROM context_events WHERE tenant_id = $1",
+                                   tenant)
+            with every_connection_taken(server, size):
+                for call in (lambda: stub.Build(build, timeout=10 * timeout),
+                             lambda: stub.UpdateWorkingState(update, timeout=10 * timeout)):
+                    sent = time.perf_counter()
+                    call()
+                    waited = time.perf_counter() - sent
+                    assert 0.9 * timeout <= waited < 5 * timeout, waited
+                assert server.running.events.pending == 2
+                assert db.val("SELECT count(*) FROM context_events WHERE tenant_id = $1",
+                              tenant) == events_before
+            deadline = time.monotonic() + 30
+            while server.running.events.pending and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert server.running.events.pending == 0
+            assert db.val("SELECT count(*) FROM context_events WHERE tenant_id = $1",
+                          tenant) == events_before + 2
     finally:
         server.stop()

@@ -10,6 +10,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+from context_engine.adapters.postgres.errors import RefusedConnection
 from context_engine.api.server import database_reachable
 
 
@@ -34,10 +35,13 @@ class _Pool:
         self.connection = _Connection(exc)
         self.busy = busy
         self.released = 0
+        self.refused: BaseException | None = None
 
     async def acquire(self, *, timeout: float) -> _Connection:
         if self.busy:
             raise TimeoutError
+        if self.refused is not None:
+            raise self.refused
         return self.connection
 
     async def release(self, connection: _Connection, *, timeout: float) -> None:
@@ -132,3 +136,21 @@ def test_a_late_pooled_connection_the_pool_fails_to_give_back_is_still_busy() ->
     connect, _ = _outside(query=TimeoutError())
     assert asyncio.run(database_reachable(stuck, 1.0, connect)) is None  # type: ignore[arg-type]
     assert stuck.released == 2
+
+
+def test_the_pools_new_connection_refused_for_too_many_is_busy_not_away() -> None:
+    """Every pooled connection busy, the pool opens another and PostgreSQL refuses it for too
+    many connections (53300): the server answered, full, and health keeps its state (README,
+    "Reliability"); read as the database away, health turned NOT_SERVING under load and back
+    as soon as a connection freed. Any other refusal of it is the database away."""
+    full = _Pool(None)
+    full.refused = RefusedConnection(asyncpg.TooManyConnectionsError(
+        'too many connections for role "ce"'))
+    connect, opened = _outside()
+    for outside in (None, connect):
+        assert asyncio.run(database_reachable(full, 1.0, outside)) is None  # type: ignore[arg-type]
+    assert not opened and not full.released
+    closed = _Pool(None)
+    closed.refused = RefusedConnection(asyncpg.ObjectNotInPrerequisiteStateError(
+        "database is not accepting connections"))
+    assert asyncio.run(database_reachable(closed, 1.0, connect)) is False  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ import grpc
 import pytest
 import yaml
 from context_engine.api.auth import FileTokens, token_sha256
-from context_engine.api.server import FLUSH_SECONDS, SERVICE_NAME
+from context_engine.api.server import FLUSH_SECONDS, POOL_CLOSE_SECONDS, SERVICE_NAME
 from context_engine.config import Config, ConfigError, split_addr
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -498,10 +498,10 @@ def test_termination_grace_outlasts_the_drain_and_the_grace(tmp_path):
         pod = deployment["spec"]["template"]["spec"]
         pre_stop = container(deployment).get("lifecycle", {}).get("preStop", {})
         sleep = pre_stop.get("sleep", {}).get("seconds", 0)
-        # and the rest of a stop: epoch-count claims settled (up to 2 s), the traces still
-        # batched exported (up to FLUSH_SECONDS)
+        # and the rest of a stop: epoch-count claims settled (up to 2 s), the pool closed (up
+        # to POOL_CLOSE_SECONDS), the traces still batched exported (up to FLUSH_SECONDS)
         assert pod["terminationGracePeriodSeconds"] > sleep + config.drain_seconds \
-            + config.grace_seconds + 2 + FLUSH_SECONDS
+            + config.grace_seconds + 2 + POOL_CLOSE_SECONDS + FLUSH_SECONDS
         # A drain long enough for readiness to notice at least once.
         readiness = container(deployment)["readinessProbe"]
         assert config.drain_seconds >= readiness["periodSeconds"]
@@ -518,7 +518,8 @@ def test_compose_stop_outlasts_the_drain_the_grace_and_the_rest_of_a_stop():
     config = Config.from_env(env)
     period = service["stop_grace_period"]
     assert period.endswith("s") and period[:-1].isdigit(), period
-    assert int(period[:-1]) > config.drain_seconds + config.grace_seconds + 2 + FLUSH_SECONDS
+    assert int(period[:-1]) > (config.drain_seconds + config.grace_seconds + 2
+                               + POOL_CLOSE_SECONDS + FLUSH_SECONDS)
 
 
 def test_replicas_autoscaling_and_disruption_budget():

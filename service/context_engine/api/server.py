@@ -30,7 +30,7 @@ from context_engine.adapters.assets import (
     load_platform_assets,
 )
 from context_engine.adapters.postgres.erasure import PostgresErasure
-from context_engine.adapters.postgres.errors import OUT_OF_STEP, UNAVAILABLE
+from context_engine.adapters.postgres.errors import OUT_OF_STEP, UNAVAILABLE, RefusedConnection
 from context_engine.adapters.postgres.maintenance import Maintenance, Policy
 from context_engine.adapters.postgres.migrate import migrate
 from context_engine.adapters.postgres.pool import connect as connect_one
@@ -214,7 +214,7 @@ class Running:
         if self.maintenance is not None:
             await self.maintenance.close()
         await self.events.close()
-        await self.pool.close()
+        await close_pool(self.pool)
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
         if isinstance(self.summarizer, OpenAISummarizer):
@@ -462,6 +462,22 @@ def maintenance_policy(config: Config) -> Policy:
 HEALTH_INTERVAL_SECONDS = 1.0
 # The most a stop waits for the spans still batched to be exported
 FLUSH_SECONDS = 1.0
+# The most a stop waits for the database to answer its pooled connections' goodbyes
+POOL_CLOSE_SECONDS = 2.0
+
+
+async def close_pool(pool: asyncpg.Pool) -> None:
+    """Closes the pool's connections, for at most ``POOL_CLOSE_SECONDS``: a database that
+    does not answer (hung, or gone) has them ended without its answer, logged, and the stop
+    goes on (it raised, and the stop ended there in a traceback and exit 1, its metrics
+    endpoint, summarizer and traces left as they were)."""
+    try:
+        async with asyncio.timeout(POOL_CLOSE_SECONDS):
+            await pool.close()
+    except UNAVAILABLE as exc:
+        pool.terminate()
+        log("pool_close_failed", logging.WARNING, error=described(exc),
+            note="the database did not answer; its connections were ended without it")
 
 
 # opens a connection to the database outside the pool (the health watch's, when the pool is busy)
@@ -481,14 +497,19 @@ async def database_reachable(pool: asyncpg.Pool, timeout: float,
     outside the pool tells them apart. False: the database is away (a connection error, or no
     connection within ``timeout``). None: busy, not away (the database let the probe in but did
     not answer within ``timeout``, as a pooler answers while its server connections are all
-    taken, or refused it for too many connections; or the pool was busy, or its connection
-    answered late, and there is no ``outside``): the caller keeps the state it had."""
+    taken, or refused it, or the pool's new connection, for too many connections; or the pool
+    was busy, or its connection answered late, and there is no ``outside``): the caller keeps
+    the state it had."""
     try:
         with untraced():  # a probe every second, not a trace of its own
             try:
                 connection = await pool.acquire(timeout=timeout)
             except TimeoutError:
                 return None if outside is None else await probe_outside(outside, timeout)
+            except RefusedConnection as exc:  # the pool's new connection, refused
+                if isinstance(exc.cause, asyncpg.TooManyConnectionsError):
+                    return None  # the server answered: full, not away
+                raise
             late = False
             try:
                 await connection.fetchval("SELECT 1", timeout=timeout)

@@ -381,8 +381,10 @@ class PostgresEventLog:
 
     async def _append(self, event: ContextEvent) -> None:
         try:
-            async with translated():
-                await insert_event(self._pool, event, timeout=self._timeout)
+            # a connection waited for no longer than a query (the pool's own execute waits
+            # for one without a bound): past it, StoreUnavailable, and an outbox keeps it
+            async with translated(), self._pool.acquire(timeout=self._timeout) as conn:
+                await insert_event(conn, event, timeout=self._timeout)
         except PartitionMissing as missing:
             rejected = self._rejected_when_past(missing)
             if rejected is None:
