@@ -762,12 +762,15 @@ class Engine:
             budget = compute_budget(window=model.context_window,
                                     output_reserve=model.output_reserve,
                                     prefix_tokens=draft.prefix_tokens, policy=self.policy)
-            if profile is not None:
-                # routed to another model: as Plan, refuse one whose body cannot hold history's
-                # floor (the other reasons keep the model, and a revocation must never fail)
+            if profile is not None or (cmd.snapshot is not None
+                                       and draft.prefix_tokens > locked.prefix_tokens):
+                # routed to another model, or a larger snapshot: as Plan, refuse a body that
+                # cannot hold history's floor (the other reasons keep the model and take
+                # content out, and a revocation must never fail)
                 require_history_floor(budget, model_id=model.model_id,
                                       window=model.context_window,
                                       prefix_tokens=draft.prefix_tokens, policy=self.policy)
+            if profile is not None:
                 # and one whose own format cannot send a tool the plan defines
                 unsendable = unsendable_definitions(
                     draft.spec, self._catalog.default_format(model.model_id), (),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import grpc
@@ -275,3 +276,49 @@ def test_a_revocation_rotates_a_plan_an_older_builder_counted_lower(server, stub
     assert db.val("SELECT max(epoch) FROM plans WHERE tenant_id=$1", tenant) == 2
     replanned = stub.Plan(request)
     assert replanned.created and replanned.plan.reason == "builder_changed"
+
+
+def test_a_larger_snapshot_that_leaves_no_room_for_historys_floor_is_refused(stub, ids, db):
+    """A snapshot_invalidated Rotate replacing the snapshot by a larger one is held to the
+    history floor as Plan is (HISTORY_FLOOR_UNREACHABLE, nothing written): it pinned a prefix
+    whose body could not hold 8,000 tokens of history, every Build of the epoch short of the
+    floor, where a Plan making the same change was refused. A smaller replacement rotates."""
+    tenant, session = ids
+    model = pb.ModelSpec(model_id="gpt-4o", capabilities=pb.ModelCapabilities(
+        context_window=11_557, output_reserve=1_000))
+
+    def request(snapshot: pb.MemorySnapshot, **kw) -> pb.PlanRequest:
+        return pb.PlanRequest(
+            tenant_id=tenant, session_id=session, model=model, memory_snapshot=snapshot,
+            agent=pb.AgentSpec(agent_id="a", version="v1", instructions="Be helpful.",
+                               enabled_tools=["web.search"]),
+            tool_catalog=[pb.ToolSpec(
+                name=n, description="does a thing", side_effect=pb.SIDE_EFFECT_NONE,
+                input_schema_json=json.dumps({"type": "object",
+                                              "properties": {"q": {"type": "string"}}}))
+                for n in ("web.search", "web.fetch")], **kw)
+
+    small = pb.MemorySnapshot(snapshot_id="s1", recall_trace_id="tr1", watermark=1,
+                              items=[pb.MemoryItem(id="m0", text="likes tea")])
+    big = pb.MemorySnapshot(snapshot_id="s2", recall_trace_id="tr2", watermark=2, items=[
+        pb.MemoryItem(id=f"m{i}", text=f"fact number {i} about the user's preferences, " * 3)
+        for i in range(40)])
+    other = pb.MemorySnapshot(snapshot_id="s3", recall_trace_id="tr3", watermark=3,
+                              items=[pb.MemoryItem(id="m1", text="likes coffee")])
+    first = stub.Plan(request(small)).plan
+    with pytest.raises(grpc.RpcError) as by_plan:
+        stub.Plan(request(big, invalidated_recall_trace_ids=["tr1"]))
+    with pytest.raises(grpc.RpcError) as by_rotate:
+        stub.Rotate(rotate(tenant, session, "bigger", pb.ROTATION_REASON_SNAPSHOT_INVALIDATED,
+                           memory_snapshot=big))
+    for err in (by_plan, by_rotate):
+        f = failure(err.value)
+        assert (f.code, f.reason) == (grpc.StatusCode.FAILED_PRECONDITION,
+                                      "HISTORY_FLOOR_UNREACHABLE"), (f.code, f.reason)
+        assert int(f.metadata["body_budget"]) < int(f.metadata["history_floor"]) == 8_000
+    assert db.counts(tenant)["plans"] == 1
+    rotated = stub.Rotate(rotate(tenant, session, "other",
+                                 pb.ROTATION_REASON_SNAPSHOT_INVALIDATED,
+                                 memory_snapshot=other))
+    assert rotated.rotated and rotated.plan.epoch == first.epoch + 1
+    assert rotated.plan.snapshot_id == "s3"
