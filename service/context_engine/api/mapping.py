@@ -129,7 +129,7 @@ TASK_STATES = ("open", "in_progress", "blocked", "completed")
 
 
 def skill_name(name: str) -> bool:
-    """A skill's name: 1 to 64 letters, digits or marks of any script, '_', '.' or '-', none
+    """A skill's name: 1 to 64 letters, numbers or marks of any script, '_', '.' or '-', none
     of them a letter that reads as "<" or "/" where a tag could begin, nor a blank one."""
     return 0 < len(name) <= 64 and all(
         c in "_.-" or ucd.category(c)[0] in "LMN" for c in name) and plain_name(name)

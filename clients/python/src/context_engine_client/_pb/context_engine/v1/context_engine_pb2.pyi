@@ -472,7 +472,7 @@ class SkillCatalogEntry(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     TRUST_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """1 to 64 letters, digits or marks of any script, '_', '.' or '-': the name is rendered in
+    """1 to 64 letters, numbers or marks of any script, '_', '.' or '-': the name is rendered in
     the platform's own line before a loaded skill's envelope, so it holds no white space,
     punctuation or control characters (INVALID_ARGUMENT at skill_catalog[i].name).
     """
