@@ -150,3 +150,16 @@ def test_a_summary_cap_is_taken_from_1_to_32000_tokens() -> None:
         with pytest.raises(InvalidInput) as err:
             mapping.compact_command(compact(cap))
         assert [x.field for x in err.value.violations] == ["max_summary_tokens"], cap
+
+
+@pytest.mark.parametrize(("name", "taken"), [
+    ("triage", True), ("triage-2.v1_b", True), ("\u0939\u093f\u0902\u0926\u0940", True),  # marks
+    ("\u0663\u0664", True), ("\u2460", True), ("\u00bd", True), ("x\u00b2", True),  # Nd, No
+    ("\u216b", True),  # Nl: a Roman numeral
+    ("a b", False), ("a/b", False), ("a<b", False), ("a\u2028b", False), ("a\u200bb", False),
+    ("", False), ("x" * 65, False), ("x" * 64, True),
+])
+def test_a_skill_name_is_letters_numbers_or_marks_of_any_script(name: str, taken: bool) -> None:
+    """README and the contract: 1 to 64 letters, numbers or marks of any script, '_', '.' or
+    '-' (every number category: digits, numerals and other numbers alike)."""
+    assert mapping.skill_name(name) is taken
