@@ -73,6 +73,23 @@ def pytest_configure(config: pytest.Config) -> None:
         compileall.compile_dir(REPO / "service" / "context_engine", quiet=1)
 
 
+# The whole suite as this run collected it, before -k, -m or anything else deselected part of
+# it; set only when the run collected the suite's every path (``tests/``): what
+# ``tests/unit/test_mutants_catalog.py`` matches the mutants' selections against instead of
+# collecting the suite again in a process of its own (about 20 s of CPU).
+WHOLE_SUITE = pytest.StashKey[list[pytest.Item]]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    suite = (REPO / "tests").resolve()
+    if config.args and all(
+            "::" not in arg and (config.invocation_params.dir / arg).resolve() in (suite, REPO)
+            for arg in config.args):
+        config.stash[WHOLE_SUITE] = list(items)
+
+
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 

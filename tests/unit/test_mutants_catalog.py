@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import WHOLE_SUITE
 from tests.mutants.run import HERE, REPO, TIMED_OUT, Mutant, catalog, verdict
 from tests.mutants.run import pytest as run_pytest
+from tests.mutants.selections import Collected
 
 MUTANTS = catalog()
 
@@ -35,22 +37,16 @@ def test_there_are_mutants() -> None:
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
-def test_mutant_applies_and_names_its_killer(mutant: object) -> None:
+def test_mutant_applies_and_leaves_the_python_it_touches_compiling(mutant: object,
+                                                                  tmp_path: Path) -> None:
+    """Applied to a copy of the files it touches (the tree's as they are: a patch that applies
+    there applies to the tree), it changes each, and each Python file compiles."""
     assert isinstance(mutant, Mutant)
     assert mutant.patch.parent == HERE
     assert mutant.bug and mutant.killed_by
-    done = subprocess.run(["git", "apply", "--check", "--whitespace=nowarn", str(mutant.patch)],
-                          cwd=REPO, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
     touched = touched_by(mutant)
     product = ("service/", "clients/", "scripts/", "deploy/")
     assert touched and all(p.startswith(product) for p in touched), touched
-
-
-@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
-def test_mutant_leaves_the_python_it_touches_compiling(mutant: object, tmp_path: Path) -> None:
-    assert isinstance(mutant, Mutant)
-    touched = touched_by(mutant)
     for path in touched:
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / path, tmp_path / path)
@@ -130,24 +126,34 @@ def test_a_hanging_run_is_stopped_with_everything_it_started(tmp_path: Path) -> 
     assert _gone(detached), "the detached server outlived the run"
 
 
-def test_every_mutants_selection_runs_a_test(tmp_path: Path) -> None:
+def test_every_mutants_selection_runs_a_test(request: pytest.FixtureRequest,
+                                            tmp_path: Path) -> None:
     """A selection that selects no test kills nothing: ``make mutants`` finds it only when it
-    runs (pytest's exit 5 on the unmutated tree). The suite is collected once, here, and each
-    selection's paths, ``-k`` and ``-m`` are matched by pytest's own matchers
-    (``tests/mutants/selections.py``). Collected with ``--assert=plain``: nothing runs, so
-    rewriting every test module's asserts (most of the collection's time where no bytecode is
-    kept, as under ``PYTHONDONTWRITEBYTECODE``) would buy nothing."""
-    source, target = tmp_path / "selections.json", tmp_path / "counts.json"
-    source.write_text(json.dumps({m.name: list(m.killed_by) for m in MUTANTS}))
-    env = {**os.environ, "CE_MUTANT_SELECTIONS": str(source),
-           "CE_MUTANT_SELECTIONS_OUT": str(target)}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "--assert=plain",
-         "-p", "no:cacheprovider",
-         "-p", "no:xdist", "-p", "no:randomly", "-p", "tests.mutants.selections", "tests"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert target.exists(), done.stdout[-2000:] + done.stderr[-2000:]
-    counts = json.loads(target.read_text())
+    runs (pytest's exit 5 on the unmutated tree). Each selection's paths, ``-k`` and ``-m``
+    are matched by pytest's own matchers (``tests/mutants/selections.py``) against the suite
+    as this run collected it where it collected all of it (``make test``, in each of xdist's
+    processes alike), else as collected once in a process of its own, with
+    ``--assert=plain``: nothing runs there, so rewriting every test module's asserts (most of
+    that collection's time where no bytecode is kept, as under ``PYTHONDONTWRITEBYTECODE``)
+    would buy nothing."""
+    selections = {m.name: list(m.killed_by) for m in MUTANTS}
+    whole = request.config.stash.get(WHOLE_SUITE, None)
+    if whole is not None:
+        collected = Collected.of(whole)
+        counts = {name: collected.selected(args, REPO) for name, args in selections.items()}
+    else:
+        source, target = tmp_path / "selections.json", tmp_path / "counts.json"
+        source.write_text(json.dumps(selections))
+        env = {**os.environ, "CE_MUTANT_SELECTIONS": str(source),
+               "CE_MUTANT_SELECTIONS_OUT": str(target)}
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "--assert=plain",
+             "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly",
+             "-p", "tests.mutants.selections", "tests"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert target.exists(), done.stdout[-2000:] + done.stderr[-2000:]
+        counts = json.loads(target.read_text())
     assert set(counts) == {m.name for m in MUTANTS}
     empty = sorted(name for name, count in counts.items() if count == 0)
     assert not empty, f"selections that run no test: {empty}"
+
