@@ -63,22 +63,33 @@ def invisible(ch: str) -> bool:
     return unicodedata.category(ch) in ("Cc", "Cf", "Mn", "Me")  # a reader may drop controls
 
 
+def _read(ch: str, confusables: bool) -> str:
+    """One character as ``fold`` reads it ("" when invisible)."""
+    if invisible(ch):
+        return ""
+    if ch in (LT_LIKE | LT_CONFUSABLES_EXTRA if confusables else LT_LIKE):
+        return "<"
+    if ch in SLASH_LIKE or (confusables and ch in SLASH_CONFUSABLES):
+        return "/"
+    if confusables and ch in LETTER_HOMOGLYPHS:
+        return LETTER_HOMOGLYPHS[ch]
+    return unicodedata.normalize("NFKC", ch).casefold()
+
+
+# Each character's reading, once per character and reading (the gates fold millions).
+_READINGS: dict[bool, dict[str, str]] = {False: {}, True: {}}
+
+
 def fold(text: str, *, confusables: bool = False) -> str:
     """A model's view of ``text``: invisible characters dropped, look-alikes mapped, NFKC,
     case-folded. ``confusables`` also maps rarer confusables and letter homoglyphs."""
+    readings = _READINGS[confusables]
     out: list[str] = []
-    lt = LT_LIKE | LT_CONFUSABLES_EXTRA if confusables else LT_LIKE
     for ch in text:
-        if invisible(ch):
-            continue
-        if ch in lt:
-            out.append("<")
-        elif ch in SLASH_LIKE or (confusables and ch in SLASH_CONFUSABLES):
-            out.append("/")
-        elif confusables and ch in LETTER_HOMOGLYPHS:
-            out.append(LETTER_HOMOGLYPHS[ch])
-        else:
-            out.append(unicodedata.normalize("NFKC", ch).casefold())
+        read = readings.get(ch)
+        if read is None:
+            read = readings[ch] = _read(ch, confusables)
+        out.append(read)
     return "".join(out)
 
 

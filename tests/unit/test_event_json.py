@@ -26,7 +26,7 @@ def stdlib(value: Any) -> str:
                       allow_nan=False)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(PAYLOADS)
 def test_the_text_is_the_standard_librarys(payload: dict[str, Any]) -> None:
     assert event_json(payload) == stdlib(payload)
