@@ -12,7 +12,7 @@ GEN_STAMP     := $(GEN_DIR)/.generated
 PROTOS        := $(wildcard proto/context_engine/v1/*.proto)
 PIP           := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: all run test lint gen gen-client contract-release bootstrap bootstrap-dev prereqs \
+.PHONY: all run test lint lint-types gen gen-client contract-release bootstrap bootstrap-dev prereqs \
 	prereqs-test bench load load-replicas mutants clean
 
 ## all (the default): bootstrap the runtime set and generate the service's code
@@ -75,6 +75,10 @@ run: $(GEN_STAMP)
 ## lint: ruff, mypy --strict, buf lint, and buf breaking against the released contract
 lint: $(DEV_STAMP) $(GEN_STAMP)
 	$(BIN)/ruff check service tests clients/python scripts
+	@$(MAKE) --no-print-directory lint-types
+
+## lint-types: lint's slower half (mypy --strict, buf lint, buf breaking)
+lint-types: $(DEV_STAMP) $(GEN_STAMP)
 	$(BIN)/mypy service
 	cd clients/python && $(BIN)/mypy
 	$(BIN)/buf lint
@@ -85,13 +89,21 @@ lint: $(DEV_STAMP) $(GEN_STAMP)
 ## TEST_WORKERS processes (pytest-xdist: each its own database and pooler, one test file per
 ## process at a time), three by default (on two cores: a third keeps the CPU busy while the
 ## others wait on servers, processes and databases); in one with TEST_WORKERS=0, and always in
-## one against CE_TEST_DATABASE_URL (one database, which the processes would share)
+## one against CE_TEST_DATABASE_URL (one database, which the processes would share). ruff runs
+## first; lint's slower half (lint-types: mypy, buf; single-threaded, about 25 s) runs beside
+## the suite, its output printed after it, and either failing fails the target.
 TEST_WORKERS ?= 3
 PYTEST_WORKERS = $(if $(CE_TEST_DATABASE_URL),0,$(TEST_WORKERS))
-test: prereqs-test lint
+test: prereqs-test $(DEV_STAMP) $(GEN_STAMP)
+	$(BIN)/ruff check service tests clients/python scripts
 	scripts/ensure-promtool
 	scripts/ensure-pgbouncer
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+	@log=$$(mktemp); \
+	$(MAKE) --no-print-directory lint-types >"$$log" 2>&1 & types=$$!; \
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile; suite=$$?; \
+	wait $$types; linted=$$?; cat "$$log"; rm -f "$$log"; \
+	if [ $$linted -ne 0 ]; then echo "make test: lint-types failed (above)" >&2; exit 1; fi; \
+	exit $$suite
 
 ## bench: Build over loopback gRPC on seeded 200/1,000/3,000-item conversations, like with like:
 ## cold Build beside uncached langchain-core trim_messages and one raw pass of the service's own

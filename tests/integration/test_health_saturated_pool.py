@@ -78,9 +78,11 @@ def health(srv: ServerThread) -> int:
 def test_a_busy_pool_is_healthy_and_the_probe_keeps_its_bound(server: ServerThread) -> None:
     held = saturate(server)
     started = time.monotonic()
-    reachable = server.call(database_reachable(server.running.pool, 1.0, server.running.probe))
+    # a bound of 2 s a step: a connection outside the pool opened in over 1 s on a loaded
+    # machine (two cores, the suite's three processes) once read as the database away
+    reachable = server.call(database_reachable(server.running.pool, 2.0, server.running.probe))
     took = time.monotonic() - started
-    assert reachable is True and took < 2.5, (reachable, took)  # not HELD seconds
+    assert reachable is True and took < 5.0, (reachable, took)  # not HELD seconds
     time.sleep(2.5)  # the watch runs every second meanwhile
     assert health(server) == health_pb2.HealthCheckResponse.SERVING
     for h in held:
