@@ -91,7 +91,8 @@ lint-types: $(DEV_STAMP) $(GEN_STAMP)
 ## others wait on servers, processes and databases); in one with TEST_WORKERS=0, and always in
 ## one against CE_TEST_DATABASE_URL (one database, which the processes would share). ruff runs
 ## first; lint's slower half (lint-types: mypy, buf; single-threaded, about 25 s) runs beside
-## the suite, its output printed after it, and either failing fails the target.
+## the suite, its output printed after it, and either failing fails the target (Ctrl-C stops
+## it too: SIGTERM to its make, its output printed).
 TEST_WORKERS ?= 3
 PYTEST_WORKERS = $(if $(CE_TEST_DATABASE_URL),0,$(TEST_WORKERS))
 test: prereqs-test $(DEV_STAMP) $(GEN_STAMP)
@@ -100,6 +101,7 @@ test: prereqs-test $(DEV_STAMP) $(GEN_STAMP)
 	scripts/ensure-pgbouncer
 	@log=$$(mktemp); \
 	$(MAKE) --no-print-directory lint-types >"$$log" 2>&1 & types=$$!; \
+	trap 'kill $$types 2>/dev/null; wait $$types; cat "$$log"; rm -f "$$log"; exit 130' INT TERM; \
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile; suite=$$?; \
 	wait $$types; linted=$$?; cat "$$log"; rm -f "$$log"; \
 	if [ $$linted -ne 0 ]; then echo "make test: lint-types failed (above)" >&2; exit 1; fi; \

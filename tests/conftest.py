@@ -74,19 +74,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # The whole suite as this run collected it, before -k, -m or anything else deselected part of
-# it; set only when the run collected the suite's every path (``tests/``): what
-# ``tests/unit/test_mutants_catalog.py`` matches the mutants' selections against instead of
-# collecting the suite again in a process of its own (about 20 s of CPU).
+# it; set only when the run collected every test file under ``tests/`` (none left out by its
+# paths, ``--ignore`` or ``--lf``): what ``tests/unit/test_mutants_catalog.py`` matches the
+# mutants' selections against instead of collecting the suite again in a process of its own
+# (about 20 s of CPU).
 WHOLE_SUITE = pytest.StashKey[list[pytest.Item]]()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
-    suite = (REPO / "tests").resolve()
-    if config.args and all(
-            "::" not in arg and (config.invocation_params.dir / arg).resolve() in (suite, REPO)
-            for arg in config.args):
+    suite = REPO / "tests"
+    collected = {Path(item.path).resolve() for item in items}
+    if collected == {p.resolve() for p in suite.rglob("test_*.py")}:
         config.stash[WHOLE_SUITE] = list(items)
 
 

@@ -409,3 +409,18 @@ def test_a_state_update_refused_for_its_response_size_records_no_event(tight, ti
     done = stub.UpdateWorkingState(update)
     assert done.state.objective.startswith("find the cheapest")
     assert len(written(db, tenant)["context_events"]) == len(before["context_events"]) + 1
+
+
+def test_a_refusal_of_the_limits_logs_the_tenant_the_request_names(limited_stub, ids, caplog):
+    """Metrics carry no tenant: the log line is where an operator finds who runs into the
+    limits, as every other refusal's line names its tenant (it said "")."""
+    tenant, session = ids
+    caplog.set_level(logging.INFO, logger="context_engine")
+    with pytest.raises(grpc.RpcError):
+        limited_stub.Build(build_request(tenant, session, items=many_items(51)))
+    long = "t" * 300  # not yet validated when refused: cut to an id's longest
+    with pytest.raises(grpc.RpcError):
+        limited_stub.Build(build_request(long, session, items=many_items(51)))
+    lines = [getattr(r, "fields", {}) for r in caplog.records if r.getMessage() == "rpc"]
+    refused = [(f["reason"], f["tenant"]) for f in lines if f.get("method") == "Build"]
+    assert refused == [("TOO_MANY_ITEMS", tenant), ("TOO_MANY_ITEMS", "t" * 256)], refused

@@ -36,6 +36,7 @@ from google.protobuf.message import Message
 from opentelemetry.trace import Tracer
 
 from context_engine.api.status import refuse, timed_call
+from context_engine.domain.identifiers import MAX_ID_LENGTH
 from context_engine.telemetry.metrics import Metrics
 
 SERVICE_PREFIX = "/context_engine.v1.ContextEngine/"
@@ -185,21 +186,24 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
                 return await admitted(request, context)
 
         async def admitted(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            # the tenant the request names, for the refusal's log line (not yet validated:
+            # cut to an id's length), as the servicer's own refusals log it
+            tenant = logged_tenant(request)
             if self.refusing:
                 await self._reject(context, name, "SHUTTING_DOWN",
                                    "this server process is shutting down; retry",
-                                   {}, code=grpc.StatusCode.UNAVAILABLE)
+                                   {}, tenant, code=grpc.StatusCode.UNAVAILABLE)
             if self.in_flight >= self._limits.max_concurrent:
                 await self._reject(context, name, "TOO_MANY_CONCURRENT_RPCS",
                                    f"{self.in_flight} RPCs in flight, the limit of this "
                                    "process; retry with backoff",
-                                   {"limit": str(self._limits.max_concurrent)})
+                                   {"limit": str(self._limits.max_concurrent)}, tenant)
             if isinstance(request, Message):
                 found = shape_violation(request, self._limits, base_items=self._base_items)
                 if found is not None:
                     await self._reject(context, name, found.reason, found.message(),
                                        {"field": found.field, "size": str(found.size),
-                                        "limit": str(found.limit)})
+                                        "limit": str(found.limit)}, tenant)
             self.in_flight += 1
             try:
                 return await inner(request, context)
@@ -211,7 +215,13 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
             response_serializer=handler.response_serializer)
 
     async def _reject(self, context: grpc.aio.ServicerContext[Any, Any], method: str,
-                      reason: str, message: str, metadata: dict[str, str], *,
+                      reason: str, message: str, metadata: dict[str, str], tenant: str, *,
                       code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED) -> None:
         await refuse(context, self._metrics, method=method, code=code, reason=reason,
-                     message=message, metadata=metadata, tracer=self._tracer)
+                     message=message, metadata=metadata, tenant=tenant, tracer=self._tracer)
+
+
+def logged_tenant(request: Any) -> str:
+    """The tenant id a request names, cut to an id's longest (256 characters)."""
+    tenant = getattr(request, "tenant_id", "") if isinstance(request, Message) else ""
+    return tenant[:MAX_ID_LENGTH] if isinstance(tenant, str) else ""
