@@ -394,8 +394,8 @@ def test_one_small_cache_bench_run_reports_every_format(direct_database_url: str
 def test_the_timeline_times_each_phase_of_a_whole_and_an_incremental_build(
         direct_database_url: str) -> None:
     originals = [timeline.original(owner, name) for _, owner, name in timeline.PHASES]
-    # 3,000 items in a 32k window: every phase runs (the pressure event is written)
-    case = Case("smoke", 3_000, 32_000)
+    # 1,000 items in a 32k window: every phase runs (the pressure event is written)
+    case = Case("smoke", 1_000, 32_000)
     whole, inc = timeline.run((case,), rounds=2, database_url=direct_database_url)
     labels = [label for label, _, _ in timeline.PHASES]
     incremental_only = {label for label in labels
