@@ -11,9 +11,11 @@ A cycle:
    ReportUsage) and the compaction records (Compact's keys) older than
    CE_IDEMPOTENCY_KEY_TTL_HOURS by PostgreSQL's clock (which made them, and by which a retry
    finds them expired or not), and the fences of ``append_once_durably`` (keys named after
-   an event type, ``context.snapshot.used``) made before the oldest day step 2 keeps: a fence
-   lives as long as the event it fences (cut at the retention itself, it went up to a day
-   before its event's partition, and a retry stored the event twice);
+   an event type, ``context.snapshot.used``) made a day before the oldest day step 2 keeps,
+   and none when step 2 failed: a fence lives at least as long as the event it fences (cut at
+   the retention itself, it went up to a day before its event's partition; cut when step 2
+   failed, or by a replica whose clock runs ahead of PostgreSQL's, before it; and a retry
+   stored the event twice);
 4. claims, in batches of ``batch_size``, the epochs still uncounted in the metrics
    (``plans.counted``, migration 0008) once older than ``uncounted_after`` by PostgreSQL's
    clock, and counts those its statement turned (``count_epoch``: what the epoch's writer
@@ -195,9 +197,13 @@ class Policy:
                              "must be positive")
 
     def fence_cutoff(self, now: datetime) -> datetime:
-        """Fences made before this go: the start of the oldest day whose partition is kept
-        (``expired`` keeps the day of now - retention)."""
-        return day_start((now - timedelta(days=self.retention_days)).astimezone(UTC).date())
+        """Fences made before this go: a day before the start of the oldest day whose
+        partition is kept (``expired`` keeps the day of now - retention). A fence is dated by
+        PostgreSQL's clock and its event by the replica's that wrote it: one running ahead put
+        an event of a day's first moments in that day's partition and its fence in the day
+        before, deleted with that day's partition while the event stayed."""
+        oldest_kept = (now - timedelta(days=self.retention_days)).astimezone(UTC).date()
+        return day_start(oldest_kept - timedelta(days=1))
 
     def wanted(self, now: datetime) -> list[date]:
         """The days that must have a partition at ``now``: today through today + ahead."""
@@ -370,6 +376,11 @@ class Maintenance:
             for sql, args in ((DELETE_KEYS, (self.policy.key_ttl,)),
                               (DELETE_FENCES, (fence_cutoff,)),
                               (DELETE_COMPACTIONS, (self.policy.key_ttl,))):
+                if sql is DELETE_FENCES and failed is not None:
+                    # the partitions step failed: the partitions it was to drop, and their
+                    # events, are still there, and so must be the fences of those events
+                    counts.append(0)
+                    continue
                 deleted, complete = await self._delete(conn, sql, *args)
                 counts.append(deleted)
                 if not complete:  # another replica's cycle goes on from here
