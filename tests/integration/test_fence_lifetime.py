@@ -69,7 +69,8 @@ def test_a_cycle_whose_partition_step_fails_deletes_no_fence(own_database: str) 
             reader = await asyncpg.connect(own_database)  # holds context_events: no DROP
             async with reader.transaction():
                 await reader.fetch("SELECT count(*) FROM context_events")
-                cycle = Maintenance(pool=pool, clock=Clock(now + timedelta(days=2, hours=1)),
+                # late enough that the fence is past its cutoff, margin and all
+                cycle = Maintenance(pool=pool, clock=Clock(now + timedelta(days=3, hours=1)),
                                     policy=Policy(retention_days=1, ahead_days=2))
                 with pytest.raises(asyncpg.LockNotAvailableError):
                     await cycle.run_once(epochs=False, ddl_tries=1)
