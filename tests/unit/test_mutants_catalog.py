@@ -157,3 +157,21 @@ def test_every_mutants_selection_runs_a_test(request: pytest.FixtureRequest,
     empty = sorted(name for name, count in counts.items() if count == 0)
     assert not empty, f"selections that run no test: {empty}"
 
+
+
+def test_the_run_is_taken_for_the_whole_suite_only_when_it_collected_every_test_file() -> None:
+    """What the selection check counts against: the run's collection only when it holds every
+    test file under ``tests/`` (``--ignore`` and ``--lf`` leave out files, not paths: taken
+    for the whole suite, every selection into them counted 0); else a collection apart."""
+    from types import SimpleNamespace
+
+    from tests.conftest import pytest_collection_modifyitems
+
+    files = sorted((REPO / "tests").rglob("test_*.py"))
+    for collected, whole in ((files, True), (files[1:], False), ([*files, *files], True)):
+        config = SimpleNamespace(stash=pytest.Stash())
+        items = [SimpleNamespace(path=p) for p in collected]
+        pytest_collection_modifyitems(None, config, items)  # type: ignore[arg-type]
+        assert (WHOLE_SUITE in config.stash) is whole
+        if whole:
+            assert config.stash[WHOLE_SUITE] == items
