@@ -45,7 +45,7 @@ def test_mutant_applies_and_leaves_the_python_it_touches_compiling(mutant: objec
     assert mutant.patch.parent == HERE
     assert mutant.bug and mutant.killed_by
     touched = touched_by(mutant)
-    product = ("service/", "clients/", "scripts/", "deploy/")
+    product = ("service/", "clients/", "scripts/", "deploy/", "Makefile")
     assert touched and all(p.startswith(product) for p in touched), touched
     for path in touched:
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
