@@ -234,12 +234,44 @@ def test_a_slow_endpoint_fails_at_the_deadline(endpoint):
 
 
 def test_retries_never_outlast_the_deadline(endpoint):
-    """A Retry-After the SDK would honour (up to 2 minutes) is cut at the call's deadline."""
+    """A Retry-After the SDK would honour (up to 2 minutes) that ends past the call's deadline
+    fails the call at once: waiting it out would only spend the deadline."""
     endpoint.script = [Answer(status=429, body={"error": {"message": "slow down"}},
                               headers={"Retry-After": "60"})]
-    err, took = failure(llm(endpoint, timeout=1.0))
-    assert err.why == "deadline exceeded"
-    assert took < 2.0 and len(endpoint.seen) == 1
+    err, took = failure(llm(endpoint, timeout=3.0))
+    assert err.why == "HTTP 429, Retry-After 60 s is past the call's deadline"
+    assert err.reason == "SUMMARIZER_UNAVAILABLE"
+    assert took < 1.5 and len(endpoint.seen) == 1
+
+
+@pytest.mark.parametrize("headers", [
+    {"Retry-After": "Fri, 31 Dec 2100 23:59:59 GMT"}, {"retry-after-ms": "4000"},
+    {"Retry-After": "1e400"}])
+def test_a_retry_after_past_the_deadline_in_any_spelling_fails_at_once(endpoint, headers):
+    endpoint.script = [Answer(status=503, body={"error": {"message": "overloaded"}},
+                              headers=headers)]
+    err, took = failure(llm(endpoint, timeout=3.0))
+    assert err.why.startswith("HTTP 503, Retry-After ") and "past the call's deadline" in err.why
+    assert took < 1.5 and len(endpoint.seen) == 1
+
+
+@pytest.mark.parametrize("headers", [{"Retry-After": "1"}, {"retry-after-ms": "600"}])
+def test_a_retry_after_within_the_deadline_is_waited_and_retried(endpoint, headers):
+    endpoint.script = [Answer(status=429, body={"error": {"message": "slow down"}},
+                              headers=headers),
+                       Answer(body=completion("after the wait"))]
+    started = time.monotonic()
+    assert summarize(llm(endpoint, timeout=5.0)).narrative == "after the wait"
+    waited = float(headers.get("Retry-After", 0)) + float(headers.get("retry-after-ms", 0)) / 1000
+    assert time.monotonic() - started >= waited and len(endpoint.seen) == 2
+
+
+def test_a_refusal_with_a_retry_after_says_nothing_of_it(endpoint):
+    """A 4xx the SDK never retries is refused as it is: its Retry-After changes nothing."""
+    endpoint.script = [Answer(status=401, body={"error": {"message": "bad key"}},
+                              headers={"Retry-After": "60"})]
+    err, _ = failure(llm(endpoint), SummarizerRefused)
+    assert err.why == "HTTP 401" and len(endpoint.seen) == 1
 
 
 @pytest.mark.parametrize(("body", "content_type"), [

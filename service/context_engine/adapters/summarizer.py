@@ -17,12 +17,17 @@ Retries are the SDK's: at most ``max_retries`` more attempts (``CE_SUMMARIZER_MA
 only after a connection error, a timeout or a 408, 409, 429 or 5xx answer (never another 4xx),
 with its backoff (0.5 s doubling, or the answer's Retry-After). All attempts and the pauses
 between them share one deadline, ``timeout``: past it the call fails whatever the SDK would
-still try."""
+still try, and an answer whose Retry-After ends past it fails the call at once (waiting it out
+would only spend the deadline)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import email.utils
+import math
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -93,7 +98,48 @@ _CODE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _TRANSIENT_4XX = frozenset({408, 409, 429})
 
 if TYPE_CHECKING:
+    import httpx2
     from openai import AsyncOpenAI
+
+# When the summarize call running in this task must end, on the event loop's clock.
+_DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("summarizer_deadline")
+# Set on an answer whose Retry-After ends past the call's deadline: its delay in seconds.
+_PAST_DEADLINE = "x-context-engine-retry-after-past-deadline"
+
+
+def retry_after(headers: httpx2.Headers) -> float | None:
+    """The delay an answer asks for, in seconds, as the SDK reads it: ``retry-after-ms``, then
+    ``retry-after`` in seconds or as an HTTP date; None when it asks for none."""
+    for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            delay = float(value)
+        except ValueError:
+            continue
+        return delay / divisor if math.isfinite(delay) else math.inf
+    when = email.utils.parsedate_tz(headers.get("retry-after") or "")
+    if when is None:
+        return None
+    try:
+        return float(email.utils.mktime_tz(when) - time.time())
+    except (OverflowError, ValueError):
+        return None
+
+
+async def _no_wait_past_deadline(response: httpx2.Response) -> None:
+    """httpx's response hook: an answer asking to be retried only after the call's deadline is
+    not retried (``x-should-retry: false``, which the SDK obeys); the call fails with it now."""
+    if response.status_code not in _TRANSIENT_4XX and response.status_code < 500:
+        return  # an answer the SDK does not retry anyway
+    deadline = _DEADLINE.get(None)
+    delay = retry_after(response.headers)
+    if deadline is None or delay is None or delay <= 0:
+        return
+    if delay > deadline - asyncio.get_running_loop().time():
+        response.headers["x-should-retry"] = "false"
+        response.headers[_PAST_DEADLINE] = f"{delay:.0f}" if delay < 1e9 else "inf"
 
 
 def base_url(url: str) -> str:
@@ -141,9 +187,12 @@ class OpenAISummarizer:
             # Never sent to an endpoint that may not be OpenAI's: organization and project
             # headers the SDK would take from OPENAI_ORG_ID/OPENAI_PROJECT_ID.
             headers: dict[str, Any] = {"OpenAI-Organization": omit, "OpenAI-Project": omit}
+            from openai import DefaultAsyncHttpxClient
+
+            http = DefaultAsyncHttpxClient(event_hooks={"response": [_no_wait_past_deadline]})
             self._client = AsyncOpenAI(base_url=self._base_url, api_key=self._key or _NO_KEY,
                                        timeout=self._timeout, max_retries=self._max_retries,
-                                       default_headers=headers)
+                                       default_headers=headers, http_client=http)
             self._loop = loop
         return self._client
 
@@ -159,6 +208,7 @@ class OpenAISummarizer:
         client = self._client_here()
         # keyless: the SDK leaves Authorization out only when the request itself omits it
         headers: dict[str, Any] = {} if self._key else {"Authorization": openai.omit}
+        deadline = _DEADLINE.set(asyncio.get_running_loop().time() + self._timeout)
         try:
             async with asyncio.timeout(self._timeout):
                 completion = await client.chat.completions.create(
@@ -171,6 +221,9 @@ class OpenAISummarizer:
             raise SummarizerUnavailable("deadline exceeded") from None
         except openai.APIStatusError as exc:
             why = _status_why(exc.status_code, exc.code)
+            past = exc.response.headers.get(_PAST_DEADLINE)
+            if past is not None:
+                why += f", Retry-After {past} s is past the call's deadline"
             if 400 <= exc.status_code < 500 and exc.status_code not in _TRANSIENT_4XX:
                 raise SummarizerRefused(why) from None
             raise SummarizerUnavailable(why) from None
@@ -183,6 +236,8 @@ class OpenAISummarizer:
         except (openai.OpenAIError, ValueError, RecursionError):
             # a body that is no completion: not JSON, or JSON nested too deep to parse
             raise SummarizerUnavailable("unreadable answer") from None
+        finally:
+            _DEADLINE.reset(deadline)
         try:
             choice = completion.choices[0]
             text = choice.message.content
