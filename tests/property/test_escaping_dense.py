@@ -7,8 +7,9 @@ character, and a run of look-alikes is passed over in one regex step. The output
 same bytes as before: ``reference`` below is the scan as it was written before (each "<"-like
 character scanned on its own, every character folded anew), held against ``escape_general``
 over generated text, for the older folds pinned plans are re-rendered with; and today's fold
-(builder@7, which reads Unicode's tag characters both dropped and decoded, and Unicode's
-confusables of strings) against that scan run over the text both ways.
+(builder@8, which reads Unicode's tag characters both dropped and decoded, Unicode's
+confusables of strings, and combining letters both dropped and as letters) against that scan
+run over the text every way.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def _reference_opens(text: str, start: int, fold: int) -> bool:
         ch = text[i]
         if E._invisible(ch):
             continue
-        if fold >= E.FOLD_7:
+        if fold >= E.FOLD_8:
+            piece = E._fold_8(ch)
+        elif fold >= E.FOLD_7:
             piece = E._fold_7(ch)
         elif fold >= E.FOLD_5:
             piece = E._fold_5(ch)
@@ -63,21 +66,33 @@ def reference(content: str, fold: int) -> str:
                    for i, ch in enumerate(content))
 
 
+def _letters(text: str) -> str:
+    """``text`` with each combining letter (U+0367) as the letter it is named after."""
+    return "".join(lookalikes.COMBINING_LETTERS.get(c, c) for c in text)
+
+
 def reference_6(content: str, fold: int) -> str:
     """Fold 5's scan (fold 7's for fold 7) over the text as it is (tag characters invisible)
     and over the text with tag characters decoded (one character each, so positions agree): a
     "<" look-alike is escaped when either reading opens a tag there, a tag "<" (U+E003C) when
-    the decoded one does. Fold 7 reads the confusables of runs of "<" as "<" too."""
+    the decoded one does. Fold 7 reads the confusables of runs of "<" as "<" too; fold 8 reads
+    the text with its combining letters as their letters too, with its tag characters dropped
+    and decoded."""
     decoded = P.decode_tags(content)
     reading = E.FOLD_5 if fold == E.FOLD_6 else fold
-    lt = lookalikes.LT_LIKE + (lookalikes.LT_RUN_LIKE if fold >= E.FOLD_7 else "")
+    lt = (lookalikes.LT_LIKE + (lookalikes.LT_RUN_LIKE if fold >= E.FOLD_7 else "")
+          + (lookalikes.LT_LIKE_8 if fold >= E.FOLD_8 else ""))
+    texts, tag_texts = [content, decoded], [decoded]
+    if fold >= E.FOLD_8:
+        lettered = [_letters(content), _letters(decoded)]
+        texts, tag_texts = texts + lettered, tag_texts + lettered[1:]
     out = []
     for i, ch in enumerate(content):
         if ch in lt:
-            opens = (_reference_opens(content, i, reading)
-                     or _reference_opens(decoded, i, reading))
+            opens = any(_reference_opens(t, i, reading) for t in texts)
         else:
-            opens = ch == "\U000e003c" and _reference_opens(decoded, i, reading)
+            opens = ch == "\U000e003c" and any(_reference_opens(t, i, reading)
+                                               for t in tag_texts)
         out.append("&lt;" if opens else ch)
     return "".join(out)
 
@@ -88,6 +103,8 @@ PIECES = ("<", "\u2264", "\uff1c", "\u2039", "\u16b2", "\u226e", "/", "\\", "\uf
           "a", "\u00e9", "b>", ":0123456789abcdef>", "&lt;",
           # confusables of strings (builder@7): "<<", "//", "\\\\", "rn", "oo"
           "\u226a", "\u2afd", "\u244a", "\U00011700", "\ua74f",
+          # builder@8: letters with a stroke or bar, a right-to-left "o", combining letters
+          "\u00f8", "\u0111", "\u0289", "\u0647", "\u0367", "\u1de4", "\u036b", "\u0366",
           # tag characters: "<", "/", "u", "U", "m", "s", "e", "r", a space, CANCEL TAG
           "\U000e003c", "\U000e002f", "\U000e0075", "\U000e0055", "\U000e006d",
           "\U000e0073", "\U000e0065", "\U000e0072", "\U000e0020", "\U000e007f")

@@ -9,7 +9,10 @@ strict parser and a lenient reader (a model) would.
   blank characters, combining marks, look-alikes of ``<`` and ``/``), must contain nothing that
   reads as an envelope tag: no ``<tag``, ``</tag`` for any envelope tag name. Unicode's tag
   characters (U+E0020-U+E007E) are read both ways a reader may take them: dropped, as
-  invisible, and decoded to the ASCII characters they encode (``decode_tags``).
+  invisible, and decoded to the ASCII characters they encode (``decode_tags``). Read with
+  Unicode's confusables (``unicode_fold``), a letter is also read as the letter its name says
+  it is built on (``named_reading``: "LATIN SMALL LETTER O WITH STROKE" as "o"), and a
+  combining letter both dropped and as its letter (``decode_marks``).
 """
 
 from __future__ import annotations
@@ -102,11 +105,68 @@ def _bare(ch: str) -> str:
 
 
 def unicode_group(target: str) -> set[str]:
-    """``target`` and its single-character confusables, as Unicode lists them."""
+    """``target`` and its single-character confusables, as Unicode lists them (a right-to-left
+    one, Arabic heh for "o", listed between directional marks, read without them)."""
     from confusable_homoglyphs import confusables
 
     data = confusables.confusables_data
-    return {target} | {e["c"] for e in data.get(target, []) if len(e["c"]) == 1}
+    found = {target}
+    for e in data.get(target, []):
+        ch = e["c"].replace("\u200e", "").replace("\u200f", "")
+        if len(ch) == 1:
+            found.add(ch)
+    return found
+
+
+_NAMED = re.compile(r"^(?:LATIN|GREEK|CYRILLIC|COPTIC|ARMENIAN) (?:SMALL |CAPITAL )?LETTER "
+                    r"(?P<base>\S+)(?: .+)?$")
+
+
+@functools.cache
+def named_reading(ch: str) -> str | None:
+    """The letter a reader takes ``ch`` for by what it is named after: a Latin letter with a
+    stroke, bar or hook ("LATIN SMALL LETTER O WITH STROKE" as "o"), a letter of another
+    script named after one (as that letter is read); None when its name says nothing, or when
+    it decomposes ("ŉ" is read as the apostrophe and "n" it decomposes to)."""
+    m = _NAMED.match(unicodedata.name(ch, ""))
+    if m is None or unicodedata.normalize("NFKD", ch) != ch:  # read by its decomposition
+        return None
+    base = m["base"]
+    if len(base) == 1 and "A" <= base <= "Z" and unicodedata.name(ch).startswith("LATIN"):
+        return base.lower()
+    script, case = unicodedata.name(ch).split()[0], "SMALL"
+    try:
+        plain = unicodedata.lookup(f"{script} {case} LETTER {base}")
+    except KeyError:
+        return None
+    if plain == ch:
+        return None
+    _, _, letters = _unicode_tables()
+    return letters.get(plain)
+
+
+_COMBINING = re.compile(r"^COMBINING (?P<script>LATIN|CYRILLIC) (?:SMALL |CAPITAL )?LETTER "
+                        r"(?P<base>.+)$")
+
+
+@functools.cache
+def _combining_letter(ch: str) -> str | None:
+    m = _COMBINING.match(unicodedata.name(ch, ""))
+    if m is None:
+        return None
+    for words in (m["base"], m["base"].split()[0]):  # "O WITH DIAERESIS", then "O"
+        try:
+            return unicodedata.lookup(f"{m['script']} SMALL LETTER {words}")
+        except KeyError:
+            continue
+    return None
+
+
+def decode_marks(text: str) -> str:
+    """``text`` with each combining letter (U+0367, COMBINING LATIN SMALL LETTER U) read as
+    the letter it is named after, as a reader that reads them as letters sees it (one
+    character each, so positions agree)."""
+    return "".join(_combining_letter(c) or c for c in text)
 
 
 def unicode_string_group(chars: str) -> dict[str, str]:
@@ -151,7 +211,8 @@ def unicode_fold(text: str) -> str:
         elif ch in slash or bare in slash:
             out.append("/")
         else:
-            out.append(letters.get(ch) or letters.get(bare) or bare.casefold())
+            out.append(letters.get(ch) or letters.get(bare) or named_reading(ch)
+                       or bare.casefold())
     return "".join(out).replace("rn", "m")
 
 
@@ -160,7 +221,12 @@ def taglike(body: str, *, confusables: bool = False, unicode: bool = False) -> l
     closing, any nonce), with tag characters dropped or decoded (``decode_tags``).
     ``unicode``: read with Unicode's confusables (``unicode_fold``)."""
     hits: list[str] = []
-    for reading in (body, decode_tags(body)):  # tag characters dropped, then decoded
+    # tag characters dropped, then decoded; with Unicode's confusables, combining letters also
+    # read as letters (dropped, as marks, in the first two readings)
+    readings = [body, decode_tags(body)]
+    if unicode:
+        readings += [decode_marks(body), decode_marks(decode_tags(body))]
+    for reading in readings:
         if unicode:
             hits += _TAGLIKE.findall(unicode_fold(reading))
         else:

@@ -333,6 +333,11 @@ def test_policy_and_builder_rotate_forward_only() -> None:
     at7 = spec("platform-policy@2026-12-01.2", "context-engine-builder@7")
     for older in (at4, at5, at6):
         assert rotation_reason(older, at7) is None and rotation_reason(at7, older) is None
+    # and builder@8 what @7 (or older) pinned, wherever it holds no letter named after a tag
+    # letter, right-to-left confusable or combining letter after a "<"
+    at8 = spec("platform-policy@2026-12-01.2", "context-engine-builder@8")
+    for older in (at4, at5, at6, at7):
+        assert rotation_reason(older, at8) is None and rotation_reason(at8, older) is None
 
 
 def test_same_version_other_content_conflicts_whatever_else_rotates() -> None:

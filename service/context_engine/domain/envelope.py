@@ -37,8 +37,12 @@ FOLD_7 = 7  # @7: Unicode's confusables of strings read too: of a run of "<" as 
 #             "≪"), of a run of "/" and "\\" as "/" (U+2AFD), of tag letters as those letters
 #             (U+11700 as "rn", read as "m"); and an envelope's attributes (its source and id)
 #             escaped as its content is, after their ASCII escapes
-FOLD = FOLD_7
-FOLDS = (FOLD_7, FOLD_6, FOLD_5, FOLD_4, FOLD_3)  # newest first
+FOLD_8 = 8  # @8: letters named after a tag letter with a stroke, bar or hook (U+00F8 "ø" as
+#             "o"), Unicode's right-to-left confusables (U+0647, Arabic heh, as "o"), and the
+#             combining letters (U+0367, COMBINING LATIN SMALL LETTER U) read both ways: dropped,
+#             as before, and as the letters they are named after
+FOLD = FOLD_8
+FOLDS = (FOLD_8, FOLD_7, FOLD_6, FOLD_5, FOLD_4, FOLD_3)  # newest first
 
 # Characters that read as "<" or "/" to a model (folds 3 and 4).
 _LT_LIKE = ("<\uff1c\ufe64\u2039\u3008\u2329\u27e8\u276e\u02c2\u1438\u276c\u29fc\u2770"
@@ -73,13 +77,19 @@ _TAG_LT = "\U000e003c"
 # What each fold reads as "<" (folds 3 and 4 read the same characters).
 _LT_SETS = {FOLD_3: _LT_LIKE, FOLD_4: _LT_LIKE, FOLD_5: lookalikes.LT_LIKE,
             FOLD_6: lookalikes.LT_LIKE + _TAG_LT,
-            FOLD_7: lookalikes.LT_LIKE + _TAG_LT + lookalikes.LT_RUN_LIKE}
+            FOLD_7: lookalikes.LT_LIKE + _TAG_LT + lookalikes.LT_RUN_LIKE,
+            FOLD_8: lookalikes.LT_LIKE + _TAG_LT + lookalikes.LT_RUN_LIKE + lookalikes.LT_LIKE_8}
 _LT_RES = {fold: re.compile(f"[{re.escape(lt)}]") for fold, lt in _LT_SETS.items()}
 _CONFUSABLE_5 = str.maketrans({**{chr(k): v for k, v in _CONFUSABLE.items()
                                   if isinstance(v, str)}, **lookalikes.LETTERS})
 _SLASH_LIKE_5 = frozenset(lookalikes.SLASH_LIKE)
 _CONFUSABLE_7 = {**_CONFUSABLE_5, **str.maketrans(lookalikes.LETTER_RUNS)}
 _SLASH_LIKE_7 = _SLASH_LIKE_5 | frozenset(lookalikes.SLASH_RUN_LIKE)
+_CONFUSABLE_8 = {**_CONFUSABLE_7, **str.maketrans(lookalikes.LETTERS_8)}
+_SLASH_LIKE_8 = _SLASH_LIKE_7 | frozenset(lookalikes.SLASH_LIKE_8)
+# The readings a fold takes of the characters with two (``_opens_delimiter``): a tag character
+# decoded (from fold 6), a combining letter read as its letter (from fold 8).
+_DECODE_TAGS, _DECODE_MARKS = 1, 2
 _MARKS = frozenset(("Mn", "Me"))
 # Rendered as nothing, or as blank, although not format characters.
 _BLANK_LETTERS = frozenset("\u034f\u115f\u1160\u3164\uffa0\u180e\u2800")
@@ -147,6 +157,15 @@ def _fold_7(ch: str) -> str:
     return _bare(ucd.lower(bare.translate(_CONFUSABLE_7)).translate(_CONFUSABLE_7))
 
 
+def _fold_8(ch: str) -> str:
+    """One character as fold 8 reads it: as fold 7 does, with the letters named after a tag
+    letter (a stroke, a bar, a hook) and Unicode's right-to-left confusables read as it."""
+    bare = _bare(ch)
+    if bare in _SLASH_LIKE_8:
+        return "/"
+    return _bare(ucd.lower(bare.translate(_CONFUSABLE_8)).translate(_CONFUSABLE_8))
+
+
 def plain_name(name: str) -> bool:
     """Whether ``name`` can be written as the platform's own text: nothing in it reads as an
     envelope tag once folded (``escape_general`` leaves it as it is) and it holds no blank
@@ -164,15 +183,31 @@ def _tag(ch: str) -> bool:
     return _TAG_FIRST <= ch <= _TAG_LAST
 
 
+def _two_ways(ch: str, fold: int) -> int:
+    """Which of the readings of ``_opens_delimiter`` read ``ch`` otherwise than dropped: 0
+    when none does."""
+    if _tag(ch):
+        return _DECODE_TAGS
+    if fold >= FOLD_8 and ch in lookalikes.COMBINING_LETTERS:
+        return _DECODE_MARKS
+    return 0
+
+
 @functools.lru_cache(maxsize=_CACHED)
-def _reading(ch: str, fold: int, decoded: bool = False) -> str | None:
+def _reading(ch: str, fold: int, decoded: int = 0) -> str | None:
     """One character as ``fold`` reads it after a "<": None when it is invisible, "/" when
-    slash-like, else its folded letters. ``decoded``: a tag character read as the ASCII
-    character it encodes (fold 6), not dropped."""
-    if decoded and _tag(ch):
+    slash-like, else its folded letters. ``decoded``: the readings that take a character
+    otherwise than dropped (``_DECODE_TAGS``: a tag character as the ASCII character it
+    encodes, from fold 6; ``_DECODE_MARKS``: a combining letter as the letter it is named
+    after, from fold 8)."""
+    if decoded & _DECODE_TAGS and _tag(ch):
         ch = chr(ord(ch) - _TAG_OFFSET)
+    elif decoded & _DECODE_MARKS and fold >= FOLD_8 and ch in lookalikes.COMBINING_LETTERS:
+        ch = lookalikes.COMBINING_LETTERS[ch]
     if _invisible(ch):
         return None
+    if fold >= FOLD_8:
+        return _fold_8(ch)
     if fold >= FOLD_7:
         return _fold_7(ch)
     if fold >= FOLD_5:
@@ -186,7 +221,7 @@ def _reading(ch: str, fold: int, decoded: bool = False) -> str | None:
 
 
 @functools.lru_cache(maxsize=_CACHED)
-def _step(name: str, ch: str, fold: int, decoded: bool = False) -> str | bool:
+def _step(name: str, ch: str, fold: int, decoded: int = 0) -> str | bool:
     """One step of ``_scan``, kept per ``name`` (the folded text after the slashes so far) and
     character: the name it reads on to, or the verdict once settled."""
     piece = _reading(ch, fold, decoded)
@@ -214,29 +249,41 @@ def _opens_delimiter(text: str, start: int, fold: int = FOLD) -> bool:
     the first met a tag character before it settled (until then the two read alike). A tag
     "<" (U+E003C) opens only the decoding reading: dropped, it is no "<".
 
-    ``fold``: ``FOLD`` escapes everything new; an older one (``FOLD_5``, ``FOLD_4``,
-    ``FOLD_3``) only re-renders a plan its builder pinned (``builder.load_plan``)."""
+    From fold 8 a combining letter named after a letter (U+0367, COMBINING LATIN SMALL LETTER
+    U) is read both ways too: dropped, and as that letter; every combination of the two
+    decodings a scan meets is scanned (at most four readings).
+
+    ``fold``: ``FOLD`` escapes everything new; an older one (``FOLD_7`` to ``FOLD_3``) only
+    re-renders a plan its builder pinned (``builder.load_plan``)."""
     if fold < FOLD_6:
-        return _scan(text, start, fold, decoded=False)[0]
-    if text[start] == _TAG_LT:
-        return _scan(text, start, fold, decoded=True)[0]
-    opens, met_tag = _scan(text, start, fold, decoded=False)
-    return opens or (met_tag and _scan(text, start, fold, decoded=True)[0])
+        return _scan(text, start, fold, decoded=0)[0]
+    first = _DECODE_TAGS if text[start] == _TAG_LT else 0
+    pending, tried = [first], {first}
+    while pending:
+        decoded = pending.pop()
+        opens, met = _scan(text, start, fold, decoded=decoded)
+        if opens:
+            return True
+        for way in (_DECODE_TAGS, _DECODE_MARKS):
+            if met & way and (decoded | way) not in tried:
+                tried.add(decoded | way)
+                pending.append(decoded | way)
+    return False
 
 
-def _scan(text: str, start: int, fold: int, *, decoded: bool) -> tuple[bool, bool]:
+def _scan(text: str, start: int, fold: int, *, decoded: int) -> tuple[bool, int]:
     """One reading of ``_opens_delimiter``: whether the "<" at ``start`` opens a delimiter, and
-    whether a tag character was met before that was settled."""
+    which characters read two ways (``_two_ways``) were met before that was settled."""
     name = ""  # the folded text after the leading slashes: at most a tag name long
-    met_tag = False
+    met = 0
     for i in range(start + 1, len(text)):
         ch = text[i]
-        met_tag = met_tag or _tag(ch)
+        met |= _two_ways(ch, fold)
         step = _step(name, ch, fold, decoded)
         if isinstance(step, bool):
-            return step, met_tag
+            return step, met
         name = step
-    return False, met_tag
+    return False, met
 
 
 def escape_general(content: str, *, fold: int = FOLD) -> str:

@@ -95,9 +95,13 @@ from context_engine.domain.trust import Region, TrustLevel
 # letters such as "rn"), and escapes an envelope's attributes as its content
 # (``envelope.FOLD_7``): a @6 plan is current where it renders the same bytes, as all but one
 # holding such a look-alike do; that one is served with @6's fold and rotated alike.
-BUILDER_VERSION = "context-engine-builder@7"
+# @8: the fold reads letters named after a tag letter with a stroke, bar or hook, Unicode's
+# right-to-left confusables, and combining letters both dropped and as their letters
+# (``envelope.FOLD_8``): a @7 plan is current where it renders the same bytes, as all but one
+# holding such a look-alike do; that one is served with @7's fold and rotated alike.
+BUILDER_VERSION = "context-engine-builder@8"
 SAME_BYTES = frozenset({"context-engine-builder@4", "context-engine-builder@5",
-                        "context-engine-builder@6"})
+                        "context-engine-builder@6", "context-engine-builder@7"})
 PREFIX_CEILING = 22_000
 TTL_DEFAULT = "5m"
 TTL_SCHEDULED = "1h"
