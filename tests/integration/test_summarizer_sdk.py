@@ -266,6 +266,19 @@ def test_a_retry_after_within_the_deadline_is_waited_and_retried(endpoint, heade
     assert time.monotonic() - started >= waited and len(endpoint.seen) == 2
 
 
+def test_a_retry_after_date_within_the_deadline_is_waited_and_retried(endpoint):
+    """An HTTP date two seconds ahead is a delay within a 5 s deadline, read against the
+    machine's clock as the SDK reads it: waited and retried, not failed at once."""
+    import email.utils
+
+    when = email.utils.formatdate(time.time() + 2, usegmt=True)
+    endpoint.script = [Answer(status=503, body={"error": {"message": "overloaded"}},
+                              headers={"Retry-After": when}),
+                       Answer(body=completion("after the date"))]
+    assert summarize(llm(endpoint, timeout=5.0)).narrative == "after the date"
+    assert len(endpoint.seen) == 2
+
+
 def test_a_refusal_with_a_retry_after_says_nothing_of_it(endpoint):
     """A 4xx the SDK never retries is refused as it is: its Retry-After changes nothing."""
     endpoint.script = [Answer(status=401, body={"error": {"message": "bad key"}},

@@ -27,12 +27,12 @@ import contextvars
 import email.utils
 import math
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from context_engine.adapters.assets import DEFAULT_ASSETS_DIR
+from context_engine.clock import SYSTEM_CLOCK
 from context_engine.domain.compaction import Summarized, SummaryInput
 from context_engine.domain.errors import SummarizerRefused, SummarizerUnavailable
 
@@ -107,9 +107,10 @@ _DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("summarizer_de
 _PAST_DEADLINE = "x-context-engine-retry-after-past-deadline"
 
 
-def retry_after(headers: httpx2.Headers) -> float | None:
+def retry_after(headers: httpx2.Headers, now: float) -> float | None:
     """The delay an answer asks for, in seconds, as the SDK reads it: ``retry-after-ms``, then
-    ``retry-after`` in seconds or as an HTTP date; None when it asks for none."""
+    ``retry-after`` in seconds or as an HTTP date (less ``now``, a POSIX time); None when it
+    asks for none."""
     for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
         value = headers.get(name)
         if value is None:
@@ -123,7 +124,7 @@ def retry_after(headers: httpx2.Headers) -> float | None:
     if when is None:
         return None
     try:
-        return float(email.utils.mktime_tz(when) - time.time())
+        return float(email.utils.mktime_tz(when) - now)
     except (OverflowError, ValueError):
         return None
 
@@ -134,8 +135,12 @@ async def _no_wait_past_deadline(response: httpx2.Response) -> None:
     if response.status_code not in _TRANSIENT_4XX and response.status_code < 500:
         return  # an answer the SDK does not retry anyway
     deadline = _DEADLINE.get(None)
-    delay = retry_after(response.headers)
-    if deadline is None or delay is None or delay <= 0:
+    if deadline is None:
+        return
+    # an HTTP date against the machine's clock, as the SDK that waits for it reads it (a test
+    # server's injected clock would disagree with that wait)
+    delay = retry_after(response.headers, SYSTEM_CLOCK.now().timestamp())
+    if delay is None or delay <= 0:
         return
     if delay > deadline - asyncio.get_running_loop().time():
         response.headers["x-should-retry"] = "false"
