@@ -308,6 +308,10 @@ def plan_command(req: pb.PlanRequest) -> PlanCommand:
     a = req.agent
     v.identifier("agent.agent_id", a.agent_id)
     v.identifier("agent.version", a.version)
+    if a.instructions and not a.instructions.strip():
+        # row 3 would be a system block carrying nothing, which Claude refuses (a text block
+        # of white space only); empty instructions render no block
+        v.add("agent.instructions", "is white space alone: send it empty for no instructions")
     for i, name in enumerate(a.enabled_tools):
         if not name:
             v.add(f"agent.enabled_tools[{i}]", "must not be empty")

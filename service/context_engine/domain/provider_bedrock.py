@@ -3,7 +3,9 @@
 validator.
 
 - ``modelId`` is the model id (a foundation model id or an inference profile id).
-- ``system``: one ``{"text"}`` block per prefix block. ``toolConfig.tools``: a ``toolSpec`` per
+- ``system``: one ``{"text"}`` block per prefix block, but one of white space alone (a plan
+  stored before ``Plan`` refused blank agent instructions), which Bedrock refuses and which
+  carries nothing. ``toolConfig.tools``: a ``toolSpec`` per
   definition (``inputSchema: {"json": schema}`` with :func:`provider_schema`). Tool names are
   mapped as for Anthropic and OpenAI: Bedrock takes ``[a-zA-Z0-9_-]{1,64}``.
 - ``messages``: roles ``user`` and ``assistant``, alternating from a user turn, consecutive
@@ -54,6 +56,7 @@ from context_engine.domain.provider_common import (
     ProviderFormatError,
     Turns,
     check_call_ids,
+    claude_system_texts,
     claude_tool_schemas,
     marked_blocks,
     message_key,
@@ -128,7 +131,7 @@ def bedrock_converse(result: BuildResult) -> JSON:
             spec["description"] = t.description
         spec["inputSchema"] = {"json": schema}
         tools.append({"toolSpec": spec})
-    system: list[JSON] = [{"text": b.text} for b in req.prefix_blocks if b.text]
+    system: list[JSON] = [{"text": t} for t in claude_system_texts(result)]
     if not tools and any(m.tool_calls for m in req.messages):
         raise ProviderFormatError(fmt, [FieldViolation(
             "checkpoint.items", "Bedrock takes toolUse and toolResult blocks only in a request "
@@ -239,8 +242,9 @@ def validate_bedrock(body: Mapping[str, Any]) -> list[str]:
     for i, b in enumerate(system):
         if "cachePoint" in b:
             points.append((f"system[{i}]", b, system[i - 1] if i else None))
-        elif not isinstance(b.get("text"), str) or not b["text"]:
-            problems.append(f"system[{i}]: must be a non-empty text block or a cachePoint")
+        elif not isinstance(b.get("text"), str) or not b["text"].strip():
+            problems.append(f"system[{i}]: must be a text block holding more than white "
+                            "space, or a cachePoint")
 
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:

@@ -221,6 +221,16 @@ def claude_tool_schemas(result: BuildResult, provider_format: str) -> list[JSON]
     return schemas
 
 
+def claude_system_texts(result: BuildResult) -> list[str]:
+    """The prefix blocks a Claude body (Anthropic's, Bedrock's) sends as its system blocks, in
+    order: every block but one of white space alone, which carries nothing and which Claude
+    refuses (a text block of white space only; a cache marker on one is a 400 as well). Only
+    a plan stored before ``Plan`` refused white-space agent instructions renders such a block
+    (row 3); its pinned bytes stay as they are, so the body leaves the block out, on every
+    Build alike. The formats that join the blocks into one text keep it (``joined_prefix``)."""
+    return [b.text for b in result.request.prefix_blocks if b.text.strip()]
+
+
 def tool_schema(text: str) -> JSON:
     """A definition's input schema as provider bodies send it (:func:`provider_schema`)."""
     value = parse_json_object(text)
@@ -286,7 +296,10 @@ def provider_schema(schema: JSON) -> JSON:
 def joined_prefix(result: BuildResult) -> str:
     """The prefix blocks as one text, a blank line between blocks (OpenAI ``instructions``,
     the Chat Completions system message, Gemini's ``systemInstruction``). The estimator counts
-    one separator per join with the platform policy (plan.py ``request_framing``)."""
+    one separator per join with the platform policy (plan.py ``request_framing``). A block of
+    white space alone (a stored plan's blank agent instructions: ``claude_system_texts``) is
+    joined as it is: the text around it carries the policy, so the text is never blank, and
+    these bodies keep the bytes they always had."""
     return "\n\n".join(b.text for b in result.request.prefix_blocks if b.text)
 
 
@@ -379,9 +392,9 @@ def marked_blocks(result: BuildResult, *, tools: Sequence[JSON], system: Sequenc
                   limit: int = MAX_BREAKPOINTS) -> list[tuple[JSON, str]]:
     """Where the request's cache markers land, in request order (tools -> system ->
     messages): (the block a marker follows, its TTL). after_tools marks the last tool,
-    after_system the last system block, a history marker the last cacheable block of its
-    ``through_item``. At most ``limit``, kept by priority (a fifth never lands), one per block,
-    and never a longer TTL after a shorter one."""
+    after_system the last cacheable system block, a history marker the last cacheable block
+    of its ``through_item``. At most ``limit``, kept by priority (a fifth never lands), one per
+    block, and never a longer TTL after a shorter one."""
     flat = turns.flat()
     position = {id(b): i for i, b in enumerate(flat)}
     # (priority, position in request order, block, ttl)
@@ -392,8 +405,10 @@ def marked_blocks(result: BuildResult, *, tools: Sequence[JSON], system: Sequenc
             if tools:
                 placed.append((rank, (0, len(tools) - 1), tools[-1], mark.ttl))
         elif mark.name == "after_system":
-            if system:
-                placed.append((rank, (1, len(system) - 1), system[-1], mark.ttl))
+            # the last cacheable system block: never one carrying nothing
+            at = next((i for i in reversed(range(len(system))) if cacheable(system[i])), None)
+            if at is not None:
+                placed.append((rank, (1, at), system[at], mark.ttl))
         elif mark.through_item:
             block = history_block(flat, position, turns.by_key.get(mark.through_item, [])
                                   or _before(result, turns, mark.through_item), cacheable)

@@ -10,8 +10,10 @@ a provider's wire format requires:
 
 - Anthropic (spec: "The history cache window"): consecutive messages of one role merge into one
   turn; tool results move to the start of the user turn that follows their call's turn, all
-  results of a batch together; ``cache_control`` sits on the last tool (after_tools), the last
-  system block (after_system) and, for each history marker, the last cacheable block of its
+  results of a batch together; a prefix block of white space alone (a plan stored before
+  ``Plan`` refused blank agent instructions) is left out of ``system``, since Anthropic refuses
+  it; ``cache_control`` sits on the last tool (after_tools), the last system block
+  (after_system) and, for each history marker, the last cacheable block of its
   ``through_item`` — at most four, never on thinking blocks or empty text, and no longer TTL
   after a shorter one. Only Anthropic reasoning items are replayed, verbatim. A history that
   opens with the model's own turn (a cut without a summary yet) gets one fixed platform line as
@@ -73,6 +75,7 @@ from context_engine.domain.provider_common import ProviderFormatError as Provide
 from context_engine.domain.provider_common import (
     Turns,
     check_call_ids,
+    claude_system_texts,
     claude_tool_schemas,
     marked_blocks,
     message_key,
@@ -146,7 +149,7 @@ def anthropic_messages(result: BuildResult) -> JSON:
         if t.description:
             tool["description"] = t.description
         tools.append(tool)
-    system: list[JSON] = [{"type": "text", "text": b.text} for b in req.prefix_blocks if b.text]
+    system: list[JSON] = [{"type": "text", "text": t} for t in claude_system_texts(result)]
     if not tools and any(m.tool_calls for m in req.messages):
         # 400 "Requests which include `tool_use` or `tool_result` blocks must define tools."
         raise ProviderFormatError(fmt, [FieldViolation(
@@ -376,8 +379,10 @@ def validate_anthropic(body: Mapping[str, Any]) -> list[str]:
         problems.append("system: must be a string or a list of text blocks")
         system_blocks = []
     for i, b in enumerate(system_blocks):
-        if b.get("type") != "text" or not isinstance(b.get("text"), str) or not b["text"]:
-            problems.append(f"system[{i}]: must be a non-empty text block")
+        if b.get("type") != "text" or not isinstance(b.get("text"), str):
+            problems.append(f"system[{i}]: must be a text block")
+        elif not b["text"].strip():  # Anthropic refuses text blocks of white space only
+            problems.append(f"system[{i}]: text blocks must hold more than white space")
 
     # Breakpoints, in request order: tools -> system -> messages.
     marked: list[tuple[str, JSON]] = []

@@ -254,6 +254,10 @@ class AgentSpec(_message.Message):
     version: _builtins.str
     """Pinned per run; the same version must always carry the same content."""
     instructions: _builtins.str
+    """Prefix row 3, as sent. Empty for none (row 3 then renders nothing); white space alone is
+    INVALID_ARGUMENT at agent.instructions (a system block carrying nothing, which Claude
+    refuses).
+    """
     enables_tool_call: _builtins.bool
     """Whether the agent enables the `tool.call` control tool that reaches deferred tools."""
     omits_working_state_tool: _builtins.bool
