@@ -21,8 +21,12 @@ class Terminated(BaseException):
     on the way out, as for Ctrl-C. A BaseException: no ``except Exception`` swallows it."""
 
 
+class HungUp(Terminated):
+    """SIGHUP alike (the terminal closed while a server still started)."""
+
+
 def _terminated(signum: int, frame: object) -> None:
-    raise Terminated
+    raise HungUp if signum == signal.SIGHUP else Terminated
 
 
 def _the_program() -> bool:
@@ -128,9 +132,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # until serve handles it: caught below. Not in a worker, which starts nothing that
     # outlives it (its supervisor owns the embedded database) and is stopped at once.
-    if (_the_program() and WORKER_ENV not in os.environ
-            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
-        signal.signal(signal.SIGTERM, _terminated)
+    if _the_program() and WORKER_ENV not in os.environ:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                signal.signal(sig, _terminated)
     try:
         code = _main(argv)
         sys.stdout.flush()  # inside: a pipe closed meanwhile fails here, not at exit
@@ -144,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         # one line, and the shell's code for SIGINT, not a traceback
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except HungUp:  # the terminal closed: as SIGTERM, with the shell's code for SIGHUP
+        print(f"{PROG}: hung up", file=sys.stderr)
+        return 129
     except Terminated:  # SIGTERM alike: what was started stops on the way out (atexit)
         print(f"{PROG}: terminated", file=sys.stderr)
         return 143

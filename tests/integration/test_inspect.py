@@ -285,7 +285,8 @@ def test_without_database_url_it_needs_an_existing_embedded_database(tmp_path, m
 
 
 def test_a_database_it_cannot_use_or_reach_is_one_line_in_its_time(tmp_path):
-    """A port that is no number printed ValueError's traceback; a server that never answers
+    """A port that is no number printed ValueError's traceback (one beyond 65535,
+    OverflowError's); a server that never answers
     held inspect 10 s whatever CE_DB_TIMEOUT_SECONDS said (its connection's timeout was
     fixed). Both are one line naming the URL now, the second within the configured time."""
     import socket
@@ -296,6 +297,7 @@ def test_a_database_it_cannot_use_or_reach_is_one_line_in_its_time(tmp_path):
     silent.listen(4)  # accepts, never answers
     try:
         cases = [("postgresql://u@localhost:abc/ce", "cannot use the database URL"),
+                 ("postgresql://u@127.0.0.1:99999/ce", "cannot use the database URL"),
                  (f"postgresql://u@127.0.0.1:{silent.getsockname()[1]}/ce",
                   "cannot reach the database")]
         for url, said in cases:

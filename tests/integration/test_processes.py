@@ -5,10 +5,12 @@ unbindable addresses, graceful stop on SIGTERM (those on embedded PostgreSQL are
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 
 import grpc
@@ -215,3 +217,30 @@ def test_sigterm_drains_then_stops_gracefully(database_url):
     assert server.terminate() == 0
     events = [r["event"] for r in server.log]
     assert events.index("stopping") < events.index("stopped")
+
+
+def test_a_hangup_stops_the_server_as_sigterm_does_unless_started_ignoring_it(database_url):
+    """Closing the terminal a foreground server ran in (SIGHUP, an ssh session dropped) killed
+    it with no drain and left its embedded PostgreSQL running; now it stops as on SIGTERM.
+    Started under ``nohup`` (SIGHUP ignored), a hangup leaves it serving."""
+    server = ServerProcess({"DATABASE_URL": database_url, "CE_WORKERS": "2"})
+    server.proc.send_signal(signal.SIGHUP)
+    server.wait_for("stopping", 10)
+    assert server.terminate() == 0
+    events = [r["event"] for r in server.log]
+    assert events.index("stopping") < events.index("stopped")
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # inherited, as nohup does
+    try:
+        kept = ServerProcess({"DATABASE_URL": database_url, "CE_WORKERS": "2"})
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    try:
+        kept.proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(kept.address))
+        assert kept.proc.poll() is None
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    finally:
+        assert kept.terminate() == 0

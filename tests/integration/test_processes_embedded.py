@@ -149,6 +149,73 @@ def test_a_start_after_a_killed_supervisor_reuses_its_database_and_stops_it():
     assert [r["pids"] for r in gone] == [[first.proc.pid]], second.log
 
 
+def test_a_pid_file_naming_another_process_is_taken_off_and_that_process_left_alone():
+    """After a hard kill of the server and its PostgreSQL, the file's pid may be another
+    program's by the next start (a reboot, a container's restart): pgserver took it for the
+    postmaster, every start failed, and each stopped that program (pg_ctl, then a kill)."""
+    data_dir = Path(tempfile.mkdtemp(prefix="ce-data-"))
+    env = {"DATABASE_URL": "", "CE_DATA_DIR": str(data_dir), "CE_WORKERS": "1"}
+    bystander = subprocess.Popen(["sleep", "120"])
+    try:
+        first = ServerProcess(env)
+        stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(first.address))
+        plan = stub.Plan(plan_request("t", "s"), timeout=30).plan
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(30)
+        import psutil
+
+        for line in _postgres_of(data_dir):  # its PostgreSQL killed outright too, with all
+            postmaster = psutil.Process(int(line.split()[0]))  # its backends (they hold its
+            killed = [*postmaster.children(recursive=True), postmaster]  # shared memory)
+            for process in killed:
+                process.kill()
+            psutil.wait_procs(killed, timeout=10)
+        pid_file = data_dir / "pg" / "postmaster.pid"
+        lines = pid_file.read_text(encoding="utf-8").splitlines()
+        pid_file.write_text("\n".join([str(bystander.pid), *lines[1:]]) + "\n",
+                            encoding="utf-8")
+
+        second = ServerProcess(env)
+        stub = pb_grpc.ContextEngineStub(grpc.insecure_channel(second.address))
+        assert stub.GetPlan(pb.GetPlanRequest(tenant_id="t", session_id="s"),
+                            timeout=30).plan == plan  # the same data, its own PostgreSQL
+        assert second.terminate() == 0
+        assert bystander.poll() is None  # never stopped
+    finally:
+        bystander.kill()
+        bystander.wait()
+        for line in _postgres_of(data_dir):
+            os.kill(int(line.split()[0]), signal.SIGQUIT)
+        shutil.rmtree(data_dir, ignore_errors=True)
+    stale = [r for r in second.log if r.get("event") == "embedded_database_stale_pid"]
+    assert [r["pid"] for r in stale] == [bystander.pid], second.log
+
+
+def test_a_first_start_killed_while_it_made_the_database_is_named_with_what_to_do():
+    """A first start killed during initdb leaves PG_VERSION and initdb's bootstrap pid file
+    (its pid negated): every later command failed on an AssertionError of pgserver's, naming
+    a log that did not exist."""
+    data_dir = Path(tempfile.mkdtemp(prefix="ce-data-"))
+    pg = data_dir / "pg"
+    pg.mkdir()
+    (pg / "PG_VERSION").write_text("16\n", encoding="utf-8")
+    ended = subprocess.Popen(["sleep", "0"])
+    ended.wait()
+    (pg / "postmaster.pid").write_text(f"-{ended.pid}\n{pg}\n1765000000\n",
+                                       encoding="utf-8")
+    try:
+        proc = _embedded_serve(data_dir)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+    assert proc.returncode == 1 and "Traceback" not in err + out, err
+    assert err.strip() == (
+        f"context-engine: the first start of this embedded PostgreSQL was interrupted while "
+        f"it made the database (its postmaster.pid names initdb's bootstrap, pid "
+        f"-{ended.pid}, which no longer runs), so the cluster is half made: remove {pg} and "
+        "start again (it held no data yet)"), err
+
+
 def test_two_servers_started_together_on_one_address_are_never_both_served():
     """Each checked the port before its seconds of start-up (the embedded database, the
     migrations): both found it free, both bound it with SO_REUSEPORT, and the kernel spread

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
-import signal
 import subprocess
 import time
 import warnings
@@ -56,6 +56,7 @@ from context_engine.api.workers import (
     leave_directories,
     own_directory,
     remove_abandoned_directories,
+    stop_signals,
     worker_directories,
 )
 from context_engine.clock import SYSTEM_CLOCK, Clock
@@ -96,10 +97,23 @@ class EmbeddedDatabaseFailed(Exception):
     of another PostgreSQL version, a read-only file system, a cluster left half made."""
 
     def __init__(self, data_dir: Path, cause: BaseException) -> None:
+        log_file = data_dir / "pg" / "log"
+        where = (f"its log is in {log_file}; " if log_file.is_file() else "")
         super().__init__(
             f"cannot start the embedded PostgreSQL under {data_dir / 'pg'}: {described(cause)} "
-            f"(its log is in {data_dir / 'pg' / 'log'}; or point DATABASE_URL at another "
-            "database)")
+            f"({where}or point DATABASE_URL at another database)")
+
+
+class FirstStartInterrupted(EmbeddedDatabaseFailed):
+    """The embedded cluster was left half made: its first start (initdb) was killed."""
+
+    def __init__(self, pg_dir: Path, pid: int) -> None:
+        self.pg_dir = pg_dir
+        Exception.__init__(self,
+            f"the first start of this embedded PostgreSQL was interrupted while it made the "
+            f"database (its postmaster.pid names initdb's bootstrap, pid {pid}, which no longer "
+            f"runs), so the cluster is half made: remove {pg_dir} and start again (it held no "
+            "data yet)")
 
 
 def embedded_exists(data_dir: Path) -> bool:
@@ -116,6 +130,8 @@ def embedded_database_url(data_dir: Path, *, announce: bool = False) -> str:
     level, quiet.level = quiet.level, logging.CRITICAL + 1
     try:
         return _embedded_database_url(data_dir, announce=announce)
+    except EmbeddedDatabaseFailed:
+        raise
     except Exception as exc:  # pgserver's and pg_ctl's failures take many types
         raise EmbeddedDatabaseFailed(data_dir, exc) from exc
     finally:
@@ -140,6 +156,12 @@ def _embedded_database_url(data_dir: Path, *, announce: bool = False) -> str:
 
     pg_dir = data_dir / "pg"
     pg_dir.mkdir(parents=True, exist_ok=True)
+    stale = clear_stale_postmaster_pid(pg_dir)
+    if stale is not None and announce:
+        log("embedded_database_stale_pid", logging.WARNING, pid=stale, data_dir=str(data_dir),
+            note="postmaster.pid named a process that is not this directory's PostgreSQL "
+                 "(a pid reused since a kill or reboot, or a data directory copied from "
+                 "another): taken off, and the database started here")
     gone = forget_dead_holders(pg_dir)
     if gone and announce:
         log("embedded_database_holders_gone", logging.WARNING, pids=gone,
@@ -150,8 +172,60 @@ def _embedded_database_url(data_dir: Path, *, announce: bool = False) -> str:
     return str(server.get_uri())
 
 
-def _process_runs(pid: int) -> bool:
+def _postmaster_of(pid: int, pg_dir: Path) -> bool:
+    """Whether ``pid`` runs PostgreSQL on ``pg_dir`` (``postgres -D <pg_dir>``): a process the
+    machine does not let us read is taken to be one (its file is never removed under it)."""
     import psutil  # type: ignore[import-untyped]
+
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        command = process.cmdline()
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+    if not command or Path(command[0]).name not in ("postgres", "postmaster"):
+        return False
+    for flag, value in itertools.pairwise(command):
+        if flag == "-D":
+            return Path(value).resolve() == pg_dir.resolve()
+    return False
+
+
+def clear_stale_postmaster_pid(pg_dir: Path) -> int | None:
+    """Removes ``pg_dir``'s ``postmaster.pid`` when it names no PostgreSQL of this directory;
+    the pid it named, else None. pgserver takes any live pid in the file for this cluster's
+    postmaster: once that pid was another process's (reused after a kill or a reboot), every
+    start failed and stopped that process; in a copy of a data directory, it named the
+    original's postmaster, and the copy's commands worked on the original database. Under
+    pgserver's lock, so a start in progress elsewhere writes its file unseen by this check.
+    A file left by initdb's bootstrap (a negative pid) whose process is gone means the first
+    start was killed: ``FirstStartInterrupted``."""
+    from pgserver.postgres_server import PostgresServer
+
+    pid_file = pg_dir / "postmaster.pid"
+    with PostgresServer._lock:
+        try:
+            lines = pid_file.read_text(encoding="utf-8", errors="replace").splitlines()
+        except FileNotFoundError:
+            return None
+        try:
+            pid = int(lines[0])
+        except (IndexError, ValueError):
+            pid = 0
+        named = Path(lines[1]).resolve() if len(lines) > 1 and lines[1] else None
+        if pid and named == pg_dir.resolve() and _postmaster_of(abs(pid), pg_dir):
+            return None  # its own PostgreSQL runs
+        if pid < 0 and named == pg_dir.resolve():
+            raise FirstStartInterrupted(pg_dir, pid)
+        pid_file.unlink(missing_ok=True)
+        return pid
+
+
+def _process_runs(pid: int) -> bool:
+    import psutil
 
     try:
         return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
@@ -622,7 +696,7 @@ async def _serve(config: Config) -> None:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in stop_signals():
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     # health says NOT_SERVING before the line says so (a probe that read the line then asks)

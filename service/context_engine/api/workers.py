@@ -50,6 +50,15 @@ SUPERVISOR_ENV = "CE_WORKER_SUPERVISOR_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop a server gracefully: SIGTERM, SIGINT (Ctrl-C), and SIGHUP (the
+    terminal a foreground server ran in closed, an ssh session dropped) unless the process
+    was started ignoring it (``nohup``), which keeps it serving."""
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        return (signal.SIGTERM, signal.SIGINT)
+    return (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def die_with_supervisor(environ: Mapping[str, str] = os.environ) -> bool:
     """In a worker, on Linux: have the kernel send it SIGTERM when its supervisor dies (a
     SIGKILL included), so no worker serves on without the process that restarts it and
@@ -301,7 +310,7 @@ class Supervisor:
             self.workers[index] = self._spawn(index)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in stop_signals():
             loop.add_signal_handler(sig, stop.set)
         try:
             if not await self.wait_serving(timeout=120.0, stop=stop):

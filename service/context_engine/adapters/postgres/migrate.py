@@ -207,7 +207,8 @@ async def connecting() -> AsyncIterator[None]:
     raised as ``DatabaseUnreachable``."""
     try:
         yield
-    except (ValueError, asyncpg.ClientConfigurationError) as exc:  # the URL itself
+    # the URL itself (a port beyond 65535 is OverflowError, from the socket's connect)
+    except (ValueError, OverflowError, asyncpg.ClientConfigurationError) as exc:
         raise DatabaseUnreachable(exc, misconfigured=True) from exc
     except RefusedConnection as exc:  # a pool's connection refused: the server's own answer
         raise DatabaseUnreachable(exc.cause) from exc.cause
