@@ -83,11 +83,14 @@ def _postgres_of(data_dir: Path) -> list[str]:
     return [line for line in found if line.strip() and "pgrep" not in line]
 
 
-@pytest.mark.parametrize("after", [0.0, 0.3])
-def test_sigterm_while_the_server_starts_stops_the_embedded_database(after):
+@pytest.mark.parametrize(("after", "sig", "code", "said"), [
+    (0.0, signal.SIGTERM, 143, "terminated"), (0.3, signal.SIGTERM, 143, "terminated"),
+    (0.3, signal.SIGHUP, 129, "hung up")])
+def test_sigterm_while_the_server_starts_stops_the_embedded_database(after, sig, code, said):
     """SIGTERM while the embedded database starts or the migrations run (before the server
     installs its own handling) killed the process outright: the embedded PostgreSQL stayed up,
-    and its handle list kept the dead pid, so no later clean stop stopped it again."""
+    and its handle list kept the dead pid, so no later clean stop stopped it again. SIGHUP
+    (the terminal closed) alike."""
     data_dir = Path(tempfile.mkdtemp(prefix="ce-data-"))
     proc = _embedded_serve(data_dir)
     try:
@@ -97,7 +100,7 @@ def test_sigterm_while_the_server_starts_stops_the_embedded_database(after):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.02)
         time.sleep(after)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
         deadline = time.monotonic() + 10
         while _postgres_of(data_dir) and time.monotonic() < deadline:
@@ -109,10 +112,10 @@ def test_sigterm_while_the_server_starts_stops_the_embedded_database(after):
             os.kill(int(line.split()[0]), signal.SIGQUIT)
         shutil.rmtree(data_dir, ignore_errors=True)
     assert "Traceback" not in err + out, err
-    # terminated while starting (143), or stopped as a server stops
-    assert proc.returncode in (0, 143), (proc.returncode, err)
-    if proc.returncode == 143:
-        assert err.strip().endswith("context-engine: terminated"), err
+    # terminated while starting (143; 129 for a hangup), or stopped as a server stops
+    assert proc.returncode in (0, code), (proc.returncode, err)
+    if proc.returncode == code:
+        assert err.strip().endswith(f"context-engine: {said}"), err
     assert not left, left
 
 
