@@ -314,8 +314,15 @@ def _command(args: argparse.Namespace) -> int:
             _raise_unreadable_files(config)
             if config.auth_tokens_file is not None:  # a malformed file fails here, not later
                 from context_engine.api.auth import FileTokens
+                from context_engine.telemetry.logs import LOGGER
 
-                tokens = FileTokens.load(config.auth_tokens_file)
+                # checked only: its warnings are logged when the server loads it, as JSON
+                # lines (here, before logging is set up, one reached stderr as a bare word)
+                disabled, LOGGER.disabled = LOGGER.disabled, True
+                try:
+                    tokens = FileTokens.load(config.auth_tokens_file)
+                finally:
+                    LOGGER.disabled = disabled
                 if not len(tokens) and not config.auth_db_tokens:
                     raise ConfigError(
                         f"CE_AUTH_TOKENS_FILE={str(config.auth_tokens_file)!r} holds no token "
@@ -425,17 +432,19 @@ def _serve(args: argparse.Namespace, config: Config) -> int:
 
 def _run(args: argparse.Namespace, config: Config) -> int:
     from context_engine.api.workers import WORKER_ENV
-    from context_engine.telemetry.logs import log
+    from context_engine.telemetry.logs import log, log_always
 
     if args.command == "serve" and WORKER_ENV in os.environ:
         log("worker_starting", worker=os.environ[WORKER_ENV], pid=os.getpid())
     elif args.command == "serve":  # by the supervisor (or the one process), not each worker
         if config.dev_mode:
             # The first line a dev-mode server prints, so no one mistakes it for a secured one.
-            log("dev_mode", logging.WARNING, credentials="none", grpc=config.grpc_addr,
-                note="every RPC is accepted without credentials; loopback binds only")
+            # Printed whatever CE_LOG_LEVEL says (an ERROR level silenced it: a server taking
+            # every call without credentials, said nowhere), as the unknown variables are.
+            log_always("dev_mode", logging.WARNING, credentials="none", grpc=config.grpc_addr,
+                       note="every RPC is accepted without credentials; loopback binds only")
         for line in unknown_variables(os.environ):
-            log("unknown_variable", logging.WARNING, problem=line)
+            log_always("unknown_variable", logging.WARNING, problem=line)
     if args.command == "serve":
         from context_engine.api.workers import release_addresses
 

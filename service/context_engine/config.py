@@ -266,7 +266,9 @@ class Config(BaseSettings):
     grace_seconds: GrpcSeconds = 10.0
     # at most an hour: a stop waits for it, and only SIGKILL ends a longer one
     drain_seconds: Annotated[Float, Field(ge=0, le=3_600)] = 1.0
-    db_pool_size: Annotated[Int, Field(ge=1)] = 10
+    # asyncpg makes a holder per slot when the pool is made: a typo's trillion ran the
+    # process out of memory after the migrations
+    db_pool_size: Annotated[Int, Field(ge=1, le=10_000)] = 10
     # transaction: no statement cache, nothing kept on a server connection between transactions
     db_pooler: Pooler = Pooler.NONE
     # at most a day: it is also PostgreSQL's lock_timeout of maintenance (an int32 of ms)

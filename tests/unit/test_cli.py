@@ -173,6 +173,44 @@ def test_a_misspelt_variable_is_said_not_ignored_without_a_word(env, capsys):
                    "(did you mean CE_DRAIN_SECONDS?)\n")
 
 
+def test_the_dev_mode_and_misspelt_settings_are_said_whatever_the_log_level(tmp_path):
+    """At CE_LOG_LEVEL=ERROR a dev-mode server said nothing: every call taken without
+    credentials, and a misspelt setting dropped, both unsaid (the lines were warnings)."""
+    import subprocess
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CE_")},
+           "DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none", "CE_LOG_LEVEL": "ERROR",
+           "CE_GRACE_SECOND": "30", "CE_WORKERS": "1"}
+    done = subprocess.run([sys.executable, "-m", "context_engine", "serve", "--dev",
+                           "--grpc-addr", "127.0.0.1:0", "--metrics-addr", ""],
+                          capture_output=True, text=True, timeout=60, check=False, env=env)
+    assert done.returncode == 1, done.stderr  # the database is not there
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["event"], r["level"]) for r in lines[:2]] == [
+        ("dev_mode", "warning"), ("unknown_variable", "warning")], done.stdout
+    assert "did you mean CE_GRACE_SECONDS?" in lines[1]["problem"]
+    assert not [r for r in lines if r["level"] in ("info", "debug")]  # the level still holds
+
+
+def test_a_tokens_files_warning_is_no_bare_word_on_stderr(tmp_path):
+    """The tokens file is checked before logging is set up: its warning (a tenant no request
+    can name) reached stderr as the bare event name, beside the JSON lines of stdout."""
+    import subprocess
+
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([{"sha256": "a" * 64, "tenant_id": "ac\u200bme",
+                                   "rpcs": ["*"]}]), encoding="utf-8")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CE_")},
+           "DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none", "CE_WORKERS": "1",
+           "CE_AUTH_TOKENS_FILE": str(tokens)}
+    done = subprocess.run([sys.executable, "-m", "context_engine", "serve",
+                           "--grpc-addr", "127.0.0.1:0", "--metrics-addr", ""],
+                          capture_output=True, text=True, timeout=60, check=False, env=env)
+    assert done.returncode == 1, done.stderr  # the database is not there
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("context-engine: cannot reach the database"), line
+
+
 def test_a_database_url_of_another_scheme_is_a_configuration_error(env, capsys):
     """asyncpg takes postgresql:// and postgres:// only; another scheme failed at connect
     time (exit 1, after the configuration was accepted)."""

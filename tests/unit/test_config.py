@@ -166,6 +166,7 @@ def test_booleans(raw: str, value: bool):
      "CE_MAX_CONNECTION_AGE_SECONDS='1e300' is above 2000000"),
     ({"CE_GRACE_SECONDS": "3000000"}, "CE_GRACE_SECONDS='3000000' is above 2000000"),
     ({"CE_WORKERS": "5000"}, "CE_WORKERS='5000' is above 1024"),
+    ({"CE_DB_POOL_SIZE": "1000000000000"}, "CE_DB_POOL_SIZE='1000000000000' is above 10000"),
     # values that validated and then crashed serve (dates out of range) or failed every
     # maintenance cycle (PostgreSQL's lock_timeout is an int32 of ms)
     ({"CE_EVENTS_RETENTION_DAYS": "1000000"},

@@ -64,3 +64,13 @@ def configure(level: str = "INFO") -> None:
 
 def log(event: str, level: int = logging.INFO, **fields: Any) -> None:
     LOGGER.log(level, event, extra={"fields": fields})
+
+
+def log_always(event: str, level: int, **fields: Any) -> None:
+    """A line printed at its level whatever CE_LOG_LEVEL filters out: a notice an operator
+    must not miss (the dev-mode warning, a misspelt setting)."""
+    if LOGGER.isEnabledFor(level):
+        log(event, level, **fields)
+    else:
+        LOGGER.handle(LOGGER.makeRecord(LOGGER.name, level, "(log)", 0, event, (), None,
+                                        extra={"fields": fields}))
