@@ -6,6 +6,7 @@ the two on different workers: each is among the suite's longest files."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -171,7 +172,8 @@ def test_a_pid_file_naming_another_process_is_taken_off_and_that_process_left_al
             postmaster = psutil.Process(int(line.split()[0]))  # its backends (they hold its
             killed = [*postmaster.children(recursive=True), postmaster]  # shared memory)
             for process in killed:
-                process.kill()
+                with contextlib.suppress(psutil.NoSuchProcess):  # one may be ending already
+                    process.kill()
             psutil.wait_procs(killed, timeout=10)
         pid_file = data_dir / "pg" / "postmaster.pid"
         lines = pid_file.read_text(encoding="utf-8").splitlines()
