@@ -143,11 +143,8 @@ def render() -> str:
         f"SLASH_LIKE = ({_wrap(_literal(slash))})",
         "# Unicode's single-character confusables of each letter of the tag names (either case)",
         "# that are not already that letter once decomposed and lower-cased.",
-        "LETTERS = {",
+        *_dict_lines("LETTERS", letters),
     ]
-    for ch, letter in sorted(letters.items()):
-        lines.append(_entry(ch, letter))
-    lines.append("}")
     lines += [
         "",
         "# From ``context-engine-builder@7``: Unicode's single-character confusables of",
@@ -155,11 +152,8 @@ def render() -> str:
         "# (read as \"/\"), and of strings of the tag letters (read as those letters).",
         f"LT_RUN_LIKE = {_literal(_runs('<') - lt)}",
         f"SLASH_RUN_LIKE = {_literal(_runs(SLASHES) - slash)}",
-        "LETTER_RUNS = {",
+        *_dict_lines("LETTER_RUNS", _letter_runs()),
     ]
-    for ch, run in sorted(_letter_runs().items()):
-        lines.append(_entry(ch, run))
-    lines.append("}")
     more, combining = _fold8(letters)
     lt_8 = {c for c in _single_rtl("<")} - lt
     slash_8 = (_single_rtl("/") | _single_rtl("\\")) - slash
@@ -170,19 +164,11 @@ def render() -> str:
         "# bar or a hook (no decomposition: U+00F8, LATIN SMALL LETTER O WITH STROKE).",
         f"LT_LIKE_8 = {_literal(lt_8)}",
         f"SLASH_LIKE_8 = {_literal(slash_8)}",
-        "LETTERS_8 = {",
-    ]
-    for ch, letter in sorted(more.items()):
-        lines.append(_entry(ch, letter))
-    lines.append("}")
-    lines += [
+        *_dict_lines("LETTERS_8", more),
         "# Combining letters named after a tag letter: dropped by one reading, read as that",
         "# letter by the other (U+0367, COMBINING LATIN SMALL LETTER U, as \"u\").",
-        "COMBINING_LETTERS = {",
+        *_dict_lines("COMBINING_LETTERS", combining),
     ]
-    for ch, letter in sorted(combining.items()):
-        lines.append(_entry(ch, letter))
-    lines.append("}")
     return "\n".join(lines) + "\n"
 
 
@@ -217,6 +203,12 @@ def _fold8(letters: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
         elif len(_bare(ch)) == 1 and reads_as(ch) != letter:  # not read so already
             more[ch] = letter
     return more, combining
+
+
+def _dict_lines(name: str, readings: dict[str, str]) -> list[str]:
+    """A generated dict, its entries in code point order."""
+    return [f"{name} = {{", *(_entry(ch, reading) for ch, reading in sorted(readings.items())),
+            "}"]
 
 
 def _entry(ch: str, reading: str) -> str:
