@@ -66,9 +66,44 @@ def reference(content: str, fold: int) -> str:
                    for i, ch in enumerate(content))
 
 
-def _letters(text: str) -> str:
-    """``text`` with each combining letter (U+0367) as the letter it is named after."""
-    return "".join(lookalikes.COMBINING_LETTERS.get(c, c) for c in text)
+def _reference_opens_8(text: str, start: int) -> bool:
+    """Fold 8's scan written as a search: at each combining letter (U+0367) both ways are
+    followed, dropped and as the letter it is named after; each character folded anew."""
+    seen: set[tuple[int, str]] = set()
+
+    def go(i: int, name: str) -> bool:
+        while i < len(text):
+            ch = text[i]
+            if ch in lookalikes.COMBINING_LETTERS:
+                if (i, name) in seen:
+                    return False
+                seen.add((i, name))
+                read = _reference_step(name, lookalikes.COMBINING_LETTERS[ch])
+                if read is True or (isinstance(read, str) and go(i + 1, read)):
+                    return True
+                i += 1  # dropped, as a mark
+                continue
+            read = _reference_step(name, ch)
+            if isinstance(read, bool):
+                return read
+            name = read
+            i += 1
+        return False
+
+    return go(start + 1, "")
+
+
+def _reference_step(name: str, ch: str) -> str | bool:
+    if E._invisible(ch):
+        return name
+    piece = E._fold_8(ch)
+    if not name:
+        piece = piece.lstrip("/")
+        if not piece:
+            return name
+    name += piece
+    verdict = E._could_be_tag.__wrapped__(name, E.FOLD_8)
+    return name if verdict is None else verdict
 
 
 def reference_6(content: str, fold: int) -> str:
@@ -76,23 +111,19 @@ def reference_6(content: str, fold: int) -> str:
     and over the text with tag characters decoded (one character each, so positions agree): a
     "<" look-alike is escaped when either reading opens a tag there, a tag "<" (U+E003C) when
     the decoded one does. Fold 7 reads the confusables of runs of "<" as "<" too; fold 8 reads
-    the text with its combining letters as their letters too, with its tag characters dropped
-    and decoded."""
+    each combining letter both dropped and as its letter, one by one."""
     decoded = P.decode_tags(content)
     reading = E.FOLD_5 if fold == E.FOLD_6 else fold
     lt = (lookalikes.LT_LIKE + (lookalikes.LT_RUN_LIKE if fold >= E.FOLD_7 else "")
           + (lookalikes.LT_LIKE_8 if fold >= E.FOLD_8 else ""))
-    texts, tag_texts = [content, decoded], [decoded]
-    if fold >= E.FOLD_8:
-        lettered = [_letters(content), _letters(decoded)]
-        texts, tag_texts = texts + lettered, tag_texts + lettered[1:]
+    opens_at = (_reference_opens_8 if fold >= E.FOLD_8
+                else lambda t, i: _reference_opens(t, i, reading))
     out = []
     for i, ch in enumerate(content):
         if ch in lt:
-            opens = any(_reference_opens(t, i, reading) for t in texts)
+            opens = opens_at(content, i) or opens_at(decoded, i)
         else:
-            opens = ch == "\U000e003c" and any(_reference_opens(t, i, reading)
-                                               for t in tag_texts)
+            opens = ch == "\U000e003c" and opens_at(decoded, i)
         out.append("&lt;" if opens else ch)
     return "".join(out)
 

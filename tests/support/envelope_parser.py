@@ -11,8 +11,8 @@ strict parser and a lenient reader (a model) would.
   characters (U+E0020-U+E007E) are read both ways a reader may take them: dropped, as
   invisible, and decoded to the ASCII characters they encode (``decode_tags``). Read with
   Unicode's confusables (``unicode_fold``), a letter is also read as the letter its name says
-  it is built on (``named_reading``: "LATIN SMALL LETTER O WITH STROKE" as "o"), and a
-  combining letter both dropped and as its letter (``decode_marks``).
+  it is built on (``named_reading``: "LATIN SMALL LETTER O WITH STROKE" as "o"), and each
+  combining letter both dropped and as its letter, one by one (``_lettered_hits``).
 """
 
 from __future__ import annotations
@@ -221,16 +221,40 @@ def taglike(body: str, *, confusables: bool = False, unicode: bool = False) -> l
     closing, any nonce), with tag characters dropped or decoded (``decode_tags``).
     ``unicode``: read with Unicode's confusables (``unicode_fold``)."""
     hits: list[str] = []
-    # tag characters dropped, then decoded; with Unicode's confusables, combining letters also
-    # read as letters (dropped, as marks, in the first two readings)
-    readings = [body, decode_tags(body)]
-    if unicode:
-        readings += [decode_marks(body), decode_marks(decode_tags(body))]
-    for reading in readings:
+    for reading in (body, decode_tags(body)):  # tag characters dropped, then decoded
         if unicode:
             hits += _TAGLIKE.findall(unicode_fold(reading))
+            # each combining letter read as a letter or dropped, one by one
+            hits += _lettered_hits(reading) if decode_marks(reading) != reading else []
         else:
             hits += _TAGLIKE.findall(fold(reading, confusables=confusables))
+    return hits
+
+
+def _lettered_hits(text: str) -> list[str]:
+    """What reads as a tag when each combining letter of ``text`` is read either as the
+    letter it is named after or not at all, each choice on its own: from every "<", every
+    reading of the next characters, folded, up to the length of a tag and its padding."""
+    choices = [("", unicode_fold(_combining_letter(ch) or "")) if _combining_letter(ch)
+               else (unicode_fold(ch),) for ch in text]
+    hits: list[str] = []
+    for start, first in enumerate(choices):
+        if first != ("<",):
+            continue
+        found: set[str] = set()
+        pending = [(start + 1, "<")]
+        seen: set[tuple[int, str]] = set()
+        while pending:
+            i, read = pending.pop()
+            match = _TAGLIKE.match(read.replace("rn", "m"))
+            if match:
+                found.add(match.group(0))
+                continue
+            if i >= len(choices) or len(read) > 40 or (i, read) in seen:
+                continue
+            seen.add((i, read))
+            pending += [(i + 1, read + piece) for piece in choices[i]]
+        hits += sorted(found)
     return hits
 
 

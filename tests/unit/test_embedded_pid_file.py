@@ -2,8 +2,8 @@
 (``server.clear_stale_postmaster_pid``): pgserver takes any live pid in the file for the
 cluster's postmaster, so a pid reused since a kill or a reboot failed every start and had that
 process stopped, and a copied data directory's file named the original's postmaster. Real
-processes stand in for the postmaster: a ``postgres ... -D <dir>`` (a shell under that name),
-another program, one that has ended."""
+processes stand in for the postmaster: a ``postgres`` working in the directory (a shell under
+that name), another program, one that has ended."""
 
 from __future__ import annotations
 
@@ -42,17 +42,24 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
         p.wait()
 
 
-def named_postgres(processes: list[subprocess.Popen[bytes]], data: Path) -> int:
-    """A process whose command line reads ``postgres -c ... -D <data>``: a shell, named so,
-    waiting on its standard input."""
-    p = subprocess.Popen(["postgres", "-c", "read line", "-D", str(data)],
-                         executable="/bin/sh", stdin=subprocess.PIPE)
+def named_postgres(processes: list[subprocess.Popen[bytes]], data: Path,
+                   *args: str) -> int:
+    """A process named ``postgres`` working in ``data``, as every PostgreSQL process does, its
+    command line ``postgres -c ... <args>``: a shell, named so, waiting on its standard
+    input."""
+    p = subprocess.Popen(["postgres", "-c", "read line", *args], executable="/bin/sh",
+                         stdin=subprocess.PIPE, cwd=data)
     processes.append(p)
     return p.pid
 
 
-def test_the_file_of_this_directorys_running_postgres_is_kept(pg_dir, processes):
-    pid = named_postgres(processes, pg_dir)
+@pytest.mark.parametrize("args", [("-D", "<dir>"), ("-D", "pg"), ()],
+                         ids=["its_path", "relative_to_where_it_started", "from_pgdata"])
+def test_the_file_of_this_directorys_running_postgres_is_kept(pg_dir, processes, args):
+    """However its command line names the directory: in full, relative to where pg_ctl ran
+    (``-D pg``), or not at all (the server read PGDATA)."""
+    args = tuple(str(pg_dir) if a == "<dir>" else a for a in args)
+    pid = named_postgres(processes, pg_dir, *args)
     path = pid_file(pg_dir, pid)
     assert clear_stale_postmaster_pid(pg_dir) is None and path.exists()
 
@@ -70,10 +77,16 @@ def test_a_postgres_of_another_directory_is_not_this_ones(tmp_path, pg_dir, proc
     """A copied data directory: its file names the original's running postmaster."""
     original = tmp_path / "original" / "pg"
     original.mkdir(parents=True)
-    pid = named_postgres(processes, original)
+    pid = named_postgres(processes, original, "-D", str(original))
     path = pid_file(pg_dir, pid, pgdata=original)  # the file as copied, naming the original
     assert clear_stale_postmaster_pid(pg_dir) == pid and not path.exists()
-    # the same postmaster named under this directory's path but running on the other one
+    # the same postmaster named under this directory's path but running on the other one (a
+    # command line naming this directory does not make it this directory's)
+    path = pid_file(pg_dir, pid)
+    assert clear_stale_postmaster_pid(pg_dir) == pid and not path.exists()
+    elsewhere = named_postgres(processes, original, "-D", str(pg_dir))
+    path = pid_file(pg_dir, elsewhere)
+    assert clear_stale_postmaster_pid(pg_dir) == elsewhere and not path.exists()
     path = pid_file(pg_dir, pid)
     assert clear_stale_postmaster_pid(pg_dir) == pid and not path.exists()
 
@@ -102,8 +115,20 @@ def test_initdbs_bootstrap_file_left_by_a_killed_first_start_is_named(pg_dir):
     assert path.exists()
 
 
+def test_a_killed_single_user_backend_in_a_cluster_that_ran_is_only_stale(pg_dir):
+    """A negated pid in a cluster a server has run in (its log written by pgserver's first
+    start) is a killed ``postgres --single`` (a manual VACUUM, say), not a half-made cluster:
+    taken off as stale, never a word about removing a directory that holds data."""
+    ended = subprocess.Popen([SLEEP, "0"])
+    ended.wait()
+    (pg_dir / "log").write_text("2026-12-01 LOG:  database system is ready\n", encoding="utf-8")
+    path = pid_file(pg_dir, -ended.pid)
+    assert clear_stale_postmaster_pid(pg_dir) == -ended.pid and not path.exists()
+
+
 def test_initdb_still_running_is_left_to_finish(pg_dir, processes):
-    pid = named_postgres(processes, pg_dir)
+    """initdb's backend names no directory (``postgres --boot -F ...``): it works in it."""
+    pid = named_postgres(processes, pg_dir, "--boot", "-F")
     path = pid_file(pg_dir, -pid)
     assert clear_stale_postmaster_pid(pg_dir) is None and path.exists()
 

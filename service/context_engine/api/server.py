@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import subprocess
@@ -173,8 +172,11 @@ def _embedded_database_url(data_dir: Path, *, announce: bool = False) -> str:
 
 
 def _postmaster_of(pid: int, pg_dir: Path) -> bool:
-    """Whether ``pid`` runs PostgreSQL on ``pg_dir`` (``postgres -D <pg_dir>``): a process the
-    machine does not let us read is taken to be one (its file is never removed under it)."""
+    """Whether ``pid`` is a PostgreSQL process of ``pg_dir``: a ``postgres`` (or
+    ``postmaster``) program working in that directory, where every PostgreSQL process moves
+    (its command line may name it relative to where it was started, or not at all when the
+    server read PGDATA; initdb's backend names no directory). A process the machine does not
+    let us read is taken to be one (its file is never removed under it)."""
     import psutil  # type: ignore[import-untyped]
 
     try:
@@ -182,16 +184,13 @@ def _postmaster_of(pid: int, pg_dir: Path) -> bool:
         if process.status() == psutil.STATUS_ZOMBIE:
             return False
         command = process.cmdline()
+        where = Path(process.cwd()).resolve()
     except psutil.NoSuchProcess:
         return False
     except psutil.AccessDenied:
         return True
-    if not command or Path(command[0]).name not in ("postgres", "postmaster"):
-        return False
-    for flag, value in itertools.pairwise(command):
-        if flag == "-D":
-            return Path(value).resolve() == pg_dir.resolve()
-    return False
+    named = Path(command[0]).name if command else process.name()
+    return named in ("postgres", "postmaster") and where == pg_dir.resolve()
 
 
 def clear_stale_postmaster_pid(pg_dir: Path) -> int | None:
@@ -201,8 +200,10 @@ def clear_stale_postmaster_pid(pg_dir: Path) -> int | None:
     start failed and stopped that process; in a copy of a data directory, it named the
     original's postmaster, and the copy's commands worked on the original database. Under
     pgserver's lock, so a start in progress elsewhere writes its file unseen by this check.
-    A file left by initdb's bootstrap (a negative pid) whose process is gone means the first
-    start was killed: ``FirstStartInterrupted``."""
+    A file left by a backend outside the postmaster (its pid negated) whose process is gone,
+    in a cluster no server ever started (no ``log``, which pgserver's ``pg_ctl -l`` writes),
+    means the first start was killed during initdb: ``FirstStartInterrupted``; in one that
+    has run, it is stale like any other (a killed ``postgres --single``)."""
     from pgserver.postgres_server import PostgresServer
 
     pid_file = pg_dir / "postmaster.pid"
@@ -218,7 +219,7 @@ def clear_stale_postmaster_pid(pg_dir: Path) -> int | None:
         named = Path(lines[1]).resolve() if len(lines) > 1 and lines[1] else None
         if pid and named == pg_dir.resolve() and _postmaster_of(abs(pid), pg_dir):
             return None  # its own PostgreSQL runs
-        if pid < 0 and named == pg_dir.resolve():
+        if pid < 0 and named == pg_dir.resolve() and not (pg_dir / "log").exists():
             raise FirstStartInterrupted(pg_dir, pid)
         pid_file.unlink(missing_ok=True)
         return pid

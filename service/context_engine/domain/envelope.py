@@ -87,8 +87,8 @@ _CONFUSABLE_7 = {**_CONFUSABLE_5, **str.maketrans(lookalikes.LETTER_RUNS)}
 _SLASH_LIKE_7 = _SLASH_LIKE_5 | frozenset(lookalikes.SLASH_RUN_LIKE)
 _CONFUSABLE_8 = {**_CONFUSABLE_7, **str.maketrans(lookalikes.LETTERS_8)}
 _SLASH_LIKE_8 = _SLASH_LIKE_7 | frozenset(lookalikes.SLASH_LIKE_8)
-# The readings a fold takes of the characters with two (``_opens_delimiter``): a tag character
-# decoded (from fold 6), a combining letter read as its letter (from fold 8).
+# The readings a fold takes of the characters read two ways (``_opens_delimiter``): a tag
+# character decoded (from fold 6), a combining letter read as its letter (from fold 8).
 _DECODE_TAGS, _DECODE_MARKS = 1, 2
 _MARKS = frozenset(("Mn", "Me"))
 # Rendered as nothing, or as blank, although not format characters.
@@ -183,16 +183,6 @@ def _tag(ch: str) -> bool:
     return _TAG_FIRST <= ch <= _TAG_LAST
 
 
-def _two_ways(ch: str, fold: int) -> int:
-    """Which of the readings of ``_opens_delimiter`` read ``ch`` otherwise than dropped: 0
-    when none does."""
-    if _tag(ch):
-        return _DECODE_TAGS
-    if fold >= FOLD_8 and ch in lookalikes.COMBINING_LETTERS:
-        return _DECODE_MARKS
-    return 0
-
-
 @functools.lru_cache(maxsize=_CACHED)
 def _reading(ch: str, fold: int, decoded: int = 0) -> str | None:
     """One character as ``fold`` reads it after a "<": None when it is invisible, "/" when
@@ -250,39 +240,57 @@ def _opens_delimiter(text: str, start: int, fold: int = FOLD) -> bool:
     "<" (U+E003C) opens only the decoding reading: dropped, it is no "<".
 
     From fold 8 a combining letter named after a letter (U+0367, COMBINING LATIN SMALL LETTER
-    U) is read both ways too: dropped, and as that letter; every combination of the two
-    decodings a scan meets is scanned (at most four readings).
+    U) is read both ways too, each on its own: dropped, and as that letter, so a reader that
+    drops one and reads the next is followed too (``_scan_8``).
 
     ``fold``: ``FOLD`` escapes everything new; an older one (``FOLD_7`` to ``FOLD_3``) only
     re-renders a plan its builder pinned (``builder.load_plan``)."""
     if fold < FOLD_6:
         return _scan(text, start, fold, decoded=0)[0]
-    first = _DECODE_TAGS if text[start] == _TAG_LT else 0
-    pending, tried = [first], {first}
-    while pending:
-        decoded = pending.pop()
-        opens, met = _scan(text, start, fold, decoded=decoded)
-        if opens:
-            return True
-        for way in (_DECODE_TAGS, _DECODE_MARKS):
-            if met & way and (decoded | way) not in tried:
-                tried.add(decoded | way)
-                pending.append(decoded | way)
-    return False
+    scan = _scan_8 if fold >= FOLD_8 else _scan
+    if text[start] == _TAG_LT:
+        return scan(text, start, fold, decoded=_DECODE_TAGS)[0]
+    opens, met_tag = scan(text, start, fold, decoded=0)
+    return opens or (met_tag and scan(text, start, fold, decoded=_DECODE_TAGS)[0])
 
 
-def _scan(text: str, start: int, fold: int, *, decoded: int) -> tuple[bool, int]:
+def _scan(text: str, start: int, fold: int, *, decoded: int) -> tuple[bool, bool]:
     """One reading of ``_opens_delimiter``: whether the "<" at ``start`` opens a delimiter, and
-    which characters read two ways (``_two_ways``) were met before that was settled."""
+    whether a tag character was met before that was settled."""
     name = ""  # the folded text after the leading slashes: at most a tag name long
-    met = 0
+    met = False
     for i in range(start + 1, len(text)):
         ch = text[i]
-        met |= _two_ways(ch, fold)
+        met = met or _tag(ch)
         step = _step(name, ch, fold, decoded)
         if isinstance(step, bool):
             return step, met
         name = step
+    return False, met
+
+
+def _scan_8(text: str, start: int, fold: int, *, decoded: int) -> tuple[bool, bool]:
+    """``_scan`` as fold 8 reads: each combining letter (``lookalikes.COMBINING_LETTERS``)
+    both dropped and read as its letter, every choice followed at once. What it keeps is the
+    set of names read so far, each a prefix of a tag name, so a few at most: still linear."""
+    names = {""}
+    met = False
+    for i in range(start + 1, len(text)):
+        ch = text[i]
+        met = met or _tag(ch)
+        ways = ((decoded, decoded | _DECODE_MARKS) if ch in lookalikes.COMBINING_LETTERS
+                else (decoded,))
+        after: set[str] = set()
+        for name in names:
+            for way in ways:
+                step = _step(name, ch, fold, way)
+                if step is True:
+                    return True, met
+                if step is not False:
+                    after.add(step)
+        if not after:
+            return False, met
+        names = after
     return False, met
 
 
