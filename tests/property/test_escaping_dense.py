@@ -34,12 +34,8 @@ def _reference_opens(text: str, start: int, fold: int) -> bool:
         ch = text[i]
         if E._invisible(ch):
             continue
-        if fold >= E.FOLD_8:
-            piece = E._fold_8(ch)
-        elif fold >= E.FOLD_7:
-            piece = E._fold_7(ch)
-        elif fold >= E.FOLD_5:
-            piece = E._fold_5(ch)
+        if fold >= E.FOLD_5:
+            piece = E._fold(ch, fold)
         elif ch in E._SLASH_LIKE:
             piece = "/"
         elif fold == E.FOLD_3:
@@ -96,7 +92,7 @@ def _reference_opens_8(text: str, start: int) -> bool:
 def _reference_step(name: str, ch: str) -> str | bool:
     if E._invisible(ch):
         return name
-    piece = E._fold_8(ch)
+    piece = E._fold(ch, E.FOLD_8)
     if not name:
         piece = piece.lstrip("/")
         if not piece:

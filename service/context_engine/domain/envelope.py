@@ -138,32 +138,23 @@ def _bare(text: str) -> str:
     return "".join(c for c in ucd.decompose(text) if ucd.category(c) not in _MARKS)
 
 
-def _fold_5(ch: str) -> str:
-    """One character as fold 5 reads it: "/" for anything slash-like, else its bare form
-    through the look-alike table, lower-cased, and bare again (a capital may lower to a letter
-    and a mark)."""
+# What each fold from 5 on reads as "/" and the letters it reads other characters as: fold 6
+# reads as fold 5 does (it only adds a reading of tag characters); fold 7 adds Unicode's
+# confusables of runs of slashes and of strings of tag letters; fold 8 the letters named after
+# a tag letter (a stroke, a bar, a hook) and Unicode's right-to-left confusables.
+_FOLD_TABLES = {FOLD_5: (_SLASH_LIKE_5, _CONFUSABLE_5), FOLD_6: (_SLASH_LIKE_5, _CONFUSABLE_5),
+                FOLD_7: (_SLASH_LIKE_7, _CONFUSABLE_7), FOLD_8: (_SLASH_LIKE_8, _CONFUSABLE_8)}
+
+
+def _fold(ch: str, fold: int) -> str:
+    """One character as ``fold`` (5 or later) reads it: "/" for anything slash-like, else its
+    bare form through the fold's look-alike table, lower-cased, and bare again (a capital may
+    lower to a letter and a mark)."""
+    slashes, letters = _FOLD_TABLES[fold]
     bare = _bare(ch)
-    if bare in _SLASH_LIKE_5:
+    if bare in slashes:
         return "/"
-    return _bare(ucd.lower(bare.translate(_CONFUSABLE_5)).translate(_CONFUSABLE_5))
-
-
-def _fold_7(ch: str) -> str:
-    """One character as fold 7 reads it: as fold 5 does, with Unicode's confusables of runs of
-    slashes read as "/" and those of strings of tag letters as those letters."""
-    bare = _bare(ch)
-    if bare in _SLASH_LIKE_7:
-        return "/"
-    return _bare(ucd.lower(bare.translate(_CONFUSABLE_7)).translate(_CONFUSABLE_7))
-
-
-def _fold_8(ch: str) -> str:
-    """One character as fold 8 reads it: as fold 7 does, with the letters named after a tag
-    letter (a stroke, a bar, a hook) and Unicode's right-to-left confusables read as it."""
-    bare = _bare(ch)
-    if bare in _SLASH_LIKE_8:
-        return "/"
-    return _bare(ucd.lower(bare.translate(_CONFUSABLE_8)).translate(_CONFUSABLE_8))
+    return _bare(ucd.lower(bare.translate(letters)).translate(letters))
 
 
 def plain_name(name: str) -> bool:
@@ -196,12 +187,8 @@ def _reading(ch: str, fold: int, decoded: int = 0) -> str | None:
         ch = lookalikes.COMBINING_LETTERS[ch]
     if _invisible(ch):
         return None
-    if fold >= FOLD_8:
-        return _fold_8(ch)
-    if fold >= FOLD_7:
-        return _fold_7(ch)
     if fold >= FOLD_5:
-        return _fold_5(ch)
+        return _fold(ch, fold)
     if ch in _SLASH_LIKE:
         return "/"
     if fold == FOLD_3:
@@ -241,57 +228,43 @@ def _opens_delimiter(text: str, start: int, fold: int = FOLD) -> bool:
 
     From fold 8 a combining letter named after a letter (U+0367, COMBINING LATIN SMALL LETTER
     U) is read both ways too, each on its own: dropped, and as that letter, so a reader that
-    drops one and reads the next is followed too (``_scan_8``).
+    drops one and reads the next is followed too (``_scan``).
 
     ``fold``: ``FOLD`` escapes everything new; an older one (``FOLD_7`` to ``FOLD_3``) only
     re-renders a plan its builder pinned (``builder.load_plan``)."""
     if fold < FOLD_6:
         return _scan(text, start, fold, decoded=0)[0]
-    scan = _scan_8 if fold >= FOLD_8 else _scan
     if text[start] == _TAG_LT:
-        return scan(text, start, fold, decoded=_DECODE_TAGS)[0]
-    opens, met_tag = scan(text, start, fold, decoded=0)
-    return opens or (met_tag and scan(text, start, fold, decoded=_DECODE_TAGS)[0])
+        return _scan(text, start, fold, decoded=_DECODE_TAGS)[0]
+    opens, met_tag = _scan(text, start, fold, decoded=0)
+    return opens or (met_tag and _scan(text, start, fold, decoded=_DECODE_TAGS)[0])
 
 
 def _scan(text: str, start: int, fold: int, *, decoded: int) -> tuple[bool, bool]:
     """One reading of ``_opens_delimiter``: whether the "<" at ``start`` opens a delimiter, and
-    whether a tag character was met before that was settled."""
-    name = ""  # the folded text after the leading slashes: at most a tag name long
-    met = False
+    whether a tag character was met before that was settled. From fold 8 each combining
+    letter (``lookalikes.COMBINING_LETTERS``) is both dropped and read as its letter, every
+    choice followed at once: what the scan keeps is the set of names read so far, each a
+    prefix of a tag name (one before fold 8), so a few at most: still linear."""
+    names = {""}  # the folded text after the leading slashes: at most a tag name long
+    met_tag = False
     for i in range(start + 1, len(text)):
         ch = text[i]
-        met = met or _tag(ch)
-        step = _step(name, ch, fold, decoded)
-        if isinstance(step, bool):
-            return step, met
-        name = step
-    return False, met
-
-
-def _scan_8(text: str, start: int, fold: int, *, decoded: int) -> tuple[bool, bool]:
-    """``_scan`` as fold 8 reads: each combining letter (``lookalikes.COMBINING_LETTERS``)
-    both dropped and read as its letter, every choice followed at once. What it keeps is the
-    set of names read so far, each a prefix of a tag name, so a few at most: still linear."""
-    names = {""}
-    met = False
-    for i in range(start + 1, len(text)):
-        ch = text[i]
-        met = met or _tag(ch)
-        ways = ((decoded, decoded | _DECODE_MARKS) if ch in lookalikes.COMBINING_LETTERS
-                else (decoded,))
+        met_tag = met_tag or _tag(ch)
+        ways = ((decoded, decoded | _DECODE_MARKS)
+                if fold >= FOLD_8 and ch in lookalikes.COMBINING_LETTERS else (decoded,))
         after: set[str] = set()
         for name in names:
             for way in ways:
                 step = _step(name, ch, fold, way)
                 if step is True:
-                    return True, met
+                    return True, met_tag
                 if step is not False:
                     after.add(step)
         if not after:
-            return False, met
+            return False, met_tag
         names = after
-    return False, met
+    return False, met_tag
 
 
 def escape_general(content: str, *, fold: int = FOLD) -> str:

@@ -68,9 +68,7 @@ def log(event: str, level: int = logging.INFO, **fields: Any) -> None:
 
 def log_always(event: str, level: int, **fields: Any) -> None:
     """A line printed at its level whatever CE_LOG_LEVEL filters out: a notice an operator
-    must not miss (the dev-mode warning, a misspelt setting)."""
-    if LOGGER.isEnabledFor(level):
-        log(event, level, **fields)
-    else:
-        LOGGER.handle(LOGGER.makeRecord(LOGGER.name, level, "(log)", 0, event, (), None,
-                                        extra={"fields": fields}))
+    must not miss (the dev-mode warning, a misspelt setting): handed to the handlers as it is,
+    past the logger's level."""
+    LOGGER.handle(LOGGER.makeRecord(LOGGER.name, level, "(log)", 0, event, (), None,
+                                    extra={"fields": fields}))
