@@ -138,3 +138,17 @@ def test_an_unreadable_first_line_is_stale(pg_dir):
     assert clear_stale_postmaster_pid(pg_dir) == 0
     assert not (pg_dir / "postmaster.pid").exists()
     assert os.path.isdir(pg_dir)
+
+
+def test_a_failed_start_names_its_log_only_when_there_is_one(tmp_path):
+    """A start that failed before PostgreSQL ever wrote its log named a file that did not
+    exist."""
+    from context_engine.api.server import EmbeddedDatabaseFailed
+
+    (tmp_path / "pg").mkdir()
+    without = str(EmbeddedDatabaseFailed(tmp_path, ValueError("no")))
+    assert "its log" not in without and without.endswith(
+        "(or point DATABASE_URL at another database)"), without
+    (tmp_path / "pg" / "log").write_text("FATAL: ...\n", encoding="utf-8")
+    with_log = str(EmbeddedDatabaseFailed(tmp_path, ValueError("no")))
+    assert f"(its log is in {tmp_path / 'pg' / 'log'}; or point DATABASE_URL" in with_log

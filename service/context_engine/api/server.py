@@ -106,9 +106,9 @@ class EmbeddedDatabaseFailed(Exception):
 class FirstStartInterrupted(EmbeddedDatabaseFailed):
     """The embedded cluster was left half made: its first start (initdb) was killed."""
 
-    def __init__(self, pg_dir: Path, pid: int) -> None:
-        self.pg_dir = pg_dir
-        Exception.__init__(self,
+    def __init__(self, pg_dir: Path, pid: int) -> None:  # its own message, no cause
+        Exception.__init__(
+            self,
             f"the first start of this embedded PostgreSQL was interrupted while it made the "
             f"database (its postmaster.pid names initdb's bootstrap, pid {pid}, which no longer "
             f"runs), so the cluster is half made: remove {pg_dir} and start again (it held no "
