@@ -548,7 +548,7 @@ def test_a_user_message_keeps_its_attachments(stub: pb_grpc.ContextEngineStub) -
     files = [pb.Attachment(kind=pb.ATTACHMENT_KIND_PDF, name="report.pdf", ref="blob://r1",
                            pages=3),
              pb.Attachment(kind=pb.ATTACHMENT_KIND_TEXT, name="notes.txt", ref="blob://n1",
-                           text_chars=1200)]
+                           text_chars=1200, text_bytes=4100)]
     items = [item("u0", 1, user=pb.UserMessage(text="Read these.", attachments=files))]
     first = whole(stub, session, items)
     sent = [m for m in first.request.messages if m.item_id == "u0"]
@@ -557,6 +557,30 @@ def test_a_user_message_keeps_its_attachments(stub: pb_grpc.ContextEngineStub) -
     full = reconstruct(got, first)
     assert same(full, whole(stub, session, items + turn(1)))
     assert [list(m.attachments) for m in full.request.messages if m.item_id == "u0"] == [files]
+
+
+def test_a_text_files_stated_bytes_reach_the_estimate_on_a_warm_session(
+        stub: pb_grpc.ContextEngineStub) -> None:
+    """The same message with the same file, its bytes stated or not, on one session whose
+    memo holds the message: each Build charges what its own attachment says (4,100 bytes, or
+    1,200 characters), whole and incremental, as a session built once does."""
+    session = "attachment-bytes"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+
+    def items(size: int) -> list[pb.ConversationItem]:
+        return [item("u0", 1, user=pb.UserMessage(text="Read it.", attachments=[
+            pb.Attachment(kind=pb.ATTACHMENT_KIND_TEXT, name="notes.txt", ref="blob://n1",
+                          text_chars=1200, text_bytes=size)]))]
+    charged = {}
+    for size in (0, 4100, 0, 4100):
+        got = whole(stub, session, items(size))
+        charged.setdefault(size, set()).add(got.estimated_attachment_tokens)
+        again = reconstruct(incremental(stub, session, got.build_id, 1, turn(1)), got)
+        assert again.estimated_attachment_tokens == got.estimated_attachment_tokens
+    assert charged == {0: {1560}, 4100: {5330}}, charged  # x 1.3 (Claude): 1,200 and 4,100
+    stub.Plan(plan_request(TENANT, "attachment-bytes-once"), timeout=30)
+    assert whole(stub, "attachment-bytes-once",
+                 items(4100)).estimated_attachment_tokens == 5330
 
 
 def ordered_violations(err: grpc.RpcError) -> list[tuple[str, str]]:

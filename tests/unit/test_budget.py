@@ -52,8 +52,11 @@ from context_engine.domain.items import (
 from context_engine.domain.request import Attachment, AttachmentKind, Message, Role
 from context_engine.domain.trust import TrustLevel
 from context_engine.domain.working_state import Update, apply_update
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests import factories as f
+from tests.support.provider_tokens import encoding as oracle_encoding
 from tests.unit import helpers as h
 
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "omega",
@@ -1038,6 +1041,47 @@ def test_attachment_estimates_image_flat_pdf_per_page_text_by_length() -> None:
     assert attachment_tokens(txt(3_001), 1.3) == 3_902  # times the base factor, rounded up
     assert attachment_tokens(txt(3_001), 1.3, 2.0) == 7_803  # and the correction factor
     assert attachment_tokens(txt(0)) == 0
+
+
+# Texts of the scripts a token a character underestimates, and of those it does not: emoji
+# (with ZWJ sequences and skin tones), CJK ideographs of the extension blocks, Georgian,
+# Myanmar, Sinhala, then Latin, Cyrillic and common CJK prose, and white space.
+_SCRIPTS = st.one_of(
+    st.text(st.characters(min_codepoint=0x1F300, max_codepoint=0x1FAFF), min_size=1),
+    st.lists(st.sampled_from(["\U0001F469\u200d\U0001F4BB", "\U0001F44B\U0001F3FD",
+                              "\U0001F1EF\U0001F1F5"]), min_size=1).map("".join),
+    st.text(st.characters(min_codepoint=0x20000, max_codepoint=0x2A6DF), min_size=1),
+    st.text(st.characters(min_codepoint=0x3400, max_codepoint=0x4DBF), min_size=1),
+    st.text(st.characters(min_codepoint=0x10A0, max_codepoint=0x10FF), min_size=1),
+    st.text(st.characters(min_codepoint=0x1000, max_codepoint=0x109F), min_size=1),
+    st.text(st.characters(min_codepoint=0x0D80, max_codepoint=0x0DFF), min_size=1),
+    st.text(min_size=1),
+    st.sampled_from(["The quick brown fox. ", "Съешь же ещё этих мягких булок. ",
+                     "今日は良い天気です。", " \n\t "]).map(lambda t: t * 40),
+)
+
+
+@settings(max_examples=150)
+@given(st.lists(_SCRIPTS, min_size=1, max_size=4).map("".join))
+def test_a_text_file_stating_its_bytes_is_estimated_at_no_less_than_it_counts(
+        text: str) -> None:
+    """Checked against tiktoken's own encodings (tests/support/provider_tokens.py), not the
+    service's counter: a token a byte bounds what either encoding makes of any text."""
+    attachment = Attachment(kind=AttachmentKind.TEXT, name="f.txt", ref="r",
+                            text_chars=len(text), text_bytes=len(text.encode()))
+    estimate = attachment_tokens(attachment)
+    for name in ("cl100k_base", "o200k_base"):
+        assert estimate >= len(oracle_encoding(name).encode_ordinary(text)), name
+
+
+def test_a_token_a_character_is_exceeded_by_emoji_and_a_token_a_byte_is_not() -> None:
+    text = "\U0001F600\U0001F680\U0001F9E0" * 2_000
+    counted = len(oracle_encoding("cl100k_base").encode_ordinary(text))
+    by_chars = attachment_tokens(txt(len(text)))
+    by_bytes = attachment_tokens(replace(txt(len(text)), text_bytes=len(text.encode())))
+    assert by_chars < counted <= by_bytes, (by_chars, counted, by_bytes)
+    assert by_bytes == 24_000  # four bytes a character, a token a byte
+    assert attachment_tokens(replace(txt(3_001), text_bytes=3_002), 1.3, 2.0) == 7_806
 
 
 def _openai_patches(w: int, h: int, multiplier: float) -> int:

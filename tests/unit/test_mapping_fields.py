@@ -22,7 +22,8 @@ def test_every_field_of_a_checkpoint_reaches_the_domain() -> None:
     cp = pb.Checkpoint(
         items=[pb.ConversationItem(id="u1", sequence=1, trust=USER, user=pb.UserMessage(
             text="see", attachments=[pb.Attachment(kind=pb.ATTACHMENT_KIND_PDF, name="a.pdf",
-                                                   ref="r1", pages=7, text_chars=900)]))],
+                                                   ref="r1", pages=7, text_chars=900,
+                                                   text_bytes=1_800)]))],
         knowledge=[pb.KnowledgePassage(id="k1", source="kb", text="t", rank=3, trust=USER)],
         runtime=pb.RuntimeMetadata(current_date="2026-01-02", surface="web",
                                    principal_scopes=["s1"], browser_origins=["https://a.test"]),
@@ -32,8 +33,8 @@ def test_every_field_of_a_checkpoint_reaches_the_domain() -> None:
     out = mapping.checkpoint(v, cp)
     assert v.items == []
     (a,) = out.items[0].attachments  # type: ignore[attr-defined]
-    assert (a.kind, a.name, a.ref, a.pages, a.text_chars) == (AttachmentKind.PDF, "a.pdf",
-                                                             "r1", 7, 900)
+    assert (a.kind, a.name, a.ref, a.pages, a.text_chars, a.text_bytes) == (
+        AttachmentKind.PDF, "a.pdf", "r1", 7, 900, 1_800)
     assert (out.knowledge[0].id, out.knowledge[0].rank) == ("k1", 3)
     assert out.runtime.browser_origins == ("https://a.test",)
     assert out.runtime.principal_scopes == ("s1",)
@@ -47,15 +48,39 @@ def test_a_message_reaches_the_wire_whole() -> None:
                 attachments=(Attachment(kind=AttachmentKind.IMAGE, name="p.png", ref="r2",
                                         pages=0, text_chars=0),
                              Attachment(kind=AttachmentKind.PDF, name="d.pdf", ref="r3",
-                                        pages=12, text_chars=3400)))
+                                        pages=12, text_chars=3400, text_bytes=3401)))
     expected = pb.Message(row=8, role=pb.ROLE_ASSISTANT, trust=USER, item_id="i",
                           reasoning_provider="anthropic", reasoning_opaque=b"\x00sig",
                           attachments=[pb.Attachment(kind=pb.ATTACHMENT_KIND_IMAGE,
                                                      name="p.png", ref="r2"),
                                        pb.Attachment(kind=pb.ATTACHMENT_KIND_PDF, name="d.pdf",
-                                                     ref="r3", pages=12, text_chars=3400)])
+                                                     ref="r3", pages=12, text_chars=3400,
+                                                     text_bytes=3401)])
     assert mapping.message_pb(m).SerializeToString(deterministic=True) == \
         expected.SerializeToString(deterministic=True)
+
+
+@pytest.mark.parametrize(("chars", "size", "why"), [
+    (0, 1, "is given without text_chars: state both"),
+    (10, 9, "9 is fewer bytes than text_chars 10: a character takes a byte at least"),
+    (10, 41, "41 is more bytes than 4 x text_chars 10: a character takes 4 bytes at most"),
+])
+def test_a_text_files_bytes_are_refused_where_no_text_could_have_them(chars: int, size: int,
+                                                                       why: str) -> None:
+    v = mapping.Violations()
+    mapping.checkpoint(v, pb.Checkpoint(items=[pb.ConversationItem(
+        id="u1", sequence=1, trust=USER, user=pb.UserMessage(text="see", attachments=[
+            pb.Attachment(kind=pb.ATTACHMENT_KIND_TEXT, name="n.txt", ref="r",
+                          text_chars=chars, text_bytes=size)]))]))
+    assert [(x.field, x.description) for x in v.items] == [
+        ("checkpoint.items[0].user.attachments[0].text_bytes", why)]
+    for chars, size in ((10, 10), (10, 40), (10, 0), (0, 0)):  # the bounds themselves pass
+        ok = mapping.Violations()
+        mapping.checkpoint(ok, pb.Checkpoint(items=[pb.ConversationItem(
+            id="u1", sequence=1, trust=USER, user=pb.UserMessage(text="see", attachments=[
+                pb.Attachment(kind=pb.ATTACHMENT_KIND_TEXT, name="n.txt", ref="r",
+                              text_chars=chars, text_bytes=size)]))]))
+        assert ok.items == [], (chars, size)
 
 
 def test_a_change_reaches_the_wire_whole() -> None:

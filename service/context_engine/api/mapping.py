@@ -432,13 +432,22 @@ def _attachment(v: Violations, field: str, a: pb.Attachment) -> Attachment:
         v.add(f"{field}.kind", f"unknown attachment kind {a.kind}")
     if not a.name:
         v.add(f"{field}.name", "must not be empty")
+    if a.text_bytes and not a.text_chars:
+        v.add(f"{field}.text_bytes", "is given without text_chars: state both")
+    elif a.text_bytes and a.text_bytes < a.text_chars:
+        v.add(f"{field}.text_bytes", f"{a.text_bytes} is fewer bytes than text_chars "
+              f"{a.text_chars}: a character takes a byte at least")
+    elif a.text_bytes > 4 * a.text_chars:
+        v.add(f"{field}.text_bytes", f"{a.text_bytes} is more bytes than 4 x text_chars "
+              f"{a.text_chars}: a character takes 4 bytes at most")
     return Attachment(kind=kind or AttachmentKind.TEXT, name=a.name, ref=a.ref, pages=a.pages,
-                      text_chars=a.text_chars)
+                      text_chars=a.text_chars, text_bytes=a.text_bytes)
 
 
 def attachments_pb(items: Iterable[Attachment]) -> list[pb.Attachment]:
     return [pb.Attachment(kind=ATTACHMENT_KIND_TO_PB[a.kind], name=a.name, ref=a.ref,
-                          pages=a.pages, text_chars=a.text_chars) for a in items]
+                          pages=a.pages, text_chars=a.text_chars, text_bytes=a.text_bytes)
+            for a in items]
 
 
 _REFERENCE_RULE = (f"must be at most {MAX_ID_LENGTH} characters on one line, without control, "

@@ -48,10 +48,12 @@ WORST_IMAGE_TOKENS = 2_833 + 8 * 5_667
 # and the page as an image at the model's image figure, which Claude, OpenAI and Gemini read
 # beside the text.
 PDF_PAGE_TEXT_TOKENS = 3_000
-# A text file's inlined characters, each a token at least: CJK and Cyrillic text counts up to
-# 1.06 tokens a character in cl100k_base (0.68 in o200k_base), Georgian, Myanmar and Sinhala up
-# to 1.94, emoji up to 2.9, where English runs ~0.16; the plan's base factor then applies, as
-# to any text (cl100k_base x 1.3 for Claude and Gemini covers 1.3 a character).
+# A text file: a token a UTF-8 byte when the sender states its bytes, an upper bound in any
+# script (every token of a byte-level BPE, cl100k_base and o200k_base, covers a byte at least;
+# English runs ~0.16 tokens a byte, emoji 0.73); else a token a character, the spec's figure,
+# which prose in Latin, Cyrillic or common CJK stays under (CJK prose up to 1.06 tokens a
+# character in cl100k_base) and emoji (2.9), rare CJK ideographs (2.37) and Georgian, Myanmar
+# or Sinhala (2.0) exceed. The plan's base factor then applies, as to any text.
 TEXT_TOKENS_PER_CHAR = 1
 ATTACHMENT_BUDGET_TOKENS = 100_000  # request-wide cap on attachment content estimates
 
@@ -60,13 +62,14 @@ def attachment_tokens(attachment: Attachment, base_factor: float = 1.0,
                       factor: float = 1.0, image_tokens: int = WORST_IMAGE_TOKENS) -> int:
     """Fixed estimate of an attachment's content: an image at ``image_tokens`` (the model's
     figure, ``TokenEstimator.image_tokens``), a PDF at that and 3,000 tokens of text a page; a
-    text file at a token per inlined character, times the base and correction factors as other
-    text."""
+    text file at a token per inlined UTF-8 byte where the sender stated them, else a token per
+    inlined character, times the base and correction factors as other text."""
     if attachment.kind is AttachmentKind.IMAGE:
         return image_tokens
     if attachment.kind is AttachmentKind.PDF:
         return (PDF_PAGE_TEXT_TOKENS + image_tokens) * max(1, attachment.pages)
-    return math.ceil(attachment.text_chars * TEXT_TOKENS_PER_CHAR * base_factor * factor)
+    units = attachment.text_bytes or attachment.text_chars * TEXT_TOKENS_PER_CHAR
+    return math.ceil(units * base_factor * factor)
 
 
 class TokenCounter(Protocol):

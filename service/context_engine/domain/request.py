@@ -56,6 +56,7 @@ class Attachment:
     ref: str
     pages: int = 0  # PDF
     text_chars: int = 0  # TEXT: the inlined length
+    text_bytes: int = 0  # TEXT: the inlined length in UTF-8 bytes, when the sender states it
 
     def label(self) -> str:
         return f"[attachment {self.kind.value}: {self.name}]"
@@ -84,7 +85,8 @@ class Message:
         return [self.row, self.role.value, self.trust.value, self.text, self.item_id,
                 [[c.call_id, c.name, c.arguments_json] for c in self.tool_calls],
                 self.call_id, self.reasoning_provider, self.reasoning_opaque.hex(),
-                [[a.kind.value, a.name, a.ref, a.pages, a.text_chars] for a in self.attachments]]
+                [[a.kind.value, a.name, a.ref, a.pages, a.text_chars, a.text_bytes]
+                 for a in self.attachments]]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

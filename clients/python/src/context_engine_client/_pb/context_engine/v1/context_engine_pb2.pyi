@@ -1007,6 +1007,7 @@ class Attachment(_message.Message):
     REF_FIELD_NUMBER: _builtins.int
     PAGES_FIELD_NUMBER: _builtins.int
     TEXT_CHARS_FIELD_NUMBER: _builtins.int
+    TEXT_BYTES_FIELD_NUMBER: _builtins.int
     kind: Global___AttachmentKind.ValueType
     name: _builtins.str
     ref: _builtins.str
@@ -1014,6 +1015,12 @@ class Attachment(_message.Message):
     """PDF page count."""
     text_chars: _builtins.int
     """Inlined length of a text file, in characters."""
+    text_bytes: _builtins.int
+    """Inlined length of a text file, in UTF-8 bytes. When set, the text is estimated at a token a
+    byte, an upper bound in any script (every token of cl100k_base and o200k_base covers a byte
+    at least), where a token a character, the estimate without it, is exceeded by emoji (up to
+    2.9 tokens a character) and rarer scripts; at least text_chars and at most 4 x text_chars.
+    """
     def __init__(
         self,
         *,
@@ -1022,10 +1029,11 @@ class Attachment(_message.Message):
         ref: _builtins.str = ...,
         pages: _builtins.int = ...,
         text_chars: _builtins.int = ...,
+        text_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "name", b"name", "pages", b"pages", "ref", b"ref", "text_chars", b"text_chars"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "name", b"name", "pages", b"pages", "ref", b"ref", "text_bytes", b"text_bytes", "text_chars", b"text_chars"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
