@@ -87,8 +87,9 @@ lint-types: $(DEV_STAMP) $(GEN_STAMP)
 ## test: the prerequisites, lint, promtool and pgbouncer (installed if missing), then the whole
 ## suite against a throwaway database behind PgBouncer in transaction pooling mode. In
 ## TEST_WORKERS processes (pytest-xdist: each its own database and pooler, one test file per
-## process at a time), three by default (on two cores: a third keeps the CPU busy while the
-## others wait on servers, processes and databases); in one with TEST_WORKERS=0, and always in
+## process at a time, the longest files first: tests/conftest.py LONGEST_FIRST), three by
+## default (on two cores: a third keeps the CPU busy while the others wait on servers,
+## processes and databases); in one with TEST_WORKERS=0, and always in
 ## one against CE_TEST_DATABASE_URL (one database, which the processes would share). ruff runs
 ## first; lint's slower half (lint-types: mypy, buf; single-threaded, about 25 s) runs beside
 ## the suite, its output printed after it, and either failing fails the target (Ctrl-C stops
@@ -102,7 +103,7 @@ test: prereqs-test $(DEV_STAMP) $(GEN_STAMP)
 	@log=$$(mktemp); \
 	$(MAKE) --no-print-directory lint-types >"$$log" 2>&1 & types=$$!; \
 	trap 'kill $$types 2>/dev/null; wait $$types; cat "$$log"; rm -f "$$log"; exit 130' INT TERM; \
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile; suite=$$?; \
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder; suite=$$?; \
 	wait $$types; linted=$$?; cat "$$log"; rm -f "$$log"; \
 	if [ $$linted -ne 0 ]; then echo "make test: lint-types failed (above)" >&2; exit 1; fi; \
 	exit $$suite

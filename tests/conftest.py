@@ -81,6 +81,47 @@ def pytest_configure(config: pytest.Config) -> None:
 WHOLE_SUITE = pytest.StashKey[list[pytest.Item]]()
 
 
+# The files that take longest, in seconds summed over their tests (a run of the whole suite
+# under three workers, pytest's junit times), heaviest first. `make test` runs one file per
+# worker at a time (``--dist loadfile``), in the order of the collection
+# (``--no-loadscope-reorder``; xdist's own order, most tests first, started the 955 quick
+# catalog checks first and the 5 tests of the fuzz file among the last): a worker's last file
+# is what the others wait for, so the longest go first and the short ones fill in after them.
+# A file's figure going stale costs a little wall time, never a test.
+LONGEST_FIRST = {
+    "tests/integration/test_fuzz.py": 98,
+    "tests/integration/test_workers.py": 94,
+    "tests/integration/test_processes.py": 79,
+    "tests/integration/test_processes_embedded.py": 75,
+    "tests/unit/test_validation_resume.py": 65,
+    "tests/integration/test_build_cache_memory.py": 55,
+    "tests/property/test_gate_region.py": 45,
+    "tests/clients/test_typescript_client.py": 41,
+    "tests/integration/test_migrations.py": 40,
+    "tests/integration/test_epoch_counts.py": 38,
+    "tests/integration/test_erasure.py": 34,
+    "tests/clients/test_python_package.py": 32,
+    "tests/integration/test_summarizer_sdk.py": 31,
+    "tests/integration/test_health_saturated_pool.py": 30,
+    "tests/unit/test_mutants_catalog.py": 30,
+    "tests/property/test_gate_determinism.py": 27,
+    "tests/unit/test_budget.py": 26,
+    "tests/unit/test_observability_assets.py": 24,
+    "tests/integration/test_incremental_differential.py": 24,
+    "tests/clients/test_python_client.py": 23,
+    "tests/integration/test_lifecycle.py": 22,
+    "tests/unit/test_cli.py": 22,
+    "tests/integration/test_supervisor_leftovers.py": 22,
+    "tests/property/test_gate_trust_labels.py": 22,
+    "tests/integration/test_prometheus.py": 21,
+    "tests/property/test_gate_budget.py": 20,
+    "tests/integration/test_auth.py": 19,
+    "tests/integration/test_compact_rpc.py": 19,
+    "tests/bench/test_bench_smoke.py": 18,
+    "tests/integration/test_tracing.py": 18,
+}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
@@ -88,6 +129,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     collected = {Path(item.path).resolve() for item in items}
     if collected == {p.resolve() for p in suite.rglob("test_*.py")}:
         config.stash[WHOLE_SUITE] = list(items)
+    if hasattr(config, "workerinput"):  # an xdist worker: its collection orders the files
+        items.sort(key=lambda item: -LONGEST_FIRST.get(
+            Path(item.path).resolve().relative_to(REPO).as_posix(), 0))
 
 
 def run(coro: Any) -> Any:
