@@ -37,6 +37,9 @@ PLAN_CASES = {
     "schema with a name twice": ({"tool_catalog": [_tool(
         input_schema_json='{"type":"object","properties":{},"properties":{"a":{}}}')]},
         "tool_catalog[0].input_schema_json"),
+    "schema with an integer of more than 4,300 digits": ({"tool_catalog": [_tool(
+        input_schema_json='{"type":"object","maximum":' + "9" * 5_000 + "}")]},
+        "tool_catalog[0].input_schema_json"),
     "schema nested too deep": ({"tool_catalog": [_tool(
         input_schema_json='{"type":"object","a":' + "[" * 100 + "]" * 100 + "}")]},
         "tool_catalog[0].input_schema_json"),
@@ -160,6 +163,8 @@ BUILD_CASES = {
     "arguments with a nested name twice": _arguments('{"url":"a","q":[{"k":1,"k":1}]}'),
     "arguments nested too deep": _arguments('{"url":"a","q":' + '{"q":' * 100 + "1" + "}" * 101),
     "arguments with a number beyond a float": _arguments('{"url":"a","n":1e400}'),
+    "arguments with an integer of more than 4,300 digits": _arguments(
+        '{"url":"a","n":' + "9" * 4_301 + "}"),
     "sequence goes backwards": ([item("a", 5, user=pb.UserMessage(text="x")),
                                  item("b", 4, user=pb.UserMessage(text="y"))],
                                 "checkpoint.items[1].sequence"),
@@ -374,6 +379,8 @@ def test_recall_and_correction_ids_are_ids(stub, ids, db):
     ('{"url":"a","url":"b"}', "holds the name 'url' twice in one object"),
     ('{"url":"a","n":-2.5e999}', "holds the number -2.5e999, beyond the range of a 64-bit float"),
     ('{"url":"a","n":NaN}', "is not a JSON object"),
+    ('{"url":"a","n":-' + "9" * 5_000 + "}",
+     "holds the integer -" + "9" * 39 + "... (5,000 digits), of more than 4,300 digits"),
 ])
 def test_arguments_a_parsed_body_would_change_are_refused_saying_why(stub, ids, args, said):
     """Anthropic, Gemini and Bedrock send arguments parsed, the OpenAI formats as written: a
@@ -390,6 +397,30 @@ def test_arguments_a_parsed_body_would_change_are_refused_saying_why(stub, ids, 
         violations = failure(err.value).violations
         assert said in violations["checkpoint.items[0].tool_calls.calls[0].arguments_json"], \
             violations
+
+
+def test_an_integer_of_more_than_4300_digits_in_a_schema_is_refused_saying_so(stub, ids):
+    """The rule is the text's, not the interpreter's (PYTHONINTMAXSTRDIGITS): past 4,300 digits
+    a schema is refused saying why (it is a JSON object); at 4,300 it is pinned, and the plan
+    stored with it is read back, built and hashed by this replica as by any other."""
+    tenant, session = ids
+    schema = '{"type":"object","properties":{"n":{"type":"integer","maximum":%s}}}'
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Plan(plan_request(tenant, session, tool_catalog=[
+            _tool(input_schema_json=schema % ("9" * 4_301))]))
+    violations = failure(err.value).violations
+    assert "of more than 4,300 digits" in violations["tool_catalog[0].input_schema_json"]
+    request = plan_request(tenant, session, tool_catalog=[
+        _tool(input_schema_json=schema % ("9" * 4_300))])
+    request.agent.enabled_tools[:] = ["x.tool"]
+    del request.agent.deferred_tools[:]
+    planned = stub.Plan(request)
+    assert "x.tool" in planned.plan.tool_names
+    got = stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session))
+    assert got.plan.prefix_sha256 == planned.plan.prefix_sha256
+    built = stub.Build(build_request(tenant, session))
+    assert built.prefix_sha256 == planned.plan.prefix_sha256
+    assert any("9" * 4_300 in t.input_schema_json for t in built.request.tools)
 
 
 def test_an_item_below_every_floor_is_refused_by_compact_and_build(stub, ids, db):

@@ -2,22 +2,24 @@
 paragraphs; "Authorization changes do not rewrite the prefix": tool.call is advertised only
 while the plan defers something).
 
-Two properties, each over rosters of reads and writes, large and small definitions, entries
+Three properties, each over rosters of reads and writes, large and small definitions, entries
 that fit the deferred index and entries that cannot, configured deferrals, explicitly enabled
 tools, filtered tools and agents with and without ``tool.call``:
 
 - ``tool.call`` is defined exactly when the final index is non-empty;
 - nothing leaves the roster silently: every catalog tool is defined, deferred, skipped or
   filtered, exactly once, and a skipped tool fitted neither the final definitions nor the
-  final index (no slot is held back from a tool that would have fitted).
+  final index (no slot is held back from a tool that would have fitted);
+- adding a discovered tool to a catalog whose plan opens never makes the plan fail (only the
+  agent's own enabled tools and deferrals fail at plan time over the token cap).
 
-The first runs ``select_tools`` with drawn costs (fast, so many rosters); the second runs the
-planner itself, with the real tokenizer and the index as rendered.
+The first and the third run ``select_tools`` with drawn costs (fast, so many rosters); the
+second runs the planner itself, with the real tokenizer and the index as rendered.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from context_engine.domain.errors import PrefixClassOverCap
 from context_engine.domain.model import PlanInputs, SideEffect, SkillCatalogEntry, ToolSpec
@@ -133,6 +135,67 @@ def test_tool_call_iff_a_non_empty_index_and_nothing_leaves_silently(r: Roster) 
                  and bool(sel.skipped_tool_names))
     event(f"tool.call enabled, index empty, something skipped: {fell_back}")
     check(r.inputs, sel, r.cost, r.entry, r.overhead)
+
+
+def _select(r: Roster) -> ToolSelection:
+    return select_tools(r.inputs, tool_cost=lambda t: r.cost[t.name],
+                        index_cost=lambda t: r.entry[t.name], index_overhead=r.overhead)
+
+
+@st.composite
+def grown_rosters(draw: st.DrawFn) -> tuple[Roster, Roster]:
+    """A roster, and the same roster with one more discovered tool. Half the rosters first gain
+    an enabled tool that fills the token cap to less than tool.call's definition short of it
+    (the case where tool.call cannot join the enabled tools)."""
+    r = draw(rosters())
+    i, cost, entry = r.inputs, dict(r.cost), dict(r.entry)
+    catalog, enabled = list(i.tool_catalog), tuple(i.agent.enabled_tools)
+    deferred = tuple(i.agent.deferred_tools)
+    if draw(st.booleans()):
+        fixed = [t for t in catalog if t.name in enabled]
+        if draw(st.booleans()):  # nothing else: the new tool alone is what overflows
+            catalog, deferred = fixed, ()
+        base = select_tools(f.inputs(catalog=tuple(fixed), scopes=(HELD,), enabled=enabled,
+                                     skills=i.skill_catalog),
+                            tool_cost=lambda t: cost[t.name], index_cost=lambda t: 0)
+        room = (TOOL_TOKEN_CAP - base.defined_tokens
+                - draw(st.integers(0, cost[TOOL_CALL] - 1)))
+        if room > 0 and len(base.defined) < TOOL_ITEM_CAP:
+            catalog.append(f.tool("en.fill", scopes=(HELD,)))
+            cost["en.fill"], entry["en.fill"] = room, 30
+            enabled += ("en.fill",)
+    write = draw(st.booleans())
+    catalog_grown = [*catalog, f.tool("x.new", side_effect=SideEffect.NETWORK_WRITE if write
+                                      else SideEffect.NETWORK_READ, scopes=(HELD,),
+                                      server=draw(st.sampled_from(("", "a", "z"))))]
+    cost["x.new"] = draw(st.one_of(st.integers(20, 150), st.integers(1_000, 9_500)))
+    entry["x.new"] = draw(st.one_of(st.integers(10, 80), st.integers(1_500, 2_500)))
+    agent = replace(i.agent, enabled_tools=enabled, deferred_tools=deferred)
+    before = Roster(inputs=replace(i, agent=agent, tool_catalog=tuple(catalog)), cost=cost,
+                    entry=entry, overhead=r.overhead)
+    after = Roster(inputs=replace(before.inputs, tool_catalog=tuple(catalog_grown)), cost=cost,
+                   entry=entry, overhead=r.overhead)
+    return before, after
+
+
+@UNSHRUNK
+@given(grown_rosters())
+def test_adding_a_discovered_tool_never_makes_a_plan_fail(rs: tuple[Roster, Roster]) -> None:
+    """Spec: adding an MCP account must not evict an explicitly enabled capability; only the
+    agent's own configuration fails at plan time."""
+    before, after = rs
+    try:
+        _select(before)
+    except PrefixClassOverCap:
+        reject()  # the plan did not open without the discovered tool either
+    sel = _select(after)  # never raises
+    place = ("defined" if "x.new" in {t.name for t in sel.defined}
+             else "deferred" if "x.new" in {t.name for t in sel.deferred} else "skipped")
+    event(f"the discovered tool: {place}")
+    squeezed = (after.inputs.agent.enables_tool_call and place == "skipped"
+                and sel.defined_tokens + after.cost[TOOL_CALL] > TOOL_TOKEN_CAP)
+    event(f"tool.call enabled, no room for its definition: {squeezed}")
+    check(after.inputs, sel, after.cost, after.entry, after.overhead)
 
 
 @st.composite

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
+import subprocess
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -479,8 +482,13 @@ def reference_parse(text: Any) -> Any:
             raise ValueError(literal)
         return value
 
+    def bounded(literal: str) -> int:  # 4,300 digits at most, whatever the interpreter's limit
+        if len(literal.lstrip("-")) > 4_300:
+            raise ValueError(literal[:10])
+        return int(literal)
+
     try:
-        value = json.loads(text, parse_constant=constant, parse_float=finite)
+        value = json.loads(text, parse_constant=constant, parse_float=finite, parse_int=bounded)
     except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict):
@@ -530,13 +538,21 @@ SURROGATE_TEXTS = [
     '{"a": "\\uD83D\\uDE00", "b": "\\uDFFF"}', '{"a": "\\uD7FF\\uE000"}']
 
 
+# Integers about the 4,300-digit rule: at it, past it, signed, nested, in a string, as a float.
+LONG_INTEGERS = [
+    '{"a": ' + "9" * 4_300 + "}", '{"a": -' + "9" * 4_300 + "}", '{"a": ' + "9" * 4_301 + "}",
+    '{"a": [-' + "1" * 4_301 + "]}", '{"a": {"b": ' + "7" * 5_000 + "}}",
+    '{"a": "' + "9" * 5_000 + '"}', '{"a": ' + "1" * 4_301 + ".5}",
+    '{"a": ' + "1" * 5_000 + "e-4990}", b'{"a": ' + b"9" * 4_301 + b"}"]
+
+
 def test_json_objects_parse_as_json_loads_parses_them() -> None:
     deep = '{"a":' * 80 + "1" + "}" * 80
     texts: list[Any] = [
         "{}", "[]", '{"a": 1}', "{", "1", "null", '{"a": NaN}', '{"a": 1e400}', '{"a": -1e400}',
         '{"a": Infinity}', " {} ", '{"a": "' + "x" * 5_000 + '"}', deep, deep[:-1],
         "{}garbage", '{"a": 1, "a": 2}', "\ufeff{}", '{"a": 1.5e3, "b": [1, 2.0]}',
-        b'{"bytes": 1}', bytearray(b"{}"), "{\n}", "", " ", *SURROGATE_TEXTS]
+        b'{"bytes": 1}', bytearray(b"{}"), "{\n}", "", " ", *SURROGATE_TEXTS, *LONG_INTEGERS]
     rnd = random.Random(5)
     alphabet = '{}[]":,.-+eE0123456789 \n\tabcnultrfsNIa\\'
     texts += ["".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 12)))
@@ -578,6 +594,79 @@ def test_a_lone_surrogate_is_named_as_such() -> None:
     assert sum(reference_parse(t) is None for t in SURROGATE_TEXTS) == 8
 
 
+def test_an_integer_of_more_than_4300_digits_is_named_as_such() -> None:
+    """Refused for its length, as 1e400 is for its range, in words of its own (it is a JSON
+    object); one of 4,300 digits parses to its exact value and writes back canonically."""
+    nines = "9" * 4_301
+    said = "of more than 4,300 digits: a body that sends it parsed cannot carry it as written"
+    problem = canonical.json_object_problem('{"a": [1, ' + nines + "]}")
+    assert problem is not None and problem.startswith(
+        "holds the integer " + "9" * 40 + "... (4,301 digits), " + said)
+    assert canonical.json_object_problem('{"a": -' + nines + "}", quote=False) == (
+        "holds an integer " + said + "; refused in every format alike")
+    assert canonical.json_object_problem(('{"a": ' + nines + "}").encode()) == (
+        canonical.json_object_problem('{"a": ' + nines + "}"))  # bytes: the same words
+    assert parse_json_object('{"a": ' + nines + "}") is None
+    assert not canonical.is_json_object('{"a": ' + nines + "}")
+    assert canonical.sent_object_json('{"a": ' + nines + "}") == "{}"
+    for sign in ("", "-"):
+        text = '{"a":' + sign + "8" * 4_300 + "}"
+        assert canonical.json_object_problem(text) is None
+        value = parse_json_object(text)
+        assert value is not None and value["a"] == int(sign + "8" * 4_300)
+        assert canonical.canonical_json(value) == text
+    assert canonical.json_object_problem('{"a": "' + "9" * 5_000 + '"}') is None  # a string
+
+
+DIGITS_PROBE = """
+import json
+from context_engine.api import working_state_tool as wst
+from context_engine.domain import canonical
+from context_engine.domain.trust import TrustLevel
+texts = [{texts}]
+out = []
+for t in texts:
+    value = canonical.parse_json_object(t)
+    call = wst.parse_arguments(t, trust=TrustLevel.USER, field="f")
+    out.append([canonical.json_object_problem(t), canonical.is_json_object(t),
+                None if value is None else canonical.canonical_sha256(value),
+                canonical.sent_object_json(t)[:50],
+                call if isinstance(call, str) else repr(call)[:300]])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("limit", ["0", "100000"])
+def test_the_integer_rule_does_not_depend_on_the_interpreters_digit_limit(limit: str) -> None:
+    """A replica started with PYTHONINTMAXSTRDIGITS (or -X int_max_str_digits) set otherwise
+    gives every verdict, message and hash the default interpreter gives: the rule is the
+    text's (4,300 digits), not the interpreter's."""
+    texts = [*(t for t in LONG_INTEGERS if isinstance(t, str)),
+             '{"add_facts": [{"statement": "s", "source_event_ids": [' + "9" * 5_000 + "]}]}",
+             '{"objective": ' + "9" * 4_301 + "}", '{"objective": ' + "9" * 700 + "}"]
+    code = DIGITS_PROBE.replace("{texts}", ", ".join(map(repr, texts)))
+    results = {}
+    for env_limit in (None, limit):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONINTMAXSTRDIGITS"}
+        env["PYTHONPATH"] = os.pathsep.join(sys.path)
+        if env_limit is not None:
+            env["PYTHONINTMAXSTRDIGITS"] = env_limit
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2_000:]
+        results[env_limit] = json.loads(done.stdout)
+    assert results[limit] == results[None]
+    verdicts = [r[0] for r in results[None]]
+    assert verdicts[:2] == [None, None]  # 4,300 digits, signed or not
+    assert all("of more than 4,300 digits" in (v or "") for v in verdicts[2:5]), verdicts
+    assert verdicts[5] is None  # digits in a string
+    assert "beyond the range of a 64-bit float" in verdicts[6]  # a float: its range, not digits
+    assert verdicts[7] is None  # a float of 5,000 digits within range
+    assert "of more than 4,300 digits" in results[None][8][4]  # the working-state tool too
+    assert "of more than 4,300 digits" in results[None][9][4]
+    assert "Input should be a valid string" in results[None][10][4]
+
+
 def test_known_json_objects_are_what_json_loads_says_every_time() -> None:
     """The remembered answer of ``is_json_object`` is json.loads' answer, asked again and again
     (first and remembered calls alike), for objects and for what is not one; long texts and a
@@ -589,7 +678,8 @@ def test_known_json_objects_are_what_json_loads_says_every_time() -> None:
              '{"a": "' + long + '"}', '{"a": "' + long + '"', '{"a": 1, "a": "' + long + '"}',
              '{"a": 1, "b": {"a": 2, "a": 3}}', '{"a": ' + "[" * 100 + "]" * 100 + "}",
              '{"a": ' + "[" * 99 + "]" * 99 + ', "b": [[], {}]}',
-             *(t for t in SURROGATE_TEXTS if isinstance(t, str))]
+             *(t for t in SURROGATE_TEXTS if isinstance(t, str)),
+             *(t for t in LONG_INTEGERS if isinstance(t, str))]
     texts += ['{"k": ' + str(i) + "}" for i in range(canonical.KNOWN_OBJECTS_ENTRIES + 50)]
     texts += ["".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 12)))
               for _ in range(2_000)]

@@ -387,6 +387,51 @@ def test_agent_without_tool_call_records_overflow_as_skipped() -> None:
     assert all_names(spec) == set(h.names(cat))
 
 
+def _enabled_short_of_the_cap_by_less_than_tool_call() -> tuple[ToolSpec, ...]:
+    """Explicitly enabled tools that fit the token cap on their own, with less room left than
+    tool.call's definition costs (the reviewer's repro: 8,939 of 9,000, tool.call 123)."""
+    call = h.cost_of(f.CONTROL_TOOLS["tool.call"])
+    head = tuple(h.sized_tool(f"web.t{i}", 1_000) for i in range(4))
+    last = h.sized_tool("web.zz", TOOL_TOKEN_CAP - call // 2 - sum(map(h.cost_of, head)))
+    enabled = (*head, last)
+    used = sum(map(h.cost_of, enabled))
+    assert used <= TOOL_TOKEN_CAP < used + call
+    return enabled
+
+
+MCP = f.tool("mcp.acct.list_calls", server="acct", side_effect=SideEffect.NETWORK_READ)
+
+
+def test_a_discovered_tool_that_fits_nowhere_never_fails_a_plan_that_opens() -> None:
+    """Spec: adding an MCP account must not evict an explicitly enabled capability. One
+    discovered tool too large for the room left would bring tool.call in, and tool.call's
+    definition would take the enabled tools past the cap: the selection without tool.call
+    stands and the discovered tool is skipped, as the plan without it opened."""
+    enabled = _enabled_short_of_the_cap_by_less_than_tool_call()
+    names = tuple(h.names(enabled))
+    alone = f.draft(f.inputs(catalog=enabled, enabled=names, tool_call=True))
+    assert alone.spec.tool_names == names
+    d = f.draft(f.inputs(catalog=(*enabled, MCP), enabled=names, tool_call=True))
+    assert d.spec.tool_names == names  # tool.call is not defined
+    assert d.spec.deferred_tool_names == ()
+    assert d.spec.skipped_tool_names == ("mcp.acct.list_calls",)
+    usage = {c.class_name: c for c in d.classes}["tool_definitions"]
+    assert usage.tokens <= TOOL_TOKEN_CAP
+    # the same selection as an agent without tool.call
+    assert d.spec.tools == h.spec_of(f.inputs(catalog=(*enabled, MCP), enabled=names)).tools
+
+
+def test_configured_deferrals_still_fail_when_tool_call_does_not_fit_beside_enabled() -> None:
+    """The agent's own configuration needs tool.call: with it the enabled tools exceed the
+    cap, and the plan fails at plan time, discovered tool or not."""
+    enabled = _enabled_short_of_the_cap_by_less_than_tool_call()
+    names = tuple(h.names(enabled))
+    for catalog in ((*enabled, MCP), (*enabled, MCP, f.tool("x.small"))):
+        with pytest.raises(PrefixClassOverCap, match="tool_definitions"):
+            h.spec_of(f.inputs(catalog=catalog, enabled=names, tool_call=True,
+                               deferred=("mcp.acct.list_calls",)))
+
+
 def test_index_capped_at_forty_entries_rest_skipped() -> None:
     cat = h.tools("t.", 75)
     d = f.draft(f.inputs(catalog=cat, tool_call=True))

@@ -18,7 +18,7 @@ from context_engine.adapters.assets import DEFAULT_ASSETS_DIR, load_control_tool
 from context_engine.api import mapping
 from context_engine.api import working_state_tool as wst
 from context_engine.api.status import MAX_TOOL_RESULT_BYTES, rich_status, status_for
-from context_engine.domain.canonical import canonical_json
+from context_engine.domain.canonical import LONE_SURROGATE, canonical_json
 from context_engine.domain.errors import (
     BudgetExceeded,
     ConstraintCapReached,
@@ -403,6 +403,23 @@ def refused_list(arguments: Any) -> list[FieldViolation]:
     out = parse(arguments)
     assert isinstance(out, list)
     return out
+
+
+def test_an_integer_of_more_than_4300_digits_is_refused_saying_so() -> None:
+    """pydantic's parser calls such a text invalid JSON; it is refused in the words a catalog
+    tool's arguments get (the number itself, the model's text, not repeated), as is a lone
+    surrogate. A text that is no JSON at all is still said to be one."""
+    for args in ('{"objective": ' + "9" * 4_301 + "}",
+                 '{"add_facts": [{"statement": "s", "source_event_ids": [-' + "9" * 5_000
+                 + "]}]}"):
+        assert refused(args) == {f"{FIELD}.arguments_json": (
+            "holds an integer of more than 4,300 digits: a body that sends it parsed cannot "
+            "carry it as written; refused in every format alike")}
+    assert refused('{"objective": "\\ud800"}') == {
+        f"{FIELD}.arguments_json": LONE_SURROGATE}
+    assert refused('{"objective": 1') == {f"{FIELD}.arguments_json": "is not valid JSON"}
+    assert refused('{"objective": ' + "9" * 4_300 + "}") == {
+        f"{FIELD}.arguments.objective": "Input should be a valid string"}
 
 
 def test_the_refusal_is_bounded_and_never_cuts_the_schema() -> None:

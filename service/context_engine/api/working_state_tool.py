@@ -25,7 +25,7 @@ from pydantic.json_schema import GenerateJsonSchema, JsonSchemaMode, JsonSchemaV
 from pydantic_core import CoreSchema
 
 from context_engine.domain.budget import WORKING_STATE_TOKENS
-from context_engine.domain.canonical import canonical_json, json_object_problem
+from context_engine.domain.canonical import NOT_AN_OBJECT, canonical_json, json_object_problem
 from context_engine.domain.errors import (
     BudgetExceeded,
     ConstraintCapReached,
@@ -240,6 +240,12 @@ def _path(loc: tuple[int | str, ...]) -> str:
 def _violations(error: ValidationError, field: str) -> list[FieldViolation]:
     out: list[FieldViolation] = []
     for e in error.errors(include_url=False):
+        if e["type"] == "json_invalid":  # pydantic's parser says only that: the service says
+            # why where its own parser does (an integer of more than 4,300 digits, a lone
+            # surrogate), in the words a catalog tool's arguments are refused with
+            problem = json_object_problem(e["input"], quote=False)
+            if problem is not None and problem != NOT_AN_OBJECT:
+                return [FieldViolation(f"{field}.arguments_json", problem)]
         loc = tuple(e["loc"])
         message = _MESSAGES.get(e["type"], e["msg"].removeprefix("Value error, "))
         if e["type"] == "extra_forbidden":  # the name is the model's text: not repeated

@@ -53,6 +53,27 @@ def _finite(literal: str) -> float:
     return value
 
 
+# The longest integer a JSON text may write, in digits (a sign aside): CPython's default limit
+# on converting between an int and its decimal text, fixed here rather than left to the
+# interpreter's (PYTHONINTMAXSTRDIGITS, -X int_max_str_digits), so that whether a text is
+# accepted depends on the text alone, on every replica: one without the limit would otherwise
+# pin a longer integer in a plan that a default replica could not read back or hash. Every
+# value the decoders below build stays within it, so canonical_json (and every hash over such
+# a value) writes it under the default limit; protobuf's integers are 64-bit. (A limit set
+# below the default, 640 digits at least, is not supported.)
+MAX_INT_DIGITS = 4_300
+
+
+def _bounded_int(literal: str) -> int:
+    digits = len(literal) - literal.startswith("-")
+    if digits > MAX_INT_DIGITS:
+        said = (f"of more than {MAX_INT_DIGITS:,} digits: a body that sends it parsed cannot "
+                "carry it as written; refused in every format alike")
+        raise _Unsendable(f"holds the integer {literal[:40]}... ({digits:,} digits), {said}",
+                          f"holds an integer {said}")
+    return int(literal)
+
+
 def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """An object's members, refused when a name occurs twice: a parsed body would keep only
     the last, while the formats that send the text as it is would send both."""
@@ -69,11 +90,12 @@ def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return value
 
 
-# What json.loads(text, parse_constant=..., parse_float=...) builds anew for every call; the
-# strict one (validation) also refuses a name repeated in an object.
-_OBJECT_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite)
+# What json.loads(text, parse_constant=..., parse_float=..., parse_int=...) builds anew for
+# every call; the strict one (validation) also refuses a name repeated in an object.
+_OBJECT_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite,
+                                   parse_int=_bounded_int)
 _STRICT_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite,
-                                   object_pairs_hook=_unique_names)
+                                   parse_int=_bounded_int, object_pairs_hook=_unique_names)
 
 
 # A \uD800-\uDFFF escape: half of a UTF-16 surrogate pair. Python's json decodes one that is not
@@ -98,7 +120,7 @@ def _decode(text: str, decoder: json.JSONDecoder) -> Any:
     if not isinstance(text, str) or text.startswith("\ufeff"):
         # json.loads' own handling: bytes decoded, a byte-order mark refused
         return json.loads(text, parse_constant=decoder.parse_constant,
-                          parse_float=decoder.parse_float,
+                          parse_float=decoder.parse_float, parse_int=decoder.parse_int,
                           object_pairs_hook=decoder.object_pairs_hook)
     return decoder.decode(text)
 
@@ -124,7 +146,8 @@ def _lone_surrogate(text: str | bytes, value: dict[str, Any]) -> bool:
 def json_object_problem(text: str, *, quote: bool = True) -> str | None:
     """Why ``text`` is not a JSON object every request body can carry (None when it is one):
     :data:`NOT_AN_OBJECT`, :data:`LONE_SURROGATE`, :data:`TOO_DEEP`, a name repeated in one of
-    its objects or a number beyond a 64-bit float (what a body that sends it parsed would
+    its objects, an integer of more than :data:`MAX_INT_DIGITS` digits or a number beyond a
+    64-bit float (what a body that sends it parsed would not carry as written, or would
     change). ``quote`` False: the name or number is not repeated in what is said."""
     try:
         value = _decode(text, _STRICT_DECODER)

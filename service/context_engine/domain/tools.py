@@ -6,7 +6,11 @@ then discovered tools reads first, by server, by name — under 30 tools / 9,000
 deferred or overflows becomes a deferred index entry (40 entries / 2,000 tokens) when the agent
 enables ``tool.call``, and what fits in neither is recorded as skipped. Nothing leaves silently.
 ``tool.call`` is defined only while the final index is non-empty: when no entry fits, selection
-re-runs without it, so its definition slot goes back to a real tool (ADR-0123).
+re-runs without it, so its definition slot goes back to a real tool (ADR-0123). Likewise when
+only discovered tools overflowed and ``tool.call``'s own definition would take the required,
+control and enabled tools past the token cap: the selection without it stands and the overflow
+is skipped, so adding a discovered tool never makes a plan fail. An agent that configures
+deferrals needs ``tool.call`` itself, and fails at plan time if it does not fit.
 """
 
 from __future__ import annotations
@@ -159,7 +163,16 @@ def select_tools(inputs: PlanInputs, *, tool_cost: Callable[[ToolSpec], int],
     if can_defer and (configured_deferred or overflow):
         # tool.call takes a definition slot, and every candidate without a definition becomes
         # an index entry: the configured deferrals first, then the overflow in rank order.
-        with_call, overflow_with_call, used_with_call = attempt(True)
+        try:
+            with_call, overflow_with_call, used_with_call = attempt(True)
+        except PrefixClassOverCap:
+            if configured_deferred:
+                raise  # the agent's own configuration needs tool.call, and it does not fit
+            # Only discovered tools overflowed, and tool.call's definition would take the
+            # enabled tools past the cap: the selection without tool.call stands and the
+            # overflow is skipped, so adding a discovered tool never fails a plan that opens
+            # (nothing to index: the branch below keeps the first attempt).
+            with_call, overflow_with_call, used_with_call = [], [], 0
         entries, unindexed, tokens = _admit_to_index(
             [candidates[n] for n in configured_deferred + overflow_with_call],
             index_cost=index_cost, index_overhead=index_overhead, index_measure=index_measure)
