@@ -31,6 +31,7 @@ from context_engine.domain.builder import (
     LoadedPlan,
     attachment_costs,
     build_steps,
+    charged_prefix,
     finish,
     load_plan,
     prefix_exact,
@@ -402,6 +403,7 @@ def pressure_payload(p: Pressure, epoch: int) -> dict[str, Any]:
         "summary_floor_index": p.floor_index,
         "legacy_tool_excerpts": p.legacy_tool_excerpts,
         "history_floor_shortfall": p.history_floor_shortfall,
+        "prefix_floor_shortfall": p.prefix_floor_shortfall,
         "compact_through_sequence": p.compact_through_sequence,
     }
 
@@ -435,6 +437,21 @@ def _epoch_of(plan: ContextPlan | None) -> tuple[int, int] | None:
 class _ErasedMeanwhile(Exception):
     """The session was erased between reading its plan and locking it (raised under the lock,
     so nothing is written)."""
+
+
+class _FactorUnread(Exception):
+    """A draft held to history's floor is of a model and encoding whose correction factor this
+    call has not read (which, only the draft says: a rotation that keeps the model drafts
+    under the session's lock, where nothing is awaited): raised before anything is written;
+    the factor is read and the call tried again (``Engine._reading_factors``)."""
+
+    def __init__(self, spec: PlanSpec) -> None:
+        super().__init__(spec.model.model_id, spec.encoding)
+        self.spec = spec
+
+
+# The tenant's reconciled correction factors a Plan or Rotate has read, by (model id, encoding).
+Factors = dict[tuple[str, str], float]
 
 
 FORGOTTEN_KEPT = 4_096  # the sessions forgotten most recently whose turn is remembered
@@ -579,9 +596,40 @@ class Engine:
                 output_reserve=kept(model.output_reserve, "output_reserve"),
                 breakpoint_budget=kept(model.breakpoint_budget, "breakpoint_budget"))
 
+        # the tenant's correction factors read for this call (a draft's floor is held at them)
+        factors: Factors = {}
+        # each base's draft, made once: a draft tried again once its factor is read is only
+        # checked again
+        made: dict[tuple[int, int] | None, tuple[PlanDraft, TokenEstimator, bool]] = {}
+
         def draft_for(base: ContextPlan | None) -> PlanDraft:
             """The next epoch over ``base`` (None: a session opened). Pure, and may fail
             (caps, required tools): then nothing is written."""
+            if _epoch_of(base) not in made:
+                made[_epoch_of(base)] = drafted(base)
+            draft, estimator, pinned = made[_epoch_of(base)]
+            model_id = draft.spec.model.model_id
+            # A prefix that leaves no body can never build, and a body that cannot hold
+            # history's floor can never keep it: refuse both now, not on every Build, with
+            # the prefix costed as a Build of it would cost it now.
+            self._held_to_floor(draft, estimator, factors)
+            # a definition the model's own format cannot send: refused now, not every Build
+            # (a run's pinned tools are the pinned plan's, not this catalog's: the model is
+            # what cannot send them)
+            unsendable = unsendable_definitions(
+                draft.spec, self._catalog.default_format(model_id),
+                () if pinned else cmd.tool_catalog, model_id)
+            if unsendable and pinned:
+                unsendable = [FieldViolation("model.model_id", "the run's pinned tools cannot "
+                                             f"all be sent in its own format: {v.description}")
+                              for v in unsendable]
+            if unsendable:
+                raise InvalidInput(unsendable)
+            return draft
+
+        def drafted(base: ContextPlan | None) -> tuple[PlanDraft, TokenEstimator, bool]:
+            """``draft_for``'s draft, the estimator it was measured with and whether it
+            keeps a pinned run's advertisement; may fail on caps."""
             profile = profile_for(base)
             estimator = self.estimator_for(profile)
             inputs = PlanInputs(
@@ -601,29 +649,11 @@ class Engine:
                          and pinned else draft_plan(inputs, key, estimator))
             if base is not None:  # the working state's ceiling is measured as it was
                 draft = keeping_state_measure(draft, base.spec)
-            # A prefix that leaves no body can never build, and a body that cannot hold
-            # history's floor can never keep it: refuse both now, not on every Build.
-            budget = compute_budget(window=profile.context_window,
-                                    output_reserve=profile.output_reserve,
-                                    prefix_tokens=draft.prefix_tokens, policy=self.policy)
-            require_history_floor(budget, model_id=profile.model_id,
-                                  window=profile.context_window,
-                                  prefix_tokens=draft.prefix_tokens, policy=self.policy)
-            # a definition the model's own format cannot send: refused now, not every Build
-            # (a run's pinned tools are the pinned plan's, not this catalog's: the model is
-            # what cannot send them)
-            unsendable = unsendable_definitions(
-                draft.spec, self._catalog.default_format(profile.model_id),
-                () if pinned else cmd.tool_catalog, profile.model_id)
-            if unsendable and pinned:
-                unsendable = [FieldViolation("model.model_id", "the run's pinned tools cannot "
-                                             f"all be sent in its own format: {v.description}")
-                              for v in unsendable]
-            if unsendable:
-                raise InvalidInput(unsendable)
-            return draft
+            return draft, estimator, pinned
 
-        drafts = [draft_for(current)]
+        async def first() -> list[PlanDraft]:
+            return [draft_for(current)]
+        drafts = await self._reading_factors(cmd.tenant_id, factors, first)
 
         def decide(locked: ContextPlan | None) -> Rotation | None:
             reason = (SESSION_OPENED if locked is None
@@ -641,12 +671,55 @@ class Engine:
 
         served = self._served(then, lambda: drafts[-1].rendered, key)
         mark = self.forgets
-        plan, created = await self._store.pin(cmd.tenant_id, cmd.session_id, decide,
-                                              then=served)
+
+        async def pin() -> tuple[ContextPlan, bool]:
+            return await self._store.pin(cmd.tenant_id, cmd.session_id, decide, then=served)
+        plan, created = await self._reading_factors(cmd.tenant_id, factors, pin)
         if created:
             self._pinned(plan, drafts[-1].rendered, key, mark)
         await self._counted(plan)
         return plan, created
+
+    def _held_to_floor(self, draft: PlanDraft, estimator: TokenEstimator,
+                       factors: Factors) -> None:
+        """Refuses ``draft`` where a Build of it could not hold the prefix and history's floor:
+        BudgetExceeded (class ``prefix``) where the prefix leaves no body, HistoryFloorUnreachable
+        where the body cannot hold 8,000 tokens of history with every other class empty. The
+        prefix is costed as Build costs it (``charged_prefix``), at the correction factor a
+        Build of it would read now (``correction_factor``: the tenant's reconciled factor in
+        ``factors``, never below the plan's least): a factor ReportUsage raised for the model
+        scales an estimated prefix at Plan as at every Build. A factor raised after the plan
+        was pinned is not held to it (Build then reports the shortfall). _FactorUnread where
+        ``factors`` has no factor for the draft's model and encoding."""
+        spec = draft.spec
+        model = spec.model
+        read = factors.get((model.model_id, spec.encoding))
+        if read is None:
+            raise _FactorUnread(spec)
+        factor = max(read, factor_floor(spec))
+        charged = charged_prefix(spec, draft.prefix_tokens, estimator, factor)
+        budget = compute_budget(window=model.context_window,
+                                output_reserve=model.output_reserve,
+                                prefix_tokens=charged, policy=self.policy)
+        require_history_floor(budget, model_id=model.model_id, window=model.context_window,
+                              prefix_tokens=charged, policy=self.policy,
+                              measured_prefix_tokens=draft.prefix_tokens, factor=factor)
+
+    async def _reading_factors(self, tenant_id: str, factors: Factors,
+                               attempt: Callable[[], Awaitable[T]]) -> T:
+        """``attempt()``, tried again after reading each correction factor it finds unread
+        (``_FactorUnread``: nothing was written) into ``factors`` as a Build reads it
+        (``_reconciled_factor``, of the draft's model and encoding). A call drafts for one
+        model, read once; another only where the session moved meanwhile."""
+        while True:
+            try:
+                return await attempt()
+            except _FactorUnread as unread:
+                spec = unread.spec
+                key = (spec.model.model_id, spec.encoding)
+                if key in factors:  # read already: a check that cannot find it
+                    raise AssertionError(f"factor {key} unread once read") from None
+                factors[key] = await self._reconciled_factor(tenant_id, spec)
 
     @staticmethod
     def _served(then: Callable[[LoadedPlan], object] | None,
@@ -747,6 +820,7 @@ class Engine:
                 breakpoint_budget=cmd.model.breakpoint_budget)
         key = session_key(cmd.tenant_id, cmd.session_id)
         drafts: list[PlanDraft] = []
+        factors: Factors = {}
 
         def decide(locked: ContextPlan | None) -> Rotation:
             if locked is None:
@@ -759,17 +833,17 @@ class Engine:
                     redraft(locked.spec, key, estimator, drop_tools=cmd.drop_tools,
                             model=profile, snapshot=cmd.snapshot), locked.spec)
             model = draft.spec.model
-            budget = compute_budget(window=model.context_window,
-                                    output_reserve=model.output_reserve,
-                                    prefix_tokens=draft.prefix_tokens, policy=self.policy)
             if profile is not None or (cmd.snapshot is not None
                                        and draft.prefix_tokens > locked.prefix_tokens):
                 # routed to another model, or a larger snapshot: as Plan, refuse a body that
-                # cannot hold history's floor (the other reasons keep the model and take
-                # content out, and a revocation must never fail)
-                require_history_floor(budget, model_id=model.model_id,
-                                      window=model.context_window,
-                                      prefix_tokens=draft.prefix_tokens, policy=self.policy)
+                # cannot hold history's floor, the prefix costed as Build costs it (the other
+                # reasons keep the model and take content out, and a revocation must never
+                # fail, whatever the factor has become)
+                self._held_to_floor(draft, estimator, factors)
+            else:
+                compute_budget(window=model.context_window,
+                               output_reserve=model.output_reserve,
+                               prefix_tokens=draft.prefix_tokens, policy=self.policy)
             if profile is not None:
                 # and one whose own format cannot send a tool the plan defines
                 unsendable = unsendable_definitions(
@@ -790,9 +864,14 @@ class Engine:
                                             cmd.model.breakpoint_budget],
             None if cmd.snapshot is None else cmd.snapshot.canonical()])
         mark = self.forgets
-        plan, created = await self._store.pin(cmd.tenant_id, cmd.session_id, decide,
-                                              idempotency_key=cmd.idempotency_key,
-                                              fingerprint=fingerprint, then=served)
+
+        async def pin() -> tuple[ContextPlan, bool]:
+            # the model a floor is held for is the locked plan's or the routed one: its
+            # factor is read once it is known, and the rotation tried again
+            return await self._store.pin(cmd.tenant_id, cmd.session_id, decide,
+                                         idempotency_key=cmd.idempotency_key,
+                                         fingerprint=fingerprint, then=served)
+        plan, created = await self._reading_factors(cmd.tenant_id, factors, pin)
         if created:
             self._pinned(plan, drafts[-1].rendered, key, mark)
         await self._counted(plan)  # a retried key's epoch too, if its first call never was
@@ -1160,8 +1239,13 @@ class Engine:
         fits = "true" if pressure.fits else "false"
         for step in pressure.steps:
             self._metrics.budget_pressure.labels(step=step.step, fits=fits).inc()
-        if pressure.history_floor_shortfall:  # never-yield items left history below its floor
+        # history below its floor, by what put it there: never-yield items (the shortfall
+        # past the body budget's own), the body budget itself (the prefix as this Build costs
+        # it); a Build may count both
+        if pressure.history_floor_shortfall > pressure.prefix_floor_shortfall:
             self._metrics.budget_pressure.labels(step="history_floor", fits=fits).inc()
+        if pressure.prefix_floor_shortfall:
+            self._metrics.budget_pressure.labels(step="history_floor_prefix", fits=fits).inc()
 
     async def _record(self, plan: ContextPlan, kind: str, payload: dict[str, Any]) -> None:
         """Outbox writes from Build never fail the request they describe: if the database

@@ -249,6 +249,97 @@ def test_plan_refuses_a_model_whose_body_cannot_hold_the_history_floor(stub, ids
     assert stub.GetPlan(pb.GetPlanRequest(tenant_id=tenant, session_id=session)).plan == plan
 
 
+LONG_INSTRUCTIONS = "Follow the rules carefully and cite sources. " * 330
+
+
+def _claude(window: int) -> pb.ModelSpec:
+    return pb.ModelSpec(model_id="claude-sonnet-4-5", capabilities=pb.ModelCapabilities(
+        context_window=window, output_reserve=2_000))
+
+
+def _long_agent() -> pb.AgentSpec:
+    return pb.AgentSpec(agent_id="helper", version="7", instructions=LONG_INSTRUCTIONS,
+                        enabled_tools=["web.fetch"])
+
+
+def _scaled_past_the_floor(f, factor: float) -> None:
+    """A HISTORY_FLOOR_UNREACHABLE naming a prefix the factor scaled past the floor."""
+    assert (f.code, f.reason) == (grpc.StatusCode.FAILED_PRECONDITION,
+                                  "HISTORY_FLOOR_UNREACHABLE"), (f.code, f.reason, f.message)
+    m = f.metadata
+    assert float(m["estimator_factor"]) == pytest.approx(factor, rel=1e-3)
+    measured, charged = int(m["prefix_measured"]), int(m["prefix_tokens"])
+    assert charged == math.ceil(measured * float(m["estimator_factor"])) > measured
+    assert int(m["body_budget"]) < 8_000 <= int(m["body_budget"]) + charged - measured
+
+
+def test_plan_holds_the_floor_with_the_prefix_at_the_tenants_correction_factor(
+        stub, ids, db, server):
+    """Reviewer's reproduction: one ReportUsage moved the tenant's Claude factor from 1.0 to
+    3.0; Plans were still accepted with the body budget of the unscaled prefix, and every Build
+    then cut history far below its floor (7,060 tokens short at a 19,000-token window),
+    reported as never-yield items' doing; at a factor of 4 a session Plan accepted failed every
+    Build BUDGET_EXCEEDED class=prefix. Plan and a model_routed or larger-snapshot Rotate now
+    cost the prefix as Build does; a session opened before the factor moved keeps building,
+    its shortfall the prefix's, and a revocation still rotates it."""
+    tenant, session = ids
+    early, late, routed = f"{session}-early", f"{session}-late", f"{session}-routed"
+    agent = _long_agent()
+    stub.Plan(plan_request(tenant, session, agent=agent, model=_claude(30_000)))
+    stub.Plan(plan_request(tenant, early, agent=agent, model=_claude(19_000)))  # at 1.0
+    stub.Plan(plan_request(tenant, routed, agent=agent,
+                           model=pb.ModelSpec(model_id="gpt-4o")))
+    built = stub.Build(build_request(tenant, session))
+    est = built.estimated_input_tokens
+    up = stub.ReportUsage(_report(tenant, session, "x3", est, 3 * est))
+    assert up.correction_factor == pytest.approx(3.0, rel=1e-3)
+    plans = db.counts(tenant)["plans"]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Plan(plan_request(tenant, late, agent=agent, model=_claude(19_000)))
+    _scaled_past_the_floor(failure(err.value), up.correction_factor)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Rotate(pb.RotateRequest(tenant_id=tenant, session_id=routed,
+                                     reason=pb.ROTATION_REASON_MODEL_ROUTED,
+                                     model=_claude(19_000), idempotency_key="to-claude"))
+    _scaled_past_the_floor(failure(err.value), up.correction_factor)
+    # the pinned model's factor, read once the locked plan names it: a larger snapshot is
+    # held to the floor at it too
+    snapshot = pb.MemorySnapshot(snapshot_id="s2", recall_trace_id="tr2", watermark=2,
+                                 items=[pb.MemoryItem(id="m1", text="likes tea")])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Rotate(pb.RotateRequest(tenant_id=tenant, session_id=early,
+                                     reason=pb.ROTATION_REASON_SNAPSHOT_INVALIDATED,
+                                     memory_snapshot=snapshot, idempotency_key="bigger"))
+    _scaled_past_the_floor(failure(err.value), up.correction_factor)
+    assert db.counts(tenant)["plans"] == plans  # nothing was written
+    # at a larger window the same prefix holds the floor at the factor
+    stub.Plan(plan_request(tenant, late, agent=agent, model=_claude(30_000)))
+    # the session opened before the factor moved is not refused for it: it builds, its
+    # body budget itself below the floor, and that part of the shortfall is the prefix's
+    before = {step: pressure_count(server, step, "true")
+              for step in ("history_floor", "history_floor_prefix")}
+    resp = stub.Build(build_request(tenant, early, items=long_history(12, size=200)))
+    p, B = resp.pressure, resp.budget.body_budget
+    assert resp.estimator_factor == pytest.approx(up.correction_factor) and p.fits
+    assert B < 8_000 and p.left_out_items > 0
+    history = next(c for c in resp.budget.classes if c.class_name == "history")
+    never_yield = resp.body_tokens - history.used
+    assert p.history_floor_shortfall == 8_000 - B + never_yield
+    payload = json.loads(db.val(
+        "SELECT payload::text FROM context_events WHERE tenant_id=$1 AND session_id=$2 "
+        "AND type='context.budget.pressure'", tenant, early))
+    assert payload["prefix_floor_shortfall"] == 8_000 - B
+    assert payload["history_floor_shortfall"] == p.history_floor_shortfall
+    assert pressure_count(server, "history_floor_prefix", "true") == \
+        before["history_floor_prefix"] + 1
+    assert pressure_count(server, "history_floor", "true") == before["history_floor"] + 1
+    # a revocation rotates it whatever the factor has become
+    revoked = stub.Rotate(pb.RotateRequest(tenant_id=tenant, session_id=early,
+                                           reason=pb.ROTATION_REASON_SECURITY_REVOCATION,
+                                           drop_tools=["web.fetch"], idempotency_key="revoke"))
+    assert revoked.plan.epoch == 2
+
+
 def test_a_request_that_fits_emits_no_pressure_event(stub, ids, db):
     tenant, session = ids
     stub.Plan(plan_request(tenant, session))
@@ -698,14 +789,16 @@ def test_a_factor_reconciled_for_another_encoding_is_not_applied(stub, ids, db):
     another encoding (a tokenizer since changed) is no factor of this count, which starts
     again at 1.0."""
     tenant, session = ids
-    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-4o")))
+    # (written before the Plans: a Plan reads the factor as Build does, and the replica
+    # keeps what it read for CE_CALIBRATION_TTL_SECONDS)
     db.fetch("INSERT INTO estimator_calibration (tenant_id, model_id, encoding, factor, "
              "reports) VALUES ($1, 'gpt-4o', 'cl100k_base', 2.0, 9) RETURNING 1", tenant)
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-4o")))
     assert stub.Build(build_request(tenant, session)).estimator_factor == 1.0
     own = f"{tenant}-own"  # the same row of the plan's own encoding is applied
-    stub.Plan(plan_request(own, session, model=pb.ModelSpec(model_id="gpt-4o")))
     db.fetch("INSERT INTO estimator_calibration (tenant_id, model_id, encoding, factor, "
              "reports) VALUES ($1, 'gpt-4o', 'o200k_base', 2.0, 9) RETURNING 1", own)
+    stub.Plan(plan_request(own, session, model=pb.ModelSpec(model_id="gpt-4o")))
     assert stub.Build(build_request(own, session)).estimator_factor == 2.0
 
 
@@ -715,16 +808,17 @@ def test_a_factor_stored_below_the_floor_is_raised_to_it(stub, ids, db):
     to 1 / 1.3, where the estimate is cl100k_base's own count, which Claude's does not go below,
     and one stored lower is read as that."""
     tenant, session = ids
-    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-4o")))
     other, third = f"{session}-claude", f"{session}-gemini"
-    stub.Plan(plan_request(tenant, other))
-    stub.Plan(plan_request(tenant, third, model=pb.ModelSpec(model_id="gemini-2.5-pro")))
+    # (written before the Plans, which read the factors as Build does)
     for model_id, encoding, factor in (("gpt-4o", "o200k_base", 0.6),
                                        ("claude-sonnet-4-5", "cl100k_base", 0.6),
                                        ("gemini-2.5-pro", "cl100k_base", 0.8)):
         db.fetch("INSERT INTO estimator_calibration (tenant_id, model_id, encoding, factor, "
                  "reports) VALUES ($1, $2, $3, $4, 9) RETURNING 1", tenant, model_id, encoding,
                  factor)
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(model_id="gpt-4o")))
+    stub.Plan(plan_request(tenant, other))
+    stub.Plan(plan_request(tenant, third, model=pb.ModelSpec(model_id="gemini-2.5-pro")))
     assert stub.Build(build_request(tenant, session)).estimator_factor == 1.0
     assert stub.Build(build_request(tenant, other)).estimator_factor == pytest.approx(1 / 1.3)
     assert stub.Build(build_request(tenant, third)).estimator_factor == pytest.approx(0.8)

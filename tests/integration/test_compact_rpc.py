@@ -242,8 +242,9 @@ def test_compacting_through_builds_compact_through_sequence_ends_the_loop(stub, 
         if p.steps:  # the pressure event records it as answered
             payload = json.loads(events[-1]["payload"])
             assert payload["compact_through_sequence"] == p.compact_through_sequence
-        if not p.compaction_needed:
-            assert p.compact_through_sequence == 0
+        if not p.compaction_needed:  # fits whole, or the summary is at the depth cap, 2
+            assert p.compact_through_sequence == 0 or (summary is not None
+                                                       and summary.depth == 2)
             break
         cut = p.history_cut_index
         left = list(next(s.item_ids for s in p.steps if s.step == "history"))
@@ -503,3 +504,51 @@ def test_negative_event_ids_in_a_summary_are_refused_at_their_fields(stub, ids, 
     del summary.source_event_ids[1]
     summary.elided[0].event_id = 0
     stub.Compact(compact_request(tenant, session, "zero", summary=summary))
+
+
+def test_following_the_compaction_loop_stops_asking_at_the_depth_cap(stub, ids):
+    """Reviewer's reproduction: on gpt-4o at a 20,000-token window, the documented loop
+    (Compact with tokens_to_free = left_out_tokens, write the summary, build again) went from
+    no summary to depth 1 and 2, each summary a new part of the body that pushed history out
+    again; from then on every Build said compaction_needed for a Compact that always fails
+    COMPACTION_DEPTH_EXCEEDED. At depth 2 the Build fits and asks for none: the run escalates."""
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session, model=pb.ModelSpec(
+        model_id="gpt-4o", capabilities=pb.ModelCapabilities(context_window=20_000,
+                                                             output_reserve=2_000))))
+    items = []
+    for i in range(1, 151):
+        items += [
+            item(f"u{i}", 3 * i, run="run-1", user=pb.UserMessage(
+                text=f"turn {i} " + "word " * (60 + 37 * i % 160))),
+            item(f"c{i}", 3 * i + 1, run="run-1", tool_calls=pb.ToolCalls(calls=[pb.ToolCall(
+                call_id=f"k{i}", name="web.fetch", arguments_json=json.dumps({"url": f"u{i}"}))])),
+            item(f"r{i}", 3 * i + 2, pb.TRUST_LEVEL_EXTERNAL_UNTRUSTED, run="run-1",
+                 tool_result=pb.ToolResult(call_id=f"k{i}", tool_name="web.fetch",
+                                           content="page " * (50 + 53 * i % 250),
+                                           event_id=3 * i + 2))]
+    items.append(item("now", 1_000, run="run-2", user=pb.UserMessage(text="go on")))
+    cp = pb.Checkpoint(active_run_id="run-2", items=items,
+                       runtime=pb.RuntimeMetadata(current_date="2026-12-01"))
+    depths = []
+    for step in range(4):
+        built = stub.Build(pb.BuildRequest(tenant_id=tenant, session_id=session, checkpoint=cp))
+        p = built.pressure
+        assert p.fits and p.left_out_items > 0  # a full window: history is cut every time
+        if not p.compaction_needed:
+            break
+        compacted = stub.Compact(pb.CompactRequest(
+            tenant_id=tenant, session_id=session, checkpoint=cp, reason="budget_pressure",
+            idempotency_key=f"loop-{step}", tokens_to_free=p.left_out_tokens))
+        depths.append(compacted.summary.depth)
+        cp.summary.CopyFrom(compacted.summary)
+    assert depths == [1, 2] and cp.summary.depth == 2 and not p.compaction_needed
+    # which is so: a Compact over the depth-2 summary is refused, advising escalation
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Compact(pb.CompactRequest(
+            tenant_id=tenant, session_id=session, checkpoint=cp, reason="budget_pressure",
+            idempotency_key="past-the-cap", tokens_to_free=p.left_out_tokens))
+    f = failure(err.value)
+    assert (f.code, f.reason) == (grpc.StatusCode.FAILED_PRECONDITION,
+                                  "COMPACTION_DEPTH_EXCEEDED")
+    assert f.metadata["advice"] == "escalate_to_child_run"

@@ -184,7 +184,8 @@ def history_with_pointers(case: Case) -> int:
 def check_floor_shortfall(case: Case, ladder: Ladder, pressure: Pressure) -> None:
     """What is left beside history once the ladder ran leaves it ``room``; history is short of
     its floor (8,000, or all of it if less) by what that room lacks, and only never-yield items
-    can be the cause: knowledge and recall are gone whenever it is short."""
+    and the body budget itself can be the cause: knowledge and recall are gone whenever it is
+    short. What the body budget is short of the floor by is the prefix's."""
     others = ladder.body(ladder.knowledge_final, ladder.recall_final, ladder.pointers,
                          len(ladder.carried))
     history = ladder.body(ladder.knowledge_final, ladder.recall_final, ladder.pointers,
@@ -192,6 +193,7 @@ def check_floor_shortfall(case: Case, ladder: Ladder, pressure: Pressure) -> Non
     floor = min(HISTORY_FLOOR_TOKENS, history)
     expected = max(floor - max(ladder.budget - others, 0), 0)
     assert pressure.history_floor_shortfall == expected
+    assert pressure.prefix_floor_shortfall == max(floor - ladder.budget, 0) <= expected
     if expected:
         assert not ladder.knowledge_final and not ladder.recall_final
         assert ladder.cut > 0 and len(ladder.pointers) == len(ladder.candidates)
@@ -504,6 +506,8 @@ def check_failure(case: Case, e: BudgetExceeded) -> None:
         check_steps_add_up(e.pressure)
         assert e.pressure.history_floor_shortfall == min(HISTORY_FLOOR_TOKENS,
                                                          history_with_pointers(case))
+        assert e.pressure.prefix_floor_shortfall == max(
+            e.pressure.history_floor_shortfall - body_budget, 0)
         # compacting what was left out only adds a summary, which never yields: it can help
         # only by merging the checkpoint's summary into a smaller one
         summary = case.cp.summary

@@ -36,6 +36,7 @@ from context_engine.domain.estimator import (
 )
 from context_engine.domain.excerpts import head_tail_excerpt, normalize_tool_results
 from context_engine.domain.items import (
+    MAX_DEPTH,
     AssistantMessageItem,
     ConversationItem,
     HistorySummary,
@@ -819,10 +820,82 @@ def test_never_yield_items_that_push_history_below_its_floor_report_the_shortfal
     assert klass(r, "knowledge").items == klass(r, "recall").items == 0
     assert p.history_floor_shortfall == HISTORY_FLOOR_TOKENS - room == HISTORY_FLOOR_TOKENS - \
         klass(r, "history").cap
+    assert p.prefix_floor_shortfall == 0  # the body budget holds the floor: none is the prefix's
     # a smaller message leaves the floor whole: history is still cut, but keeps 8,000
     held = run(lp, [*long_history(), last_user(words(1_000), seq=99)])
     assert held.pressure.compaction_needed and held.pressure.history_floor_shortfall == 0
     assert klass(held, "history").cap >= HISTORY_FLOOR_TOKENS
+
+
+def test_a_body_budget_below_the_floor_is_the_prefixs_shortfall_not_never_yield_items() -> None:
+    """A Claude prefix is an estimate, scaled by the correction factor: once ReportUsage raises
+    the factor past what Plan held the body to, the body budget itself is below history's floor.
+    The shortfall was reported whole as if never-yield items had caused it (7,060 tokens at a
+    19,000-token window, beside a three-word message); the body budget's own part is the
+    prefix's, and only the rest is what never yields."""
+    lp = plan("claude-sonnet-4-5", window=14_000)
+    assert not prefix_exact(lp.plan.spec)
+    items = [*long_history(), last_user(seq=99)]
+    held = run(lp, items)  # at the factor Plan held it to: the floor holds
+    assert held.budget.body_budget >= HISTORY_FLOOR_TOKENS
+    assert held.pressure.history_floor_shortfall == held.pressure.prefix_floor_shortfall == 0
+    for factor in (2.0, 4.0):
+        r = run(lp, items, factor=factor)
+        p, B = r.pressure, r.budget.body_budget
+        assert r.budget.prefix_tokens == math.ceil(lp.plan.prefix_tokens * factor)
+        never_yield = r.body_tokens - klass(r, "history").used
+        assert 0 < never_yield < B < HISTORY_FLOOR_TOKENS and p.fits
+        assert p.prefix_floor_shortfall == HISTORY_FLOOR_TOKENS - B
+        assert p.history_floor_shortfall - p.prefix_floor_shortfall == never_yield
+    # a failed Build's whole floor is short; the body budget's part of it is the prefix's
+    with pytest.raises(BudgetExceeded) as info:
+        run(lp, [*long_history(), last_user(words(12_000), seq=99)], factor=4.0)
+    over = info.value.pressure
+    assert isinstance(over, Pressure) and not over.fits
+    assert over.history_floor_shortfall == HISTORY_FLOOR_TOKENS
+    assert over.prefix_floor_shortfall == HISTORY_FLOOR_TOKENS - info.value.limit
+
+
+def test_a_scaled_prefix_is_named_with_its_measure_and_factor_when_it_leaves_no_floor() -> None:
+    """Plan refuses a Claude prefix a raised factor scales past the floor: the error names the
+    prefix as Build costs it, what it measured and the factor."""
+    policy = BudgetPolicy()
+    b = compute_budget(window=14_000, output_reserve=4_096, prefix_tokens=3_292, policy=policy)
+    with pytest.raises(HistoryFloorUnreachable) as info:
+        require_history_floor(b, model_id="claude-sonnet-4-5", window=14_000,
+                              prefix_tokens=3_292, policy=policy, measured_prefix_tokens=823,
+                              factor=4.0)
+    meta = info.value.metadata()
+    assert (meta["prefix_tokens"], meta["prefix_measured"], meta["estimator_factor"]) == (
+        "3292", "823", "4")
+    assert "prefix 3292 (823 measured, at the correction factor 4" in str(info.value)
+    with pytest.raises(HistoryFloorUnreachable) as info:  # an exact count: no factor named
+        require_history_floor(b, model_id="m", window=14_000, prefix_tokens=3_292,
+                              policy=policy, measured_prefix_tokens=3_292, factor=1.0)
+    assert "prefix_measured" not in info.value.metadata()
+
+
+@settings(max_examples=30)
+@given(depth=st.integers(0, MAX_DEPTH), exchanges=st.integers(0, 14),
+       message=st.integers(1, 9_000))
+def test_compaction_is_never_asked_for_over_a_summary_at_the_depth_cap(
+        depth: int, exchanges: int, message: int) -> None:
+    """Following the documented loop (Compact with tokens_to_free = left_out_tokens, build
+    again) reached depth 2, and from then on every Build said compaction_needed for a Compact
+    that always refuses COMPACTION_DEPTH_EXCEEDED. A Build that fits asks for compaction
+    exactly where history was cut and the summary can still merge; none, fitting or not, asks
+    for it over a depth-2 summary."""
+    summary = HistorySummary(text="Earlier: greetings.", depth=depth,
+                             replaced_through_sequence=0)
+    items = [*long_history(exchanges), last_user(words(message), seq=99)]
+    try:
+        p = run(plan(), items, summary=summary).pressure
+    except BudgetExceeded as e:
+        assert isinstance(e.pressure, Pressure) or e.pressure is None
+        if isinstance(e.pressure, Pressure) and e.pressure.compaction_needed:
+            assert depth < MAX_DEPTH
+        return
+    assert p.compaction_needed == (p.left_out_items > 0 and depth < MAX_DEPTH)
 
 
 def test_history_shorter_than_its_floor_falls_short_only_of_what_it_has() -> None:

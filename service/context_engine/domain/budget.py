@@ -11,8 +11,11 @@ signal that compaction is needed (``compaction_helps``: when what never yields d
 so, only where merging the current summary into a smaller one can make it fit).
 
 History's floor (8,000 tokens, or all of it if less) is guaranteed by Plan, which refuses a plan
-whose body budget cannot hold it (``require_history_floor``); when never-yield items still push
-history below it at Build, ``Pressure.history_floor_shortfall`` says by how much.
+whose body budget cannot hold it with the prefix costed as Build costs it at the tenant's
+correction factor of the time (``require_history_floor``); when never-yield items still push
+history below it at Build, or the body budget itself is below it (the factor raised since Plan,
+or pinned higher on the request), ``Pressure.history_floor_shortfall`` says by how much, and
+``Pressure.prefix_floor_shortfall`` how much of it is the body budget's.
 
 The prefix is measured once, at Plan time. Where it was counted with the model's own tokenizer
 it is exact and never scaled; where the count is itself approximate (a base factor, as for
@@ -106,9 +109,16 @@ class Pressure:
     cut_index: int  # index into the checkpoint's items of the first retained history item
     floor_index: int  # first item above the summary floor
     legacy_tool_excerpts: int
-    # what never yields left history this many tokens short of its floor (8,000, or all of the
-    # history candidates if less); 0: the floor held
+    # history was left this many tokens short of its floor (8,000, or all of the history
+    # candidates if less); 0: the floor held. What never yields, or the body budget itself
+    # (``prefix_floor_shortfall``), or both
     history_floor_shortfall: int = 0
+    # the part of ``history_floor_shortfall`` the body budget itself is short of the floor by,
+    # with every other body class empty: the prefix as this Build costs it (at its correction
+    # factor, raised by ReportUsage since Plan held the body to the floor, or pinned higher on
+    # the request) or a policy cap lowered under the plan, not what never yields; 0: the body
+    # budget holds the floor
+    prefix_floor_shortfall: int = 0
     # the event sequence a compaction replaces through to replace what the cut left out:
     # rounded up to where the sequence rises (``history.compact_through``); 0: none left out
     compact_through_sequence: int = 0
@@ -155,15 +165,20 @@ def compute_budget(*, window: int, output_reserve: int, prefix_tokens: int,
 
 
 def require_history_floor(budget: Budget, *, model_id: str, window: int, prefix_tokens: int,
-                          policy: BudgetPolicy) -> None:
+                          policy: BudgetPolicy, measured_prefix_tokens: int | None = None,
+                          factor: float | None = None) -> None:
     """Plan's guarantee of the history floor: a body budget that cannot hold 8,000 tokens of
-    history even with every other body class empty is refused, naming the numbers."""
+    history even with every other body class empty is refused, naming the numbers.
+    ``prefix_tokens``: the prefix as Build charges it (``budget`` is computed with it);
+    ``measured_prefix_tokens`` and ``factor``, where given, what it measured and the correction
+    factor that scaled it, named too where they differ."""
     if budget.body_budget < HISTORY_FLOOR_TOKENS:
         raise HistoryFloorUnreachable(
             model_id=model_id, window=window, policy_cap_tokens=policy.policy_cap_tokens,
             output_reserve=budget.output_reserve, margin_tokens=budget.margin_tokens,
             prefix_tokens=prefix_tokens, body_budget=budget.body_budget,
-            history_floor=HISTORY_FLOOR_TOKENS)
+            history_floor=HISTORY_FLOOR_TOKENS, measured_prefix_tokens=measured_prefix_tokens,
+            estimator_factor=factor)
 
 
 def prefix_cost(prefix_tokens: int, factor: float, *, exact: bool) -> int:
@@ -530,9 +545,12 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
     start = ledger.total()
     sums: list[int] | None = None
     # Everything but history that is left is what never yields (knowledge and recall are gone
-    # by now whenever history cannot keep its floor): the floor's shortfall is theirs.
+    # by now whenever history cannot keep its floor): the floor's shortfall is theirs, but for
+    # what the body budget itself is short of the floor by, which is the prefix's (as this
+    # Build costs it) however small the rest.
     floor_tokens = min(HISTORY_FLOOR_TOKENS, ledger.history_cost())
     shortfall = max(floor_tokens - max(B - (start - ledger.history_cost()), 0), 0)
+    prefix_shortfall = max(floor_tokens - B, 0)
     if start > B:
         others = start - ledger.history_cost()
         sums = running_sums(ledger.history_costs, kept)
@@ -554,7 +572,7 @@ def allocate(*, budget: Budget, prefix_tokens: int, factor: float, policy: Budge
         left_out_items=ledger.cut,
         left_out_tokens=left_out_tokens, cut_index=position(floor + ledger.cut),
         floor_index=position(floor), legacy_tool_excerpts=legacy_tool_excerpts,
-        history_floor_shortfall=shortfall,
+        history_floor_shortfall=shortfall, prefix_floor_shortfall=prefix_shortfall,
         compact_through_sequence=compact_through(ledger.history, ledger.cut, spans))
     if total > B:
         # Only never-yield items are left: name the largest of their classes.
@@ -615,7 +633,9 @@ def compaction_helps(left_out: int, total: int, body_budget: int,
                      merged: Callable[[], HistorySummary] | None = None) -> bool:
     """``Pressure.compaction_needed``: whether compacting the ``left_out`` history items and
     building again lets the body fit. Where it fits already (``total`` tokens of
-    ``body_budget``), history was cut: compaction keeps what was left out. Where it does not,
+    ``body_budget``), history was cut: compaction keeps what was left out, unless the summary
+    is at the depth cap, where Compact refuses every compaction (spec: the run has outgrown its
+    window and escalates to a child run; never true there, fitting or not). Where it does not,
     every history candidate is left out already and only what never yields is left; a
     compaction writes a summary, which never yields either, so it cannot help unless it merges
     the current summary (``summary_tokens`` of the body) into a smaller one: that summary can
@@ -629,9 +649,11 @@ def compaction_helps(left_out: int, total: int, body_budget: int,
     corrections, skill bodies, the active run) no compaction touches."""
     if left_out == 0:
         return False  # nothing to compact
+    if summary is not None and summary.depth >= MAX_DEPTH:
+        return False  # Compact refuses it (COMPACTION_DEPTH_EXCEEDED): escalate instead
     if total <= body_budget:
         return True
-    if summary is None or summary.depth >= MAX_DEPTH or total - summary_tokens >= body_budget:
+    if summary is None or total - summary_tokens >= body_budget:
         return False
     kept = (cost(replace(summary if merged is None else merged(), text=NARRATIVE_FLOOR))
             if summary.text else summary_tokens)

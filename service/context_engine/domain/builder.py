@@ -491,6 +491,16 @@ def prefix_exact(spec: PlanSpec) -> bool:
     return spec.estimator_factor == 1.0 and spec.encoding == spec.model.encoding
 
 
+def charged_prefix(spec: PlanSpec, prefix_tokens: int, estimator: TokenEstimator,
+                   factor: float) -> int:
+    """What a Build of a plan of ``spec`` whose prefix measured ``prefix_tokens`` charges the
+    prefix in its budget at correction ``factor``: with the framing the stored count leaves
+    out, scaled by the factor where the count is an estimate (``prefix_cost``). Plan and Rotate
+    hold a draft to history's floor with it, at the factor a Build would read then."""
+    return prefix_cost(prefix_tokens + uncounted_framing(spec, estimator), factor,
+                       exact=prefix_exact(spec))
+
+
 def working_state_tokens(estimator: TokenEstimator, ctx: RenderContext,
                          state: WorkingState) -> int:
     """The working-state block measured against its 1,000-token ceiling: the plan's estimator
@@ -611,8 +621,7 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
     ctx = RenderContext(session_key=loaded.session_key)
     # an approximate prefix count is scaled like the body (reconciliation measures the whole
     # estimate for such models); an exact one never is
-    prefix_tokens = prefix_cost(plan.prefix_tokens + uncounted_framing(plan.spec, estimator),
-                                factor, exact=prefix_exact(plan.spec))
+    prefix_tokens = charged_prefix(plan.spec, plan.prefix_tokens, estimator, factor)
     budget = compute_budget(window=model.context_window, output_reserve=model.output_reserve,
                             prefix_tokens=prefix_tokens, policy=policy)
     found_items = normalized(cp.items, policy.inline_maximum_bytes, memo,

@@ -154,22 +154,37 @@ class HistoryFloorUnreachable(ContextEngineError):
 
     def __init__(self, *, model_id: str, window: int, policy_cap_tokens: int,
                  output_reserve: int, margin_tokens: int, prefix_tokens: int, body_budget: int,
-                 history_floor: int) -> None:
+                 history_floor: int, measured_prefix_tokens: int | None = None,
+                 estimator_factor: float | None = None) -> None:
         self.model_id = model_id
         self.window = window
         self.policy_cap_tokens = policy_cap_tokens
         self.output_reserve = output_reserve
         self.margin_tokens = margin_tokens
-        self.prefix_tokens = prefix_tokens
+        self.prefix_tokens = prefix_tokens  # as Build charges it
         self.body_budget = body_budget
         self.history_floor = history_floor
+        # where the prefix is charged otherwise than measured (an estimate scaled by the
+        # tenant's correction factor): the measured count and the factor
+        self.measured_prefix_tokens = measured_prefix_tokens
+        self.estimator_factor = estimator_factor
         capacity = (f"min(window {window}, policy cap {policy_cap_tokens})"
                     if policy_cap_tokens else f"window {window}")
+        prefix = f"prefix {prefix_tokens}"
+        if self.scaled:
+            prefix += (f" ({measured_prefix_tokens} measured, at the correction factor "
+                       f"{estimator_factor:g} ReportUsage reconciled for it)")
         super().__init__(
             f"model {model_id}: {capacity} - output reserve {output_reserve} - margin "
-            f"{margin_tokens} - prefix {prefix_tokens} leaves a body budget of {body_budget}, "
+            f"{margin_tokens} - {prefix} leaves a body budget of {body_budget}, "
             f"below the history floor of {history_floor}; use a model with a larger window, a "
             "smaller output reserve or a smaller prefix")
+
+    @property
+    def scaled(self) -> bool:
+        """The prefix is charged at a correction factor, otherwise than it measured."""
+        return (self.measured_prefix_tokens is not None and self.estimator_factor is not None
+                and self.measured_prefix_tokens != self.prefix_tokens)
 
     def metadata(self) -> dict[str, str]:
         meta = {"model": self.model_id, "window": str(self.window),
@@ -178,6 +193,9 @@ class HistoryFloorUnreachable(ContextEngineError):
                 "history_floor": str(self.history_floor)}
         if self.policy_cap_tokens:
             meta["policy_cap"] = str(self.policy_cap_tokens)
+        if self.scaled:
+            meta["prefix_measured"] = str(self.measured_prefix_tokens)
+            meta["estimator_factor"] = f"{self.estimator_factor:g}"
         return meta
 
 

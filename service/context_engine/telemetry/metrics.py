@@ -33,9 +33,11 @@ EPOCH_REASONS = (
     *ROTATION_REASONS,
     "prefix_hash_canonicalized",
 )
-# Yield steps of Build's ladder, and history_floor: never-yield items left history below its
-# floor (Pressure.history_floor_shortfall).
-PRESSURE_STEPS = (*STEPS, "history_floor")
+# Yield steps of Build's ladder, history_floor: never-yield items left history below its floor
+# (Pressure.history_floor_shortfall past prefix_floor_shortfall), and history_floor_prefix: the
+# body budget itself was below it, the prefix costed at a correction factor raised since Plan
+# held it to the floor (Pressure.prefix_floor_shortfall).
+PRESSURE_STEPS = (*STEPS, "history_floor", "history_floor_prefix")
 FITS = ("true", "false")
 # The classes a Build can fail on (BudgetExceeded.class_name): the prefix (a policy cap lowered
 # under a pinned plan), the rows that never yield, the current user message, the summary and the

@@ -2613,7 +2613,11 @@ class Pressure(_message.Message):
     compaction_needed: _builtins.bool
     """Compacting the history left out (a write: Compact with tokens_to_free = left_out_tokens)
     and building again can make the request fit, or keep what was left out. True when history
-    was cut and the request fits. When it does not fit (Build failed BUDGET_EXCEEDED; this
+    was cut and the request fits, unless the checkpoint's summary is at depth 2, where Compact
+    refuses every compaction (COMPACTION_DEPTH_EXCEEDED): then false, history left out and
+    all: the run has outgrown its window and escalates to a child run. The summary a
+    compaction writes is part of the next Build's body, so that Build may leave out about as
+    many tokens of history again. When it does not fit (Build failed BUDGET_EXCEEDED; this
     record is its context.budget.pressure event, fits false), every history item is left out
     already and what is over the body never yields: the current user message, the working
     state, corrections, skill bodies and the active run, which no compaction touches, or the
@@ -2640,9 +2644,12 @@ class Pressure(_message.Message):
     persisted context_content excerpt where there is one) exceeds the inline maximum.
     """
     history_floor_shortfall: _builtins.int
-    """What never yields (the current user message, working state, corrections, skill bodies,
-    the active run) left history less than its 8,000-token floor: the tokens it is short by
-    (0: the floor held).
+    """History was left less than its 8,000-token floor (or all of its candidates if less): the
+    tokens it is short by (0: the floor held). Where budget.body_budget is itself below that
+    floor, that much of it is the prefix's, as this Build costs it (at a correction factor
+    ReportUsage raised after Plan held the body to the floor, or one pinned on the request);
+    the rest is what never yields (the current user message, working state, corrections,
+    skill bodies, the active run).
     """
     compact_through_sequence: _builtins.int
     """The event sequence to compact through (CompactRequest.replace_through_sequence) so that
@@ -2650,7 +2657,8 @@ class Pressure(_message.Message):
     up to where the event sequence rises. A cut can fall inside one event (a model's text
     left out, its tool call kept: both at the event's sequence); a summary's floor is a
     sequence, so the whole event is replaced, with the tool pair it begins (and so on to
-    where the sequence rises). 0 when nothing was left out (compaction_needed false).
+    where the sequence rises). 0 when nothing was left out (compaction_needed false; false
+    too, with this set, over a depth-2 summary, which no compaction may replace).
     """
     @_builtins.property
     def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___YieldStep]:
