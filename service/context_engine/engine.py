@@ -552,8 +552,8 @@ class Engine:
         plan as it will be served, before the write commits: what it raises writes nothing
         (no epoch, event, cached plan or metric). Not called when nothing is written."""
         current = await self._store.get(cmd.tenant_id, cmd.session_id)
-        # served with an older builder's escaping whatever its label says (a replica of that
-        # release rotated it): drafted anew, as a builder change
+        # served with an older builder's escaping or index whatever its label says (a replica
+        # of that release rotated it): drafted anew, as a builder change
         escaped_before = False
         if current is not None and cmd.reason_to_rotate(current.spec, self._assets) is None:
             # Pinned: tools, scopes and snapshot are not even re-resolved (a revocation is

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from context_engine.v1 import context_engine_pb2 as pb
 
-from tests.integration.requests import build_request, item, plan_request
+from tests.integration.requests import build_request, catalog, item, plan_request
 
 pytestmark = pytest.mark.integration
 
@@ -321,7 +321,7 @@ def test_a_plan_pinned_by_an_older_builder_is_current_unless_its_bytes_moved(
     request = plan_request(tenant, session, memory_snapshot=pb.MemorySnapshot(
         snapshot_id="snap-1", watermark=3, items=[pb.MemoryItem(id="m1", text=text)]))
     now = stub.Plan(request).plan
-    assert now.builder_version == BUILDER_VERSION == "context-engine-builder@8"  # today's fold
+    assert now.builder_version == BUILDER_VERSION == "context-engine-builder@9"  # today's fold
     document = json.loads(db.val("SELECT spec_text FROM plans WHERE tenant_id=$1", tenant))
     document["builder_version"] = version
     pinned = render_prefix(PlanSpec.from_canonical(document), session_key(tenant, session),
@@ -346,3 +346,90 @@ def test_a_plan_pinned_by_an_older_builder_is_current_unless_its_bytes_moved(
     else:
         assert not resp.created and resp.plan.builder_version == version
     assert stub.Build(build_request(tenant, session)).prefix_sha256 == now.prefix_sha256
+
+
+_TITLED = {"type": "object", "title": "FetchArgs", "properties": {
+    "url": {"type": "string", "title": "Absolute https URL (never a file path)"},
+    "timeout_s": {"type": "integer", "title": "Timeout S"}}, "required": ["url"]}
+
+
+def _titles(schema: Any) -> list[str]:
+    """Every ``title`` annotation of a sent schema (this one holds no property named title)."""
+    if isinstance(schema, dict):
+        return [*([schema["title"]] if "title" in schema else []),
+                *(t for v in schema.values() for t in _titles(v))]
+    return [t for v in schema for t in _titles(v)] if isinstance(schema, list) else []
+
+
+@pytest.mark.parametrize("holds", ["an entry only builder9 cuts otherwise", "nothing new"])
+def test_a_plan_builder8_pinned_keeps_its_index_and_untitled_bodies_for_its_epoch(
+        server, stub, ids, db, holds):
+    """builder@9 ends an index entry's first sentence where a sentence ends ("e.g." ends none)
+    and keeps a schema's titles but the generated ones in provider bodies. A plan builder@8
+    pinned (its document says nothing of titles) is served with the bytes it was pinned with:
+    its prefix re-rendered with @8's cut where @9's misses its hash, and its bodies dropping
+    every title, for its whole epoch. One whose prefix moved is rotated by the next Plan
+    (builder_changed); one that renders the same prefix is current (no Plan rotates it), and
+    the next rotation for any reason (an operator's Rotate here) sends the titles."""
+    from context_engine.domain import envelope
+    from context_engine.domain.canonical import session_key
+    from context_engine.domain.plan import BUILDER_VERSION, PlanSpec, render_prefix
+
+    tenant, session = ids
+    moved = holds.startswith("an entry")
+    tools = catalog()
+    tools[0].input_schema_json = json.dumps(_TITLED)
+    tools[2].description = ("Send an email, e.g. a reply. Needs a recipient." if moved
+                            else "Send an email. Needs a recipient.")
+    request = plan_request(tenant, session, tool_catalog=tools)
+    now = stub.Plan(request).plan
+    assert now.builder_version == BUILDER_VERSION == "context-engine-builder@9"
+
+    def served() -> tuple[str, list[str], str]:
+        build = build_request(tenant, session)
+        build.provider_format = pb.PROVIDER_FORMAT_ANTHROPIC_MESSAGES
+        resp = stub.Build(build)
+        body = json.loads(resp.provider_body_json)
+        (fetch,) = [t for t in body["tools"] if t["name"] == "web__fetch"]
+        index = next(t for t in resp.request.prefix_blocks if "mail.send(" in t.text).text
+        return resp.prefix_sha256, _titles(fetch["input_schema"]), index
+
+    kept = ["Absolute https URL (never a file path)"]  # not "FetchArgs", nor "Timeout S"
+    cut = "Send an email, e.g. a reply." if moved else "Send an email."
+    cut8 = "Send an email, e.g." if moved else cut  # builder@8's
+    entry = "mail.send(to, body): {}\n"
+    assert served() == (now.prefix_sha256, kept, served()[2])
+    assert entry.format(cut) in served()[2]
+
+    document = json.loads(db.val("SELECT spec_text FROM plans WHERE tenant_id=$1", tenant))
+    assert document.pop("keeps_schema_titles") is True  # builder@8 wrote no such key
+    document["builder_version"] = "context-engine-builder@8"
+    pinned = render_prefix(PlanSpec.from_canonical(document), session_key(tenant, session),
+                           fold=envelope.FOLD_8)
+    assert (pinned.prefix_sha256 != now.prefix_sha256) is moved
+    db.fetch("UPDATE plans SET spec_text=$2::text, spec=$2::text::jsonb, prefix_sha256=$3,"
+             " builder_version=$4 WHERE tenant_id=$1", tenant,
+             json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False),
+             pinned.prefix_sha256, document["builder_version"])
+    server.running.engine.cache.clear()
+    for _ in range(2):
+        sha, titles, index = served()
+        assert (sha, titles) == (pinned.prefix_sha256, [])  # as builder@8 served it
+        assert entry.format(cut8) in index
+
+    resp = stub.Plan(request)
+    if moved:
+        assert resp.created and (resp.plan.epoch, resp.plan.reason) == (2, "builder_changed")
+        assert resp.plan.prefix_sha256 == now.prefix_sha256
+    else:
+        assert not resp.created and resp.plan.builder_version == "context-engine-builder@8"
+        assert served()[:2] == (pinned.prefix_sha256, [])  # the whole epoch
+        resp = stub.Rotate(pb.RotateRequest(tenant_id=tenant, session_id=session,
+                                            reason=pb.ROTATION_REASON_OPERATOR,
+                                            idempotency_key="k-builder8"))
+        assert (resp.plan.epoch, resp.plan.reason) == (2, "operator")
+        assert resp.plan.builder_version == "context-engine-builder@8"  # the label is kept
+    assert not stub.Plan(request).created
+    sha, titles, index = served()
+    assert (sha, titles) == (now.prefix_sha256, kept)
+    assert entry.format(cut) in index

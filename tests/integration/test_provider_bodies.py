@@ -573,10 +573,11 @@ def schema_sent(body: dict[str, Any], name: str, tool: str) -> Any:
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS), ids=list(FORMATS.values()))
-def test_tool_schemas_reach_every_sdk_without_titles_or_empty_defaults(stub, ids, fmt):
-    """A pydantic-shaped schema: the bodies carry it without title annotations and empty
-    defaults (and with everything else), every SDK sends exactly that, and the request's own
-    tool definition keeps the full schema the plan pinned."""
+def test_tool_schemas_reach_every_sdk_without_generated_titles_or_empty_defaults(stub, ids, fmt):
+    """A pydantic-shaped schema with titles a person wrote: the bodies carry it without its
+    generated title annotations and empty defaults (and with everything else, the titles a
+    person wrote included), every SDK sends exactly that, and the request's own tool
+    definition keeps the full schema the plan pinned."""
     search = pb.ToolSpec(name="web.search", description="Search the web.",
                          input_schema_json=json.dumps(tool_schemas.GENERATED),
                          side_effect=pb.SIDE_EFFECT_NETWORK_READ)

@@ -564,24 +564,43 @@ def test_build_pb_returns_the_canonical_body_of_the_asked_or_default_format() ->
 
 # ----------------------------------------------------------------------------- tool schemas
 
-def test_both_bodies_omit_generated_titles_and_empty_defaults() -> None:
-    """Every title annotation and empty default goes, at any depth; properties and definitions
-    named title or default, data holding a title, and 0 / false / non-empty defaults stay.
-    The request's own definition keeps the full schema (pinned identity, measured by the cap)."""
+def _sent_schema(body: dict[str, Any], fmt: str) -> Any:
+    if fmt == p.ANTHROPIC_MESSAGES:
+        return body["tools"][0]["input_schema"]
+    if fmt == p.OPENAI_RESPONSES:
+        return body["tools"][0]["parameters"]
+    if fmt == p.OPENAI_CHAT_COMPLETIONS:
+        return body["tools"][0]["function"]["parameters"]
+    if fmt == p.GEMINI_GENERATE_CONTENT:
+        return body["tools"][0]["functionDeclarations"][0]["parametersJsonSchema"]
+    return body["toolConfig"]["tools"][0]["toolSpec"]["inputSchema"]["json"]
+
+
+@pytest.mark.parametrize(("model_id", "fmt"), [
+    ("claude-sonnet-4-5", p.ANTHROPIC_MESSAGES), ("gpt-5", p.OPENAI_RESPONSES),
+    ("gpt-5", p.OPENAI_CHAT_COMPLETIONS), ("gemini-2.5-pro", p.GEMINI_GENERATE_CONTENT),
+    ("claude-sonnet-4-5", p.BEDROCK_CONVERSE)])
+def test_every_body_omits_generated_titles_and_empty_defaults(model_id: str, fmt: str) -> None:
+    """Every generated title (a property's or definition's repeating its name, the root's
+    class name) and every empty default goes, at any depth; a title a person wrote stays, as do
+    properties and definitions named title or default, data holding a title, and 0 / false /
+    non-empty defaults. A plan pinned before builder@9 keeps its bodies dropping every title,
+    as they were served (``keeps_schema_titles``). The request's own definition keeps the full
+    schema (pinned identity, measured by the cap)."""
     catalog = (f.tool("web.search", schema=copy.deepcopy(tool_schemas.GENERATED)),)
-    for model_id, fmt, key in (("claude-sonnet-4-5", p.ANTHROPIC_MESSAGES, "input_schema"),
-                               ("gpt-5", p.OPENAI_RESPONSES, "parameters")):
-        r = built(two_runs(), catalog=catalog, model_id=model_id)
-        (definition,) = r.request.tools
-        assert json.loads(definition.input_schema_json) == tool_schemas.GENERATED
-        body = p.render(r, fmt)  # validated
-        (tool,) = body["tools"]
-        assert tool[key] == tool_schemas.PROVIDER_FORM, fmt
+    r = built(two_runs(), catalog=catalog, model_id=model_id)
+    assert r.keeps_schema_titles
+    (definition,) = r.request.tools
+    assert json.loads(definition.input_schema_json) == tool_schemas.GENERATED
+    assert _sent_schema(p.render(r, fmt), fmt) == tool_schemas.PROVIDER_FORM  # validated
+    before = replace(r, keeps_schema_titles=False)
+    assert _sent_schema(p.render(before, fmt), fmt) == tool_schemas.ALL_TITLES_DROPPED
 
 
 def test_provider_schema_leaves_its_input_alone_and_changes_nothing_else() -> None:
     schema = copy.deepcopy(tool_schemas.GENERATED)
     assert p.provider_schema(schema) == tool_schemas.PROVIDER_FORM
+    assert p.provider_schema(schema, keep_titles=False) == tool_schemas.ALL_TITLES_DROPPED
     assert schema == tool_schemas.GENERATED  # not mutated
     plain = {"type": "object", "properties": {"q": {"type": "string", "default": "x"}},
              "required": ["q"]}
@@ -613,6 +632,60 @@ def test_a_pydantic_schema_reaches_providers_without_titles_or_null_defaults() -
         assert keyword in text, keyword
 
 
+@pytest.mark.parametrize(("title", "name", "generated"), [
+    ("User Id", "user_id", True),  # pydantic's title of a field
+    ("userId", "user_id", True),
+    ("USER-ID", "user_id", True),
+    ("Größe", "größe", True),  # lower-cased by the service's own tables, not only in ASCII
+    ("Recipient e-mail address (never a name)", "to", False),
+    ("User", "user_id", False),
+    ("Id of the user", "user_id", False),
+    ("", "x", False),
+    (5, "x", False),  # not text: not a generator's
+    ("SearchArgs", None, True),  # the root's: a class name
+    ("search_args_2", None, True),
+    ("Search arguments", None, False),
+    ("Page[int]", None, False),
+    ("", None, False),
+])
+def test_a_title_is_generated_only_when_it_repeats_its_place(title: Any, name: str | None,
+                                                             generated: bool) -> None:
+    assert p.generated_title(title, name) is generated
+
+
+def test_titles_are_judged_by_their_place_in_the_schema() -> None:
+    """A property's title against its own name, a definition's against its key, the root's
+    as a class name; everywhere else (items, alternatives, a map's values, patternProperties)
+    a title is a person's and stays. A property named title is a name, never an annotation."""
+    schema = {
+        "title": "Send", "type": "object",
+        "properties": {
+            "title": {"title": "Title", "type": "string"},
+            "to": {"title": "Recipient e-mail address (never a name)", "type": "string"},
+            "when": {"title": "When", "anyOf": [{"title": "When", "type": "string"}]},
+            "cc": {"type": "array", "items": {"title": "Cc", "type": "string"}},
+        },
+        "patternProperties": {"^x-": {"title": "X-", "type": "string"}},
+        "definitions": {"Addr": {"title": "Addr", "type": "string"},
+                        "Other": {"title": "Addr", "type": "string"}},
+    }
+    assert p.provider_schema(schema) == {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string"},
+            "to": {"title": "Recipient e-mail address (never a name)", "type": "string"},
+            "when": {"anyOf": [{"title": "When", "type": "string"}]},
+            "cc": {"type": "array", "items": {"title": "Cc", "type": "string"}},
+        },
+        "patternProperties": {"^x-": {"title": "X-", "type": "string"}},
+        "definitions": {"Addr": {"type": "string"},
+                        "Other": {"title": "Addr", "type": "string"}},
+    }
+    # a root title of several words is a person's
+    assert p.provider_schema({"title": "Send a mail", "type": "object"}) == {
+        "title": "Send a mail", "type": "object"}
+
+
 def test_provider_schema_survives_the_deepest_schema_the_parser_admits() -> None:
     """Build renders schemas a caller sent: the walk is iterative, so the deepest schema the
     JSON parser admits (found from this very stack) also passes a few frames further down,
@@ -634,10 +707,10 @@ def test_provider_schema_survives_the_deepest_schema_the_parser_admits() -> None
         return deeper(frames - 1) if frames else p.provider_schema(schema)
 
     node = deeper(30)
-    for _ in range(depth):
-        assert "title" not in node
+    for level in range(depth):  # the root's class-name title goes, an item's stays
+        assert node.get("title") == (None if level == 0 else "t")
         node = node["items"]
-    assert node == {}
+    assert node == {"title": "leaf"}
 
 
 def _sent_tool_names(body: dict[str, Any], fmt: str) -> list[str]:

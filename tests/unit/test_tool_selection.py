@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from context_engine.domain.envelope import FOLD_8
 from context_engine.domain.errors import PrefixClassOverCap, RequiredToolUnavailable
 from context_engine.domain.items import index_entry
 from context_engine.domain.model import (
@@ -560,6 +561,34 @@ def test_index_entry_ignores_property_key_order() -> None:
 def test_index_entry_uses_the_first_sentence(description: str, sentence: str) -> None:
     t = f.tool("x", schema={"type": "object"}, description=description)
     assert index_entry(t) == f"x(): {sentence}"
+
+
+@pytest.mark.parametrize(("description", "sentence", "before_builder9"), [
+    ("Search the web, e.g. news sites. Returns links.", "Search the web, e.g. news sites.",
+     "Search the web, e.g."),
+    ("Calls Dr. Smith's API. More.", "Calls Dr. Smith's API.", "Calls Dr."),
+    ("Lists files in the workspace (i.e. the repo). Paginated.",
+     "Lists files in the workspace (i.e. the repo).", "Lists files in the workspace (i.e."),
+    ("Reads files, logs etc. Then stops.", "Reads files, logs etc. Then stops.",
+     "Reads files, logs etc."),  # "etc." may end a sentence too: kept whole, never cut short
+    ("Asks J. Doe. Done.", "Asks J. Doe.", "Asks J."),
+    ("Ranks Alpha vs. Beta. Done.", "Ranks Alpha vs. Beta.", "Ranks Alpha vs."),
+    ("Grows to size N. Then stops.", "Grows to size N. Then stops.", "Grows to size N."),
+    ("Sorts (asc. or desc.) rows. Done.", "Sorts (asc. or desc.) rows.", "Sorts (asc."),
+    ("Finds it [see docs. Then retry.] now. Done.", "Finds it [see docs. Then retry.] now.",
+     "Finds it [see docs."),
+    ("Is it up? checks the host. Done.", "Is it up? checks the host.", "Is it up?"),
+    ("Does x. More detail here.", "Does x.", "Does x."),
+    ("Opens (never closed. Then more.", "Opens (never closed.", "Opens (never closed."),
+    ("Version 1.5 is used. Next.", "Version 1.5 is used.", "Version 1.5 is used."),
+])
+def test_index_entry_ends_its_sentence_where_a_sentence_ends(description: str, sentence: str,
+                                                             before_builder9: str) -> None:
+    """Not after an abbreviation or an initial, inside brackets the text closes later, or
+    before a lower-case word; a plan builder@8 pinned keeps its cut (``FOLD_8``)."""
+    t = f.tool("x", schema={"type": "object"}, description=description)
+    assert index_entry(t) == f"x(): {sentence}"
+    assert index_entry(t, FOLD_8) == f"x(): {before_builder9}"
 
 
 def test_index_entry_is_rendered_in_the_prefix() -> None:

@@ -181,7 +181,9 @@ class LoadedPlan:
     rendered: RenderedPrefix
     session_key: str
     legacy: bool = False  # verified under its recorded (non-canonical) hash
-    fold: int = FOLD  # the fold its envelopes were escaped with (``envelope.FOLDS``)
+    # the fold it was rendered with (``envelope.FOLDS``): its envelopes' escaping and, before
+    # fold 9, its index entries' first sentences
+    fold: int = FOLD
 
     @property
     def legacy_fold(self) -> bool:
@@ -213,6 +215,9 @@ class BuildResult:
     # image at its model's largest cost), not counts, which a usage report is reconciled
     # around (``calibration.reconcile``'s ``bounded``).
     attachment_tokens: int = 0
+    # Provider bodies send the tool schemas' titles but the generated ones; False for a plan
+    # pinned before builder@9, whose bodies drop every title (``PlanSpec.keeps_schema_titles``)
+    keeps_schema_titles: bool = True
 
 
 def validate_checkpoint(cp: Checkpoint, field: str = "checkpoint") -> None:
@@ -895,7 +900,7 @@ def build_steps(loaded: LoadedPlan, cp: Checkpoint, *, estimator: TokenEstimator
         output_reserve=model.output_reserve, estimator_factor=factor,
         tokenizer=estimator.tokenizer, budget=report, pressure=alloc.pressure, cache_ttl=ttl,
         cache_breakpoints=select(marks, model.breakpoint_budget),
-        attachment_tokens=attachment_tokens)
+        attachment_tokens=attachment_tokens, keeps_schema_titles=plan.spec.keeps_schema_titles)
 
 
 def normalized(items: tuple[ConversationItem, ...], inline_maximum_bytes: int,
@@ -1027,8 +1032,9 @@ def load_plan(plan: ContextPlan) -> LoadedPlan:
     and marked ``legacy``, and the next Plan canonicalizes it (prefix_hash_canonicalized).
 
     A plan an older builder pinned, or a replica of an older release rotated whatever its
-    label says, may hold envelope content escaped with that builder's fold: re-rendered with
-    that fold (newest first), it is served as it was pinned (the provider's cache holds those
+    label says, may hold envelope content escaped with that builder's fold, or (before fold 9)
+    index entries cut at its first sentence mark: re-rendered with that fold (newest first),
+    it is served as it was pinned (the provider's cache holds those
     bytes) until a rotation renders it anew (``legacy_fold``: the next Plan rotates it,
     builder_changed)."""
     key = session_key(plan.tenant_id, plan.session_id)

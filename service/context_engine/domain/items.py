@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from context_engine.domain import ucd
 from context_engine.domain.canonical import canonical_json
-from context_engine.domain.envelope import FOLD, envelope, escape_content
+from context_engine.domain.envelope import FOLD, FOLD_9, envelope, escape_content
 from context_engine.domain.errors import AssemblyError
 from context_engine.domain.identifiers import MAX_ID_LENGTH
 from context_engine.domain.model import (
@@ -136,8 +136,9 @@ def one_line(text: str) -> str:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RenderContext:
     """What rendering may depend on besides the item: the session key, for envelope nonces,
-    and for Region A re-rendered from a plan an older builder pinned, that builder's fold of
-    look-alikes (``envelope._opens_delimiter``)."""
+    and for Region A re-rendered from a plan an older builder pinned, that builder's fold
+    (``envelope.FOLDS``): its fold of look-alikes (``envelope._opens_delimiter``) and, before
+    @9, its cut of an index entry's first sentence (:func:`first_sentence`)."""
 
     session_key: str
     fold: int = FOLD
@@ -255,24 +256,96 @@ class ToolDefinitions(ContextItem):
         return ""
 
 
-def first_sentence(text: str) -> str:
-    flat = " ".join(text.split())
+# Words a "." after which ends no sentence (compared lower-cased, without their final "."):
+# besides these, a capital alone (an initial: "J.") and single letters joined by dots
+# ("e.g.", "i.e.", "U.S.") are abbreviations too.
+ABBREVIATIONS = frozenset({"etc", "vs", "cf", "dr", "mr", "mrs", "ms", "st", "no", "approx",
+                           "incl", "esp"})
+_OPENING = {")": "(", "]": "[", "}": "{"}
+# what may stand before an abbreviation in its word ("(e.g." "[cf.") or open the next word
+# ("(Returns" '"Lists')
+_LEADING = "([{\"'\u201c\u2018"
+
+
+def _abbreviation(word: str) -> bool:
+    """Whether ``word``, the text before a "." back to the last space, is an abbreviation."""
+    word = word.lstrip(_LEADING)
+    if len(word) == 1:
+        return ucd.category(word) == "Lu"
+    parts = word.split(".")
+    return ucd.lower(word) in ABBREVIATIONS or (len(parts) > 1 and all(
+        len(p) == 1 and ucd.category(p)[0] == "L" for p in parts))
+
+
+def _enclosed(flat: str) -> list[bool]:
+    """For each position of ``flat``: whether it lies between a bracket, parenthesis or brace
+    and the one that closes it later. A close matches the nearest open of its kind still open
+    (those opened after it are left open); one that matches none, and an open never closed,
+    enclose nothing."""
+    opened: list[tuple[str, int]] = []
+    depth = [0] * (len(flat) + 1)  # +1 where an enclosed stretch starts, -1 after it ends
     for i, ch in enumerate(flat):
-        if ch in ".!?" and (i + 1 == len(flat) or flat[i + 1] == " "):
-            return flat[:i + 1]
+        if ch in "([{":
+            opened.append((ch, i))
+        elif ch in _OPENING:
+            at = next((k for k in range(len(opened) - 1, -1, -1)
+                       if opened[k][0] == _OPENING[ch]), None)
+            if at is not None:
+                depth[opened[at][1]] += 1
+                depth[i + 1] -= 1
+                del opened[at:]
+    inside, level = [], 0
+    for step in depth[:-1]:
+        level += step
+        inside.append(level > 0)
+    return inside
+
+
+def first_sentence(text: str, fold: int = FOLD) -> str:
+    """The description's first sentence, its white space flattened to single spaces.
+
+    From builder@9 (``fold`` ``FOLD_9``; an index pinned before it is re-rendered with the rule
+    before, ``builder.load_plan``) a sentence ends at a ".", "!" or "?" followed by a space
+    (or at the end of the text) unless: it is a "." after an abbreviation (``ABBREVIATIONS``,
+    an initial: "J.", or single letters joined by dots: "e.g.", "i.e."); it lies inside
+    parentheses, brackets or braces the text closes later; or the next word starts with a
+    lower-case letter (Unicode's category Ll, by the service's own tables: "e.g. news sites").
+    Deterministic, and no more: a sentence that ends after a capital alone ("of size N. Then")
+    runs on. Before @9 a sentence ended at any ".", "!" or "?" followed by a space."""
+    flat = " ".join(text.split())
+    if fold < FOLD_9:
+        for i, ch in enumerate(flat):
+            if ch in ".!?" and (i + 1 == len(flat) or flat[i + 1] == " "):
+                return flat[:i + 1]
+        return flat
+    inside: list[bool] | None = None
+    for i, ch in enumerate(flat):
+        if ch not in ".!?" or i + 1 == len(flat) or flat[i + 1] != " ":
+            continue
+        if ch == "." and _abbreviation(flat[flat.rfind(" ", 0, i) + 1:i]):
+            continue
+        following = flat[i + 2:].lstrip(_LEADING)
+        if following and ucd.category(following[0]) == "Ll":
+            continue
+        if inside is None:
+            inside = _enclosed(flat)
+        if inside[i]:
+            continue
+        return flat[:i + 1]
     return flat
 
 
-def index_entry(tool: ToolSpec) -> str:
+def index_entry(tool: ToolSpec, fold: int = FOLD) -> str:
     """``name(required..., optional?...): first sentence`` — required parameters in the order of
-    the schema's ``required`` array, optional ones by name (jsonb keeps no key order)."""
+    the schema's ``required`` array, optional ones by name (jsonb keeps no key order); the
+    sentence as ``fold``'s builder cut it (:func:`first_sentence`)."""
     props = tool.input_schema.get("properties")
     names = sorted(props) if isinstance(props, dict) else []
     req = tool.input_schema.get("required")
     required = [r for r in req if isinstance(r, str)] if isinstance(req, list) else []
     optional = [n for n in names if n not in required]
     params = ", ".join(required + [f"{n}?" for n in optional])
-    return f"{tool.name}({params}): {first_sentence(tool.description)}"
+    return f"{tool.name}({params}): {first_sentence(tool.description, fold)}"
 
 
 def entry_trust(tool: ToolSpec) -> TrustLevel:
@@ -286,7 +359,7 @@ INDEX_HEADER = "Deferred tools (call them through tool.call with name and argume
 def index_line(tool: ToolSpec, ctx: RenderContext) -> str:
     """One rendered index entry; external entries in their own envelope."""
     return "- " + envelope(trust=entry_trust(tool), source=f"tool-index:{tool.server}",
-                           item_id=tool.name, content=index_entry(tool),
+                           item_id=tool.name, content=index_entry(tool, ctx.fold),
                            session_key=ctx.session_key,
                            fold=ctx.fold)
 

@@ -99,9 +99,18 @@ from context_engine.domain.trust import Region, TrustLevel
 # right-to-left confusables, and combining letters both dropped and as their letters
 # (``envelope.FOLD_8``): a @7 plan is current where it renders the same bytes, as all but one
 # holding such a look-alike do; that one is served with @7's fold and rotated alike.
-BUILDER_VERSION = "context-engine-builder@8"
+# @9: a deferred index entry's first sentence ends where a sentence ends, not after "e.g." or
+# "Dr.", inside parentheses or before a lower-case word (``items.first_sentence``, under
+# ``envelope.FOLD_9``), and provider bodies keep a tool schema's titles but the generated ones
+# (``provider_common.provider_schema``). A @8 plan is current where it renders the same
+# prefix, as all but one holding such an entry do; that one is served with @8's entries and
+# rotated alike. Provider bodies are outside the hash: a plan pinned before @9 says so
+# (``PlanSpec.keeps_schema_titles`` False) and its bodies drop every title, as it was served,
+# for its whole epoch; whatever rotates it next (Plan, Rotate) pins one that keeps them.
+BUILDER_VERSION = "context-engine-builder@9"
 SAME_BYTES = frozenset({"context-engine-builder@4", "context-engine-builder@5",
-                        "context-engine-builder@6", "context-engine-builder@7"})
+                        "context-engine-builder@6", "context-engine-builder@7",
+                        "context-engine-builder@8"})
 PREFIX_CEILING = 22_000
 TTL_DEFAULT = "5m"
 TTL_SCHEDULED = "1h"
@@ -172,6 +181,12 @@ class PlanSpec:
     # a plan from before it was counted, and for one a replica of such a release rotated (its
     # documents leave out what it does not know).
     counts_leading_turn: bool = True
+    # Whether provider bodies send the tool schemas' titles but the generated ones (builder@9,
+    # ``provider_common.provider_schema``): False for a plan from before, whose bodies drop
+    # every title as they were served when it was pinned (they are outside ``prefix_sha256``),
+    # and for one a replica of such a release rotated. Kept by a plan re-appended as it is
+    # (prefix_hash_canonicalized); every plan drafted anew keeps them.
+    keeps_schema_titles: bool = True
     # The ceilings of what was accepted (the working state's 1,000 tokens, the loaded skills'
     # 6,000) are measured with the encoding and factor of the session's first epoch, which
     # every rotation keeps (``keeping_state_measure``): a state or skill the service accepted
@@ -207,6 +222,7 @@ class PlanSpec:
             "encoding": self.encoding,
             "estimator_factor": self.estimator_factor,
             "counts_leading_turn": self.counts_leading_turn,
+            "keeps_schema_titles": self.keeps_schema_titles,
             # only where it differs from the plan's own: other plans' documents are unchanged
             **({} if self.state_measure is None
                else {"state_measure": list(self.state_measure)}),
@@ -234,6 +250,7 @@ class PlanSpec:
             authority_scope_hashes=(None if d.get("authority_scope_hashes") is None
                                     else tuple(d["authority_scope_hashes"])),
             cache_ttl=d["cache_ttl"],
+            keeps_schema_titles=d.get("keeps_schema_titles", False),
             tokenizer=d["tokenizer"],
             encoding=d["encoding"],
             estimator_factor=d["estimator_factor"],
@@ -511,6 +528,7 @@ def draft_pinned(inputs: PlanInputs, pinned: PlanSpec, session_key: str,
         raise InvalidInput(violations)
     spec = replace(
         pinned, builder_version=BUILDER_VERSION, counts_leading_turn=True,
+        keeps_schema_titles=True,
         assets=inputs.assets, agent=inputs.agent,
         persona=inputs.persona, memory_snapshot=inputs.memory_snapshot, model=inputs.model,
         session_kind=inputs.session_kind,
@@ -658,6 +676,7 @@ def redraft(spec: PlanSpec, session_key: str, estimator: TokenEstimator, *,
                   tools=tools, deferred=deferred, skill_catalog=catalog,
                   model=model or spec.model,
                   memory_snapshot=spec.memory_snapshot if snapshot is None else snapshot,
+                  keeps_schema_titles=True,  # a new epoch's bodies keep the schemas' titles
                   tokenizer=estimator.tokenizer, encoding=estimator.encoding,
                   estimator_factor=estimator.base_factor)
     rendered = render_prefix(new, session_key)

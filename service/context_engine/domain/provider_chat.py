@@ -41,7 +41,7 @@ from context_engine.domain.provider_common import (
     check_call_ids,
     joined_prefix,
     tool_names,
-    tool_schema,
+    tool_schemas,
 )
 from context_engine.domain.request import Role
 
@@ -98,11 +98,11 @@ def openai_chat_completions(result: BuildResult) -> JSON:
         "max_completion_tokens": result.output_reserve,
     }
     tools: list[JSON] = []
-    for t in req.tools:
+    for t, schema in zip(req.tools, tool_schemas(result), strict=True):
         function: JSON = {"name": names[t.name]}
         if t.description:
             function["description"] = t.description
-        function["parameters"] = tool_schema(t.input_schema_json)
+        function["parameters"] = schema
         tools.append({"type": "function", "function": function})
     if tools:
         body["tools"] = tools

@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from context_engine.domain import ucd
 from context_engine.domain.breakpoints import DEFAULT_TTL, PRIORITY, SUMMARY_ITEM
 from context_engine.domain.builder import BuildResult
 from context_engine.domain.canonical import parse_json_object
@@ -209,9 +210,9 @@ def top_level_refusal(name: str, schema: Mapping[str, Any], provider_format: str
 
 
 def claude_tool_schemas(result: BuildResult, provider_format: str) -> list[JSON]:
-    """Each definition's schema as a Claude body sends it (:func:`tool_schema`), refusing
+    """Each definition's schema as a Claude body sends it (:func:`tool_schemas`), refusing
     the render when one holds alternatives at its top level (:func:`top_level_refusal`)."""
-    schemas = [tool_schema(t.input_schema_json) for t in result.request.tools]
+    schemas = tool_schemas(result)
     refusals = [why for t, s in zip(result.request.tools, schemas, strict=True)
                 if (why := top_level_refusal(t.name, s, provider_format, result.model_id))
                 is not None]
@@ -232,11 +233,20 @@ def claude_system_texts(result: BuildResult) -> list[str]:
 
 
 def tool_schema(text: str) -> JSON:
-    """A definition's input schema as provider bodies send it (:func:`provider_schema`)."""
+    """A definition's input schema, parsed (provider bodies send :func:`tool_schemas`)."""
     value = parse_json_object(text)
     if value is None:  # tool schemas are canonical JSON objects by construction
         raise AssemblyError("a tool definition's input schema is not a JSON object")
-    return provider_schema(value)
+    return value
+
+
+def tool_schemas(result: BuildResult) -> list[JSON]:
+    """Each definition's input schema as ``result``'s provider bodies send it
+    (:func:`provider_schema`): with the titles a person wrote, unless its plan was pinned
+    before builder@9 (``BuildResult.keeps_schema_titles``)."""
+    return [provider_schema(tool_schema(t.input_schema_json),
+                            keep_titles=result.keeps_schema_titles)
+            for t in result.request.tools]
 
 
 # JSON Schema keywords (draft-07 and 2020-12) whose value is a subschema, a list of subschemas,
@@ -257,33 +267,66 @@ def _empty_default(value: Any) -> bool:
     return value is None or (isinstance(value, (str, list, dict)) and not value)
 
 
-def provider_schema(schema: JSON) -> JSON:
+# The maps whose entries' names a generated title repeats: a property's name (pydantic's
+# "User Id" for user_id), a definition's key (its class name).
+_NAMED_MAPS = frozenset({"properties", "$defs", "definitions"})
+# A root title that is one identifier-like word: a class name ("SearchArgs"), as generators
+# title the root.
+_CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _bare(text: str) -> str:
+    """``text`` lower-cased and stripped of all but letters and digits, by the service's own
+    tables (``ucd``): the same on every replica whatever its interpreter's Unicode."""
+    return "".join(ch for ch in ucd.lower(text) if ucd.category(ch)[0] in "LN")
+
+
+def generated_title(title: Any, name: str | None) -> bool:
+    """Whether ``title``, a subschema's ``title``, carries nothing beyond the subschema's
+    place: the name it has in ``properties``, ``$defs`` or ``definitions`` (``name``), once
+    both are lower-cased and stripped to letters and digits ("User Id" of ``user_id``), or at
+    the root (``name`` None) one identifier-like word. Anything else a person wrote."""
+    if not isinstance(title, str):
+        return False
+    if name is None:
+        return _CLASS_NAME.fullmatch(title) is not None
+    return _bare(title) == _bare(name)
+
+
+def provider_schema(schema: JSON, *, keep_titles: bool = True) -> JSON:
     """A tool's input schema as provider bodies send it (spec: "Provider serialization omits
     redundant generated titles and empty default annotations while retaining every validation
-    keyword and meaningful non-empty default"): every ``title`` annotation and every empty
-    ``default`` at a schema position is dropped, at any depth; nothing else changes. The
-    plan's tool definitions keep the full schema: it is the pinned identity, and the
-    tool-definition cap measures that larger form. Iterative: a schema nested as deep as the
-    JSON parser admits must not exhaust the stack here."""
+    keyword and meaningful non-empty default"): every generated ``title`` annotation
+    (:func:`generated_title`) and every empty ``default`` at a schema position is dropped, at
+    any depth; nothing else changes. ``keep_titles`` False drops every ``title`` annotation,
+    as provider bodies did before builder@9 (a plan pinned before it keeps them so for its
+    whole epoch: ``PlanSpec.keeps_schema_titles``). The plan's tool definitions keep the full
+    schema: it is the pinned identity, and the tool-definition cap measures that larger form.
+    Iterative: a schema nested as deep as the JSON parser admits must not exhaust the stack
+    here."""
     root: JSON = {}
-    todo: list[tuple[JSON, JSON]] = [(schema, root)]
+    # (subschema, its copy, whether a generator titles it, and after what: its name in a map
+    # of named subschemas, None at the root)
+    todo: list[tuple[JSON, JSON, bool, str | None]] = [(schema, root, True, None)]
 
-    def later(sub: Any) -> Any:
+    def later(sub: Any, name: str | None = None, *, named: bool = False) -> Any:
         if not isinstance(sub, dict):
             return sub  # a boolean schema, or not a schema at all: verbatim
         copy: JSON = {}
-        todo.append((sub, copy))
+        todo.append((sub, copy, named, name))
         return copy
 
     while todo:
-        source, out = todo.pop()
+        source, out, titled, name = todo.pop()
         for key, value in source.items():
-            if key == "title":
+            if key == "title" and (not keep_titles or (
+                    titled and generated_title(value, name))):
                 continue
             if key == "default" and _empty_default(value):
                 continue
             if key in _SCHEMA_MAPS and isinstance(value, dict):
-                out[key] = {name: later(sub) for name, sub in value.items()}
+                out[key] = {entry: later(sub, entry, named=key in _NAMED_MAPS)
+                            for entry, sub in value.items()}
             elif key in _SCHEMA_LISTS and isinstance(value, list):
                 out[key] = [later(sub) for sub in value]
             elif key in _ONE_SCHEMA:

@@ -61,7 +61,7 @@ from context_engine.domain.provider_common import (
     provider_tool_names,
     reasoning_object,
     request_tool_names,
-    tool_schema,
+    tool_schemas,
     unreplayable,
 )
 from context_engine.domain.provider_formats import gemini_tool_name as gemini_tool_name
@@ -157,11 +157,11 @@ def gemini_generate_content(result: BuildResult) -> JSON:
     if system:
         body["systemInstruction"] = {"parts": [{"text": system}]}
     declarations: list[JSON] = []
-    for t in req.tools:
+    for t, schema in zip(req.tools, tool_schemas(result), strict=True):
         declaration: JSON = {"name": names[t.name]}
         if t.description:
             declaration["description"] = t.description
-        declaration["parametersJsonSchema"] = tool_schema(t.input_schema_json)
+        declaration["parametersJsonSchema"] = schema
         declarations.append(declaration)
     if declarations:
         body["tools"] = [{"functionDeclarations": declarations}]

@@ -81,9 +81,10 @@ from context_engine.domain.provider_common import (
     message_key,
     reasoning_payload,
     tool_names,
-    tool_schema,
+    tool_schemas,
     top_level_refusal,
 )
+from context_engine.domain.provider_common import generated_title as generated_title
 from context_engine.domain.provider_common import provider_schema as provider_schema
 from context_engine.domain.provider_common import provider_tool_name as provider_tool_name
 from context_engine.domain.provider_common import provider_tool_names as provider_tool_names
@@ -216,9 +217,9 @@ def openai_responses(result: BuildResult) -> JSON:
             items.append({"type": "function_call", "call_id": c.call_id,
                           "name": names[c.name], "arguments": c.arguments_json})
     tools: list[JSON] = []
-    for t in req.tools:
+    for t, schema in zip(req.tools, tool_schemas(result), strict=True):
         tool: JSON = {"type": "function", "name": names[t.name],
-                      "parameters": tool_schema(t.input_schema_json), "strict": False}
+                      "parameters": schema, "strict": False}
         if t.description:
             tool["description"] = t.description
         tools.append(tool)
