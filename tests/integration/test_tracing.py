@@ -169,11 +169,12 @@ def test_rpc_spans_continue_the_callers_trace(tstub, ids, exporter):
     assert rpc_plan.context is not None and rpc_plan.context.trace_state.get("vendor") == \
         "opaque"
 
-    # Plan: the prefix rendered, and the database calls that read and pinned it, and that
+    # Plan: the prefix rendered, and the database calls that read the tenant's correction
+    # factor (the body is held to history's floor at it), read and pinned the plan, and
     # claimed the new epoch's count once its COMMIT answered.
     names = sorted(s.name for s in children(spans, rpc_plan))
-    assert names == ["context_engine.plan.render", "db plans.claim_count", "db plans.get",
-                     "db plans.pin"]
+    assert names == ["context_engine.plan.render", "db calibrations.get",
+                     "db plans.claim_count", "db plans.get", "db plans.pin"]
     pin = one(spans, "db plans.pin")
     assert pin.kind is SpanKind.INTERNAL
     assert (pin.attributes or {})["db.system.name"] == "postgresql"
@@ -184,11 +185,13 @@ def test_rpc_spans_continue_the_callers_trace(tstub, ids, exporter):
     assert any("INSERT INTO plans" in q for q in sql), sql
     assert statements(spans, one(spans, "db plans.get"))
 
-    # Build: the pure build (with its history selection), the rendering, the factor's read.
+    # Build: the pure build (with its history selection), the rendering, the session's read
+    # (the factor's read is the Plan's just before, kept for 5 s)
     under_build = {s.name for s in children(spans, rpc_build)}
     assert {"context_engine.build", "context_engine.render",
-            "db calibrations.get"} <= under_build
-    assert statements(spans, one(spans, "db calibrations.get"))
+            "db sessions.current"} <= under_build
+    factor_reads = [s for s in spans if s.name == "db calibrations.get"]
+    assert factor_reads and all(statements(spans, s) for s in factor_reads)
     build = one(spans, "context_engine.build")
     history = one(children(spans, build), "context_engine.history_selection")
     assert (history.attributes or {})["context_engine.derived"] is True
@@ -739,7 +742,10 @@ def test_otlp_over_http_from_worker_processes(database_url, ids, tmp_path: Path)
     db = [s for s in below if s.kind == trace_pb2.Span.SPAN_KIND_CLIENT]
     assert db and all(attributes(s)["db.system"] == "postgresql" for s in db)
     assert all(not [k for k in attributes(s) if "parameters" in k] for s in db)
-    assert {"context_engine.build", "db calibrations.get"} <= {s.name for s in below}
+    # the store's reads under it: the session's current epoch, always (its correction factor,
+    # "db calibrations.get", only where the worker serving the Build had not read it for the
+    # Plan just before)
+    assert {"context_engine.build", "db sessions.current"} <= {s.name for s in below}
     resource = next(r for r, s in spans if s.span_id == rpc.span_id)
     assert resource["service.name"] == "ce-under-test"
     assert resource["service.version"] == __version__
