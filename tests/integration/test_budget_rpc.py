@@ -275,7 +275,7 @@ def _scaled_past_the_floor(f, factor: float) -> None:
 
 def test_plan_holds_the_floor_with_the_prefix_at_the_tenants_correction_factor(
         stub, ids, db, server):
-    """Reviewer's reproduction: one ReportUsage moved the tenant's Claude factor from 1.0 to
+    """One ReportUsage moved the tenant's Claude factor from 1.0 to
     3.0; Plans were still accepted with the body budget of the unscaled prefix, and every Build
     then cut history far below its floor (7,060 tokens short at a 19,000-token window),
     reported as never-yield items' doing; at a factor of 4 a session Plan accepted failed every

@@ -507,7 +507,7 @@ def test_negative_event_ids_in_a_summary_are_refused_at_their_fields(stub, ids, 
 
 
 def test_following_the_compaction_loop_stops_asking_at_the_depth_cap(stub, ids):
-    """Reviewer's reproduction: on gpt-4o at a 20,000-token window, the documented loop
+    """On gpt-4o at a 20,000-token window, the documented loop
     (Compact with tokens_to_free = left_out_tokens, write the summary, build again) went from
     no summary to depth 1 and 2, each summary a new part of the body that pushed history out
     again; from then on every Build said compaction_needed for a Compact that always fails

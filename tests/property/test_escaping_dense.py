@@ -1,6 +1,6 @@
 """Escaping text dense in "<" look-alikes (gate_trust).
 
-A reviewer found that each non-ASCII "<" look-alike cost a fold of the character after it
+Each non-ASCII "<" look-alike once cost a fold of the character after it
 (NFKD, the look-alike table, lower-casing: about 7 microseconds), so one 16 MiB item of "≤"
 held a Build for some 44 s against 0.3 s for plain text. The scan's steps are now kept per
 character, and a run of look-alikes is passed over in one regex step. The output must be the

@@ -1236,7 +1236,7 @@ def test_an_image_is_estimated_at_no_less_than_its_documented_cost(model_id: str
     assert estimate(pdf(1)) - estimate() >= 3_000 + IMAGE_COSTS[model_id]
 
 
-# The reviewer's text files: what the adapter inlines, counted by the oracle's tiktoken.
+# Text files of several scripts: what the adapter inlines, counted by the oracle's tiktoken.
 TEXT_FILES = {
     "chinese": ("这是一个关于季度财务报告的文件，包含收入、成本和利润的详细分析。"
                 "我们需要检查每个部门的预算执行情况。") * 200,

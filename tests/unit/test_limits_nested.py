@@ -84,7 +84,7 @@ def test_the_depth_bound_reaches_the_deepest_repeated_field() -> None:
     assert deepest == limits_module._MAX_DEPTH
 
 
-def test_the_reviewers_requests_are_refused_at_the_default_limit() -> None:
+def test_the_oversized_requests_are_refused_at_the_default_limit() -> None:
     """100,001 calls in one checkpoint item; one tool with 1,000,000 required scopes."""
     defaults = Limits(max_concurrent=64, max_items=100_000, max_item_bytes=16 * 1024 * 1024)
     build = pb.BuildRequest(tenant_id="t", session_id="s")

@@ -58,7 +58,7 @@ def test_an_unknown_pointer_kind_is_refused() -> None:
 
 
 def test_negative_event_ids_are_refused_at_their_own_fields() -> None:
-    """The reviewer's summary: "Source event ids: -7, 0" and "-> event:-5" printed as platform
+    """A summary's "Source event ids: -7, 0" and "-> event:-5" printed as platform
     text. A negative id is refused where it stands; 0 is a valid sequence (and a pointer's
     event 0 is none: the pointer names its item)."""
     violations, _ = read(summary(source_event_ids=[-7, 0, 4], elided=[span(event_id=-5),

@@ -32,7 +32,7 @@ from tests.support.provider_tokens import Oracle
 from tests.support.provider_tokens import encoding as oracle_encoding
 
 # Designer and test code whose camelCase identifiers cl100k_base holds whole and o200k_base
-# splits (the reviewer's gpt-oss sample): o200k_base counts it up to 2.375x cl100k_base.
+# splits (a gpt-oss sample): o200k_base counts it up to 2.375x cl100k_base.
 CAMEL_CODE = """this.dataGridView1.ColumnHeadersHeightSizeMode = System.Windows.Forms.\
 DataGridViewColumnHeadersHeightSizeMode.AutoSize;
 this.dataGridViewTextBoxColumn1.DefaultCellStyle = dataGridViewCellStyle1;
@@ -107,7 +107,7 @@ def test_o200k_harmony_loads_offline_and_counts_as_o200k_base(tmp_path, monkeypa
 
 
 def test_gpt_oss_estimate_is_not_below_o200k_over_camel_case_code():
-    """The reviewer's repro: gpt-oss counted with cl100k_base x 1.1 estimated 3,204 tokens for
+    """gpt-oss counted with cl100k_base x 1.1 estimated 3,204 tokens for
     a chat-completions body o200k counts at 4,333."""
     from context_engine.domain import providers
 

@@ -390,7 +390,7 @@ def test_agent_without_tool_call_records_overflow_as_skipped() -> None:
 
 def _enabled_short_of_the_cap_by_less_than_tool_call() -> tuple[ToolSpec, ...]:
     """Explicitly enabled tools that fit the token cap on their own, with less room left than
-    tool.call's definition costs (the reviewer's repro: 8,939 of 9,000, tool.call 123)."""
+    tool.call's definition costs (8,939 of 9,000, tool.call 123)."""
     call = h.cost_of(f.CONTROL_TOOLS["tool.call"])
     head = tuple(h.sized_tool(f"web.t{i}", 1_000) for i in range(4))
     last = h.sized_tool("web.zz", TOOL_TOKEN_CAP - call // 2 - sum(map(h.cost_of, head)))
