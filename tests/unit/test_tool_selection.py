@@ -577,15 +577,21 @@ def test_index_entry_uses_the_first_sentence(description: str, sentence: str) ->
     ("Sorts (asc. or desc.) rows. Done.", "Sorts (asc. or desc.) rows.", "Sorts (asc."),
     ("Finds it [see docs. Then retry.] now. Done.", "Finds it [see docs. Then retry.] now.",
      "Finds it [see docs."),
-    ("Is it up? checks the host. Done.", "Is it up? checks the host.", "Is it up?"),
+    ("Is it up? checks the host. Done.", "Is it up?", "Is it up?"),
+    # lower case is no sign of a sentence going on: MCP servers often write descriptions so
+    ("list the files of a directory. returns names and sizes.",
+     "list the files of a directory.", "list the files of a directory."),
+    ("Sort by date. then by name.", "Sort by date.", "Sort by date."),
+    ("Fetch a web page. e.g. for docs. Returns text.", "Fetch a web page.", "Fetch a web page."),
     ("Does x. More detail here.", "Does x.", "Does x."),
     ("Opens (never closed. Then more.", "Opens (never closed.", "Opens (never closed."),
     ("Version 1.5 is used. Next.", "Version 1.5 is used.", "Version 1.5 is used."),
 ])
 def test_index_entry_ends_its_sentence_where_a_sentence_ends(description: str, sentence: str,
                                                              before_builder9: str) -> None:
-    """Not after an abbreviation or an initial, inside brackets the text closes later, or
-    before a lower-case word; a plan builder@8 pinned keeps its cut (``FOLD_8``)."""
+    """Not after an abbreviation or an initial, nor inside brackets the text closes later,
+    whatever the case of the next word; a plan builder@8 pinned keeps its cut
+    (``FOLD_8``)."""
     t = f.tool("x", schema={"type": "object"}, description=description)
     assert index_entry(t) == f"x(): {sentence}"
     assert index_entry(t, FOLD_8) == f"x(): {before_builder9}"

@@ -262,8 +262,7 @@ class ToolDefinitions(ContextItem):
 ABBREVIATIONS = frozenset({"etc", "vs", "cf", "dr", "mr", "mrs", "ms", "st", "no", "approx",
                            "incl", "esp"})
 _OPENING = {")": "(", "]": "[", "}": "{"}
-# what may stand before an abbreviation in its word ("(e.g." "[cf.") or open the next word
-# ("(Returns" '"Lists')
+# what may stand before an abbreviation in its word ("(e.g." "[cf.")
 _LEADING = "([{\"'\u201c\u2018"
 
 
@@ -307,11 +306,12 @@ def first_sentence(text: str, fold: int = FOLD) -> str:
     From builder@9 (``fold`` ``FOLD_9``; an index pinned before it is re-rendered with the rule
     before, ``builder.load_plan``) a sentence ends at a ".", "!" or "?" followed by a space
     (or at the end of the text) unless: it is a "." after an abbreviation (``ABBREVIATIONS``,
-    an initial: "J.", or single letters joined by dots: "e.g.", "i.e."); it lies inside
-    parentheses, brackets or braces the text closes later; or the next word starts with a
-    lower-case letter (Unicode's category Ll, by the service's own tables: "e.g. news sites").
-    Deterministic, and no more: a sentence that ends after a capital alone ("of size N. Then")
-    runs on. Before @9 a sentence ended at any ".", "!" or "?" followed by a space."""
+    an initial: "J.", or single letters joined by dots: "e.g.", "i.e."); or it lies inside
+    parentheses, brackets or braces the text closes later. The case of the next word does not
+    matter (descriptions written in lower case are common: "list the files. returns names."
+    is cut after "files."). Deterministic, and no more: a sentence that ends after a capital
+    alone ("of size N. Then") runs on, and one ending in an abbreviation not listed ("fig.")
+    ends there. Before @9 a sentence ended at any ".", "!" or "?" followed by a space."""
     flat = " ".join(text.split())
     if fold < FOLD_9:
         for i, ch in enumerate(flat):
@@ -323,9 +323,6 @@ def first_sentence(text: str, fold: int = FOLD) -> str:
         if ch not in ".!?" or i + 1 == len(flat) or flat[i + 1] != " ":
             continue
         if ch == "." and _abbreviation(flat[flat.rfind(" ", 0, i) + 1:i]):
-            continue
-        following = flat[i + 2:].lstrip(_LEADING)
-        if following and ucd.category(following[0]) == "Ll":
             continue
         if inside is None:
             inside = _enclosed(flat)

@@ -100,7 +100,7 @@ from context_engine.domain.trust import Region, TrustLevel
 # (``envelope.FOLD_8``): a @7 plan is current where it renders the same bytes, as all but one
 # holding such a look-alike do; that one is served with @7's fold and rotated alike.
 # @9: a deferred index entry's first sentence ends where a sentence ends, not after "e.g." or
-# "Dr.", inside parentheses or before a lower-case word (``items.first_sentence``, under
+# "Dr." or inside parentheses (``items.first_sentence``, under
 # ``envelope.FOLD_9``), and provider bodies keep a tool schema's titles but the generated ones
 # (``provider_common.provider_schema``). A @8 plan is current where it renders the same
 # prefix, as all but one holding such an entry do; that one is served with @8's entries and

@@ -9,7 +9,9 @@ enables ``tool.call``, and what fits in neither is recorded as skipped. Nothing 
 re-runs without it, so its definition slot goes back to a real tool (ADR-0123). Likewise when
 only discovered tools overflowed and ``tool.call``'s own definition would take the required,
 control and enabled tools past the token cap: the selection without it stands and the overflow
-is skipped, so adding a discovered tool never makes a plan fail. An agent that configures
+is skipped, so adding a discovered tool never makes a plan fail over the tool cap (its
+definition, where it fits, still counts in the prefix that Plan holds to history's floor:
+engine.py). An agent that configures
 deferrals needs ``tool.call`` itself, and fails at plan time if it does not fit.
 """
 
@@ -171,6 +173,7 @@ def select_tools(inputs: PlanInputs, *, tool_cost: Callable[[ToolSpec], int],
             # Only discovered tools overflowed, and tool.call's definition would take the
             # enabled tools past the cap: the selection without tool.call stands and the
             # overflow is skipped, so adding a discovered tool never fails a plan that opens
+            # over the tool cap
             # (nothing to index: the branch below keeps the first attempt).
             with_call, overflow_with_call, used_with_call = [], [], 0
         entries, unindexed, tokens = _admit_to_index(
