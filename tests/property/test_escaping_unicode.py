@@ -14,6 +14,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import unicodedata
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,21 +40,30 @@ NAMES = ("untrusted", "user", "memory")
 LETTERS = sorted(set("".join(NAMES)))
 
 
-def _accented(letter: str) -> list[str]:
-    """Every character that is ``letter`` (either case) with marks: "ü", "Ú", "ǔ"..."""
-    found = []
-    for code in range(0x80, 0x30000):
-        ch = chr(code)
+def _by_letter(read: Callable[[str], str | None], start: int = 0x80) -> dict[str, list[str]]:
+    """Each tag letter's characters, in code point order: those ``read`` reads as it (one
+    pass over Unicode for every letter: the suite's workers each collect this module)."""
+    found: dict[str, list[str]] = {letter: [] for letter in LETTERS}
+    for code in range(start, 0x30000):
         if 0xD800 <= code <= 0xDFFF:
             continue
-        decomposed = unicodedata.normalize("NFD", ch)
-        if len(decomposed) > 1 and decomposed[0].lower() == letter and all(
-                unicodedata.category(c) in ("Mn", "Me") for c in decomposed[1:]):
-            found.append(ch)
+        ch = chr(code)
+        letter = read(ch)
+        if letter in found:
+            found[letter].append(ch)
     return found
 
 
-ACCENTED = {letter: _accented(letter) for letter in LETTERS}
+def _accented(ch: str) -> str | None:
+    """The letter ``ch`` is with marks, either case: "ü", "Ú", "ǔ"..."""
+    decomposed = unicodedata.normalize("NFD", ch)
+    if len(decomposed) > 1 and all(unicodedata.category(c) in ("Mn", "Me")
+                                   for c in decomposed[1:]):
+        return decomposed[0].lower()
+    return None
+
+
+ACCENTED = _by_letter(_accented)
 CONFUSABLE = {letter: sorted((P.unicode_group(letter) | P.unicode_group(letter.upper()))
                              - {letter, letter.upper()}) for letter in LETTERS}
 # with Unicode's confusables of strings of them (builder@7): "≪" of "<<", "⫽" of "//"
@@ -63,26 +73,28 @@ SLASH = sorted(P.unicode_group("/") | P.unicode_group("\\") | set(P.unicode_stri
 LETTER_STRINGS = P.unicode_string_group("abcdefghijklmnopqrstuvwxyz")
 
 
-def _named(letter: str) -> list[str]:
-    """Every letter the oracle reads as ``letter`` by its name alone (builder@8: "ø", LATIN
-    SMALL LETTER O WITH STROKE; "ʉ", LATIN SMALL LETTER U BAR), which no decomposition or
+def _named(ch: str) -> str | None:
+    """The letter the oracle reads ``ch`` as by its name alone (builder@8: "ø", LATIN SMALL
+    LETTER O WITH STROKE; "ʉ", LATIN SMALL LETTER U BAR), which no decomposition or
     confusable gives."""
-    return [ch for code in range(0x80, 0x30000) if not 0xD800 <= code <= 0xDFFF
-            for ch in [chr(code)] if unicodedata.category(ch).startswith("L")
-            and P.named_reading(ch) == letter and P.unicode_fold(ch) == letter
-            and P._bare(ch).casefold() != letter]
+    if not unicodedata.category(ch).startswith("L"):
+        return None
+    letter = P.named_reading(ch)
+    if P.unicode_fold(ch) == letter and P._bare(ch).casefold() != letter:
+        return letter
+    return None
 
 
-def _combining(letter: str) -> list[str]:
-    """Every combining letter the oracle reads as ``letter`` when it reads them as letters
+def _combining(ch: str) -> str | None:
+    """The letter the oracle reads a combining letter ``ch`` as when it reads them as letters
     (builder@8: U+0367, COMBINING LATIN SMALL LETTER U)."""
-    return [ch for code in range(0x300, 0x30000) for ch in [chr(code)]
-            if unicodedata.category(ch) == "Mn" and P.decode_marks(ch) != ch
-            and P.unicode_fold(P.decode_marks(ch)) == letter]
+    if unicodedata.category(ch) != "Mn" or P.decode_marks(ch) == ch:
+        return None
+    return P.unicode_fold(P.decode_marks(ch))
 
 
-NAMED = {letter: _named(letter) for letter in LETTERS}
-COMBINING = {letter: _combining(letter) for letter in LETTERS}
+NAMED = _by_letter(_named)
+COMBINING = _by_letter(_combining, start=0x300)
 
 
 def _forgeries(replacements: dict[str, list[str]]) -> list[tuple[str, str]]:
