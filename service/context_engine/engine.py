@@ -840,7 +840,7 @@ class Engine:
                 # reasons keep the model and take content out, and a revocation must never
                 # fail, whatever the factor has become)
                 self._held_to_floor(draft, estimator, factors)
-            else:
+            else:  # whatever the reason, a prefix that leaves no body is refused (it raises)
                 compute_budget(window=model.context_window,
                                output_reserve=model.output_reserve,
                                prefix_tokens=draft.prefix_tokens, policy=self.policy)
