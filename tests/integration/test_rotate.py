@@ -8,6 +8,7 @@ import threading
 import grpc
 import pytest
 from context_engine.v1 import context_engine_pb2 as pb
+from context_engine.v1 import context_engine_pb2_grpc as pb_grpc
 
 from tests.integration.requests import build_request, catalog, failure, plan_request
 
@@ -322,3 +323,25 @@ def test_a_larger_snapshot_that_leaves_no_room_for_historys_floor_is_refused(stu
                                  memory_snapshot=other))
     assert rotated.rotated and rotated.plan.epoch == first.epoch + 1
     assert rotated.plan.snapshot_id == "s3"
+
+
+def test_a_rotation_keeping_the_model_refuses_a_prefix_that_leaves_no_body(stub, ids, db,
+                                                                           database_url):
+    """Whatever the reason, a rotation whose prefix leaves no body is refused
+    (`BUDGET_EXCEEDED`, nothing written), not pinned for every Build of the epoch to fail:
+    here a replica whose policy caps the request below the output reserve, since the plan."""
+    from tests.conftest import ServerThread, test_config
+
+    tenant, session = ids
+    stub.Plan(plan_request(tenant, session))
+    plans = db.counts(tenant)["plans"]
+    capped = ServerThread(test_config().replace(policy_cap_tokens=1_000), database_url)
+    try:
+        with grpc.insecure_channel(capped.address) as channel:
+            other = pb_grpc.ContextEngineStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                other.Rotate(rotate(tenant, session, "capped"), timeout=30)
+        assert failure(err.value).reason == "BUDGET_EXCEEDED", failure(err.value)
+        assert db.counts(tenant)["plans"] == plans
+    finally:
+        capped.stop()
