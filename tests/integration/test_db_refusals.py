@@ -80,6 +80,8 @@ def unavailable(call: Callable[[], object], sqlstate: str, tries: int = 3) -> No
         assert (got.code, got.reason, got.domain) == (
             grpc.StatusCode.UNAVAILABLE, "STORE_UNAVAILABLE", "context-engine"), got
         if sqlstate in got.message:
+            assert got.metadata.get("sqlstate") == sqlstate, got.metadata
+            assert got.metadata.get("cause"), got.metadata
             return
         assert attempt + 1 < tries, f"never answered for SQLSTATE {sqlstate}: {got.message}"
 

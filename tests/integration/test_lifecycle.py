@@ -479,7 +479,11 @@ def test_a_day_without_a_partition_waits_for_the_next_cycle(own, replicas, caplo
         assert a.running.events.pending == 1
         with pytest.raises(grpc.RpcError) as caught:  # a new epoch's event has nowhere to go
             stub.Plan(plan_request(tenant, "s-2", model=SMALL), timeout=30)
-        assert failure(caught.value).reason == "STORE_UNAVAILABLE"
+        refused = failure(caught.value)
+        assert refused.reason == "STORE_UNAVAILABLE"
+        # the missing day in the metadata: an operator's alert need not parse the message
+        assert refused.metadata["cause"] == "PartitionMissing", refused.metadata
+        assert refused.metadata["created_at"].startswith(far.date().isoformat())
         assert any(r.getMessage() == "event_partition_missing" for r in caplog.records)
 
         assert partition_name(far.date()) in cycle(a).created

@@ -32,12 +32,16 @@ def test_a_transaction_the_database_rolled_back_on_a_conflict_is_retryable(exc) 
     assert isinstance(raised, StoreConflict) and raised.__cause__ is exc
     assert isinstance(raised, StoreUnavailable)  # what absorbs an outage (the outbox) absorbs it
     assert exc.sqlstate in str(raised)
+    # told apart from a failover by the metadata, not the message's text
+    assert raised.metadata() == {"cause": type(exc).__name__, "sqlstate": exc.sqlstate}
     code, _ = status_for(raised)
     assert code is grpc.StatusCode.UNAVAILABLE and raised.reason == "STORE_CONFLICT"
 
 
 def test_a_database_that_went_away_is_unavailable_and_a_wrong_query_is_not_translated() -> None:
-    assert isinstance(_raised(ConnectionResetError()), StoreUnavailable)
+    gone = _raised(ConnectionResetError())
+    assert isinstance(gone, StoreUnavailable)
+    assert gone.metadata() == {"cause": "ConnectionResetError"}  # no SQLSTATE: none was given
     wrong = asyncpg.exceptions.UndefinedTableError("relation does not exist")
     assert _raised(wrong) is wrong
 
@@ -73,6 +77,7 @@ def test_a_server_error_of_an_unavailable_class_is_store_unavailable(sqlstate: s
     raised = _raised(error)
     assert type(raised) is StoreUnavailable and raised.__cause__ is error
     assert sqlstate in str(raised)
+    assert raised.metadata() == {"cause": type(error).__name__, "sqlstate": sqlstate}
     code, _ = status_for(raised)
     assert code is grpc.StatusCode.UNAVAILABLE and raised.reason == "STORE_UNAVAILABLE"
 
@@ -129,5 +134,7 @@ def test_any_server_error_while_the_pool_connects_is_store_unavailable(sqlstate:
         asyncio.run(scenario())
     assert isinstance(info.value.__cause__, RefusedConnection)
     assert info.value.__cause__.cause is error and sqlstate in str(info.value)
+    # the server's error, not the wrapper that carried it out of the pool
+    assert info.value.metadata() == {"cause": type(error).__name__, "sqlstate": sqlstate}
     code, _ = status_for(info.value)
     assert code is grpc.StatusCode.UNAVAILABLE and info.value.reason == "STORE_UNAVAILABLE"

@@ -266,9 +266,22 @@ class TokenizerUnavailable(ContextEngineError):
 
 
 class StoreUnavailable(ContextEngineError):
-    """The database cannot be reached; the call changed nothing."""
+    """The database cannot be reached; the call changed nothing. ``cause``: the driver's error
+    class, and ``sqlstate`` the database's code where it gave one (both in the metadata, so
+    that a caller tells a failover from a deadlock without reading the message)."""
 
     reason = "STORE_UNAVAILABLE"
+
+    def __init__(self, message: str, *, cause: str = "", sqlstate: str = "") -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.sqlstate = sqlstate
+
+    def metadata(self) -> dict[str, str]:
+        meta = {"cause": self.cause} if self.cause else {}
+        if self.sqlstate:
+            meta["sqlstate"] = self.sqlstate
+        return meta
 
 
 class CountUnsettled(StoreUnavailable):

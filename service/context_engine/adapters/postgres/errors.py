@@ -84,15 +84,19 @@ async def translated() -> AsyncIterator[None]:
     except asyncpg.exceptions.TransactionRollbackError as exc:  # SQLSTATE class 40
         raise StoreConflict(f"the database rolled the transaction back "
                             f"({type(exc).__name__}, SQLSTATE {exc.sqlstate}) on a conflict "
-                            "with a concurrent call: nothing changed; retry") from exc
+                            "with a concurrent call: nothing changed; retry",
+                            cause=type(exc).__name__, sqlstate=str(exc.sqlstate or "")) from exc
     except Exception as exc:
         if not store_unavailable(exc):
             raise
+        error: BaseException = exc.cause if isinstance(exc, RefusedConnection) else exc
+        sqlstate = str(getattr(error, "sqlstate", None) or "")
         if isinstance(exc, RefusedConnection):
-            detail = (f"the server refused the connection ({type(exc.cause).__name__}, "
-                      f"SQLSTATE {exc.cause.sqlstate})")
+            detail = (f"the server refused the connection ({type(error).__name__}, "
+                      f"SQLSTATE {sqlstate})")
         elif isinstance(exc, asyncpg.PostgresError):
-            detail = f"{type(exc).__name__}, SQLSTATE {exc.sqlstate}"
+            detail = f"{type(exc).__name__}, SQLSTATE {sqlstate}"
         else:
             detail = type(exc).__name__
-        raise StoreUnavailable(f"database unavailable: {detail}") from exc
+        raise StoreUnavailable(f"database unavailable: {detail}", cause=type(error).__name__,
+                               sqlstate=sqlstate) from exc

@@ -81,6 +81,10 @@ class PartitionMissing(StoreUnavailable):
         self.event = event
         super().__init__(f"no partition of context_events for {event.created_at}")
 
+    def metadata(self) -> dict[str, str]:
+        day = self.event.created_at
+        return {"cause": "PartitionMissing", **({"created_at": day.isoformat()} if day else {})}
+
 
 def event_json(payload: dict[str, Any]) -> str:
     """An event's payload as the JSON text its jsonb column is written from: sorted keys, no
