@@ -119,7 +119,9 @@ def test_a_hanging_run_is_stopped_with_everything_it_started(tmp_path: Path) -> 
         "                                start_new_session=True)\n"
         "    open('pids', 'w').write(f'{child.pid} {detached.pid}')\n"
         "    time.sleep(600)\n")
-    code, secs = run_pytest(tmp_path, ("test_hang.py",), tmp_path / "log", timeout=5)
+    # long enough for the inner pytest to reach its test on a loaded machine (5 s once stopped
+    # it before the test had started anything)
+    code, secs = run_pytest(tmp_path, ("test_hang.py",), tmp_path / "log", timeout=15)
     assert code == TIMED_OUT and secs < 60
     child, detached = map(int, (tmp_path / "pids").read_text().split())
     assert _gone(child), "the child outlived the run"
