@@ -844,6 +844,85 @@ def test_a_replica_that_does_not_hold_the_base_gets_the_whole_build_once(
     assert (stats.builds, stats.full_resends, stats.incremental) == (8, 1, 6)
 
 
+def whole_refusal(stub: Any, req: pb.BuildRequest) -> list[tuple[str, str]]:
+    """The field violations, in order, of ``req`` refused as a whole Build (no base)."""
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Build(req, timeout=30)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    status = rpc_status.from_call(err.value)
+    assert status is not None
+    out: list[tuple[str, str]] = []
+    for detail in status.details:
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad):
+            out += [(v.field, v.description) for v in bad.field_violations]
+    return out
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_a_refusal_names_every_violation_of_the_whole_build_whether_the_base_is_held(
+        server, session, kind, monkeypatch):
+    """A Build refused for a field of its own (a factor out of range) and for an item it sends
+    (the first item's id and sequence again) raises InvalidArgument whose field_violations are
+    the whole Build's, in order, whether the replica still holds the base (the Build is sent
+    relative to it) or not (evicted: BUILD_BASE_UNKNOWN, and the Build sent again whole)."""
+    tenant, sid = session
+    channel = grpc.insecure_channel(server.address)
+    stub = pb_grpc.ContextEngineStub(channel)
+    good = build_request(tenant, sid, 2)
+    bad = build_request(tenant, sid, 3)
+    bad.estimator_factor = 0.1
+    bad.checkpoint.items.append(bad.checkpoint.items[0])
+    want = whole_refusal(stub, bad)
+    assert [f for f, _ in want] == [
+        "estimator_factor", f"checkpoint.items[{len(bad.checkpoint.items) - 1}].id",
+        f"checkpoint.items[{len(bad.checkpoint.items) - 1}].sequence"], want
+    builds = server.running.engine.builds
+    peek = builds.peek
+    looked: list[bool] = []  # per lookup of a base of the session: whether it was held
+
+    def spied(tenant_id: str, session_id: str, build_id: str) -> Any:
+        found = peek(tenant_id, session_id, build_id)
+        if tenant_id == tenant:
+            looked.append(found is not None)
+        return found
+
+    monkeypatch.setattr(builds, "peek", spied)
+    loop = asyncio.new_event_loop()
+    engine: Any = (Client(target=server.address) if kind == "sync"
+                   else loop.run_until_complete(_async_client(server.address)))
+
+    def call(method: str, req: Any) -> Any:
+        done = getattr(engine, method)(request=req)
+        return done if kind == "sync" else loop.run_until_complete(done)
+
+    try:
+        call("plan", plan(tenant, sid))
+        for held in (True, False):
+            call("build", good)  # the base (again: a refusal drops what the client held)
+            if not held:  # the replica no longer holds it (an eviction, a restart)
+                builds.forget(tenant, sid)
+            looked.clear()
+            with pytest.raises(InvalidArgument) as err:
+                call("build", bad)
+            got = [(v.field, v.description) for v in err.value.field_violations]
+            assert got == want, (held, got)
+            # sent relative to the base (and then whole where it was not held)
+            assert looked and set(looked) == {held}, (held, looked)
+    finally:
+        if kind == "sync":
+            engine.close()
+        else:
+            loop.run_until_complete(engine.close())
+        loop.close()
+        channel.close()
+
+
+async def _async_client(target: str) -> AsyncClient:
+    return AsyncClient(target=target)
+
+
 @pytest.mark.integration
 def test_errors_deletion_and_forgetting_drop_the_sessions_base(server, session):
     tenant, sid = session

@@ -457,3 +457,48 @@ def test_both_clients_read_a_status_trailer_alike(node: str, fake: tuple[Fake, s
     assert answer == {"error": f"Build: NOT_FOUND{said}: {OWN_MESSAGE}", "code": "NOT_FOUND",
                       "reason": reason}, answer
     assert state.calls == {"Build": 2}  # one each: NOT_FOUND is never retried
+
+
+@pytest.mark.integration
+def test_a_refusal_names_every_violation_of_the_whole_build_whether_the_base_is_held(
+        node: str, server: ServerThread, stub: pb_grpc.ContextEngineStub,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the Python client's (tests/clients/test_python_incremental.py): a Build refused for a
+    field of its own (a factor out of range) and for an item it sends (the first item's id and
+    sequence again) is rejected with the whole Build's violations, in order, whether the replica
+    still holds the base or not (evicted: BUILD_BASE_UNKNOWN, and the Build sent again whole)."""
+    # imported here: both modules import from this one
+    from tests.clients.test_python_incremental import build_request, plan, whole_refusal
+    from tests.integration.test_incremental_differential import Driver
+
+    tenant, sid = f"tenant-{uuid.uuid4().hex[:12]}", "refused"
+    stub.Plan(plan(tenant, sid), timeout=30)
+    good, bad = build_request(tenant, sid, 2), build_request(tenant, sid, 3)
+    bad.estimator_factor = 0.1
+    bad.checkpoint.items.append(bad.checkpoint.items[0])
+    want = whole_refusal(stub, bad)
+    assert len(want) == 3, want
+    builds = server.running.engine.builds
+    peek = builds.peek
+    looked: list[bool] = []  # per lookup of a base of the session: whether it was held
+
+    def spied(tenant_id: str, session_id: str, build_id: str) -> Any:
+        found = peek(tenant_id, session_id, build_id)
+        if tenant_id == tenant:
+            looked.append(found is not None)
+        return found
+
+    monkeypatch.setattr(builds, "peek", spied)
+    driver = Driver()
+    try:
+        for held in (True, False):
+            assert "response_b64" in driver.build(server.address, good)  # the base
+            if not held:  # the replica no longer holds it (an eviction, a restart)
+                builds.forget(tenant, sid)
+            looked.clear()
+            answer = driver.build(server.address, bad)
+            assert answer["code"] == "INVALID_ARGUMENT", (held, answer)
+            assert [tuple(v) for v in answer["violations"]] == want, (held, answer)
+            assert looked and set(looked) == {held}, (held, looked)
+    finally:
+        driver.close()

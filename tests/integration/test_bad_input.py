@@ -593,27 +593,37 @@ def test_a_skill_loaded_twice_is_refused(stub, ids, db):
     assert db.counts(tenant) == before
 
 
-@pytest.mark.parametrize("field", ["session_id", "estimator_factor", "provider_format"])
-def test_an_incremental_build_is_told_what_the_request_alone_gets_wrong_before_its_base(
-        stub, ids, field):
-    """A Build naming a base this replica does not hold is refused for what the request alone
-    gets wrong (an empty session id, a factor or a format out of range: what a resend would be
-    refused for), not BUILD_BASE_UNKNOWN."""
+@pytest.mark.parametrize("field", ["session_id", "tenant_id", "epoch", "estimator_factor",
+                                   "provider_format"])
+def test_an_incremental_build_whose_base_is_not_held_is_told_so_before_its_own_fields(
+        stub, ids, db, field):
+    """A Build naming a base this replica does not hold is BUILD_BASE_UNKNOWN whatever the
+    request alone gets wrong (an empty id, an epoch, a factor or a format out of range), and
+    writes nothing: the client sends it whole then, and hears the whole Build's refusal, which
+    names every bad field, its items' too (an incremental one could name none of them). An id
+    that is not one names no base (a base is kept only by a Build that succeeded)."""
     tenant, session = ids
     stub.Plan(plan_request(tenant, session))
-    request = build_request(tenant, "" if field == "session_id" else session)
+    request = build_request(tenant, session)
     request.base_build_id, request.base_items_kept = "whatever", 1
-    if field == "estimator_factor":
+    if field in ("session_id", "tenant_id"):
+        setattr(request, field, "")
+    elif field == "epoch":
+        request.epoch = 2**31
+    elif field == "estimator_factor":
         request.estimator_factor = 9.0
-    elif field == "provider_format":
+    else:
         request.provider_format = 99  # type: ignore[assignment]
+    before = db.counts(tenant)
     with pytest.raises(grpc.RpcError) as err:
         stub.Build(request)
     f = failure(err.value)
-    assert f.code is grpc.StatusCode.INVALID_ARGUMENT and list(f.violations) == [field]
+    assert (f.code, f.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "BUILD_BASE_UNKNOWN"), f
+    assert f.metadata["base_build_id"] == "whatever" and not f.violations
+    assert db.counts(tenant) == before
     request.ClearField("base_build_id")
     request.base_items_kept = 0
-    with pytest.raises(grpc.RpcError) as err:  # what the resend would hear
+    with pytest.raises(grpc.RpcError) as err:  # what the resend hears
         stub.Build(request)
     assert list(failure(err.value).violations) == [field]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -759,61 +760,102 @@ def _break_last_run(req: pb.BuildRequest) -> None:  # the last item sent is anot
     req.checkpoint.items[-1].run_id = "run-0"
 
 
-@pytest.mark.parametrize("broken", [_break_runtime, _break_state, _break_knowledge,
-                                    _break_skill, _break_active_run, _break_last_run])
-def test_a_base_not_held_is_refused_for_the_checkpoint_fields_first(
-        stub: pb_grpc.ContextEngineStub, broken: Any) -> None:
-    """An incremental Build naming a base this process does not hold, whose request is refused
-    for a checkpoint field of its own, is refused so, with the violations the Build sent whole
-    gets (not BUILD_BASE_UNKNOWN, which would have the client send it whole to be refused
-    then), as is one keeping more items than the base it names holds (with that field too)."""
-    session = f"fields-first-{broken.__name__}"
-    stub.Plan(plan_request(TENANT, session), timeout=30)
-    items = opening() + turn(1) + turn(2)  # 7
-    first = whole(stub, session, items)
-    sent = turn(3)
-    answers = []
-    for base, kept in ((None, 0), ("0" * 32, 7), (first.build_id, 8)):
+def _break_factor(req: pb.BuildRequest) -> None:
+    req.estimator_factor = 0.1
+
+
+def _break_format(req: pb.BuildRequest) -> None:
+    req.provider_format = 99  # type: ignore[assignment]
+
+
+def _break_epoch(req: pb.BuildRequest) -> None:
+    req.epoch = 2**31
+
+
+def _break_duplicate_item(req: pb.BuildRequest) -> None:  # the first item again, appended
+    req.checkpoint.items.extend(opening())
+
+
+def _break_item_trust(req: pb.BuildRequest) -> None:
+    req.checkpoint.items[-1].trust = 9  # type: ignore[assignment]
+
+
+def _break_factor_and_item(req: pb.BuildRequest) -> None:
+    _break_factor(req)
+    _break_duplicate_item(req)
+
+
+@pytest.mark.parametrize("broken", [
+    _break_runtime, _break_state, _break_knowledge, _break_skill, _break_active_run,
+    _break_last_run, _break_factor, _break_format, _break_epoch, _break_duplicate_item,
+    _break_item_trust, _break_factor_and_item])
+def test_a_base_not_held_is_unknown_whatever_else_is_wrong(
+        stub: pb_grpc.ContextEngineStub, srv: ServerThread, db: Db, broken: Any) -> None:
+    """An incremental Build naming a base this process does not hold (one it evicted, or never
+    held) is answered BUILD_BASE_UNKNOWN whatever else is wrong with it, and writes and keeps
+    nothing: its refusal could name none of its items, whose place is unknown, and the whole
+    Build the clients send then is refused with every violation. Naming its base held, the
+    same Build is refused as the Build sent whole is, field for field and in order; keeping
+    more items than the base holds, for that and all but what the items sent bear on."""
+    tenant, session = f"t-unheld-{uuid.uuid4().hex[:12]}", "unheld"
+
+    def sent_as(base: str | None, kept: int) -> pb.BuildRequest:
         req = (request(session, items + sent) if base is None
                else _incremental_request(session, base, kept, sent))
+        req.tenant_id = tenant
         broken(req)
+        return req
+
+    stub.Plan(plan_request(tenant, session), timeout=30)
+    items, sent = opening() + turn(1) + turn(2), turn(3)  # 7 kept, 3 sent
+    first = request(session, items)
+    first.tenant_id = tenant
+    base = stub.Build(first, timeout=30).build_id
+    assert base
+    whole_refusal = refused(stub, sent_as(None, 0))
+    assert whole_refusal
+    assert refused(stub, sent_as(base, 7)) == whole_refusal
+    over = refused(stub, sent_as(base, 8))
+    assert sorted(over) == sorted([("base_items_kept", "8 is more than the base's 7 items"),
+                                   *(v for v in whole_refusal
+                                     if not v[0].startswith("checkpoint.items["))])
+    builds = srv.running.engine.builds
+    builds.forget(tenant, session)  # evicted (or this process restarted, or another answers)
+    before = db.counts(tenant)
+    for named in (base, "0" * 32):
+        for kept in (0, 7, 8, 1_000):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Build(sent_as(named, kept), timeout=30)
+            f = failure(err.value)
+            assert (f.code, f.reason) == (grpc.StatusCode.FAILED_PRECONDITION,
+                                          "BUILD_BASE_UNKNOWN"), (named, kept, f)
+            assert f.metadata["base_build_id"] == named and not f.violations
+    assert db.counts(tenant) == before
+    assert builds.peek(tenant, session, base) is None
+    # what the clients send then: the whole Build, refused with every violation
+    assert refused(stub, sent_as(None, 0)) == whole_refusal
+
+
+def test_what_the_base_bears_on_is_judged_with_the_build_sent_whole(
+        stub: pb_grpc.ContextEngineStub) -> None:
+    """With no item sent, the whole checkpoint still holds the base's items: one naming no
+    active run is refused for it when its base is held, and BUILD_BASE_UNKNOWN (then refused
+    whole) when it is not."""
+    session = "bears-on-the-base"
+    stub.Plan(plan_request(TENANT, session), timeout=30)
+    items = opening() + turn(1)
+    first = whole(stub, session, items)
+    answers = []
+    for base in (first.build_id, "0" * 32):
+        req = _incremental_request(session, base, 4, [])
+        _break_active_run(req)
         with pytest.raises(grpc.RpcError) as err:
             stub.Build(req, timeout=30)
         f = failure(err.value)
-        assert f.code is grpc.StatusCode.INVALID_ARGUMENT, (base, f)
-        answers.append(f.violations)
-    whole_refusal, not_held, over = answers
-    assert whole_refusal and not any(k.startswith("checkpoint.items") for k in whole_refusal)
-    assert not_held == whole_refusal
-    assert over == {"base_items_kept": "8 is more than the base's 7 items", **whole_refusal}
-    # what the base's items bear on is judged with the Build sent whole: with no item sent,
-    # the last item is the base's, and a base not held cannot say whose run it is
-    if broken is _break_last_run:
-        req = _incremental_request(session, "0" * 32, 7, [])
-        req.checkpoint.active_run_id = "run-0"
-        with pytest.raises(grpc.RpcError) as err:
-            stub.Build(req, timeout=30)
-        assert failure(err.value).reason == "BUILD_BASE_UNKNOWN"
-    # with no item sent, the whole checkpoint still holds the base's items: it names its run
-    if broken is _break_active_run:
-        req = _incremental_request(session, "0" * 32, 7, [])
-        broken(req)
-        with pytest.raises(grpc.RpcError) as err:
-            stub.Build(req, timeout=30)
-        assert failure(err.value).violations == whole_refusal
-    # an item sent is judged in its place, unknown here: a Build refused for it alone (its
-    # trust) is BUILD_BASE_UNKNOWN, and named in the whole checkpoint once sent whole
-    if broken is _break_runtime:
-        bad = [*turn(3)[:2], item("a3", 32, trust=9, assistant=pb.AssistantMessage(text="x"))]
-        for req, where in ((_incremental_request(session, "0" * 32, 7, bad), None),
-                           (request(session, items + bad), "checkpoint.items[9].trust")):
-            with pytest.raises(grpc.RpcError) as err:
-                stub.Build(req, timeout=30)
-            f = failure(err.value)
-            assert (f.reason == "BUILD_BASE_UNKNOWN" if where is None
-                    else list(f.violations) == [where]), f
-    # the same request naming the base it keeps is served
-    assert incremental(stub, session, first.build_id, 7, sent).HasField("delta")
+        answers.append((f.code, f.reason, list(f.violations)))
+    assert answers == [
+        (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT", ["checkpoint.active_run_id"]),
+        (grpc.StatusCode.FAILED_PRECONDITION, "BUILD_BASE_UNKNOWN", [])], answers
 
 
 @pytest.mark.parametrize("cache_mb", [0, 1])

@@ -12,8 +12,8 @@
  * One ContextEngineClient per target, incremental on, kept for the process's life: a session
  * sent to another target is what a replica switch is (that client holds no base for it; the
  * first one keeps its own, which its replica may or may not still hold). A failure answers
- * {"error": "<message>", "code": "<gRPC code name>", "reason": "<ErrorInfo reason>"} and the
- * driver goes on. Plaintext channels; a token, if any, from CE_TOKEN.
+ * {"error": "<message>", "code": "<gRPC code name>", "reason": "<ErrorInfo reason>"}, with
+ * "violations": [[field, description], ...] when it names bad fields, and the driver goes on. Plaintext channels; a token, if any, from CE_TOKEN.
  *
  *   node clients/typescript/dist/test-driver/incremental_driver.js
  */
@@ -83,7 +83,12 @@ async function answer(line: string): Promise<Record<string, unknown>> {
 
 function failure(err: unknown): Record<string, unknown> {
   if (err instanceof ContextEngineError) {
-    return { error: err.message, code: err.codeName, reason: err.reason };
+    const out: Record<string, unknown> = { error: err.message, code: err.codeName,
+      reason: err.reason };
+    if (err.violations.length > 0) {
+      out.violations = err.violations.map((v) => [v.field, v.description]);
+    }
+    return out;
   }
   return { error: err instanceof Error ? `${err.name}: ${err.message}` : String(err) };
 }

@@ -27,7 +27,6 @@ from context_engine.domain.builder import (
     LoadedPlan,
     checkpoint_scan,
     skill_violations,
-    unplaced_checkpoint_violations,
 )
 from context_engine.domain.canonical import session_key
 from context_engine.domain.errors import (
@@ -233,40 +232,38 @@ class ContextEngineServicer(pb_grpc.ContextEngineServicer):
 
         async def call(record: CallRecord) -> pb.BuildResponse:
             record.session(request.tenant_id, request.session_id)
+            base = None
+            if request.base_build_id:
+                # an incremental Build: its base is looked for before anything of the request
+                # is judged. One not held here is BUILD_BASE_UNKNOWN whatever else is wrong
+                # with the request (the clients answer it by sending the Build whole, whose
+                # refusal names every bad field, the items' included: a refusal of this one
+                # could name none of its items, whose place is unknown). The base reference
+                # itself has nothing to refuse before its base is found (any string is an id
+                # no base has; a kept count is judged against the base's items), and the
+                # lookup needs no valid id: a base is kept only by a Build whose ids were
+                # valid. Looked up without refreshing it: only a Build that succeeds on it
+                # does.
+                base = self._engine.builds.peek(request.tenant_id, request.session_id,
+                                                request.base_build_id)
+                if base is None:
+                    raise BuildBaseUnknown(request.base_build_id, "unknown here or evicted")
             v = mapping.Violations()
             mapping.session_ids(v, request.tenant_id, request.session_id)
             epoch = mapping.epoch(v, request.epoch)
             # the plan can be read once the session and the epoch are valid (a refused
             # base_items_kept does not stop it: the loaded skills are checked against it)
             readable = not v.items
-            # what the request alone decides is checked before its base is looked up: a
-            # base not held here is not BUILD_BASE_UNKNOWN for a request a resend would be
-            # refused for on its own fields (a factor under the plan's floor, which needs the
-            # plan read, and the checkpoint's own items are judged with the resend)
             factor = None
             if request.HasField("estimator_factor"):
                 factor = request.estimator_factor
                 if not 0.5 <= factor <= 4.0:
                     v.add("estimator_factor", f"{factor} is outside [0.5, 4.0]")
             provider_format = mapping.requested_provider_format(v, request.provider_format)
-            base = None
             kept = request.base_items_kept
             placed = True  # whether the items sent have a place in the whole checkpoint
-            if request.base_build_id:
-                # an incremental Build: the base's first items, then the ones sent
-                # looked up without refreshing it: only a Build that succeeds on it does
-                base = self._engine.builds.peek(request.tenant_id, request.session_id,
-                                                request.base_build_id)
-                if base is None:
-                    # the ids, the epoch, the factor, the format, and the checkpoint but what
-                    # its unknown first items bear on (the items sent, whose place is
-                    # unknown, are judged with the Build sent whole)
-                    mapped = mapping.Violations()
-                    unknown = mapping.checkpoint(mapped, request.checkpoint, first_index=kept)
-                    v.items += _unplaced(mapped.items)
-                    v.items += unplaced_checkpoint_violations(unknown, kept)
-                    v.raise_if_any()
-                    raise BuildBaseUnknown(request.base_build_id, "unknown here or evicted")
+            if base is not None:
+                # the base's first items, then the ones sent
                 if kept > len(base.items):
                     v.add("base_items_kept", f"{kept} is more than the base's "
                           f"{len(base.items)} items")

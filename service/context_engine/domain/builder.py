@@ -411,20 +411,6 @@ def checkpoint_scan(cp: Checkpoint, field: str = "checkpoint", *,
     return violations, scan
 
 
-def unplaced_checkpoint_violations(cp: Checkpoint, unknown: int,
-                                   field: str = "checkpoint") -> list[FieldViolation]:
-    """The violations the whole checkpoint's scan finds outside its items whatever its first
-    ``unknown`` items are (an incremental Build naming a base this process does not hold:
-    ``cp.items`` are the items after them), in its order: the active run named where the
-    whole checkpoint has items, the last item's run where one is sent, the loaded skills'
-    names, the working state and the knowledge passages. What depends on the unknown items
-    (the last item's run when none is sent, the summary against the active run's first item,
-    the pairing) is judged with the Build sent whole."""
-    return [*_active_run_violations(cp.active_run_id, bool(unknown or cp.items),
-                                    cp.items[-1] if cp.items else None, field),
-            *_unitemized_violations(cp, field)]
-
-
 def _active_run_violations(active_run_id: str, has_items: bool,
                            last: ConversationItem | None, field: str) -> list[FieldViolation]:
     """A checkpoint with items names its active run, and the last item is that run's
