@@ -111,14 +111,16 @@ def _symbol_letter(ch: str) -> str | None:
     return None if m is None else m["letter"].lower()
 
 
-def _decorated(target: str) -> set[str]:
-    """The symbols named after ``target`` with something added: its name (without "SIGN")
-    followed by "WITH" ("LESS-THAN WITH DOT", U+22D6, of "<", "LESS-THAN SIGN"; "SOLIDUS WITH
-    OVERBAR", U+29F6, of "/")."""
-    base = unicodedata.name(target).removesuffix(" SIGN") + " WITH "
+def _decorated(word: str) -> set[str]:
+    """The symbols and punctuation Unicode names after ``word`` ("LESS-THAN", "SOLIDUS"),
+    anywhere in the name: "LESS-THAN WITH DOT" (U+22D6), "CIRCLED LESS-THAN" (U+29C0), "DOUBLE
+    NESTED LESS-THAN" (U+2AA1), "LESS-THAN OR EQUAL TO" (U+2264), "DOTTED SOLIDUS" (U+2E4A),
+    "VERY HEAVY SOLIDUS" (U+1F67C), "REVERSE SOLIDUS OPERATOR" (U+29F5). Read so only where a
+    tag name follows, so that a wide reading escapes nothing else."""
+    named = re.compile(rf"\b{word}\b")
     return {chr(code) for code in range(0x110000)
-            if unicodedata.category(chr(code)).startswith("S")
-            and unicodedata.name(chr(code), "").startswith(base)}
+            if unicodedata.category(chr(code))[0] in "SP"
+            and named.search(unicodedata.name(chr(code), ""))}
 
 
 def _bare(ch: str) -> str:
@@ -145,6 +147,21 @@ def _literal(chars: set[str]) -> str:
     return '"' + "".join(c if c.isascii() and c.isalnum() else f"\\U{ord(c):08x}"
                          if ord(c) > 0xFFFF else f"\\u{ord(c):04x}"
                          for c in sorted(chars)) + '"'
+
+
+def _assignment(name: str, chars: set[str]) -> list[str]:
+    """``name = "..."``, in parenthesized pieces where one line would pass 100 columns."""
+    line = f"{name} = {_literal(chars)}"
+    if len(line) <= 100:
+        return [line]
+    lines, piece = [f"{name} = ("], ""
+    for ch in sorted(chars):
+        escaped = _literal({ch})[1:-1]
+        if len(piece) + len(escaped) > 90:
+            lines.append(f'    "{piece}"')
+            piece = ""
+        piece += escaped
+    return [*lines, f'    "{piece}"', ")"]
 
 
 def render() -> str:
@@ -196,18 +213,18 @@ def render() -> str:
         *_dict_lines("COMBINING_LETTERS", combining),
     ]
     known = set(letters) | set(_letter_runs()) | set(more)
-    lt_10 = _decorated("<") - lt - _runs("<") - lt_8
-    slash_10 = (_decorated("/") | _decorated("\\")) - slash - _runs(SLASHES) - slash_8
+    lt_10 = _decorated("LESS-THAN") - set("<") - lt - _runs("<") - lt_8
+    slash_10 = _decorated("SOLIDUS") - set("/\\") - slash - _runs(SLASHES) - slash_8
     lines += [
         "",
-        "# From ``context-engine-builder@10``: symbols named after \"<\", \"/\" or \"\\\\\" with",
-        "# something added (U+22D6, LESS-THAN WITH DOT), and symbols named after a tag letter",
+        "# From ``context-engine-builder@10``: symbols and punctuation named after \"<\" or \"/\"",
+        "# (LESS-THAN, SOLIDUS: U+22D6, LESS-THAN WITH DOT), and symbols named after a tag letter",
         "# that no decomposition reads as it: Unicode's enclosed letters and regional indicators",
         "# (U+1F184, NEGATIVE SQUARED LATIN CAPITAL LETTER U; U+24B0, PARENTHESIZED LATIN SMALL",
         "# LETTER U, which decomposes to \"(u)\": each is read as its letter before it is",
         "# decomposed).",
-        f"LT_LIKE_10 = {_literal(lt_10)}",
-        f"SLASH_LIKE_10 = {_literal(slash_10)}",
+        *_assignment("LT_LIKE_10", lt_10),
+        *_assignment("SLASH_LIKE_10", slash_10),
         *_dict_lines("LETTERS_10", _fold10(known)),
     ]
     return "\n".join(lines) + "\n"

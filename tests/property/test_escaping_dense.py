@@ -110,7 +110,7 @@ def reference_6(content: str, fold: int) -> str:
     "<" look-alike is escaped when either reading opens a tag there, a tag "<" (U+E003C) when
     the decoded one does. Fold 7 reads the confusables of runs of "<" as "<" too; fold 8 reads
     each combining letter both dropped and as its letter, one by one; fold 10 the symbols
-    named after "<" with something added as "<" too."""
+    named after "<" as "<" too."""
     decoded = P.decode_tags(content)
     reading = E.FOLD_5 if fold == E.FOLD_6 else fold
     lt = (lookalikes.LT_LIKE + (lookalikes.LT_RUN_LIKE if fold >= E.FOLD_7 else "")
@@ -140,7 +140,7 @@ PIECES = ("<", "\u2264", "\uff1c", "\u2039", "\u16b2", "\u226e", "/", "\\", "\uf
           # builder@8: letters with a stroke or bar, a right-to-left "o", combining letters
           "\u00f8", "\u0111", "\u0289", "\u0647", "\u0367", "\u1de4", "\u036b", "\u0366",
           # builder@10: enclosed letters (negative squared and circled, parenthesized),
-          # regional indicators, "<" and "/" with something added
+          # regional indicators, "<" and "/" as named
           "\U0001f184", "\U0001f182", "\U0001f15c", "\u24b0", "\u24ae", "\U0001f124",
           "\U0001f1fa", "\U0001f1f8", "\U0001f1ea", "\u22d6", "\u2a79", "\u29f6",
           # tag characters: "<", "/", "u", "U", "m", "s", "e", "r", a space, CANCEL TAG

@@ -15,8 +15,9 @@ strict parser and a lenient reader (a model) would.
   combining letter both dropped and as its letter, one by one (``_lettered_hits``). Either
   way a symbol named after a letter is read as that letter (``symbol_reading``: the enclosed
   letters NFKC keeps as they are, "NEGATIVE SQUARED LATIN CAPITAL LETTER U", or reads as
-  "(u)", and the regional indicators); read with Unicode's confusables, a symbol named after
-  "<" or "/" with something added ("LESS-THAN WITH DOT") as that character.
+  "(u)", and the regional indicators); read with Unicode's confusables, a symbol or punctuation
+  mark named after "<" or "/" ("LESS-THAN WITH DOT", "CIRCLED LESS-THAN", "DOTTED SOLIDUS") as
+  that character.
 """
 
 from __future__ import annotations
@@ -85,17 +86,18 @@ def symbol_reading(ch: str) -> str | None:
     return None if m is None else m["letter"].lower()
 
 
-_DECORATED = re.compile(r"^(?P<base>LESS-THAN|SOLIDUS|REVERSE SOLIDUS) WITH ")
+_DECORATED = re.compile(r"\b(?P<base>LESS-THAN|SOLIDUS)\b")
 
 
 @functools.cache
 def delimiter_reading(ch: str) -> str | None:
-    """The "<" or "/" a reader takes a symbol for that is named after "<" ("LESS-THAN") or
-    after "/" or "\\" ("SOLIDUS", "REVERSE SOLIDUS") with something added: U+22D6, LESS-THAN
-    WITH DOT, as "<"."""
-    if not unicodedata.category(ch).startswith("S"):
+    """The "<" or "/" a reader takes a symbol or a punctuation mark for whose name says it is
+    built on "<" ("LESS-THAN") or on "/" or "\\" ("SOLIDUS", "REVERSE SOLIDUS"): U+22D6,
+    LESS-THAN WITH DOT, and U+29C0, CIRCLED LESS-THAN, as "<"; U+1F67C, VERY HEAVY SOLIDUS, as
+    "/"."""
+    if unicodedata.category(ch)[0] not in "SP":
         return None
-    m = _DECORATED.match(unicodedata.name(ch, ""))
+    m = _DECORATED.search(unicodedata.name(ch, ""))
     return None if m is None else "<" if m["base"] == "LESS-THAN" else "/"
 
 

@@ -49,7 +49,7 @@ FOLD_10 = 10  # @10: symbols named after a tag letter that no decomposition read
 #               read as its letter before it is decomposed: Unicode's enclosed letters
 #               (U+1F184, NEGATIVE SQUARED LATIN CAPITAL LETTER U; U+24B0, PARENTHESIZED LATIN
 #               SMALL LETTER U, "(u)" once decomposed) and regional indicators (U+1F1FA); and
-#               symbols named after "<" or "/" with something added (U+22D6, LESS-THAN WITH
+#               symbols and punctuation named after "<" or "/" (U+22D6, LESS-THAN WITH
 #               DOT)
 FOLD = FOLD_10
 FOLDS = (FOLD_10, FOLD_9, FOLD_8, FOLD_7, FOLD_6, FOLD_5, FOLD_4, FOLD_3)  # newest first
@@ -298,7 +298,7 @@ def escape_general(content: str, *, fold: int = FOLD) -> str:
 # Fold 9 escapes as fold 8 does (``FOLD_9``): it reads fold 8's tables.
 _LT_SETS[FOLD_9], _LT_RES[FOLD_9] = _LT_SETS[FOLD_8], _LT_RES[FOLD_8]
 _FOLD_TABLES[FOLD_9] = _FOLD_TABLES[FOLD_8]
-# Fold 10 reads as fold 9 does, with the symbols named after "<" or "/" with something added
+# Fold 10 reads as fold 9 does, with the symbols and punctuation named after "<" or "/"
 # (``lookalikes.LT_LIKE_10``, ``SLASH_LIKE_10``) and those named after a tag letter
 # (``lookalikes.LETTERS_10``), which it reads as their letters before decomposing them:
 # U+24B0, PARENTHESIZED LATIN SMALL LETTER U, decomposes to "(u)", never read as a "u".

@@ -420,14 +420,19 @@ COMBINING_LETTERS = {
     "\ua677": "y",  # COMBINING CYRILLIC LETTER U
 }
 
-# From ``context-engine-builder@10``: symbols named after "<", "/" or "\\" with
-# something added (U+22D6, LESS-THAN WITH DOT), and symbols named after a tag letter
+# From ``context-engine-builder@10``: symbols and punctuation named after "<" or "/"
+# (LESS-THAN, SOLIDUS: U+22D6, LESS-THAN WITH DOT), and symbols named after a tag letter
 # that no decomposition reads as it: Unicode's enclosed letters and regional indicators
 # (U+1F184, NEGATIVE SQUARED LATIN CAPITAL LETTER U; U+24B0, PARENTHESIZED LATIN SMALL
 # LETTER U, which decomposes to "(u)": each is read as its letter before it is
 # decomposed).
-LT_LIKE_10 = "\u22d6\u2a79\u2a7b"
-SLASH_LIKE_10 = "\u29f6\u29f7"
+LT_LIKE_10 = (
+    "\u2266\u2268\u2272\u2274\u2276\u2277\u2278\u2279\u22d6\u22da\u22db\u22dc\u22e6\u2343\u2976"
+    "\u2977\u2996\u29c0\u2a79\u2a7b\u2a7d\u2a7f\u2a81\u2a83\u2a85\u2a87\u2a89\u2a8b\u2a8c\u2a8d"
+    "\u2a8f\u2a90\u2a91\u2a92\u2a93\u2a94\u2a95\u2a97\u2a99\u2a9b\u2a9d\u2a9f\u2aa1\u2aa3\u2aa4"
+    "\u2aa5\u2aa6\u2aa8\u2af7\u2af9"
+)
+SLASH_LIKE_10 = "\u27c8\u27c9\u29b8\u29f6\u29f7\u2e4a\U0001f67c\U0001f67d"
 LETTERS_10 = {
     "\u249f": "d",  # PARENTHESIZED LATIN SMALL LETTER D
     "\u24a0": "e",  # PARENTHESIZED LATIN SMALL LETTER E

@@ -109,7 +109,7 @@ from context_engine.domain.trust import Region, TrustLevel
 # for its whole epoch; whatever rotates it next (Plan, Rotate) pins one that keeps them.
 # @10: the fold reads symbols named after a tag letter that no decomposition reads as it
 # (Unicode's enclosed letters, parenthesized, negative circled and squared, and regional
-# indicators) and symbols named after "<" or "/" with something added (``envelope.FOLD_10``):
+# indicators) and symbols and punctuation named after "<" or "/" (``envelope.FOLD_10``):
 # a @9 plan is current where it renders the same bytes, as all but one holding such a
 # look-alike do; that one is served with @9's fold and rotated alike.
 BUILDER_VERSION = "context-engine-builder@10"
