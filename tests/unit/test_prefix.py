@@ -338,6 +338,14 @@ def test_policy_and_builder_rotate_forward_only() -> None:
     at8 = spec("platform-policy@2026-12-01.2", "context-engine-builder@8")
     for older in (at4, at5, at6, at7):
         assert rotation_reason(older, at8) is None and rotation_reason(at8, older) is None
+    # and builder@9 what @8 (or older) pinned, wherever it holds no index entry @9 cuts
+    # otherwise; builder@10 what @9 (or older) pinned, wherever it holds no symbol named after
+    # a tag letter, "<" or "/" after a "<"
+    at9 = spec("platform-policy@2026-12-01.2", "context-engine-builder@9")
+    at10 = spec("platform-policy@2026-12-01.2", "context-engine-builder@10")
+    for newer, olders in ((at9, (at4, at5, at6, at7, at8)), (at10, (at4, at5, at6, at7, at8, at9))):
+        for older in olders:
+            assert rotation_reason(older, newer) is None and rotation_reason(newer, older) is None
 
 
 def test_same_version_other_content_conflicts_whatever_else_rotates() -> None:

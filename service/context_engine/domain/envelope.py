@@ -45,8 +45,14 @@ FOLD_9 = 9  # @9: escapes as fold 8 does. The fold is Region A's rendering gener
 #             deferred index entry's first sentence where a sentence ends, not after "e.g."
 #             or inside parentheses (``items.first_sentence``), so a prefix pinned before it is
 #             re-rendered with the older entries, as with fold 8 (``builder.load_plan``)
-FOLD = FOLD_9
-FOLDS = (FOLD_9, FOLD_8, FOLD_7, FOLD_6, FOLD_5, FOLD_4, FOLD_3)  # newest first
+FOLD_10 = 10  # @10: symbols named after a tag letter that no decomposition reads as it, each
+#               read as its letter before it is decomposed: Unicode's enclosed letters
+#               (U+1F184, NEGATIVE SQUARED LATIN CAPITAL LETTER U; U+24B0, PARENTHESIZED LATIN
+#               SMALL LETTER U, "(u)" once decomposed) and regional indicators (U+1F1FA); and
+#               symbols and punctuation named after "<" or "/" (U+22D6, LESS-THAN WITH
+#               DOT)
+FOLD = FOLD_10
+FOLDS = (FOLD_10, FOLD_9, FOLD_8, FOLD_7, FOLD_6, FOLD_5, FOLD_4, FOLD_3)  # newest first
 
 # Characters that read as "<" or "/" to a model (folds 3 and 4).
 _LT_LIKE = ("<\uff1c\ufe64\u2039\u3008\u2329\u27e8\u276e\u02c2\u1438\u276c\u29fc\u2770"
@@ -153,9 +159,10 @@ _FOLD_TABLES = {FOLD_5: (_SLASH_LIKE_5, _CONFUSABLE_5), FOLD_6: (_SLASH_LIKE_5, 
 def _fold(ch: str, fold: int) -> str:
     """One character as ``fold`` (5 or later) reads it: "/" for anything slash-like, else its
     bare form through the fold's look-alike table, lower-cased, and bare again (a capital may
-    lower to a letter and a mark)."""
+    lower to a letter and a mark). From fold 10 a symbol named after a tag letter is that
+    letter before it is decomposed (``_BEFORE_BARE``)."""
     slashes, letters = _FOLD_TABLES[fold]
-    bare = _bare(ch)
+    bare = _bare(ch.translate(_BEFORE_BARE[fold]) if fold in _BEFORE_BARE else ch)
     if bare in slashes:
         return "/"
     return _bare(ucd.lower(bare.translate(letters)).translate(letters))
@@ -234,7 +241,7 @@ def _opens_delimiter(text: str, start: int, fold: int = FOLD) -> bool:
     U) is read both ways too, each on its own: dropped, and as that letter, so a reader that
     drops one and reads the next is followed too (``_scan``).
 
-    ``fold``: ``FOLD`` escapes everything new; an older one (``FOLD_7`` to ``FOLD_3``) only
+    ``fold``: ``FOLD`` escapes everything new; an older one (``FOLD_9`` to ``FOLD_3``) only
     re-renders a plan its builder pinned (``builder.load_plan``)."""
     if fold < FOLD_6:
         return _scan(text, start, fold, decoded=0)[0]
@@ -291,6 +298,14 @@ def escape_general(content: str, *, fold: int = FOLD) -> str:
 # Fold 9 escapes as fold 8 does (``FOLD_9``): it reads fold 8's tables.
 _LT_SETS[FOLD_9], _LT_RES[FOLD_9] = _LT_SETS[FOLD_8], _LT_RES[FOLD_8]
 _FOLD_TABLES[FOLD_9] = _FOLD_TABLES[FOLD_8]
+# Fold 10 reads as fold 9 does, with the symbols and punctuation named after "<" or "/"
+# (``lookalikes.LT_LIKE_10``, ``SLASH_LIKE_10``) and those named after a tag letter
+# (``lookalikes.LETTERS_10``), which it reads as their letters before decomposing them:
+# U+24B0, PARENTHESIZED LATIN SMALL LETTER U, decomposes to "(u)", never read as a "u".
+_LT_SETS[FOLD_10] = _LT_SETS[FOLD_9] + lookalikes.LT_LIKE_10
+_LT_RES[FOLD_10] = re.compile(f"[{re.escape(_LT_SETS[FOLD_10])}]")
+_FOLD_TABLES[FOLD_10] = (_SLASH_LIKE_8 | frozenset(lookalikes.SLASH_LIKE_10), _CONFUSABLE_8)
+_BEFORE_BARE = {FOLD_10: str.maketrans(lookalikes.LETTERS_10)}
 
 
 # The same rule on ASCII text, as one regex pass. It is derived from the fold, not written

@@ -107,10 +107,15 @@ from context_engine.domain.trust import Region, TrustLevel
 # rotated alike. Provider bodies are outside the hash: a plan pinned before @9 says so
 # (``PlanSpec.keeps_schema_titles`` False) and its bodies drop every title, as it was served,
 # for its whole epoch; whatever rotates it next (Plan, Rotate) pins one that keeps them.
-BUILDER_VERSION = "context-engine-builder@9"
+# @10: the fold reads symbols named after a tag letter that no decomposition reads as it
+# (Unicode's enclosed letters, parenthesized, negative circled and squared, and regional
+# indicators) and symbols and punctuation named after "<" or "/" (``envelope.FOLD_10``):
+# a @9 plan is current where it renders the same bytes, as all but one holding such a
+# look-alike do; that one is served with @9's fold and rotated alike.
+BUILDER_VERSION = "context-engine-builder@10"
 SAME_BYTES = frozenset({"context-engine-builder@4", "context-engine-builder@5",
                         "context-engine-builder@6", "context-engine-builder@7",
-                        "context-engine-builder@8"})
+                        "context-engine-builder@8", "context-engine-builder@9"})
 PREFIX_CEILING = 22_000
 TTL_DEFAULT = "5m"
 TTL_SCHEDULED = "1h"
