@@ -226,7 +226,19 @@ Positive = Annotated[Float, Field(gt=0)]
 NonNegative = Annotated[Float, Field(ge=0)]
 # gRPC takes message sizes and its timers (in milliseconds) as 32-bit integers.
 MessageBytes = Annotated[Int, Field(ge=1024, le=2**31 - 1)]
-GrpcSeconds = Annotated[Float, Field(gt=0, le=2_000_000)]  # 23 days in ms fits an int32
+
+
+def _whole_milliseconds(value: float) -> float:
+    """A timer gRPC takes in whole milliseconds (``server_options``): one below 1 ms was 0 ms
+    there, and calls failed DEADLINE_EXCEEDED (once gRPC's core aborted)."""
+    if value < 0.001:
+        raise _problem("whole_milliseconds", "is below 0.001 (seconds): gRPC takes it in whole "
+                                             "milliseconds, and it would be 0 ms")
+    return value
+
+
+# 23 days in ms fits an int32; 1 ms the least
+GrpcSeconds = Annotated[Float, Field(gt=0, le=2_000_000), AfterValidator(_whole_milliseconds)]
 
 
 def _raise(problems: list[str]) -> None:
@@ -505,6 +517,13 @@ class Config(BaseSettings):
                 raise ConfigError(f"dev mode (--dev / CE_DEV_MODE=1) accepts calls without "
                                   f"credentials and binds only a loopback address, not "
                                   f"{self.grpc_addr!r}")
+            # its first line says loopback binds only: the metrics endpoint's too (empty: off)
+            metrics_host = self.metrics_addr.rpartition(":")[0].strip("[]")
+            if self.metrics_addr and not is_loopback(metrics_host):
+                raise ConfigError(f"dev mode (--dev / CE_DEV_MODE=1) binds only loopback "
+                                  f"addresses, and the metrics address (--metrics-addr / "
+                                  f"CE_METRICS_ADDR) {self.metrics_addr!r} is not one: write "
+                                  f"127.0.0.1:<port>, or an empty one for no metrics")
             if tokens:
                 raise ConfigError("dev mode (--dev / CE_DEV_MODE=1) checks no credentials but "
                                   "CE_AUTH_TOKENS_FILE or CE_AUTH_DB_TOKENS is set: choose one")

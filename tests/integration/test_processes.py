@@ -157,14 +157,16 @@ def test_a_second_server_on_a_busy_port_refuses_to_start(two_servers, database_u
 
 def test_an_address_this_machine_cannot_bind_is_refused_for_what_it_is(database_url):
     """An address no interface here has (TEST-NET-1) is refused with exit 2 and the system's own
-    reason, not taken for a server already running there."""
-    done = serve_on(database_url, "127.0.0.1:0", "192.0.2.1:9464")
+    reason, not taken for a server already running there. With credentials: dev mode binds
+    loopback addresses only, and refuses this one for that before it tries."""
+    tokens = {"CE_DEV_MODE": "0", "CE_AUTH_DB_TOKENS": "1"}
+    done = serve_on(database_url, "127.0.0.1:0", "192.0.2.1:9464", **tokens)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert ("cannot serve on 192.0.2.1:9464 (--metrics-addr): Cannot assign requested address; "
             "choose an address this machine can bind") in done.stderr, done.stderr
     assert "already running" not in done.stderr and "Traceback" not in done.stderr
     # an ephemeral port is never busy, but its host is tested all the same
-    done = serve_on(database_url, "127.0.0.1:0", "192.0.2.1:0")
+    done = serve_on(database_url, "127.0.0.1:0", "192.0.2.1:0", **tokens)
     assert done.returncode == 2 and ("cannot serve on 192.0.2.1:0 (--metrics-addr): Cannot "
                                      "assign requested address") in done.stderr, done.stderr
 

@@ -10,7 +10,10 @@ from typing import Any
 import pytest
 from context_engine.adapters.assets import DEFAULT_CATALOG, load_model_catalog
 from context_engine.domain import providers as p
+from context_engine.domain.calibration import least_factor
 from context_engine.domain.estimator import ModelCatalog
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 CATALOG = load_model_catalog()
 DATA: dict[str, Any] = json.loads(DEFAULT_CATALOG.read_text(encoding="utf-8"))
@@ -162,3 +165,83 @@ def test_an_image_costs_the_models_own_figure_and_an_unknown_model_the_largest()
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="image_tokens"):
             ModelCatalog.from_data({"models": [{**DATA["models"][0], "image_tokens": bad}]})
+
+
+# A catalog entry's figures, held to what a Plan of its model can use when it loads (serve: a
+# configuration error naming CE_MODEL_CATALOG), not found by each Plan: a quoted window failed
+# every Plan INTERNAL (TypeError), a negative base factor INTERNAL (a negative prefix count the
+# database refused), a negative window INVALID_ARGUMENT at the caller's output_reserve.
+@pytest.mark.parametrize(("field", "bad"), [
+    ("context_window", "200000"), ("context_window", 0), ("context_window", -5),
+    ("context_window", True), ("context_window", 1000.0), ("context_window", 2**31),
+    ("context_window", None),
+    ("output_reserve", "100"), ("output_reserve", 0), ("output_reserve", -1),
+    ("output_reserve", 1000), ("output_reserve", 5000),
+    ("breakpoint_budget", -1), ("breakpoint_budget", "4"), ("breakpoint_budget", 1.5),
+    ("breakpoint_budget", False), ("breakpoint_budget", 2**31),
+    ("base_factor", -1.3), ("base_factor", 0), ("base_factor", 0.49), ("base_factor", 4.01),
+    ("base_factor", float("nan")), ("base_factor", float("inf")), ("base_factor", "1.3"),
+    ("base_factor", True), ("base_factor", None), ("base_factor", 1e300),
+    ("min_cacheable_tokens", 2**31), ("image_tokens", 2**40),
+    ("prefix", 5), ("provider", None), ("encoding", ["cl100k_base"]),
+])
+def test_an_entry_no_plan_could_use_is_refused_naming_its_field(field: str, bad: Any) -> None:
+    with pytest.raises(ValueError, match=rf"model catalog entry .*: {field}\b") as caught:
+        ModelCatalog.from_data(_data(**{field: bad}))
+    if field != "prefix":
+        assert str(caught.value).startswith("model catalog entry 'm-': ")
+
+
+@pytest.mark.parametrize("fields", [
+    {"breakpoint_budget": 0}, {"base_factor": 0.5}, {"base_factor": 4}, {"base_factor": 4.0},
+    {"context_window": 2**31 - 1, "output_reserve": 2**31 - 2}, {"output_reserve": 999},
+    {"min_cacheable_tokens": 2**31 - 1, "image_tokens": 2**31 - 1}])
+def test_an_entry_at_the_bounds_is_taken_and_served(fields: dict[str, Any]) -> None:
+    profile = ModelCatalog.from_data(_data(**fields)).resolve(
+        "m-1", context_window=None, output_reserve=None, breakpoint_budget=None)
+    assert {k: getattr(profile, k) for k in fields if hasattr(profile, k)} == {
+        k: v for k, v in fields.items() if hasattr(profile, k)}
+
+
+_FIGURES = st.one_of(st.integers(min_value=-10, max_value=2**32), st.booleans(), st.none(),
+                     st.floats(allow_nan=True, allow_infinity=True),
+                     st.integers(min_value=-10, max_value=10**6).map(str))
+
+
+def _servable(e: dict[str, Any]) -> bool:
+    """Written out here, sharing nothing with the catalog's own check: each figure as a
+    request may give it (ModelCapabilities' int32s: a window and a reserve above 0, the
+    reserve below the window, a breakpoint budget 0 or more) and a base factor within the
+    correction factor's range, [0.5, 4.0]."""
+    def whole(value: Any, least: int) -> bool:
+        return type(value) is int and least <= value <= 2_147_483_647
+
+    factor = e["base_factor"]
+    return (whole(e["context_window"], 1) and whole(e["output_reserve"], 1)
+            and whole(e["breakpoint_budget"], 0) and e["output_reserve"] < e["context_window"]
+            and type(factor) in (int, float) and 0.5 <= factor <= 4.0)
+
+
+@settings(max_examples=400, deadline=None)
+@given(window=st.one_of(_FIGURES, st.integers(min_value=1, max_value=2**31 + 5)),
+       reserve=st.one_of(_FIGURES, st.integers(min_value=1, max_value=300_000)),
+       breakpoints=st.one_of(_FIGURES, st.integers(min_value=0, max_value=8)),
+       factor=st.one_of(_FIGURES, st.floats(min_value=0.3, max_value=5)))
+def test_a_catalog_that_loads_is_one_every_plan_can_use(window: Any, reserve: Any,
+                                                        breakpoints: Any, factor: Any) -> None:
+    """An entry loads exactly when its figures are servable; one that loads sizes a Plan
+    without an error of the caller's, and leaves the correction factor a floor it can reach
+    (at most 4.0), at which the estimate is no less than the tokenizer's own count."""
+    fields = {"context_window": window, "output_reserve": reserve,
+              "breakpoint_budget": breakpoints, "base_factor": factor}
+    try:
+        catalog = ModelCatalog.from_data(_data(**fields))
+    except ValueError:
+        assert not _servable({**_data()["models"][0], **fields})
+        return
+    assert _servable({**_data()["models"][0], **fields})
+    profile = catalog.resolve("m-1", context_window=None, output_reserve=None,
+                              breakpoint_budget=None)
+    assert 0 < profile.output_reserve < profile.context_window < 2**31
+    floor = least_factor(False, profile.base_factor)
+    assert floor <= 4.0 and profile.base_factor * floor >= 1.0

@@ -397,6 +397,61 @@ def test_a_catalog_or_assets_serve_cannot_read_is_a_configuration_error(
                            f"{said}"), line
 
 
+def _catalog_with(prefix: str, **fields: object) -> str:
+    """The packaged model catalog with one entry's fields replaced."""
+    data = json.loads((REPO / "service" / "context_engine" / "data" / "models.json")
+                      .read_text(encoding="utf-8"))
+    for entry in data["models"]:
+        if entry["prefix"] == prefix:
+            entry.update(fields)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize(("content", "said"), [
+    (_catalog_with("claude-", context_window="200000"),
+     "model catalog entry 'claude-': context_window must be an integer from 1 to 2147483647, "
+     "not '200000'"),
+    (_catalog_with("gpt-4o", base_factor=-1.3),
+     "model catalog entry 'gpt-4o': base_factor must be a number from 0.5 to 4.0"),
+    (_catalog_with("gpt-4.1", context_window=-5), "model catalog entry 'gpt-4.1': "
+     "context_window must be an integer from 1 to 2147483647, not -5"),
+    (_catalog_with("gpt-4", output_reserve=8192), "model catalog entry 'gpt-4': output_reserve "
+     "8192 leaves nothing of context_window 8192")])
+def test_a_catalog_entry_no_plan_could_use_is_a_configuration_error(content: str, said: str,
+                                                                     tmp_path: Path):
+    """A quoted window or a negative base factor started the server, and every Plan of the
+    model then answered INTERNAL; a negative window answered INVALID_ARGUMENT, blaming the
+    caller. serve exits 2 before anything starts now, naming the variable, entry and field."""
+    import subprocess
+
+    path = tmp_path / "models.json"
+    path.write_text(content)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CE_")},
+           "DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none",
+           "CE_MODEL_CATALOG": str(path)}
+    done = subprocess.run([sys.executable, "-m", "context_engine", "serve", "--dev"],
+                          capture_output=True, text=True, timeout=60, check=False, env=env)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"context-engine: configuration error: CE_MODEL_CATALOG="
+                           f"{str(path)!r} cannot be read: ValueError: {said}"), line
+
+
+def test_serve_dev_refuses_metrics_on_every_interface(env, capsys):
+    """`serve --dev` says "loopback binds only", yet served its metrics on 0.0.0.0; the
+    refusal comes before the database is reached (nothing listens at the one named)."""
+    env.setenv("DATABASE_URL", f"postgresql://ce@127.0.0.1:{_free_port()}/ce")
+    env.setenv("CE_GRPC_ADDR", "127.0.0.1:0")
+    for argv, metrics in ((("--metrics-addr", "0.0.0.0:0"), "0.0.0.0:0"), ((), "[::]:0")):
+        env.setenv("CE_METRICS_ADDR", metrics)
+        code, out, err = run(capsys, "serve", "--dev", *argv)
+        assert (code, out) == (2, ""), err
+        assert err.strip() == (
+            f"context-engine: configuration error: dev mode (--dev / CE_DEV_MODE=1) binds only "
+            f"loopback addresses, and the metrics address (--metrics-addr / CE_METRICS_ADDR) "
+            f"{metrics!r} is not one: write 127.0.0.1:<port>, or an empty one for no metrics")
+
+
 # ---------------------------------------------------------------- flags and the database
 
 

@@ -16,6 +16,8 @@ from context_engine.config import (
     redact_url,
     variables,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 SECRET = "sk-live-0123456789abcdef-do-not-print"
@@ -215,6 +217,35 @@ def test_booleans(raw: str, value: bool):
      "OTEL_BSP_MAX_EXPORT_BATCH_SIZE=4096 must be at most OTEL_BSP_MAX_QUEUE_SIZE (2048)"),
     ({"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "soon"},
      "OTEL_BSP_SCHEDULE_DELAY='soon' is not an integer"),
+    # taken once, and every span was then lost: the exporter's deadline was already past (an
+    # OTLP timeout of nan, inf or -5), or no export could finish (the batch export timeout)
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TIMEOUT": "nan"},
+     "OTEL_EXPORTER_OTLP_TIMEOUT='nan' must be a finite number of seconds above 0"),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TIMEOUT": "inf"},
+     "OTEL_EXPORTER_OTLP_TIMEOUT='inf' must be a finite number of seconds above 0"),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TIMEOUT": "-1"},
+     "OTEL_EXPORTER_OTLP_TIMEOUT='-1' must be a finite number of seconds above 0"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317",
+      "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "-5"},
+     "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT='-5' must be a finite number of seconds above 0"),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "0"},
+     "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT='0' must be a finite number of seconds above 0"),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "-inf"},
+     "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT='-inf' must be a finite number of seconds above 0"),
+    ({"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_EXPORT_TIMEOUT": "0"},
+     "OTEL_BSP_EXPORT_TIMEOUT=0 must be positive"),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_BSP_EXPORT_TIMEOUT": "-1"},
+     "OTEL_BSP_EXPORT_TIMEOUT=-1 must be positive"),
+    # gRPC takes its timers in whole milliseconds: below 1 ms one was 0 ms, and calls failed
+    # DEADLINE_EXCEEDED (once gRPC's core aborted)
+    ({"CE_MAX_CONNECTION_AGE_SECONDS": "0.0004"},
+     "CE_MAX_CONNECTION_AGE_SECONDS='0.0004' is below 0.001 (seconds): gRPC takes it in whole "
+     "milliseconds, and it would be 0 ms"),
+    ({"CE_KEEPALIVE_TIME_SECONDS": "0.0009999"},
+     "CE_KEEPALIVE_TIME_SECONDS='0.0009999' is below 0.001 (seconds)"),
+    ({"CE_KEEPALIVE_TIMEOUT_SECONDS": "1e-9"},
+     "CE_KEEPALIVE_TIMEOUT_SECONDS='1e-9' is below 0.001 (seconds)"),
+    ({"CE_GRACE_SECONDS": "0.0001"}, "CE_GRACE_SECONDS='0.0001' is below 0.001 (seconds)"),
     # as OpenTelemetry reads them: an empty name is looked up (and fails on every call's
     # context), "none" is the whole list only, and a signal's own protocol comes first
     ({"OTEL_PROPAGATORS": "tracecontext,"},
@@ -259,13 +290,67 @@ def test_metrics_on_another_port_or_host_or_off_is_fine(grpc: str, metrics: str)
     # not asked for traces: the exporters' settings are not read
     {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_OTLP_TIMEOUT": "abc"},
     # what OpenTelemetry takes: "none" in any case, up to the first "none", numbers int()
-    # and float() read, a timeout of 0 or below
+    # and float() read
     {"OTEL_PROPAGATORS": "none,b3"}, {"OTEL_PROPAGATORS": " tracecontext , baggage "},
     {"OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "NONE",
-     "OTEL_LOGS_EXPORTER": "None", "OTEL_BSP_EXPORT_TIMEOUT": "0",
-     "OTEL_BSP_SCHEDULE_DELAY": "+500", "OTEL_EXPORTER_OTLP_TIMEOUT": "-1"}])
+     "OTEL_LOGS_EXPORTER": "None", "OTEL_BSP_EXPORT_TIMEOUT": "1",
+     "OTEL_BSP_SCHEDULE_DELAY": "+500", "OTEL_EXPORTER_OTLP_TIMEOUT": " 1e-3 ",
+     "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "0.5"}])
 def test_what_the_sdk_takes_is_taken(env: dict[str, str]):
     Config.from_env(env)
+
+
+@pytest.mark.parametrize("metrics", ["0.0.0.0:9464", "[::]:9464", "10.0.0.1:9464",
+                                     "metrics.example.com:9464", "128.0.0.1:9464"])
+def test_dev_mode_refuses_metrics_other_machines_can_reach(metrics: str):
+    """``serve --dev`` says "loopback binds only", yet took CE_METRICS_ADDR=0.0.0.0:port and
+    served the metrics on every interface."""
+    config = Config.from_env({"CE_DEV_MODE": "1", "CE_METRICS_ADDR": metrics})
+    with pytest.raises(ConfigError) as caught:
+        config.validate_serving()
+    assert str(caught.value) == (
+        f"dev mode (--dev / CE_DEV_MODE=1) binds only loopback addresses, and the metrics "
+        f"address (--metrics-addr / CE_METRICS_ADDR) {metrics!r} is not one: write "
+        f"127.0.0.1:<port>, or an empty one for no metrics")
+    # with credentials it may be any address
+    Config.from_env({"CE_METRICS_ADDR": metrics, "CE_AUTH_DB_TOKENS": "1"}).validate_serving()
+
+
+@pytest.mark.parametrize("metrics", ["127.0.0.1:9464", "127.8.9.10:0", "[::1]:9464",
+                                     "localhost:9464", ""])
+def test_dev_mode_takes_metrics_on_loopback_or_off(metrics: str):
+    Config.from_env({"CE_DEV_MODE": "1", "CE_METRICS_ADDR": metrics}).validate_serving()
+
+
+GRPC_TIMERS = ("CE_KEEPALIVE_TIME_SECONDS", "CE_KEEPALIVE_TIMEOUT_SECONDS",
+               "CE_MAX_CONNECTION_AGE_SECONDS", "CE_GRACE_SECONDS")
+
+
+@settings(max_examples=200, deadline=None)
+@given(variable=st.sampled_from(GRPC_TIMERS),
+       seconds=st.one_of(st.floats(min_value=0, max_value=0.01, exclude_min=True),
+                         st.floats(min_value=0.01, max_value=2_000_000),
+                         st.sampled_from([0.001, 0.0009999999999999998, 5e-324])))
+def test_a_grpc_timer_taken_is_at_least_one_whole_millisecond(variable: str, seconds: float):
+    """Oracle: the decimal value of what was written, in exact arithmetic: a value taken is
+    one gRPC receives as 1 ms or more; one refused is below 1 ms."""
+    from decimal import Decimal
+
+    from context_engine.api.server import server_options
+
+    written = repr(seconds)
+    try:
+        config = Config.from_env({variable: written})
+    except ConfigError as exc:
+        assert Decimal(written) * 1000 < 1, exc
+        assert "is below 0.001 (seconds)" in str(exc)
+        return
+    assert Decimal(written) * 1000 >= 1
+    option = {"CE_KEEPALIVE_TIME_SECONDS": "grpc.keepalive_time_ms",
+              "CE_KEEPALIVE_TIMEOUT_SECONDS": "grpc.keepalive_timeout_ms",
+              "CE_MAX_CONNECTION_AGE_SECONDS": "grpc.max_connection_age_ms",
+              "CE_GRACE_SECONDS": "grpc.max_connection_age_grace_ms"}[variable]
+    assert dict(server_options(config))[option] >= 1
 
 
 @pytest.mark.parametrize(("directory", "said"), [

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from context_engine.domain.calibration import MAX_FACTOR, MIN_FACTOR
 from context_engine.domain.canonical import reasoning_texts, sent_object_json
 from context_engine.domain.errors import InvalidInput
 from context_engine.domain.model import ModelProfile
@@ -56,6 +57,8 @@ PDF_PAGE_TEXT_TOKENS = 3_000
 # or Sinhala (2.0) exceed. The plan's base factor then applies, as to any text.
 TEXT_TOKENS_PER_CHAR = 1
 ATTACHMENT_BUDGET_TOKENS = 100_000  # request-wide cap on attachment content estimates
+# The largest integer a catalog entry may hold: a request's ModelCapabilities are int32s.
+CATALOG_INT_MAX = 2**31 - 1
 
 
 def attachment_tokens(attachment: Attachment, base_factor: float = 1.0,
@@ -118,17 +121,40 @@ class CatalogEntry:
     image_tokens: int = WORST_IMAGE_TOKENS
 
     def __post_init__(self) -> None:
+        """Every field as the service uses it, so that a catalog it cannot serve is refused
+        when it loads (``serve``: a configuration error naming CE_MODEL_CATALOG), not by each
+        Plan of the model: a quoted window failed them INTERNAL (TypeError), a negative base
+        factor INTERNAL (a negative prefix count PostgreSQL refuses), a negative window
+        INVALID_ARGUMENT, blaming the caller's request."""
+        for name in ("prefix", "provider", "encoding"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"model catalog entry {self.prefix!r}: {name} must be a "
+                                 f"string, not {getattr(self, name)!r}")
         if self.provider_format and self.provider_format not in FORMATS:
             raise ValueError(f"model catalog entry {self.prefix!r}: provider_format "
                              f"{self.provider_format!r} is not one of {', '.join(FORMATS)}")
-        if not isinstance(self.min_cacheable_tokens, int) \
-                or isinstance(self.min_cacheable_tokens, bool) or self.min_cacheable_tokens < 0:
-            raise ValueError(f"model catalog entry {self.prefix!r}: min_cacheable_tokens must "
-                             "be a non-negative integer")
-        if not isinstance(self.image_tokens, int) \
-                or isinstance(self.image_tokens, bool) or self.image_tokens < 1:
-            raise ValueError(f"model catalog entry {self.prefix!r}: image_tokens must be a "
-                             "positive integer")
+        # the integers within what a request may set them to (ModelCapabilities' int32s: a
+        # window and a reserve positive, a breakpoint budget 0 or more); an image's cost and
+        # Gemini's minimum held to the same 32 bits
+        for name, least in (("context_window", 1), ("output_reserve", 1),
+                            ("breakpoint_budget", 0), ("min_cacheable_tokens", 0),
+                            ("image_tokens", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) \
+                    or not least <= value <= CATALOG_INT_MAX:
+                raise ValueError(f"model catalog entry {self.prefix!r}: {name} must be an "
+                                 f"integer from {least} to {CATALOG_INT_MAX}, not {value!r}")
+        if self.output_reserve >= self.context_window:
+            raise ValueError(f"model catalog entry {self.prefix!r}: output_reserve "
+                             f"{self.output_reserve} leaves nothing of context_window "
+                             f"{self.context_window}")
+        factor = self.base_factor
+        if not isinstance(factor, int | float) or isinstance(factor, bool) \
+                or not MIN_FACTOR <= factor <= MAX_FACTOR:  # NaN compares false: refused
+            raise ValueError(f"model catalog entry {self.prefix!r}: base_factor must be a "
+                             f"number from {MIN_FACTOR} to {MAX_FACTOR} (the range of the "
+                             f"estimator's correction factor, which it multiplies), not "
+                             f"{factor!r}")
 
 
 # A model id's namespace that names no other model: gpt-oss as Hugging Face, vLLM and

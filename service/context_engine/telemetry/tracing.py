@@ -24,6 +24,7 @@ status, add peer addresses and record every abort as an exception event.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -55,8 +56,9 @@ OTLP_PROTOCOLS = ("grpc", "http/protobuf")  # what the SDK's configurator maps "
 
 
 # Numbers the SDK reads when it exports traces: a timeout (seconds) it parses as a float and
-# fails on otherwise; the batch processor's settings, integers it checks against each other
-# (with its defaults where unset)
+# fails on otherwise (and exports nothing within when it is no finite number above 0); the
+# batch processor's settings, integers it checks against each other (with its defaults where
+# unset)
 _SECONDS = ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
 _BSP = {"OTEL_BSP_SCHEDULE_DELAY": 5000, "OTEL_BSP_EXPORT_TIMEOUT": 30000,
         "OTEL_BSP_MAX_QUEUE_SIZE": 2048, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": 512}
@@ -67,9 +69,10 @@ def otel_problems(env: Mapping[str, str]) -> list[str]:
     propagator no installed package provides (read for every call's context, traced or not);
     when trace export is asked for (the SDK's configurator then builds every signal's
     exporters), an exporter of traces, metrics or logs no installed package provides, an OTLP
-    protocol it does not know for a signal exported over OTLP, a timeout that is no number, a
-    batch setting that is no integer or that the batch processor refuses. Checked with the rest
-    of the configuration, before the server starts."""
+    protocol it does not know for a signal exported over OTLP, a timeout that is no finite
+    number of seconds above 0, a batch setting that is no integer or that the batch processor
+    refuses, or an export timeout of 0 or below (which it takes unchecked). Checked with the
+    rest of the configuration, before the server starts."""
     from importlib.metadata import entry_points
 
     def installed(kind: str) -> list[str]:
@@ -111,6 +114,8 @@ def otel_problems(env: Mapping[str, str]) -> list[str]:
         value = env.get(variable, "").strip()
         if value and not _number(value):
             found.append(f"{variable}={value!r} is not a number of seconds")
+        elif value and not _waitable(float(value)):
+            found.append(f"{variable}={value!r} must be a finite number of seconds above 0")
     found += _batch_problems(env)
     return found
 
@@ -142,10 +147,13 @@ def _batch_problems(env: Mapping[str, str]) -> list[str]:
             values[variable] = int(raw)
         except ValueError:
             found.append(f"{variable}={raw!r} is not an integer")
-    queue, delay, batch = (values["OTEL_BSP_MAX_QUEUE_SIZE"], values["OTEL_BSP_SCHEDULE_DELAY"],
-                           values["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"])
+    queue, delay, batch, timeout = (
+        values["OTEL_BSP_MAX_QUEUE_SIZE"], values["OTEL_BSP_SCHEDULE_DELAY"],
+        values["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"], values["OTEL_BSP_EXPORT_TIMEOUT"])
     if queue <= 0:
         found.append(f"OTEL_BSP_MAX_QUEUE_SIZE={queue} must be positive")
+    if timeout <= 0:  # the processor does not check it: no export could finish within it
+        found.append(f"OTEL_BSP_EXPORT_TIMEOUT={timeout} must be positive")
     if delay <= 0:
         found.append(f"OTEL_BSP_SCHEDULE_DELAY={delay} must be positive")
     if batch <= 0:
@@ -162,6 +170,13 @@ def _number(value: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _waitable(seconds: float) -> bool:
+    """Whether the SDK's exporter can wait ``seconds`` for a collector: a finite number above
+    0 (it takes nan, inf and -5 alike, and every export then ends DEADLINE_EXCEEDED, each span
+    lost)."""
+    return math.isfinite(seconds) and seconds > 0
 
 
 def configured_provider(version: str = "") -> trace.TracerProvider:
