@@ -31,6 +31,7 @@ from tests.unit.test_providers import (
     built,
     reasoning,
     two_runs,
+    user_between_calls,
 )
 
 FMT = p.BEDROCK_CONVERSE
@@ -156,6 +157,26 @@ def test_cache_points_sit_where_the_anthropic_body_puts_cache_control() -> None:
     anthropic = p.render(r, p.ANTHROPIC_MESSAGES)
     marked = [b for m in anthropic["messages"] for b in m["content"] if "cache_control" in b]
     assert [b["text"] for b in marked] == [found[2][2]["text"], found[3][2]["text"]]
+    assert p.validate_bedrock(body) == []
+    assert botocore_sent(body) == without_model(body)
+
+
+@pytest.mark.parametrize(("items", "through"), [
+    (user_between_calls(), ["k2"]),
+    # the same layout carried, then a new run: the carried marker, then the run's
+    ([*user_between_calls("run-0"), f.user("u3", "Next.", 7), assistant("a3", "On it.", 8)],
+     ["k2", "On it."]),
+])
+def test_a_history_point_follows_the_conversation_as_the_body_lays_it_out(
+        items: list[ConversationItem], through: list[str]) -> None:
+    """u2 arrived while k1 ran and k2 was answered before k1: r1 opens the turn after k1's, so
+    the conversation through r1 ends at the k2 result, where the point goes (not after r1)."""
+    body = p.render(built(items, model_id=MODEL), FMT)
+    history = [b for w, _, b in points(body) if w.startswith("messages")]
+    assert [b["toolResult"]["toolUseId"] if "toolResult" in b else b["text"]
+            for b in history] == through
+    assert shape(body)[2:4] == [("user", ["result:k1", "text"]), ("assistant", ["use:k2"])]
+    assert shape(body)[4][1][:3] == ["result:k2", "cachePoint", "text"]
     assert p.validate_bedrock(body) == []
     assert botocore_sent(body) == without_model(body)
 

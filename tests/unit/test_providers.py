@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -305,6 +306,50 @@ def test_the_summary_marker_sits_on_the_summary() -> None:
     assert last[0]["type"] == "tool_result"
     assert last[0]["cache_control"] == {"type": "ephemeral"}  # r1, the run marker
     assert "cache_control" not in last[1]  # the fresh runtime row
+    assert p.validate_anthropic(body) == []
+
+
+def user_between_calls(run: str = "run-1") -> list[ConversationItem]:
+    """u2 arrives while k1 runs; k2 is called and answered before k1's result: the body moves
+    r1 next to its call, so r1, the last item, is not the conversation's last block."""
+    return [f.user("u1", "Go.", 1, run=run), f.call("c1", 2, "k1", run=run),
+            f.user("u2", "Also this.", 3, run=run), f.call("c2", 4, "k2", run=run),
+            f.result("r2", 5, "k2", "Two.", run=run), f.result("r1", 6, "k1", "One.", run=run)]
+
+
+def laid_out(body: dict[str, Any]) -> list[list[str]]:
+    """Each turn's blocks named by what they carry: a call or result by its id, a text by the
+    item its envelope names or else by its first word, a mark where cache_control is."""
+    def name(b: dict[str, Any]) -> str:
+        if b["type"] in ("tool_use", "tool_result"):
+            out = f"{b['type']}:{b.get('id') or b['tool_use_id']}"
+        else:
+            found = re.search(r' id="([^"]+)"', b.get("text", ""))
+            out = f"text:{found.group(1) if found else b['text'].split()[0]}"
+        return out + (" +mark" if "cache_control" in b else "")
+    return [[name(b) for b in t["content"]] for t in body["messages"]]
+
+
+def test_the_run_marker_closes_the_conversation_as_the_body_lays_it_out() -> None:
+    r = built(user_between_calls())
+    assert [(b.name, b.through_item) for b in r.cache_breakpoints][2:] == [("run", "r1")]
+    body = p.anthropic_messages(r)
+    # the k2 result is the last block the next step repeats; r1's sits before u2
+    assert laid_out(body) == [
+        ["text:u1"], ["tool_use:k1"], ["tool_result:k1", "text:u2"], ["tool_use:k2"],
+        ["tool_result:k2 +mark", "text:Runtime:"]]
+    assert p.validate_anthropic(body) == []
+
+
+def test_the_carried_marker_closes_the_carried_history_as_the_body_lays_it_out() -> None:
+    r = built([*user_between_calls("run-0"), f.user("u3", "Next.", 7),
+               assistant("a3", "On it.", 8)])
+    assert [(b.name, b.through_item) for b in r.cache_breakpoints][2:] == [
+        ("carried_history", "r1"), ("run", "a3")]
+    body = p.anthropic_messages(r)
+    assert laid_out(body) == [
+        ["text:u1"], ["tool_use:k1"], ["tool_result:k1", "text:u2"], ["tool_use:k2"],
+        ["tool_result:k2 +mark", "text:u3"], ["text:On +mark"], ["text:Runtime:"]]
     assert p.validate_anthropic(body) == []
 
 

@@ -405,29 +405,27 @@ class Turns:
 
 def history_block(flat: Sequence[JSON], position: Mapping[int, int], block_ids: Sequence[int],
                   cacheable: Callable[[JSON], bool]) -> JSON | None:
-    """The last cacheable block of a marker's item; when the item has none (only thinking),
-    the last cacheable block before it, so the cached prefix never reaches past the item."""
+    """The last cacheable block at or before the furthest of ``block_ids`` (the blocks of the
+    conversation a marker closes: ``_through``). A result sits next to its call, so a
+    conversation's last block is not always its last item's: the marker goes where the body
+    lays the conversation out to, and never past it (a block of thinking only ends it on the
+    cacheable block before)."""
     if not block_ids:
         return None
-    last = max(position[b] for b in block_ids)
-    own = {position[b] for b in block_ids}
-    for i in range(last, -1, -1):
-        if i in own and cacheable(flat[i]):
-            return flat[i]
-    first = min(own)
-    for i in range(first - 1, -1, -1):
+    for i in range(max(position[b] for b in block_ids), -1, -1):
         if cacheable(flat[i]):
             return flat[i]
     return None
 
 
-def _before(result: BuildResult, turns: Turns, item: str) -> list[int]:
-    """The blocks of the nearest message before ``item``'s that has any, for a marker whose
-    item renders none in this body (an assistant message without text or calls, or only
-    another provider's reasoning): the marker then ends there rather than vanishing."""
+def _through(result: BuildResult, turns: Turns, item: str) -> list[int]:
+    """The blocks of every message up to and including ``item``'s: the conversation a history
+    marker closes. An item that renders no block in this body (an assistant message without
+    text or calls, or only another provider's reasoning) ends it on the messages before it;
+    an item the request does not hold places no marker."""
     keys = [message_key(m) for m in result.request.messages]
-    at = max((i for i, key in enumerate(keys) if key == item), default=0)
-    return next((turns.by_key[k] for k in reversed(keys[:at]) if turns.by_key.get(k)), [])
+    at = max((i for i, key in enumerate(keys) if key == item), default=-1)
+    return [b for key in dict.fromkeys(keys[:at + 1]) for b in turns.by_key.get(key, [])]
 
 
 def marked_blocks(result: BuildResult, *, tools: Sequence[JSON], system: Sequence[JSON],
@@ -436,8 +434,9 @@ def marked_blocks(result: BuildResult, *, tools: Sequence[JSON], system: Sequenc
     """Where the request's cache markers land, in request order (tools -> system ->
     messages): (the block a marker follows, its TTL). after_tools marks the last tool,
     after_system the last cacheable system block, a history marker the last cacheable block
-    of its ``through_item``. At most ``limit``, kept by priority (a fifth never lands), one per
-    block, and never a longer TTL after a shorter one."""
+    of the conversation through its ``through_item`` as the body lays it out (``_through``).
+    At most ``limit``, kept by priority (a fifth never lands), one per block, and never a
+    longer TTL after a shorter one."""
     flat = turns.flat()
     position = {id(b): i for i, b in enumerate(flat)}
     # (priority, position in request order, block, ttl)
@@ -453,8 +452,8 @@ def marked_blocks(result: BuildResult, *, tools: Sequence[JSON], system: Sequenc
             if at is not None:
                 placed.append((rank, (1, at), system[at], mark.ttl))
         elif mark.through_item:
-            block = history_block(flat, position, turns.by_key.get(mark.through_item, [])
-                                  or _before(result, turns, mark.through_item), cacheable)
+            block = history_block(flat, position, _through(result, turns, mark.through_item),
+                                  cacheable)
             if block is not None:
                 placed.append((rank, (2, position[id(block)]), block, mark.ttl))
     seen: set[int] = set()

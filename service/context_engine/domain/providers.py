@@ -13,11 +13,12 @@ a provider's wire format requires:
   results of a batch together; a prefix block of white space alone (a plan stored before
   ``Plan`` refused blank agent instructions) is left out of ``system``, since Anthropic refuses
   it; ``cache_control`` sits on the last tool (after_tools), the last system block
-  (after_system) and, for each history marker, the last cacheable block of its
-  ``through_item`` — at most four, never on thinking blocks or empty text, and no longer TTL
-  after a shorter one. Only Anthropic reasoning items are replayed, verbatim. A history that
-  opens with the model's own turn (a cut without a summary yet) gets one fixed platform line as
-  its first user turn, since Anthropic's first message must be the user's.
+  (after_system) and, for each history marker, the last cacheable block of the conversation
+  through its ``through_item`` as the body lays it out (a moved result never stops it short) —
+  at most four, never on thinking blocks or empty text, and no longer TTL after a shorter one.
+  Only Anthropic reasoning items are replayed, verbatim. A history that opens with the model's
+  own turn (a cut without a summary yet) gets one fixed platform line as its first user turn,
+  since Anthropic's first message must be the user's.
 - OpenAI: one input item per message and per call; ``prompt_cache_key`` is the session key
   (spec: "Session identity and OpenAI history lookback"); only OpenAI reasoning items are
   replayed, verbatim (the builder already limits them to the active run, ADR-0007); the
