@@ -844,6 +844,22 @@ def test_a_replica_that_does_not_hold_the_base_gets_the_whole_build_once(
     assert (stats.builds, stats.full_resends, stats.incremental) == (8, 1, 6)
 
 
+def base_lookups(builds: Any, tenant: str, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each lookup of a base of ``tenant`` found it held, as the server's base cache
+    ``builds`` answers them from now on (its ``peek`` spied on for the rest of the test)."""
+    peek = builds.peek
+    looked: list[bool] = []
+
+    def spied(tenant_id: str, session_id: str, build_id: str) -> Any:
+        found = peek(tenant_id, session_id, build_id)
+        if tenant_id == tenant:
+            looked.append(found is not None)
+        return found
+
+    monkeypatch.setattr(builds, "peek", spied)
+    return looked
+
+
 def whole_refusal(stub: Any, req: pb.BuildRequest) -> list[tuple[str, str]]:
     """The field violations, in order, of ``req`` refused as a whole Build (no base)."""
     with pytest.raises(grpc.RpcError) as err:
@@ -879,16 +895,7 @@ def test_a_refusal_names_every_violation_of_the_whole_build_whether_the_base_is_
         "estimator_factor", f"checkpoint.items[{len(bad.checkpoint.items) - 1}].id",
         f"checkpoint.items[{len(bad.checkpoint.items) - 1}].sequence"], want
     builds = server.running.engine.builds
-    peek = builds.peek
-    looked: list[bool] = []  # per lookup of a base of the session: whether it was held
-
-    def spied(tenant_id: str, session_id: str, build_id: str) -> Any:
-        found = peek(tenant_id, session_id, build_id)
-        if tenant_id == tenant:
-            looked.append(found is not None)
-        return found
-
-    monkeypatch.setattr(builds, "peek", spied)
+    looked = base_lookups(builds, tenant, monkeypatch)
     loop = asyncio.new_event_loop()
     engine: Any = (Client(target=server.address) if kind == "sync"
                    else loop.run_until_complete(_async_client(server.address)))

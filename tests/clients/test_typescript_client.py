@@ -468,7 +468,12 @@ def test_a_refusal_names_every_violation_of_the_whole_build_whether_the_base_is_
     sequence again) is rejected with the whole Build's violations, in order, whether the replica
     still holds the base or not (evicted: BUILD_BASE_UNKNOWN, and the Build sent again whole)."""
     # imported here: both modules import from this one
-    from tests.clients.test_python_incremental import build_request, plan, whole_refusal
+    from tests.clients.test_python_incremental import (
+        base_lookups,
+        build_request,
+        plan,
+        whole_refusal,
+    )
     from tests.integration.test_incremental_differential import Driver
 
     tenant, sid = f"tenant-{uuid.uuid4().hex[:12]}", "refused"
@@ -479,16 +484,7 @@ def test_a_refusal_names_every_violation_of_the_whole_build_whether_the_base_is_
     want = whole_refusal(stub, bad)
     assert len(want) == 3, want
     builds = server.running.engine.builds
-    peek = builds.peek
-    looked: list[bool] = []  # per lookup of a base of the session: whether it was held
-
-    def spied(tenant_id: str, session_id: str, build_id: str) -> Any:
-        found = peek(tenant_id, session_id, build_id)
-        if tenant_id == tenant:
-            looked.append(found is not None)
-        return found
-
-    monkeypatch.setattr(builds, "peek", spied)
+    looked = base_lookups(builds, tenant, monkeypatch)
     driver = Driver()
     try:
         for held in (True, False):

@@ -378,23 +378,29 @@ def test_a_catalog_or_assets_serve_cannot_read_is_a_configuration_error(
     the checks (a file, a directory) and ended serve in a traceback once the database was
     migrated; it is a configuration error now, exit 2, before anything starts (the database
     named here does not exist: it is never reached)."""
-    import subprocess
-    import sys
-
     path = tmp_path / "models.json"
     if content is None:
         path = tmp_path / "assets"
         path.mkdir()
     else:
         path.write_text(content)
+    line = _serve_refused(variable, path)
+    assert line.startswith(f"context-engine: configuration error: {variable}={str(path)!r} "
+                           f"{said}"), line
+
+
+def _serve_refused(variable: str, path: Path) -> str:
+    """``serve --dev`` with ``variable`` naming ``path`` (and a database that is never
+    reached): exit 2, no traceback, and the one line it says."""
+    import subprocess
+
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("CE_")},
            "DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none", variable: str(path)}
     done = subprocess.run([sys.executable, "-m", "context_engine", "serve", "--dev"],
                           capture_output=True, text=True, timeout=60, check=False, env=env)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith(f"context-engine: configuration error: {variable}={str(path)!r} "
-                           f"{said}"), line
+    return line
 
 
 def _catalog_with(prefix: str, **fields: object) -> str:
@@ -422,17 +428,9 @@ def test_a_catalog_entry_no_plan_could_use_is_a_configuration_error(content: str
     """A quoted window or a negative base factor started the server, and every Plan of the
     model then answered INTERNAL; a negative window answered INVALID_ARGUMENT, blaming the
     caller. serve exits 2 before anything starts now, naming the variable, entry and field."""
-    import subprocess
-
     path = tmp_path / "models.json"
     path.write_text(content)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CE_")},
-           "DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none",
-           "CE_MODEL_CATALOG": str(path)}
-    done = subprocess.run([sys.executable, "-m", "context_engine", "serve", "--dev"],
-                          capture_output=True, text=True, timeout=60, check=False, env=env)
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    (line,) = done.stderr.strip().splitlines()
+    line = _serve_refused("CE_MODEL_CATALOG", path)
     assert line.startswith(f"context-engine: configuration error: CE_MODEL_CATALOG="
                            f"{str(path)!r} cannot be read: ValueError: {said}"), line
 
