@@ -116,6 +116,10 @@ class CatalogEntry:
     # The largest documented cost of one image on the models the prefix matches (an
     # attachment carries no dimensions); an entry that states none takes the largest of all.
     image_tokens: int = WORST_IMAGE_TOKENS
+    # The model takes a one-hour cachePoint ttl on Bedrock; without it a Bedrock body sends the
+    # five-minute default (the Anthropic API takes 1h on every current Claude: its entries need
+    # none). Not part of the pinned plan: read from the catalog at Build time.
+    long_ttl: bool = False
 
     def __post_init__(self) -> None:
         if self.provider_format and self.provider_format not in FORMATS:
@@ -129,6 +133,9 @@ class CatalogEntry:
                 or isinstance(self.image_tokens, bool) or self.image_tokens < 1:
             raise ValueError(f"model catalog entry {self.prefix!r}: image_tokens must be a "
                              "positive integer")
+        if not isinstance(self.long_ttl, bool):
+            raise ValueError(f"model catalog entry {self.prefix!r}: long_ttl must be true or "
+                             "false")
 
 
 # A model id's namespace that names no other model: gpt-oss as Hugging Face, vLLM and
