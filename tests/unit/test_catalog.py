@@ -44,7 +44,7 @@ def test_claude_on_bedrock_is_sized_as_claude_and_defaults_to_converse(region: s
                   "anthropic.claude-haiku-4-5-20251001-v1:0",
                   "anthropic.claude-opus-4-1-20250805-v1:0"):
         e = entry(region + model)
-        assert e.prefix == f"{region}anthropic.claude-"
+        assert e.prefix.startswith(f"{region}anthropic.claude-")
         assert e.provider == "bedrock" and e.provider_format == p.BEDROCK_CONVERSE
         assert (e.encoding, e.context_window, e.output_reserve, e.base_factor) == (
             claude.encoding, claude.context_window, claude.output_reserve, claude.base_factor)
@@ -60,6 +60,7 @@ MAX_OUTPUT = {
     "claude-3-7-sonnet-20250219": 64_000, "claude-sonnet-4-5": 64_000,
     "o1-mini": 65_536, "o1-preview": 32_768, "o1": 100_000, "o3-mini": 100_000,
     "gpt-5-chat-latest": 16_384, "gpt-5": 128_000, "gpt-4o": 16_384, "gpt-4o-mini": 16_384,
+    "gpt-4o-2024-05-13": 4_096, "gpt-4o-2024-08-06": 16_384,
 }
 
 
@@ -70,6 +71,51 @@ MAX_OUTPUT = {
 def test_the_output_reserve_is_within_what_the_model_returns(sent: str, model_id: str) -> None:
     e = entry(sent)
     assert 0 < e.output_reserve <= MAX_OUTPUT[model_id], (e.prefix, e.output_reserve)
+
+
+# Bedrock's prompt caching by model, from AWS's "Prompt caching for faster model inference" page
+# (not from models.json): the Claude models whose requests may carry cachePoint blocks (Bedrock
+# refuses one for any other; Claude 3.5 Sonnet v2 is offered to preview customers only, so not
+# here), and of them those that take a one-hour ttl (AWS, January 2026: "Amazon Bedrock
+# one-hour duration prompt caching": Sonnet 4.5, Haiku 4.5, Opus 4.5 and later).
+BEDROCK_CACHING = {  # model id: takes ttl 1h (None: no cache point at all)
+    "anthropic.claude-3-haiku-20240307-v1:0": None,
+    "anthropic.claude-3-sonnet-20240229-v1:0": None,
+    "anthropic.claude-3-opus-20240229-v1:0": None,
+    "anthropic.claude-3-5-sonnet-20240620-v1:0": None,
+    "anthropic.claude-3-5-sonnet-20241022-v2:0": None,
+    "anthropic.claude-3-5-haiku-20241022-v1:0": False,
+    "anthropic.claude-3-7-sonnet-20250219-v1:0": False,
+    "anthropic.claude-sonnet-4-20250514-v1:0": False,
+    "anthropic.claude-opus-4-20250514-v1:0": False,
+    "anthropic.claude-opus-4-1-20250805-v1:0": False,
+    "anthropic.claude-sonnet-4-5-20250929-v1:0": True,
+    "anthropic.claude-haiku-4-5-20251001-v1:0": True,
+    "anthropic.claude-opus-4-5-20251101-v1:0": True,
+    "anthropic.claude-opus-4-6-v1": True,
+    "anthropic.claude-sonnet-4-6": True,
+}
+
+
+@pytest.mark.parametrize(("model_id", "hour"), [
+    (region + model_id, hour) for model_id, hour in sorted(BEDROCK_CACHING.items())
+    for region in BEDROCK_PREFIXES])
+def test_bedrock_cache_points_and_their_ttl_are_what_bedrock_takes(model_id: str,
+                                                                  hour: bool | None) -> None:
+    e = entry(model_id)
+    assert e.provider == "bedrock"
+    assert e.breakpoint_budget == (0 if hour is None else 4), e.prefix
+    assert e.long_ttl is bool(hour), e.prefix
+
+
+def test_only_bedrock_entries_take_the_hour_flag() -> None:
+    """The Anthropic API takes ttl 1h on every current Claude model: only Bedrock's entries
+    say which do; a Claude 3 entry of the API keeps its cache breakpoints."""
+    for e in DATA["models"]:
+        assert "long_ttl" not in e or e["provider"] == "bedrock", e["prefix"]
+    for model_id in ("claude-3-haiku-20240307", "claude-3-5-sonnet-20241022",
+                     "claude-3-opus-20240229"):
+        assert entry(model_id).breakpoint_budget == 4
 
 
 @pytest.mark.parametrize(("model_id", "minimum"), [
@@ -116,6 +162,11 @@ def test_the_new_keys_are_optional_and_validated() -> None:
     for bad in (-1, True, "1024"):
         with pytest.raises(ValueError, match="min_cacheable_tokens"):
             ModelCatalog.from_data(_data(min_cacheable_tokens=bad))
+    assert bare.long_ttl is False
+    assert ModelCatalog.from_data(_data(long_ttl=True)).lookup("m-1").long_ttl is True  # type: ignore[union-attr]
+    for bad in (1, 0, "true", None):
+        with pytest.raises(ValueError, match="long_ttl must be true or false"):
+            ModelCatalog.from_data(_data(long_ttl=bad))
     with pytest.raises(TypeError):
         ModelCatalog.from_data(_data(default_format="anthropic_messages"))
 

@@ -17,10 +17,12 @@ import botocore.session
 import pytest
 from botocore.awsrequest import AWSResponse
 from botocore.validate import validate_parameters
+from context_engine.api import mapping
 from context_engine.domain import providers as p
 from context_engine.domain.breakpoints import CacheBreakpoint
 from context_engine.domain.items import ConversationItem
 from context_engine.domain.model import SessionKind
+from context_engine.v1 import context_engine_pb2 as pb
 
 from tests import factories as f
 from tests.unit.test_interleaved_provider_bodies import interleaved
@@ -145,7 +147,7 @@ def test_cache_points_sit_where_the_anthropic_body_puts_cache_control() -> None:
     """The same plan breakpoints: after the last tool and the last system block with the plan's
     hour, after the carried history and the run's last completed block with the default."""
     r = built(two_runs(), model_id=MODEL, kind=SessionKind.SCHEDULED, budget=4)
-    body = p.render(r, FMT)
+    body = p.render(r, FMT, long_ttl=True)  # Sonnet 4.5 takes the hour
     found = points(body)
     assert [(w, cp) for w, cp, _ in found] == [
         ("tools[2]", {"type": "default", "ttl": "1h"}),
@@ -197,13 +199,68 @@ def test_at_most_four_points_never_after_reasoning_and_never_longer_after_shorte
     extra = (*r.cache_breakpoints,
              CacheBreakpoint(name="extra", ttl="5m", through_item="r2"),
              CacheBreakpoint(name="run", ttl="1h", through_item="br1"))
-    body = p.render(replace(r, cache_breakpoints=extra), FMT)
+    body = p.render(replace(r, cache_breakpoints=extra), FMT, long_ttl=True)
     found = points(body)
     assert len(found) == 4
     assert [cp.get("ttl", "5m") for _, cp, _ in found] == ["1h", "1h", "5m", "5m"]
     assert all("reasoningContent" not in before for _, _, before in found)
     assert p.validate_bedrock(body) == []
     assert botocore_sent(body) == without_model(body)
+
+
+# ----------------------------------------------------------------------------- by model
+# Bedrock's prompt caching, from AWS's "Prompt caching for faster model inference" page: which
+# Claude models take a cachePoint (Bedrock refuses one on another: "You invoked an unsupported
+# model, or your request did not allow prompt caching"; Claude 3.5 Sonnet v2 only for preview
+# customers, so none), and which take ``ttl: "1h"`` (AWS, January 2026: Sonnet 4.5, Haiku 4.5,
+# Opus 4.5 and later; an older model answers 400 "Extra inputs are not permitted").
+CACHES_NOT = ("anthropic.claude-3-haiku-20240307-v1:0", "anthropic.claude-3-sonnet-20240229-v1:0",
+              "anthropic.claude-3-opus-20240229-v1:0",
+              "anthropic.claude-3-5-sonnet-20240620-v1:0",
+              "anthropic.claude-3-5-sonnet-20241022-v2:0")
+FIVE_MINUTES_ONLY = ("anthropic.claude-3-7-sonnet-20250219-v1:0",
+                     "anthropic.claude-3-5-haiku-20241022-v1:0",
+                     "anthropic.claude-sonnet-4-20250514-v1:0",
+                     "anthropic.claude-opus-4-20250514-v1:0",
+                     "anthropic.claude-opus-4-1-20250805-v1:0")
+ONE_HOUR = ("anthropic.claude-sonnet-4-5-20250929-v1:0", "anthropic.claude-haiku-4-5-20251001-v1:0",
+            "anthropic.claude-opus-4-5-20251101-v1:0", "anthropic.claude-opus-4-6-v1",
+            "anthropic.claude-sonnet-4-6")
+PROFILES = ("", "us.", "eu.", "apac.", "global.")
+
+
+def build_body(model_id: str, kind: SessionKind) -> dict[str, Any]:
+    """The body Build answers for ``model_id`` in its default format: sized by the packaged
+    catalog at Plan, rendered with the catalog's entry at Build."""
+    r = built(two_runs(), model_id=model_id, kind=kind)
+    out = mapping.build_pb(r, mapping.MODEL_DEFAULT_FORMAT)
+    assert out.provider_format == pb.PROVIDER_FORMAT_BEDROCK_CONVERSE
+    body: dict[str, Any] = json.loads(out.provider_body_json)
+    assert p.validate_bedrock(body) == []
+    return body
+
+
+@pytest.mark.parametrize("model_id", [r + m for m in CACHES_NOT for r in PROFILES])
+def test_a_model_bedrock_caches_not_gets_no_cache_point(model_id: str) -> None:
+    for kind in (SessionKind.INTERACTIVE, SessionKind.SCHEDULED):
+        assert points(build_body(model_id, kind)) == []
+
+
+@pytest.mark.parametrize("model_id", [r + m for m in FIVE_MINUTES_ONLY for r in PROFILES])
+def test_a_model_without_the_hour_gets_the_default_ttl_when_the_plan_asks_one(
+        model_id: str) -> None:
+    body = build_body(model_id, SessionKind.SCHEDULED)
+    assert len(points(body)) == 4
+    assert all(cp == {"type": "default"} for _, cp, _ in points(body))
+    assert botocore_sent(body) == without_model(body)
+
+
+@pytest.mark.parametrize("model_id", [r + m for m in ONE_HOUR for r in PROFILES])
+def test_a_model_that_takes_the_hour_gets_it(model_id: str) -> None:
+    found = points(build_body(model_id, SessionKind.SCHEDULED))
+    assert [cp.get("ttl", "5m") for _, cp, _ in found] == ["1h", "1h", "5m", "5m"]
+    interactive = points(build_body(model_id, SessionKind.INTERACTIVE))
+    assert len(interactive) == 4 and all("ttl" not in cp for _, cp, _ in interactive)
 
 
 def test_bedrock_reasoning_is_replayed_verbatim_and_other_providers_are_omitted() -> None:

@@ -1052,7 +1052,9 @@ def build_pb(result: BuildResult, provider_format: str = "", *,
     fmt = provider_format
     if fmt == MODEL_DEFAULT_FORMAT:
         fmt = entry.provider_format if entry else ""
-    body = providers.render(result, fmt) if fmt else None
+    # a model the catalog does not know: the five-minute TTL every caching model takes
+    body = providers.render(result, fmt, long_ttl=entry is not None and entry.long_ttl) \
+        if fmt else None
     sent = req.messages if messages is None else messages
     out = pb.BuildResponse(
         prefix_sha256=result.prefix_sha256, epoch=result.epoch, model_id=result.model_id,

@@ -17,12 +17,23 @@ validator.
   gets the fixed leading user line, as for Anthropic.
 - Cache markers are ``cachePoint`` blocks placed right after what the plan's breakpoints mark,
   as the Anthropic body places ``cache_control``: after the last tool (after_tools), after the
+<<<<<<< HEAD
   last system block (after_system), and after the last cacheable block of the conversation
   through each history marker's item as the body lays it out (never after reasoning or empty
   text). At most four (Bedrock's limit of cache checkpoints per request), kept by priority;
   ``ttl: "1h"`` where the plan asks an hour (the Converse ``CachePointBlock`` has a ``ttl`` of
   ``5m`` or ``1h``), the five-minute default otherwise, and never a longer TTL after a
   shorter one.
+=======
+  last system block (after_system), and after the last cacheable block of each history marker's
+  item (never after reasoning or empty text). At most four (Bedrock's limit of cache
+  checkpoints per request), kept by priority; ``ttl: "1h"`` where the plan asks an hour and the
+  model takes it (``long_ttl``: the catalog entry's, Claude Sonnet 4.5, Haiku 4.5, Opus 4.5 and
+  later; an older model answers 400 to a ``ttl``), the five-minute default otherwise (for a
+  model without ``long_ttl``, every point of the body), and never a longer TTL after a shorter
+  one. A model Bedrock's prompt caching does not take gets no point: its catalog breakpoint
+  budget is 0.
+>>>>>>> fix-bedrock
 - Reasoning: only items whose provider is ``bedrock`` are replayed, verbatim: their payload is
   the Converse content block ``{"reasoningContent": {...}}`` the model returned (extended
   thinking must go back with the calls it led to): ``reasoningText`` (``text``, ``signature``)
@@ -118,8 +129,9 @@ def _reasoning_block(content: object) -> bool:
     return True
 
 
-def bedrock_converse(result: BuildResult) -> JSON:
-    """The request as a Bedrock Converse body (see the module docstring)."""
+def bedrock_converse(result: BuildResult, *, long_ttl: bool = False) -> JSON:
+    """The request as a Bedrock Converse body (see the module docstring); ``long_ttl``: the
+    model takes a one-hour cachePoint (False: every point the five-minute default)."""
     fmt = BEDROCK_CONVERSE
     names = tool_names(result, fmt)
     check_call_ids(result, fmt, limit=64, pattern=TOOL_USE_ID,
@@ -158,7 +170,7 @@ def bedrock_converse(result: BuildResult) -> JSON:
                                          "input": parse_json_object(c.arguments_json) or {}}},
                       key, call_id=c.call_id)
     turns.lead({"text": LEADING_USER_TEXT})
-    marks = {id(block): ttl for block, ttl in marked_blocks(
+    marks = {id(block): ttl if long_ttl else DEFAULT_TTL for block, ttl in marked_blocks(
         result, tools=tools, system=system, turns=turns, cacheable=_cacheable)}
 
     def with_points(blocks: Sequence[JSON]) -> list[JSON]:

@@ -250,12 +250,15 @@ RENDERERS: Mapping[str, Callable[[BuildResult], JSON]] = {
 }
 
 
-def render(result: BuildResult, provider_format: str) -> JSON:
-    """Render and validate: a body our own validator rejects is a defect, never returned."""
+def render(result: BuildResult, provider_format: str, *, long_ttl: bool = False) -> JSON:
+    """Render and validate: a body our own validator rejects is a defect, never returned.
+    ``long_ttl``: the model takes a one-hour cache TTL in a Bedrock body (the catalog entry's,
+    which Build passes); the other formats send the plan's TTL as it is."""
     renderer = RENDERERS.get(provider_format)
     if renderer is None:
         raise InvalidInput.one("provider_format", f"unknown provider format {provider_format!r}")
-    body = renderer(result)
+    body = (bedrock_converse(result, long_ttl=long_ttl) if provider_format == BEDROCK_CONVERSE
+            else renderer(result))
     problems = validate(body, provider_format)
     if problems:
         raise AssemblyError(f"rendered {provider_format} body is invalid: {problems}")
