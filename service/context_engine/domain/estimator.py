@@ -137,7 +137,6 @@ class CatalogEntry:
         if self.provider_format and self.provider_format not in FORMATS:
             raise ValueError(f"model catalog entry {self.prefix!r}: provider_format "
                              f"{self.provider_format!r} is not one of {', '.join(FORMATS)}")
-<<<<<<< HEAD
         # the integers within what a request may set them to (ModelCapabilities' int32s: a
         # window and a reserve positive, a breakpoint budget 0 or more); an image's cost and
         # Gemini's minimum held to the same 32 bits
@@ -160,19 +159,9 @@ class CatalogEntry:
                              f"number from {MIN_FACTOR} to {MAX_FACTOR} (the range of the "
                              f"estimator's correction factor, which it multiplies), not "
                              f"{factor!r}")
-=======
-        if not isinstance(self.min_cacheable_tokens, int) \
-                or isinstance(self.min_cacheable_tokens, bool) or self.min_cacheable_tokens < 0:
-            raise ValueError(f"model catalog entry {self.prefix!r}: min_cacheable_tokens must "
-                             "be a non-negative integer")
-        if not isinstance(self.image_tokens, int) \
-                or isinstance(self.image_tokens, bool) or self.image_tokens < 1:
-            raise ValueError(f"model catalog entry {self.prefix!r}: image_tokens must be a "
-                             "positive integer")
         if not isinstance(self.long_ttl, bool):
             raise ValueError(f"model catalog entry {self.prefix!r}: long_ttl must be true or "
                              "false")
->>>>>>> fix-bedrock
 
 
 # A model id's namespace that names no other model: gpt-oss as Hugging Face, vLLM and

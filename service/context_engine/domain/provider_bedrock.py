@@ -17,23 +17,14 @@ validator.
   gets the fixed leading user line, as for Anthropic.
 - Cache markers are ``cachePoint`` blocks placed right after what the plan's breakpoints mark,
   as the Anthropic body places ``cache_control``: after the last tool (after_tools), after the
-<<<<<<< HEAD
   last system block (after_system), and after the last cacheable block of the conversation
   through each history marker's item as the body lays it out (never after reasoning or empty
   text). At most four (Bedrock's limit of cache checkpoints per request), kept by priority;
-  ``ttl: "1h"`` where the plan asks an hour (the Converse ``CachePointBlock`` has a ``ttl`` of
-  ``5m`` or ``1h``), the five-minute default otherwise, and never a longer TTL after a
-  shorter one.
-=======
-  last system block (after_system), and after the last cacheable block of each history marker's
-  item (never after reasoning or empty text). At most four (Bedrock's limit of cache
-  checkpoints per request), kept by priority; ``ttl: "1h"`` where the plan asks an hour and the
-  model takes it (``long_ttl``: the catalog entry's, Claude Sonnet 4.5, Haiku 4.5, Opus 4.5 and
-  later; an older model answers 400 to a ``ttl``), the five-minute default otherwise (for a
-  model without ``long_ttl``, every point of the body), and never a longer TTL after a shorter
-  one. A model Bedrock's prompt caching does not take gets no point: its catalog breakpoint
-  budget is 0.
->>>>>>> fix-bedrock
+  ``ttl: "1h"`` where the plan asks an hour and the model takes it (``long_ttl``: the catalog
+  entry's, Claude Sonnet 4.5, Haiku 4.5, Opus 4.5 and later; an older model answers 400 to a
+  ``ttl``), the five-minute default otherwise (for a model without ``long_ttl``, every point
+  of the body), and never a longer TTL after a shorter one. A model Bedrock's prompt caching
+  does not take gets no point: its catalog breakpoint budget is 0.
 - Reasoning: only items whose provider is ``bedrock`` are replayed, verbatim: their payload is
   the Converse content block ``{"reasoningContent": {...}}`` the model returned (extended
   thinking must go back with the calls it led to): ``reasoningText`` (``text``, ``signature``)
