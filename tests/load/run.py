@@ -348,7 +348,8 @@ def run(args: argparse.Namespace) -> Report:
         sessions = sorted(set(outcome.sessions))
         if sigterm is None:
             if report.errors():
-                failed = Counter(f"{c.method} {c.code}" for c in outcome.calls if c.code != "OK")
+                failed = Counter(f"{c.method} {c.code}" + (f" ({c.details})" if c.details else "")
+                                 for c in outcome.calls if c.code != "OK")
                 report.failures.append(f"{report.errors()} RPCs failed: {dict(failed)}")
             text = scrape(server.metrics)
             opened = metric(text, "context_engine_sessions_opened_total")
