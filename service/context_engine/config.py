@@ -52,6 +52,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def written_host(addr: str) -> str:
+    """The host of ``addr`` as written, without an IPv6 address's brackets ("" for none)."""
+    return addr.rpartition(":")[0].strip("[]")
+
+
 def addr_problem(addr: str) -> str | None:
     """Why ``addr`` is no host:port to bind, or None."""
     host, sep, port = addr.rpartition(":")
@@ -96,8 +101,7 @@ def split_addr(addr: str) -> tuple[str, int]:
     problem = addr_problem(addr)
     if problem is not None:
         raise ConfigError(f"address {addr!r} {problem}")
-    host, _, port = addr.rpartition(":")
-    return host.strip("[]"), int(port)
+    return written_host(addr), int(addr.rpartition(":")[2])
 
 
 # Where a container sees its own cgroup (cgroup namespaces; Docker and Kubernetes mount it so).
@@ -510,7 +514,7 @@ class Config(BaseSettings):
         self.validate()
         _raise(self.migration_problems() + self.tls_problems())
         # The host as written (an empty one, ":50051", is refused as no host at all).
-        host = self.grpc_addr.rpartition(":")[0].strip("[]")
+        host = written_host(self.grpc_addr)
         tokens = self.auth_tokens_file is not None or self.auth_db_tokens
         if self.dev_mode:
             if not is_loopback(host):
@@ -518,8 +522,7 @@ class Config(BaseSettings):
                                   f"credentials and binds only a loopback address, not "
                                   f"{self.grpc_addr!r}")
             # its first line says loopback binds only: the metrics endpoint's too (empty: off)
-            metrics_host = self.metrics_addr.rpartition(":")[0].strip("[]")
-            if self.metrics_addr and not is_loopback(metrics_host):
+            if self.metrics_addr and not is_loopback(written_host(self.metrics_addr)):
                 raise ConfigError(f"dev mode (--dev / CE_DEV_MODE=1) binds only loopback "
                                   f"addresses, and the metrics address (--metrics-addr / "
                                   f"CE_METRICS_ADDR) {self.metrics_addr!r} is not one: write "

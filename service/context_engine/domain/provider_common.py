@@ -403,29 +403,33 @@ class Turns:
         return [b for t in self.turns for b in t.content()]
 
 
-def history_block(flat: Sequence[JSON], position: Mapping[int, int], block_ids: Sequence[int],
+def history_block(flat: Sequence[JSON], furthest: int,
                   cacheable: Callable[[JSON], bool]) -> JSON | None:
-    """The last cacheable block at or before the furthest of ``block_ids`` (the blocks of the
-    conversation a marker closes: ``_through``). A result sits next to its call, so a
-    conversation's last block is not always its last item's: the marker goes where the body
-    lays the conversation out to, and never past it (a block of thinking only ends it on the
-    cacheable block before)."""
-    if not block_ids:
-        return None
-    for i in range(max(position[b] for b in block_ids), -1, -1):
+    """The last cacheable block at or before position ``furthest`` of ``flat`` (where the body
+    lays out the conversation a marker closes: ``_reach``; -1: nowhere). A result sits next to
+    its call, so a conversation's last block is not always its last item's: the marker goes
+    where the body lays the conversation out to, and never past it (a block of thinking only
+    ends it on the cacheable block before)."""
+    for i in range(furthest, -1, -1):
         if cacheable(flat[i]):
             return flat[i]
     return None
 
 
-def _through(result: BuildResult, turns: Turns, item: str) -> list[int]:
-    """The blocks of every message up to and including ``item``'s: the conversation a history
-    marker closes. An item that renders no block in this body (an assistant message without
-    text or calls, or only another provider's reasoning) ends it on the messages before it;
-    an item the request does not hold places no marker."""
-    keys = [message_key(m) for m in result.request.messages]
-    at = max((i for i, key in enumerate(keys) if key == item), default=-1)
-    return [b for key in dict.fromkeys(keys[:at + 1]) for b in turns.by_key.get(key, [])]
+def _reach(result: BuildResult, turns: Turns, position: Mapping[int, int]) -> dict[str, int]:
+    """Per message key, the furthest position in the body of the blocks of every message up
+    to and including its last: where the conversation a history marker through it ends, in
+    one pass for every marker. An item that renders no block in this body (an assistant
+    message without text or calls, or only another provider's reasoning) ends it on the
+    messages before it; an item the request does not hold is absent (no marker)."""
+    reach: dict[str, int] = {}
+    furthest = -1
+    for message in result.request.messages:
+        key = message_key(message)
+        for block in turns.by_key.get(key, ()):
+            furthest = max(furthest, position[block])
+        reach[key] = furthest
+    return reach
 
 
 def marked_blocks(result: BuildResult, *, tools: Sequence[JSON], system: Sequence[JSON],
@@ -434,11 +438,12 @@ def marked_blocks(result: BuildResult, *, tools: Sequence[JSON], system: Sequenc
     """Where the request's cache markers land, in request order (tools -> system ->
     messages): (the block a marker follows, its TTL). after_tools marks the last tool,
     after_system the last cacheable system block, a history marker the last cacheable block
-    of the conversation through its ``through_item`` as the body lays it out (``_through``).
+    of the conversation through its ``through_item`` as the body lays it out (``_reach``).
     At most ``limit``, kept by priority (a fifth never lands), one per block, and never a
     longer TTL after a shorter one."""
     flat = turns.flat()
     position = {id(b): i for i, b in enumerate(flat)}
+    reach: dict[str, int] | None = None  # made once, for the first history marker
     # (priority, position in request order, block, ttl)
     placed: list[tuple[int, tuple[int, int], JSON, str]] = []
     for mark in result.cache_breakpoints:
@@ -452,8 +457,8 @@ def marked_blocks(result: BuildResult, *, tools: Sequence[JSON], system: Sequenc
             if at is not None:
                 placed.append((rank, (1, at), system[at], mark.ttl))
         elif mark.through_item:
-            block = history_block(flat, position, _through(result, turns, mark.through_item),
-                                  cacheable)
+            reach = _reach(result, turns, position) if reach is None else reach
+            block = history_block(flat, reach.get(mark.through_item, -1), cacheable)
             if block is not None:
                 placed.append((rank, (2, position[id(block)]), block, mark.ttl))
     seen: set[int] = set()
