@@ -61,7 +61,19 @@ def test_the_file_of_this_directorys_running_postgres_is_kept(pg_dir, processes,
     args = tuple(str(pg_dir) if a == "<dir>" else a for a in args)
     pid = named_postgres(processes, pg_dir, *args)
     path = pid_file(pg_dir, pid)
-    assert clear_stale_postmaster_pid(pg_dir) is None and path.exists()
+    assert clear_stale_postmaster_pid(pg_dir) is None and path.exists(), seen(pid)
+
+
+def seen(pid: int) -> str:
+    """What the check saw of ``pid`` (status, command line, directory), for a failure's
+    message: the test failed once in a whole-suite run on a loaded machine and never alone."""
+    import psutil  # type: ignore[import-untyped]
+
+    try:
+        process = psutil.Process(pid)
+        return f"{process.status()} {process.cmdline()} in {process.cwd()}"
+    except psutil.Error as exc:
+        return repr(exc)
 
 
 def test_a_pid_reused_by_another_program_is_taken_off_and_that_program_left_alone(
